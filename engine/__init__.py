@@ -1,0 +1,44 @@
+"""The trio streaming pipeline scheduler.
+
+Imports ``states`` only; torch is imported only by the worker, tensor-channel
+and capacity modules, so the scheduler core loads fast.
+"""
+
+from .actors import (
+    ActorHealth,
+    InProcessWorkerGroup,
+    LocalStageActor,
+    ParallelWorkerStageActor,
+    SessionContext,
+    StageActor,
+    StageInvocation,
+    TaskKey,
+)
+from .errors import (
+    ActorBusyError,
+    ActorFailedError,
+    EngineError,
+    FatalStageError,
+    IngressRefused,
+    InvalidStageOutput,
+    OrchestratorClosedError,
+    OrchestratorCloseError,
+    SessionCleanupError,
+    SessionExistsError,
+    SessionStateError,
+    UnknownSessionError,
+)
+from .metrics import ArtifactStats, Diagnostics, IdleInterval, LatencySummary, SessionMetrics, StageTiming
+from .orchestrator import Orchestrator, open_orchestrator
+from .session import Session
+from .spec import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageOrdering, StageSpec
+
+__all__ = [
+    "ActorBusyError", "ActorFailedError", "ActorHealth", "ArtifactStats", "Diagnostics", "EdgeSpec",
+    "EngineError", "FatalStageError", "IdleInterval", "InProcessWorkerGroup", "IngressRefused",
+    "InvalidStageOutput", "LatencySummary", "LocalStageActor", "Orchestrator", "OrchestratorCloseError",
+    "OrchestratorClosedError", "ParallelWorkerStageActor", "PipelineSpec", "ResourceGroupSpec", "Session",
+    "SessionCleanupError", "SessionContext", "SessionExistsError", "SessionMetrics", "SessionStateError",
+    "StageActor", "StageInvocation", "StageOrdering", "StageSpec", "StageTiming", "TaskKey",
+    "UnknownSessionError", "open_orchestrator",
+]

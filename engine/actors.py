@@ -1,0 +1,390 @@
+"""Stage actors: the single owner of a stage's state, with one task and one bounded mailbox.
+
+The orchestrator never calls a handler itself. It ``submit``s an invocation to
+the stage's actor (never waiting: a full mailbox is :class:`ActorBusyError`)
+and is called back, in the trio thread, when the invocation resolves. Session
+hooks travel through the same mailbox, so a session's cleanup is ordered after
+every invocation that was submitted before it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+import outcome
+import trio
+
+from states import stage_actor as actor_table
+from states.pipeline_session import CloseReason
+
+from .errors import ActorBusyError, ActorFailedError, FatalStageError
+from .threads import DedicatedThread
+
+__all__ = [
+    "TaskKey",
+    "SessionContext",
+    "StageInvocation",
+    "ActorHealth",
+    "StageActor",
+    "LocalStageActor",
+    "ParallelWorkerStageActor",
+    "InProcessWorkerGroup",
+]
+
+ActorState = actor_table.State
+
+
+@attrs.frozen
+class TaskKey:
+    """Identity of one invocation: who, which epoch, which sequence, which stage, which try."""
+
+    session_id: str
+    session_epoch: int
+    sequence_id: int
+    stage_id: str
+    request_id: int
+
+
+@attrs.frozen
+class SessionContext:
+    session_id: str
+    session_epoch: int
+
+
+@attrs.frozen
+class StageInvocation:
+    key: TaskKey
+    inputs: Mapping[str, Any]
+    is_first: bool
+    is_last: bool
+
+
+@attrs.frozen
+class ActorHealth:
+    state: ActorState
+    pending_invocations: int
+    failure_reason: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is ActorState.RUNNING
+
+
+Completion = Callable[[StageInvocation, outcome.Outcome], None]
+
+
+class StageActor(Protocol):
+    """What the orchestrator needs from an actor."""
+
+    name: str
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
+
+    def submit(self, invocation: StageInvocation, on_done: Completion) -> None: ...
+
+    def health(self) -> ActorHealth: ...
+
+    async def close_session(self, context: SessionContext, reason: CloseReason) -> None: ...
+
+    async def barrier(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@attrs.define
+class _Invoke:
+    invocation: StageInvocation
+    on_done: Completion
+
+
+@attrs.define
+class _CloseSession:
+    context: SessionContext
+    reason: CloseReason
+    done: trio.Event = attrs.Factory(trio.Event)
+    result: outcome.Outcome | None = None
+
+
+_names = itertools.count()
+
+
+class LocalStageActor:
+    """Runs one handler for every session of a stage, one invocation at a time.
+
+    A synchronous ``handler(invocation) -> {artifact: value}`` runs on one
+    dedicated OS thread for every call; an ``async`` handler runs in the
+    actor's task. ``session_closer(context, reason)`` (sync or async) releases a
+    session's stage state, on the same thread and in mailbox order.
+    """
+
+    def __init__(
+        self,
+        handler: Callable[[StageInvocation], Mapping[str, Any] | Awaitable[Mapping[str, Any]]],
+        *,
+        name: str | None = None,
+        mailbox_capacity: int = 1,
+        session_closer: Callable[[SessionContext, CloseReason], Any] | None = None,
+    ) -> None:
+        if mailbox_capacity < 1:
+            raise ValueError(f"mailbox_capacity must be >= 1, got {mailbox_capacity}")
+        self.name = name or f"stage-actor-{next(_names)}"
+        self._handler = handler
+        self._handler_is_async = inspect.iscoroutinefunction(handler)
+        self._closer = session_closer
+        self._closer_is_async = session_closer is not None and inspect.iscoroutinefunction(session_closer)
+        self._send, self._receive = trio.open_memory_channel[Any](mailbox_capacity)
+        self._machine = actor_table.StageActorMachine()
+        self._failure_reason: str | None = None
+        self._pending = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self._thread: DedicatedThread | None = None
+        self._stopped = trio.Event()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The actor's one task: start the thread, then serve the mailbox until closed."""
+        if self._needs_thread():
+            self._thread = DedicatedThread(self.name)
+            self._thread.start()
+        self._machine.apply(actor_table.Event.STARTED)
+        task_status.started()
+        try:
+            async with self._receive:
+                async for message in self._receive:
+                    if isinstance(message, _Invoke):
+                        await self._invoke(message)
+                    else:
+                        await self._close_session(message)
+        finally:
+            with trio.CancelScope(shield=True):
+                if self._thread is not None:
+                    await self._thread.stop()
+                if self._machine.can(actor_table.Event.CLOSE):
+                    self._machine.apply(actor_table.Event.CLOSE)
+                self._stopped.set()
+
+    def _needs_thread(self) -> bool:
+        return not self._handler_is_async or (self._closer is not None and not self._closer_is_async)
+
+    async def aclose(self) -> None:
+        """Stop taking work; queued work finishes first; idempotent."""
+        self._send.close()
+        if self._machine.state is not ActorState.STARTING:
+            await self._stopped.wait()
+        elif self._machine.can(actor_table.Event.CLOSE):
+            self._machine.apply(actor_table.Event.CLOSE)
+
+    # -- work ------------------------------------------------------------------
+
+    def submit(self, invocation: StageInvocation, on_done: Completion) -> None:
+        self._check_usable()
+        try:
+            self._send.send_nowait(_Invoke(invocation, on_done))
+        except trio.WouldBlock:
+            raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full") from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
+        self._pending += 1
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+
+    async def _invoke(self, message: _Invoke) -> None:
+        inv = message.invocation
+        if self._machine.state is ActorState.FAILED:
+            result: outcome.Outcome = outcome.Error(
+                ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+            )
+        else:
+            result = await self._call(self._handler, self._handler_is_async, inv)
+            if isinstance(result, outcome.Error) and isinstance(result.error, FatalStageError):
+                self.fail(f"{type(result.error).__name__}: {result.error}")
+        self._pending -= 1
+        if self._pending == 0:
+            self._idle.set()
+        message.on_done(inv, result)
+
+    async def _call(self, fn: Callable[..., Any], is_async: bool, *args: Any) -> outcome.Outcome:
+        if is_async:
+            # a running call is never interrupted mid-chunk
+            with trio.CancelScope(shield=True):
+                return await outcome.acapture(fn, *args)
+        assert self._thread is not None
+        return await outcome.acapture(self._thread.call, fn, *args)
+
+    async def close_session(self, context: SessionContext, reason: CloseReason) -> None:
+        """Run the session hook through the mailbox, after everything submitted before it."""
+        if self._closer is None:
+            return
+        self._check_usable()
+        message = _CloseSession(context, reason)
+        try:
+            await self._send.send(message)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
+        await message.done.wait()
+        assert message.result is not None
+        message.result.unwrap()
+
+    async def _close_session(self, message: _CloseSession) -> None:
+        if self._machine.state is ActorState.FAILED:
+            message.result = outcome.Error(
+                ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+            )
+        else:
+            message.result = await self._call(
+                self._closer, self._closer_is_async, message.context, message.reason
+            )
+        message.done.set()
+
+    async def barrier(self) -> None:
+        """Wait until every submitted invocation has resolved."""
+        await self._idle.wait()
+
+    # -- health ----------------------------------------------------------------
+
+    def fail(self, reason: str) -> None:
+        """Mark the actor itself broken; it runs no more work (queued items resolve as failed)."""
+        if self._machine.can(actor_table.Event.FAIL):
+            self._machine.apply(actor_table.Event.FAIL)
+            self._failure_reason = reason
+
+    def health(self) -> ActorHealth:
+        return ActorHealth(self._machine.state, self._pending, self._failure_reason)
+
+    def _check_usable(self) -> None:
+        state = self._machine.state
+        if state is ActorState.FAILED:
+            raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+        if state is ActorState.CLOSED:
+            raise ActorFailedError(f"stage actor {self.name!r} is closed")
+
+    @property
+    def thread_ident(self) -> int | None:
+        """The OS thread that runs this actor's synchronous calls (None before start)."""
+        return None if self._thread is None else self._thread.ident
+
+
+class InProcessWorkerGroup:
+    """Worker "ranks" living in this process, with the worker-group interface.
+
+    ``call(method, *args)`` calls ``method`` on every rank and returns a deferred
+    result (a callable) giving rank 0's value, or every rank's values when the
+    method is listed in ``gather``. Process-backed groups share this interface.
+    """
+
+    def __init__(
+        self,
+        rank_factory: Callable[[int], Any],
+        *,
+        world_size: int = 1,
+        device_ids: tuple[str, ...] = (),
+        gather: frozenset[str] = frozenset(),
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.device_ids = tuple(device_ids)
+        self._ranks = [rank_factory(rank) for rank in range(world_size)]
+        self._gather = gather
+        self.failed = False
+        self.failure_reason: str | None = None
+        self.closed = False
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        if self.closed:
+            raise RuntimeError("worker group is closed")
+        results = [getattr(rank, method)(*args, **kwargs) for rank in self._ranks]
+        value = results if method in self._gather else results[0]
+        return lambda: value
+
+    def fail(self, reason: str) -> None:
+        self.failed = True
+        self.failure_reason = reason
+
+    def close(self) -> None:
+        for rank in self._ranks:
+            closer = getattr(rank, "close", None)
+            if closer is not None:
+                closer()
+        self.closed = True
+
+
+class ParallelWorkerStageActor:
+    """Gives one worker group exactly one owner for its whole life.
+
+    Each invocation becomes ``worker.call(method_name, *args, **kwargs)`` with
+    ``(args, kwargs) = input_builder(invocation)``; a deferred (callable) result
+    is resolved on the actor's thread; ``output_builder(result, invocation)``
+    maps it to the stage's artifacts.
+    """
+
+    def __init__(
+        self,
+        worker: Any,
+        method_name: str,
+        *,
+        input_builder: Callable[[StageInvocation], tuple[tuple, dict]],
+        output_builder: Callable[[Any, StageInvocation], Mapping[str, Any]],
+        name: str | None = None,
+        mailbox_capacity: int = 1,
+        close_worker: bool = True,
+        session_closer: Callable[[SessionContext, CloseReason], Any] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.method_name = method_name
+        self._input_builder = input_builder
+        self._output_builder = output_builder
+        self._close_worker = close_worker
+        self._inner = LocalStageActor(
+            self._handle,
+            name=name or f"parallel-{method_name}",
+            mailbox_capacity=mailbox_capacity,
+            session_closer=session_closer,
+        )
+        self.name = self._inner.name
+
+    def _handle(self, invocation: StageInvocation) -> Mapping[str, Any]:
+        args, kwargs = self._input_builder(invocation)
+        result = self.worker.call(self.method_name, *args, **kwargs)
+        if callable(result):
+            result = result()
+        return self._output_builder(result, invocation)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        await self._inner.run(task_status=task_status)
+
+    def submit(self, invocation: StageInvocation, on_done: Completion) -> None:
+        self._sync_worker_health()
+        self._inner.submit(invocation, on_done)
+
+    def health(self) -> ActorHealth:
+        self._sync_worker_health()
+        inner = self._inner.health()
+        if getattr(self.worker, "closed", False) and inner.state is not ActorState.FAILED:
+            return ActorHealth(ActorState.CLOSED, inner.pending_invocations, None)
+        return inner
+
+    def _sync_worker_health(self) -> None:
+        if getattr(self.worker, "failed", False):
+            self._inner.fail(str(getattr(self.worker, "failure_reason", None) or "worker group failed"))
+
+    async def close_session(self, context: SessionContext, reason: CloseReason) -> None:
+        self._sync_worker_health()
+        await self._inner.close_session(context, reason)
+
+    async def barrier(self) -> None:
+        await self._inner.barrier()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+        if self._close_worker and not getattr(self.worker, "closed", False):
+            await trio.to_thread.run_sync(self.worker.close)
+
+    @property
+    def thread_ident(self) -> int | None:
+        return self._inner.thread_ident

@@ -1,0 +1,678 @@
+"""The trio streaming pipeline orchestrator.
+
+One orchestrator schedules every session of one pipeline: it joins artifacts
+by (session, sequence), admits ready work to the stages' actors under the
+spec's limits, reserves downstream room before work runs, emits outputs in
+sequence order, and runs each session's ordered shutdown from the
+pipeline-session table. All of its state lives in the trio thread: actors call
+back into it there, so it needs no locks.
+
+    async with open_orchestrator(spec, actors) as orch:
+        async with orch.session("s1", final_sequence_id=9) as session:
+            await session.push(0, {"image": img, "control": ctl})
+            async for seq, artifacts in session.outputs():
+                ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import outcome
+import trio
+
+from states import pipeline_session as table
+from states.pipeline_session import CloseReason
+from states.stage_actor import State as ActorState
+
+from .actors import SessionContext, StageActor, StageInvocation, TaskKey
+from .errors import (
+    ActorBusyError,
+    ActorFailedError,
+    IngressRefused,
+    InvalidStageOutput,
+    OrchestratorClosedError,
+    OrchestratorCloseError,
+    SessionCleanupError,
+    SessionExistsError,
+    SessionStateError,
+    UnknownSessionError,
+)
+from .metrics import Diagnostics
+from .runtime import SessionRuntime
+from .session import Session
+from .spec import PipelineSpec, StageOrdering
+
+__all__ = ["Orchestrator", "open_orchestrator"]
+
+State = table.State
+Event = table.Event
+
+
+@attrs.define
+class _Counters:
+    stale_epoch_results: int = 0
+    orphaned_results: int = 0
+    duplicate_results: int = 0
+    cleanup_failures: int = 0
+    slot_leaks: int = 0
+
+
+@asynccontextmanager
+async def open_orchestrator(
+    spec: PipelineSpec,
+    actors: Mapping[str, StageActor],
+    *,
+    close_timeout: float = 300.0,
+) -> AsyncIterator[Orchestrator]:
+    """Start the actors in a nursery, yield the orchestrator, then close everything.
+
+    On exit every live session is shut down (reason ``shutdown``) and the
+    actors are closed in reverse topological order, all within
+    ``close_timeout``. An exception from the body propagates as itself.
+    """
+    body_error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        orch = Orchestrator(spec, actors, nursery)
+        try:
+            await orch._start_actors()
+            try:
+                yield orch
+            except Exception as exc:  # re-raised below, outside the nursery, unwrapped
+                body_error = exc
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await orch.aclose(timeout=close_timeout)
+                except OrchestratorCloseError as exc:
+                    if body_error is None:
+                        body_error = exc
+            nursery.cancel_scope.cancel()
+    if body_error is not None:
+        raise body_error
+
+
+class Orchestrator:
+    """Schedules sessions across stage actors. Create it with :func:`open_orchestrator`."""
+
+    def __init__(self, spec: PipelineSpec, actors: Mapping[str, StageActor], nursery: trio.Nursery) -> None:
+        stage_ids = tuple(s.stage_id for s in spec.stages)
+        if set(actors) != set(stage_ids):
+            missing = sorted(set(stage_ids) - set(actors))
+            extra = sorted(set(actors) - set(stage_ids))
+            raise ValueError(f"actors must match the spec's stages exactly: missing {missing}, unknown {extra}")
+        self.spec = spec
+        self.actors = dict(actors)
+        self._nursery = nursery
+        self._stages = {s.stage_id: s for s in spec.stages}
+        self._stage_ids = stage_ids
+        self._consumes = {s.stage_id: s.consumes for s in spec.stages}
+        self._targets: dict[str, tuple[str, ...]] = {}
+        self._capacity: dict[tuple[str, str], int] = {}
+        for edge in spec.edges:
+            self._targets[edge.artifact] = self._targets.get(edge.artifact, ()) + (edge.target_stage,)
+            self._capacity[(edge.artifact, edge.target_stage)] = edge.capacity_per_session
+        # admission scans downstream stages first: finishing work frees room upstream
+        self._scan_order = tuple(self._stages[s] for s in reversed(spec.topological_order))
+        self._outputs = spec.output_artifacts
+        self._group_limit = {g.name: g.max_concurrency for g in spec.resource_groups}
+        self._group_usage = {g.name: 0 for g in spec.resource_groups}
+        self._in_flight_global = {s: 0 for s in stage_ids}
+        # per-stage round robin over sessions: a session served goes to the back
+        self._turns: dict[str, deque[str]] = {s: deque() for s in stage_ids}
+        self._sessions: dict[str, SessionRuntime] = {}
+        self._next_epoch = 1
+        self._next_request = 1
+        self._counters = _Counters()
+        self._closing = False
+        self._closed = trio.Event()
+        self._pumping = False
+        self._pump_again = False
+
+    async def _start_actors(self) -> None:
+        for stage_id in self.spec.topological_order:
+            await self._nursery.start(self.actors[stage_id].run)
+
+    # -- sessions ------------------------------------------------------------
+
+    def create_session(self, session_id: str, *, final_sequence_id: int | None = None) -> Session:
+        """Open a session (a fresh epoch); a terminal session's id may be reused."""
+        if self._closing:
+            raise OrchestratorClosedError("the orchestrator is closing; no new sessions")
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        if final_sequence_id is not None and final_sequence_id < 0:
+            raise ValueError(f"final_sequence_id must be >= 0, got {final_sequence_id}")
+        existing = self._sessions.get(session_id)
+        if existing is not None:
+            raise SessionExistsError(
+                f"session {session_id!r} is {existing.state.value}; close it "
+                f"(or retry its cleanup) before reusing the id"
+            )
+        runtime = SessionRuntime(session_id, self._next_epoch, final_sequence_id, self._stage_ids)
+        self._next_epoch += 1
+        self._sessions[session_id] = runtime
+        for turns in self._turns.values():
+            turns.append(session_id)
+        return Session(self, runtime)
+
+    @asynccontextmanager
+    async def session(self, session_id: str, *, final_sequence_id: int | None = None, close_timeout: float = 60.0) -> AsyncIterator[Session]:
+        """A session that is drained and closed on exit (cancelled if the body raised)."""
+        handle = self.create_session(session_id, final_sequence_id=final_sequence_id)
+        try:
+            yield handle
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._shutdown(handle._runtime, CloseReason.CANCELLED, cancel=True, timeout=close_timeout)
+            raise
+        else:
+            await self._shutdown(handle._runtime, CloseReason.CLOSED, cancel=False, timeout=close_timeout)
+
+    def get_session(self, session_id: str) -> Session:
+        runtime = self._sessions.get(session_id)
+        if runtime is None:
+            raise UnknownSessionError(session_id)
+        return Session(self, runtime)
+
+    @property
+    def session_ids(self) -> tuple[str, ...]:
+        """Sessions that are live or poisoned (terminal ones are forgotten)."""
+        return tuple(self._sessions)
+
+    # -- ingress ---------------------------------------------------------------
+
+    def _check_ingress(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
+        """Raise for ingress that can never run; capacity is checked separately."""
+        if not rt.admitting:
+            raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input")
+        if not isinstance(seq, int) or seq < 0:
+            raise IngressRefused(f"sequence id must be an int >= 0, got {seq!r}")
+        if not artifacts:
+            raise IngressRefused("ingress needs at least one artifact")
+        if rt.final_sequence_id is not None and seq > rt.final_sequence_id:
+            raise IngressRefused(
+                f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
+            )
+        for artifact in artifacts:
+            if artifact not in self.spec.ingress_artifacts:
+                raise IngressRefused(
+                    f"{artifact!r} is not an ingress artifact (ingress: {sorted(self.spec.ingress_artifacts)})"
+                )
+            if (seq, artifact) in rt.slots:
+                raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
+            for stage_id in self._targets[artifact]:
+                if seq in rt.taken[stage_id]:
+                    raise IngressRefused(
+                        f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
+                        f"so {artifact!r} for it would never be consumed"
+                    )
+
+    def _has_room(self, rt: SessionRuntime, artifacts: Any) -> bool:
+        for artifact in artifacts:
+            for stage_id in self._targets.get(artifact, ()):
+                if rt.occupancy[(artifact, stage_id)] >= self._capacity[(artifact, stage_id)]:
+                    return False
+        return True
+
+    def _try_push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> bool:
+        self._check_ingress(rt, seq, artifacts)
+        if not self._has_room(rt, artifacts):
+            return False
+        now = trio.current_time()
+        anchor = self.spec.latency_anchor_artifact
+        if seq not in rt.ingress_at and (anchor is None or anchor in artifacts):
+            rt.ingress_at[seq] = now
+        for artifact, value in artifacts.items():
+            rt.add_slot(seq, artifact, value, self._targets[artifact], now, self._consumes)
+        rt.highest_ingress = max(rt.highest_ingress, seq)
+        self._pump()
+        return True
+
+    async def _push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
+        while not self._try_push(rt, seq, artifacts):
+            await rt.changed.park()
+
+    def _finish_inputs(self, rt: SessionRuntime, final_sequence_id: int) -> None:
+        if not isinstance(final_sequence_id, int) or final_sequence_id < 0:
+            raise ValueError(f"final_sequence_id must be an int >= 0, got {final_sequence_id!r}")
+        if rt.final_sequence_id is not None:
+            if rt.final_sequence_id != final_sequence_id:
+                raise SessionStateError(
+                    f"session {rt.session_id!r} already ends at sequence {rt.final_sequence_id}"
+                )
+            return
+        if not rt.admitting:
+            raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value}")
+        seen = max([rt.highest_ingress, rt.next_emit - 1, *(seq for seq, _ in rt.in_flight)])
+        if final_sequence_id < seen:
+            raise IngressRefused(
+                f"session {rt.session_id!r}: final sequence {final_sequence_id} is before "
+                f"sequence {seen}, which was already accepted"
+            )
+        rt.final_sequence_id = final_sequence_id
+        rt.wake()
+        self._pump()
+
+    # -- scheduling ------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Admit every piece of ready work the limits allow (re-entrant calls fold in)."""
+        if self._pumping:
+            self._pump_again = True
+            return
+        self._pumping = True
+        try:
+            self._pump_again = True
+            while self._pump_again:
+                self._pump_again = False
+                for stage in self._scan_order:
+                    self._admit_stage(stage)
+        finally:
+            self._pumping = False
+
+    def _admit_stage(self, stage: Any) -> None:
+        stage_id = stage.stage_id
+        turns = self._turns[stage_id]
+        served: list[str] = []
+        for session_id in tuple(turns):
+            if self._in_flight_global[stage_id] >= stage.max_in_flight_global:
+                break
+            rt = self._sessions.get(session_id)
+            if rt is None or not rt.ready[stage_id] or not rt.starting_accepted_work:
+                continue
+            while self._try_admit(rt, stage):
+                if session_id not in served:
+                    served.append(session_id)
+        for session_id in served:
+            turns.remove(session_id)
+            turns.append(session_id)
+
+    def _candidate(self, rt: SessionRuntime, stage: Any) -> int | None:
+        ready = rt.ready[stage.stage_id]
+        if stage.ordering is StageOrdering.PER_SESSION_STRICT:
+            frontier = rt.taken[stage.stage_id].below
+            return frontier if frontier in ready else None
+        return min(ready) if ready else None
+
+    def _blocker(self, rt: SessionRuntime, stage: Any) -> str | None:
+        stage_id = stage.stage_id
+        if rt.in_flight_by_stage[stage_id] >= stage.max_in_flight_per_session:
+            return "stage_capacity"
+        if self._in_flight_global[stage_id] >= stage.max_in_flight_global:
+            return "global_capacity"
+        group = stage.resource_group
+        if group is not None and self._group_usage[group] >= self._group_limit[group]:
+            return f"resource_group:{group}"
+        for artifact in stage.produces:
+            reserved = rt.producing[artifact]
+            for target in self._targets.get(artifact, ()):
+                if rt.occupancy[(artifact, target)] + reserved >= self._capacity[(artifact, target)]:
+                    return f"edge_capacity:{artifact}->{target}"
+            if artifact in self._outputs:
+                held = len(rt.outputs) + sum(1 for v in rt.pending_outputs.values() if artifact in v)
+                if held + reserved >= self.spec.output_capacity_per_session:
+                    return f"output_capacity:{artifact}"
+        return None
+
+    def _try_admit(self, rt: SessionRuntime, stage: Any) -> bool:
+        seq = self._candidate(rt, stage)
+        if seq is None:
+            return False
+        stage_id = stage.stage_id
+        blocker = self._blocker(rt, stage)
+        if blocker is not None:
+            rt.blockers[stage_id][seq] = blocker
+            return False
+        actor = self.actors[stage_id]
+        health = actor.health()
+        if not health.healthy:
+            self._fail_actor_sessions(stage_id, health.failure_reason)
+            return False
+        key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, self._next_request)
+        self._next_request += 1
+        inputs = rt.take_inputs(stage_id, seq, stage.consumes)
+        invocation = StageInvocation(key, inputs, is_first=seq == 0, is_last=seq == rt.final_sequence_id)
+        try:
+            actor.submit(invocation, self._on_done)
+        except ActorBusyError:
+            rt.restore_inputs(stage_id, seq, inputs)
+            rt.blockers[stage_id][seq] = "actor_busy"
+            return False
+        except Exception as exc:
+            rt.restore_inputs(stage_id, seq, inputs)
+            if not actor.health().healthy:
+                self._fail_actor_sessions(stage_id, actor.health().failure_reason, exc)
+            else:
+                self._fail(rt, exc)
+            return False
+        rt.in_flight[(stage_id, seq)] = key
+        rt.in_flight_by_stage[stage_id] += 1
+        rt.taken[stage_id].add(seq)
+        for artifact in stage.produces:
+            rt.producing[artifact] += 1
+        self._in_flight_global[stage_id] += 1
+        if stage.resource_group is not None:
+            self._group_usage[stage.resource_group] += 1
+        rt.timing(stage_id, seq).admitted_at = trio.current_time()
+        rt.wake()  # ingress room may have opened
+        return True
+
+    # -- completion ------------------------------------------------------------
+
+    def _on_done(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
+        """Called by an actor, in the trio thread, once per submitted invocation."""
+        key = invocation.key
+        rt = self._sessions.get(key.session_id)
+        if rt is None or key.request_id >= self._next_request:
+            self._counters.orphaned_results += 1
+            return
+        if rt.epoch != key.session_epoch:
+            self._counters.stale_epoch_results += 1
+            return
+        if rt.in_flight.get((key.stage_id, key.sequence_id)) != key:
+            self._counters.duplicate_results += 1
+            return
+        stage = self._stages[key.stage_id]
+        del rt.in_flight[(key.stage_id, key.sequence_id)]
+        rt.in_flight_by_stage[key.stage_id] -= 1
+        for artifact in stage.produces:
+            rt.producing[artifact] -= 1
+        self._in_flight_global[key.stage_id] -= 1
+        if stage.resource_group is not None:
+            self._group_usage[stage.resource_group] -= 1
+        now = trio.current_time()
+        rt.timing(key.stage_id, key.sequence_id).completed_at = now
+        try:
+            self._accept_result(rt, stage, key, result, now)
+        finally:
+            rt.wake()
+            self._pump()
+
+    def _accept_result(self, rt: SessionRuntime, stage: Any, key: TaskKey, result: outcome.Outcome, now: float) -> None:
+        actor_health = self.actors[stage.stage_id].health()
+        if isinstance(result, outcome.Error):
+            if not actor_health.healthy:
+                self._fail_actor_sessions(stage.stage_id, actor_health.failure_reason, result.error, first=rt)
+            else:
+                self._fail(rt, result.error)
+            return
+        if not rt.starting_accepted_work:
+            return  # cancelled or failed meanwhile: the result is discarded
+        artifacts = result.value
+        produced = set(artifacts) if isinstance(artifacts, Mapping) else None
+        if produced != set(stage.produces):
+            got = sorted(produced) if produced is not None else type(artifacts).__name__
+            self._fail(
+                rt,
+                InvalidStageOutput(
+                    f"stage {stage.stage_id!r} returned {got} for sequence {key.sequence_id}; "
+                    f"it must return exactly {sorted(stage.produces)}"
+                ),
+            )
+            return
+        seq = key.sequence_id
+        for artifact, value in artifacts.items():
+            targets = self._targets.get(artifact, ())
+            if targets:
+                rt.add_slot(seq, artifact, value, targets, now, self._consumes)
+            if artifact in self._outputs:
+                rt.pending_outputs.setdefault(seq, {})[artifact] = value
+        self._emit_ready_outputs(rt, now)
+        following = seq + 1
+        if rt.final_sequence_id is None or following <= rt.final_sequence_id:
+            missing = tuple(sorted(a for a in stage.consumes if (following, a) not in rt.slots))
+            if missing:
+                rt.missing_after[stage.stage_id][following] = missing
+
+    def _emit_ready_outputs(self, rt: SessionRuntime, now: float) -> None:
+        while True:
+            pending = rt.pending_outputs.get(rt.next_emit)
+            if pending is None or len(pending) != len(self._outputs):
+                return
+            del rt.pending_outputs[rt.next_emit]
+            rt.outputs.append((rt.next_emit, dict(sorted(pending.items()))))
+            rt.emitted_at[rt.next_emit] = now
+            rt.next_emit += 1
+
+    def _poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
+        items = list(rt.outputs)
+        rt.outputs.clear()
+        if items:
+            rt.wake()
+            self._pump()
+        return items
+
+    # -- failure ---------------------------------------------------------------
+
+    def _fail(self, rt: SessionRuntime, error: BaseException) -> None:
+        """Fail one session: stop it, drop its buffers, clean it up in the background."""
+        if rt.machine.can(Event.FAIL):
+            first_failure = rt.state is not State.CANCELLING
+            rt.machine.apply(Event.FAIL)
+            rt.error = rt.error or error
+            rt.close_reason = CloseReason.FAILED
+            rt.discard_buffers()
+            rt.outputs.clear()
+            rt.wake()
+            if first_failure:
+                self._nursery.start_soon(self._background_cleanup, rt)
+
+    def _fail_actor_sessions(
+        self,
+        stage_id: str,
+        reason: str | None,
+        error: BaseException | None = None,
+        first: SessionRuntime | None = None,
+    ) -> None:
+        """An actor failure fails every session (the one that surfaced it keeps its own error)."""
+        failure = ActorFailedError(f"stage actor {stage_id!r} is failed: {reason}")
+        if error is not None:
+            failure.__cause__ = error
+        for rt in list(self._sessions.values()):
+            if rt.starting_accepted_work:
+                self._fail(rt, error if rt is first and error is not None else failure)
+
+    async def _background_cleanup(self, rt: SessionRuntime) -> None:
+        try:
+            await self._shutdown(rt, CloseReason.FAILED, cancel=True, timeout=300.0)
+        except SessionCleanupError:
+            pass  # recorded on the session (poisoned); an explicit close retries
+
+    # -- shutdown --------------------------------------------------------------
+
+    async def _shutdown(self, rt: SessionRuntime, reason: CloseReason, *, cancel: bool, timeout: float, drain_timeout: float | None = None) -> None:
+        """Run the session's ordered shutdown; raises SessionCleanupError if it ends poisoned."""
+        deadline = trio.current_time() + timeout
+        drain_deadline = deadline if drain_timeout is None else min(deadline, trio.current_time() + drain_timeout)
+        async with rt.lifecycle_lock:
+            if rt.machine.is_terminal:
+                return
+            self._stop_admission(rt, reason, cancel)
+            if rt.state in (State.DRAINING, State.CANCELLING):
+                await self._settle_work(rt, drain_deadline, deadline)
+            if rt.state is State.POISONED:
+                if rt.in_flight:
+                    # a call from the timed-out drain is still running: wait for it first
+                    with trio.move_on_at(deadline):
+                        while rt.in_flight:
+                            await rt.changed.park()
+                if rt.in_flight:
+                    self._poison(rt, TimeoutError("work still in flight; cleanup not retried"), "retry")
+                else:
+                    rt.phases.append(("retry", "started"))
+                    rt.machine.apply(Event.RETRY_CLEANUP)
+            if rt.state is State.RELEASING_STAGES:
+                await self._release_stages(rt, deadline)
+            if rt.state is State.RELEASING_ARTIFACTS:
+                self._release_artifacts(rt)
+            if rt.state is State.POISONED:
+                raise SessionCleanupError(
+                    f"failed to clean up session {rt.session_id!r}; it is poisoned and its "
+                    f"cleanup may be retried: {rt.cleanup_error}"
+                ) from rt.cleanup_error
+
+    def _stop_admission(self, rt: SessionRuntime, reason: CloseReason, cancel: bool) -> None:
+        state = rt.state
+        if state is State.RUNNING or (cancel and state is State.DRAINING):
+            rt.machine.apply(Event.CANCEL if cancel else Event.CLOSE)
+            if rt.close_reason is None or cancel:
+                rt.close_reason = reason if rt.close_reason is not CloseReason.FAILED else rt.close_reason
+            if cancel:
+                rt.discard_buffers()
+                rt.outputs.clear()
+            rt.wake()
+            self._pump()
+
+    async def _settle_work(self, rt: SessionRuntime, drain_deadline: float, deadline: float) -> None:
+        if rt.state is State.DRAINING:
+            with trio.move_on_at(drain_deadline):
+                while not rt.work_settled():
+                    await rt.changed.park()
+            if not rt.work_settled():
+                rt.phases.append(("drain", "timed out; cancelling"))
+                rt.machine.apply(Event.CANCEL)
+                rt.discard_buffers()
+                rt.wake()
+            else:
+                rt.phases.append(("drain", "ok"))
+        with trio.move_on_at(deadline):
+            while not rt.work_settled():
+                await rt.changed.park()
+        if not rt.work_settled():
+            self._poison(rt, TimeoutError(f"{len(rt.in_flight)} invocation(s) still running at the deadline"), "settle")
+            return
+        rt.phases.append(("settle", "ok"))
+        rt.discard_buffers()  # inputs that can never be consumed now
+        rt.machine.apply(Event.WORK_SETTLED)
+
+    async def _release_stages(self, rt: SessionRuntime, deadline: float) -> None:
+        context = SessionContext(rt.session_id, rt.epoch)
+        reason = rt.close_reason or CloseReason.CLOSED
+        first_error: BaseException | None = None
+        for stage_id in reversed(self.spec.topological_order):
+            if stage_id in rt.cleaned:
+                continue
+            actor = self.actors[stage_id]
+            if actor.health().state is ActorState.FAILED:
+                rt.cleaned.add(stage_id)  # a failed owner holds no usable state and is never reused
+                rt.phases.append((f"release:{stage_id}", "skipped: actor failed"))
+                continue
+            error: BaseException | None = None
+            with trio.move_on_at(deadline) as scope:
+                try:
+                    await actor.close_session(context, reason)
+                except Exception as exc:
+                    error = exc
+            if scope.cancelled_caught:
+                error = TimeoutError(f"stage {stage_id!r} did not release session {rt.session_id!r} in time")
+            if error is None:
+                rt.cleaned.add(stage_id)
+                rt.phases.append((f"release:{stage_id}", "ok"))
+            else:
+                self._counters.cleanup_failures += 1
+                rt.phases.append((f"release:{stage_id}", f"failed: {error!r}"))
+                first_error = first_error or error
+        if first_error is not None:
+            self._poison(rt, first_error, None)
+        else:
+            rt.machine.apply(Event.STAGES_RELEASED)
+
+    def _release_artifacts(self, rt: SessionRuntime) -> None:
+        leaks = rt.leaked_slots()
+        if leaks:
+            self._counters.slot_leaks += leaks
+            rt.discard_buffers()
+            rt.occupancy.clear()
+            rt.producing.clear()
+            self._poison(rt, RuntimeError(f"{leaks} artifact slot(s) still held after stage release"), "artifacts")
+            return
+        rt.phases.append(("artifacts", "ok"))
+        rt.machine.apply(table.SETTLE_EVENT[rt.close_reason or CloseReason.CLOSED])
+        self._forget(rt)
+
+    def _poison(self, rt: SessionRuntime, error: BaseException, phase: str | None) -> None:
+        if phase is not None:
+            self._counters.cleanup_failures += 1
+            rt.phases.append((phase, f"failed: {error!r}"))
+        rt.cleanup_error = error
+        if rt.machine.can(Event.CLEANUP_FAILED):
+            rt.machine.apply(Event.CLEANUP_FAILED)
+        rt.settled.set()
+        rt.wake()
+
+    def _forget(self, rt: SessionRuntime) -> None:
+        if self._sessions.get(rt.session_id) is rt:
+            del self._sessions[rt.session_id]
+            for turns in self._turns.values():
+                try:
+                    turns.remove(rt.session_id)
+                except ValueError:
+                    pass
+        rt.settled.set()
+        rt.wake()
+
+    # -- whole orchestrator ----------------------------------------------------
+
+    def diagnostics(self) -> Diagnostics:
+        return Diagnostics(**attrs.asdict(self._counters))
+
+    def resource_group_usage(self, name: str) -> int:
+        if name not in self._group_usage:
+            raise KeyError(f"unknown resource group {name!r}")
+        return self._group_usage[name]
+
+    def actor_health(self, stage_id: str) -> Any:
+        if stage_id not in self.actors:
+            raise KeyError(f"unknown stage {stage_id!r}")
+        return self.actors[stage_id].health()
+
+    def in_flight(self, stage_id: str) -> int:
+        """Invocations of a stage running now, across sessions."""
+        return self._in_flight_global[stage_id]
+
+    async def barrier(self) -> None:
+        """Wait until no session has work running or admissible, then until every actor is idle."""
+        while any(rt.in_flight or (rt.starting_accepted_work and any(rt.ready.values())) for rt in self._sessions.values()):
+            rt = next(rt for rt in self._sessions.values() if rt.in_flight or any(rt.ready.values()))
+            await rt.changed.park()
+        for stage_id in self.spec.topological_order:
+            await self.actors[stage_id].barrier()
+
+    async def aclose(self, *, timeout: float = 300.0) -> None:
+        """Shut every session down (reason shutdown), then close actors in reverse order."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        deadline = trio.current_time() + timeout
+        errors: list[BaseException] = []
+
+        async def shut(rt: SessionRuntime) -> None:
+            try:
+                await self._shutdown(rt, CloseReason.SHUTDOWN, cancel=True, timeout=max(0.0, deadline - trio.current_time()))
+            except SessionCleanupError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for rt in list(self._sessions.values()):
+                nursery.start_soon(shut, rt)
+        for stage_id in reversed(self.spec.topological_order):
+            with trio.move_on_at(deadline) as scope:
+                try:
+                    await self.actors[stage_id].aclose()
+                except Exception as exc:
+                    errors.append(exc)
+            if scope.cancelled_caught:
+                errors.append(TimeoutError(f"stage actor {stage_id!r} did not close in time"))
+        self._closed.set()
+        if errors:
+            raise OrchestratorCloseError(
+                f"failed to close {len(errors)} streaming stage actor(s) or session(s); first: {errors[0]!r}"
+            ) from errors[0]
+

@@ -1,0 +1,190 @@
+"""Per-session bookkeeping of the orchestrator: slots, edge occupancy, readiness, frontiers.
+
+Everything here is synchronous and runs in the trio thread; the orchestrator
+is the only caller. Counters are maintained incrementally so that an admission
+check costs O(edges of one stage), not a scan of every session.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any
+
+import attrs
+import trio
+
+from states import pipeline_session as table
+from states.pipeline_session import CloseReason
+
+from .actors import TaskKey
+
+__all__ = ["SeqSet", "Slot", "SessionRuntime"]
+
+
+class SeqSet:
+    """A set of sequence ids stored as a contiguous prefix plus the sparse rest."""
+
+    __slots__ = ("below", "_extra")
+
+    def __init__(self) -> None:
+        self.below = 0  # every id < below is in the set
+        self._extra: set[int] = set()
+
+    def add(self, seq: int) -> None:
+        if seq < self.below:
+            return
+        self._extra.add(seq)
+        while self.below in self._extra:
+            self._extra.remove(self.below)
+            self.below += 1
+
+    def __contains__(self, seq: int) -> bool:
+        return seq < self.below or seq in self._extra
+
+    def highest(self) -> int:
+        return max(self._extra, default=self.below - 1)
+
+
+@attrs.define
+class Slot:
+    """One artifact value for one sequence, and the stages that still have to take it."""
+
+    value: Any
+    consumers: set[str]
+
+
+@attrs.define
+class _Timing:
+    inputs_ready_at: float | None = None
+    admitted_at: float | None = None
+    completed_at: float | None = None
+
+
+class SessionRuntime:
+    """All mutable state of one orchestrator session (one epoch)."""
+
+    def __init__(self, session_id: str, epoch: int, final_sequence_id: int | None, stage_ids: tuple[str, ...]) -> None:
+        self.session_id = session_id
+        self.epoch = epoch
+        self.final_sequence_id = final_sequence_id
+        self.machine = table.PipelineSessionMachine()
+        self.close_reason: CloseReason | None = None
+        self.error: BaseException | None = None
+        self.cleanup_error: BaseException | None = None
+
+        self.slots: dict[tuple[int, str], Slot] = {}
+        self.occupancy: Counter[tuple[str, str]] = Counter()  # (artifact, target) -> waiting slots
+        self.present: dict[str, Counter[int]] = {s: Counter() for s in stage_ids}  # inputs present per seq
+        self.ready: dict[str, set[int]] = {s: set() for s in stage_ids}  # seqs with every input present
+        self.taken: dict[str, SeqSet] = {s: SeqSet() for s in stage_ids}  # admitted (running or done)
+        self.highest_ingress = -1
+
+        self.in_flight: dict[tuple[str, int], TaskKey] = {}
+        self.in_flight_by_stage: Counter[str] = Counter()
+        self.producing: Counter[str] = Counter()  # artifact -> in-flight producers
+
+        self.pending_outputs: dict[int, dict[str, Any]] = {}
+        self.outputs: deque[tuple[int, dict[str, Any]]] = deque()
+        self.next_emit = 0
+
+        self.ingress_at: dict[int, float] = {}
+        self.emitted_at: dict[int, float] = {}
+        self.timings: dict[str, dict[int, _Timing]] = {s: {} for s in stage_ids}
+        self.missing_after: dict[str, dict[int, tuple[str, ...]]] = {s: {} for s in stage_ids}
+        self.blockers: dict[str, dict[int, str]] = {s: {} for s in stage_ids}
+
+        self.cleaned: set[str] = set()
+        self.phases: list[tuple[str, str]] = []  # (phase, outcome) as shutdown proceeds
+        self.lifecycle_lock = trio.Lock()
+        self.changed = trio.lowlevel.ParkingLot()  # room freed, output emitted, state changed
+        self.settled = trio.Event()  # terminal or poisoned
+
+    # -- status ------------------------------------------------------------
+
+    @property
+    def state(self) -> table.State:
+        return self.machine.state
+
+    @property
+    def admitting(self) -> bool:
+        return self.machine.state in table.ADMITTING
+
+    @property
+    def starting_accepted_work(self) -> bool:
+        return self.machine.state in table.STARTING_ACCEPTED_WORK
+
+    @property
+    def all_emitted(self) -> bool:
+        return self.final_sequence_id is not None and self.next_emit > self.final_sequence_id
+
+    def work_settled(self) -> bool:
+        """Nothing running, and (when draining) nothing that could still start."""
+        if self.in_flight:
+            return False
+        if self.machine.state is table.State.DRAINING:
+            return not any(self.ready.values())
+        return True
+
+    def wake(self) -> None:
+        self.changed.unpark_all()
+
+    def timing(self, stage_id: str, seq: int) -> _Timing:
+        timing = self.timings[stage_id].get(seq)
+        if timing is None:
+            timing = self.timings[stage_id][seq] = _Timing()
+        return timing
+
+    # -- slots -------------------------------------------------------------
+
+    def add_slot(self, seq: int, artifact: str, value: Any, consumers: tuple[str, ...], now: float, consumes: dict[str, frozenset[str]]) -> None:
+        self.slots[(seq, artifact)] = Slot(value, set(consumers))
+        for stage_id in consumers:
+            self.occupancy[(artifact, stage_id)] += 1
+            present = self.present[stage_id]
+            present[seq] += 1
+            if present[seq] == len(consumes[stage_id]):
+                del present[seq]
+                self.ready[stage_id].add(seq)
+                self.timing(stage_id, seq).inputs_ready_at = now
+
+    def take_inputs(self, stage_id: str, seq: int, consumes: frozenset[str]) -> dict[str, Any]:
+        """Remove ``stage_id`` from each input slot's consumers (freeing the slot when empty)."""
+        self.ready[stage_id].discard(seq)
+        inputs = {}
+        for artifact in consumes:
+            slot = self.slots[(seq, artifact)]
+            inputs[artifact] = slot.value
+            slot.consumers.discard(stage_id)
+            self.occupancy[(artifact, stage_id)] -= 1
+            if not slot.consumers:
+                del self.slots[(seq, artifact)]
+        return inputs
+
+    def restore_inputs(self, stage_id: str, seq: int, inputs: dict[str, Any]) -> None:
+        """Undo :meth:`take_inputs` (the actor refused the invocation)."""
+        for artifact, value in inputs.items():
+            slot = self.slots.get((seq, artifact))
+            if slot is None:
+                slot = self.slots[(seq, artifact)] = Slot(value, set())
+            slot.consumers.add(stage_id)
+            self.occupancy[(artifact, stage_id)] += 1
+        self.ready[stage_id].add(seq)
+
+    def discard_buffers(self) -> int:
+        """Drop every buffered artifact and not-yet-polled output; returns slots dropped."""
+        dropped = len(self.slots)
+        self.slots.clear()
+        self.occupancy.clear()
+        for stage_id in self.ready:
+            self.ready[stage_id].clear()
+            self.present[stage_id].clear()
+        self.pending_outputs.clear()
+        return dropped
+
+    def leaked_slots(self) -> int:
+        """Slots or counters still held after every stage released the session."""
+        leaks = len(self.slots)
+        leaks += sum(1 for count in self.occupancy.values() if count)
+        leaks += sum(1 for count in self.producing.values() if count)
+        leaks += len(self.in_flight)
+        return leaks

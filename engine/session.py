@@ -1,0 +1,179 @@
+"""The handle a caller holds for one orchestrator session."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from states.pipeline_session import CloseReason, State
+
+from .metrics import ArtifactStats, IdleInterval, SessionMetrics, StageTiming, idle_intervals
+
+if TYPE_CHECKING:
+    from .orchestrator import Orchestrator
+    from .runtime import SessionRuntime
+
+__all__ = ["Session"]
+
+
+class Session:
+    """One session (one epoch): push ingress, read outputs in order, close.
+
+    The handle stays valid after the session ends: status, error, metrics and
+    any outputs emitted before a drained close remain readable.
+    """
+
+    def __init__(self, orchestrator: Orchestrator, runtime: SessionRuntime) -> None:
+        self._orch = orchestrator
+        self._runtime = runtime
+
+    def __repr__(self) -> str:
+        rt = self._runtime
+        return f"<Session {rt.session_id!r} epoch={rt.epoch} {rt.state.value}>"
+
+    # -- identity and status -------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        return self._runtime.session_id
+
+    @property
+    def epoch(self) -> int:
+        return self._runtime.epoch
+
+    @property
+    def status(self) -> State:
+        return self._runtime.state
+
+    @property
+    def final_sequence_id(self) -> int | None:
+        return self._runtime.final_sequence_id
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the session failed (None unless it failed)."""
+        return self._runtime.error
+
+    @property
+    def cleanup_error(self) -> BaseException | None:
+        """The last cleanup failure (set while the session is poisoned)."""
+        return self._runtime.cleanup_error
+
+    @property
+    def shutdown_phases(self) -> tuple[tuple[str, str], ...]:
+        """What each shutdown phase did, in order: (phase, outcome)."""
+        return tuple(self._runtime.phases)
+
+    # -- ingress -----------------------------------------------------------------
+
+    async def push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> None:
+        """Admit ``artifacts`` for ``sequence_id`` atomically, waiting for room on every edge."""
+        await self._orch._push(self._runtime, sequence_id, artifacts)
+
+    def try_push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> bool:
+        """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""
+        return self._orch._try_push(self._runtime, sequence_id, artifacts)
+
+    def can_push(self, artifacts: Iterable[str]) -> bool:
+        """Whether every named ingress artifact has room now (a pure query)."""
+        names = tuple(artifacts)
+        unknown = [a for a in names if a not in self._orch.spec.ingress_artifacts]
+        if unknown:
+            raise ValueError(f"not ingress artifacts: {unknown}")
+        return self._runtime.admitting and self._orch._has_room(self._runtime, names)
+
+    def finish_inputs(self, final_sequence_id: int) -> None:
+        """Declare the last sequence of an open-ended session."""
+        self._orch._finish_inputs(self._runtime, final_sequence_id)
+
+    # -- outputs -------------------------------------------------------------------
+
+    def poll_outputs(self) -> list[tuple[int, dict[str, Any]]]:
+        """Every output emitted so far and not yet taken, in sequence order (never waits)."""
+        return self._orch._poll_outputs(self._runtime)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(sequence_id, {artifact: value})`` in order until the session has no more."""
+        rt = self._runtime
+        while True:
+            items = self._orch._poll_outputs(rt)
+            for item in items:
+                yield item
+            if items:
+                continue
+            if rt.all_emitted or rt.machine.is_terminal or rt.state not in (State.RUNNING, State.DRAINING):
+                return
+            await rt.changed.park()
+
+    # -- ending ----------------------------------------------------------------------
+
+    async def aclose(self, *, timeout: float = 60.0, drain_timeout: float | None = None) -> None:
+        """Drain accepted work, then release stage state in reverse order (or retry a poisoned cleanup)."""
+        await self._orch._shutdown(
+            self._runtime, CloseReason.CLOSED, cancel=False, timeout=timeout, drain_timeout=drain_timeout
+        )
+
+    async def cancel(self, *, timeout: float = 60.0) -> None:
+        """Drop waiting work (running calls finish, results discarded), then release stage state."""
+        await self._orch._shutdown(self._runtime, CloseReason.CANCELLED, cancel=True, timeout=timeout)
+
+    async def wait_settled(self) -> None:
+        """Wait until the session is terminal or poisoned (e.g. after a background failure cleanup)."""
+        await self._runtime.settled.wait()
+
+    async def wait_until_idle(self) -> None:
+        """Wait until nothing of this session runs or could start now."""
+        rt = self._runtime
+        while rt.in_flight or (rt.starting_accepted_work and any(_admissible(self._orch, rt))):
+            await rt.changed.park()
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        with trio.CancelScope(shield=exc_type is not None):
+            if exc_type is None:
+                await self.aclose()
+            else:
+                await self.cancel()
+
+    # -- observation -------------------------------------------------------------------
+
+    def metrics(self) -> SessionMetrics:
+        rt = self._runtime
+        return SessionMetrics.from_stamps(rt.ingress_at, rt.emitted_at)
+
+    def stage_timings(self, stage_id: str) -> list[StageTiming]:
+        rt = self._runtime
+        if stage_id not in rt.timings:
+            raise KeyError(f"unknown stage {stage_id!r}")
+        return [
+            StageTiming(stage_id, seq, t.inputs_ready_at, t.admitted_at, t.completed_at)
+            for seq, t in sorted(rt.timings[stage_id].items())
+        ]
+
+    def idle_intervals(self, stage_id: str) -> list[IdleInterval]:
+        rt = self._runtime
+        return idle_intervals(
+            stage_id, self.stage_timings(stage_id), rt.missing_after[stage_id], rt.blockers[stage_id]
+        )
+
+    def artifact_stats(self) -> ArtifactStats:
+        slots = self._runtime.slots
+        return ArtifactStats(len(slots), sum(len(s.consumers) for s in slots.values()))
+
+    def buffered(self, artifact: str, target_stage: str) -> int:
+        """Items of ``artifact`` waiting for ``target_stage`` (bounded by the edge's capacity)."""
+        return self._runtime.occupancy[(artifact, target_stage)]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._runtime.in_flight)
+
+
+def _admissible(orch: Orchestrator, rt: SessionRuntime) -> Iterable[bool]:
+    for stage in orch.spec.stages:
+        seq = orch._candidate(rt, stage)
+        yield seq is not None and orch._blocker(rt, stage) is None

@@ -1,0 +1,91 @@
+"""A dedicated OS thread that runs every synchronous call of one owner.
+
+trio's thread pool may run consecutive calls on different threads; model code
+is often thread-affine (CUDA's current device, cuDNN handles, many C
+libraries), so each synchronous stage actor gets exactly one thread for its
+whole life.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import outcome
+import trio
+
+__all__ = ["DedicatedThread"]
+
+_STOP = object()
+
+
+class DedicatedThread:
+    """One daemon thread fed through a queue; results come back through the trio token."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._exited = trio.Event()
+
+    @property
+    def ident(self) -> int | None:
+        return None if self._thread is None else self._thread.ident
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        token = self._token
+        assert token is not None
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is _STOP:
+                    return
+                fn, args, deliver = job
+                result = outcome.capture(fn, *args)
+                token.run_sync_soon(deliver, result)
+        finally:
+            try:
+                token.run_sync_soon(self._exited.set)
+            except trio.RunFinishedError:
+                pass
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the thread and return its result.
+
+        A call that has started is never interrupted: cancellation of the
+        caller waits for the call to finish (the shield), because abandoning
+        model code mid-call would leave its state undefined.
+        """
+        if self._thread is None:
+            raise RuntimeError(f"thread {self.name!r} was not started")
+        done = trio.Event()
+        box: list[outcome.Outcome] = []
+
+        def deliver(result: outcome.Outcome) -> None:
+            box.append(result)
+            done.set()
+
+        self._jobs.put((fn, args, deliver))
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return box[0].unwrap()
+
+    async def stop(self) -> None:
+        """Finish queued calls, then end the thread; waits without blocking trio."""
+        if self._thread is None or self._exited.is_set():
+            return
+        self._jobs.put(_STOP)
+        await self._exited.wait()
+        self._thread.join()

@@ -1,0 +1,1 @@
+"""The service contract and the pipelines that implement it."""

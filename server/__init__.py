@@ -1,0 +1,1 @@
+"""The stream server (HTTP API, rooms, transports). Imports states, engine and pipelines."""

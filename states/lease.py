@@ -1,0 +1,65 @@
+"""Lifecycle of one session's claim on the execution lease.
+
+Theory of operation
+-------------------
+Many admitted sessions share one model service; the lease says whose chunk
+runs next. A session is registered WAITING: it holds a retained slot but has
+not asked to run. Its first valid control (ACTIVITY) puts it QUEUED at the tail
+of the lease FIFO. The book GRANTs the head when nobody is ACTIVE.
+
+The ACTIVE holder runs whole chunks (the chunk-in-progress flag lives in the
+book, because "busy" changes who may move, not what this session is). A
+holder that has been idle for ``idle_timeout`` is PARKed, but only at a chunk
+boundary and only when someone else waits; a parked session keeps its slot and
+caches, and its next ACTIVITY queues it again at the tail. ACTIVITY while
+queued or active only refreshes the activity stamp.
+
+CLOSE ends the claim from any live state (the session is being torn down);
+CLOSING is terminal, and the book forgets the entry when it is released.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .machine import StateMachine
+
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "LeaseMachine"]
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    QUEUED = "queued"
+    ACTIVE = "active"
+    PARKED = "parked"
+    CLOSING = "closing"
+
+
+class Event(enum.Enum):
+    ACTIVITY = "activity"
+    GRANT = "grant"
+    PARK = "park"
+    CLOSE = "close"
+
+
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.WAITING, Event.ACTIVITY): State.QUEUED,
+    (State.PARKED, Event.ACTIVITY): State.QUEUED,
+    (State.QUEUED, Event.ACTIVITY): State.QUEUED,
+    (State.ACTIVE, Event.ACTIVITY): State.ACTIVE,
+    (State.QUEUED, Event.GRANT): State.ACTIVE,
+    (State.ACTIVE, Event.PARK): State.PARKED,
+    (State.WAITING, Event.CLOSE): State.CLOSING,
+    (State.QUEUED, Event.CLOSE): State.CLOSING,
+    (State.ACTIVE, Event.CLOSE): State.CLOSING,
+    (State.PARKED, Event.CLOSE): State.CLOSING,
+}
+
+TERMINAL = frozenset({State.CLOSING})
+
+
+class LeaseMachine(StateMachine[State, Event]):
+    NAME = "execution lease"
+    TABLE = TRANSITIONS
+    INITIAL = State.WAITING
+    TERMINAL = TERMINAL

@@ -1,0 +1,51 @@
+"""Lifecycle of one stage actor (the single owner of a stage's state).
+
+Theory of operation
+-------------------
+An actor is STARTING until its task (and, for synchronous handlers, its
+dedicated thread) is up; STARTED makes it RUNNING. A handler raising fails only
+that invocation's session; FAIL is for the actor itself — its loop, its thread
+or its worker group died — and fails every session on it. FAILED is terminal:
+a failed owner never runs work again. CLOSE retires a healthy actor after its
+queued work finished; closing an actor that already failed keeps it FAILED
+(the caller checks ``can`` first), so its failure reason is never hidden.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .machine import StateMachine
+
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "StageActorMachine"]
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class Event(enum.Enum):
+    STARTED = "started"
+    FAIL = "fail"
+    CLOSE = "close"
+
+
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.STARTING, Event.STARTED): State.RUNNING,
+    (State.STARTING, Event.FAIL): State.FAILED,
+    (State.RUNNING, Event.FAIL): State.FAILED,
+    (State.STARTING, Event.CLOSE): State.CLOSED,
+    (State.RUNNING, Event.CLOSE): State.CLOSED,
+}
+
+TERMINAL = frozenset({State.FAILED, State.CLOSED})
+
+
+class StageActorMachine(StateMachine[State, Event]):
+    NAME = "stage actor"
+    TABLE = TRANSITIONS
+    INITIAL = State.STARTING
+    TERMINAL = TERMINAL
