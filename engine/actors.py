@@ -88,6 +88,8 @@ class StageActor(Protocol):
 
     def health(self) -> ActorHealth: ...
 
+    def is_healthy(self) -> bool: ...
+
     async def close_session(self, context: SessionContext, reason: CloseReason) -> None: ...
 
     async def barrier(self) -> None: ...
@@ -107,6 +109,23 @@ class _CloseSession:
     reason: CloseReason
     done: trio.Event = attrs.Factory(trio.Event)
     result: outcome.Outcome | None = None
+
+
+class _Delivery:
+    """Brings a thread's result back to the actor, in the trio thread."""
+
+    __slots__ = ("actor", "invocation", "on_done")
+
+    def __init__(self, actor: LocalStageActor, invocation: StageInvocation, on_done: Completion) -> None:
+        self.actor = actor
+        self.invocation = invocation
+        self.on_done = on_done
+
+    def __call__(self, result: outcome.Outcome) -> None:
+        actor = self.actor
+        if actor._machine.state is ActorState.FAILED and not isinstance(result, outcome.Error):
+            result = outcome.Error(ActorFailedError(f"stage actor {actor.name!r} failed: {actor._failure_reason}"))
+        actor._resolve(self.invocation, self.on_done, result)
 
 
 _names = itertools.count()
@@ -144,6 +163,9 @@ class LocalStageActor:
         self._idle.set()
         self._thread: DedicatedThread | None = None
         self._stopped = trio.Event()
+        self._capacity = mailbox_capacity
+        self._send_closed = False
+        self._close_requested = trio.Event()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -155,6 +177,9 @@ class LocalStageActor:
         self._machine.apply(actor_table.Event.STARTED)
         task_status.started()
         try:
+            if not self._handler_is_async:
+                await self._close_requested.wait()
+                return
             async with self._receive:
                 async for message in self._receive:
                     if isinstance(message, _Invoke):
@@ -175,6 +200,8 @@ class LocalStageActor:
     async def aclose(self) -> None:
         """Stop taking work; queued work finishes first; idempotent."""
         self._send.close()
+        self._send_closed = True
+        self._close_requested.set()
         if self._machine.state is not ActorState.STARTING:
             await self._stopped.wait()
         elif self._machine.can(actor_table.Event.CLOSE):
@@ -184,14 +211,25 @@ class LocalStageActor:
 
     def submit(self, invocation: StageInvocation, on_done: Completion) -> None:
         self._check_usable()
-        try:
-            self._send.send_nowait(_Invoke(invocation, on_done))
-        except trio.WouldBlock:
-            raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full") from None
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
+        if self._handler_is_async:
+            try:
+                self._send.send_nowait(_Invoke(invocation, on_done))
+            except trio.WouldBlock:
+                raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full") from None
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
+        else:
+            # the dedicated thread's queue is the mailbox: one call running, up to
+            # ``mailbox_capacity`` waiting behind it
+            if self._send_closed:
+                raise ActorFailedError(f"stage actor {self.name!r} is closed")
+            if self._pending > self._capacity:
+                raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
+            assert self._thread is not None
+            self._thread.submit(self._handler, (invocation,), _Delivery(self, invocation, on_done))
         self._pending += 1
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        if self._idle.is_set():
+            self._idle = trio.Event()
 
     async def _invoke(self, message: _Invoke) -> None:
         inv = message.invocation
@@ -201,12 +239,15 @@ class LocalStageActor:
             )
         else:
             result = await self._call(self._handler, self._handler_is_async, inv)
-            if isinstance(result, outcome.Error) and isinstance(result.error, FatalStageError):
-                self.fail(f"{type(result.error).__name__}: {result.error}")
+        self._resolve(inv, message.on_done, result)
+
+    def _resolve(self, invocation: StageInvocation, on_done: Completion, result: outcome.Outcome) -> None:
+        if isinstance(result, outcome.Error) and isinstance(result.error, FatalStageError):
+            self.fail(f"{type(result.error).__name__}: {result.error}")
         self._pending -= 1
         if self._pending == 0:
             self._idle.set()
-        message.on_done(inv, result)
+        on_done(invocation, result)
 
     async def _call(self, fn: Callable[..., Any], is_async: bool, *args: Any) -> outcome.Outcome:
         if is_async:
@@ -221,6 +262,12 @@ class LocalStageActor:
         if self._closer is None:
             return
         self._check_usable()
+        if not self._handler_is_async:
+            if self._send_closed:
+                raise ActorFailedError(f"stage actor {self.name!r} is closed")
+            # through the thread's queue, behind every invocation submitted before it
+            await self._barrier_then_close(context, reason)
+            return
         message = _CloseSession(context, reason)
         try:
             await self._send.send(message)
@@ -229,6 +276,17 @@ class LocalStageActor:
         await message.done.wait()
         assert message.result is not None
         message.result.unwrap()
+
+    async def _barrier_then_close(self, context: SessionContext, reason: CloseReason) -> None:
+        if self._closer_is_async:
+            await self.barrier()
+            with trio.CancelScope(shield=True):
+                await self._closer(context, reason)
+        else:
+            assert self._thread is not None
+            await self._thread.call(self._closer, context, reason)
+        if self._machine.state is ActorState.FAILED:
+            raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
 
     async def _close_session(self, message: _CloseSession) -> None:
         if self._machine.state is ActorState.FAILED:
@@ -255,6 +313,10 @@ class LocalStageActor:
 
     def health(self) -> ActorHealth:
         return ActorHealth(self._machine.state, self._pending, self._failure_reason)
+
+    def is_healthy(self) -> bool:
+        """The cheap form of ``health().healthy`` the scheduler asks before every admission."""
+        return self._machine.state is ActorState.RUNNING
 
     def _check_usable(self) -> None:
         state = self._machine.state
@@ -368,6 +430,10 @@ class ParallelWorkerStageActor:
         if getattr(self.worker, "closed", False) and inner.state is not ActorState.FAILED:
             return ActorHealth(ActorState.CLOSED, inner.pending_invocations, None)
         return inner
+
+    def is_healthy(self) -> bool:
+        self._sync_worker_health()
+        return self._inner.is_healthy() and not getattr(self.worker, "closed", False)
 
     def _sync_worker_health(self) -> None:
         if getattr(self.worker, "failed", False):

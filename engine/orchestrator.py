@@ -330,9 +330,8 @@ class Orchestrator:
             rt.blockers[stage_id][seq] = blocker
             return False
         actor = self.actors[stage_id]
-        health = actor.health()
-        if not health.healthy:
-            self._fail_actor_sessions(stage_id, health.failure_reason)
+        if not actor.is_healthy():
+            self._fail_actor_sessions(stage_id, actor.health().failure_reason)
             return False
         key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, self._next_request)
         self._next_request += 1
@@ -395,8 +394,8 @@ class Orchestrator:
             self._pump()
 
     def _accept_result(self, rt: SessionRuntime, stage: Any, key: TaskKey, result: outcome.Outcome, now: float) -> None:
-        actor_health = self.actors[stage.stage_id].health()
         if isinstance(result, outcome.Error):
+            actor_health = self.actors[stage.stage_id].health()
             if not actor_health.healthy:
                 self._fail_actor_sessions(stage.stage_id, actor_health.failure_reason, result.error, first=rt)
             else:

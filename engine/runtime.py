@@ -126,7 +126,8 @@ class SessionRuntime:
         return True
 
     def wake(self) -> None:
-        self.changed.unpark_all()
+        if self.changed:  # ParkingLot is falsy when nobody waits
+            self.changed.unpark_all()
 
     def timing(self, stage_id: str, seq: int) -> _Timing:
         timing = self.timings[stage_id].get(seq)

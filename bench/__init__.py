@@ -1,0 +1,1 @@
+"""Benchmarks: each prints JSON lines of figures and ratios measured in the same run."""
