@@ -1,0 +1,488 @@
+"""The admission book: which worker retains which stream session, and who waits.
+
+Theory of operation
+-------------------
+Each worker retains up to ``capacity`` sessions. A new session goes to the
+least-loaded eligible worker, ordered by ``(retained / capacity, retained,
+worker_id)``; eligible means the worker's state is in
+:data:`states.worker.ELIGIBLE` (idle or busy) and it has room. With no room
+anywhere the session joins a bounded FIFO queue, or is rejected when the queue
+is disabled (``queue_size == 0``, reason ``no_capacity``) or full
+(``queue_full``).
+
+Whenever room appears — a session is released, a worker becomes ready, a
+capacity grows — queued heads are promoted in FIFO order, each onto the
+least-loaded eligible worker (not merely the one that freed the slot), while
+any eligible worker has room. So the book is work-conserving: a non-empty
+queue implies no eligible worker has room.
+
+Queue positions are derived from the queue (1..n) each time they are asked
+for, so they never go stale when someone ahead leaves.
+
+A worker's state lives only in its :class:`~states.worker.WorkerMachine` and
+changes only through ``apply``; the book decides which event to apply. A
+FAILED or DRAINING worker takes no new session but keeps counting the sessions
+it retains until each is released (the room runner releases them).
+
+The book is pure: no clock (every mutating method takes ``now``), no lock, no
+I/O. Every mutating method returns the transitions it made, in order: a list
+of :class:`AdmissionTransition` (a session moved) and :class:`WorkerTransition`
+(an event was applied to a worker). Both carry ``kind`` so a consumer can
+filter on it. ``admit`` returns ``(Admission, transitions)``.
+
+A method that raises changed nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Literal, Union
+
+import attrs
+
+from .worker import ELIGIBLE, Event as WorkerEvent, State as WorkerState, WorkerMachine
+
+__all__ = [
+    "AdmissionBook",
+    "Admission",
+    "AdmissionTransition",
+    "WorkerTransition",
+    "Transition",
+    "WorkerView",
+    "AdmissionSnapshot",
+    "InvalidSetting",
+    "DuplicateSession",
+    "DuplicateWorker",
+    "UnknownSession",
+    "UnknownWorker",
+    "admitted_ids",
+]
+
+AdmissionStatus = Literal["assigned", "queued", "rejected"]
+TransitionKind = Literal["assigned", "queued", "rejected", "released", "dequeued", "promoted"]
+
+
+# --- errors -----------------------------------------------------------------
+
+
+class InvalidSetting(ValueError):
+    """A value the book cannot accept; ``field`` names it."""
+
+    def __init__(self, field: str, value: object, why: str) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(f"{field}={value!r}: {why}")
+
+
+class DuplicateSession(ValueError):
+    """The session is already queued or assigned; admitting it twice would hold two slots."""
+
+    def __init__(self, session_id: str, where: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"session {session_id!r} is already {where}")
+
+
+class DuplicateWorker(ValueError):
+    """A worker id is taken (even by a failed or stopped worker: ids are never reused)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        super().__init__(f"worker {worker_id!r} already exists")
+
+
+class UnknownSession(KeyError):
+    """The session is neither queued nor assigned (never admitted, rejected or released)."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        super().__init__(session_id)
+
+    def __str__(self) -> str:
+        return f"session {self.session_id!r} is neither queued nor assigned"
+
+
+class UnknownWorker(KeyError):
+    """No worker has this id."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        super().__init__(worker_id)
+
+    def __str__(self) -> str:
+        return f"no worker {self.worker_id!r}"
+
+
+# --- results ----------------------------------------------------------------
+
+
+@attrs.frozen
+class Admission:
+    """The answer to one ``admit``: what the HTTP layer tells the client."""
+
+    status: AdmissionStatus
+    session_id: str
+    worker_id: str | None = None
+    queue_position: int | None = None
+    reason: str | None = None
+
+
+@attrs.frozen
+class AdmissionTransition:
+    """One session moved.
+
+    ``queue_position`` is the place the session got (``queued``) or held when
+    it left the queue (``dequeued``, ``promoted``); ``queued_at`` is when it
+    joined the queue, so a consumer can measure queue wait on promotion.
+    """
+
+    session_id: str
+    kind: TransitionKind
+    worker_id: str | None
+    queue_position: int | None
+    at: float
+    queued_at: float | None = None
+
+
+@attrs.frozen
+class WorkerTransition:
+    """One event applied to a worker's machine (``kind`` is always ``"worker"``)."""
+
+    worker_id: str
+    event: WorkerEvent
+    state: WorkerState
+    at: float
+    kind: Literal["worker"] = "worker"
+
+
+Transition = Union[AdmissionTransition, WorkerTransition]
+
+
+@attrs.frozen
+class WorkerView:
+    """A read-only picture of one worker (for metrics and health)."""
+
+    worker_id: str
+    state: WorkerState
+    capacity: int
+    session_ids: tuple[str, ...]
+
+    @property
+    def retained(self) -> int:
+        return len(self.session_ids)
+
+
+@attrs.frozen
+class AdmissionSnapshot:
+    """Counts for health and metrics; worker counts are by machine state."""
+
+    workers_total: int
+    workers_starting: int
+    workers_idle: int
+    workers_busy: int
+    workers_draining: int
+    workers_failed: int
+    workers_stopped: int
+    queued: int
+    retained: int
+    free_slots: int  # room on eligible workers (0 whenever anyone is queued)
+
+
+# --- the book ---------------------------------------------------------------
+
+
+@attrs.define(slots=True)
+class _Worker:
+    capacity: int
+    machine: WorkerMachine
+    sessions: list[str]  # admission order
+
+
+def _check_capacity(capacity: object) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise InvalidSetting("capacity", capacity, "must be an integer")
+    if capacity < 1:
+        raise InvalidSetting("capacity", capacity, "must be at least 1")
+    return capacity
+
+
+def _check_id(field: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidSetting(field, value, "must be a non-empty string")
+    return value
+
+
+class AdmissionBook:
+    """Workers, their retained sessions and the bounded FIFO of waiting sessions."""
+
+    __slots__ = ("_queue_size", "_workers", "_queue", "_assigned")
+
+    def __init__(self, queue_size: int = 0) -> None:
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
+            raise InvalidSetting("queue_size", queue_size, "must be an integer >= 0")
+        self._queue_size = queue_size
+        self._workers: dict[str, _Worker] = {}
+        # session id -> queued_at; dict order is the FIFO order
+        self._queue: dict[str, float] = {}
+        # session id -> worker id
+        self._assigned: dict[str, str] = {}
+
+    # -- copying (the explorer copies worlds) --
+
+    def copy(self) -> AdmissionBook:
+        """An independent copy, cheaper than ``copy.deepcopy``."""
+        other = AdmissionBook.__new__(AdmissionBook)
+        other._queue_size = self._queue_size
+        other._workers = {
+            wid: _Worker(w.capacity, WorkerMachine(w.machine.state), list(w.sessions))
+            for wid, w in self._workers.items()
+        }
+        other._queue = dict(self._queue)
+        other._assigned = dict(self._assigned)
+        return other
+
+    def __deepcopy__(self, memo: dict) -> AdmissionBook:
+        return self.copy()
+
+    def canonical_key(self) -> Hashable:
+        """Everything that decides future behaviour, without timestamps or list order that does not matter."""
+        return (
+            self._queue_size,
+            tuple(
+                (wid, w.machine.state, w.capacity, tuple(sorted(w.sessions)))
+                for wid, w in sorted(self._workers.items())
+            ),
+            tuple(self._queue),
+        )
+
+    # -- queries --
+
+    @property
+    def queue_size(self) -> int:
+        return self._queue_size
+
+    def queue_position(self, session_id: str) -> int | None:
+        """Current 1-based place in the FIFO, or None when not queued."""
+        if session_id not in self._queue:
+            return None
+        for position, sid in enumerate(self._queue, start=1):
+            if sid == session_id:
+                return position
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def queued_ids(self) -> tuple[str, ...]:
+        """Waiting sessions, head first."""
+        return tuple(self._queue)
+
+    def queued_at(self, session_id: str) -> float | None:
+        return self._queue.get(session_id)
+
+    def worker_of(self, session_id: str) -> str | None:
+        """The worker retaining the session, or None (queued or unknown)."""
+        return self._assigned.get(session_id)
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the session is queued or assigned."""
+        return session_id in self._assigned or session_id in self._queue
+
+    def retained(self, worker_id: str) -> int:
+        return len(self._worker(worker_id).sessions)
+
+    def capacity(self, worker_id: str) -> int:
+        return self._worker(worker_id).capacity
+
+    def worker_state(self, worker_id: str) -> WorkerState:
+        return self._worker(worker_id).machine.state
+
+    def worker(self, worker_id: str) -> WorkerView:
+        w = self._worker(worker_id)
+        return WorkerView(worker_id, w.machine.state, w.capacity, tuple(w.sessions))
+
+    def workers(self) -> tuple[WorkerView, ...]:
+        """Every worker, by id."""
+        return tuple(self.worker(wid) for wid in sorted(self._workers))
+
+    def snapshot(self) -> AdmissionSnapshot:
+        counts = dict.fromkeys(WorkerState, 0)
+        for w in self._workers.values():
+            counts[w.machine.state] += 1
+        return AdmissionSnapshot(
+            workers_total=len(self._workers),
+            workers_starting=counts[WorkerState.STARTING],
+            workers_idle=counts[WorkerState.IDLE],
+            workers_busy=counts[WorkerState.BUSY],
+            workers_draining=counts[WorkerState.DRAINING],
+            workers_failed=counts[WorkerState.FAILED],
+            workers_stopped=counts[WorkerState.STOPPED],
+            queued=len(self._queue),
+            retained=len(self._assigned),
+            free_slots=sum(
+                w.capacity - len(w.sessions) for w in self._workers.values() if self._eligible(w)
+            ),
+        )
+
+    # -- workers --
+
+    def add_worker(self, worker_id: str, capacity: int, now: float) -> list[Transition]:
+        """Register a worker in STARTING; it takes sessions only after ``worker_ready``."""
+        _check_id("worker_id", worker_id)
+        _check_capacity(capacity)
+        if worker_id in self._workers:
+            raise DuplicateWorker(worker_id)
+        self._workers[worker_id] = _Worker(capacity, WorkerMachine(), [])
+        return []
+
+    def worker_ready(self, worker_id: str, now: float) -> list[Transition]:
+        """READY: the worker loaded its pipeline; queued heads may now land on it."""
+        out: list[Transition] = [self._apply(worker_id, WorkerEvent.READY, now)]
+        out += self._promote(now)
+        return out
+
+    def fail_worker(self, worker_id: str, now: float) -> list[Transition]:
+        """FAIL: no new sessions; retained ones stay counted until each is released."""
+        return [self._apply(worker_id, WorkerEvent.FAIL, now)]
+
+    def drain_worker(self, worker_id: str, now: float) -> list[Transition]:
+        """DRAIN: no new sessions; the worker stops (DRAINED) once it retains none."""
+        out: list[Transition] = [self._apply(worker_id, WorkerEvent.DRAIN, now)]
+        if not self._workers[worker_id].sessions:
+            out.append(self._apply(worker_id, WorkerEvent.DRAINED, now))
+        return out
+
+    def stop_worker(self, worker_id: str, now: float) -> list[Transition]:
+        """STOP: retire a worker that holds nothing (starting or idle)."""
+        return [self._apply(worker_id, WorkerEvent.STOP, now)]
+
+    def set_capacity(self, worker_id: str, capacity: int, now: float) -> list[Transition]:
+        """Change a worker's slot count; never below what it retains now. Growth promotes queued heads."""
+        w = self._worker(worker_id)
+        _check_capacity(capacity)
+        if capacity < len(w.sessions):
+            raise InvalidSetting(
+                "capacity",
+                capacity,
+                f"worker {worker_id!r} retains {len(w.sessions)} sessions; cannot shrink below that",
+            )
+        grew = capacity > w.capacity
+        w.capacity = capacity
+        return self._promote(now) if grew else []
+
+    # -- sessions --
+
+    def admit(self, session_id: str, now: float) -> tuple[Admission, list[Transition]]:
+        """Assign to the least-loaded eligible worker, else queue, else reject.
+
+        Returns the admission answer and the transitions made.
+        """
+        _check_id("session_id", session_id)
+        if session_id in self._assigned:
+            raise DuplicateSession(session_id, f"assigned to {self._assigned[session_id]!r}")
+        if session_id in self._queue:
+            raise DuplicateSession(session_id, "queued")
+        worker_id = self._least_loaded()
+        if worker_id is not None:
+            assigned = self._assign(session_id, worker_id, "assigned", now, None, None)
+            return Admission("assigned", session_id, worker_id=worker_id), assigned
+        if self._queue_size == 0 or len(self._queue) >= self._queue_size:
+            reason = "no_capacity" if self._queue_size == 0 else "queue_full"
+            rejected = AdmissionTransition(session_id, "rejected", None, None, now)
+            return Admission("rejected", session_id, reason=reason), [rejected]
+        self._queue[session_id] = now
+        position = len(self._queue)
+        queued = AdmissionTransition(session_id, "queued", None, position, now, now)
+        return Admission("queued", session_id, queue_position=position), [queued]
+
+    def release(self, session_id: str, now: float) -> list[Transition]:
+        """Drop a queued session, or free an assigned session's slot and promote queued heads."""
+        if session_id in self._queue:
+            position = self.queue_position(session_id)
+            queued_at = self._queue.pop(session_id)
+            return [AdmissionTransition(session_id, "dequeued", None, position, now, queued_at)]
+        if session_id not in self._assigned:
+            raise UnknownSession(session_id)
+        worker_id = self._assigned[session_id]
+        w = self._workers[worker_id]
+        last = len(w.sessions) == 1
+        event = WorkerEvent.LAST_SESSION_REMOVED if last else WorkerEvent.SESSION_REMOVED
+        # apply first: if the table refused, nothing has changed yet
+        worker_change = self._apply(worker_id, event, now)
+        w.sessions.remove(session_id)
+        del self._assigned[session_id]
+        out: list[Transition] = [
+            AdmissionTransition(session_id, "released", worker_id, None, now),
+            worker_change,
+        ]
+        if last and w.machine.state is WorkerState.DRAINING:
+            out.append(self._apply(worker_id, WorkerEvent.DRAINED, now))
+        out += self._promote(now)
+        return out
+
+    # -- internals --
+
+    def _worker(self, worker_id: str) -> _Worker:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise UnknownWorker(worker_id) from None
+
+    def _apply(self, worker_id: str, event: WorkerEvent, now: float) -> WorkerTransition:
+        state = self._worker(worker_id).machine.apply(event)
+        return WorkerTransition(worker_id, event, state, now)
+
+    @staticmethod
+    def _eligible(w: _Worker) -> bool:
+        return w.machine.state in ELIGIBLE and len(w.sessions) < w.capacity
+
+    def _least_loaded(self) -> str | None:
+        best: tuple[float, int, str] | None = None
+        for wid, w in self._workers.items():
+            if not self._eligible(w):
+                continue
+            key = (len(w.sessions) / w.capacity, len(w.sessions), wid)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[2]
+
+    def _assign(
+        self,
+        session_id: str,
+        worker_id: str,
+        kind: TransitionKind,
+        now: float,
+        position: int | None,
+        queued_at: float | None,
+    ) -> list[Transition]:
+        worker_change = self._apply(worker_id, WorkerEvent.SESSION_ADDED, now)
+        self._workers[worker_id].sessions.append(session_id)
+        self._assigned[session_id] = worker_id
+        return [
+            AdmissionTransition(session_id, kind, worker_id, position, now, queued_at),
+            worker_change,
+        ]
+
+    def _promote(self, now: float) -> list[Transition]:
+        """Move queued heads onto the least-loaded eligible worker while one has room."""
+        out: list[Transition] = []
+        while self._queue:
+            worker_id = self._least_loaded()
+            if worker_id is None:
+                break
+            session_id = next(iter(self._queue))
+            queued_at = self._queue.pop(session_id)
+            out += self._assign(session_id, worker_id, "promoted", now, 1, queued_at)
+        return out
+
+    def __repr__(self) -> str:
+        workers = ", ".join(
+            f"{wid}:{w.machine.state.name}:{len(w.sessions)}/{w.capacity}"
+            for wid, w in sorted(self._workers.items())
+        )
+        return f"<AdmissionBook workers=[{workers}] queue={list(self._queue)}/{self._queue_size}>"
+
+
+def admitted_ids(transitions: Iterable[Transition]) -> list[tuple[str, str]]:
+    """``(session_id, worker_id)`` for every session that got a slot in ``transitions``."""
+    return [
+        (t.session_id, t.worker_id)  # type: ignore[misc]
+        for t in transitions
+        if isinstance(t, AdmissionTransition) and t.kind in ("assigned", "promoted")
+    ]

@@ -1,0 +1,255 @@
+"""Exhaustive exploration of the execution-lease book (``states.lease_book``).
+
+The world is a :class:`LeaseBook` with every session registered at time 0,
+the current time, and what the explorer itself remembers (independently of
+the book's own flags) to judge each step: the FIFO order it expects, which
+sessions queued behind an occupied lease (and so are owed one chunk once
+granted), and the violations seen on the step that produced the world.
+
+Events: ``activity(s)`` for every known session; ``begin(s)`` for the holder
+between chunks; ``finish(s)`` / ``abort(s)`` for a session mid-chunk; ``tick``
+(time jumps by exactly ``idle_timeout`` -- so every stamp is stale -- then the
+periodic ``tick``); ``close(s)``; ``release(s)`` after close once its chunk is
+over. Time only moves in whole idle timeouts, so a stamp is either fresh (made
+at the current time) or expired, and ``LeaseBook.canonical_key`` makes the
+space finite.
+
+Invariants checked in every reachable world: at most one ACTIVE holder and at
+most one chunk in flight, and never both an ACTIVE holder and a closing
+session's chunk; the lease never changes hands (no GRANT, no PARK) while a
+chunk is in flight except at that chunk's own boundary; nobody is parked
+unless someone waits; a grant goes to the FIFO head, which queued through
+activity (a parked session is never granted without new activity); a session
+that queued behind an occupied lease runs one chunk before it can be parked;
+closed sessions are neither ACTIVE nor queued; queue positions are 1..n in
+FIFO order; a free lease with waiters never persists; the returned
+transitions are exactly the state changes; and NO STARVATION: from every
+world, the schedule "holder runs a chunk, then an idle tick" repeated
+``3 * (n + 1)`` times grants every session queued now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+import attrs
+
+from .explore import Configuration
+from .lease import State
+from .lease_book import LeaseBook, LeaseTransition
+
+__all__ = ["LeaseWorld", "configurations", "initial_world", "successors", "check", "key"]
+
+IDLE_TIMEOUT = 1.0
+
+
+@attrs.frozen
+class LeaseWorld:
+    book: LeaseBook = attrs.field(eq=False)
+    now: float
+    expected_fifo: tuple[str, ...] = ()
+    owed_chunk: frozenset[str] = frozenset()  # queued behind an occupied lease, not yet run
+    problems: tuple[str, ...] = ()
+
+
+def initial_world(session_ids: Sequence[str]) -> LeaseWorld:
+    book = LeaseBook(IDLE_TIMEOUT)
+    for session_id in session_ids:
+        book.register(session_id, 0.0)
+    return LeaseWorld(book=book, now=0.0)
+
+
+def key(world: LeaseWorld) -> Hashable:
+    return (
+        world.book.canonical_key(world.now),
+        world.expected_fifo,
+        world.owed_chunk,
+        world.problems,
+    )
+
+
+def _states(book: LeaseBook) -> dict[str, State]:
+    return {snap.session_id: snap.state for snap in book.snapshot()}
+
+
+def _busy(book: LeaseBook) -> tuple[str, ...]:
+    return tuple(snap.session_id for snap in book.snapshot() if snap.busy)
+
+
+def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> LeaseWorld:
+    """Apply one event to a copy of the world and judge the step."""
+    book = world.book.clone()
+    now = world.now
+    before = _states(book)
+    busy_before = _busy(book)
+    occupant_before = book.holder() or book.draining()
+    fifo = list(world.expected_fifo)
+    owed = set(world.owed_chunk)
+    problems: list[str] = []
+
+    if kind == "activity":
+        assert session_id is not None
+        if before[session_id] in (State.WAITING, State.PARKED):
+            fifo.append(session_id)
+            if occupant_before is not None:
+                owed.add(session_id)
+            else:
+                owed.discard(session_id)
+        transitions = book.record_activity(session_id, now)
+    elif kind == "begin":
+        assert session_id is not None
+        transitions = book.begin_chunk(session_id)
+        owed.discard(session_id)
+    elif kind == "finish":
+        assert session_id is not None
+        transitions = book.finish_chunk(session_id, now)
+    elif kind == "abort":
+        assert session_id is not None
+        transitions = book.abort_chunk(session_id)
+    elif kind == "tick":
+        now = now + IDLE_TIMEOUT
+        transitions = book.tick(now)
+    elif kind == "close":
+        assert session_id is not None
+        transitions = book.close(session_id)
+        owed.discard(session_id)
+    elif kind == "release":
+        assert session_id is not None
+        transitions = book.release(session_id)
+    else:  # pragma: no cover - the successor list names every kind
+        raise AssertionError(kind)
+
+    after = _states(book)
+    # the returned transitions are exactly the state changes
+    changed = {sid for sid in before if after.get(sid, before[sid]) is not before[sid]}
+    reported: dict[str, State] = {}
+    for transition in transitions:
+        if not isinstance(transition, LeaseTransition):
+            problems.append(f"non-transition {transition!r} returned by {label}")
+            continue
+        reported[transition.session_id] = transition.state
+    if set(reported) != changed or any(after[sid] is not state for sid, state in reported.items()):
+        problems.append(f"{label} reported {reported} but changed {sorted(changed)}")
+
+    chunk_boundary = kind in ("finish", "abort") and session_id in busy_before
+    for transition in transitions:
+        sid, state = transition.session_id, transition.state
+        if state is State.ACTIVE:
+            if busy_before and not chunk_boundary:
+                problems.append(f"{sid} granted mid-chunk of {busy_before[0]} by {label}")
+            if not fifo or fifo[0] != sid:
+                problems.append(f"{sid} granted out of FIFO order {fifo} by {label}")
+            else:
+                fifo.pop(0)
+            fresh_activity = kind == "activity" and sid == session_id
+            if before[sid] is not State.QUEUED and not fresh_activity:
+                problems.append(f"{sid} granted from {before[sid].name} without new activity")
+        elif state is State.PARKED:
+            if sid in busy_before and not (chunk_boundary and sid == session_id):
+                problems.append(f"{sid} parked mid-chunk by {label}")
+            if busy_before and not chunk_boundary:
+                problems.append(f"{sid} parked while a chunk of {busy_before[0]} runs ({label})")
+            if not fifo:
+                problems.append(f"{sid} parked with nobody waiting by {label}")
+            if sid in owed:
+                problems.append(f"{sid} parked before its guaranteed chunk by {label}")
+        elif state is State.CLOSING and sid in fifo:
+            fifo.remove(sid)
+    return LeaseWorld(
+        book=book,
+        now=now,
+        expected_fifo=tuple(fifo),
+        owed_chunk=frozenset(owed) & frozenset(after),
+        problems=tuple(problems),
+    )
+
+
+def successors(world: LeaseWorld) -> Iterable[tuple[str, LeaseWorld]]:
+    book = world.book
+    states = _states(book)
+    holder = book.holder()
+    busy = _busy(book)
+    for sid in states:
+        yield f"activity({sid})", _step(world, f"activity({sid})", "activity", sid)
+    if holder is not None and not book.is_busy(holder):
+        yield f"begin({holder})", _step(world, f"begin({holder})", "begin", holder)
+    for sid in busy:
+        yield f"finish({sid})", _step(world, f"finish({sid})", "finish", sid)
+        yield f"abort({sid})", _step(world, f"abort({sid})", "abort", sid)
+    yield "tick", _step(world, "tick", "tick", None)
+    for sid, state in states.items():
+        if state is not State.CLOSING:
+            yield f"close({sid})", _step(world, f"close({sid})", "close", sid)
+        elif sid not in busy:
+            yield f"release({sid})", _step(world, f"release({sid})", "release", sid)
+
+
+def _starves(world: LeaseWorld) -> list[str]:
+    """Simulate holder chunks and idle ticks on a copy; every queued session must be granted."""
+    book = world.book.clone()
+    now = world.now
+    waiting = set(book.queued())
+    rounds = 3 * (len(book) + 1)
+    for _ in range(rounds):
+        if not waiting:
+            return []
+        transitions: list[LeaseTransition] = []
+        for sid in _busy(book):
+            transitions += book.finish_chunk(sid, now)
+        holder = book.holder()
+        if holder is not None:
+            transitions += book.begin_chunk(holder)
+            transitions += book.finish_chunk(holder, now)
+        now += IDLE_TIMEOUT
+        transitions += book.tick(now)
+        waiting -= {t.session_id for t in transitions if t.state is State.ACTIVE}
+    return [f"starvation: {sorted(waiting)} never granted within {rounds} rounds"] if waiting else []
+
+
+def check(world: LeaseWorld) -> Sequence[str]:
+    book = world.book
+    problems = list(world.problems)
+    snaps = book.snapshot()
+    active = [s.session_id for s in snaps if s.state is State.ACTIVE]
+    busy = [s.session_id for s in snaps if s.busy]
+    if len(active) > 1:
+        problems.append(f"two holders {active}")
+    if len(busy) > 1:
+        problems.append(f"two chunks in flight {busy}")
+    draining = book.draining()
+    if active and draining is not None:
+        problems.append(f"{active[0]} holds the lease while {draining}'s chunk runs")
+    for snap in snaps:
+        if snap.busy and snap.state not in (State.ACTIVE, State.CLOSING):
+            problems.append(f"{snap.session_id} busy while {snap.state.name}")
+        if snap.state is State.CLOSING and snap.queue_position is not None:
+            problems.append(f"closed {snap.session_id} still queued")
+        if (snap.state is State.QUEUED) != (snap.queue_position is not None):
+            problems.append(f"{snap.session_id} {snap.state.name} at position {snap.queue_position}")
+    queued = book.queued()
+    positions = [book.queue_position(sid) for sid in queued]
+    if positions != list(range(1, len(queued) + 1)):
+        problems.append(f"queue positions {positions} are not 1..n")
+    if queued != world.expected_fifo:
+        problems.append(f"FIFO {queued} but arrivals order {world.expected_fifo}")
+    if queued and book.lease_free():
+        problems.append(f"lease free while {queued} wait")
+    problems += _starves(world)
+    return problems
+
+
+def _configuration(sessions: tuple[str, ...]) -> Configuration:
+    return Configuration(
+        name=f"lease book {len(sessions)} sessions",
+        initial=lambda: initial_world(sessions),
+        successors=successors,
+        key=key,
+        check=check,
+    )
+
+
+def configurations(small: bool) -> list[Configuration]:
+    """Small: 2 sessions. Full: 3 sessions, then 4 (about 30k worlds, a few seconds)."""
+    if small:
+        return [_configuration(("a", "b"))]
+    return [_configuration(("a", "b", "c")), _configuration(("a", "b", "c", "d"))]

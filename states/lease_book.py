@@ -1,0 +1,410 @@
+"""Who runs the next model chunk: the execution-lease book (pure, no clock).
+
+Theory of operation
+-------------------
+Many admitted sessions share one model service; the book decides whose chunk
+runs next. Each session's lifecycle (waiting, queued, active, parked, closing)
+lives only in its :class:`~states.lease.LeaseMachine` and moves only through
+``apply``; the book owns the multi-session facts around it: the FIFO of queued
+sessions, each session's last activity stamp, whether a chunk is in flight
+(``busy``), whether the holder has run a chunk since it was granted, and
+whether a waiter is owed a guaranteed chunk.
+
+Rules (reference B.8, with the F.26 weakness fixed):
+
+* ``record_activity`` stamps activity; a waiting or parked session joins the
+  FIFO tail. If it queues while the lease is held by someone else (an active
+  session, or a closing session whose last chunk is still running), it is
+  *protected*: once granted it is guaranteed one chunk before it can be
+  parked, even if its own activity is stale by then. Then, if another session
+  holds the lease, has run a chunk since its grant, is not mid-chunk and is
+  idle-expired, it is parked; then the FIFO head is granted if the lease is
+  free.
+* ``begin_chunk`` / ``finish_chunk`` bracket one chunk of the holder. The lease
+  changes hands only at a chunk boundary: ``finish_chunk`` parks an
+  idle-expired holder when someone waits and grants the next; ``tick`` (a
+  periodic timer) does the same for a holder between chunks that has run since
+  its grant. A parked session is granted again only after new activity.
+* ``close`` ends a session's claim from any live state. Closing the holder
+  frees the lease at once and grants the next waiter -- unless the holder is
+  mid-chunk, in which case the lease stays occupied by that chunk (the closing
+  session is no longer ACTIVE, but no one else may run) until ``finish_chunk``
+  or ``abort_chunk`` reports the chunk over, which grants the next waiter.
+  ``release`` forgets a closing entry whose chunk (if any) is over.
+
+Times are plain floats passed in by the caller. Mutating methods return the
+:class:`LeaseTransition` list they made (in order); on error they raise a
+:class:`LeaseError` subclass and change nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import attrs
+
+from .lease import Event, LeaseMachine, State
+
+__all__ = [
+    "LeaseBook",
+    "LeaseTransition",
+    "LeaseSnapshot",
+    "LeaseError",
+    "UnknownSession",
+    "DuplicateSession",
+    "SessionClosing",
+    "NotHolder",
+    "ChunkInProgress",
+    "NoChunkInProgress",
+    "NotClosing",
+]
+
+
+# --------------------------------------------------------------------- errors
+
+
+class LeaseError(ValueError):
+    """A lease-book call that does not fit the session's current situation.
+
+    ``session_id`` names the session; the book is unchanged.
+    """
+
+    def __init__(self, session_id: str, message: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"execution lease: session {session_id!r}: {message}")
+
+
+class UnknownSession(LeaseError):
+    """The session was never registered (or was already released)."""
+
+
+class DuplicateSession(LeaseError):
+    """``register`` of a session id the book already holds."""
+
+
+class SessionClosing(LeaseError):
+    """``close`` of a session that is already closing."""
+
+
+class NotHolder(LeaseError):
+    """``begin_chunk`` by a session that is not the ACTIVE holder."""
+
+
+class ChunkInProgress(LeaseError):
+    """A chunk of this session is still running (``begin_chunk`` twice, ``release`` mid-chunk)."""
+
+
+class NoChunkInProgress(LeaseError):
+    """``finish_chunk`` / ``abort_chunk`` with no chunk of this session running."""
+
+
+class NotClosing(LeaseError):
+    """``release`` of a session that has not been closed."""
+
+
+# --------------------------------------------------------------------- values
+
+
+@attrs.frozen
+class LeaseTransition:
+    """One lifecycle change the book made (publish as ``lease_<state>``)."""
+
+    session_id: str
+    state: State
+
+
+@attrs.frozen
+class LeaseSnapshot:
+    """One session as a status publisher sees it."""
+
+    session_id: str
+    state: State
+    last_activity_at: float
+    busy: bool
+    queue_position: int | None
+
+
+@attrs.define
+class _Entry:
+    machine: LeaseMachine
+    last_activity_at: float
+    busy: bool = False
+    has_run_since_grant: bool = False
+    protect_next_grant: bool = False
+
+    @property
+    def state(self) -> State:
+        return self.machine.state
+
+
+def _check_idle_timeout(value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"idle_timeout must be a number > 0, got {value!r}")
+
+
+# ----------------------------------------------------------------------- book
+
+
+class LeaseBook:
+    """The FIFO execution lease over many sessions (see the module docstring)."""
+
+    __slots__ = ("_idle_timeout", "_entries", "_fifo")
+
+    def __init__(self, idle_timeout: float) -> None:
+        _check_idle_timeout(idle_timeout)
+        self._idle_timeout = float(idle_timeout)
+        self._entries: dict[str, _Entry] = {}
+        self._fifo: list[str] = []
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def idle_timeout(self) -> float:
+        return self._idle_timeout
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def sessions(self) -> tuple[str, ...]:
+        """Known session ids in registration order (closing ones until released)."""
+        return tuple(self._entries)
+
+    def holder(self) -> str | None:
+        """The ACTIVE session, if any."""
+        for session_id, entry in self._entries.items():
+            if entry.state is State.ACTIVE:
+                return session_id
+        return None
+
+    def draining(self) -> str | None:
+        """A closing session whose last chunk is still running (it blocks grants)."""
+        for session_id, entry in self._entries.items():
+            if entry.state is State.CLOSING and entry.busy:
+                return session_id
+        return None
+
+    def lease_free(self) -> bool:
+        """Nobody holds the lease and no chunk is in flight."""
+        return self.holder() is None and self.draining() is None
+
+    def queued(self) -> tuple[str, ...]:
+        """The FIFO of queued sessions, head first."""
+        return tuple(self._fifo)
+
+    def state(self, session_id: str) -> State:
+        return self._entry(session_id).state
+
+    def queue_position(self, session_id: str) -> int | None:
+        """1-based position in the FIFO, or None when not queued."""
+        self._entry(session_id)
+        try:
+            return self._fifo.index(session_id) + 1
+        except ValueError:
+            return None
+
+    def is_busy(self, session_id: str) -> bool:
+        return self._entry(session_id).busy
+
+    def last_activity_at(self, session_id: str) -> float:
+        return self._entry(session_id).last_activity_at
+
+    def is_idle_expired(self, session_id: str, now: float) -> bool:
+        return self._expired(self._entry(session_id), now)
+
+    def snapshot(self) -> tuple[LeaseSnapshot, ...]:
+        """Every known session, in registration order."""
+        positions = {session_id: index + 1 for index, session_id in enumerate(self._fifo)}
+        return tuple(
+            LeaseSnapshot(
+                session_id=session_id,
+                state=entry.state,
+                last_activity_at=entry.last_activity_at,
+                busy=entry.busy,
+                queue_position=positions.get(session_id),
+            )
+            for session_id, entry in self._entries.items()
+        )
+
+    def canonical_key(self, now: float) -> Hashable:
+        """A hashable form in which times are reduced to "idle-expired at ``now``".
+
+        Two books with equal keys behave the same from ``now`` on as long as
+        time only moves in steps of at least ``idle_timeout`` between
+        activities (what the exhaustive explorer does).
+        """
+        return (
+            tuple(
+                (
+                    session_id,
+                    entry.state.value,
+                    entry.busy,
+                    entry.has_run_since_grant,
+                    entry.protect_next_grant,
+                    self._expired(entry, now),
+                )
+                for session_id, entry in sorted(self._entries.items())
+            ),
+            tuple(self._fifo),
+        )
+
+    def clone(self) -> LeaseBook:
+        """An independent copy (cheaper than ``copy.deepcopy``, same result)."""
+        twin = LeaseBook.__new__(LeaseBook)
+        twin._idle_timeout = self._idle_timeout
+        twin._entries = {
+            session_id: _Entry(
+                machine=LeaseMachine(entry.state),
+                last_activity_at=entry.last_activity_at,
+                busy=entry.busy,
+                has_run_since_grant=entry.has_run_since_grant,
+                protect_next_grant=entry.protect_next_grant,
+            )
+            for session_id, entry in self._entries.items()
+        }
+        twin._fifo = list(self._fifo)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> LeaseBook:
+        twin = self.clone()
+        memo[id(self)] = twin
+        return twin
+
+    def __copy__(self) -> LeaseBook:
+        return self.clone()
+
+    def __repr__(self) -> str:
+        inner = ", ".join(
+            f"{sid}={entry.state.name}{'*' if entry.busy else ''}"
+            for sid, entry in self._entries.items()
+        )
+        return f"<LeaseBook [{inner}] fifo={self._fifo}>"
+
+    # ----------------------------------------------------------- mutations
+
+    def register(self, session_id: str, now: float) -> list[LeaseTransition]:
+        """A new session, WAITING (it has not asked to run yet)."""
+        if session_id in self._entries:
+            raise DuplicateSession(session_id, "already registered")
+        self._entries[session_id] = _Entry(machine=LeaseMachine(), last_activity_at=now)
+        return [LeaseTransition(session_id, State.WAITING)]
+
+    def record_activity(self, session_id: str, now: float) -> list[LeaseTransition]:
+        """A valid control arrived: stamp, queue if needed, maybe park an idle holder, grant."""
+        entry = self._entry(session_id)
+        if entry.state is State.CLOSING:
+            return []  # a late control racing teardown
+        transitions: list[LeaseTransition] = []
+        occupant = self.holder() or self.draining()
+        entry.last_activity_at = now
+        before = entry.state
+        entry.machine.apply(Event.ACTIVITY)
+        if before in (State.WAITING, State.PARKED):
+            self._fifo.append(session_id)
+            entry.protect_next_grant = occupant is not None and occupant != session_id
+            transitions.append(LeaseTransition(session_id, State.QUEUED))
+        holder = self.holder()
+        if holder is not None and holder != session_id:
+            held = self._entries[holder]
+            if held.has_run_since_grant and not held.busy and self._expired(held, now):
+                transitions.append(self._park(holder))
+        transitions.extend(self._grant_if_free())
+        return transitions
+
+    def begin_chunk(self, session_id: str) -> list[LeaseTransition]:
+        """The ACTIVE holder starts one chunk (returns no transitions)."""
+        entry = self._entry(session_id)
+        if entry.state is not State.ACTIVE:
+            raise NotHolder(session_id, f"cannot begin a chunk while {entry.state.name}")
+        if entry.busy:
+            raise ChunkInProgress(session_id, "a chunk is already running")
+        entry.busy = True
+        entry.has_run_since_grant = True
+        return []
+
+    def finish_chunk(self, session_id: str, now: float) -> list[LeaseTransition]:
+        """A chunk ended: the one boundary where an idle holder hands off."""
+        entry = self._entry(session_id)
+        if not entry.busy:
+            raise NoChunkInProgress(session_id, "no chunk is running")
+        entry.busy = False
+        transitions: list[LeaseTransition] = []
+        if (
+            entry.state is State.ACTIVE
+            and self._fifo
+            and self._expired(entry, now)
+            and entry.has_run_since_grant
+        ):
+            transitions.append(self._park(session_id))
+        transitions.extend(self._grant_if_free())
+        return transitions
+
+    def abort_chunk(self, session_id: str) -> list[LeaseTransition]:
+        """A chunk failed: clear busy. An active holder keeps the lease (a later
+        tick or finish decides); a closing session's aborted chunk frees it."""
+        entry = self._entry(session_id)
+        if not entry.busy:
+            raise NoChunkInProgress(session_id, "no chunk is running")
+        entry.busy = False
+        return self._grant_if_free()
+
+    def tick(self, now: float) -> list[LeaseTransition]:
+        """Periodic timer: hand off from an idle holder between chunks if someone waits."""
+        transitions: list[LeaseTransition] = []
+        holder = self.holder()
+        if holder is not None and self._fifo:
+            entry = self._entries[holder]
+            if entry.has_run_since_grant and not entry.busy and self._expired(entry, now):
+                transitions.append(self._park(holder))
+        transitions.extend(self._grant_if_free())
+        return transitions
+
+    def close(self, session_id: str) -> list[LeaseTransition]:
+        """End the session's claim; a holder between chunks frees the lease at once."""
+        entry = self._entry(session_id)
+        if entry.state is State.CLOSING:
+            raise SessionClosing(session_id, "already closing")
+        if entry.state is State.QUEUED:
+            self._fifo.remove(session_id)
+        entry.machine.apply(Event.CLOSE)
+        entry.protect_next_grant = False
+        return [LeaseTransition(session_id, State.CLOSING), *self._grant_if_free()]
+
+    def release(self, session_id: str) -> list[LeaseTransition]:
+        """Forget a closing session whose chunk (if any) is over."""
+        entry = self._entry(session_id)
+        if entry.state is not State.CLOSING:
+            raise NotClosing(session_id, f"cannot release while {entry.state.name}")
+        if entry.busy:
+            raise ChunkInProgress(session_id, "finish or abort its chunk before release")
+        del self._entries[session_id]
+        return []
+
+    # ------------------------------------------------------------- helpers
+
+    def _entry(self, session_id: str) -> _Entry:
+        try:
+            return self._entries[session_id]
+        except KeyError:
+            raise UnknownSession(session_id, "not registered") from None
+
+    def _expired(self, entry: _Entry, now: float) -> bool:
+        return now - entry.last_activity_at >= self._idle_timeout
+
+    def _park(self, session_id: str) -> LeaseTransition:
+        entry = self._entries[session_id]
+        entry.machine.apply(Event.PARK)
+        entry.has_run_since_grant = False
+        return LeaseTransition(session_id, State.PARKED)
+
+    def _grant_if_free(self) -> list[LeaseTransition]:
+        if not self._fifo or not self.lease_free():
+            return []
+        session_id = self._fifo.pop(0)
+        entry = self._entries[session_id]
+        entry.machine.apply(Event.GRANT)
+        entry.has_run_since_grant = not entry.protect_next_grant
+        entry.protect_next_grant = False
+        return [LeaseTransition(session_id, State.ACTIVE)]
