@@ -166,6 +166,7 @@ class LocalStageActor:
         self._capacity = mailbox_capacity
         self._send_closed = False
         self._close_requested = trio.Event()
+        self._failure_listeners: list[Callable[[str], None]] = []
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -242,12 +243,14 @@ class LocalStageActor:
         self._resolve(inv, message.on_done, result)
 
     def _resolve(self, invocation: StageInvocation, on_done: Completion, result: outcome.Outcome) -> None:
-        if isinstance(result, outcome.Error) and isinstance(result.error, FatalStageError):
-            self.fail(f"{type(result.error).__name__}: {result.error}")
         self._pending -= 1
         if self._pending == 0:
             self._idle.set()
+        # the invocation that surfaced a fatal error is resolved first, so its session
+        # keeps that error; every other session then fails through the listeners
         on_done(invocation, result)
+        if isinstance(result, outcome.Error) and isinstance(result.error, FatalStageError):
+            self.fail(f"{type(result.error).__name__}: {result.error}")
 
     async def _call(self, fn: Callable[..., Any], is_async: bool, *args: Any) -> outcome.Outcome:
         if is_async:
@@ -306,10 +309,20 @@ class LocalStageActor:
     # -- health ----------------------------------------------------------------
 
     def fail(self, reason: str) -> None:
-        """Mark the actor itself broken; it runs no more work (queued items resolve as failed)."""
+        """Mark the actor itself broken; it runs no more work (queued items resolve as failed).
+
+        Call in the trio thread. Failure listeners (the orchestrator) hear of it at once,
+        so sessions waiting on this actor fail instead of waiting forever.
+        """
         if self._machine.can(actor_table.Event.FAIL):
             self._machine.apply(actor_table.Event.FAIL)
             self._failure_reason = reason
+            for listener in list(self._failure_listeners):
+                listener(reason)
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        """``listener(reason)`` runs in the trio thread when the actor fails."""
+        self._failure_listeners.append(listener)
 
     def health(self) -> ActorHealth:
         return ActorHealth(self._machine.state, self._pending, self._failure_reason)
@@ -356,6 +369,11 @@ class InProcessWorkerGroup:
         self.failed = False
         self.failure_reason: str | None = None
         self.closed = False
+        self._failure_callbacks: list[Callable[[str], None]] = []
+
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` runs (in any thread) when the group fails."""
+        self._failure_callbacks.append(callback)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
         if self.closed:
@@ -367,6 +385,8 @@ class InProcessWorkerGroup:
     def fail(self, reason: str) -> None:
         self.failed = True
         self.failure_reason = reason
+        for callback in list(self._failure_callbacks):
+            callback(reason)
 
     def close(self) -> None:
         for rank in self._ranks:
@@ -418,7 +438,21 @@ class ParallelWorkerStageActor:
         return self._output_builder(result, invocation)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        add_callback = getattr(self.worker, "add_failure_callback", None)
+        if add_callback is not None:
+            token = trio.lowlevel.current_trio_token()
+
+            def on_worker_failed(reason: str) -> None:  # any thread (e.g. a process monitor)
+                try:
+                    token.run_sync_soon(self._inner.fail, reason)
+                except trio.RunFinishedError:
+                    pass
+
+            add_callback(on_worker_failed)
         await self._inner.run(task_status=task_status)
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        self._inner.add_failure_listener(listener)
 
     def submit(self, invocation: StageInvocation, on_done: Completion) -> None:
         self._sync_worker_health()

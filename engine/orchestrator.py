@@ -42,7 +42,7 @@ from .errors import (
     UnknownSessionError,
 )
 from .metrics import Diagnostics
-from .runtime import SessionRuntime
+from .runtime import METRICS_WINDOW, SessionRuntime, trim
 from .session import Session
 from .shutdown import SessionShutdown
 from .spec import PipelineSpec, StageOrdering
@@ -136,7 +136,11 @@ class Orchestrator:
 
     async def _start_actors(self) -> None:
         for stage_id in self.spec.topological_order:
-            await self._nursery.start(self.actors[stage_id].run)
+            actor = self.actors[stage_id]
+            add_listener = getattr(actor, "add_failure_listener", None)
+            if add_listener is not None:
+                add_listener(lambda reason, stage_id=stage_id: self._fail_actor_sessions(stage_id, reason))
+            await self._nursery.start(actor.run)
 
     # -- sessions ------------------------------------------------------------
 
@@ -228,6 +232,8 @@ class Orchestrator:
         anchor = self.spec.latency_anchor_artifact
         if seq not in rt.ingress_at and (anchor is None or anchor in artifacts):
             rt.ingress_at[seq] = now
+            if len(rt.ingress_at) > METRICS_WINDOW:
+                trim(rt.ingress_at)
         for artifact, value in artifacts.items():
             rt.add_slot(seq, artifact, value, self._targets[artifact], now, self._consumes)
         rt.highest_ingress = max(rt.highest_ingress, seq)
@@ -236,7 +242,7 @@ class Orchestrator:
 
     async def _push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
         while not self._try_push(rt, seq, artifacts):
-            await rt.changed.park()
+            await rt.room.park()
 
     def _finish_inputs(self, rt: SessionRuntime, final_sequence_id: int) -> None:
         if not isinstance(final_sequence_id, int) or final_sequence_id < 0:
@@ -359,7 +365,10 @@ class Orchestrator:
         if stage.resource_group is not None:
             self._group_usage[stage.resource_group] += 1
         rt.timing(stage_id, seq).admitted_at = trio.current_time()
-        rt.wake()  # ingress room may have opened
+        if stage.consumes & self.spec.ingress_artifacts:
+            rt.wake_room()
+        else:
+            rt.wake_progress()
         return True
 
     # -- completion ------------------------------------------------------------
@@ -390,7 +399,7 @@ class Orchestrator:
         try:
             self._accept_result(rt, stage, key, result, now)
         finally:
-            rt.wake()
+            rt.wake_progress()
             self._pump()
 
     def _accept_result(self, rt: SessionRuntime, stage: Any, key: TaskKey, result: outcome.Outcome, now: float) -> None:
@@ -437,13 +446,16 @@ class Orchestrator:
             del rt.pending_outputs[rt.next_emit]
             rt.outputs.append((rt.next_emit, dict(sorted(pending.items()))))
             rt.emitted_at[rt.next_emit] = now
+            if len(rt.emitted_at) > METRICS_WINDOW:
+                trim(rt.emitted_at)
             rt.next_emit += 1
+            rt.wake_emitted()
 
     def _poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
         items = list(rt.outputs)
         rt.outputs.clear()
         if items:
-            rt.wake()
+            rt.wake_progress()  # output room freed: a drain may proceed
             self._pump()
         return items
 

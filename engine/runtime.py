@@ -18,7 +18,17 @@ from states.pipeline_session import CloseReason
 
 from .actors import TaskKey
 
-__all__ = ["SeqSet", "Slot", "SessionRuntime"]
+__all__ = ["SeqSet", "Slot", "SessionRuntime", "METRICS_WINDOW"]
+
+# Per-sequence stamps are kept for the most recent sequences only, so that a
+# session streaming for hours holds bounded memory.
+METRICS_WINDOW = 4096
+
+
+def trim(stamps: dict) -> None:
+    """Drop the oldest entries of an insertion-ordered dict beyond the window."""
+    while len(stamps) > METRICS_WINDOW:
+        del stamps[next(iter(stamps))]
 
 
 class SeqSet:
@@ -96,7 +106,10 @@ class SessionRuntime:
         self.cleaned: set[str] = set()
         self.phases: list[tuple[str, str]] = []  # (phase, outcome) as shutdown proceeds
         self.lifecycle_lock = trio.Lock()
-        self.changed = trio.lowlevel.ParkingLot()  # room freed, output emitted, state changed
+        # separate wait queues, so a completion wakes only who can use it
+        self.room = trio.lowlevel.ParkingLot()  # pushers: an ingress slot was consumed
+        self.emitted = trio.lowlevel.ParkingLot()  # output readers: an output was emitted
+        self.changed = trio.lowlevel.ParkingLot()  # shutdown and idle waits: any progress
         self.settled = trio.Event()  # terminal or poisoned
 
     # -- status ------------------------------------------------------------
@@ -126,13 +139,34 @@ class SessionRuntime:
         return True
 
     def wake(self) -> None:
-        if self.changed:  # ParkingLot is falsy when nobody waits
+        """The session's state changed: everyone re-checks."""
+        for lot in (self.room, self.emitted, self.changed):
+            if lot:  # a ParkingLot is falsy when nobody waits
+                lot.unpark_all()
+
+    def wake_progress(self) -> None:
+        if self.changed:
             self.changed.unpark_all()
 
+    def wake_room(self) -> None:
+        if self.room:
+            self.room.unpark_all()
+        if self.changed:
+            self.changed.unpark_all()
+
+    def wake_emitted(self) -> None:
+        if self.emitted:
+            self.emitted.unpark_all()
+
     def timing(self, stage_id: str, seq: int) -> _Timing:
-        timing = self.timings[stage_id].get(seq)
+        timings = self.timings[stage_id]
+        timing = timings.get(seq)
         if timing is None:
-            timing = self.timings[stage_id][seq] = _Timing()
+            timing = timings[seq] = _Timing()
+            if len(timings) > METRICS_WINDOW:
+                trim(timings)
+                trim(self.missing_after[stage_id])
+                trim(self.blockers[stage_id])
         return timing
 
     # -- slots -------------------------------------------------------------

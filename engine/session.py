@@ -105,7 +105,7 @@ class Session:
                 continue
             if rt.all_emitted or rt.machine.is_terminal or rt.state not in (State.RUNNING, State.DRAINING):
                 return
-            await rt.changed.park()
+            await rt.emitted.park()
 
     # -- ending ----------------------------------------------------------------------
 
