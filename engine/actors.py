@@ -158,9 +158,15 @@ class LocalStageActor:
         self._send, self._receive = trio.open_memory_channel[Any](mailbox_capacity)
         self._machine = actor_table.StageActorMachine()
         self._failure_reason: str | None = None
-        self._pending = 0
-        self._idle = trio.Event()
+        self._pending = 0  # invocations submitted and not yet resolved
+        self._closes = 0  # session hooks queued or running
+        self._idle = trio.Event()  # set when both counts are zero
         self._idle.set()
+        self._invocations_idle = trio.Event()
+        self._invocations_idle.set()
+        # read by the dedicated thread before each call: once the actor is broken,
+        # queued work must not run against its state (plain attribute: GIL-atomic)
+        self._refusal: str | None = None
         self._thread: DedicatedThread | None = None
         self._stopped = trio.Event()
         self._capacity = mailbox_capacity
@@ -227,10 +233,9 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
-            self._thread.submit(self._handler, (invocation,), _Delivery(self, invocation, on_done))
+            self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
         self._pending += 1
-        if self._idle.is_set():
-            self._idle = trio.Event()
+        self._mark_busy()
 
     async def _invoke(self, message: _Invoke) -> None:
         inv = message.invocation
@@ -242,10 +247,31 @@ class LocalStageActor:
             result = await self._call(self._handler, self._handler_is_async, inv)
         self._resolve(inv, message.on_done, result)
 
+    def _guarded_handler(self, invocation: StageInvocation) -> Any:
+        """Runs on the dedicated thread: refuse work once the actor is broken."""
+        if self._refusal is not None:
+            raise ActorFailedError(f"stage actor {self.name!r} failed: {self._refusal}")
+        try:
+            return self._handler(invocation)
+        except FatalStageError as exc:
+            self._refusal = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _mark_busy(self) -> None:
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        if self._pending and self._invocations_idle.is_set():
+            self._invocations_idle = trio.Event()
+
+    def _mark_done(self) -> None:
+        if self._pending == 0:
+            self._invocations_idle.set()
+            if self._closes == 0:
+                self._idle.set()
+
     def _resolve(self, invocation: StageInvocation, on_done: Completion, result: outcome.Outcome) -> None:
         self._pending -= 1
-        if self._pending == 0:
-            self._idle.set()
+        self._mark_done()
         # the invocation that surfaced a fatal error is resolved first, so its session
         # keeps that error; every other session then fails through the listeners
         on_done(invocation, result)
@@ -265,24 +291,30 @@ class LocalStageActor:
         if self._closer is None:
             return
         self._check_usable()
-        if not self._handler_is_async:
-            if self._send_closed:
-                raise ActorFailedError(f"stage actor {self.name!r} is closed")
-            # through the thread's queue, behind every invocation submitted before it
-            await self._barrier_then_close(context, reason)
-            return
-        message = _CloseSession(context, reason)
+        if not self._handler_is_async and self._send_closed:
+            raise ActorFailedError(f"stage actor {self.name!r} is closed")
+        self._closes += 1
+        self._mark_busy()
         try:
-            await self._send.send(message)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
-        await message.done.wait()
-        assert message.result is not None
-        message.result.unwrap()
+            if not self._handler_is_async:
+                # through the thread's queue, behind every invocation submitted before it
+                await self._barrier_then_close(context, reason)
+                return
+            message = _CloseSession(context, reason)
+            try:
+                await self._send.send(message)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
+            await message.done.wait()
+            assert message.result is not None
+            message.result.unwrap()
+        finally:
+            self._closes -= 1
+            self._mark_done()
 
     async def _barrier_then_close(self, context: SessionContext, reason: CloseReason) -> None:
         if self._closer_is_async:
-            await self.barrier()
+            await self._invocations_idle.wait()
             with trio.CancelScope(shield=True):
                 await self._closer(context, reason)
         else:
@@ -303,7 +335,7 @@ class LocalStageActor:
         message.done.set()
 
     async def barrier(self) -> None:
-        """Wait until every submitted invocation has resolved."""
+        """Wait until every submitted invocation and every session hook has finished."""
         await self._idle.wait()
 
     # -- health ----------------------------------------------------------------
@@ -317,6 +349,7 @@ class LocalStageActor:
         if self._machine.can(actor_table.Event.FAIL):
             self._machine.apply(actor_table.Event.FAIL)
             self._failure_reason = reason
+            self._refusal = self._refusal or reason
             for listener in list(self._failure_listeners):
                 listener(reason)
 

@@ -75,6 +75,7 @@ async def open_orchestrator(
     actors are closed in reverse topological order, all within
     ``close_timeout``. An exception from the body propagates as itself.
     """
+    check_actor_map(spec, actors)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
         orch = Orchestrator(spec, actors, nursery)
@@ -96,15 +97,21 @@ async def open_orchestrator(
         raise body_error
 
 
+def check_actor_map(spec: PipelineSpec, actors: Mapping[str, StageActor]) -> None:
+    """Exactly one actor per stage: a ValueError naming what is missing or unknown."""
+    stage_ids = {s.stage_id for s in spec.stages}
+    if set(actors) != stage_ids:
+        missing = sorted(stage_ids - set(actors))
+        extra = sorted(set(actors) - stage_ids)
+        raise ValueError(f"actors must match the spec's stages exactly: missing {missing}, unknown {extra}")
+
+
 class Orchestrator:
     """Schedules sessions across stage actors. Create it with :func:`open_orchestrator`."""
 
     def __init__(self, spec: PipelineSpec, actors: Mapping[str, StageActor], nursery: trio.Nursery) -> None:
+        check_actor_map(spec, actors)
         stage_ids = tuple(s.stage_id for s in spec.stages)
-        if set(actors) != set(stage_ids):
-            missing = sorted(set(stage_ids) - set(actors))
-            extra = sorted(set(actors) - set(stage_ids))
-            raise ValueError(f"actors must match the spec's stages exactly: missing {missing}, unknown {extra}")
         self.spec = spec
         self.actors = dict(actors)
         self._nursery = nursery
@@ -255,7 +262,7 @@ class Orchestrator:
             return
         if not rt.admitting:
             raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value}")
-        seen = max([rt.highest_ingress, rt.next_emit - 1, *(seq for seq, _ in rt.in_flight)])
+        seen = max([rt.highest_ingress, rt.next_emit - 1, *(seq for _, seq in rt.in_flight)])
         if final_sequence_id < seen:
             raise IngressRefused(
                 f"session {rt.session_id!r}: final sequence {final_sequence_id} is before "
@@ -305,6 +312,26 @@ class Orchestrator:
             frontier = rt.taken[stage.stage_id].below
             return frontier if frontier in ready else None
         return min(ready) if ready else None
+
+    def _work_settled(self, rt: SessionRuntime) -> bool:
+        """Nothing of the session runs, and (draining) nothing left can ever start.
+
+        With nothing in flight and ingress closed, an item held back only by a
+        full edge can never move: the edge empties only when its target runs,
+        and nothing of this session is running or admissible. Items held by the
+        output queue (a reader may poll) or by limits other sessions hold can.
+        """
+        if rt.in_flight:
+            return False
+        if rt.state is not State.DRAINING:
+            return True
+        for stage in self._scan_order:
+            if self._candidate(rt, stage) is None:
+                continue
+            blocker = self._blocker(rt, stage)
+            if blocker is None or not blocker.startswith("edge_capacity:"):
+                return False
+        return True
 
     def _blocker(self, rt: SessionRuntime, stage: Any) -> str | None:
         stage_id = stage.stage_id

@@ -130,14 +130,6 @@ class SessionRuntime:
     def all_emitted(self) -> bool:
         return self.final_sequence_id is not None and self.next_emit > self.final_sequence_id
 
-    def work_settled(self) -> bool:
-        """Nothing running, and (when draining) nothing that could still start."""
-        if self.in_flight:
-            return False
-        if self.machine.state is table.State.DRAINING:
-            return not any(self.ready.values())
-        return True
-
     def wake(self) -> None:
         """The session's state changed: everyone re-checks."""
         for lot in (self.room, self.emitted, self.changed):
@@ -218,8 +210,8 @@ class SessionRuntime:
 
     def leaked_slots(self) -> int:
         """Slots or counters still held after every stage released the session."""
-        leaks = len(self.slots)
-        leaks += sum(1 for count in self.occupancy.values() if count)
+        # a leaked slot usually leaves its occupancy count behind too: count it once
+        leaks = max(len(self.slots), sum(1 for count in self.occupancy.values() if count))
         leaks += sum(1 for count in self.producing.values() if count)
         leaks += len(self.in_flight)
         return leaks

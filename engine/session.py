@@ -110,7 +110,11 @@ class Session:
     # -- ending ----------------------------------------------------------------------
 
     async def aclose(self, *, timeout: float = 60.0, drain_timeout: float | None = None) -> None:
-        """Drain accepted work, then release stage state in reverse order (or retry a poisoned cleanup)."""
+        """Drain accepted work, then release stage state in reverse order (or retry a poisoned cleanup).
+
+        The drain may use ``drain_timeout`` (default: half of ``timeout``); work still
+        waiting then is cancelled, so the rest of the budget is left for the stages.
+        """
         await self._orch._shutdown(
             self._runtime, CloseReason.CLOSED, cancel=False, timeout=timeout, drain_timeout=drain_timeout
         )

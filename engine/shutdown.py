@@ -42,15 +42,19 @@ class SessionShutdown:
 
     async def run(self, rt: SessionRuntime, reason: CloseReason, *, cancel: bool, timeout: float, drain_timeout: float | None = None) -> None:
         """Run the session's ordered shutdown; raises SessionCleanupError if it ends poisoned."""
-        deadline = trio.current_time() + timeout
-        drain_deadline = deadline if drain_timeout is None else min(deadline, trio.current_time() + drain_timeout)
+        now = trio.current_time()
+        deadline = now + timeout
+        # a drain that overruns must leave time to release the stages: by default
+        # it may use half of the whole budget
+        drain_deadline = min(deadline, now + (timeout / 2 if drain_timeout is None else drain_timeout))
         async with rt.lifecycle_lock:
             if rt.machine.is_terminal:
                 return
+            retrying = rt.state is State.POISONED
             self._stop_admission(rt, reason, cancel)
             if rt.state in (State.DRAINING, State.CANCELLING):
                 await self._settle_work(rt, drain_deadline, deadline)
-            if rt.state is State.POISONED:
+            if retrying:
                 if rt.in_flight:
                     # a call from the timed-out drain is still running: wait for it first
                     with trio.move_on_at(deadline):
@@ -86,9 +90,9 @@ class SessionShutdown:
     async def _settle_work(self, rt: SessionRuntime, drain_deadline: float, deadline: float) -> None:
         if rt.state is State.DRAINING:
             with trio.move_on_at(drain_deadline):
-                while not rt.work_settled():
+                while not self._orch._work_settled(rt):
                     await rt.changed.park()
-            if not rt.work_settled():
+            if not self._orch._work_settled(rt):
                 rt.phases.append(("drain", "timed out; cancelling"))
                 rt.machine.apply(Event.CANCEL)
                 rt.discard_buffers()
@@ -96,9 +100,9 @@ class SessionShutdown:
             else:
                 rt.phases.append(("drain", "ok"))
         with trio.move_on_at(deadline):
-            while not rt.work_settled():
+            while not self._orch._work_settled(rt):
                 await rt.changed.park()
-        if not rt.work_settled():
+        if not self._orch._work_settled(rt):
             self._poison(rt, TimeoutError(f"{len(rt.in_flight)} invocation(s) still running at the deadline"), "settle")
             return
         rt.phases.append(("settle", "ok"))

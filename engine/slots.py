@@ -26,7 +26,7 @@ class SlotReleaseError(EngineError, ValueError):
 class SlotPool:
     """Hands out slot indices ``0 .. capacity-1``; thread-safe (used from stage actor threads)."""
 
-    __slots__ = ("_capacity", "_name", "_lock", "_next_fresh", "_released", "_in_use")
+    __slots__ = ("_capacity", "_in_use", "_lock", "_name", "_next_fresh", "_released")
 
     def __init__(self, capacity: int, name: str = "Session cache") -> None:
         if not isinstance(name, str) or not name.strip():

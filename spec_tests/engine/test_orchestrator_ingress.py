@@ -1,0 +1,301 @@
+"""Ingress: atomic pushes, backpressure, refusals, finish_inputs, shared ingress, actor map."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from engine import (
+    EdgeSpec,
+    IngressRefused,
+    LocalStageActor,
+    Orchestrator,
+    PipelineSpec,
+    SessionStateError,
+    StageSpec,
+    open_orchestrator,
+)
+from states.pipeline_session import State
+
+from .conftest import Recorder, canonical_spec, chunk, running, settle, value
+
+# -- atomic multi-artifact try_push -------------------------------------------------
+
+
+async def test_try_push_is_all_or_nothing_when_one_edge_is_full(orch, rec):
+    rec.gate("encode", 0)
+    s = orch.create_session("a")
+    # control fills up (denoise cannot run without conditions) while image has room
+    assert s.try_push(0, {"control": "c0"})
+    assert s.try_push(1, {"control": "c1"})
+    assert s.buffered("control", "denoise") == 2
+    before = s.artifact_stats()
+
+    assert s.try_push(2, {"image": "i2", "control": "c2"}) is False
+    assert s.artifact_stats() == before  # the image was not admitted either
+    assert s.buffered("image", "encode") == 0
+    assert s.buffered("control", "denoise") == 2
+
+    # the image alone still fits, and is accepted
+    assert s.try_push(2, {"image": "i2"})
+    assert s.buffered("image", "encode") == 1
+
+
+async def test_push_waits_for_room_then_completes(orch, rec):
+    release = rec.gate("encode", 0)
+    s = orch.create_session("a")
+    await s.push(0, {"image": "i0"})
+    await rec.wait_started("encode", "a", 0)  # image 0 was taken: the edge is empty again
+    await s.push(1, {"image": "i1"})
+    await s.push(2, {"image": "i2"})
+    assert s.buffered("image", "encode") == 2
+    assert s.try_push(3, {"image": "i3"}) is False
+
+    pushed = trio.Event()
+
+    async def pusher() -> None:
+        await s.push(3, {"image": "i3"})
+        pushed.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pusher)
+        await settle()
+        assert not pushed.is_set()  # blocked: the edge is full
+        assert s.buffered("image", "encode") == 2
+        release.set()  # encode finishes 0 and takes 1: room for one image
+        await pushed.wait()
+    assert rec.calls_of("encode", "a")[:2] == [0, 1]
+    assert s.buffered("image", "encode") <= 2
+
+
+async def test_blocked_push_raises_when_the_session_is_cancelled(orch, rec):
+    rec.gate("encode", 0)
+    s = orch.create_session("a")
+    for seq in range(3):
+        await s.push(seq, {"image": f"i{seq}"})
+    await rec.wait_started("encode", "a", 0)
+    errors: list[BaseException] = []
+
+    async def pusher() -> None:
+        try:
+            await s.push(3, {"image": "i3"})
+        except SessionStateError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pusher)
+        await settle()
+        assert not errors
+        nursery.start_soon(s.cancel)
+        await settle()
+        assert len(errors) == 1
+        rec.release_all()
+    assert s.status is State.CANCELLED
+
+
+async def test_can_push_is_a_pure_query(orch, rec):
+    rec.gate("encode", 0)
+    s = orch.create_session("a")
+    assert s.can_push(["image", "control"])
+    for _ in range(3):
+        assert s.can_push(["image"])
+    assert s.artifact_stats().slot_count == 0
+    assert rec.calls == []
+
+    s.try_push(0, {"control": "c0"})
+    s.try_push(1, {"control": "c1"})
+    stats = s.artifact_stats()
+    assert s.can_push(["image"])
+    assert not s.can_push(["control"])
+    assert not s.can_push(["image", "control"])
+    assert s.artifact_stats() == stats
+    assert s.can_push([])  # nothing asked, nothing full
+
+    with pytest.raises(ValueError, match="condition"):
+        s.can_push(["condition"])
+    await s.cancel()
+    assert s.can_push(["image"]) is False  # not running: nothing can be pushed
+
+
+# -- refusals --------------------------------------------------------------------------
+
+
+async def test_refusals_name_what_is_wrong(orch):
+    s = orch.create_session("a", final_sequence_id=5)
+    with pytest.raises(IngressRefused, match=">= 0"):
+        s.try_push(-1, chunk(0))
+    with pytest.raises(IngressRefused, match="at least one artifact"):
+        s.try_push(0, {})
+    with pytest.raises(IngressRefused, match="not an ingress artifact"):
+        s.try_push(0, {"condition": "x"})
+    with pytest.raises(IngressRefused, match="not an ingress artifact"):
+        s.try_push(0, {"image": "i0", "bogus": 1})
+    with pytest.raises(IngressRefused, match="past the final sequence"):
+        s.try_push(6, chunk(6))
+    with pytest.raises(IngressRefused, match="past the final sequence"):
+        await s.push(6, chunk(6))
+    assert s.artifact_stats().slot_count == 0  # a refused push leaves nothing behind
+    assert issubclass(IngressRefused, ValueError)
+
+
+async def test_duplicate_buffered_artifact_is_refused(orch, rec):
+    rec.gate("encode", 0)
+    s = orch.create_session("a")
+    assert s.try_push(0, {"control": "c0"})
+    with pytest.raises(IngressRefused, match="already buffered"):
+        s.try_push(0, {"control": "again"})
+    # atomic: a batch with one duplicate admits nothing
+    with pytest.raises(IngressRefused, match="already buffered"):
+        s.try_push(0, {"image": "i0", "control": "again"})
+    assert s.buffered("image", "encode") == 0
+    assert s.try_push(0, {"image": "i0"})  # the other artifact of the same sequence is fine
+
+
+async def test_sequence_taken_by_a_strict_stage_is_refused(orch, rec):
+    s = orch.create_session("a")
+    await s.push(0, chunk(0))
+    await settle()
+    assert rec.calls_of("encode", "a") == [0]
+    # encode has taken sequence 0 (the slot is gone), so a new image 0 could never run
+    with pytest.raises(IngressRefused, match="already taken sequence 0"):
+        s.try_push(0, {"image": "again"})
+    with pytest.raises(IngressRefused, match="already taken sequence 0"):
+        s.try_push(0, {"control": "again"})
+
+
+async def test_ingress_to_a_session_that_is_not_running_is_refused(orch):
+    s = orch.create_session("a")
+    await s.aclose()
+    assert s.status is State.CLOSED
+    with pytest.raises(SessionStateError, match="accepts no input"):
+        s.try_push(0, chunk(0))
+    with pytest.raises(SessionStateError):
+        await s.push(0, chunk(0))
+    c = orch.create_session("b")
+    await c.cancel()
+    with pytest.raises(SessionStateError):
+        c.try_push(0, chunk(0))
+
+
+# -- finish_inputs --------------------------------------------------------------------
+
+
+async def test_finish_inputs_rules(orch):
+    s = orch.create_session("a")
+    await s.push(0, chunk(0))
+    await s.push(1, chunk(1))
+    await settle()  # nothing in flight (see the test below for finish_inputs during work)
+    with pytest.raises(ValueError):
+        s.finish_inputs(-1)
+    with pytest.raises(IngressRefused, match="already accepted"):
+        s.finish_inputs(0)  # sequence 1 was accepted
+    s.finish_inputs(2)
+    assert s.final_sequence_id == 2
+    s.finish_inputs(2)  # the same value again is harmless
+    with pytest.raises(SessionStateError, match="already ends at sequence 2"):
+        s.finish_inputs(3)
+    with pytest.raises(IngressRefused, match="past the final sequence"):
+        s.try_push(3, chunk(3))
+    await s.push(2, chunk(2))
+    got = [seq async for seq, _ in s.outputs()]  # ends by itself at the final sequence
+    assert got == [0, 1, 2]
+
+
+async def test_finish_inputs_while_work_is_in_flight(orch, rec):
+    hold = rec.gate("denoise", 1)
+    s = orch.create_session("a")
+    await s.push(0, chunk(0))
+    await s.push(1, chunk(1))
+    await rec.wait_started("denoise", "a", 1)
+    assert s.in_flight == 1
+    with pytest.raises(IngressRefused, match="already accepted"):
+        s.finish_inputs(0)
+    s.finish_inputs(1)
+    hold.set()
+    assert [seq async for seq, _ in s.outputs()] == [0, 1]
+
+
+async def test_finish_inputs_set_at_creation_cannot_change(orch):
+    s = orch.create_session("a", final_sequence_id=0)
+    with pytest.raises(SessionStateError):
+        s.finish_inputs(4)
+    await s.push(0, chunk(0))
+    assert [seq async for seq, _ in s.outputs()] == [0]
+
+
+async def test_is_first_and_is_last_follow_the_final_sequence(orch, rec):
+    s = orch.create_session("a", final_sequence_id=1)
+    await s.push(0, chunk(0))
+    await s.push(1, chunk(1))
+    async for _ in s.outputs():
+        pass
+    flags = {(inv.key.stage_id, inv.key.sequence_id): (inv.is_first, inv.is_last) for inv in rec.invocations}
+    for stage in ("encode", "denoise", "decode"):
+        assert flags[(stage, 0)] == (True, False)
+        assert flags[(stage, 1)] == (False, True)
+
+
+# -- an ingress artifact shared by two stages ------------------------------------------
+
+
+def shared_spec() -> PipelineSpec:
+    return PipelineSpec(
+        stages=[StageSpec("left", {"x"}, {"a"}), StageSpec("right", {"x"}, {"b"})],
+        edges=[EdgeSpec("x", "left", None, 1), EdgeSpec("x", "right", None, 1)],
+        output_artifacts={"a", "b"},
+        output_capacity_per_session=2,
+    )
+
+
+async def test_shared_ingress_artifact_feeds_both_stages():
+    rec = Recorder()
+    hold = rec.gate("right", 0)
+    async with running(rec, shared_spec()) as orch:
+        s = orch.create_session("a", final_sequence_id=1)
+        assert s.try_push(0, {"x": "x0"})
+        await rec.wait_started("right", "a", 0)
+        assert s.try_push(1, {"x": "x1"})
+        await settle()
+        # left took both; right still holds sequence 1's slot with one reference
+        assert rec.calls_of("left", "a") == [0, 1]
+        assert rec.calls_of("right", "a") == [0]
+        assert s.buffered("x", "left") == 0
+        assert s.buffered("x", "right") == 1
+        stats = s.artifact_stats()
+        assert (stats.slot_count, stats.reference_count) == (1, 1)
+        assert not s.can_push(["x"])  # the right-hand edge is full
+        hold.set()
+        outputs = [item async for item in s.outputs()]
+        assert outputs == [
+            (0, {"a": value("a", "a", 0), "b": value("b", "a", 0)}),
+            (1, {"a": value("a", "a", 1), "b": value("b", "a", 1)}),
+        ]
+        assert s.artifact_stats().slot_count == 0  # freed once both stages took it
+        assert s.can_push(["x"]) is True
+
+
+# -- the actor map ------------------------------------------------------------------------
+
+
+def _actors(stage_ids):
+    async def handler(inv):  # pragma: no cover - never runs
+        return {}
+
+    return {sid: LocalStageActor(handler, name=sid) for sid in stage_ids}
+
+
+@pytest.mark.parametrize(
+    "stage_ids",
+    [("encode", "denoise"), ("encode", "denoise", "decode", "extra"), ("encode", "denoise", "upscale")],
+)
+async def test_actors_must_match_the_stages(stage_ids):
+    spec = canonical_spec()
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(ValueError, match="actors must match"):
+            Orchestrator(spec, _actors(stage_ids), nursery)
+
+
+async def test_open_orchestrator_refuses_a_wrong_actor_map_with_a_plain_value_error():
+    with pytest.raises(ValueError, match="actors must match"):
+        async with open_orchestrator(canonical_spec(), _actors(("encode", "denoise"))):
+            pass  # pragma: no cover
