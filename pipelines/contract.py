@@ -1,0 +1,235 @@
+"""The service contract between a pipeline file and the stream server.
+
+A pipeline file defines ``get_service(gpu_num=...)`` returning one of:
+
+- a :class:`BidirectionalService` — sessions created from a config, normalized
+  controls pushed in, :class:`Chunk` s streamed out, sessions closed; it may
+  hold several retained sessions when their state is isolated and a
+  cross-session execution policy (the lease) shares the model;
+- a :class:`ServerPushService` — chunks streamed for a request config with no
+  controls; exactly one retained session.
+
+Every service is used inside ``async with service.running():`` (load models,
+start stage actors); nothing else may be called outside it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "Audio",
+    "Chunk",
+    "ControlType",
+    "Control",
+    "ControlRejected",
+    "ServiceEvent",
+    "MemoryReport",
+    "SessionConfig",
+    "BidirectionalService",
+    "ServerPushService",
+    "Service",
+    "KNOWN_KEYS",
+]
+
+# Keys a controller may hold, normalized to one name each.
+KNOWN_KEYS = frozenset({"w", "a", "s", "d", "i", "j", "k", "l"})
+
+
+def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value or {}))
+
+
+@attrs.frozen
+class Audio:
+    """Interleaved PCM16 samples for one chunk."""
+
+    pcm: bytes
+    sample_rate: int = 48000
+    channels: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if self.sample_rate <= 0:
+            raise ValueError(f"audio sample_rate must be > 0, got {self.sample_rate}")
+        if self.channels <= 0:
+            raise ValueError(f"audio channels must be > 0, got {self.channels}")
+        if len(self.pcm) % (2 * self.channels):
+            raise ValueError(
+                f"audio pcm length {len(self.pcm)} is not a multiple of 2 bytes x {self.channels} channel(s)"
+            )
+
+    @property
+    def samples_per_channel(self) -> int:
+        return len(self.pcm) // (2 * self.channels)
+
+
+@attrs.frozen(eq=False)
+class Chunk:
+    """One chunk of generated media: T frames of H x W x 3 uint8 at ``fps``."""
+
+    index: int
+    frames: np.ndarray
+    fps: float
+    audio: Audio | None = None
+    applied_controls: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    metadata: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"chunk index must be an int >= 0, got {self.index!r}")
+        frames = self.frames
+        if not isinstance(frames, np.ndarray):
+            raise ValueError(f"chunk frames must be a numpy array, got {type(frames).__name__}")
+        if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
+            raise ValueError(f"chunk frames must be T x H x W x 3 with no empty dimension, got {frames.shape}")
+        if frames.dtype != np.uint8:
+            raise ValueError(f"chunk frames must be uint8, got {frames.dtype}")
+        if not (isinstance(self.fps, int | float) and math.isfinite(self.fps) and self.fps > 0):
+            raise ValueError(f"chunk fps must be a finite number > 0, got {self.fps!r}")
+
+    @property
+    def frame_count(self) -> int:
+        return int(self.frames.shape[0])
+
+    @property
+    def media_seconds(self) -> float:
+        return self.frame_count / self.fps
+
+
+class ControlType(enum.Enum):
+    CONTROL_STATE = "control_state"  # the set of keys held now
+    CONTROL = "control"  # one key pressed or released
+    PROMPT = "prompt"  # new text conditioning
+    RESET = "reset"  # release every held key (the pose stays)
+    RESET_POSE = "reset_pose"  # back to the identity pose
+    STOP = "stop"  # end the session
+
+
+@attrs.frozen
+class Control:
+    """A validated, normalized control input (what the control protocol hands to a service)."""
+
+    type: ControlType
+    keys: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    key: str | None = None
+    pressed: bool | None = None
+    prompt: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        unknown = sorted(self.keys - KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"unknown control keys {unknown} (known: {sorted(KNOWN_KEYS)})")
+        if self.type is ControlType.CONTROL:
+            if self.key not in KNOWN_KEYS:
+                raise ValueError(f"control key must be one of {sorted(KNOWN_KEYS)}, got {self.key!r}")
+            if self.pressed is None:
+                raise ValueError("a control event needs pressed=True or False")
+        if self.type is ControlType.PROMPT and not (isinstance(self.prompt, str) and self.prompt.strip()):
+            raise ValueError("a prompt control needs non-empty prompt text")
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type.value}
+        if self.type is ControlType.CONTROL_STATE:
+            out["controls"] = sorted(self.keys)
+        if self.type is ControlType.CONTROL:
+            out.update(control=self.key, event="press" if self.pressed else "release")
+        if self.type is ControlType.PROMPT:
+            out["prompt"] = self.prompt
+        return out
+
+
+class ControlRejected(ValueError):
+    """A service refused a control; ``reason`` is short and safe to show the controller."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@attrs.frozen
+class ServiceEvent:
+    """Something a session's controller should hear about (e.g. ``lease_granted``)."""
+
+    session_id: str
+    type: str
+    data: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+
+@attrs.frozen
+class MemoryReport:
+    """What the server needs to compute retained-session capacity (engine.capacity)."""
+
+    snapshots: tuple[Any, ...]  # engine.capacity.DeviceMemorySnapshot
+    role_budgets: Mapping[str, Any]  # role -> engine.capacity.SessionMemoryBudget
+    untracked_bytes_per_session: int = 0
+
+
+@attrs.frozen
+class SessionConfig:
+    """What a client asked for: free-form ``options`` plus the common fields."""
+
+    prompt: str | None = None
+    image_path: str | None = None
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+
+EventSink = Callable[[ServiceEvent], None]
+
+
+class BidirectionalService(abc.ABC):
+    """Sessions that take controls every chunk and stream chunks back."""
+
+    kind: ClassVar[str] = "bidirectional"
+
+    @abc.abstractmethod
+    def running(self) -> AbstractAsyncContextManager[Any]:
+        """Load the model and start its actors for the life of the block."""
+
+    @abc.abstractmethod
+    async def create_session(self, config: SessionConfig, *, on_event: EventSink | None = None) -> str:
+        """Create isolated session state; returns the pipeline session id."""
+
+    @abc.abstractmethod
+    async def push_control(self, session_id: str, control: Control) -> None:
+        """Apply a control to chunks not yet started; raises ControlRejected with a reason."""
+
+    @abc.abstractmethod
+    def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        """Chunks in order until the session ends (stop, last chunk, or close)."""
+
+    @abc.abstractmethod
+    async def close_session(self, session_id: str) -> None:
+        """Release the session's state through its owners; idempotent."""
+
+    def memory_report(self) -> MemoryReport | None:
+        """Warm-up snapshots and per-session budgets, or None if the service does not measure."""
+        return None
+
+    def configure_session_capacity(self, limit: int) -> None:
+        """Told the retained-session capacity before admission starts (e.g. to size slot pools)."""
+
+
+class ServerPushService(abc.ABC):
+    """Chunks streamed for a request, with no controls; exactly one retained session."""
+
+    kind: ClassVar[str] = "server_push"
+
+    @abc.abstractmethod
+    def running(self) -> AbstractAsyncContextManager[Any]:
+        """Prepare whatever the stream needs for the life of the block."""
+
+    @abc.abstractmethod
+    def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
+        """The chunks of one stream, in order, paced by the caller."""
+
+
+Service = BidirectionalService | ServerPushService

@@ -1,0 +1,65 @@
+"""Load a pipeline file by path and check that what it offers fits the contract."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .contract import BidirectionalService, ServerPushService, Service
+
+__all__ = ["PipelineLoadError", "load_pipeline_module", "load_service"]
+
+
+class PipelineLoadError(ValueError):
+    """The pipeline file is missing, does not import, or does not fit the contract."""
+
+
+def load_pipeline_module(path: str | Path) -> ModuleType:
+    """Import a pipeline file (``.py``) or package directory (with ``__init__.py``) by path."""
+    path = Path(path)
+    target = path / "__init__.py" if path.is_dir() else path
+    if not target.is_file():
+        raise PipelineLoadError(f"pipeline file {str(path)!r} does not exist")
+    if target.suffix != ".py":
+        raise PipelineLoadError(f"pipeline file {str(path)!r} is not a .py file or a package directory")
+    name = f"chunkline_pipeline_{abs(hash(str(target.resolve())))}"
+    spec = importlib.util.spec_from_file_location(
+        name, target, submodule_search_locations=[str(path)] if path.is_dir() else None
+    )
+    if spec is None or spec.loader is None:
+        raise PipelineLoadError(f"cannot import pipeline file {str(path)!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise PipelineLoadError(f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def load_service(path: str | Path, **options: Any) -> Service:
+    """Call the file's ``get_service(**options)`` and validate what it returns."""
+    module = load_pipeline_module(path)
+    factory = getattr(module, "get_service", None)
+    if factory is None or not callable(factory):
+        raise PipelineLoadError(f"pipeline file {str(path)!r} defines no get_service() function")
+    accepted = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    unknown = sorted(k for k in options if k not in accepted and not takes_any)
+    if unknown:
+        raise PipelineLoadError(f"get_service() in {str(path)!r} does not accept {unknown}")
+    try:
+        service = factory(**options)
+    except Exception as exc:
+        raise PipelineLoadError(f"get_service() in {str(path)!r} raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(service, BidirectionalService | ServerPushService):
+        raise PipelineLoadError(
+            f"get_service() in {str(path)!r} returned {type(service).__name__}; it must return a "
+            f"BidirectionalService or a ServerPushService"
+        )
+    return service

@@ -1,0 +1,334 @@
+"""ProcessWorkerGroup: ranks as spawned processes, with failure, close and parent-death guarantees.
+
+Each group costs a spawn per rank (about half a second), so groups are small
+and every test closes what it starts (the ``groups`` fixture is the safety net).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import textwrap
+from contextlib import aclosing
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from engine import EdgeSpec, ParallelWorkerStageActor, PipelineSpec, StageSpec, open_orchestrator
+from engine.workers import (
+    ProcessWorkerGroup,
+    WorkerCallError,
+    WorkerGroupClosed,
+    WorkerGroupFailed,
+    WorkerStartupError,
+)
+from states.pipeline_session import State
+from states.stage_actor import State as ActorState
+
+from . import worker_ranks
+
+RANKS = "spec_tests.engine.worker_ranks"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie is left (an orphan's reaper may be slow)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def assert_no_children(pids: tuple[int, ...]) -> None:
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture
+def groups() -> Iterator[Callable[..., ProcessWorkerGroup]]:
+    """Builds (unstarted) groups and closes every one of them at teardown."""
+    made: list[ProcessWorkerGroup] = []
+
+    def make(factory: Any = f"{RANKS}:EchoRank", **kwargs: Any) -> ProcessWorkerGroup:
+        kwargs.setdefault("close_timeout", 5.0)
+        kwargs.setdefault("kill_grace", 0.5)
+        made.append(ProcessWorkerGroup(factory, **kwargs))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.close()
+    assert multiprocessing.active_children() == []
+
+
+# -- calls ---------------------------------------------------------------------------------
+
+
+def test_calls_reach_every_rank_and_rank0_only_methods_reach_rank_0(groups):
+    group = groups(world_size=2, device_ids=("cuda:3", "cuda:5"), gather={"info"}, rank0_only={"step"}).start()
+    assert group.world_size == 2 and group.device_ids == ("cuda:3", "cuda:5")
+    result = group.call("step", 3, scale=10)
+    assert callable(result)
+    assert result() == 30  # rank 0's value
+    info = group.call("info")()
+    assert [i["rank"] for i in info] == [0, 1]
+    assert [i["device"] for i in info] == ["cuda:3", "cuda:5"]  # labels handed to the ranks, nothing more
+    assert [i["calls"] for i in info] == [1, 0]  # step went to rank 0 alone
+    assert tuple(i["pid"] for i in info) == group.pids
+    assert not hasattr(group, "resource_group")  # devices never imply a resource group
+
+
+def test_a_rank_exception_is_a_typed_error_with_the_child_traceback_and_the_group_lives_on(groups):
+    group = groups(worker_ranks.echo_factory, world_size=2).start()  # a callable factory, by reference
+    with pytest.raises(WorkerCallError) as caught:
+        group.call("boom", "cache miss on chunk 7")()
+    error = caught.value
+    assert error.rank == 1 and error.method == "boom" and error.remote_type == "builtins.ValueError"
+    assert "worker_ranks.py" in error.remote_traceback and "raise ValueError(message)" in error.remote_traceback
+    assert "cache miss on chunk 7" in str(error) and error.remote_traceback in str(error)
+    with pytest.raises(WorkerCallError, match="pickl"):  # a result that cannot travel back
+        group.call("unpicklable")()
+    assert not group.failed and group.failure_reason is None
+    assert group.call("step", 4)() == 4
+
+
+def test_ranks_outlive_the_thread_that_started_them(groups):
+    """Linux's parent-death signal follows the spawning *thread*: the group spawns from its own."""
+    group = groups(world_size=1)
+    starter = threading.Thread(target=group.start)
+    starter.start()
+    starter.join()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/self/task/{starter.native_id}").exists():  # the OS thread itself is gone too
+        assert time.monotonic() < deadline
+        time.sleep(0.005)  # bench-cost
+    assert group.call("step", 2, scale=3)() == 6  # a rank killed at the thread's end could not answer
+
+
+def test_a_call_timeout_fails_the_group(groups):
+    group = groups(world_size=1, call_timeout=0.2)
+    group.start()
+    with pytest.raises(WorkerGroupFailed, match="no answer from ranks \\[0\\] within 0.2s"):
+        group.call("block")()
+    assert group.failed
+    with pytest.raises(WorkerGroupFailed):
+        group.call("step", 1)
+
+
+# -- rank death ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("how", "code"), [("sigkill", -signal.SIGKILL), ("os._exit(3)", 3), ("exit(0)", 0)]
+)
+def test_a_dying_rank_fails_the_group_and_every_pending_call(groups, how, code):
+    group = groups(world_size=2).start()
+    reasons: list[str] = []
+    called = threading.Event()
+    group.add_failure_callback(lambda reason: (reasons.append(reason), called.set()))
+    pid = group.pids[1]
+    if how == "sigkill":
+        pending = group.call("block")
+        began = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+    else:
+        began = time.monotonic()
+        pending = group.call("crash", code, rank=1)  # rank 0 answers; rank 1 never does
+    with pytest.raises(WorkerGroupFailed) as caught:
+        pending()
+    assert time.monotonic() - began < 1.0
+    expected = f"rank 1 (pid {pid}) exited unexpectedly with code {code}"
+    assert expected in str(caught.value)
+    assert called.wait(1.0) and reasons == [expected]
+    assert group.failed and group.failure_reason == expected
+    with pytest.raises(WorkerGroupFailed, match="exited unexpectedly"):
+        group.call("step", 1)  # at once, without waiting
+    late: list[str] = []
+    group.add_failure_callback(late.append)  # registered after the failure: told at once
+    assert late == [expected]
+    group.close()
+    assert group.exit_codes[1] == code
+    assert_no_children(group.pids)
+
+
+# -- close ------------------------------------------------------------------------------------------
+
+
+def test_close_shuts_ranks_down_joins_them_and_is_idempotent(groups):
+    group = groups(f"{RANKS}:FailingCloseRank", world_size=2).start()
+    pids = group.pids
+    conns = list(group._conns)
+    began = time.monotonic()
+    group.close()
+    assert time.monotonic() - began < 2.0
+    assert group.closed and not group.failed
+    assert group.exit_codes == {0: 0, 1: 0}  # a graceful exit, after running each rank's close()
+    assert sorted(group.close_errors) == [0, 1]
+    assert "could not release its cache" in group.close_errors[1]
+    assert all(conn.closed for conn in conns)
+    assert_no_children(pids)
+    group.close()  # idempotent
+    with pytest.raises(WorkerGroupClosed):
+        group.call("step", 1)
+
+
+def test_close_is_bounded_when_a_rank_ignores_shutdown_and_sigterm(groups):
+    group = groups(f"{RANKS}:StubbornRank", world_size=1, close_timeout=0.3, kill_grace=0.3).start()
+    began = time.monotonic()
+    group.close()
+    assert time.monotonic() - began < 2.0
+    assert group.exit_codes == {0: -signal.SIGKILL}
+    assert_no_children(group.pids)
+
+
+def test_close_fails_calls_still_pending(groups):
+    group = groups(world_size=1, close_timeout=0.2, kill_grace=0.3).start()
+    pending = group.call("block")
+    group.close()
+    with pytest.raises(WorkerGroupClosed):
+        pending()
+    assert not group.failed
+    assert_no_children(group.pids)
+
+
+# -- startup failure --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("factory", "expected"),
+    [
+        (f"{RANKS}_missing:EchoRank", ["ModuleNotFoundError", "worker_ranks_missing", "child traceback"]),
+        (f"{RANKS}:failing_factory", ["rank 1 failed to start", "factory exploded", "worker_ranks.py"]),
+        (f"{RANKS}:exiting_factory", ["exited during startup with code 5"]),
+        (lambda **kw: None, ["could not start"]),  # not picklable, so never spawned
+    ],
+    ids=["import-error", "factory-raises", "exits", "unpicklable"],
+)
+def test_startup_failure_is_a_typed_error_and_leaves_no_rank_running(groups, factory, expected):
+    group = groups(factory, world_size=2)
+    with pytest.raises(WorkerStartupError) as caught:
+        group.start(timeout=30)
+    for text in expected:
+        assert text in str(caught.value)
+    assert group.closed
+    assert_no_children(group.pids)
+    with pytest.raises(WorkerGroupClosed):
+        group.call("step", 1)
+    group.close()
+
+
+def test_startup_timeout_is_a_startup_error(groups):
+    group = groups(world_size=1)
+    with pytest.raises(WorkerStartupError, match="not ready in time"):
+        group.start(timeout=0.01)
+    assert_no_children(group.pids)
+
+
+def test_bad_arguments_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="world_size"):
+        ProcessWorkerGroup(f"{RANKS}:EchoRank", world_size=0)
+    with pytest.raises(ValueError, match="one device id per rank"):
+        ProcessWorkerGroup(f"{RANKS}:EchoRank", world_size=2, device_ids=("cpu",))
+    with pytest.raises(ValueError, match="module:callable"):
+        ProcessWorkerGroup("spec_tests.engine.worker_ranks.EchoRank")
+    unstarted = ProcessWorkerGroup(f"{RANKS}:EchoRank")
+    with pytest.raises(RuntimeError, match="not started"):
+        unstarted.call("step", 1)
+    unstarted.close()
+    assert unstarted.closed
+
+
+# -- parent death -----------------------------------------------------------------------------------
+
+PARENT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from engine.workers import ProcessWorkerGroup
+    group = ProcessWorkerGroup("spec_tests.engine.worker_ranks:EchoRank", world_size=2,
+                               parent_death_signal=sys.argv[1] == "prctl")
+    group.start(timeout=30)
+    print(*group.pids, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("mechanism", ["prctl", "watchdog"])
+async def test_ranks_exit_when_their_parent_is_killed(mechanism):
+    with trio.fail_after(20):
+        parent = await trio.lowlevel.open_process([sys.executable, "-c", PARENT_SCRIPT, mechanism], cwd=ROOT, stdout=-1)
+        try:
+            line = b""
+            while not line.endswith(b"\n"):
+                data = await parent.stdout.receive_some()
+                assert data, f"the helper parent exited early with code {await parent.wait()}"
+                line += data
+            pids = [int(pid) for pid in line.split()]
+            assert len(pids) == 2 and not any(gone(pid) for pid in pids)
+        finally:
+            parent.kill()  # SIGKILL: no cleanup runs in the parent
+            with trio.CancelScope(shield=True):
+                await parent.wait()
+                await parent.stdout.aclose()
+        deadline = time.monotonic() + 10
+        while not all(gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"ranks {pids} outlived their parent"
+            await trio.sleep(0.05)  # bench-cost
+
+
+# -- owned by a stage actor inside the orchestrator --------------------------------------------------
+
+
+async def test_killing_a_rank_mid_run_fails_the_actor_and_the_session():
+    spec = PipelineSpec(
+        stages=[StageSpec("denoise", {"x"}, {"y"})],
+        edges=[EdgeSpec("x", "denoise", None, 2)],
+        output_artifacts={"y"},
+    )
+    group = ProcessWorkerGroup(f"{RANKS}:EchoRank", world_size=2, close_timeout=2.0, kill_grace=0.5)
+    await trio.to_thread.run_sync(group.start)
+    token = trio.lowlevel.current_trio_token()
+    holding = trio.Event()
+
+    def input_builder(inv: Any) -> tuple[tuple, dict]:  # on the actor's thread
+        x = inv.inputs["x"]
+        if x < 0:
+            token.run_sync_soon(holding.set)
+        return (x,), {"scale": 10, "hold": x < 0}
+
+    actor = ParallelWorkerStageActor(
+        group, "step", name="denoise",
+        input_builder=input_builder, output_builder=lambda result, inv: {"y": result},
+    )
+    with trio.fail_after(10):
+        async with open_orchestrator(spec, {"denoise": actor}, close_timeout=10) as orch:
+            session = orch.create_session("s1")
+            await session.push(0, {"x": 4})
+            async with aclosing(session.outputs()) as outputs:
+                assert await anext(outputs) == (0, {"y": 40})
+            await session.push(1, {"x": -1})  # the ranks hold this call
+            await holding.wait()
+            pid = group.pids[1]
+            os.kill(pid, signal.SIGKILL)
+            await session.wait_settled()
+            assert session.status is State.FAILED
+            assert "exited unexpectedly with code -9" in str(session.error)
+            health = actor.health()
+            assert health.state is ActorState.FAILED
+            assert f"rank 1 (pid {pid}) exited unexpectedly with code -9" in health.failure_reason
+    assert group.closed  # the actor closed the group it owns
+    assert_no_children(group.pids)

@@ -1,0 +1,80 @@
+"""Rank objects and factories for the process worker group tests.
+
+They run in spawned child processes, so everything here is importable as
+``spec_tests.engine.worker_ranks:<name>`` and imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+
+class EchoRank:
+    """A rank that computes, raises, blocks or dies on request."""
+
+    def __init__(self, *, rank: int, world_size: int, device: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.calls = 0
+        self._never = threading.Event()
+
+    def step(self, x: int, *, scale: int = 1, hold: bool = False) -> int:
+        """``x * scale + rank``; with ``hold`` it never returns."""
+        self.calls += 1
+        if hold:
+            self._never.wait()
+        return x * scale + self.rank
+
+    def info(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "device": self.device, "pid": os.getpid(),
+                "calls": self.calls}
+
+    def boom(self, message: str) -> None:
+        if self.rank == 1 or self.world_size == 1:
+            raise ValueError(message)
+
+    def crash(self, code: int, rank: int = 0) -> None:
+        if self.rank == rank:
+            os._exit(code)
+
+    def block(self) -> None:
+        """Wait forever (until the process is killed)."""
+        self._never.wait()
+
+    def unpicklable(self) -> Any:
+        return lambda: None
+
+
+class StubbornRank(EchoRank):
+    """Ignores SIGTERM and hangs in close(): only SIGKILL stops it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def close(self) -> None:
+        self._never.wait()
+
+
+class FailingCloseRank(EchoRank):
+    def close(self) -> None:
+        raise RuntimeError(f"rank {self.rank} could not release its cache")
+
+
+def failing_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
+    if rank == world_size - 1:
+        raise RuntimeError("factory exploded while loading weights")
+    return EchoRank(rank=rank, world_size=world_size, device=device)
+
+
+def exiting_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
+    os._exit(5)
+
+
+def echo_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
+    """A top-level callable factory (passed by reference, not by name)."""
+    return EchoRank(rank=rank, world_size=world_size, device=device)
