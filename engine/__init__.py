@@ -28,10 +28,28 @@ from .errors import (
     SessionStateError,
     UnknownSessionError,
 )
+from .capacity import (
+    CapacityPlan,
+    DeviceMemorySnapshot,
+    InsufficientMemoryError,
+    SessionCapacityPolicy,
+    SessionMemoryBudget,
+    calculate_session_capacity,
+    capture_memory_snapshot,
+)
 from .metrics import ArtifactStats, Diagnostics, IdleInterval, LatencySummary, SessionMetrics, StageTiming
 from .orchestrator import Orchestrator, open_orchestrator
 from .session import Session
+from .slots import SlotPool, SlotPoolFullError, SlotReleaseError
 from .spec import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageOrdering, StageSpec
+from .workers import (
+    ProcessWorkerGroup,
+    WorkerCallError,
+    WorkerGroupClosed,
+    WorkerGroupError,
+    WorkerGroupFailed,
+    WorkerStartupError,
+)
 
 __all__ = [
     "ActorBusyError", "ActorFailedError", "ActorHealth", "ArtifactStats", "Diagnostics", "EdgeSpec",
@@ -41,4 +59,9 @@ __all__ = [
     "SessionCleanupError", "SessionContext", "SessionExistsError", "SessionMetrics", "SessionStateError",
     "StageActor", "StageInvocation", "StageOrdering", "StageSpec", "StageTiming", "TaskKey",
     "UnknownSessionError", "open_orchestrator",
+    "CapacityPlan", "DeviceMemorySnapshot", "InsufficientMemoryError", "SessionCapacityPolicy",
+    "SessionMemoryBudget", "calculate_session_capacity", "capture_memory_snapshot",
+    "SlotPool", "SlotPoolFullError", "SlotReleaseError",
+    "ProcessWorkerGroup", "WorkerCallError", "WorkerGroupClosed", "WorkerGroupError", "WorkerGroupFailed",
+    "WorkerStartupError",
 ]
