@@ -9,6 +9,7 @@ import trio
 
 from states.pipeline_session import CloseReason, State
 
+from .errors import SessionStateError
 from .metrics import ArtifactStats, IdleInterval, SessionMetrics, StageTiming, idle_intervals
 
 if TYPE_CHECKING:
@@ -83,6 +84,15 @@ class Session:
         if unknown:
             raise ValueError(f"not ingress artifacts: {unknown}")
         return self._runtime.admitting and self._orch._has_room(self._runtime, names)
+
+    async def wait_for_room(self, artifacts: Iterable[str]) -> None:
+        """Wait until every named ingress artifact has room (raises if the session stops admitting)."""
+        names = tuple(artifacts)
+        rt = self._runtime
+        while not self.can_push(names):
+            if not rt.admitting:
+                raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input")
+            await rt.room.park()
 
     def finish_inputs(self, final_sequence_id: int) -> None:
         """Declare the last sequence of an open-ended session."""

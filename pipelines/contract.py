@@ -173,13 +173,28 @@ class MemoryReport:
     untracked_bytes_per_session: int = 0
 
 
+def _timeline(value: Any) -> tuple[tuple[float, Control], ...]:
+    items = tuple((float(t), control) for t, control in (value or ()))
+    for t, control in items:
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"timeline times must be finite and >= 0, got {t}")
+        if not isinstance(control, Control):
+            raise ValueError(f"timeline entries must hold Control values, got {type(control).__name__}")
+    return items
+
+
 @attrs.frozen
 class SessionConfig:
-    """What a client asked for: free-form ``options`` plus the common fields."""
+    """What a client asked for: free-form ``options`` plus the common fields.
+
+    ``timeline`` holds scripted controls on the media clock (offline runs): a
+    service applies each to the first chunk that starts at or after its time.
+    """
 
     prompt: str | None = None
     image_path: str | None = None
     options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    timeline: tuple[tuple[float, Control], ...] = attrs.field(default=(), converter=_timeline)
 
 
 EventSink = Callable[[ServiceEvent], None]

@@ -26,6 +26,16 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
         raise PipelineLoadError(f"pipeline file {str(path)!r} does not exist")
     if target.suffix != ".py":
         raise PipelineLoadError(f"pipeline file {str(path)!r} is not a .py file or a package directory")
+    importable = _importable_name(target)
+    if importable is not None:
+        # part of an installed package (e.g. pipelines/toy_world): import it by name so
+        # its relative imports work and it is loaded once
+        try:
+            return importlib.import_module(importable)
+        except Exception as exc:
+            raise PipelineLoadError(
+                f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     name = f"chunkline_pipeline_{abs(hash(str(target.resolve())))}"
     spec = importlib.util.spec_from_file_location(
         name, target, submodule_search_locations=[str(path)] if path.is_dir() else None
@@ -40,6 +50,26 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
         del sys.modules[name]
         raise PipelineLoadError(f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def _importable_name(target: Path) -> str | None:
+    """The dotted module name ``target`` has on sys.path, if it is inside a package."""
+    target = target.resolve()
+    parts = [] if target.name == "__init__.py" else [target.stem]
+    folder = target.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    if len(parts) < 1 or not all(p.isidentifier() for p in parts):
+        return None
+    dotted = ".".join(parts)
+    try:
+        found = importlib.util.find_spec(dotted)
+    except (ImportError, ValueError):
+        return None
+    if found is None or found.origin is None or Path(found.origin).resolve() != target:
+        return None
+    return dotted
 
 
 def load_service(path: str | Path, **options: Any) -> Service:

@@ -111,6 +111,15 @@ class ConditionPrefetch:
             self.next_condition_index = index + 1
         return True
 
+    async def submit(self, index: int, control: Any) -> None:
+        """Admit the control for ``index``, waiting for room on its edges (backpressure)."""
+        self._check_index(index)
+        while not self.try_submit(index, control):
+            names = [self._control]
+            if index >= self.next_condition_index:
+                names.append(self._condition)
+            await self._session.wait_for_room(names)
+
     def check_invariant(self) -> None:
         gap = self.next_condition_index - self.next_control_index
         if not 0 <= gap <= DEPTH:

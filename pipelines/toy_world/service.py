@@ -1,0 +1,502 @@
+"""The toy world as a BidirectionalService: three engine stages, the prefetch window and the lease.
+
+Stages (the seeds' LingBot graph), one actor each, shared by every session:
+
+    encode  (encode_request -> condition)   the reference image and prompt to a latent world,
+                                            once per session (and again after a new prompt)
+    denoise (condition + control -> latent) integrate the pose from the held keys frame by
+                                            frame, warp the world, refine with the session cache
+    decode  (latent -> frames)              latents to RGB frames
+
+Ownership: the denoise actor owns each session's slot (world latent, latent
+cache, pose) and releases it in its session hook; encode and decode hold no
+per-session state. The service only routes: it keeps each session's control
+state, drives one chunk at a time under the execution lease, and turns outputs
+into :class:`Chunk` s.
+
+When chunks are made: in the default ``on_input`` mode a chunk is requested
+only while a key is held (or a short press, a pose reset or a new prompt is
+pending), after the previous chunk's denoise finished; with nothing held no
+chunk is made and the last frame stays on screen. Session creation makes one
+preview chunk. ``continuous`` mode (offline runs) makes chunks back to back;
+scripted controls (``SessionConfig.timeline``) apply to the first chunk that
+starts at or after their time on the media clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import trio
+
+from engine import (
+    EdgeSpec,
+    LocalStageActor,
+    PipelineSpec,
+    SessionCleanupError,
+    SessionMemoryBudget,
+    StageSpec,
+    capture_memory_snapshot,
+    open_orchestrator,
+)
+from states.lease_book import LeaseTransition
+
+from ..contract import (
+    BidirectionalService,
+    Chunk,
+    Control,
+    ControlRejected,
+    ControlType,
+    EventSink,
+    MemoryReport,
+    ServiceEvent,
+    SessionConfig,
+)
+from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
+from ..prefetch import ConditionPrefetch, ControlOrderError
+from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
+from .pose import Pose, integrate_pose
+
+__all__ = ["SPEC", "ToyWorldService"]
+
+SPEC = PipelineSpec(
+    stages=(
+        StageSpec("encode", {"encode_request"}, {"condition"}),
+        StageSpec("denoise", {"condition", "control"}, {"latent"}),
+        StageSpec("decode", {"latent"}, {"frames"}),
+    ),
+    edges=(
+        EdgeSpec("encode_request", "encode", None, 2),
+        EdgeSpec("condition", "denoise", "encode", 2),
+        EdgeSpec("control", "denoise", None, 2),
+        EdgeSpec("latent", "decode", "denoise", 2),
+    ),
+    output_artifacts={"frames"},
+    output_capacity_per_session=2,
+    latency_anchor_artifact="control",
+)
+
+# A session never has more than this many chunks requested but not yet read by
+# its consumer, so a slow reader holds back only its own session (never the lease).
+UNDELIVERED_LIMIT = 2
+
+
+@attrs.frozen
+class EncodeRequest:
+    index: int
+    image: np.ndarray | None = attrs.field(eq=False)
+    prompt: str | None
+    world_epoch: int  # a new world is encoded when this changes
+    needs_world: bool
+
+
+@attrs.frozen
+class Condition:
+    index: int
+    world: torch.Tensor | None = attrs.field(eq=False)
+
+
+@attrs.frozen
+class ChunkControl:
+    """The control snapshot one chunk is generated from (immutable: it is also reported)."""
+
+    index: int
+    slot: int
+    keys: frozenset[str]
+    reset_pose: bool
+    noise_seed: int
+
+
+@attrs.define
+class _ToySession:
+    session_id: str
+    slot: int
+    orch: Any  # engine.Session
+    prefetch: ConditionPrefetch
+    config: SessionConfig
+    image: np.ndarray | None
+    continuous: bool
+    chunk_count: int | None
+    on_event: EventSink | None
+    send_chunk: trio.MemorySendChannel
+    receive_chunk: trio.MemoryReceiveChannel
+    prompt: str | None = None
+    world_epoch: int = 0
+    world_epoch_sent: int = -1
+    held: set[str] = attrs.Factory(set)
+    pressed: set[str] = attrs.Factory(set)  # short presses not yet seen by a chunk
+    reset_pose_pending: bool = False
+    new_prompt_pending: bool = False
+    timeline: list[tuple[float, Control]] = attrs.Factory(list)
+    stopping: bool = False
+    submitted: int = 0  # chunks whose control was admitted
+    delivered: int = 0  # chunks handed to the consumer
+    forwarded: int = -1  # highest chunk index the reader passed on
+    last_index: int | None = None  # set when no more chunks will be requested
+    denoised: dict[int, trio.Event] = attrs.Factory(dict)
+    changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    finished: trio.Event = attrs.Factory(trio.Event)
+
+    def wake(self) -> None:
+        self.changed.unpark_all()
+
+
+class ToyWorldService(BidirectionalService):
+    """A small real world model served through the engine, many sessions per instance."""
+
+    def __init__(
+        self,
+        config: ToyWorldConfig | None = None,
+        *,
+        max_sessions: int = 4,
+        idle_timeout: float = 10.0,
+    ) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.config = config or ToyWorldConfig()
+        self.max_sessions = max_sessions
+        self.idle_timeout = idle_timeout
+        self._sessions: dict[str, _ToySession] = {}
+        self._slot_of: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._model: ToyWorldModel | None = None
+        self._slots: SessionSlots | None = None
+        self._orch: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._lease = ExecutionLease(idle_timeout, on_transition=self._on_lease_transition)
+        self._snapshots: tuple[Any, ...] = ()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def configure_session_capacity(self, limit: int) -> None:
+        if self._slots is not None:
+            raise RuntimeError("configure_session_capacity must be called before running()")
+        if limit < 1:
+            raise ValueError(f"session capacity must be >= 1, got {limit}")
+        self.max_sessions = limit
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[ToyWorldService]:
+        """Build the model and slots off the event loop, start the three actors and the lease."""
+        torch.set_num_threads(1)  # stages run in parallel threads (one intra-op thread each)
+        self._model = await trio.to_thread.run_sync(ToyWorldModel, self.config)
+        self._slots = await trio.to_thread.run_sync(SessionSlots, self.max_sessions, self.config)
+        self._token = trio.lowlevel.current_trio_token()
+        actors = {
+            "encode": LocalStageActor(self._encode, name="toy-world-encode"),
+            "denoise": LocalStageActor(self._denoise, name="toy-world-denoise", session_closer=self._release_slot),
+            "decode": LocalStageActor(self._decode, name="toy-world-decode"),
+        }
+        async with open_orchestrator(SPEC, actors) as orch, trio.open_nursery() as nursery:
+            self._orch, self._nursery = orch, nursery
+            nursery.start_soon(self._lease.run)
+            await self._warm_up()
+            try:
+                yield self
+            finally:
+                with trio.CancelScope(shield=True):
+                    for session_id in list(self._sessions):
+                        await self.close_session(session_id)
+                nursery.cancel_scope.cancel()
+        self._orch = self._nursery = None
+
+    async def _warm_up(self) -> None:
+        """One chunk through every stage so that memory snapshots see steady-state peaks."""
+        session_id = await self.create_session(SessionConfig(options={"preview": True}))
+        async for _ in self.chunks(session_id):
+            break
+        await self.close_session(session_id)
+        self._snapshots = (capture_memory_snapshot("toy_world", self.config.device),)
+
+    def memory_report(self) -> MemoryReport | None:
+        if self._slots is None or not self._snapshots:
+            return None
+        budget = SessionMemoryBudget(persistent_bytes_per_session=self._slots.bytes_per_session)
+        return MemoryReport(snapshots=self._snapshots, role_budgets={"toy_world": budget})
+
+    # -- sessions ----------------------------------------------------------------
+
+    async def create_session(self, config: SessionConfig, *, on_event: EventSink | None = None) -> str:
+        if self._orch is None or self._slots is None or self._nursery is None:
+            raise RuntimeError("create_session needs `async with service.running():`")
+        options = dict(config.options)
+        continuous = bool(options.pop("continuous", False))
+        chunk_count = options.pop("chunks", None)
+        options.pop("preview", None)
+        if chunk_count is not None and (not isinstance(chunk_count, int) or chunk_count < 1):
+            raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
+        image = await trio.to_thread.run_sync(_load_image, config.image_path) if config.image_path else None
+        slot = self._slots.acquire()  # SlotPoolFullError when every retained slot is taken
+        session_id = f"toy-{next(self._ids)}"
+        self._slot_of[session_id] = slot
+        orch_session = self._orch.create_session(
+            session_id, final_sequence_id=None if chunk_count is None else chunk_count - 1
+        )
+        send, receive = trio.open_memory_channel[Chunk](UNDELIVERED_LIMIT)
+        session = _ToySession(
+            session_id=session_id,
+            slot=slot,
+            orch=orch_session,
+            prefetch=None,  # type: ignore[arg-type]
+            config=config,
+            image=image,
+            continuous=continuous,
+            chunk_count=chunk_count,
+            on_event=on_event,
+            send_chunk=send,
+            receive_chunk=receive,
+            prompt=config.prompt,
+            timeline=sorted(config.timeline, key=lambda item: item[0]),
+        )
+        session.prefetch = ConditionPrefetch(
+            orch_session, make_condition=lambda index: self._encode_request(session, index), chunk_count=chunk_count
+        )
+        self._sessions[session_id] = session
+        self._lease.register(session_id)
+        self._lease.record_activity(session_id)  # pressing Start asks for the preview chunk
+        session.prefetch.prime()
+        self._nursery.start_soon(self._run_session, session)
+        return session_id
+
+    def _encode_request(self, session: _ToySession, index: int) -> EncodeRequest:
+        needs_world = session.world_epoch_sent != session.world_epoch
+        session.world_epoch_sent = session.world_epoch
+        return EncodeRequest(index, session.image if needs_world else None, session.prompt, session.world_epoch, needs_world)
+
+    def _session(self, session_id: str) -> _ToySession:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise ControlRejected(f"unknown session {session_id!r}")
+        return session
+
+    async def push_control(self, session_id: str, control: Control) -> None:
+        session = self._session(session_id)
+        if session.stopping:
+            raise ControlRejected("the session is stopping")
+        self._apply_control(session, control)
+        if control.type is not ControlType.STOP:
+            self._lease.record_activity(session_id)
+        session.wake()
+
+    @staticmethod
+    def _apply_control(session: _ToySession, control: Control) -> None:
+        kind = control.type
+        if kind is ControlType.CONTROL_STATE:
+            session.held = set(control.keys)
+        elif kind is ControlType.CONTROL:
+            assert control.key is not None
+            if control.pressed:
+                session.held.add(control.key)
+                session.pressed.add(control.key)
+            else:
+                session.held.discard(control.key)
+        elif kind is ControlType.RESET:
+            session.held.clear()
+            session.pressed.clear()
+        elif kind is ControlType.RESET_POSE:
+            session.reset_pose_pending = True
+        elif kind is ControlType.PROMPT:
+            session.prompt = control.prompt
+            session.world_epoch += 1
+            session.new_prompt_pending = True
+        elif kind is ControlType.STOP:
+            session.stopping = True
+
+    async def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise KeyError(f"unknown session {session_id!r}")
+        async with session.receive_chunk.clone() as receive:
+            async for chunk in receive:
+                session.delivered += 1
+                session.wake()
+                yield chunk
+
+    async def close_session(self, session_id: str) -> None:
+        session = self._sessions.get(session_id)
+        if session is None:
+            return
+        session.stopping = True
+        session.scope.cancel()
+        await session.finished.wait()
+        self._lease.close(session_id)
+        try:
+            await session.orch.cancel()
+        except SessionCleanupError:
+            pass  # poisoned: its slot is never reused; the orchestrator keeps the record
+        self._sessions.pop(session_id, None)
+
+    # -- per-session driving (trio) ----------------------------------------------
+
+    async def _run_session(self, session: _ToySession) -> None:
+        try:
+            with session.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read_outputs, session, nursery.cancel_scope)
+                    await self._drive(session)
+                    if session.last_index is None or session.forwarded >= session.last_index:
+                        nursery.cancel_scope.cancel()
+        finally:
+            session.send_chunk.close()
+            session.finished.set()
+
+    async def _drive(self, session: _ToySession) -> None:
+        index = 0
+        try:
+            while session.chunk_count is None or index < session.chunk_count:
+                control = await self._next_control(session, index)
+                if control is None:
+                    break
+                async with self._lease.chunk(session.session_id):
+                    await session.prefetch.submit(index, control)
+                    session.submitted = index + 1
+                    done = session.denoised.setdefault(index, trio.Event())
+                    await done.wait()
+                session.denoised.pop(index, None)
+                index += 1
+        except (LeaseClosed, ControlOrderError):
+            pass
+        finally:
+            session.last_index = index - 1
+
+    def _media_time(self, index: int) -> float:
+        return index * self.config.frames_per_chunk / self.config.fps
+
+    async def _next_control(self, session: _ToySession, index: int) -> ChunkControl | None:
+        """Wait until the session asks for chunk ``index`` (and its reader has room)."""
+        while True:
+            if session.stopping:
+                return None
+            while session.timeline and session.timeline[0][0] <= self._media_time(index) + 1e-9:
+                _, scripted = session.timeline.pop(0)
+                self._apply_control(session, scripted)
+            room = index - session.delivered < UNDELIVERED_LIMIT
+            wanted = (
+                index == 0
+                or session.continuous
+                or session.held
+                or session.pressed
+                or session.reset_pose_pending
+                or session.new_prompt_pending
+            )
+            if room and wanted:
+                control = ChunkControl(
+                    index=index,
+                    slot=session.slot,
+                    keys=frozenset(session.held | session.pressed),
+                    reset_pose=session.reset_pose_pending,
+                    noise_seed=self.config.seed * 1_000_003 + index,
+                )
+                session.pressed.clear()
+                session.reset_pose_pending = False
+                session.new_prompt_pending = False
+                return control
+            await session.changed.park()
+
+    async def _read_outputs(self, session: _ToySession, scope: trio.CancelScope) -> None:
+        async for seq, artifacts in session.orch.outputs():
+            frames, control, poses = artifacts["frames"]
+            chunk = Chunk(
+                index=seq,
+                frames=frames,
+                fps=self.config.fps,
+                applied_controls={
+                    "keys": sorted(control.keys),
+                    "reset_pose": control.reset_pose,
+                    "pose": list(poses[-1].as_tuple()),
+                },
+                metadata=self._chunk_metadata(session, seq),
+            )
+            await session.send_chunk.send(chunk)
+            session.forwarded = seq
+            if session.last_index is not None and seq >= session.last_index:
+                scope.cancel()
+                return
+
+    def _chunk_metadata(self, session: _ToySession, seq: int) -> dict[str, Any]:
+        stage_times = {}
+        for stage in ("encode", "denoise", "decode"):
+            timing = next((t for t in reversed(session.orch.stage_timings(stage)) if t.sequence_id == seq), None)
+            if timing is not None and timing.admitted_at is not None and timing.completed_at is not None:
+                stage_times[stage] = timing.completed_at - timing.admitted_at
+        idle = {
+            stage: [i.reason for i in session.orch.idle_intervals(stage) if i.sequence_id == seq]
+            for stage in ("denoise", "decode")
+        }
+        return {"stage_times": stage_times, "idle_reasons": {k: v[0] for k, v in idle.items() if v}}
+
+    # -- lease events ------------------------------------------------------------
+
+    def _on_lease_transition(self, transition: LeaseTransition) -> None:
+        name = EVENT_NAMES.get(transition.state)
+        session = self._sessions.get(transition.session_id)
+        if name is None or session is None or session.on_event is None:
+            return
+        position = self._lease.book.queue_position(transition.session_id) if transition.session_id in self._lease.book else None
+        session.on_event(ServiceEvent(transition.session_id, name, {"queue_position": position}))
+
+    # -- stage handlers (each on its actor's own thread) ---------------------------
+
+    def _encode(self, invocation: Any) -> Mapping[str, Any]:
+        request: EncodeRequest = invocation.inputs["encode_request"]
+        assert self._model is not None
+        world = self._model.encode_world(request.image, request.prompt) if request.needs_world else None
+        return {"condition": Condition(request.index, world)}
+
+    def _denoise(self, invocation: Any) -> Mapping[str, Any]:
+        condition: Condition = invocation.inputs["condition"]
+        control: ChunkControl = invocation.inputs["control"]
+        assert self._model is not None and self._slots is not None
+        slot = control.slot
+        if condition.world is not None:
+            self._slots.world(slot).copy_(condition.world)
+        pose = Pose() if control.reset_pose else self._slots.pose(slot)
+        poses = integrate_pose(pose, control.keys, self.config.frames_per_chunk, self.config)
+        latents = self._model.denoise_chunk(self._slots.world(slot), poses, self._slots.cache(slot), control.noise_seed)
+        self._slots.set_pose(slot, poses[-1])
+        assert self._token is not None
+        self._token.run_sync_soon(self._on_denoised, invocation.key.session_id, control.index)
+        return {"latent": (latents, control, poses)}
+
+    def _on_denoised(self, session_id: str, index: int) -> None:
+        session = self._sessions.get(session_id)
+        if session is None:
+            return
+        session.denoised.setdefault(index, trio.Event()).set()
+        session.prefetch.refill()  # normally admits condition[index + 2]
+
+    def _decode(self, invocation: Any) -> Mapping[str, Any]:
+        latents, control, poses = invocation.inputs["latent"]
+        assert self._model is not None
+        return {"frames": (self._model.decode_frames(latents), control, poses)}
+
+    def _release_slot(self, context: Any, reason: Any) -> None:
+        """The denoise actor's session hook: zero and return the session's slot."""
+        slot = self._slot_of.pop(context.session_id, None)
+        if slot is not None and self._slots is not None:
+            self._slots.release(slot)
+
+
+def _load_image(path: str) -> np.ndarray:
+    """Read an image file to H x W x 3 uint8 (PyAV decodes PNG and JPEG)."""
+    import av
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"image_path {path!r} does not exist")
+    try:
+        with av.open(str(file)) as container:
+            frame = next(container.decode(video=0))
+            return frame.to_ndarray(format="rgb24")
+    except (av.FFmpegError, StopIteration) as exc:
+        raise ValueError(f"image_path {path!r} is not a readable image: {exc}") from exc
+
