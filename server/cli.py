@@ -1,10 +1,25 @@
-"""The ``chunkline`` command line."""
+"""The ``chunkline`` command line.
+
+``chunkline run PIPE [--image FILE] [--prompt TEXT] [--controls FILE] [--chunks N] [--device cpu|cuda]
+[--seed N] [--out DIR] [--option KEY=VALUE ...]`` runs a pipeline offline (see :mod:`pipelines.offline`):
+it writes ``DIR/video.mp4`` and ``DIR/metrics.json``, draws a progress bar on stderr and prints a summary on
+stdout. Bad input (a missing pipeline, image or controls file, a malformed controls file, an unknown control,
+an unsupported device, options the pipeline refuses) is reported on stderr with exit code 2 and leaves no
+output behind; a run that fails later exits 1, also without output files.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+DEFAULT_CHUNKS = 8
+DEFAULT_OUT = "chunkline-run"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,7 +30,183 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser("stream-serve", help="run the stream server for a pipeline file")
     serve.add_argument("pipeline", nargs="?", help="path of a pipeline file defining get_service()")
+
+    run = commands.add_parser(
+        "run",
+        help="run a pipeline offline: write video.mp4 and metrics.json",
+        description="Run one session of a pipeline offline and write OUT/video.mp4 and OUT/metrics.json.",
+    )
+    run.add_argument("pipeline", help="path of a pipeline file or package defining get_service()")
+    run.add_argument("--image", metavar="FILE", help="reference image for the session (SessionConfig.image_path)")
+    run.add_argument("--prompt", metavar="TEXT", help="text prompt for the session")
+    run.add_argument(
+        "--controls", metavar="FILE", help="timed controls, a JSON list (see pipelines/offline.py for the format)"
+    )
+    run.add_argument(
+        "--chunks", metavar="N", type=int, default=DEFAULT_CHUNKS, help=f"chunks to generate (default {DEFAULT_CHUNKS})"
+    )
+    run.add_argument("--device", choices=("cpu", "cuda"), help="device for the pipeline (passed to get_service)")
+    run.add_argument("--seed", metavar="N", type=int, help="random seed (passed to get_service)")
+    run.add_argument("--out", metavar="DIR", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    run.add_argument(
+        "--option",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a session option (SessionConfig.options); VALUE is read as JSON when it parses, else as text",
+    )
     return parser
+
+
+class _BadInput(Exception):
+    """Input the user can fix: reported on stderr with exit code 2."""
+
+
+class ProgressBar:
+    """A ``\\r``-updated text progress bar: ``[#######.......]  3/8 chunks  1.2 s``."""
+
+    def __init__(self, stream: TextIO, width: int = 30) -> None:
+        self._stream = stream
+        self._width = width
+        self._drawn = False
+        self._started = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        filled = min(self._width, round(self._width * done / total)) if total else self._width
+        bar = "#" * filled + "." * (self._width - filled)
+        self._stream.write(f"\r[{bar}] {done:>{len(str(total))}}/{total} chunks  {now - self._started:6.1f} s")
+        self._stream.flush()
+        self._drawn = True
+
+    def finish(self) -> None:
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn = False
+
+
+def _parse_options(items: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise _BadInput(f"--option {item!r} is not KEY=VALUE")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        options[key.strip()] = value
+    return options
+
+
+def _check_device(device: str | None) -> None:
+    if device == "cuda":
+        try:
+            import torch
+        except ImportError as exc:  # pragma: no cover - torch is a dependency
+            raise _BadInput(f"--device cuda: torch is not importable ({exc})") from exc
+        if not torch.cuda.is_available():
+            raise _BadInput("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+
+
+def _fmt_seconds(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def _summary_lines(pipeline: str, metrics: Mapping[str, Any], out_dir: Path) -> list[str]:
+    period = metrics.get("chunk_period", {})
+    c2o = metrics.get("control_to_output_latency", {})
+    controls = metrics.get("controls", {})
+    rtf = metrics.get("real_time_factor")
+    rows = [
+        ("pipeline", f"{pipeline} ({metrics.get('kind')})"),
+        (
+            "output",
+            f"{metrics.get('chunks')} chunks, {metrics.get('frames')} frames "
+            f"{metrics.get('width')}x{metrics.get('height')} @ {metrics.get('fps')} fps, "
+            f"{metrics.get('media_seconds', 0.0):.2f} s media"
+            + (" (stream ended early)" if metrics.get("ended_early") else ""),
+        ),
+        ("wall time", _fmt_seconds(metrics.get("wall_seconds"))),
+        ("first output", _fmt_seconds(metrics.get("first_output_latency_seconds"))),
+        ("chunk period", f"p50 {_fmt_seconds(period.get('p50_seconds'))}, p95 {_fmt_seconds(period.get('p95_seconds'))}"),
+        ("real-time factor", "-" if rtf is None else f"{rtf:.3f}"),
+        (
+            "control->output",
+            f"p50 {_fmt_seconds(c2o.get('p50_seconds'))}, p95 {_fmt_seconds(c2o.get('p95_seconds'))} "
+            f"({controls.get('pushed', 0)} pushed, {controls.get('rejected', 0)} rejected, "
+            f"{controls.get('not_reached', 0)} not reached)",
+        ),
+        ("audio", "none" if not metrics.get("audio") else f"{metrics['audio']['sample_rate']} Hz AAC"),
+    ]
+    for stage, timing in metrics.get("stage_times", {}).items():
+        rows.append((f"stage {stage}", f"mean {_fmt_seconds(timing.get('mean_seconds'))}"))
+    rows += [("video", str(out_dir / "video.mp4")), ("metrics", str(out_dir / "metrics.json"))]
+    width = max(len(name) for name, _ in rows)
+    return [f"{name:<{width}}  {value}" for name, value in rows]
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import trio
+
+    from pipelines.contract import SessionConfig
+    from pipelines.loader import PipelineLoadError, load_service
+    from pipelines.offline import load_timed_controls, run_offline
+
+    if args.chunks < 1:
+        raise _BadInput(f"--chunks must be >= 1, got {args.chunks}")
+    pipeline = Path(args.pipeline)
+    if not pipeline.exists():
+        raise _BadInput(f"pipeline {args.pipeline!r} does not exist")
+    image_path = None
+    if args.image is not None:
+        if not Path(args.image).is_file():
+            raise _BadInput(f"--image: no such file {args.image!r}")
+        image_path = str(Path(args.image).resolve())
+    controls = None
+    if args.controls is not None:
+        if not Path(args.controls).is_file():
+            raise _BadInput(f"--controls: no such file {args.controls!r}")
+        try:
+            controls = load_timed_controls(args.controls)
+        except ValueError as exc:
+            raise _BadInput(str(exc)) from exc
+    options = _parse_options(args.option)
+    _check_device(args.device)
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise _BadInput(f"--out {args.out!r} exists and is not a directory")
+
+    service_options: dict[str, Any] = {"gpu_num": 0}
+    if args.device is not None:
+        service_options["device"] = args.device
+    if args.seed is not None:
+        service_options["seed"] = args.seed
+    try:
+        service = load_service(pipeline, **service_options)
+    except PipelineLoadError as exc:
+        raise _BadInput(str(exc)) from exc
+    if controls is not None and len(controls) and service.kind == "server_push":
+        raise _BadInput(f"{args.pipeline!r} is a server-push pipeline; it takes no --controls")
+
+    config = SessionConfig(prompt=args.prompt, image_path=image_path, options=options)
+    created = not out_dir.exists()
+    bar = ProgressBar(sys.stderr)
+    try:
+        summary = trio.run(run_offline, service, config, controls, args.chunks, out_dir, bar)
+    except BaseException:
+        bar.finish()
+        if created:
+            try:
+                out_dir.rmdir()  # only if the failed run left it empty
+            except OSError:
+                pass
+        raise
+    bar.finish()
+    for line in _summary_lines(args.pipeline, summary.metrics, out_dir):
+        print(line)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,6 +218,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.command == "run":
+        try:
+            return _cmd_run(args)
+        except _BadInput as exc:
+            print(f"chunkline run: {exc}", file=sys.stderr)
+            return 2
+        except ValueError as exc:  # the pipeline refused the request (e.g. an option)
+            print(f"chunkline run: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("chunkline run: interrupted; no output was written", file=sys.stderr)
+            return 130
+        except Exception as exc:
+            print(f"chunkline run: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
     return 0  # pragma: no cover - argparse rejects unknown commands
 
 

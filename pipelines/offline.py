@@ -1,0 +1,680 @@
+"""Offline runs: drive a service without a server, write ``video.mp4`` and ``metrics.json``.
+
+This is what ``chunkline run PIPE`` uses. :func:`run_offline` enters ``service.running()`` itself.
+
+Timed controls file
+-------------------
+
+A JSON list of entries, each an object with a time ``t`` (seconds on the *media clock*, a number >= 0)
+and a ``type``; no other fields are allowed::
+
+    [
+      {"t": 0,   "type": "control", "control": "w", "event": "press"},
+      {"t": 1.5, "type": "control", "control": "ArrowUp", "event": "release"},
+      {"t": 2,   "type": "control_state", "controls": ["w", "d"]},
+      {"t": 3,   "type": "prompt", "prompt": "a snowy street"},
+      {"t": 4,   "type": "reset"},
+      {"t": 5,   "type": "reset_pose"}
+    ]
+
+- ``control``: one key pressed or released; ``control`` names the key, ``event`` is ``"press"`` or
+  ``"release"`` (``event`` may be left out; it then means ``"press"``).
+- ``control_state``: the complete set of keys held from then on (``[]`` releases everything); no duplicates.
+- ``prompt``: new text conditioning (a non-empty string).
+- ``reset`` (release every held key) and ``reset_pose`` (back to the identity pose) take nothing else.
+
+Keys are ``w a s d i j k l`` or one of these aliases (case-insensitive): ``ArrowUp``/``up``/``forward`` = w,
+``ArrowDown``/``down``/``backward`` = s, ``ArrowLeft``/``left`` = a, ``ArrowRight``/``right`` = d, and
+``KeyW KeyA KeyS KeyD KeyI KeyJ KeyK KeyL`` = the letter. Entries are parsed into
+:class:`pipelines.contract.Control`; a malformed file, entry or unknown key raises ``ValueError`` whose message
+names the entry index (``controls entry 3: ...``).
+
+The media clock: chunk ``k`` starts at the media time of the frames before it (``k * frames_per_chunk / fps``
+for a steady stream). A control at ``t`` applies to the first chunk whose start time is ``>= t``: the runner
+pushes it after receiving the chunk before that one and before requesting that chunk. Entries with the same
+``t`` are pushed in file order; entries after the last chunk's start are never pushed (``not_reached``).
+
+Outputs
+-------
+
+``out_dir/video.mp4``: H.264 (libx264, yuv420p) at the chunks' fps (odd frame sizes are padded to even by
+repeating the edge), with the chunks' PCM16 audio encoded as AAC when the first chunk carries audio (a later
+chunk without audio gets silence). ``out_dir/metrics.json`` (times in seconds, measured with the wall clock):
+
+- ``kind``, ``requested_chunks``, ``chunks``, ``frames``, ``fps``, ``width``, ``height``,
+  ``chunk_media_seconds`` (mean media duration of a chunk), ``media_seconds``, ``wall_seconds``,
+  ``ended_early`` (the service ended the stream before ``requested_chunks``), ``audio`` (``null`` or
+  ``{sample_rate, channels, seconds}``);
+- ``session_setup_seconds``: ``create_session`` (bidirectional) or ``stream()`` (server-push) call time;
+- ``first_output_latency_seconds``: from the session request to the first chunk;
+- ``chunk_period``: a latency summary (``count, minimum_seconds, p50_seconds, p95_seconds, maximum_seconds,
+  mean_seconds``) of the gaps between consecutive chunk arrivals;
+- ``real_time_factor``: p95 chunk period / chunk media duration (< 1: ahead of playback; ``null`` with one
+  chunk);
+- ``control_to_output_latency``: a latency summary of, per pushed control, the time from pushing it to the
+  arrival of the chunk that applies it on the media clock (measurable for controls that were pushed and whose
+  chunk arrived);
+- ``controls``: ``{scheduled, pushed, rejected, not_reached, entries: [{entry, t, type, chunk,
+  latency_seconds | rejected}]}``;
+- ``stage_times``: ``{stage: {count, mean_seconds}}`` aggregated from ``chunk.metadata["stage_times"]`` (a
+  mapping of stage to seconds, or to a mapping with ``seconds``/``duration_seconds``/``mean_seconds``);
+- ``idle_reasons``: ``{reason: {count, idle_seconds}}`` aggregated from ``chunk.metadata["idle_reasons"]``
+  (a list of reasons, of ``{reason, idle_seconds}`` mappings or objects, or a mapping of reason to count or
+  of stage to reason); both are ``{}`` when chunks carry none;
+- ``events``: ``{event type: count}`` of the service events a bidirectional session reported;
+- ``audio_silent_chunks`` (chunks without audio filled with silence), ``audio_dropped_chunks`` (audio of later
+  chunks dropped because the first chunk had none), ``video`` (``{file, codec, pix_fmt}``).
+
+Both files are written under temporary hidden names in ``out_dir`` and renamed into place only when the run
+is complete, so an interrupted or failed run leaves no file that looks complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from engine.metrics import LatencySummary
+
+from .contract import (
+    KNOWN_KEYS,
+    BidirectionalService,
+    Chunk,
+    Control,
+    ControlRejected,
+    ControlType,
+    ServerPushService,
+    ServiceEvent,
+    SessionConfig,
+)
+
+__all__ = [
+    "KEY_ALIASES",
+    "OfflineRunSummary",
+    "TimedControl",
+    "TimedControls",
+    "load_timed_controls",
+    "normalize_key",
+    "parse_timed_controls",
+    "run_offline",
+]
+
+VIDEO_NAME = "video.mp4"
+METRICS_NAME = "metrics.json"
+_CLOCK_TOLERANCE = 1e-6
+
+KEY_ALIASES: Mapping[str, str] = {
+    **{k: k for k in KNOWN_KEYS},
+    **{f"key{k}": k for k in KNOWN_KEYS},
+    "arrowup": "w",
+    "arrowdown": "s",
+    "arrowleft": "a",
+    "arrowright": "d",
+    "up": "w",
+    "down": "s",
+    "left": "a",
+    "right": "d",
+    "forward": "w",
+    "backward": "s",
+}
+
+_ENTRY_FIELDS: Mapping[str, frozenset[str]] = {
+    "control": frozenset({"t", "type", "control", "event"}),
+    "control_state": frozenset({"t", "type", "controls"}),
+    "prompt": frozenset({"t", "type", "prompt"}),
+    "reset": frozenset({"t", "type"}),
+    "reset_pose": frozenset({"t", "type"}),
+}
+
+
+def normalize_key(name: Any) -> str:
+    """The key a name or alias stands for (``ArrowUp`` -> ``w``); ``ValueError`` for anything else."""
+    if not isinstance(name, str) or name.lower() not in KEY_ALIASES:
+        raise ValueError(f"unknown control {name!r} (known: {sorted(KNOWN_KEYS)} and aliases)")
+    return KEY_ALIASES[name.lower()]
+
+
+@attrs.frozen
+class TimedControl:
+    """A control to push when the media clock reaches ``t``; ``entry`` is its index in the file."""
+
+    t: float
+    control: Control
+    entry: int
+
+
+@attrs.frozen
+class TimedControls:
+    """Timed controls in push order (by ``t``, file order for equal times)."""
+
+    entries: tuple[TimedControl, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _parse_entry(index: int, raw: Any) -> TimedControl:
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"controls entry {index}: {problem}")
+
+    if not isinstance(raw, dict):
+        raise bad(f"must be a JSON object, got {type(raw).__name__}")
+    kind = raw.get("type")
+    if kind not in _ENTRY_FIELDS:
+        raise bad(f"unknown or missing type {kind!r} (known: {sorted(_ENTRY_FIELDS)})")
+    extra = sorted(str(k) for k in raw if k not in _ENTRY_FIELDS[kind])
+    if extra:
+        raise bad(f"unexpected field(s) {extra} for type {kind!r}")
+    if "t" not in raw:
+        raise bad("missing time 't'")
+    t = raw["t"]
+    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+        raise bad(f"'t' must be a finite number >= 0 (seconds), got {t!r}")
+    try:
+        if kind == "control":
+            if "control" not in raw:
+                raise bad("a 'control' entry needs 'control' (the key)")
+            event = raw.get("event", "press")
+            if not isinstance(event, str) or event.lower() not in ("press", "release"):
+                raise bad(f"'event' must be 'press' or 'release', got {event!r}")
+            control = Control(ControlType.CONTROL, key=normalize_key(raw["control"]), pressed=event.lower() == "press")
+        elif kind == "control_state":
+            keys = raw.get("controls")
+            if not isinstance(keys, list):
+                raise bad(f"'controls' must be a list of keys, got {keys!r}")
+            normalized = [normalize_key(k) for k in keys]
+            if len(set(normalized)) != len(normalized):
+                raise bad(f"'controls' names a key twice: {keys!r}")
+            control = Control(ControlType.CONTROL_STATE, keys=frozenset(normalized))
+        elif kind == "prompt":
+            prompt = raw.get("prompt")
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise bad(f"'prompt' must be a non-empty string, got {prompt!r}")
+            control = Control(ControlType.PROMPT, prompt=prompt)
+        elif kind == "reset":
+            control = Control(ControlType.RESET)
+        else:
+            control = Control(ControlType.RESET_POSE)
+    except ValueError as exc:
+        if str(exc).startswith(f"controls entry {index}:"):
+            raise
+        raise bad(str(exc)) from exc
+    return TimedControl(t=float(t), control=control, entry=index)
+
+
+def parse_timed_controls(data: Any) -> TimedControls:
+    """Parse decoded JSON (a list of entries; see the module docstring)."""
+    if not isinstance(data, list):
+        raise ValueError(f"controls must be a JSON list of entries, got {type(data).__name__}")
+    parsed = [_parse_entry(i, raw) for i, raw in enumerate(data)]
+    return TimedControls(tuple(sorted(parsed, key=lambda e: (e.t, e.entry))))
+
+
+def load_timed_controls(path: str | os.PathLike[str]) -> TimedControls:
+    """Read and parse a timed controls file; every problem is a ``ValueError`` naming the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"controls file {str(path)!r} cannot be read: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"controls file {str(path)!r} is not valid JSON: {exc}") from exc
+    try:
+        return parse_timed_controls(data)
+    except ValueError as exc:
+        raise ValueError(f"controls file {str(path)!r}: {exc}") from exc
+
+
+@attrs.frozen
+class OfflineRunSummary:
+    """What :func:`run_offline` did; ``metrics`` is what ``metrics.json`` holds."""
+
+    kind: str
+    chunks: int
+    frames: int
+    media_seconds: float
+    wall_seconds: float
+    video_path: Path
+    metrics_path: Path
+    metrics: Mapping[str, Any]
+
+
+# --- the video writer (blocking; runs on a worker thread) -------------------------------------------------
+
+
+def _layout(channels: int) -> str:
+    if channels == 1:
+        return "mono"
+    if channels == 2:
+        return "stereo"
+    raise ValueError(f"audio with {channels} channels is not supported in the mp4 (1 or 2)")
+
+
+class _Mp4Writer:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._container: Any = None
+        self._video: Any = None
+        self._audio: Any = None
+        self._shape: tuple[int, int] | None = None
+        self._fps: float | None = None
+        self._frames = 0
+        self._samples = 0
+        self._audio_format: tuple[int, int] | None = None
+        self.audio_dropped_chunks = 0
+        self.audio_silent_chunks = 0
+
+    def _open(self, chunk: Chunk) -> None:
+        import av
+
+        height, width = chunk.frames.shape[1:3]
+        self._shape = (height, width)
+        self._fps = chunk.fps
+        self._container = av.open(str(self.path), "w", format="mp4")
+        rate = Fraction(chunk.fps).limit_denominator(1001)
+        self._video = self._container.add_stream("libx264", rate=rate)
+        self._video.width = width + width % 2
+        self._video.height = height + height % 2
+        self._video.pix_fmt = "yuv420p"
+        self._video.codec_context.options = {"preset": "veryfast"}
+        if chunk.audio is not None:
+            audio = chunk.audio
+            self._audio = self._container.add_stream("aac", rate=audio.sample_rate, layout=_layout(audio.channels))
+            self._audio_format = (audio.sample_rate, audio.channels)
+
+    def write(self, chunk: Chunk) -> None:
+        import av
+
+        if self._container is None:
+            self._open(chunk)
+        if chunk.frames.shape[1:3] != self._shape:
+            raise ValueError(f"chunk {chunk.index}: frame size {chunk.frames.shape[1:3]} changed from {self._shape}")
+        if not math.isclose(chunk.fps, self._fps or 0.0, rel_tol=1e-9):
+            raise ValueError(f"chunk {chunk.index}: fps {chunk.fps} changed from {self._fps}")
+        frames = chunk.frames
+        pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+        if pad_h or pad_w:
+            frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+        for image in frames:
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
+            frame.pts = self._frames
+            self._frames += 1
+            self._container.mux(self._video.encode(frame))
+        if self._audio is None:
+            if chunk.audio is not None:
+                self.audio_dropped_chunks += 1
+            return
+        sample_rate, channels = self._audio_format  # type: ignore[misc]
+        if chunk.audio is None:
+            self.audio_silent_chunks += 1
+            pcm = np.zeros(round(chunk.media_seconds * sample_rate) * channels, dtype="<i2")
+        else:
+            if (chunk.audio.sample_rate, chunk.audio.channels) != self._audio_format:
+                raise ValueError(
+                    f"chunk {chunk.index}: audio format {chunk.audio.sample_rate} Hz x {chunk.audio.channels} "
+                    f"changed from {sample_rate} Hz x {channels}"
+                )
+            pcm = np.frombuffer(chunk.audio.pcm, dtype="<i2")
+        if pcm.size == 0:
+            return
+        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout=_layout(channels))
+        frame.sample_rate = sample_rate
+        frame.pts = self._samples
+        self._samples += pcm.size // channels
+        self._container.mux(self._audio.encode(frame))
+
+    def finish(self) -> None:
+        if self._container is None:
+            raise RuntimeError("the pipeline produced no chunks; nothing to write")
+        self._container.mux(self._video.encode())
+        if self._audio is not None:
+            self._container.mux(self._audio.encode())
+        self._container.close()
+        self._container = None
+
+    def abort(self) -> None:
+        if self._container is not None:
+            try:
+                self._container.close()
+            except Exception:  # the file is deleted anyway
+                pass
+            self._container = None
+
+    def audio_info(self) -> dict[str, Any] | None:
+        if self._audio_format is None:
+            return None
+        sample_rate, channels = self._audio_format
+        return {"sample_rate": sample_rate, "channels": channels, "seconds": self._samples / sample_rate}
+
+
+# --- measurements -------------------------------------------------------------------------------------------
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class _Recorder:
+    def __init__(self, kind: str, requested: int, scheduled: int) -> None:
+        self.kind = kind
+        self.requested = requested
+        self.scheduled = scheduled
+        self.started = time.perf_counter()
+        self.session_requested: float | None = None
+        self.session_setup: float | None = None
+        self.arrivals: list[float] = []
+        self.chunk_media: list[float] = []
+        self.frames = 0
+        self.fps: float | None = None
+        self.size: tuple[int, int] | None = None
+        self.ended_early = False
+        self.control_entries: list[dict[str, Any]] = []
+        self._awaiting: list[tuple[dict[str, Any], float]] = []  # pushed, waiting for their chunk
+        self.stage_samples: dict[str, list[float]] = {}
+        self.idle: dict[str, dict[str, float]] = {}
+        self.events: dict[str, int] = {}
+
+    def pushed(self, timed: TimedControl, chunk: int, at: float) -> None:
+        record = {"entry": timed.entry, "t": timed.t, "type": timed.control.type.value, "chunk": chunk}
+        self.control_entries.append(record)
+        self._awaiting.append((record, at))
+
+    def rejected(self, timed: TimedControl, chunk: int, reason: str) -> None:
+        self.control_entries.append(
+            {"entry": timed.entry, "t": timed.t, "type": timed.control.type.value, "chunk": chunk, "rejected": reason}
+        )
+
+    def event(self, event: ServiceEvent) -> None:
+        self.events[event.type] = self.events.get(event.type, 0) + 1
+
+    def chunk(self, chunk: Chunk, at: float) -> None:
+        self.arrivals.append(at)
+        self.chunk_media.append(chunk.media_seconds)
+        self.frames += chunk.frame_count
+        if self.fps is None:
+            self.fps = chunk.fps
+            self.size = (int(chunk.frames.shape[2]), int(chunk.frames.shape[1]))
+        for record, pushed_at in self._awaiting:
+            record["latency_seconds"] = at - pushed_at
+        self._awaiting.clear()
+        self._stage_times(chunk.metadata.get("stage_times"))
+        self._idle_reasons(chunk.metadata.get("idle_reasons"))
+
+    def _stage_times(self, value: Any) -> None:
+        if not isinstance(value, Mapping):
+            return
+        for stage, raw in value.items():
+            seconds = _number(raw)
+            if seconds is None and isinstance(raw, Mapping):
+                for field in ("seconds", "duration_seconds", "mean_seconds"):
+                    seconds = _number(raw.get(field))
+                    if seconds is not None:
+                        break
+            if seconds is not None:
+                self.stage_samples.setdefault(str(stage), []).append(seconds)
+
+    def _idle(self, reason: Any, count: float = 1, seconds: float | None = None) -> None:
+        if not isinstance(reason, str) or not reason:
+            return
+        entry = self.idle.setdefault(reason, {"count": 0, "idle_seconds": 0.0})
+        entry["count"] += count
+        if seconds is not None:
+            entry["idle_seconds"] += seconds
+
+    def _idle_reasons(self, value: Any) -> None:
+        if value is None:
+            return
+        if isinstance(value, Mapping):
+            for key, raw in value.items():
+                if isinstance(raw, str):  # stage -> reason
+                    self._idle(raw)
+                elif isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:  # reason -> count
+                    self._idle(str(key), count=raw)
+                elif isinstance(raw, Mapping | list | tuple):
+                    self._idle_reasons(raw)
+            return
+        if isinstance(value, list | tuple):
+            for item in value:
+                if isinstance(item, str):
+                    self._idle(item)
+                elif isinstance(item, Mapping):
+                    self._idle(item.get("reason"), seconds=_number(item.get("idle_seconds")))
+                elif hasattr(item, "reason"):
+                    self._idle(item.reason, seconds=_number(getattr(item, "idle_seconds", None)))
+
+    def metrics(self, writer: _Mp4Writer) -> dict[str, Any]:
+        periods = [b - a for a, b in itertools.pairwise(self.arrivals)]
+        chunk_period = LatencySummary.from_samples(periods)
+        latencies = [r["latency_seconds"] for r in self.control_entries if "latency_seconds" in r]
+        media = math.fsum(self.chunk_media)
+        chunk_media = media / len(self.chunk_media) if self.chunk_media else None
+        rtf = None
+        if chunk_period.p95_seconds is not None and chunk_media:
+            rtf = chunk_period.p95_seconds / chunk_media
+        first = None
+        if self.arrivals and self.session_requested is not None:
+            first = self.arrivals[0] - self.session_requested
+        pushed = sum(1 for r in self.control_entries if "rejected" not in r)
+        rejected = len(self.control_entries) - pushed
+        return {
+            "kind": self.kind,
+            "requested_chunks": self.requested,
+            "chunks": len(self.arrivals),
+            "frames": self.frames,
+            "fps": self.fps,
+            "width": self.size[0] if self.size else None,
+            "height": self.size[1] if self.size else None,
+            "chunk_media_seconds": chunk_media,
+            "media_seconds": media,
+            "wall_seconds": time.perf_counter() - self.started,
+            "ended_early": self.ended_early,
+            "session_setup_seconds": self.session_setup,
+            "first_output_latency_seconds": first,
+            "chunk_period": attrs.asdict(chunk_period),
+            "real_time_factor": rtf,
+            "control_to_output_latency": attrs.asdict(LatencySummary.from_samples(latencies)),
+            "controls": {
+                "scheduled": self.scheduled,
+                "pushed": pushed,
+                "rejected": rejected,
+                "not_reached": self.scheduled - len(self.control_entries),
+                "entries": self.control_entries,
+            },
+            "stage_times": {
+                stage: {"count": len(samples), "mean_seconds": math.fsum(samples) / len(samples)}
+                for stage, samples in sorted(self.stage_samples.items())
+            },
+            "idle_reasons": {reason: dict(v) for reason, v in sorted(self.idle.items())},
+            "events": dict(sorted(self.events.items())),
+            "audio": writer.audio_info(),
+            "audio_dropped_chunks": writer.audio_dropped_chunks,
+            "audio_silent_chunks": writer.audio_silent_chunks,
+            "video": {"file": VIDEO_NAME, "codec": "h264", "pix_fmt": "yuv420p"},
+        }
+
+
+# --- the runner ---------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class _Run:
+    recorder: _Recorder
+    send: trio.MemorySendChannel[Chunk]
+    total: int
+    progress: Callable[[int, int], None] | None
+
+    async def deliver(self, chunk: Chunk) -> None:
+        self.recorder.chunk(chunk, time.perf_counter())
+        await self.send.send(chunk)
+        if self.progress is not None:
+            self.progress(len(self.recorder.arrivals), self.total)
+
+
+async def _aclose(iterator: Any) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            await aclose()
+
+
+async def _run_bidirectional(
+    service: BidirectionalService, config: SessionConfig, controls: Sequence[TimedControl], run: _Run
+) -> None:
+    rec = run.recorder
+    async with service.running():
+        rec.session_requested = time.perf_counter()
+        session_id = await service.create_session(config, on_event=rec.event)
+        rec.session_setup = time.perf_counter() - rec.session_requested
+        iterator = service.chunks(session_id)
+        try:
+            position = 0
+            start = 0.0  # media time at which the next chunk starts
+            for index in range(run.total):
+                while position < len(controls) and controls[position].t <= start + _CLOCK_TOLERANCE:
+                    timed = controls[position]
+                    position += 1
+                    pushed_at = time.perf_counter()
+                    try:
+                        await service.push_control(session_id, timed.control)
+                    except ControlRejected as exc:
+                        rec.rejected(timed, index, exc.reason)
+                        continue
+                    rec.pushed(timed, index, pushed_at)
+                try:
+                    chunk = await iterator.__anext__()
+                except StopAsyncIteration:
+                    rec.ended_early = True
+                    return
+                await run.deliver(chunk)
+                start += chunk.media_seconds
+        finally:
+            await _aclose(iterator)
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await service.close_session(session_id)
+
+
+async def _run_server_push(service: ServerPushService, config: SessionConfig, run: _Run) -> None:
+    rec = run.recorder
+    async with service.running():
+        rec.session_requested = time.perf_counter()
+        iterator = service.stream(config)
+        rec.session_setup = time.perf_counter() - rec.session_requested
+        try:
+            for _ in range(run.total):
+                try:
+                    chunk = await iterator.__anext__()
+                except StopAsyncIteration:
+                    rec.ended_early = True
+                    return
+                await run.deliver(chunk)
+        finally:
+            await _aclose(iterator)
+
+
+async def _write_chunks(writer: _Mp4Writer, receive: trio.MemoryReceiveChannel[Chunk]) -> None:
+    # A failure here is the run's (inconsistent chunks, an encoder error), never the request's, so it is a
+    # RuntimeError even where PyAV raises one of its ValueError subclasses.
+    try:
+        async with receive:
+            async for chunk in receive:
+                await trio.to_thread.run_sync(writer.write, chunk)
+        await trio.to_thread.run_sync(writer.finish)
+    except RuntimeError:
+        raise
+    except Exception as exc:
+        raise RuntimeError(f"writing {VIDEO_NAME} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _single_leaf(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups of one member each, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _temp_path(out_dir: Path, name: str) -> Path:
+    """A hidden name that no other run uses; the file itself is created by its writer (umask applies)."""
+    return out_dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+
+
+async def run_offline(
+    service: BidirectionalService | ServerPushService,
+    config: SessionConfig,
+    controls: TimedControls | None,
+    chunks: int,
+    out_dir: str | os.PathLike[str],
+    progress: Callable[[int, int], None] | None = None,
+) -> OfflineRunSummary:
+    """Run one session of ``service`` for up to ``chunks`` chunks; write ``video.mp4`` and ``metrics.json``.
+
+    A bidirectional service gets one session with ``controls`` pushed on the media clock; a server-push
+    service streams ``config`` (it takes no controls: passing any raises ``ValueError``). ``progress(done,
+    total)`` is called after each chunk. ``out_dir`` is created if missing. On any failure or cancellation
+    the temporary files are removed and nothing named ``video.mp4``/``metrics.json`` is written.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    if isinstance(service, BidirectionalService):
+        kind = "bidirectional"
+    elif isinstance(service, ServerPushService):
+        kind = "server_push"
+        if controls is not None and len(controls):
+            raise ValueError("a server-push pipeline takes no controls; drop the controls file")
+    else:
+        raise TypeError(f"service must be a BidirectionalService or a ServerPushService, got {type(service).__name__}")
+    entries = controls.entries if controls is not None else ()
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    video_tmp = _temp_path(out, VIDEO_NAME)
+    metrics_tmp = _temp_path(out, METRICS_NAME)
+    writer = _Mp4Writer(video_tmp)
+    recorder = _Recorder(kind, chunks, len(entries))
+    try:
+        async with trio.open_nursery() as nursery:
+            send, receive = trio.open_memory_channel[Chunk](4)
+            nursery.start_soon(_write_chunks, writer, receive)
+            async with send:
+                run = _Run(recorder, send, chunks, progress)
+                if isinstance(service, BidirectionalService):
+                    await _run_bidirectional(service, config, entries, run)
+                else:
+                    await _run_server_push(service, config, run)
+        metrics = recorder.metrics(writer)
+        metrics_tmp.write_text(json.dumps(metrics, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        video_path, metrics_path = out / VIDEO_NAME, out / METRICS_NAME
+        os.replace(video_tmp, video_path)
+        os.replace(metrics_tmp, metrics_path)
+    except BaseException as exc:
+        writer.abort()
+        for path in (video_tmp, metrics_tmp):
+            path.unlink(missing_ok=True)
+        single = _single_leaf(exc)
+        if single is not exc:
+            raise single from None
+        raise
+    return OfflineRunSummary(
+        kind=kind,
+        chunks=metrics["chunks"],
+        frames=metrics["frames"],
+        media_seconds=metrics["media_seconds"],
+        wall_seconds=metrics["wall_seconds"],
+        video_path=video_path,
+        metrics_path=metrics_path,
+        metrics=metrics,
+    )

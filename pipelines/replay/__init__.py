@@ -1,0 +1,18 @@
+"""``pipelines/replay``: a server-push example pipeline (a test pattern or a video file, with a tone).
+
+``chunkline run pipelines/replay --chunks 3`` streams it offline; the stream server serves it as a
+server-push pipeline. See :mod:`pipelines.replay.service` for the options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .service import ReplayOptions, ReplayService
+
+__all__ = ["ReplayOptions", "ReplayService", "get_service"]
+
+
+def get_service(gpu_num: int = 0, **_: Any) -> ReplayService:
+    """The replay service; it uses no accelerator, so ``gpu_num`` (and any other option) is ignored."""
+    return ReplayService(gpu_num=gpu_num)
