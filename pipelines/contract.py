@@ -204,6 +204,10 @@ class BidirectionalService(abc.ABC):
     """Sessions that take controls every chunk and stream chunks back."""
 
     kind: ClassVar[str] = "bidirectional"
+    # True when the service applies ``SessionConfig.timeline`` itself and honours the
+    # options ``continuous`` (make chunks back to back) and ``chunks`` (how many);
+    # offline runs then hand it the whole script instead of pushing controls live.
+    supports_timeline: ClassVar[bool] = False
 
     @abc.abstractmethod
     def running(self) -> AbstractAsyncContextManager[Any]:

@@ -388,6 +388,7 @@ class _Recorder:
         self.stage_samples: dict[str, list[float]] = {}
         self.idle: dict[str, dict[str, float]] = {}
         self.events: dict[str, int] = {}
+        self._scripted: list[TimedControl] = []  # timeline controls not yet reached by a chunk
 
     def pushed(self, timed: TimedControl, chunk: int, at: float) -> None:
         record = {"entry": timed.entry, "t": timed.t, "type": timed.control.type.value, "chunk": chunk}
@@ -402,7 +403,19 @@ class _Recorder:
     def event(self, event: ServiceEvent) -> None:
         self.events[event.type] = self.events.get(event.type, 0) + 1
 
+    def expect_scripted(self, controls: Sequence[TimedControl]) -> None:
+        """Controls handed to the service up front (``SessionConfig.timeline``), in time order."""
+        self._scripted = list(controls)
+
     def chunk(self, chunk: Chunk, at: float) -> None:
+        start = math.fsum(self.chunk_media)  # media time at which this chunk starts
+        measured = _number(chunk.metadata.get("control_to_output_seconds"))
+        while self._scripted and self._scripted[0].t <= start + _CLOCK_TOLERANCE:
+            timed = self._scripted.pop(0)
+            record = {"entry": timed.entry, "t": timed.t, "type": timed.control.type.value, "chunk": len(self.arrivals)}
+            if measured is not None:
+                record["latency_seconds"] = measured
+            self.control_entries.append(record)
         self.arrivals.append(at)
         self.chunk_media.append(chunk.media_seconds)
         self.frames += chunk.frame_count
@@ -536,9 +549,21 @@ async def _run_bidirectional(
     service: BidirectionalService, config: SessionConfig, controls: Sequence[TimedControl], run: _Run
 ) -> None:
     rec = run.recorder
+    scripted = service.supports_timeline
+    scripted_controls: Sequence[TimedControl] = controls if scripted else ()
+    if scripted:
+        # the service applies the controls itself on the media clock, deterministically,
+        # however far ahead it computes; it reports each chunk's control-to-output latency
+        config = attrs.evolve(
+            config,
+            timeline=tuple((timed.t, timed.control) for timed in controls),
+            options={**config.options, "continuous": True, "chunks": run.total},
+        )
+        controls = ()
     async with service.running():
         rec.session_requested = time.perf_counter()
         session_id = await service.create_session(config, on_event=rec.event)
+        rec.expect_scripted(scripted_controls)
         rec.session_setup = time.perf_counter() - rec.session_requested
         iterator = service.chunks(session_id)
         try:

@@ -152,6 +152,8 @@ class _ToySession:
 class ToyWorldService(BidirectionalService):
     """A small real world model served through the engine, many sessions per instance."""
 
+    supports_timeline = True
+
     def __init__(
         self,
         config: ToyWorldConfig | None = None,
@@ -432,7 +434,16 @@ class ToyWorldService(BidirectionalService):
             stage: [i.reason for i in session.orch.idle_intervals(stage) if i.sequence_id == seq]
             for stage in ("denoise", "decode")
         }
-        return {"stage_times": stage_times, "idle_reasons": {k: v[0] for k, v in idle.items() if v}}
+        metadata: dict[str, Any] = {
+            "stage_times": stage_times,
+            "idle_reasons": {k: v[0] for k, v in idle.items() if v},
+        }
+        metrics = session.orch.metrics()
+        control_at = dict(metrics.ingress_accepted_at).get(seq)
+        emitted_at = dict(metrics.output_emitted_at).get(seq)
+        if control_at is not None and emitted_at is not None:
+            metadata["control_to_output_seconds"] = emitted_at - control_at
+        return metadata
 
     # -- lease events ------------------------------------------------------------
 
