@@ -19,6 +19,7 @@ from states.lease_book import LeaseBook, LeaseTransition
 __all__ = ["ExecutionLease", "LeaseClosed", "EVENT_NAMES"]
 
 EVENT_NAMES = {State.QUEUED: "lease_queued", State.ACTIVE: "lease_granted", State.PARKED: "lease_parked"}
+# a session that yielded at its chunk boundary is re-queued: reported as lease_queued
 
 
 class LeaseClosed(RuntimeError):
@@ -32,9 +33,12 @@ class ExecutionLease:
         self,
         idle_timeout: float,
         *,
+        rotate: bool = True,
         on_transition: Callable[[LeaseTransition], None] | None = None,
     ) -> None:
-        self._book = LeaseBook(idle_timeout)
+        """``rotate``: active holders take turns chunk by chunk while others wait
+        (the default); False keeps the reference rule (hand over only when idle)."""
+        self._book = LeaseBook(idle_timeout, rotate=rotate)
         self._on_transition = on_transition
         self._changed = trio.lowlevel.ParkingLot()
 

@@ -6,12 +6,20 @@ it writes ``DIR/video.mp4`` and ``DIR/metrics.json``, draws a progress bar on st
 stdout. Bad input (a missing pipeline, image or controls file, a malformed controls file, an unknown control,
 an unsupported device, options the pipeline refuses) is reported on stderr with exit code 2 and leaves no
 output behind; a run that fails later exits 1, also without output files.
+
+``chunkline stream-serve [PIPE] [--host H] [--port N] [--transport local|livekit] [--livekit-url URL] ...``
+runs the stream server (:func:`server.serve.run`). Every setting of :class:`server.settings.ServerSettings` has
+a ``--kebab-case`` flag and a ``CHUNKLINE_*`` environment variable (the table is in :mod:`server.settings`);
+flags win over the environment, which wins over the defaults. ``PIPE`` may come from ``CHUNKLINE_PIPELINE``.
+A bad value is reported as ``chunkline stream-serve: error: <message naming the option>`` with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -28,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve interactive, stateful, chunked generation.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    serve = commands.add_parser("stream-serve", help="run the stream server for a pipeline file")
-    serve.add_argument("pipeline", nargs="?", help="path of a pipeline file defining get_service()")
+    _add_stream_serve_parser(commands)
 
     run = commands.add_parser(
         "run",
@@ -56,6 +63,118 @@ def build_parser() -> argparse.ArgumentParser:
         help="a session option (SessionConfig.options); VALUE is read as JSON when it parses, else as text",
     )
     return parser
+
+
+# metavars of the stream-serve flags; every flag takes text that server.settings parses (so that flags and
+# environment variables share one parser and one set of messages) and defaults to None (= not given).
+_SERVE_METAVARS: dict[str, str] = {
+    "host": "HOST",
+    "port": "N",
+    "transport": "local|livekit",
+    "livekit_url": "URL",
+    "livekit_api_key": "KEY",
+    "livekit_api_secret": "SECRET",
+    "num_workers": "N",
+    "worker_gpu_map": "MAP",
+    "max_sessions_per_worker": "auto|N",
+    "queue_size": "N",
+    "worker_mode": "in-process|process",
+    "assets_dir": "DIR",
+    "api_key": "KEY",
+    "cors_allow_origins": "ORIGINS",
+    "default_fps": "FPS",
+    "max_data_message_bytes": "BYTES",
+    "max_body_bytes": "BYTES",
+    "terminal_retention_count": "N",
+}
+
+
+def _add_stream_serve_parser(commands: Any) -> argparse.ArgumentParser:
+    import attrs
+
+    from server.settings import ServerSettings, env_var, option_for
+
+    serve = commands.add_parser(
+        "stream-serve",
+        help="run the stream server for a pipeline file",
+        description=(
+            "Run the stream server for a pipeline. Every option can also be set with a CHUNKLINE_* environment "
+            "variable (shown with each option); options win over the environment, which wins over the defaults."
+        ),
+    )
+    serve.add_argument(
+        "pipeline",
+        metavar="PIPE",
+        nargs="?",
+        default=None,
+        help=f"path of a pipeline file or package defining get_service() (env {env_var('pipeline')})",
+    )
+    for field in attrs.fields(ServerSettings):
+        if field.name == "pipeline":
+            continue
+        flags = [option_for(field.name)] + (["-p"] if field.name == "port" else [])
+        if field.name == "transport":
+            shown = "livekit when a LiveKit URL is set, else local"
+        elif field.name == "cors_allow_origins":
+            shown = "none: same origin only"
+        elif field.default is None:
+            shown = "unset"
+        else:
+            shown = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)
+        help_text = f"{field.metadata['help']} (default {shown}; env {env_var(field.name)})"
+        if field.type in (bool, "bool"):
+            serve.add_argument(
+                *flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            metavar = _SERVE_METAVARS.get(field.name, "SECONDS" if isinstance(field.default, float) else "VALUE")
+            serve.add_argument(*flags, dest=field.name, metavar=metavar, default=None, help=help_text)
+    return serve
+
+
+def parse_stream_serve_args(argv: Sequence[str], env: Mapping[str, str]) -> Any:
+    """Parse ``chunkline stream-serve`` arguments (the words after ``stream-serve``; a leading
+    ``"stream-serve"`` is skipped) with ``env`` as the environment, and return the
+    :class:`server.settings.ServerSettings`. Raises ``SettingsError`` for a bad value and ``SystemExit(2)``
+    for arguments argparse refuses (an unknown flag, a flag without its value).
+    """
+    from server.settings import ServerSettings
+
+    words = list(argv)
+    if words[:1] != ["stream-serve"]:
+        words.insert(0, "stream-serve")
+    args = build_parser().parse_args(words)
+    return ServerSettings.from_sources(vars(args), env)
+
+
+def _cmd_stream_serve(args: argparse.Namespace) -> int:
+    from server.settings import ServerSettings, SettingsError
+
+    prefix = "chunkline stream-serve"
+    try:
+        settings = ServerSettings.from_sources(vars(args), os.environ)
+    except SettingsError as exc:
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return 2
+    if not Path(settings.pipeline).exists():
+        print(f"{prefix}: error: PIPE {settings.pipeline!r} does not exist", file=sys.stderr)
+        return 2
+    try:
+        serve = importlib.import_module("server.serve")  # imported lazily: the CLI works without it
+    except ModuleNotFoundError as exc:
+        if exc.name != "server.serve":
+            raise
+        print(
+            f"{prefix}: error: the stream server (server.serve) is not part of this build yet; nothing was started.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        result = serve.run(settings)
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    return result if isinstance(result, int) else 0
 
 
 class _BadInput(Exception):
@@ -212,12 +331,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "stream-serve":
-        print(
-            "chunkline stream-serve: the stream server is not part of this build yet "
-            "(see the open server issues); nothing was started.",
-            file=sys.stderr,
-        )
-        return 2
+        return _cmd_stream_serve(args)
     if args.command == "run":
         try:
             return _cmd_run(args)

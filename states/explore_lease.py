@@ -26,6 +26,16 @@ FIFO order; a free lease with waiters never persists; the returned
 transitions are exactly the state changes; and NO STARVATION: from every
 world, the schedule "holder runs a chunk, then an idle tick" repeated
 ``3 * (n + 1)`` times grants every session queued now.
+
+Configurations with rotation (``LeaseBook(..., rotate=True)``) check, besides
+all of the above: a holder leaves the lease at its own chunk boundary whenever
+someone waits (PARKED if idle-expired, else YIELDed to the FIFO tail); a yield
+(ACTIVE -> QUEUED) happens only with rotation on, only at the yielding
+holder's own ``finish``, only when someone waits and only for a non-idle
+holder; a park only takes an idle-expired holder; and ROUND ROBIN: from every
+world, with every live session sending activity before each chunk and the
+holder (or a draining chunk) running chunks, every session queued now is
+granted within (number queued + 1) chunk boundaries.
 """
 
 from __future__ import annotations
@@ -52,8 +62,8 @@ class LeaseWorld:
     problems: tuple[str, ...] = ()
 
 
-def initial_world(session_ids: Sequence[str]) -> LeaseWorld:
-    book = LeaseBook(IDLE_TIMEOUT)
+def initial_world(session_ids: Sequence[str], *, rotate: bool = False) -> LeaseWorld:
+    book = LeaseBook(IDLE_TIMEOUT, rotate=rotate)
     for session_id in session_ids:
         book.register(session_id, 0.0)
     return LeaseWorld(book=book, now=0.0)
@@ -83,6 +93,8 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
     before = _states(book)
     busy_before = _busy(book)
     occupant_before = book.holder() or book.draining()
+    holder_before = book.holder()
+    waiters_before = bool(world.expected_fifo)
     fifo = list(world.expected_fifo)
     owed = set(world.owed_chunk)
     problems: list[str] = []
@@ -144,7 +156,19 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
             fresh_activity = kind == "activity" and sid == session_id
             if before[sid] is not State.QUEUED and not fresh_activity:
                 problems.append(f"{sid} granted from {before[sid].name} without new activity")
+        elif state is State.QUEUED and before[sid] is State.ACTIVE:  # a yield
+            if not book.rotate:
+                problems.append(f"{sid} yielded by {label} without rotation")
+            if not (kind == "finish" and sid == session_id):
+                problems.append(f"{sid} yielded outside its own chunk boundary by {label}")
+            if not fifo:
+                problems.append(f"{sid} yielded with nobody waiting by {label}")
+            if world.book.is_idle_expired(sid, now):
+                problems.append(f"idle {sid} yielded (re-queued) instead of parked by {label}")
+            fifo.append(sid)
         elif state is State.PARKED:
+            if not book.is_idle_expired(sid, now):
+                problems.append(f"{sid} parked while not idle by {label}")
             if sid in busy_before and not (chunk_boundary and sid == session_id):
                 problems.append(f"{sid} parked mid-chunk by {label}")
             if busy_before and not chunk_boundary:
@@ -155,6 +179,14 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
                 problems.append(f"{sid} parked before its guaranteed chunk by {label}")
         elif state is State.CLOSING and sid in fifo:
             fifo.remove(sid)
+    if (
+        book.rotate
+        and kind == "finish"
+        and session_id == holder_before
+        and waiters_before
+        and after.get(session_id) is State.ACTIVE
+    ):
+        problems.append(f"{session_id} kept the lease at its chunk boundary while {world.expected_fifo} waited")
     return LeaseWorld(
         book=book,
         now=now,
@@ -206,6 +238,41 @@ def _starves(world: LeaseWorld) -> list[str]:
     return [f"starvation: {sorted(waiting)} never granted within {rounds} rounds"] if waiting else []
 
 
+def _round_robin_violations(world: LeaseWorld) -> list[str]:
+    """Rotation liveness: every live session sends activity before each chunk and
+    the lease runs chunks; each session queued now must be granted within
+    (number queued + 1) chunk boundaries."""
+    book = world.book.clone()
+    now = world.now
+    waiting = set(book.queued())
+    limit = len(waiting) + 1
+    boundaries = 0
+    while waiting:
+        transitions: list[LeaseTransition] = []
+        for snap in book.snapshot():
+            if snap.state is not State.CLOSING:
+                transitions += book.record_activity(snap.session_id, now)
+        waiting -= {t.session_id for t in transitions if t.state is State.ACTIVE}
+        if not waiting:
+            break
+        if boundaries == limit:
+            return [
+                f"round robin: {sorted(waiting)} not granted within {limit} chunk boundaries"
+                f" of continuous activity"
+            ]
+        busy = _busy(book)
+        holder = book.holder()
+        if busy:
+            transitions = book.finish_chunk(busy[0], now)
+        elif holder is not None:
+            transitions = book.begin_chunk(holder) + book.finish_chunk(holder, now)
+        else:
+            return [f"round robin: {sorted(waiting)} wait but nobody holds the lease"]
+        boundaries += 1
+        waiting -= {t.session_id for t in transitions if t.state is State.ACTIVE}
+    return []
+
+
 def check(world: LeaseWorld) -> Sequence[str]:
     book = world.book
     problems = list(world.problems)
@@ -235,13 +302,15 @@ def check(world: LeaseWorld) -> Sequence[str]:
     if queued and book.lease_free():
         problems.append(f"lease free while {queued} wait")
     problems += _starves(world)
+    if book.rotate:
+        problems += _round_robin_violations(world)
     return problems
 
 
-def _configuration(sessions: tuple[str, ...]) -> Configuration:
+def _configuration(sessions: tuple[str, ...], *, rotate: bool = False) -> Configuration:
     return Configuration(
-        name=f"lease book {len(sessions)} sessions",
-        initial=lambda: initial_world(sessions),
+        name=f"lease book {len(sessions)} sessions{', rotate' if rotate else ''}",
+        initial=lambda: initial_world(sessions, rotate=rotate),
         successors=successors,
         key=key,
         check=check,
@@ -249,7 +318,12 @@ def _configuration(sessions: tuple[str, ...]) -> Configuration:
 
 
 def configurations(small: bool) -> list[Configuration]:
-    """Small: 2 sessions. Full: 3 sessions, then 4 (about 30k worlds, a few seconds)."""
+    """Small: 2 sessions, without and with rotation. Full: 3 sessions, then 4
+    (about 30k worlds, a few seconds), then 3 sessions with rotation."""
     if small:
-        return [_configuration(("a", "b"))]
-    return [_configuration(("a", "b", "c")), _configuration(("a", "b", "c", "d"))]
+        return [_configuration(("a", "b")), _configuration(("a", "b"), rotate=True)]
+    return [
+        _configuration(("a", "b", "c")),
+        _configuration(("a", "b", "c", "d")),
+        _configuration(("a", "b", "c"), rotate=True),
+    ]

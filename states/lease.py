@@ -14,6 +14,15 @@ boundary and only when someone else waits; a parked session keeps its slot and
 caches, and its next ACTIVITY queues it again at the tail. ACTIVITY while
 queued or active only refreshes the activity stamp.
 
+Under the reference rules a holder that keeps sending controls is never idle,
+so it keeps the lease for ever and every other active session starves. A book
+built with rotation on (``LeaseBook(..., rotate=True)``) adds YIELD: at the
+end of each of its own chunks, an ACTIVE holder that is not idle but has
+someone waiting goes back to QUEUED at the tail of the FIFO and the head is
+granted -- round robin at chunk boundaries. An idle holder is still PARKed
+(not re-queued: it must ask again), a holder with nobody waiting keeps the
+lease, and nothing yields mid-chunk.
+
 CLOSE ends the claim from any live state (the session is being torn down);
 CLOSING is terminal, and the book forgets the entry when it is released.
 """
@@ -39,6 +48,7 @@ class Event(enum.Enum):
     ACTIVITY = "activity"
     GRANT = "grant"
     PARK = "park"
+    YIELD = "yield"
     CLOSE = "close"
 
 
@@ -49,6 +59,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.ACTIVE, Event.ACTIVITY): State.ACTIVE,
     (State.QUEUED, Event.GRANT): State.ACTIVE,
     (State.ACTIVE, Event.PARK): State.PARKED,
+    (State.ACTIVE, Event.YIELD): State.QUEUED,
     (State.WAITING, Event.CLOSE): State.CLOSING,
     (State.QUEUED, Event.CLOSE): State.CLOSING,
     (State.ACTIVE, Event.CLOSE): State.CLOSING,

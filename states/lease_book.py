@@ -25,6 +25,16 @@ Rules (reference B.8, with the F.26 weakness fixed):
   idle-expired holder when someone waits and grants the next; ``tick`` (a
   periodic timer) does the same for a holder between chunks that has run since
   its grant. A parked session is granted again only after new activity.
+* Rotation (opt-in, ``rotate=True``; the reference rules have none, so a
+  holder that keeps sending controls keeps the lease for ever): at
+  ``finish_chunk``, when someone waits and the holder is *not* idle-expired,
+  the holder YIELDs -- it goes back to the FIFO tail (QUEUED) and the head is
+  granted, so continuously active sessions take turns chunk by chunk. An
+  idle-expired holder is PARKED exactly as without rotation. The yielded
+  session has just run, so it is not owed a chunk: it is unprotected when it
+  is granted again. ``tick``, ``record_activity`` and ``abort_chunk`` never
+  yield (only the holder's own completed chunk is a rotation boundary), and
+  nobody yields when nobody waits.
 * ``close`` ends a session's claim from any live state. Closing the holder
   frees the lease at once and grants the next waiter -- unless the holder is
   mid-chunk, in which case the lease stays occupied by that chunk (the closing
@@ -148,11 +158,14 @@ def _check_idle_timeout(value: float) -> None:
 class LeaseBook:
     """The FIFO execution lease over many sessions (see the module docstring)."""
 
-    __slots__ = ("_idle_timeout", "_entries", "_fifo")
+    __slots__ = ("_idle_timeout", "_rotate", "_entries", "_fifo")
 
-    def __init__(self, idle_timeout: float) -> None:
+    def __init__(self, idle_timeout: float, *, rotate: bool = False) -> None:
         _check_idle_timeout(idle_timeout)
+        if not isinstance(rotate, bool):
+            raise TypeError(f"rotate must be a bool, got {rotate!r}")
         self._idle_timeout = float(idle_timeout)
+        self._rotate = rotate
         self._entries: dict[str, _Entry] = {}
         self._fifo: list[str] = []
 
@@ -161,6 +174,11 @@ class LeaseBook:
     @property
     def idle_timeout(self) -> float:
         return self._idle_timeout
+
+    @property
+    def rotate(self) -> bool:
+        """Whether a busy (non-idle) holder yields to waiters at its chunk boundary."""
+        return self._rotate
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._entries
@@ -236,6 +254,7 @@ class LeaseBook:
         activities (what the exhaustive explorer does).
         """
         return (
+            self._rotate,
             tuple(
                 (
                     session_id,
@@ -254,6 +273,7 @@ class LeaseBook:
         """An independent copy (cheaper than ``copy.deepcopy``, same result)."""
         twin = LeaseBook.__new__(LeaseBook)
         twin._idle_timeout = self._idle_timeout
+        twin._rotate = self._rotate
         twin._entries = {
             session_id: _Entry(
                 machine=LeaseMachine(entry.state),
@@ -280,7 +300,8 @@ class LeaseBook:
             f"{sid}={entry.state.name}{'*' if entry.busy else ''}"
             for sid, entry in self._entries.items()
         )
-        return f"<LeaseBook [{inner}] fifo={self._fifo}>"
+        rotate = " rotate" if self._rotate else ""
+        return f"<LeaseBook{rotate} [{inner}] fifo={self._fifo}>"
 
     # ----------------------------------------------------------- mutations
 
@@ -325,19 +346,18 @@ class LeaseBook:
         return []
 
     def finish_chunk(self, session_id: str, now: float) -> list[LeaseTransition]:
-        """A chunk ended: the one boundary where an idle holder hands off."""
+        """A chunk ended: the one boundary where an idle holder hands off (parks)
+        and, with rotation, a non-idle holder yields to the next waiter."""
         entry = self._entry(session_id)
         if not entry.busy:
             raise NoChunkInProgress(session_id, "no chunk is running")
         entry.busy = False
         transitions: list[LeaseTransition] = []
-        if (
-            entry.state is State.ACTIVE
-            and self._fifo
-            and self._expired(entry, now)
-            and entry.has_run_since_grant
-        ):
-            transitions.append(self._park(session_id))
+        if entry.state is State.ACTIVE and self._fifo and entry.has_run_since_grant:
+            if self._expired(entry, now):
+                transitions.append(self._park(session_id))
+            elif self._rotate:
+                transitions.append(self._yield(session_id))
         transitions.extend(self._grant_if_free())
         return transitions
 
@@ -398,6 +418,14 @@ class LeaseBook:
         entry.machine.apply(Event.PARK)
         entry.has_run_since_grant = False
         return LeaseTransition(session_id, State.PARKED)
+
+    def _yield(self, session_id: str) -> LeaseTransition:
+        entry = self._entries[session_id]
+        entry.machine.apply(Event.YIELD)
+        entry.has_run_since_grant = False
+        entry.protect_next_grant = False  # it has just run: not owed a chunk
+        self._fifo.append(session_id)
+        return LeaseTransition(session_id, State.QUEUED)
 
     def _grant_if_free(self) -> list[LeaseTransition]:
         if not self._fifo or not self.lease_free():

@@ -37,8 +37,8 @@ def tr(session_id: str, state: State) -> LeaseTransition:
     return LeaseTransition(session_id, state)
 
 
-def book_with(*session_ids: str, now: float = 0.0) -> LeaseBook:
-    book = LeaseBook(T)
+def book_with(*session_ids: str, now: float = 0.0, rotate: bool = False) -> LeaseBook:
+    book = LeaseBook(T, rotate=rotate)
     for session_id in session_ids:
         book.register(session_id, now)
     return book
@@ -316,6 +316,166 @@ def test_close_and_release_misuse() -> None:
         book.close("a")
 
 
+# ---------------------------------------------------------------- rotation
+
+
+def _run_chunk(book: LeaseBook, now: float) -> tuple[str, list[LeaseTransition]]:
+    holder = book.holder()
+    assert holder is not None
+    book.begin_chunk(holder)
+    return holder, book.finish_chunk(holder, now)
+
+
+def test_rotation_is_opt_in() -> None:
+    assert LeaseBook(T).rotate is False
+    assert LeaseBook(T, rotate=True).rotate is True
+    with pytest.raises(TypeError):
+        LeaseBook(T, True)  # type: ignore[misc]  # keyword-only
+    with pytest.raises(TypeError):
+        LeaseBook(T, rotate=1)  # type: ignore[arg-type]
+
+
+def test_without_rotation_a_busy_holder_keeps_the_lease() -> None:
+    # the reference behaviour: a holder that keeps sending controls starves the rest
+    book = book_with("a", "b")
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)
+    for step in range(10):
+        now = step * 1.0
+        book.record_activity("a", now)
+        book.record_activity("b", now)
+        assert _run_chunk(book, now) == ("a", [])
+    assert book.queued() == ("b",)
+
+
+def test_two_active_sessions_alternate_chunk_by_chunk() -> None:
+    book = book_with("a", "b", rotate=True)
+    assert book.record_activity("a", 0.0) == [tr("a", Q), tr("a", A)]
+    assert book.record_activity("b", 0.0) == [tr("b", Q)]
+    ran = []
+    for step in range(8):
+        now = step * 1.0  # both keep sending controls: neither is ever idle
+        assert book.record_activity("a", now) == []
+        assert book.record_activity("b", now) == []
+        holder, got = _run_chunk(book, now)
+        other = "b" if holder == "a" else "a"
+        assert got == [tr(holder, Q), tr(other, A)]
+        assert book.queued() == (holder,) and book.queue_position(holder) == 1
+        ran.append(holder)
+    assert ran == ["a", "b"] * 4
+
+
+def test_three_active_sessions_take_turns_in_fifo_order() -> None:
+    book = book_with("a", "b", "c", rotate=True)
+    for sid in ("a", "c", "b"):
+        book.record_activity(sid, 0.0)
+    ran = []
+    for step in range(9):
+        now = step * 1.0
+        for sid in ("a", "b", "c"):
+            book.record_activity(sid, now)
+        holder, got = _run_chunk(book, now)
+        assert got[0] == tr(holder, Q) and book.queued()[-1] == holder
+        ran.append(holder)
+    assert ran == ["a", "c", "b"] * 3
+
+
+def test_idle_holder_with_waiters_is_parked_not_yielded() -> None:
+    book = book_with("a", "b", rotate=True)
+    book.record_activity("a", 0.0)
+    book.begin_chunk("a")
+    book.record_activity("b", T)
+    assert book.finish_chunk("a", T) == [tr("a", P), tr("b", A)]
+    assert book.state("a") is P and book.queued() == ()
+    # parked, not re-queued: it is granted again only after new activity
+    book.begin_chunk("b")
+    assert book.finish_chunk("b", T) == []  # nobody waits
+    assert book.record_activity("a", T) == [tr("a", Q)]
+    book.begin_chunk("b")
+    assert book.finish_chunk("b", T) == [tr("b", Q), tr("a", A)]
+
+
+def test_no_yield_when_nobody_waits() -> None:
+    book = book_with("a", "b", rotate=True)
+    book.record_activity("a", 0.0)
+    for step in range(5):
+        now = step * 1.0
+        book.record_activity("a", now)
+        assert _run_chunk(book, now) == ("a", [])
+    assert book.holder() == "a" and book.state("b") is W
+
+
+def test_no_yield_mid_chunk_or_between_chunks() -> None:
+    book = book_with("a", "b", rotate=True)
+    book.record_activity("a", 0.0)
+    book.begin_chunk("a")
+    assert book.record_activity("b", 0.0) == [tr("b", Q)]
+    # mid-chunk: neither activity nor the timer moves the lease
+    assert book.record_activity("a", 0.5) == []
+    assert book.record_activity("b", 0.5) == []
+    assert book.tick(0.5) == []
+    assert book.holder() == "a" and book.is_busy("a")
+    # an aborted chunk is not a rotation boundary either
+    assert book.abort_chunk("a") == []
+    assert book.holder() == "a"
+    # between chunks a non-idle holder is never touched by the timer or activity
+    assert book.tick(1.0) == []
+    assert book.record_activity("b", 1.0) == []
+    assert book.holder() == "a"
+    # only the holder's own chunk boundary rotates
+    book.begin_chunk("a")
+    assert book.finish_chunk("a", 1.0) == [tr("a", Q), tr("b", A)]
+
+
+def test_granted_after_wait_still_gets_its_guaranteed_chunk() -> None:
+    book = book_with("a", "b", "c", rotate=True)
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)  # queues behind a: owed one chunk once granted
+    book.begin_chunk("a")
+    assert book.finish_chunk("a", 1.0) == [tr("a", Q), tr("b", A)]
+    # b's own activity is long stale, a and c keep sending controls
+    now = 5 * T
+    book.record_activity("a", now)
+    assert book.record_activity("c", now) == [tr("c", Q)]
+    assert book.tick(now) == []
+    assert book.holder() == "b"
+    book.begin_chunk("b")
+    # after its chunk, idle b is parked (not re-queued) and the head runs
+    assert book.finish_chunk("b", now) == [tr("b", P), tr("a", A)]
+    assert book.queued() == ("c",)
+
+
+def test_a_yielded_session_is_not_owed_a_chunk() -> None:
+    book = book_with("a", "b", rotate=True)
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)
+    book.begin_chunk("a")
+    assert book.finish_chunk("a", 0.0) == [tr("a", Q), tr("b", A)]
+    # a goes idle while it waits; b keeps going: a just ran, so when it is
+    # granted again it is unprotected and an idle tick can park it unrun
+    book.record_activity("b", T)
+    assert _run_chunk(book, T) == ("b", [tr("b", Q), tr("a", A)])
+    assert book.tick(T) == [tr("a", P), tr("b", A)]
+
+
+def test_closing_while_queued_after_a_yield_leaves_the_fifo() -> None:
+    book = book_with("a", "b", rotate=True)
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)
+    _run_chunk(book, 0.0)
+    assert book.queued() == ("a",)
+    assert book.close("a") == [tr("a", C)]
+    assert book.queued() == () and book.holder() == "b"
+
+
+def test_rotation_flag_is_in_the_key_and_the_clone() -> None:
+    plain, rotating = book_with("a", "b"), book_with("a", "b", rotate=True)
+    assert plain.canonical_key(0.0) != rotating.canonical_key(0.0)
+    twin = copy.deepcopy(rotating)
+    assert twin.rotate is True and twin.canonical_key(0.0) == rotating.canonical_key(0.0)
+    assert copy.copy(plain).rotate is False
+
+
 # ------------------------------------------------------------------ errors
 
 
@@ -402,8 +562,9 @@ def test_deepcopy_is_independent_and_keys_reduce_time() -> None:
 class ReferenceLease:
     """A plain re-statement of the lease rules, written independently of the book."""
 
-    def __init__(self, idle_timeout: float) -> None:
+    def __init__(self, idle_timeout: float, rotate: bool = False) -> None:
         self.timeout = idle_timeout
+        self.rotate = rotate
         self.sessions: dict[str, dict] = {}
         self.fifo: list[str] = []
 
@@ -480,8 +641,15 @@ class ReferenceLease:
             raise NoChunkInProgress(sid, "model")
         s["busy"] = False
         out: list = []
-        if s["state"] == "active" and self.fifo and self._stale(sid, now):
-            self._park(sid, out)
+        if s["state"] == "active" and self.fifo:
+            if self._stale(sid, now):
+                self._park(sid, out)
+            elif self.rotate:  # round robin: back to the tail, it has just run
+                s["state"] = "queued"
+                s["may_park"] = False
+                s["owed"] = False
+                self.fifo.append(sid)
+                out.append((sid, "queued"))
         self._grant(out)
         return out
 
@@ -536,17 +704,21 @@ MODEL_TIMEOUT = 1.0
 
 
 class LeaseBookMachine(RuleBasedStateMachine):
+    ROTATE = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.book = LeaseBook(MODEL_TIMEOUT)
-        self.model = ReferenceLease(MODEL_TIMEOUT)
+        self.book = LeaseBook(MODEL_TIMEOUT, rotate=self.ROTATE)
+        self.model = ReferenceLease(MODEL_TIMEOUT, rotate=self.ROTATE)
         self.now = 0.0
+        self.holder_before: str | None = None
         # the guaranteed chunk, tracked apart from the model: who queued behind an
         # occupied lease, and who was granted after such a wait and has not run yet
         self.owed_queued: set[str] = set()
         self.owed_granted: set[str] = set()
 
     def _both(self, book_call, model_call) -> list:
+        self.holder_before = self.book.holder()
         try:
             expected = model_call()
         except LeaseError as model_error:
@@ -566,6 +738,10 @@ class LeaseBookMachine(RuleBasedStateMachine):
                 assert boundary == busy_before, f"{t} while {busy_before} is mid-chunk"
             if t.state is P:
                 assert t.session_id not in self.owed_granted, f"{t.session_id} parked before its chunk"
+            if t.state is Q and t.session_id == self.holder_before:  # a yield
+                assert self.ROTATE, f"{t} without rotation"
+                assert boundary == t.session_id == busy_before, f"{t} outside its own chunk boundary"
+                assert self.book.queued()[-1:] == (t.session_id,), "a yield re-queues at the tail"
             if t.state is A and t.session_id in self.owed_queued:
                 self.owed_queued.discard(t.session_id)
                 self.owed_granted.add(t.session_id)
@@ -627,10 +803,13 @@ class LeaseBookMachine(RuleBasedStateMachine):
     @rule(sid=SESSION_IDS)
     def finish(self, sid: str) -> None:
         busy = self._busy()
+        waiters = bool(self.book.queued())
         got = self._both(
             lambda: self.book.finish_chunk(sid, self.now), lambda: self.model.finish(sid, self.now)
         )
         self._judge(busy, sid, got)
+        if self.ROTATE and sid == self.holder_before == busy and waiters:
+            assert self.book.state(sid) is not A, f"{sid} kept the lease while others waited"
 
     @rule(sid=SESSION_IDS)
     def abort(self, sid: str) -> None:
@@ -687,6 +866,30 @@ class LeaseBookMachine(RuleBasedStateMachine):
 
 LeaseBookMachine.TestCase.settings = settings(max_examples=100, deadline=None, stateful_step_count=50)
 TestLeaseBookModel = LeaseBookMachine.TestCase
+
+
+class RotatingLeaseBookMachine(LeaseBookMachine):
+    """The same rules and model with round robin at chunk boundaries, plus a
+    rule that plays the starvation scenario: everyone keeps sending controls
+    while the holder runs a chunk."""
+
+    ROTATE = True
+
+    @precondition(lambda self: self.book.holder() is not None)
+    @rule()
+    def everyone_acts_then_holder_runs_a_chunk(self) -> None:
+        for sid in self.book.sessions():
+            self.activity(sid)
+        holder = self.book.holder()
+        if holder is not None and self._busy() is None:
+            self.begin(holder)
+            self.finish(holder)
+
+
+RotatingLeaseBookMachine.TestCase.settings = settings(
+    max_examples=100, deadline=None, stateful_step_count=50
+)
+TestRotatingLeaseBookModel = RotatingLeaseBookMachine.TestCase
 
 
 # ------------------------------------------------------------- exploration

@@ -1,0 +1,263 @@
+"""The quart-trio application: the seed's HTTP API, the local rooms' WebSocket, the demo page.
+
+``create_app(settings)`` builds one app with its own runtime, token issuer,
+transport and metrics registry. Every error is JSON ``{"error": code, "detail": text}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from quart import Response, request, websocket
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .openapi import openapi_document
+from .registry import UnknownSession
+from .requests import BadRequest, parse_create_session, parse_token_request, resolve_image_path
+from .runtime import SessionConflict, StreamRuntime
+from .settings import ServerSettings
+from .tokens import IdentityError, TokenIssuer, TokenRejected
+from .transport.local import LocalRooms
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("chunkline.server")
+
+STATIC = Path(__file__).parent / "static"
+SHUTDOWN_GRACE = 20.0
+RETRY_AFTER_SECONDS = 5
+
+
+def error(status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> Response:
+    response = Response(json.dumps({"error": code, "detail": detail}), status=status, mimetype="application/json")
+    for name, value in (headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+def _make_transport(settings: ServerSettings, issuer: TokenIssuer) -> Any:
+    if settings.transport == "livekit":
+        from .transport.livekit import LiveKitTransport
+
+        return LiveKitTransport(settings.livekit_url or "")
+    return LocalRooms(issuer, max_data_message_bytes=settings.max_data_message_bytes)
+
+
+def create_app(settings: ServerSettings, *, service_loader: Any = None) -> QuartTrio:
+    app = QuartTrio(__name__, static_folder=None)
+    app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    if settings.livekit_api_key and settings.livekit_api_secret:
+        issuer = TokenIssuer(settings.livekit_api_key, settings.livekit_api_secret, settings.token_ttl)
+    else:
+        issuer = TokenIssuer.dev(ttl_seconds=settings.token_ttl)
+    metrics = ServerMetrics()
+    transport = _make_transport(settings, issuer)
+    runtime = StreamRuntime(settings, issuer=issuer, transport=transport, metrics=metrics, service_loader=service_loader)
+    app.extensions["chunkline"] = runtime
+    public_url = settings.livekit_url if settings.transport == "livekit" else None
+
+    @app.before_serving
+    async def start() -> None:
+        await app.nursery.start(runtime.run)
+
+    @app.after_serving
+    async def stop() -> None:
+        await runtime.shutdown(SHUTDOWN_GRACE)
+
+    # -- cross-cutting: API key, CORS, errors --------------------------------------
+
+    @app.before_request
+    async def require_api_key() -> Response | None:
+        if request.method == "OPTIONS":
+            return None
+        if settings.api_key and request.path.startswith("/v1/stream/"):
+            header = request.headers.get("Authorization", "")
+            if header != f"Bearer {settings.api_key}":
+                return error(401, "unauthorized", "this route needs 'Authorization: Bearer <api key>'",
+                             {"WWW-Authenticate": "Bearer"})
+        return None
+
+    @app.after_request
+    async def cors(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        if origin and origin in settings.cors_allow_origins:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+        return response
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        return error(exc.code or 500, code, exc.description or code)
+
+    @app.errorhandler(BadRequest)
+    async def bad_request(exc: BadRequest) -> Response:
+        return error(exc.status, exc.code, exc.detail)
+
+    @app.errorhandler(IdentityError)
+    async def bad_identity(exc: IdentityError) -> Response:
+        return error(400, "invalid_identity", str(exc))
+
+    @app.errorhandler(UnknownSession)
+    async def unknown_session(exc: UnknownSession) -> Response:
+        return error(404, "not_found", f"no session {exc.args[0]!r}")
+
+    @app.errorhandler(SessionConflict)
+    async def conflict(exc: SessionConflict) -> Response:
+        return error(409, "conflict", str(exc))
+
+    @app.errorhandler(Exception)
+    async def internal(exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error(500, "internal_error", f"{type(exc).__name__}")
+
+    async def json_body() -> Any:
+        raw = await request.get_data(cache=False)
+        if not raw:
+            raise BadRequest("invalid_body", "the request body must be a JSON object")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("invalid_json", "the request body is not valid JSON") from None
+
+    # -- sessions -------------------------------------------------------------------
+
+    def session_view(record: Any) -> dict[str, Any]:
+        return record.public(queue_position=runtime.queue_position(record))
+
+    @app.post("/v1/stream/sessions")
+    async def create_session() -> Response:
+        body, image = parse_create_session(await json_body())
+        if body.image_path is not None:
+            body = type(body)(body.identity, body.prompt, resolve_image_path(body.image_path, settings.assets_dir), body.config)
+        created = runtime.create_session(body, image_bytes=image)
+        admission = created.admission
+        if admission.status == "rejected":
+            return error(429, admission.reason or "no_capacity",
+                         f"no retained slot is free and the queue {'is full' if admission.reason == 'queue_full' else 'is disabled'}",
+                         {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        record = created.record
+        payload = {
+            "session_id": record.session_id,
+            "room": record.room,
+            "livekit_url": public_url,
+            "transport": transport.name,
+            "websocket_path": f"/v1/rooms/{record.room}/ws" if transport.name == "local" else None,
+            "token": created.token,
+            "worker_id": record.worker_id,
+            "status": record.status.value,
+            "expires_at": record.expires_at,
+            "queue_position": runtime.queue_position(record),
+        }
+        return Response(json.dumps(payload), status=200 if admission.status == "assigned" else 202,
+                        mimetype="application/json")
+
+    @app.get("/v1/stream/sessions")
+    async def list_sessions() -> dict[str, Any]:
+        status = request.args.get("status")
+        records = list(runtime.registry)
+        if status is not None:
+            valid = {s.value for s in type(records[0].status)} if records else None
+            records = [r for r in records if r.status.value == status]
+            if valid is not None and status not in valid:
+                raise BadRequest("invalid_query", f"unknown status {status!r}")
+        return {"sessions": [session_view(r) for r in records]}
+
+    @app.get("/v1/stream/sessions/<session_id>")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        return session_view(runtime.get(session_id))
+
+    @app.delete("/v1/stream/sessions/<session_id>")
+    async def delete_session(session_id: str) -> dict[str, Any]:
+        record = await runtime.delete_session(session_id)
+        return {"session_id": record.session_id, "status": record.status.value}
+
+    @app.post("/v1/stream/sessions/<session_id>/tokens")
+    async def viewer_token(session_id: str) -> dict[str, Any]:
+        runtime.get(session_id)  # 404 before body errors
+        identity = parse_token_request(await json_body())
+        token = runtime.viewer_token(session_id, identity)
+        record = runtime.get(session_id)
+        return {"session_id": session_id, "room": record.room, "livekit_url": public_url, "token": token, "role": "viewer",
+                "identity": identity}
+
+    # -- health, metadata, metrics ------------------------------------------------------
+
+    @app.get("/v1/stream/health")
+    async def stream_health() -> dict[str, Any]:
+        return runtime.health()
+
+    def service_health() -> dict[str, Any]:
+        return {"ready": runtime.ready, "service_type": "stream", **runtime.health()}
+
+    @app.get("/v1/service/health")
+    async def health() -> dict[str, Any]:
+        return service_health()
+
+    @app.get("/v1/service/ready")
+    async def ready() -> Response:
+        body = {"status": "ready" if runtime.ready else "not_ready", **service_health()}
+        return Response(json.dumps(body), status=200 if runtime.ready else 503, mimetype="application/json")
+
+    @app.get("/v1/service/metadata")
+    async def metadata() -> dict[str, Any]:
+        return runtime.metadata()
+
+    @app.get("/v1/service/metrics")
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.prometheus_text(), status=200, content_type=CONTENT_TYPE)
+
+    @app.get("/v1/service/metrics/json")
+    async def metrics_json() -> dict[str, Any]:
+        return {"service_type": "stream", "transport": transport.name, "health": runtime.health(),
+                "serving": metrics.summary()}
+
+    @app.get("/openapi.json")
+    async def openapi() -> dict[str, Any]:
+        return openapi_document()
+
+    # -- the local rooms and the demo page --------------------------------------------------
+
+    @app.websocket("/v1/rooms/<room>/ws")
+    async def room_socket(room: str) -> None:
+        if not isinstance(transport, LocalRooms):
+            await websocket.close(1008, "this server uses LiveKit rooms")
+            return
+        token = websocket.args.get("token", "")
+        try:
+            subscriber = transport.admit_client(room, token)
+        except TokenRejected as exc:
+            await websocket.accept()
+            await websocket.send(json.dumps({"type": "refused", "reason": exc.reason}))
+            await websocket.close(4401, exc.reason)
+            return
+        await websocket.accept()
+        await transport.serve_client(room, subscriber, websocket.send, websocket.receive)
+
+    @app.get("/")
+    async def index() -> Response:
+        page = STATIC / "index.html"
+        if not page.is_file():
+            return error(404, "not_found", "the demo page is not installed")
+        return Response(page.read_text(), mimetype="text/html")
+
+    @app.get("/static/<path:name>")
+    async def static_file(name: str) -> Response:
+        root = STATIC.resolve()
+        path = (root / name).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            return error(404, "not_found", f"no static file {name!r}")
+        kinds = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".png": "image/png"}
+        return Response(path.read_bytes(), mimetype=kinds.get(path.suffix, "application/octet-stream"))
+
+    return app
+

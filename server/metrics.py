@@ -1,0 +1,483 @@
+"""Serving metrics: one Prometheus registry per app, plus a JSON summary of the same numbers.
+
+`ServerMetrics` is the server's only metrics object. It owns a private
+`prometheus_client.CollectorRegistry` (never the process-global one), so two apps in one
+process — two tests, say — never share a sample. Every name starts with `chunkline_`.
+
+Labels are low-cardinality enums only (`result`, `reason`, `status`, `state`, `scope`).
+Session and room ids never become label values: the `session_key` passed to
+`record_control`, `record_chunk_published` and `record_session_finished` keys internal
+per-session state (the pending action, the per-session fps window) and nothing else.
+
+Published fps (reference B.12, F.17)
+------------------------------------
+`chunkline_published_fps{scope}` is computed when the registry is collected, over the
+trailing window `(now - fps_window_seconds, now]`:
+
+* `aggregate` — every frame published in the window (sessions that have since finished
+  included) divided by the window length;
+* `per_session_mean|p50|p95|min` — over the live sessions that published at least one frame
+  in the window, each session's frames in the window divided by the window length.
+  Quantiles are nearest-rank: the value at rank `ceil(q * n)` of the ascending sample
+  (never interpolated, unlike the orchestrator's linear percentiles in `engine.metrics`).
+  With no such session every per-session scope reads 0.
+
+Dividing by the full window keeps the figures comparable, at the price that a session
+younger than the window reads low until it has published for a whole window.
+
+Action to first frame
+---------------------
+`record_control(key)` stamps a pending action for the session; the first
+`record_chunk_published(key, frames > 0, at)` with `at >= stamp` observes `at - stamp` in
+`chunkline_action_to_first_frame_seconds` and clears it. Only one action per session is
+pending: a newer control overwrites the older one and counts in
+`chunkline_actions_overwritten_total`. Every accepted control counts as an action.
+
+The object is not thread-safe beyond what prometheus_client itself guarantees: record from
+the server's trio thread, and collect (`prometheus_text`, `summary`) from that thread too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "ADMISSION_RESULTS",
+    "CHUNK_RESULTS",
+    "CONTENT_TYPE",
+    "FINISH_RESULTS",
+    "FPS_SCOPES",
+    "LATENCY_BUCKETS",
+    "ServerMetrics",
+    "nearest_rank",
+]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    10.0,
+)
+ADMISSION_RESULTS = ("assigned", "queued", "rejected")
+CHUNK_RESULTS = ("processed", "published")
+FINISH_RESULTS = ("closed", "failed", "expired")
+FPS_SCOPES = (
+    "aggregate",
+    "per_session_mean",
+    "per_session_p50",
+    "per_session_p95",
+    "per_session_min",
+)
+
+
+def nearest_rank(ordered: Sequence[float], fraction: float) -> float:
+    """The nearest-rank quantile of an ascending sample: the element at rank ceil(q * n)."""
+    if not ordered:
+        raise ValueError("quantile of an empty sample")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"quantile fraction {fraction!r} is outside [0, 1]")
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return ordered[rank - 1]
+
+
+class _FrameWindow:
+    """(time, frames) entries inside a trailing window; older entries are pruned lazily."""
+
+    __slots__ = ("_entries", "_frames")
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[float, int]] = deque()
+        self._frames = 0
+
+    def add(self, at: float, frames: int) -> None:
+        # Entries normally arrive in time order; an out-of-order stamp is kept sorted so
+        # pruning from the left stays correct.
+        if self._entries and at < self._entries[-1][0]:
+            entries = sorted([*self._entries, (at, frames)], key=lambda entry: entry[0])
+            self._entries = deque(entries)
+        else:
+            self._entries.append((at, frames))
+        self._frames += frames
+
+    def frames_since(self, horizon: float) -> int:
+        """Drop entries at or before `horizon`; return the frames that remain."""
+        while self._entries and self._entries[0][0] <= horizon:
+            _, frames = self._entries.popleft()
+            self._frames -= frames
+        return self._frames
+
+
+class _PublishedFpsCollector(Collector):
+    """Computes `chunkline_published_fps{scope}` and `chunkline_uptime_seconds` per scrape."""
+
+    def __init__(self, owner: ServerMetrics) -> None:
+        self._owner = owner
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "chunkline_published_fps",
+            "Published frames per second over the trailing window",
+            labels=["scope"],
+        )
+        yield GaugeMetricFamily(
+            "chunkline_uptime_seconds", "Seconds since the metrics were created"
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fps = GaugeMetricFamily(
+            "chunkline_published_fps",
+            "Published frames per second over the trailing window",
+            labels=["scope"],
+        )
+        for scope, value in self._owner.published_fps().items():
+            fps.add_metric([scope], value)
+        yield fps
+        yield GaugeMetricFamily(
+            "chunkline_uptime_seconds",
+            "Seconds since the metrics were created",
+            value=self._owner.uptime_seconds(),
+        )
+
+
+class ServerMetrics:
+    """The stream server's metrics, on a registry of its own (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        fps_window_seconds: float = 30.0,
+    ) -> None:
+        if not fps_window_seconds > 0:
+            raise ValueError(f"fps_window_seconds must be > 0, got {fps_window_seconds!r}")
+        self._clock = clock
+        self._fps_window_seconds = float(fps_window_seconds)
+        self._started_at = clock()
+        self._aggregate_window = _FrameWindow()
+        self._session_windows: dict[str, _FrameWindow] = {}
+        self._pending_actions: dict[str, float] = {}
+        self._session_statuses: set[str] = set()
+        self._worker_states: set[str] = set()
+
+        self.registry = CollectorRegistry()
+        registry = self.registry
+
+        self._admissions = Counter(
+            "chunkline_admissions",
+            "Session admission decisions by result",
+            ["result"],
+            registry=registry,
+        )
+        self._control_rejections = Counter(
+            "chunkline_control_rejections",
+            "Control messages rejected, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self._controls = Counter(
+            "chunkline_controls",
+            "Validated (accepted) control messages",
+            registry=registry,
+        )
+        self._actions_overwritten = Counter(
+            "chunkline_actions_overwritten",
+            "Pending actions replaced by a newer control before their first frame",
+            registry=registry,
+        )
+        self._chunks = Counter(
+            "chunkline_chunks",
+            "Chunks by result",
+            ["result"],
+            registry=registry,
+        )
+        self._frames_published = Counter(
+            "chunkline_frames_published",
+            "Frames published to transports",
+            registry=registry,
+        )
+        self._sessions_finished = Counter(
+            "chunkline_sessions_finished",
+            "Sessions that reached a terminal status, by result",
+            ["result"],
+            registry=registry,
+        )
+        self._sessions = Gauge(
+            "chunkline_sessions",
+            "Sessions by status",
+            ["status"],
+            registry=registry,
+        )
+        self._queue_depth = Gauge(
+            "chunkline_queue_depth",
+            "Sessions waiting in the admission queue",
+            registry=registry,
+        )
+        self._workers = Gauge(
+            "chunkline_workers",
+            "Workers by state",
+            ["state"],
+            registry=registry,
+        )
+        self._capacity = Gauge(
+            "chunkline_session_capacity",
+            "Total retained-session capacity across workers",
+            registry=registry,
+        )
+        self._chunk_latency = Histogram(
+            "chunkline_chunk_latency_seconds",
+            "Pipeline compute time per chunk",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._action_to_first_frame = Histogram(
+            "chunkline_action_to_first_frame_seconds",
+            "Validated control to the first frame published after it",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        registry.register(_PublishedFpsCollector(self))
+
+        # Fixed label sets are exported from the start, at zero.
+        for result in ADMISSION_RESULTS:
+            self._admissions.labels(result=result)
+        for result in CHUNK_RESULTS:
+            self._chunks.labels(result=result)
+        for result in FINISH_RESULTS:
+            self._sessions_finished.labels(result=result)
+
+    # -- recording -----------------------------------------------------------------------
+
+    def record_admission(self, result: str) -> None:
+        _check_choice("admission result", result, ADMISSION_RESULTS)
+        self._admissions.labels(result=result).inc()
+
+    def record_control(self, session_key: str, *, at: float | None = None) -> None:
+        """An accepted control: count it and start (or restart) the session's action timer."""
+        stamp = self._clock() if at is None else at
+        self._controls.inc()
+        if session_key in self._pending_actions:
+            self._actions_overwritten.inc()
+        self._pending_actions[session_key] = stamp
+
+    def record_control_rejection(self, reason: str) -> None:
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"control rejection reason must be a non-empty string, got {reason!r}")
+        self._control_rejections.labels(reason=reason).inc()
+
+    def record_chunk_processed(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"chunk latency must be >= 0, got {seconds!r}")
+        self._chunks.labels(result="processed").inc()
+        self._chunk_latency.observe(seconds)
+
+    def record_chunk_published(
+        self, session_key: str, frames: int, at: float | None = None
+    ) -> None:
+        """A chunk of `frames` frames handed to the transport at `at` (default: now)."""
+        if frames < 0:
+            raise ValueError(f"frames must be >= 0, got {frames!r}")
+        stamp = self._clock() if at is None else at
+        self._chunks.labels(result="published").inc()
+        if frames == 0:
+            return
+        self._frames_published.inc(frames)
+        # Prune as we go, so the windows stay bounded even if nobody scrapes.
+        horizon = self._clock() - self._fps_window_seconds
+        self._aggregate_window.add(stamp, frames)
+        self._aggregate_window.frames_since(horizon)
+        window = self._session_windows.get(session_key)
+        if window is None:
+            window = self._session_windows[session_key] = _FrameWindow()
+        window.add(stamp, frames)
+        window.frames_since(horizon)
+        pending = self._pending_actions.get(session_key)
+        if pending is not None and stamp >= pending:
+            del self._pending_actions[session_key]
+            self._action_to_first_frame.observe(stamp - pending)
+
+    def record_session_finished(self, session_key: str, result: str) -> None:
+        """Count the terminal result and forget the session's pending action and fps window."""
+        _check_choice("session result", result, FINISH_RESULTS)
+        self._sessions_finished.labels(result=result).inc()
+        self._pending_actions.pop(session_key, None)
+        self._session_windows.pop(session_key, None)
+
+    def set_sessions(self, counts: Mapping[str, int]) -> None:
+        """Set `chunkline_sessions{status}`; a status seen before but absent here reads 0."""
+        self._session_statuses.update(counts)
+        for status in self._session_statuses:
+            self._sessions.labels(status=status).set(counts.get(status, 0))
+
+    def set_queue_depth(self, depth: int) -> None:
+        self._queue_depth.set(depth)
+
+    def set_workers(self, counts: Mapping[str, int]) -> None:
+        """Set `chunkline_workers{state}`; a state seen before but absent here reads 0."""
+        self._worker_states.update(counts)
+        for state in self._worker_states:
+            self._workers.labels(state=state).set(counts.get(state, 0))
+
+    def set_capacity(self, capacity: int) -> None:
+        self._capacity.set(capacity)
+
+    # -- reading -------------------------------------------------------------------------
+
+    @property
+    def fps_window_seconds(self) -> float:
+        return self._fps_window_seconds
+
+    def uptime_seconds(self) -> float:
+        return max(0.0, self._clock() - self._started_at)
+
+    def pending_actions(self) -> int:
+        """How many sessions have an action still waiting for its first frame."""
+        return len(self._pending_actions)
+
+    def published_fps(self) -> dict[str, float]:
+        """The fps scopes over the trailing window ending now (see the module docstring)."""
+        horizon = self._clock() - self._fps_window_seconds
+        window = self._fps_window_seconds
+        aggregate = self._aggregate_window.frames_since(horizon) / window
+        in_window = {key: w.frames_since(horizon) for key, w in self._session_windows.items()}
+        for key, frames in in_window.items():
+            if frames == 0:  # idle for a whole window: no longer an active session
+                del self._session_windows[key]
+        rates = sorted(frames / window for frames in in_window.values() if frames > 0)
+        if rates:
+            per_session = {
+                "per_session_mean": math.fsum(rates) / len(rates),
+                "per_session_p50": nearest_rank(rates, 0.50),
+                "per_session_p95": nearest_rank(rates, 0.95),
+                "per_session_min": rates[0],
+            }
+        else:
+            per_session = dict.fromkeys(FPS_SCOPES[1:], 0.0)
+        return {"aggregate": aggregate, **per_session}
+
+    def prometheus_text(self) -> bytes:
+        """The registry in the Prometheus text exposition format (see `CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready view of the same numbers the registry exports."""
+        value = self.registry.get_sample_value
+
+        def count(name: str, labels: Mapping[str, str] | None = None) -> int:
+            return int(value(name, dict(labels or {})) or 0)
+
+        rejections = {
+            sample.labels["reason"]: int(sample.value)
+            for metric in self._control_rejections.collect()
+            for sample in metric.samples
+            if sample.name == "chunkline_control_rejections_total"
+        }
+        return {
+            "uptime_seconds": self.uptime_seconds(),
+            "admissions": {
+                result: count("chunkline_admissions_total", {"result": result})
+                for result in ADMISSION_RESULTS
+            },
+            "sessions": {
+                status: count("chunkline_sessions", {"status": status})
+                for status in sorted(self._session_statuses)
+            },
+            "sessions_finished": {
+                result: count("chunkline_sessions_finished_total", {"result": result})
+                for result in FINISH_RESULTS
+            },
+            "queue_depth": count("chunkline_queue_depth"),
+            "workers": {
+                state: count("chunkline_workers", {"state": state})
+                for state in sorted(self._worker_states)
+            },
+            "capacity": count("chunkline_session_capacity"),
+            "controls": {
+                "accepted": count("chunkline_controls_total"),
+                "rejected": dict(sorted(rejections.items())),
+                "actions_overwritten": count("chunkline_actions_overwritten_total"),
+            },
+            "chunks": {
+                result: count("chunkline_chunks_total", {"result": result})
+                for result in CHUNK_RESULTS
+            },
+            "frames_published": count("chunkline_frames_published_total"),
+            "published_fps": {
+                "window_seconds": self._fps_window_seconds,
+                **self.published_fps(),
+            },
+            "chunk_latency_seconds": _histogram_summary(self._chunk_latency),
+            "action_to_first_frame_seconds": {
+                key: item
+                for key, item in _histogram_summary(self._action_to_first_frame).items()
+                if key in ("count", "mean")
+            },
+        }
+
+
+def _check_choice(what: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(choices)}")
+
+
+def _histogram_summary(histogram: Histogram) -> dict[str, Any]:
+    """Count, mean and bucket-interpolated p50/p95 estimates (None when empty)."""
+    buckets: list[tuple[float, float]] = []
+    total = 0.0
+    observed = 0.0
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket"):
+                buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                total = sample.value
+            elif sample.name.endswith("_count"):
+                observed = sample.value
+    buckets.sort()
+    n = int(observed)
+    if n == 0:
+        return {"count": 0, "mean": None, "p50": None, "p95": None}
+    return {
+        "count": n,
+        "mean": total / n,
+        "p50": _bucket_quantile(buckets, 0.50),
+        "p95": _bucket_quantile(buckets, 0.95),
+    }
+
+
+def _bucket_quantile(buckets: Sequence[tuple[float, float]], fraction: float) -> float:
+    """Estimate a quantile from cumulative buckets the way PromQL's histogram_quantile does.
+
+    Linear interpolation inside the bucket holding the target rank, from the previous
+    bound (0 for the first bucket). A rank in the `+Inf` bucket reads as the largest finite
+    bound, since nothing better is known.
+    """
+    observed = buckets[-1][1]
+    target = fraction * observed
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, cumulative in buckets:
+        if cumulative >= target and cumulative > lower_count:
+            if math.isinf(bound):
+                return lower_bound
+            share = (target - lower_count) / (cumulative - lower_count)
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, cumulative
+    return lower_bound

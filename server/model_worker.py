@@ -1,0 +1,118 @@
+"""A model worker: loads the pipeline once, owns its service instance, hosts the room runners.
+
+Loading happens off the event loop (a worker thread imports the pipeline file
+and builds the service; the service's own ``running()`` builds models in its
+actors' threads), so the HTTP API answers while a model loads. The worker
+reports its retained-session capacity once the service is warm:
+``max_sessions_per_worker=auto`` is what the service's memory report allows
+(engine capacity planning), and an explicit integer only lowers it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import trio
+
+from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
+from pipelines.contract import BidirectionalService, ServerPushService, Service
+from pipelines.loader import load_service
+
+__all__ = ["ModelWorker", "WorkerStartError"]
+
+log = logging.getLogger("chunkline.worker")
+
+
+class WorkerStartError(RuntimeError):
+    """The pipeline could not be loaded or does not fit this configuration."""
+
+
+class ModelWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        pipeline: str,
+        gpu_ids: tuple[int, ...],
+        max_sessions: int | str,
+        on_ready: Callable[[ModelWorker, int, CapacityPlan], None],
+        on_failed: Callable[[ModelWorker, str], None],
+        service_loader: Callable[..., Service] = load_service,
+        policy: SessionCapacityPolicy = SessionCapacityPolicy(),
+    ) -> None:
+        self.worker_id = worker_id
+        self.pipeline = pipeline
+        self.gpu_ids = gpu_ids
+        self.max_sessions = max_sessions
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self._load = service_loader
+        self._policy = policy
+        self.service: Service | None = None
+        self.plan: CapacityPlan | None = None
+        self.failure: str | None = None
+        self._runners: trio.Nursery | None = None
+        self._stop = trio.Event()
+
+    @property
+    def kind(self) -> str | None:
+        return None if self.service is None else self.service.kind
+
+    def start_runner(self, run: Callable[[], Any]) -> None:
+        """Run a room runner while the service is up (runners share the service instance)."""
+        if self._runners is None:
+            raise WorkerStartError(f"worker {self.worker_id} is not running")
+        self._runners.start_soon(run)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Load, warm up, report capacity, host runners until stopped; report failure instead of raising."""
+        try:
+            await self._serve()
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            self.failure = reason
+            log.error("worker %s failed: %s", self.worker_id, reason)
+            self._on_failed(self, reason)
+
+    async def _serve(self) -> None:
+        loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids))
+        service = await trio.to_thread.run_sync(loader)
+        self.service = service
+        limit = self.max_sessions if isinstance(self.max_sessions, int) else None
+        if isinstance(service, ServerPushService) and limit not in (None, 1):
+            raise WorkerStartError(
+                f"a ServerPushService holds exactly one retained session; max_sessions_per_worker={limit} is refused"
+            )
+        if isinstance(service, BidirectionalService):
+            service.configure_session_capacity(limit or self._policy.max_capacity)
+        async with service.running():
+            self.plan = self._capacity_plan(service, limit)
+            async with trio.open_nursery() as runners:
+                self._runners = runners
+                self._on_ready(self, self.plan.effective_capacity, self.plan)
+                await self._stop.wait()
+                runners.cancel_scope.cancel()
+            self._runners = None
+
+    def _capacity_plan(self, service: Service, limit: int | None) -> CapacityPlan:
+        if isinstance(service, ServerPushService):
+            return CapacityPlan(computed_capacity=None, effective_capacity=1, configured_limit=1, limiting_device=None)
+        report = service.memory_report()
+        if report is None:
+            return calculate_session_capacity([], {}, limit if limit is not None else 1, policy=self._policy)
+        try:
+            return calculate_session_capacity(
+                report.snapshots,
+                report.role_budgets,
+                limit,
+                untracked_bytes_per_session=report.untracked_bytes_per_session,
+                policy=self._policy,
+            )
+        except InsufficientMemoryError as exc:
+            raise WorkerStartError(str(exc)) from exc

@@ -1,0 +1,218 @@
+"""The OpenAPI 3.1 document of the HTTP API (served at ``/openapi.json``).
+
+Written by hand next to the routes it describes; a test checks that every
+route of the app appears here and that responses match their schemas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["openapi_document"]
+
+STATUSES = ["pending", "queued", "assigned", "joining_room", "starting_pipeline", "running", "draining",
+            "closed", "failed", "expired", "rejected"]
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(_ref("Error"), description)
+
+
+NULLABLE_STR = {"type": ["string", "null"]}
+NULLABLE_NUM = {"type": ["number", "null"]}
+NULLABLE_INT = {"type": ["integer", "null"]}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error", "detail"],
+        "properties": {"error": {"type": "string"}, "detail": {"type": "string"}},
+    },
+    "SessionCreateRequest": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["identity"],
+        "properties": {
+            "identity": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0-9_.:@-]+$"},
+            "role": {"type": "string", "enum": ["controller"]},
+            "prompt": {"type": ["string", "null"], "maxLength": 2000},
+            "image_path": {"type": ["string", "null"], "description": "relative to the server's --assets-dir"},
+            "image_b64": {"type": ["string", "null"], "description": "an uploaded image (PNG or JPEG), base64"},
+            "config": {"type": "object", "description": "pipeline options (e.g. continuous, chunks)"},
+        },
+    },
+    "SessionCreateResponse": {
+        "type": "object",
+        "required": ["session_id", "room", "token", "status", "transport"],
+        "properties": {
+            "session_id": {"type": "string"},
+            "room": {"type": "string"},
+            "livekit_url": NULLABLE_STR,
+            "transport": {"type": "string", "enum": ["local", "livekit"]},
+            "websocket_path": NULLABLE_STR,
+            "token": {"type": "string"},
+            "worker_id": NULLABLE_STR,
+            "status": {"type": "string", "enum": STATUSES},
+            "expires_at": NULLABLE_NUM,
+            "queue_position": NULLABLE_INT,
+        },
+    },
+    "SessionStatus": {
+        "type": "object",
+        "required": ["session_id", "room", "status", "created_at", "updated_at", "participant_count"],
+        "properties": {
+            "session_id": {"type": "string"},
+            "room": {"type": "string"},
+            "status": {"type": "string", "enum": STATUSES},
+            "worker_id": NULLABLE_STR,
+            "pipeline_session_id": NULLABLE_STR,
+            "created_at": {"type": "number"},
+            "updated_at": {"type": "number"},
+            "expires_at": NULLABLE_NUM,
+            "participant_count": {"type": "integer", "minimum": 0},
+            "queue_position": NULLABLE_INT,
+            "error": NULLABLE_STR,
+        },
+    },
+    "SessionList": {"type": "object", "required": ["sessions"],
+                    "properties": {"sessions": {"type": "array", "items": _ref("SessionStatus")}}},
+    "SessionDeleteResponse": {
+        "type": "object",
+        "required": ["session_id", "status"],
+        "properties": {"session_id": {"type": "string"}, "status": {"type": "string", "enum": STATUSES}},
+    },
+    "TokenRequest": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["identity"],
+        "properties": {
+            "identity": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0-9_.:@-]+$"},
+            "role": {"type": "string", "enum": ["viewer"]},
+        },
+    },
+    "TokenResponse": {
+        "type": "object",
+        "required": ["session_id", "room", "token", "role", "identity"],
+        "properties": {
+            "session_id": {"type": "string"},
+            "room": {"type": "string"},
+            "livekit_url": NULLABLE_STR,
+            "token": {"type": "string"},
+            "role": {"type": "string", "enum": ["viewer"]},
+            "identity": {"type": "string"},
+        },
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status", "transport", "workers_total", "workers_idle", "workers_busy", "workers_failed",
+                     "queued_sessions"],
+        "properties": {
+            "status": {"type": "string", "enum": ["healthy", "degraded", "unhealthy"]},
+            "transport": {"type": "string"},
+            "transport_connected": {"type": "boolean"},
+            "workers_total": {"type": "integer"},
+            "workers_idle": {"type": "integer"},
+            "workers_busy": {"type": "integer"},
+            "workers_starting": {"type": "integer"},
+            "workers_failed": {"type": "integer"},
+            "queued_sessions": {"type": "integer"},
+            "retained_sessions": {"type": "integer"},
+            "free_slots": {"type": "integer"},
+        },
+    },
+    "ServiceHealth": {"allOf": [_ref("Health"), {"type": "object", "required": ["ready", "service_type"],
+                                                 "properties": {"ready": {"type": "boolean"},
+                                                                "service_type": {"type": "string"}}}]},
+    "Ready": {"allOf": [_ref("ServiceHealth"), {"type": "object", "required": ["status"],
+                                                "properties": {"status": {"type": "string"}}}]},
+    "Metadata": {"type": "object", "required": ["service_type", "transport", "pipeline_file", "queue_size",
+                                                "session_capacity"],
+                 "properties": {"service_type": {"type": "string"}, "transport": {"type": "string"},
+                                "pipeline_file": {"type": "string"}, "queue_size": {"type": "integer"},
+                                "session_capacity": {"type": "object"}}},
+    "MetricsJson": {"type": "object", "required": ["service_type", "transport", "health", "serving"],
+                    "properties": {"service_type": {"type": "string"}, "transport": {"type": "string"},
+                                   "health": _ref("Health"), "serving": {"type": "object"}}},
+}
+
+SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+COMMON_ERRORS = {"401": _error("missing or wrong API key (when one is configured)"),
+                 "413": _error("request body too large")}
+
+
+def openapi_document() -> dict[str, Any]:
+    paths: dict[str, Any] = {
+        "/v1/stream/sessions": {
+            "post": {
+                "summary": "Create and admit a controller session",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("SessionCreateRequest")}}},
+                "responses": {
+                    "200": _json(_ref("SessionCreateResponse"), "assigned to a worker"),
+                    "202": _json(_ref("SessionCreateResponse"), "queued; queue_position is its place"),
+                    "400": _error("invalid request (field named in detail)"),
+                    "429": {**_error("no slot and no room in the queue"),
+                            "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
+                    **COMMON_ERRORS,
+                },
+            },
+            "get": {
+                "summary": "List sessions",
+                "parameters": [{"name": "status", "in": "query", "required": False,
+                                "schema": {"type": "string", "enum": STATUSES}}],
+                "responses": {"200": _json(_ref("SessionList"), "sessions"), "400": _error("unknown status"),
+                              **COMMON_ERRORS},
+            },
+        },
+        "/v1/stream/sessions/{session_id}": {
+            "get": {"summary": "Read a session", "parameters": [SESSION_ID],
+                    "responses": {"200": _json(_ref("SessionStatus"), "the session"), "404": _error("unknown session"),
+                                  **COMMON_ERRORS}},
+            "delete": {"summary": "Drain, close and release a session (idempotent once terminal)",
+                       "parameters": [SESSION_ID],
+                       "responses": {"200": _json(_ref("SessionDeleteResponse"), "its status after the drain"),
+                                     "404": _error("unknown session"), **COMMON_ERRORS}},
+        },
+        "/v1/stream/sessions/{session_id}/tokens": {
+            "post": {"summary": "Mint a viewer token (subscribe only)", "parameters": [SESSION_ID],
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("TokenRequest")}}},
+                     "responses": {"200": _json(_ref("TokenResponse"), "a viewer token"),
+                                   "400": _error("invalid identity or body"), "404": _error("unknown session"),
+                                   "409": _error("terminal session or identity already in use"), **COMMON_ERRORS}},
+        },
+        "/v1/stream/health": {"get": {"summary": "Admission and worker health",
+                                      "responses": {"200": _json(_ref("Health"), "health"), **COMMON_ERRORS}}},
+        "/v1/service/health": {"get": {"summary": "Service health (always 200)",
+                                       "responses": {"200": _json(_ref("ServiceHealth"), "health")}}},
+        "/v1/service/ready": {"get": {"summary": "Readiness probe",
+                                      "responses": {"200": _json(_ref("Ready"), "ready"),
+                                                    "503": _json(_ref("Ready"), "not ready yet (loading) or closing")}}},
+        "/v1/service/metadata": {"get": {"summary": "Topology, settings in force and the capacity plan",
+                                         "responses": {"200": _json(_ref("Metadata"), "metadata")}}},
+        "/v1/service/metrics": {"get": {"summary": "Prometheus metrics",
+                                        "responses": {"200": {"description": "text exposition",
+                                                              "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/v1/service/metrics/json": {"get": {"summary": "Metrics as JSON",
+                                             "responses": {"200": _json(_ref("MetricsJson"), "metrics")}}},
+        "/openapi.json": {"get": {"summary": "This document",
+                                  "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}},
+        "/": {"get": {"summary": "The browser demo page",
+                      "responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
+                                    "404": _error("demo page not installed")}}},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "chunkline stream server", "version": "0.1.0",
+                 "description": "Admission, tokens and health for interactive streaming sessions. Rooms are joined "
+                                "over LiveKit or, on the local transport, by WebSocket at /v1/rooms/{room}/ws?token=..."},
+        "paths": paths,
+        "components": {"schemas": SCHEMAS,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

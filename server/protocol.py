@@ -1,0 +1,423 @@
+"""The room data protocol: controls in on ``tf.control``, status out on ``tf.status``.
+
+Pure functions, no I/O and no clock except the default ``timestamp`` of the
+message builders.
+
+Controls (reference B.7)
+------------------------
+:func:`parse_control` turns one data packet into a normalized
+:class:`~pipelines.contract.Control` (or a :class:`DeliveryAck`), or raises
+:class:`ControlRejection` whose ``reason`` is a short stable code (see
+:data:`REJECTION_REASONS`) and whose ``detail`` is a short human sentence, both
+safe to send back to the controller (:func:`rejection_message`).
+
+Two shapes are accepted:
+
+* legacy flat: ``{"type": "control_state", "controls": ["w", "j"]}``;
+* envelope: ``{"version": 1, "session_id"?: ..., "type": ..., "payload": {...}}``;
+  the payload's fields are merged under ``type`` and validated like a legacy
+  message. A message is an envelope when it has a ``version`` or ``payload``
+  key. A missing (or null) ``payload`` is ``{}``; a payload ``type`` that
+  differs from the envelope's is ``bad_payload``.
+
+Checks, in this order (the first failure wins):
+
+==================  ===========================================================
+reason              when
+==================  ===========================================================
+wrong_topic         ``topic`` is not ``tf.control``
+not_controller      the sender identity is missing, empty, or not the
+                    controller's (the reference accepted an empty identity, F.7)
+too_large           the raw bytes (UTF-8 for ``str``) exceed ``max_bytes``;
+                    mappings skip this check
+invalid_json        not UTF-8, not JSON, NaN/Infinity, a duplicated object key,
+                    or nested too deeply
+not_an_object       the JSON value (or the argument) is not an object
+bad_version         an envelope whose ``version`` is not the integer 1
+wrong_session       a non-null ``session_id`` (envelope or flat) that is not the
+                    active session's
+bad_payload         an envelope payload that is not an object, a payload ``type``
+                    that contradicts the envelope's, or a malformed
+                    ``delivery_ack`` field
+unknown_type        ``type`` missing, not a string, or not one of
+                    :data:`MESSAGE_TYPES`
+bad_controls        ``control_state.controls`` missing or not a list of strings;
+                    ``control`` without a string ``control``/``key``
+unknown_control     a control name that is not a known key or alias
+duplicate_control   ``control_state`` naming one key twice (after aliasing)
+unknown_event       a ``control`` event that is not a string or not one of
+                    press, release, keyup, end, reset, reset_pose
+bad_prompt          ``prompt`` not a string, blank, or over 2000 characters
+==================  ===========================================================
+
+Types: ``control_state`` (the set of held keys), ``control`` (one key:
+``control``/``key`` plus ``event``/``action``, default ``press``, case-folded;
+``release``/``keyup``/``end`` release; events ``reset``/``reset_pose`` become
+the RESET/RESET_POSE controls), ``prompt``, ``reset``, ``reset_pose``,
+``stop``, and ``delivery_ack`` (F.9: the controller confirms it received the
+stream; optional ``received_frames`` >= 0) which yields a :class:`DeliveryAck`.
+Unknown extra fields are ignored.
+
+Key aliases, normalized to ``w a s d i j k l`` (exact spelling, case matters):
+``ArrowUp``/``up``/``forward`` -> w, ``ArrowDown``/``down``/``backward`` -> s,
+``ArrowLeft``/``left`` -> a, ``ArrowRight``/``right`` -> d, ``KeyW`` ...
+``KeyL`` -> the letter.
+
+Status (fix of F.16)
+--------------------
+Every message on ``tf.status`` is a JSON object with its real ``type`` at the
+top level (``status``, ``chunk``, ``done``, ``error``, ``control_rejected``,
+``lease``; and ``metrics`` on ``tf.metrics``), the ``session_id`` and a float
+``timestamp``. Free-form extras (status, chunk and metrics data) are nested
+under ``data`` so they can never shadow those fields. Values that JSON
+cannot carry (numpy scalars aside, which become numbers) are stringified.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+
+from pipelines.contract import KNOWN_KEYS, Control, ControlType
+
+__all__ = [
+    "CONTROL_TOPIC",
+    "DEFAULT_MAX_BYTES",
+    "KEY_ALIASES",
+    "MAX_PROMPT_CHARS",
+    "MESSAGE_TYPES",
+    "METRICS_TOPIC",
+    "PROTOCOL_VERSION",
+    "REJECTION_REASONS",
+    "STATUS_TOPIC",
+    "ControlRejection",
+    "DeliveryAck",
+    "chunk_message",
+    "done_message",
+    "error_message",
+    "lease_message",
+    "metrics_message",
+    "normalize_key",
+    "parse_control",
+    "rejection_message",
+    "status_message",
+]
+
+CONTROL_TOPIC: Final = "tf.control"
+STATUS_TOPIC: Final = "tf.status"
+METRICS_TOPIC: Final = "tf.metrics"
+
+PROTOCOL_VERSION: Final = 1
+DEFAULT_MAX_BYTES: Final = 12288
+MAX_PROMPT_CHARS: Final = 2000
+
+REJECTION_REASONS: Final = frozenset(
+    {
+        "wrong_topic",
+        "not_controller",
+        "too_large",
+        "invalid_json",
+        "not_an_object",
+        "bad_version",
+        "wrong_session",
+        "bad_payload",
+        "unknown_type",
+        "bad_controls",
+        "unknown_control",
+        "duplicate_control",
+        "unknown_event",
+        "bad_prompt",
+    }
+)
+
+DELIVERY_ACK: Final = "delivery_ack"
+MESSAGE_TYPES: Final = frozenset({t.value for t in ControlType} | {DELIVERY_ACK})
+
+KEY_ALIASES: Final[Mapping[str, str]] = {
+    **{key: key for key in KNOWN_KEYS},
+    **{f"Key{key.upper()}": key for key in KNOWN_KEYS},
+    "ArrowUp": "w",
+    "ArrowDown": "s",
+    "ArrowLeft": "a",
+    "ArrowRight": "d",
+    "up": "w",
+    "forward": "w",
+    "down": "s",
+    "backward": "s",
+    "left": "a",
+    "right": "d",
+}
+
+# event -> pressed (bool) for key events, or the control type it stands for.
+_EVENTS: Final[Mapping[str, bool | ControlType]] = {
+    "press": True,
+    "release": False,
+    "keyup": False,
+    "end": False,
+    "reset": ControlType.RESET,
+    "reset_pose": ControlType.RESET_POSE,
+}
+
+_SIMPLE_TYPES: Final = {
+    ControlType.RESET.value: ControlType.RESET,
+    ControlType.RESET_POSE.value: ControlType.RESET_POSE,
+    ControlType.STOP.value: ControlType.STOP,
+}
+
+
+class ControlRejection(ValueError):
+    """A control packet was refused; ``reason`` is a code from :data:`REJECTION_REASONS`."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@attrs.frozen
+class DeliveryAck:
+    """The controller confirmed it received the stream (lossless delivery, F.9)."""
+
+    session_id: str
+    received_frames: int | None = None
+
+
+def normalize_key(name: object) -> str | None:
+    """The normalized key for a control name or alias, or None if unknown."""
+    return KEY_ALIASES.get(name) if isinstance(name, str) else None
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- parsing ------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _decode(raw: bytes | str, max_bytes: int) -> Any:
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise ControlRejection("too_large", f"{size} bytes; at most {max_bytes} allowed")
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_pairs)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ControlRejection("invalid_json", "the message is not valid UTF-8 JSON") from exc
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def parse_control(
+    raw: bytes | str | Mapping[str, Any],
+    *,
+    topic: str,
+    sender_identity: str | None,
+    controller_identity: str,
+    session_id: str,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Control | DeliveryAck:
+    """Validate and normalize one control packet; raises :class:`ControlRejection`."""
+    if topic != CONTROL_TOPIC:
+        raise ControlRejection("wrong_topic", f"controls are accepted on {CONTROL_TOPIC!r} only")
+    if not sender_identity or not isinstance(sender_identity, str) or sender_identity != controller_identity:
+        raise ControlRejection("not_controller", "only the controller may send control messages")
+
+    if isinstance(raw, bytearray | memoryview):
+        raw = bytes(raw)
+    if isinstance(raw, bytes | str):
+        message = _decode(raw, max_bytes)
+    else:
+        message = raw
+    if not isinstance(message, Mapping):
+        raise ControlRejection("not_an_object", "a control message must be a JSON object")
+
+    if "version" in message or "payload" in message:
+        version = message.get("version")
+        if type(version) is not int or version != PROTOCOL_VERSION:
+            raise ControlRejection("bad_version", f"envelope version must be {PROTOCOL_VERSION}")
+    _check_session(message, session_id)
+    fields = _merge_envelope(message) if ("version" in message or "payload" in message) else message
+
+    kind = fields.get("type")
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+        raise ControlRejection("unknown_type", f"type {_show(kind)} is not one of {sorted(MESSAGE_TYPES)}")
+
+    if kind == ControlType.CONTROL_STATE.value:
+        return Control(ControlType.CONTROL_STATE, keys=_held_keys(fields))
+    if kind == ControlType.CONTROL.value:
+        return _key_event(fields)
+    if kind == ControlType.PROMPT.value:
+        return Control(ControlType.PROMPT, prompt=_prompt(fields))
+    if kind == DELIVERY_ACK:
+        return _delivery_ack(fields, session_id)
+    return Control(_SIMPLE_TYPES[kind])
+
+
+def _check_session(message: Mapping[str, Any], session_id: str) -> None:
+    claimed = message.get("session_id")
+    if claimed is not None and claimed != session_id:
+        raise ControlRejection("wrong_session", "the message names another session")
+
+
+def _merge_envelope(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    payload = message.get("payload")
+    if payload is None:
+        payload = {}
+    if not isinstance(payload, Mapping):
+        raise ControlRejection("bad_payload", "the envelope payload must be an object")
+    fields = dict(payload)
+    if "type" in message:
+        if "type" in payload and payload["type"] != message["type"]:
+            raise ControlRejection("bad_payload", "the payload type contradicts the envelope type")
+        fields["type"] = message["type"]
+    return fields
+
+
+def _held_keys(fields: Mapping[str, Any]) -> frozenset[str]:
+    controls = fields.get("controls")
+    if not _is_list(controls) or not all(isinstance(name, str) for name in controls):
+        raise ControlRejection("bad_controls", "control_state needs 'controls': a list of strings")
+    held: set[str] = set()
+    for name in controls:
+        key = normalize_key(name)
+        if key is None:
+            raise ControlRejection("unknown_control", f"unknown control {_show(name)}")
+        if key in held:
+            raise ControlRejection("duplicate_control", f"control {_show(name)} repeats key {key!r}")
+        held.add(key)
+    return frozenset(held)
+
+
+def _key_event(fields: Mapping[str, Any]) -> Control:
+    name = fields["control"] if "control" in fields else fields.get("key")
+    if not isinstance(name, str):
+        raise ControlRejection("bad_controls", "a control message needs a string 'control' (or 'key')")
+    key = normalize_key(name)
+    if key is None:
+        raise ControlRejection("unknown_control", f"unknown control {_show(name)}")
+    event = fields["event"] if "event" in fields else fields.get("action", "press")
+    meaning = _EVENTS.get(event.lower()) if isinstance(event, str) else None
+    if meaning is None:
+        raise ControlRejection("unknown_event", f"event {_show(event)} is not one of {sorted(_EVENTS)}")
+    if isinstance(meaning, ControlType):
+        return Control(meaning)
+    return Control(ControlType.CONTROL, key=key, pressed=meaning)
+
+
+def _prompt(fields: Mapping[str, Any]) -> str:
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ControlRejection("bad_prompt", "a prompt message needs non-empty 'prompt' text")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ControlRejection("bad_prompt", f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    return prompt
+
+
+def _delivery_ack(fields: Mapping[str, Any], session_id: str) -> DeliveryAck:
+    frames = fields.get("received_frames")
+    if frames is not None and (type(frames) is not int or frames < 0):
+        raise ControlRejection("bad_payload", "received_frames must be an integer >= 0")
+    return DeliveryAck(session_id=session_id, received_frames=frames)
+
+
+# -- status messages ----------------------------------------------------------
+
+_MAX_DEPTH: Final = 32
+
+
+def _jsonable(value: Any, depth: int = 0) -> Any:
+    """A JSON-safe copy of ``value``; anything JSON cannot carry becomes ``str(value)``."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else str(value)
+    if depth >= _MAX_DEPTH:
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v, depth + 1) for v in value]
+    if isinstance(value, set | frozenset):
+        items = [_jsonable(v, depth + 1) for v in value]
+        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+    return str(value)
+
+
+def _message(kind: str, session_id: str, timestamp: float | None, body: Mapping[str, Any]) -> bytes:
+    message = {
+        "type": kind,
+        "session_id": session_id,
+        **body,
+        "timestamp": time.time() if timestamp is None else float(timestamp),
+    }
+    return json.dumps(_jsonable(message), separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def status_message(session_id: str, stage: str, /, *, timestamp: float | None = None, **data: Any) -> bytes:
+    """A lifecycle status (``stage`` such as ``connected``, ``generating``); extras go in ``data``."""
+    return _message("status", session_id, timestamp, {"stage": stage, "data": data})
+
+
+def metrics_message(session_id: str, /, *, timestamp: float | None = None, **data: Any) -> bytes:
+    """Serving measurements for ``tf.metrics`` (lossy); the values go in ``data``."""
+    return _message("metrics", session_id, timestamp, {"data": data})
+
+
+def chunk_message(
+    session_id: str, index: int, data: Mapping[str, Any], *, timestamp: float | None = None
+) -> bytes:
+    """The metadata of one published chunk (media fields already stripped)."""
+    return _message("chunk", session_id, timestamp, {"index": index, "data": data})
+
+
+def done_message(
+    session_id: str, total_chunks: int, published_frames: int, *, timestamp: float | None = None
+) -> bytes:
+    """The stream ended normally."""
+    return _message(
+        "done", session_id, timestamp, {"total_chunks": total_chunks, "published_frames": published_frames}
+    )
+
+
+def error_message(session_id: str, reason: str, detail: str, *, timestamp: float | None = None) -> bytes:
+    """The session failed."""
+    return _message("error", session_id, timestamp, {"reason": reason, "detail": detail})
+
+
+def rejection_message(session_id: str, reason: str, detail: str, *, timestamp: float | None = None) -> bytes:
+    """The answer to a refused control (a :class:`ControlRejection` or a service's ControlRejected)."""
+    return _message("control_rejected", session_id, timestamp, {"reason": reason, "detail": detail})
+
+
+def lease_message(
+    session_id: str, event: str, queue_position: int | None, *, timestamp: float | None = None
+) -> bytes:
+    """An execution-lease change (``event`` such as ``queued``, ``granted``, ``parked``)."""
+    return _message("lease", session_id, timestamp, {"event": event, "queue_position": queue_position})

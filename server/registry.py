@@ -1,0 +1,146 @@
+"""Stream-session records: what the API reports, changed only through the stream-session table.
+
+A record's status is its :class:`states.stream_session.StreamSessionMachine`;
+:meth:`SessionRegistry.apply` is the one way to move it. Terminal records are
+kept for a bounded time and count so clients can read the outcome, then pruned.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from states import stream_session as table
+from states.stream_session import Event, State, StreamSessionMachine
+
+__all__ = ["SessionRecord", "SessionRegistry", "UnknownSession"]
+
+
+class UnknownSession(KeyError):
+    """No record with this id (it never existed or was pruned)."""
+
+
+@attrs.define(eq=False)
+class SessionRecord:
+    session_id: str
+    room: str
+    controller_identity: str
+    config: dict[str, Any]
+    prompt: str | None
+    image_path: str | None
+    created_at: float  # wall clock, for clients
+    expires_at: float | None  # wall clock, for clients
+    deadline: float | None  # trio clock: when the session expires
+    machine: StreamSessionMachine = attrs.Factory(StreamSessionMachine)
+    worker_id: str | None = None
+    pipeline_session_id: str | None = None
+    error: str | None = None
+    updated_at: float = 0.0
+    terminal_since: float | None = None  # trio clock
+    participants: set[str] = attrs.Factory(set)  # identities present in the room (worker excluded)
+    viewer_identities: set[str] = attrs.Factory(set)  # identities viewer tokens were minted for
+    drain_cause: str | None = None  # why the session is draining: deleted, stop, expired, controller_left, ...
+    upload_path: str | None = None  # a server-owned copy of an uploaded image, deleted when terminal
+
+    @property
+    def status(self) -> State:
+        return self.machine.state
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.machine.is_terminal
+
+    @property
+    def participant_count(self) -> int:
+        return len(self.participants)
+
+    def public(self, *, queue_position: int | None = None) -> dict[str, Any]:
+        """The fields of ``GET /v1/stream/sessions/{id}``."""
+        return {
+            "session_id": self.session_id,
+            "room": self.room,
+            "status": self.status.value,
+            "worker_id": self.worker_id,
+            "pipeline_session_id": self.pipeline_session_id,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "expires_at": self.expires_at,
+            "participant_count": self.participant_count,
+            "queue_position": queue_position,
+            "error": self.error,
+        }
+
+
+class SessionRegistry:
+    """All records of one server, by id; single owner: the runtime (trio thread)."""
+
+    def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
+        self._records: dict[str, SessionRecord] = {}
+        self._wall = wall_clock
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[SessionRecord]:
+        return iter(list(self._records.values()))
+
+    def add(self, record: SessionRecord) -> None:
+        if record.session_id in self._records:
+            raise ValueError(f"session {record.session_id!r} already exists")
+        record.updated_at = self._wall()
+        self._records[record.session_id] = record
+
+    def get(self, session_id: str) -> SessionRecord:
+        try:
+            return self._records[session_id]
+        except KeyError:
+            raise UnknownSession(session_id) from None
+
+    def find(self, session_id: str) -> SessionRecord | None:
+        return self._records.get(session_id)
+
+    def list(self, status: State | None = None) -> list[SessionRecord]:
+        return [r for r in self._records.values() if status is None or r.status is status]
+
+    def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for record in self._records.values():
+            counts[record.status.value] += 1
+        return counts
+
+    def apply(self, record: SessionRecord, event: Event, *, now: float, error: str | None = None) -> State:
+        """Move a record through the stream-session table (raises IllegalTransition, changing nothing)."""
+        state = record.machine.apply(event)
+        record.updated_at = self._wall()
+        if error is not None and record.error is None:
+            record.error = error
+        if state in table.TERMINAL:
+            record.terminal_since = now
+        return state
+
+    def remove(self, session_id: str) -> None:
+        self._records.pop(session_id, None)
+
+    def expired(self, now: float) -> list[SessionRecord]:
+        """Live records whose session timeout has passed (by the trio clock)."""
+        return [
+            r for r in self._records.values()
+            if not r.is_terminal and r.deadline is not None and now >= r.deadline
+        ]
+
+    def prune(self, now: float, *, retention_seconds: float, retention_count: int) -> list[str]:
+        """Forget terminal records older than the retention time, and the oldest beyond the count."""
+        terminal = sorted(
+            (r for r in self._records.values() if r.is_terminal and r.terminal_since is not None),
+            key=lambda r: r.terminal_since,  # type: ignore[arg-type, return-value]
+        )
+        removed = [r.session_id for r in terminal if now - r.terminal_since >= retention_seconds]  # type: ignore[operator]
+        keep = [r for r in terminal if r.session_id not in set(removed)]
+        if len(keep) > retention_count:
+            removed += [r.session_id for r in keep[: len(keep) - retention_count]]
+        for session_id in removed:
+            del self._records[session_id]
+        return removed

@@ -1,0 +1,135 @@
+"""Request bodies of the HTTP API: parsed strictly, refused with a reason that names the field.
+
+Unknown fields are refused (400), not silently ignored: a client that sends
+``imagepath`` should learn it at once rather than stream the default scene.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_token_request", "resolve_image_path", "store_upload"]
+
+MAX_PROMPT = 2000
+MAX_CONFIG_BYTES = 16384
+
+
+@attrs.frozen
+class CreateSession:
+    """A validated ``POST /v1/stream/sessions`` body."""
+
+    identity: str
+    prompt: str | None = None
+    image_path: str | None = None
+    config: dict[str, Any] = attrs.Factory(dict)
+
+
+
+class BadRequest(ValueError):
+    """A request the API refuses with HTTP 400; ``code`` is stable, ``detail`` names the field."""
+
+    def __init__(self, code: str, detail: str, status: int = 400) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+        self.status = status
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("invalid_body", "the request body must be a JSON object")
+    return body
+
+
+def _unknown(body: dict[str, Any], allowed: set[str]) -> None:
+    extra = sorted(set(body) - allowed)
+    if extra:
+        raise BadRequest("unknown_field", f"unknown field(s) {extra}; allowed: {sorted(allowed)}")
+
+
+def _optional_str(body: dict[str, Any], name: str, limit: int) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest("invalid_field", f"{name} must be a string")
+    if len(value) > limit:
+        raise BadRequest("invalid_field", f"{name} is longer than {limit} characters")
+    return value
+
+
+def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
+    """``{identity, role?, prompt?, image_path?, image_b64?, config?}`` -> the request and any uploaded image."""
+    body = _object(body)
+    _unknown(body, {"identity", "role", "prompt", "image_path", "image_b64", "config"})
+    identity = body.get("identity")
+    if not isinstance(identity, str) or not identity:
+        raise BadRequest("invalid_field", "identity must be a non-empty string")
+    role = body.get("role", "controller")
+    if role != "controller":
+        raise BadRequest("invalid_field", "role must be 'controller' (viewers use POST /v1/stream/sessions/{id}/tokens)")
+    prompt = _optional_str(body, "prompt", MAX_PROMPT)
+    image_path = _optional_str(body, "image_path", 4096)
+    image_b64 = _optional_str(body, "image_b64", 1 << 30)
+    if image_path is not None and image_b64 is not None:
+        raise BadRequest("invalid_field", "give image_path or image_b64, not both")
+    config = body.get("config", {})
+    if not isinstance(config, dict):
+        raise BadRequest("invalid_field", "config must be a JSON object")
+    if len(json.dumps(config)) > MAX_CONFIG_BYTES:
+        raise BadRequest("invalid_field", f"config is larger than {MAX_CONFIG_BYTES} bytes")
+    image = None
+    if image_b64 is not None:
+        try:
+            image = base64.b64decode(image_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest("invalid_field", "image_b64 is not valid base64") from None
+        if not image:
+            raise BadRequest("invalid_field", "image_b64 is empty")
+    return CreateSession(identity=identity, prompt=prompt, image_path=image_path, config=config), image
+
+
+def parse_token_request(body: Any) -> str:
+    """``{identity, role?}`` -> the viewer identity."""
+    body = _object(body)
+    _unknown(body, {"identity", "role"})
+    identity = body.get("identity")
+    if not isinstance(identity, str) or not identity:
+        raise BadRequest("invalid_field", "identity must be a non-empty string")
+    if body.get("role", "viewer") != "viewer":
+        raise BadRequest("invalid_field", "role must be 'viewer'")
+    return identity
+
+
+def resolve_image_path(image_path: str, assets_dir: str | None) -> str:
+    """A path the client named must resolve inside the assets directory (no absolute paths, no ``..``, no symlinks out)."""
+    if assets_dir is None:
+        raise BadRequest("image_path_not_allowed", "image_path needs the server to be started with --assets-dir")
+    if os.path.isabs(image_path) or "\\" in image_path or "\x00" in image_path:
+        raise BadRequest("invalid_image_path", "image_path must be relative to the assets directory")
+    parts = Path(image_path).parts
+    if ".." in parts:
+        raise BadRequest("invalid_image_path", "image_path may not contain '..'")
+    root = Path(assets_dir).resolve()
+    resolved = (root / image_path).resolve()
+    if not resolved.is_relative_to(root):
+        raise BadRequest("invalid_image_path", "image_path resolves outside the assets directory")
+    if not resolved.is_file():
+        raise BadRequest("invalid_image_path", f"image_path {image_path!r} does not exist in the assets directory")
+    return str(resolved)
+
+
+def store_upload(image: bytes, directory: str) -> str:
+    """Write an uploaded image to a private file the pipeline can read; the caller deletes it."""
+    handle, path = tempfile.mkstemp(prefix="upload-", suffix=".img", dir=directory)
+    with os.fdopen(handle, "wb") as file:
+        file.write(image)
+    return path

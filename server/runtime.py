@@ -1,0 +1,391 @@
+"""The stream runtime: registry + admission + model workers + room runners, in one trio nursery.
+
+Every status change goes through the stream-session table (the registry) and
+every slot through the admission book; this module only wires them to time and
+to the runners. Nothing here waits on pipeline work: workers load their
+pipelines in their own tasks (threads for the imports), runners create
+pipeline sessions in theirs, and the API calls below return at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from engine import CapacityPlan
+from states.admission import Admission, AdmissionBook, AdmissionTransition, Transition
+from states.stream_session import RETAINING, Event, State
+from states.worker import State as WorkerState
+
+from .metrics import ServerMetrics
+from .model_worker import ModelWorker
+from .registry import SessionRecord, SessionRegistry
+from .requests import CreateSession, store_upload
+from .runner import RoomRunner
+from .settings import ServerSettings
+from .tokens import TokenIssuer, validate_identity
+from .transport import RoomTransport
+
+__all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created"]
+
+log = logging.getLogger("chunkline.runtime")
+
+SWEEP_PERIOD = 1.0
+DELETE_WAIT = 15.0
+
+
+class SessionConflict(RuntimeError):
+    """The request conflicts with the session's state (e.g. a token for a terminal session)."""
+
+
+@attrs.frozen
+class Created:
+    record: SessionRecord
+    admission: Admission
+    token: str | None
+
+
+class StreamRuntime:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        issuer: TokenIssuer,
+        transport: RoomTransport,
+        metrics: ServerMetrics,
+        service_loader: Callable[..., Any] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.issuer = issuer
+        self.transport = transport
+        self.metrics = metrics
+        self.registry = SessionRegistry()
+        self.book = AdmissionBook(settings.queue_size)
+        self.workers: dict[str, ModelWorker] = {}
+        self.runners: dict[str, RoomRunner] = {}
+        self._service_loader = service_loader
+        self._nursery: trio.Nursery | None = None
+        self._uploads: str | None = None
+        self.started = False
+        self.closing = False
+        self.started_at = time.time()
+
+    # -- life ------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            groups = self.settings.worker_gpu_map or tuple(() for _ in range(self.settings.num_workers))
+            initial = self.settings.max_sessions_per_worker
+            for index, gpu_ids in enumerate(groups):
+                worker_id = f"worker-{index}"
+                options: dict[str, Any] = {}
+                if self._service_loader is not None:
+                    options["service_loader"] = self._service_loader
+                worker = ModelWorker(
+                    worker_id,
+                    pipeline=self.settings.pipeline,
+                    gpu_ids=tuple(gpu_ids),
+                    max_sessions=initial,
+                    on_ready=self._worker_ready,
+                    on_failed=self._worker_failed,
+                    **options,
+                )
+                self.workers[worker_id] = worker
+                self.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
+                nursery.start_soon(worker.run)
+            nursery.start_soon(self._sweep)
+            self.started = True
+            self._publish_gauges()
+            task_status.started()
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run a small task in the runtime's nursery (e.g. publishing an event)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    async def shutdown(self, grace: float) -> None:
+        """Drain every live session within ``grace`` seconds, then stop the workers."""
+        self.closing = True
+        for record in self.registry:
+            if record.status is State.QUEUED:
+                self._withdraw(record)
+        for runner in list(self.runners.values()):
+            self._drain(runner.record, "shutdown")
+        with trio.move_on_after(grace):
+            for runner in list(self.runners.values()):
+                await runner.finished.wait()
+        for runner in list(self.runners.values()):
+            runner.abort()
+        with trio.move_on_after(grace):
+            for runner in list(self.runners.values()):
+                await runner.finished.wait()
+        for worker in self.workers.values():
+            worker.stop()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # -- workers -----------------------------------------------------------------
+
+    def _worker_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
+        now = trio.current_time()
+        transitions = self.book.set_capacity(worker.worker_id, capacity, now)
+        transitions += self.book.worker_ready(worker.worker_id, now)
+        log.info("worker %s ready: capacity %d", worker.worker_id, capacity)
+        self._follow(transitions)
+
+    def _worker_failed(self, worker: ModelWorker, reason: str) -> None:
+        state = self.book.worker_state(worker.worker_id)
+        if state not in (WorkerState.FAILED, WorkerState.STOPPED):
+            self._follow(self.book.fail_worker(worker.worker_id, trio.current_time()))
+        for runner in list(self.runners.values()):
+            if runner.worker is worker:
+                runner.abort()
+        self._publish_gauges()
+
+    # -- sessions ------------------------------------------------------------------
+
+    def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None) -> Created:
+        """Admit (200), queue (202) or reject (429) a new session; never waits."""
+        identity = validate_identity(request.identity)
+        session_id = secrets.token_hex(8)
+        room = f"chunkline-{session_id}"
+        now = trio.current_time()
+        wall = time.time()
+        timeout = self.settings.session_timeout
+        record = SessionRecord(
+            session_id=session_id,
+            room=room,
+            controller_identity=identity,
+            config=dict(request.config),
+            prompt=request.prompt,
+            image_path=request.image_path,
+            created_at=wall,
+            expires_at=wall + timeout,
+            deadline=now + timeout,
+        )
+        if image_bytes is not None:
+            record.upload_path = record.image_path = store_upload(image_bytes, self._upload_dir())
+        self.registry.add(record)
+        if self.closing:
+            admission = Admission(status="rejected", session_id=session_id, reason="shutting_down")
+            transitions: list[Transition] = []
+        else:
+            admission, transitions = self.book.admit(session_id, now)
+        self.metrics.record_admission(admission.status)
+        if admission.status == "rejected":
+            self.registry.apply(record, Event.REJECT, now=now, error=admission.reason)
+            self.registry.remove(session_id)
+            self._discard_upload(record)
+            self._publish_gauges()
+            return Created(record, admission, None)
+        token = self.issuer.controller_token(room, identity)
+        self._follow(transitions)
+        return Created(record, admission, token)
+
+    def _upload_dir(self) -> str:
+        if self._uploads is None:
+            self._uploads = tempfile.mkdtemp(prefix="chunkline-uploads-")
+        return self._uploads
+
+    def _discard_upload(self, record: SessionRecord) -> None:
+        if record.upload_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(record.upload_path)
+            record.upload_path = None
+
+    def queue_position(self, record: SessionRecord) -> int | None:
+        return self.book.queue_position(record.session_id) if record.status is State.QUEUED else None
+
+    def get(self, session_id: str) -> SessionRecord:
+        return self.registry.get(session_id)
+
+    async def delete_session(self, session_id: str) -> SessionRecord:
+        """Drain and close (idempotent for terminal sessions); waits for the drain, bounded."""
+        record = self.registry.get(session_id)
+        if record.is_terminal:
+            return record
+        if record.status is State.QUEUED:
+            self._withdraw(record)
+            return record
+        runner = self._drain(record, "deleted")
+        if runner is not None:
+            with trio.move_on_after(DELETE_WAIT):
+                await runner.finished.wait()
+        return record
+
+    def viewer_token(self, session_id: str, identity: str) -> str:
+        record = self.registry.get(session_id)
+        identity = validate_identity(identity)
+        if record.is_terminal:
+            raise SessionConflict(f"session {session_id} is {record.status.value}")
+        taken = {record.controller_identity, *(f"chunkline-{w}" for w in self.workers)}
+        if identity in taken or identity in record.participants and identity not in record.viewer_identities:
+            raise SessionConflict(f"identity {identity!r} is already used in this room")
+        if identity in record.viewer_identities and identity in record.participants:
+            raise SessionConflict(f"viewer {identity!r} is already in the room")
+        record.viewer_identities.add(identity)
+        return self.issuer.viewer_token(record.room, identity)
+
+    # -- internal moves ------------------------------------------------------------------
+
+    def _withdraw(self, record: SessionRecord) -> None:
+        now = trio.current_time()
+        self.registry.apply(record, Event.WITHDRAW, now=now)
+        self._discard_upload(record)
+        self._follow(self.book.release(record.session_id, now))
+        self.metrics.record_session_finished(record.session_id, "closed")
+
+    def _drain(self, record: SessionRecord, cause: str) -> RoomRunner | None:
+        """Start the drain of a live session; the runner finishes it."""
+        if record.machine.can(Event.DRAIN):
+            self.registry.apply(record, Event.DRAIN, now=trio.current_time())
+            record.drain_cause = cause
+        runner = self.runners.get(record.session_id)
+        if runner is not None:
+            runner.stop(cause)
+        self._publish_gauges()
+        return runner
+
+    def _follow(self, transitions: list[Transition]) -> None:
+        """Carry the book's decisions into the records and start runners for new assignments."""
+        now = trio.current_time()
+        for transition in transitions:
+            if not isinstance(transition, AdmissionTransition):
+                continue
+            if transition.kind not in ("assigned", "promoted"):
+                continue
+            record = self.registry.find(transition.session_id)
+            if record is None or record.is_terminal:
+                continue
+            record.worker_id = transition.worker_id
+            self.registry.apply(record, Event.ASSIGN, now=now)
+            worker = self.workers[transition.worker_id]  # type: ignore[index]
+            runner = RoomRunner(self, record, worker)
+            self.runners[record.session_id] = runner
+            worker.start_runner(runner.run)
+        self._publish_gauges()
+
+    def session_finished(self, runner: RoomRunner, error: str | None) -> None:
+        """A runner is done: settle its record, release the slot, admit the queue head."""
+        record = runner.record
+        now = trio.current_time()
+        if not record.is_terminal:
+            if error is not None:
+                self.registry.apply(record, Event.FAIL, now=now, error=error)
+            elif record.drain_cause == "expired":
+                self.registry.apply(record, Event.EXPIRE, now=now)
+            else:
+                if record.machine.can(Event.DRAIN):
+                    self.registry.apply(record, Event.DRAIN, now=now)
+                self.registry.apply(record, Event.COMPLETE, now=now)
+        self.runners.pop(record.session_id, None)
+        self._discard_upload(record)
+        self.metrics.record_session_finished(record.session_id, record.status.value)
+        if self.book.holds(record.session_id):
+            self._follow(self.book.release(record.session_id, now))
+        self._publish_gauges()
+
+    # -- time ----------------------------------------------------------------------------
+
+    async def _sweep(self) -> None:
+        """Enforce the session timeout and prune old terminal records."""
+        while True:
+            await trio.sleep(SWEEP_PERIOD)
+            now = trio.current_time()
+            for record in self.registry.expired(now):
+                if record.status is State.QUEUED:
+                    self.registry.apply(record, Event.EXPIRE, now=now)
+                    self._discard_upload(record)
+                    self._follow(self.book.release(record.session_id, now))
+                    self.metrics.record_session_finished(record.session_id, "expired")
+                elif record.status in RETAINING:
+                    self._drain(record, "expired")
+                    record.drain_cause = "expired"
+            self.registry.prune(
+                now,
+                retention_seconds=self.settings.terminal_retention_seconds,
+                retention_count=self.settings.terminal_retention_count,
+            )
+            self._publish_gauges()
+
+    # -- views ------------------------------------------------------------------------------
+
+    def _publish_gauges(self) -> None:
+        snapshot = self.book.snapshot()
+        self.metrics.set_sessions(self.registry.counts())
+        self.metrics.set_queue_depth(snapshot.queued)
+        self.metrics.set_workers(
+            {
+                "idle": snapshot.workers_idle,
+                "busy": snapshot.workers_busy,
+                "failed": snapshot.workers_failed,
+                "starting": snapshot.workers_starting,
+            }
+        )
+        self.metrics.set_capacity(sum(w.capacity for w in self.book.workers() if w.state in (WorkerState.IDLE, WorkerState.BUSY)))
+
+    def health(self) -> dict[str, Any]:
+        snapshot = self.book.snapshot()
+        live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
+        if live == 0:
+            status = "unhealthy"
+        elif snapshot.workers_failed or snapshot.workers_starting:
+            status = "degraded"
+        else:
+            status = "healthy"
+        return {
+            "status": status,
+            "transport": self.transport.name,
+            "transport_connected": any(r.record.status in (State.STARTING_PIPELINE, State.RUNNING) for r in self.runners.values()),
+            "workers_total": snapshot.workers_total,
+            "workers_idle": snapshot.workers_idle,
+            "workers_busy": snapshot.workers_busy,
+            "workers_starting": snapshot.workers_starting,
+            "workers_failed": snapshot.workers_failed,
+            "queued_sessions": snapshot.queued,
+            "retained_sessions": snapshot.retained,
+            "free_slots": snapshot.free_slots,
+        }
+
+    @property
+    def ready(self) -> bool:
+        snapshot = self.book.snapshot()
+        return self.started and not self.closing and (snapshot.workers_idle + snapshot.workers_busy) > 0
+
+    def metadata(self) -> dict[str, Any]:
+        settings = self.settings
+        capacities = {
+            worker_id: worker.plan.to_dict() for worker_id, worker in self.workers.items() if worker.plan is not None
+        }
+        kinds = {w.kind for w in self.workers.values() if w.kind is not None}
+        return {
+            "service_type": "stream",
+            "transport": self.transport.name,
+            "pipeline_file": settings.pipeline,
+            "pipeline_kind": kinds.pop() if len(kinds) == 1 else None,
+            "livekit_url": settings.livekit_url,
+            "num_workers": settings.num_workers,
+            "worker_mode": settings.worker_mode,
+            "max_sessions_per_worker": min((w.capacity for w in self.book.workers()), default=None),
+            "configured_max_sessions_per_worker": settings.max_sessions_per_worker,
+            "queue_size": settings.queue_size,
+            "control_idle_timeout": settings.control_idle_timeout,
+            "session_timeout": settings.session_timeout,
+            "controller_timeout": settings.controller_timeout,
+            "room_empty_timeout": settings.room_empty_timeout,
+            "token_ttl": settings.token_ttl,
+            "worker_failures": {w.worker_id: w.failure for w in self.workers.values() if w.failure},
+            "session_capacity": capacities,
+            **self.health(),
+        }
+

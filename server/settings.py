@@ -1,0 +1,549 @@
+"""Settings of the stream server (``chunkline stream-serve``): one frozen, validated value.
+
+:class:`ServerSettings` holds every knob of the server. Values come from three sources, in this order of
+precedence (:meth:`ServerSettings.from_sources`):
+
+1. command-line flags (``--queue-size 4``; a flag that is not given does not count);
+2. ``CHUNKLINE_*`` environment variables (``CHUNKLINE_QUEUE_SIZE=4``);
+3. the defaults below.
+
+Every value may be given as text (the form flags and environment variables have) or as the Python value; text
+is parsed here, so the CLI and the environment share one parser and one set of error messages. A bad value
+raises :class:`SettingsError` (a ``ValueError``) whose ``option`` is the flag to fix (``"--queue-size"``) and
+whose message names that flag and the bad value — never the value of a secret. When the bad value came from the
+environment, the message also names the variable.
+
+Environment variables (``CHUNKLINE_<FIELD NAME IN UPPER CASE>``):
+
+====================================  ============================  ===================================================
+variable                              flag                          default; accepted values
+====================================  ============================  ===================================================
+CHUNKLINE_PIPELINE                    PIPE (positional)             required: the pipeline file or package
+CHUNKLINE_HOST                        --host                        ``127.0.0.1`` (see below)
+CHUNKLINE_PORT                        --port / -p                   ``8088``; 1–65535, or 0 for any free port
+CHUNKLINE_LIVEKIT_URL                 --livekit-url                 unset; a ``ws(s)://`` or ``http(s)://`` URL
+CHUNKLINE_LIVEKIT_API_KEY             --livekit-api-key             unset
+CHUNKLINE_LIVEKIT_API_SECRET          --livekit-api-secret          unset; at least 32 bytes
+CHUNKLINE_TRANSPORT                   --transport                   ``livekit`` if a LiveKit URL is set, else ``local``
+CHUNKLINE_NUM_WORKERS                 --num-workers                 ``1``; 1–64
+CHUNKLINE_WORKER_GPU_MAP              --worker-gpu-map              unset; ``0,1;2,3``: one group per worker
+CHUNKLINE_MAX_SESSIONS_PER_WORKER     --max-sessions-per-worker     ``auto``; ``auto`` or 1–64
+CHUNKLINE_QUEUE_SIZE                  --queue-size                  ``0``; 0–10000
+CHUNKLINE_CONTROL_IDLE_TIMEOUT        --control-idle-timeout        ``10`` s; > 0
+CHUNKLINE_SESSION_TIMEOUT             --session-timeout             ``1800`` s; > 0
+CHUNKLINE_TOKEN_TTL                   --token-ttl                   ``3600`` s; > 0
+CHUNKLINE_CONTROLLER_TIMEOUT          --controller-timeout          ``60`` s; > 0
+CHUNKLINE_ROOM_EMPTY_TIMEOUT          --room-empty-timeout          ``30`` s; > 0
+CHUNKLINE_WORKER_MODE                 --worker-mode                 ``in-process``; or ``process``
+CHUNKLINE_SKIP_VALIDATION             --skip-validation             ``false``; 1/0 true/false yes/no on/off
+CHUNKLINE_ASSETS_DIR                  --assets-dir                  unset; an existing directory
+CHUNKLINE_API_KEY                     --api-key                     unset (no auth); non-empty when set
+CHUNKLINE_CORS_ALLOW_ORIGINS          --cors-allow-origins          unset: same origin only; ``a,b`` or ``*``
+CHUNKLINE_DEFAULT_FPS                 --default-fps                 ``16``; 1–120
+CHUNKLINE_MAX_DATA_MESSAGE_BYTES      --max-data-message-bytes      ``12288``; >= 1024
+CHUNKLINE_MAX_BODY_BYTES              --max-body-bytes              ``8388608`` (8 MiB); >= 1024
+CHUNKLINE_TERMINAL_RETENTION_SECONDS  --terminal-retention-seconds  ``3600`` s; > 0
+CHUNKLINE_TERMINAL_RETENTION_COUNT    --terminal-retention-count    ``1000``; >= 0
+====================================  ============================  ===================================================
+
+Notes:
+
+* ``host`` defaults to ``127.0.0.1``, a safer default than the reference server's ``0.0.0.0``: pass
+  ``--host 0.0.0.0`` to expose the server on every interface.
+* Prefer the environment for secrets (``CHUNKLINE_API_KEY``, ``CHUNKLINE_LIVEKIT_API_SECRET``): command-line
+  arguments are visible to other users of the machine. Secrets never appear in ``repr()`` or
+  :meth:`ServerSettings.public_dict`.
+* A blank LiveKit URL/key/secret, GPU map or CORS list means "not set" (as in the reference); a blank API key,
+  assets directory or pipeline is an error.
+* ``transport=livekit`` needs all three of the LiveKit URL, key and secret; the error names the missing ones.
+* A GPU id may belong to only one worker group; the number of groups must equal ``num_workers``.
+* ``cors_allow_origins`` defaults to no origin (same origin only), not ``*``; ``max_body_bytes`` bounds request
+  bodies (larger ones get HTTP 413).
+* ``session_timeout`` expires sessions, ``controller_timeout`` / ``room_empty_timeout`` bound how long a room
+  waits for its controller / sits empty, and ``terminal_retention_seconds`` / ``terminal_retention_count`` bound
+  how long and how many finished session records are kept (the reference kept them forever).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+__all__ = [
+    "ENV_PREFIX",
+    "MIN_LIVEKIT_SECRET_BYTES",
+    "ServerSettings",
+    "SettingsError",
+    "env_var",
+    "option_for",
+    "parse_cors_origins",
+    "parse_gpu_map",
+]
+
+ENV_PREFIX = "CHUNKLINE_"
+MIN_LIVEKIT_SECRET_BYTES = 32  # PyJWT warns about HMAC keys shorter than this
+REDACTED = "***"
+
+Transport = Literal["local", "livekit"]
+WorkerMode = Literal["in-process", "process"]
+GpuMap = tuple[tuple[int, ...], ...]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_ORIGIN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+$")
+_LIVEKIT_SCHEMES = ("ws://", "wss://", "http://", "https://")
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value. ``option`` is the flag to fix (``"--queue-size"``, ``"PIPE"``)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def option_for(field_name: str) -> str:
+    """The command-line flag of a field: ``queue_size`` -> ``--queue-size`` (``pipeline`` -> ``PIPE``)."""
+    if field_name == "pipeline":
+        return "PIPE"
+    return "--" + field_name.replace("_", "-")
+
+
+def env_var(field_name: str) -> str:
+    """The environment variable of a field: ``queue_size`` -> ``CHUNKLINE_QUEUE_SIZE``."""
+    return ENV_PREFIX + field_name.upper()
+
+
+# --- parsers: text or value in, checked value out -----------------------------------------------------------
+
+
+def _fail(option: str, expected: str, value: Any) -> SettingsError:
+    return SettingsError(option, f"{option} must be {expected}, got {value!r}")
+
+
+def _int(option: str, value: Any, lo: int, hi: int | None) -> int:
+    expected = f"an integer between {lo} and {hi}" if hi is not None else f"an integer >= {lo}"
+    if isinstance(value, bool):
+        raise _fail(option, expected, value)
+    if isinstance(value, str):
+        try:
+            parsed = int(value.strip())
+        except ValueError:
+            raise _fail(option, expected, value) from None
+    elif isinstance(value, int):
+        parsed = value
+    else:
+        raise _fail(option, expected, value)
+    if parsed < lo or (hi is not None and parsed > hi):
+        raise _fail(option, expected, value)
+    return parsed
+
+
+def _float(option: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
+    if lo_open:
+        expected = "a number of seconds > 0" if lo == 0 else f"a number > {lo:g}"
+    elif hi is not None:
+        expected = f"a number between {lo:g} and {hi:g}"
+    else:
+        expected = f"a number >= {lo:g}"
+    if isinstance(value, bool):
+        raise _fail(option, expected, value)
+    if isinstance(value, str):
+        try:
+            parsed = float(value.strip())
+        except ValueError:
+            raise _fail(option, expected, value) from None
+    elif isinstance(value, (int, float)):
+        parsed = float(value)
+    else:
+        raise _fail(option, expected, value)
+    if not math.isfinite(parsed) or parsed < lo or (lo_open and parsed == lo) or (hi is not None and parsed > hi):
+        raise _fail(option, expected, value)
+    return parsed
+
+
+def _choice(option: str, value: Any, choices: Sequence[str]) -> str:
+    expected = " or ".join(repr(c) for c in choices)
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise _fail(option, expected, value)
+    return value.strip().lower()
+
+
+def _bool(option: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise _fail(option, "true or false (1/0, true/false, yes/no, on/off)", value)
+
+
+def _blank_to_none(value: Any) -> Any:
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+def parse_gpu_map(value: Any, option: str = "--worker-gpu-map") -> GpuMap | None:
+    """``"0,1;2,3"`` -> ``((0, 1), (2, 3))``: ``;`` separates workers, ``,`` the GPUs of one worker.
+
+    Blank text or None means no map. A sequence of sequences of ints is accepted as is (checked). Every group
+    needs at least one GPU id (a non-negative integer); a GPU id may appear in only one group.
+    """
+    value = _blank_to_none(value)
+    if value is None:
+        return None
+    expected = "GPU groups like '0,1;2,3' (';' between workers, ',' between GPU ids)"
+    if isinstance(value, str):
+        raw_groups: list[list[Any]] = [part.split(",") for part in value.strip().split(";")]
+    elif isinstance(value, Sequence):
+        raw_groups = []
+        for group in value:
+            if isinstance(group, str) or not isinstance(group, Sequence):
+                raise _fail(option, expected, value)
+            raw_groups.append(list(group))
+    else:
+        raise _fail(option, expected, value)
+    groups: list[tuple[int, ...]] = []
+    owner: dict[int, int] = {}
+    for index, raw in enumerate(raw_groups):
+        ids: list[int] = []
+        for item in raw:
+            if isinstance(item, str):
+                text = item.strip()
+                if not text:
+                    raise SettingsError(
+                        option, f"{option} has an empty GPU id in worker group {index} of {value!r} ({expected})"
+                    )
+                if not text.isdigit():
+                    raise SettingsError(
+                        option, f"{option}: GPU id {item.strip()!r} in {value!r} is not a non-negative integer"
+                    )
+                gpu = int(text)
+            elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                gpu = item
+            else:
+                raise SettingsError(option, f"{option}: GPU id {item!r} in {value!r} is not a non-negative integer")
+            if gpu in owner:
+                where = (
+                    f"twice in worker group {index}"
+                    if owner[gpu] == index
+                    else f"in worker groups {owner[gpu]} and {index}"
+                )
+                raise SettingsError(
+                    option, f"{option}: GPU {gpu} appears {where} of {value!r}; a GPU may belong to only one worker"
+                )
+            owner[gpu] = index
+            ids.append(gpu)
+        if not ids:
+            raise SettingsError(option, f"{option}: worker group {index} of {value!r} has no GPU ids ({expected})")
+        groups.append(tuple(ids))
+    return tuple(groups)
+
+
+def parse_cors_origins(value: Any, option: str = "--cors-allow-origins") -> tuple[str, ...]:
+    """``"https://a.example, http://localhost:3000"`` -> a tuple of origins; blank or None -> ``()``.
+
+    Each origin is ``scheme://host[:port]`` (no path, no trailing slash — browsers send it that way), or ``*``
+    alone for any origin.
+    """
+    value = _blank_to_none(value)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",")]
+    elif isinstance(value, Sequence):
+        items = []
+        for part in value:
+            if not isinstance(part, str):
+                raise _fail(option, "a comma-separated list of origins", value)
+            items.append(part.strip())
+    else:
+        raise _fail(option, "a comma-separated list of origins", value)
+    origins = tuple(dict.fromkeys(item for item in items if item))
+    for origin in origins:
+        if origin == "*":
+            if len(origins) > 1:
+                raise SettingsError(option, f"{option}: '*' must be the only origin, got {value!r}")
+            continue
+        if not _ORIGIN.match(origin):
+            raise SettingsError(
+                option,
+                f"{option}: {origin!r} is not an origin (scheme://host[:port], no path or trailing slash)",
+            )
+    return origins
+
+
+# --- converters bound to their fields -----------------------------------------------------------------------
+
+
+def _pipeline(value: Any) -> str:
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise SettingsError(
+            "PIPE", f"PIPE (the pipeline file) is required: pass it as an argument or set {env_var('pipeline')}"
+        )
+    return str(value)
+
+
+def _host(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or any(ch.isspace() for ch in value.strip()):
+        raise _fail("--host", "a host name or IP address", value)
+    return value.strip()
+
+
+def _transport(value: Any) -> str | None:
+    if value is None:
+        return None
+    return _choice("--transport", value, ("local", "livekit"))
+
+
+def _livekit_url(value: Any) -> str | None:
+    value = _blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip().lower().startswith(_LIVEKIT_SCHEMES):
+        raise _fail("--livekit-url", "a ws://, wss://, http:// or https:// URL", value)
+    return value.strip()
+
+
+def _livekit_api_key(value: Any) -> str | None:
+    value = _blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SettingsError("--livekit-api-key", "--livekit-api-key must be text")
+    return value.strip()
+
+
+def _livekit_api_secret(value: Any) -> str | None:
+    value = _blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SettingsError("--livekit-api-secret", "--livekit-api-secret must be text")
+    size = len(value.encode("utf-8"))
+    if size < MIN_LIVEKIT_SECRET_BYTES:  # never echo the secret itself
+        raise SettingsError(
+            "--livekit-api-secret",
+            f"--livekit-api-secret must be at least {MIN_LIVEKIT_SECRET_BYTES} bytes, got {size} bytes",
+        )
+    return value
+
+
+def _max_sessions(value: Any) -> int | Literal["auto"]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _int("--max-sessions-per-worker", value, 1, 64)
+    except SettingsError:
+        raise _fail("--max-sessions-per-worker", "'auto' or an integer between 1 and 64", value) from None
+
+
+def _worker_mode(value: Any) -> str:
+    return _choice("--worker-mode", value, ("in-process", "process"))
+
+
+def _assets_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise _fail("--assets-dir", "an existing directory", value)
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise SettingsError("--assets-dir", f"--assets-dir {str(value)!r} does not exist")
+    if not path.is_dir():
+        raise SettingsError("--assets-dir", f"--assets-dir {str(value)!r} is not a directory")
+    return str(path)
+
+
+def _api_key(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise SettingsError("--api-key", "--api-key must be non-empty when given (unset it to disable auth)")
+    return value
+
+
+def _secret_repr(value: str | None) -> str:
+    return "None" if value is None else repr(REDACTED)
+
+
+def _field(default: Any, converter: Any, help: str, **kwargs: Any) -> Any:
+    return attrs.field(default=default, converter=converter, metadata={"help": help}, **kwargs)
+
+
+@attrs.frozen(kw_only=True)
+class ServerSettings:
+    """Every setting of the stream server, validated. Construct directly or with :meth:`from_sources`."""
+
+    pipeline: str = attrs.field(converter=_pipeline, metadata={"help": "pipeline file or package"})
+    host: str = _field("127.0.0.1", _host, "interface to listen on (use 0.0.0.0 to expose on every interface)")
+    port: int = _field(
+        8088, lambda v: _int("--port", v, 0, 65535), "TCP port to listen on (0: any free port)"
+    )
+    livekit_url: str | None = _field(None, _livekit_url, "LiveKit server URL (ws:// or wss://)")
+    livekit_api_key: str | None = _field(None, _livekit_api_key, "LiveKit API key")
+    livekit_api_secret: str | None = _field(
+        None,
+        _livekit_api_secret,
+        f"LiveKit API secret, at least {MIN_LIVEKIT_SECRET_BYTES} bytes (prefer the environment variable)",
+        repr=_secret_repr,
+    )
+    #: ``None`` only before construction finishes: resolved to "livekit" when a LiveKit URL is set, else "local".
+    transport: Transport = _field(
+        None, _transport, "media transport: local or livekit"
+    )
+    num_workers: int = _field(1, lambda v: _int("--num-workers", v, 1, 64), "number of workers (1-64)")
+    worker_gpu_map: GpuMap | None = _field(
+        None, parse_gpu_map, "GPUs per worker, e.g. '0,1;2,3' (';' between workers, ',' between GPUs)"
+    )
+    max_sessions_per_worker: int | Literal["auto"] = _field(
+        "auto", _max_sessions, "sessions per worker: auto (from memory) or 1-64"
+    )
+    queue_size: int = _field(
+        0, lambda v: _int("--queue-size", v, 0, 10000), "sessions that may wait for capacity (0-10000)"
+    )
+    control_idle_timeout: float = _field(
+        10.0,
+        lambda v: _float("--control-idle-timeout", v, 0.0, lo_open=True),
+        "seconds without controls after which a held control is released",
+    )
+    session_timeout: float = _field(
+        1800.0, lambda v: _float("--session-timeout", v, 0.0, lo_open=True), "seconds a session may live"
+    )
+    token_ttl: float = _field(
+        3600.0, lambda v: _float("--token-ttl", v, 0.0, lo_open=True), "seconds a room access token is valid"
+    )
+    controller_timeout: float = _field(
+        60.0,
+        lambda v: _float("--controller-timeout", v, 0.0, lo_open=True),
+        "seconds a new room waits for its controller",
+    )
+    room_empty_timeout: float = _field(
+        30.0,
+        lambda v: _float("--room-empty-timeout", v, 0.0, lo_open=True),
+        "seconds a room may stay empty before its session ends",
+    )
+    worker_mode: WorkerMode = _field("in-process", _worker_mode, "in-process or process workers")
+    skip_validation: bool = _field(
+        False, lambda v: _bool("--skip-validation", v), "skip validating the pipeline at startup"
+    )
+    assets_dir: str | None = _field(None, _assets_dir, "directory of static assets to serve")
+    api_key: str | None = _field(
+        None, _api_key, "require this key on API requests (prefer the environment variable)", repr=_secret_repr
+    )
+    cors_allow_origins: tuple[str, ...] = _field(
+        (), parse_cors_origins, "comma-separated origins allowed by CORS, or *"
+    )
+    default_fps: float = _field(
+        16.0, lambda v: _float("--default-fps", v, 1.0, 120.0), "frame rate when a pipeline names none (1-120)"
+    )
+    max_data_message_bytes: int = _field(
+        12288, lambda v: _int("--max-data-message-bytes", v, 1024, None), "largest data message (>= 1024)"
+    )
+    max_body_bytes: int = _field(
+        8 * 1024 * 1024,
+        lambda v: _int("--max-body-bytes", v, 1024, None),
+        "largest HTTP request body; larger ones get 413 (>= 1024)",
+    )
+    terminal_retention_seconds: float = _field(
+        3600.0,
+        lambda v: _float("--terminal-retention-seconds", v, 0.0, lo_open=True),
+        "seconds finished session records are kept",
+    )
+    terminal_retention_count: int = _field(
+        1000,
+        lambda v: _int("--terminal-retention-count", v, 0, None),
+        "most finished session records kept (>= 0)",
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.transport is None:
+            object.__setattr__(self, "transport", "livekit" if self.livekit_url is not None else "local")
+        if self.transport == "livekit":
+            missing = [
+                name
+                for name in ("livekit_url", "livekit_api_key", "livekit_api_secret")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                flags = ", ".join(option_for(name) for name in missing)
+                envs = ", ".join(env_var(name) for name in missing)
+                raise SettingsError(
+                    option_for(missing[0]),
+                    f"--transport livekit needs {flags} (or {envs}); "
+                    "use --transport local to run without LiveKit",
+                )
+        if self.worker_gpu_map is not None and len(self.worker_gpu_map) != self.num_workers:
+            raise SettingsError(
+                "--worker-gpu-map",
+                f"--worker-gpu-map has {len(self.worker_gpu_map)} worker group(s) but --num-workers is "
+                f"{self.num_workers}; give one group per worker",
+            )
+
+    # --- sources --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in attrs.fields(cls))
+
+    @classmethod
+    def from_sources(cls, cli: Mapping[str, Any], env: Mapping[str, str]) -> ServerSettings:
+        """Build settings from CLI values over ``CHUNKLINE_*`` environment variables over defaults.
+
+        ``cli`` maps field names to values, ``None`` meaning "not given" (``vars()`` of the parsed arguments;
+        its ``command`` key is ignored, any other unknown key is a ``TypeError``). ``env`` is the environment
+        (``os.environ``); only ``CHUNKLINE_<FIELD>`` variables are read. Raises :class:`SettingsError`.
+        """
+        names = cls.field_names()
+        unknown = sorted(set(cli) - set(names) - {"command"})
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(unknown)}")
+        values: dict[str, Any] = {}
+        from_env: dict[str, str] = {}
+        for name in names:
+            given = cli.get(name)
+            if given is not None:
+                values[name] = given
+            elif env_var(name) in env:
+                values[name] = env[env_var(name)]
+                from_env[option_for(name)] = env_var(name)
+        if "pipeline" not in values:
+            _pipeline(None)  # raises, naming PIPE and CHUNKLINE_PIPELINE
+        try:
+            return cls(**values)
+        except SettingsError as exc:
+            variable = from_env.get(exc.option)
+            if variable is None or variable in str(exc):
+                raise
+            raise SettingsError(exc.option, f"{exc} (from environment variable {variable})") from None
+
+    # --- views ----------------------------------------------------------------------------------------------
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as a JSON-ready dict, with the LiveKit secret and the API key shown as ``"***"``."""
+        out: dict[str, Any] = {}
+        for field in attrs.fields(type(self)):
+            value = getattr(self, field.name)
+            if field.name in ("livekit_api_secret", "api_key") and value is not None:
+                value = REDACTED
+            elif field.name == "worker_gpu_map" and value is not None:
+                value = [list(group) for group in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[field.name] = value
+        return out
+
+    def redacted(self) -> dict[str, Any]:
+        """Same as :meth:`public_dict`: safe to log."""
+        return self.public_dict()
+
+    @property
+    def livekit_configured(self) -> bool:
+        return None not in (self.livekit_url, self.livekit_api_key, self.livekit_api_secret)

@@ -1,0 +1,85 @@
+"""The transport port: what a room runner needs from a room, and nothing more.
+
+A runner joins a room as the worker participant, publishes video frames (RGB
+``H x W x 3`` uint8) and PCM audio, sends and receives data on topics, and
+hears participants join and leave. Two transports implement it: LiveKit
+(production, through trio-asyncio) and the local rooms embedded in the server
+(the default: WebSocket clients with the same tokens, roles and topics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import attrs
+import numpy as np
+
+from pipelines.contract import Audio
+
+__all__ = [
+    "TransportError",
+    "DataReceived",
+    "ParticipantJoined",
+    "ParticipantLeft",
+    "RoomEvent",
+    "RoomConnection",
+    "RoomTransport",
+]
+
+
+class TransportError(RuntimeError):
+    """The room could not be joined or used (unreachable server, refused token, lost connection)."""
+
+
+@attrs.frozen
+class DataReceived:
+    topic: str
+    payload: bytes
+    sender_identity: str | None  # None when the transport could not tell who sent it
+
+
+@attrs.frozen
+class ParticipantJoined:
+    identity: str
+
+
+@attrs.frozen
+class ParticipantLeft:
+    identity: str
+
+
+RoomEvent = DataReceived | ParticipantJoined | ParticipantLeft
+
+
+class RoomConnection(Protocol):
+    """The worker's presence in one room."""
+
+    @property
+    def identity(self) -> str: ...
+
+    def participants(self) -> frozenset[str]:
+        """Identities of the other participants present now."""
+        ...
+
+    def events(self) -> AsyncIterator[RoomEvent]:
+        """Data and participant events, in arrival order, until disconnected."""
+        ...
+
+    async def publish_frame(self, frame: np.ndarray, fps: float) -> None: ...
+
+    async def publish_audio(self, audio: Audio) -> None: ...
+
+    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None: ...
+
+    async def disconnect(self) -> None:
+        """Leave the room; bounded in time; idempotent."""
+        ...
+
+
+class RoomTransport(Protocol):
+    name: str
+
+    async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> RoomConnection:
+        """Join ``room`` as ``identity`` with a worker token, or raise TransportError within ``timeout``."""
+        ...

@@ -1,0 +1,304 @@
+"""Local rooms: the embedded default transport, with LiveKit's roles, tokens and topics.
+
+Rooms live inside the server process. The room runner joins in-process as the
+worker; browsers join by WebSocket at ``/v1/rooms/{room}/ws?token=...`` with the
+same JWTs the API mints for LiveKit. Grants are enforced here: a viewer token
+cannot publish data (its messages are refused and answered), an expired,
+forged or other-room token is refused before joining, and an identity can be
+present only once per room.
+
+Wire format (WebSocket):
+- text messages are JSON: a client sends ``{"topic": "tf.control", "payload": {...}}``;
+  the server sends ``{"type": "data", "topic": ..., "payload": ..., "from": identity}``,
+  ``{"type": "participant_joined"|"participant_left", "identity": ...}``,
+  ``{"type": "joined", "identity", "role", "participants": [...]}`` once, and
+  ``{"type": "refused", "reason": ...}`` when a message is not allowed;
+- binary messages are media: ``b"V"`` + a JPEG frame, or ``b"A"`` + 4-byte
+  little-endian sample rate + 2-byte channel count + PCM16 samples.
+
+Fan-out is LiveKit-like: the worker publishes once and every subscriber gets
+it. A subscriber that reads too slowly loses frames (the newest are kept), never
+data messages, and never slows the worker or the other subscribers.
+"""
+
+from __future__ import annotations
+
+import fractions
+import json
+import struct
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from pipelines.contract import Audio
+
+from ..tokens import TokenIssuer, TokenRejected
+from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
+
+__all__ = ["LocalRooms", "encode_jpeg"]
+
+FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
+EVENT_BACKLOG = 256  # data/participant events kept for the worker
+
+
+def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
+    """RGB ``H x W x 3`` uint8 to a baseline JPEG (PyAV's mjpeg encoder)."""
+    import av
+
+    height, width = frame.shape[:2]
+    context = av.CodecContext.create("mjpeg", "w")
+    context.width = width - width % 2
+    context.height = height - height % 2
+    context.pix_fmt = "yuvj420p"
+    context.time_base = fractions.Fraction(1, 30)
+    context.options = {"qscale": str(quality)}
+    video = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame[: context.height, : context.width]), format="rgb24")
+    packets = context.encode(video.reformat(format="yuvj420p")) + context.encode(None)
+    return b"".join(bytes(p) for p in packets)
+
+
+@attrs.define(eq=False)
+class _Subscriber:
+    """A browser participant: its queues are drained by its WebSocket task."""
+
+    identity: str
+    role: str
+    can_publish_data: bool
+    texts: deque = attrs.Factory(deque)  # data and participant messages: never dropped (bounded below)
+    media: deque = attrs.Factory(lambda: deque(maxlen=FRAME_BACKLOG))
+    ready: trio.Event = attrs.Factory(trio.Event)
+    dropped_frames: int = 0
+
+    def push_text(self, message: str) -> None:
+        self.texts.append(message)
+        self.ready.set()
+
+    def push_media(self, message: bytes) -> None:
+        if len(self.media) == self.media.maxlen:
+            self.dropped_frames += 1
+        self.media.append(message)
+        self.ready.set()
+
+
+@attrs.define(eq=False)
+class _Room:
+    name: str
+    subscribers: dict[str, _Subscriber] = attrs.Factory(dict)
+    worker: _WorkerConnection | None = None
+
+    def identities(self) -> set[str]:
+        present = set(self.subscribers)
+        if self.worker is not None:
+            present.add(self.worker.identity)
+        return present
+
+    def broadcast_text(self, message: str, *, skip: str | None = None) -> None:
+        for identity, subscriber in self.subscribers.items():
+            if identity != skip:
+                subscriber.push_text(message)
+
+
+class _WorkerConnection:
+    """The room runner's side of a local room (implements the RoomConnection port)."""
+
+    def __init__(self, rooms: LocalRooms, room: _Room, identity: str) -> None:
+        self._rooms = rooms
+        self._room = room
+        self._identity = identity
+        self._send, self._receive = trio.open_memory_channel[RoomEvent](EVENT_BACKLOG)
+        self._closed = False
+
+    @property
+    def identity(self) -> str:
+        return self._identity
+
+    def participants(self) -> frozenset[str]:
+        return frozenset(self._room.subscribers)
+
+    def deliver(self, event: RoomEvent) -> None:
+        if self._closed:
+            return
+        try:
+            self._send.send_nowait(event)
+        except trio.WouldBlock:
+            pass  # a flood of data messages: the runner reads what it can (counted as dropped by it)
+
+    async def events(self) -> AsyncIterator[RoomEvent]:
+        async for event in self._receive:
+            yield event
+
+    async def publish_frame(self, frame: np.ndarray, fps: float) -> None:
+        if self._closed:
+            raise TransportError("the worker left the room")
+        jpeg = await trio.to_thread.run_sync(encode_jpeg, frame, limiter=self._rooms.encode_limiter)
+        message = b"V" + jpeg
+        for subscriber in self._room.subscribers.values():
+            subscriber.push_media(message)
+
+    async def publish_audio(self, audio: Audio) -> None:
+        if self._closed:
+            raise TransportError("the worker left the room")
+        message = b"A" + struct.pack("<IH", audio.sample_rate, audio.channels) + audio.pcm
+        for subscriber in self._room.subscribers.values():
+            subscriber.push_media(message)
+
+    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None:
+        if self._closed:
+            raise TransportError("the worker left the room")
+        self._room.broadcast_text(_data_message(topic, payload, self._identity))
+
+    async def disconnect(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._send.close()
+        self._rooms._leave_worker(self._room, self)
+
+
+def _data_message(topic: str, payload: bytes, sender: str) -> str:
+    try:
+        body: Any = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        body = payload.decode("utf-8", "replace")
+    return json.dumps({"type": "data", "topic": topic, "payload": body, "from": sender})
+
+
+class LocalRooms:
+    """The room hub (one per server) and the RoomTransport for the runners."""
+
+    name = "local"
+
+    def __init__(self, issuer: TokenIssuer, *, max_data_message_bytes: int = 12288) -> None:
+        self._issuer = issuer
+        self._rooms: dict[str, _Room] = {}
+        self.max_data_message_bytes = max_data_message_bytes
+        self.encode_limiter = trio.CapacityLimiter(2)
+
+    def room_names(self) -> tuple[str, ...]:
+        return tuple(self._rooms)
+
+    def participants(self, room: str) -> frozenset[str]:
+        found = self._rooms.get(room)
+        return frozenset() if found is None else frozenset(found.identities())
+
+    def _room(self, name: str) -> _Room:
+        room = self._rooms.get(name)
+        if room is None:
+            room = self._rooms[name] = _Room(name)  # created on first join, as LiveKit does
+        return room
+
+    def _forget_if_empty(self, room: _Room) -> None:
+        if not room.subscribers and room.worker is None:
+            self._rooms.pop(room.name, None)
+
+    # -- the worker (room runner) ------------------------------------------------
+
+    async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> _WorkerConnection:
+        try:
+            verified = self._issuer.verify(token, room=room)
+        except TokenRejected as exc:
+            raise TransportError(f"local room {room!r} refused the worker token: {exc.reason}") from exc
+        if verified.role != "worker" or verified.identity != identity:
+            raise TransportError(f"local room {room!r}: the token is not a worker token for {identity!r}")
+        target = self._room(room)
+        if identity in target.identities():
+            raise TransportError(f"local room {room!r}: identity {identity!r} is already present")
+        connection = _WorkerConnection(self, target, identity)
+        target.worker = connection
+        target.broadcast_text(json.dumps({"type": "participant_joined", "identity": identity}))
+        return connection
+
+    def _leave_worker(self, room: _Room, connection: _WorkerConnection) -> None:
+        if room.worker is connection:
+            room.worker = None
+            room.broadcast_text(json.dumps({"type": "participant_left", "identity": connection.identity}))
+        self._forget_if_empty(room)
+
+    # -- browsers (WebSocket) ------------------------------------------------------
+
+    def admit_client(self, room: str, token: str) -> _Subscriber:
+        """Check a client's token for ``room``; raises TokenRejected (with a reason) to refuse it."""
+        verified = self._issuer.verify(token, room=room)
+        if verified.role not in ("controller", "viewer"):
+            raise TokenRejected("wrong role")
+        if verified.identity in self._room(room).identities():
+            raise TokenRejected("identity in use")
+        return _Subscriber(verified.identity, verified.role, verified.can_publish_data)
+
+    async def serve_client(
+        self,
+        room: str,
+        subscriber: _Subscriber,
+        send: Callable[[str | bytes], Awaitable[None]],
+        receive: Callable[[], Awaitable[str | bytes]],
+    ) -> None:
+        """Run one client's presence until its socket closes (then it leaves the room)."""
+        target = self._room(room)
+        if subscriber.identity in target.identities():
+            await send(json.dumps({"type": "refused", "reason": "identity_in_use"}))
+            return
+        target.subscribers[subscriber.identity] = subscriber
+        subscriber.push_text(
+            json.dumps(
+                {
+                    "type": "joined",
+                    "identity": subscriber.identity,
+                    "role": subscriber.role,
+                    "participants": sorted(target.identities() - {subscriber.identity}),
+                }
+            )
+        )
+        target.broadcast_text(json.dumps({"type": "participant_joined", "identity": subscriber.identity}), skip=subscriber.identity)
+        if target.worker is not None:
+            target.worker.deliver(ParticipantJoined(subscriber.identity))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump_out, subscriber, send)
+                await self._pump_in(target, subscriber, receive)
+                nursery.cancel_scope.cancel()
+        finally:
+            target.subscribers.pop(subscriber.identity, None)
+            target.broadcast_text(json.dumps({"type": "participant_left", "identity": subscriber.identity}))
+            if target.worker is not None:
+                target.worker.deliver(ParticipantLeft(subscriber.identity))
+            self._forget_if_empty(target)
+
+    async def _pump_out(self, subscriber: _Subscriber, send: Callable[[str | bytes], Awaitable[None]]) -> None:
+        while True:
+            await subscriber.ready.wait()
+            subscriber.ready = trio.Event()
+            while subscriber.texts or subscriber.media:
+                if subscriber.texts:
+                    await send(subscriber.texts.popleft())
+                else:
+                    await send(subscriber.media.popleft())
+
+    async def _pump_in(self, room: _Room, subscriber: _Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
+        while True:
+            message = await receive()
+            if isinstance(message, bytes):
+                subscriber.push_text(json.dumps({"type": "refused", "reason": "clients_publish_no_media"}))
+                continue
+            if len(message.encode()) > self.max_data_message_bytes + 256:
+                subscriber.push_text(json.dumps({"type": "refused", "reason": "too_large"}))
+                continue
+            if not subscriber.can_publish_data:
+                subscriber.push_text(json.dumps({"type": "refused", "reason": "publish_data_not_allowed"}))
+                continue
+            try:
+                envelope = json.loads(message)
+                topic = envelope["topic"]
+                payload = envelope["payload"]
+                if not isinstance(topic, str):
+                    raise TypeError("topic must be a string")
+            except (ValueError, KeyError, TypeError):
+                subscriber.push_text(json.dumps({"type": "refused", "reason": "malformed_envelope"}))
+                continue
+            raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+            if room.worker is not None:
+                room.worker.deliver(DataReceived(topic, raw, subscriber.identity))
+            room.broadcast_text(_data_message(topic, raw, subscriber.identity), skip=subscriber.identity)
