@@ -137,6 +137,7 @@ REJECTION_REASONS: Final = frozenset(
 )
 
 DELIVERY_ACK: Final = "delivery_ack"
+LEASE_EVENTS: Final = frozenset({"lease_queued", "lease_granted", "lease_parked"})
 MESSAGE_TYPES: Final = frozenset({t.value for t in ControlType} | {DELIVERY_ACK})
 
 KEY_ALIASES: Final[Mapping[str, str]] = {
@@ -419,5 +420,8 @@ def rejection_message(session_id: str, reason: str, detail: str, *, timestamp: f
 def lease_message(
     session_id: str, event: str, queue_position: int | None, *, timestamp: float | None = None
 ) -> bytes:
-    """An execution-lease change (``event`` such as ``queued``, ``granted``, ``parked``)."""
-    return _message("lease", session_id, timestamp, {"event": event, "queue_position": queue_position})
+    """An execution-lease change; its ``type`` is the event itself (``lease_queued``,
+    ``lease_granted`` or ``lease_parked``), so clients switch on ``type`` alone."""
+    if event not in LEASE_EVENTS:
+        raise ValueError(f"unknown lease event {event!r}; expected one of {sorted(LEASE_EVENTS)}")
+    return _message(event, session_id, timestamp, {"queue_position": queue_position})

@@ -20,7 +20,7 @@ also put in the token metadata as JSON ``{"role": ...}`` and the participant
 name is the identity.
 
 Identities (:func:`validate_identity`): 1 to 128 characters from
-``[A-Za-z0-9_.:@-]``. That set is safe in URLs, log lines, metric-free labels
+``[A-Za-z0-9_.:@-]``. That set is safe in URLs, log lines, JSON
 and LiveKit participant identities; no whitespace, no slashes, no control
 characters. Uniqueness within a room is the session registry's job, not this
 module's.

@@ -1,0 +1,563 @@
+"""The control data protocol and status messages (server.protocol)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelines.contract import KNOWN_KEYS, Control, ControlType
+from server.protocol import (
+    CONTROL_TOPIC,
+    KEY_ALIASES,
+    MESSAGE_TYPES,
+    METRICS_TOPIC,
+    REJECTION_REASONS,
+    STATUS_TOPIC,
+    ControlRejection,
+    DeliveryAck,
+    chunk_message,
+    done_message,
+    error_message,
+    lease_message,
+    metrics_message,
+    normalize_key,
+    parse_control,
+    rejection_message,
+    status_message,
+)
+
+CONTROLLER = "controller-1"
+SESSION = "sess-1"
+
+
+def parse(raw: Any, **overrides: Any) -> Control | DeliveryAck:
+    kwargs: dict[str, Any] = {
+        "topic": CONTROL_TOPIC,
+        "sender_identity": CONTROLLER,
+        "controller_identity": CONTROLLER,
+        "session_id": SESSION,
+        **overrides,
+    }
+    return parse_control(raw, **kwargs)
+
+
+def rejected(raw: Any, **overrides: Any) -> ControlRejection:
+    with pytest.raises(ControlRejection) as info:
+        parse(raw, **overrides)
+    return info.value
+
+
+def as_json(message: Any) -> bytes:
+    return json.dumps(message).encode()
+
+
+def envelope(kind: str, payload: Any = None, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"version": 1, "type": kind, **extra}
+    if payload is not None:
+        out["payload"] = payload
+    return out
+
+
+def test_topics() -> None:
+    assert (CONTROL_TOPIC, STATUS_TOPIC, METRICS_TOPIC) == ("tf.control", "tf.status", "tf.metrics")
+
+
+# -- accepted shapes ----------------------------------------------------------
+
+
+def state(*keys: str) -> Control:
+    return Control(ControlType.CONTROL_STATE, keys=frozenset(keys))
+
+
+def press(key: str, pressed: bool = True) -> Control:
+    return Control(ControlType.CONTROL, key=key, pressed=pressed)
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ({"type": "control_state", "controls": ["w", "j"]}, state("w", "j")),
+        ({"type": "control_state", "controls": []}, state()),
+        ({"type": "control_state", "controls": ["ArrowUp", "KeyJ", "left"]}, state("w", "j", "a")),
+        ({"type": "control", "control": "w"}, press("w")),
+        ({"type": "control", "key": "ArrowDown", "event": "press"}, press("s")),
+        ({"type": "control", "control": "d", "event": "release"}, press("d", False)),
+        ({"type": "control", "control": "d", "event": "keyup"}, press("d", False)),
+        ({"type": "control", "control": "d", "event": "end"}, press("d", False)),
+        ({"type": "control", "control": "d", "action": "RELEASE"}, press("d", False)),
+        ({"type": "control", "control": "i", "event": "Press"}, press("i")),
+        ({"type": "control", "control": "w", "event": "reset"}, Control(ControlType.RESET)),
+        ({"type": "control", "control": "w", "event": "reset_pose"}, Control(ControlType.RESET_POSE)),
+        ({"type": "control", "control": "w", "key": "s"}, press("w")),  # 'control' wins over 'key'
+        ({"type": "control", "control": "w", "event": "release", "action": "press"}, press("w", False)),
+        ({"type": "prompt", "prompt": "a snowy forest"}, Control(ControlType.PROMPT, prompt="a snowy forest")),
+        ({"type": "prompt", "prompt": "x" * 2000}, Control(ControlType.PROMPT, prompt="x" * 2000)),
+        ({"type": "prompt", "prompt": "  padded  "}, Control(ControlType.PROMPT, prompt="  padded  ")),
+        ({"type": "reset"}, Control(ControlType.RESET)),
+        ({"type": "reset_pose"}, Control(ControlType.RESET_POSE)),
+        ({"type": "stop"}, Control(ControlType.STOP)),
+        ({"type": "stop", "session_id": SESSION, "extra": [1, 2]}, Control(ControlType.STOP)),
+        ({"type": "stop", "session_id": None}, Control(ControlType.STOP)),
+        (envelope("control_state", {"controls": ["KeyW", "KeyL"]}), state("w", "l")),
+        (envelope("control", {"key": "ArrowRight", "action": "keyup"}, session_id=SESSION), press("d", False)),
+        (envelope("prompt", {"prompt": "dusk"}), Control(ControlType.PROMPT, prompt="dusk")),
+        (envelope("stop"), Control(ControlType.STOP)),
+        (envelope("reset", {}), Control(ControlType.RESET)),
+        ({"version": 1, "type": "reset_pose", "payload": None}, Control(ControlType.RESET_POSE)),
+        (envelope("stop", {"type": "stop"}), Control(ControlType.STOP)),
+        ({"version": 1, "payload": {"type": "stop"}}, Control(ControlType.STOP)),
+        ({"type": "delivery_ack"}, DeliveryAck(SESSION)),
+        ({"type": "delivery_ack", "received_frames": 120}, DeliveryAck(SESSION, 120)),
+        (envelope("delivery_ack", {"received_frames": 0}), DeliveryAck(SESSION, 0)),
+    ],
+)
+def test_accepted(message: dict[str, Any], expected: Control | DeliveryAck) -> None:
+    assert parse(message) == expected  # a mapping
+    assert parse(as_json(message)) == expected  # bytes
+    assert parse(json.dumps(message)) == expected  # str
+    assert parse(bytearray(as_json(message))) == expected
+    assert parse(MappingProxyType(message)) == expected
+
+
+@pytest.mark.parametrize(
+    ("alias", "key"),
+    [
+        ("ArrowUp", "w"),
+        ("ArrowDown", "s"),
+        ("ArrowLeft", "a"),
+        ("ArrowRight", "d"),
+        ("up", "w"),
+        ("forward", "w"),
+        ("down", "s"),
+        ("backward", "s"),
+        ("left", "a"),
+        ("right", "d"),
+        *[(f"Key{k.upper()}", k) for k in sorted(KNOWN_KEYS)],
+        *[(k, k) for k in sorted(KNOWN_KEYS)],
+    ],
+)
+def test_every_alias(alias: str, key: str) -> None:
+    assert normalize_key(alias) == key
+    assert parse({"type": "control", "control": alias}) == press(key)
+    assert parse({"type": "control_state", "controls": [alias]}) == state(key)
+
+
+def test_alias_table_is_exactly_the_documented_one() -> None:
+    assert set(KEY_ALIASES.values()) == KNOWN_KEYS
+    assert len(KEY_ALIASES) == 8 + 8 + 4 + 6
+
+
+@pytest.mark.parametrize("name", ["W", "keyw", "KeyZ", "ArrowUP", "arrowup", "Up", "z", " w", "", 3, None])
+def test_non_aliases(name: object) -> None:
+    assert normalize_key(name) is None
+
+
+# -- rejections ---------------------------------------------------------------
+
+
+def test_wrong_topic() -> None:
+    for topic in (STATUS_TOPIC, METRICS_TOPIC, "tf.asset", "", None):
+        assert rejected({"type": "stop"}, topic=topic).reason == "wrong_topic"
+
+
+@pytest.mark.parametrize("sender", ["", None, "viewer-1", "controller-1 ", "Controller-1"])
+def test_not_controller(sender: str | None) -> None:
+    failure = rejected({"type": "stop"}, sender_identity=sender)
+    assert failure.reason == "not_controller"
+    assert failure.detail
+
+
+def test_empty_controller_identity_never_matches() -> None:
+    assert rejected({"type": "stop"}, sender_identity="", controller_identity="").reason == "not_controller"
+
+
+def test_too_large() -> None:
+    message = as_json({"type": "prompt", "prompt": "x" * 2000})
+    assert parse(message, max_bytes=len(message)).type is ControlType.PROMPT
+    assert rejected(message, max_bytes=len(message) - 1).reason == "too_large"
+    assert rejected(b" " * 12289).reason == "too_large"
+    assert rejected(b"{" * 12289).reason == "too_large"  # checked before parsing
+    # str inputs are measured in UTF-8 bytes
+    text = json.dumps({"type": "prompt", "prompt": "é" * 10}, ensure_ascii=False)
+    assert rejected(text, max_bytes=len(text)).reason == "too_large"
+    # mappings skip the size check
+    assert parse({"type": "prompt", "prompt": "x" * 2000}, max_bytes=10).type is ControlType.PROMPT
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"not json", b"{", b'{"type": "stop"', b"\xff\xfe", "{'type': 'stop'}", b'{"type": NaN}',
+     b'{"n": Infinity}', b'{"type": "stop", "type": "reset"}', b"[" * 5000 + b"]" * 5000,
+     '{"type": "stop"}'.encode("utf-16")],
+)
+def test_invalid_json(raw: bytes | str) -> None:
+    assert rejected(raw).reason == "invalid_json"
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"1", b'"stop"', b"null", b"true", [], ("stop",), 3, None])
+def test_not_an_object(raw: Any) -> None:
+    assert rejected(raw).reason == "not_an_object"
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", 1.0, True, None, [1]])
+def test_bad_version(version: Any) -> None:
+    message = {"version": version, "type": "stop", "payload": {}}
+    assert rejected(message).reason == "bad_version"
+    assert rejected(as_json(message)).reason == "bad_version"
+
+
+def test_payload_without_version_is_bad_version() -> None:
+    assert rejected({"type": "stop", "payload": {}}).reason == "bad_version"
+
+
+@pytest.mark.parametrize("claimed", ["sess-2", "", 1, ["sess-1"]])
+def test_wrong_session(claimed: Any) -> None:
+    assert rejected(envelope("stop", session_id=claimed)).reason == "wrong_session"
+    assert rejected({"type": "stop", "session_id": claimed}).reason == "wrong_session"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        envelope("stop", []),
+        envelope("stop", "x"),
+        envelope("stop", 1),
+        envelope("stop", {"type": "reset"}),
+        {"type": "delivery_ack", "received_frames": -1},
+        {"type": "delivery_ack", "received_frames": 1.5},
+        {"type": "delivery_ack", "received_frames": True},
+        {"type": "delivery_ack", "received_frames": "3"},
+    ],
+)
+def test_bad_payload(message: dict[str, Any]) -> None:
+    assert rejected(message).reason == "bad_payload"
+
+
+@pytest.mark.parametrize("kind", [None, "", "Stop", "asset", "chunk", 3, ["stop"], {"t": 1}])
+def test_unknown_type(kind: Any) -> None:
+    assert rejected({"type": kind}).reason == "unknown_type"
+    assert rejected(envelope("x", {"type": kind}) | {"type": kind}).reason == "unknown_type"
+
+
+def test_missing_type() -> None:
+    assert rejected({"controls": []}).reason == "unknown_type"
+    assert rejected({"version": 1, "payload": {}}).reason == "unknown_type"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "control_state"},
+        {"type": "control_state", "controls": "w"},
+        {"type": "control_state", "controls": None},
+        {"type": "control_state", "controls": {"w": True}},
+        {"type": "control_state", "controls": ["w", 1]},
+        {"type": "control_state", "controls": [["w"]]},
+        {"type": "control"},
+        {"type": "control", "control": 3},
+        {"type": "control", "control": None, "key": "w"},
+        {"type": "control", "key": ["w"]},
+    ],
+)
+def test_bad_controls(message: dict[str, Any]) -> None:
+    assert rejected(message).reason == "bad_controls"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "control_state", "controls": ["w", "z"]},
+        {"type": "control_state", "controls": [""]},
+        {"type": "control", "control": "W"},
+        {"type": "control", "key": "space", "event": "press"},
+        {"type": "control", "control": "KeyQ", "event": "reset"},
+    ],
+)
+def test_unknown_control(message: dict[str, Any]) -> None:
+    assert rejected(message).reason == "unknown_control"
+
+
+@pytest.mark.parametrize(
+    "controls", [["w", "w"], ["w", "ArrowUp"], ["forward", "KeyW"], ["a", "j", "left"], ["down", "backward"]]
+)
+def test_duplicate_control(controls: list[str]) -> None:
+    assert rejected({"type": "control_state", "controls": controls}).reason == "duplicate_control"
+
+
+@pytest.mark.parametrize("event", ["keydown", "hold", "", None, 1, ["press"], "reset pose"])
+def test_unknown_event(event: Any) -> None:
+    assert rejected({"type": "control", "control": "w", "event": event}).reason == "unknown_event"
+    assert rejected({"type": "control", "control": "w", "action": event}).reason == "unknown_event"
+
+
+@pytest.mark.parametrize("prompt", [None, "", "   ", "\n\t", 5, ["a"], "x" * 2001])
+def test_bad_prompt(prompt: Any) -> None:
+    assert rejected({"type": "prompt", "prompt": prompt}).reason == "bad_prompt"
+
+
+def test_missing_prompt() -> None:
+    assert rejected({"type": "prompt"}).reason == "bad_prompt"
+
+
+def test_validation_order() -> None:
+    # Each earlier check wins over every later one.
+    bad = b'{"version": 2, "type": "nope"}'
+    assert rejected(bad, topic="tf.status", sender_identity="").reason == "wrong_topic"
+    assert rejected(b"x" * 20000, sender_identity="intruder").reason == "not_controller"
+    assert rejected(b"{" * 20000).reason == "too_large"
+    assert rejected(b"[1,").reason == "invalid_json"
+    assert rejected(bad).reason == "bad_version"
+    assert rejected({"version": 1, "session_id": "x", "payload": [], "type": "nope"}).reason == "wrong_session"
+    assert rejected({"version": 1, "payload": [], "type": "nope"}).reason == "bad_payload"
+    assert rejected({"version": 1, "payload": {}, "type": "nope"}).reason == "unknown_type"
+    assert rejected({"type": "control", "control": "z", "event": "nope"}).reason == "unknown_control"
+
+
+def test_rejection_carries_reason_and_detail() -> None:
+    failure = rejected({"type": "control_state", "controls": ["w", "z" * 500]})
+    assert isinstance(failure, ValueError)
+    assert failure.reason == "unknown_control"
+    assert "z" in failure.detail and len(failure.detail) < 100  # never echoes a huge value
+    assert str(failure).startswith("unknown_control: ")
+    with pytest.raises(ValueError):
+        ControlRejection("made_up", "x")
+
+
+def test_every_reason_is_reachable_by_these_tests() -> None:
+    # Keeps the reason table and the tests above in step.
+    assert REJECTION_REASONS == {
+        "wrong_topic", "not_controller", "too_large", "invalid_json", "not_an_object", "bad_version",
+        "wrong_session", "bad_payload", "unknown_type", "bad_controls", "unknown_control",
+        "duplicate_control", "unknown_event", "bad_prompt",
+    }  # fmt: skip
+
+
+# -- property tests -----------------------------------------------------------
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+# Strings and values the parser cares about, so random trees reach deep branches.
+interesting = st.sampled_from(
+    ["type", "version", "payload", "session_id", "controls", "control", "key", "event", "action", "prompt",
+     "received_frames", "control_state", "control", "prompt", "reset", "reset_pose", "stop", "delivery_ack",
+     "press", "release", "keyup", "end", "w", "ArrowUp", "KeyJ", "left", SESSION, 1]
+)  # fmt: skip
+json_values = st.recursive(
+    json_scalars | interesting,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8) | interesting.filter(lambda v: isinstance(v, str)), children, max_size=5),
+    max_leaves=25,
+)
+
+names = st.sampled_from(sorted(KEY_ALIASES)) | st.sampled_from(["W", "z", "", "KeyQ"]) | json_scalars
+events = st.sampled_from(["press", "release", "keyup", "end", "reset", "reset_pose", "PRESS", "hold"]) | json_scalars
+# Near-valid messages, so the fuzz also reaches every type's own checks and acceptance.
+structured = st.fixed_dictionaries(
+    {"type": st.sampled_from(sorted(MESSAGE_TYPES)) | json_scalars},
+    optional={
+        "controls": st.lists(names, max_size=4) | json_values,
+        "control": names,
+        "key": names,
+        "event": events,
+        "action": events,
+        "prompt": st.text(max_size=30) | json_scalars,
+        "received_frames": st.integers(-2, 5) | json_scalars,
+        "session_id": st.sampled_from([SESSION, "other", None]),
+    },
+)
+
+
+def split_envelope(fields: dict[str, Any]) -> dict[str, Any]:
+    payload = {k: v for k, v in fields.items() if k != "type"}
+    return {"version": 1, "type": fields.get("type"), "payload": payload}
+
+
+near_valid = (
+    structured
+    | structured.map(lambda fields: {"version": 1, "payload": fields})
+    | structured.map(split_envelope)
+)
+
+
+def check_outcome(raw: Any) -> None:
+    try:
+        result = parse(raw)
+    except ControlRejection as failure:
+        assert failure.reason in REJECTION_REASONS
+        assert isinstance(failure.detail, str)
+    else:
+        assert isinstance(result, Control | DeliveryAck)
+        if isinstance(result, Control):
+            assert result.keys <= KNOWN_KEYS
+
+
+@settings(max_examples=400)
+@given(json_values)
+def test_fuzz_json_values(value: Any) -> None:
+    check_outcome(value)
+    check_outcome(json.dumps(value))
+    check_outcome(json.dumps(value).encode())
+    if isinstance(value, dict):
+        check_outcome(envelope("control", value))
+        check_outcome({"version": 1, "payload": value})
+
+
+@settings(max_examples=500)
+@given(near_valid)
+def test_fuzz_near_valid_messages(message: dict[str, Any]) -> None:
+    check_outcome(message)
+    check_outcome(json.dumps(message).encode())
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=200))
+def test_fuzz_bytes(raw: bytes) -> None:
+    check_outcome(raw)
+
+
+@settings(max_examples=200)
+@given(st.text(max_size=200))
+def test_fuzz_text(raw: str) -> None:
+    check_outcome(raw)
+
+
+prompts = st.text(min_size=1, max_size=2000).filter(lambda p: bool(p.strip()))
+controls = st.one_of(
+    st.builds(
+        lambda keys: Control(ControlType.CONTROL_STATE, keys=keys),
+        st.frozensets(st.sampled_from(sorted(KNOWN_KEYS))),
+    ),
+    st.builds(
+        lambda key, pressed: Control(ControlType.CONTROL, key=key, pressed=pressed),
+        st.sampled_from(sorted(KNOWN_KEYS)),
+        st.booleans(),
+    ),
+    st.builds(lambda prompt: Control(ControlType.PROMPT, prompt=prompt), prompts),
+    st.sampled_from([Control(ControlType.RESET), Control(ControlType.RESET_POSE), Control(ControlType.STOP)]),
+)
+
+
+@settings(max_examples=300)
+@given(controls)
+def test_round_trip(control: Control) -> None:
+    flat = control.as_dict()
+    assert parse(flat) == control
+    assert parse(json.dumps(flat).encode(), max_bytes=1 << 20) == control
+    payload = {k: v for k, v in flat.items() if k != "type"}
+    assert parse(envelope(flat["type"], payload, session_id=SESSION)) == control
+
+
+# -- status messages ----------------------------------------------------------
+
+
+def decode(message: bytes) -> dict[str, Any]:
+    assert isinstance(message, bytes)
+    return json.loads(message)
+
+
+def test_status_message() -> None:
+    out = decode(status_message(SESSION, "generating", timestamp=12.5, chunk=3, fps=16.0))
+    assert out == {
+        "type": "status",
+        "session_id": SESSION,
+        "stage": "generating",
+        "data": {"chunk": 3, "fps": 16.0},
+        "timestamp": 12.5,
+    }
+
+
+def test_builders_put_the_real_type_on_top() -> None:
+    assert decode(chunk_message(SESSION, 4, {"frames": 8}, timestamp=1.0)) == {
+        "type": "chunk", "session_id": SESSION, "index": 4, "data": {"frames": 8}, "timestamp": 1.0,
+    }  # fmt: skip
+    assert decode(done_message(SESSION, 10, 160, timestamp=2)) == {
+        "type": "done", "session_id": SESSION, "total_chunks": 10, "published_frames": 160, "timestamp": 2.0,
+    }  # fmt: skip
+    assert decode(error_message(SESSION, "pipeline_failed", "boom", timestamp=3)) == {
+        "type": "error", "session_id": SESSION, "reason": "pipeline_failed", "detail": "boom", "timestamp": 3.0,
+    }  # fmt: skip
+    assert decode(rejection_message(SESSION, "unknown_control", "unknown control 'z'", timestamp=4)) == {
+        "type": "control_rejected", "session_id": SESSION, "reason": "unknown_control",
+        "detail": "unknown control 'z'", "timestamp": 4.0,
+    }  # fmt: skip
+    assert decode(lease_message(SESSION, "lease_queued", 2, timestamp=5)) == {
+        "type": "lease_queued", "session_id": SESSION, "queue_position": 2, "timestamp": 5.0,
+    }  # fmt: skip
+    assert decode(lease_message(SESSION, "lease_granted", None, timestamp=5))["queue_position"] is None
+    with pytest.raises(ValueError, match="unknown lease event"):
+        lease_message(SESSION, "granted", None)
+    assert decode(metrics_message(SESSION, timestamp=6, real_time_factor=0.5, period=None)) == {
+        "type": "metrics", "session_id": SESSION, "data": {"real_time_factor": 0.5, "period": None}, "timestamp": 6.0,
+    }  # fmt: skip
+
+
+def test_extras_cannot_shadow_the_envelope_fields() -> None:
+    out = decode(status_message(SESSION, "x", timestamp=1, type="chunk", stage="y", session_id="z"))
+    assert (out["type"], out["stage"], out["session_id"]) == ("status", "x", SESSION)
+    assert out["data"] == {"type": "chunk", "stage": "y", "session_id": "z"}
+    out = decode(metrics_message(SESSION, timestamp=1, type="status", session_id="z"))
+    assert (out["type"], out["session_id"], out["data"]) == ("metrics", SESSION, {"type": "status", "session_id": "z"})
+
+
+def test_default_timestamp_is_now() -> None:
+    import time
+
+    before = time.time()
+    stamp = decode(done_message(SESSION, 0, 0))["timestamp"]
+    assert before <= stamp <= time.time()
+
+
+def test_non_json_values_are_stringified() -> None:
+    class Opaque:
+        def __str__(self) -> str:
+            return "opaque!"
+
+    data: Mapping[str, Any] = MappingProxyType(
+        {
+            "obj": Opaque(),
+            "np_int": np.int64(7),
+            "np_float": np.float32(0.5),
+            "nan": math.nan,
+            "inf": float("inf"),
+            "keys": frozenset({"w", "a"}),
+            "tuple": (1, "x"),
+            "enum": ControlType.STOP,
+            "bytes": b"\x00",
+            3: "int key",
+            "nested": {"deeper": [Opaque()]},
+        }
+    )
+    out = decode(chunk_message(SESSION, 0, data, timestamp=0))["data"]
+    assert out == {
+        "obj": "opaque!",
+        "np_int": 7,
+        "np_float": 0.5,
+        "nan": "nan",
+        "inf": "inf",
+        "keys": ["a", "w"],
+        "tuple": [1, "x"],
+        "enum": str(ControlType.STOP),
+        "bytes": str(b"\x00"),
+        "3": "int key",
+        "nested": {"deeper": ["opaque!"]},
+    }
+
+
+def test_cyclic_data_does_not_recurse_forever() -> None:
+    loop: dict[str, Any] = {}
+    loop["self"] = loop
+    out = decode(status_message(SESSION, "x", timestamp=0, loop=loop))
+    assert out["type"] == "status"
+
+
+def test_rejection_round_trip_to_a_message() -> None:
+    failure = rejected({"type": "prompt", "prompt": ""})
+    out = decode(rejection_message(SESSION, failure.reason, failure.detail, timestamp=0))
+    assert (out["type"], out["reason"]) == ("control_rejected", "bad_prompt")
