@@ -64,6 +64,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
 
     @app.before_serving
     async def start() -> None:
+        if hasattr(transport, "run"):  # LiveKit: its trio-asyncio loop lives for the app's lifetime
+            await app.nursery.start(transport.run)
         await app.nursery.start(runtime.run)
 
     @app.after_serving

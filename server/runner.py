@@ -123,12 +123,8 @@ class RoomRunner:
         if not self._advance(Event.JOIN_ROOM):
             return
         token = runtime.issuer.worker_token(record.room, self.identity)
-        with trio.move_on_after(CONNECT_TIMEOUT) as connect_scope:
-            self._connection = await runtime.transport.connect(
-                record.room, self.identity, token, timeout=CONNECT_TIMEOUT
-            )
-        if connect_scope.cancelled_caught:
-            raise RunnerError(f"could not join room {record.room!r} within {CONNECT_TIMEOUT:g} s")
+        # the transport bounds the connect itself and raises TransportError with the reason
+        self._connection = await runtime.transport.connect(record.room, self.identity, token, timeout=CONNECT_TIMEOUT)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_room)
             await self._wait_for_controller()

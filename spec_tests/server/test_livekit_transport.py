@@ -1,0 +1,290 @@
+"""The LiveKit transport up to the SDK boundary (no LiveKit server exists here).
+
+Covered: worker tokens as livekit-api sees them, connect failures bounded in
+time (closed port, silent server) with no asyncio task left behind, refusing to
+connect before ``run``, media capture through the SDK sources on the
+trio-asyncio loop from a task that did not open it, and room callbacks turned
+into port events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+
+import numpy as np
+import pytest
+import trio
+import trio_asyncio
+from livekit import api, rtc
+
+from pipelines.contract import Audio
+from server.tokens import TokenIssuer
+from server.transport import (
+    DataReceived,
+    ParticipantJoined,
+    ParticipantLeft,
+    TransportError,
+)
+from server.transport.livekit import (
+    AUDIO_TRACK_NAME,
+    VIDEO_TRACK_NAME,
+    LiveKitTransport,
+    _LiveKitConnection,
+    _MediaPublisher,
+    _rgb_frame,
+    _video_options,
+)
+
+KEY = "devkey"
+SECRET = "0123456789abcdef0123456789abcdef-secret"
+
+
+@pytest.fixture(autouse=True)
+def quiet_livekit():
+    """livekit logs each connect retry at WARNING (log records, not Python warnings)."""
+    logger = logging.getLogger("livekit")
+    before = logger.level
+    logger.setLevel(logging.CRITICAL)
+    yield
+    logger.setLevel(before)
+
+
+@pytest.fixture
+def worker_token() -> str:
+    return TokenIssuer(KEY, SECRET, 600).worker_token("stage", "worker-1")
+
+
+def closed_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+async def start(nursery: trio.Nursery, url: str, **kwargs) -> tuple[LiveKitTransport, object]:
+    transport = LiveKitTransport(url, **kwargs)
+    loop = await nursery.start(transport.run)
+    return transport, loop
+
+
+async def other_asyncio_tasks(loop) -> set:
+    async def probe() -> set:
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    return await trio_asyncio.aio_as_trio(probe, loop=loop)()
+
+
+# -- tokens ------------------------------------------------------------------------------------------
+
+
+def test_worker_token_verifies_with_livekit_api(worker_token: str) -> None:
+    claims = api.TokenVerifier(KEY, SECRET).verify(worker_token)
+    assert claims.identity == "worker-1"
+    assert claims.video.room_join is True and claims.video.room == "stage"
+    assert claims.video.can_publish is True
+    assert claims.video.can_publish_data is True
+    assert claims.video.can_subscribe is False
+
+
+# -- lifecycle and connect failures ------------------------------------------------------------------
+
+
+def test_constructor_checks() -> None:
+    transport = LiveKitTransport("ws://127.0.0.1:7880")
+    assert transport.name == "livekit" and not transport.running
+    assert (transport.connect_timeout, transport.disconnect_timeout) == (10.0, 5.0)
+    with pytest.raises(ValueError):
+        LiveKitTransport("")
+    with pytest.raises(ValueError):
+        LiveKitTransport("ws://x", connect_timeout=0)
+
+
+async def test_connect_before_run_is_refused(worker_token: str) -> None:
+    transport = LiveKitTransport("ws://127.0.0.1:7880")
+    with pytest.raises(TransportError, match=r"not running.*nursery\.start\(transport\.run\)"):
+        await transport.connect("stage", "worker-1", worker_token, timeout=1)
+
+
+async def test_run_twice_is_refused(nursery: trio.Nursery) -> None:
+    transport, _ = await start(nursery, "ws://127.0.0.1:7880")
+    assert transport.running
+    with pytest.raises(RuntimeError, match="already running"):
+        await transport.run()
+
+
+async def test_closed_port_fails_fast(nursery: trio.Nursery, worker_token: str) -> None:
+    url = f"ws://127.0.0.1:{closed_port()}"
+    transport, loop = await start(nursery, url)
+    started = trio.current_time()
+    with pytest.raises(TransportError) as info:
+        await transport.connect("stage", "worker-1", worker_token, timeout=5)
+    assert trio.current_time() - started < 5
+    message = str(info.value)
+    assert message.startswith(f"could not connect to LiveKit at {url} within 5 s: ")
+    assert "refused" in message.lower()
+    assert await other_asyncio_tasks(loop) == set()
+
+
+async def test_silent_server_is_bounded_by_the_timeout(nursery: trio.Nursery, worker_token: str) -> None:
+    async def never_answer(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, never_answer, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    transport, loop = await start(nursery, f"ws://127.0.0.1:{port}")
+    started = trio.current_time()
+    with pytest.raises(TransportError, match=r"within 1 s: no answer"):
+        await transport.connect("stage", "worker-1", worker_token, timeout=1)
+    assert trio.current_time() - started < 1.5
+    assert await other_asyncio_tasks(loop) == set()
+    assert transport._connections == set()
+
+
+async def test_connect_works_from_a_task_that_did_not_open_the_loop(nursery: trio.Nursery, worker_token: str) -> None:
+    """The runner's task is a sibling of run(), not a child: the loop is passed explicitly."""
+    transport, _ = await start(nursery, f"ws://127.0.0.1:{closed_port()}")
+    errors: list[BaseException] = []
+
+    async def runner() -> None:
+        try:
+            await transport.connect("stage", "worker-1", worker_token, timeout=3)
+        except TransportError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(runner)
+    assert len(errors) == 1 and "could not connect" in str(errors[0])
+
+
+# -- media through the SDK (no room) ------------------------------------------------------------------
+
+
+async def test_media_publisher_captures_video_and_audio(nursery: trio.Nursery) -> None:
+    _, loop = await start(nursery, "ws://127.0.0.1:7880")
+    on_aio = lambda fn: trio_asyncio.aio_as_trio(fn, loop=loop)
+    media = _MediaPublisher(None)
+    frames = np.zeros((3, 48, 64, 3), dtype=np.uint8)
+    frames[..., 0] = 255
+    for frame in frames:
+        await on_aio(media.publish_frame)(frame, 16.0)
+    assert media.frames_captured == 3 and media.video_size == (64, 48)
+    assert media.video_track is not None and media.video_track.name == VIDEO_TRACK_NAME
+
+    with pytest.raises(TransportError, match="frame size changed from 64x48 to 32x24"):
+        await on_aio(media.publish_frame)(np.zeros((24, 32, 3), np.uint8), 16.0)
+    with pytest.raises(TransportError, match="H x W x 3 uint8"):
+        await on_aio(media.publish_frame)(np.zeros((48, 64, 4), np.uint8), 16.0)
+
+    pcm = (np.sin(np.arange(960) / 10) * 8000).astype("<i2").tobytes()  # 20 ms at 48 kHz mono
+    await on_aio(media.publish_audio)(Audio(pcm, 48000, 1))
+    assert media.audio_frames_captured == 1
+    assert media.audio_track is not None and media.audio_track.name == AUDIO_TRACK_NAME
+    assert media.audio_source is not None and media.audio_source._loop is loop  # built on the trio-asyncio loop
+    with pytest.raises(TransportError, match="audio format changed"):
+        await on_aio(media.publish_audio)(Audio(pcm, 24000, 1))
+
+    await on_aio(media.aclose)()
+    await on_aio(media.aclose)()  # idempotent
+    with pytest.raises(TransportError, match="closed"):
+        media.capture_video(frames[0])
+    assert await other_asyncio_tasks(loop) == set()
+
+
+def test_rgb_frames_and_publish_options() -> None:
+    frame = np.zeros((48, 64, 3), np.uint8)
+    frame[..., 0] = 255  # pure red
+    video = _rgb_frame(frame)
+    assert (video.width, video.height, video.type) == (64, 48, rtc.VideoBufferType.RGB24)
+    i420 = video.convert(rtc.VideoBufferType.I420)
+    assert len(i420.data) == 64 * 48 * 3 // 2
+    assert abs(i420.data[0] - 82) <= 2  # BT.601 luma of pure red: the SDK read it as RGB24
+
+    options = _video_options(24.0)
+    assert options.source == rtc.TrackSource.SOURCE_CAMERA
+    assert options.simulcast is False
+    assert options.video_codec == rtc.VideoCodec.VP8
+    assert options.video_encoding.max_framerate == 24.0
+    assert options.video_encoding.max_bitrate == 8_000_000
+
+
+# -- room callbacks become port events ----------------------------------------------------------------
+
+
+class _FakeParticipant:
+    def __init__(self, identity: str) -> None:
+        self.identity = identity
+
+
+async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> None:
+    transport, loop = await start(nursery, "ws://127.0.0.1:7880")
+    connection = _LiveKitConnection(transport, loop, "stage", "worker-1")
+
+    async def emit_on_asyncio() -> None:
+        room = rtc.Room(loop=loop)
+        connection._attach(room)
+        room.emit("participant_connected", _FakeParticipant("ctrl-1"))
+        room.emit(
+            "data_received",
+            rtc.DataPacket(data=b'{"type":"x"}', kind=rtc.DataPacketKind.KIND_RELIABLE,
+                           participant=_FakeParticipant("ctrl-1"), topic="tf.control"),
+        )
+        room.emit("data_received", rtc.DataPacket(data=b"srv", kind=rtc.DataPacketKind.KIND_LOSSY, participant=None))
+        room.emit("participant_disconnected", _FakeParticipant("ctrl-1"))
+        room.emit("disconnected", rtc.DisconnectReason.SERVER_SHUTDOWN)
+
+    await trio_asyncio.aio_as_trio(emit_on_asyncio, loop=loop)()
+    with trio.fail_after(2):
+        received = [event async for event in connection.events()]  # ends: the room disconnected
+    assert received == [
+        ParticipantJoined("ctrl-1"),
+        DataReceived("tf.control", b'{"type":"x"}', "ctrl-1"),
+        DataReceived("", b"srv", None),
+        ParticipantLeft("ctrl-1"),
+    ]
+    assert connection.participants() == frozenset()
+    with pytest.raises(TransportError, match="disconnected \\(SERVER_SHUTDOWN\\)"):
+        await connection.send_data("tf.status", b"{}")
+    await connection.disconnect()
+    await connection.disconnect()  # idempotent
+    with pytest.raises(TransportError, match="left the room"):
+        await connection.publish_frame(np.zeros((4, 4, 3), np.uint8), 16.0)
+
+
+async def test_disconnect_of_an_unconnected_room_is_bounded(nursery: trio.Nursery) -> None:
+    transport, loop = await start(nursery, "ws://127.0.0.1:7880", disconnect_timeout=1.0)
+    connection = _LiveKitConnection(transport, loop, "stage", "worker-1")
+
+    async def attach() -> None:
+        connection._attach(rtc.Room(loop=loop))
+        connection.media = _MediaPublisher(None)
+        await connection.media.publish_frame(np.zeros((8, 8, 3), np.uint8), 16.0)
+
+    await trio_asyncio.aio_as_trio(attach, loop=loop)()
+    with trio.fail_after(1.5):
+        await connection.disconnect()
+    assert connection.media.closed
+    assert await other_asyncio_tasks(loop) == set()
+
+
+async def test_stopping_run_leaves_open_rooms_first() -> None:
+    transport = LiveKitTransport("ws://127.0.0.1:7880", disconnect_timeout=1.0)
+    async with trio.open_nursery() as nursery:
+        loop = await nursery.start(transport.run)
+        connection = _LiveKitConnection(transport, loop, "stage", "worker-1")
+
+        async def attach() -> None:
+            connection._attach(rtc.Room(loop=loop))
+            connection.media = _MediaPublisher(None)
+            await connection.media.publish_audio(Audio(bytes(1920), 48000, 1))
+
+        await trio_asyncio.aio_as_trio(attach, loop=loop)()
+        transport._connections.add(connection)  # as connect() does on success
+        nursery.cancel_scope.cancel()
+    assert not transport.running
+    assert connection.media.closed and transport._connections == set()
+    with pytest.raises(TransportError):
+        await connection.send_data("tf.status", b"{}")
