@@ -189,6 +189,8 @@ class StreamRuntime:
             self._publish_gauges()
             return Created(record, admission, None)
         token = self.issuer.controller_token(room, identity)
+        if admission.status == "queued":
+            self.registry.apply(record, Event.QUEUE, now=now)
         self._follow(transitions)
         return Created(record, admission, token)
 

@@ -1,0 +1,133 @@
+"""The demo page: served by the app, no path traversal, valid JavaScript, speaking the server's protocol."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pipelines
+from pipelines.contract import KNOWN_KEYS
+from server import protocol
+from server.app import STATIC, create_app
+from server.settings import ServerSettings
+
+REPLAY = str(Path(pipelines.__file__).parent / "replay")
+APP_JS = STATIC / "app.js"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Any]:
+    app = create_app(ServerSettings(pipeline=REPLAY))
+    async with app.test_app() as test_app:
+        yield test_app.test_client()
+
+
+# -- served by the app -------------------------------------------------------------------
+
+
+async def test_index_is_html_referencing_the_assets(client: Any) -> None:
+    response = await client.get("/")
+    assert response.status_code == 200
+    assert response.mimetype == "text/html"
+    page = await response.get_data(as_text=True)
+    assert "<!doctype html>" in page.lower()
+    assert 'src="/static/app.js"' in page
+    assert 'href="/static/style.css"' in page
+    assert 'type="module"' in page
+
+
+async def test_page_loads_nothing_from_other_origins() -> None:
+    page = (STATIC / "index.html").read_text()
+    script = APP_JS.read_text()
+    for text in (page, script):
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text), "no CDN or remote assets"
+        assert "unpkg.com" not in text and "jsdelivr" not in text and "cdnjs" not in text
+
+
+async def test_app_js_is_javascript(client: Any) -> None:
+    response = await client.get("/static/app.js")
+    assert response.status_code == 200
+    assert response.mimetype == "text/javascript"
+    assert "WebSocket" in await response.get_data(as_text=True)
+
+
+async def test_style_css_is_css(client: Any) -> None:
+    response = await client.get("/static/style.css")
+    assert response.status_code == 200
+    assert response.mimetype == "text/css"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/static/../app.py",
+        "/static/%2e%2e/app.py",
+        "/static/%2E%2E/app.py",
+        "/static/..%2fapp.py",
+        "/static/vendor/../../app.py",
+        "/static/%2e%2e/%2e%2e/pyproject.toml",
+        "/static/missing.js",
+        "/static/",
+    ],
+)
+async def test_path_traversal_and_missing_files_are_404(client: Any, path: str) -> None:
+    response = await client.get(path)
+    assert response.status_code == 404
+    body = await response.get_data(as_text=True)
+    assert "create_app" not in body and "[project]" not in body
+
+
+async def test_vendored_livekit_bundle_is_served_when_present(client: Any) -> None:
+    bundle = STATIC / "vendor" / "livekit-client.umd.js"
+    if not bundle.is_file():
+        pytest.skip("livekit-client is not vendored (run server/static/build_vendor.sh)")
+    assert "/static/vendor/livekit-client.umd.js" in APP_JS.read_text()
+    response = await client.get("/static/vendor/livekit-client.umd.js")
+    assert response.status_code == 200
+    assert response.mimetype == "text/javascript"
+    assert "LivekitClient" in (await response.get_data(as_text=True))[:2000]
+
+
+# -- the script -----------------------------------------------------------------------------
+
+
+def test_app_js_parses() -> None:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    result = subprocess.run([node, "--check", str(APP_JS)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_app_js_sends_only_control_types_the_server_accepts() -> None:
+    script = APP_JS.read_text()
+    sent = set(re.findall(r"sendControl\(\{\s*type:\s*\"(\w+)\"", script))
+    assert sent >= {"control_state", "reset", "reset_pose", "stop", "prompt"}
+    assert sent <= protocol.MESSAGE_TYPES
+    for message in ({"type": "control_state", "controls": ["w", "j"]}, {"type": "reset_pose"}, {"type": "stop"}):
+        protocol.parse_control(
+            message, topic=protocol.CONTROL_TOPIC, sender_identity="c", controller_identity="c", session_id="s"
+        )
+
+
+def test_app_js_key_map_matches_the_protocol() -> None:
+    script = APP_JS.read_text()
+    block = re.search(r"const KEY_CODES = \{(.*?)\};", script, re.S)
+    assert block is not None
+    pairs = dict(re.findall(r"(\w+):\s*\"(\w)\"", block.group(1)))
+    assert set(pairs.values()) == KNOWN_KEYS
+    for code, key in pairs.items():
+        assert protocol.normalize_key(code) == key, code
+    assert {"ArrowUp", "ArrowDown", "ArrowLeft", "ArrowRight"} <= set(pairs)
+
+
+def test_app_js_uses_the_server_topics() -> None:
+    script = APP_JS.read_text()
+    for topic in (protocol.CONTROL_TOPIC, protocol.STATUS_TOPIC, protocol.METRICS_TOPIC):
+        assert f'"{topic}"' in script
