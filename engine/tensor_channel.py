@@ -1,0 +1,308 @@
+"""WorkerTensorChannel: one producer group to one consumer group on the same host.
+
+A tensor artifact (the latent from denoise to decode) never passes through the
+scheduler's process: the producer worker ``send``\\s its tensors and hands the
+scheduler only :class:`WorkerTensorRef` objects (a few hundred bytes), which the
+scheduler forwards to the consumer ranks, which ``receive`` them.
+
+Ownership and lifecycle
+-----------------------
+* The **parent** (the scheduler) creates the channel. It owns one small *control*
+  segment (created at construction; layout in
+  :class:`~engine.tensor_channel_shm.ControlLayout`): the producer pid, the last
+  transfer id, the epoch of each CPU pool profile and, per consumer rank, a ring
+  of ``ACK_WINDOW`` signed acks (``+k``: rank copied or released transfer ``k``;
+  ``-k``: rank discarded it) and a ring of holds (``k``: the rank holds a
+  zero-copy view of transfer ``k``). The parent owns every shared-memory name of
+  the channel: ``close()`` (exactly once, idempotent; also run by a finalizer at
+  interpreter exit) unlinks the control segment and every data segment
+  registered in it.
+* The **producer** (exactly one process; the first one that sends claims the
+  channel) creates one data segment per slot of a CPU profile -- 2 round-robin
+  slots per (tensor index, shape, dtype) -- the first time it sees that profile,
+  after registering its epoch in the control segment, so the parent can unlink
+  it. Nothing is created, mapped or pickled per transfer. At most
+  ``MAX_PROFILES`` CPU profiles are pooled; a new one evicts the least recently
+  used profile (waiting, bounded, until its slots are released), and the
+  producer unlinks the evicted segments.
+* **Consumers** attach to segments by name (once) and only detach (``detach()``).
+  Nothing here registers with multiprocessing's resource tracker: the segment
+  lifetimes are explicit, so children never unlink what the parent owns.
+
+Protocol (CPU)
+--------------
+A slot starts with a header (seq, transfer id, nbytes, dtype code, shape). The
+producer waits until the transfer last held by a slot is resolved (acked,
+released or discarded) by *every* consumer rank -- bounded by ``timeout``, else
+:class:`TensorChannelTimeout`, which is a :class:`~engine.errors.FatalStageError`
+(the worker is failed, never left hanging) -- then sets seq to 0, copies the
+tensor and sets seq to the transfer id. A consumer checks the seq before and
+after using its view (a seqlock: a slot released under it by a concurrent
+discard is detected), then writes its ack. Cross-process ordering of these
+plain stores relies on a total-store-order host (x86-64).
+
+Zero-copy receive
+-----------------
+``receive(refs, rank=r, copy=False)`` returns tensors that are **views of the
+slot's shared memory** (for CPU refs received on the CPU; a device move or a
+CUDA ref still copies). They are **read-only by contract** -- writing into them
+changes what the other consumer ranks see -- and valid until the consumer calls
+``release(refs, rank=r)``, which acks the transfer so the producer may reuse the
+slot. Until then the rank *holds* the transfer: the producer's next send into
+that slot waits (bounded by ``timeout``), and ``discard`` does not free it (a
+sync discard waits for the release). Releasing twice, releasing a transfer the
+rank does not hold, or releasing a ref of another channel raises
+:class:`TensorChannelError`. Drop the tensors before releasing: after the
+release the producer overwrites the memory they show.
+
+Consumers resolve **in producer order**: a rank receiving transfer ``k`` while an
+earlier transfer is neither received nor discarded on that rank raises
+:class:`TensorChannelOrderError` at once (waiting could deadlock a
+single-threaded worker; the out-of-order call is a caller bug). A held transfer
+counts as received. Discards may come in any order, from any process (the
+scheduler discards a cancelled artifact for every rank with ``discard(refs)``).
+
+CUDA tensors go through :mod:`engine.tensor_channel_cuda` (IPC-handle pools with
+interprocess ready/done events); the acks and ordering rules are the same.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any, Self
+
+import torch
+
+from .tensor_channel_consumer import ConsumerSide
+from .tensor_channel_refs import (
+    TensorChannelDiscarded,
+    TensorChannelError,
+    TensorChannelMismatch,
+    TensorChannelOrderError,
+    TensorChannelTimeout,
+    WorkerTensorRef,
+)
+from .tensor_channel_shm import (
+    ACK_WINDOW,
+    CPU_SLOTS,
+    DTYPE_CODE,
+    MAGIC,
+    MAX_NDIM,
+    MAX_PROFILES,
+    ControlLayout,
+    CpuSlotPool,
+    Segment,
+    _posixshmem,
+    release_owned,
+)
+from .tensor_tree import map_leaves, unique_tensors
+
+SPIN_S = 0.002  # a waiting producer yields its core this long before sleeping (slot waits are usually short)
+
+__all__ = [
+    "ACK_WINDOW",
+    "CPU_SLOTS",
+    "MAX_PROFILES",
+    "TensorChannelDiscarded",
+    "TensorChannelError",
+    "TensorChannelMismatch",
+    "TensorChannelOrderError",
+    "TensorChannelTimeout",
+    "WorkerTensorChannel",
+    "WorkerTensorRef",
+]
+
+
+class WorkerTensorChannel(ConsumerSide):
+    """Created in the parent; pickle it to the producer and consumer processes (spawn)."""
+
+    def __init__(
+        self, consumer_world_size: int = 1, *, timeout: float = 600.0, shard_dim: int | None = None, cuda_ipc_slots: int = 2
+    ) -> None:
+        if not isinstance(consumer_world_size, int) or consumer_world_size < 1:
+            raise ValueError(f"consumer_world_size must be an int >= 1, got {consumer_world_size!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not isinstance(cuda_ipc_slots, int) or cuda_ipc_slots < 1:
+            raise ValueError(f"cuda_ipc_slots must be an int >= 1, got {cuda_ipc_slots!r}")
+        if shard_dim is not None and not isinstance(shard_dim, int):
+            raise ValueError(f"shard_dim must be an int or None, got {shard_dim!r}")
+        if _posixshmem is None:  # pragma: no cover
+            raise RuntimeError("WorkerTensorChannel needs POSIX shared memory")
+        self.channel_id = secrets.token_hex(5)
+        self.world_size = consumer_world_size
+        self.timeout = float(timeout)
+        self.shard_dim = shard_dim
+        self.cuda_ipc_slots = cuda_ipc_slots
+        self._init_local()
+        self._control = Segment(self._prefix + "ctl", self._layout.words * 8, create=True)
+        self._control.words[ControlLayout.MAGIC] = MAGIC
+        self._owner_state = {"closed": False}
+        self._finalizer = weakref.finalize(self, release_owned, self._control, self._prefix, self._owner_state)
+
+    def _init_local(self) -> None:
+        self._prefix = f"cl_{self.channel_id}_"
+        self._layout = ControlLayout(self.world_size)
+        self._control: Segment | None = None
+        self._finalizer = None
+        self._pool = CpuSlotPool(self._prefix, self._ctl)
+        self._attached: dict[str, Segment] = {}
+        self._through: dict[int, int] = {}
+        self._cuda_producer = None
+        self._cuda_consumer = None
+        self._detached = False
+
+    def __getstate__(self) -> dict:
+        return {k: getattr(self, k) for k in ("channel_id", "world_size", "timeout", "shard_dim", "cuda_ipc_slots")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_local()
+
+    def __repr__(self) -> str:
+        return f"WorkerTensorChannel({self.channel_id}, consumers={self.world_size}, shard_dim={self.shard_dim})"
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def is_owner(self) -> bool:
+        return self._finalizer is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._detached or (self.is_owner and not self._finalizer.alive)
+
+    def detach(self) -> None:
+        """Drop this process's mappings and CUDA pools (children call this when they stop)."""
+        self._detached = True
+        for side in (self._cuda_producer, self._cuda_consumer):
+            if side is not None:
+                side.close()
+        self._cuda_producer = self._cuda_consumer = None
+        self._pool.close()
+        for segment in self._attached.values():
+            segment.close()
+        self._attached.clear()
+        if self._control is not None and not self.is_owner:
+            self._control.close()
+            self._control = None
+
+    def close(self) -> None:
+        """In the parent: detach and unlink every segment of the channel (idempotent). Elsewhere: detach."""
+        self.detach()
+        if self.is_owner:
+            self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ctl(self):
+        if self.closed:
+            raise TensorChannelError(f"{self!r} is closed")
+        if self._control is None:
+            self._control = Segment(self._prefix + "ctl")
+        return self._control.words
+
+    # -- acks ------------------------------------------------------------------------
+
+    def _ack_index(self, rank: int, tid: int) -> int:
+        return self._layout.ack(rank, tid)
+
+    def ack_of(self, rank: int, tid: int) -> int:
+        """+tid: rank copied (or released) transfer tid; -tid: discarded; 0: unresolved (a newer ack also means resolved)."""
+        value = self._ctl()[self._ack_index(rank, tid)]
+        return value if abs(value) == tid else (tid if abs(value) > tid else 0)
+
+    def _resolved(self, rank: int, tid: int) -> bool:
+        return tid <= 0 or abs(self._ctl()[self._ack_index(rank, tid)]) >= tid
+
+    def _held(self, rank: int, tid: int) -> bool:
+        return tid > 0 and self._ctl()[self._layout.hold(rank, tid)] == tid
+
+    def _wait_resolved(self, tids: Iterable[int], what: str, deadline: float) -> None:
+        tids = [t for t in tids if t > 0]
+        if not tids:
+            return
+        spin_until, delay = time.monotonic() + SPIN_S, 0.00005
+        while True:
+            pending = sorted({r for r in range(self.world_size) for t in tids if not self._resolved(r, t)})
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                held = sorted({r for r in pending for t in tids if self._held(r, t)})
+                raise TensorChannelTimeout(
+                    f"{self!r}: {what}: transfers {sorted(tids)} not released by consumer ranks {pending} "
+                    f"within {self.timeout:g} s" + (f" (ranks {held} hold zero-copy views)" if held else "")
+                    + "; the worker must be failed"
+                )
+            if time.monotonic() < spin_until:  # a consumer is usually mid-copy: yield first, then back off (<= 1 ms)
+                os.sched_yield()
+            else:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.001)
+
+    # -- producer --------------------------------------------------------------------
+
+    def send(self, tree: Any) -> Any:
+        """Copy every tensor in ``tree`` into the channel; return ``tree`` with WorkerTensorRefs instead."""
+        leaves, seen = unique_tensors(tree)
+        if not leaves:
+            return tree
+        dims = [self._check_leaf(i, t) for i, t in enumerate(leaves)]
+        words = self._ctl()
+        pid = os.getpid()
+        if words[ControlLayout.PRODUCER] not in (0, pid):
+            raise TensorChannelError(
+                f"{self!r} already has a producer (pid {words[ControlLayout.PRODUCER]}); one producer per channel"
+            )
+        words[ControlLayout.PRODUCER] = pid
+        tid = words[ControlLayout.LAST_TID] + 1
+        deadline = time.monotonic() + self.timeout
+        self._wait_resolved([tid - ACK_WINDOW], "ack window full", deadline)
+        words[ControlLayout.LAST_TID] = tid
+        refs = [self._send_one(tid, i, t, len(leaves), dims[i], deadline) for i, t in enumerate(leaves)]
+        return map_leaves(tree, lambda t: refs[seen[id(t)]], torch.Tensor)
+
+    def _check_leaf(self, index: int, t: torch.Tensor) -> int | None:
+        if t.layout != torch.strided:
+            raise ValueError(f"tensor {index}: only strided tensors can be sent, got {t.layout}")
+        if t.dtype not in DTYPE_CODE:
+            raise ValueError(f"tensor {index}: dtype {t.dtype} is not supported")
+        if t.dim() > MAX_NDIM:
+            raise ValueError(f"tensor {index}: at most {MAX_NDIM} dimensions, got {t.dim()}")
+        if self.shard_dim is None:
+            return None
+        if not -t.dim() <= self.shard_dim < t.dim():
+            raise ValueError(f"tensor {index}: shard_dim {self.shard_dim} is out of range for shape {tuple(t.shape)}")
+        dim = self.shard_dim % t.dim()
+        if t.shape[dim] < self.world_size:
+            raise ValueError(
+                f"tensor {index}: size {t.shape[dim]} along shard_dim {self.shard_dim} is smaller than the "
+                f"consumer world size {self.world_size}"
+            )
+        return dim
+
+    def _send_one(self, tid: int, index: int, t: torch.Tensor, count: int, dim: int | None, deadline: float):
+        t = t.detach()
+        fields = {
+            "channel_id": self.channel_id, "transfer_id": tid, "tensor_index": index, "shape": tuple(t.shape), "dtype": str(t.dtype),
+            "nbytes": t.numel() * t.element_size(), "source_device": str(t.device), "shard_dim": dim,
+        }
+        if t.is_cuda:
+            if self._cuda_producer is None:
+                from .tensor_channel_cuda import CudaProducer
+
+                self._cuda_producer = CudaProducer(self, MAX_PROFILES)
+            payload = self._cuda_producer.send(tid, index, t, count, deadline)
+        elif t.device.type == "cpu":
+            payload = self._pool.write(tid, index, t, count, lambda tids, what: self._wait_resolved(tids, what, deadline))
+        else:
+            raise ValueError(f"tensor {index}: device {t.device} is not supported (cpu or cuda)")
+        return WorkerTensorRef(**fields, payload=payload)
