@@ -26,10 +26,21 @@ def build_app_from_environment() -> Any:
     return TrioASGIAnyWorker(create_app(settings))
 
 
-def __getattr__(name: str) -> Any:
-    global _app
-    if name == "app":
+class _LazyApp:
+    """A real module attribute (hypercorn looks ``app`` up with ``eval``) that builds the
+    application on first use, so ``import server`` needs no configuration."""
+
+    def _target(self) -> Any:
+        global _app
         if _app is None:
             _app = build_app_from_environment()
         return _app
-    raise AttributeError(f"module 'server' has no attribute {name!r}")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._target()(scope, receive, send)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target(), name)
+
+
+app = _LazyApp()

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import trio
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -19,6 +20,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .registry import UnknownSession
 from .requests import BadRequest, parse_create_session, parse_token_request, resolve_image_path
+from states.stream_session import State as SessionState
+
 from .runtime import SessionConflict, StreamRuntime
 from .settings import ServerSettings
 from .tokens import IdentityError, TokenIssuer, TokenRejected
@@ -70,7 +73,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
 
     @app.after_serving
     async def stop() -> None:
-        await runtime.shutdown(SHUTDOWN_GRACE)
+        # quart-trio may already be cancelling the app nursery: the drain must still run
+        with trio.CancelScope(shield=True):
+            await runtime.shutdown(SHUTDOWN_GRACE)
 
     # -- cross-cutting: API key, CORS, errors --------------------------------------
 
@@ -88,7 +93,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
     @app.after_request
     async def cors(response: Response) -> Response:
         origin = request.headers.get("Origin")
-        if origin and origin in settings.cors_allow_origins:
+        if origin and (origin in settings.cors_allow_origins or "*" in settings.cors_allow_origins):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
@@ -167,10 +172,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
         status = request.args.get("status")
         records = list(runtime.registry)
         if status is not None:
-            valid = {s.value for s in type(records[0].status)} if records else None
-            records = [r for r in records if r.status.value == status]
-            if valid is not None and status not in valid:
+            if status not in {state.value for state in SessionState}:
                 raise BadRequest("invalid_query", f"unknown status {status!r}")
+            records = [r for r in records if r.status.value == status]
         return {"sessions": [session_view(r) for r in records]}
 
     @app.get("/v1/stream/sessions/<session_id>")
@@ -206,7 +210,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
 
     @app.get("/v1/service/ready")
     async def ready() -> Response:
-        body = {"status": "ready" if runtime.ready else "not_ready", **service_health()}
+        body = {**service_health(), "health": runtime.health()["status"],
+                "status": "ready" if runtime.ready else "not_ready"}
         return Response(json.dumps(body), status=200 if runtime.ready else 503, mimetype="application/json")
 
     @app.get("/v1/service/metadata")

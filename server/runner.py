@@ -15,6 +15,7 @@ the slot back, so the next queued session is admitted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -47,6 +48,13 @@ METRICS_PERIOD = 1.0
 
 class RunnerError(RuntimeError):
     """Why a session failed, in words a client can read on its record."""
+
+
+def _single_cause(exc: BaseException) -> BaseException:
+    """The one error inside nested single-member exception groups (trio wraps nursery errors)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 class _Pacer:
@@ -112,7 +120,8 @@ class RoomRunner:
             with self._scope:
                 await self._run()
         except Exception as exc:
-            error = str(exc) if isinstance(exc, RunnerError | TransportError) else f"{type(exc).__name__}: {exc}"
+            cause = _single_cause(exc)
+            error = str(cause) if isinstance(cause, RunnerError | TransportError) else f"{type(cause).__name__}: {cause}"
             log.warning("session %s failed: %s", self.record.session_id, error)
         finally:
             with trio.CancelScope(shield=True):
@@ -190,8 +199,9 @@ class RoomRunner:
                 streaming.cancel_scope.cancel()
 
             streaming.start_soon(stop_on_request)
-            async for chunk in service.chunks(pipeline_id):
-                await self._publish(chunk)
+            async with contextlib.aclosing(service.chunks(pipeline_id)) as chunks:
+                async for chunk in chunks:
+                    await self._publish(chunk)
             streaming.cancel_scope.cancel()
 
     async def _run_server_push(self, service: Any, nursery: trio.Nursery) -> None:
@@ -404,5 +414,6 @@ class RoomRunner:
                 await self._send(protocol.error_message(record.session_id, "session_failed", error))
             with trio.move_on_after(DISCONNECT_TIMEOUT):
                 await self._connection.disconnect()
+        record.participants.clear()  # the worker left: nobody is in the session's room any more
         runtime.session_finished(self, error)
         self.finished.set()

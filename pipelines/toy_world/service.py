@@ -25,6 +25,7 @@ starts at or after their time on the media clock.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -41,12 +42,14 @@ from engine import (
     LocalStageActor,
     PipelineSpec,
     SessionCleanupError,
+    SessionStateError,
     SessionMemoryBudget,
     StageSpec,
     capture_memory_snapshot,
     open_orchestrator,
 )
 from states.lease_book import LeaseTransition
+from states.pipeline_session import State as PipelineState
 
 from ..contract import (
     BidirectionalService,
@@ -214,8 +217,9 @@ class ToyWorldService(BidirectionalService):
     async def _warm_up(self) -> None:
         """One chunk through every stage so that memory snapshots see steady-state peaks."""
         session_id = await self.create_session(SessionConfig(options={"preview": True}))
-        async for _ in self.chunks(session_id):
-            break
+        async with contextlib.aclosing(self.chunks(session_id)) as chunks:
+            async for _ in chunks:
+                break
         await self.close_session(session_id)
         self._snapshots = (capture_memory_snapshot("toy_world", self.config.device),)
 
@@ -365,8 +369,8 @@ class ToyWorldService(BidirectionalService):
                     await done.wait()
                 session.denoised.pop(index, None)
                 index += 1
-        except (LeaseClosed, ControlOrderError):
-            pass
+        except (LeaseClosed, ControlOrderError, SessionStateError):
+            pass  # the session is closing: nothing more to request
         finally:
             session.last_index = index - 1
 
@@ -479,11 +483,13 @@ class ToyWorldService(BidirectionalService):
         return {"latent": (latents, control, poses)}
 
     def _on_denoised(self, session_id: str, index: int) -> None:
+        """Runs in the trio thread (via run_sync_soon), so it must never raise."""
         session = self._sessions.get(session_id)
         if session is None:
             return
         session.denoised.setdefault(index, trio.Event()).set()
-        session.prefetch.refill()  # normally admits condition[index + 2]
+        if session.orch.status is PipelineState.RUNNING and not session.stopping:
+            session.prefetch.refill()  # normally admits condition[index + 2]
 
     def _decode(self, invocation: Any) -> Mapping[str, Any]:
         latents, control, poses = invocation.inputs["latent"]

@@ -1,0 +1,134 @@
+"""The real server on a loopback port: hypercorn's trio ``serve`` in-process, and ``hypercorn server:app`` as a
+subprocess under the trio worker and under the default asyncio worker (through server.asgi_shim)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import httpx
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from server.app import create_app
+
+from .conftest import make_settings, toy_loader, wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+SESSIONS = "/v1/stream/sessions"
+APP_TARGET = "server:app"
+START_DEADLINE = 30.0  # seconds for a subprocess to import, bind and load the replay pipeline
+EXIT_DEADLINE = 15.0  # seconds from SIGTERM to exit
+RUNNING = re.compile(rb"Running on (http://127\.0\.0\.1:\d+)")
+
+
+async def create_read_delete(client: httpx.AsyncClient) -> None:
+    response = await client.post(SESSIONS, json={"identity": "ctl"})
+    assert response.status_code == 200, response.text
+    created = response.json()
+    assert created["status"] == "assigned" and created["token"]
+    response = await client.get(f"{SESSIONS}/{created['session_id']}")
+    assert response.status_code == 200
+    assert response.json()["status"] in {"assigned", "joining_room"}
+    response = await client.delete(f"{SESSIONS}/{created['session_id']}")
+    assert response.status_code == 200
+    assert response.json() == {"session_id": created["session_id"], "status": "closed"}
+    response = await client.get(f"{SESSIONS}/{created['session_id']}")
+    assert response.json()["status"] == "closed"
+
+
+async def test_in_process_hypercorn_trio_serve():
+    app = create_app(make_settings(), service_loader=toy_loader(2))
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    stop = trio.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            urls = await nursery.start(partial(hypercorn_serve, app, config, shutdown_trigger=stop.wait))
+            await wait_ready(app.extensions["chunkline"])
+            async with httpx.AsyncClient(base_url=urls[0]) as client:
+                response = await client.get("/v1/service/ready")
+                assert response.status_code == 200 and response.json()["ready"] is True
+                await create_read_delete(client)
+                response = await client.get("/v1/nope")
+                assert response.status_code == 404 and set(response.json()) == {"error", "detail"}
+            stop.set()  # the nursery exits only once hypercorn has shut down (lifespan included)
+
+
+def server_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env.update(
+        CHUNKLINE_PIPELINE="pipelines/replay",
+        CHUNKLINE_CONTROLLER_TIMEOUT="3600",
+        CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    return env
+
+
+async def run_hypercorn_subprocess(worker_args: list[str]) -> None:
+    command = [sys.executable, "-m", "hypercorn", *worker_args, "--bind", "127.0.0.1:0", APP_TARGET]
+    process = await trio.lowlevel.open_process(
+        command, cwd=str(ROOT), env=server_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    log = bytearray()
+    found = trio.Event()
+    base_url: list[str] = []
+
+    async def read_log() -> None:
+        assert process.stderr is not None
+        async for data in process.stderr:
+            log.extend(data)
+            match = RUNNING.search(log)
+            if match and not found.is_set():
+                base_url.append(match.group(1).decode())
+                found.set()
+        found.set()  # EOF: the process closed its log
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_log)
+            with trio.move_on_after(START_DEADLINE):
+                await found.wait()
+            assert base_url, f"{' '.join(command[2:])} did not start serving:\n{log.decode(errors='replace')[-3000:]}"
+            async with httpx.AsyncClient(base_url=base_url[0], timeout=10) as client:
+                with trio.fail_after(START_DEADLINE):
+                    while True:
+                        response = await client.get("/v1/service/ready")
+                        if response.status_code == 200:
+                            break
+                        assert response.status_code == 503, response.text
+                        await trio.sleep(0.05)  # bench-cost: the subprocess loads its pipeline
+                assert response.json()["status"] in {"ready", "healthy"}
+                await create_read_delete(client)
+                # one session stays live: SIGTERM drains it
+                response = await client.post(SESSIONS, json={"identity": "still-here"})
+                assert response.status_code == 200, response.text
+            process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(EXIT_DEADLINE):
+                rc = await process.wait()
+            assert process.returncode is not None, (
+                f"no exit within {EXIT_DEADLINE:g} s of SIGTERM:\n{log.decode(errors='replace')[-3000:]}")
+            assert rc == 0, f"exit status {rc}:\n{log.decode(errors='replace')[-3000:]}"
+            nursery.cancel_scope.cancel()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+
+
+async def test_hypercorn_trio_worker_subprocess():
+    await run_hypercorn_subprocess(["--worker-class", "trio"])
+
+
+async def test_plain_hypercorn_subprocess_uses_the_asyncio_shim():
+    await run_hypercorn_subprocess([])

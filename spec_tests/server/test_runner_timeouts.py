@@ -1,0 +1,165 @@
+"""The room runner's timeouts on the trio clock (autojump): controller_timeout, room_empty_timeout,
+session_timeout. The service is the in-test async CounterService and the JPEG encoder runs inline
+(``no_threads``), so virtual time moves only through timers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from .runner_fixtures import (
+    WORKER_IDENTITY,
+    CounterService,
+    Peer,
+    Served,
+    join,
+    no_threads,  # noqa: F401  (fixture)
+    serve,
+    settings,
+)
+
+pytestmark = pytest.mark.usefixtures("no_threads")
+
+
+def left_of(peer: Peer, identity: str) -> bool:
+    return any(m.get("type") == "participant_left" and m.get("identity") == identity for m in peer.texts())
+
+
+def status_of(s: Served, session_id: str) -> str:
+    return s.runtime.get(session_id).status.value
+
+
+async def until(t: float) -> None:
+    await trio.sleep_until(t)
+    await wait_all_tasks_blocked()
+
+
+async def test_controller_never_joins_fails_the_session_and_frees_the_slot(
+    autojump_clock: Any
+) -> None:
+    service = CounterService()
+    async with serve(settings(controller_timeout=5, queue_size=1), service) as s:
+        start = trio.current_time()
+        created = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        assert queued["status"] == "queued"
+        await until(start + 4.5)
+        assert status_of(s, created["session_id"]) == "joining_room"
+        await until(start + 6)
+        view = await s.get(created["session_id"])
+        assert view["status"] == "failed"
+        assert "controller" in view["error"] and "'ctl'" in view["error"] and "5 s" in view["error"], view["error"]
+        assert not service.sessions  # no pipeline session was created
+        assert created["session_id"] not in s.runtime.runners
+        # the slot went to the queue head
+        assert status_of(s, queued["session_id"]) in ("assigned", "joining_room")
+        assert s.runtime.get(queued["session_id"]).worker_id == "worker-0"
+        assert s.runtime.book.holds(queued["session_id"]) and not s.runtime.book.holds(created["session_id"])
+
+
+async def test_controller_leaving_for_good_closes_the_session(autojump_clock: Any) -> None:
+    service = CounterService()
+    async with serve(settings(controller_timeout=5), service) as s:
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+        left = trio.current_time()
+        await until(left + 4.5)
+        assert status_of(s, session_id) == "running"
+        await until(left + 5.5)
+        record = s.runtime.get(session_id)
+        assert record.status.value == "closed", record.status
+        assert record.drain_cause == "controller_left"
+        assert record.error is None
+        assert service.closed == list(service.sessions)
+        assert s.free_slots() == 1 and not s.runtime.runners
+
+
+async def test_controller_returning_within_the_timeout_keeps_the_session(autojump_clock: Any) -> None:
+    service = CounterService()
+    async with serve(settings(controller_timeout=5), service) as s:
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+        left = trio.current_time()
+        await until(left + 3)
+        assert status_of(s, session_id) == "running"
+        async with join(s, created["room"], created["token"]) as again:
+            joined = await again.wait_for(lambda p: [m for m in p.texts() if m["type"] == "joined"], "joined")
+            assert WORKER_IDENTITY in joined[0]["participants"]
+            await until(left + 20)  # well past the first departure's deadline
+            assert status_of(s, session_id) == "running"
+            assert s.runtime.get(session_id).drain_cause is None
+            assert again.status("chunk") and len(again.frames()) > 0
+            assert not left_of(again, WORKER_IDENTITY)
+            assert service.closed == []
+
+
+async def test_empty_room_closes_the_session(autojump_clock: Any) -> None:
+    service = CounterService()
+    async with serve(settings(controller_timeout=60, room_empty_timeout=5, max_sessions_per_worker=1), service) as s:
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        token = await s.viewer_token(session_id, "watcher")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            async with join(s, created["room"], token) as viewer:
+                await viewer.wait_for(lambda p: p.frames(), "a frame")
+            viewer_left = trio.current_time()
+            await until(viewer_left + 10)  # the controller is still there: the room is not empty
+            assert status_of(s, session_id) == "running"
+        emptied = trio.current_time()
+        await until(emptied + 4.5)
+        assert status_of(s, session_id) == "running"
+        await until(emptied + 5.5)
+        record = s.runtime.get(session_id)
+        assert record.status.value == "closed" and record.drain_cause == "room_empty"
+        assert s.free_slots() == 1 and service.closed == list(service.sessions)
+
+
+async def test_room_nobody_joins_closes_after_room_empty_timeout(autojump_clock: Any) -> None:
+    service = CounterService()
+    async with serve(settings(controller_timeout=60, room_empty_timeout=5), service) as s:
+        start = trio.current_time()
+        created = await s.create("ctl")
+        await until(start + 4.5)
+        assert status_of(s, created["session_id"]) == "joining_room"
+        await until(start + 5.5)
+        record = s.runtime.get(created["session_id"])
+        assert record.status.value == "closed" and record.drain_cause == "room_empty"
+        assert s.free_slots() == 1
+
+
+async def test_session_timeout_expires_a_running_session_and_admits_the_queue(
+    autojump_clock: Any
+) -> None:
+    service = CounterService()
+    async with serve(settings(session_timeout=10, max_sessions_per_worker=1, queue_size=1), service) as s:
+        start = trio.current_time()
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            await until(start + 5)
+            queued = await s.create("ctl-next")  # its own deadline is start + 15
+            assert queued["status"] == "queued"
+            await until(start + 9.5)
+            assert status_of(s, session_id) == "running"
+            (done,) = await ctl.wait_for(lambda p: p.status("done"), "done", timeout=3)
+            assert trio.current_time() >= start + 10
+            assert done["published_frames"] > 0
+            await ctl.wait_for(lambda p: left_of(p, WORKER_IDENTITY), "the worker to leave")
+            await wait_all_tasks_blocked()
+        record = s.runtime.get(session_id)
+        assert record.status.value == "expired", record.status
+        assert record.drain_cause == "expired" and record.error is None
+        assert (await s.get(session_id))["status"] == "expired"
+        assert service.closed == list(service.sessions)
+        assert not s.runtime.book.holds(session_id)
+        assert status_of(s, queued["session_id"]) in ("assigned", "joining_room")
+        assert s.runtime.book.holds(queued["session_id"])
