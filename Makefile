@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkline-installed
+PIPELINE ?= pipelines/toy_world
+ARGS ?=
 
 .PHONY: test run bench explore diagrams clean
 
@@ -15,7 +17,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 run: $(STAMP)
-	$(VENV)/bin/chunkline stream-serve
+	$(VENV)/bin/chunkline stream-serve $(PIPELINE) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.engine

@@ -374,93 +374,128 @@ def _secret_repr(value: str | None) -> str:
     return "None" if value is None else repr(REDACTED)
 
 
-def _field(default: Any, converter: Any, help: str, **kwargs: Any) -> Any:
-    return attrs.field(default=default, converter=converter, metadata={"help": help}, **kwargs)
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
 
 
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """Every setting of the stream server, validated. Construct directly or with :meth:`from_sources`."""
 
-    pipeline: str = attrs.field(converter=_pipeline, metadata={"help": "pipeline file or package"})
-    host: str = _field("127.0.0.1", _host, "interface to listen on (use 0.0.0.0 to expose on every interface)")
-    port: int = _field(
-        8088, lambda v: _int("--port", v, 0, 65535), "TCP port to listen on (0: any free port)"
+    pipeline: str = attrs.field(converter=_pipeline, metadata=_help("pipeline file or package"))
+    host: str = attrs.field(
+        default="127.0.0.1",
+        converter=_host,
+        metadata=_help("interface to listen on (use 0.0.0.0 to expose on every interface)"),
     )
-    livekit_url: str | None = _field(None, _livekit_url, "LiveKit server URL (ws:// or wss://)")
-    livekit_api_key: str | None = _field(None, _livekit_api_key, "LiveKit API key")
-    livekit_api_secret: str | None = _field(
-        None,
-        _livekit_api_secret,
-        f"LiveKit API secret, at least {MIN_LIVEKIT_SECRET_BYTES} bytes (prefer the environment variable)",
+    port: int = attrs.field(
+        default=8088,
+        converter=lambda v: _int("--port", v, 0, 65535),
+        metadata=_help("TCP port to listen on (0: any free port)"),
+    )
+    livekit_url: str | None = attrs.field(
+        default=None, converter=_livekit_url, metadata=_help("LiveKit server URL (ws:// or wss://)")
+    )
+    livekit_api_key: str | None = attrs.field(
+        default=None, converter=_livekit_api_key, metadata=_help("LiveKit API key")
+    )
+    livekit_api_secret: str | None = attrs.field(
+        default=None,
+        converter=_livekit_api_secret,
+        metadata=_help(
+            f"LiveKit API secret, at least {MIN_LIVEKIT_SECRET_BYTES} bytes (prefer the environment variable)"
+        ),
         repr=_secret_repr,
     )
     #: ``None`` only before construction finishes: resolved to "livekit" when a LiveKit URL is set, else "local".
-    transport: Transport = _field(
-        None, _transport, "media transport: local or livekit"
+    transport: Transport = attrs.field(
+        default=None, converter=_transport, metadata=_help("media transport: local or livekit")
     )
-    num_workers: int = _field(1, lambda v: _int("--num-workers", v, 1, 64), "number of workers (1-64)")
-    worker_gpu_map: GpuMap | None = _field(
-        None, parse_gpu_map, "GPUs per worker, e.g. '0,1;2,3' (';' between workers, ',' between GPUs)"
+    num_workers: int = attrs.field(
+        default=1, converter=lambda v: _int("--num-workers", v, 1, 64), metadata=_help("number of workers (1-64)")
     )
-    max_sessions_per_worker: int | Literal["auto"] = _field(
-        "auto", _max_sessions, "sessions per worker: auto (from memory) or 1-64"
+    worker_gpu_map: GpuMap | None = attrs.field(
+        default=None,
+        converter=parse_gpu_map,
+        metadata=_help("GPUs per worker, e.g. '0,1;2,3' (';' between workers, ',' between GPUs)"),
     )
-    queue_size: int = _field(
-        0, lambda v: _int("--queue-size", v, 0, 10000), "sessions that may wait for capacity (0-10000)"
+    max_sessions_per_worker: int | Literal["auto"] = attrs.field(
+        default="auto", converter=_max_sessions, metadata=_help("sessions per worker: auto (from memory) or 1-64")
     )
-    control_idle_timeout: float = _field(
-        10.0,
-        lambda v: _float("--control-idle-timeout", v, 0.0, lo_open=True),
-        "seconds without controls after which a held control is released",
+    queue_size: int = attrs.field(
+        default=0,
+        converter=lambda v: _int("--queue-size", v, 0, 10000),
+        metadata=_help("sessions that may wait for capacity (0-10000)"),
     )
-    session_timeout: float = _field(
-        1800.0, lambda v: _float("--session-timeout", v, 0.0, lo_open=True), "seconds a session may live"
+    control_idle_timeout: float = attrs.field(
+        default=10.0,
+        converter=lambda v: _float("--control-idle-timeout", v, 0.0, lo_open=True),
+        metadata=_help("seconds without controls after which a held control is released"),
     )
-    token_ttl: float = _field(
-        3600.0, lambda v: _float("--token-ttl", v, 0.0, lo_open=True), "seconds a room access token is valid"
+    session_timeout: float = attrs.field(
+        default=1800.0,
+        converter=lambda v: _float("--session-timeout", v, 0.0, lo_open=True),
+        metadata=_help("seconds a session may live"),
     )
-    controller_timeout: float = _field(
-        60.0,
-        lambda v: _float("--controller-timeout", v, 0.0, lo_open=True),
-        "seconds a new room waits for its controller",
+    token_ttl: float = attrs.field(
+        default=3600.0,
+        converter=lambda v: _float("--token-ttl", v, 0.0, lo_open=True),
+        metadata=_help("seconds a room access token is valid"),
     )
-    room_empty_timeout: float = _field(
-        30.0,
-        lambda v: _float("--room-empty-timeout", v, 0.0, lo_open=True),
-        "seconds a room may stay empty before its session ends",
+    controller_timeout: float = attrs.field(
+        default=60.0,
+        converter=lambda v: _float("--controller-timeout", v, 0.0, lo_open=True),
+        metadata=_help("seconds a new room waits for its controller"),
     )
-    worker_mode: WorkerMode = _field("in-process", _worker_mode, "in-process or process workers")
-    skip_validation: bool = _field(
-        False, lambda v: _bool("--skip-validation", v), "skip validating the pipeline at startup"
+    room_empty_timeout: float = attrs.field(
+        default=30.0,
+        converter=lambda v: _float("--room-empty-timeout", v, 0.0, lo_open=True),
+        metadata=_help("seconds a room may stay empty before its session ends"),
     )
-    assets_dir: str | None = _field(None, _assets_dir, "directory of static assets to serve")
-    api_key: str | None = _field(
-        None, _api_key, "require this key on API requests (prefer the environment variable)", repr=_secret_repr
+    worker_mode: WorkerMode = attrs.field(
+        default="in-process", converter=_worker_mode, metadata=_help("in-process or process workers")
     )
-    cors_allow_origins: tuple[str, ...] = _field(
-        (), parse_cors_origins, "comma-separated origins allowed by CORS, or *"
+    skip_validation: bool = attrs.field(
+        default=False,
+        converter=lambda v: _bool("--skip-validation", v),
+        metadata=_help("skip validating the pipeline at startup"),
     )
-    default_fps: float = _field(
-        16.0, lambda v: _float("--default-fps", v, 1.0, 120.0), "frame rate when a pipeline names none (1-120)"
+    assets_dir: str | None = attrs.field(
+        default=None, converter=_assets_dir, metadata=_help("directory of static assets to serve")
     )
-    max_data_message_bytes: int = _field(
-        12288, lambda v: _int("--max-data-message-bytes", v, 1024, None), "largest data message (>= 1024)"
+    api_key: str | None = attrs.field(
+        default=None,
+        converter=_api_key,
+        metadata=_help("require this key on API requests (prefer the environment variable)"),
+        repr=_secret_repr,
     )
-    max_body_bytes: int = _field(
-        8 * 1024 * 1024,
-        lambda v: _int("--max-body-bytes", v, 1024, None),
-        "largest HTTP request body; larger ones get 413 (>= 1024)",
+    cors_allow_origins: tuple[str, ...] = attrs.field(
+        default=(), converter=parse_cors_origins, metadata=_help("comma-separated origins allowed by CORS, or *")
     )
-    terminal_retention_seconds: float = _field(
-        3600.0,
-        lambda v: _float("--terminal-retention-seconds", v, 0.0, lo_open=True),
-        "seconds finished session records are kept",
+    default_fps: float = attrs.field(
+        default=16.0,
+        converter=lambda v: _float("--default-fps", v, 1.0, 120.0),
+        metadata=_help("frame rate when a pipeline names none (1-120)"),
     )
-    terminal_retention_count: int = _field(
-        1000,
-        lambda v: _int("--terminal-retention-count", v, 0, None),
-        "most finished session records kept (>= 0)",
+    max_data_message_bytes: int = attrs.field(
+        default=12288,
+        converter=lambda v: _int("--max-data-message-bytes", v, 1024, None),
+        metadata=_help("largest data message (>= 1024)"),
+    )
+    max_body_bytes: int = attrs.field(
+        default=8 * 1024 * 1024,
+        converter=lambda v: _int("--max-body-bytes", v, 1024, None),
+        metadata=_help("largest HTTP request body; larger ones get 413 (>= 1024)"),
+    )
+    terminal_retention_seconds: float = attrs.field(
+        default=3600.0,
+        converter=lambda v: _float("--terminal-retention-seconds", v, 0.0, lo_open=True),
+        metadata=_help("seconds finished session records are kept"),
+    )
+    terminal_retention_count: int = attrs.field(
+        default=1000,
+        converter=lambda v: _int("--terminal-retention-count", v, 0, None),
+        metadata=_help("most finished session records kept (>= 0)"),
     )
 
     def __attrs_post_init__(self) -> None:
@@ -468,17 +503,14 @@ class ServerSettings:
             object.__setattr__(self, "transport", "livekit" if self.livekit_url is not None else "local")
         if self.transport == "livekit":
             missing = [
-                name
-                for name in ("livekit_url", "livekit_api_key", "livekit_api_secret")
-                if getattr(self, name) is None
+                name for name in ("livekit_url", "livekit_api_key", "livekit_api_secret") if getattr(self, name) is None
             ]
             if missing:
                 flags = ", ".join(option_for(name) for name in missing)
                 envs = ", ".join(env_var(name) for name in missing)
                 raise SettingsError(
                     option_for(missing[0]),
-                    f"--transport livekit needs {flags} (or {envs}); "
-                    "use --transport local to run without LiveKit",
+                    f"--transport livekit needs {flags} (or {envs}); use --transport local to run without LiveKit",
                 )
         if self.worker_gpu_map is not None and len(self.worker_gpu_map) != self.num_workers:
             raise SettingsError(
