@@ -6,13 +6,20 @@ and capacity modules, so the scheduler core loads fast.
 
 from .actors import (
     ActorHealth,
-    InProcessWorkerGroup,
     LocalStageActor,
-    ParallelWorkerStageActor,
     SessionContext,
     StageActor,
     StageInvocation,
     TaskKey,
+)
+from .capacity import (
+    CapacityPlan,
+    DeviceMemorySnapshot,
+    InsufficientMemoryError,
+    SessionCapacityPolicy,
+    SessionMemoryBudget,
+    calculate_session_capacity,
+    capture_memory_snapshot,
 )
 from .errors import (
     ActorBusyError,
@@ -28,17 +35,16 @@ from .errors import (
     SessionStateError,
     UnknownSessionError,
 )
-from .capacity import (
-    CapacityPlan,
-    DeviceMemorySnapshot,
-    InsufficientMemoryError,
-    SessionCapacityPolicy,
-    SessionMemoryBudget,
-    calculate_session_capacity,
-    capture_memory_snapshot,
+from .metrics import (
+    ArtifactStats,
+    Diagnostics,
+    IdleInterval,
+    LatencySummary,
+    SessionMetrics,
+    StageTiming,
 )
-from .metrics import ArtifactStats, Diagnostics, IdleInterval, LatencySummary, SessionMetrics, StageTiming
 from .orchestrator import Orchestrator, open_orchestrator
+from .parallel_actor import InProcessWorkerGroup, ParallelWorkerStageActor
 from .session import Session
 from .slots import SlotPool, SlotPoolFullError, SlotReleaseError
 from .spec import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageOrdering, StageSpec

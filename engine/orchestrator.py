@@ -22,27 +22,25 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
-import outcome
 import trio
 
 from states import pipeline_session as table
 from states.pipeline_session import CloseReason
 
 from .actors import StageActor, StageInvocation, TaskKey
+from .completion import CompletionMixin
 from .errors import (
     ActorBusyError,
     ActorFailedError,
-    IngressRefused,
-    InvalidStageOutput,
     OrchestratorClosedError,
     OrchestratorCloseError,
     SessionCleanupError,
     SessionExistsError,
-    SessionStateError,
     UnknownSessionError,
 )
+from .ingress import IngressMixin
 from .metrics import Diagnostics
-from .runtime import METRICS_WINDOW, SessionRuntime, trim
+from .runtime import SessionRuntime
 from .session import Session
 from .shutdown import SessionShutdown
 from .spec import PipelineSpec, StageOrdering
@@ -106,7 +104,7 @@ def check_actor_map(spec: PipelineSpec, actors: Mapping[str, StageActor]) -> Non
         raise ValueError(f"actors must match the spec's stages exactly: missing {missing}, unknown {extra}")
 
 
-class Orchestrator:
+class Orchestrator(IngressMixin, CompletionMixin):
     """Schedules sessions across stage actors. Create it with :func:`open_orchestrator`."""
 
     def __init__(self, spec: PipelineSpec, actors: Mapping[str, StageActor], nursery: trio.Nursery) -> None:
@@ -195,82 +193,6 @@ class Orchestrator:
     def session_ids(self) -> tuple[str, ...]:
         """Sessions that are live or poisoned (terminal ones are forgotten)."""
         return tuple(self._sessions)
-
-    # -- ingress ---------------------------------------------------------------
-
-    def _check_ingress(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
-        """Raise for ingress that can never run; capacity is checked separately."""
-        if not rt.admitting:
-            raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input")
-        if not isinstance(seq, int) or seq < 0:
-            raise IngressRefused(f"sequence id must be an int >= 0, got {seq!r}")
-        if not artifacts:
-            raise IngressRefused("ingress needs at least one artifact")
-        if rt.final_sequence_id is not None and seq > rt.final_sequence_id:
-            raise IngressRefused(
-                f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
-            )
-        for artifact in artifacts:
-            if artifact not in self.spec.ingress_artifacts:
-                raise IngressRefused(
-                    f"{artifact!r} is not an ingress artifact (ingress: {sorted(self.spec.ingress_artifacts)})"
-                )
-            if (seq, artifact) in rt.slots:
-                raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
-            for stage_id in self._targets[artifact]:
-                if seq in rt.taken[stage_id]:
-                    raise IngressRefused(
-                        f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
-                        f"so {artifact!r} for it would never be consumed"
-                    )
-
-    def _has_room(self, rt: SessionRuntime, artifacts: Any) -> bool:
-        for artifact in artifacts:
-            for stage_id in self._targets.get(artifact, ()):
-                if rt.occupancy[(artifact, stage_id)] >= self._capacity[(artifact, stage_id)]:
-                    return False
-        return True
-
-    def _try_push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> bool:
-        self._check_ingress(rt, seq, artifacts)
-        if not self._has_room(rt, artifacts):
-            return False
-        now = trio.current_time()
-        anchor = self.spec.latency_anchor_artifact
-        if seq not in rt.ingress_at and (anchor is None or anchor in artifacts):
-            rt.ingress_at[seq] = now
-            if len(rt.ingress_at) > METRICS_WINDOW:
-                trim(rt.ingress_at)
-        for artifact, value in artifacts.items():
-            rt.add_slot(seq, artifact, value, self._targets[artifact], now, self._consumes)
-        rt.highest_ingress = max(rt.highest_ingress, seq)
-        self._pump()
-        return True
-
-    async def _push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
-        while not self._try_push(rt, seq, artifacts):
-            await rt.room.park()
-
-    def _finish_inputs(self, rt: SessionRuntime, final_sequence_id: int) -> None:
-        if not isinstance(final_sequence_id, int) or final_sequence_id < 0:
-            raise ValueError(f"final_sequence_id must be an int >= 0, got {final_sequence_id!r}")
-        if rt.final_sequence_id is not None:
-            if rt.final_sequence_id != final_sequence_id:
-                raise SessionStateError(
-                    f"session {rt.session_id!r} already ends at sequence {rt.final_sequence_id}"
-                )
-            return
-        if not rt.admitting:
-            raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value}")
-        seen = max([rt.highest_ingress, rt.next_emit - 1, *(seq for _, seq in rt.in_flight)])
-        if final_sequence_id < seen:
-            raise IngressRefused(
-                f"session {rt.session_id!r}: final sequence {final_sequence_id} is before "
-                f"sequence {seen}, which was already accepted"
-            )
-        rt.final_sequence_id = final_sequence_id
-        rt.wake()
-        self._pump()
 
     # -- scheduling ------------------------------------------------------------
 
@@ -397,94 +319,6 @@ class Orchestrator:
         else:
             rt.wake_progress()
         return True
-
-    # -- completion ------------------------------------------------------------
-
-    def _on_done(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
-        """Called by an actor, in the trio thread, once per submitted invocation."""
-        key = invocation.key
-        rt = self._sessions.get(key.session_id)
-        if rt is None or key.request_id >= self._next_request:
-            self._counters.orphaned_results += 1
-            return
-        if rt.epoch != key.session_epoch:
-            self._counters.stale_epoch_results += 1
-            return
-        if rt.in_flight.get((key.stage_id, key.sequence_id)) != key:
-            self._counters.duplicate_results += 1
-            return
-        stage = self._stages[key.stage_id]
-        del rt.in_flight[(key.stage_id, key.sequence_id)]
-        rt.in_flight_by_stage[key.stage_id] -= 1
-        for artifact in stage.produces:
-            rt.producing[artifact] -= 1
-        self._in_flight_global[key.stage_id] -= 1
-        if stage.resource_group is not None:
-            self._group_usage[stage.resource_group] -= 1
-        now = trio.current_time()
-        rt.timing(key.stage_id, key.sequence_id).completed_at = now
-        try:
-            self._accept_result(rt, stage, key, result, now)
-        finally:
-            rt.wake_progress()
-            self._pump()
-
-    def _accept_result(self, rt: SessionRuntime, stage: Any, key: TaskKey, result: outcome.Outcome, now: float) -> None:
-        if isinstance(result, outcome.Error):
-            actor_health = self.actors[stage.stage_id].health()
-            if not actor_health.healthy:
-                self._fail_actor_sessions(stage.stage_id, actor_health.failure_reason, result.error, first=rt)
-            else:
-                self._fail(rt, result.error)
-            return
-        if not rt.starting_accepted_work:
-            return  # cancelled or failed meanwhile: the result is discarded
-        artifacts = result.value
-        produced = set(artifacts) if isinstance(artifacts, Mapping) else None
-        if produced != set(stage.produces):
-            got = sorted(produced) if produced is not None else type(artifacts).__name__
-            self._fail(
-                rt,
-                InvalidStageOutput(
-                    f"stage {stage.stage_id!r} returned {got} for sequence {key.sequence_id}; "
-                    f"it must return exactly {sorted(stage.produces)}"
-                ),
-            )
-            return
-        seq = key.sequence_id
-        for artifact, value in artifacts.items():
-            targets = self._targets.get(artifact, ())
-            if targets:
-                rt.add_slot(seq, artifact, value, targets, now, self._consumes)
-            if artifact in self._outputs:
-                rt.pending_outputs.setdefault(seq, {})[artifact] = value
-        self._emit_ready_outputs(rt, now)
-        following = seq + 1
-        if rt.final_sequence_id is None or following <= rt.final_sequence_id:
-            missing = tuple(sorted(a for a in stage.consumes if (following, a) not in rt.slots))
-            if missing:
-                rt.missing_after[stage.stage_id][following] = missing
-
-    def _emit_ready_outputs(self, rt: SessionRuntime, now: float) -> None:
-        while True:
-            pending = rt.pending_outputs.get(rt.next_emit)
-            if pending is None or len(pending) != len(self._outputs):
-                return
-            del rt.pending_outputs[rt.next_emit]
-            rt.outputs.append((rt.next_emit, dict(sorted(pending.items()))))
-            rt.emitted_at[rt.next_emit] = now
-            if len(rt.emitted_at) > METRICS_WINDOW:
-                trim(rt.emitted_at)
-            rt.next_emit += 1
-            rt.wake_emitted()
-
-    def _poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
-        items = list(rt.outputs)
-        rt.outputs.clear()
-        if items:
-            rt.wake_progress()  # output room freed: a drain may proceed
-            self._pump()
-        return items
 
     # -- failure ---------------------------------------------------------------
 

@@ -10,7 +10,13 @@ import trio
 from states.pipeline_session import CloseReason, State
 
 from .errors import SessionStateError
-from .metrics import ArtifactStats, IdleInterval, SessionMetrics, StageTiming, idle_intervals
+from .metrics import (
+    ArtifactStats,
+    IdleInterval,
+    SessionMetrics,
+    StageTiming,
+    idle_intervals,
+)
 
 if TYPE_CHECKING:
     from .orchestrator import Orchestrator

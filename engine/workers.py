@@ -1,7 +1,7 @@
 """Worker groups whose ranks are processes: :class:`ProcessWorkerGroup`.
 
-Same interface as :class:`engine.actors.InProcessWorkerGroup`, so a
-:class:`engine.actors.ParallelWorkerStageActor` owns either. Each rank is one
+Same interface as :class:`engine.parallel_actor.InProcessWorkerGroup`, so a
+:class:`engine.parallel_actor.ParallelWorkerStageActor` owns either. Each rank is one
 ``multiprocessing`` *spawn* child built in the child by
 ``factory(rank=..., world_size=..., device=...)``; ``factory`` is a
 ``"module:callable"`` string or a picklable top-level callable.

@@ -19,13 +19,12 @@ import trio.testing
 
 from engine.actors import (
     ActorHealth,
-    InProcessWorkerGroup,
     LocalStageActor,
-    ParallelWorkerStageActor,
     SessionContext,
     StageInvocation,
     TaskKey,
 )
+from engine.parallel_actor import InProcessWorkerGroup, ParallelWorkerStageActor
 from engine.errors import ActorBusyError, ActorFailedError, FatalStageError
 from states.pipeline_session import CloseReason
 from states.stage_actor import State

@@ -1,0 +1,173 @@
+"""One owner for a worker group: the ParallelWorkerStageActor, and an in-process group.
+
+A state-owning worker group (N ranks, in this process or in worker processes)
+must have exactly one actor owner for its whole life, so that result order and
+cache mutation happen in one place. The actor calls a named method on the
+group from its dedicated thread; a dead group fails the actor at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import trio
+
+from states.pipeline_session import CloseReason
+
+from .actors import (
+    ActorHealth,
+    ActorState,
+    Completion,
+    LocalStageActor,
+    SessionContext,
+    StageInvocation,
+)
+
+__all__ = ["InProcessWorkerGroup", "ParallelWorkerStageActor"]
+
+
+class InProcessWorkerGroup:
+    """Worker "ranks" living in this process, with the worker-group interface.
+
+    ``call(method, *args)`` calls ``method`` on every rank and returns a deferred
+    result (a callable) giving rank 0's value, or every rank's values when the
+    method is listed in ``gather``. Process-backed groups share this interface.
+    """
+
+    def __init__(
+        self,
+        rank_factory: Callable[[int], Any],
+        *,
+        world_size: int = 1,
+        device_ids: tuple[str, ...] = (),
+        gather: frozenset[str] = frozenset(),
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.device_ids = tuple(device_ids)
+        self._ranks = [rank_factory(rank) for rank in range(world_size)]
+        self._gather = gather
+        self.failed = False
+        self.failure_reason: str | None = None
+        self.closed = False
+        self._failure_callbacks: list[Callable[[str], None]] = []
+
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` runs (in any thread) when the group fails."""
+        self._failure_callbacks.append(callback)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+        if self.closed:
+            raise RuntimeError("worker group is closed")
+        results = [getattr(rank, method)(*args, **kwargs) for rank in self._ranks]
+        value = results if method in self._gather else results[0]
+        return lambda: value
+
+    def fail(self, reason: str) -> None:
+        self.failed = True
+        self.failure_reason = reason
+        for callback in list(self._failure_callbacks):
+            callback(reason)
+
+    def close(self) -> None:
+        for rank in self._ranks:
+            closer = getattr(rank, "close", None)
+            if closer is not None:
+                closer()
+        self.closed = True
+
+
+class ParallelWorkerStageActor:
+    """Gives one worker group exactly one owner for its whole life.
+
+    Each invocation becomes ``worker.call(method_name, *args, **kwargs)`` with
+    ``(args, kwargs) = input_builder(invocation)``; a deferred (callable) result
+    is resolved on the actor's thread; ``output_builder(result, invocation)``
+    maps it to the stage's artifacts.
+    """
+
+    def __init__(
+        self,
+        worker: Any,
+        method_name: str,
+        *,
+        input_builder: Callable[[StageInvocation], tuple[tuple, dict]],
+        output_builder: Callable[[Any, StageInvocation], Mapping[str, Any]],
+        name: str | None = None,
+        mailbox_capacity: int = 1,
+        close_worker: bool = True,
+        session_closer: Callable[[SessionContext, CloseReason], Any] | None = None,
+    ) -> None:
+        self.worker = worker
+        self.method_name = method_name
+        self._input_builder = input_builder
+        self._output_builder = output_builder
+        self._close_worker = close_worker
+        self._inner = LocalStageActor(
+            self._handle,
+            name=name or f"parallel-{method_name}",
+            mailbox_capacity=mailbox_capacity,
+            session_closer=session_closer,
+        )
+        self.name = self._inner.name
+
+    def _handle(self, invocation: StageInvocation) -> Mapping[str, Any]:
+        args, kwargs = self._input_builder(invocation)
+        result = self.worker.call(self.method_name, *args, **kwargs)
+        if callable(result):
+            result = result()
+        return self._output_builder(result, invocation)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        add_callback = getattr(self.worker, "add_failure_callback", None)
+        if add_callback is not None:
+            token = trio.lowlevel.current_trio_token()
+
+            def on_worker_failed(reason: str) -> None:  # any thread (e.g. a process monitor)
+                try:
+                    token.run_sync_soon(self._inner.fail, reason)
+                except trio.RunFinishedError:
+                    pass
+
+            add_callback(on_worker_failed)
+        await self._inner.run(task_status=task_status)
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:
+        self._inner.add_failure_listener(listener)
+
+    def submit(self, invocation: StageInvocation, on_done: Completion) -> None:
+        self._sync_worker_health()
+        self._inner.submit(invocation, on_done)
+
+    def health(self) -> ActorHealth:
+        self._sync_worker_health()
+        inner = self._inner.health()
+        if getattr(self.worker, "closed", False) and inner.state is not ActorState.FAILED:
+            return ActorHealth(ActorState.CLOSED, inner.pending_invocations, None)
+        return inner
+
+    def is_healthy(self) -> bool:
+        self._sync_worker_health()
+        return self._inner.is_healthy() and not getattr(self.worker, "closed", False)
+
+    def _sync_worker_health(self) -> None:
+        if getattr(self.worker, "failed", False):
+            self._inner.fail(str(getattr(self.worker, "failure_reason", None) or "worker group failed"))
+
+    async def close_session(self, context: SessionContext, reason: CloseReason) -> None:
+        self._sync_worker_health()
+        await self._inner.close_session(context, reason)
+
+    async def barrier(self) -> None:
+        await self._inner.barrier()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+        if self._close_worker and not getattr(self.worker, "closed", False):
+            await trio.to_thread.run_sync(self.worker.close)
+
+    @property
+    def thread_ident(self) -> int | None:
+        return self._inner.thread_ident
