@@ -2,32 +2,7 @@
 
 This is what ``chunkline run PIPE`` uses. :func:`run_offline` enters ``service.running()`` itself.
 
-Timed controls file
--------------------
-
-A JSON list of entries, each an object with a time ``t`` (seconds on the *media clock*, a number >= 0)
-and a ``type``; no other fields are allowed::
-
-    [
-      {"t": 0,   "type": "control", "control": "w", "event": "press"},
-      {"t": 1.5, "type": "control", "control": "ArrowUp", "event": "release"},
-      {"t": 2,   "type": "control_state", "controls": ["w", "d"]},
-      {"t": 3,   "type": "prompt", "prompt": "a snowy street"},
-      {"t": 4,   "type": "reset"},
-      {"t": 5,   "type": "reset_pose"}
-    ]
-
-- ``control``: one key pressed or released; ``control`` names the key, ``event`` is ``"press"`` or
-  ``"release"`` (``event`` may be left out; it then means ``"press"``).
-- ``control_state``: the complete set of keys held from then on (``[]`` releases everything); no duplicates.
-- ``prompt``: new text conditioning (a non-empty string).
-- ``reset`` (release every held key) and ``reset_pose`` (back to the identity pose) take nothing else.
-
-Keys are ``w a s d i j k l`` or one of these aliases (case-insensitive): ``ArrowUp``/``up``/``forward`` = w,
-``ArrowDown``/``down``/``backward`` = s, ``ArrowLeft``/``left`` = a, ``ArrowRight``/``right`` = d, and
-``KeyW KeyA KeyS KeyD KeyI KeyJ KeyK KeyL`` = the letter. Entries are parsed into
-:class:`pipelines.contract.Control`; a malformed file, entry or unknown key raises ``ValueError`` whose message
-names the entry index (``controls entry 3: ...``).
+The timed controls file format is documented in :mod:`pipelines.timed_controls`.
 
 The media clock: chunk ``k`` starts at the media time of the frames before it (``k * frames_per_chunk / fps``
 for a steady stream). A control at ``t`` applies to the first chunk whose start time is ``>= t``: the runner
@@ -78,26 +53,30 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import trio
 
 from engine.metrics import LatencySummary
 
 from .contract import (
-    KNOWN_KEYS,
     BidirectionalService,
     Chunk,
-    Control,
     ControlRejected,
-    ControlType,
     ServerPushService,
     ServiceEvent,
     SessionConfig,
+)
+from .mp4 import Mp4Writer
+from .timed_controls import (
+    KEY_ALIASES,
+    TimedControl,
+    TimedControls,
+    load_timed_controls,
+    normalize_key,
+    parse_timed_controls,
 )
 
 __all__ = [
@@ -115,129 +94,6 @@ VIDEO_NAME = "video.mp4"
 METRICS_NAME = "metrics.json"
 _CLOCK_TOLERANCE = 1e-6
 
-KEY_ALIASES: Mapping[str, str] = {
-    **{k: k for k in KNOWN_KEYS},
-    **{f"key{k}": k for k in KNOWN_KEYS},
-    "arrowup": "w",
-    "arrowdown": "s",
-    "arrowleft": "a",
-    "arrowright": "d",
-    "up": "w",
-    "down": "s",
-    "left": "a",
-    "right": "d",
-    "forward": "w",
-    "backward": "s",
-}
-
-_ENTRY_FIELDS: Mapping[str, frozenset[str]] = {
-    "control": frozenset({"t", "type", "control", "event"}),
-    "control_state": frozenset({"t", "type", "controls"}),
-    "prompt": frozenset({"t", "type", "prompt"}),
-    "reset": frozenset({"t", "type"}),
-    "reset_pose": frozenset({"t", "type"}),
-}
-
-
-def normalize_key(name: Any) -> str:
-    """The key a name or alias stands for (``ArrowUp`` -> ``w``); ``ValueError`` for anything else."""
-    if not isinstance(name, str) or name.lower() not in KEY_ALIASES:
-        raise ValueError(f"unknown control {name!r} (known: {sorted(KNOWN_KEYS)} and aliases)")
-    return KEY_ALIASES[name.lower()]
-
-
-@attrs.frozen
-class TimedControl:
-    """A control to push when the media clock reaches ``t``; ``entry`` is its index in the file."""
-
-    t: float
-    control: Control
-    entry: int
-
-
-@attrs.frozen
-class TimedControls:
-    """Timed controls in push order (by ``t``, file order for equal times)."""
-
-    entries: tuple[TimedControl, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-def _parse_entry(index: int, raw: Any) -> TimedControl:
-    def bad(problem: str) -> ValueError:
-        return ValueError(f"controls entry {index}: {problem}")
-
-    if not isinstance(raw, dict):
-        raise bad(f"must be a JSON object, got {type(raw).__name__}")
-    kind = raw.get("type")
-    if kind not in _ENTRY_FIELDS:
-        raise bad(f"unknown or missing type {kind!r} (known: {sorted(_ENTRY_FIELDS)})")
-    extra = sorted(str(k) for k in raw if k not in _ENTRY_FIELDS[kind])
-    if extra:
-        raise bad(f"unexpected field(s) {extra} for type {kind!r}")
-    if "t" not in raw:
-        raise bad("missing time 't'")
-    t = raw["t"]
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-        raise bad(f"'t' must be a finite number >= 0 (seconds), got {t!r}")
-    try:
-        if kind == "control":
-            if "control" not in raw:
-                raise bad("a 'control' entry needs 'control' (the key)")
-            event = raw.get("event", "press")
-            if not isinstance(event, str) or event.lower() not in ("press", "release"):
-                raise bad(f"'event' must be 'press' or 'release', got {event!r}")
-            control = Control(ControlType.CONTROL, key=normalize_key(raw["control"]), pressed=event.lower() == "press")
-        elif kind == "control_state":
-            keys = raw.get("controls")
-            if not isinstance(keys, list):
-                raise bad(f"'controls' must be a list of keys, got {keys!r}")
-            normalized = [normalize_key(k) for k in keys]
-            if len(set(normalized)) != len(normalized):
-                raise bad(f"'controls' names a key twice: {keys!r}")
-            control = Control(ControlType.CONTROL_STATE, keys=frozenset(normalized))
-        elif kind == "prompt":
-            prompt = raw.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise bad(f"'prompt' must be a non-empty string, got {prompt!r}")
-            control = Control(ControlType.PROMPT, prompt=prompt)
-        elif kind == "reset":
-            control = Control(ControlType.RESET)
-        else:
-            control = Control(ControlType.RESET_POSE)
-    except ValueError as exc:
-        if str(exc).startswith(f"controls entry {index}:"):
-            raise
-        raise bad(str(exc)) from exc
-    return TimedControl(t=float(t), control=control, entry=index)
-
-
-def parse_timed_controls(data: Any) -> TimedControls:
-    """Parse decoded JSON (a list of entries; see the module docstring)."""
-    if not isinstance(data, list):
-        raise ValueError(f"controls must be a JSON list of entries, got {type(data).__name__}")
-    parsed = [_parse_entry(i, raw) for i, raw in enumerate(data)]
-    return TimedControls(tuple(sorted(parsed, key=lambda e: (e.t, e.entry))))
-
-
-def load_timed_controls(path: str | os.PathLike[str]) -> TimedControls:
-    """Read and parse a timed controls file; every problem is a ``ValueError`` naming the file."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"controls file {str(path)!r} cannot be read: {exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"controls file {str(path)!r} is not valid JSON: {exc}") from exc
-    try:
-        return parse_timed_controls(data)
-    except ValueError as exc:
-        raise ValueError(f"controls file {str(path)!r}: {exc}") from exc
-
-
 @attrs.frozen
 class OfflineRunSummary:
     """What :func:`run_offline` did; ``metrics`` is what ``metrics.json`` holds."""
@@ -250,114 +106,6 @@ class OfflineRunSummary:
     video_path: Path
     metrics_path: Path
     metrics: Mapping[str, Any]
-
-
-# --- the video writer (blocking; runs on a worker thread) -------------------------------------------------
-
-
-def _layout(channels: int) -> str:
-    if channels == 1:
-        return "mono"
-    if channels == 2:
-        return "stereo"
-    raise ValueError(f"audio with {channels} channels is not supported in the mp4 (1 or 2)")
-
-
-class _Mp4Writer:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._container: Any = None
-        self._video: Any = None
-        self._audio: Any = None
-        self._shape: tuple[int, int] | None = None
-        self._fps: float | None = None
-        self._frames = 0
-        self._samples = 0
-        self._audio_format: tuple[int, int] | None = None
-        self.audio_dropped_chunks = 0
-        self.audio_silent_chunks = 0
-
-    def _open(self, chunk: Chunk) -> None:
-        import av
-
-        height, width = chunk.frames.shape[1:3]
-        self._shape = (height, width)
-        self._fps = chunk.fps
-        self._container = av.open(str(self.path), "w", format="mp4")
-        rate = Fraction(chunk.fps).limit_denominator(1001)
-        self._video = self._container.add_stream("libx264", rate=rate)
-        self._video.width = width + width % 2
-        self._video.height = height + height % 2
-        self._video.pix_fmt = "yuv420p"
-        self._video.codec_context.options = {"preset": "veryfast"}
-        if chunk.audio is not None:
-            audio = chunk.audio
-            self._audio = self._container.add_stream("aac", rate=audio.sample_rate, layout=_layout(audio.channels))
-            self._audio_format = (audio.sample_rate, audio.channels)
-
-    def write(self, chunk: Chunk) -> None:
-        import av
-
-        if self._container is None:
-            self._open(chunk)
-        if chunk.frames.shape[1:3] != self._shape:
-            raise ValueError(f"chunk {chunk.index}: frame size {chunk.frames.shape[1:3]} changed from {self._shape}")
-        if not math.isclose(chunk.fps, self._fps or 0.0, rel_tol=1e-9):
-            raise ValueError(f"chunk {chunk.index}: fps {chunk.fps} changed from {self._fps}")
-        frames = chunk.frames
-        pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
-        if pad_h or pad_w:
-            frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-        for image in frames:
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
-            frame.pts = self._frames
-            self._frames += 1
-            self._container.mux(self._video.encode(frame))
-        if self._audio is None:
-            if chunk.audio is not None:
-                self.audio_dropped_chunks += 1
-            return
-        sample_rate, channels = self._audio_format  # type: ignore[misc]
-        if chunk.audio is None:
-            self.audio_silent_chunks += 1
-            pcm = np.zeros(round(chunk.media_seconds * sample_rate) * channels, dtype="<i2")
-        else:
-            if (chunk.audio.sample_rate, chunk.audio.channels) != self._audio_format:
-                raise ValueError(
-                    f"chunk {chunk.index}: audio format {chunk.audio.sample_rate} Hz x {chunk.audio.channels} "
-                    f"changed from {sample_rate} Hz x {channels}"
-                )
-            pcm = np.frombuffer(chunk.audio.pcm, dtype="<i2")
-        if pcm.size == 0:
-            return
-        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout=_layout(channels))
-        frame.sample_rate = sample_rate
-        frame.pts = self._samples
-        self._samples += pcm.size // channels
-        self._container.mux(self._audio.encode(frame))
-
-    def finish(self) -> None:
-        if self._container is None:
-            raise RuntimeError("the pipeline produced no chunks; nothing to write")
-        self._container.mux(self._video.encode())
-        if self._audio is not None:
-            self._container.mux(self._audio.encode())
-        self._container.close()
-        self._container = None
-
-    def abort(self) -> None:
-        if self._container is not None:
-            try:
-                self._container.close()
-            except Exception:  # the file is deleted anyway
-                pass
-            self._container = None
-
-    def audio_info(self) -> dict[str, Any] | None:
-        if self._audio_format is None:
-            return None
-        sample_rate, channels = self._audio_format
-        return {"sample_rate": sample_rate, "channels": channels, "seconds": self._samples / sample_rate}
 
 
 # --- measurements -------------------------------------------------------------------------------------------
@@ -470,7 +218,7 @@ class _Recorder:
                 elif hasattr(item, "reason"):
                     self._idle(item.reason, seconds=_number(getattr(item, "idle_seconds", None)))
 
-    def metrics(self, writer: _Mp4Writer) -> dict[str, Any]:
+    def metrics(self, writer: Mp4Writer) -> dict[str, Any]:
         periods = [b - a for a, b in itertools.pairwise(self.arrivals)]
         chunk_period = LatencySummary.from_samples(periods)
         latencies = [r["latency_seconds"] for r in self.control_entries if "latency_seconds" in r]
@@ -611,7 +359,7 @@ async def _run_server_push(service: ServerPushService, config: SessionConfig, ru
             await _aclose(iterator)
 
 
-async def _write_chunks(writer: _Mp4Writer, receive: trio.MemoryReceiveChannel[Chunk]) -> None:
+async def _write_chunks(writer: Mp4Writer, receive: trio.MemoryReceiveChannel[Chunk]) -> None:
     # A failure here is the run's (inconsistent chunks, an encoder error), never the request's, so it is a
     # RuntimeError even where PyAV raises one of its ValueError subclasses.
     try:
@@ -668,7 +416,7 @@ async def run_offline(
     out.mkdir(parents=True, exist_ok=True)
     video_tmp = _temp_path(out, VIDEO_NAME)
     metrics_tmp = _temp_path(out, METRICS_NAME)
-    writer = _Mp4Writer(video_tmp)
+    writer = Mp4Writer(video_tmp)
     recorder = _Recorder(kind, chunks, len(entries))
     try:
         async with trio.open_nursery() as nursery:

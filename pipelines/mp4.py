@@ -1,0 +1,125 @@
+"""Writing chunks to an H.264 mp4 with PyAV (blocking: run it on a worker thread).
+
+Odd frame sizes are padded to even by repeating the edge; PCM16 audio is encoded
+as AAC when the first chunk carries audio, and later chunks without audio get silence.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .contract import Chunk
+
+__all__ = ["Mp4Writer"]
+
+
+
+
+def _layout(channels: int) -> str:
+    if channels == 1:
+        return "mono"
+    if channels == 2:
+        return "stereo"
+    raise ValueError(f"audio with {channels} channels is not supported in the mp4 (1 or 2)")
+
+
+class Mp4Writer:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._container: Any = None
+        self._video: Any = None
+        self._audio: Any = None
+        self._shape: tuple[int, int] | None = None
+        self._fps: float | None = None
+        self._frames = 0
+        self._samples = 0
+        self._audio_format: tuple[int, int] | None = None
+        self.audio_dropped_chunks = 0
+        self.audio_silent_chunks = 0
+
+    def _open(self, chunk: Chunk) -> None:
+        import av
+
+        height, width = chunk.frames.shape[1:3]
+        self._shape = (height, width)
+        self._fps = chunk.fps
+        self._container = av.open(str(self.path), "w", format="mp4")
+        rate = Fraction(chunk.fps).limit_denominator(1001)
+        self._video = self._container.add_stream("libx264", rate=rate)
+        self._video.width = width + width % 2
+        self._video.height = height + height % 2
+        self._video.pix_fmt = "yuv420p"
+        self._video.codec_context.options = {"preset": "veryfast"}
+        if chunk.audio is not None:
+            audio = chunk.audio
+            self._audio = self._container.add_stream("aac", rate=audio.sample_rate, layout=_layout(audio.channels))
+            self._audio_format = (audio.sample_rate, audio.channels)
+
+    def write(self, chunk: Chunk) -> None:
+        import av
+
+        if self._container is None:
+            self._open(chunk)
+        if chunk.frames.shape[1:3] != self._shape:
+            raise ValueError(f"chunk {chunk.index}: frame size {chunk.frames.shape[1:3]} changed from {self._shape}")
+        if not math.isclose(chunk.fps, self._fps or 0.0, rel_tol=1e-9):
+            raise ValueError(f"chunk {chunk.index}: fps {chunk.fps} changed from {self._fps}")
+        frames = chunk.frames
+        pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+        if pad_h or pad_w:
+            frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+        for image in frames:
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
+            frame.pts = self._frames
+            self._frames += 1
+            self._container.mux(self._video.encode(frame))
+        if self._audio is None:
+            if chunk.audio is not None:
+                self.audio_dropped_chunks += 1
+            return
+        sample_rate, channels = self._audio_format  # type: ignore[misc]
+        if chunk.audio is None:
+            self.audio_silent_chunks += 1
+            pcm = np.zeros(round(chunk.media_seconds * sample_rate) * channels, dtype="<i2")
+        else:
+            if (chunk.audio.sample_rate, chunk.audio.channels) != self._audio_format:
+                raise ValueError(
+                    f"chunk {chunk.index}: audio format {chunk.audio.sample_rate} Hz x {chunk.audio.channels} "
+                    f"changed from {sample_rate} Hz x {channels}"
+                )
+            pcm = np.frombuffer(chunk.audio.pcm, dtype="<i2")
+        if pcm.size == 0:
+            return
+        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout=_layout(channels))
+        frame.sample_rate = sample_rate
+        frame.pts = self._samples
+        self._samples += pcm.size // channels
+        self._container.mux(self._audio.encode(frame))
+
+    def finish(self) -> None:
+        if self._container is None:
+            raise RuntimeError("the pipeline produced no chunks; nothing to write")
+        self._container.mux(self._video.encode())
+        if self._audio is not None:
+            self._container.mux(self._audio.encode())
+        self._container.close()
+        self._container = None
+
+    def abort(self) -> None:
+        if self._container is not None:
+            try:
+                self._container.close()
+            except Exception:  # the file is deleted anyway
+                pass
+            self._container = None
+
+    def audio_info(self) -> dict[str, Any] | None:
+        if self._audio_format is None:
+            return None
+        sample_rate, channels = self._audio_format
+        return {"sample_rate": sample_rate, "channels": channels, "seconds": self._samples / sample_rate}
