@@ -66,13 +66,27 @@ Notes:
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
+
+from .setting_values import (
+    ENV_PREFIX,
+    GpuMap,
+    SettingsError,
+    _blank_to_none,
+    _bool,
+    _choice,
+    _fail,
+    _float,
+    _int,
+    env_var,
+    option_for,
+    parse_cors_origins,
+    parse_gpu_map,
+)
 
 __all__ = [
     "ENV_PREFIX",
@@ -85,199 +99,12 @@ __all__ = [
     "parse_gpu_map",
 ]
 
-ENV_PREFIX = "CHUNKLINE_"
 MIN_LIVEKIT_SECRET_BYTES = 32  # PyJWT warns about HMAC keys shorter than this
 REDACTED = "***"
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
-GpuMap = tuple[tuple[int, ...], ...]
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-_ORIGIN = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+$")
 _LIVEKIT_SCHEMES = ("ws://", "wss://", "http://", "https://")
-
-
-class SettingsError(ValueError):
-    """A setting has a bad value. ``option`` is the flag to fix (``"--queue-size"``, ``"PIPE"``)."""
-
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(message)
-        self.option = option
-
-
-def option_for(field_name: str) -> str:
-    """The command-line flag of a field: ``queue_size`` -> ``--queue-size`` (``pipeline`` -> ``PIPE``)."""
-    if field_name == "pipeline":
-        return "PIPE"
-    return "--" + field_name.replace("_", "-")
-
-
-def env_var(field_name: str) -> str:
-    """The environment variable of a field: ``queue_size`` -> ``CHUNKLINE_QUEUE_SIZE``."""
-    return ENV_PREFIX + field_name.upper()
-
-
-# --- parsers: text or value in, checked value out -----------------------------------------------------------
-
-
-def _fail(option: str, expected: str, value: Any) -> SettingsError:
-    return SettingsError(option, f"{option} must be {expected}, got {value!r}")
-
-
-def _int(option: str, value: Any, lo: int, hi: int | None) -> int:
-    expected = f"an integer between {lo} and {hi}" if hi is not None else f"an integer >= {lo}"
-    if isinstance(value, bool):
-        raise _fail(option, expected, value)
-    if isinstance(value, str):
-        try:
-            parsed = int(value.strip())
-        except ValueError:
-            raise _fail(option, expected, value) from None
-    elif isinstance(value, int):
-        parsed = value
-    else:
-        raise _fail(option, expected, value)
-    if parsed < lo or (hi is not None and parsed > hi):
-        raise _fail(option, expected, value)
-    return parsed
-
-
-def _float(option: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
-    if lo_open:
-        expected = "a number of seconds > 0" if lo == 0 else f"a number > {lo:g}"
-    elif hi is not None:
-        expected = f"a number between {lo:g} and {hi:g}"
-    else:
-        expected = f"a number >= {lo:g}"
-    if isinstance(value, bool):
-        raise _fail(option, expected, value)
-    if isinstance(value, str):
-        try:
-            parsed = float(value.strip())
-        except ValueError:
-            raise _fail(option, expected, value) from None
-    elif isinstance(value, (int, float)):
-        parsed = float(value)
-    else:
-        raise _fail(option, expected, value)
-    if not math.isfinite(parsed) or parsed < lo or (lo_open and parsed == lo) or (hi is not None and parsed > hi):
-        raise _fail(option, expected, value)
-    return parsed
-
-
-def _choice(option: str, value: Any, choices: Sequence[str]) -> str:
-    expected = " or ".join(repr(c) for c in choices)
-    if not isinstance(value, str) or value.strip().lower() not in choices:
-        raise _fail(option, expected, value)
-    return value.strip().lower()
-
-
-def _bool(option: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    raise _fail(option, "true or false (1/0, true/false, yes/no, on/off)", value)
-
-
-def _blank_to_none(value: Any) -> Any:
-    return None if isinstance(value, str) and not value.strip() else value
-
-
-def parse_gpu_map(value: Any, option: str = "--worker-gpu-map") -> GpuMap | None:
-    """``"0,1;2,3"`` -> ``((0, 1), (2, 3))``: ``;`` separates workers, ``,`` the GPUs of one worker.
-
-    Blank text or None means no map. A sequence of sequences of ints is accepted as is (checked). Every group
-    needs at least one GPU id (a non-negative integer); a GPU id may appear in only one group.
-    """
-    value = _blank_to_none(value)
-    if value is None:
-        return None
-    expected = "GPU groups like '0,1;2,3' (';' between workers, ',' between GPU ids)"
-    if isinstance(value, str):
-        raw_groups: list[list[Any]] = [part.split(",") for part in value.strip().split(";")]
-    elif isinstance(value, Sequence):
-        raw_groups = []
-        for group in value:
-            if isinstance(group, str) or not isinstance(group, Sequence):
-                raise _fail(option, expected, value)
-            raw_groups.append(list(group))
-    else:
-        raise _fail(option, expected, value)
-    groups: list[tuple[int, ...]] = []
-    owner: dict[int, int] = {}
-    for index, raw in enumerate(raw_groups):
-        ids: list[int] = []
-        for item in raw:
-            if isinstance(item, str):
-                text = item.strip()
-                if not text:
-                    raise SettingsError(
-                        option, f"{option} has an empty GPU id in worker group {index} of {value!r} ({expected})"
-                    )
-                if not text.isdigit():
-                    raise SettingsError(
-                        option, f"{option}: GPU id {item.strip()!r} in {value!r} is not a non-negative integer"
-                    )
-                gpu = int(text)
-            elif isinstance(item, int) and not isinstance(item, bool) and item >= 0:
-                gpu = item
-            else:
-                raise SettingsError(option, f"{option}: GPU id {item!r} in {value!r} is not a non-negative integer")
-            if gpu in owner:
-                where = (
-                    f"twice in worker group {index}"
-                    if owner[gpu] == index
-                    else f"in worker groups {owner[gpu]} and {index}"
-                )
-                raise SettingsError(
-                    option, f"{option}: GPU {gpu} appears {where} of {value!r}; a GPU may belong to only one worker"
-                )
-            owner[gpu] = index
-            ids.append(gpu)
-        if not ids:
-            raise SettingsError(option, f"{option}: worker group {index} of {value!r} has no GPU ids ({expected})")
-        groups.append(tuple(ids))
-    return tuple(groups)
-
-
-def parse_cors_origins(value: Any, option: str = "--cors-allow-origins") -> tuple[str, ...]:
-    """``"https://a.example, http://localhost:3000"`` -> a tuple of origins; blank or None -> ``()``.
-
-    Each origin is ``scheme://host[:port]`` (no path, no trailing slash — browsers send it that way), or ``*``
-    alone for any origin.
-    """
-    value = _blank_to_none(value)
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        items = [part.strip() for part in value.split(",")]
-    elif isinstance(value, Sequence):
-        items = []
-        for part in value:
-            if not isinstance(part, str):
-                raise _fail(option, "a comma-separated list of origins", value)
-            items.append(part.strip())
-    else:
-        raise _fail(option, "a comma-separated list of origins", value)
-    origins = tuple(dict.fromkeys(item for item in items if item))
-    for origin in origins:
-        if origin == "*":
-            if len(origins) > 1:
-                raise SettingsError(option, f"{option}: '*' must be the only origin, got {value!r}")
-            continue
-        if not _ORIGIN.match(origin):
-            raise SettingsError(
-                option,
-                f"{option}: {origin!r} is not an origin (scheme://host[:port], no path or trailing slash)",
-            )
-    return origins
 
 
 # --- converters bound to their fields -----------------------------------------------------------------------
