@@ -21,6 +21,8 @@ from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy,
 from pipelines.contract import BidirectionalService, ServerPushService, Service
 from pipelines.loader import load_service
 
+from .process_service import start_process_service
+
 __all__ = ["ModelWorker", "WorkerStartError"]
 
 log = logging.getLogger("chunkline.worker")
@@ -40,9 +42,12 @@ class ModelWorker:
         max_sessions: int | str,
         on_ready: Callable[[ModelWorker, int, CapacityPlan], None],
         on_failed: Callable[[ModelWorker, str], None],
-        service_loader: Callable[..., Service] = load_service,
+        service_loader: Callable[..., Service] | None = None,
         policy: SessionCapacityPolicy = SessionCapacityPolicy(),
+        worker_mode: str = "in-process",
     ) -> None:
+        if service_loader is None:  # "process": the service runs in a child process behind a proxy
+            service_loader = start_process_service if worker_mode == "process" else load_service
         self.worker_id = worker_id
         self.pipeline = pipeline
         self.gpu_ids = gpu_ids
@@ -86,6 +91,9 @@ class ModelWorker:
         self.service = service
         limit = self.max_sessions if isinstance(self.max_sessions, int) else None
         if isinstance(service, ServerPushService) and limit not in (None, 1):
+            close = getattr(service, "close", None)  # a service in a child process: stop the child
+            if close is not None:
+                await trio.to_thread.run_sync(close)
             raise WorkerStartError(
                 f"a ServerPushService holds exactly one retained session; max_sessions_per_worker={limit} is refused"
             )

@@ -98,6 +98,7 @@ class StreamRuntime:
                     max_sessions=initial,
                     on_ready=self._worker_ready,
                     on_failed=self._worker_failed,
+                    worker_mode=self.settings.worker_mode,
                     **options,
                 )
                 self.workers[worker_id] = worker

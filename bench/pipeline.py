@@ -1,0 +1,174 @@
+"""The toy world served end to end on CPU, printed as JSON lines (``python -m bench.pipeline``).
+
+- ``single``: one session, ``continuous`` for 60 chunks: real-time factor (p95 chunk period /
+  chunk media duration), first-output latency (create_session to the first chunk), and scheduler
+  efficiency (mean chunk period / mean time of the slowest stage, from
+  ``chunk.metadata["stage_times"]``; 1.0 means the slowest stage never waits).
+- ``multi``: four sessions in the default ``on_input`` mode, each holding a key with its controller
+  re-sending the held keys continuously, until about 60 chunks were made in all: aggregate chunks/s,
+  each session's largest gap between consecutive chunks (in its own mean chunk period -- the
+  fairness goal is <= 2 -- and in single-session and aggregate chunk periods), and each session's real-time factor.
+
+Wall clock (``time.perf_counter``) throughout; the toy world at its default size.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from contextlib import aclosing
+from typing import Any
+
+import trio
+
+from engine.metrics import percentile
+from pipelines.contract import Control, ControlType, SessionConfig
+from pipelines.toy_world import get_service
+
+CHUNKS = 60
+SESSIONS = 4
+RESEND_SECONDS = 0.05  # how often a controller re-sends its held keys
+MULTI_LIMIT_SECONDS = 120.0
+
+
+def emit(line: dict[str, Any]) -> None:
+    def fmt(value: Any) -> Any:
+        if isinstance(value, float):
+            return round(value, 4)
+        if isinstance(value, dict):
+            return {k: fmt(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fmt(v) for v in value]
+        return value
+
+    print(json.dumps({k: fmt(v) for k, v in line.items()}), flush=True)
+
+
+def periods(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+async def single(service: Any) -> dict[str, Any]:
+    start = time.perf_counter()
+    session_id = await service.create_session(SessionConfig(options={"continuous": True, "chunks": CHUNKS}))
+    arrivals: list[float] = []
+    stage_times: list[dict[str, float]] = []
+    media = 0.0
+    async with aclosing(service.chunks(session_id)) as chunks:
+        async for chunk in chunks:
+            arrivals.append(time.perf_counter())
+            stage_times.append(dict(chunk.metadata.get("stage_times", {})))
+            media = chunk.media_seconds
+    await service.close_session(session_id)
+    gaps = sorted(periods(arrivals))
+    stage_means = {
+        stage: statistics.fmean(t[stage] for t in stage_times if stage in t)
+        for stage in ("encode", "denoise", "decode")
+        if any(stage in t for t in stage_times)
+    }
+    slowest = max(stage_means, key=stage_means.__getitem__)
+    mean_period = statistics.fmean(gaps)
+    return {
+        "bench": "pipeline.single",
+        "chunks": len(arrivals),
+        "chunk_media_seconds": media,
+        "mean_chunk_period_s": mean_period,
+        "p95_chunk_period_s": percentile(gaps, 0.95),
+        "real_time_factor": percentile(gaps, 0.95) / media,
+        "first_output_latency_s": arrivals[0] - start,
+        "stage_mean_s": stage_means,
+        "slowest_stage": slowest,
+        "scheduler_efficiency": mean_period / stage_means[slowest],
+        "wall_s": arrivals[-1] - start,
+    }
+
+
+async def multi(service: Any, single_period: float) -> dict[str, Any]:
+    arrivals: dict[str, list[float]] = {}
+    media = 0.0
+    total = 0
+    enough = trio.Event()
+    keys = ["d", "a", "w", "l"]
+    start = time.perf_counter()
+    stalled = False
+
+    async def read(session_id: str) -> None:
+        nonlocal media, total
+        async with aclosing(service.chunks(session_id)) as chunks:
+            async for chunk in chunks:
+                arrivals[session_id].append(time.perf_counter())
+                media = chunk.media_seconds
+                total += 1
+                if total >= CHUNKS + SESSIONS:  # 60 chunks after the previews
+                    enough.set()
+
+    async def control(session_id: str, key: str) -> None:
+        held = Control(ControlType.CONTROL_STATE, keys=frozenset({key}))
+        while True:
+            await service.push_control(session_id, held)
+            await trio.sleep(RESEND_SECONDS)
+
+    async with trio.open_nursery() as nursery:
+        ids = []
+        for index in range(SESSIONS):
+            session_id = await service.create_session(SessionConfig())
+            ids.append(session_id)
+            arrivals[session_id] = []
+            nursery.start_soon(read, session_id)
+            nursery.start_soon(control, session_id, keys[index % len(keys)])
+        with trio.move_on_after(MULTI_LIMIT_SECONDS) as limit:
+            await enough.wait()
+        stalled = limit.cancelled_caught
+        elapsed = time.perf_counter() - start
+        for session_id in ids:
+            await service.push_control(session_id, Control(ControlType.STOP))
+        nursery.cancel_scope.cancel()
+    for session_id in ids:
+        await service.close_session(session_id)
+
+    aggregate_period = elapsed / max(total, 1)
+    per_session = {}
+    for session_id, times in arrivals.items():
+        gaps = periods(times[1:])  # after the preview chunk
+        max_gap = max(gaps) if gaps else None
+        per_session[session_id] = {
+            "chunks": len(times),
+            "max_gap_s": max_gap,
+            "max_gap_single_periods": None if max_gap is None else max_gap / single_period,
+            "max_gap_aggregate_periods": None if max_gap is None else max_gap / aggregate_period,
+            "max_gap_own_periods": None if max_gap is None else max_gap / statistics.fmean(gaps),
+            "real_time_factor": None if len(gaps) < 2 else percentile(sorted(gaps), 0.95) / media,
+        }
+    worst = [v["max_gap_single_periods"] for v in per_session.values() if v["max_gap_single_periods"] is not None]
+    worst_own = [v["max_gap_own_periods"] for v in per_session.values() if v["max_gap_own_periods"] is not None]
+    return {
+        "bench": "pipeline.multi",
+        "sessions": SESSIONS,
+        "chunks": total,
+        "stalled_at_limit": stalled,
+        "wall_s": elapsed,
+        "aggregate_chunks_per_s": total / elapsed,
+        "chunk_media_seconds": media,
+        "single_session_period_s": single_period,
+        "worst_max_gap_single_periods": max(worst) if worst else None,
+        "worst_max_gap_own_periods": max(worst_own) if worst_own else None,
+        "gap_goal_own_periods": 2.0,
+        "per_session": per_session,
+    }
+
+
+async def main() -> None:
+    service = get_service()
+    async with service.running():
+        line = await single(service)
+        emit(line)
+        emit(await multi(service, line["mean_chunk_period_s"]))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        print("usage: python -m bench.pipeline", file=sys.stderr)
+        sys.exit(2)
+    trio.run(main)

@@ -1,0 +1,252 @@
+"""``worker-mode process``: a pipeline service in a child process behind a proxy (server.process_service).
+
+Each test spawns real children (spawn context): the toy world (torch, in the
+child only) and the replay pipeline. Loading is blocking, so it runs in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from pipelines.contract import (
+    BidirectionalService,
+    Control,
+    ControlRejected,
+    ControlType,
+    ServerPushService,
+    ServiceEvent,
+    SessionConfig,
+)
+from server.model_worker import ModelWorker
+from server.process_service import (
+    CREDIT_WINDOW,
+    ProcessBidirectionalService,
+    ProcessServerPushService,
+    ProcessServiceFailed,
+    ProcessServiceStartError,
+    RemoteServiceError,
+    start_process_service,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+TOY = "pipelines/toy_world"
+TINY = {"height": 32, "width": 48, "frames_per_chunk": 2}
+
+
+async def start(pipeline: str, **options: Any) -> Any:
+    return await trio.to_thread.run_sync(lambda: start_process_service(pipeline, **options))
+
+
+def assert_no_children() -> None:
+    assert multiprocessing.active_children() == []
+
+
+async def test_toy_world_runs_in_a_child_process() -> None:
+    service = await start(TOY, **TINY)
+    assert isinstance(service, ProcessBidirectionalService) and isinstance(service, BidirectionalService)
+    assert service.kind == "bidirectional" and service.supports_timeline is True
+    assert service.pid is not None and service.pid != os.getpid()
+    service.configure_session_capacity(2)
+    events: list[ServiceEvent] = []
+    async with service.running():
+        report = service.memory_report()
+        assert report is not None and report.snapshots[0].process_id == service.pid  # measured in the child
+        sid = await service.create_session(SessionConfig(prompt="a field"), on_event=events.append)
+        await service.push_control(sid, Control(ControlType.CONTROL_STATE, keys={"w"}))
+        applied = []
+        with trio.fail_after(20):
+            async for chunk in service.chunks(sid):
+                assert chunk.frames.shape == (2, 32, 48, 3)
+                applied.append(list(chunk.applied_controls["keys"]))
+                if chunk.applied_controls["keys"] == ["w"] and chunk.index >= 2:
+                    break
+        assert ["w"] in applied
+        # ControlRejected keeps its reason across the process boundary
+        with pytest.raises(ControlRejected) as rejected:
+            await service.push_control("toy-999", Control(ControlType.RESET))
+        assert "unknown session" in rejected.value.reason
+        # other errors carry the child's traceback text
+        with pytest.raises(RemoteServiceError) as remote:
+            await service.create_session(SessionConfig(options={"chunks": 0}))
+        assert remote.value.remote_type == "builtins.ValueError"
+        assert "Traceback" in remote.value.remote_traceback and "chunks" in str(remote.value)
+        # let the chunks in flight finish before closing (the toy world's close races a denoise
+        # finishing at that moment, in process as well)
+        await service.push_control(sid, Control(ControlType.CONTROL_STATE, keys=set()))
+        await trio.sleep(0.3)
+        await service.close_session(sid)
+        # the slow consumer: the child runs at most CREDIT_WINDOW chunks ahead of what was taken
+        sid2 = await service.create_session(SessionConfig(options={"continuous": True, "chunks": 8}))
+        stream = service.chunks(sid2)
+        with trio.fail_after(20):
+            first = await stream.__anext__()
+            await trio.sleep(0.5)
+            assert len(stream._buffer) <= CREDIT_WINDOW  # type: ignore[attr-defined]
+            indices = [first.index] + [chunk.index async for chunk in stream]
+        assert indices == list(range(8))
+        await service.close_session(sid2)
+    assert {"lease_granted"} <= {e.type for e in events} and all(e.session_id == sid for e in events)
+    assert service.exitcode == 0
+    assert_no_children()
+
+
+async def test_the_parent_process_never_imports_torch() -> None:
+    script = f"""
+import json, sys, trio
+from server.process_service import start_process_service
+from pipelines.contract import SessionConfig
+
+async def main(service):
+    async with service.running():
+        sid = await service.create_session(SessionConfig())
+        chunks = service.chunks(sid)
+        chunk = await chunks.__anext__()
+        await chunks.aclose()
+        await service.close_session(sid)
+    return list(chunk.frames.shape)
+
+if __name__ == "__main__":
+    service = start_process_service({TOY!r}, **{TINY!r})
+    shape = trio.run(main, service)
+    print(json.dumps({{"torch": "torch" in sys.modules, "shape": shape, "code": service.exitcode}}))
+"""
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            [sys.executable, "-c", script], cwd=str(REPO), capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert done.returncode == 0, done.stderr.decode()
+    result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    assert result == {"torch": False, "shape": [2, 32, 48, 3], "code": 0}
+
+
+async def test_a_killed_child_fails_pending_and_later_calls() -> None:
+    service = await start(TOY, **TINY)
+    failures: list[BaseException] = []
+    first_chunk = trio.Event()
+
+    async def consume(sid: str) -> None:
+        try:
+            async for _ in service.chunks(sid):  # no key held: after the preview chunk it waits
+                first_chunk.set()
+        except ProcessServiceFailed as exc:
+            failures.append(exc)
+
+    killed_at = 0.0
+    with pytest.raises(ProcessServiceFailed) as raised:
+        async with service.running():
+            sid = await service.create_session(SessionConfig())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, sid)
+                with trio.fail_after(20):
+                    await first_chunk.wait()
+                killed_at = time.monotonic()
+                os.kill(service.pid, signal.SIGKILL)
+                with trio.fail_after(5):  # the failure cancels the body of running()
+                    await trio.sleep_forever()
+    assert time.monotonic() - killed_at < 5
+    assert "exited unexpectedly with code -9" in str(raised.value)
+    assert len(failures) == 1 and "exited unexpectedly with code -9" in str(failures[0])
+    with pytest.raises(ProcessServiceFailed, match="code -9"):
+        await service.push_control(sid, Control(ControlType.RESET))
+    with pytest.raises(ProcessServiceFailed, match="code -9"):
+        await service.chunks(sid).__anext__()
+    assert service.exitcode == -9
+    assert_no_children()
+
+
+async def test_startup_failures_carry_the_child_traceback(tmp_path: Path) -> None:
+    with pytest.raises(ProcessServiceStartError) as missing:
+        await start(str(tmp_path / "nope.py"))
+    assert "does not exist" in str(missing.value) and "child traceback" in str(missing.value)
+
+    broken = tmp_path / "broken_pipeline.py"
+    broken.write_text("def get_service(gpu_num=0):\n    raise RuntimeError('no weights here (test)')\n")
+    with pytest.raises(ProcessServiceStartError) as raised:
+        await start(str(broken), gpu_num=0)
+    text = str(raised.value)
+    assert "no weights here (test)" in text and "Traceback (most recent call last)" in text
+    assert_no_children()
+
+
+async def test_replay_server_push_through_the_proxy() -> None:
+    service = await start("pipelines/replay")
+    assert isinstance(service, ProcessServerPushService) and isinstance(service, ServerPushService)
+    options = {"width": 32, "height": 16, "fps": 8, "frames_per_chunk": 4, "duration_seconds": 1.0}
+    async with service.running():
+        with trio.fail_after(10):
+            chunks = [chunk async for chunk in service.stream(SessionConfig(options=options))]
+            assert [c.index for c in chunks] == [0, 1]
+            for chunk in chunks:
+                assert chunk.frames.shape == (4, 16, 32, 3)
+                assert chunk.audio is not None and chunk.audio.samples_per_channel == 4 * 48000 // 8
+                assert chunk.metadata["source"] == "test_pattern"
+            # closing a stream early frees the service's one session for the next stream
+            stream = service.stream(SessionConfig(options=options))
+            await stream.__anext__()
+            await stream.aclose()
+            again = [chunk.index async for chunk in service.stream(SessionConfig(options=options))]
+            assert again == [0, 1]
+            with pytest.raises(RemoteServiceError, match="unknown option"):
+                await service.stream(SessionConfig(options={"colour": "red"})).__anext__()
+    assert service.exitcode == 0
+    assert_no_children()
+
+
+async def test_model_worker_in_process_mode_uses_a_child() -> None:
+    ready: list[int] = []
+    worker = ModelWorker(
+        "worker-0",
+        pipeline="pipelines/replay",
+        gpu_ids=(),
+        max_sessions=1,
+        on_ready=lambda w, capacity, plan: (ready.append(capacity), w.stop()),
+        on_failed=lambda w, reason: pytest.fail(reason),
+        worker_mode="process",
+    )
+    with trio.fail_after(20):
+        await worker.run()
+    assert ready == [1]
+    assert isinstance(worker.service, ProcessServerPushService) and worker.service.exitcode == 0
+    assert_no_children()
+
+
+STUCK_PIPELINE = """
+import time
+from contextlib import asynccontextmanager
+from pipelines.contract import ServerPushService
+
+class Stuck(ServerPushService):
+    @asynccontextmanager
+    async def running(self):
+        yield self
+        time.sleep(60)  # never leaves running() by itself
+
+    def stream(self, config):
+        raise NotImplementedError
+
+def get_service(gpu_num=0):
+    return Stuck()
+"""
+
+
+async def test_a_child_stuck_on_close_is_terminated_in_bounded_time(tmp_path: Path) -> None:
+    stuck = tmp_path / "stuck_pipeline.py"
+    stuck.write_text(STUCK_PIPELINE)
+    service = await start(str(stuck), close_timeout=0.5, kill_grace=0.5)
+    started = time.monotonic()
+    with trio.fail_after(5):
+        async with service.running():
+            pass
+    assert time.monotonic() - started < 3
+    assert service.exitcode == -signal.SIGTERM
+    assert_no_children()
