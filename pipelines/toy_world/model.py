@@ -194,14 +194,36 @@ class ToyWorldModel:
                 pixels = F.interpolate(
                     pixels[None], size=(world_h, world_w), mode="bilinear", align_corners=False, antialias=True
                 )[0]
-        if prompt is not None and prompt.strip():
-            gen = _prompt_generator(cfg.seed, prompt.strip())
-            tint = (torch.rand(3, 1, 1, generator=gen, dtype=torch.float64) * 0.4 - 0.2).float()
-            gain = float(torch.rand((), generator=gen, dtype=torch.float64)) * 0.4 + 0.8
-            pixels = pixels * gain + tint
         pixels = pixels.to(self.device, cfg.dtype)
         unshuffled = F.pixel_unshuffle(pixels[None], cfg.downscale)[0]
-        return torch.einsum("dc,chw->dhw", self._proj, unshuffled).contiguous()
+        world = torch.einsum("dc,chw->dhw", self._proj, unshuffled)
+        return self.condition_on_prompt(world, prompt).contiguous()
+
+    def prompt_conditioning(self, prompt: str | None) -> tuple[float, torch.Tensor] | None:
+        """``(gain, offset)`` a prompt applies to a latent world (``world * gain + offset``), or None.
+
+        The prompt's seeded tint and contrast are linear in pixels, and so in the
+        latent: a per-channel offset (``C x 1 x 1``) and a gain. Kept separate from
+        encoding so a new prompt conditions the next chunk without re-encoding the image.
+        """
+        if prompt is None or not prompt.strip():
+            return None
+        cfg = self.config
+        gen = _prompt_generator(cfg.seed, prompt.strip())
+        tint = (torch.rand(3, 1, 1, generator=gen, dtype=torch.float64) * 0.4 - 0.2).float()
+        gain = float(torch.rand((), generator=gen, dtype=torch.float64)) * 0.4 + 0.8
+        flat = tint.expand(3, cfg.downscale, cfg.downscale).to(self.device, cfg.dtype)
+        offset = torch.einsum("dc,chw->dhw", self._proj, F.pixel_unshuffle(flat[None], cfg.downscale)[0])
+        return gain, offset
+
+    def condition_on_prompt(self, world_latent: torch.Tensor, prompt: str | None) -> torch.Tensor:
+        """The world as ``prompt`` conditions it (a new tensor; the input is unchanged)."""
+        conditioning = self.prompt_conditioning(prompt)
+        if conditioning is None:
+            return world_latent
+        gain, offset = conditioning
+        return world_latent * gain + offset
+
 
     @staticmethod
     def _image_to_pixels(image: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,8 @@ from engine import (
     LocalStageActor,
     PipelineSpec,
     SessionCleanupError,
-    SessionStateError,
     SessionMemoryBudget,
+    SessionStateError,
     StageSpec,
     capture_memory_snapshot,
     open_orchestrator,
@@ -93,10 +93,10 @@ UNDELIVERED_LIMIT = 2
 
 @attrs.frozen
 class EncodeRequest:
+    """Encode the reference image into the session's base world (only the first request carries it)."""
+
     index: int
     image: np.ndarray | None = attrs.field(eq=False)
-    prompt: str | None
-    world_epoch: int  # a new world is encoded when this changes
     needs_world: bool
 
 
@@ -115,6 +115,7 @@ class ChunkControl:
     keys: frozenset[str]
     reset_pose: bool
     noise_seed: int
+    prompt: str | None  # conditions this chunk (a new prompt takes effect on the next chunk)
 
 
 @attrs.define
@@ -131,8 +132,7 @@ class _ToySession:
     send_chunk: trio.MemorySendChannel
     receive_chunk: trio.MemoryReceiveChannel
     prompt: str | None = None
-    world_epoch: int = 0
-    world_epoch_sent: int = -1
+    world_sent: bool = False
     held: set[str] = attrs.Factory(set)
     pressed: set[str] = attrs.Factory(set)  # short presses not yet seen by a chunk
     reset_pose_pending: bool = False
@@ -274,9 +274,8 @@ class ToyWorldService(BidirectionalService):
         return session_id
 
     def _encode_request(self, session: _ToySession, index: int) -> EncodeRequest:
-        needs_world = session.world_epoch_sent != session.world_epoch
-        session.world_epoch_sent = session.world_epoch
-        return EncodeRequest(index, session.image if needs_world else None, session.prompt, session.world_epoch, needs_world)
+        needs_world = index == 0
+        return EncodeRequest(index, session.image if needs_world else None, needs_world)
 
     def _session(self, session_id: str) -> _ToySession:
         session = self._sessions.get(session_id)
@@ -312,7 +311,6 @@ class ToyWorldService(BidirectionalService):
             session.reset_pose_pending = True
         elif kind is ControlType.PROMPT:
             session.prompt = control.prompt
-            session.world_epoch += 1
             session.new_prompt_pending = True
         elif kind is ControlType.STOP:
             session.stopping = True
@@ -401,6 +399,7 @@ class ToyWorldService(BidirectionalService):
                     keys=frozenset(session.held | session.pressed),
                     reset_pose=session.reset_pose_pending,
                     noise_seed=self.config.seed * 1_000_003 + index,
+                    prompt=session.prompt,
                 )
                 session.pressed.clear()
                 session.reset_pose_pending = False
@@ -409,7 +408,11 @@ class ToyWorldService(BidirectionalService):
             await session.changed.park()
 
     async def _read_outputs(self, session: _ToySession, scope: trio.CancelScope) -> None:
-        async for seq, artifacts in session.orch.outputs():
+        async with contextlib.aclosing(session.orch.outputs()) as outputs:
+            await self._forward(session, outputs, scope)
+
+    async def _forward(self, session: _ToySession, outputs: AsyncIterator[Any], scope: trio.CancelScope) -> None:
+        async for seq, artifacts in outputs:
             frames, control, poses = artifacts["frames"]
             chunk = Chunk(
                 index=seq,
@@ -417,6 +420,7 @@ class ToyWorldService(BidirectionalService):
                 fps=self.config.fps,
                 applied_controls={
                     "keys": sorted(control.keys),
+                    "prompt": control.prompt,
                     "reset_pose": control.reset_pose,
                     "pose": list(poses[-1].as_tuple()),
                 },
@@ -464,7 +468,7 @@ class ToyWorldService(BidirectionalService):
     def _encode(self, invocation: Any) -> Mapping[str, Any]:
         request: EncodeRequest = invocation.inputs["encode_request"]
         assert self._model is not None
-        world = self._model.encode_world(request.image, request.prompt) if request.needs_world else None
+        world = self._model.encode_world(request.image) if request.needs_world else None
         return {"condition": Condition(request.index, world)}
 
     def _denoise(self, invocation: Any) -> Mapping[str, Any]:
@@ -476,7 +480,8 @@ class ToyWorldService(BidirectionalService):
             self._slots.world(slot).copy_(condition.world)
         pose = Pose() if control.reset_pose else self._slots.pose(slot)
         poses = integrate_pose(pose, control.keys, self.config.frames_per_chunk, self.config)
-        latents = self._model.denoise_chunk(self._slots.world(slot), poses, self._slots.cache(slot), control.noise_seed)
+        world = self._model.condition_on_prompt(self._slots.world(slot), control.prompt)
+        latents = self._model.denoise_chunk(world, poses, self._slots.cache(slot), control.noise_seed)
         self._slots.set_pose(slot, poses[-1])
         assert self._token is not None
         self._token.run_sync_soon(self._on_denoised, invocation.key.session_id, control.index)
