@@ -75,6 +75,7 @@ class StreamRuntime:
         self._service_loader = service_loader
         self._nursery: trio.Nursery | None = None
         self._uploads: str | None = None
+        self._shut_down = trio.Event()
         self.started = False
         self.closing = False
         self.started_at = time.time()
@@ -115,8 +116,13 @@ class StreamRuntime:
             self._nursery.start_soon(fn, *args)
 
     async def shutdown(self, grace: float) -> None:
-        """Drain every live session within ``grace`` seconds, then stop the workers."""
+        """Drain every live session within ``grace`` seconds, then stop the workers (idempotent)."""
+        if self.closing:
+            await self._shut_down.wait()
+            return
         self.closing = True
+        live = len(self.runners)
+        log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", live, grace)
         for record in self.registry:
             if record.status is State.QUEUED:
                 self._withdraw(record)
@@ -134,6 +140,8 @@ class StreamRuntime:
             worker.stop()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
+        log.info("shutdown complete: %d session(s) drained", live)
+        self._shut_down.set()
 
     # -- workers -----------------------------------------------------------------
 

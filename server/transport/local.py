@@ -71,6 +71,7 @@ class _Subscriber:
     texts: deque = attrs.Factory(deque)  # data and participant messages: never dropped (bounded below)
     media: deque = attrs.Factory(lambda: deque(maxlen=FRAME_BACKLOG))
     ready: trio.Event = attrs.Factory(trio.Event)
+    presence: trio.CancelScope = attrs.Factory(trio.CancelScope)  # cancelled to send the client away
     dropped_frames: int = 0
 
     def push_text(self, message: str) -> None:
@@ -178,6 +179,12 @@ class LocalRooms:
         self.max_data_message_bytes = max_data_message_bytes
         self.encode_limiter = trio.CapacityLimiter(2)
 
+    def close_clients(self) -> None:
+        """Send every browser away (server shutdown): their sockets close after a last flush."""
+        for room in self._rooms.values():
+            for subscriber in room.subscribers.values():
+                subscriber.presence.cancel()
+
     def room_names(self) -> tuple[str, ...]:
         return tuple(self._rooms)
 
@@ -256,10 +263,16 @@ class LocalRooms:
         if target.worker is not None:
             target.worker.deliver(ParticipantJoined(subscriber.identity))
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump_out, subscriber, send)
-                await self._pump_in(target, subscriber, receive)
-                nursery.cancel_scope.cancel()
+            with subscriber.presence:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump_out, subscriber, send)
+                    await self._pump_in(target, subscriber, receive)
+                    nursery.cancel_scope.cancel()
+            if subscriber.presence.cancelled_caught:
+                # the server is closing: flush what is queued (the worker's last status, "done")
+                with trio.move_on_after(1.0):
+                    while subscriber.texts:
+                        await send(subscriber.texts.popleft())
         finally:
             target.subscribers.pop(subscriber.identity, None)
             target.broadcast_text(json.dumps({"type": "participant_left", "identity": subscriber.identity}))
@@ -273,9 +286,12 @@ class LocalRooms:
             subscriber.ready = trio.Event()
             while subscriber.texts or subscriber.media:
                 if subscriber.texts:
-                    await send(subscriber.texts.popleft())
+                    # a data message leaves its queue only once sent: a send cut short by the
+                    # server closing leaves it queued for the final flush
+                    await send(subscriber.texts[0])
+                    subscriber.texts.popleft()
                 else:
-                    await send(subscriber.media.popleft())
+                    await send(subscriber.media.popleft())  # frames are droppable
 
     async def _pump_in(self, room: _Room, subscriber: _Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
         while True:

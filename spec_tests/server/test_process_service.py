@@ -248,5 +248,7 @@ async def test_a_child_stuck_on_close_is_terminated_in_bounded_time(tmp_path: Pa
         async with service.running():
             pass
     assert time.monotonic() - started < 3
-    assert service.exitcode == -signal.SIGTERM
+    # the child ignores SIGTERM (a signal to the whole process group must not kill the model
+    # under live sessions), so the escalation ends with SIGKILL
+    assert service.exitcode in (-signal.SIGTERM, -signal.SIGKILL)
     assert_no_children()

@@ -1,0 +1,206 @@
+"""Shared helpers of the reliability tests: leak checks, real-time waits, a raw WebSocket client.
+
+Leak checks (:class:`Leaks`) compare against a baseline taken at the start of a test, inside its
+trio run:
+
+- threads: every thread alive at the end must have been alive at the start, except idle trio
+  worker-cache threads. ``trio.to_thread.run_sync`` parks its finished threads in a process-wide
+  cache for up to 10 s (named ``Trio thread N`` while idle; a thread running a job carries the
+  job's name), so an idle cache thread is reuse, not an orphan. With ``foreign_threads_ok`` (the
+  LiveKit test), ``Dummy-N`` entries are ignored too: those are native threads of the LiveKit SDK's
+  process-wide Rust runtime that called back into Python (Python registers them as
+  ``threading._DummyThread`` for good); the product neither starts nor can join them;
+- child processes: ``multiprocessing.active_children()`` is empty and none of the known pids exists;
+- open files: the count of ``/proc/self/fd`` returns to the baseline within ``fd_slack``. The slack
+  absorbs process-wide, created-once resources that a first use opens and keeps (the LiveKit FFI
+  runtime's epoll/eventfd descriptors, the toy world's torch thread pool), and descriptors the
+  garbage collector has not closed yet (a ``gc.collect()`` runs first). The descriptors that are new
+  are listed on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+IDLE_CACHE_THREAD = "Trio thread "
+
+
+def open_fds() -> dict[int, str]:
+    out: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the directory's own descriptor, gone by now
+    return out
+
+
+def extra_threads(baseline: set[threading.Thread], *, foreign_ok: bool = False) -> list[threading.Thread]:
+    return [
+        t
+        for t in threading.enumerate()
+        if t not in baseline
+        and t.is_alive()
+        and not t.name.startswith(IDLE_CACHE_THREAD)
+        and not (foreign_ok and isinstance(t, threading._DummyThread))  # type: ignore[attr-defined]
+    ]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class Leaks:
+    """A baseline of threads, child processes and open files; :meth:`check` compares against it."""
+
+    def __init__(self, *, fd_slack: int = 2, foreign_threads_ok: bool = False) -> None:
+        gc.collect()
+        self.threads = set(threading.enumerate())
+        self.fds = open_fds()
+        self.children = {p.pid for p in multiprocessing.active_children()}
+        self.fd_slack = fd_slack
+        self.foreign_threads_ok = foreign_threads_ok
+
+    def problems(self, pids: tuple[int, ...] = ()) -> list[str]:
+        gc.collect()
+        found: list[str] = []
+        threads = extra_threads(self.threads, foreign_ok=self.foreign_threads_ok)
+        if threads:
+            found.append(f"threads left: {[(t.name, t.daemon) for t in threads]}")
+        children = [p for p in multiprocessing.active_children() if p.pid not in self.children]
+        if children:
+            found.append(f"child processes left: {children}")
+        alive = [pid for pid in pids if pid_alive(pid)]
+        if alive:
+            found.append(f"processes still alive: {alive}")
+        fds = open_fds()
+        if len(fds) > len(self.fds) + self.fd_slack:
+            new = {fd: target for fd, target in fds.items() if self.fds.get(fd) != target}
+            found.append(f"{len(fds) - len(self.fds)} more open files than the baseline {len(self.fds)} "
+                         f"(slack {self.fd_slack}): {new}")
+        return found
+
+    async def check(self, pids: tuple[int, ...] = (), *, wall_deadline: float = 10.0) -> None:
+        """Wait (wall clock, bounded) until nothing leaked; threads and processes take a moment to end."""
+        give_up = time.monotonic() + wall_deadline
+        while True:
+            found = self.problems(pids)
+            if not found:
+                return
+            if time.monotonic() > give_up:
+                raise AssertionError("; ".join(found))
+            await trio.to_thread.run_sync(time.sleep, 0.02)  # not trio.sleep: autojump would not wait
+
+
+async def wait_until(predicate: Callable[[], Any], what: str, deadline: float = 20.0) -> Any:
+    """Wait in real time (threads and processes do the work) until ``predicate()`` is truthy."""
+    give_up = time.monotonic() + deadline
+    while True:
+        found = predicate()
+        if found:
+            return found
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out after {deadline:g} s waiting for {what}")
+        await trio.sleep(0.005)
+
+
+# -- a raw WebSocket client (wsproto over a trio socket) -------------------------------------
+
+
+class RawWebSocket:
+    """A minimal client of the local rooms' WebSocket: text messages in and out, no extensions."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        from wsproto import ConnectionType, WSConnection
+
+        self._stream = stream
+        self._ws = WSConnection(ConnectionType.CLIENT)
+        self._pending: list[Any] = []
+        self.closed = False
+        self.close_code: int | None = None
+
+    @classmethod
+    async def connect(cls, host: str, port: int, target: str) -> RawWebSocket:
+        from wsproto.events import AcceptConnection, RejectConnection, Request
+
+        stream = await trio.open_tcp_stream(host, port)
+        client = cls(stream)
+        await client._send(Request(host=f"{host}:{port}", target=target))
+        while True:
+            event = await client._next_event()
+            if isinstance(event, AcceptConnection):
+                return client
+            if isinstance(event, RejectConnection) or event is None:
+                await stream.aclose()
+                raise ConnectionError(f"WebSocket {target} refused: {event!r}")
+            client._pending.append(event)
+
+    async def _send(self, event: Any) -> None:
+        await self._stream.send_all(self._ws.send(event))
+
+    async def _next_event(self) -> Any:
+        while True:
+            for event in self._ws.events():
+                return event
+            data = await self._stream.receive_some(65536)
+            if not data:
+                self._ws.receive_data(None)
+                for event in self._ws.events():
+                    return event
+                return None
+            self._ws.receive_data(data)
+
+    async def send_json(self, message: Any) -> None:
+        from wsproto.events import TextMessage
+
+        await self._send(TextMessage(data=json.dumps(message)))
+
+    async def receive(self) -> Any:
+        """The next whole message (dict for text, bytes for media), or None once the server closed."""
+        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+
+        text: list[str] = []
+        binary: list[bytes] = []
+        while True:
+            event = self._pending.pop(0) if self._pending else await self._next_event()
+            if event is None:
+                self.closed = True
+                return None
+            if isinstance(event, CloseConnection):
+                self.close_code = event.code
+                self.closed = True
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await self._send(event.response())  # the server may be gone already
+                return None
+            if isinstance(event, Ping):
+                await self._send(event.response())
+            elif isinstance(event, TextMessage):
+                text.append(event.data)
+                if event.message_finished:
+                    return json.loads("".join(text))
+            elif isinstance(event, BytesMessage):
+                binary.append(bytes(event.data))
+                if event.message_finished:
+                    return b"".join(binary)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()

@@ -1,0 +1,402 @@
+"""Faults, one test each: every one ends in the right terminal state with the right reason, gives the
+slot back, admits the next queued session, and leaves no thread, child process or open file behind.
+
+The app runs in-process on the local transport, with WebSocket peers from the runner tests
+(``spec_tests/server/runner_fixtures``); pipelines are the engine-backed ``fault_pipelines`` service,
+the in-test ``CounterService`` or the toy world. SIGTERM is sent to a real ``chunkline stream-serve``
+subprocess with a controller connected over a raw WebSocket.
+
+Terminal states, as the product defines them (server/runner.py ``RoomRunner.run`` / ``_finish``):
+
+- a stage raising, a worker rank dying, LiveKit unreachable, the controller never joining: FAILED,
+  with the reason on the record (``error``) and on ``tf.status`` (``type: error``);
+- a stage's session-cleanup hook raising: FAILED as well. The runner's drain calls
+  ``service.close_session``; the engine leaves the pipeline session POISONED and raises
+  ``SessionCleanupError``, which ``_finish`` records as "closing the pipeline session failed: ...".
+  The slot is still released. Retrying the cleanup through the orchestrator then succeeds;
+- the controller leaving for good: CLOSED after ``controller_timeout``, drain cause ``controller_left``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from states.pipeline_session import State as PipelineState
+
+from ..server.runner_fixtures import (
+    LIVEKIT_KEY,
+    LIVEKIT_SECRET,
+    CounterService,
+    Served,
+    join,
+    no_threads,  # noqa: F401  (fixture)
+    serve,
+    settings,
+)
+from .fault_pipelines import EngineService, HookExploded, process_denoise_actor
+from .helpers import Leaks, RawWebSocket, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def record_of(s: Served, session_id: str) -> Any:
+    return s.runtime.get(session_id)
+
+
+def assert_released_and_promoted(s: Served, failed_id: str, queued_id: str) -> None:
+    """The failed session holds nothing; the queue head took its slot (and is waiting for its controller)."""
+    book = s.runtime.book
+    assert not book.holds(failed_id)
+    assert failed_id not in s.runtime.runners
+    assert book.holds(queued_id) and book.worker_of(queued_id) == "worker-0", s.runtime.health()
+    assert record_of(s, queued_id).status.value in ("assigned", "joining_room")
+    snapshot = book.snapshot()
+    assert (snapshot.retained, snapshot.queued) == (1, 0)
+
+
+async def delete_and_settle(s: Served, session_id: str) -> None:
+    status, body = await s.json("delete", f"/v1/stream/sessions/{session_id}")
+    assert status == 200 and body["status"] == "closed", (status, body)
+    assert s.runtime.book.snapshot().retained == 0 and not s.runtime.runners
+
+
+# -- (a) a stage handler raises mid-stream ------------------------------------------------------
+
+
+async def test_stage_handler_raising_mid_stream_fails_the_session() -> None:
+    leaks = Leaks()
+    service = EngineService(threaded=True, raise_on_chunk=3)
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        assert queued["status"] == "queued"
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the session_failed message", timeout=20)
+            chunks = ctl.status("chunk")
+        record = record_of(s, session_id)
+        assert record.status.value == "failed"
+        assert "StageExploded" in record.error and "denoise exploded on chunk 3" in record.error, record.error
+        assert errors[0]["reason"] == "session_failed" and "denoise exploded on chunk 3" in errors[0]["detail"]
+        assert [c["index"] for c in chunks] == [0, 1, 2]  # mid-stream: the chunks before the fault went out
+        handle = service.handles[record.pipeline_session_id]
+        assert handle.status is PipelineState.FAILED  # settled after the background cleanup
+        assert service.orch.session_ids == ()  # forgotten: nothing poisoned, nothing held
+        assert_released_and_promoted(s, session_id, queued["session_id"])
+        await delete_and_settle(s, queued["session_id"])
+    await leaks.check()
+
+
+async def test_toy_world_stage_raising_mid_stream_fails_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same fault in the shipped toy world (its denoise stage raises on chunk 3)."""
+    from pipelines.toy_world import ToyWorldConfig, ToyWorldService
+
+    original = ToyWorldService._denoise
+
+    def exploding(self: ToyWorldService, invocation: Any) -> Any:
+        if invocation.key.sequence_id == 3 and invocation.key.session_id != "toy-1":  # toy-1: the warm-up
+            raise RuntimeError("toy denoise exploded on chunk 3")
+        return original(self, invocation)
+
+    monkeypatch.setattr(ToyWorldService, "_denoise", exploding)
+
+    def load(path: str, **_: Any) -> ToyWorldService:
+        return ToyWorldService(ToyWorldConfig(height=32, width=48, frames_per_chunk=2), max_sessions=1)
+
+    leaks = Leaks(fd_slack=4)
+    async with serve(settings(), load) as s:
+        created = await s.create("ctl", config={"continuous": True})
+        queued = await s.create("ctl-next")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            with trio.move_on_after(5):  # the engine fails the pipeline session within milliseconds
+                await ctl.wait_for(lambda p: p.status("error"), "the session_failed message", timeout=5)
+            record = record_of(s, session_id)
+            assert record.status.value == "failed", (
+                f"the toy world's stage error did not fail the session: it is {record.status.value} "
+                f"5 s after the fault, with chunks {[c['index'] for c in ctl.status('chunk')]}"
+            )
+        assert "toy denoise exploded on chunk 3" in record.error, record.error
+        assert_released_and_promoted(s, session_id, queued["session_id"])
+        await delete_and_settle(s, queued["session_id"])
+    await leaks.check()
+
+
+# -- (b) a worker process is killed mid-chunk ---------------------------------------------------
+
+
+async def test_worker_process_killed_mid_chunk_fails_the_session() -> None:
+    leaks = Leaks()
+    service = EngineService(denoise_actor=lambda: process_denoise_actor(hold_from=2))
+    async with serve(settings(), service) as s:
+        group = service.actors["denoise"].worker
+        pids = group.pids
+        assert len(pids) == 1 and multiprocessing.active_children()
+        created = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: len(p.status("chunk")) >= 2, "two chunks")
+            await wait_until(lambda: service.orch.in_flight("denoise") == 1, "chunk 2 in flight in the rank")
+            os.kill(pids[0], signal.SIGKILL)
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the session_failed message", timeout=20)
+        record = record_of(s, session_id)
+        assert record.status.value == "failed"
+        assert "exited unexpectedly with code -9" in record.error, record.error
+        assert "exited unexpectedly with code -9" in errors[0]["detail"]
+        assert group.failed and multiprocessing.active_children() == []
+        assert_released_and_promoted(s, session_id, queued["session_id"])
+        await delete_and_settle(s, queued["session_id"])
+    assert group.closed
+    await leaks.check(pids)
+
+
+# -- (c) a stage's session-cleanup hook raises -----------------------------------------------------
+
+
+async def test_cleanup_hook_raising_poisons_the_pipeline_session_and_a_retry_succeeds() -> None:
+    leaks = Leaks()
+    service = EngineService(threaded=True, closer_failures=1)
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: len(p.status("chunk")) >= 2, "two chunks")
+            status, body = await s.json("delete", f"/v1/stream/sessions/{session_id}")
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the session_failed message")
+        assert status == 200
+        record = record_of(s, session_id)
+        # the server session still ends, FAILED, with the cleanup failure as its reason
+        assert record.status.value == "failed" and body["status"] == "failed", (record.status, body)
+        assert record.drain_cause == "deleted"
+        assert "closing the pipeline session failed" in record.error and "SessionCleanupError" in record.error
+        assert "decode could not release session" in record.error, record.error
+        assert "closing the pipeline session failed" in errors[0]["detail"]
+        # the pipeline session is poisoned, the failure counted, the slot released all the same
+        handle = service.handles[record.pipeline_session_id]
+        assert handle.status is PipelineState.POISONED
+        assert isinstance(handle.cleanup_error, HookExploded)
+        assert service.orch.diagnostics().cleanup_failures == 1
+        assert service.orch.session_ids == (record.pipeline_session_id,)
+        assert_released_and_promoted(s, session_id, queued["session_id"])
+        # retrying the cleanup through the orchestrator runs the hook again, and it succeeds
+        await handle.aclose()
+        assert handle.status is PipelineState.CANCELLED, handle.status
+        assert service.orch.session_ids == ()
+        assert [reason for sid, reason in service.closer_calls if sid == record.pipeline_session_id] == [
+            "cancelled",
+            "cancelled",
+        ]
+        assert ("retry", "started") in handle.shutdown_phases and service.orch.diagnostics().cleanup_failures == 1
+        await delete_and_settle(s, queued["session_id"])
+    await leaks.check()
+
+
+# -- (d) LiveKit unreachable -----------------------------------------------------------------------
+
+
+async def test_livekit_unreachable_fails_the_session_within_the_connect_timeout() -> None:
+    from server.runner import CONNECT_TIMEOUT
+
+    port = free_port()
+    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
+                 "livekit_api_secret": LIVEKIT_SECRET}
+
+    async def one_round(s: Served) -> tuple[Any, Any, float]:
+        started = time.monotonic()
+        created = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        await wait_until(lambda: record_of(s, created["session_id"]).is_terminal, "the session to fail",
+                         deadline=CONNECT_TIMEOUT + 5)
+        return created, queued, time.monotonic() - started
+
+    # the first LiveKit connect in a process starts the SDK's native runtime, which stays: warm it up first
+    async with serve(settings(**overrides), CounterService()) as s:
+        assert s.runtime.transport.name == "livekit" and s.runtime.transport.running  # started by the app
+        await one_round(s)
+    leaks = Leaks(foreign_threads_ok=True)  # native SDK threads may register late (see helpers.Leaks)
+    service = CounterService()
+    async with serve(settings(**overrides), service) as s:
+        assert s.runtime.transport.running, "the app did not start the LiveKit transport"
+        created, queued, took = await one_round(s)
+        record = record_of(s, created["session_id"])
+        assert record.status.value == "failed"
+        assert took < CONNECT_TIMEOUT
+        assert "LiveKit" in record.error and f"127.0.0.1:{port}" in record.error, record.error
+        assert not service.sessions  # no pipeline session was created
+        # the queue head got the slot (its own connect then fails the same way)
+        assert record_of(s, queued["session_id"]).worker_id == "worker-0"
+        assert not s.runtime.book.holds(created["session_id"])
+        await wait_until(lambda: record_of(s, queued["session_id"]).is_terminal, "the queue head to end",
+                         deadline=CONNECT_TIMEOUT + 5)
+        assert "LiveKit" in record_of(s, queued["session_id"]).error
+        snapshot = s.runtime.book.snapshot()
+        assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, 1)
+    await leaks.check()
+
+
+# -- (e), (f): the controller (virtual time, no threads) ---------------------------------------------
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_controller_dropping_mid_stream_closes_the_session_after_the_timeout(autojump_clock: Any) -> None:
+    leaks = Leaks()
+    service = CounterService()
+    async with serve(settings(controller_timeout=30), service) as s:
+        created = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: len(p.frames()) >= 5, "frames streaming")
+            # the socket goes away mid-stream (the block ends while frames are flowing), and never returns
+        dropped = trio.current_time()
+        await trio.sleep(29)
+        await wait_all_tasks_blocked()
+        assert record_of(s, session_id).status.value == "running"
+        await trio.sleep(2)
+        await wait_all_tasks_blocked()
+        record = record_of(s, session_id)
+        assert record.status.value == "closed" and record.error is None
+        assert record.drain_cause == "controller_left"
+        assert 30 <= (record.terminal_since or 0) - dropped < 31
+        assert service.closed == [record.pipeline_session_id]
+        assert_released_and_promoted(s, session_id, queued["session_id"])
+        await delete_and_settle(s, queued["session_id"])
+    await leaks.check()
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_controller_never_joining_fails_the_session_naming_the_timeout(autojump_clock: Any) -> None:
+    leaks = Leaks()
+    service = CounterService()
+    async with serve(settings(controller_timeout=45), service) as s:
+        start = trio.current_time()
+        created = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        session_id = created["session_id"]
+        await trio.sleep(44)
+        await wait_all_tasks_blocked()
+        assert record_of(s, session_id).status.value == "joining_room"
+        await trio.sleep(2)
+        await wait_all_tasks_blocked()
+        record = record_of(s, session_id)
+        assert record.status.value == "failed"
+        assert "controller" in record.error and "'ctl'" in record.error and "45 s" in record.error, record.error
+        assert 45 <= (record.terminal_since or 0) - start < 46
+        assert not service.sessions
+        assert_released_and_promoted(s, session_id, queued["session_id"])
+        await delete_and_settle(s, queued["session_id"])
+    await leaks.check()
+
+
+# -- (g) SIGTERM with a live session -------------------------------------------------------------------
+
+SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
+START_DEADLINE = 30.0
+EXIT_DEADLINE = 30.0  # wall seconds a phase may take before the test gives up
+DRAIN_BOUND = 10.0  # SIGTERM -> exit 0 with one live session (the drain itself takes milliseconds)
+
+
+async def test_sigterm_drains_live_sessions_and_exits_0() -> None:
+    import httpx
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env.update(CHUNKLINE_CONTROLLER_TIMEOUT="3600", CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    command = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
+               "stream-serve", "pipelines/replay", "--port", "0"]
+    leaks = Leaks()
+    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = bytearray()
+    found = trio.Event()
+
+    async def read_log() -> None:
+        assert process.stderr is not None
+        async for data in process.stderr:
+            log.extend(data)
+            if SERVING.search(log):
+                found.set()
+        found.set()
+
+    def text() -> str:
+        return log.decode(errors="replace")[-4000:]
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_log)
+            with trio.move_on_after(START_DEADLINE):
+                await found.wait()
+            match = SERVING.search(log)
+            assert match, f"the server did not start:\n{text()}"
+            base, port = match.group(1).decode(), int(match.group(2))
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                with trio.fail_after(START_DEADLINE):
+                    while (await client.get("/v1/service/ready")).status_code != 200:
+                        await trio.sleep(0.05)
+                response = await client.post("/v1/stream/sessions",
+                                             json={"identity": "ctl", "config": {"duration_seconds": 3600}})
+                assert response.status_code == 200, response.text
+                created = response.json()
+            ws = await RawWebSocket.connect("127.0.0.1", port, f"{created['websocket_path']}?token={created['token']}")
+            inbox: list[Any] = []
+            with trio.fail_after(20):
+                while not any(isinstance(m, dict) and m.get("topic") == "tf.status"
+                              and m["payload"].get("type") == "chunk" for m in inbox):
+                    inbox.append(await ws.receive())
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            # the controller hears the drain (``done``) and the worker leaving; then the socket closes
+            socket_closed_after: float | None = None
+            with trio.move_on_after(DRAIN_BOUND):
+                while True:
+                    message = await ws.receive()
+                    if message is None:
+                        socket_closed_after = time.monotonic() - signalled
+                        break
+                    inbox.append(message)
+            await ws.aclose()  # if the server did not close it, the client gives up (hypercorn may then finish)
+            with trio.move_on_after(EXIT_DEADLINE):
+                rc = await process.wait()
+            took = time.monotonic() - signalled
+            assert process.returncode is not None, f"no exit within {EXIT_DEADLINE:g} s of SIGTERM:\n{text()}"
+            assert rc == 0, f"exit status {rc}:\n{text()}"
+            texts = [m for m in inbox if isinstance(m, dict)]
+            done = [m["payload"] for m in texts if m.get("topic") == "tf.status" and m["payload"].get("type") == "done"]
+            assert done, (
+                f"the live session was not drained while its controller was connected: no 'done' on tf.status "
+                f"within {DRAIN_BOUND:g} s of SIGTERM (the socket closed after {socket_closed_after}, exit after "
+                f"{took:.1f} s); last messages {[m.get('payload', m) for m in texts[-3:]]}\n{text()}"
+            )
+            assert any(m.get("type") == "participant_left" and m.get("identity") == "chunkline-worker-0" for m in texts)
+            assert took < DRAIN_BOUND, f"SIGTERM -> exit took {took:.1f} s:\n{text()}"
+            assert re.search(r"drain|shutting down|shutdown", text(), re.IGNORECASE), (
+                f"the server logged nothing about draining its live session:\n{text()}")
+            nursery.cancel_scope.cancel()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            with trio.CancelScope(shield=True):
+                await process.wait()
+    await leaks.check((process.pid,))
