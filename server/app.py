@@ -80,6 +80,13 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
     # -- cross-cutting: API key, CORS, errors --------------------------------------
 
     @app.before_request
+    async def read_body_first() -> None:
+        # Read every request body before anything can answer: quart-trio may stall a
+        # keep-alive connection whose previous request was answered with its body unread.
+        if request.method in ("POST", "PUT", "PATCH", "DELETE"):
+            await request.get_data(cache=True)
+
+    @app.before_request
     async def require_api_key() -> Response | None:
         if request.method == "OPTIONS":
             return None
@@ -127,7 +134,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
         return error(500, "internal_error", f"{type(exc).__name__}")
 
     async def json_body() -> Any:
-        raw = await request.get_data(cache=False)
+        raw = await request.get_data(cache=True)
         if not raw:
             raise BadRequest("invalid_body", "the request body must be a JSON object")
         try:

@@ -13,6 +13,8 @@ Wire format (WebSocket):
   ``{"type": "participant_joined"|"participant_left", "identity": ...}``,
   ``{"type": "joined", "identity", "role", "participants": [...]}`` once, and
   ``{"type": "refused", "reason": ...}`` when a message is not allowed;
+- a client that falls more than 1024 data messages behind is sent away
+  (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory;
 - binary messages are media: ``b"V"`` + a JPEG frame, or ``b"A"`` + 4-byte
   little-endian sample rate + 2-byte channel count + PCM16 samples.
 
@@ -42,7 +44,8 @@ from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, T
 __all__ = ["LocalRooms", "encode_jpeg"]
 
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
-EVENT_BACKLOG = 256  # data/participant events kept for the worker
+EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
+TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before it is sent away
 
 
 def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
@@ -72,10 +75,21 @@ class _Subscriber:
     media: deque = attrs.Factory(lambda: deque(maxlen=FRAME_BACKLOG))
     ready: trio.Event = attrs.Factory(trio.Event)
     presence: trio.CancelScope = attrs.Factory(trio.CancelScope)  # cancelled to send the client away
+    too_slow: bool = False
     dropped_frames: int = 0
 
     def push_text(self, message: str) -> None:
-        self.texts.append(message)
+        if self.too_slow:
+            return
+        if len(self.texts) >= TEXT_BACKLOG:
+            # a client that does not read its reliable messages is sent away rather than
+            # letting its queue grow without bound (LiveKit drops such subscribers too)
+            self.too_slow = True
+            self.texts.clear()
+            self.texts.append(json.dumps({"type": "refused", "reason": "too_slow"}))
+            self.presence.cancel()
+        else:
+            self.texts.append(message)
         self.ready.set()
 
     def push_media(self, message: bytes) -> None:
@@ -110,8 +124,11 @@ class _WorkerConnection:
         self._rooms = rooms
         self._room = room
         self._identity = identity
-        self._send, self._receive = trio.open_memory_channel[RoomEvent](EVENT_BACKLOG)
+        self._events: deque[RoomEvent] = deque()
+        self._data_events = 0
+        self._arrived = trio.Event()
         self._closed = False
+        self.dropped_data = 0  # data events dropped because the runner fell behind
 
     @property
     def identity(self) -> str:
@@ -120,16 +137,37 @@ class _WorkerConnection:
     def participants(self) -> frozenset[str]:
         return frozenset(self._room.subscribers)
 
+    @property
+    def queued_data(self) -> int:
+        """Data events waiting for the runner (never above EVENT_BACKLOG)."""
+        return self._data_events
+
     def deliver(self, event: RoomEvent) -> None:
+        """Queue an event for the runner. A flood of data that outruns it loses its *oldest*
+        data events (so the latest control wins); participant events are never dropped."""
         if self._closed:
             return
-        try:
-            self._send.send_nowait(event)
-        except trio.WouldBlock:
-            pass  # a flood of data messages: the runner reads what it can (counted as dropped by it)
+        if isinstance(event, DataReceived):
+            if self._data_events >= EVENT_BACKLOG:
+                for index, queued in enumerate(self._events):
+                    if isinstance(queued, DataReceived):
+                        del self._events[index]
+                        self._data_events -= 1
+                        self.dropped_data += 1
+                        break
+            self._data_events += 1
+        self._events.append(event)
+        self._arrived.set()
 
     async def events(self) -> AsyncIterator[RoomEvent]:
-        async for event in self._receive:
+        while not self._closed:
+            if not self._events:
+                self._arrived = trio.Event()
+                await self._arrived.wait()
+                continue
+            event = self._events.popleft()
+            if isinstance(event, DataReceived):
+                self._data_events -= 1
             yield event
 
     async def publish_frame(self, frame: np.ndarray, fps: float) -> None:
@@ -156,7 +194,7 @@ class _WorkerConnection:
         if self._closed:
             return
         self._closed = True
-        self._send.close()
+        self._arrived.set()
         self._rooms._leave_worker(self._room, self)
 
 

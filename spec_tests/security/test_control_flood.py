@@ -1,0 +1,159 @@
+"""One controller floods its room with 10,000 ``control_state`` messages as fast as it can.
+
+"Bounded" here means, concretely:
+
+- the server stays responsive: ``GET /v1/service/health`` is answered in under
+  :data:`HEALTH_WITHIN` seconds (wall clock) every time it is asked while the flood runs;
+- queues do not grow with the flood: the worker's event channel of the local transport holds at most
+  its fixed backlog (``EVENT_BACKLOG`` = 256; beyond it events are dropped, never queued), and the
+  controller's outgoing text queue stays under :data:`TEXT_BACKLOG_BOUND` messages (valid controls
+  are not answered, so nothing should pile up there);
+- no task is left behind: once the flood settles, ``trio.lowlevel.current_statistics().tasks_living``
+  is back to its value before the flood;
+- latest-wins for ``control_state``: each message is the full set of held keys, so intermediate
+  messages may be dropped, but once the flood settles the keys the pipeline holds are the keys of the
+  *last* message sent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from server.transport import local
+from spec_tests.server.runner_fixtures import CounterService, join, serve, settings
+
+FLOOD = 10_000
+HEALTH_WITHIN = 1.0  # seconds, wall clock
+TEXT_BACKLOG_BOUND = 64
+SETTLE_WITHIN = 3.0  # seconds, wall clock
+KEY_SETS = [["w"], ["a"], ["s"], ["d"], ["w", "a"], ["s", "d"], [], ["j"], ["l"]]
+LAST = ["i", "k"]  # sent once, last: the state the pipeline must end with
+
+
+class SlowControlService(CounterService):
+    """Applies a control in :data:`CONTROL_COST` seconds (a model that takes time to take a control in):
+    the runner falls behind the flood and the transport's event channel fills up."""
+
+    async def push_control(self, session_id: str, control: Any) -> None:
+        await trio.sleep(CONTROL_COST)
+        await super().push_control(session_id, control)
+
+
+CONTROL_COST = 0.0005
+
+
+async def test_a_control_flood_is_bounded_and_latest_wins() -> None:
+    """The runner keeps up with the flood (an instant ``push_control``)."""
+    await flood_and_check(CounterService(fps=20, frames_per_chunk=2, size=(8, 8)))
+
+
+async def test_a_flood_faster_than_the_pipeline_is_bounded_and_latest_wins() -> None:
+    """The runner cannot keep up: intermediate messages are dropped, the last one must not be."""
+    await flood_and_check(SlowControlService(fps=20, frames_per_chunk=2, size=(8, 8)))
+
+
+async def flood_and_check(service: CounterService) -> None:
+    async with serve(settings(), service) as served:
+        created = await served.create("ctl")
+        async with join(served, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=20)
+            (session,) = service.sessions.values()
+            transport = served.runtime.transport
+            room = transport._rooms[created["room"]]
+            worker, subscriber = room.worker, room.subscribers["ctl"]
+            assert worker is not None
+            await wait_all_tasks_blocked()
+            baseline = trio.lowlevel.current_statistics().tasks_living
+
+            probes: list[float] = []
+            peaks = {"events": 0, "texts": 0}
+            flooding = trio.Event()
+            done = trio.Event()
+
+            async def flood() -> None:
+                flooding.set()
+                for n in range(FLOOD - 1):
+                    await ctl.control({"type": "control_state", "controls": KEY_SETS[n % len(KEY_SETS)]})
+                await ctl.control({"type": "control_state", "controls": LAST})
+                done.set()
+
+            async def probe() -> None:
+                await flooding.wait()
+                while not done.is_set():
+                    started = time.monotonic()
+                    status, body = await served.json("get", "/v1/service/health")
+                    probes.append(time.monotonic() - started)
+                    assert status == 200 and body["ready"] is True, body
+                    peaks["events"] = max(peaks["events"], worker.queued_data)
+                    peaks["texts"] = max(peaks["texts"], len(subscriber.texts))
+                    await trio.sleep(0.005)
+
+            started = time.monotonic()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(probe)
+                nursery.start_soon(flood)
+            flood_seconds = time.monotonic() - started
+
+            # the flood settles: the pipeline ends with the last message's keys
+            give_up = time.monotonic() + SETTLE_WITHIN
+            while session.held != set(LAST) and time.monotonic() < give_up:
+                await trio.sleep(0.01)
+            applied = [c for c in session.controls]
+            report = (f"{len(applied)} of {FLOOD} controls reached the pipeline in {flood_seconds:.2f} s; "
+                      f"last applied {sorted(applied[-1].keys) if applied else None}; probes {len(probes)}, "
+                      f"slowest {max(probes, default=0):.3f} s; peaks {peaks}")
+            assert probes, f"no health probe ran during the flood ({report})"
+            assert max(probes) < HEALTH_WITHIN, report
+            assert peaks["events"] <= local.EVENT_BACKLOG, report
+            assert peaks["texts"] <= TEXT_BACKLOG_BOUND, report
+            assert not ctl.status("control_rejected"), report
+            assert session.held == set(LAST), f"latest-wins broken: the pipeline holds {sorted(session.held)}; {report}"
+            assert (await served.get(created["session_id"]))["status"] == "running"
+
+            # no task is left behind by the flood
+            give_up = time.monotonic() + SETTLE_WITHIN
+            while True:
+                await wait_all_tasks_blocked()
+                living = trio.lowlevel.current_statistics().tasks_living
+                if living <= baseline or time.monotonic() > give_up:
+                    break
+                await trio.sleep(0.01)
+            assert living <= baseline, f"{living} tasks living after the flood, {baseline} before ({report})"
+
+
+STALLED_VIEWER_BOUND = 1024  # messages queued for one subscriber that does not read
+
+
+async def test_a_flood_with_a_stalled_viewer_keeps_the_viewer_queue_bounded() -> None:
+    """A viewer that stops reading must not make the server queue the whole flood for it.
+
+    Every valid control is also broadcast to the room's other participants as a data message, and data
+    messages are never dropped for a slow subscriber (server/transport/local.py): its text queue is an
+    unbounded deque, so a controller flooding a room with a stalled viewer grows server memory with the
+    flood (up to ``max_data_message_bytes`` per message).
+    """
+    service = CounterService(fps=20, frames_per_chunk=2, size=(8, 8))
+    async with serve(settings(), service) as served:
+        created = await served.create("ctl")
+        token = await served.viewer_token(created["session_id"], "stalled")
+        async with join(served, created["room"], created["token"]) as ctl, \
+                served.client.websocket(f"/v1/rooms/{created['room']}/ws?token={token}"):
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=20)
+            room = served.runtime.transport._rooms[created["room"]]
+            with trio.fail_after(SETTLE_WITHIN):
+                while "stalled" not in room.subscribers:
+                    await trio.sleep(0.01)
+            viewer = room.subscribers["stalled"]
+            peak = 0
+            for n in range(FLOOD):
+                await ctl.control({"type": "control_state", "controls": KEY_SETS[n % len(KEY_SETS)]})
+                peak = max(peak, len(viewer.texts))
+            status, _ = await served.json("get", "/v1/service/health")
+            assert status == 200
+            assert peak <= STALLED_VIEWER_BOUND, (
+                f"{peak} messages queued for a viewer that does not read ({FLOOD} sent by the controller)"
+            )
