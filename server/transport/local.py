@@ -104,6 +104,7 @@ class _Room:
     name: str
     subscribers: dict[str, _Subscriber] = attrs.Factory(dict)
     worker: _WorkerConnection | None = None
+    last_frame: bytes | None = None
 
     def identities(self) -> set[str]:
         present = set(self.subscribers)
@@ -175,6 +176,7 @@ class _WorkerConnection:
             raise TransportError("the worker left the room")
         jpeg = await trio.to_thread.run_sync(encode_jpeg, frame, limiter=self._rooms.encode_limiter)
         message = b"V" + jpeg
+        self._room.last_frame = message  # a late joiner sees the current picture at once
         for subscriber in self._room.subscribers.values():
             subscriber.push_media(message)
 
@@ -260,6 +262,7 @@ class LocalRooms:
     def _leave_worker(self, room: _Room, connection: _WorkerConnection) -> None:
         if room.worker is connection:
             room.worker = None
+            room.last_frame = None
             room.broadcast_text(json.dumps({"type": "participant_left", "identity": connection.identity}))
         self._forget_if_empty(room)
 
@@ -298,6 +301,8 @@ class LocalRooms:
             )
         )
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": subscriber.identity}), skip=subscriber.identity)
+        if target.last_frame is not None:
+            subscriber.push_media(target.last_frame)
         if target.worker is not None:
             target.worker.deliver(ParticipantJoined(subscriber.identity))
         try:
