@@ -9,7 +9,15 @@
   each session's largest gap between consecutive chunks (in its own mean chunk period -- the
   fairness goal is <= 2 -- and in single-session and aggregate chunk periods), and each session's real-time factor.
 
-Wall clock (``time.perf_counter``) throughout; the toy world at its default size.
+- ``placements``: one ``continuous`` session of ``PLACEMENT_CHUNKS`` chunks at a small size
+  (``PLACEMENT_SIZE``) under each placement, side by side: ``in-process``, ``process`` with decode
+  co-located in the denoise worker group, and ``process`` with an independent decode group fed
+  through a WorkerTensorChannel (2 ranks here, so it cannot co-locate): real-time factor (p95 chunk
+  period / chunk media duration), mean chunk period and startup time (``running()`` entered,
+  process spawns and warm-up included).
+
+Wall clock (``time.perf_counter``) throughout; the toy world at its default size except for
+``placements``. ``python -m bench.pipeline placements`` prints only that line.
 """
 
 from __future__ import annotations
@@ -31,6 +39,20 @@ CHUNKS = 60
 SESSIONS = 4
 RESEND_SECONDS = 0.05  # how often a controller re-sends its held keys
 MULTI_LIMIT_SECONDS = 120.0
+PLACEMENT_CHUNKS = 24
+PLACEMENT_SIZE = dict(height=48, width=80, frames_per_chunk=4)
+
+
+def placement(mode: str, decode_devices: list[str]) -> dict[str, Any]:
+    runtime = {"devices": ["cpu"], "world_size": 1}
+    return {"mode": mode, "encode": runtime, "denoise": runtime, "decode": {"devices": decode_devices}}
+
+
+PLACEMENTS = {
+    "in_process": placement("in-process", ["cpu"]),
+    "process_colocated": placement("process", ["cpu"]),
+    "process_independent": placement("process", ["cpu", "cpu"]),
+}
 
 
 def emit(line: dict[str, Any]) -> None:
@@ -159,16 +181,46 @@ async def multi(service: Any, single_period: float) -> dict[str, Any]:
     }
 
 
-async def main() -> None:
+async def placements() -> dict[str, Any]:
+    line: dict[str, Any] = {"bench": "pipeline.placements", "chunks": PLACEMENT_CHUNKS, "size": PLACEMENT_SIZE}
+    for name, spec in PLACEMENTS.items():
+        start = time.perf_counter()
+        service = get_service(placement=spec, **PLACEMENT_SIZE)
+        async with service.running():
+            started = time.perf_counter() - start
+            session_id = await service.create_session(
+                SessionConfig(options={"continuous": True, "chunks": PLACEMENT_CHUNKS})
+            )
+            arrivals: list[float] = []
+            media = 0.0
+            async with aclosing(service.chunks(session_id)) as chunks:
+                async for chunk in chunks:
+                    arrivals.append(time.perf_counter())
+                    media = chunk.media_seconds
+            await service.close_session(session_id)
+        gaps = sorted(periods(arrivals[1:]))  # after the first chunk
+        line[name] = {
+            "real_time_factor": percentile(gaps, 0.95) / media,
+            "mean_chunk_period_s": statistics.fmean(gaps),
+            "startup_s": started,
+        }
+    return line
+
+
+async def main(only: str | None = None) -> None:
+    if only == "placements":
+        emit(await placements())
+        return
     service = get_service()
     async with service.running():
         line = await single(service)
         emit(line)
         emit(await multi(service, line["mean_chunk_period_s"]))
+    emit(await placements())
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        print("usage: python -m bench.pipeline", file=sys.stderr)
+    if len(sys.argv) > 2 or sys.argv[1:] not in ([], ["placements"]):
+        print("usage: python -m bench.pipeline [placements]", file=sys.stderr)
         sys.exit(2)
-    trio.run(main)
+    trio.run(main, *sys.argv[1:])

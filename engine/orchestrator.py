@@ -140,12 +140,21 @@ class Orchestrator(IngressMixin, CompletionMixin):
         self._shutdowns = SessionShutdown(self)
 
     async def _start_actors(self) -> None:
+        """Start each actor once, in topological order of its first stage.
+
+        One actor object may serve several stages (e.g. decode co-located in the denoise
+        worker group): it is started once and closed once; its failure is reported for each
+        stage it serves, and its session hook runs once per stage.
+        """
+        started: set[int] = set()
         for stage_id in self.spec.topological_order:
             actor = self.actors[stage_id]
             add_listener = getattr(actor, "add_failure_listener", None)
             if add_listener is not None:
                 add_listener(lambda reason, stage_id=stage_id: self._fail_actor_sessions(stage_id, reason))
-            await self._nursery.start(actor.run)
+            if id(actor) not in started:
+                started.add(id(actor))
+                await self._nursery.start(actor.run)
 
     # -- sessions ------------------------------------------------------------
 
@@ -383,11 +392,11 @@ class Orchestrator(IngressMixin, CompletionMixin):
         while any(rt.in_flight or (rt.starting_accepted_work and any(rt.ready.values())) for rt in self._sessions.values()):
             rt = next(rt for rt in self._sessions.values() if rt.in_flight or any(rt.ready.values()))
             await rt.changed.park()
-        for stage_id in self.spec.topological_order:
-            await self.actors[stage_id].barrier()
+        for actor in {id(a): a for a in (self.actors[s] for s in self.spec.topological_order)}.values():
+            await actor.barrier()
 
     async def aclose(self, *, timeout: float = 300.0) -> None:
-        """Shut every session down (reason shutdown), then close actors in reverse order."""
+        """Shut every session down (reason shutdown), then close actors in reverse order (each actor once)."""
         if self._closing:
             await self._closed.wait()
             return
@@ -404,7 +413,11 @@ class Orchestrator(IngressMixin, CompletionMixin):
         async with trio.open_nursery() as nursery:
             for rt in list(self._sessions.values()):
                 nursery.start_soon(shut, rt)
+        closed: set[int] = set()
         for stage_id in reversed(self.spec.topological_order):
+            if id(self.actors[stage_id]) in closed:
+                continue  # an actor shared by several stages closes once
+            closed.add(id(self.actors[stage_id]))
             with trio.move_on_at(deadline) as scope:
                 try:
                     await self.actors[stage_id].aclose()

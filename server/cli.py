@@ -1,11 +1,16 @@
 """The ``chunkline`` command line.
 
 ``chunkline run PIPE [--image FILE] [--prompt TEXT] [--controls FILE] [--chunks N] [--device cpu|cuda]
-[--seed N] [--out DIR] [--option KEY=VALUE ...]`` runs a pipeline offline (see :mod:`pipelines.offline`):
+[--placement FILE|JSON] [--seed N] [--out DIR] [--option KEY=VALUE ...]`` runs a pipeline offline (see :mod:`pipelines.offline`):
 it writes ``DIR/video.mp4`` and ``DIR/metrics.json``, draws a progress bar on stderr and prints a summary on
 stdout. Bad input (a missing pipeline, image or controls file, a malformed controls file, an unknown control,
 an unsupported device, options the pipeline refuses) is reported on stderr with exit code 2 and leaves no
 output behind; a run that fails later exits 1, also without output files.
+
+``--placement`` (both commands; ``CHUNKLINE_PLACEMENT`` for stream-serve) names a JSON placement file, or
+is inline JSON starting with ``{``: where each stage runs (format: :mod:`pipelines.toy_world.placement`).
+It is passed to ``get_service(placement=...)`` and only to pipelines whose ``get_service`` has a
+``placement`` parameter; an impossible placement is refused at startup naming the stage (exit code 2).
 
 ``chunkline stream-serve [PIPE] [--host H] [--port N] [--transport local|livekit] [--livekit-url URL] ...``
 runs the stream server (:func:`server.serve.run`). Every setting of :class:`server.settings.ServerSettings` has
@@ -53,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunks", metavar="N", type=int, default=DEFAULT_CHUNKS, help=f"chunks to generate (default {DEFAULT_CHUNKS})"
     )
     run.add_argument("--device", choices=("cpu", "cuda"), help="device for the pipeline (passed to get_service)")
+    run.add_argument(
+        "--placement",
+        metavar="FILE|JSON",
+        help="where each stage runs: a JSON placement file or inline JSON (passed to get_service; not with --device)",
+    )
     run.add_argument("--seed", metavar="N", type=int, help="random seed (passed to get_service)")
     run.add_argument("--out", metavar="DIR", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     run.add_argument(
@@ -79,6 +89,7 @@ _SERVE_METAVARS: dict[str, str] = {
     "max_sessions_per_worker": "auto|N",
     "queue_size": "N",
     "worker_mode": "in-process|process",
+    "placement": "FILE|JSON",
     "assets_dir": "DIR",
     "api_key": "KEY",
     "cors_allow_origins": "ORIGINS",
@@ -229,6 +240,25 @@ def _check_device(device: str | None) -> None:
             raise _BadInput("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
 
 
+def _placement_option(pipeline: Path, placement: str, device: str | None) -> str:
+    """Check ``--placement`` (a file or inline JSON) and that the pipeline takes one; the pipeline validates it."""
+    import inspect
+
+    from pipelines.loader import PipelineLoadError, load_pipeline_module
+
+    if device is not None:
+        raise _BadInput("--device and --placement: give one (the placement names every stage's devices)")
+    if not placement.strip().startswith("{") and not Path(placement).is_file():
+        raise _BadInput(f"--placement: no such file {placement!r}")
+    try:
+        factory = getattr(load_pipeline_module(pipeline), "get_service", None)
+    except PipelineLoadError as exc:
+        raise _BadInput(str(exc)) from exc
+    if factory is None or "placement" not in inspect.signature(factory).parameters:
+        raise _BadInput(f"--placement: pipeline {str(pipeline)!r} takes no placement (get_service has no 'placement')")
+    return placement
+
+
 def _fmt_seconds(value: Any) -> str:
     return "-" if value is None else f"{value:.3f} s"
 
@@ -300,6 +330,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     service_options: dict[str, Any] = {"gpu_num": 0}
     if args.device is not None:
         service_options["device"] = args.device
+    if args.placement is not None:
+        service_options["placement"] = _placement_option(pipeline, args.placement, args.device)
     if args.seed is not None:
         service_options["seed"] = args.seed
     try:

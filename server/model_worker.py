@@ -45,6 +45,7 @@ class ModelWorker:
         service_loader: Callable[..., Service] | None = None,
         policy: SessionCapacityPolicy = SessionCapacityPolicy(),
         worker_mode: str = "in-process",
+        placement: str | None = None,
     ) -> None:
         if service_loader is None:  # "process": the service runs in a child process behind a proxy
             service_loader = start_process_service if worker_mode == "process" else load_service
@@ -56,6 +57,7 @@ class ModelWorker:
         self._on_failed = on_failed
         self._load = service_loader
         self._policy = policy
+        self._options = {} if placement is None else {"placement": placement}  # settings.placement, as given
         self.service: Service | None = None
         self.plan: CapacityPlan | None = None
         self.failure: str | None = None
@@ -86,7 +88,7 @@ class ModelWorker:
             self._on_failed(self, reason)
 
     async def _serve(self) -> None:
-        loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids))
+        loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids), **self._options)
         service = await trio.to_thread.run_sync(loader)
         self.service = service
         limit = self.max_sessions if isinstance(self.max_sessions, int) else None

@@ -100,6 +100,7 @@ class StreamRuntime:
                     on_ready=self._worker_ready,
                     on_failed=self._worker_failed,
                     worker_mode=self.settings.worker_mode,
+                    placement=self.settings.placement,
                     **options,
                 )
                 self.workers[worker_id] = worker

@@ -35,6 +35,7 @@ CHUNKLINE_TOKEN_TTL                   --token-ttl                   ``3600`` s; 
 CHUNKLINE_CONTROLLER_TIMEOUT          --controller-timeout          ``60`` s; > 0
 CHUNKLINE_ROOM_EMPTY_TIMEOUT          --room-empty-timeout          ``30`` s; > 0
 CHUNKLINE_WORKER_MODE                 --worker-mode                 ``in-process``; or ``process``
+CHUNKLINE_PLACEMENT                   --placement                   unset; a JSON placement file, or inline ``{...}``
 CHUNKLINE_SKIP_VALIDATION             --skip-validation             ``false``; 1/0 true/false yes/no on/off
 CHUNKLINE_ASSETS_DIR                  --assets-dir                  unset; an existing directory
 CHUNKLINE_API_KEY                     --api-key                     unset (no auth); non-empty when set
@@ -176,6 +177,23 @@ def _worker_mode(value: Any) -> str:
     return _choice("--worker-mode", value, ("in-process", "process"))
 
 
+def _placement(value: Any) -> str | None:
+    """A placement file that exists, or inline JSON (``{...}``); the pipeline validates the content."""
+    value = _blank_to_none(value)
+    if value is None:
+        return None
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str):
+        raise _fail("--placement", "a JSON placement file or inline JSON", value)
+    if value.strip().startswith("{"):
+        return value.strip()
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise SettingsError("--placement", f"--placement {value!r} is not an existing file")
+    return str(path)
+
+
 def _assets_dir(value: Any) -> str | None:
     if value is None:
         return None
@@ -281,6 +299,11 @@ class ServerSettings:
     )
     worker_mode: WorkerMode = attrs.field(
         default="in-process", converter=_worker_mode, metadata=_help("in-process or process workers")
+    )
+    placement: str | None = attrs.field(
+        default=None,
+        converter=_placement,
+        metadata=_help("where each pipeline stage runs: a JSON placement file or inline JSON (see the pipeline)"),
     )
     skip_validation: bool = attrs.field(
         default=False,

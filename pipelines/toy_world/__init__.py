@@ -1,17 +1,32 @@
 """The toy world pipeline: a small, real torch world model served as a BidirectionalService.
 
-``get_service(gpu_num=0, device=None, seed=0, **sizes)`` builds it; sizes are the
-fields of :class:`ToyWorldConfig` (height, width, frames_per_chunk, ...).
+``get_service(gpu_num=0, device=None, seed=0, placement=None, **sizes)`` builds it; sizes are the
+fields of :class:`ToyWorldConfig` (height, width, frames_per_chunk, ...). ``placement`` (a
+:class:`Placement`, a dict, inline JSON or the path of a JSON placement file; format in
+:mod:`pipelines.toy_world.placement`) says where each stage runs; without it every stage runs
+in-process on ``device``. Giving both ``device`` and ``placement`` is refused (the placement names
+every stage's devices). An impossible placement raises ``ValueError`` naming the stage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .model import ToyWorldConfig
-from .service import ToyWorldService
+from .placement import Placement, StageRuntime, load_placement
+from .service import PipelineFailed, ServiceFailedError, ToyWorldService
 
-__all__ = ["get_service", "ToyWorldConfig", "ToyWorldService"]
+__all__ = [
+    "PipelineFailed",
+    "Placement",
+    "ServiceFailedError",
+    "StageRuntime",
+    "ToyWorldConfig",
+    "ToyWorldService",
+    "get_service",
+    "load_placement",
+]
 
 
 def get_service(
@@ -21,12 +36,18 @@ def get_service(
     seed: int = 0,
     max_sessions: int = 4,
     idle_timeout: float = 10.0,
+    placement: Placement | Mapping[str, Any] | str | None = None,
     **sizes: Any,
 ) -> ToyWorldService:
+    if placement is not None:
+        if device is not None:
+            raise ValueError("give either device or placement, not both (the placement names each stage's devices)")
+        placement = load_placement(placement)
+        device = placement.denoise.devices[0]
     if device is None:
         device = f"cuda:{gpu_num}" if gpu_num and _cuda_available() else "cpu"
     config = ToyWorldConfig(device=device, seed=seed, **sizes)
-    return ToyWorldService(config, max_sessions=max_sessions, idle_timeout=idle_timeout)
+    return ToyWorldService(config, max_sessions=max_sessions, idle_timeout=idle_timeout, placement=placement)
 
 
 def _cuda_available() -> bool:

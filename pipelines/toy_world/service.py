@@ -21,6 +21,13 @@ chunk is made and the last frame stays on screen. Session creation makes one
 preview chunk. ``continuous`` mode (offline runs) makes chunks back to back;
 scripted controls (``SessionConfig.timeline``) apply to the first chunk that
 starts at or after their time on the media clock.
+
+Placement (:mod:`.placement`, :mod:`.stages`): in-process (default) or process worker groups;
+identical chunks for a seed and controls either way. A dead worker fails its group, its actor and
+every session of this service (all use every stage); the service does **not** restart groups, it
+reports itself failed: :attr:`ToyWorldService.failure` names the stage, failed sessions' ``chunks()``
+raise :class:`PipelineFailed`, ``create_session`` and the exit of ``running()`` raise
+:class:`ServiceFailedError`, so its owner replaces the instance (other instances are unaffected).
 """
 
 from __future__ import annotations
@@ -38,14 +45,9 @@ import torch
 import trio
 
 from engine import (
-    EdgeSpec,
-    LocalStageActor,
-    PipelineSpec,
     SessionCleanupError,
     SessionMemoryBudget,
     SessionStateError,
-    StageSpec,
-    capture_memory_snapshot,
     open_orchestrator,
 )
 from states.lease_book import LeaseTransition
@@ -65,57 +67,27 @@ from ..contract import (
 from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
 from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
-from .pose import Pose, integrate_pose
+from .placement import DTYPES, Placement, load_placement, pipeline_spec
+from .stages import ChunkControl, Condition, EncodeRequest, make_stages
 
-__all__ = ["SPEC", "ToyWorldService"]
+__all__ = [
+    "SPEC", "ChunkControl", "Condition", "EncodeRequest", "PipelineFailed", "ServiceFailedError", "ToyWorldService",
+]
 
-SPEC = PipelineSpec(
-    stages=(
-        StageSpec("encode", {"encode_request"}, {"condition"}),
-        StageSpec("denoise", {"condition", "control"}, {"latent"}),
-        StageSpec("decode", {"latent"}, {"frames"}),
-    ),
-    edges=(
-        EdgeSpec("encode_request", "encode", None, 2),
-        EdgeSpec("condition", "denoise", "encode", 2),
-        EdgeSpec("control", "denoise", None, 2),
-        EdgeSpec("latent", "decode", "denoise", 2),
-    ),
-    output_artifacts={"frames"},
-    output_capacity_per_session=2,
-    latency_anchor_artifact="control",
-)
+
+class PipelineFailed(RuntimeError):
+    """A stage failed the session; the chunk stream ends with this error."""
+
+
+class ServiceFailedError(RuntimeError):
+    """A stage's workers died: the service refuses new sessions (replace the service instance)."""
+
+
+SPEC = pipeline_spec(Placement.uniform())  # the graph (no resource group unless a placement declares one)
 
 # A session never has more than this many chunks requested but not yet read by
 # its consumer, so a slow reader holds back only its own session (never the lease).
 UNDELIVERED_LIMIT = 2
-
-
-@attrs.frozen
-class EncodeRequest:
-    """Encode the reference image into the session's base world (only the first request carries it)."""
-
-    index: int
-    image: np.ndarray | None = attrs.field(eq=False)
-    needs_world: bool
-
-
-@attrs.frozen
-class Condition:
-    index: int
-    world: torch.Tensor | None = attrs.field(eq=False)
-
-
-@attrs.frozen
-class ChunkControl:
-    """The control snapshot one chunk is generated from (immutable: it is also reported)."""
-
-    index: int
-    slot: int
-    keys: frozenset[str]
-    reset_pose: bool
-    noise_seed: int
-    prompt: str | None  # conditions this chunk (a new prompt takes effect on the next chunk)
 
 
 @attrs.define
@@ -147,6 +119,7 @@ class _ToySession:
     changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     finished: trio.Event = attrs.Factory(trio.Event)
+    error: BaseException | None = None  # why the pipeline session failed
 
     def wake(self) -> None:
         self.changed.unpark_all()
@@ -163,17 +136,23 @@ class ToyWorldService(BidirectionalService):
         *,
         max_sessions: int = 4,
         idle_timeout: float = 10.0,
+        placement: Placement | Mapping[str, Any] | str | None = None,
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.config = config or ToyWorldConfig()
+        dtype = next((name for name, value in DTYPES.items() if value == self.config.dtype), "float32")
+        self.placement = (
+            Placement.uniform(self.config.device, dtype) if placement is None else load_placement(placement)
+        )
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
         self._sessions: dict[str, _ToySession] = {}
         self._slot_of: dict[str, int] = {}
         self._ids = itertools.count(1)
-        self._model: ToyWorldModel | None = None
-        self._slots: SessionSlots | None = None
+        self._model: ToyWorldModel | None = None  # in-process placement only (denoise's model)
+        self._slots: SessionSlots | None = None  # in-process placement only
+        self._stages: Any = None
         self._orch: Any = None
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -182,8 +161,13 @@ class ToyWorldService(BidirectionalService):
 
     # -- lifecycle ---------------------------------------------------------------
 
+    @property
+    def failure(self) -> str | None:
+        """Why the service failed (a stage's workers died), or None."""
+        return None if self._stages is None else self._stages.failure
+
     def configure_session_capacity(self, limit: int) -> None:
-        if self._slots is not None:
+        if self._stages is not None:
             raise RuntimeError("configure_session_capacity must be called before running()")
         if limit < 1:
             raise ValueError(f"session capacity must be >= 1, got {limit}")
@@ -191,28 +175,33 @@ class ToyWorldService(BidirectionalService):
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[ToyWorldService]:
-        """Build the model and slots off the event loop, start the three actors and the lease."""
+        """Build the stages for the placement, start their actors and the lease."""
         torch.set_num_threads(1)  # stages run in parallel threads (one intra-op thread each)
-        self._model = await trio.to_thread.run_sync(ToyWorldModel, self.config)
-        self._slots = await trio.to_thread.run_sync(SessionSlots, self.max_sessions, self.config)
         self._token = trio.lowlevel.current_trio_token()
-        actors = {
-            "encode": LocalStageActor(self._encode, name="toy-world-encode"),
-            "denoise": LocalStageActor(self._denoise, name="toy-world-denoise", session_closer=self._release_slot),
-            "decode": LocalStageActor(self._decode, name="toy-world-decode"),
-        }
-        async with open_orchestrator(SPEC, actors) as orch, trio.open_nursery() as nursery:
-            self._orch, self._nursery = orch, nursery
-            nursery.start_soon(self._lease.run)
-            await self._warm_up()
-            try:
-                yield self
-            finally:
-                with trio.CancelScope(shield=True):
-                    for session_id in list(self._sessions):
-                        await self.close_session(session_id)
-                nursery.cancel_scope.cancel()
-        self._orch = self._nursery = None
+        stages = make_stages(self.config, self.max_sessions, self.placement, self._notify_denoised)
+        actors = await stages.start({"encode": self._encode, "denoise": self._denoise, "decode": self._decode})
+        self._stages = stages
+        self._slot_of = stages.slot_of
+        if self.placement.mode == "in-process":
+            self._model, self._slots = stages.models["denoise"], stages.slots
+        try:
+            async with open_orchestrator(pipeline_spec(self.placement), actors) as orch, trio.open_nursery() as nursery:
+                self._orch, self._nursery = orch, nursery
+                nursery.start_soon(self._lease.run)
+                await self._warm_up()
+                try:
+                    yield self
+                finally:
+                    with trio.CancelScope(shield=True):
+                        for session_id in list(self._sessions):
+                            await self.close_session(session_id)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._orch = self._nursery = None
+            with trio.CancelScope(shield=True):
+                await stages.aclose()
+        if stages.failure is not None:
+            raise ServiceFailedError(f"the toy world service failed: {stages.failure}")
 
     async def _warm_up(self) -> None:
         """One chunk through every stage so that memory snapshots see steady-state peaks."""
@@ -221,19 +210,21 @@ class ToyWorldService(BidirectionalService):
             async for _ in chunks:
                 break
         await self.close_session(session_id)
-        self._snapshots = (capture_memory_snapshot("toy_world", self.config.device),)
+        self._snapshots = await trio.to_thread.run_sync(self._stages.memory_snapshots)
 
     def memory_report(self) -> MemoryReport | None:
-        if self._slots is None or not self._snapshots:
+        if self._stages is None or not self._snapshots:
             return None
-        budget = SessionMemoryBudget(persistent_bytes_per_session=self._slots.bytes_per_session)
+        budget = SessionMemoryBudget(persistent_bytes_per_session=self._stages.bytes_per_session)
         return MemoryReport(snapshots=self._snapshots, role_budgets={"toy_world": budget})
 
     # -- sessions ----------------------------------------------------------------
 
     async def create_session(self, config: SessionConfig, *, on_event: EventSink | None = None) -> str:
-        if self._orch is None or self._slots is None or self._nursery is None:
+        if self._orch is None or self._stages is None or self._nursery is None:
             raise RuntimeError("create_session needs `async with service.running():`")
+        if self._stages.failure is not None:
+            raise ServiceFailedError(f"the toy world service failed and takes no new sessions: {self._stages.failure}")
         options = dict(config.options)
         continuous = bool(options.pop("continuous", False))
         chunk_count = options.pop("chunks", None)
@@ -241,7 +232,7 @@ class ToyWorldService(BidirectionalService):
         if chunk_count is not None and (not isinstance(chunk_count, int) or chunk_count < 1):
             raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
         image = await trio.to_thread.run_sync(_load_image, config.image_path) if config.image_path else None
-        slot = self._slots.acquire()  # SlotPoolFullError when every retained slot is taken
+        slot = self._stages.pool.acquire()  # SlotPoolFullError when every retained slot is taken
         session_id = f"toy-{next(self._ids)}"
         self._slot_of[session_id] = slot
         orch_session = self._orch.create_session(
@@ -275,7 +266,7 @@ class ToyWorldService(BidirectionalService):
 
     def _encode_request(self, session: _ToySession, index: int) -> EncodeRequest:
         needs_world = index == 0
-        return EncodeRequest(index, session.image if needs_world else None, needs_world)
+        return EncodeRequest(index, session.image if needs_world else None, needs_world, session.slot)
 
     def _session(self, session_id: str) -> _ToySession:
         session = self._sessions.get(session_id)
@@ -324,6 +315,8 @@ class ToyWorldService(BidirectionalService):
                 session.delivered += 1
                 session.wake()
                 yield chunk
+        if session.error is not None:
+            raise PipelineFailed(f"session {session_id} failed: {session.error}") from session.error
 
     async def close_session(self, session_id: str) -> None:
         session = self._sessions.get(session_id)
@@ -412,6 +405,13 @@ class ToyWorldService(BidirectionalService):
             await self._forward(session, outputs, scope)
 
     async def _forward(self, session: _ToySession, outputs: AsyncIterator[Any], scope: trio.CancelScope) -> None:
+        await self._forward_chunks(session, outputs, scope)
+        if session.orch.status is PipelineState.FAILED or session.orch.error is not None:
+            # a stage failed: end the session's stream with that error instead of waiting forever
+            session.error = session.orch.error or RuntimeError("the pipeline session failed")
+            session.scope.cancel()
+
+    async def _forward_chunks(self, session: _ToySession, outputs: AsyncIterator[Any], scope: trio.CancelScope) -> None:
         async for seq, artifacts in outputs:
             frames, control, poses = artifacts["frames"]
             chunk = Chunk(
@@ -463,29 +463,21 @@ class ToyWorldService(BidirectionalService):
         position = self._lease.book.queue_position(transition.session_id) if transition.session_id in self._lease.book else None
         session.on_event(ServiceEvent(transition.session_id, name, {"queue_position": position}))
 
-    # -- stage handlers (each on its actor's own thread) ---------------------------
+    # -- stage handlers (in-process placement; on each actor's thread) and notifications ---
 
     def _encode(self, invocation: Any) -> Mapping[str, Any]:
-        request: EncodeRequest = invocation.inputs["encode_request"]
-        assert self._model is not None
-        world = self._model.encode_world(request.image) if request.needs_world else None
-        return {"condition": Condition(request.index, world)}
+        return self._stages.encode(invocation)
 
     def _denoise(self, invocation: Any) -> Mapping[str, Any]:
-        condition: Condition = invocation.inputs["condition"]
-        control: ChunkControl = invocation.inputs["control"]
-        assert self._model is not None and self._slots is not None
-        slot = control.slot
-        if condition.world is not None:
-            self._slots.world(slot).copy_(condition.world)
-        pose = Pose() if control.reset_pose else self._slots.pose(slot)
-        poses = integrate_pose(pose, control.keys, self.config.frames_per_chunk, self.config)
-        world = self._model.condition_on_prompt(self._slots.world(slot), control.prompt)
-        latents = self._model.denoise_chunk(world, poses, self._slots.cache(slot), control.noise_seed)
-        self._slots.set_pose(slot, poses[-1])
+        return self._stages.denoise(invocation)
+
+    def _decode(self, invocation: Any) -> Mapping[str, Any]:
+        return self._stages.decode(invocation)
+
+    def _notify_denoised(self, session_id: str, index: int) -> None:
+        """Called on a stage thread when a chunk's denoise finished."""
         assert self._token is not None
-        self._token.run_sync_soon(self._on_denoised, invocation.key.session_id, control.index)
-        return {"latent": (latents, control, poses)}
+        self._token.run_sync_soon(self._on_denoised, session_id, index)
 
     def _on_denoised(self, session_id: str, index: int) -> None:
         """Runs in the trio thread (via run_sync_soon), so it must never raise."""
@@ -495,17 +487,6 @@ class ToyWorldService(BidirectionalService):
         session.denoised.setdefault(index, trio.Event()).set()
         if session.orch.status is PipelineState.RUNNING and not session.stopping:
             session.prefetch.refill()  # normally admits condition[index + 2]
-
-    def _decode(self, invocation: Any) -> Mapping[str, Any]:
-        latents, control, poses = invocation.inputs["latent"]
-        assert self._model is not None
-        return {"frames": (self._model.decode_frames(latents), control, poses)}
-
-    def _release_slot(self, context: Any, reason: Any) -> None:
-        """The denoise actor's session hook: zero and return the session's slot."""
-        slot = self._slot_of.pop(context.session_id, None)
-        if slot is not None and self._slots is not None:
-            self._slots.release(slot)
 
 
 def _load_image(path: str) -> np.ndarray:

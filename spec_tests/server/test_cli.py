@@ -308,6 +308,7 @@ def test_run_still_parses_as_before() -> None:
         "chunks": 8,
         "device": None,
         "seed": None,
+        "placement": None,
         "out": "chunkline-run",
         "option": [],
     }

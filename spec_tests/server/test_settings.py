@@ -330,6 +330,7 @@ def test_a_bad_cli_value_is_not_blamed_on_the_environment() -> None:
 def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
     env = {
         "CHUNKLINE_PIPELINE": "env.py",
+        "CHUNKLINE_PLACEMENT": '{"mode": "in-process"}',
         "CHUNKLINE_HOST": "0.0.0.0",
         "CHUNKLINE_PORT": "1234",
         "CHUNKLINE_TRANSPORT": "livekit",
@@ -360,6 +361,7 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
     s = ServerSettings.from_sources({}, env)
     assert s.public_dict() == {
         "pipeline": "env.py",
+        "placement": '{"mode": "in-process"}',
         "host": "0.0.0.0",
         "port": 1234,
         "livekit_url": "ws://localhost:7880",
