@@ -209,7 +209,10 @@ class _ChildProcess:
         parent_conn = child_conn = None
         try:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=child_main, args=(child_conn, config), name=self.name, daemon=True)
+            # not daemonic: the service may start worker processes of its own (process
+            # placement); its lifetime is still bound to ours (parent-death signal, watchdog,
+            # and the bounded stop in close())
+            proc = ctx.Process(target=child_main, args=(child_conn, config), name=self.name, daemon=False)
             proc.start()
         except BaseException as exc:
             for conn in (parent_conn, child_conn):
