@@ -24,6 +24,14 @@ const LOG_LIMIT = 60;
 const LIVEKIT_BUNDLE = "/static/vendor/livekit-client.umd.js";
 const TERMINAL = new Set(["closed", "failed", "expired", "rejected"]);
 const WAITING = new Set(["pending", "queued"]); // admitted but not yet given a worker
+// Session states (states/stream_session.py); a tf.status "status" stage with one of these names is the
+// session's new state, shown at once instead of at the next refresh.
+const SESSION_STATES = new Set([
+  "pending", "queued", "assigned", "joining_room", "starting_pipeline", "running", "draining",
+  "closed", "failed", "expired", "rejected",
+]);
+// The server's own publisher in a room is `chunkline-<worker_id>` (server/runner.py): not a person.
+const SERVER_IDENTITY_PREFIX = "chunkline-";
 
 // KeyboardEvent.code -> the normalized key the server expects (pipelines/contract.py KNOWN_KEYS).
 const KEY_CODES = {
@@ -42,6 +50,8 @@ const ui = {
   lkAudio: $("lk-audio"),
   placeholder: $("placeholder"),
   placeholderText: $("placeholder-text"),
+  screen: $("screen"),
+  endBanner: $("end-banner"),
   stage: $("stat-stage"),
   status: $("stat-status"),
   fps: $("stat-fps"),
@@ -99,6 +109,8 @@ const state = {
   clientLatency: null, // fallback: key change -> next chunk, seconds
   participants: new Set(),
   audio: null, // AudioPlayer
+  ended: null, // {kind, text} once the stream finished, failed or the room connection closed
+  leaseWaiting: false, // the notice says "Waiting for the model": the next frame replaces it
 };
 
 // -- small helpers ----------------------------------------------------------------------------
@@ -283,6 +295,11 @@ function showFrame(jpegBytes) {
 function countFrame() {
   const now = performance.now();
   state.frameCount += 1;
+  if ((state.frameCount === 1 || state.leaseWaiting) && !state.ended) {
+    state.leaseWaiting = false;
+    setNotice(state.mode === "viewer" ? "Streaming (viewing)." : "Streaming: hold W A S D / I J K L to steer.");
+    if (state.frameCount === 1) log("first frame");
+  }
   state.frameTimes.push(now);
   while (state.frameTimes.length && now - state.frameTimes[0] > 2000) state.frameTimes.shift();
   ui.frames.textContent = String(state.frameCount);
@@ -337,9 +354,18 @@ function renderStats() {
   ui.chunks.textContent = String(state.chunkCount);
 }
 
+function isServerIdentity(identity) {
+  return typeof identity === "string" && identity.startsWith(SERVER_IDENTITY_PREFIX);
+}
+
 function renderParticipants() {
-  ui.participants.textContent = state.participants.size ? String(state.participants.size) : "—";
-  ui.participants.title = Array.from(state.participants).sort().join(", ");
+  const all = Array.from(state.participants).filter((identity) => typeof identity === "string" && identity);
+  const people = all.filter((identity) => !isServerIdentity(identity)).sort();
+  const servers = all.filter(isServerIdentity).sort();
+  if (!people.length && !servers.length) ui.participants.textContent = "—";
+  else ui.participants.textContent = `${people.length}${servers.length ? " + server" : ""}`;
+  // The title lists people first, then the server's publisher(s).
+  ui.participants.title = [...people, ...servers].join(", ");
 }
 
 setInterval(renderStats, 500);
@@ -378,7 +404,8 @@ function handleStatus(message) {
   switch (message.type) {
     case "status":
       ui.stage.textContent = message.stage || "—";
-      setNotice(`Stage: ${message.stage}`);
+      if (SESSION_STATES.has(message.stage)) setSessionStatus(message.stage);
+      if (!(message.stage === "running" && state.frameCount > 0)) setNotice(`Stage: ${message.stage}`);
       log(`stage ${message.stage}${data.worker_id ? ` on ${data.worker_id}` : ""}`);
       break;
     case "chunk": {
@@ -395,31 +422,100 @@ function handleStatus(message) {
       renderStats();
       break;
     }
-    case "lease": {
-      const position = message.queue_position;
-      const where = typeof position === "number" ? ` (queue position ${position})` : "";
-      const event = String(message.event || "").replace(/^lease_/, "");
-      setNotice(`Lease ${event}${where}`);
-      log(`lease ${event}${where}`);
+    case "lease_queued":
+    case "lease_granted":
+    case "lease_parked":
+      showLease(message.type, message.queue_position);
       break;
-    }
+    case "lease": // an older server's shape: {"type": "lease", "event": "lease_granted", ...}
+      showLease(String(message.event || ""), message.queue_position);
+      break;
     case "control_rejected":
       setNotice(`Control rejected: ${message.reason}${message.detail ? ` — ${message.detail}` : ""}`, "warn");
       log(`control rejected: ${message.reason}${message.detail ? ` (${message.detail})` : ""}`, "warn");
       break;
-    case "done":
+    case "done": {
       ui.stage.textContent = "done";
-      setNotice(`Stream finished: ${message.total_chunks} chunks, ${message.published_frames} frames.`);
+      const text = `Stream finished: ${message.total_chunks} chunks, ${message.published_frames} frames.`;
+      setNotice(text);
       log(`done: ${message.total_chunks} chunks, ${message.published_frames} frames`);
+      endStream("done", text);
       break;
-    case "error":
+    }
+    case "error": {
       ui.stage.textContent = "error";
-      setNotice(`Error: ${message.reason}${message.detail ? ` — ${message.detail}` : ""}`, "error");
+      const text = `Error: ${message.reason}${message.detail ? ` — ${message.detail}` : ""}`;
+      setNotice(text, "error");
       log(`error: ${message.reason} ${message.detail || ""}`, "error");
+      endStream("error", text);
       break;
+    }
     default:
       log(`status: ${JSON.stringify(message).slice(0, 200)}`);
   }
+}
+
+// The execution lease (pipelines/lease.py): the model is shared, a session waits its turn for it.
+function showLease(event, position) {
+  const where = typeof position === "number" ? ` (position ${position})` : "";
+  let text;
+  let kind = "info";
+  switch (event) {
+    case "lease_granted":
+      text = "Lease granted";
+      break;
+    case "lease_queued":
+      text = `Waiting for the model${where}`;
+      kind = "warn";
+      break;
+    case "lease_parked":
+      text = "Parked (idle)";
+      break;
+    default:
+      text = `Lease ${event.replace(/^lease_/, "") || "changed"}${where}`;
+  }
+  if (!state.ended) {
+    setNotice(`${text}.`, kind);
+    state.leaseWaiting = event === "lease_queued";
+  }
+  log(text.toLowerCase());
+}
+
+// The stream is over (done, error, or the room connection closed): everything that steers it goes
+// dead, the heartbeat stops, the room connection is closed, and the screen says how it ended.
+function endStream(kind, text) {
+  if (state.ended) return;
+  state.ended = { kind, text };
+  stopHeartbeat();
+  state.heldCodes.clear();
+  state.sentKeys = "";
+  for (const button of ui.keyButtons) button.setAttribute("aria-pressed", "false");
+  ui.heldKeys.textContent = "Held keys: none";
+  setControlsEnabled(false);
+  ui.controls.dataset.ended = kind;
+  ui.screen.dataset.ended = kind;
+  ui.endBanner.textContent = kind === "done" ? text : text.replace(/\.$/, "") + ".";
+  ui.endBanner.dataset.kind = kind === "done" ? "info" : kind === "error" ? "error" : "warn";
+  ui.endBanner.hidden = false;
+  ui.shareButton.disabled = true;
+  ui.queueLine.hidden = true;
+  disconnect();
+  state.participants = new Set(); // this page has left the room
+  renderParticipants();
+  // The final session state (closed, failed, …) without waiting for the next tick; the runner settles
+  // it just after its last message, so look again shortly too.
+  refreshSession();
+  setTimeout(refreshSession, 750);
+}
+
+function clearEnded() {
+  state.ended = null;
+  state.leaseWaiting = false;
+  delete ui.controls.dataset.ended;
+  delete ui.screen.dataset.ended;
+  ui.endBanner.hidden = true;
+  ui.endBanner.textContent = "";
+  ui.shareButton.disabled = false;
 }
 
 // -- local transport ---------------------------------------------------------------------------------
@@ -665,7 +761,7 @@ async function connect() {
     state.link = link;
     link.connect();
   }
-  if (state.mode === "controller") {
+  if (state.mode === "controller" && !state.ended) {
     ui.controls.hidden = false;
     setControlsEnabled(true);
   }
@@ -675,7 +771,11 @@ function onDisconnected(link) {
   if (state.link !== link) return; // an older connection, already replaced
   state.link = null;
   releaseAll();
+  stopHeartbeat();
   setControlsEnabled(false);
+  if (!state.ended) {
+    endStream(link.closedByUs ? "left" : "disconnected", link.closedByUs ? "Left the room." : "Disconnected from the room.");
+  }
   if (state.audio) {
     state.audio.close();
     state.audio = null;
@@ -701,7 +801,7 @@ function heldKeys() {
 }
 
 function sendControl(payload) {
-  if (state.mode !== "controller" || !state.link) return false;
+  if (state.mode !== "controller" || !state.link || state.ended) return false;
   return state.link.send(CONTROL_TOPIC, payload);
 }
 
@@ -746,7 +846,7 @@ function typingTarget(target) {
 }
 
 function controlsActive() {
-  return state.mode === "controller" && Boolean(state.link) && state.link.open;
+  return state.mode === "controller" && !state.ended && Boolean(state.link) && state.link.open;
 }
 
 window.addEventListener("keydown", (event) => {
@@ -857,20 +957,31 @@ async function pollQueue() {
   }
 }
 
+function setSessionStatus(status) {
+  if (!status) return;
+  // A terminal state is final: a late answer or message never takes it back.
+  if (TERMINAL.has(ui.status.textContent) && !TERMINAL.has(status)) return;
+  ui.status.textContent = status;
+}
+
+async function refreshSession() {
+  const session = state.session;
+  if (!session || state.pollTimer) return;
+  try {
+    const { data } = await api("GET", `/v1/stream/sessions/${encodeURIComponent(session.session_id)}`);
+    if (state.session !== session) return;
+    setSessionStatus(data.status);
+    if (TERMINAL.has(data.status)) stopRefresh();
+  } catch (error) {
+    if (state.session === session && (error.status === 404 || error.status === 401)) stopRefresh();
+  }
+}
+
+// The session's state now, then every few seconds until it ends.
 function startRefresh() {
   stopRefresh();
-  state.refreshTimer = setInterval(async () => {
-    const session = state.session;
-    if (!session || state.pollTimer) return;
-    try {
-      const { data } = await api("GET", `/v1/stream/sessions/${encodeURIComponent(session.session_id)}`);
-      if (state.session !== session) return;
-      ui.status.textContent = data.status;
-      if (TERMINAL.has(data.status)) stopRefresh();
-    } catch (error) {
-      if (error.status === 404 || error.status === 401) stopRefresh();
-    }
-  }, SESSION_REFRESH_MS);
+  state.refreshTimer = setInterval(refreshSession, SESSION_REFRESH_MS);
+  refreshSession();
 }
 
 function stopRefresh() {
@@ -888,6 +999,7 @@ function resetStats() {
   state.clientLatency = null;
   state.lastControlChangeAt = null;
   state.participants = new Set();
+  clearEnded();
   ui.stage.textContent = "—";
   ui.status.textContent = "—";
   ui.frames.textContent = "0";

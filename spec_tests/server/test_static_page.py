@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -14,8 +15,11 @@ import pytest
 import pipelines
 from pipelines.contract import KNOWN_KEYS
 from server import protocol
+from server import runner as server_runner
 from server.app import STATIC, create_app
 from server.settings import ServerSettings
+from states.stream_session import TERMINAL as STREAM_TERMINAL
+from states.stream_session import State as StreamState
 
 REPLAY = str(Path(pipelines.__file__).parent / "replay")
 APP_JS = STATIC / "app.js"
@@ -131,3 +135,47 @@ def test_app_js_uses_the_server_topics() -> None:
     script = APP_JS.read_text()
     for topic in (protocol.CONTROL_TOPIC, protocol.STATUS_TOPIC, protocol.METRICS_TOPIC):
         assert f'"{topic}"' in script
+
+
+def test_app_js_handles_every_lease_message_type() -> None:
+    """tf.status lease messages carry the event as their ``type`` (protocol.lease_message)."""
+    script = APP_JS.read_text()
+    assert protocol.LEASE_EVENTS == {"lease_queued", "lease_granted", "lease_parked"}
+    for event in protocol.LEASE_EVENTS:
+        assert f'case "{event}"' in script, event
+        message = json.loads(protocol.lease_message("s", event, 2))
+        assert message["type"] == event and message["queue_position"] == 2
+    for text in ("Lease granted", "Waiting for the model", "Parked (idle)"):
+        assert text in script, text
+
+
+def test_app_js_knows_the_session_states() -> None:
+    script = APP_JS.read_text()
+    block = re.search(r"const SESSION_STATES = new Set\(\[(.*?)\]\);", script, re.DOTALL)
+    assert block is not None
+    assert set(re.findall(r"\"(\w+)\"", block.group(1))) == {state.value for state in StreamState}
+    terminal = re.search(r"const TERMINAL = new Set\(\[(.*?)\]\);", script, re.DOTALL)
+    assert terminal is not None
+    assert set(re.findall(r"\"(\w+)\"", terminal.group(1))) == {state.value for state in STREAM_TERMINAL}
+
+
+def test_app_js_counts_people_not_the_server_publisher() -> None:
+    script = APP_JS.read_text()
+    assert 'const SERVER_IDENTITY_PREFIX = "chunkline-";' in script
+    runner = (Path(server_runner.__file__)).read_text()
+    assert 'self.identity = f"chunkline-{worker.worker_id}"' in runner
+
+
+def test_app_js_refreshes_the_session_at_once_and_ends_cleanly() -> None:
+    script = APP_JS.read_text()
+    start = re.search(r"function startRefresh\(\) \{(.*?)\n\}", script, re.DOTALL)
+    assert start is not None and "refreshSession();" in start.group(1), "fetch at once, not only on the interval"
+    end = re.search(r"function endStream\(kind, text\) \{(.*?)\n\}", script, re.DOTALL)
+    assert end is not None
+    for step in ("stopHeartbeat()", "setControlsEnabled(false)", "disconnect()"):
+        assert step in end.group(1), step
+    for case in ('case "done"', 'case "error"'):
+        branch = script[script.index(case) :]
+        assert "endStream(" in branch[: branch.index("break;")], case
+    page = (STATIC / "index.html").read_text()
+    assert 'id="end-banner"' in page and 'id="screen"' in page
