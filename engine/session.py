@@ -180,6 +180,30 @@ class Session:
             stage_id, self.stage_timings(stage_id), rt.missing_after[stage_id], rt.blockers[stage_id]
         )
 
+    def stage_timing(self, stage_id: str, sequence_id: int) -> StageTiming | None:
+        """One sequence's timing at one stage (O(1): for per-chunk reporting on a hot path)."""
+        rt = self._runtime
+        if stage_id not in rt.timings:
+            raise KeyError(f"unknown stage {stage_id!r}")
+        t = rt.timings[stage_id].get(sequence_id)
+        return None if t is None else StageTiming(stage_id, sequence_id, t.inputs_ready_at, t.admitted_at, t.completed_at)
+
+    def idle_before(self, stage_id: str, sequence_id: int) -> IdleInterval | None:
+        """The stage's idle gap before ``sequence_id`` (after ``sequence_id - 1``), with its reason; O(1)."""
+        previous = self.stage_timing(stage_id, sequence_id - 1)
+        current = self.stage_timing(stage_id, sequence_id)
+        if previous is None or current is None:
+            return None
+        rt = self._runtime
+        found = idle_intervals(stage_id, [previous, current], rt.missing_after[stage_id], rt.blockers[stage_id])
+        return found[0] if found else None
+
+    def control_to_output(self, sequence_id: int) -> float | None:
+        """Seconds from the sequence's (anchor) ingress to its output; None if either is unknown; O(1)."""
+        rt = self._runtime
+        accepted, emitted = rt.ingress_at.get(sequence_id), rt.emitted_at.get(sequence_id)
+        return None if accepted is None or emitted is None else emitted - accepted
+
     def artifact_stats(self) -> ArtifactStats:
         slots = self._runtime.slots
         return ArtifactStats(len(slots), sum(len(s.consumers) for s in slots.values()))

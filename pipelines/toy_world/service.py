@@ -433,24 +433,22 @@ class ToyWorldService(BidirectionalService):
                 return
 
     def _chunk_metadata(self, session: _ToySession, seq: int) -> dict[str, Any]:
+        """Per-chunk timings, from O(1) lookups (a long session must not make each chunk slower)."""
+        orch = session.orch
         stage_times = {}
         for stage in ("encode", "denoise", "decode"):
-            timing = next((t for t in reversed(session.orch.stage_timings(stage)) if t.sequence_id == seq), None)
+            timing = orch.stage_timing(stage, seq)
             if timing is not None and timing.admitted_at is not None and timing.completed_at is not None:
                 stage_times[stage] = timing.completed_at - timing.admitted_at
-        idle = {
-            stage: [i.reason for i in session.orch.idle_intervals(stage) if i.sequence_id == seq]
-            for stage in ("denoise", "decode")
-        }
-        metadata: dict[str, Any] = {
-            "stage_times": stage_times,
-            "idle_reasons": {k: v[0] for k, v in idle.items() if v},
-        }
-        metrics = session.orch.metrics()
-        control_at = dict(metrics.ingress_accepted_at).get(seq)
-        emitted_at = dict(metrics.output_emitted_at).get(seq)
-        if control_at is not None and emitted_at is not None:
-            metadata["control_to_output_seconds"] = emitted_at - control_at
+        idle_reasons = {}
+        for stage in ("denoise", "decode"):
+            interval = orch.idle_before(stage, seq)
+            if interval is not None:
+                idle_reasons[stage] = interval.reason
+        metadata: dict[str, Any] = {"stage_times": stage_times, "idle_reasons": idle_reasons}
+        latency = orch.control_to_output(seq)
+        if latency is not None:
+            metadata["control_to_output_seconds"] = latency
         return metadata
 
     # -- lease events ------------------------------------------------------------
