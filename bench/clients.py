@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -26,6 +25,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from server.app import create_app
 from server.settings import ServerSettings
+from server.transport.client import RoomClient
 
 __all__ = [
     "RoomClient",
@@ -97,87 +97,6 @@ async def running_server(settings: ServerSettings, **app_options: Any) -> AsyncI
 
 def control_state(keys: Sequence[str]) -> dict[str, Any]:
     return {"topic": "tf.control", "payload": {"type": "control_state", "controls": list(keys)}}
-
-
-class RoomClient:
-    """A local-room WebSocket client: text messages are dicts, media messages bytes (``b"V"`` + JPEG)."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        from wsproto import ConnectionType, WSConnection
-
-        self._stream = stream
-        self._ws = WSConnection(ConnectionType.CLIENT)
-        self._pending: list[Any] = []
-        self._send_lock = trio.Lock()
-        self.closed = False
-
-    @classmethod
-    async def connect(cls, host: str, port: int, target: str) -> RoomClient:
-        from wsproto.events import AcceptConnection, RejectConnection, Request
-
-        stream = await trio.open_tcp_stream(host, port)
-        client = cls(stream)
-        await client._send(Request(host=f"{host}:{port}", target=target))
-        while True:
-            event = await client._next_event()
-            if isinstance(event, AcceptConnection):
-                return client
-            if isinstance(event, RejectConnection) or event is None:
-                await stream.aclose()
-                raise ConnectionError(f"WebSocket {target} refused: {event!r}")
-            client._pending.append(event)
-
-    async def _send(self, event: Any) -> None:
-        async with self._send_lock:
-            await self._stream.send_all(self._ws.send(event))
-
-    async def _next_event(self) -> Any:
-        while True:
-            for event in self._ws.events():
-                return event
-            data = await self._stream.receive_some(262144)
-            if not data:
-                self._ws.receive_data(None)
-                for event in self._ws.events():
-                    return event
-                return None
-            self._ws.receive_data(data)
-
-    async def send_json(self, message: Any) -> None:
-        from wsproto.events import TextMessage
-
-        await self._send(TextMessage(data=json.dumps(message)))
-
-    async def receive(self) -> Any:
-        """The next whole message (dict for text, bytes for media), or None once the server closed."""
-        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
-
-        text: list[str] = []
-        binary: list[bytes] = []
-        while True:
-            event = self._pending.pop(0) if self._pending else await self._next_event()
-            if event is None:
-                self.closed = True
-                return None
-            if isinstance(event, CloseConnection):
-                self.closed = True
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    await self._send(event.response())
-                return None
-            if isinstance(event, Ping):
-                await self._send(event.response())
-            elif isinstance(event, TextMessage):
-                text.append(event.data)
-                if event.message_finished:
-                    return json.loads("".join(text))
-            elif isinstance(event, BytesMessage):
-                binary.append(bytes(event.data))
-                if event.message_finished:
-                    return b"".join(binary)
-
-    async def aclose(self) -> None:
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            await self._stream.aclose()
 
 
 async def open_controller(client: httpx.AsyncClient, served: Served, identity: str,

@@ -20,9 +20,7 @@ trio run:
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import json
 import multiprocessing
 import os
 import threading
@@ -31,6 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+
+from server.transport.client import RoomClient
 
 IDLE_CACHE_THREAD = "Trio thread "
 
@@ -126,81 +126,6 @@ async def wait_until(predicate: Callable[[], Any], what: str, deadline: float = 
 # -- a raw WebSocket client (wsproto over a trio socket) -------------------------------------
 
 
-class RawWebSocket:
-    """A minimal client of the local rooms' WebSocket: text messages in and out, no extensions."""
+# the product's own local-room client (server/transport/client.py)
+RawWebSocket = RoomClient
 
-    def __init__(self, stream: trio.SocketStream) -> None:
-        from wsproto import ConnectionType, WSConnection
-
-        self._stream = stream
-        self._ws = WSConnection(ConnectionType.CLIENT)
-        self._pending: list[Any] = []
-        self.closed = False
-        self.close_code: int | None = None
-
-    @classmethod
-    async def connect(cls, host: str, port: int, target: str) -> RawWebSocket:
-        from wsproto.events import AcceptConnection, RejectConnection, Request
-
-        stream = await trio.open_tcp_stream(host, port)
-        client = cls(stream)
-        await client._send(Request(host=f"{host}:{port}", target=target))
-        while True:
-            event = await client._next_event()
-            if isinstance(event, AcceptConnection):
-                return client
-            if isinstance(event, RejectConnection) or event is None:
-                await stream.aclose()
-                raise ConnectionError(f"WebSocket {target} refused: {event!r}")
-            client._pending.append(event)
-
-    async def _send(self, event: Any) -> None:
-        await self._stream.send_all(self._ws.send(event))
-
-    async def _next_event(self) -> Any:
-        while True:
-            for event in self._ws.events():
-                return event
-            data = await self._stream.receive_some(65536)
-            if not data:
-                self._ws.receive_data(None)
-                for event in self._ws.events():
-                    return event
-                return None
-            self._ws.receive_data(data)
-
-    async def send_json(self, message: Any) -> None:
-        from wsproto.events import TextMessage
-
-        await self._send(TextMessage(data=json.dumps(message)))
-
-    async def receive(self) -> Any:
-        """The next whole message (dict for text, bytes for media), or None once the server closed."""
-        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
-
-        text: list[str] = []
-        binary: list[bytes] = []
-        while True:
-            event = self._pending.pop(0) if self._pending else await self._next_event()
-            if event is None:
-                self.closed = True
-                return None
-            if isinstance(event, CloseConnection):
-                self.close_code = event.code
-                self.closed = True
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    await self._send(event.response())  # the server may be gone already
-                return None
-            if isinstance(event, Ping):
-                await self._send(event.response())
-            elif isinstance(event, TextMessage):
-                text.append(event.data)
-                if event.message_finished:
-                    return json.loads("".join(text))
-            elif isinstance(event, BytesMessage):
-                binary.append(bytes(event.data))
-                if event.message_finished:
-                    return b"".join(binary)
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
