@@ -158,10 +158,8 @@ class LocalStageActor:
         self._failure_reason: str | None = None
         self._pending = 0  # invocations submitted and not yet resolved
         self._closes = 0  # session hooks queued or running
-        self._idle = trio.Event()  # set when both counts are zero
-        self._idle.set()
-        self._invocations_idle = trio.Event()
-        self._invocations_idle.set()
+        # barrier waiters park here until the counts reach zero (no per-call allocation)
+        self._quiet = trio.lowlevel.ParkingLot()
         # read by the dedicated thread before each call: once the actor is broken,
         # queued work must not run against its state (plain attribute: GIL-atomic)
         self._refusal: str | None = None
@@ -233,7 +231,6 @@ class LocalStageActor:
             assert self._thread is not None
             self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
         self._pending += 1
-        self._mark_busy()
 
     async def _invoke(self, message: _Invoke) -> None:
         inv = message.invocation
@@ -255,17 +252,9 @@ class LocalStageActor:
             self._refusal = f"{type(exc).__name__}: {exc}"
             raise
 
-    def _mark_busy(self) -> None:
-        if self._idle.is_set():
-            self._idle = trio.Event()
-        if self._pending and self._invocations_idle.is_set():
-            self._invocations_idle = trio.Event()
-
     def _mark_done(self) -> None:
-        if self._pending == 0:
-            self._invocations_idle.set()
-            if self._closes == 0:
-                self._idle.set()
+        if self._pending == 0 and self._quiet:
+            self._quiet.unpark_all()
 
     def _resolve(self, invocation: StageInvocation, on_done: Completion, result: outcome.Outcome) -> None:
         self._pending -= 1
@@ -292,7 +281,6 @@ class LocalStageActor:
         if not self._handler_is_async and self._send_closed:
             raise ActorFailedError(f"stage actor {self.name!r} is closed")
         self._closes += 1
-        self._mark_busy()
         try:
             if not self._handler_is_async:
                 # through the thread's queue, behind every invocation submitted before it
@@ -312,7 +300,8 @@ class LocalStageActor:
 
     async def _barrier_then_close(self, context: SessionContext, reason: CloseReason) -> None:
         if self._closer_is_async:
-            await self._invocations_idle.wait()
+            while self._pending:
+                await self._quiet.park()
             with trio.CancelScope(shield=True):
                 await self._closer(context, reason)
         else:
@@ -334,7 +323,8 @@ class LocalStageActor:
 
     async def barrier(self) -> None:
         """Wait until every submitted invocation and every session hook has finished."""
-        await self._idle.wait()
+        while self._pending or self._closes:
+            await self._quiet.park()
 
     # -- health ----------------------------------------------------------------
 

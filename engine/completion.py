@@ -40,7 +40,11 @@ class CompletionMixin:
     _counters: _Counters
     actors: dict[str, Any]
 
-    def _pump(self) -> None:  # provided by the orchestrator
+    _after_completion: dict[str, frozenset[str]]
+    _consumes_sorted: dict[str, tuple[str, ...]]
+    _output_producers: frozenset[str]
+
+    def _pump(self, stages: Any = None) -> None:  # provided by the orchestrator
         raise NotImplementedError
 
     def _fail(self, rt: SessionRuntime, error: BaseException) -> None:  # provided by the orchestrator
@@ -60,7 +64,7 @@ class CompletionMixin:
         if rt.epoch != key.session_epoch:
             self._counters.stale_epoch_results += 1
             return
-        if rt.in_flight.get((key.stage_id, key.sequence_id)) != key:
+        if rt.in_flight.get((key.stage_id, key.sequence_id)) is not key:
             self._counters.duplicate_results += 1
             return
         stage = self._stages[key.stage_id]
@@ -77,7 +81,7 @@ class CompletionMixin:
             self._accept_result(rt, stage, key, result, now)
         finally:
             rt.wake_progress()
-            self._pump()
+            self._pump(self._after_completion[stage.stage_id])
 
     def _accept_result(self, rt: SessionRuntime, stage: Any, key: TaskKey, result: outcome.Outcome, now: float) -> None:
         if isinstance(result, outcome.Error):
@@ -90,9 +94,8 @@ class CompletionMixin:
         if not rt.starting_accepted_work:
             return  # cancelled or failed meanwhile: the result is discarded
         artifacts = result.value
-        produced = set(artifacts) if isinstance(artifacts, Mapping) else None
-        if produced != set(stage.produces):
-            got = sorted(produced) if produced is not None else type(artifacts).__name__
+        if not isinstance(artifacts, Mapping) or artifacts.keys() != stage.produces:
+            got = sorted(artifacts) if isinstance(artifacts, Mapping) else type(artifacts).__name__
             self._fail(
                 rt,
                 InvalidStageOutput(
@@ -111,7 +114,8 @@ class CompletionMixin:
         self._emit_ready_outputs(rt, now)
         following = seq + 1
         if rt.final_sequence_id is None or following <= rt.final_sequence_id:
-            missing = tuple(sorted(a for a in stage.consumes if (following, a) not in rt.slots))
+            slots = rt.slots
+            missing = tuple(a for a in self._consumes_sorted[stage.stage_id] if (following, a) not in slots)
             if missing:
                 rt.missing_after[stage.stage_id][following] = missing
 
@@ -133,5 +137,5 @@ class CompletionMixin:
         rt.outputs.clear()
         if items:
             rt.wake_progress()  # output room freed: a drain may proceed
-            self._pump()
+            self._pump(self._output_producers)
         return items

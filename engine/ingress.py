@@ -31,7 +31,7 @@ class IngressMixin:
     _capacity: dict[tuple[str, str], int]
     _consumes: dict[str, frozenset[str]]
 
-    def _pump(self) -> None:  # provided by the orchestrator
+    def _pump(self, stages: Any = None) -> None:  # provided by the orchestrator
         raise NotImplementedError
 
     def _check_ingress(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
@@ -80,7 +80,7 @@ class IngressMixin:
         for artifact, value in artifacts.items():
             rt.add_slot(seq, artifact, value, self._targets[artifact], now, self._consumes)
         rt.highest_ingress = max(rt.highest_ingress, seq)
-        self._pump()
+        self._pump({target for artifact in artifacts for target in self._targets[artifact]})
         return True
 
     async def _push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:

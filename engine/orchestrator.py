@@ -17,7 +17,7 @@ back into it there, so it needs no locks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -116,6 +116,7 @@ class Orchestrator(IngressMixin, CompletionMixin):
         self._stages = {s.stage_id: s for s in spec.stages}
         self._stage_ids = stage_ids
         self._consumes = {s.stage_id: s.consumes for s in spec.stages}
+        self._consumes_sorted = {s.stage_id: tuple(sorted(s.consumes)) for s in spec.stages}
         self._targets: dict[str, tuple[str, ...]] = {}
         self._capacity: dict[tuple[str, str], int] = {}
         for edge in spec.edges:
@@ -136,7 +137,23 @@ class Orchestrator(IngressMixin, CompletionMixin):
         self._closing = False
         self._closed = trio.Event()
         self._pumping = False
-        self._pump_again = False
+        self._dirty: set[str] = set()
+        # which stages an event can make admissible (see _pump)
+        self._upstream = {
+            s.stage_id: frozenset(self.spec.producers[a] for a in s.consumes if a in self.spec.producers)
+            for s in spec.stages
+        }
+        groups = {s.resource_group for s in spec.stages if s.resource_group is not None}
+        peers = {g: frozenset(s.stage_id for s in spec.stages if s.resource_group == g) for g in groups}
+        self._after_completion = {
+            s.stage_id: frozenset(
+                {s.stage_id}
+                | {t for a in s.produces for t in self._targets.get(a, ())}
+                | (peers[s.resource_group] if s.resource_group is not None else frozenset())
+            )
+            for s in spec.stages
+        }
+        self._output_producers = frozenset(self.spec.producers[a] for a in spec.output_artifacts)
         self._shutdowns = SessionShutdown(self)
 
     async def _start_actors(self) -> None:
@@ -205,18 +222,24 @@ class Orchestrator(IngressMixin, CompletionMixin):
 
     # -- scheduling ------------------------------------------------------------
 
-    def _pump(self) -> None:
-        """Admit every piece of ready work the limits allow (re-entrant calls fold in)."""
+    def _pump(self, stages: Iterable[str] | None = None) -> None:
+        """Admit every piece of ready work the limits allow, looking only where it may have appeared.
+
+        ``stages`` names the stages whose admissibility an event may have changed
+        (None: all of them); admitting a stage frees edge room, so its upstream
+        producers are looked at again. Re-entrant calls fold into the running pump.
+        """
+        self._dirty.update(self._stage_ids if stages is None else stages)
         if self._pumping:
-            self._pump_again = True
             return
         self._pumping = True
         try:
-            self._pump_again = True
-            while self._pump_again:
-                self._pump_again = False
+            dirty = self._dirty
+            while dirty:
                 for stage in self._scan_order:
-                    self._admit_stage(stage)
+                    if stage.stage_id in dirty:
+                        dirty.discard(stage.stage_id)
+                        self._admit_stage(stage)
         finally:
             self._pumping = False
 
@@ -323,6 +346,7 @@ class Orchestrator(IngressMixin, CompletionMixin):
         if stage.resource_group is not None:
             self._group_usage[stage.resource_group] += 1
         rt.timing(stage_id, seq).admitted_at = trio.current_time()
+        self._dirty.update(self._upstream[stage_id])  # edge room freed upstream
         if stage.consumes & self.spec.ingress_artifacts:
             rt.wake_room()
         else:
