@@ -7,7 +7,8 @@ sessions queued behind an occupied lease (and so are owed one chunk once
 granted), and the violations seen on the step that produced the world.
 
 Events: ``activity(s)`` for every known session; ``begin(s)`` for the holder
-between chunks; ``finish(s)`` / ``abort(s)`` for a session mid-chunk; ``tick``
+between chunks; ``relinquish(s)`` for the holder between chunks (its driver
+has nothing to run); ``finish(s)`` / ``abort(s)`` for a session mid-chunk; ``tick``
 (time jumps by exactly ``idle_timeout`` -- so every stamp is stale -- then the
 periodic ``tick``); ``close(s)``; ``release(s)`` after close once its chunk is
 over. Time only moves in whole idle timeouts, so a stamp is either fresh (made
@@ -17,10 +18,16 @@ space finite.
 Invariants checked in every reachable world: at most one ACTIVE holder and at
 most one chunk in flight, and never both an ACTIVE holder and a closing
 session's chunk; the lease never changes hands (no GRANT, no PARK) while a
-chunk is in flight except at that chunk's own boundary; nobody is parked
-unless someone waits; a grant goes to the FIFO head, which queued through
-activity (a parked session is never granted without new activity); a session
-that queued behind an occupied lease runs one chunk before it can be parked;
+chunk is in flight except at that chunk's own boundary; a RELINQUISH comes
+only from the holder between chunks, as the holder's own call, and leaves it
+PARKED and out of the FIFO; every other park (the book's own decision) only
+takes an idle-expired holder, only when someone waits, and never before a
+session's guaranteed chunk; a grant goes to the FIFO head, which queued
+through activity; a parked (idle-parked or relinquished) session is never
+granted without new activity of its own -- the explorer tracks the parked
+sessions independently and checks they are exactly the book's PARKED ones; a
+session that queued behind an occupied lease runs one chunk before the book
+parks it;
 closed sessions are neither ACTIVE nor queued; queue positions are 1..n in
 FIFO order; a free lease with waiters never persists; the returned
 transitions are exactly the state changes; and NO STARVATION: from every
@@ -32,7 +39,7 @@ all of the above: a holder leaves the lease at its own chunk boundary whenever
 someone waits (PARKED if idle-expired, else YIELDed to the FIFO tail); a yield
 (ACTIVE -> QUEUED) happens only with rotation on, only at the yielding
 holder's own ``finish``, only when someone waits and only for a non-idle
-holder; a park only takes an idle-expired holder; and ROUND ROBIN: from every
+holder; and ROUND ROBIN: from every
 world, with every live session sending activity before each chunk and the
 holder (or a draining chunk) running chunks, every session queued now is
 granted within (number queued + 1) chunk boundaries.
@@ -59,6 +66,7 @@ class LeaseWorld:
     now: float
     expected_fifo: tuple[str, ...] = ()
     owed_chunk: frozenset[str] = frozenset()  # queued behind an occupied lease, not yet run
+    parked: frozenset[str] = frozenset()  # parked or relinquished, no activity since
     problems: tuple[str, ...] = ()
 
 
@@ -74,6 +82,7 @@ def key(world: LeaseWorld) -> Hashable:
         world.book.canonical_key(world.now),
         world.expected_fifo,
         world.owed_chunk,
+        world.parked,
         world.problems,
     )
 
@@ -97,6 +106,7 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
     waiters_before = bool(world.expected_fifo)
     fifo = list(world.expected_fifo)
     owed = set(world.owed_chunk)
+    parked = set(world.parked)
     problems: list[str] = []
 
     if kind == "activity":
@@ -107,10 +117,17 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
                 owed.add(session_id)
             else:
                 owed.discard(session_id)
+        parked.discard(session_id)
         transitions = book.record_activity(session_id, now)
     elif kind == "begin":
         assert session_id is not None
         transitions = book.begin_chunk(session_id)
+        owed.discard(session_id)
+    elif kind == "relinquish":
+        assert session_id is not None
+        if session_id != holder_before or session_id in busy_before:
+            problems.append(f"{label} by a session that is not the holder between chunks")
+        transitions = book.relinquish(session_id, now)
         owed.discard(session_id)
     elif kind == "finish":
         assert session_id is not None
@@ -125,6 +142,7 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
         assert session_id is not None
         transitions = book.close(session_id)
         owed.discard(session_id)
+        parked.discard(session_id)
     elif kind == "release":
         assert session_id is not None
         transitions = book.release(session_id)
@@ -144,6 +162,7 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
         problems.append(f"{label} reported {reported} but changed {sorted(changed)}")
 
     chunk_boundary = kind in ("finish", "abort") and session_id in busy_before
+    relinquished = False
     for transition in transitions:
         sid, state = transition.session_id, transition.state
         if state is State.ACTIVE:
@@ -156,6 +175,8 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
             fresh_activity = kind == "activity" and sid == session_id
             if before[sid] is not State.QUEUED and not fresh_activity:
                 problems.append(f"{sid} granted from {before[sid].name} without new activity")
+            if sid in parked:
+                problems.append(f"parked {sid} granted without new activity by {label}")
         elif state is State.QUEUED and before[sid] is State.ACTIVE:  # a yield
             if not book.rotate:
                 problems.append(f"{sid} yielded by {label} without rotation")
@@ -166,7 +187,16 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
             if world.book.is_idle_expired(sid, now):
                 problems.append(f"idle {sid} yielded (re-queued) instead of parked by {label}")
             fifo.append(sid)
+        elif state is State.PARKED and kind == "relinquish" and sid == session_id and not relinquished:
+            # the holder's own call: neither idleness nor waiters are needed
+            relinquished = True
+            parked.add(sid)
+            if before[sid] is not State.ACTIVE:
+                problems.append(f"{sid} relinquished from {before[sid].name}")
+            if transition is not transitions[0]:
+                problems.append(f"{label} did not park the holder first: {transitions}")
         elif state is State.PARKED:
+            parked.add(sid)
             if not book.is_idle_expired(sid, now):
                 problems.append(f"{sid} parked while not idle by {label}")
             if sid in busy_before and not (chunk_boundary and sid == session_id):
@@ -179,6 +209,8 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
                 problems.append(f"{sid} parked before its guaranteed chunk by {label}")
         elif state is State.CLOSING and sid in fifo:
             fifo.remove(sid)
+    if kind == "relinquish" and not relinquished:
+        problems.append(f"{label} did not park the holder: {transitions}")
     if (
         book.rotate
         and kind == "finish"
@@ -192,6 +224,7 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
         now=now,
         expected_fifo=tuple(fifo),
         owed_chunk=frozenset(owed) & frozenset(after),
+        parked=frozenset(parked) & frozenset(after),
         problems=tuple(problems),
     )
 
@@ -205,6 +238,7 @@ def successors(world: LeaseWorld) -> Iterable[tuple[str, LeaseWorld]]:
         yield f"activity({sid})", _step(world, f"activity({sid})", "activity", sid)
     if holder is not None and not book.is_busy(holder):
         yield f"begin({holder})", _step(world, f"begin({holder})", "begin", holder)
+        yield f"relinquish({holder})", _step(world, f"relinquish({holder})", "relinquish", holder)
     for sid in busy:
         yield f"finish({sid})", _step(world, f"finish({sid})", "finish", sid)
         yield f"abort({sid})", _step(world, f"abort({sid})", "abort", sid)
@@ -301,6 +335,9 @@ def check(world: LeaseWorld) -> Sequence[str]:
         problems.append(f"FIFO {queued} but arrivals order {world.expected_fifo}")
     if queued and book.lease_free():
         problems.append(f"lease free while {queued} wait")
+    book_parked = {snap.session_id for snap in snaps if snap.state is State.PARKED}
+    if book_parked != world.parked:
+        problems.append(f"PARKED {sorted(book_parked)} but parked without activity {sorted(world.parked)}")
     problems += _starves(world)
     if book.rotate:
         problems += _round_robin_violations(world)

@@ -23,6 +23,16 @@ granted -- round robin at chunk boundaries. An idle holder is still PARKed
 (not re-queued: it must ask again), a holder with nobody waiting keeps the
 lease, and nothing yields mid-chunk.
 
+RELINQUISH is the holder's own word that it has nothing to run right now
+(its driver is about to wait for input): between chunks only, the ACTIVE
+holder goes to PARKED and the head of the FIFO is granted at once. Without
+it a holder that sends no more chunks -- a session that only wanted its one
+preview chunk, or released its keys -- keeps the lease (or, re-queued by a
+YIELD, is granted it again) until ``idle_timeout`` parks it, and everyone
+waiting starves meanwhile. A relinquished session is parked like any other:
+it keeps its slot and caches, is owed nothing, and its next ACTIVITY queues
+it again at the tail.
+
 CLOSE ends the claim from any live state (the session is being torn down);
 CLOSING is terminal, and the book forgets the entry when it is released.
 """
@@ -49,6 +59,7 @@ class Event(enum.Enum):
     GRANT = "grant"
     PARK = "park"
     YIELD = "yield"
+    RELINQUISH = "relinquish"
     CLOSE = "close"
 
 
@@ -60,6 +71,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.QUEUED, Event.GRANT): State.ACTIVE,
     (State.ACTIVE, Event.PARK): State.PARKED,
     (State.ACTIVE, Event.YIELD): State.QUEUED,
+    (State.ACTIVE, Event.RELINQUISH): State.PARKED,
     (State.WAITING, Event.CLOSE): State.CLOSING,
     (State.QUEUED, Event.CLOSE): State.CLOSING,
     (State.ACTIVE, Event.CLOSE): State.CLOSING,

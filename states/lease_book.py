@@ -35,6 +35,13 @@ Rules (reference B.8, with the F.26 weakness fixed):
   is granted again. ``tick``, ``record_activity`` and ``abort_chunk`` never
   yield (only the holder's own completed chunk is a rotation boundary), and
   nobody yields when nobody waits.
+* ``relinquish`` is the holder's own declaration, between chunks, that it
+  has nothing to run right now: the ACTIVE holder is PARKED whatever its
+  activity stamp and whether or not anyone waits, and the FIFO head (if any)
+  is granted. It is owed nothing (its guaranteed chunk, if still pending, is
+  forfeited) and, like any parked session, is granted again only after new
+  activity, which queues it at the tail. Only the ACTIVE holder may
+  relinquish (``NotHolder``), and not mid-chunk (``ChunkInProgress``).
 * ``close`` ends a session's claim from any live state. Closing the holder
   frees the lease at once and grants the next waiter -- unless the holder is
   mid-chunk, in which case the lease stays occupied by that chunk (the closing
@@ -97,11 +104,12 @@ class SessionClosing(LeaseError):
 
 
 class NotHolder(LeaseError):
-    """``begin_chunk`` by a session that is not the ACTIVE holder."""
+    """``begin_chunk`` / ``relinquish`` by a session that is not the ACTIVE holder."""
 
 
 class ChunkInProgress(LeaseError):
-    """A chunk of this session is still running (``begin_chunk`` twice, ``release`` mid-chunk)."""
+    """A chunk of this session is still running (``begin_chunk`` twice,
+    ``relinquish`` or ``release`` mid-chunk)."""
 
 
 class NoChunkInProgress(LeaseError):
@@ -360,6 +368,22 @@ class LeaseBook:
                 transitions.append(self._yield(session_id))
         transitions.extend(self._grant_if_free())
         return transitions
+
+    def relinquish(self, session_id: str, now: float) -> list[LeaseTransition]:
+        """The holder, between chunks, has nothing to run: park it and grant the next.
+
+        ``now`` is accepted for symmetry with the other timed calls; the
+        relinquish itself does not depend on the holder's activity stamp.
+        """
+        entry = self._entry(session_id)
+        if entry.state is not State.ACTIVE:
+            raise NotHolder(session_id, f"cannot relinquish while {entry.state.name}")
+        if entry.busy:
+            raise ChunkInProgress(session_id, "cannot relinquish mid-chunk")
+        entry.machine.apply(Event.RELINQUISH)
+        entry.has_run_since_grant = False
+        entry.protect_next_grant = False  # it gave the lease up: owed nothing
+        return [LeaseTransition(session_id, State.PARKED), *self._grant_if_free()]
 
     def abort_chunk(self, session_id: str) -> list[LeaseTransition]:
         """A chunk failed: clear busy. An active holder keeps the lease (a later

@@ -398,6 +398,8 @@ class ToyWorldService(BidirectionalService):
                 session.reset_pose_pending = False
                 session.new_prompt_pending = False
                 return control
+            if not wanted:
+                self._lease.idle(session.session_id)  # nothing to run: step aside for whoever waits
             await session.changed.park()
 
     async def _read_outputs(self, session: _ToySession, scope: trio.CancelScope) -> None:

@@ -354,3 +354,207 @@ async def test_with_rotation_an_idle_holder_is_parked_not_rotated(log, autojump_
             await trio.sleep(IDLE * 2)  # a is idle-expired by its chunk's end
         assert log.events()[-2:] == [("a", "lease_parked"), ("b", "lease_granted")]
         nursery.cancel_scope.cancel()
+
+
+# -- idle drivers relinquish -----------------------------------------------------------------------
+
+CHUNK = 0.1  # chunk duration in the starvation tests: far below the idle timeout
+LONG_IDLE = 10.0
+
+
+async def _starvation_scenario(*, declare_idle: bool, rotate: bool = True) -> tuple[list[float], Log]:
+    """A keeps a key held and loops chunks; B only wanted its one preview chunk,
+    then its driver waits for input. Returns how long each of A's chunks waited."""
+    log = Log()
+    lease = ExecutionLease(LONG_IDLE, rotate=rotate, on_transition=log)
+    waits: list[float] = []
+
+    async def a_holds_a_key() -> None:
+        for _ in range(30):
+            lease.record_activity("a")  # a control before every chunk: never idle
+            asked = trio.current_time()
+            async with lease.chunk("a"):
+                waits.append(trio.current_time() - asked)
+                await trio.sleep(CHUNK)
+
+    async def b_previews_once() -> None:
+        async with lease.chunk("b"):
+            await trio.sleep(CHUNK)
+        if declare_idle:
+            lease.idle("b")  # about to wait for input
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lease.run)
+        lease.register("a")
+        lease.record_activity("a")
+        async with trio.open_nursery() as sessions:
+            sessions.start_soon(a_holds_a_key)
+            await trio.sleep(CHUNK / 2)  # a is mid-chunk when b starts
+            lease.register("b")
+            lease.record_activity("b")  # pressing Start asks for the preview chunk
+            sessions.start_soon(b_previews_once)
+            await trio.sleep(CHUNK * 30 + LONG_IDLE * 2)  # room for a stall of a whole idle timeout
+            sessions.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+    return waits, log
+
+
+async def test_with_rotation_an_idle_session_never_holds_the_lease_from_a_busy_one(autojump_clock):
+    waits, log = await _starvation_scenario(declare_idle=True)
+    assert len(waits) == 30  # a got all its chunks within the window
+    assert max(waits) <= CHUNK + 1e-9, waits  # never blocked for longer than one chunk of b
+    # b ran its one chunk, then gave the lease up each time rotation handed it back
+    assert ("b", "lease_granted") in log.events("b")
+    assert log.events("b")[-1] == ("b", "lease_parked")
+    assert ("a", "lease_parked") not in log.events()
+
+
+async def test_without_the_idle_declaration_the_busy_session_starves(autojump_clock):
+    # the bug this guards against: b is granted while its driver waits for input
+    waits, _ = await _starvation_scenario(declare_idle=False)
+    assert max(waits) >= LONG_IDLE - CHUNK
+
+
+async def test_without_rotation_an_idle_holder_hands_over_at_once(log, autojump_clock):
+    lease = ExecutionLease(LONG_IDLE, rotate=False, on_transition=log)
+    lease.register("a")
+    lease.register("b")
+    lease.record_activity("a")
+    a, b = Runner(lease, "a"), Runner(lease, "b")
+    a.release.set()
+    b.release.set()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lease.run)
+        await a.one()  # a ran; its controls are fresh (not idle-expired)
+        lease.record_activity("b")
+        nursery.start_soon(b.one)
+        await trio.sleep(CHUNK)
+        assert b.started == 0 and lease.book.holder() == "a"  # the reference rule: a keeps it
+        declared = trio.current_time()
+        lease.idle("a")  # a's keys were released: nothing to run
+        await b.entered.wait()
+        assert trio.current_time() == declared  # not after idle_timeout
+        assert log.events()[-2:] == [("a", "lease_parked"), ("b", "lease_granted")]
+        await settle()
+        nursery.cancel_scope.cancel()
+    assert b.finished == 1
+
+
+async def test_an_idle_holder_keeps_the_lease_until_someone_queues(log, autojump_clock):
+    lease = ExecutionLease(LONG_IDLE, on_transition=log)
+    lease.register("a")
+    lease.register("b")
+    lease.record_activity("a")
+    log.clear()
+    lease.idle("a")  # nobody waits: no park and re-grant to publish
+    assert lease.book.holder() == "a" and log.events() == []
+    async with lease.chunk("a"):  # its next chunk needs no new turn
+        pass
+    assert log.events() == [] and not lease.is_idle("a")
+    lease.idle("a")
+    lease.record_activity("b")  # a waiter queues: the idle holder hands over at once
+    assert log.events() == [("b", "lease_queued"), ("a", "lease_parked"), ("b", "lease_granted")]
+    lease.idle("b")
+    assert lease.book.holder() == "b"  # nobody waits behind b
+    # a's driver has a chunk to run again: entering chunk() asks for the lease itself
+    runner = Runner(lease, "a")
+    runner.release.set()
+    with trio.fail_after(CHUNK):
+        await runner.one()
+    assert runner.finished == 1 and lease.book.holder() == "a"
+    assert log.events()[-3:] == [("a", "lease_queued"), ("b", "lease_parked"), ("a", "lease_granted")]
+    assert not lease.is_idle("a") and lease.is_idle("b")
+
+
+async def test_a_parked_session_entering_chunk_is_queued_not_stuck(log, autojump_clock):
+    # the reference rule parks an idle-expired holder; its driver (e.g. a continuous
+    # session sending no controls) later enters chunk() without any new control
+    lease = ExecutionLease(IDLE, rotate=False, on_transition=log)
+    lease.register("a")
+    lease.register("b")
+    lease.record_activity("a")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lease.run)
+        a1 = Runner(lease, "a")
+        a1.release.set()
+        await a1.one()
+        lease.record_activity("b")
+        await trio.sleep(IDLE * 2)  # the tick parks idle a, b is granted
+        assert lease.book.state("a") is State.PARKED and lease.book.holder() == "b"
+        lease.idle("b")  # b has nothing more: the lease is free
+        a2 = Runner(lease, "a")
+        a2.release.set()
+        with trio.fail_after(IDLE / 10):
+            await a2.one()
+        nursery.cancel_scope.cancel()
+    assert a2.finished == 1
+    assert log.events("a")[-3:] == [("a", "lease_parked"), ("a", "lease_queued"), ("a", "lease_granted")]
+
+
+async def test_a_queued_idle_session_hands_a_later_grant_straight_on(log, autojump_clock):
+    lease = ExecutionLease(LONG_IDLE, on_transition=log)  # rotation
+    for sid in ("a", "b", "c"):
+        lease.register(sid)
+        lease.record_activity(sid)
+    lease.idle("b")  # b is queued (head) but its driver has nothing to run
+    assert lease.book.state("b") is State.QUEUED  # keeps its place until granted
+    log.clear()
+    runner = Runner(lease, "a")
+    runner.release.set()
+    lease.record_activity("a")
+    await runner.one()  # a yields at its boundary; b is granted and relinquishes at once
+    assert log.events() == [
+        ("a", "lease_queued"),
+        ("b", "lease_granted"),
+        ("b", "lease_parked"),
+        ("c", "lease_granted"),
+    ]
+    assert lease.book.queued() == ("a",)
+
+
+async def test_an_idle_mark_set_mid_chunk_relinquishes_at_the_chunk_end(log, autojump_clock):
+    lease = ExecutionLease(LONG_IDLE, rotate=False, on_transition=log)
+    lease.register("a")
+    lease.register("b")
+    lease.record_activity("a")
+    lease.record_activity("b")
+    async with lease.chunk("a"):
+        lease.idle("a")
+        assert lease.book.holder() == "a" and lease.book.is_busy("a")
+    assert log.events()[-2:] == [("a", "lease_parked"), ("b", "lease_granted")]
+
+
+async def test_a_control_for_an_idle_parked_session_does_not_flap_the_lease(log, autojump_clock):
+    lease = ExecutionLease(LONG_IDLE, on_transition=log)
+    lease.register("a")
+    lease.register("b")
+    lease.record_activity("a")
+    lease.idle("a")
+    lease.record_activity("b")  # a relinquishes to b
+    lease.idle("b")  # b has nothing either, but nobody waits: it keeps the lease
+    assert lease.book.state("a") is State.PARKED and lease.book.holder() == "b"
+    log.clear()
+    lease.record_activity("a")  # e.g. a key release: its driver may still have nothing to run
+    assert log.events() == [] and lease.book.state("a") is State.PARKED
+    async with lease.chunk("a"):  # it had something after all
+        pass
+    assert log.events() == [("a", "lease_queued"), ("b", "lease_parked"), ("a", "lease_granted")]
+    assert not lease.is_idle("a")
+
+
+async def test_idle_ignores_unknown_and_closing_sessions_and_close_clears_the_mark(autojump_clock):
+    lease = ExecutionLease(LONG_IDLE)
+    lease.idle("never-registered")
+    lease.register("a")
+    lease.record_activity("a")
+    async with lease.chunk("a"):
+        lease.close("a")
+        lease.idle("a")  # closing: ignored
+        assert not lease.is_idle("a")
+    assert "a" not in lease.book
+    lease.register("b")
+    lease.idle("b")
+    assert lease.is_idle("b")
+    lease.close("b")
+    assert not lease.is_idle("b")

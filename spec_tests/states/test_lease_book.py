@@ -476,6 +476,99 @@ def test_rotation_flag_is_in_the_key_and_the_clone() -> None:
     assert copy.copy(plain).rotate is False
 
 
+# -------------------------------------------------------------- relinquish
+
+
+def test_relinquish_parks_the_holder_and_grants_the_next() -> None:
+    book = book_with("a", "b", "c")
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)
+    book.record_activity("c", 0.0)
+    _run_chunk(book, 0.0)
+    # a's activity is fresh: without relinquish it would keep the lease until idle
+    assert book.relinquish("a", 0.0) == [tr("a", P), tr("b", A)]
+    assert states(book) == {"a": P, "b": A, "c": Q}
+    assert book.queued() == ("c",) and book.queue_position("a") is None
+    assert book.last_activity_at("a") == 0.0  # the stamp is untouched
+
+
+def test_relinquish_needs_neither_idleness_nor_a_chunk_run() -> None:
+    # a holder granted after a wait (owed one chunk) may give the lease up unrun
+    book = book_with("a", "b")
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)  # protected
+    book.close("a")
+    assert book.holder() == "b" and not book.is_idle_expired("b", 0.0)
+    assert book.relinquish("b", 0.0) == [tr("b", P)]
+    assert book.lease_free()
+
+
+def test_relinquish_refuses_anyone_but_the_holder_between_chunks() -> None:
+    book = book_with("a", "b", "w")
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)
+    book.begin_chunk("a")
+    for sid, error in [("a", ChunkInProgress), ("b", NotHolder), ("w", NotHolder), ("zz", UnknownSession)]:
+        before = (book.snapshot(), book.queued(), book.canonical_key(50.0))
+        with pytest.raises(error) as info:
+            book.relinquish(sid, 0.0)
+        assert isinstance(info.value, LeaseError) and info.value.session_id == sid
+        assert (book.snapshot(), book.queued(), book.canonical_key(50.0)) == before
+    book.finish_chunk("a", 0.0)
+    book.relinquish("a", 0.0)
+    with pytest.raises(NotHolder):  # parked now
+        book.relinquish("a", 0.0)
+    book.close("b")
+    with pytest.raises(NotHolder):  # closing
+        book.relinquish("b", 0.0)
+
+
+def test_a_relinquished_session_requeues_at_the_tail_on_activity() -> None:
+    book = book_with("a", "b", "c")
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)
+    book.relinquish("a", 0.0)
+    assert book.holder() == "b"
+    assert book.record_activity("c", 1.0) == [tr("c", Q)]
+    for step in range(2, 6):  # b (owed its chunk) holds; a stays parked, c waits
+        assert book.tick(step * T) == []
+        assert book.state("a") is P
+    # only new activity brings it back, at the tail, behind c
+    assert book.record_activity("a", 6 * T) == [tr("a", Q)]
+    assert book.queued() == ("c", "a")
+    book.begin_chunk("b")
+    assert book.finish_chunk("b", 6 * T) == [tr("b", P), tr("c", A)]
+
+
+def test_after_relinquish_with_nobody_waiting_the_next_activity_takes_the_free_lease() -> None:
+    book = book_with("a", "b")
+    book.record_activity("a", 0.0)
+    _run_chunk(book, 0.0)
+    assert book.relinquish("a", 0.0) == [tr("a", P)]
+    assert book.holder() is None and book.lease_free()
+    assert book.tick(T) == []  # nothing to grant
+    assert book.record_activity("b", T + 1) == [tr("b", Q), tr("b", A)]
+    assert book.relinquish("b", T + 1) == [tr("b", P)]
+    assert book.record_activity("a", T + 2) == [tr("a", Q), tr("a", A)]  # the relinquisher itself
+
+
+def test_relinquish_with_rotation_hands_over_a_yield_requeued_holder() -> None:
+    # the starvation scenario: b only wanted one chunk; rotation re-queued it
+    # behind a, and it is granted again while it has nothing to run
+    book = book_with("a", "b", rotate=True)
+    book.record_activity("a", 0.0)
+    book.record_activity("b", 0.0)
+    assert _run_chunk(book, 0.0) == ("a", [tr("a", Q), tr("b", A)])
+    assert _run_chunk(book, 0.0) == ("b", [tr("b", Q), tr("a", A)])  # b's one chunk
+    book.record_activity("a", 1.0)
+    assert _run_chunk(book, 1.0) == ("a", [tr("a", Q), tr("b", A)])
+    assert book.relinquish("b", 1.0) == [tr("b", P), tr("a", A)]
+    for step in range(2, 6):  # a runs on alone: nobody waits, no yield
+        book.record_activity("a", float(step))
+        assert _run_chunk(book, float(step)) == ("a", [])
+    assert book.state("b") is P
+
+
 # ------------------------------------------------------------------ errors
 
 
@@ -501,6 +594,10 @@ ERROR_CASES = [
     (lambda b: b.abort_chunk("zz"), UnknownSession),
     (lambda b: b.close("zz"), UnknownSession),
     (lambda b: b.release("zz"), UnknownSession),
+    (lambda b: b.relinquish("a", 1.0), ChunkInProgress),
+    (lambda b: b.relinquish("b", 1.0), NotHolder),
+    (lambda b: b.relinquish("w", 1.0), NotHolder),
+    (lambda b: b.relinquish("zz", 1.0), UnknownSession),
     (lambda b: b.queue_position("zz"), UnknownSession),
     (lambda b: b.is_busy("zz"), UnknownSession),
 ]
@@ -524,6 +621,7 @@ def test_errors_after_close_change_nothing() -> None:
         (lambda: book.close("a"), SessionClosing),
         (lambda: book.release("a"), ChunkInProgress),
         (lambda: book.begin_chunk("a"), NotHolder),
+        (lambda: book.relinquish("a", 1.0), NotHolder),
     ]:
         with pytest.raises(error):
             call()
@@ -653,6 +751,19 @@ class ReferenceLease:
         self._grant(out)
         return out
 
+    def relinquish(self, sid: str, now: float) -> list:
+        s = self._need(sid)
+        if s["state"] != "active":
+            raise NotHolder(sid, "model")
+        if s["busy"]:
+            raise ChunkInProgress(sid, "model")
+        s["state"] = "parked"  # whatever its stamp, whoever waits
+        s["may_park"] = False
+        s["owed"] = False
+        out: list = [(sid, "parked")]
+        self._grant(out)
+        return out
+
     def abort(self, sid: str) -> list:
         s = self._need(sid)
         if not s["busy"]:
@@ -716,6 +827,8 @@ class LeaseBookMachine(RuleBasedStateMachine):
         # occupied lease, and who was granted after such a wait and has not run yet
         self.owed_queued: set[str] = set()
         self.owed_granted: set[str] = set()
+        # parked (by the book or by relinquish) and no activity of its own since
+        self.parked: set[str] = set()
 
     def _both(self, book_call, model_call) -> list:
         self.holder_before = self.book.holder()
@@ -731,12 +844,23 @@ class LeaseBookMachine(RuleBasedStateMachine):
         assert [(t.session_id, t.state.value) for t in got] == expected
         return got
 
-    def _judge(self, busy_before: str | None, boundary: str | None, got: list) -> None:
-        """The lease moves only at the running chunk's own boundary; owed chunks are kept."""
+    def _judge(
+        self, busy_before: str | None, boundary: str | None, got: list, relinquisher: str | None = None
+    ) -> None:
+        """The lease moves only at the running chunk's own boundary; owed chunks are
+        kept (unless the holder relinquishes); parked sessions need new activity."""
         for t in got:
             if t.state in (A, P) and busy_before is not None:
                 assert boundary == busy_before, f"{t} while {busy_before} is mid-chunk"
+            if t.state is A:
+                assert t.session_id not in self.parked, f"parked {t.session_id} granted without activity"
             if t.state is P:
+                self.parked.add(t.session_id)
+                if t.session_id == relinquisher:
+                    assert t == got[0] and relinquisher == self.holder_before, f"{got} for relinquish"
+                    self.owed_queued.discard(relinquisher)
+                    self.owed_granted.discard(relinquisher)
+                    continue
                 assert t.session_id not in self.owed_granted, f"{t.session_id} parked before its chunk"
             if t.state is Q and t.session_id == self.holder_before:  # a yield
                 assert self.ROTATE, f"{t} without rotation"
@@ -789,6 +913,8 @@ class LeaseBookMachine(RuleBasedStateMachine):
         occupied = not self.book.lease_free()
         if queues and occupied:
             self.owed_queued.add(sid)
+        if sid in self.book and self.book.state(sid) is not C:
+            self.parked.discard(sid)
         got = self._both(
             lambda: self.book.record_activity(sid, self.now), lambda: self.model.activity(sid, self.now)
         )
@@ -811,6 +937,21 @@ class LeaseBookMachine(RuleBasedStateMachine):
         if self.ROTATE and sid == self.holder_before == busy and waiters:
             assert self.book.state(sid) is not A, f"{sid} kept the lease while others waited"
 
+    @precondition(lambda self: self.book.holder() is not None)
+    @rule()
+    def holder_relinquishes(self) -> None:
+        self.relinquish(self.book.holder())
+
+    @rule(sid=SESSION_IDS)
+    def relinquish(self, sid: str) -> None:
+        busy = self._busy()
+        got = self._both(
+            lambda: self.book.relinquish(sid, self.now), lambda: self.model.relinquish(sid, self.now)
+        )
+        self._judge(busy, None, got, relinquisher=sid)
+        if got:
+            assert self.book.state(sid) is P and self.book.queue_position(sid) is None
+
     @rule(sid=SESSION_IDS)
     def abort(self, sid: str) -> None:
         busy = self._busy()
@@ -831,6 +972,7 @@ class LeaseBookMachine(RuleBasedStateMachine):
         if sid in self.book and self.book.state(sid) is C:
             self.owed_queued.discard(sid)
             self.owed_granted.discard(sid)
+            self.parked.discard(sid)
 
     @rule(sid=SESSION_IDS)
     def release(self, sid: str) -> None:
@@ -862,6 +1004,7 @@ class LeaseBookMachine(RuleBasedStateMachine):
         assert all(s.queue_position is None for s in snaps if s.state is not Q)
         if queued:
             assert not self.book.lease_free(), "a free lease with waiters"
+        assert {s.session_id for s in snaps if s.state is P} == self.parked
 
 
 LeaseBookMachine.TestCase.settings = settings(max_examples=100, deadline=None, stateful_step_count=50)
