@@ -120,7 +120,7 @@ async def wait_until(predicate: Callable[[], Any], what: str, deadline: float = 
             return found
         if time.monotonic() > give_up:
             raise AssertionError(f"timed out after {deadline:g} s waiting for {what}")
-        await trio.sleep(0.005)
+        await trio.sleep(0.005)  # bench-cost: real-time poll of other processes/threads, bounded by a deadline
 
 
 # -- a raw WebSocket client (wsproto over a trio socket) -------------------------------------

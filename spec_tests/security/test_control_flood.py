@@ -90,7 +90,7 @@ async def flood_and_check(service: CounterService) -> None:
                     assert status == 200 and body["ready"] is True, body
                     peaks["events"] = max(peaks["events"], worker.queued_data)
                     peaks["texts"] = max(peaks["texts"], len(subscriber.texts))
-                    await trio.sleep(0.005)
+                    await trio.sleep(0.005)  # bench-cost: probe spacing of the load measurement
 
             started = time.monotonic()
             async with trio.open_nursery() as nursery:
@@ -101,7 +101,7 @@ async def flood_and_check(service: CounterService) -> None:
             # the flood settles: the pipeline ends with the last message's keys
             give_up = time.monotonic() + SETTLE_WITHIN
             while session.held != set(LAST) and time.monotonic() < give_up:
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # bench-cost: bounded poll while the flood settles
             applied = [c for c in session.controls]
             report = (f"{len(applied)} of {FLOOD} controls reached the pipeline in {flood_seconds:.2f} s; "
                       f"last applied {sorted(applied[-1].keys) if applied else None}; probes {len(probes)}, "
@@ -121,7 +121,7 @@ async def flood_and_check(service: CounterService) -> None:
                 living = trio.lowlevel.current_statistics().tasks_living
                 if living <= baseline or time.monotonic() > give_up:
                     break
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # bench-cost: bounded poll while the flood settles
             assert living <= baseline, f"{living} tasks living after the flood, {baseline} before ({report})"
 
 
@@ -146,7 +146,7 @@ async def test_a_flood_with_a_stalled_viewer_keeps_the_viewer_queue_bounded() ->
             room = served.runtime.transport._rooms[created["room"]]
             with trio.fail_after(SETTLE_WITHIN):
                 while "stalled" not in room.subscribers:
-                    await trio.sleep(0.01)
+                    await trio.sleep(0.01)  # bench-cost: bounded poll while the flood settles
             viewer = room.subscribers["stalled"]
             peak = 0
             for n in range(FLOOD):

@@ -206,7 +206,7 @@ async def test_a_controller_sending_binary_is_refused_and_keeps_control() -> Non
         await ctl.control({"type": "control_state", "controls": ["a"]})
         with trio.fail_after(WAIT):
             while not pipeline_controls(service):
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # bench-cost: bounded poll of state the service thread updates
         (session,) = service.sessions.values()
         assert session.held == {"a"}
 
@@ -245,7 +245,7 @@ async def test_a_second_connection_with_the_same_identity_is_refused(who: str) -
         await ctl.control({"type": "control_state", "controls": ["w"]})
         with trio.fail_after(WAIT):
             while not pipeline_controls(service):
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # bench-cost: bounded poll of state the service thread updates
         assert [c.keys for c in pipeline_controls(service)] == [frozenset({"w"})]
         assert (await served.get(created["session_id"]))["status"] == "running"
 

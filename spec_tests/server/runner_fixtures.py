@@ -276,7 +276,7 @@ async def wait_until(predicate: Callable[[], bool], what: str, deadline: float =
             return
         if time.monotonic() > give_up:
             raise AssertionError(f"timed out waiting for {what}")
-        await trio.sleep(0.002)
+        await trio.sleep(0.002)  # bench-cost: real-time wait for the model's load thread, bounded
 
 
 @asynccontextmanager
