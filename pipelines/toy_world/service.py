@@ -39,7 +39,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 import torch
 import trio
@@ -68,6 +67,7 @@ from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
 from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
 from .placement import DTYPES, Placement, load_placement, pipeline_spec
+from .session_state import ToySession as _ToySession
 from .stages import ChunkControl, Condition, EncodeRequest, make_stages
 
 __all__ = [
@@ -88,41 +88,6 @@ SPEC = pipeline_spec(Placement.uniform())  # the graph (no resource group unless
 # A session never has more than this many chunks requested but not yet read by
 # its consumer, so a slow reader holds back only its own session (never the lease).
 UNDELIVERED_LIMIT = 2
-
-
-@attrs.define
-class _ToySession:
-    session_id: str
-    slot: int
-    orch: Any  # engine.Session
-    prefetch: ConditionPrefetch
-    config: SessionConfig
-    image: np.ndarray | None
-    continuous: bool
-    chunk_count: int | None
-    on_event: EventSink | None
-    send_chunk: trio.MemorySendChannel
-    receive_chunk: trio.MemoryReceiveChannel
-    prompt: str | None = None
-    world_sent: bool = False
-    held: set[str] = attrs.Factory(set)
-    pressed: set[str] = attrs.Factory(set)  # short presses not yet seen by a chunk
-    reset_pose_pending: bool = False
-    new_prompt_pending: bool = False
-    timeline: list[tuple[float, Control]] = attrs.Factory(list)
-    stopping: bool = False
-    submitted: int = 0  # chunks whose control was admitted
-    delivered: int = 0  # chunks handed to the consumer
-    forwarded: int = -1  # highest chunk index the reader passed on
-    last_index: int | None = None  # set when no more chunks will be requested
-    denoised: dict[int, trio.Event] = attrs.Factory(dict)
-    changed: trio.lowlevel.ParkingLot = attrs.Factory(trio.lowlevel.ParkingLot)
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    finished: trio.Event = attrs.Factory(trio.Event)
-    error: BaseException | None = None  # why the pipeline session failed
-
-    def wake(self) -> None:
-        self.changed.unpark_all()
 
 
 class ToyWorldService(BidirectionalService):
