@@ -53,6 +53,8 @@ def _make_transport(settings: ServerSettings, issuer: TokenIssuer) -> Any:
 
 def create_app(settings: ServerSettings, *, service_loader: Any = None) -> QuartTrio:
     app = QuartTrio(__name__, static_folder=None)
+    # "//" in a path is a 404 with a JSON reason, not an HTML redirect to a merged path
+    app.url_map.merge_slashes = False
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     if settings.livekit_api_key and settings.livekit_api_secret:
