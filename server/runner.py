@@ -153,7 +153,9 @@ class RoomRunner:
 
     def _advance(self, event: Event) -> bool:
         """Apply a lifecycle step unless the session is already draining (then stop quietly)."""
-        if self.record.status is State.DRAINING or self._stop.is_set() and event is not Event.RUN:
+        # a stop before the pipeline session exists still lets it start and then end cleanly
+        # (RUN), so the controller hears "running" then "done" rather than nothing
+        if self.record.status is State.DRAINING or (self._stop.is_set() and event is not Event.RUN):
             return False
         self.runtime.registry.apply(self.record, event, now=trio.current_time())
         return True
