@@ -170,16 +170,7 @@ def _cmd_stream_serve(args: argparse.Namespace) -> int:
     if not Path(settings.pipeline).exists():
         print(f"{prefix}: error: PIPE {settings.pipeline!r} does not exist", file=sys.stderr)
         return 2
-    try:
-        serve = importlib.import_module("server.serve")  # imported lazily: the CLI works without it
-    except ModuleNotFoundError as exc:
-        if exc.name != "server.serve":
-            raise
-        print(
-            f"{prefix}: error: the stream server (server.serve) is not part of this build yet; nothing was started.",
-            file=sys.stderr,
-        )
-        return 2
+    serve = importlib.import_module("server.serve")  # lazily: `chunkline run` never loads the server stack
     try:
         result = serve.run(settings)
     except KeyboardInterrupt:

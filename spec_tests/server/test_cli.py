@@ -286,14 +286,6 @@ def test_serve_exit_code_is_returned(monkeypatch: pytest.MonkeyPatch) -> None:
     assert main(["stream-serve", REPLAY]) == 3
 
 
-def test_without_the_serve_module_it_exits_2_with_a_message(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setitem(sys.modules, "server.serve", None)  # makes the import fail as if the file were missing
-    assert main(["stream-serve", REPLAY]) == 2
-    assert "server.serve" in capsys.readouterr().err
-
-
 # --- chunkline run is unchanged ------------------------------------------------------------------------------
 
 
