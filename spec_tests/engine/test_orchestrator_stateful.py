@@ -9,30 +9,23 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec, open_orchestrator
+from engine import LocalStageActor, open_orchestrator
 from states.pipeline_session import State
+
+from .conftest import canonical_spec
 
 SESSIONS = ("a", "b", "c")
 STAGES = ("encode", "denoise", "decode")
 PRODUCES = {"encode": "condition", "denoise": "latent", "decode": "frames"}
-SPEC = PipelineSpec(
-    stages=(
-        StageSpec("encode", {"image"}, {"condition"}),
-        StageSpec("denoise", {"condition", "control"}, {"latent"}),
-        StageSpec("decode", {"latent"}, {"frames"}),
-    ),
-    edges=(
-        EdgeSpec("image", "encode", None, 2),
-        EdgeSpec("condition", "denoise", "encode", 2),
-        EdgeSpec("control", "denoise", None, 2),
-        EdgeSpec("latent", "decode", "denoise", 2),
-    ),
-    output_artifacts={"frames"},
-    output_capacity_per_session=2,
-    latency_anchor_artifact="control",
-)
+SPEC = canonical_spec()  # the shared three-stage graph, capacity-2 edges
 
 
 class InjectedFailure(Exception):
