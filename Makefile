@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkline-installed
 PIPELINE ?= pipelines/toy_world
 ARGS ?=
+# The LiveKit server is built from its Go module (never downloaded prebuilt) into the git-ignored .tools/.
+LIVEKIT_VERSION ?= v1.13.5
+TOOLS := .tools
+LIVEKIT_SERVER := $(TOOLS)/livekit-server
 
-.PHONY: test run bench explore diagrams clean
+.PHONY: test run bench explore diagrams clean livekit-server
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,7 +18,24 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	@if command -v go >/dev/null 2>&1; then $(MAKE) --no-print-directory livekit-server; \
+	else echo "Go not found: the LiveKit tests will skip (install Go, then make livekit-server)"; fi
 	$(PY) -m pytest
+
+# Reused when the pinned version is already built; `go install` refuses modules with replace directives,
+# so the pin must be a release without them (v1.13.2 to v1.13.5).
+livekit-server:
+	@if $(LIVEKIT_SERVER) --version 2>/dev/null | grep -qx "livekit-server version $(LIVEKIT_VERSION:v%=%)"; then \
+		echo "$(LIVEKIT_SERVER) $(LIVEKIT_VERSION) is already built"; \
+	elif ! command -v go >/dev/null 2>&1; then \
+		echo "make livekit-server: Go is not installed; install Go >= 1.26 to build LiveKit $(LIVEKIT_VERSION)" >&2; exit 1; \
+	else \
+		mkdir -p $(TOOLS)/gobin && \
+		CGO_ENABLED=0 GOBIN="$(abspath $(TOOLS))/gobin" go install -trimpath \
+			github.com/livekit/livekit-server/cmd/server@$(LIVEKIT_VERSION) && \
+		mv -f $(TOOLS)/gobin/server $(LIVEKIT_SERVER) && rmdir $(TOOLS)/gobin && \
+		echo "built $(LIVEKIT_SERVER) $(LIVEKIT_VERSION)"; \
+	fi
 
 run: $(STAMP)
 	$(VENV)/bin/chunkline stream-serve $(PIPELINE) $(ARGS)

@@ -25,21 +25,35 @@ thread inside the loop's trio task, so they hand events to the runner with
 Media (reference B.11): the first frame creates ``rtc.VideoSource(width,
 height)`` and a local video track ``"chunkline-output"``, published as camera,
 VP8, simulcast off, ``max_framerate = fps`` (of the first frame; later fps
-changes do not republish), ``max_bitrate = 8_000_000``. Frames are RGB24
-``VideoFrame`` objects (the SDK converts RGB24 to I420 itself); a frame of a
-different size raises. The first audio creates ``rtc.AudioSource(rate,
-channels)`` and a microphone track ``"chunkline-audio"``; a format change
-raises. Data goes through ``local_participant.publish_data(payload,
-reliable=..., topic=...)``.
+changes do not republish), ``max_bitrate = 8_000_000``, keeping resolution
+under load; the first frame then waits (at most ``FIRST_SUBSCRIBER_WAIT``) for
+a subscriber. Frames are RGB24 ``VideoFrame`` objects sharing the array's
+memory (the SDK converts RGB24 to I420 itself); a frame of a different size
+raises. While no new frame comes, the last one is captured again every
+``IDLE_REPEAT_PERIOD`` so a subscriber that became ready late (or a viewer
+joining a still scene) sees the picture. The first audio creates
+``rtc.AudioSource(rate, channels)`` with a queue of ``AUDIO_QUEUE_MS`` and a
+microphone track ``"chunkline-audio"``; a format change raises. A track that
+cannot be published (refused, or no answer within ``publish_timeout``) makes
+every later call raise that error. Data goes through
+``local_participant.publish_data(payload, reliable=..., topic=...)``.
+
+Events: a participant counts as joined when it is *active* (it can receive
+data then, so the first status messages reach it). Data events beyond
+``EVENT_BACKLOG`` unread ones are dropped; participant events never are. When
+the room is lost (server gone, worker removed), ``events()`` raises
+:class:`TransportError` with the reason instead of ending.
 
 Timeouts: ``connect`` is bounded by its ``timeout`` with ``trio.fail_after``
 (an unreachable port fails in about 0.1 s, but a server that accepts and never
 answers would otherwise take 4 x (attempt timeout + about 3 s) inside the
 SDK). ``connect_timeout`` is the SDK's per-attempt signal timeout
-(``RoomOptions.connect_timeout``, capped at the overall ``timeout``). After a
-timeout the asyncio task is cancelled, but the Rust core may keep trying in the
-background; should it then succeed, the orphaned participant is evicted by the
-next join with the same identity (LiveKit allows one participant per identity).
+(``RoomOptions.connect_timeout``, capped at the overall ``timeout``). Giving up
+does not stop the SDK's native join, so the join runs on in its own asyncio
+task and, should it succeed after all, the worker leaves the room at once
+(``abandoned_joins`` counts those still running). ``disconnect`` leaves the
+room first (the server drops the tracks with the participant) and closes the
+sources afterwards, all within ``disconnect_timeout``.
 
 Logging: livekit logs each connection retry at WARNING (and the final failure
 at ERROR) on the ``livekit`` logger. This module does not change logging
@@ -49,6 +63,8 @@ configuration; an application that wants quiet logs sets
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -76,7 +92,22 @@ log = logging.getLogger(__name__)
 VIDEO_TRACK_NAME = "chunkline-output"
 AUDIO_TRACK_NAME = "chunkline-audio"
 MAX_VIDEO_BITRATE = 8_000_000
-EVENT_BACKLOG = 256  # data/participant events kept for the runner (data beyond it is dropped)
+EVENT_BACKLOG = 256  # data events kept for the runner (data beyond it is dropped; participant events never)
+IDLE_REPEAT_PERIOD = 0.25  # s: while idle, the last frame is captured again this often
+FIRST_SUBSCRIBER_WAIT = 3.0  # s the first video frame waits for a subscriber to the new track
+AUDIO_QUEUE_MS = 4000  # the audio source's queue: a few chunks of audio
+
+
+async def _wait_for(task: asyncio.Task[None]) -> None:
+    """Asyncio side: wait for ``task`` without cancelling it when the wait is given up."""
+    await asyncio.shield(task)
+
+
+async def _close_quietly(source: rtc.VideoSource | rtc.AudioSource) -> None:
+    try:
+        await source.aclose()
+    except Exception as exc:  # noqa: BLE001 - best-effort cleanup
+        log.debug("closing %s failed: %s", type(source).__name__, exc)
 
 
 def _video_options(fps: float) -> rtc.TrackPublishOptions:
@@ -107,9 +138,12 @@ def _check_frame(frame: np.ndarray, fps: float) -> tuple[int, int]:
 
 
 def _rgb_frame(frame: np.ndarray) -> rtc.VideoFrame:
-    """An RGB ``H x W x 3`` uint8 array as an SDK RGB24 frame (copied; the SDK converts it to I420)."""
+    """An RGB ``H x W x 3`` uint8 array as an SDK RGB24 frame, sharing the array's memory (no copy when it
+    is contiguous). The SDK reads it during ``capture_frame`` (converting it to I420), so the array must
+    live until that call returns."""
     height, width = int(frame.shape[0]), int(frame.shape[1])
-    return rtc.VideoFrame(width, height, rtc.VideoBufferType.RGB24, np.ascontiguousarray(frame).tobytes())
+    flat = np.ascontiguousarray(frame).reshape(-1)  # 1-D, so the SDK sees the whole buffer and copies nothing
+    return rtc.VideoFrame(width, height, rtc.VideoBufferType.RGB24, memoryview(flat))
 
 
 class _MediaPublisher:
@@ -122,8 +156,13 @@ class _MediaPublisher:
     synchronous FFI call and may be called from trio directly.
     """
 
-    def __init__(self, participant: rtc.LocalParticipant | None) -> None:
+    def __init__(self, participant: rtc.LocalParticipant | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._participant = participant
+        self._loop = loop  # set: repeat the last frame while the stream is idle (see _repeat_last_frame)
+        self._last_frame: rtc.VideoFrame | None = None
+        self._last_capture = 0.0
+        self._repeat: asyncio.TimerHandle | None = None
+        self.frames_repeated = 0
         self.video_source: rtc.VideoSource | None = None
         self.video_track: rtc.LocalVideoTrack | None = None
         self.video_size: tuple[int, int] | None = None  # (width, height)
@@ -145,10 +184,19 @@ class _MediaPublisher:
             return
         source = rtc.VideoSource(width, height)
         track = rtc.LocalVideoTrack.create_video_track(VIDEO_TRACK_NAME, source)
-        self.video_source, self.video_track, self.video_size = source, track, (width, height)
         if self._participant is not None:
-            publication = await self._participant.publish_track(track, _video_options(fps))
+            try:  # kept only once published: a failed publish is raised again by the next frame
+                publication = await self._participant.publish_track(track, _video_options(fps))
+            except BaseException:
+                await _close_quietly(source)
+                raise
             self._published.append(publication.sid)
+            # Frames captured before anyone subscribed are encoded and dropped by the server: a chunk's
+            # few frames would never be seen. The first subscriber (the controller is in the room by
+            # now) takes a round trip; wait for it, for a bounded time.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(publication.wait_for_subscription(), FIRST_SUBSCRIBER_WAIT)
+        self.video_source, self.video_track, self.video_size = source, track, (width, height)
 
     def capture_video(self, frame: np.ndarray) -> None:
         """Hand one RGB ``H x W x 3`` uint8 frame to the video source (synchronous FFI call)."""
@@ -163,8 +211,35 @@ class _MediaPublisher:
                 f"frame size changed from {expected_w}x{expected_h} to {width}x{height}; "
                 "a LiveKit video track keeps one size"
             )
-        self.video_source.capture_frame(_rgb_frame(frame))
+        video = _rgb_frame(frame)
+        self.video_source.capture_frame(video)
         self.frames_captured += 1
+        self._last_frame = video
+        if self._loop is not None:
+            self._last_capture = self._loop.time()
+            if self._repeat is None:
+                self._repeat = self._loop.call_later(IDLE_REPEAT_PERIOD, self._repeat_last_frame)
+
+    def _repeat_last_frame(self) -> None:
+        """Asyncio timer: while no new frame comes (no key held: no chunks), capture the last one again.
+
+        The server forwards only what is encoded after a subscriber is ready, so the few frames of the
+        first chunk, or the still picture a viewer joins into, would otherwise never be seen; a repeated
+        still frame costs the encoder next to nothing.
+        """
+        self._repeat = None
+        if self.closed or self.video_source is None or self._last_frame is None or self._loop is None:
+            return
+        idle = self._loop.time() - self._last_capture
+        if idle >= IDLE_REPEAT_PERIOD:
+            try:
+                self.video_source.capture_frame(self._last_frame)
+            except Exception as exc:  # noqa: BLE001 - the source is going away; the next real frame will tell
+                log.debug("repeating the last frame failed: %s", exc)
+                return
+            self.frames_repeated += 1
+            idle = 0.0
+        self._repeat = self._loop.call_later(IDLE_REPEAT_PERIOD - idle, self._repeat_last_frame)
 
     async def publish_frame(self, frame: np.ndarray, fps: float) -> None:
         """Asyncio side: start the video track on the first frame, then capture ``frame``."""
@@ -180,12 +255,18 @@ class _MediaPublisher:
         fmt = (audio.sample_rate, audio.channels)
         if self.audio_source is None:
             # AudioSource captures the running loop: this must run on the trio-asyncio loop.
-            source = rtc.AudioSource(audio.sample_rate, audio.channels)
+            # The queue holds several chunks of audio: capturing one chunk's audio (which may be longer than
+            # the SDK's default 1 s queue) must not wait for it to play out, or the next chunk's video stalls.
+            source = rtc.AudioSource(audio.sample_rate, audio.channels, queue_size_ms=AUDIO_QUEUE_MS)
             track = rtc.LocalAudioTrack.create_audio_track(AUDIO_TRACK_NAME, source)
-            self.audio_source, self.audio_track, self.audio_format = source, track, fmt
             if self._participant is not None:
-                publication = await self._participant.publish_track(track, _audio_options())
+                try:
+                    publication = await self._participant.publish_track(track, _audio_options())
+                except BaseException:
+                    await _close_quietly(source)
+                    raise
                 self._published.append(publication.sid)
+            self.audio_source, self.audio_track, self.audio_format = source, track, fmt
         elif fmt != self.audio_format:
             raise TransportError(
                 f"audio format changed from {self.audio_format[0]} Hz x {self.audio_format[1]} "  # type: ignore[index]
@@ -194,28 +275,28 @@ class _MediaPublisher:
         samples = audio.samples_per_channel
         if samples == 0:
             return
-        frame = rtc.AudioFrame(audio.pcm, audio.sample_rate, audio.channels, samples)
-        await self.audio_source.capture_frame(frame)
+        # longer audio than the queue would wait for playout: hand it over in queue-sized pieces, so only
+        # audio beyond AUDIO_QUEUE_MS of backlog ever waits
+        step = max(1, audio.sample_rate * AUDIO_QUEUE_MS // 2000)
+        width = 2 * audio.channels  # PCM16
+        for start in range(0, samples, step):
+            count = min(step, samples - start)
+            piece = audio.pcm[start * width : (start + count) * width]
+            await self.audio_source.capture_frame(rtc.AudioFrame(piece, audio.sample_rate, audio.channels, count))
         self.audio_frames_captured += 1
 
     async def aclose(self) -> None:
-        """Asyncio side: unpublish the tracks (when in a connected room) and close the sources. Idempotent."""
+        """Asyncio side: close the sources (leaving the room unpublishes the tracks). Idempotent."""
         if self.closed:
             return
         self.closed = True
-        participant, published = self._participant, self._published
         self._published = []
-        for sid in published:
-            try:
-                await participant.unpublish_track(sid)  # type: ignore[union-attr]
-            except Exception as exc:  # noqa: BLE001 - best effort: the room may be gone already
-                log.debug("unpublishing track %s failed: %s", sid, exc)
+        if self._repeat is not None:
+            self._repeat.cancel()
+            self._repeat = None
         for source in (self.video_source, self.audio_source):
             if source is not None:
-                try:
-                    await source.aclose()
-                except Exception as exc:  # noqa: BLE001 - best-effort cleanup
-                    log.debug("closing %s failed: %s", type(source).__name__, exc)
+                await _close_quietly(source)
 
 
 class _LiveKitConnection:
@@ -226,11 +307,16 @@ class _LiveKitConnection:
         self._loop = loop
         self.room_name = room_name
         self._identity = identity
-        self._send, self._receive = trio.open_memory_channel[RoomEvent](EVENT_BACKLOG)
+        # unbounded, but data is counted: past EVENT_BACKLOG pending data events new data is dropped,
+        # while participant events (one per join or leave, bounded by the room) are always kept
+        self._send, self._receive = trio.open_memory_channel[RoomEvent](math.inf)
+        self._pending_data = 0
         self.room: rtc.Room | None = None
         self.media: _MediaPublisher | None = None
         self._closed = False  # disconnect() was called
         self._lost: str | None = None  # why the room went away on its own
+        self._joining: asyncio.Task[None] | None = None
+        self._broken: str | None = None  # a track could not be published: the connection is unusable
         self.dropped_events = 0
 
     @property
@@ -243,17 +329,21 @@ class _LiveKitConnection:
         """Register the room callbacks (asyncio side, before connecting so nothing is missed)."""
         self.room = room
         room.on("data_received", self._on_data)
-        room.on("participant_connected", self._on_joined)
+        # active, not connected: only then can the participant receive data (the first status messages)
+        room.on("participant_active", self._on_joined)
         room.on("participant_disconnected", self._on_left)
         room.on("disconnected", self._on_disconnected)
 
     def _deliver(self, event: RoomEvent) -> None:
         if self._closed or self._lost is not None:
             return
+        if isinstance(event, DataReceived):
+            if self._pending_data >= EVENT_BACKLOG:
+                self.dropped_events += 1  # a flood of data messages: the runner reads what it can
+                return
+            self._pending_data += 1
         try:
             self._send.send_nowait(event)
-        except trio.WouldBlock:
-            self.dropped_events += 1  # a flood of data messages: the runner reads what it can
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
@@ -278,16 +368,43 @@ class _LiveKitConnection:
         self._send.close()  # events() ends
 
     async def _aio_connect(self, url: str, token: str, attempt_timeout: float) -> None:
+        """Join, in a task of its own that the caller's cancellation does not reach.
+
+        Cancelling ``Room.connect`` only stops the Python side waiting: the native core may still join,
+        leaving a worker in the room that nobody owns. So the join always runs to its end (bounded by the
+        SDK's attempts), and :meth:`_leave_when_joined` takes the room back if the caller gave up.
+        """
         room = rtc.Room(loop=self._loop)
         self._attach(room)
-        await room.connect(url, token, rtc.RoomOptions(connect_timeout=attempt_timeout))
-        self.media = _MediaPublisher(room.local_participant)
+        # the worker's grant forbids subscribing, so it asks for nothing
+        options = rtc.RoomOptions(auto_subscribe=False, connect_timeout=attempt_timeout)
+        self._joining = self._loop.create_task(room.connect(url, token, options))
+        await asyncio.shield(self._joining)
+        self.media = _MediaPublisher(room.local_participant, self._loop)
+
+    def _leave_when_joined(self) -> asyncio.Task[None] | None:
+        """Asyncio side, after the caller gave up: once the join ends, leave if it succeeded."""
+        joining = self._joining
+        if joining is None:
+            return None
+
+        async def leave() -> None:
+            try:
+                await joining
+            except BaseException:  # noqa: BLE001 - the join failed: nobody is in the room
+                return
+            await self._aio_close()
+
+        return self._loop.create_task(leave())
 
     async def _aio_close(self) -> None:
-        if self.media is not None:
-            await self.media.aclose()
-        if self.room is not None:
-            await self.room.disconnect()
+        """Leave first (the server unpublishes the tracks with the participant), then close the sources."""
+        try:
+            if self.room is not None:
+                await self.room.disconnect()
+        finally:
+            if self.media is not None:
+                await self.media.aclose()
 
     # -- trio side (the port) ------------------------------------------------------------
 
@@ -296,6 +413,8 @@ class _LiveKitConnection:
             raise TransportError("the worker left the room")
         if self._lost is not None:
             raise TransportError(self._lost)
+        if self._broken is not None:
+            raise TransportError(self._broken)
         if self.media is None or self._transport._loop is not self._loop:
             raise TransportError("the LiveKit transport is not running")
         return self.media
@@ -309,19 +428,40 @@ class _LiveKitConnection:
         return frozenset(p.identity for p in self.room.remote_participants.values())
 
     async def events(self) -> AsyncIterator[RoomEvent]:
+        """Room events until the worker leaves; raises TransportError when the room is lost instead."""
         async for event in self._receive:
+            if isinstance(event, DataReceived):
+                self._pending_data -= 1
             yield event
+        if self._lost is not None and not self._closed:
+            raise TransportError(self._lost)
 
     async def publish_frame(self, frame: np.ndarray, fps: float) -> None:
         media = self._check_usable()
         _check_frame(frame, fps)
         if not media.video_ready:
-            await self._wrap("publishing the video track", media.start_video, frame.shape[1], frame.shape[0], fps)
+            await self._publishing("publishing the video track", media.start_video, frame.shape[1], frame.shape[0], fps)
         media.capture_video(frame)  # a synchronous FFI call: no need to hop to asyncio
 
     async def publish_audio(self, audio: Audio) -> None:
         media = self._check_usable()
-        await self._wrap("publishing audio", media.publish_audio, audio)
+        if media.audio_source is None:
+            await self._publishing("publishing audio", media.publish_audio, audio)
+        else:
+            await self._wrap("publishing audio", media.publish_audio, audio)
+
+    async def _publishing(self, what: str, fn: Any, *args: Any) -> None:
+        """Publish a track, bounded by ``publish_timeout``; a failure breaks the connection for good, so
+        every later frame raises it again instead of going to a source nobody receives."""
+        try:
+            with trio.fail_after(self._transport.publish_timeout):
+                await self._wrap(what, fn, *args)
+        except trio.TooSlowError:
+            self._broken = f"LiveKit: {what} got no answer within {self._transport.publish_timeout:g} s"
+            raise TransportError(self._broken) from None
+        except TransportError as exc:
+            self._broken = str(exc)
+            raise
 
     async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None:
         self._check_usable()
@@ -367,21 +507,33 @@ class LiveKitTransport:
 
     name = "livekit"
 
-    def __init__(self, url: str, *, connect_timeout: float = 10.0, disconnect_timeout: float = 5.0) -> None:
+    def __init__(
+        self, url: str, *, connect_timeout: float = 10.0, disconnect_timeout: float = 5.0, publish_timeout: float = 10.0
+    ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError("the LiveKit url must be a non-empty string (ws://, wss://, http:// or https://)")
-        for label, value in (("connect_timeout", connect_timeout), ("disconnect_timeout", disconnect_timeout)):
+        timeouts = (("connect_timeout", connect_timeout), ("disconnect_timeout", disconnect_timeout),
+                    ("publish_timeout", publish_timeout))
+        for label, value in timeouts:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{label} must be a finite number > 0, got {value!r}")
         self.url = url
         self.connect_timeout = float(connect_timeout)
         self.disconnect_timeout = float(disconnect_timeout)
+        self.publish_timeout = float(publish_timeout)
         self._loop: Any = None
         self._connections: set[_LiveKitConnection] = set()
+        self._leaving: set[asyncio.Task[None]] = set()  # abandoned joins, leaving once they end
 
     @property
     def running(self) -> bool:
         return self._loop is not None
+
+    @property
+    def abandoned_joins(self) -> int:
+        """Connects given up on (timed out, cancelled) whose native join is still running; each leaves
+        the room as soon as it ends, so no worker stays behind."""
+        return len(self._leaving)
 
     async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the trio-asyncio loop until cancelled: ``await nursery.start(transport.run)``."""
@@ -396,6 +548,9 @@ class LiveKitTransport:
                 with trio.CancelScope(shield=True):
                     for connection in list(self._connections):
                         await connection.disconnect()
+                    with trio.move_on_after(self.disconnect_timeout):
+                        for leaving in list(self._leaving):  # abandoned joins: wait for them to leave
+                            await trio_asyncio.aio_as_trio(_wait_for, loop=loop)(leaving)
                 self._loop = None
 
     async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> _LiveKitConnection:
@@ -429,9 +584,14 @@ class LiveKitTransport:
         return connection
 
     async def _abandon(self, connection: _LiveKitConnection) -> None:
-        """Leave a room whose connect finished just as it was cancelled (else: nothing to do)."""
-        if connection.room is not None and connection.room.isconnected():
-            await connection.disconnect()
-        else:
-            connection._closed = True
-            connection._send.close()
+        """Give up a connect: the worker leaves the room as soon as (and if ever) the native join succeeds."""
+        connection._closed = True
+        connection._send.close()
+        with trio.CancelScope(shield=True):
+            leaving = await trio_asyncio.aio_as_trio(self._start_leaving, loop=self._loop)(connection)
+        if leaving is not None:
+            self._leaving.add(leaving)
+            leaving.add_done_callback(self._leaving.discard)
+
+    async def _start_leaving(self, connection: _LiveKitConnection) -> asyncio.Task[None] | None:
+        return connection._leave_when_joined()

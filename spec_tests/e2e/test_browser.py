@@ -32,6 +32,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from pipelines.toy_world import ToyWorldConfig, ToyWorldService
 from server.app import create_app
 from server.settings import ServerSettings
+from spec_tests.frames import horizontal_shift
 from spec_tests.server.conftest import wait_ready
 
 from .conftest import SKIP_SELENIUM, Browser, Browsers
@@ -170,21 +171,6 @@ def release_key(driver: Any, key: str) -> None:
 def screenshot(driver: Any, path: Path) -> None:
     assert driver.save_screenshot(str(path)), f"could not save {path}"
     assert path.stat().st_size > 0
-
-
-def horizontal_shift(before: np.ndarray, after: np.ndarray) -> tuple[int, float, float]:
-    """``(s, error at s, error at 0)`` for the best ``s`` with ``after[:, x] ≈ before[:, x + s]``.
-
-    ``s > 0``: the content moved LEFT by ``s`` pixels. Errors are mean absolute grey-level differences over
-    the overlap, which stays at least a quarter of the width.
-    """
-    width = before.shape[1]
-    errors = {}
-    for s in range(-(3 * width) // 4, (3 * width) // 4 + 1):
-        a, b = (after[:, : width - s], before[:, s:]) if s >= 0 else (after[:, -s:], before[:, : width + s])
-        errors[s] = float(np.abs(a - b).mean())
-    best = min(errors, key=errors.__getitem__)
-    return best, errors[best], errors[0]
 
 
 def save_failure(opened: list[Browser], artifacts: Path) -> None:

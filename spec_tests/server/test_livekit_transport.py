@@ -30,6 +30,7 @@ from server.transport import (
 )
 from server.transport.livekit import (
     AUDIO_TRACK_NAME,
+    EVENT_BACKLOG,
     VIDEO_TRACK_NAME,
     LiveKitTransport,
     _LiveKitConnection,
@@ -140,7 +141,11 @@ async def test_silent_server_is_bounded_by_the_timeout(nursery: trio.Nursery, wo
     with pytest.raises(TransportError, match=r"within 1 s: no answer"):
         await transport.connect("stage", "worker-1", worker_token, timeout=1)
     assert trio.current_time() - started < 1.5
-    assert await other_asyncio_tasks(loop) == set()
+    # the SDK's join keeps trying on its own (cancelling it would not stop the native core); the
+    # transport keeps it, and a task that leaves the room should it ever join
+    names = sorted(task.get_coro().__qualname__ for task in await other_asyncio_tasks(loop))
+    assert names == ["Room.connect", "_LiveKitConnection._leave_when_joined.<locals>.leave"], names
+    assert transport.abandoned_joins == 1
     assert transport._connections == set()
 
 
@@ -226,7 +231,8 @@ async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> 
     async def emit_on_asyncio() -> None:
         room = rtc.Room(loop=loop)
         connection._attach(room)
-        room.emit("participant_connected", _FakeParticipant("ctrl-1"))
+        room.emit("participant_connected", _FakeParticipant("ctrl-1"))  # not yet able to receive data
+        room.emit("participant_active", _FakeParticipant("ctrl-1"))
         room.emit(
             "data_received",
             rtc.DataPacket(data=b'{"type":"x"}', kind=rtc.DataPacketKind.KIND_RELIABLE,
@@ -237,8 +243,10 @@ async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> 
         room.emit("disconnected", rtc.DisconnectReason.SERVER_SHUTDOWN)
 
     await trio_asyncio.aio_as_trio(emit_on_asyncio, loop=loop)()
-    with trio.fail_after(2):
-        received = [event async for event in connection.events()]  # ends: the room disconnected
+    received = []
+    with trio.fail_after(2), pytest.raises(TransportError, match="disconnected \\(SERVER_SHUTDOWN\\)"):
+        async for event in connection.events():  # a lost room is an error, not a normal end
+            received.append(event)
     assert received == [
         ParticipantJoined("ctrl-1"),
         DataReceived("tf.control", b'{"type":"x"}', "ctrl-1"),
@@ -252,6 +260,32 @@ async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> 
     await connection.disconnect()  # idempotent
     with pytest.raises(TransportError, match="left the room"):
         await connection.publish_frame(np.zeros((4, 4, 3), np.uint8), 16.0)
+
+
+async def test_a_data_flood_drops_data_but_never_a_departure(nursery: trio.Nursery) -> None:
+    transport, loop = await start(nursery, "ws://127.0.0.1:7880")
+    connection = _LiveKitConnection(transport, loop, "stage", "worker-1")
+    flood = EVENT_BACKLOG + 50
+
+    async def emit_on_asyncio() -> None:
+        room = rtc.Room(loop=loop)
+        connection._attach(room)
+        room.emit("participant_active", _FakeParticipant("ctrl-1"))
+        for _ in range(flood):
+            room.emit("data_received", rtc.DataPacket(data=b"{}", kind=rtc.DataPacketKind.KIND_RELIABLE,
+                                                      participant=_FakeParticipant("ctrl-1"), topic="tf.control"))
+        room.emit("participant_disconnected", _FakeParticipant("ctrl-1"))
+        room.emit("participant_active", _FakeParticipant("viewer-1"))
+
+    await trio_asyncio.aio_as_trio(emit_on_asyncio, loop=loop)()
+    events = connection.events()
+    received = [await events.__anext__() for _ in range(1 + EVENT_BACKLOG + 2)]
+    assert received[0] == ParticipantJoined("ctrl-1")
+    assert all(isinstance(event, DataReceived) for event in received[1 : 1 + EVENT_BACKLOG])
+    assert received[-2:] == [ParticipantLeft("ctrl-1"), ParticipantJoined("viewer-1")]
+    assert connection.dropped_events == flood - EVENT_BACKLOG
+    await events.aclose()
+    await connection.disconnect()
 
 
 async def test_disconnect_of_an_unconnected_room_is_bounded(nursery: trio.Nursery) -> None:

@@ -1,0 +1,107 @@
+"""The production path end to end: ``chunkline stream-serve --livekit-url`` and real SDK clients.
+
+One stream server (toy world, 160x96, LiveKit transport) serves the module; each test creates its own
+session over HTTP and joins the room with the token it was given, as a user's client does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from spec_tests.frames import horizontal_shift
+
+from .conftest import Agent, LiveKit, StreamServer
+
+pytestmark = pytest.mark.livekit
+
+SESSIONS = "/v1/stream/sessions"
+WORKER = "chunkline-worker-0"
+CONTROLLER_TIMEOUT = 6.0
+TERMINAL = {"closed", "failed", "expired", "rejected"}
+
+
+@pytest.fixture(scope="module")
+def stream(stream_servers: Callable[..., StreamServer]) -> StreamServer:
+    return stream_servers(controller_timeout=CONTROLLER_TIMEOUT, room_empty_timeout=30, max_sessions_per_worker=1, queue_size=2)
+
+
+async def create(stream: StreamServer, identity: str) -> dict[str, Any]:
+    async with stream.http() as http:
+        response = await http.post(SESSIONS, json={"identity": identity})
+    assert response.status_code in (200, 202), response.text
+    return response.json()
+
+
+async def session(stream: StreamServer, session_id: str) -> dict[str, Any]:
+    async with stream.http() as http:
+        response = await http.get(f"{SESSIONS}/{session_id}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def wait_status(stream: StreamServer, session_id: str, wanted: set[str], timeout: float = 20.0) -> dict[str, Any]:
+    """The session's record once its status is one of ``wanted`` (HTTP polls of a real server)."""
+    with trio.move_on_after(timeout):
+        while (record := await session(stream, session_id))["status"] not in wanted:
+            await trio.sleep(0.1)  # bench-cost: the server is another process
+        return record
+    raise AssertionError(f"session {session_id} still {record['status']!r} after {timeout:g} s, not in {wanted}")
+
+
+async def settled_frame(agent: Agent, client: str, quiet: float = 0.5) -> tuple[int, np.ndarray]:
+    """The picture once it has stopped changing for ``quiet`` s (no key held: no new chunks; the worker
+    repeats its last frame while idle, so frames keep coming but show the same picture)."""
+    last: np.ndarray | None = None
+    with trio.fail_after(20):
+        while True:
+            reply = await agent.request("frames", client=client, grey=True)
+            grey = np.asarray(reply["grey"], dtype=np.float64) if "grey" in reply else None
+            if grey is not None and last is not None and float(np.abs(grey - last).mean()) < 1.0:
+                return reply["frames"], grey
+            last = grey
+            await trio.sleep(quiet)  # bench-cost: frames come over a real network from another process
+
+
+async def test_controller_holds_d_and_the_livekit_video_moves(stream: StreamServer, agent: Agent, livekit_server: LiveKit) -> None:
+    created = await create(stream, "alice")
+    assert created["transport"] == "livekit" and created["livekit_url"] == livekit_server.config.url
+    joined = await agent.join("alice", created["token"])
+    assert joined["identity"] == "alice"
+    await agent.wait_message("alice", "status", stage="running")
+    track = await agent.wait_for(lambda: [e for e in agent.events if e["event"] == "track" and e["client"] == "alice"], "the video track")
+    assert track[0]["name"] == "chunkline-output" and track[0]["participant"] == WORKER
+
+    await agent.wait_message("alice", "chunk", index=0)  # the preview chunk
+    before_count, before = await settled_frame(agent, "alice")
+    assert before.shape == (96, 160)
+    chunks_before = len([m for m in agent.messages("alice") if m["type"] == "chunk"])
+    await agent.request("hold", client="alice", keys=["d"], period=0.1)
+    await agent.wait_for(
+        lambda: len([m for m in agent.messages("alice") if m["type"] == "chunk"]) >= chunks_before + 4, "four chunks while D is held"
+    )
+    await agent.request("hold", client="alice", keys=[])
+    after_count, after = await settled_frame(agent, "alice")
+    assert after_count >= before_count + 12, (before_count, after_count)
+    shift, error, unshifted = horizontal_shift(before, after)
+    assert shift >= 5, f"holding D should move the content left; best shift {shift} px (error {error:.1f})"
+    assert error < 0.6 * unshifted, (shift, error, unshifted)
+
+    applied = [m["data"]["applied_controls"]["keys"] for m in agent.messages("alice") if m["type"] == "chunk"]
+    assert applied[0] == [] and ["d"] in applied, applied
+    for stage in ("starting_pipeline", "running"):  # sent once the controller could receive data
+        await agent.wait_message("alice", "status", stage=stage, timeout=0)
+    await agent.wait_message("alice", "lease_granted", timeout=0)
+    await agent.wait_message("alice", "metrics", topic="tf.metrics", timeout=5)
+
+    await agent.request("publish", client="alice", topic="tf.control", payload=json.dumps({"type": "stop"}))
+    done = await agent.wait_message("alice", "done")
+    assert done["total_chunks"] >= chunks_before + 4
+    record = await wait_status(stream, created["session_id"], TERMINAL)
+    assert record["status"] == "closed", record
+    assert WORKER not in await agent.room_participants(created["room"])

@@ -1,0 +1,45 @@
+"""``LiveKitTransport`` against the real server: what only a real server shows at the worker's side.
+
+Each scenario of :mod:`spec_tests.livekit.transport_probe` runs in its own process inside the namespace
+(the transport, as the stream server runs it) and reports what it saw; the assertions are here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from .conftest import ROOT, LiveKit
+
+pytestmark = pytest.mark.livekit
+
+
+async def probe(livekit: LiveKit, scenario: str) -> dict:
+    config = livekit.config
+    argv = [*livekit.network.prefix(), sys.executable, "-m", "spec_tests.livekit.transport_probe", scenario,
+            config.url, config.api_key, config.api_secret]
+    with trio.fail_after(60):
+        done = await trio.run_process(argv, cwd=ROOT, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    return json.loads(done.stdout.decode().strip().splitlines()[-1])
+
+
+async def test_a_timed_out_connect_leaves_no_ghost_worker(livekit_server: LiveKit) -> None:
+    seen = await probe(livekit_server, "ghost")
+    assert seen["error"].endswith("within 0.5 s: no answer (timed out)"), seen
+    assert seen["gave_up_after"] < 1.0, seen
+    # the SDK went on and joined through its next attempt after the caller had given up...
+    assert seen["relay_held_first_connection"] and seen["sdk_retried_after_timeout"], seen
+    # ...and the transport took that late join back out of the room
+    assert not seen["listed_at_end"], seen
+
+
+async def test_a_refused_publish_is_reported_on_every_frame(livekit_server: LiveKit) -> None:
+    seen = await probe(livekit_server, "publish_refused")
+    first, second = seen["errors"]
+    assert first is not None and "publishing the video track" in first, seen
+    assert second == first, seen  # not silently sent to a source nobody receives

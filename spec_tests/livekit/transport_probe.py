@@ -1,0 +1,151 @@
+"""The worker side (``LiveKitTransport``) against a real LiveKit server, in a process inside the namespace.
+
+``python -m spec_tests.livekit.transport_probe SCENARIO URL KEY SECRET`` prints one JSON object of what
+it observed; the tests assert on it. A scenario runs the transport as the stream server does (its own
+trio-asyncio loop, a worker token) and looks at the room through the server's RoomService.
+
+- ``ghost``: the first signalling connection is held silent by a local relay, so the connect times out
+  while the SDK's next attempt (through the relay, now passing bytes) joins the room later; reports
+  whether the worker identity was ever listed, and whether it still is once that join has ended.
+- ``publish_refused``: a token that may join but not publish; reports the error of each of two frames.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import trio
+import trio_asyncio
+from livekit import api
+
+from server.tokens import TokenIssuer
+from server.transport import TransportError
+from server.transport.livekit import LiveKitTransport
+
+ROOM = "probe-room"
+IDENTITY = "chunkline-probe-worker"
+
+
+async def participants(loop: Any, url: str, key: str, secret: str) -> list[str]:
+    """The room's identities, asked on the transport's own asyncio loop (livekit-api is asyncio code)."""
+
+    async def listed() -> list[str]:
+        lkapi = api.LiveKitAPI(url.replace("ws://", "http://"), key, secret)
+        try:
+            response = await lkapi.room.list_participants(api.ListParticipantsRequest(room=ROOM))
+            return sorted(p.identity for p in response.participants)
+        finally:
+            await lkapi.aclose()
+
+    return await trio_asyncio.aio_as_trio(listed, loop=loop)()
+
+
+async def relay(listener: trio.SocketListener, upstream: tuple[str, int], held: list[trio.SocketStream], forwarded: trio.Event) -> None:
+    """Forward connections to ``upstream``, except the first, which is accepted and never answered."""
+    async with trio.open_nursery() as nursery:
+        while True:
+            client = await listener.accept()
+            if not held:
+                held.append(client)
+                continue
+            forwarded.set()
+            nursery.start_soon(pipe_both, client, upstream)
+
+
+async def pipe_both(client: trio.SocketStream, upstream: tuple[str, int]) -> None:
+    server = await trio.open_tcp_stream(*upstream)
+
+    async def pump(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+        try:
+            async for data in source:
+                await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await sink.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump, client, server)
+        nursery.start_soon(pump, server, client)
+
+
+async def ghost(url: str, key: str, secret: str) -> dict[str, Any]:
+    host, port = url.removeprefix("ws://").rsplit(":", 1)
+    token = TokenIssuer(key, secret, 600).worker_token(ROOM, IDENTITY)
+    held: list[trio.SocketStream] = []
+    forwarded = trio.Event()
+    seen: list[list[str]] = []
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        relay_port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(relay, listeners[0], (host, int(port)), held, forwarded)
+        transport = LiveKitTransport(f"ws://127.0.0.1:{relay_port}", connect_timeout=0.5)
+        loop = await nursery.start(transport.run)
+        started = time.monotonic()
+        try:
+            await transport.connect(ROOM, IDENTITY, token, timeout=0.5)
+            error = None
+        except TransportError as exc:
+            error = str(exc)
+        gave_up_after = time.monotonic() - started
+        with trio.move_on_after(15):
+            await forwarded.wait()  # the SDK's next attempt, after the caller gave up
+        retried = forwarded.is_set()
+        # watch the room while the late join completes: the worker must not stay
+        with trio.move_on_after(4):
+            while True:
+                seen.append(await participants(loop, url, key, secret))
+                if len(seen) > 1 and IDENTITY in seen[-2] and IDENTITY not in seen[-1]:
+                    break
+                await trio.sleep(0.2)  # bench-cost: the native join runs on its own schedule
+        nursery.cancel_scope.cancel()
+    return {
+        "error": error,
+        "gave_up_after": gave_up_after,
+        "relay_held_first_connection": bool(held),
+        "sdk_retried_after_timeout": retried,
+        "ever_listed": any(IDENTITY in names for names in seen),
+        "listed_at_end": bool(seen) and IDENTITY in seen[-1],
+    }
+
+
+async def publish_refused(url: str, key: str, secret: str) -> dict[str, Any]:
+    token = (
+        api.AccessToken(key, secret)
+        .with_identity(IDENTITY)
+        .with_grants(api.VideoGrants(room_join=True, room=ROOM, can_publish=False, can_subscribe=False))
+        .to_jwt()
+    )
+    transport = LiveKitTransport(url, publish_timeout=2.0)
+    errors: list[str | None] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(transport.run)
+        connection = await transport.connect(ROOM, IDENTITY, token, timeout=10)
+        frame = np.zeros((48, 64, 3), dtype=np.uint8)
+        for _ in range(2):
+            try:
+                with trio.fail_after(15):
+                    await connection.publish_frame(frame, 16.0)
+                errors.append(None)
+            except TransportError as exc:
+                errors.append(str(exc))
+        await connection.disconnect()
+        nursery.cancel_scope.cancel()
+    return {"errors": errors}
+
+
+SCENARIOS = {"ghost": ghost, "publish_refused": publish_refused}
+
+
+def main() -> None:
+    scenario, url, key, secret = sys.argv[1:5]
+    result = trio.run(SCENARIOS[scenario], url, key, secret)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
