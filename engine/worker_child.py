@@ -1,8 +1,8 @@
 """The child side of :class:`engine.workers.ProcessWorkerGroup`: one rank's process.
 
-The parent spawns :func:`child_main` with its end of a pipe and a plain config
-dict. The child first arranges to die with its parent (Linux parent-death
-signal, plus a watchdog thread that notices ``os.getppid()`` changing), then
+The group's :class:`engine.supervisor.Supervisor` spawns :func:`child_main` with
+its end of a pipe and a plain config dict. The child first arranges to die with
+its parent (:func:`engine.supervised_child.bind_to_parent`), then
 builds its rank object with ``factory(rank=..., world_size=..., device=...)``
 and serves calls until it is told to shut down or its pipe closes.
 
@@ -21,17 +21,13 @@ from __future__ import annotations
 import importlib
 import os
 import signal
-import sys
-import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["child_main", "resolve_factory"]
+from .supervised_child import bind_to_parent
 
-PR_SET_PDEATHSIG = 1
-WATCHDOG_INTERVAL = 0.2  # seconds between parent checks in the child
-PARENT_GONE_EXIT_CODE = 70
+__all__ = ["child_main", "resolve_factory"]
 
 
 def resolve_factory(factory: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -49,26 +45,6 @@ def resolve_factory(factory: str | Callable[..., Any]) -> Callable[..., Any]:
     return target
 
 
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGKILL this process when the thread that spawned it dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - no prctl; the watchdog still runs
-        pass
-
-
-def _watch_parent(parent_pid: int) -> None:
-    stop = threading.Event()  # never set: the wait is just the poll interval
-    while os.getppid() == parent_pid:
-        stop.wait(WATCHDOG_INTERVAL)
-    os._exit(PARENT_GONE_EXIT_CODE)
-
-
 def _error_payload(exc: BaseException) -> tuple[str, str, str]:
     kind = type(exc)
     return (f"{kind.__module__}.{kind.__qualname__}", str(exc), traceback.format_exc())
@@ -77,12 +53,7 @@ def _error_payload(exc: BaseException) -> tuple[str, str, str]:
 def child_main(conn: Any, config: dict[str, Any]) -> None:
     """Entry point of one rank process (the target of a spawn-context Process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
-    parent_pid = config["parent_pid"]
-    if config.get("parent_death_signal", True):
-        _set_parent_death_signal()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(PARENT_GONE_EXIT_CODE)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    bind_to_parent(config)
 
     rank = config["rank"]
     try:

@@ -12,10 +12,12 @@ Same interface as :class:`engine.parallel_actor.InProcessWorkerGroup`, so a
     group.close()
 
 ``start`` is separate from the constructor, so building a group never blocks
-or spawns. One thread per group, the *monitor*, spawns the ranks (Linux's
-parent-death signal fires when the spawning *thread* ends, so it must outlive
-them), reads every reply, and waits on the ranks' sentinels: a rank that dies
-fails the group within milliseconds. A failed group fails every pending and
+or spawns. The ranks are children of one :class:`engine.supervisor.Supervisor`
+(spawned from its monitor thread, bound to this process's life, stopped
+politely, then with SIGTERM, then SIGKILL, and reaped), which hands every reply
+to the group and tells it of every exit: a rank that dies fails the group
+within milliseconds. The group's lifecycle is the table in
+:mod:`states.process_group`. A failed group fails every pending and
 later call with :class:`WorkerGroupFailed`; an exception inside a rank's method
 is a :class:`WorkerCallError` for that call only. ``device_ids`` are labels
 handed to the ranks; no resource group is ever inferred from them.
@@ -25,16 +27,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
-import os
+import pickle
 import threading
-import time
 from collections.abc import Callable, Iterable
-from multiprocessing.connection import wait as wait_ready
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachine, on_rank_exit
+
 from .errors import EngineError, FatalStageError
+from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 from .worker_child import child_main
 
 __all__ = [
@@ -171,39 +173,57 @@ class ProcessWorkerGroup:
         self.kill_grace = kill_grace
         self._gather = frozenset(gather)
         self._rank0_only = frozenset(rank0_only)
-        self._parent_death_signal = parent_death_signal
-        self.failed = False
         self.failure_reason: str | None = None
-        self.closed = False
         self.exit_codes: dict[int, int | None] = {}
         self.close_errors: dict[int, str] = {}  # rank -> traceback of its close() failing
+        self._life = ProcessGroupMachine()
+        self._ran = False  # start() succeeded once
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
-        self._exits = threading.Condition(self._lock)
-        self._send_lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
-        self._procs: list[Any] = []
-        self._pids: list[int] = []
-        self._conns: list[Any] = []
-        self._monitor: threading.Thread | None = None
-        self._started = threading.Event()
-        self._startup_error: WorkerStartupError | None = None
-        self._closing = False
-        self._stop = False
-        self._wake_r: Any = None  # a pipe that wakes the monitor (made by start)
-        self._wake_w: Any = None
+        self._supervisor = Supervisor(
+            [
+                ChildSpec(f"{name}-rank{rank}", child_main, {
+                    "factory": factory, "rank": rank, "world_size": world_size, "device": self.device_ids[rank],
+                })
+                for rank in range(world_size)
+            ],
+            on_message=self._on_message, on_exit=self._on_exit, close_timeout=close_timeout,
+            kill_grace=kill_grace, parent_death_signal=parent_death_signal, name=name,
+        )
         self._closed_event = threading.Event()
+        self._start_settled = threading.Event()  # clear only while start() runs
+        self._start_settled.set()
 
     # -- properties -----------------------------------------------------------------
 
     @property
+    def state(self) -> Any:
+        """The group's lifecycle state (:mod:`states.process_group`)."""
+        return self._life.state
+
+    @property
     def pids(self) -> tuple[int, ...]:
-        """Each rank's process id (after start)."""
-        return tuple(self._pids)
+        """Each spawned rank's process id (after start)."""
+        return tuple(pid for pid in self._supervisor.pids if pid is not None)
 
     @property
     def started(self) -> bool:
-        return self._started.is_set() and self._startup_error is None
+        """``start()`` succeeded (the group may have failed or closed since)."""
+        return self._ran
+
+    @property
+    def failed(self) -> bool:
+        return self.failure_reason is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._life.state in TERMINAL
+
+    @property
+    def processes_released(self) -> bool:
+        """Every rank reaped and every pipe closed."""
+        return self._supervisor.finished
 
     # -- start ------------------------------------------------------------------------
 
@@ -214,121 +234,53 @@ class ProcessWorkerGroup:
         one) after killing and joining every rank; the group is then closed.
         """
         with self._lock:
-            if self._closing:
-                raise WorkerGroupClosed(f"{self.name} is closed")
-            if self._monitor is not None:
+            if not self._life.can(Event.START):
+                if self._life.state in TERMINAL:
+                    raise WorkerGroupClosed(f"{self.name} is closed")
                 raise RuntimeError("a worker group starts once")
-            self._wake_r, self._wake_w = multiprocessing.get_context("spawn").Pipe(duplex=False)
-            self._monitor = threading.Thread(target=self._run, args=(timeout,), name=f"{self.name}-monitor", daemon=True)
-        self._monitor.start()
-        self._started.wait()
-        if self._startup_error is not None:
-            self._monitor.join()
-            self._release()
-            self.closed = True
+            self._life.apply(Event.START)
+            self._start_settled.clear()
+        try:
+            self._supervisor.start(timeout, check_hello=self._check_hello)
+        except StartupFailed as exc:
+            with self._lock:
+                self._life.apply(Event.START_FAILED)
             self._closed_event.set()
-            raise self._startup_error
+            raise self._startup_error(exc) from None
+        else:
+            with self._lock:
+                self._life.apply(Event.READY)
+                self._ran = True
+        finally:
+            self._start_settled.set()
         return self
 
+    def _check_hello(self, rank: int, data: bytes) -> None:
+        message = pickle.loads(data)
+        if message[0] == "startup_failed":
+            raise WorkerStartupError(f"{self.name}: rank {rank} failed to start:\n--- child traceback ---\n{message[2]}")
+
+    def _startup_error(self, failure: StartupFailed) -> WorkerStartupError:
+        if failure.problem == StartupProblem.REFUSED and isinstance(failure.__cause__, WorkerStartupError):
+            return failure.__cause__
+        if failure.problem == StartupProblem.EXITED:
+            return WorkerStartupError(
+                f"{self.name}: rank {failure.index} (pid {failure.pid}) exited during startup with code {failure.exitcode}"
+            )
+        if failure.problem == StartupProblem.TIMED_OUT:
+            return WorkerStartupError(f"{self.name}: ranks {list(failure.waiting)} not ready in time")
+        return WorkerStartupError(f"{self.name}: could not start the ranks: {failure.__cause__!r}")
+
     def __enter__(self) -> ProcessWorkerGroup:
-        return self.start() if self._monitor is None else self
+        return self.start() if self._life.can(Event.START) else self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _run(self, timeout: float) -> None:
-        try:
-            self._spawn()
-            self._await_ready(time.monotonic() + timeout)
-        except BaseException as exc:
-            if not isinstance(exc, WorkerStartupError):
-                exc = WorkerStartupError(f"{self.name}: could not start the ranks: {exc!r}")
-            self._startup_error = exc
-            for proc in self._procs:
-                proc.kill()
-            for proc in self._procs:
-                proc.join(self.kill_grace + 5)
-            self._closing = True
-            self._started.set()
-            return
-        self._started.set()
-        try:
-            self._serve()
-        except BaseException as exc:  # a bug here must not leave deaths unnoticed
-            self._fail(f"the monitor thread crashed: {exc!r}")
-            raise
+    # -- what the supervisor reports (its monitor thread) --------------------------------------
 
-    def _spawn(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        for rank in range(self.world_size):
-            parent_conn, child_conn = ctx.Pipe()
-            self._conns.append(parent_conn)
-            config = {
-                "factory": self.factory, "rank": rank, "world_size": self.world_size,
-                "device": self.device_ids[rank], "parent_pid": os.getpid(),
-                "parent_death_signal": self._parent_death_signal,
-            }
-            proc = ctx.Process(target=child_main, args=(child_conn, config), name=f"{self.name}-rank{rank}", daemon=True)
-            try:
-                proc.start()
-            finally:
-                child_conn.close()
-            self._procs.append(proc)
-            self._pids.append(proc.pid)
-
-    def _await_ready(self, deadline: float) -> None:
-        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
-        while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise WorkerStartupError(f"{self.name}: ranks {sorted(waiting.values())} not ready in time")
-            for obj in wait_ready([*waiting, *sentinels], remaining):
-                rank = waiting[obj] if obj in waiting else sentinels[obj]
-                conn, proc = self._conns[rank], self._procs[rank]
-                message = None
-                if conn in waiting and conn.poll():
-                    try:
-                        message = conn.recv()
-                    except (EOFError, OSError):
-                        pass
-                if message is not None and message[0] == "ready":
-                    del waiting[conn]
-                    continue
-                if message is not None and message[0] == "startup_failed":
-                    raise WorkerStartupError(
-                        f"{self.name}: rank {rank} failed to start:\n--- child traceback ---\n{message[2]}"
-                    )
-                proc.join(self.kill_grace)
-                raise WorkerStartupError(
-                    f"{self.name}: rank {rank} (pid {proc.pid}) exited during startup with code {proc.exitcode}"
-                )
-
-    # -- serving ------------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        conns = {conn: rank for rank, conn in enumerate(self._conns)}
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
-        while not self._stop:
-            for obj in wait_ready([self._wake_r, *conns, *sentinels], 0.5):
-                if obj is self._wake_r:
-                    self._wake_r.recv_bytes()
-                elif obj in conns:
-                    self._read(obj, conns)
-                elif obj in sentinels:
-                    rank = sentinels.pop(obj)
-                    conn = self._conns[rank]
-                    while conn in conns and conn.poll():  # replies sent just before it exited
-                        self._read(conn, conns)
-                    conns.pop(conn, None)
-                    self._reap(rank)
-
-    def _read(self, conn: Any, conns: dict[Any, int]) -> None:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            conns.pop(conn, None)  # the rank is exiting; its sentinel reports how
-            return
+    def _on_message(self, rank: int, data: bytes) -> None:
+        message = pickle.loads(data)
         if message[0] == "result":
             _, call_id, rank, ok, payload = message
             with self._lock:
@@ -342,22 +294,17 @@ class ProcessWorkerGroup:
         elif message[0] == "closed" and message[2] is not None:
             self.close_errors[message[1]] = message[2]
 
-    def _reap(self, rank: int) -> None:
-        proc = self._procs[rank]
-        proc.join(self.kill_grace)
-        code = proc.exitcode
-        with self._exits:
-            self.exit_codes[rank] = code
-            self._exits.notify_all()
-            closing = self._closing
-        if not closing:
-            self._fail(f"rank {rank} (pid {proc.pid}) exited unexpectedly with code {code}")
+    def _on_exit(self, exit: ChildExit) -> None:
+        self.exit_codes[exit.index] = exit.exitcode
+        if on_rank_exit(self._life.state, expected=exit.expected) is not None:
+            cause = f" ({exit.cause})" if exit.cause else ""
+            self._fail(f"rank {exit.index} (pid {exit.pid}) exited unexpectedly with code {exit.exitcode}{cause}")
 
     def _fail(self, reason: str) -> None:
         with self._lock:
-            if self.failed or self.closed:
+            if not self._life.can(Event.FAIL):  # starting (start() reports it), closing or closed
                 return
-            self.failed = True
+            self._life.apply(Event.FAIL)
             self.failure_reason = reason
             pending, self._pending = list(self._pending.values()), {}
             callbacks = list(self._callbacks)
@@ -379,11 +326,11 @@ class ProcessWorkerGroup:
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:
         """``callback(reason)`` runs once, in any thread, when the group fails (at once if it has)."""
         with self._lock:
-            if not self.failed:
+            if self.failure_reason is None:
                 self._callbacks.append(callback)
                 return
             reason = self.failure_reason
-        callback(reason or "worker group failed")
+        callback(reason)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> DeferredResult:
         """Send ``method(*args, **kwargs)`` to every rank (rank 0 alone for ``rank0_only``)."""
@@ -391,19 +338,16 @@ class ProcessWorkerGroup:
         call = _Call(next(_ids), method, ranks)
         payload = ForkingPickler.dumps(("call", call.call_id, method, args, kwargs))
         with self._lock:
-            if self.failed:
+            if self.failure_reason is not None:
                 raise WorkerGroupFailed(f"{self.name} failed: {self.failure_reason}")
-            if self._closing:
+            if self._life.state not in TAKES_CALLS:
+                if self._life.can(Event.START):
+                    raise RuntimeError(f"{self.name} is not started; call start() first")
                 raise WorkerGroupClosed(f"{self.name} is closed")
-            if not self._started.is_set():
-                raise RuntimeError(f"{self.name} is not started; call start() first")
             self._pending[call.call_id] = call
-        with self._send_lock:
-            for rank in ranks:
-                try:
-                    self._conns[rank].send_bytes(payload)
-                except OSError:
-                    break  # the rank is gone: the monitor fails the group, and this call with it
+        for rank in ranks:
+            if not self._supervisor.send(rank, payload):
+                break  # the rank is gone: its exit fails the group, and this call with it
         return DeferredResult(self, call, method in self._gather)
 
     def close(self, timeout: float | None = None) -> None:
@@ -415,68 +359,25 @@ class ProcessWorkerGroup:
         Returns once every rank is joined and every pipe closed: within about
         ``timeout + 3 * kill_grace``. Pending calls fail with :class:`WorkerGroupClosed`.
         """
-        if threading.current_thread() is self._monitor:
+        if self._supervisor.on_monitor_thread():
             raise RuntimeError("close() cannot run on the group's monitor thread (e.g. from a failure callback)")
+        self._start_settled.wait()  # a start in another thread ends first (bounded by its timeout)
         with self._lock:
-            already, self._closing = self._closing, True
-            pending, self._pending = list(self._pending.values()), {}
-        if already:  # closed, closing in another thread, or a failed start (which closes)
+            if not self._life.can(Event.CLOSE):
+                waiting = True  # closing in another thread, or closed
+            else:
+                waiting = False
+                self._life.apply(Event.CLOSE)
+                pending, self._pending = list(self._pending.values()), {}
+        if waiting:
             self._closed_event.wait()
             return
-        if self._monitor is not None:
-            self._started.wait()
-            timeout = self.close_timeout if timeout is None else timeout
-            if self.failed:  # survivors may be stuck waiting on the dead rank: do not wait long
-                timeout = min(timeout, self.kill_grace)
-            threading.Thread(target=self._send_shutdown, name=f"{self.name}-shutdown", daemon=True).start()
-            if not self._wait_exits(timeout):
-                for proc in self._procs:
-                    proc.terminate()  # harmless on a process that has already exited
-                if not self._wait_exits(self.kill_grace):
-                    for proc in self._procs:
-                        proc.kill()
-                    self._wait_exits(self.kill_grace)
-            self._stop = True
-            self._wake()
-            self._monitor.join()
+        timeout = self.close_timeout if timeout is None else timeout
+        if self.failure_reason is not None:  # survivors may be stuck waiting on the dead rank: do not wait long
+            timeout = min(timeout, self.kill_grace)
+        self._supervisor.close(ForkingPickler.dumps(("shutdown",)), timeout=timeout)
         self._abort(pending, WorkerGroupClosed(f"{self.name} closed while the call was pending"))
         with self._lock:
-            self.closed = True
-        self._release()
+            if self._life.can(Event.CLOSED):
+                self._life.apply(Event.CLOSED)
         self._closed_event.set()
-
-    def _send_shutdown(self) -> None:
-        if not self._send_lock.acquire(timeout=self.close_timeout):
-            return  # a send is stuck; terminate and kill come next
-        try:
-            for conn in self._conns:
-                try:
-                    conn.send(("shutdown",))
-                except OSError:
-                    pass
-        finally:
-            self._send_lock.release()
-
-    def _wait_exits(self, timeout: float) -> bool:
-        with self._exits:
-            return self._exits.wait_for(lambda: len(self.exit_codes) == self.world_size, timeout)
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send_bytes(b"x")
-        except OSError:
-            pass
-
-    def _release(self) -> None:
-        """Join and close every process and pipe (once the monitor has stopped)."""
-        with self._send_lock:
-            for proc in self._procs:
-                if proc.exitcode is None:  # only if the monitor could not reap it
-                    proc.kill()
-                    proc.join()
-                proc.close()
-            for conn in self._conns:
-                conn.close()
-            if self._wake_r is not None:
-                self._wake_r.close()
-                self._wake_w.close()

@@ -21,9 +21,12 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from .child_process import ChildProcessMachine
 from .lease import LeaseMachine
 from .machine import StateMachine
 from .pipeline_session import PipelineSessionMachine
+from .process_group import ProcessGroupMachine
+from .service_child import ServiceChildMachine
 from .stage_actor import StageActorMachine
 from .stream_session import StreamSessionMachine
 from .worker import WorkerMachine
@@ -37,6 +40,9 @@ MACHINES: tuple[type[StateMachine], ...] = (
     PipelineSessionMachine,
     StageActorMachine,
     WorkerMachine,
+    ServiceChildMachine,
+    ProcessGroupMachine,
+    ChildProcessMachine,
 )
 
 #: Where the rendering is committed (repository root / docs).

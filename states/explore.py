@@ -101,9 +101,13 @@ def explore(config: Configuration, *, max_violations: int = 5) -> Report:
 
 
 def configurations(small: bool) -> list[Configuration]:
-    from . import explore_admission, explore_lease
+    from . import explore_admission, explore_lease, explore_supervision
 
-    return [*explore_admission.configurations(small), *explore_lease.configurations(small)]
+    return [
+        *explore_admission.configurations(small),
+        *explore_lease.configurations(small),
+        *explore_supervision.configurations(small),
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Every lifecycle table, checked exhaustively against its machine and as a graph.
 
-For each of the five lifecycle modules: every (state, event) pair of the full
+For each lifecycle module: every (state, event) pair of the full
 product either follows the table or raises ``IllegalTransition`` and changes
 nothing; ``can`` agrees with the table; every state is reachable from INITIAL;
 terminal states are never left; every live state can still end; every event is
@@ -16,7 +16,16 @@ from types import ModuleType
 import pytest
 
 import states
-from states import lease, pipeline_session, stage_actor, stream_session, worker
+from states import (
+    child_process,
+    lease,
+    pipeline_session,
+    process_group,
+    service_child,
+    stage_actor,
+    stream_session,
+    worker,
+)
 from states.machine import StateMachine
 
 MODULES: dict[ModuleType, type[StateMachine]] = {
@@ -25,6 +34,9 @@ MODULES: dict[ModuleType, type[StateMachine]] = {
     pipeline_session: pipeline_session.PipelineSessionMachine,
     stage_actor: stage_actor.StageActorMachine,
     worker: worker.WorkerMachine,
+    child_process: child_process.ChildProcessMachine,
+    process_group: process_group.ProcessGroupMachine,
+    service_child: service_child.ServiceChildMachine,
 }
 
 # Self-loops on a terminal state that a module's docstring documents on purpose:

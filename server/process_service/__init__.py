@@ -1,0 +1,117 @@
+"""A pipeline service in a child process, behind a proxy with the same contract.
+
+``worker-mode process`` runs each model worker's service in its own
+*spawn* child, so the API process never imports the model (torch, say)::
+
+    service = start_process_service("pipelines/toy_world", gpu_num=1)  # blocking: run it in a thread
+    service.configure_session_capacity(4)      # optional, before running()
+    async with service.running():              # the child enters the service's running()
+        report = service.memory_report()       # taken by the child once running
+        sid = await service.create_session(SessionConfig(), on_event=print)
+        await service.push_control(sid, Control(ControlType.CONTROL_STATE, keys={"w"}))
+        async for chunk in service.chunks(sid):
+            ...
+
+:func:`start_process_service` spawns the child, which loads the pipeline with
+:func:`pipelines.loader.load_service` and reports its kind; it returns a
+:class:`ProcessBidirectionalService` or a :class:`ProcessServerPushService`
+(both :class:`ProcessService` s, and instances of the matching contract class).
+The package's parts:
+
+- :mod:`~server.process_service.proxy`: the proxies (the parent's side of every
+  call and chunk stream; the lifecycle table is :mod:`states.service_child`);
+- :mod:`~server.process_service.link`: the child's supervisor (the shared
+  :class:`engine.supervisor.Supervisor`: spawn from a monitor thread, parent-death
+  signal and watchdog, bounded stop, reap) and delivery of its messages into trio;
+- :mod:`~server.process_service.child`: the child process itself;
+- :mod:`~server.process_service.wire`: the messages, as attrs classes.
+
+Once ``running()`` is entered, every message is handed to the trio run that
+entered it (through its trio token); all proxy state lives on that trio thread.
+
+Failure: when the child dies or its pipe closes unexpectedly, within a fraction
+of a second every pending call and chunk stream, and every later call, fails
+with :class:`ProcessServiceFailed` ("... exited unexpectedly with code N"), the
+body of ``running()`` is cancelled and ``running()`` raises that error (as an
+in-process service's ``running()`` raises when its actors die).
+``ControlRejected`` raised in the child is raised again as ``ControlRejected``
+with the same reason; any other exception as :class:`RemoteServiceError`
+carrying the child's traceback text.
+
+Chunk streams are credit-based: the child pulls at most ``CREDIT_WINDOW``
+chunks ahead of what the parent's consumer has taken, so a slow consumer holds
+the service back instead of letting chunks pile up.
+
+Closing is bounded: leaving ``running()`` (or :meth:`ProcessService.close`)
+asks the child to leave the service's ``running()`` and exit, then after
+``close_timeout`` seconds terminates it, then kills it ``kill_grace`` later;
+it returns once the child is reaped and every pipe is closed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+from pipelines.contract import BidirectionalService, ServerPushService
+
+from .errors import (
+    ProcessServiceClosed,
+    ProcessServiceError,
+    ProcessServiceFailed,
+    ProcessServiceStartError,
+    RemoteServiceError,
+)
+from .link import ServiceLink
+from .proxy import ProcessBidirectionalService, ProcessServerPushService, ProcessService
+from .wire import CREDIT_WINDOW
+
+__all__ = [
+    "CREDIT_WINDOW",
+    "ProcessBidirectionalService",
+    "ProcessServerPushService",
+    "ProcessService",
+    "ProcessServiceClosed",
+    "ProcessServiceError",
+    "ProcessServiceFailed",
+    "ProcessServiceStartError",
+    "RemoteServiceError",
+    "start_process_service",
+]
+
+_names = itertools.count(1)
+
+
+def start_process_service(
+    pipeline: str | os.PathLike[str],
+    *,
+    startup_timeout: float = 600.0,
+    close_timeout: float = 10.0,
+    kill_grace: float = 2.0,
+    parent_death_signal: bool = True,
+    name: str | None = None,
+    environment: dict[str, str] | None = None,
+    **options: Any,
+) -> ProcessBidirectionalService | ProcessServerPushService:
+    """Spawn a child that loads ``pipeline`` with ``load_service(pipeline, **options)``; return its proxy.
+
+    Blocking (call it from a thread under trio): returns once the child has
+    loaded the pipeline and reported its kind, or raises
+    :class:`ProcessServiceStartError` (with the child's traceback) after the
+    child has exited. ``options`` must pickle; ``environment`` is set in the
+    child before the pipeline is imported (e.g. ``CUDA_VISIBLE_DEVICES``).
+    """
+    name = name or f"process-service-{next(_names)}"
+    link = ServiceLink(
+        str(Path(pipeline)), dict(options), name=name, close_timeout=close_timeout, kill_grace=kill_grace,
+        parent_death_signal=parent_death_signal, environment=environment,
+    )
+    ready = link.start(startup_timeout)
+    if ready.kind == BidirectionalService.kind:
+        return ProcessBidirectionalService(link, supports_timeline=ready.supports_timeline)
+    if ready.kind == ServerPushService.kind:
+        return ProcessServerPushService(link)
+    link.close()
+    raise ProcessServiceStartError(f"{name}: the child reported an unknown service kind {ready.kind!r}")

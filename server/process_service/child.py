@@ -1,0 +1,267 @@
+"""The child side of a process service: one pipeline service in its own process.
+
+The proxy's :class:`engine.supervisor.Supervisor` spawns :func:`child_main` (a
+*spawn* context process) with its end of a duplex pipe and a plain config dict.
+The child binds its life to its parent (:func:`engine.supervised_child.bind_to_parent`),
+sets the environment it was given (e.g. ``CUDA_VISIBLE_DEVICES``), loads the
+pipeline with :func:`pipelines.loader.load_service`, says hello
+(:class:`~server.process_service.wire.Ready`) and waits. On
+:class:`~server.process_service.wire.Run` it calls ``configure_session_capacity``
+(when told a limit), enters ``async with service.running():`` inside
+``trio.run`` and serves requests, one trio task each, until it is told to stop
+or its pipe closes; then it leaves ``running()`` and exits. The messages are in
+:mod:`server.process_service.wire`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import signal
+import threading
+import traceback
+from typing import Any
+
+import trio
+
+from engine.supervised_child import bind_to_parent
+
+from . import wire
+
+__all__ = ["SENDER_FLUSH_TIMEOUT", "child_main"]
+
+log = logging.getLogger("chunkline.process_service.child")
+
+SENDER_FLUSH_TIMEOUT = 10.0  # seconds the child waits for its last messages to be written
+
+
+def child_main(conn: Any, config: dict[str, Any]) -> None:
+    """Entry point of the service process (the target of a spawn-context Process)."""
+    # the parent decides when the service stops: Ctrl-C or a SIGTERM sent to the whole process
+    # group (a terminal, `timeout`, a container runtime) must not kill the model under live sessions;
+    # the parent drains them and then stops this process (and SIGKILL on parent death still applies)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    bind_to_parent(config)
+    os.environ.update(config.get("environment") or {})
+    try:
+        from pipelines.loader import load_service
+
+        service = load_service(config["pipeline"], **config["options"])
+    except BaseException:
+        _send_now(conn, wire.LoadFailed(traceback.format_exc()))
+        raise SystemExit(1) from None
+    _send_now(conn, wire.Ready(service.kind, bool(getattr(service, "supports_timeline", False)), os.getpid()))
+    try:
+        message = wire.loads(conn.recv_bytes())
+    except (EOFError, OSError):  # the parent went away before running
+        return
+    if not isinstance(message, wire.Run):  # Stop before running(): nothing was started
+        return
+    _Server(conn, service).serve(message.capacity)
+
+
+def _send_now(conn: Any, message: Any) -> None:
+    try:
+        conn.send_bytes(wire.dumps(message))
+    except (EOFError, OSError):
+        pass
+
+
+class _ChildStream:
+    __slots__ = ("changed", "credits", "scope")
+
+    def __init__(self) -> None:
+        self.credits = wire.CREDIT_WINDOW
+        self.changed = trio.lowlevel.ParkingLot()
+        self.scope = trio.CancelScope()
+
+
+class _Server:
+    """Serves one running service: a reader thread feeds trio, a sender thread writes the pipe."""
+
+    def __init__(self, conn: Any, service: Any) -> None:
+        self.conn = conn
+        self.service = service
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.calls: dict[int, trio.CancelScope] = {}
+        self.streams: dict[int, _ChildStream] = {}
+        self.nursery: trio.Nursery | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.inbox: trio.MemorySendChannel[Any] | None = None
+
+    # -- threads -------------------------------------------------------------------
+
+    def serve(self, capacity: int | None) -> None:
+        sender = threading.Thread(target=self._send_loop, name="process-service-sender", daemon=True)
+        sender.start()
+        try:
+            trio.run(self._main, capacity)
+        finally:
+            self.outbox.put(None)
+            sender.join(SENDER_FLUSH_TIMEOUT)
+
+    def _send_loop(self) -> None:
+        while True:
+            data = self.outbox.get()
+            if data is None:
+                return
+            try:
+                self.conn.send_bytes(data)
+            except (EOFError, OSError):
+                return  # the parent is gone; the reader sees it too and stops the service
+
+    def _recv_loop(self) -> None:
+        assert self.token is not None and self.inbox is not None
+        while True:
+            try:
+                message = wire.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                message = wire.Stop()  # the parent closed its end: stop
+            try:
+                self.token.run_sync_soon(self.inbox.send_nowait, message)
+            except trio.RunFinishedError:
+                return
+            if isinstance(message, wire.Stop):
+                return
+
+    def post(self, message: Any) -> None:
+        """Queue a message for the parent (pickled here, so a pickling error is the poster's)."""
+        self.outbox.put(wire.dumps(message))
+
+    # -- trio ------------------------------------------------------------------------
+
+    async def _main(self, capacity: int | None) -> None:
+        from pipelines.contract import BidirectionalService
+
+        self.token = trio.lowlevel.current_trio_token()
+        self.inbox, inbox = trio.open_memory_channel[Any](math.inf)
+        threading.Thread(target=self._recv_loop, name="process-service-reader", daemon=True).start()
+        service = self.service
+        entered = False
+        try:
+            if capacity is not None and isinstance(service, BidirectionalService):
+                service.configure_session_capacity(capacity)
+            async with service.running():
+                entered = True
+                self._post_report()
+                async with trio.open_nursery() as nursery:
+                    self.nursery = nursery
+                    async for message in inbox:
+                        if isinstance(message, wire.Stop):
+                            break
+                        self._dispatch(message)
+                    nursery.cancel_scope.cancel()
+        except Exception:
+            self.post(wire.Stopped(traceback.format_exc()) if entered else wire.RunFailed(traceback.format_exc()))
+            return
+        self.post(wire.Stopped(None))
+
+    def _post_report(self) -> None:
+        try:
+            report = self.service.memory_report() if hasattr(self.service, "memory_report") else None
+            self.post(wire.Running(report, None))
+        except Exception as exc:
+            self.post(wire.Running(None, wire.error_info(exc)))
+
+    def _dispatch(self, message: Any) -> None:
+        assert self.nursery is not None
+        match message:
+            case wire.Call():
+                scope = trio.CancelScope()
+                self.calls[message.call_id] = scope
+                self.nursery.start_soon(self._call, scope, message)
+            case wire.Cancel(call_id=call_id):
+                scope = self.calls.get(call_id)
+                if scope is not None:
+                    scope.cancel()
+            case wire.OpenStream():
+                stream = self.streams[message.stream_id] = _ChildStream()
+                self.nursery.start_soon(self._stream, stream, message)
+            case wire.Credit(stream_id=stream_id, n=n):
+                stream = self.streams.get(stream_id)
+                if stream is not None:
+                    stream.credits += n
+                    stream.changed.unpark_all()
+            case wire.CloseStream(stream_id=stream_id):
+                stream = self.streams.get(stream_id)
+                if stream is not None:
+                    stream.scope.cancel()
+            case _:
+                log.warning("process service child: unknown message %r", type(message).__name__)
+
+    async def _call(self, scope: trio.CancelScope, message: wire.Call) -> None:
+        from pipelines.contract import BidirectionalService
+
+        call_id, method, args = message.call_id, message.method, message.args
+        reply: wire.Result | None = None
+        with scope:
+            try:
+                service = self.service
+                if not isinstance(service, BidirectionalService):
+                    raise TypeError(f"{type(service).__name__} is a {service.kind} service; it has no {method}()")
+                if method == "create_session":
+                    (config,) = args
+                    sink = self._event_sink(call_id) if message.wants_events else None
+                    value = await service.create_session(config, on_event=sink)
+                elif method == "push_control":
+                    value = await service.push_control(*args)
+                elif method == "close_session":
+                    value = await service.close_session(*args)
+                else:
+                    raise ValueError(f"unknown process service method {method!r}")
+                reply = wire.Result(call_id, True, value)
+            except Exception as exc:
+                reply = wire.Result(call_id, False, wire.error_info(exc))
+        self.calls.pop(call_id, None)
+        if reply is None:  # cancelled by the parent, which no longer waits
+            return
+        try:
+            self.post(reply)
+        except Exception as exc:  # the value does not pickle: say so instead
+            self.post(wire.Result(call_id, False, wire.error_info(exc)))
+
+    def _event_sink(self, call_id: int) -> Any:
+        def forward(event: Any) -> None:
+            try:
+                self.post(wire.SessionEvent(call_id, event))
+            except Exception:
+                log.exception("process service child: an event could not be forwarded")
+
+        return forward
+
+    async def _stream(self, stream: _ChildStream, message: wire.OpenStream) -> None:
+        stream_id = message.stream_id
+        error = None
+        iterator = None
+        with stream.scope:
+            try:
+                if message.method == "chunks":
+                    iterator = self.service.chunks(message.arg)
+                elif message.method == "stream":
+                    iterator = self.service.stream(message.arg)
+                else:
+                    raise ValueError(f"unknown stream method {message.method!r}")
+                while True:
+                    while stream.credits <= 0:
+                        await stream.changed.park()
+                    try:
+                        chunk = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    stream.credits -= 1
+                    self.post(wire.ChunkOut(stream_id, chunk))
+            except Exception as exc:
+                error = wire.error_info(exc)
+            finally:
+                closer = getattr(iterator, "aclose", None)
+                if closer is not None:
+                    with trio.CancelScope(shield=True):
+                        try:
+                            await closer()
+                        except Exception as exc:
+                            error = error or wire.error_info(exc)
+        self.streams.pop(stream_id, None)
+        self.post(wire.StreamEnd(stream_id, error))

@@ -1,0 +1,49 @@
+"""The process service's errors, and the conversion of an error raised in the child."""
+
+from __future__ import annotations
+
+from pipelines.contract import ControlRejected
+
+from .wire import ErrorInfo
+
+__all__ = [
+    "ProcessServiceClosed", "ProcessServiceError", "ProcessServiceFailed", "ProcessServiceStartError",
+    "RemoteServiceError", "remote_error",
+]
+
+
+class ProcessServiceError(RuntimeError):
+    """Base of the process service's errors."""
+
+
+class ProcessServiceStartError(ProcessServiceError):
+    """The child could not load the pipeline (with its traceback), exited, or was not ready in time."""
+
+
+class ProcessServiceFailed(ProcessServiceError):
+    """The child died or its pipe closed unexpectedly: every pending and later call fails with this."""
+
+
+class ProcessServiceClosed(ProcessServiceError):
+    """The service is not running (before ``running()``, or after it was left)."""
+
+
+class RemoteServiceError(ProcessServiceError):
+    """The service raised in the child; ``remote_traceback`` is the child's traceback text."""
+
+    def __init__(self, message: str, *, method: str, remote_type: str, remote_message: str, remote_traceback: str) -> None:
+        super().__init__(message)
+        self.method = method
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+
+
+def remote_error(method: str, info: ErrorInfo) -> Exception:
+    """The exception to raise in the parent for ``info``: ControlRejected again, or a RemoteServiceError."""
+    if info.reject_reason is not None:
+        return ControlRejected(info.reject_reason)
+    return RemoteServiceError(
+        f"{method}() raised {info.type_name}: {info.message}\n--- child traceback ---\n{info.traceback}",
+        method=method, remote_type=info.type_name, remote_message=info.message, remote_traceback=info.traceback,
+    )

@@ -1,0 +1,230 @@
+"""The messages between a process service's proxy and its child, as attrs classes.
+
+Each message is pickled by :func:`dumps` (a pickler that also handles
+``MappingProxyType``, which contract objects hold) and written with
+``send_bytes`` through the :class:`engine.supervisor.Supervisor`'s pipe.
+
+Parent to child: :class:`Run` (once, after :class:`Ready`), :class:`Call`,
+:class:`Cancel`, :class:`OpenStream`, :class:`Credit`, :class:`CloseStream`,
+:class:`Stop`.
+
+Child to parent: :class:`Ready` or :class:`LoadFailed` (the hello), then
+:class:`Running` or :class:`RunFailed`, :class:`Result`, :class:`SessionEvent`,
+:class:`ChunkOut`, :class:`StreamEnd`, :class:`Stopped`.
+
+Made in the parent (never sent): :class:`ChildExited`, :class:`ProtocolError`.
+
+Nothing heavy is imported here: the child imports the pipeline's own modules
+(torch, say) only when it loads the pipeline.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+import traceback
+import types
+from typing import Any, ClassVar
+
+import attrs
+
+__all__ = [
+    "CREDIT_WINDOW", "Call", "Cancel", "ChildExited", "ChunkOut", "CloseStream", "Credit", "ErrorInfo",
+    "LoadFailed", "OpenStream", "ProtocolError", "Ready", "Result", "Run", "RunFailed", "Running",
+    "SessionEvent", "Stop", "Stopped", "StreamEnd", "dumps", "error_info", "loads",
+]
+
+CREDIT_WINDOW = 2  # chunks a stream may send ahead of what the parent's consumer has taken
+
+CALL_METHODS = frozenset({"create_session", "push_control", "close_session"})
+STREAM_METHODS = frozenset({"chunks", "stream"})
+
+
+@attrs.frozen
+class ErrorInfo:
+    """An exception raised in the child: its type, message, traceback and (for a ControlRejected) reason."""
+
+    type_name: str
+    message: str
+    traceback: str
+    reject_reason: str | None = None
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """Describe ``exc`` for the parent; call it inside the ``except`` block (for the traceback)."""
+    from pipelines.contract import ControlRejected
+
+    kind = type(exc)
+    reason = getattr(exc, "reason", None)
+    return ErrorInfo(
+        f"{kind.__module__}.{kind.__qualname__}", str(exc), traceback.format_exc(),
+        reason if isinstance(exc, ControlRejected) and isinstance(reason, str) else None,
+    )
+
+
+# -- parent to child ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Run:
+    """Enter the service's ``running()``, after ``configure_session_capacity(capacity)`` when given."""
+
+    capacity: int | None
+
+
+@attrs.frozen
+class Call:
+    """Call ``method(*args)`` (one of :data:`CALL_METHODS`); ``wants_events`` forwards on_event."""
+
+    call_id: int
+    method: str
+    args: tuple
+    wants_events: bool = False
+
+
+@attrs.frozen
+class Cancel:
+    """Cancel a pending call (the parent no longer waits for it)."""
+
+    call_id: int
+
+
+@attrs.frozen
+class OpenStream:
+    """Start a chunk stream (``chunks(session_id)`` or ``stream(config)``); it may run CREDIT_WINDOW ahead."""
+
+    stream_id: int
+    method: str
+    arg: Any
+
+
+@attrs.frozen
+class Credit:
+    """The parent's consumer took ``n`` chunks of the stream: ``n`` more may be sent."""
+
+    stream_id: int
+    n: int = 1
+
+
+@attrs.frozen
+class CloseStream:
+    """Stop the stream (the child answers with :class:`StreamEnd`)."""
+
+    stream_id: int
+
+
+@attrs.frozen
+class Stop:
+    """Leave ``running()`` and exit."""
+
+
+# -- child to parent -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Ready:
+    """Hello: the pipeline is loaded; the child waits for :class:`Run`."""
+
+    kind: str
+    supports_timeline: bool
+    pid: int
+
+
+@attrs.frozen
+class LoadFailed:
+    """Hello: loading the pipeline failed; the child exits with code 1."""
+
+    traceback: str
+
+
+@attrs.frozen
+class Running:
+    """Inside ``running()``; the memory report is taken at once (or the error taking it raised)."""
+
+    report: Any
+    error: ErrorInfo | None = None
+
+
+@attrs.frozen
+class RunFailed:
+    """``configure_session_capacity`` or entering ``running()`` raised."""
+
+    traceback: str
+
+
+@attrs.frozen
+class Result:
+    """The outcome of a :class:`Call`: its value, or an :class:`ErrorInfo` when ``ok`` is false."""
+
+    call_id: int
+    ok: bool
+    value: Any
+
+
+@attrs.frozen
+class SessionEvent:
+    """An ``on_event`` callback of the session created by call ``call_id``."""
+
+    call_id: int
+    event: Any
+
+
+@attrs.frozen
+class ChunkOut:
+    stream_id: int
+    chunk: Any
+
+
+@attrs.frozen
+class StreamEnd:
+    stream_id: int
+    error: ErrorInfo | None = None
+
+
+@attrs.frozen
+class Stopped:
+    """Left ``running()``; ``traceback`` is the error leaving it raised, if any."""
+
+    traceback: str | None = None
+
+
+# -- made by the parent ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ChildExited:
+    code: int | None
+    expected: bool
+    cause: str | None = None
+
+
+@attrs.frozen
+class ProtocolError:
+    reason: str
+
+
+# -- encoding -----------------------------------------------------------------------------------------
+
+
+def _mappingproxy(value: dict[Any, Any]) -> types.MappingProxyType:
+    return types.MappingProxyType(value)
+
+
+def _reduce_mappingproxy(value: types.MappingProxyType) -> tuple[Any, tuple[dict[Any, Any]]]:
+    return _mappingproxy, (dict(value),)
+
+
+class _WirePickler(pickle.Pickler):
+    dispatch_table: ClassVar[dict[Any, Any]] = {**copyreg.dispatch_table, types.MappingProxyType: _reduce_mappingproxy}
+
+
+def dumps(message: Any) -> bytes:
+    """Pickle one message (contract objects hold ``MappingProxyType`` values, which plain pickle refuses)."""
+    buffer = io.BytesIO()
+    _WirePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)
