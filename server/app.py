@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +17,16 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from . import json_limits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .registry import UnknownSession
 from .requests import BadRequest, parse_create_session, parse_token_request, resolve_image_path
 from states.stream_session import State as SessionState
 
-from .runtime import SessionConflict, StreamRuntime
+from .runtime import NoWorker, SessionConflict, StreamRuntime, ViewerLimit
 from .settings import ServerSettings
-from .tokens import IdentityError, TokenIssuer, TokenRejected
+from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected
 from .transport.local import LocalRooms
 
 __all__ = ["create_app"]
@@ -34,6 +36,12 @@ log = logging.getLogger("chunkline.server")
 STATIC = Path(__file__).parent / "static"
 SHUTDOWN_GRACE = 20.0
 RETRY_AFTER_SECONDS = 5
+MAX_STATIC_NAME = 255  # characters of a static file's path (longer names are a 404, not an OS error)
+REFUSALS = {
+    "no_capacity": "no retained slot is free and the queue is disabled",
+    "queue_full": "no retained slot is free and the queue is full",
+    "shutting_down": "the server is shutting down and admits no new session",
+}
 
 
 def error(status: int, code: str, detail: str, headers: dict[str, str] | None = None) -> Response:
@@ -120,7 +128,15 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
 
     @app.errorhandler(IdentityError)
     async def bad_identity(exc: IdentityError) -> Response:
-        return error(400, "invalid_identity", str(exc))
+        return error(400, "reserved_identity" if isinstance(exc, ReservedIdentity) else "invalid_identity", str(exc))
+
+    @app.errorhandler(NoWorker)
+    async def no_worker(exc: NoWorker) -> Response:
+        return error(503, "no_worker", str(exc), {"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
+
+    @app.errorhandler(ViewerLimit)
+    async def viewer_limit(exc: ViewerLimit) -> Response:
+        return error(409, "viewer_limit", str(exc))
 
     @app.errorhandler(UnknownSession)
     async def unknown_session(exc: UnknownSession) -> Response:
@@ -140,9 +156,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
         if not raw:
             raise BadRequest("invalid_body", "the request body must be a JSON object")
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequest("invalid_json", "the request body is not valid JSON") from None
+            return json_limits.loads(raw)
+        except json_limits.JsonRefused as exc:
+            raise BadRequest(exc.reason, f"the request body: {exc.detail}") from None
 
     # -- sessions -------------------------------------------------------------------
 
@@ -157,9 +173,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
         created = runtime.create_session(body, image_bytes=image)
         admission = created.admission
         if admission.status == "rejected":
-            return error(429, admission.reason or "no_capacity",
-                         f"no retained slot is free and the queue {'is full' if admission.reason == 'queue_full' else 'is disabled'}",
-                         {"Retry-After": str(RETRY_AFTER_SECONDS)})
+            reason = admission.reason or "no_capacity"
+            return error(429, reason, REFUSALS.get(reason, reason), {"Retry-After": str(RETRY_AFTER_SECONDS)})
         record = created.record
         payload = {
             "session_id": record.session_id,
@@ -269,9 +284,15 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
     @app.get("/static/<path:name>")
     async def static_file(name: str) -> Response:
         root = STATIC.resolve()
-        path = (root / name).resolve()
-        if not path.is_relative_to(root) or not path.is_file():
-            return error(404, "not_found", f"no static file {name!r}")
+        missing = error(404, "not_found", f"no static file {name[:64]!r}")
+        if len(name) > MAX_STATIC_NAME or "\x00" in name:
+            return missing
+        try:
+            path = (root / name).resolve()
+            if not path.is_relative_to(root) or not path.is_file():
+                return missing
+        except (OSError, ValueError):  # a component too long for the file system, a loop of links
+            return missing
         kinds = {".js": "text/javascript", ".css": "text/css", ".html": "text/html", ".png": "image/png"}
         return Response(path.read_bytes(), mimetype=kinds.get(path.suffix, "application/octet-stream"))
 

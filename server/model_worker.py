@@ -22,6 +22,7 @@ from pipelines.contract import BidirectionalService, ServerPushService, Service
 from pipelines.loader import load_service
 
 from .process_service import start_process_service
+from .reasons import public_reason
 
 __all__ = ["ModelWorker", "WorkerStartError"]
 
@@ -82,9 +83,9 @@ class ModelWorker:
         try:
             await self._serve()
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
+            reason = public_reason(exc)  # health and metadata show this line; the log has the detail
             self.failure = reason
-            log.error("worker %s failed: %s", self.worker_id, reason)
+            log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
             self._on_failed(self, reason)
 
     async def _serve(self) -> None:

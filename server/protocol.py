@@ -31,7 +31,7 @@ not_controller      the sender identity is missing, empty, or not the
 too_large           the raw bytes (UTF-8 for ``str``) exceed ``max_bytes``;
                     mappings skip this check
 invalid_json        not UTF-8, not JSON, NaN/Infinity, a duplicated object key,
-                    or nested too deeply
+                    nested deeper than 32 levels, or a lone surrogate in a string
 not_an_object       the JSON value (or the argument) is not an object
 bad_version         an envelope whose ``version`` is not the integer 1
 wrong_session       a non-null ``session_id`` (envelope or flat) that is not the
@@ -85,6 +85,8 @@ from typing import Any, Final
 import attrs
 
 from pipelines.contract import KNOWN_KEYS, Control, ControlType
+
+from . import json_limits
 
 __all__ = [
     "CONTROL_TOPIC",
@@ -204,10 +206,6 @@ def _show(value: Any, limit: int = 40) -> str:
 # -- parsing ------------------------------------------------------------------
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -222,10 +220,10 @@ def _decode(raw: bytes | str, max_bytes: int) -> Any:
     if size > max_bytes:
         raise ControlRejection("too_large", f"{size} bytes; at most {max_bytes} allowed")
     try:
-        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_pairs)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ControlRejection("invalid_json", "the message is not valid UTF-8 JSON") from exc
+        return json_limits.loads(raw, object_pairs_hook=_unique_pairs)
+    except json_limits.JsonRefused as exc:
+        detail = "the message is not valid UTF-8 JSON" if exc.reason == "invalid_json" else exc.detail
+        raise ControlRejection("invalid_json", detail) from exc
 
 
 def _is_list(value: Any) -> bool:

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from pipelines.images import ImageRefused, check_image, check_image_file
+
 __all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_token_request", "resolve_image_path", "store_upload"]
 
 MAX_PROMPT = 2000
@@ -94,6 +96,7 @@ def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
             raise BadRequest("invalid_field", "image_b64 is not valid base64") from None
         if not image:
             raise BadRequest("invalid_field", "image_b64 is empty")
+        _check_image(lambda: check_image(image), "image_b64")
     return CreateSession(identity=identity, prompt=prompt, image_path=image_path, config=config), image
 
 
@@ -124,7 +127,18 @@ def resolve_image_path(image_path: str, assets_dir: str | None) -> str:
         raise BadRequest("invalid_image_path", "image_path resolves outside the assets directory")
     if not resolved.is_file():
         raise BadRequest("invalid_image_path", f"image_path {image_path!r} does not exist in the assets directory")
+    _check_image(lambda: check_image_file(resolved), "image_path")
     return str(resolved)
+
+
+def _check_image(check: Any, field: str) -> None:
+    """The image's header must name a supported format and a size within the decode limits."""
+    try:
+        check()
+    except ImageRefused as exc:
+        raise BadRequest(exc.reason, f"{field}: {exc.detail}") from None
+    except OSError:
+        raise BadRequest("invalid_image_path", f"{field}: the file cannot be read") from None
 
 
 def store_upload(image: bytes, directory: str) -> str:

@@ -28,6 +28,7 @@ from pipelines.contract import BidirectionalService, Chunk, Control, ControlReje
 from states.stream_session import Event, State
 
 from . import protocol
+from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
 
 if TYPE_CHECKING:
@@ -121,8 +122,9 @@ class RoomRunner:
                 await self._run()
         except Exception as exc:
             cause = _single_cause(exc)
-            error = str(cause) if isinstance(cause, RunnerError | TransportError) else f"{type(cause).__name__}: {cause}"
-            log.warning("session %s failed: %s", self.record.session_id, error)
+            # the record and the room hear one short line; the log keeps the traceback
+            error = public_reason(cause, prefix_type=not isinstance(cause, RunnerError | TransportError))
+            log.warning("session %s failed: %s", self.record.session_id, error, exc_info=cause)
         finally:
             with trio.CancelScope(shield=True):
                 await self._finish(error)
@@ -404,7 +406,8 @@ class RoomRunner:
                 try:
                     await service.close_session(self._pipeline_session)
                 except Exception as exc:
-                    error = error or f"closing the pipeline session failed: {type(exc).__name__}: {exc}"
+                    log.warning("session %s: closing the pipeline session failed", record.session_id, exc_info=exc)
+                    error = error or f"closing the pipeline session failed: {public_reason(exc)}"
             if scope.cancelled_caught:
                 error = error or "closing the pipeline session timed out"
         if self._connection is not None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -32,10 +33,10 @@ from .registry import SessionRecord, SessionRegistry
 from .requests import CreateSession, store_upload
 from .runner import RoomRunner
 from .settings import ServerSettings
-from .tokens import TokenIssuer, validate_identity
+from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
 
-__all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created"]
+__all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created", "NoWorker", "ViewerLimit"]
 
 log = logging.getLogger("chunkline.runtime")
 
@@ -45,6 +46,24 @@ DELETE_WAIT = 15.0
 
 class SessionConflict(RuntimeError):
     """The request conflicts with the session's state (e.g. a token for a terminal session)."""
+
+
+class NoWorker(RuntimeError):
+    """No worker is running or starting: a new session would wait for nothing (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ViewerLimit(RuntimeError):
+    """The session's room already has as many viewer identities as it may hold."""
+
+
+#: viewer identities one session may mint tokens for (each can hold one room socket)
+MAX_VIEWERS_PER_SESSION = 32
+#: seconds a client is told to wait (Retry-After) when no worker is live
+NO_WORKER_RETRY_AFTER = 10.0
 
 
 @attrs.frozen
@@ -141,6 +160,7 @@ class StreamRuntime:
             worker.stop()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
+        self._remove_upload_dir()
         log.info("shutdown complete: %d session(s) drained", live)
         self._shut_down.set()
 
@@ -165,8 +185,13 @@ class StreamRuntime:
     # -- sessions ------------------------------------------------------------------
 
     def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None) -> Created:
-        """Admit (200), queue (202) or reject (429) a new session; never waits."""
-        identity = validate_identity(request.identity)
+        """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits."""
+        identity = validate_client_identity(request.identity)
+        if not self.closing and not self.book.can_place():
+            reasons = "; ".join(f"{w.worker_id}: {w.failure}" for w in self.workers.values() if w.failure)
+            raise NoWorker(
+                "no worker is running or starting" + (f" ({reasons})" if reasons else ""), NO_WORKER_RETRY_AFTER
+            )
         session_id = secrets.token_hex(8)
         room = f"chunkline-{session_id}"
         now = trio.current_time()
@@ -209,6 +234,12 @@ class StreamRuntime:
             self._uploads = tempfile.mkdtemp(prefix="chunkline-uploads-")
         return self._uploads
 
+    def _remove_upload_dir(self) -> None:
+        """The server stops: every session is over, so the upload folder goes (whatever is left in it)."""
+        if self._uploads is not None:
+            shutil.rmtree(self._uploads, ignore_errors=True)
+            self._uploads = None
+
     def _discard_upload(self, record: SessionRecord) -> None:
         if record.upload_path is not None:
             with contextlib.suppress(OSError):
@@ -237,9 +268,12 @@ class StreamRuntime:
 
     def viewer_token(self, session_id: str, identity: str) -> str:
         record = self.registry.get(session_id)
-        identity = validate_identity(identity)
+        identity = validate_client_identity(identity)
         if record.is_terminal:
             raise SessionConflict(f"session {session_id} is {record.status.value}")
+        limit = MAX_VIEWERS_PER_SESSION
+        if identity not in record.viewer_identities and len(record.viewer_identities) >= limit:
+            raise ViewerLimit(f"session {session_id} already has {limit} viewer identities, the most one room holds")
         taken = {record.controller_identity, *(f"chunkline-{w}" for w in self.workers)}
         if identity in taken or identity in record.participants and identity not in record.viewer_identities:
             raise SessionConflict(f"identity {identity!r} is already used in this room")

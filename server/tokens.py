@@ -23,7 +23,9 @@ Identities (:func:`validate_identity`): 1 to 128 characters from
 ``[A-Za-z0-9_.:@-]``. That set is safe in URLs, log lines, JSON
 and LiveKit participant identities; no whitespace, no slashes, no control
 characters. Uniqueness within a room is the session registry's job, not this
-module's.
+module's. Identities starting with ``chunkline-`` (in any case) belong to the
+server's own participants: :func:`validate_client_identity` refuses them for
+controllers and viewers, so nobody can pose as the worker.
 
 Expiry is strict: verification uses a leeway of 0 (PyJWT's default through
 livekit-api is 60 s). The issuer's ``clock`` sets the ``exp`` claim it mints
@@ -51,10 +53,13 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "ROLES",
     "IdentityError",
+    "ReservedIdentity",
+    "SERVER_IDENTITY_PREFIX",
     "Role",
     "TokenIssuer",
     "TokenRejected",
     "VerifiedToken",
+    "validate_client_identity",
     "validate_identity",
 ]
 
@@ -62,6 +67,8 @@ Role = Literal["controller", "viewer", "worker"]
 ROLES: Final[frozenset[str]] = frozenset({"controller", "viewer", "worker"})
 
 MAX_IDENTITY_LENGTH: Final = 128
+#: the server's own participants (room runners, workers) are named with this prefix; clients may not be
+SERVER_IDENTITY_PREFIX: Final = "chunkline-"
 # PyJWT warns (an error under -W error) when an HS256 key is shorter than this.
 MIN_SECRET_BYTES: Final = 32
 
@@ -80,6 +87,10 @@ _GRANT_CLAIMS: Final = ("canPublish", "canPublishData", "canSubscribe")
 
 class IdentityError(ValueError):
     """An identity is empty, too long, or uses a character outside ``[A-Za-z0-9_.:@-]``."""
+
+
+class ReservedIdentity(IdentityError):
+    """A client asked for an identity the server keeps for its own participants."""
 
 
 class TokenRejected(ValueError):
@@ -102,6 +113,16 @@ def validate_identity(value: object) -> str:
     if _IDENTITY_RE.fullmatch(value) is None:
         raise IdentityError("identity may use only letters, digits and _ . : @ -")
     return value
+
+
+def validate_client_identity(value: object) -> str:
+    """:func:`validate_identity`, and not one of the server's own identities (any case of the prefix)."""
+    identity = validate_identity(value)
+    if identity.lower().startswith(SERVER_IDENTITY_PREFIX):
+        raise ReservedIdentity(
+            f"identities starting with {SERVER_IDENTITY_PREFIX!r} are reserved for the server's own participants"
+        )
+    return identity
 
 
 def _require_room(room: object) -> str:

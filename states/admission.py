@@ -40,7 +40,7 @@ from typing import Literal, Union
 
 import attrs
 
-from .worker import ELIGIBLE, Event as WorkerEvent, State as WorkerState, WorkerMachine
+from .worker import ELIGIBLE, PROSPECTIVE, Event as WorkerEvent, State as WorkerState, WorkerMachine
 
 __all__ = [
     "AdmissionBook",
@@ -300,6 +300,13 @@ class AdmissionBook:
     def workers(self) -> tuple[WorkerView, ...]:
         """Every worker, by id."""
         return tuple(self.worker(wid) for wid in sorted(self._workers))
+
+    def can_place(self) -> bool:
+        """Whether any worker takes sessions now or will once it is ready (starting, idle or busy).
+
+        Without one, a new session could only wait for nothing: the server refuses it at once.
+        """
+        return any(w.machine.state in PROSPECTIVE for w in self._workers.values())
 
     def snapshot(self) -> AdmissionSnapshot:
         counts = dict.fromkeys(WorkerState, 0)

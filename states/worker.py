@@ -19,7 +19,7 @@ import enum
 
 from .machine import StateMachine
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "ELIGIBLE", "WorkerMachine"]
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "ELIGIBLE", "PROSPECTIVE", "WorkerMachine"]
 
 
 class State(enum.Enum):
@@ -67,6 +67,8 @@ TERMINAL = frozenset({State.FAILED, State.STOPPED})
 
 # Workers that may take a new retained session (if they have room).
 ELIGIBLE = frozenset({State.IDLE, State.BUSY})
+# Workers a new session may wait for: eligible now, or once loaded.
+PROSPECTIVE = ELIGIBLE | {State.STARTING}
 
 
 class WorkerMachine(StateMachine[State, Event]):

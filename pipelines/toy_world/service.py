@@ -36,7 +36,6 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,6 +62,7 @@ from ..contract import (
     ServiceEvent,
     SessionConfig,
 )
+from ..images import load_image
 from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
 from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
@@ -196,7 +196,11 @@ class ToyWorldService(BidirectionalService):
         options.pop("preview", None)
         if chunk_count is not None and (not isinstance(chunk_count, int) or chunk_count < 1):
             raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
-        image = await trio.to_thread.run_sync(_load_image, config.image_path) if config.image_path else None
+        image = (
+            await trio.to_thread.run_sync(load_image, config.image_path, self.config.world_size)
+            if config.image_path
+            else None
+        )
         slot = self._stages.pool.acquire()  # SlotPoolFullError when every retained slot is taken
         session_id = f"toy-{next(self._ids)}"
         self._slot_of[session_id] = slot
@@ -452,19 +456,3 @@ class ToyWorldService(BidirectionalService):
         session.denoised.setdefault(index, trio.Event()).set()
         if session.orch.status is PipelineState.RUNNING and not session.stopping:
             session.prefetch.refill()  # normally admits condition[index + 2]
-
-
-def _load_image(path: str) -> np.ndarray:
-    """Read an image file to H x W x 3 uint8 (PyAV decodes PNG and JPEG)."""
-    import av
-
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"image_path {path!r} does not exist")
-    try:
-        with av.open(str(file)) as container:
-            frame = next(container.decode(video=0))
-            return frame.to_ndarray(format="rgb24")
-    except (av.FFmpegError, StopIteration) as exc:
-        raise ValueError(f"image_path {path!r} is not a readable image: {exc}") from exc
-

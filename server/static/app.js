@@ -382,6 +382,9 @@ function handleData(topic, payload, from) {
     }
   }
   if (!payload || typeof payload !== "object") return;
+  if ((topic === METRICS_TOPIC || topic === STATUS_TOPIC) && !isServerIdentity(from)) {
+    return; // status and metrics come from the server's worker only: anyone else may be posing as it
+  }
   if (topic === METRICS_TOPIC) {
     if (payload.type === "metrics" && payload.data && typeof payload.data === "object") {
       state.serverMetrics = payload.data;

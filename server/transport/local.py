@@ -13,6 +13,9 @@ Wire format (WebSocket):
   ``{"type": "participant_joined"|"participant_left", "identity": ...}``,
   ``{"type": "joined", "identity", "role", "participants": [...]}`` once, and
   ``{"type": "refused", "reason": ...}`` when a message is not allowed;
+- a client may not publish on the worker's topics (``tf.status``, ``tf.metrics``: refused with
+  ``server_topic``), nor send JSON nested deeper than 33 levels (``too_deep``) or text that is not
+  encodable (``unencodable_text``); a room holds at most 64 client sockets (``room full``);
 - a client that falls more than 1024 data messages behind is sent away
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory;
 - binary messages are media: ``b"V"`` + a JPEG frame, or ``b"A"`` + 4-byte
@@ -38,6 +41,7 @@ import trio
 
 from pipelines.contract import Audio
 
+from .. import json_limits
 from ..tokens import TokenIssuer, TokenRejected
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 
@@ -46,6 +50,9 @@ __all__ = ["LocalRooms", "encode_jpeg"]
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
 EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
 TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before it is sent away
+MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and its viewers)
+#: topics only the worker publishes on: a client's message on them is refused, so nobody poses as the server
+SERVER_TOPICS = frozenset({"tf.status", "tf.metrics"})
 
 
 def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
@@ -273,8 +280,11 @@ class LocalRooms:
         verified = self._issuer.verify(token, room=room)
         if verified.role not in ("controller", "viewer"):
             raise TokenRejected("wrong role")
-        if verified.identity in self._room(room).identities():
+        target = self._rooms.get(room)
+        if target is not None and verified.identity in target.identities():
             raise TokenRejected("identity in use")
+        if target is not None and len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
+            raise TokenRejected("room full")
         return _Subscriber(verified.identity, verified.role, verified.can_publish_data)
 
     async def serve_client(
@@ -286,8 +296,10 @@ class LocalRooms:
     ) -> None:
         """Run one client's presence until its socket closes (then it leaves the room)."""
         target = self._room(room)
-        if subscriber.identity in target.identities():
-            await send(json.dumps({"type": "refused", "reason": "identity_in_use"}))
+        if subscriber.identity in target.identities() or len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
+            reason = "identity_in_use" if subscriber.identity in target.identities() else "room_full"
+            self._forget_if_empty(target)
+            await send(json.dumps({"type": "refused", "reason": reason}))
             return
         target.subscribers[subscriber.identity] = subscriber
         subscriber.push_text(
@@ -342,20 +354,28 @@ class LocalRooms:
             if isinstance(message, bytes):
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "clients_publish_no_media"}))
                 continue
-            if len(message.encode()) > self.max_data_message_bytes + 256:
+            if len(message.encode("utf-8", "surrogatepass")) > self.max_data_message_bytes + 256:
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "too_large"}))
                 continue
             if not subscriber.can_publish_data:
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "publish_data_not_allowed"}))
                 continue
             try:
-                envelope = json.loads(message)
+                # the envelope adds one level around the payload
+                envelope = json_limits.loads(message, max_depth=json_limits.MAX_JSON_DEPTH + 1)
                 topic = envelope["topic"]
                 payload = envelope["payload"]
                 if not isinstance(topic, str):
                     raise TypeError("topic must be a string")
-            except (ValueError, KeyError, TypeError):
+            except json_limits.JsonRefused as exc:
+                reason = "malformed_envelope" if exc.reason == "invalid_json" else exc.reason
+                subscriber.push_text(json.dumps({"type": "refused", "reason": reason}))
+                continue
+            except (KeyError, TypeError):
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "malformed_envelope"}))
+                continue
+            if topic in SERVER_TOPICS:
+                subscriber.push_text(json.dumps({"type": "refused", "reason": "server_topic"}))
                 continue
             raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
             if room.worker is not None:

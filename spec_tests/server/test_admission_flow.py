@@ -85,8 +85,10 @@ async def test_queue_size_zero_rejects_with_no_capacity():
         assert (await s.create("u3"))[0] == 200
 
 
-@pytest.mark.parametrize(("queue_size", "expected"), [(0, 429), (2, 202)])
-async def test_a_failed_worker_takes_nothing(queue_size, expected):
+@pytest.mark.parametrize("queue_size", [0, 2])
+async def test_a_failed_worker_takes_nothing(queue_size):
+    """No admission without a place to run: with no worker running or starting, a create is
+    refused at once (503, the reason, Retry-After), never queued to wait for nothing."""
     async with serve(make_settings(queue_size=queue_size), loader=failing_loader, ready=False) as s:
         await wait_worker_failed(s.runtime)
         status, body, _ = await s.json("get", "/v1/service/health")
@@ -96,10 +98,10 @@ async def test_a_failed_worker_takes_nothing(queue_size, expected):
         assert status == 503 and body["ready"] is False
         metadata = (await s.json("get", "/v1/service/metadata"))[1]
         assert "the model file is missing" in metadata["worker_failures"]["worker-0"]
-        status, body, _ = await s.create("u0")
-        assert status == expected, body
-        if expected == 429:
-            assert_error_body(status, body, "no_capacity")
-        else:
-            assert body["status"] == "queued" and body["worker_id"] is None
-        assert not s.runtime.runners
+        status, body, response = await s.create("u0")
+        assert status == 503, body
+        assert_error_body(status, body, "no_worker")
+        assert "the model file is missing" in body["detail"]
+        assert int(response.headers["Retry-After"]) > 0
+        assert not s.runtime.runners and not list(s.runtime.registry)
+        assert s.runtime.book.snapshot().queued == 0

@@ -1,0 +1,164 @@
+"""Reference images: their dimensions read from the file header before anything is decoded.
+
+A compressed image of a few kilobytes can decode to gigabytes of pixels (a 60000 x 60000 PNG of
+one colour compresses to almost nothing). :func:`check_image` reads the format and size from the
+first bytes of PNG, JPEG, GIF, BMP and WebP files and refuses, with an :class:`ImageRefused`
+naming the limit, any image larger than :data:`MAX_IMAGE_SIDE` per side or :data:`MAX_IMAGE_PIXELS`
+in all, and any file whose header is not one of those formats. Only then may a decoder run:
+:func:`load_image` checks the header, decodes the first frame, and scales an image larger than the
+model can use down to that size as it converts it, so no more pixels are kept than the model's.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Final
+
+import attrs
+import numpy as np
+
+__all__ = [
+    "HEADER_BYTES",
+    "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_SIDE",
+    "ImageInfo",
+    "ImageRefused",
+    "check_image",
+    "check_image_file",
+    "load_image",
+]
+
+MAX_IMAGE_SIDE: Final = 8192
+MAX_IMAGE_PIXELS: Final = 4096 * 4096
+HEADER_BYTES: Final = 1 << 20  # a JPEG's size may follow large metadata segments; it must appear within this
+
+
+class ImageRefused(ValueError):
+    """An image that will not be decoded; ``reason`` is ``unsupported_image`` or ``image_too_large``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@attrs.frozen
+class ImageInfo:
+    format: str
+    width: int
+    height: int
+
+
+def _png(data: bytes) -> tuple[int, int] | None:
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
+        return struct.unpack(">II", data[16:24])
+    return None
+
+
+def _gif(data: bytes) -> tuple[int, int] | None:
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return struct.unpack("<HH", data[6:10])
+    return None
+
+
+def _bmp(data: bytes) -> tuple[int, int] | None:
+    if data[:2] == b"BM" and len(data) >= 26:
+        width, height = struct.unpack("<ii", data[18:26])
+        return abs(width), abs(height)
+    return None
+
+
+def _webp(data: bytes) -> tuple[int, int] | None:
+    if data[:4] != b"RIFF" or data[8:12] != b"WEBP" or len(data) < 30:
+        return None
+    kind = data[12:16]
+    if kind == b"VP8X":
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    if kind == b"VP8L" and data[20] == 0x2F:
+        bits = int.from_bytes(data[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if kind == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack("<HH", data[26:30])
+        return width & 0x3FFF, height & 0x3FFF
+    return None
+
+
+_SOF_MARKERS: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg(data: bytes) -> tuple[int, int] | None:
+    if data[:2] != b"\xff\xd8":
+        return None
+    at = 2
+    while at + 4 <= len(data):
+        if data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+            at += 2
+            continue
+        (length,) = struct.unpack(">H", data[at + 2 : at + 4])
+        if marker in _SOF_MARKERS:
+            if at + 9 > len(data):
+                return None
+            height, width = struct.unpack(">HH", data[at + 5 : at + 9])
+            return width, height
+        if length < 2:
+            return None
+        at += 2 + length
+    return None
+
+
+_FORMATS: Final = (("png", _png), ("jpeg", _jpeg), ("gif", _gif), ("bmp", _bmp), ("webp", _webp))
+
+
+def check_image(data: bytes, *, max_side: int = MAX_IMAGE_SIDE, max_pixels: int = MAX_IMAGE_PIXELS) -> ImageInfo:
+    """The format and size of an image from its first bytes, or :class:`ImageRefused`."""
+    head = bytes(data[:HEADER_BYTES])
+    for name, read in _FORMATS:
+        size = read(head)
+        if size is None:
+            continue
+        width, height = size
+        if width < 1 or height < 1:
+            raise ImageRefused("unsupported_image", f"the {name.upper()} header gives an empty size {width} x {height}")
+        if width > max_side or height > max_side or width * height > max_pixels:
+            raise ImageRefused(
+                "image_too_large",
+                f"the image is {width} x {height} pixels; at most {max_side} per side and {max_pixels} pixels "
+                f"in all are decoded (MAX_IMAGE_SIDE, MAX_IMAGE_PIXELS)",
+            )
+        return ImageInfo(name, width, height)
+    raise ImageRefused("unsupported_image", "the image is not a PNG, JPEG, GIF, BMP or WebP file (or its header is cut short)")
+
+
+def check_image_file(path: str | Path, **limits: int) -> ImageInfo:
+    """:func:`check_image` on the first :data:`HEADER_BYTES` of a file."""
+    with open(path, "rb") as file:
+        return check_image(file.read(HEADER_BYTES), **limits)
+
+
+def load_image(path: str | Path, max_size: tuple[int, int]) -> np.ndarray:
+    """An image file as ``H x W x 3`` uint8, no larger than ``max_size`` (height, width); ``ValueError``
+    (naming the file by its name only) when it is missing, refused by its header or unreadable."""
+    import av
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"image {file.name!r} does not exist")
+    try:
+        check_image_file(file)
+        with av.open(str(file)) as container:
+            frame = next(container.decode(video=0))
+            height, width = max_size
+            if frame.height > height or frame.width > width:
+                return frame.to_ndarray(width=min(width, frame.width), height=min(height, frame.height), format="rgb24")
+            return frame.to_ndarray(format="rgb24")
+    except ImageRefused as exc:
+        raise ValueError(f"image {file.name!r}: {exc.detail}") from exc
+    except (av.FFmpegError, StopIteration, OSError) as exc:
+        raise ValueError(f"image {file.name!r} is not a readable image") from exc

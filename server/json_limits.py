@@ -1,0 +1,95 @@
+"""Bounded JSON parsing: one parser for every JSON a client sends (HTTP bodies, room messages).
+
+``json.loads`` alone accepts nesting as deep as Python's recursion allows and then raises
+``RecursionError`` (an HTTP 500 or a dropped socket), and it accepts ``"\\ud800"``: text that
+cannot be encoded again and fails whatever later writes it. :func:`loads` refuses both up
+front with a :class:`JsonRefused` whose ``reason`` is stable:
+
+==================  ==========================================================
+``invalid_json``    not UTF-8, or not JSON (NaN and Infinity are not JSON)
+``too_deep``        arrays/objects nested deeper than ``max_depth``
+``unencodable_text`` a string or key holds a lone surrogate (not UTF-8 encodable)
+==================  ==========================================================
+
+The depth is measured before parsing, on the raw bytes with string contents removed, so a
+deep document costs one linear scan and no Python objects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final
+
+import numpy as np
+
+__all__ = ["MAX_JSON_DEPTH", "JsonRefused", "loads", "nesting_depth"]
+
+MAX_JSON_DEPTH: Final = 32
+
+_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BLOCK: Final = 1 << 18
+_NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class JsonRefused(ValueError):
+    """A client's JSON was refused; ``reason`` is ``invalid_json``, ``too_deep`` or ``unencodable_text``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def nesting_depth(raw: bytes) -> int:
+    """The deepest array/object nesting of ``raw`` (brackets inside strings do not count)."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    deepest = level = 0
+    for start in range(0, len(brackets), _BLOCK):  # blocks keep the scan's own memory small
+        codes = np.frombuffer(brackets, dtype=np.uint8, count=min(_BLOCK, len(brackets) - start), offset=start)
+        opens = (codes == ord("[")) | (codes == ord("{"))
+        levels = np.cumsum(opens.astype(np.int8) * 2 - 1, dtype=np.int64) + level
+        deepest, level = max(deepest, int(levels.max())), int(levels[-1])
+    return deepest
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_encodable(value: Any) -> None:
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")  # UnicodeEncodeError on a lone surrogate
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+
+
+def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, object_pairs_hook: Any = None) -> Any:
+    """Parse client JSON, refusing invalid, too deep or unencodable documents (:class:`JsonRefused`)."""
+    if isinstance(raw, str):
+        try:
+            data = raw.encode("utf-8")
+        except UnicodeEncodeError:
+            raise JsonRefused("unencodable_text", "the message holds text that is not valid Unicode") from None
+    else:
+        data = bytes(raw)
+    depth = nesting_depth(data)
+    if depth > max_depth:
+        raise JsonRefused("too_deep", f"JSON nested {depth} levels deep; at most {max_depth} allowed")
+    try:
+        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise JsonRefused("invalid_json", "the body is not valid UTF-8 JSON") from None
+    try:
+        _check_encodable(value)
+    except UnicodeEncodeError:
+        raise JsonRefused("unencodable_text", "a string holds a lone surrogate (\\ud800-\\udfff): not encodable text") from None
+    return value

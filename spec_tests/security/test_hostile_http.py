@@ -1,0 +1,274 @@
+"""Hostile HTTP clients: every resource a request can make the server spend is bounded first, every
+refusal is a 4xx with a reason, and no route answers 5xx (principles 1, 4, 5, 7 and 8 of the
+hostile-clients issue). Room-socket attacks are in ``test_hostile_rooms.py``; attacks through a
+real server's sockets in ``test_hostile_server.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given, strategies as st
+
+from pipelines.images import MAX_IMAGE_SIDE, ImageRefused, check_image, load_image
+from server.json_limits import MAX_JSON_DEPTH
+from server.runtime import MAX_VIEWERS_PER_SESSION
+
+from ..server.conftest import assert_error_body, make_settings, png_bytes, serve
+from .helpers import FUZZ_SETTINGS, run_hypothesis_in_thread
+
+SESSIONS = "/v1/stream/sessions"
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose IHDR claims ``width x height`` followed by a tiny (truncated) IDAT: a decompression bomb's header."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = struct.pack(">I", len(ihdr)) + b"IHDR" + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    idat = zlib.compress(b"\x00" * 4096)
+    return b"\x89PNG\r\n\x1a\n" + chunk + struct.pack(">I", len(idat)) + b"IDAT" + idat
+
+
+def jpeg_header(width: int, height: int) -> bytes:
+    app0 = b"\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    sof = b"\xff\xc0" + struct.pack(">HBHHB", 11, 8, height, width, 1) + b"\x01\x11\x00"
+    return b"\xff\xd8" + app0 + sof + b"\xff\xd9"
+
+
+def nested(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+# -- principle 1: decoded pixels are bounded before decoding ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "image",
+    [png_header(60000, 60000), png_header(MAX_IMAGE_SIDE + 1, 8), jpeg_header(30000, 20000)],
+    ids=["png-60000", "png-one-over-the-side", "jpeg-30000x20000"],
+)
+async def test_an_image_bomb_is_refused_from_its_header(image: bytes) -> None:
+    async with serve() as s:
+        status, body, _ = await s.create("ctl", image_b64=base64.b64encode(image).decode())
+        assert status == 400
+        assert_error_body(status, body, "image_too_large")
+        assert "MAX_IMAGE_SIDE" in body["detail"] and "pixels" in body["detail"]
+        assert not list(s.runtime.registry) and not s.runtime.runners  # nothing was admitted or stored
+        assert s.runtime._uploads is None or not os.listdir(s.runtime._uploads)
+
+
+async def test_an_image_that_is_not_a_known_format_is_refused() -> None:
+    async with serve() as s:
+        status, body, _ = await s.create("ctl", image_b64=base64.b64encode(b"GIF8" + b"\x00" * 64).decode())
+        assert status == 400
+        assert_error_body(status, body, "unsupported_image")
+
+
+async def test_an_image_bomb_in_the_assets_dir_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bomb.png").write_bytes(png_header(50000, 50000))
+    (tmp_path / "fine.png").write_bytes(png_bytes(8, 8))
+    async with serve(make_settings(assets_dir=str(tmp_path))) as s:
+        status, body, _ = await s.create("ctl", image_path="bomb.png")
+        assert status == 400
+        assert_error_body(status, body, "image_too_large")
+        assert str(tmp_path) not in body["detail"]
+        status, body, _ = await s.create("ctl2", image_path="fine.png")
+        assert status == 200, body
+
+
+def test_a_decoded_image_is_never_larger_than_the_model_uses(tmp_path: Path) -> None:
+    big, small = tmp_path / "big.png", tmp_path / "small.png"
+    big.write_bytes(png_bytes(300, 200))
+    small.write_bytes(png_bytes(12, 10))
+    assert load_image(big, (64, 96)).shape == (64, 96, 3)
+    assert load_image(small, (64, 96)).shape == (10, 12, 3)  # smaller images are kept as they are
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(png_header(40000, 40000))
+    with pytest.raises(ValueError, match="MAX_IMAGE_SIDE") as refused:
+        load_image(bomb, (64, 96))
+    assert str(tmp_path) not in str(refused.value)
+
+
+@FUZZ_SETTINGS
+@given(st.binary(max_size=64))
+def test_the_header_reader_never_fails_on_garbage(data: bytes) -> None:
+    try:
+        info = check_image(data)
+    except ImageRefused as exc:
+        assert exc.reason in ("unsupported_image", "image_too_large")
+    else:
+        assert 1 <= info.width <= MAX_IMAGE_SIDE and 1 <= info.height <= MAX_IMAGE_SIDE
+
+
+# -- principle 1: JSON depth on every HTTP parser ---------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
+async def test_deep_json_bodies_are_a_400_on_every_json_route(depth: int) -> None:
+    raw = ("[" * depth + "]" * depth).encode()
+    async with serve() as s:
+        created = await s.create("ctl")
+        session_id = created[1]["session_id"]
+        for path in (SESSIONS, f"{SESSIONS}/{session_id}/tokens"):
+            status, body, _ = await s.json("post", path, data=raw, headers={"Content-Type": "application/json"})
+            assert status == 400, (path, status, body)
+            assert_error_body(status, body, "too_deep")
+            assert str(MAX_JSON_DEPTH) in body["detail"]
+        status, body, _ = await s.create("ctl2", config=nested(MAX_JSON_DEPTH + 2))
+        assert status == 400 and body["error"] == "too_deep"
+        status, body, _ = await s.create("ctl3", config=nested(MAX_JSON_DEPTH - 2))
+        assert status == 200, body
+
+
+# -- principle 7: identities and text ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("identity", ["chunkline-worker-0", "chunkline-worker-7", "CHUNKLINE-Worker-0", "chunkline-"])
+async def test_the_servers_identities_are_reserved(identity: str) -> None:
+    async with serve() as s:
+        status, body, _ = await s.create(identity)
+        assert status == 400
+        assert_error_body(status, body, "reserved_identity")
+        session_id = (await s.create("ctl"))[1]["session_id"]
+        status, body, _ = await s.json("post", f"{SESSIONS}/{session_id}/tokens", json={"identity": identity})
+        assert status == 400
+        assert_error_body(status, body, "reserved_identity")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"prompt": "a lone \ud800 surrogate"}, {"config": {"note": "\udfff"}}, {"config": {"\ud83d": 1}}],
+    ids=["prompt", "config-value", "config-key"],
+)
+async def test_unencodable_text_is_refused_up_front(fields: dict[str, Any]) -> None:
+    raw = json.dumps({"identity": "ctl", **fields}).encode()  # json.dumps escapes the surrogate as \ud800
+    async with serve() as s:
+        status, body, _ = await s.json("post", SESSIONS, data=raw, headers={"Content-Type": "application/json"})
+        assert status == 400
+        assert_error_body(status, body, "unencodable_text")
+        assert not list(s.runtime.registry)
+        status, body, _ = await s.create("ctl", prompt="a proper pair \U0001f600 is fine")
+        assert status == 200, body
+
+
+# -- principle 1: viewer tokens per room -----------------------------------------------------------------
+
+
+async def test_viewer_tokens_per_session_are_bounded() -> None:
+    async with serve() as s:
+        session_id = (await s.create("ctl"))[1]["session_id"]
+        for index in range(MAX_VIEWERS_PER_SESSION):
+            status, body, _ = await s.json("post", f"{SESSIONS}/{session_id}/tokens", json={"identity": f"v{index}"})
+            assert status == 200, body
+        status, body, _ = await s.json("post", f"{SESSIONS}/{session_id}/tokens", json={"identity": "one-too-many"})
+        assert status == 409
+        assert_error_body(status, body, "viewer_limit")
+        assert str(MAX_VIEWERS_PER_SESSION) in body["detail"]
+        status, body, _ = await s.json("post", f"{SESSIONS}/{session_id}/tokens", json={"identity": "v3"})
+        assert status == 200, body  # an identity that already has a token may get a fresh one
+        assert len(s.runtime.get(session_id).viewer_identities) == MAX_VIEWERS_PER_SESSION
+
+
+# -- principle 1: upload files ---------------------------------------------------------------------------
+
+
+async def test_uploads_are_removed_with_their_session_and_the_folder_with_the_server() -> None:
+    image = base64.b64encode(png_bytes(8, 8)).decode()
+    async with serve(make_settings(max_sessions_per_worker=1, queue_size=2)) as s:
+        first = (await s.create("a", image_b64=image))[1]
+        queued = (await s.create("b", image_b64=image))[1]
+        refused = await s.create("c", image_b64=image)
+        refused_again = await s.create("d", image_b64=image)
+        assert (refused[0], refused_again[0]) == (202, 429)
+        folder = s.runtime._uploads
+        assert folder is not None and len(os.listdir(folder)) == 3
+        await s.json("delete", f"{SESSIONS}/{queued['session_id']}")  # withdrawn from the queue
+        await s.json("delete", f"{SESSIONS}/{first['session_id']}")  # ended while waiting for its controller
+        await s.settle()
+        assert len(os.listdir(folder)) == 1  # only the session promoted from the queue keeps its image
+    assert not os.path.exists(folder), "the upload folder outlived the server"
+
+
+# -- principle 4: the 429 during shutdown says so ---------------------------------------------------------
+
+
+async def test_the_429_during_shutdown_says_shutting_down() -> None:
+    async with serve(cleanup=False) as s:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.runtime.shutdown, 1.0)
+            await s.settle()
+            status, body, response = await s.create("late")
+        assert status == 429
+        assert_error_body(status, body, "shutting_down")
+        assert "shutting down" in body["detail"]
+        assert int(response.headers["Retry-After"]) > 0
+
+
+# -- principle 8: no 500 on any route, static files included -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/static/%00",
+        "/static/app.js%00.png",
+        "/static/" + "a" * 300,
+        "/static/" + "a/" * 2000 + "x",
+        "/static/" + "b" * 5000,
+        "/static/vendor/" + "c" * 256,
+        "/static/..%2f..%2fetc%2fpasswd",
+        "/static/%2e%2e/app.py",
+        "/static/" + "%ff%fe" * 10,
+    ],
+)
+async def test_static_paths_never_answer_5xx(path: str) -> None:
+    async with serve() as s:
+        status, body, response = await s.json("get", path)
+        assert status == 404, (path, status, body)
+        assert_error_body(status, body, "not_found")
+        assert len(body["detail"]) < 200
+
+
+async def test_fuzzed_static_paths_answer_200_or_404() -> None:
+    async with serve() as s:
+
+        @FUZZ_SETTINGS
+        @given(st.text(min_size=1, max_size=600))
+        def static(call: Any, name: str) -> None:
+            from urllib.parse import quote
+
+            status, body, _ = call(s.json, "get", "/static/" + quote(name, safe="/"))
+            assert status in (200, 404), (name, status, body)
+
+        await run_hypothesis_in_thread(lambda call: static(call))
+
+
+# -- principle 4: a public error is a short reason, never a traceback or a server path ---------------------
+
+
+async def test_a_failed_sessions_error_names_no_server_path() -> None:
+    from ..server.runner_fixtures import Peer, join
+
+    corrupt = png_header(16, 16)  # a valid header over image data that does not decode
+    async with serve() as s:
+        status, created, _ = await s.create("ctl", image_b64=base64.b64encode(corrupt).decode())
+        assert status == 200, created
+        async with join(s, created["room"], created["token"]) as ctl:
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the session's error", timeout=20)
+        status, body, _ = await s.json("get", f"{SESSIONS}/{created['session_id']}")
+        assert body["status"] == "failed"
+        for text in (body["error"], errors[0]["detail"]):
+            assert "not a readable image" in text, text
+            assert "/" not in text and "Traceback" not in text and "\n" not in text, text
+            assert len(text) <= 240
+        assert isinstance(ctl, Peer)

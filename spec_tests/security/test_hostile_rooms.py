@@ -1,0 +1,89 @@
+"""Hostile room participants (local transport, the room WebSocket): topics belong to their roles,
+deep or unencodable JSON is refused without dropping the socket, and a room holds a bounded
+number of sockets (principles 1 and 7 of the hostile-clients issue).
+"""
+
+from __future__ import annotations
+
+import json
+
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+from server.json_limits import MAX_JSON_DEPTH
+from server.transport.local import MAX_CLIENTS_PER_ROOM
+from spec_tests.server.runner_fixtures import join
+
+from .test_tokens_transport import WAIT, pipeline_controls, running_room
+
+
+def refusals(peer: object) -> list[str]:
+    return [m["reason"] for m in peer.texts() if m["type"] == "refused"]  # type: ignore[attr-defined]
+
+
+async def test_a_controller_cannot_speak_as_the_worker_on_its_topics() -> None:
+    async with running_room() as (served, service, created, ctl):
+        token = await served.viewer_token(created["session_id"], "watcher")
+        async with join(served, created["room"], token) as viewer:
+            await viewer.wait_for(lambda p: any(m["type"] == "joined" for m in p.texts()), "joined", timeout=WAIT)
+            await ctl.send("tf.status", {"type": "done", "session_id": created["session_id"]})
+            await ctl.send("tf.metrics", {"type": "metrics", "data": {"real_time_factor": 0.0}})
+            await ctl.wait_for(lambda p: len(refusals(p)) >= 2, "two refusals", timeout=WAIT)
+            assert refusals(ctl) == ["server_topic", "server_topic"]
+            # the viewer still sees the stream, and only the worker's status
+            frames = len(viewer.frames())
+            await viewer.wait_for(lambda p: len(p.frames()) > frames, "more frames", timeout=WAIT)
+            spoofed = [m for m in viewer.texts() if m["type"] == "data" and m.get("from") != "chunkline-worker-0"
+                       and m.get("topic") in ("tf.status", "tf.metrics")]
+            assert spoofed == []
+            assert (await served.get(created["session_id"]))["status"] == "running"
+
+
+async def test_deep_json_on_the_room_socket_is_refused_and_the_controller_keeps_control() -> None:
+    async with running_room() as (served, service, created, ctl):
+        deep = "[" * 5000 + "]" * 5000  # within the size limit: refused for its depth
+        await ctl.ws.send(deep)
+        buried: object = 0
+        for _ in range(MAX_JSON_DEPTH + 1):  # the envelope's own level on top: one too deep
+            buried = [buried]
+        await ctl.ws.send(json.dumps({"topic": "tf.control", "payload": {"type": "control_state", "controls": ["w"], "x": buried}}))
+        await ctl.ws.send('{"topic": "tf.control", "payload": "\\ud800"}')
+        await ctl.wait_for(lambda p: len(refusals(p)) >= 3, "three refusals", timeout=WAIT)
+        assert refusals(ctl) == ["too_deep", "too_deep", "unencodable_text"]
+        assert pipeline_controls(service) == []
+        await ctl.control({"type": "control_state", "controls": ["a"]})  # the socket is still up and in control
+        with trio.fail_after(WAIT):
+            while not pipeline_controls(service):
+                await trio.sleep(0.01)  # bench-cost: bounded poll of state the service updates
+        (session,) = service.sessions.values()
+        assert session.held == {"a"}
+        assert (await served.get(created["session_id"]))["status"] == "running"
+
+
+async def test_a_room_holds_a_bounded_number_of_sockets() -> None:
+    async with running_room() as (served, service, created, ctl):
+        rooms = served.runtime.transport
+        room = rooms._rooms[created["room"]]
+        # fill the room to its bound with (token-holding) viewers, then one more is refused
+        issuer = served.runtime.issuer
+        async with trio.open_nursery() as nursery:
+            joined: list[object] = []
+
+            async def viewer(index: int, done: trio.Event) -> None:
+                async with join(served, created["room"], issuer.viewer_token(created["room"], f"v{index}")) as peer:
+                    joined.append(peer)
+                    await done.wait()
+
+            done = trio.Event()
+            for index in range(MAX_CLIENTS_PER_ROOM - 1):
+                nursery.start_soon(viewer, index, done)
+            with trio.fail_after(WAIT):
+                while len(room.subscribers) < MAX_CLIENTS_PER_ROOM:
+                    await wait_all_tasks_blocked()
+                    await trio.sleep(0.01)  # bench-cost: bounded wait for the viewers' handshakes
+            async with join(served, created["room"], issuer.viewer_token(created["room"], "extra")) as extra:
+                with trio.fail_after(WAIT):
+                    await extra.reader_done.wait()
+                assert [m for m in extra.texts()] == [{"type": "refused", "reason": "room full"}]
+            assert len(room.subscribers) == MAX_CLIENTS_PER_ROOM
+            done.set()
