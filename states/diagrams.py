@@ -26,6 +26,7 @@ from .lease import LeaseMachine
 from .machine import StateMachine
 from .pipeline_session import PipelineSessionMachine
 from .process_group import ProcessGroupMachine
+from .restart_policy import RestartMachine
 from .service_child import ServiceChildMachine
 from .stage_actor import StageActorMachine
 from .stream_session import StreamSessionMachine
@@ -43,6 +44,7 @@ MACHINES: tuple[type[StateMachine], ...] = (
     ServiceChildMachine,
     ProcessGroupMachine,
     ChildProcessMachine,
+    RestartMachine,
 )
 
 #: Where the rendering is committed (repository root / docs).

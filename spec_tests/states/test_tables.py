@@ -21,6 +21,7 @@ from states import (
     lease,
     pipeline_session,
     process_group,
+    restart_policy,
     service_child,
     stage_actor,
     stream_session,
@@ -37,6 +38,7 @@ MODULES: dict[ModuleType, type[StateMachine]] = {
     child_process: child_process.ChildProcessMachine,
     process_group: process_group.ProcessGroupMachine,
     service_child: service_child.ServiceChildMachine,
+    restart_policy: restart_policy.RestartMachine,
 }
 
 # Self-loops on a terminal state that a module's docstring documents on purpose:
