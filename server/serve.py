@@ -1,29 +1,81 @@
-"""Run the stream server under hypercorn's trio worker, with a graceful drain on SIGTERM/SIGINT."""
+"""Run the stream server: the front on the public port, hypercorn behind it, a bounded drain on SIGTERM/SIGINT.
+
+The front (:mod:`server.front`) owns every client connection: it serves the local rooms' WebSockets
+itself and splices HTTP to hypercorn on a private Unix socket, each with its deadlines. SIGTERM or
+SIGINT drains live sessions (they get ``done``), sends room clients away and exits 0 within
+:data:`SHUTDOWN_BOUND` seconds whatever any client does; past it a watchdog ends the process (exit 1).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
+import threading
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from .app import SHUTDOWN_GRACE, create_app
+from .front import Front
+from .room_socket import Deadlines
 from .settings import ServerSettings
+from .transport.local import LocalRooms
 
-__all__ = ["run", "serve_app"]
+__all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "run", "serve_app"]
+
+log = logging.getLogger("chunkline.serve")
+
+FRONT_GRACE = 5.0  # seconds open HTTP connections get to finish once the sessions are drained
+#: seconds from the signal to the exit: the drain (two grace periods), the connections' grace, a margin
+SHUTDOWN_BOUND = 2 * SHUTDOWN_GRACE + FRONT_GRACE + 10.0
 
 
-async def serve_app(settings: ServerSettings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until SIGTERM or SIGINT; live sessions drain (bounded) before the process exits."""
+def _exit_watchdog(bound: float) -> threading.Timer:
+    """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after)."""
+
+    def expire() -> None:
+        log.error("shutdown exceeded its bound of %g s: exiting", bound)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(bound, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+async def serve_app(
+    settings: ServerSettings,
+    *,
+    deadlines: Deadlines | None = None,
+    stop: trio.Event | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until SIGTERM or SIGINT; live sessions drain (bounded) before the process exits.
+
+    ``deadlines`` bounds what each client connection may take (the defaults of :class:`Deadlines`);
+    setting ``stop`` shuts the server down as a signal would."""
     app = create_app(settings)
+    runtime = app.extensions["chunkline"]
+    private = tempfile.mkdtemp(prefix="chunkline-front-")
+    backend = os.path.join(private, "http.sock")
     config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
+    config.bind = [f"unix:{backend}"]
     config.accesslog = None
-    config.graceful_timeout = 5.0  # sessions are drained before hypercorn is told to stop
-    stop = trio.Event()  # a signal arrived
+    config.graceful_timeout = FRONT_GRACE  # sessions are drained before hypercorn is told to stop
+    config.read_timeout = 30  # a request body that stops arriving is dropped (the front bounds the head)
+    config.websocket_max_message_size = settings.max_data_message_bytes + 1024
+    rooms = runtime.transport if isinstance(runtime.transport, LocalRooms) else None
+    front = Front(rooms, backend, max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines)
+    listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+    if settings.port == 0:
+        listeners = listeners[:1]  # one free port, not one per address family
+    stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
 
     async def on_signals() -> None:
@@ -32,24 +84,44 @@ async def serve_app(settings: ServerSettings, *, task_status: trio.TaskStatus[li
                 stop.set()
                 return
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(on_signals)
-        urls = await nursery.start(
-            lambda task_status: serve(app, config, shutdown_trigger=hypercorn_stop.wait, task_status=task_status)
-        )
-        task_status.started(urls)
-        for url in urls:
-            print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
-        await stop.wait()
-        # drain before hypercorn stops accepting: live sessions say "done" to their rooms,
-        # then the local rooms send their clients away, so the sockets close promptly
-        runtime = app.extensions["chunkline"]
-        await runtime.shutdown(SHUTDOWN_GRACE)
-        close_clients = getattr(runtime.transport, "close_clients", None)
-        if close_clients is not None:
-            close_clients()
-        hypercorn_stop.set()
-        nursery.cancel_scope.deadline = trio.current_time() + 60
+    watchdog: threading.Timer | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_signals)
+            await nursery.start(
+                lambda task_status: serve(app, config, shutdown_trigger=hypercorn_stop.wait, task_status=task_status)
+            )
+            nursery.start_soon(_accept, listeners, front)
+            urls = [_url(listener) for listener in listeners]
+            task_status.started(urls)
+            for url in urls:
+                print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
+            await stop.wait()
+            watchdog = _exit_watchdog(SHUTDOWN_BOUND)
+            nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
+            # drain first: live sessions say "done" to their rooms, then the room clients are sent away
+            await runtime.shutdown(SHUTDOWN_GRACE)
+            if rooms is not None:
+                rooms.close_clients()
+            hypercorn_stop.set()
+            with trio.move_on_after(FRONT_GRACE):
+                while front.connections:
+                    await trio.sleep(0.05)
+            front.close()
+            nursery.cancel_scope.cancel()
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        shutil.rmtree(private, ignore_errors=True)
+
+
+async def _accept(listeners: list[trio.SocketListener], front: Front) -> None:
+    await trio.serve_listeners(front.handle, listeners)
+
+
+def _url(listener: trio.SocketListener) -> str:
+    host, port = listener.socket.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def run(settings: ServerSettings) -> int:

@@ -167,7 +167,12 @@ class _WorkerConnection:
         self._events.append(event)
         self._arrived.set()
 
-    async def events(self) -> AsyncIterator[RoomEvent]:
+    def events(self) -> AsyncIterator[RoomEvent]:
+        # an iterator object, not an async generator: a runner cancelled mid-loop leaves nothing to finalize
+        return _EventStream(self)
+
+    async def next_event(self) -> RoomEvent:
+        """The next event, in arrival order; StopAsyncIteration once disconnected."""
         while not self._closed:
             if not self._events:
                 self._arrived = trio.Event()
@@ -176,7 +181,8 @@ class _WorkerConnection:
             event = self._events.popleft()
             if isinstance(event, DataReceived):
                 self._data_events -= 1
-            yield event
+            return event
+        raise StopAsyncIteration
 
     async def publish_frame(self, frame: np.ndarray, fps: float) -> None:
         if self._closed:
@@ -205,6 +211,17 @@ class _WorkerConnection:
         self._closed = True
         self._arrived.set()
         self._rooms._leave_worker(self._room, self)
+
+
+class _EventStream:
+    def __init__(self, connection: _WorkerConnection) -> None:
+        self._connection = connection
+
+    def __aiter__(self) -> _EventStream:
+        return self
+
+    async def __anext__(self) -> RoomEvent:
+        return await self._connection.next_event()
 
 
 def _data_message(topic: str, payload: bytes, sender: str) -> str:

@@ -1,0 +1,159 @@
+"""The front: the server's public port, owning every client connection so that every wait has a deadline.
+
+``chunkline stream-serve`` listens here rather than in hypercorn. For each connection the front reads
+the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), then
+
+- a WebSocket upgrade to ``/v1/rooms/{room}/ws`` is served by :class:`server.room_socket.RoomSocket`
+  (message bound while it arrives, write deadline, ping/pong deadline);
+- anything else is spliced to hypercorn on a private Unix socket, each write to the client bounded by
+  ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
+  reads could otherwise hold a response, its task and the shutdown forever).
+
+At most :data:`MAX_CONNECTIONS` connections are served at once (more are answered 503 and closed), and
+:meth:`Front.close` ends every connection that is still open, so shutdown does not wait on any client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Final
+
+import trio
+
+from .room_socket import Deadlines, RoomSocket, room_of
+from .transport.local import LocalRooms
+
+__all__ = ["MAX_CONNECTIONS", "MAX_HEAD", "Front"]
+
+log = logging.getLogger("chunkline.front")
+
+MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
+MAX_CONNECTIONS: Final = 1024
+READ_SIZE: Final = 65536
+
+_GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+_REFUSALS: Final = {
+    408: b"408 Request Timeout",
+    431: b"431 Request Header Fields Too Large",
+    503: b"503 Service Unavailable",
+}
+
+
+def _is_room_upgrade(head: bytes) -> bool:
+    line, _, headers = head.partition(b"\r\n")
+    parts = line.split(b" ")
+    if len(parts) != 3 or parts[0] != b"GET":
+        return False
+    try:
+        target = parts[1].decode("ascii")
+    except UnicodeDecodeError:
+        return False
+    upgrade = any(
+        name.strip().lower() == b"upgrade" and b"websocket" in value.lower()
+        for name, _, value in (h.partition(b":") for h in headers.split(b"\r\n"))
+    )
+    return upgrade and room_of(target) is not None
+
+
+class Front:
+    """Serve connections from public listeners: room sockets here, HTTP through hypercorn at ``backend``."""
+
+    def __init__(
+        self, rooms: LocalRooms | None, backend: str, *, max_message_bytes: int, deadlines: Deadlines | None = None
+    ) -> None:
+        self._deadlines = deadlines or Deadlines()
+        self._rooms = rooms
+        self._backend = backend
+        self._max_message_bytes = max_message_bytes
+        self._open: set[trio.CancelScope] = set()
+        self.refused = 0
+
+    @property
+    def connections(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        """End every open connection now (the server is stopping)."""
+        for scope in list(self._open):
+            scope.cancel()
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        """One client connection, from its first byte to its close."""
+        with trio.CancelScope() as scope:
+            self._open.add(scope)
+            try:
+                if len(self._open) > MAX_CONNECTIONS:
+                    self.refused += 1
+                    await self._refuse(stream, 503)
+                    return
+                head = await self._read_head(stream)
+                if head is None:
+                    return
+                if self._rooms is not None and _is_room_upgrade(head):
+                    await RoomSocket(
+                        stream, head, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines
+                    ).serve()
+                else:
+                    await self._splice(stream, head)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            finally:
+                self._open.discard(scope)
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await stream.aclose()
+
+    async def _read_head(self, stream: trio.SocketStream) -> bytes | None:
+        buffer = bytearray()
+        with trio.move_on_after(self._deadlines.head):
+            while (end := buffer.find(b"\r\n\r\n")) < 0 and len(buffer) <= MAX_HEAD:
+                data = await stream.receive_some(READ_SIZE)
+                if not data:
+                    return None
+                buffer += data
+            if end < 0 or end > MAX_HEAD:
+                await self._refuse(stream, 431)
+                return None
+            return bytes(buffer)
+        await self._refuse(stream, 408)
+        return None
+
+    async def _refuse(self, stream: trio.SocketStream, status: int) -> None:
+        reason = _REFUSALS[status]
+        body = b'{"error": "' + reason.split(b" ", 1)[1].lower().replace(b" ", b"_") + b'", "detail": "' + reason + b'"}'
+        response = (
+            b"HTTP/1.1 " + reason + b"\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        with trio.move_on_after(self._deadlines.write):
+            await stream.send_all(response)
+
+    async def _splice(self, client: trio.SocketStream, head: bytes) -> None:
+        backend = await trio.open_unix_socket(self._backend)
+        try:
+            await backend.send_all(head)
+            async with trio.open_nursery() as nursery:
+
+                async def to_backend() -> None:
+                    try:
+                        while data := await client.receive_some(READ_SIZE):
+                            await backend.send_all(data)
+                        await backend.send_eof()  # the client is done sending; its answer may still come
+                    except _GONE:
+                        nursery.cancel_scope.cancel()
+
+                async def to_client() -> None:
+                    with contextlib.suppress(*_GONE):
+                        while data := await backend.receive_some(READ_SIZE):
+                            with trio.move_on_after(self._deadlines.write) as deadline:
+                                await client.send_all(data)
+                            if deadline.cancelled_caught:
+                                log.info("a client did not read its response for %g s: closed", self._deadlines.write)
+                                break
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(to_backend)
+                nursery.start_soon(to_client)
+        finally:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                await backend.aclose()

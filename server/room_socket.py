@@ -1,0 +1,224 @@
+"""The local rooms' WebSocket, served at the protocol layer with a bound on everything a peer can do.
+
+:mod:`server.front` hands each ``GET /v1/rooms/{room}/ws`` upgrade here (the head already read), and
+:class:`RoomSocket` speaks WebSocket itself (wsproto) instead of leaving it to the ASGI server, so that:
+
+- **a message is bounded while it arrives**: once the fragments of one message pass
+  ``max_message_bytes`` the socket is closed (1009) and nothing more is read, so a peer cannot
+  make the server buffer more than that (hypercorn keeps buffering after its own 1009);
+- **every write has a deadline** (:data:`WRITE_DEADLINE`): a peer that stops reading is sent away
+  once a write waits that long; no write is shielded from cancellation;
+- **a peer must answer pings**: a ping every :data:`PING_INTERVAL`, and a peer that answers nothing
+  for :data:`PONG_DEADLINE` (a frozen process whose kernel still accepts bytes) is sent away.
+
+Everything else — tokens, roles, topics, fan-out — is :meth:`LocalRooms.serve_client`'s, the same
+code the ASGI route runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections import deque
+from typing import Final
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import attrs
+import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Ping,
+    Pong,
+    RejectConnection,
+    Request,
+    TextMessage,
+)
+from wsproto.utilities import LocalProtocolError, RemoteProtocolError
+
+from .tokens import TokenRejected
+from .transport.local import LocalRooms
+
+__all__ = ["PING_INTERVAL", "PONG_DEADLINE", "WRITE_DEADLINE", "Deadlines", "PeerGone", "RoomSocket", "room_of"]
+
+log = logging.getLogger("chunkline.rooms")
+
+WRITE_DEADLINE: Final = 10.0  # seconds one write to a peer may take
+PING_INTERVAL: Final = 5.0  # seconds between pings
+PONG_DEADLINE: Final = 15.0  # seconds a peer may answer nothing before it is sent away
+CLOSE_DEADLINE: Final = 1.0  # seconds the closing handshake may take before the connection is dropped
+READ_SIZE: Final = 65536
+ROOM_PREFIX: Final = "/v1/rooms/"
+
+
+@attrs.frozen
+class Deadlines:
+    """How long a peer may take (seconds): one write, between pings, to answer, to send its request head."""
+
+    write: float = WRITE_DEADLINE
+    ping_interval: float = PING_INTERVAL
+    pong: float = PONG_DEADLINE
+    head: float = 10.0
+
+
+class PeerGone(Exception):
+    """The peer left, broke the protocol, sent too much, stopped reading or stopped answering."""
+
+
+def room_of(target: str) -> str | None:
+    """The room named by a ``/v1/rooms/{room}/ws`` request target, or None."""
+    path = unquote(urlsplit(target).path)
+    if not path.startswith(ROOM_PREFIX) or not path.endswith("/ws"):
+        return None
+    room = path[len(ROOM_PREFIX) : -len("/ws")]
+    return room if room and "/" not in room else None
+
+
+class RoomSocket:
+    """One peer's WebSocket on a raw stream, after the front read its request head (``head``)."""
+
+    def __init__(
+        self, stream: trio.abc.Stream, head: bytes, rooms: LocalRooms, *, max_message_bytes: int, deadlines: Deadlines
+    ) -> None:
+        self._deadlines = deadlines
+        self._stream = stream
+        self._head = head
+        self._rooms = rooms
+        self._ws = WSConnection(ConnectionType.SERVER)
+        self._limit = max_message_bytes
+        self._send_lock = trio.StrictFIFOLock()
+        self._messages: deque[str | bytes] = deque()
+        self._fragments: list[str | bytes] = []
+        self._fragment_bytes = 0
+        self._heard = trio.current_time()
+        self._pending_pong = b""
+        self.close_reason: str | None = None
+        self.close_code = 1008  # policy violation, unless a bound says otherwise
+
+    async def serve(self) -> None:
+        """Handshake, then the peer's presence in its room until it leaves or is sent away."""
+        try:
+            request = self._request()
+            if request is None:
+                return
+            room = room_of(request.target)
+            token = parse_qs(urlsplit(request.target).query).get("token", [""])[0]
+            if room is None:
+                await self._write(self._ws.send(RejectConnection(status_code=404, headers=[(b"content-length", b"0")])))
+                return
+            await self._write(self._ws.send(AcceptConnection()))
+            try:
+                subscriber = self._rooms.admit_client(room, token)
+            except TokenRejected as exc:
+                await self._send(json.dumps({"type": "refused", "reason": exc.reason}))
+                await self._close(4401, exc.reason)
+                return
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._keep_alive, nursery.cancel_scope)
+                    await self._rooms.serve_client(room, subscriber, self._send, self._receive)
+                    nursery.cancel_scope.cancel()
+            except* (PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            await self._close(1000 if self.close_reason is None else self.close_code, self.close_reason or "")
+        except (PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            if self.close_reason is not None:
+                log.info("room socket sent away: %s", self.close_reason)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                await self._stream.aclose()
+
+    # -- the protocol ---------------------------------------------------------------
+
+    def _request(self) -> Request | None:
+        try:
+            self._ws.receive_data(self._head)
+            for event in self._ws.events():
+                if isinstance(event, Request):
+                    self._absorb()  # frames that came with the head
+                    return event
+        except RemoteProtocolError:
+            return None
+        return None
+
+    def _absorb(self) -> None:
+        """Turn every event wsproto has into messages, pongs and closes (raises PeerGone)."""
+        for event in self._ws.events():
+            if isinstance(event, TextMessage | BytesMessage):
+                data = event.data
+                self._fragment_bytes += len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+                if self._fragment_bytes > self._limit:
+                    self.close_reason = f"message larger than {self._limit} bytes"
+                    self.close_code = 1009  # message too big
+                    self._fragments.clear()
+                    raise PeerGone(self.close_reason)
+                self._fragments.append(data)
+                if event.message_finished:
+                    joined = "".join(self._fragments) if isinstance(data, str) else b"".join(self._fragments)  # type: ignore[arg-type]
+                    self._messages.append(joined)
+                    self._fragments.clear()
+                    self._fragment_bytes = 0
+            elif isinstance(event, Ping):
+                self._pending_pong += self._ws.send(event.response())
+            elif isinstance(event, CloseConnection):
+                raise PeerGone("closed by the peer")
+            elif isinstance(event, Pong):
+                pass  # any frame counts as being alive (below)
+        self._heard = trio.current_time()
+
+    async def _receive(self) -> str | bytes:
+        while not self._messages:
+            data = await self._stream.receive_some(READ_SIZE)
+            if not data:
+                raise PeerGone("the connection closed")
+            try:
+                self._ws.receive_data(data)
+                self._absorb()
+            except RemoteProtocolError as exc:
+                self.close_reason = f"protocol error: {exc}"
+                raise PeerGone(self.close_reason) from None
+            if self._pending_pong:
+                pongs, self._pending_pong = self._pending_pong, b""
+                await self._write(pongs)
+        return self._messages.popleft()
+
+    async def _send(self, message: str | bytes) -> None:
+        event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
+        try:
+            data = self._ws.send(event)
+        except LocalProtocolError:
+            raise PeerGone("the connection is closing") from None
+        await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        async with self._send_lock:
+            with trio.move_on_after(self._deadlines.write) as deadline:
+                await self._stream.send_all(data)
+        if deadline.cancelled_caught:
+            self.close_reason = f"a write waited more than {self._deadlines.write:g} s (the peer does not read)"
+            raise PeerGone(self.close_reason)
+
+    async def _keep_alive(self, presence: trio.CancelScope) -> None:
+        """Ping every ``ping_interval``; send the peer away when it has said nothing for ``pong`` seconds."""
+        while True:
+            await trio.sleep(self._deadlines.ping_interval)
+            if trio.current_time() - self._heard > self._deadlines.pong:
+                self.close_reason = f"no answer to pings for {self._deadlines.pong:g} s"
+                presence.cancel()
+                return
+            try:
+                await self._write(self._ws.send(Ping(payload=b"chunkline")))
+            except PeerGone:
+                presence.cancel()
+                return
+
+    async def _close(self, code: int, reason: str) -> None:
+        with trio.move_on_after(CLOSE_DEADLINE):
+            with contextlib.suppress(LocalProtocolError, PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
+                data = self._ws.send(CloseConnection(code=code, reason=reason[:120]))
+                async with self._send_lock:
+                    await self._stream.send_all(data)

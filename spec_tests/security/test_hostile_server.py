@@ -1,0 +1,308 @@
+"""Hostile peers against a real server (the front, hypercorn behind it, real sockets): a message is
+bounded while it arrives, a peer that stops reading or answering is sent away within its deadline
+and its session does not stay ``running``, slow or oversized heads are refused, a client that never
+reads its response cannot hold it, and SIGTERM finishes within its bound whatever the clients do
+(principles 1 and 2 of the hostile-clients issue).
+
+The server runs in-process with short deadlines (``Deadlines``) so the suite stays fast; the SIGTERM
+test runs the ``chunkline stream-serve`` command itself with its defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Request
+
+from server.room_socket import Deadlines
+from server.serve import SHUTDOWN_BOUND, serve_app
+from server.settings import ServerSettings
+from server.transport.client import RoomClient
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = Deadlines(write=1.0, ping_interval=0.2, pong=1.0, head=1.0)
+WAIT = 20.0  # wall seconds any bounded real-time wait may take on a loaded machine
+
+
+def vm_rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class Server:
+    def __init__(self, host: str, port: int, runtime: Any) -> None:
+        self.host, self.port, self.runtime = host, port, runtime
+
+    async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        def call() -> tuple[int, Any]:
+            data = None if body is None else json.dumps(body).encode()
+            req = urllib.request.Request(f"http://{self.host}:{self.port}{path}", data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=WAIT) as response:
+                    return response.status, json.loads(response.read() or b"null")
+            except urllib.error.HTTPError as error:
+                return error.code, json.loads(error.read() or b"null")
+
+        return await trio.to_thread.run_sync(call)
+
+    async def session(self, identity: str = "ctl") -> dict[str, Any]:
+        status, body = await self.request("POST", "/v1/stream/sessions", {"identity": identity})
+        assert status == 200, (status, body)
+        return body
+
+    async def room(self, created: dict[str, Any], token: str | None = None) -> RoomClient:
+        return await RoomClient.connect(self.host, self.port, f"{created['websocket_path']}?token={token or created['token']}")
+
+    async def raw(self) -> trio.SocketStream:
+        return await trio.open_tcp_stream(self.host, self.port)
+
+
+@contextlib.asynccontextmanager
+async def running(**overrides: Any) -> AsyncIterator[Server]:
+    values: dict[str, Any] = {"pipeline": "pipelines/replay", "port": 0, "max_sessions_per_worker": 1,
+                              "controller_timeout": 1.0, "room_empty_timeout": 3600}
+    values.update(overrides)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(lambda task_status: serve_app(
+            ServerSettings(**values), deadlines=FAST, stop=stop, task_status=task_status))
+        host, port = urls[0].removeprefix("http://").rsplit(":", 1)
+        server = Server(host, int(port), None)
+        with trio.fail_after(WAIT):
+            while (await server.request("GET", "/v1/service/ready"))[0] != 200:
+                await trio.sleep(0.05)  # bench-cost: the pipeline loads in a thread
+        try:
+            yield server
+        finally:
+            stop.set()
+
+
+async def handshake(stream: trio.SocketStream, target: str) -> WSConnection:
+    ws = WSConnection(ConnectionType.CLIENT)
+    await stream.send_all(ws.send(Request(host="localhost", target=target)))
+    while True:
+        ws.receive_data(await stream.receive_some(65536))
+        for event in ws.events():
+            if isinstance(event, AcceptConnection):
+                return ws
+
+
+async def wait_for(predicate: Any, what: str) -> Any:
+    with trio.fail_after(WAIT):
+        while not (found := await predicate()):
+            await trio.sleep(0.05)  # bench-cost: a real server decides in its own time
+    return found
+
+
+async def closed_by_server(stream: trio.SocketStream) -> bytes:
+    """Read until the server closes the connection (bounded); returns what came."""
+    received = bytearray()
+    with trio.fail_after(WAIT):
+        try:
+            while data := await stream.receive_some(65536):
+                received += data
+        except trio.BrokenResourceError:
+            pass
+    return bytes(received)
+
+
+# -- principle 1: a room message is bounded while it arrives ----------------------------------------------
+
+
+async def test_an_endless_room_message_is_cut_at_the_limit_and_costs_no_memory() -> None:
+    async with running() as server:
+        created = await server.session()
+        stream = await server.raw()
+        await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
+        before = vm_rss()
+        total = 64 * 1024 * 1024  # one text frame declared 64 MiB long
+        await stream.send_all(bytes([0x81, 0x80 | 127]) + struct.pack(">Q", total) + b"\x00\x00\x00\x00")
+        sent = 0
+        with trio.move_on_after(WAIT):
+            try:
+                while sent < total:
+                    await stream.send_all(b"a" * 65536)
+                    sent += 65536
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        assert sent < 4 * 1024 * 1024, f"the server kept reading {sent} bytes of one message"
+        assert vm_rss() - before < 16 * 1024 * 1024
+        await stream.aclose()
+
+
+# -- principle 2: a peer that stops answering or reading is sent away -----------------------------------------
+
+
+async def test_a_frozen_controller_is_sent_away_and_its_session_ends() -> None:
+    async with running() as server:
+        created = await server.session()
+        stream = await server.raw()  # a peer that completes the handshake, then answers nothing (frozen)
+        await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
+
+        async def status() -> str | None:
+            state = (await server.request("GET", f"/v1/stream/sessions/{created['session_id']}"))[1]["status"]
+            return state if state in ("closed", "failed") else None
+
+        started = time.monotonic()
+        assert await wait_for(status, "the frozen controller's session to end") == "closed"
+        # the pong deadline plus controller_timeout, with slack for a loaded machine
+        assert time.monotonic() - started < FAST.pong + 1.0 + 10.0
+        await stream.aclose()
+
+
+async def test_a_viewer_that_never_reads_is_sent_away_and_an_honest_viewer_keeps_watching() -> None:
+    async with running(controller_timeout=3600) as server:
+        created = await server.session()
+        controller = await server.room(created)
+        honest_token = (await server.request("POST", f"/v1/stream/sessions/{created['session_id']}/tokens",
+                                             {"identity": "honest"}))[1]["token"]
+        lazy_token = (await server.request("POST", f"/v1/stream/sessions/{created['session_id']}/tokens",
+                                           {"identity": "lazy"}))[1]["token"]
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once: the server's writes wait
+        sock.connect((server.host, server.port))
+        lazy = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        await handshake(lazy, f"{created['websocket_path']}?token={lazy_token}")
+        honest = await server.room(created, honest_token)
+        frames = [0]
+
+        async def watch(client: RoomClient, count: list[int]) -> None:
+            while (message := await client.receive()) is not None:
+                if isinstance(message, bytes) and message[:1] == b"V":
+                    count[0] += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, honest, frames)
+            nursery.start_soon(watch, controller, [0])
+            # the lazy viewer neither reads nor answers pings: the write or the pong deadline sends it away
+            started = time.monotonic()
+            await closed_by_server(lazy)
+            assert time.monotonic() - started < FAST.pong + FAST.write + 10.0
+            seen = frames[0]
+
+            async def more() -> bool:
+                return frames[0] > seen + 3
+
+            await wait_for(more, "more frames for the honest viewer")
+            nursery.cancel_scope.cancel()
+        await lazy.aclose()
+        await honest.aclose()
+        await controller.aclose()
+
+
+# -- principle 1/2: request heads are bounded in size and time; a client that never reads cannot hold a response
+
+
+async def test_a_slow_head_is_timed_out_and_an_oversized_head_refused() -> None:
+    async with running() as server:
+        slow = await server.raw()
+        await slow.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        assert b"408" in await closed_by_server(slow)
+        big = await server.raw()
+        await big.send_all(b"GET / HTTP/1.1\r\n" + b"X-Junk: " + b"a" * 40000 + b"\r\n\r\n")
+        assert b"431" in await closed_by_server(big)
+        assert (await server.request("GET", "/v1/stream/health"))[0] == 200
+        await slow.aclose()
+        await big.aclose()
+
+
+async def test_a_client_that_never_reads_its_response_cannot_hold_it() -> None:
+    async with running() as server:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((server.host, server.port))
+        stalled = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        # ask for the largest static file many times over, then read nothing
+        request = b"GET /static/vendor/livekit-client.umd.js HTTP/1.1\r\nHost: x\r\n\r\n"
+        with trio.move_on_after(2.0):
+            for _ in range(64):
+                await stalled.send_all(request)
+        await trio.sleep(FAST.write * 3)  # bench-cost: let the write deadline pass in real time
+        assert (await server.request("GET", "/v1/stream/health"))[0] == 200
+        # the connection was dropped: reading drains what was buffered, then the end, far short of 64 answers
+        received = await closed_by_server(stalled)
+        size = (ROOT / "server/static/vendor/livekit-client.umd.js").stat().st_size
+        assert len(received) < 16 * size, f"{len(received)} bytes arrived: the stalled connection was kept"
+        await stalled.aclose()
+
+
+# -- principle 2: SIGTERM is bounded whatever the clients do ----------------------------------------------------
+
+
+def test_sigterm_finishes_within_its_bound_whatever_the_clients_do(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--port", str(port),
+         "--controller-timeout", "3600"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    clients: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/service/ready", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and process.poll() is None, "the server did not become ready"
+            time.sleep(0.1)  # bench-cost: a real process starts
+        created = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/stream/sessions", data=b'{"identity": "ctl"}',
+            headers={"Content-Type": "application/json"}), timeout=10).read())
+        # a frozen controller: handshake done, then it neither reads nor answers
+        frozen = socket.create_connection(("127.0.0.1", port))
+        frozen.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        ws = WSConnection(ConnectionType.CLIENT)
+        frozen.sendall(ws.send(Request(host="x", target=f"{created['websocket_path']}?token={created['token']}")))
+        clients.append(frozen)
+        # a slowloris head, a half-sent body, a client that never reads its response
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n")
+        body = socket.create_connection(("127.0.0.1", port))
+        body.sendall(b"POST /v1/stream/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n{\"identity\":")
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.sendall(b"GET /static/vendor/livekit-client.umd.js HTTP/1.1\r\nHost: x\r\n\r\n" * 8)
+        clients += [slow, body, stalled]
+        time.sleep(1.0)  # bench-cost: let the server take every connection in
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=SHUTDOWN_BOUND + 10)
+        took = time.monotonic() - started
+        output = process.stdout.read().decode(errors="replace") if process.stdout else ""
+        assert code == 0, output[-3000:]
+        assert took < SHUTDOWN_BOUND, f"SIGTERM took {took:.1f} s (bound {SHUTDOWN_BOUND:g} s)"
+        assert took < 15, f"SIGTERM took {took:.1f} s with four hostile clients connected: {output[-2000:]}"
+        assert "shutdown complete" in output
+    finally:
+        for client in clients:
+            client.close()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stdout:
+            process.stdout.close()
