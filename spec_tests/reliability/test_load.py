@@ -3,8 +3,9 @@ creating, polling and deleting sessions concurrently in bounded loops.
 
 Every answer is 200, 202 or 429 and agrees with the others: never more than 4 sessions retained nor 8
 queued, queue positions FIFO and current. Afterwards nothing is retained or queued, every slot is
-free and every record is terminal. No request takes a second (a correctness bound on a server that
-never waits on pipeline work in a request, not a benchmark).
+free and every record is terminal. No request hangs: each answers within a generous hang bound (the
+server never waits on pipeline work in a request; request latency is measured by ``bench.server``,
+not asserted here, because a loaded CI machine would make a tight bound flaky).
 
 No controller joins, so assigned sessions wait in ``assigned``/``joining_room`` until deleted
 (``controller_timeout`` is an hour). The admission book is watched from inside the process: its
@@ -38,7 +39,7 @@ QUEUE = 8
 CLIENTS = 64
 ITERATIONS = 5
 MAX_POLLS = 3  # GETs per iteration (fewer once the session is no longer queued)
-LATENCY_BOUND = 1.0
+HANG_BOUND = 10.0  # seconds: a request slower than this is stuck, not slow
 SESSIONS = "/v1/stream/sessions"
 WAITING = {"assigned", "joining_room"}
 
@@ -234,7 +235,7 @@ async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: t
     assert Counter(a.status for a in creates) == Counter(
         {200: watch.decisions["assigned"], 202: watch.decisions["queued"], 429: watch.decisions["rejected"]})
     slowest = max(answers, key=lambda a: a.seconds)
-    assert slowest.seconds < LATENCY_BOUND, f"slowest request {slowest}"
+    assert slowest.seconds < HANG_BOUND, f"slowest request {slowest}"
 
     # everything ended: nothing retained or queued, every slot free, every record terminal
     snapshot = runtime.book.snapshot()
