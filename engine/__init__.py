@@ -12,6 +12,7 @@ from .actors import (
     StageInvocation,
     TaskKey,
 )
+from .blockers import Blocker, BlockerKind
 from .capacity import (
     CapacityPlan,
     DeviceMemorySnapshot,
@@ -58,7 +59,8 @@ from .workers import (
 )
 
 __all__ = [
-    "ActorBusyError", "ActorFailedError", "ActorHealth", "ArtifactStats", "Diagnostics", "EdgeSpec",
+    "ActorBusyError", "ActorFailedError", "ActorHealth", "ArtifactStats", "Blocker", "BlockerKind", "Diagnostics",
+    "EdgeSpec",
     "EngineError", "FatalStageError", "IdleInterval", "InProcessWorkerGroup", "IngressRefused",
     "InvalidStageOutput", "LatencySummary", "LocalStageActor", "Orchestrator", "OrchestratorCloseError",
     "OrchestratorClosedError", "ParallelWorkerStageActor", "PipelineSpec", "ResourceGroupSpec", "Session",

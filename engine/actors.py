@@ -66,6 +66,8 @@ class ActorHealth:
     state: ActorState
     pending_invocations: int
     failure_reason: str | None = None
+    # the exception that broke the actor, when one did (sessions failed by it get it as __cause__)
+    failure_cause: BaseException | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def healthy(self) -> bool:
@@ -156,6 +158,7 @@ class LocalStageActor:
         self._send, self._receive = trio.open_memory_channel[Any](mailbox_capacity)
         self._machine = actor_table.StageActorMachine()
         self._failure_reason: str | None = None
+        self._failure_cause: BaseException | None = None
         self._pending = 0  # invocations submitted and not yet resolved
         self._closes = 0  # session hooks queued or running
         # barrier waiters park here until the counts reach zero (no per-call allocation)
@@ -189,6 +192,7 @@ class LocalStageActor:
                         await self._invoke(message)
                     else:
                         await self._close_session(message)
+                    del message  # the invocation's inputs and outputs die with the call
         finally:
             with trio.CancelScope(shield=True):
                 if self._thread is not None:
@@ -263,7 +267,7 @@ class LocalStageActor:
         # keeps that error; every other session then fails through the listeners
         on_done(invocation, result)
         if isinstance(result, outcome.Error) and isinstance(result.error, FatalStageError):
-            self.fail(f"{type(result.error).__name__}: {result.error}")
+            self.fail(f"{type(result.error).__name__}: {result.error}", cause=result.error)
 
     async def _call(self, fn: Callable[..., Any], is_async: bool, *args: Any) -> outcome.Outcome:
         if is_async:
@@ -328,15 +332,17 @@ class LocalStageActor:
 
     # -- health ----------------------------------------------------------------
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, *, cause: BaseException | None = None) -> None:
         """Mark the actor itself broken; it runs no more work (queued items resolve as failed).
 
         Call in the trio thread. Failure listeners (the orchestrator) hear of it at once,
-        so sessions waiting on this actor fail instead of waiting forever.
+        so sessions waiting on this actor fail instead of waiting forever; ``cause`` (the
+        exception that broke it) becomes their errors' ``__cause__``.
         """
         if self._machine.can(actor_table.Event.FAIL):
             self._machine.apply(actor_table.Event.FAIL)
             self._failure_reason = reason
+            self._failure_cause = cause
             self._refusal = self._refusal or reason
             for listener in list(self._failure_listeners):
                 listener(reason)
@@ -346,7 +352,7 @@ class LocalStageActor:
         self._failure_listeners.append(listener)
 
     def health(self) -> ActorHealth:
-        return ActorHealth(self._machine.state, self._pending, self._failure_reason)
+        return ActorHealth(self._machine.state, self._pending, self._failure_reason, self._failure_cause)
 
     def is_healthy(self) -> bool:
         """The cheap form of ``health().healthy`` the scheduler asks before every admission."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -15,6 +16,7 @@ __all__ = [
     "Diagnostics",
     "ArtifactStats",
     "idle_intervals",
+    "RunningSummary",
 ]
 
 CONTINUOUS_SECONDS = 0.001
@@ -43,6 +45,51 @@ class LatencySummary:
             p95_seconds=percentile(ordered, 0.95),
             maximum_seconds=ordered[-1],
             mean_seconds=math.fsum(ordered) / len(ordered),
+        )
+
+
+class RunningSummary:
+    """A latency summary kept in bounded memory over a session of any length.
+
+    Count, minimum, maximum and mean cover every sample; the percentiles cover
+    the most recent ``window`` samples (all of them until the window fills).
+    """
+
+    __slots__ = ("count", "minimum", "maximum", "_total", "_compensation", "_recent")
+
+    def __init__(self, window: int) -> None:
+        self.count = 0
+        self.minimum = math.inf
+        self.maximum = -math.inf
+        self._total = 0.0
+        self._compensation = 0.0  # Neumaier summation: the mean stays exact over long sessions
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        if sample < self.minimum:
+            self.minimum = sample
+        if sample > self.maximum:
+            self.maximum = sample
+        total = self._total + sample
+        if abs(self._total) >= abs(sample):
+            self._compensation += (self._total - total) + sample
+        else:
+            self._compensation += (sample - total) + self._total
+        self._total = total
+        self._recent.append(sample)
+
+    def summary(self) -> LatencySummary:
+        if not self.count:
+            return LatencySummary(count=0)
+        ordered = sorted(self._recent)
+        return LatencySummary(
+            count=self.count,
+            minimum_seconds=self.minimum,
+            p50_seconds=percentile(ordered, 0.50),
+            p95_seconds=percentile(ordered, 0.95),
+            maximum_seconds=self.maximum,
+            mean_seconds=(self._total + self._compensation) / self.count,
         )
 
 
@@ -81,6 +128,29 @@ class SessionMetrics:
             first_output_latency_seconds=first,
             control_to_output_latency=LatencySummary.from_samples(latencies),
             chunk_period=LatencySummary.from_samples(periods),
+        )
+
+    @classmethod
+    def from_session(
+        cls,
+        ingress: Mapping[int, float],
+        emitted: Mapping[int, float],
+        *,
+        first_ingress_at: float | None,
+        first_emitted_at: float | None,
+        control_to_output: RunningSummary,
+        chunk_period: RunningSummary,
+    ) -> SessionMetrics:
+        """Metrics of a long session: recent per-sequence stamps, whole-session summaries."""
+        first = None
+        if first_ingress_at is not None and first_emitted_at is not None:
+            first = first_emitted_at - first_ingress_at
+        return cls(
+            ingress_accepted_at=tuple(sorted(ingress.items())),
+            output_emitted_at=tuple(sorted(emitted.items())),
+            first_output_latency_seconds=first,
+            control_to_output_latency=control_to_output.summary(),
+            chunk_period=chunk_period.summary(),
         )
 
     def real_time_factor(self, chunk_media_seconds: float) -> float | None:
@@ -132,7 +202,7 @@ def idle_intervals(
     stage_id: str,
     timings: Sequence[StageTiming],
     missing_after: Mapping[int, tuple[str, ...]],
-    blockers: Mapping[int, str],
+    blockers: Mapping[int, object],
 ) -> list[IdleInterval]:
     """Gaps between consecutive admissions of a stage, with a reason derived from the spec.
 
@@ -151,7 +221,8 @@ def idle_intervals(
         elif missing:
             reason = "+".join(missing)
         else:
-            reason = blockers.get(current.sequence_id, "scheduler_admission")
+            blocker = blockers.get(current.sequence_id)
+            reason = "scheduler_admission" if blocker is None else str(blocker)
         intervals.append(
             IdleInterval(
                 stage_id=stage_id,

@@ -23,6 +23,7 @@ from .actors import (
     SessionContext,
     StageInvocation,
 )
+from .workers import WorkerGroupFailed
 
 __all__ = ["InProcessWorkerGroup", "ParallelWorkerStageActor"]
 
@@ -127,7 +128,7 @@ class ParallelWorkerStageActor:
 
             def on_worker_failed(reason: str) -> None:  # any thread (e.g. a process monitor)
                 try:
-                    token.run_sync_soon(self._inner.fail, reason)
+                    token.run_sync_soon(self._fail_from_worker, reason)
                 except trio.RunFinishedError:
                     pass
 
@@ -154,7 +155,11 @@ class ParallelWorkerStageActor:
 
     def _sync_worker_health(self) -> None:
         if getattr(self.worker, "failed", False):
-            self._inner.fail(str(getattr(self.worker, "failure_reason", None) or "worker group failed"))
+            self._fail_from_worker(str(getattr(self.worker, "failure_reason", None) or "worker group failed"))
+
+    def _fail_from_worker(self, reason: str) -> None:
+        """The group died: the actor fails with a WorkerGroupFailed naming why, as the cause."""
+        self._inner.fail(reason, cause=WorkerGroupFailed(f"worker group of {self.name!r} failed: {reason}"))
 
     async def close_session(self, context: SessionContext, reason: CloseReason) -> None:
         self._sync_worker_health()

@@ -16,7 +16,9 @@ import trio
 from states import pipeline_session as table
 from states.pipeline_session import CloseReason
 
-from .actors import TaskKey
+from .blockers import Blocker
+from .metrics import RunningSummary
+from .reservations import SessionReservations
 
 __all__ = ["SeqSet", "Slot", "SessionRuntime", "METRICS_WINDOW"]
 
@@ -48,6 +50,14 @@ class SeqSet:
             self._extra.remove(self.below)
             self.below += 1
 
+    def discard(self, seq: int) -> None:
+        """Undo :meth:`add` (an admission the actor refused)."""
+        if seq >= self.below:
+            self._extra.discard(seq)
+            return
+        self._extra.update(range(seq + 1, self.below))
+        self.below = seq
+
     def __contains__(self, seq: int) -> bool:
         return seq < self.below or seq in self._extra
 
@@ -78,7 +88,6 @@ class SessionRuntime:
         self.epoch = epoch
         self.final_sequence_id = final_sequence_id
         self.machine = table.PipelineSessionMachine()
-        self.close_reason: CloseReason | None = None
         self.error: BaseException | None = None
         self.cleanup_error: BaseException | None = None
 
@@ -89,19 +98,23 @@ class SessionRuntime:
         self.taken: dict[str, SeqSet] = {s: SeqSet() for s in stage_ids}  # admitted (running or done)
         self.highest_ingress = -1
 
-        self.in_flight: dict[tuple[str, int], TaskKey] = {}
-        self.in_flight_by_stage: Counter[str] = Counter()
-        self.producing: Counter[str] = Counter()  # artifact -> in-flight producers
+        self.reservations = SessionReservations()  # changed only by the scheduler's UsageBook
 
         self.pending_outputs: dict[int, dict[str, Any]] = {}
         self.outputs: deque[tuple[int, dict[str, Any]]] = deque()
         self.next_emit = 0
 
+        # per-sequence stamps of the recent window; the summaries and first stamps cover the whole session
         self.ingress_at: dict[int, float] = {}
         self.emitted_at: dict[int, float] = {}
+        self.first_ingress_at: float | None = None
+        self.first_emitted_at: float | None = None
+        self.last_emitted_at: float | None = None
+        self.control_to_output = RunningSummary(METRICS_WINDOW)
+        self.chunk_period = RunningSummary(METRICS_WINDOW)
         self.timings: dict[str, dict[int, _Timing]] = {s: {} for s in stage_ids}
         self.missing_after: dict[str, dict[int, tuple[str, ...]]] = {s: {} for s in stage_ids}
-        self.blockers: dict[str, dict[int, str]] = {s: {} for s in stage_ids}
+        self.blockers: dict[str, dict[int, Blocker]] = {s: {} for s in stage_ids}
 
         self.cleaned: set[str] = set()
         self.phases: list[tuple[str, str]] = []  # (phase, outcome) as shutdown proceeds
@@ -125,6 +138,10 @@ class SessionRuntime:
     @property
     def starting_accepted_work(self) -> bool:
         return self.machine.state in table.STARTING_ACCEPTED_WORK
+
+    @property
+    def hook_reason(self) -> CloseReason:
+        return self.machine.hook_reason
 
     @property
     def all_emitted(self) -> bool:
@@ -208,10 +225,30 @@ class SessionRuntime:
         self.pending_outputs.clear()
         return dropped
 
+    def record_ingress(self, seq: int, now: float) -> None:
+        if seq in self.ingress_at:
+            return
+        if self.first_ingress_at is None:
+            self.first_ingress_at = now
+        self.ingress_at[seq] = now
+        if len(self.ingress_at) > METRICS_WINDOW:
+            trim(self.ingress_at)
+
+    def record_emitted(self, seq: int, now: float) -> None:
+        if self.first_emitted_at is None:
+            self.first_emitted_at = now
+        if self.last_emitted_at is not None:
+            self.chunk_period.add(now - self.last_emitted_at)
+        self.last_emitted_at = now
+        accepted = self.ingress_at.get(seq)
+        if accepted is not None:
+            self.control_to_output.add(now - accepted)
+        self.emitted_at[seq] = now
+        if len(self.emitted_at) > METRICS_WINDOW:
+            trim(self.emitted_at)
+
     def leaked_slots(self) -> int:
-        """Slots or counters still held after every stage released the session."""
+        """Artifact slots and reservations still held after every stage released the session."""
         # a leaked slot usually leaves its occupancy count behind too: count it once
         leaks = max(len(self.slots), sum(1 for count in self.occupancy.values() if count))
-        leaks += sum(1 for count in self.producing.values() if count)
-        leaks += len(self.in_flight)
-        return leaks
+        return leaks + len(self.reservations) + self.reservations.drift()

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from states.pipeline_session import CloseReason, State
+from states.pipeline_session import Event, State
 
+from .blockers import Blocker
 from .errors import SessionStateError
 from .metrics import (
     ArtifactStats,
@@ -19,8 +20,9 @@ from .metrics import (
 )
 
 if TYPE_CHECKING:
-    from .orchestrator import Orchestrator
+    from .core import SchedulerCore
     from .runtime import SessionRuntime
+    from .shutdown import SessionShutdown
 
 __all__ = ["Session"]
 
@@ -32,8 +34,9 @@ class Session:
     any outputs emitted before a drained close remain readable.
     """
 
-    def __init__(self, orchestrator: Orchestrator, runtime: SessionRuntime) -> None:
-        self._orch = orchestrator
+    def __init__(self, core: SchedulerCore, shutdown: SessionShutdown, runtime: SessionRuntime) -> None:
+        self._core = core
+        self._shutdown = shutdown
         self._runtime = runtime
 
     def __repr__(self) -> str:
@@ -77,19 +80,15 @@ class Session:
 
     async def push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> None:
         """Admit ``artifacts`` for ``sequence_id`` atomically, waiting for room on every edge."""
-        await self._orch._push(self._runtime, sequence_id, artifacts)
+        await self._core.push(self._runtime, sequence_id, artifacts)
 
     def try_push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""
-        return self._orch._try_push(self._runtime, sequence_id, artifacts)
+        return self._core.try_push(self._runtime, sequence_id, artifacts)
 
     def can_push(self, artifacts: Iterable[str]) -> bool:
         """Whether every named ingress artifact has room now (a pure query)."""
-        names = tuple(artifacts)
-        unknown = [a for a in names if a not in self._orch.spec.ingress_artifacts]
-        if unknown:
-            raise ValueError(f"not ingress artifacts: {unknown}")
-        return self._runtime.admitting and self._orch._has_room(self._runtime, names)
+        return self._core.has_room(self._runtime, artifacts)
 
     async def wait_for_room(self, artifacts: Iterable[str]) -> None:
         """Wait until every named ingress artifact has room (raises if the session stops admitting)."""
@@ -102,19 +101,19 @@ class Session:
 
     def finish_inputs(self, final_sequence_id: int) -> None:
         """Declare the last sequence of an open-ended session."""
-        self._orch._finish_inputs(self._runtime, final_sequence_id)
+        self._core.finish_inputs(self._runtime, final_sequence_id)
 
     # -- outputs -------------------------------------------------------------------
 
     def poll_outputs(self) -> list[tuple[int, dict[str, Any]]]:
         """Every output emitted so far and not yet taken, in sequence order (never waits)."""
-        return self._orch._poll_outputs(self._runtime)
+        return self._core.poll_outputs(self._runtime)
 
     async def outputs(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Yield ``(sequence_id, {artifact: value})`` in order until the session has no more."""
         rt = self._runtime
         while True:
-            items = self._orch._poll_outputs(rt)
+            items = self._core.poll_outputs(rt)
             for item in items:
                 yield item
             if items:
@@ -131,13 +130,11 @@ class Session:
         The drain may use ``drain_timeout`` (default: half of ``timeout``); work still
         waiting then is cancelled, so the rest of the budget is left for the stages.
         """
-        await self._orch._shutdown(
-            self._runtime, CloseReason.CLOSED, cancel=False, timeout=timeout, drain_timeout=drain_timeout
-        )
+        await self._shutdown.run(self._runtime, Event.CLOSE, timeout=timeout, drain_timeout=drain_timeout)
 
     async def cancel(self, *, timeout: float = 60.0) -> None:
         """Drop waiting work (running calls finish, results discarded), then release stage state."""
-        await self._orch._shutdown(self._runtime, CloseReason.CANCELLED, cancel=True, timeout=timeout)
+        await self._shutdown.run(self._runtime, Event.CANCEL, timeout=timeout)
 
     async def wait_settled(self) -> None:
         """Wait until the session is terminal or poisoned (e.g. after a background failure cleanup)."""
@@ -146,7 +143,7 @@ class Session:
     async def wait_until_idle(self) -> None:
         """Wait until nothing of this session runs or could start now."""
         rt = self._runtime
-        while rt.in_flight or (rt.starting_accepted_work and any(_admissible(self._orch, rt))):
+        while self._core.busy(rt):
             await rt.changed.park()
 
     async def __aenter__(self) -> Session:
@@ -163,7 +160,14 @@ class Session:
 
     def metrics(self) -> SessionMetrics:
         rt = self._runtime
-        return SessionMetrics.from_stamps(rt.ingress_at, rt.emitted_at)
+        return SessionMetrics.from_session(
+            rt.ingress_at,
+            rt.emitted_at,
+            first_ingress_at=rt.first_ingress_at,
+            first_emitted_at=rt.first_emitted_at,
+            control_to_output=rt.control_to_output,
+            chunk_period=rt.chunk_period,
+        )
 
     def stage_timings(self, stage_id: str) -> list[StageTiming]:
         rt = self._runtime
@@ -176,9 +180,7 @@ class Session:
 
     def idle_intervals(self, stage_id: str) -> list[IdleInterval]:
         rt = self._runtime
-        return idle_intervals(
-            stage_id, self.stage_timings(stage_id), rt.missing_after[stage_id], rt.blockers[stage_id]
-        )
+        return idle_intervals(stage_id, self.stage_timings(stage_id), rt.missing_after[stage_id], rt.blockers[stage_id])
 
     def stage_timing(self, stage_id: str, sequence_id: int) -> StageTiming | None:
         """One sequence's timing at one stage (O(1): for per-chunk reporting on a hot path)."""
@@ -212,12 +214,18 @@ class Session:
         """Items of ``artifact`` waiting for ``target_stage`` (bounded by the edge's capacity)."""
         return self._runtime.occupancy[(artifact, target_stage)]
 
+    def blocker(self, stage_id: str, sequence_id: int) -> Blocker | None:
+        """The limit that last held ``sequence_id`` back at ``stage_id`` once its inputs were ready."""
+        if stage_id not in self._runtime.blockers:
+            raise KeyError(f"unknown stage {stage_id!r}")
+        return self._core.blocker(self._runtime, stage_id, sequence_id)
+
+    @property
+    def outputs_held(self) -> int:
+        """Outputs emitted and not yet read, plus those waiting for earlier sequences."""
+        rt = self._runtime
+        return len(rt.outputs) + len(rt.pending_outputs)
+
     @property
     def in_flight(self) -> int:
-        return len(self._runtime.in_flight)
-
-
-def _admissible(orch: Orchestrator, rt: SessionRuntime) -> Iterable[bool]:
-    for stage in orch.spec.stages:
-        seq = orch._candidate(rt, stage)
-        yield seq is not None and orch._blocker(rt, stage) is None
+        return len(self._runtime.reservations)

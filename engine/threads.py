@@ -21,6 +21,13 @@ __all__ = ["DedicatedThread"]
 _STOP = object()
 
 
+def _unbox(box: list) -> None:
+    """Deliver a result in the trio thread, emptying the box the worker thread still holds."""
+    deliver, result = box
+    box.clear()
+    deliver(result)
+
+
 class DedicatedThread:
     """One daemon thread fed through a queue; results come back through the trio token."""
 
@@ -48,18 +55,29 @@ class DedicatedThread:
         token = self._token
         assert token is not None
         try:
-            while True:
-                job = self._jobs.get()
-                if job is _STOP:
-                    return
-                fn, args, deliver = job
-                result = outcome.capture(fn, *args)
-                token.run_sync_soon(deliver, result)
+            while self._serve_one(token):
+                pass
         finally:
             try:
                 token.run_sync_soon(self._exited.set)
             except trio.RunFinishedError:
                 pass
+
+    def _serve_one(self, token: trio.lowlevel.TrioToken) -> bool:
+        """Run one job; this thread keeps no reference to its arguments or result afterwards.
+
+        The delivery and the result travel in a box that the trio side empties, so
+        nothing a call took or made outlives it here (a tensor of a closed session).
+        """
+        job = self._jobs.get()
+        if job is _STOP:
+            return False
+        fn, args, deliver = job
+        del job
+        box = [deliver, outcome.capture(fn, *args)]
+        del fn, args, deliver
+        token.run_sync_soon(_unbox, box)
+        return True
 
     def submit(self, fn: Callable[..., Any], args: tuple, deliver: Callable[[outcome.Outcome], None]) -> None:
         """Queue ``fn(*args)``; ``deliver(outcome)`` later runs in the trio thread.

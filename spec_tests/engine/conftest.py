@@ -94,6 +94,7 @@ class Recorder:
         self.calls: list[tuple[str, str, int]] = []  # handler entries, in order
         self.ends: list[tuple[str, str, int, str]] = []  # (stage, session, seq, "ok"|"raised"|"cancelled")
         self.invocations: list[Any] = []
+        self.on_done: Callable[[Any, Any], None] | None = None  # the completion callback actors were given
         self.closes: list[tuple[str, str, Any]] = []  # (stage, session, reason)
         self.actor_closes: list[str] = []
         self.costs: dict[str, float] = {}  # stage -> virtual seconds per call
@@ -214,6 +215,10 @@ class LoggedActor(LocalStageActor):
     def __init__(self, *args: Any, recorder: Recorder, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._recorder = recorder
+
+    def submit(self, invocation: Any, on_done: Any) -> None:
+        self._recorder.on_done = on_done
+        super().submit(invocation, on_done)
 
     async def aclose(self) -> None:
         self._recorder.actor_closes.append(self.name)

@@ -30,28 +30,27 @@ async def test_a_result_from_an_old_epoch_is_counted_stale(orch, rec):
     assert inv.key.stage_id == "encode"
     new = orch.create_session("a")
     assert new.epoch != inv.key.session_epoch
-    orch._on_done(inv, late(inv))
+    rec.on_done(inv, late(inv))
     assert orch.diagnostics() == Diagnostics(stale_epoch_results=1)
     assert new.artifact_stats().slot_count == 0  # the late result did not leak into the new epoch
     assert new.poll_outputs() == []
 
 
 async def test_a_result_for_an_unknown_session_is_counted_orphaned(orch, rec):
-    ghost = StageInvocation(TaskKey("ghost", 1, 0, "encode", 1), {"image": 0}, True, False)
-    orch._on_done(ghost, late(ghost))
-    assert orch.diagnostics().orphaned_results == 1
-
     s = orch.create_session("gone", final_sequence_id=0)
     await s.push(0, chunk(0))
     async for _ in s.outputs():
         pass
     await s.aclose()  # forgotten: its keys now belong to nobody
-    orch._on_done(rec.invocations[0], late(rec.invocations[0]))
+    ghost = StageInvocation(TaskKey("ghost", 1, 0, "encode", 1), {"image": 0}, True, False)
+    rec.on_done(ghost, late(ghost))
+    assert orch.diagnostics().orphaned_results == 1
+    rec.on_done(rec.invocations[0], late(rec.invocations[0]))
     assert orch.diagnostics().orphaned_results == 2
 
     live = orch.create_session("live")
     never_submitted = StageInvocation(TaskKey("live", live.epoch, 0, "encode", 10**9), {}, True, False)
-    orch._on_done(never_submitted, late(never_submitted))
+    rec.on_done(never_submitted, late(never_submitted))
     assert orch.diagnostics().orphaned_results == 3
     assert live.artifact_stats().slot_count == 0
     assert orch.diagnostics().stale_epoch_results == 0
@@ -64,7 +63,7 @@ async def test_a_second_resolution_of_a_completed_key_is_counted_duplicate(orch,
     assert [seq for seq, _ in s.poll_outputs()] == [0]
     encode_0 = rec.invocations[0]
     stats = s.artifact_stats()
-    orch._on_done(encode_0, late(encode_0))
+    rec.on_done(encode_0, late(encode_0))
     assert orch.diagnostics() == Diagnostics(duplicate_results=1)
     assert s.artifact_stats() == stats
     await settle()
@@ -119,7 +118,7 @@ async def test_a_fault_free_run_counts_nothing(orch, rec):
 
 def leak_during_release(orch, rec, *, with_occupancy: bool = True) -> None:
     def leak(context, reason) -> None:
-        rt = orch._sessions[context.session_id]
+        rt = orch.get_session(context.session_id)._runtime  # corrupt it on purpose
         rt.slots[(0, "image")] = engine.runtime.Slot(None, {"encode"})
         if with_occupancy:
             rt.occupancy[("image", "encode")] += 1

@@ -210,9 +210,30 @@ async def test_finish_inputs_while_work_is_in_flight(orch, rec):
     assert s.in_flight == 1
     with pytest.raises(IngressRefused, match="already accepted"):
         s.finish_inputs(0)
+    # encode ran 1 as not the last: declaring it last now would split the stages
+    with pytest.raises(IngressRefused, match="'encode' has already taken sequence 1"):
+        s.finish_inputs(1)
+    assert s.final_sequence_id is None  # the refusal changed nothing
+    s.finish_inputs(2)
+    await s.push(2, chunk(2))
+    hold.set()
+    assert [seq async for seq, _ in s.outputs()] == [0, 1, 2]
+    assert [(inv.key.stage_id, inv.key.sequence_id) for inv in rec.invocations if inv.is_last] == [
+        ("encode", 2), ("denoise", 2), ("decode", 2)
+    ]
+
+
+async def test_finish_inputs_for_a_sequence_only_pushed_is_accepted(orch, rec):
+    hold = rec.gate("encode", 0)
+    s = orch.create_session("a")
+    await s.push(0, chunk(0))
+    await s.push(1, {"control": "c1"})  # buffered at denoise; no stage has taken 1
+    await rec.wait_started("encode", "a", 0)
     s.finish_inputs(1)
+    await s.push(1, {"image": "i1"})
     hold.set()
     assert [seq async for seq, _ in s.outputs()] == [0, 1]
+    assert [inv.key.sequence_id for inv in rec.invocations if inv.is_last] == [1, 1, 1]
 
 
 async def test_finish_inputs_set_at_creation_cannot_change(orch):

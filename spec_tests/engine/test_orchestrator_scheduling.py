@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from engine import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageOrdering, StageSpec
+from engine import Blocker, EdgeSpec, PipelineSpec, ResourceGroupSpec, StageOrdering, StageSpec
 
 from .conftest import (
     Recorder,
@@ -123,7 +123,7 @@ async def test_resource_group_limits_concurrency_across_stages(rec):
         s.try_push(1, chunk(1))
         await settle()
         assert rec.calls_of("encode", "a") == [0]  # encode 1 waits for the group
-        assert s._runtime.blockers["encode"][1] == "resource_group:gpu"
+        assert str(s.blocker("encode", 1)) == "resource_group:gpu"
         hold.set()
         await settle()
         for seq in range(2, 5):
@@ -186,7 +186,7 @@ async def test_output_capacity_bounds_completed_but_unpolled_outputs(orch, rec, 
         nursery.start_soon(feed)
         await settle()
         assert rec.calls_of("decode", "a") == [0, 1]  # two outputs wait unpolled: decode stops
-        assert len(s._runtime.outputs) == 2
+        assert s.outputs_held == 2
         levels = check_capacity(s, spec)
         assert levels["latent->decode"] == 2  # denoise stopped on the full latent edge
         assert len(fed) < 10  # and ingress stopped behind it
@@ -207,7 +207,7 @@ async def test_in_flight_work_reserves_downstream_room(orch, rec):
     # decode holds latent 0; latents 1, 2 wait; denoise 3 may not start (its latent would overflow)
     assert rec.calls_of("denoise", "a") == [0, 1, 2]
     assert s.buffered("latent", "decode") == 2
-    assert s._runtime.blockers["denoise"][3] == "edge_capacity:latent->decode"
+    assert s.blocker("denoise", 3) == Blocker.edge("latent", "decode")
     hold.set()
     await settle()
     assert rec.calls_of("denoise", "a") == [0, 1, 2, 3]

@@ -254,7 +254,7 @@ async def test_closing_the_orchestrator_shuts_sessions_then_actors_in_reverse(re
             await rec.wait_started("denoise", "a", 0)
             outer.start_soon(release_when_blocked)
     a_status, closes_then, actor_closes_then = seen_while_running
-    assert a_status is State.CANCELLING
+    assert a_status is State.SHUTTING_DOWN
     assert [c for c in closes_then if c[1] == "a"] == []  # a waits for its running call
     assert actor_closes_then == []  # actors close only after every session
     assert ("denoise", "a", 0, "ok") in rec.ends

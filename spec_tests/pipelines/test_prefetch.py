@@ -257,6 +257,7 @@ async def test_control_and_missing_condition_are_admitted_atomically():
         assert d.cursors() == (2, 2)
         assert 2 not in dict(d.session.metrics().ingress_accepted_at)
         d.check()
+        d.session.finish_inputs(2)  # before any stage takes 2, so every stage is told it is the last
 
         # submit waits for room on both edges, then admits control + condition together
         done = trio.Event()
@@ -280,7 +281,6 @@ async def test_control_and_missing_condition_are_admitted_atomically():
         assert 2 in dict(d.session.metrics().ingress_accepted_at)
         assert d.made.count(2) >= 1 and d.made[: len(made)] == made
         rec.release_all()
-        d.session.finish_inputs(2)
         assert [seq async for seq, _ in d.session.outputs()] == [0, 1, 2]
         assert rec.calls_of("encode", "a") == [0, 1, 2]
 

@@ -1,0 +1,67 @@
+"""Why ready work is held back: a typed value named from the spec.
+
+The scheduler records one :class:`Blocker` per (stage, sequence) that had its
+inputs but could not be admitted. Its text form (``edge_capacity:latent->decode``)
+is what idle intervals report; code asks its ``kind`` and fields, never the text.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = ["Blocker", "BlockerKind"]
+
+
+class BlockerKind(enum.Enum):
+    STAGE_CAPACITY = "stage_capacity"  # the session's in-flight limit of the stage
+    GLOBAL_CAPACITY = "global_capacity"  # the stage's in-flight limit across sessions
+    RESOURCE_GROUP = "resource_group"  # the stage's resource group is at its concurrency
+    EDGE_CAPACITY = "edge_capacity"  # an outgoing edge has no room for the result
+    OUTPUT_CAPACITY = "output_capacity"  # the session's output queue has no room
+    ACTOR_BUSY = "actor_busy"  # the actor's mailbox refused the invocation
+
+
+@attrs.frozen
+class Blocker:
+    kind: BlockerKind
+    resource_group: str | None = None
+    artifact: str | None = None
+    target_stage: str | None = None
+
+    @classmethod
+    def edge(cls, artifact: str, target_stage: str) -> Blocker:
+        return cls(BlockerKind.EDGE_CAPACITY, artifact=artifact, target_stage=target_stage)
+
+    @classmethod
+    def output(cls, artifact: str) -> Blocker:
+        return cls(BlockerKind.OUTPUT_CAPACITY, artifact=artifact)
+
+    @classmethod
+    def group(cls, name: str) -> Blocker:
+        return cls(BlockerKind.RESOURCE_GROUP, resource_group=name)
+
+    @property
+    def waits_on_own_downstream(self) -> bool:
+        """Room can only come from this session's own downstream stages running.
+
+        A draining session with nothing in flight can never clear such a
+        blocker; the output queue (a reader may poll) and the shared limits
+        (other sessions finish) can still clear.
+        """
+        return self.kind is BlockerKind.EDGE_CAPACITY
+
+    def __str__(self) -> str:
+        if self.kind is BlockerKind.RESOURCE_GROUP:
+            return f"resource_group:{self.resource_group}"
+        if self.kind is BlockerKind.EDGE_CAPACITY:
+            return f"edge_capacity:{self.artifact}->{self.target_stage}"
+        if self.kind is BlockerKind.OUTPUT_CAPACITY:
+            return f"output_capacity:{self.artifact}"
+        return self.kind.value
+
+
+STAGE_CAPACITY = Blocker(BlockerKind.STAGE_CAPACITY)
+GLOBAL_CAPACITY = Blocker(BlockerKind.GLOBAL_CAPACITY)
+ACTOR_BUSY = Blocker(BlockerKind.ACTOR_BUSY)

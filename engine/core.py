@@ -1,0 +1,416 @@
+"""The scheduler core: the one owner of session runtimes, reservations and usage.
+
+It joins artifacts by (session, sequence), admits ready work to the stages'
+actors under the spec's limits, holds a :class:`Reservation` for every
+admitted invocation until its result is accepted or dropped, and emits
+outputs in sequence order. All of its state lives in the trio thread: actors
+call :meth:`SchedulerCore.complete` there, so it needs no locks.
+
+:class:`~engine.session.Session` and :class:`~engine.shutdown.SessionShutdown`
+talk to it through the methods listed under "interface" below and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import outcome
+import trio
+
+from states import pipeline_session as table
+
+from .actors import StageActor, StageInvocation, TaskKey
+from .blockers import ACTOR_BUSY, GLOBAL_CAPACITY, STAGE_CAPACITY, Blocker
+from .completion import check_result, record_result
+from .errors import ActorBusyError, ActorFailedError, SessionExistsError
+from .graph import StageGraph
+from .ingress import check_final_sequence, check_ingress, has_room
+from .metrics import Diagnostics
+from .reservations import UsageBook
+from .runtime import SessionRuntime
+from .spec import StageOrdering, StageSpec
+
+__all__ = ["SchedulerCore"]
+
+Event = table.Event
+# Events that stop a session's admission, with whether they drop already emitted, unread outputs.
+_DROPS_OUTPUTS = {Event.CLOSE: False, Event.DRAIN_TIMED_OUT: False, Event.CANCEL: True, Event.SHUT_DOWN: True}
+
+
+class SchedulerCore:
+    """Owns every session runtime of one orchestrator and schedules their work."""
+
+    def __init__(
+        self,
+        graph: StageGraph,
+        actors: Mapping[str, StageActor],
+        on_failed: Callable[[SessionRuntime], None],
+    ) -> None:
+        self.graph = graph
+        self._actors = dict(actors)
+        self._on_failed = on_failed  # starts the failed session's cleanup in the orchestrator's nursery
+        self._group_limit = {g.name: g.max_concurrency for g in graph.spec.resource_groups}
+        self._usage = UsageBook(graph.stage_ids, self._group_limit)
+        self._turns: dict[str, deque[str]] = {s: deque() for s in graph.stage_ids}  # round robin per stage
+        self._sessions: dict[str, SessionRuntime] = {}
+        self._next_epoch = 1
+        self._next_request = 1
+        self._counters: Counter[str] = Counter()  # keyed by the Diagnostics field names
+        self._pumping = False
+        self._dirty: set[str] = set()
+        self._surfaced: dict[str, BaseException] = {}  # stage -> the error that revealed its actor's failure
+
+    # == interface: sessions ===============================================================
+
+    def open_session(self, session_id: str, final_sequence_id: int | None) -> SessionRuntime:
+        """A fresh runtime (a new epoch); a terminal session's id may be reused."""
+        existing = self._sessions.get(session_id)
+        if existing is not None:
+            raise SessionExistsError(
+                f"session {session_id!r} is {existing.state.value}; close it "
+                f"(or retry its cleanup) before reusing the id"
+            )
+        runtime = SessionRuntime(session_id, self._next_epoch, final_sequence_id, self.graph.stage_ids)
+        self._next_epoch += 1
+        self._sessions[session_id] = runtime
+        for turns in self._turns.values():
+            turns.append(session_id)
+        return runtime
+
+    def get(self, session_id: str) -> SessionRuntime | None:
+        return self._sessions.get(session_id)
+
+    def runtimes(self) -> tuple[SessionRuntime, ...]:
+        """Sessions that are live or poisoned (terminal ones are forgotten)."""
+        return tuple(self._sessions.values())
+
+    def forget(self, rt: SessionRuntime) -> None:
+        """Drop a settled session; its handle stays readable."""
+        if self._sessions.get(rt.session_id) is rt:
+            del self._sessions[rt.session_id]
+            for turns in self._turns.values():
+                try:
+                    turns.remove(rt.session_id)
+                except ValueError:
+                    pass
+
+    # == interface: ingress and outputs (Session) =============================================
+
+    def try_push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> bool:
+        """Admit all of ``artifacts`` for ``seq`` now, or nothing."""
+        graph = self.graph
+        check_ingress(graph, rt, seq, artifacts)
+        if not has_room(graph, rt, artifacts):
+            return False
+        now = trio.current_time()
+        anchor = graph.spec.latency_anchor_artifact
+        if anchor is None or anchor in artifacts:
+            rt.record_ingress(seq, now)
+        for artifact, value in artifacts.items():
+            rt.add_slot(seq, artifact, value, graph.targets[artifact], now, graph.consumes)
+        if seq > rt.highest_ingress:
+            rt.highest_ingress = seq
+        self._pump(graph.consumers(artifacts))
+        return True
+
+    async def push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
+        while not self.try_push(rt, seq, artifacts):
+            await rt.room.park()
+
+    def has_room(self, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
+        names = tuple(artifacts)
+        unknown = [a for a in names if a not in self.graph.ingress]
+        if unknown:
+            raise ValueError(f"not ingress artifacts: {unknown}")
+        return rt.admitting and has_room(self.graph, rt, names)
+
+    def finish_inputs(self, rt: SessionRuntime, final_sequence_id: int) -> None:
+        if check_final_sequence(self.graph, rt, final_sequence_id):
+            rt.final_sequence_id = final_sequence_id
+            rt.wake()
+            self._pump()
+
+    def poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
+        items = list(rt.outputs)
+        rt.outputs.clear()
+        if items:
+            rt.wake_progress()  # output room freed: a drain may proceed
+            self._pump(self.graph.output_producers)
+        return items
+
+    def busy(self, rt: SessionRuntime) -> bool:
+        """Something of the session runs, or could start now (backpressured work cannot)."""
+        return bool(rt.reservations) or (rt.starting_accepted_work and self._admissible(rt))
+
+    def blocker(self, rt: SessionRuntime, stage_id: str, seq: int) -> Blocker | None:
+        """The limit that last held ``seq`` back at ``stage_id`` once its inputs were ready."""
+        return rt.blockers[stage_id].get(seq)
+
+    # == interface: shutdown (SessionShutdown) ================================================
+
+    @property
+    def topological_order(self) -> tuple[str, ...]:
+        return self.graph.topological_order
+
+    def actor(self, stage_id: str) -> StageActor:
+        return self._actors[stage_id]
+
+    def stop(self, rt: SessionRuntime, event: table.Event) -> bool:
+        """Apply a stop event (CLOSE, CANCEL, SHUT_DOWN, DRAIN_TIMED_OUT) if the table allows it now."""
+        if not rt.machine.can(event):
+            return False
+        rt.machine.apply(event)
+        if rt.state in table.DROPPING_WORK:
+            rt.discard_buffers()
+            if _DROPS_OUTPUTS[event]:
+                rt.outputs.clear()
+        rt.wake()
+        self._pump()
+        return True
+
+    def work_settled(self, rt: SessionRuntime) -> bool:
+        """Nothing of the session runs, and (draining) nothing left can ever start.
+
+        With nothing in flight and ingress closed, an item held back only by its
+        own full downstream edge can never move: the edge empties only when its
+        target runs, and nothing of this session is running or admissible.
+        """
+        if rt.reservations:
+            return False
+        if not rt.starting_accepted_work:
+            return True
+        for stage in self.graph.scan_order:
+            if self._candidate(rt, stage) is None:
+                continue
+            blocker = self._blocker(rt, stage)
+            if blocker is None or not blocker.waits_on_own_downstream:
+                return False
+        return True
+
+    def drop_buffers(self, rt: SessionRuntime) -> None:
+        """Drop the inputs a settled session can never consume now."""
+        rt.discard_buffers()
+
+    def check_released(self, rt: SessionRuntime) -> int:
+        """Count (then clear) what the session still holds after its stages released it."""
+        leaks = rt.leaked_slots() + self._usage.drift(r.reservations for r in self._sessions.values())
+        if leaks:
+            self._counters["slot_leaks"] += leaks
+            rt.discard_buffers()
+        return leaks
+
+    def count_cleanup_failure(self) -> None:
+        self._counters["cleanup_failures"] += 1
+
+    # == interface: whole orchestrator ===========================================================
+
+    def diagnostics(self) -> Diagnostics:
+        return Diagnostics(**self._counters)
+
+    def resource_group_usage(self, name: str) -> int:
+        if name not in self._usage.by_group:
+            raise KeyError(f"unknown resource group {name!r}")
+        return self._usage.by_group[name]
+
+    def in_flight(self, stage_id: str) -> int:
+        return self._usage.by_stage[stage_id]
+
+    def on_actor_failed(self, stage_id: str) -> Callable[[str], None]:
+        """The failure listener to give the stage's actor."""
+        return lambda reason: self._fail_actor_sessions(stage_id, reason, self._surfaced.get(stage_id))
+
+    # == completion (the actors' callback) ========================================================
+
+    def complete(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
+        """Called by an actor, in the trio thread, once per submitted invocation."""
+        key = invocation.key
+        rt = self._sessions.get(key.session_id)
+        if rt is None or key.request_id >= self._next_request:
+            self._counters["orphaned_results"] += 1
+            return
+        if rt.epoch != key.session_epoch:
+            self._counters["stale_epoch_results"] += 1
+            return
+        reservation = rt.reservations.get(key.stage_id, key.sequence_id)
+        if reservation is None or reservation.key != key:
+            self._counters["duplicate_results"] += 1
+            return
+        self._usage.release(rt.reservations, reservation)
+        stage = self.graph.stages[key.stage_id]
+        now = trio.current_time()
+        rt.timing(key.stage_id, key.sequence_id).completed_at = now
+        try:
+            if isinstance(result, outcome.Error):
+                self._on_error(rt, stage.stage_id, result.error)
+            elif rt.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
+                error = check_result(stage, key.sequence_id, result.value)
+                if error is not None:
+                    self._fail(rt, error)
+                elif record_result(self.graph, rt, stage, key.sequence_id, result.value, now):
+                    rt.wake_emitted()
+        finally:
+            rt.wake_progress()
+            self._pump(self.graph.after_completion[stage.stage_id])
+
+    # == failure ==================================================================================
+
+    def _on_error(self, rt: SessionRuntime, stage_id: str, error: BaseException) -> None:
+        """The session that surfaced an error keeps it; an actor failure it revealed fails the rest."""
+        self._fail(rt, error)
+        self._surfaced[stage_id] = error
+        try:
+            health = self._actors[stage_id].health()  # may itself notice the failure and tell the listeners
+        finally:
+            del self._surfaced[stage_id]
+        if not health.healthy:
+            self._fail_actor_sessions(stage_id, health.failure_reason, error)
+
+    def _fail(self, rt: SessionRuntime, error: BaseException) -> None:
+        """Fail one session: stop it, drop its buffers, clean it up in the background."""
+        if not rt.machine.can(Event.FAIL):
+            return
+        needs_cleanup = rt.state not in table.DROPPING_WORK  # a cancel or shutdown already runs it
+        rt.machine.apply(Event.FAIL)
+        rt.error = error
+        rt.discard_buffers()
+        rt.outputs.clear()
+        rt.wake()
+        if needs_cleanup:
+            self._on_failed(rt)
+
+    def _fail_actor_sessions(self, stage_id: str, reason: str | None, cause: BaseException | None) -> None:
+        """An actor failure fails every session still starting work, with the cause attached."""
+        if cause is None:
+            cause = self._actors[stage_id].health().failure_cause
+        failure = ActorFailedError(f"stage actor {stage_id!r} is failed: {reason}")
+        failure.__cause__ = cause
+        for rt in list(self._sessions.values()):
+            if rt.starting_accepted_work:
+                self._fail(rt, failure)
+
+    # == scheduling ===============================================================================
+
+    def pump(self) -> None:
+        """Admit every piece of ready work the limits allow (after an outside change)."""
+        self._pump()
+
+    def _pump(self, stages: Iterable[str] | None = None) -> None:
+        """Admit ready work, looking only at the stages an event may have made admissible.
+
+        Admitting a stage frees edge room, so its upstream producers are looked
+        at again. Re-entrant calls (a completion inside ``submit``) fold into the
+        running pump.
+        """
+        self._dirty.update(self.graph.stage_ids if stages is None else stages)
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            dirty = self._dirty
+            while dirty:
+                for stage in self.graph.scan_order:
+                    if stage.stage_id in dirty:
+                        dirty.discard(stage.stage_id)
+                        self._admit_stage(stage)
+        finally:
+            self._pumping = False
+
+    def _admit_stage(self, stage: StageSpec) -> None:
+        stage_id = stage.stage_id
+        turns = self._turns[stage_id]
+        served: list[str] = []
+        by_stage = self._usage.by_stage
+        for session_id in tuple(turns):
+            if by_stage[stage_id] >= stage.max_in_flight_global:
+                break
+            rt = self._sessions.get(session_id)
+            if rt is None or not rt.ready[stage_id]:
+                continue
+            while self._try_admit(rt, stage):
+                if session_id not in served:
+                    served.append(session_id)
+        for session_id in served:
+            turns.remove(session_id)
+            turns.append(session_id)
+
+    def _candidate(self, rt: SessionRuntime, stage: StageSpec) -> int | None:
+        ready = rt.ready[stage.stage_id]
+        if stage.ordering is StageOrdering.PER_SESSION_STRICT:
+            frontier = rt.taken[stage.stage_id].below
+            return frontier if frontier in ready else None
+        return min(ready) if ready else None
+
+    def _admissible(self, rt: SessionRuntime) -> bool:
+        return any(
+            self._candidate(rt, stage) is not None and self._blocker(rt, stage) is None
+            for stage in self.graph.scan_order
+        )
+
+    def _blocker(self, rt: SessionRuntime, stage: StageSpec) -> Blocker | None:
+        stage_id = stage.stage_id
+        held = rt.reservations
+        if held.by_stage[stage_id] >= stage.max_in_flight_per_session:
+            return STAGE_CAPACITY
+        if self._usage.by_stage[stage_id] >= stage.max_in_flight_global:
+            return GLOBAL_CAPACITY
+        group = stage.resource_group
+        if group is not None and self._usage.by_group[group] >= self._group_limit[group]:
+            return Blocker.group(group)
+        graph = self.graph
+        for artifact in stage.produces:
+            reserved = held.producing[artifact]
+            for target in graph.targets.get(artifact, ()):
+                if rt.occupancy[(artifact, target)] + reserved >= graph.capacity[(artifact, target)]:
+                    return Blocker.edge(artifact, target)
+            if artifact in graph.outputs:
+                queued = len(rt.outputs) + sum(1 for v in rt.pending_outputs.values() if artifact in v)
+                if queued + reserved >= graph.output_capacity:
+                    return Blocker.output(artifact)
+        return None
+
+    def _try_admit(self, rt: SessionRuntime, stage: StageSpec) -> bool:
+        if not rt.starting_accepted_work:
+            return False
+        seq = self._candidate(rt, stage)
+        if seq is None:
+            return False
+        stage_id = stage.stage_id
+        blocker = self._blocker(rt, stage)
+        if blocker is not None:
+            rt.blockers[stage_id][seq] = blocker
+            return False
+        actor = self._actors[stage_id]
+        if not actor.is_healthy():
+            self._fail_actor_sessions(stage_id, actor.health().failure_reason, None)
+            return False
+        key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, self._next_request)
+        self._next_request += 1
+        # everything the invocation holds is taken before submit: an actor may complete it inside submit
+        inputs = rt.take_inputs(stage_id, seq, stage.consumes)
+        reservation = self._usage.take(rt.reservations, stage, key)
+        rt.taken[stage_id].add(seq)
+        rt.timing(stage_id, seq).admitted_at = trio.current_time()
+        try:
+            self._actors[stage_id].submit(
+                StageInvocation(key, inputs, is_first=seq == 0, is_last=seq == rt.final_sequence_id), self.complete
+            )
+        except Exception as exc:
+            if rt.reservations.get(stage_id, seq) is reservation:
+                self._usage.release(rt.reservations, reservation)
+                rt.taken[stage_id].discard(seq)
+                rt.restore_inputs(stage_id, seq, inputs)
+            if isinstance(exc, ActorBusyError):
+                rt.blockers[stage_id][seq] = ACTOR_BUSY
+            elif not actor.health().healthy:
+                self._fail_actor_sessions(stage_id, actor.health().failure_reason, exc)
+            else:
+                self._fail(rt, exc)
+            return False
+        self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
+        if stage.consumes & self.graph.ingress:
+            rt.wake_room()
+        else:
+            rt.wake_progress()
+        return True

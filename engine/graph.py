@@ -1,0 +1,76 @@
+"""The scheduler's lookup tables, derived once from a validated spec.
+
+Every admission and completion asks these (who consumes an artifact, an edge's
+capacity, which stages an event can make admissible) in O(1), so the hot path
+never walks the spec.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .spec import PipelineSpec, StageSpec
+
+__all__ = ["StageGraph"]
+
+
+@attrs.frozen
+class StageGraph:
+    spec: PipelineSpec
+    stages: dict[str, StageSpec]
+    stage_ids: tuple[str, ...]
+    topological_order: tuple[str, ...]
+    consumes: dict[str, frozenset[str]]
+    consumes_sorted: dict[str, tuple[str, ...]]
+    targets: dict[str, tuple[str, ...]]  # artifact -> stages consuming it
+    capacity: dict[tuple[str, str], int]  # (artifact, target) -> per-session edge capacity
+    scan_order: tuple[StageSpec, ...]  # downstream first: finishing work frees room upstream
+    outputs: frozenset[str]
+    output_capacity: int
+    ingress: frozenset[str]
+    upstream: dict[str, frozenset[str]]  # stage -> producers of its inputs
+    after_completion: dict[str, frozenset[str]]  # stage -> stages its completion may unblock
+    output_producers: frozenset[str]
+
+    @classmethod
+    def from_spec(cls, spec: PipelineSpec) -> StageGraph:
+        stages = {s.stage_id: s for s in spec.stages}
+        targets: dict[str, tuple[str, ...]] = {}
+        capacity: dict[tuple[str, str], int] = {}
+        for edge in spec.edges:
+            targets[edge.artifact] = targets.get(edge.artifact, ()) + (edge.target_stage,)
+            capacity[(edge.artifact, edge.target_stage)] = edge.capacity_per_session
+        groups = {s.resource_group for s in spec.stages if s.resource_group is not None}
+        peers = {g: frozenset(s.stage_id for s in spec.stages if s.resource_group == g) for g in groups}
+        after_completion = {
+            s.stage_id: frozenset(
+                {s.stage_id}
+                | {t for a in s.produces for t in targets.get(a, ())}
+                | (peers[s.resource_group] if s.resource_group is not None else frozenset())
+            )
+            for s in spec.stages
+        }
+        return cls(
+            spec=spec,
+            stages=stages,
+            stage_ids=tuple(stages),
+            topological_order=spec.topological_order,
+            consumes={s.stage_id: s.consumes for s in spec.stages},
+            consumes_sorted={s.stage_id: tuple(sorted(s.consumes)) for s in spec.stages},
+            targets=targets,
+            capacity=capacity,
+            scan_order=tuple(stages[s] for s in reversed(spec.topological_order)),
+            outputs=spec.output_artifacts,
+            output_capacity=spec.output_capacity_per_session,
+            ingress=spec.ingress_artifacts,
+            upstream={
+                s.stage_id: frozenset(spec.producers[a] for a in s.consumes if a in spec.producers)
+                for s in spec.stages
+            },
+            after_completion=after_completion,
+            output_producers=frozenset(spec.producers[a] for a in spec.output_artifacts),
+        )
+
+    def consumers(self, artifacts: object) -> set[str]:
+        """Every stage that consumes one of ``artifacts``."""
+        return {target for artifact in artifacts for target in self.targets.get(artifact, ())}  # type: ignore[attr-defined]

@@ -1,0 +1,112 @@
+"""Reservations: every take of scheduler capacity paired with its one release.
+
+Admitting an invocation takes, at once, a place in the stage's per-session and
+global in-flight limits, in its resource group, and room on every edge its
+result will need. All of that is one :class:`Reservation` value. Only
+:class:`UsageBook` changes the counts, in ``take`` and ``release``, so a count
+cannot drift; releasing a reservation that is not held is refused, and the
+slot-leak check asks what is still held rather than trusting a counter.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import attrs
+
+from .actors import TaskKey
+from .spec import StageSpec
+
+__all__ = ["Reservation", "SessionReservations", "UsageBook"]
+
+
+@attrs.frozen(eq=False)
+class Reservation:
+    """What one admitted invocation holds until its result is accepted or dropped."""
+
+    key: TaskKey
+    stage_id: str
+    resource_group: str | None
+    produces: tuple[str, ...]
+
+    @property
+    def slot(self) -> tuple[str, int]:
+        return (self.key.stage_id, self.key.sequence_id)
+
+
+class SessionReservations:
+    """The reservations one session holds; read by the scheduler, changed only by the book."""
+
+    __slots__ = ("held", "by_stage", "producing")
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, int], Reservation] = {}  # (stage, seq) -> reservation
+        self.by_stage: Counter[str] = Counter()
+        self.producing: Counter[str] = Counter()  # artifact -> in-flight producers (reserved room)
+
+    def __bool__(self) -> bool:
+        return bool(self.held)
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def get(self, stage_id: str, seq: int) -> Reservation | None:
+        return self.held.get((stage_id, seq))
+
+    def sequences(self) -> Iterable[int]:
+        return (seq for _, seq in self.held)
+
+    def drift(self) -> int:
+        """Counts that disagree with the reservations held (0 unless the book is broken)."""
+        by_stage: Counter[str] = Counter(r.stage_id for r in self.held.values())
+        producing: Counter[str] = Counter(a for r in self.held.values() for a in r.produces)
+        return sum(1 for k in by_stage.keys() | self.by_stage.keys() if by_stage[k] != self.by_stage[k]) + sum(
+            1 for k in producing.keys() | self.producing.keys() if producing[k] != self.producing[k]
+        )
+
+
+class UsageBook:
+    """The global in-flight counts (per stage, per resource group), beside every session's own."""
+
+    def __init__(self, stage_ids: Iterable[str], group_names: Iterable[str]) -> None:
+        self.by_stage: dict[str, int] = {s: 0 for s in stage_ids}
+        self.by_group: dict[str, int] = {g: 0 for g in group_names}
+
+    def take(self, session: SessionReservations, stage: StageSpec, key: TaskKey) -> Reservation:
+        slot = (stage.stage_id, key.sequence_id)
+        if slot in session.held:
+            raise RuntimeError(f"stage {stage.stage_id!r} already holds sequence {key.sequence_id} of {key.session_id!r}")
+        reservation = Reservation(key, stage.stage_id, stage.resource_group, tuple(stage.produces))
+        session.held[slot] = reservation
+        session.by_stage[stage.stage_id] += 1
+        for artifact in reservation.produces:
+            session.producing[artifact] += 1
+        self.by_stage[stage.stage_id] += 1
+        if stage.resource_group is not None:
+            self.by_group[stage.resource_group] += 1
+        return reservation
+
+    def release(self, session: SessionReservations, reservation: Reservation) -> None:
+        if session.held.get(reservation.slot) is not reservation:
+            raise RuntimeError(f"{reservation.key} is not held; a reservation is released once")
+        del session.held[reservation.slot]
+        session.by_stage[reservation.stage_id] -= 1
+        for artifact in reservation.produces:
+            session.producing[artifact] -= 1
+        self.by_stage[reservation.stage_id] -= 1
+        if reservation.resource_group is not None:
+            self.by_group[reservation.resource_group] -= 1
+
+    def drift(self, sessions: Iterable[SessionReservations]) -> int:
+        """Global counts that disagree with every session's reservations (0 unless broken)."""
+        by_stage: Counter[str] = Counter()
+        by_group: Counter[str] = Counter()
+        for session in sessions:
+            for r in session.held.values():
+                by_stage[r.stage_id] += 1
+                if r.resource_group is not None:
+                    by_group[r.resource_group] += 1
+        return sum(1 for s, n in self.by_stage.items() if by_stage[s] != n) + sum(
+            1 for g, n in self.by_group.items() if by_group[g] != n
+        )
