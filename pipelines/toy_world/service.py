@@ -292,13 +292,13 @@ class ToyWorldService(BidirectionalService):
         if session is None:
             return
         session.stopping = True
-        session.scope.cancel()
+        session.scope.cancel(reason=f"session {session_id} is closing")
         await session.finished.wait()
         self._lease.close(session_id)
         try:
             await session.orch.cancel()
         except SessionCleanupError:
-            pass  # poisoned: its slot is never reused; the orchestrator keeps the record
+            return  # poisoned: the record stays, so that closing it again retries the cleanup
         self._sessions.pop(session_id, None)
 
     # -- per-session driving (trio) ----------------------------------------------

@@ -178,9 +178,10 @@ class InProcessStages(_StageHost):
 
     def _release_slot(self, context: Any, reason: Any) -> None:
         """The denoise actor's session hook: zero and return the session's slot."""
-        slot = self.slot_of.pop(context.session_id, None)
+        slot = self.slot_of.get(context.session_id)
         if slot is not None:
-            self.slots.release(slot)
+            self.slots.release(slot)  # if this raises, the mapping stays: a retried cleanup releases it
+            del self.slot_of[context.session_id]
 
 
 class ProcessStages(_StageHost):
@@ -307,8 +308,8 @@ class ProcessStages(_StageHost):
         if slot is None:
             return
         self.groups["denoise"].call("release_session", session_id, slot)()
+        self.pool.release(slot)  # forgotten only once released: a failed release is retried
         del self.slot_of[session_id]
-        self.pool.release(slot)
 
     # -- the rest ------------------------------------------------------------------------------------
 

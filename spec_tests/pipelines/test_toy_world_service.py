@@ -433,3 +433,29 @@ async def test_a_holder_with_nothing_to_run_steps_aside_at_once(mock_clock):
         assert len(reader_a.chunks) == count
         await svc.push_control(b, keys())
         nursery.cancel_scope.cancel()
+
+
+async def test_a_slot_release_that_fails_once_is_retried_and_leaves_the_pool_whole(service, nursery, mock_clock, monkeypatch):
+    slots = service._slots
+    real_release = type(slots).release
+    failures: list[int] = []
+
+    def release_failing_once(self: Any, slot: int) -> None:
+        if not failures:
+            failures.append(slot)
+            raise RuntimeError(f"injected: slot {slot} could not be zeroed")
+        real_release(self, slot)
+
+    monkeypatch.setattr(type(slots), "release", release_failing_once)
+    sid, reader = await open_session(service, nursery)
+    await reader.wait_for(1)
+    assert slots.pool.in_use == 1
+    await service.close_session(sid)  # the denoise hook fails: the pipeline session is poisoned
+    assert failures and slots.pool.in_use == 1  # not released, and not forgotten either
+    assert sid in service._sessions
+    await service.close_session(sid)  # the retry releases the slot
+    assert slots.pool.in_use == 0 and slots.pool.available == slots.pool.capacity
+    assert sid not in service._sessions
+    for _ in range(slots.pool.capacity):  # every slot can be handed out again
+        await open_session(service, nursery)
+    assert slots.pool.in_use == slots.pool.capacity
