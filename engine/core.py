@@ -284,10 +284,10 @@ class SchedulerCore:
         """An actor failure fails every session still starting work, with the cause attached."""
         if cause is None:
             cause = self._actors[stage_id].health().failure_cause
-        failure = ActorFailedError(f"stage actor {stage_id!r} is failed: {reason}")
-        failure.__cause__ = cause
         for rt in list(self._sessions.values()):
             if rt.starting_accepted_work:
+                failure = ActorFailedError(f"stage actor {stage_id!r} is failed: {reason}")
+                failure.__cause__ = cause
                 self._fail(rt, failure)
 
     # == scheduling ===============================================================================

@@ -8,6 +8,7 @@ group from its dedicated thread; a dead group fails the actor at once.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -127,6 +128,10 @@ class ParallelWorkerStageActor:
             token = trio.lowlevel.current_trio_token()
 
             def on_worker_failed(reason: str) -> None:  # any thread (e.g. a process monitor)
+                if threading.get_ident() == self._inner.thread_ident:
+                    # noticed during this actor's own call: that call's error follows and carries the
+                    # cause (the orchestrator then fails the actor with it), so nothing is posted ahead
+                    return
                 try:
                     token.run_sync_soon(self._fail_from_worker, reason)
                 except trio.RunFinishedError:

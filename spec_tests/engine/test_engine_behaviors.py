@@ -1,0 +1,270 @@
+"""Behaviors a review found wrong, each through the public API: failure causes, quiescence under
+backpressure, references after a call, long-session metrics, actors that complete inside submit."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import outcome
+import pytest
+import trio
+
+from engine import (
+    ActorFailedError,
+    ActorHealth,
+    EdgeSpec,
+    FatalStageError,
+    InProcessWorkerGroup,
+    LocalStageActor,
+    ParallelWorkerStageActor,
+    PipelineSpec,
+    StageSpec,
+    open_orchestrator,
+)
+from states.pipeline_session import State
+from states.stage_actor import State as ActorState
+
+from .conftest import canonical_spec, chunk, running, settle
+
+# -- failure causes ------------------------------------------------------------------------------
+
+
+async def test_a_fatal_stage_error_is_the_cause_of_every_other_session_s_failure(rec, autojump_clock):
+    boom = FatalStageError("the denoise model's state is corrupt")
+    rec.fail("denoise", 0, boom, session="a")
+    async with running(rec) as orch:
+        a, b = orch.create_session("a"), orch.create_session("b")
+        await b.push(0, {"image": "i0"})  # b waits for its control at denoise
+        await a.push(0, chunk(0))
+        await a.wait_settled()
+        await b.wait_settled()
+        assert a.error is boom  # the session whose call surfaced it keeps the original
+        assert isinstance(b.error, ActorFailedError) and b.error.__cause__ is boom
+        assert a.status is State.FAILED and b.status is State.FAILED
+
+
+class Rank:
+    """A worker rank whose group dies during one call (as a crashed rank process does)."""
+
+    def __init__(self, group: list[InProcessWorkerGroup], die_on: int) -> None:
+        self.group = group
+        self.die_on = die_on
+
+    def denoise(self, session: str, seq: int) -> str:
+        if seq == self.die_on and session == "a":
+            self.group[0].fail("rank 0 lost its device")
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return f"latent@{session}/{seq}"
+
+
+async def test_a_worker_group_failure_keeps_the_original_error_and_gives_it_as_cause():
+    holder: list[InProcessWorkerGroup] = []
+    group = InProcessWorkerGroup(lambda rank: Rank(holder, die_on=1))
+    holder.append(group)
+    spec = canonical_spec()
+    actors = {
+        "encode": LocalStageActor(lambda inv: {"condition": inv.inputs["image"]}, name="encode"),
+        "denoise": ParallelWorkerStageActor(
+            group, "denoise", name="denoise",
+            input_builder=lambda inv: ((inv.key.session_id, inv.key.sequence_id), {}),
+            output_builder=lambda value, inv: {"latent": value},
+        ),
+        "decode": LocalStageActor(lambda inv: {"frames": inv.inputs["latent"]}, name="decode"),
+    }
+    async with open_orchestrator(spec, actors) as orch:
+        a, b = orch.create_session("a"), orch.create_session("b")
+        await b.push(0, {"image": "i0"})
+        for seq in range(2):
+            await a.push(seq, chunk(seq))
+        with trio.fail_after(10):
+            await a.wait_settled()
+            await b.wait_settled()
+        original = a.error
+        assert isinstance(original, RuntimeError) and "illegal memory access" in str(original)
+        assert isinstance(b.error, ActorFailedError)
+        assert b.error.__cause__ is original  # the other session learns why, not just that
+        assert orch.actor_health("denoise").state is ActorState.FAILED
+
+
+# -- quiescence -------------------------------------------------------------------------------------
+
+
+async def test_barrier_returns_while_an_unread_output_queue_holds_ready_work(orch, rec, autojump_clock):
+    s = orch.create_session("a")
+    for seq in range(4):
+        await s.push(seq, chunk(seq))  # output capacity 2: decode of 2 waits for a reader
+    with trio.fail_after(5):
+        await orch.barrier()
+    assert rec.calls_of("decode", "a") == [0, 1]
+    assert s.blocker("decode", 2) is not None and str(s.blocker("decode", 2)) == "output_capacity:frames"
+    assert [seq for seq, _ in s.poll_outputs()] == [0, 1]
+    with trio.fail_after(5):
+        await orch.barrier()  # the freed room let 2 and 3 through; quiescent again
+    assert rec.calls_of("decode", "a") == [0, 1, 2, 3]
+
+
+async def test_barrier_returns_while_a_full_edge_holds_ready_work(orch, rec, autojump_clock):
+    s = orch.create_session("a")
+    for seq in range(4):
+        await s.push(seq, {"image": f"i{seq}"})  # no control: conditions fill their edge
+    with trio.fail_after(5):
+        await orch.barrier()
+    assert rec.calls_of("encode", "a") == [0, 1]
+    assert str(s.blocker("encode", 2)) == "edge_capacity:condition->denoise"
+
+
+# -- references after a call ------------------------------------------------------------------------
+
+
+class Payload:
+    """A stand-in for a tensor: something a closed session must not keep alive."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_no_actor_keeps_a_call_s_inputs_or_outputs_after_it_ends(kind):
+    made: dict[str, weakref.ref] = {}
+
+    def stage(consumes: str, produces: str) -> Any:
+        def handle(inv: Any) -> dict[str, Any]:
+            out = Payload(f"{produces}{inv.key.sequence_id}")
+            made[out.name] = weakref.ref(out)
+            assert isinstance(inv.inputs[consumes], Payload)
+            return {produces: out}
+
+        async def handle_async(inv: Any) -> dict[str, Any]:
+            return handle(inv)
+
+        return LocalStageActor(handle if kind == "sync" else handle_async, name=produces)
+
+    spec = PipelineSpec(
+        stages=[StageSpec("encode", {"image"}, {"condition"}), StageSpec("decode", {"condition"}, {"frames"})],
+        edges=[EdgeSpec("image", "encode", None, 1), EdgeSpec("condition", "decode", "encode", 1)],
+        output_artifacts={"frames"},
+    )
+    actors = {"encode": stage("image", "condition"), "decode": stage("condition", "frames")}
+    async with open_orchestrator(spec, actors) as orch:
+        s = orch.create_session("a", final_sequence_id=0)
+        image = Payload("image0")
+        made["image0"] = weakref.ref(image)
+        await s.push(0, {"image": image})
+        del image
+        outputs = [item async for item in s.outputs()]
+        assert [seq for seq, _ in outputs] == [0]
+        del outputs  # the reader drops the frame it got
+        await s.aclose()
+        with trio.fail_after(5):
+            await orch.barrier()
+        alive = sorted(name for name, ref in made.items() if ref() is not None)
+        assert alive == [], f"still referenced after the calls ended: {alive}"
+
+
+# -- long sessions ------------------------------------------------------------------------------------
+
+
+async def test_metrics_stay_right_and_bounded_over_100_000_chunks(autojump_clock):
+    chunks = 100_000
+
+    async def handle(inv: Any) -> dict[str, Any]:
+        if inv.key.sequence_id == 0:
+            await trio.sleep(1.0)  # the first output comes one (virtual) second after its input
+        return {"frames": None}
+
+    spec = PipelineSpec(
+        stages=[StageSpec("render", {"control"}, {"frames"})],
+        edges=[EdgeSpec("control", "render", None, 64)],  # wide edges: the test moves chunks in batches
+        output_artifacts={"frames"},
+        output_capacity_per_session=64,
+        latency_anchor_artifact="control",
+    )
+    async with open_orchestrator(spec, {"render": LocalStageActor(handle, name="render")}) as orch:
+        s = orch.create_session("long", final_sequence_id=chunks - 1)
+        start = trio.current_time()
+        read = 0
+
+        async def feed() -> None:
+            for seq in range(chunks):
+                if not s.try_push(seq, {"control": seq}):
+                    await s.push(seq, {"control": seq})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            async for _seq, _ in s.outputs():
+                read += 1
+        metrics = s.metrics()
+        assert read == chunks
+        assert metrics.first_output_latency_seconds == pytest.approx(1.0)
+        latency = metrics.control_to_output_latency
+        assert latency.count == chunks
+        assert latency.maximum_seconds == pytest.approx(1.0)
+        assert latency.minimum_seconds == pytest.approx(0.0, abs=1e-9)
+        # 0 and the controls buffered behind it (the edge holds 64) waited the second; later ones none
+        assert latency.mean_seconds == pytest.approx(65.0 / chunks, rel=1e-6)
+        period = metrics.chunk_period
+        assert period.count == chunks - 1
+        assert period.maximum_seconds == pytest.approx(0.0, abs=1e-9)  # every later output came at once
+        assert trio.current_time() - start == pytest.approx(1.0)
+        # bounded: per-sequence records keep a recent window, not the whole session
+        assert len(metrics.output_emitted_at) <= 4096 and len(metrics.ingress_accepted_at) <= 4096
+        assert len(s.stage_timings("render")) <= 4096
+        assert metrics.output_emitted_at[-1][0] == chunks - 1
+        await s.aclose()
+
+
+# -- actors that complete inside submit ---------------------------------------------------------------
+
+
+class InlineActor:
+    """A StageActor that computes the result and calls ``on_done`` before ``submit`` returns."""
+
+    def __init__(self, produces: str) -> None:
+        self.name = f"inline-{produces}"
+        self.produces = produces
+        self.calls = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+    def submit(self, invocation: Any, on_done: Any) -> None:
+        self.calls += 1
+        on_done(invocation, outcome.Value({self.produces: f"{self.produces}{invocation.key.sequence_id}"}))
+
+    def health(self) -> ActorHealth:
+        return ActorHealth(ActorState.RUNNING, 0)
+
+    def is_healthy(self) -> bool:
+        return True
+
+    async def close_session(self, context: Any, reason: Any) -> None:
+        pass
+
+    async def barrier(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_an_actor_that_completes_inside_submit_does_not_wedge_its_session(autojump_clock):
+    spec = canonical_spec()
+    actors = {"encode": InlineActor("condition"), "denoise": InlineActor("latent"), "decode": InlineActor("frames")}
+    async with open_orchestrator(spec, actors) as orch:
+        s = orch.create_session("a", final_sequence_id=9)
+
+        async def feed() -> None:
+            for seq in range(10):
+                await s.push(seq, chunk(seq))
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(feed)
+                got = [seq async for seq, _ in s.outputs()]
+        assert got == list(range(10))
+        assert [a.calls for a in actors.values()] == [10, 10, 10]
+        assert s.in_flight == 0
+        await s.aclose()
+        assert s.status is State.CLOSED
+        assert orch.diagnostics().duplicate_results == 0 and orch.diagnostics().slot_leaks == 0
