@@ -1,6 +1,9 @@
 """The canonical engine workloads (w1-w5) and the CPython floor, printed as JSON lines.
 
-``python -m bench.engine`` runs all; ``python -m bench.engine w3 w5`` runs those named.
+``python -m bench.engine`` runs all; ``python -m bench.engine w3 w5`` runs those named;
+``--peer PATH`` also runs the peer scheduler (see ``bench/engine_peer.py``) on each workload in
+the same run and prints the ratios. Lines with a stage cost carry ``hop_p50_us``: how long each
+hand-off of a chunk's critical path took (a stage able to start until it started).
 The graph, costs and driver follow the shared WORKLOADS definition exactly: three
 stages, one synchronous handler per stage actor (``time.sleep(cost)``), capacity-2
 edges, the driver pushing image and control for chunk k as soon as they are admitted.
@@ -8,7 +11,9 @@ edges, the driver pushing image and control for chunk k as soon as they are admi
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import queue
 import statistics
 import sys
@@ -19,6 +24,8 @@ from collections.abc import Callable, Sequence
 import trio
 
 from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec, open_orchestrator
+
+from .engine_peer import load_peer, run_peer_workload
 
 SPEC = PipelineSpec(
     stages=(
@@ -48,23 +55,68 @@ WORKLOADS = {
 IDEAL_PERIOD_MS = {"w3": 8.0, "w4": 8.0}
 
 
-def _handler(output: str, cost: float) -> Callable:
-    if cost > 0:
+class StageClock:
+    """Entry and exit stamps of every handler call, to measure each hop of a chunk's critical path."""
+
+    def __init__(self) -> None:
+        self.entered: dict[tuple[str, str, int], float] = {}
+        self.exited: dict[tuple[str, str, int], float] = {}
+
+    def handler(self, stage: str, output: str, cost: float) -> Callable:
+        entered, exited = self.entered, self.exited
+
         def handle(invocation):
-            time.sleep(cost)
-            return {output: invocation.key.sequence_id}
-    else:
-        def handle(invocation):
-            return {output: invocation.key.sequence_id}
-    return handle
+            key = invocation.key
+            entered[(stage, key.session_id, key.sequence_id)] = time.perf_counter()
+            if cost > 0:
+                time.sleep(cost)
+            exited[(stage, key.session_id, key.sequence_id)] = time.perf_counter()
+            return {output: key.sequence_id}
+
+        return handle
+
+    def handlers(self, costs: Sequence[float]) -> dict[str, Callable]:
+        return {
+            "encode": self.handler("encode", "condition", costs[0]),
+            "denoise": self.handler("denoise", "latent", costs[1]),
+            "decode": self.handler("decode", "frames", costs[2]),
+        }
+
+    def hops(self, sessions: int, chunks: int, control_at: list[dict[int, float]], emitted: list[tuple[float, int, int]]) -> dict[str, float]:
+        """p50 of each hand-off: from the moment a stage could start a chunk to the moment it did.
+
+        ``->denoise``: its inputs (condition, control) exist and its previous call ended;
+        ``->decode``: the latent exists and decode's previous call ended; ``->output``: decode
+        ended until the reader holds the frame. Each is one thread wake-up at best.
+        """
+        entered, exited = self.entered, self.exited
+        emitted_at = {(index, seq): t for t, index, seq in emitted}
+        gaps: dict[str, list[float]] = {"->denoise": [], "->decode": [], "->output": []}
+        for index in range(sessions):
+            sid = f"s{index}"
+            for k in range(1, chunks):
+                try:
+                    ready = max(control_at[index][k], exited[("encode", sid, k)], exited[("denoise", sid, k - 1)])
+                    gaps["->denoise"].append(entered[("denoise", sid, k)] - ready)
+                    ready = max(exited[("denoise", sid, k)], exited[("decode", sid, k - 1)])
+                    gaps["->decode"].append(entered[("decode", sid, k)] - ready)
+                    gaps["->output"].append(emitted_at[(index, k)] - exited[("decode", sid, k)])
+                except KeyError:
+                    continue
+        hops = {name: _pct(sorted(values), 0.5) * 1e6 for name, values in gaps.items() if values}
+        if hops:
+            hops["per_hop"] = statistics.fmean(hops.values())
+        return hops
+
+    def overshoot_us(self, stage: str, cost: float) -> float | None:
+        """p50 of how much longer than its cost a call took (the sleep's own wake-up, not the scheduler's)."""
+        spans = sorted(self.exited[k] - self.entered[k] - cost for k in self.exited if k[0] == stage)
+        return _pct(spans, 0.5) * 1e6 if spans and cost > 0 else None
 
 
 async def _run_workload(sessions: int, chunks: int, costs: Sequence[float], pacing: float | None) -> dict:
-    actors = {
-        "encode": LocalStageActor(_handler("condition", costs[0]), name="encode"),
-        "denoise": LocalStageActor(_handler("latent", costs[1]), name="denoise"),
-        "decode": LocalStageActor(_handler("frames", costs[2]), name="decode"),
-    }
+    clock = StageClock()
+    actors = {name: LocalStageActor(handler, name=name) for name, handler in clock.handlers(costs).items()}
     emitted: list[tuple[float, int, int]] = []  # (time, session index, seq)
     control_at: list[dict[int, float]] = [dict() for _ in range(sessions)]
     latencies: list[float] = []
@@ -109,11 +161,23 @@ async def _run_workload(sessions: int, chunks: int, costs: Sequence[float], paci
         wall = time.perf_counter() - start
         for session in handles:
             await session.aclose()
+    return _figures(clock, sessions, chunks, costs, wall, emitted, control_at, latencies, finish)
+
+
+def _run_peer(peer, sessions: int, chunks: int, costs: Sequence[float], pacing: float | None) -> dict:
+    clock = StageClock()
+    raw = run_peer_workload(peer, sessions, chunks, clock.handlers(costs), pacing)
+    control_at = raw.pop("control_at")
+    return _figures(clock, sessions, chunks, costs, raw["wall"], raw["emitted"], control_at, raw["latencies"], raw["finish"])
+
+
+def _figures(clock: StageClock, sessions: int, chunks: int, costs: Sequence[float], wall: float,
+             emitted: list, control_at: list, latencies: list[float], finish: list[float]) -> dict:
     total = sessions * chunks
     times = sorted(t for t, _, _ in emitted)
     periods = [b - a for a, b in zip(times, times[1:])]
-    latencies.sort()
-    return {
+    latencies = sorted(latencies)
+    figures = {
         "wall_s": wall,
         "chunks_per_s": total / wall,
         "us_per_chunk": wall / total * 1e6,
@@ -122,6 +186,10 @@ async def _run_workload(sessions: int, chunks: int, costs: Sequence[float], paci
         "latency_p50_ms": _pct(latencies, 0.50) * 1e3,
         "latency_p95_ms": _pct(latencies, 0.95) * 1e3,
     }
+    if costs[1] > 0:
+        figures["hop_p50_us"] = clock.hops(sessions, chunks, control_at, emitted)
+        figures["denoise_sleep_overshoot_us"] = clock.overshoot_us("denoise", costs[1])
+    return figures
 
 
 def _pct(ordered: Sequence[float], fraction: float) -> float:
@@ -172,31 +240,71 @@ def floor_us_per_chunk(chunks: int = 3000) -> float:
     return wall / chunks * 1e6
 
 
-def run(names: Sequence[str]) -> list[dict]:
+def _line(name: str, impl: str, figures: dict, floor: float | None) -> dict:
+    sessions, chunks, _costs, _pacing = WORKLOADS[name]
+    line = {"workload": name, "impl": impl, "sessions": sessions, "chunks": chunks, **figures}
+    if name in IDEAL_PERIOD_MS:
+        line["ideal_period_ms"] = IDEAL_PERIOD_MS[name]
+        line["efficiency"] = IDEAL_PERIOD_MS[name] / figures["mean_period_ms"]
+    if name == "w1" and floor is not None:
+        line["floor_us_per_chunk"] = floor
+        line["floor_ratio"] = floor / figures["us_per_chunk"]
+    return line
+
+
+def _print(line: dict) -> None:
+    def rounded(value):
+        if isinstance(value, float):
+            return round(value, 4)
+        if isinstance(value, dict):
+            return {k: rounded(v) for k, v in value.items()}
+        return value
+
+    print(json.dumps({k: rounded(v) for k, v in line.items()}), flush=True)
+
+
+def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
+    """Each workload on chunkline, then (with a peer) on the peer, then their ratios: all in one run."""
+    peer = load_peer(peer_path) if peer_path else None
     results = []
     floor = floor_us_per_chunk() if "w1" in names else None
     for name in names:
         sessions, chunks, costs, pacing = WORKLOADS[name]
-        figures = trio.run(_run_workload, sessions, chunks, costs, pacing)
-        line = {"workload": name, "sessions": sessions, "chunks": chunks, **figures}
-        if name in IDEAL_PERIOD_MS:
-            line["ideal_period_ms"] = IDEAL_PERIOD_MS[name]
-            line["efficiency"] = IDEAL_PERIOD_MS[name] / figures["mean_period_ms"]
-        if name == "w1":
-            line["floor_us_per_chunk"] = floor
-            line["floor_ratio"] = floor / figures["us_per_chunk"]
-        results.append(line)
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in line.items()}), flush=True)
+        ours = _line(name, "chunkline", trio.run(_run_workload, sessions, chunks, costs, pacing), floor)
+        results.append(ours)
+        _print(ours)
+        if peer is None:
+            continue
+        theirs = _line(name, "peer", _run_peer(peer, sessions, chunks, costs, pacing), floor)
+        results.append(theirs)
+        _print(theirs)
+        _print({
+            "workload": name,
+            "chunkline_over_peer_chunks_per_s": ours["chunks_per_s"] / theirs["chunks_per_s"],
+            "chunkline_minus_peer_latency_p50_ms": ours["latency_p50_ms"] - theirs["latency_p50_ms"],
+            "chunkline_minus_peer_latency_p95_ms": ours["latency_p95_ms"] - theirs["latency_p95_ms"],
+        })
     return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    names = list(argv if argv is not None else sys.argv[1:]) or list(WORKLOADS)
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("workloads", nargs="*", help=f"some of {list(WORKLOADS)} (default: all)")
+    parser.add_argument(
+        "--peer", default=os.environ.get("CHUNKLINE_PEER_ORCHESTRATOR"),
+        help="the peer's streaming_pipeline_orchestrator.py, run on the same workloads in the same run "
+             "(default: $CHUNKLINE_PEER_ORCHESTRATOR)",
+    )
+    args = parser.parse_args(argv)
+    names = args.workloads or list(WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         print(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}", file=sys.stderr)
         return 2
-    run(names)
+    if args.peer and not os.path.isfile(args.peer):
+        print(f"--peer {args.peer!r}: no such file", file=sys.stderr)
+        return 2
+    run(names, args.peer)
     return 0
 
 
