@@ -41,7 +41,8 @@ every later call raise that error. Data goes through
 Events: a participant counts as joined when it is *active* (it can receive
 data then, so the first status messages reach it). Data events beyond
 ``EVENT_BACKLOG`` unread ones are dropped; participant events never are. When
-the room is lost (server gone, worker removed), ``events()`` raises
+the room is lost (worker removed, or the SDK still reconnecting after
+``reconnect_timeout``, as when the server died), ``events()`` raises
 :class:`TransportError` with the reason instead of ending.
 
 Timeouts: ``connect`` is bounded by its ``timeout`` with ``trio.fail_after``
@@ -316,6 +317,7 @@ class _LiveKitConnection:
         self._closed = False  # disconnect() was called
         self._lost: str | None = None  # why the room went away on its own
         self._joining: asyncio.Task[None] | None = None
+        self._reconnect_deadline: asyncio.TimerHandle | None = None
         self._broken: str | None = None  # a track could not be published: the connection is unusable
         self.dropped_events = 0
 
@@ -333,6 +335,8 @@ class _LiveKitConnection:
         room.on("participant_active", self._on_joined)
         room.on("participant_disconnected", self._on_left)
         room.on("disconnected", self._on_disconnected)
+        room.on("reconnecting", self._on_reconnecting)
+        room.on("reconnected", self._on_reconnected)
 
     def _deliver(self, event: RoomEvent) -> None:
         if self._closed or self._lost is not None:
@@ -358,14 +362,33 @@ class _LiveKitConnection:
         self._deliver(ParticipantLeft(participant.identity))
 
     def _on_disconnected(self, reason: Any = None) -> None:
-        if self._closed:
-            return
         try:
             label = rtc.DisconnectReason.Name(reason) if isinstance(reason, int) else str(reason)
         except ValueError:
             label = str(reason)
-        self._lost = f"LiveKit room {self.room_name!r} disconnected ({label})"
-        self._send.close()  # events() ends
+        self._lose(f"LiveKit room {self.room_name!r} disconnected ({label})")
+
+    def _on_reconnecting(self) -> None:
+        """The signalling connection broke: the SDK retries for many seconds; give it ``reconnect_timeout``."""
+        if self._reconnect_deadline is None:
+            self._reconnect_deadline = self._loop.call_later(
+                self._transport.reconnect_timeout,
+                self._lose,
+                f"LiveKit room {self.room_name!r} lost: no reconnection within {self._transport.reconnect_timeout:g} s",
+            )
+
+    def _on_reconnected(self) -> None:
+        if self._reconnect_deadline is not None:
+            self._reconnect_deadline.cancel()
+            self._reconnect_deadline = None
+
+    def _lose(self, why: str) -> None:
+        """The room went away on its own: ``events()`` raises ``why``, and so does every later call."""
+        if self._closed or self._lost is not None:
+            return
+        self._on_reconnected()
+        self._lost = why
+        self._send.close()
 
     async def _aio_connect(self, url: str, token: str, attempt_timeout: float) -> None:
         """Join, in a task of its own that the caller's cancellation does not reach.
@@ -508,12 +531,18 @@ class LiveKitTransport:
     name = "livekit"
 
     def __init__(
-        self, url: str, *, connect_timeout: float = 10.0, disconnect_timeout: float = 5.0, publish_timeout: float = 10.0
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 10.0,
+        disconnect_timeout: float = 5.0,
+        publish_timeout: float = 10.0,
+        reconnect_timeout: float = 5.0,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError("the LiveKit url must be a non-empty string (ws://, wss://, http:// or https://)")
         timeouts = (("connect_timeout", connect_timeout), ("disconnect_timeout", disconnect_timeout),
-                    ("publish_timeout", publish_timeout))
+                    ("publish_timeout", publish_timeout), ("reconnect_timeout", reconnect_timeout))
         for label, value in timeouts:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{label} must be a finite number > 0, got {value!r}")
@@ -521,6 +550,7 @@ class LiveKitTransport:
         self.connect_timeout = float(connect_timeout)
         self.disconnect_timeout = float(disconnect_timeout)
         self.publish_timeout = float(publish_timeout)
+        self.reconnect_timeout = float(reconnect_timeout)
         self._loop: Any = None
         self._connections: set[_LiveKitConnection] = set()
         self._leaving: set[asyncio.Task[None]] = set()  # abandoned joins, leaving once they end

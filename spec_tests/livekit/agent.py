@@ -20,6 +20,7 @@ Operations (one agent holds many named clients, e.g. sixteen viewers):
 - ``first_change`` keys, [timeout], [threshold]: hold ``keys`` and answer the seconds from sending the
   first control until the first decoded frame that differs from the frame shown before it;
 - ``participants`` url, key, secret, room: identities in the room, as the server's RoomService lists them;
+- ``remove`` url, key, secret, room, identity: the RoomService removes that participant;
 - ``leave``: disconnect; ``quit``: leave every room and exit.
 """
 
@@ -137,6 +138,14 @@ class Client:
         await self.room.disconnect()
 
 
+async def remove_participant(url: str, key: str, secret: str, room: str, identity: str) -> None:
+    lkapi = api.LiveKitAPI(url.replace("ws://", "http://"), key, secret)
+    try:
+        await lkapi.room.remove_participant(api.RoomParticipantIdentity(room=room, identity=identity))
+    finally:
+        await lkapi.aclose()
+
+
 async def list_participants(url: str, key: str, secret: str, room: str) -> list[str]:
     lkapi = api.LiveKitAPI(url.replace("ws://", "http://"), key, secret)
     try:
@@ -159,6 +168,9 @@ class Agent:
             return await client.join(request["url"], request["token"], bool(request.get("auto_subscribe", True)))
         if op == "participants":
             return {"identities": await list_participants(request["url"], request["key"], request["secret"], request["room"])}
+        if op == "remove":
+            await remove_participant(request["url"], request["key"], request["secret"], request["room"], request["identity"])
+            return {}
         if op == "quit":
             for client in self.clients.values():
                 await client.leave()

@@ -193,6 +193,18 @@ class Agent:
         reply = await self.request("participants", url=config.url, key=config.api_key, secret=config.api_secret, room=room)
         return reply["identities"]
 
+    async def wait_frames(self, client: str, at_least: int, timeout: float = 20.0) -> int:
+        """Wait until ``client`` has decoded ``at_least`` video frames; returns the count."""
+        with trio.move_on_after(timeout):
+            while (count := (await self.request("frames", client=client))["frames"]) < at_least:
+                await trio.sleep(0.2)  # bench-cost: frames come over a real network from another process
+            return count
+        raise AssertionError(f"{client} decoded {count} frames in {timeout:g} s, not {at_least}")
+
+    async def remove_participant(self, room: str, identity: str) -> None:
+        config = self.livekit.config
+        await self.request("remove", url=config.url, key=config.api_key, secret=config.api_secret, room=room, identity=identity)
+
     def messages(self, client: str, topic: str = "tf.status") -> list[dict[str, Any]]:
         """The JSON messages ``client`` received on ``topic`` so far."""
         return [json.loads(e["payload"]) for e in self.events if e["event"] == "data" and e["client"] == client and e["topic"] == topic]

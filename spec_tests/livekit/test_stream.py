@@ -105,3 +105,106 @@ async def test_controller_holds_d_and_the_livekit_video_moves(stream: StreamServ
     record = await wait_status(stream, created["session_id"], TERMINAL)
     assert record["status"] == "closed", record
     assert WORKER not in await agent.room_participants(created["room"])
+
+
+async def health(stream: StreamServer) -> dict[str, Any]:
+    async with stream.http() as http:
+        return (await http.get("/v1/stream/health")).json()
+
+
+async def viewer_token(stream: StreamServer, session_id: str, identity: str) -> dict[str, Any]:
+    async with stream.http() as http:
+        response = await http.post(f"{SESSIONS}/{session_id}/tokens", json={"identity": identity})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_a_viewer_sees_the_same_frames_takes_no_slot_and_may_not_send(stream: StreamServer, agent: Agent) -> None:
+    created = await create(stream, "carol")
+    await agent.join("carol", created["token"])
+    await agent.wait_message("carol", "status", stage="running")
+    granted = await viewer_token(stream, created["session_id"], "viewer-1")
+    assert granted["role"] == "viewer" and granted["livekit_url"] == agent.livekit.config.url
+    await agent.join("viewer-1", granted["token"])
+    assert (await health(stream))["free_slots"] == 0  # carol's slot only: the viewer consumed none
+
+    await agent.request("hold", client="carol", keys=["d"], period=0.1)
+    await agent.wait_frames("viewer-1", 8)
+    await agent.request("hold", client="carol", keys=[])
+    _, on_controller = await settled_frame(agent, "carol")
+    _, on_viewer = await settled_frame(agent, "viewer-1")
+    difference = float(np.abs(on_controller - on_viewer).mean())
+    assert difference < 3.0, f"the viewer shows another picture (mean grey difference {difference:.1f})"
+    assert [m for m in agent.messages("viewer-1") if m["type"] == "chunk"], "the viewer hears the chunk status too"
+
+    # The viewer's grant has no data publishing, so LiveKit itself drops what it sends: the worker never
+    # sees it (else it would answer not_controller to the room). The controller's bad control, sent after,
+    # is answered: the worker read its data past the moment the viewer's would have arrived.
+    await agent.request("publish", client="viewer-1", topic="tf.control", payload=json.dumps({"type": "stop"}))
+    await agent.request("publish", client="carol", topic="tf.control", payload=json.dumps({"type": "control_state", "controls": ["q"]}))
+    await agent.wait_message("carol", "control_rejected", reason="unknown_control")
+    rejections = [m["reason"] for m in agent.messages("carol") if m["type"] == "control_rejected"]
+    assert rejections == ["unknown_control"], rejections
+    assert (await session(stream, created["session_id"]))["status"] == "running"
+
+    await agent.request("leave", client="viewer-1")
+    async with stream.http() as http:
+        assert (await http.delete(f"{SESSIONS}/{created['session_id']}")).status_code == 200
+    await agent.wait_message("carol", "done")  # DELETE mid-stream drains the session: done, then closed
+    assert (await wait_status(stream, created["session_id"], TERMINAL))["status"] == "closed"
+    assert WORKER not in await agent.room_participants(created["room"])
+
+
+
+async def test_the_controller_leaving_ends_the_session_and_admits_the_queue_head(stream: StreamServer, agent: Agent) -> None:
+    first = await create(stream, "dave")
+    await agent.join("dave", first["token"])
+    await agent.wait_message("dave", "status", stage="running")
+    queued = await create(stream, "erin")
+    assert queued["status"] == "queued" and queued["queue_position"] == 1, queued
+
+    await agent.request("leave", client="dave")
+    left_at = trio.current_time()
+    ended = await wait_status(stream, first["session_id"], TERMINAL, timeout=CONTROLLER_TIMEOUT + 15)
+    waited = trio.current_time() - left_at
+    assert ended["status"] == "closed", ended
+    assert CONTROLLER_TIMEOUT - 0.5 <= waited <= CONTROLLER_TIMEOUT + 10, waited
+    assert await agent.room_participants(first["room"]) == []  # the worker left too: no ghost
+
+    # the slot went to the queue head, which now streams
+    await wait_status(stream, queued["session_id"], {"assigned", "joining_room", "starting_pipeline", "running"})
+    await agent.join("erin", queued["token"])
+    await agent.wait_message("erin", "status", stage="running")
+    await agent.request("publish", client="erin", topic="tf.control", payload=json.dumps({"type": "stop"}))
+    assert (await wait_status(stream, queued["session_id"], TERMINAL))["status"] == "closed"
+    assert (await health(stream))["free_slots"] == 1
+
+
+async def test_a_worker_removed_from_its_room_fails_the_session_with_the_transport_reason(stream: StreamServer, agent: Agent) -> None:
+    created = await create(stream, "frank")
+    await agent.join("frank", created["token"])
+    await agent.wait_message("frank", "status", stage="running")
+    await agent.remove_participant(created["room"], WORKER)
+    removed_at = trio.current_time()
+    ended = await wait_status(stream, created["session_id"], TERMINAL, timeout=15)
+    assert ended["status"] == "failed", ended
+    assert "disconnected" in ended["error"] and "PARTICIPANT_REMOVED" in ended["error"], ended
+    assert trio.current_time() - removed_at < 5  # not after controller_timeout: the room is gone
+    assert (await health(stream))["free_slots"] == 1
+    await agent.request("leave", client="frank")
+
+
+SESSION_TIMEOUT = 4.0
+
+
+async def test_the_session_timeout_expires_a_live_livekit_session(stream_servers: Callable[..., StreamServer], agent: Agent) -> None:
+    short = stream_servers(session_timeout=SESSION_TIMEOUT, controller_timeout=30, max_sessions_per_worker=1)
+    created = await create(short, "gina")
+    await agent.join("gina", created["token"])
+    await agent.wait_message("gina", "status", stage="running")
+    await agent.request("hold", client="gina", keys=["w"], period=0.1)  # streaming when the time is up
+    ended = await wait_status(short, created["session_id"], TERMINAL, timeout=SESSION_TIMEOUT + 15)
+    assert ended["status"] == "expired", ended
+    await agent.wait_message("gina", "done")  # drained: the stream ends cleanly for the controller
+    assert (await health(short))["free_slots"] == 1
+    assert WORKER not in await agent.room_participants(created["room"])
