@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkline-installed
 PIPELINE ?= pipelines/toy_world
 ARGS ?=
+LIVEKIT ?=
 # The LiveKit server is built from its Go module (never downloaded prebuilt) into the git-ignored .tools/.
 LIVEKIT_VERSION ?= v1.13.5
 TOOLS := .tools
@@ -37,8 +38,14 @@ livekit-server:
 		echo "built $(LIVEKIT_SERVER) $(LIVEKIT_VERSION)"; \
 	fi
 
+# `make run LIVEKIT=1`: the same, with a LiveKit server of its own (built if needed) as the transport.
 run: $(STAMP)
+ifeq ($(LIVEKIT),1)
+	@$(MAKE) --no-print-directory livekit-server
+	$(PY) -m server.livekit_local $(PIPELINE) $(ARGS)
+else
 	$(VENV)/bin/chunkline stream-serve $(PIPELINE) $(ARGS)
+endif
 
 bench: $(STAMP)
 	$(PY) -m bench.engine

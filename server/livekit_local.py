@@ -243,3 +243,53 @@ def livekit_settings_env(config: LiveKitConfig) -> dict[str, Any]:
         "CHUNKLINE_LIVEKIT_API_KEY": config.api_key,
         "CHUNKLINE_LIVEKIT_API_SECRET": config.api_secret,
     }
+
+
+# -- the one-command dev stack: `make run LIVEKIT=1` ----------------------------------------------------
+
+
+def machine_address() -> str:
+    """This machine's first non-loopback IPv4 address (WebRTC gathers no candidates on loopback)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True, timeout=10).stdout
+    for line in out.splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            return fields[fields.index("inet") + 1].split("/")[0]
+    raise RuntimeError("no non-loopback IPv4 address: WebRTC needs one (LiveKit advertises it to browsers)")
+
+
+def dev_stack(argv: Sequence[str]) -> int:
+    """LiveKit (generated keys, signalling on 127.0.0.1:7880, media on this machine's address) and
+    ``chunkline stream-serve ARGV`` pointed at it; Ctrl-C stops both. Returns the exit code."""
+    import sys
+    import tempfile
+
+    try:
+        binary = find_livekit_server()
+        address = machine_address()
+    except (LiveKitNotBuilt, RuntimeError) as exc:
+        print(f"chunkline dev stack: {exc}", file=sys.stderr)
+        return 2
+    config = LiveKitConfig(bind="127.0.0.1", node_ip=address, tcp_port=7881)
+    workdir = Path(tempfile.mkdtemp(prefix="chunkline-livekit-"))
+    env = {**os.environ, **livekit_settings_env(config)}
+    chunkline = Path(sys.executable).with_name("chunkline")
+    try:
+        with running_livekit(config, workdir, binary=binary):
+            print(f"LiveKit {LIVEKIT_VERSION} at {config.url} (media: udp {address}:{config.udp_port}, "
+                  f"tcp {config.tcp_port}); log {workdir / 'livekit.log'}", flush=True)
+            server = subprocess.Popen([str(chunkline), "stream-serve", *argv], env=env)
+            try:
+                return server.wait()
+            finally:
+                stop_process(server, signals=(signal.SIGINT, signal.SIGTERM), grace=10.0)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        print("stopped the stream server and LiveKit", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(dev_stack(sys.argv[1:]))

@@ -22,6 +22,7 @@ const POLL_MS = 1000;
 const SESSION_REFRESH_MS = 3000;
 const LOG_LIMIT = 60;
 const LIVEKIT_BUNDLE = "/static/vendor/livekit-client.umd.js";
+const STATS_PERIOD_MS = 250; // how often LiveKit mode reads the decoder's frame count
 const TERMINAL = new Set(["closed", "failed", "expired", "rejected"]);
 const WAITING = new Set(["pending", "queued"]); // admitted but not yet given a worker
 // Session states (states/stream_session.py); a tf.status "status" stage with one of these names is the
@@ -620,6 +621,7 @@ class LiveKitLink {
     this.room = null;
     this.closedByUs = false;
     this.audioOn = false;
+    this.statsTimer = null;
     this.encoder = new TextEncoder();
     this.decoder = new TextDecoder();
   }
@@ -635,13 +637,10 @@ class LiveKitLink {
         ui.lkVideo.hidden = false;
         ui.frame.hidden = true;
         ui.placeholder.hidden = true;
-        if ("requestVideoFrameCallback" in HTMLVideoElement.prototype) {
-          const tick = () => {
-            countFrame();
-            if (this.room) ui.lkVideo.requestVideoFrameCallback(tick);
-          };
-          ui.lkVideo.requestVideoFrameCallback(tick);
-        }
+        // Frames are counted as the decoder reports them (WebRTC stats), not per painted frame: a paused
+        // or hidden element (adaptive stream) paints nothing while frames still arrive.
+        clearInterval(this.statsTimer);
+        this.statsTimer = setInterval(() => this.readDecodedFrames(track), STATS_PERIOD_MS);
       } else if (track.kind === "audio") {
         track.attach(ui.lkAudio);
       }
@@ -672,6 +671,7 @@ class LiveKitLink {
     });
     room.on(E.Disconnected, (reason) => {
       if (this.room !== room) return;
+      clearInterval(this.statsTimer);
       this.room = null;
       log(`disconnected from LiveKit${reason !== undefined ? ` (${reason})` : ""}`, this.closedByUs ? "info" : "warn");
       if (!this.closedByUs) setNotice("Disconnected from the LiveKit room.", "warn");
@@ -682,6 +682,17 @@ class LiveKitLink {
     renderParticipants();
     setNotice("Connected to LiveKit; waiting for the stream…");
     log(`joined LiveKit room ${room.name} as ${room.localParticipant.identity}`);
+  }
+
+  async readDecodedFrames(track) {
+    if (!this.room || typeof track.getRTCStatsReport !== "function") return;
+    const report = await track.getRTCStatsReport().catch(() => undefined);
+    if (!report) return;
+    report.forEach((entry) => {
+      if (entry.type === "inbound-rtp" && entry.kind === "video") {
+        while (state.frameCount < entry.framesDecoded) countFrame();
+      }
+    });
   }
 
   get open() {
@@ -712,6 +723,7 @@ class LiveKitLink {
 
   close() {
     this.closedByUs = true;
+    clearInterval(this.statsTimer);
     if (this.room) this.room.disconnect();
   }
 }
