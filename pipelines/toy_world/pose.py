@@ -1,16 +1,17 @@
 """Camera pose of the toy world and its per-video-frame integration (reference C.5 "Service semantics").
 
-Sign conventions (all in the camera's own frame, angles in degrees):
+The pose is in world coordinates (``x`` east, ``z`` north, on the ground; angles in degrees); the
+keys move the camera in its own frame, frame by frame:
 
-- ``x`` lateral: ``d`` adds ``lateral_step`` (camera moves right), ``a`` subtracts it;
-- ``z`` forward: ``w`` adds ``move_step`` (camera moves forward), ``s`` subtracts it;
-- ``yaw``: ``l`` adds ``yaw_step_deg`` (camera turns right), ``j`` subtracts it; not wrapped;
-- ``pitch``: ``i`` adds ``pitch_step_deg`` (camera looks up), ``k`` subtracts it; clamped to
-  ``[-pitch_limit_deg, +pitch_limit_deg]`` after every frame.
+- ``yaw``: ``l`` adds ``yaw_step_deg`` (the camera turns right, clockwise seen from above), ``j``
+  subtracts it; not wrapped (a yaw of 360 looks where 0 does);
+- ``w`` / ``s``: a step of ``move_step`` forward / back along the heading (after this frame's turn);
+- ``d`` / ``a``: a step of ``lateral_step`` to the right / left of the heading;
+- ``pitch``: ``i`` adds ``pitch_step_deg`` (the camera looks up), ``k`` subtracts it; clamped to
+  ``[-pitch_limit_deg, +pitch_limit_deg]`` after every frame. Pitch does not change where steps go.
 
-Opposite keys held together cancel. The identity pose is all zeros. How a pose moves the picture
-(content moves opposite to the camera) is :func:`pipelines.toy_world.model.ToyWorldModel.warp_view`'s
-business.
+At yaw 0, ``w`` adds to ``z`` and ``d`` to ``x`` exactly (the same floats as plain sums). Opposite keys
+held together cancel. The identity pose is all zeros. What a pose shows is :mod:`.render`'s business.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _finite_float(instance: object, attribute: attrs.Attribute, value: float) ->
 
 @attrs.frozen
 class Pose:
-    """Where the camera is: lateral ``x``, forward ``z`` (world units), ``yaw``/``pitch`` (degrees)."""
+    """Where the camera is: ``x`` east, ``z`` north (world units), ``yaw``/``pitch`` (degrees)."""
 
     x: float = attrs.field(default=0.0, converter=float, validator=_finite_float)
     z: float = attrs.field(default=0.0, converter=float, validator=_finite_float)
@@ -80,9 +81,12 @@ def integrate_pose(pose: Pose, held_keys: frozenset[str], frames: int, config: T
     out: list[Pose] = []
     for _ in range(frames):
         # Accumulate per frame (not step * n) so chunk boundaries give the same floats as one long run.
-        x += lateral * config.lateral_step
-        z += forward * config.move_step
         yaw += turn * config.yaw_step_deg
+        heading = math.radians(yaw)
+        sin, cos = math.sin(heading), math.cos(heading)
+        ahead, aside = forward * config.move_step, lateral * config.lateral_step
+        x += aside * cos + ahead * sin
+        z += ahead * cos - aside * sin
         pitch = min(limit, max(-limit, pitch + look * config.pitch_step_deg))
         out.append(Pose(x, z, yaw, pitch))
     return out

@@ -124,7 +124,9 @@ class ToyWorldRank:
         pose = Pose() if control.reset_pose else self.slots.pose(slot)
         poses = integrate_pose(pose, control.keys, self.config.frames_per_chunk, self.config)
         conditioned = self.model.condition_on_prompt(self.slots.world(slot), control.prompt)
-        latents = self.model.denoise_chunk(conditioned, poses, self.slots.cache(slot), control.noise_seed)
+        latents = self.model.denoise_chunk(
+            conditioned, poses, self.slots.cache(slot), control.noise_seed, control.resolution
+        )
         self.slots.set_pose(slot, poses[-1])
         if "decode" in self.stages:  # co-located: the latent never leaves the ranks
             self.resident[(session_id, control.index)] = latents

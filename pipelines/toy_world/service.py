@@ -65,7 +65,7 @@ from ..contract import (
 from ..images import load_image
 from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
-from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
+from .model import SessionSlots, ToyWorldConfig, ToyWorldModel, parse_resolution
 from .placement import DTYPES, Placement, load_placement, pipeline_spec
 from .session_state import ToySession as _ToySession
 from .stages import ChunkControl, Condition, EncodeRequest, make_stages
@@ -194,6 +194,9 @@ class ToyWorldService(BidirectionalService):
         continuous = bool(options.pop("continuous", False))
         chunk_count = options.pop("chunks", None)
         options.pop("preview", None)
+        resolution = options.pop("resolution", None)
+        if resolution is not None:
+            resolution = parse_resolution(resolution, self.config)  # ValueError naming 'resolution'
         if chunk_count is not None and (not isinstance(chunk_count, int) or chunk_count < 1):
             raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
         image = (
@@ -221,6 +224,7 @@ class ToyWorldService(BidirectionalService):
             send_chunk=send,
             receive_chunk=receive,
             prompt=config.prompt,
+            resolution=resolution,
             timeline=sorted(config.timeline, key=lambda item: item[0]),
         )
         session.prefetch = ConditionPrefetch(
@@ -362,6 +366,7 @@ class ToyWorldService(BidirectionalService):
                     reset_pose=session.reset_pose_pending,
                     noise_seed=self.config.seed * 1_000_003 + index,
                     prompt=session.prompt,
+                    resolution=session.resolution,
                 )
                 session.pressed.clear()
                 session.reset_pose_pending = False

@@ -30,6 +30,7 @@ class ToySession:
     send_chunk: trio.MemorySendChannel
     receive_chunk: trio.MemoryReceiveChannel
     prompt: str | None = None
+    resolution: tuple[int, int] | None = None  # (height, width); None: the service's default
     world_sent: bool = False
     held: set[str] = attrs.Factory(set)
     pressed: set[str] = attrs.Factory(set)  # short presses not yet seen by a chunk

@@ -80,6 +80,7 @@ class ChunkControl:
     reset_pose: bool
     noise_seed: int
     prompt: str | None  # conditions this chunk (a new prompt takes effect on the next chunk)
+    resolution: tuple[int, int] | None = None  # (height, width) of the session's frames; None: the default
 
 
 Notify = Callable[[str, int], None]  # (session_id, chunk index) once a chunk's denoise finished (any thread)
@@ -110,8 +111,8 @@ class _StageHost:
     @property
     def bytes_per_session(self) -> int:
         cfg = self.stage_config("denoise")
-        c, (h, w), (hw, ww) = cfg.latent_channels, cfg.latent_size, cfg.world_latent_size
-        return (c * hw * ww + cfg.cache_frames * c * h * w) * torch.empty((), dtype=cfg.dtype).element_size()
+        c, (h, w) = cfg.latent_channels, cfg.latent_size
+        return (cfg.appearance_numel + cfg.cache_frames * c * h * w) * torch.empty((), dtype=cfg.dtype).element_size()
 
     def _watch(self, stage: str, actor: Any) -> None:
         def on_failed(reason: str) -> None:
@@ -167,7 +168,7 @@ class InProcessStages(_StageHost):
         pose = Pose() if control.reset_pose else slots.pose(slot)
         poses = integrate_pose(pose, control.keys, self.config.frames_per_chunk, self.config)
         world = model.condition_on_prompt(slots.world(slot), control.prompt)
-        latents = model.denoise_chunk(world, poses, slots.cache(slot), control.noise_seed)
+        latents = model.denoise_chunk(world, poses, slots.cache(slot), control.noise_seed, control.resolution)
         slots.set_pose(slot, poses[-1])
         self.notify(invocation.key.session_id, control.index)
         return {"latent": (latents, control, poses)}

@@ -23,6 +23,8 @@ from engine import SlotPoolFullError
 from pipelines.contract import Chunk, Control, ControlRejected, ControlType, ServiceEvent, SessionConfig
 from pipelines.toy_world import get_service
 
+from .toy_world_views import bottom_rows, column_profile, ground_shift_px
+
 SIZE = dict(height=32, width=48, frames_per_chunk=2)
 FPC = SIZE["frames_per_chunk"]
 STEP = 0.1  # lateral_step / move_step (defaults)
@@ -96,13 +98,11 @@ async def progress_or_stall(service: Any, reader: Reader, count: int, why: str) 
         race.start_soon(stall)
 
 
-def column_profile(frame: np.ndarray) -> np.ndarray:
-    return frame.astype(np.float64).mean(axis=2).mean(axis=0)
-
-
 def content_shift_left(before: np.ndarray, after: np.ndarray, max_shift: int = 10) -> int:
-    """The s that best explains after[c] == before[c + s] (s > 0: content moved left)."""
-    a, b = column_profile(before), column_profile(after)
+    """The s that best explains after[c] == before[c + s] over the bottom rows (the nearest ground;
+    s > 0: content moved left)."""
+    rows = bottom_rows(before.shape[0])
+    a, b = column_profile(before, rows), column_profile(after, rows)
     width = len(a)
     best, best_err = 0, np.inf
     for s in range(-max_shift, max_shift + 1):
@@ -163,14 +163,14 @@ async def test_holding_d_moves_the_camera_right_and_the_content_left(service, nu
         assert xs[i] == pytest.approx(xs[i - 1] + FPC * STEP)
         assert chunks[i].applied_controls["pose"][1:] == [0.0, 0.0, 0.0]
     assert xs[6] == pytest.approx(6 * FPC * STEP)
-    # content moves left: per chunk about x*translation_scale*pan_per_unit view widths
+    # the nearest ground moves left by the parallax of its depth (spec_tests/pipelines/toy_world_views.py)
     cfg = service.config
-    per_chunk = FPC * STEP * cfg.translation_scale * cfg.pan_per_unit * cfg.width  # pixels
+    expected = ground_shift_px(5 * FPC * STEP, bottom_rows(cfg.height), cfg.height, cfg.eye_height)  # pixels
     shifts = [content_shift_left(chunks[i].frames[-1], chunks[i + 1].frames[-1]) for i in range(1, 6)]
     assert all(s >= 0 for s in shifts), shifts
     total = content_shift_left(chunks[1].frames[-1], chunks[6].frames[-1])
     assert total > 0
-    assert abs(total - 5 * per_chunk) <= 2, (total, 5 * per_chunk)
+    assert abs(total - expected) <= 2, (total, expected)
     await service.close_session(sid)
 
 

@@ -22,6 +22,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from pipelines.contract import Control, ControlType
 from pipelines.toy_world import ToyWorldConfig, ToyWorldService
+from spec_tests.pipelines.toy_world_views import bottom_rows, ground_shift_px
 
 from .runner_fixtures import (
     TOY_WARMUP_WARNING,
@@ -168,11 +169,12 @@ async def test_holding_d_moves_the_view_content_left() -> None:
 
             frames = [decode_jpeg(r.message[1:]) for r in ctl.frames()]
             assert len(frames) >= (chunks_held + 1) * TOY.frames_per_chunk
-            reference = column_profile(frames[TOY.frames_per_chunk - 1])  # the preview's last frame
-            half = column_profile(frames[(chunks_held // 2 + 1) * TOY.frames_per_chunk - 1])
-            last = column_profile(frames[(chunks_held + 1) * TOY.frames_per_chunk - 1])
-            # pan: d adds 0.1 per frame, x 0.1 * translation_scale 3 * pan_per_unit 0.05 view widths
-            expected = TOY.lateral_step * TOY.translation_scale * TOY.pan_per_unit * TOY.width  # px per frame
+            # the nearest ground (the bottom rows) moves left by the parallax of its depth
+            rows = bottom_rows(TOY.height)
+            reference = column_profile(frames[TOY.frames_per_chunk - 1][rows])  # the preview's last frame
+            half = column_profile(frames[(chunks_held // 2 + 1) * TOY.frames_per_chunk - 1][rows])
+            last = column_profile(frames[(chunks_held + 1) * TOY.frames_per_chunk - 1][rows])
+            expected = ground_shift_px(TOY.lateral_step, rows, TOY.height, TOY.eye_height)  # px per frame
             moved_half, moved = best_shift(reference, half), best_shift(reference, last)
             frames_moved = chunks_held * TOY.frames_per_chunk
             assert moved > 0.4 * expected * frames_moved, (moved_half, moved, expected * frames_moved)
