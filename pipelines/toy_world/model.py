@@ -150,6 +150,12 @@ class ToyWorldConfig:
         return (self.height, self.width)
 
     @property
+    def world_size(self) -> tuple[int, int]:
+        """``(H, W)`` a reference image is read at, at most (twice the default frame: the encoder samples
+        ``texture_size`` textures from it, so more pixels would add nothing)."""
+        return (2 * self.height, 2 * self.width)
+
+    @property
     def appearance_numel(self) -> int:
         """Length of the packed appearance tensor (a session's world)."""
         return appearance_numel(self.texture_size)
