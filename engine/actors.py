@@ -2,15 +2,21 @@
 
 The orchestrator never calls a handler itself. It ``submit``s an invocation to
 the stage's actor (never waiting: a full mailbox is :class:`ActorBusyError`)
-and is called back, in the trio thread, when the invocation resolves. Session
+and is called back, in the trio thread, when the invocation resolves. A
+completion callback that also offers ``from_thread`` may instead be called on
+the actor's own thread for a success (``LocalStageActor`` does so for a
+synchronous handler); an actor whose ``threadsafe_submit`` is true accepts
+``submit`` from such a thread. Session
 hooks travel through the same mailbox, so a session's cleanup is ordered after
 every invocation that was submitted before it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -125,7 +131,21 @@ class _Delivery:
         actor = self.actor
         if actor._machine.state is ActorState.FAILED and not isinstance(result, outcome.Error):
             result = outcome.Error(ActorFailedError(f"stage actor {actor.name!r} failed: {actor._failure_reason}"))
-        actor._resolve(self.invocation, self.on_done, result)
+        actor._resolve(self.invocation, self.on_done, result, from_thread=True)
+
+    def on_thread(self, result: outcome.Outcome) -> Callable[[], None] | None:
+        """On the actor's thread: complete a success right here when the scheduler allows it.
+
+        Returns what the trio thread must run afterwards, or None when the result has to
+        travel to trio as usual (an error, a failed actor, a completion that needs trio).
+        """
+        actor = self.actor
+        from_thread = getattr(self.on_done, "from_thread", None)
+        if from_thread is None or not isinstance(result, outcome.Value) or actor._machine.state is not ActorState.RUNNING:
+            return None
+        actor._count(pending=-1)
+        finish = from_thread(self.invocation, result)
+        return functools.partial(actor._after_thread_delivery, finish)
 
 
 _names = itertools.count()
@@ -160,6 +180,9 @@ class LocalStageActor:
         self._failure_reason: str | None = None
         self._failure_cause: BaseException | None = None
         self._pending = 0  # invocations submitted and not yet resolved
+        # thread calls whose delivery trio has not seen yet (their thread may still hold them)
+        self._undelivered = 0
+        self._counts = threading.Lock()  # submit may run on another actor's thread (a direct hand-off)
         self._closes = 0  # session hooks queued or running
         # barrier waiters park here until the counts reach zero (no per-call allocation)
         self._quiet = trio.lowlevel.ParkingLot()
@@ -233,8 +256,26 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
+            self._count(pending=1, undelivered=1)
             self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
-        self._pending += 1
+            return
+        self._count(pending=1)
+
+    @property
+    def threadsafe_submit(self) -> bool:
+        """Whether ``submit`` may be called from another thread (a synchronous handler: its queue is)."""
+        return not self._handler_is_async
+
+    def _count(self, *, pending: int = 0, undelivered: int = 0) -> None:
+        with self._counts:
+            self._pending += pending
+            self._undelivered += undelivered
+
+    def _after_thread_delivery(self, finish: Callable[[], None]) -> None:
+        """In trio, after a call completed on the thread: the scheduler's leftovers, then barrier waiters."""
+        self._count(undelivered=-1)
+        finish()
+        self._mark_done()
 
     async def _invoke(self, message: _Invoke) -> None:
         inv = message.invocation
@@ -257,11 +298,11 @@ class LocalStageActor:
             raise
 
     def _mark_done(self) -> None:
-        if self._pending == 0 and self._quiet:
+        if self._pending == 0 and self._undelivered == 0 and self._quiet:
             self._quiet.unpark_all()
 
-    def _resolve(self, invocation: StageInvocation, on_done: Completion, result: outcome.Outcome) -> None:
-        self._pending -= 1
+    def _resolve(self, invocation: StageInvocation, on_done: Completion, result: outcome.Outcome, *, from_thread: bool = False) -> None:
+        self._count(pending=-1, undelivered=-1 if from_thread else 0)
         self._mark_done()
         # the invocation that surfaced a fatal error is resolved first, so its session
         # keeps that error; every other session then fails through the listeners
@@ -327,7 +368,7 @@ class LocalStageActor:
 
     async def barrier(self) -> None:
         """Wait until every submitted invocation and every session hook has finished."""
-        while self._pending or self._closes:
+        while self._pending or self._closes or self._undelivered:
             await self._quiet.park()
 
     # -- health ----------------------------------------------------------------

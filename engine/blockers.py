@@ -8,10 +8,18 @@ is what idle intervals report; code asks its ``kind`` and fields, never the text
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import attrs
 
-__all__ = ["Blocker", "BlockerKind"]
+if TYPE_CHECKING:
+    from .graph import StageGraph
+    from .reservations import UsageBook
+    from .runtime import SessionRuntime
+    from .spec import StageSpec
+
+__all__ = ["Blocker", "BlockerKind", "first_blocker"]
 
 
 class BlockerKind(enum.Enum):
@@ -65,3 +73,32 @@ class Blocker:
 STAGE_CAPACITY = Blocker(BlockerKind.STAGE_CAPACITY)
 GLOBAL_CAPACITY = Blocker(BlockerKind.GLOBAL_CAPACITY)
 ACTOR_BUSY = Blocker(BlockerKind.ACTOR_BUSY)
+
+
+def first_blocker(
+    graph: StageGraph, usage: UsageBook, group_limit: Mapping[str, int], rt: SessionRuntime, stage: StageSpec
+) -> Blocker | None:
+    """The first limit that keeps ``stage`` from admitting the session's next item now (None: none does).
+
+    In-flight work reserves room downstream: an edge or the output queue counts
+    the results still being made for it.
+    """
+    stage_id = stage.stage_id
+    held = rt.reservations
+    if held.by_stage[stage_id] >= stage.max_in_flight_per_session:
+        return STAGE_CAPACITY
+    if usage.by_stage[stage_id] >= stage.max_in_flight_global:
+        return GLOBAL_CAPACITY
+    group = stage.resource_group
+    if group is not None and usage.by_group[group] >= group_limit[group]:
+        return Blocker.group(group)
+    for artifact in stage.produces:
+        reserved = held.producing[artifact]
+        for target in graph.targets.get(artifact, ()):
+            if rt.occupancy[(artifact, target)] + reserved >= graph.capacity[(artifact, target)]:
+                return Blocker.edge(artifact, target)
+        if artifact in graph.outputs:
+            queued = len(rt.outputs) + sum(1 for v in rt.pending_outputs.values() if artifact in v)
+            if queued + reserved >= graph.output_capacity:
+                return Blocker.output(artifact)
+    return None

@@ -3,8 +3,16 @@
 It joins artifacts by (session, sequence), admits ready work to the stages'
 actors under the spec's limits, holds a :class:`Reservation` for every
 admitted invocation until its result is accepted or dropped, and emits
-outputs in sequence order. All of its state lives in the trio thread: actors
-call :meth:`SchedulerCore.complete` there, so it needs no locks.
+outputs in sequence order.
+
+Its state is changed under one lock, from the trio thread or, for one case,
+from a stage's own thread: an actor whose calls run on a dedicated thread
+completes a successful invocation right there (``CoreCompletion.from_thread``),
+and the admission that completion unblocks submits the next stage from that
+same thread. A chunk's hop from one stage to the next is then one thread
+wake-up (the next stage's), not two through the trio thread. What only trio may
+do (wake trio tasks, start background cleanups, submit to actors that take work
+in trio) is collected meanwhile and handed to trio afterwards.
 
 :class:`~engine.session.Session` and :class:`~engine.shutdown.SessionShutdown`
 talk to it through the methods listed under "interface" below and nothing else.
@@ -12,6 +20,8 @@ talk to it through the methods listed under "interface" below and nothing else.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -22,7 +32,7 @@ import trio
 from states import pipeline_session as table
 
 from .actors import StageActor, StageInvocation, TaskKey
-from .blockers import ACTOR_BUSY, GLOBAL_CAPACITY, STAGE_CAPACITY, Blocker
+from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import check_result, record_result
 from .errors import ActorBusyError, ActorFailedError, SessionExistsError
 from .graph import StageGraph
@@ -32,11 +42,37 @@ from .reservations import UsageBook
 from .runtime import SessionRuntime
 from .spec import StageOrdering, StageSpec
 
-__all__ = ["SchedulerCore"]
+__all__ = ["CoreCompletion", "SchedulerCore"]
 
 Event = table.Event
 # Events that stop a session's admission, with whether they drop already emitted, unread outputs.
 _DROPS_OUTPUTS = {Event.CLOSE: False, Event.DRAIN_TIMED_OUT: False, Event.CANCEL: True, Event.SHUT_DOWN: True}
+
+
+def _locked(method: Callable) -> Callable:
+    """Run a core method under the core's lock (a stage's own thread may be completing work)."""
+
+    @functools.wraps(method)
+    def locked(self: SchedulerCore, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class CoreCompletion:
+    """The completion callback the core gives actors: call it in trio, or ``from_thread`` on a stage's thread."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self._core = core
+
+    def __call__(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
+        self._core.complete(invocation, result)
+
+    def from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None]:
+        return self._core.complete_from_thread(invocation, result)
 
 
 class SchedulerCore:
@@ -61,9 +97,19 @@ class SchedulerCore:
         self._pumping = False
         self._dirty: set[str] = set()
         self._surfaced: dict[str, BaseException] = {}  # stage -> the error that revealed its actor's failure
+        # A stage's own thread may complete an invocation and admit the next stage itself (one
+        # thread wake-up per hop); the lock makes that and every trio-side call one at a time.
+        # While a thread is in the core, wake-ups of trio tasks are collected, then handed to trio.
+        self.lock = threading.RLock()
+        self._now = trio.lowlevel.current_clock().current_time
+        self._off_trio: set[SessionRuntime] | None = None  # sessions to wake in trio, while off it
+        self._trio_stages: set[str] = set()  # stages whose actor must be submitted to from trio
+        self._failed_off_trio: list[SessionRuntime] = []
+        self.completion = CoreCompletion(self)
 
     # == interface: sessions ===============================================================
 
+    @_locked
     def open_session(self, session_id: str, final_sequence_id: int | None) -> SessionRuntime:
         """A fresh runtime (a new epoch); a terminal session's id may be reused."""
         existing = self._sessions.get(session_id)
@@ -82,10 +128,12 @@ class SchedulerCore:
     def get(self, session_id: str) -> SessionRuntime | None:
         return self._sessions.get(session_id)
 
+    @_locked
     def runtimes(self) -> tuple[SessionRuntime, ...]:
         """Sessions that are live or poisoned (terminal ones are forgotten)."""
         return tuple(self._sessions.values())
 
+    @_locked
     def forget(self, rt: SessionRuntime) -> None:
         """Drop a settled session; its handle stays readable."""
         if self._sessions.get(rt.session_id) is rt:
@@ -98,13 +146,14 @@ class SchedulerCore:
 
     # == interface: ingress and outputs (Session) =============================================
 
+    @_locked
     def try_push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` for ``seq`` now, or nothing."""
         graph = self.graph
         check_ingress(graph, rt, seq, artifacts)
         if not has_room(graph, rt, artifacts):
             return False
-        now = trio.current_time()
+        now = self._now()
         anchor = graph.spec.latency_anchor_artifact
         if anchor is None or anchor in artifacts:
             rt.record_ingress(seq, now)
@@ -119,6 +168,7 @@ class SchedulerCore:
         while not self.try_push(rt, seq, artifacts):
             await rt.room.park()
 
+    @_locked
     def has_room(self, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
         names = tuple(artifacts)
         unknown = [a for a in names if a not in self.graph.ingress]
@@ -126,24 +176,28 @@ class SchedulerCore:
             raise ValueError(f"not ingress artifacts: {unknown}")
         return rt.admitting and has_room(self.graph, rt, names)
 
+    @_locked
     def finish_inputs(self, rt: SessionRuntime, final_sequence_id: int) -> None:
         if check_final_sequence(self.graph, rt, final_sequence_id):
             rt.final_sequence_id = final_sequence_id
-            rt.wake()
+            self._wake(rt, rt.wake)
             self._pump()
 
+    @_locked
     def poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
         items = list(rt.outputs)
         rt.outputs.clear()
         if items:
-            rt.wake_progress()  # output room freed: a drain may proceed
+            self._wake(rt, rt.wake_progress)  # output room freed: a drain may proceed
             self._pump(self.graph.output_producers)
         return items
 
+    @_locked
     def busy(self, rt: SessionRuntime) -> bool:
         """Something of the session runs, or could start now (backpressured work cannot)."""
         return bool(rt.reservations) or (rt.starting_accepted_work and self._admissible(rt))
 
+    @_locked
     def blocker(self, rt: SessionRuntime, stage_id: str, seq: int) -> Blocker | None:
         """The limit that last held ``seq`` back at ``stage_id`` once its inputs were ready."""
         return rt.blockers[stage_id].get(seq)
@@ -157,6 +211,7 @@ class SchedulerCore:
     def actor(self, stage_id: str) -> StageActor:
         return self._actors[stage_id]
 
+    @_locked
     def stop(self, rt: SessionRuntime, event: table.Event) -> bool:
         """Apply a stop event (CLOSE, CANCEL, SHUT_DOWN, DRAIN_TIMED_OUT) if the table allows it now."""
         if not rt.machine.can(event):
@@ -166,10 +221,11 @@ class SchedulerCore:
             rt.discard_buffers()
             if _DROPS_OUTPUTS[event]:
                 rt.outputs.clear()
-        rt.wake()
+        self._wake(rt, rt.wake)
         self._pump()
         return True
 
+    @_locked
     def work_settled(self, rt: SessionRuntime) -> bool:
         """Nothing of the session runs, and (draining) nothing left can ever start.
 
@@ -189,10 +245,12 @@ class SchedulerCore:
                 return False
         return True
 
+    @_locked
     def drop_buffers(self, rt: SessionRuntime) -> None:
         """Drop the inputs a settled session can never consume now."""
         rt.discard_buffers()
 
+    @_locked
     def check_released(self, rt: SessionRuntime) -> int:
         """Count (then clear) what the session still holds after its stages released it."""
         leaks = rt.leaked_slots() + self._usage.drift(r.reservations for r in self._sessions.values())
@@ -201,28 +259,43 @@ class SchedulerCore:
             rt.discard_buffers()
         return leaks
 
+    @_locked
     def count_cleanup_failure(self) -> None:
         self._counters["cleanup_failures"] += 1
 
     # == interface: whole orchestrator ===========================================================
 
+    @_locked
     def diagnostics(self) -> Diagnostics:
         return Diagnostics(**self._counters)
 
+    @_locked
     def resource_group_usage(self, name: str) -> int:
         if name not in self._usage.by_group:
             raise KeyError(f"unknown resource group {name!r}")
         return self._usage.by_group[name]
 
+    @_locked
     def in_flight(self, stage_id: str) -> int:
         return self._usage.by_stage[stage_id]
 
+    @_locked
+    def advance(self, rt: SessionRuntime, event: table.Event) -> None:
+        """Apply a shutdown phase's event (the table decides; a stage thread cannot interleave)."""
+        rt.machine.apply(event)
+
     def on_actor_failed(self, stage_id: str) -> Callable[[str], None]:
         """The failure listener to give the stage's actor."""
-        return lambda reason: self._fail_actor_sessions(stage_id, reason, self._surfaced.get(stage_id))
+
+        def listener(reason: str) -> None:
+            with self.lock:
+                self._fail_actor_sessions(stage_id, reason, self._surfaced.get(stage_id))
+
+        return listener
 
     # == completion (the actors' callback) ========================================================
 
+    @_locked
     def complete(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
         """Called by an actor, in the trio thread, once per submitted invocation."""
         key = invocation.key
@@ -239,7 +312,7 @@ class SchedulerCore:
             return
         self._usage.release(rt.reservations, reservation)
         stage = self.graph.stages[key.stage_id]
-        now = trio.current_time()
+        now = self._now()
         rt.timing(key.stage_id, key.sequence_id).completed_at = now
         try:
             if isinstance(result, outcome.Error):
@@ -249,10 +322,42 @@ class SchedulerCore:
                 if error is not None:
                     self._fail(rt, error)
                 elif record_result(self.graph, rt, stage, key.sequence_id, result.value, now):
-                    rt.wake_emitted()
+                    self._wake(rt, rt.wake_emitted)
         finally:
-            rt.wake_progress()
+            self._wake(rt, rt.wake_progress)
             self._pump(self.graph.after_completion[stage.stage_id])
+
+    def complete_from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None]:
+        """Complete a successful invocation on the stage's own thread; returns what trio must then run.
+
+        The completion admits whatever it unblocks right here, so the next stage's thread is
+        woken by this one, not through the trio thread. Wake-ups of trio tasks, background
+        cleanups and submits to actors that need trio are collected and returned.
+        """
+        with self.lock:
+            self._off_trio = wake = set()
+            try:
+                self.complete(invocation, result)
+            finally:
+                self._off_trio = None
+                failed, self._failed_off_trio = self._failed_off_trio, []
+                stages, self._trio_stages = self._trio_stages, set()
+        return functools.partial(self._finish_in_trio, wake, failed, stages)
+
+    def _finish_in_trio(self, wake: set[SessionRuntime], failed: list[SessionRuntime], stages: set[str]) -> None:
+        with self.lock:
+            for rt in wake:
+                rt.wake()
+            for rt in failed:
+                self._on_failed(rt)
+            if stages:
+                self._pump(stages)
+
+    def _wake(self, rt: SessionRuntime, wake: Callable[[], None]) -> None:
+        if self._off_trio is None:
+            wake()
+        else:
+            self._off_trio.add(rt)
 
     # == failure ==================================================================================
 
@@ -276,9 +381,12 @@ class SchedulerCore:
         rt.error = error
         rt.discard_buffers()
         rt.outputs.clear()
-        rt.wake()
+        self._wake(rt, rt.wake)
         if needs_cleanup:
-            self._on_failed(rt)
+            if self._off_trio is None:
+                self._on_failed(rt)
+            else:
+                self._failed_off_trio.append(rt)
 
     def _fail_actor_sessions(self, stage_id: str, reason: str | None, cause: BaseException | None) -> None:
         """An actor failure fails every session still starting work, with the cause attached."""
@@ -292,6 +400,7 @@ class SchedulerCore:
 
     # == scheduling ===============================================================================
 
+    @_locked
     def pump(self) -> None:
         """Admit every piece of ready work the limits allow (after an outside change)."""
         self._pump()
@@ -349,26 +458,7 @@ class SchedulerCore:
         )
 
     def _blocker(self, rt: SessionRuntime, stage: StageSpec) -> Blocker | None:
-        stage_id = stage.stage_id
-        held = rt.reservations
-        if held.by_stage[stage_id] >= stage.max_in_flight_per_session:
-            return STAGE_CAPACITY
-        if self._usage.by_stage[stage_id] >= stage.max_in_flight_global:
-            return GLOBAL_CAPACITY
-        group = stage.resource_group
-        if group is not None and self._usage.by_group[group] >= self._group_limit[group]:
-            return Blocker.group(group)
-        graph = self.graph
-        for artifact in stage.produces:
-            reserved = held.producing[artifact]
-            for target in graph.targets.get(artifact, ()):
-                if rt.occupancy[(artifact, target)] + reserved >= graph.capacity[(artifact, target)]:
-                    return Blocker.edge(artifact, target)
-            if artifact in graph.outputs:
-                queued = len(rt.outputs) + sum(1 for v in rt.pending_outputs.values() if artifact in v)
-                if queued + reserved >= graph.output_capacity:
-                    return Blocker.output(artifact)
-        return None
+        return first_blocker(self.graph, self._usage, self._group_limit, rt, stage)
 
     def _try_admit(self, rt: SessionRuntime, stage: StageSpec) -> bool:
         if not rt.starting_accepted_work:
@@ -382,6 +472,9 @@ class SchedulerCore:
             rt.blockers[stage_id][seq] = blocker
             return False
         actor = self._actors[stage_id]
+        if self._off_trio is not None and not getattr(actor, "threadsafe_submit", False):
+            self._trio_stages.add(stage_id)  # this actor takes work in trio only
+            return False
         if not actor.is_healthy():
             self._fail_actor_sessions(stage_id, actor.health().failure_reason, None)
             return False
@@ -391,10 +484,10 @@ class SchedulerCore:
         inputs = rt.take_inputs(stage_id, seq, stage.consumes)
         reservation = self._usage.take(rt.reservations, stage, key)
         rt.taken[stage_id].add(seq)
-        rt.timing(stage_id, seq).admitted_at = trio.current_time()
+        rt.timing(stage_id, seq).admitted_at = self._now()
         try:
             self._actors[stage_id].submit(
-                StageInvocation(key, inputs, is_first=seq == 0, is_last=seq == rt.final_sequence_id), self.complete
+                StageInvocation(key, inputs, is_first=seq == 0, is_last=seq == rt.final_sequence_id), self.completion
             )
         except Exception as exc:
             if rt.reservations.get(stage_id, seq) is reservation:
@@ -410,7 +503,7 @@ class SchedulerCore:
             return False
         self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
         if stage.consumes & self.graph.ingress:
-            rt.wake_room()
+            self._wake(rt, rt.wake_room)
         else:
-            rt.wake_progress()
+            self._wake(rt, rt.wake_progress)
         return True

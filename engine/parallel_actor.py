@@ -147,6 +147,10 @@ class ParallelWorkerStageActor:
         self._sync_worker_health()
         self._inner.submit(invocation, on_done)
 
+    @property
+    def threadsafe_submit(self) -> bool:
+        return self._inner.threadsafe_submit
+
     def health(self) -> ActorHealth:
         self._sync_worker_health()
         inner = self._inner.health()

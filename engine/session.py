@@ -159,60 +159,68 @@ class Session:
     # -- observation -------------------------------------------------------------------
 
     def metrics(self) -> SessionMetrics:
-        rt = self._runtime
-        return SessionMetrics.from_session(
-            rt.ingress_at,
-            rt.emitted_at,
-            first_ingress_at=rt.first_ingress_at,
-            first_emitted_at=rt.first_emitted_at,
-            control_to_output=rt.control_to_output,
-            chunk_period=rt.chunk_period,
-        )
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            rt = self._runtime
+            return SessionMetrics.from_session(
+                rt.ingress_at,
+                rt.emitted_at,
+                first_ingress_at=rt.first_ingress_at,
+                first_emitted_at=rt.first_emitted_at,
+                control_to_output=rt.control_to_output,
+                chunk_period=rt.chunk_period,
+            )
 
     def stage_timings(self, stage_id: str) -> list[StageTiming]:
-        rt = self._runtime
-        if stage_id not in rt.timings:
-            raise KeyError(f"unknown stage {stage_id!r}")
-        return [
-            StageTiming(stage_id, seq, t.inputs_ready_at, t.admitted_at, t.completed_at)
-            for seq, t in sorted(rt.timings[stage_id].items())
-        ]
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            rt = self._runtime
+            if stage_id not in rt.timings:
+                raise KeyError(f"unknown stage {stage_id!r}")
+            return [
+                StageTiming(stage_id, seq, t.inputs_ready_at, t.admitted_at, t.completed_at)
+                for seq, t in sorted(rt.timings[stage_id].items())
+            ]
 
     def idle_intervals(self, stage_id: str) -> list[IdleInterval]:
-        rt = self._runtime
-        return idle_intervals(stage_id, self.stage_timings(stage_id), rt.missing_after[stage_id], rt.blockers[stage_id])
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            rt = self._runtime
+            return idle_intervals(stage_id, self.stage_timings(stage_id), rt.missing_after[stage_id], rt.blockers[stage_id])
 
     def stage_timing(self, stage_id: str, sequence_id: int) -> StageTiming | None:
         """One sequence's timing at one stage (O(1): for per-chunk reporting on a hot path)."""
-        rt = self._runtime
-        if stage_id not in rt.timings:
-            raise KeyError(f"unknown stage {stage_id!r}")
-        t = rt.timings[stage_id].get(sequence_id)
-        return None if t is None else StageTiming(stage_id, sequence_id, t.inputs_ready_at, t.admitted_at, t.completed_at)
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            rt = self._runtime
+            if stage_id not in rt.timings:
+                raise KeyError(f"unknown stage {stage_id!r}")
+            t = rt.timings[stage_id].get(sequence_id)
+            return None if t is None else StageTiming(stage_id, sequence_id, t.inputs_ready_at, t.admitted_at, t.completed_at)
 
     def idle_before(self, stage_id: str, sequence_id: int) -> IdleInterval | None:
         """The stage's idle gap before ``sequence_id`` (after ``sequence_id - 1``), with its reason; O(1)."""
-        previous = self.stage_timing(stage_id, sequence_id - 1)
-        current = self.stage_timing(stage_id, sequence_id)
-        if previous is None or current is None:
-            return None
-        rt = self._runtime
-        found = idle_intervals(stage_id, [previous, current], rt.missing_after[stage_id], rt.blockers[stage_id])
-        return found[0] if found else None
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            previous = self.stage_timing(stage_id, sequence_id - 1)
+            current = self.stage_timing(stage_id, sequence_id)
+            if previous is None or current is None:
+                return None
+            rt = self._runtime
+            found = idle_intervals(stage_id, [previous, current], rt.missing_after[stage_id], rt.blockers[stage_id])
+            return found[0] if found else None
 
     def control_to_output(self, sequence_id: int) -> float | None:
         """Seconds from the sequence's (anchor) ingress to its output; None if either is unknown; O(1)."""
-        rt = self._runtime
-        accepted, emitted = rt.ingress_at.get(sequence_id), rt.emitted_at.get(sequence_id)
-        return None if accepted is None or emitted is None else emitted - accepted
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            rt = self._runtime
+            accepted, emitted = rt.ingress_at.get(sequence_id), rt.emitted_at.get(sequence_id)
+            return None if accepted is None or emitted is None else emitted - accepted
 
     def artifact_stats(self) -> ArtifactStats:
-        slots = self._runtime.slots
-        return ArtifactStats(len(slots), sum(len(s.consumers) for s in slots.values()))
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            slots = self._runtime.slots
+            return ArtifactStats(len(slots), sum(len(s.consumers) for s in slots.values()))
 
     def buffered(self, artifact: str, target_stage: str) -> int:
         """Items of ``artifact`` waiting for ``target_stage`` (bounded by the edge's capacity)."""
-        return self._runtime.occupancy[(artifact, target_stage)]
+        with self._core.lock:  # a stage's thread may be completing work of this session
+            return self._runtime.occupancy[(artifact, target_stage)]
 
     def blocker(self, stage_id: str, sequence_id: int) -> Blocker | None:
         """The limit that last held ``sequence_id`` back at ``stage_id`` once its inputs were ready."""
@@ -224,7 +232,8 @@ class Session:
     def outputs_held(self) -> int:
         """Outputs emitted and not yet read, plus those waiting for earlier sequences."""
         rt = self._runtime
-        return len(rt.outputs) + len(rt.pending_outputs)
+        with self._core.lock:
+            return len(rt.outputs) + len(rt.pending_outputs)
 
     @property
     def in_flight(self) -> int:

@@ -73,7 +73,7 @@ class SessionShutdown:
                 ) from rt.cleanup_error
 
     async def _wait_settled(self, rt: SessionRuntime, deadline: float) -> bool:
-        with trio.move_on_at(deadline):
+        with trio.move_on_at(deadline):  # the settle deadline: stop waiting, not the running calls
             while not self._core.work_settled(rt):
                 await rt.changed.park()
         return self._core.work_settled(rt)
@@ -90,18 +90,18 @@ class SessionShutdown:
             return
         rt.phases.append(("settle", "ok"))
         self._core.drop_buffers(rt)
-        rt.machine.apply(Event.WORK_SETTLED)
+        self._core.advance(rt, Event.WORK_SETTLED)
 
     async def _retry(self, rt: SessionRuntime, deadline: float) -> None:
         """Re-enter stage release, once no call from the timed-out attempt still runs."""
-        with trio.move_on_at(deadline):
+        with trio.move_on_at(deadline):  # the retry deadline
             while rt.reservations:
                 await rt.changed.park()
         if rt.reservations:
             self._poison(rt, TimeoutError("work still in flight; cleanup not retried"), "retry")
         else:
             rt.phases.append(("retry", "started"))
-            rt.machine.apply(Event.RETRY_CLEANUP)
+            self._core.advance(rt, Event.RETRY_CLEANUP)
 
     async def _release_stages(self, rt: SessionRuntime, deadline: float) -> None:
         context = SessionContext(rt.session_id, rt.epoch)
@@ -133,7 +133,7 @@ class SessionShutdown:
         if first_error is not None:
             self._poison(rt, first_error, None)
         else:
-            rt.machine.apply(Event.STAGES_RELEASED)
+            self._core.advance(rt, Event.STAGES_RELEASED)
 
     def _release_artifacts(self, rt: SessionRuntime) -> None:
         leaks = self._core.check_released(rt)
@@ -141,7 +141,7 @@ class SessionShutdown:
             self._poison(rt, RuntimeError(f"{leaks} artifact slot(s) or reservation(s) still held after stage release"), "artifacts")
             return
         rt.phases.append(("artifacts", "ok"))
-        rt.machine.apply(rt.machine.settle_event)
+        self._core.advance(rt, rt.machine.settle_event)
         self._core.forget(rt)
         rt.settled.set()
         rt.wake()
@@ -152,6 +152,6 @@ class SessionShutdown:
             rt.phases.append((phase, f"failed: {error!r}"))
         rt.cleanup_error = error
         if rt.machine.can(Event.CLEANUP_FAILED):
-            rt.machine.apply(Event.CLEANUP_FAILED)
+            self._core.advance(rt, Event.CLEANUP_FAILED)
         rt.settled.set()
         rt.wake()

@@ -8,6 +8,7 @@ whole life.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -19,6 +20,10 @@ import trio
 __all__ = ["DedicatedThread"]
 
 _STOP = object()
+
+
+def _reraise(error: BaseException) -> None:
+    raise error
 
 
 def _unbox(box: list) -> None:
@@ -74,13 +79,30 @@ class DedicatedThread:
             return False
         fn, args, deliver = job
         del job
-        box = [deliver, outcome.capture(fn, *args)]
-        del fn, args, deliver
+        result = outcome.capture(fn, *args)
+        del fn, args
+        on_thread = getattr(deliver, "on_thread", None)
+        after = None
+        if on_thread is not None:
+            try:
+                after = on_thread(result)
+            except BaseException as exc:  # a scheduler bug: surface it in trio, as a delivery there would
+                after = functools.partial(_reraise, exc)
+            del on_thread
+        if after is not None:
+            del deliver, result
+            token.run_sync_soon(after)
+            return True
+        box = [deliver, result]
+        del deliver, result
         token.run_sync_soon(_unbox, box)
         return True
 
     def submit(self, fn: Callable[..., Any], args: tuple, deliver: Callable[[outcome.Outcome], None]) -> None:
         """Queue ``fn(*args)``; ``deliver(outcome)`` later runs in the trio thread.
+
+        If ``deliver`` has ``on_thread(outcome)``, it is offered the result on this thread
+        first; what it returns (if not None) runs in the trio thread instead of ``deliver``.
 
         The fast path of stage actors: no trio task wakes between the call and
         its delivery.

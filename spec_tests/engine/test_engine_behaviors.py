@@ -3,6 +3,7 @@ backpressure, references after a call, long-session metrics, actors that complet
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -268,3 +269,40 @@ async def test_an_actor_that_completes_inside_submit_does_not_wedge_its_session(
         await s.aclose()
         assert s.status is State.CLOSED
         assert orch.diagnostics().duplicate_results == 0 and orch.diagnostics().slot_leaks == 0
+
+
+# -- one thread wake-up per stage hop -------------------------------------------------------------
+
+
+class SubmitterLog(LocalStageActor):
+    """A LocalStageActor that notes which thread each invocation was submitted from."""
+
+    def __init__(self, *args: Any, log: list[tuple[str, int, int]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._log = log
+
+    def submit(self, invocation: Any, on_done: Any) -> None:
+        self._log.append((self.name, invocation.key.sequence_id, threading.get_ident()))
+        super().submit(invocation, on_done)
+
+
+async def test_a_finished_stage_hands_the_next_stage_its_work_from_its_own_thread():
+    log: list[tuple[str, int, int]] = []
+    spec = canonical_spec()
+    actors = {
+        "encode": SubmitterLog(lambda inv: {"condition": inv.inputs["image"]}, name="encode", log=log),
+        "denoise": SubmitterLog(lambda inv: {"latent": inv.inputs["control"]}, name="denoise", log=log),
+        "decode": SubmitterLog(lambda inv: {"frames": inv.inputs["latent"]}, name="decode", log=log),
+    }
+    trio_thread = threading.get_ident()
+    async with open_orchestrator(spec, actors) as orch:
+        s = orch.create_session("a", final_sequence_id=0)
+        await s.push(0, chunk(0))
+        with trio.fail_after(10):
+            assert [seq async for seq, _ in s.outputs()] == [0]
+        submitters = {name: ident for name, _, ident in log}
+        assert submitters["encode"] == trio_thread  # the push made encode ready
+        # each later hop: the stage that made the input submitted the next stage from its own thread
+        assert submitters["denoise"] == actors["encode"].thread_ident
+        assert submitters["decode"] == actors["denoise"].thread_ident
+        await s.aclose()
