@@ -59,7 +59,7 @@ def _make_transport(settings: ServerSettings, issuer: TokenIssuer) -> Any:
     return LocalRooms(issuer, max_data_message_bytes=settings.max_data_message_bytes)
 
 
-def create_app(settings: ServerSettings, *, service_loader: Any = None) -> QuartTrio:
+def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_policy: Any = None) -> QuartTrio:
     app = QuartTrio(__name__, static_folder=None)
     # "//" in a path is a 404 with a JSON reason, not an HTML redirect to a merged path
     app.url_map.merge_slashes = False
@@ -71,7 +71,10 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None) -> Quart
         issuer = TokenIssuer.dev(ttl_seconds=settings.token_ttl)
     metrics = ServerMetrics()
     transport = _make_transport(settings, issuer)
-    runtime = StreamRuntime(settings, issuer=issuer, transport=transport, metrics=metrics, service_loader=service_loader)
+    runtime = StreamRuntime(
+        settings, issuer=issuer, transport=transport, metrics=metrics, service_loader=service_loader,
+        restart_policy=restart_policy,
+    )
     app.extensions["chunkline"] = runtime
     public_url = settings.livekit_url if settings.transport == "livekit" else None
 

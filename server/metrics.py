@@ -220,6 +220,11 @@ class ServerMetrics:
             ["result"],
             registry=registry,
         )
+        self._worker_restarts = Counter(
+            "chunkline_worker_restarts",
+            "Failed workers replaced by a fresh one",
+            registry=registry,
+        )
         self._sessions = Gauge(
             "chunkline_sessions",
             "Sessions by status",
@@ -265,6 +270,9 @@ class ServerMetrics:
             self._sessions_finished.labels(result=result)
 
     # -- recording -----------------------------------------------------------------------
+
+    def record_worker_restart(self) -> None:
+        self._worker_restarts.inc()
 
     def record_admission(self, result: str) -> None:
         _check_choice("admission result", result, ADMISSION_RESULTS)
@@ -405,6 +413,7 @@ class ServerMetrics:
                 for result in FINISH_RESULTS
             },
             "queue_depth": count("chunkline_queue_depth"),
+            "worker_restarts": count("chunkline_worker_restarts_total"),
             "workers": {
                 state: count("chunkline_workers", {"state": state})
                 for state in sorted(self._worker_states)

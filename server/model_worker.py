@@ -83,10 +83,13 @@ class ModelWorker:
         try:
             await self._serve()
         except Exception as exc:
-            reason = public_reason(exc)  # health and metadata show this line; the log has the detail
-            self.failure = reason
-            log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
-            self._on_failed(self, reason)
+            self._failed(exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        reason = public_reason(exc)  # health and metadata show this line; the log has the detail
+        self.failure = reason
+        log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
+        self._on_failed(self, reason)
 
     async def _serve(self) -> None:
         loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids), **self._options)
@@ -102,14 +105,21 @@ class ModelWorker:
             )
         if isinstance(service, BidirectionalService):
             service.configure_session_capacity(limit or self._policy.max_capacity)
-        async with service.running():
-            self.plan = self._capacity_plan(service, limit)
-            async with trio.open_nursery() as runners:
-                self._runners = runners
-                self._on_ready(self, self.plan.effective_capacity, self.plan)
-                await self._stop.wait()
-                runners.cancel_scope.cancel()
+        # the runners live outside the service's running(): when the service fails as a whole, they are
+        # told the cause (on_failed fails them) and end as failures, rather than being cancelled with it
+        async with trio.open_nursery() as runners:
+            try:
+                async with service.running():
+                    self.plan = self._capacity_plan(service, limit)
+                    self._runners = runners
+                    self._on_ready(self, self.plan.effective_capacity, self.plan)
+                    await self._stop.wait()
+            except Exception as exc:
+                self._runners = None
+                self._failed(exc)  # the runners fail with the cause; the nursery waits for their bounded ends
+                return
             self._runners = None
+            runners.cancel_scope.cancel()
 
     def _capacity_plan(self, service: Service, limit: int | None) -> CapacityPlan:
         if isinstance(service, ServerPushService):

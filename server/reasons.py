@@ -28,6 +28,8 @@ def _line(text: str) -> str:
 
 def public_reason(failure: BaseException | str, *, prefix_type: bool = True) -> str:
     """One short line naming the failure: ``"ValueError: image 'upload-1.img' is not readable"``."""
+    while isinstance(failure, BaseExceptionGroup) and len(failure.exceptions) == 1:
+        failure = failure.exceptions[0]  # trio wraps a task's error in its nursery's group
     if isinstance(failure, BaseException):
         message = _line(str(failure))
         name = type(failure).__name__

@@ -81,6 +81,7 @@ class RoomRunner:
         self.identity = f"chunkline-{worker.worker_id}"
         self.finished = trio.Event()
         self._stop_cause: str | None = None
+        self._failure: str | None = None  # set by fail(): the session ends failed with this reason
         self._stop = trio.Event()
         self._connection: RoomConnection | None = None
         self._pipeline_session: str | None = None
@@ -109,6 +110,13 @@ class RoomRunner:
         self.stop("shutdown")
         self._scope.cancel()
 
+    def fail(self, reason: str) -> None:
+        """End at once as a failure with ``reason`` (the worker under the session died): cleanup still runs."""
+        if self._failure is None:
+            self._failure = reason
+        self.stop("failed")
+        self._scope.cancel()
+
     @property
     def stop_cause(self) -> str | None:
         return self._stop_cause
@@ -126,6 +134,7 @@ class RoomRunner:
             error = public_reason(cause, prefix_type=not isinstance(cause, RunnerError | TransportError))
             log.warning("session %s failed: %s", self.record.session_id, error, exc_info=cause)
         finally:
+            error = self._failure or error  # a failure told by fail() wins, however the run ended
             with trio.CancelScope(shield=True):
                 await self._finish(error)
 

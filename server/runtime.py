@@ -24,6 +24,7 @@ import trio
 
 from engine import CapacityPlan
 from states.admission import Admission, AdmissionBook, AdmissionTransition, Transition
+from states.restart_policy import RestartPolicy, RestartTracker
 from states.stream_session import RETAINING, Event, State
 from states.worker import State as WorkerState
 
@@ -73,6 +74,17 @@ class Created:
     token: str | None
 
 
+@attrs.define(eq=False)
+class _Slot:
+    """One configured worker place: its GPUs, its restart history, the worker filling it now."""
+
+    name: str
+    gpu_ids: tuple[int, ...]
+    tracker: RestartTracker
+    worker: ModelWorker | None = None
+    generation: int = 0
+
+
 class StreamRuntime:
     def __init__(
         self,
@@ -82,6 +94,7 @@ class StreamRuntime:
         transport: RoomTransport,
         metrics: ServerMetrics,
         service_loader: Callable[..., Any] | None = None,
+        restart_policy: RestartPolicy | None = None,
     ) -> None:
         self.settings = settings
         self.issuer = issuer
@@ -91,6 +104,9 @@ class StreamRuntime:
         self.book = AdmissionBook(settings.queue_size)
         self.workers: dict[str, ModelWorker] = {}
         self.runners: dict[str, RoomRunner] = {}
+        self.restart_policy = restart_policy or RestartPolicy()
+        self._slots: dict[str, _Slot] = {}
+        self._slot_of: dict[str, _Slot] = {}
         self._service_loader = service_loader
         self._nursery: trio.Nursery | None = None
         self._uploads: str | None = None
@@ -105,30 +121,56 @@ class StreamRuntime:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             groups = self.settings.worker_gpu_map or tuple(() for _ in range(self.settings.num_workers))
-            initial = self.settings.max_sessions_per_worker
             for index, gpu_ids in enumerate(groups):
-                worker_id = f"worker-{index}"
-                options: dict[str, Any] = {}
-                if self._service_loader is not None:
-                    options["service_loader"] = self._service_loader
-                worker = ModelWorker(
-                    worker_id,
-                    pipeline=self.settings.pipeline,
-                    gpu_ids=tuple(gpu_ids),
-                    max_sessions=initial,
-                    on_ready=self._worker_ready,
-                    on_failed=self._worker_failed,
-                    worker_mode=self.settings.worker_mode,
-                    placement=self.settings.placement,
-                    **options,
-                )
-                self.workers[worker_id] = worker
-                self.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
-                nursery.start_soon(worker.run)
+                slot = f"worker-{index}"
+                self._slots[slot] = _Slot(slot, tuple(gpu_ids), RestartTracker(self.restart_policy))
+                self._start_worker(self._slots[slot])
             nursery.start_soon(self._sweep)
             self.started = True
             self._publish_gauges()
             task_status.started()
+
+    def _start_worker(self, slot: _Slot) -> ModelWorker:
+        """A fresh worker for ``slot``: a new id (``worker-0``, then ``worker-0.1``...), its own capacity plan."""
+        worker_id = slot.name if slot.generation == 0 else f"{slot.name}.{slot.generation}"
+        slot.generation += 1
+        initial = self.settings.max_sessions_per_worker
+        options: dict[str, Any] = {}
+        if self._service_loader is not None:
+            options["service_loader"] = self._service_loader
+        worker = ModelWorker(
+            worker_id,
+            pipeline=self.settings.pipeline,
+            gpu_ids=slot.gpu_ids,
+            max_sessions=initial,
+            on_ready=self._worker_ready,
+            on_failed=self._worker_failed,
+            worker_mode=self.settings.worker_mode,
+            placement=self.settings.placement,
+            **options,
+        )
+        slot.worker = worker
+        self.workers[worker_id] = worker
+        self._slot_of[worker_id] = slot
+        self.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
+        assert self._nursery is not None
+        self._nursery.start_soon(worker.run)
+        return worker
+
+    async def _restart_when_due(self, slot: _Slot) -> None:
+        """Replace a failed worker once its backoff has passed (unless the server is stopping)."""
+        due_at = slot.tracker.due_at
+        if due_at is None:
+            return
+        await trio.sleep_until(due_at)
+        now = trio.current_time()
+        if self.closing or not slot.tracker.due(now):
+            return
+        slot.tracker.restarted(now)
+        self.metrics.record_worker_restart()
+        worker = self._start_worker(slot)
+        log.info("worker slot %s: started %s (restart %d)", slot.name, worker.worker_id, slot.tracker.restarts)
+        self._publish_gauges()
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run a small task in the runtime's nursery (e.g. publishing an event)."""
@@ -156,6 +198,8 @@ class StreamRuntime:
         with trio.move_on_after(grace):
             for runner in list(self.runners.values()):
                 await runner.finished.wait()
+        for slot in self._slots.values():
+            slot.tracker.stop()
         for worker in self.workers.values():
             worker.stop()
         if self._nursery is not None:
@@ -174,13 +218,50 @@ class StreamRuntime:
         self._follow(transitions)
 
     def _worker_failed(self, worker: ModelWorker, reason: str) -> None:
+        """A worker died: its sessions fail with its cause, and its slot backs off and restarts (or gives up)."""
+        now = trio.current_time()
         state = self.book.worker_state(worker.worker_id)
         if state not in (WorkerState.FAILED, WorkerState.STOPPED):
-            self._follow(self.book.fail_worker(worker.worker_id, trio.current_time()))
+            self._follow(self.book.fail_worker(worker.worker_id, now))
         for runner in list(self.runners.values()):
             if runner.worker is worker:
-                runner.abort()
+                runner.fail(f"worker {worker.worker_id} failed: {reason}")
+        slot = self._slot_of.get(worker.worker_id)
+        if slot is not None and slot.worker is worker and not self.closing:
+            decision = slot.tracker.failure(now, reason)
+            log.warning("worker slot %s: %s", slot.name, decision.reason)
+            if decision.delay is not None:
+                self.spawn(self._restart_when_due, slot)
+            elif not self.book.can_place():
+                self._fail_queued(f"no worker can take the session: {slot.tracker.describe(now)}")
         self._publish_gauges()
+
+    def _fail_queued(self, reason: str) -> None:
+        """Nothing will ever run the queued sessions (every slot gave up): they fail with the reason."""
+        now = trio.current_time()
+        for record in self.registry:
+            if record.status is State.QUEUED:
+                self.registry.apply(record, Event.FAIL, now=now, error=reason)
+                self._discard_upload(record)
+                self._follow(self.book.release(record.session_id, now))
+                self.metrics.record_session_finished(record.session_id, "failed")
+
+    def restart_retry_after(self, now: float) -> float | None:
+        """Seconds until the next worker restart is due, or None when none is coming."""
+        waits = [w for slot in self._slots.values() if (w := slot.tracker.retry_after(now)) is not None]
+        return min(waits, default=None)
+
+    def slot_status(self, now: float) -> dict[str, dict[str, Any]]:
+        """Per worker slot: the current worker, its restarts and, when not running, why."""
+        return {
+            name: {
+                "worker_id": None if slot.worker is None else slot.worker.worker_id,
+                "restarts": slot.tracker.restarts,
+                "state": slot.tracker.state.value,
+                "reason": slot.tracker.describe(now),
+            }
+            for name, slot in self._slots.items()
+        }
 
     # -- sessions ------------------------------------------------------------------
 
@@ -188,9 +269,12 @@ class StreamRuntime:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits."""
         identity = validate_client_identity(request.identity)
         if not self.closing and not self.book.can_place():
-            reasons = "; ".join(f"{w.worker_id}: {w.failure}" for w in self.workers.values() if w.failure)
+            now = trio.current_time()
+            reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slot_status(now).items() if why["reason"])
+            retry = self.restart_retry_after(now)
             raise NoWorker(
-                "no worker is running or starting" + (f" ({reasons})" if reasons else ""), NO_WORKER_RETRY_AFTER
+                "no worker is running or starting" + (f" ({reasons})" if reasons else ""),
+                NO_WORKER_RETRY_AFTER if retry is None else retry,
             )
         session_id = secrets.token_hex(8)
         room = f"chunkline-{session_id}"
@@ -399,6 +483,8 @@ class StreamRuntime:
             "workers_starting": snapshot.workers_starting,
             "workers_failed": snapshot.workers_failed,
             "queued_sessions": snapshot.queued,
+            "worker_restarts": sum(slot.tracker.restarts for slot in self._slots.values()),
+            "worker_slots": self.slot_status(trio.current_time()),
             "retained_sessions": snapshot.retained,
             "free_slots": snapshot.free_slots,
         }

@@ -70,6 +70,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.QUEUED, Event.ASSIGN): State.ASSIGNED,
     (State.QUEUED, Event.WITHDRAW): State.CLOSED,
     (State.QUEUED, Event.EXPIRE): State.EXPIRED,
+    (State.QUEUED, Event.FAIL): State.FAILED,  # no worker will ever run it (every slot gave up)
     # The room runner reports its progress.
     (State.ASSIGNED, Event.JOIN_ROOM): State.JOINING_ROOM,
     (State.JOINING_ROOM, Event.START_PIPELINE): State.STARTING_PIPELINE,

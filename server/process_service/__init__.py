@@ -46,6 +46,10 @@ Closing is bounded: leaving ``running()`` (or :meth:`ProcessService.close`)
 asks the child to leave the service's ``running()`` and exit, then after
 ``close_timeout`` seconds terminates it, then kills it ``kill_grace`` later;
 it returns once the child is reaped and every pipe is closed.
+
+A child that stops answering is declared failed: its trio loop sends a heartbeat every second, and one
+that is silent for ``heartbeat_timeout`` seconds (:data:`HEARTBEAT_TIMEOUT`; a frozen process, a loop
+blocked by a call) is killed, so every pending call and stream fails with that cause at once.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from .wire import CREDIT_WINDOW
 
 __all__ = [
     "CREDIT_WINDOW",
+    "HEARTBEAT_TIMEOUT",
     "ProcessBidirectionalService",
     "ProcessServerPushService",
     "ProcessService",
@@ -82,6 +87,7 @@ __all__ = [
 ]
 
 _names = itertools.count(1)
+HEARTBEAT_TIMEOUT = 10.0  # seconds of silence after which a service child is declared failed
 
 
 def start_process_service(
@@ -93,6 +99,7 @@ def start_process_service(
     parent_death_signal: bool = True,
     name: str | None = None,
     environment: dict[str, str] | None = None,
+    heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
     **options: Any,
 ) -> ProcessBidirectionalService | ProcessServerPushService:
     """Spawn a child that loads ``pipeline`` with ``load_service(pipeline, **options)``; return its proxy.
@@ -106,7 +113,7 @@ def start_process_service(
     name = name or f"process-service-{next(_names)}"
     link = ServiceLink(
         str(Path(pipeline)), dict(options), name=name, close_timeout=close_timeout, kill_grace=kill_grace,
-        parent_death_signal=parent_death_signal, environment=environment,
+        parent_death_signal=parent_death_signal, environment=environment, heartbeat_timeout=heartbeat_timeout,
     )
     ready = link.start(startup_timeout)
     if ready.kind == BidirectionalService.kind:

@@ -35,6 +35,7 @@ __all__ = ["SENDER_FLUSH_TIMEOUT", "child_main"]
 log = logging.getLogger("chunkline.process_service.child")
 
 SENDER_FLUSH_TIMEOUT = 10.0  # seconds the child waits for its last messages to be written
+HEARTBEAT_PERIOD = 1.0  # seconds between the child's heartbeats while its trio loop runs
 
 
 def child_main(conn: Any, config: dict[str, Any]) -> None:
@@ -134,12 +135,26 @@ class _Server:
     # -- trio ------------------------------------------------------------------------
 
     async def _main(self, capacity: int | None) -> None:
-        from pipelines.contract import BidirectionalService
-
         self.token = trio.lowlevel.current_trio_token()
         self.inbox, inbox = trio.open_memory_channel[Any](math.inf)
         threading.Thread(target=self._recv_loop, name="process-service-reader", daemon=True).start()
         service = self.service
+        async with trio.open_nursery() as heart:
+            heart.start_soon(self._beat)
+            try:
+                await self._run_service(service, capacity, inbox)
+            finally:
+                heart.cancel_scope.cancel()
+
+    async def _beat(self) -> None:
+        """Tell the parent this loop is alive; a frozen or blocked child goes silent and is declared failed."""
+        while True:
+            self.post(wire.Heartbeat())
+            await trio.sleep(HEARTBEAT_PERIOD)
+
+    async def _run_service(self, service: Any, capacity: int | None, inbox: Any) -> None:
+        from pipelines.contract import BidirectionalService
+
         entered = False
         try:
             if capacity is not None and isinstance(service, BidirectionalService):

@@ -39,7 +39,7 @@ class ServiceLink:
 
     def __init__(
         self, pipeline: str, options: dict[str, Any], *, name: str, close_timeout: float, kill_grace: float,
-        parent_death_signal: bool, environment: dict[str, str] | None = None,
+        parent_death_signal: bool, environment: dict[str, str] | None = None, heartbeat_timeout: float | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.name = name
@@ -52,6 +52,7 @@ class ServiceLink:
         self._supervisor = Supervisor(
             [spec], on_message=self._on_bytes, on_exit=self._on_exit, close_timeout=close_timeout,
             kill_grace=kill_grace, parent_death_signal=parent_death_signal, name=name,
+            heartbeat_timeout=heartbeat_timeout,
         )
         self._lock = threading.Lock()
         self._token: trio.lowlevel.TrioToken | None = None

@@ -298,6 +298,8 @@ class ProcessService:
                 self._run_error = text
                 if self._started is not None:
                     self._started.set()
+            case wire.Heartbeat():
+                pass  # the supervisor's deadline saw it; nothing else to do
             case wire.Stopped(traceback=text):
                 self._stop_error = text
             case wire.ChildExited(code=code, expected=expected, cause=cause):

@@ -10,7 +10,7 @@ Parent to child: :class:`Run` (once, after :class:`Ready`), :class:`Call`,
 
 Child to parent: :class:`Ready` or :class:`LoadFailed` (the hello), then
 :class:`Running` or :class:`RunFailed`, :class:`Result`, :class:`SessionEvent`,
-:class:`ChunkOut`, :class:`StreamEnd`, :class:`Stopped`.
+:class:`ChunkOut`, :class:`StreamEnd`, :class:`Heartbeat`, :class:`Stopped`.
 
 Made in the parent (never sent): :class:`ChildExited`, :class:`ProtocolError`.
 
@@ -180,6 +180,11 @@ class ChunkOut:
 class StreamEnd:
     stream_id: int
     error: ErrorInfo | None = None
+
+
+@attrs.frozen
+class Heartbeat:
+    """The child's trio loop is alive (sent every ``HEARTBEAT_PERIOD``; silence past the deadline is death)."""
 
 
 @attrs.frozen

@@ -280,13 +280,16 @@ async def wait_until(predicate: Callable[[], bool], what: str, deadline: float =
 
 
 @asynccontextmanager
-async def serve(settings: ServerSettings, service: Any) -> AsyncIterator[Served]:
+async def serve(
+    settings: ServerSettings, service: Any, *, restart_policy: Any = None, ready: bool = True
+) -> AsyncIterator[Served]:
     loader = service if callable(service) and not hasattr(service, "running") else counter_loader(service)
-    app = create_app(settings, service_loader=loader)
+    app = create_app(settings, service_loader=loader, restart_policy=restart_policy)
     runtime: StreamRuntime = app.extensions["chunkline"]
     async with app.test_app() as test_app:
         served = Served(app, test_app.test_client(), runtime)
-        await wait_until(lambda: runtime.ready, "the runtime to be ready")
+        if ready:
+            await wait_until(lambda: runtime.ready, "the runtime to be ready")
         try:
             yield served
         finally:

@@ -1,0 +1,151 @@
+"""Failing workers: their sessions fail with the cause, queued sessions wait for the replacement and are
+never promoted onto the dying worker, a failed worker is replaced with backoff (new id, its own plan), a
+crash loop stops the restarts and health says why, metrics count restarts, and a frozen service child is
+declared failed by its heartbeat deadline (principles 3, 4 and 6 of the hostile-clients issue).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from server.process_service import start_process_service
+from states.restart_policy import RestartPolicy
+
+from ..server import runner_fixtures as fixtures
+from ..server.runner_fixtures import CounterService, join, settings, wait_until
+
+FAST = RestartPolicy(base_delay=0.05, max_delay=0.2, factor=2.0, max_failures=2, window=60.0)
+
+
+class DyingService(CounterService):
+    """A CounterService whose ``running()`` fails as a whole (the model crashed) when ``die`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(fps=20, frames_per_chunk=2, size=(8, 8))
+        self.die = trio.Event()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[DyingService]:
+        async with trio.open_nursery() as nursery:
+
+            async def crash() -> None:
+                await self.die.wait()
+                raise RuntimeError("the model crashed (test)")
+
+            nursery.start_soon(crash)
+            yield self
+            nursery.cancel_scope.cancel()
+
+
+class Loader:
+    """Hands out the given services in turn; ``None`` stands for a load that fails."""
+
+    def __init__(self, *services: DyingService | None) -> None:
+        self.services = list(services)
+        self.loaded: list[DyingService] = []
+
+    def __call__(self, path: str, **_: Any) -> DyingService:
+        service = self.services.pop(0) if self.services else None
+        if service is None:
+            raise RuntimeError("the model file is corrupt (test)")
+        self.loaded.append(service)
+        return service
+
+
+def serve(loader: Any, **overrides: Any) -> Any:
+    """The app with the fast restart policy; the tests wait for readiness themselves."""
+    return fixtures.serve(settings(**overrides), loader, restart_policy=FAST, ready=False)
+
+
+async def test_a_dying_worker_fails_its_sessions_and_the_queue_waits_for_its_replacement() -> None:
+    first, second = DyingService(), DyingService()
+    async with serve(Loader(first, second)) as s:
+        await wait_until(lambda: s.runtime.ready, "the first worker")
+        running = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        assert running["worker_id"] == "worker-0" and queued["status"] == "queued"
+        async with join(s, running["room"], running["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=20)
+            first.die.set()
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the session's error", timeout=20)
+        record = await s.get(running["session_id"])
+        assert record["status"] == "failed", record
+        assert "worker worker-0 failed" in record["error"] and "the model crashed (test)" in record["error"]
+        assert "the model crashed (test)" in errors[0]["detail"]
+        # the queued session went to the replacement, never to the dead worker
+        await wait_until(lambda: s.runtime.book.worker_of(queued["session_id"]) is not None, "the promotion")
+        assert s.runtime.book.worker_of(queued["session_id"]) == "worker-0.1"
+        assert (await s.get(queued["session_id"]))["worker_id"] == "worker-0.1"
+        health = (await s.json("get", "/v1/stream/health"))[1]
+        assert health["worker_restarts"] == 1 and health["worker_slots"]["worker-0"]["worker_id"] == "worker-0.1"
+        assert "chunkline_worker_restarts_total 1.0" in await s.metrics_text()
+
+
+async def test_failed_loads_back_off_then_a_fresh_worker_takes_sessions() -> None:
+    async with serve(Loader(None, None, DyingService())) as s:
+        await wait_until(lambda: s.runtime.ready, "the third load to succeed")
+        health = (await s.json("get", "/v1/stream/health"))[1]
+        assert health["status"] in ("healthy", "degraded") and health["worker_restarts"] == 2
+        assert health["worker_slots"]["worker-0"] == {"worker_id": "worker-0.2", "restarts": 2, "state": "running",
+                                                       "reason": None}
+        created = await s.create("ctl")
+        assert created["worker_id"] == "worker-0.2"  # a new id, with its own capacity plan
+        metadata = (await s.json("get", "/v1/service/metadata"))[1]
+        assert set(metadata["session_capacity"]) == {"worker-0.2"}
+        assert "the model file is corrupt" in metadata["worker_failures"]["worker-0"]
+
+
+async def test_a_crash_loop_stops_restarting_says_why_and_fails_the_queue() -> None:
+    async with serve(Loader(DyingService(), None, None), queue_size=2) as s:
+        await wait_until(lambda: s.runtime.ready, "the first worker")
+        held = await s.create("ctl")
+        queued = await s.create("ctl-next")
+        assert queued["status"] == "queued"
+        s.runtime.workers["worker-0"].service.die.set()  # type: ignore[union-attr]
+        # worker-0 dies, worker-0.1 and worker-0.2 fail to load: more than max_failures=2 within the window
+        await wait_until(lambda: s.runtime.slot_status(trio.current_time())["worker-0"]["state"] == "gave_up",
+                         "the crash loop")
+        health = (await s.json("get", "/v1/stream/health"))[1]
+        assert health["status"] == "unhealthy" and health["worker_restarts"] == 2
+        assert "crash loop" in health["worker_slots"]["worker-0"]["reason"]
+        for session_id in (held["session_id"], queued["session_id"]):
+            await wait_until(lambda: s.runtime.get(session_id).is_terminal, "the session to end")
+            record = await s.get(session_id)
+            assert record["status"] == "failed" and record["error"], record
+        assert "crash loop" in (await s.get(queued["session_id"]))["error"]
+        status, body = await s.json("post", "/v1/stream/sessions", json={"identity": "late"})
+        assert status == 503 and body["error"] == "no_worker" and "crash loop" in body["detail"]
+
+
+async def test_a_frozen_service_child_is_declared_failed_and_replaced() -> None:
+    """A service child stopped with SIGSTOP answers nothing: its heartbeat deadline kills it, a DELETE of
+    its session finishes instead of hanging in draining, health says why, and a fresh child takes over."""
+    loader = functools.partial(start_process_service, heartbeat_timeout=2.0)
+    async with serve(loader, pipeline="pipelines/replay", worker_mode="process") as s:
+        await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
+        created = await s.create("ctl")
+        service = s.runtime.workers["worker-0"].service
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=60)
+            os.kill(service.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            try:
+                with trio.fail_after(30):
+                    status, body = await s.json("delete", f"/v1/stream/sessions/{created['session_id']}")
+                assert status == 200
+                await wait_until(lambda: s.runtime.get(created["session_id"]).is_terminal, "the session to end", 30)
+            finally:
+                if service.exitcode is None:  # type: ignore[union-attr]
+                    os.kill(service.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        assert (await s.get(created["session_id"]))["status"] in ("closed", "failed")
+        await wait_until(lambda: s.runtime.workers["worker-0"].failure, "the frozen child to be declared failed", 30)
+        metadata = (await s.json("get", "/v1/service/metadata"))[1]
+        assert "heartbeat deadline" in metadata["worker_failures"]["worker-0"]
+        await wait_until(lambda: "worker-0.1" in s.runtime.workers and s.runtime.ready, "the replacement", 120)
+        assert (await s.create("ctl2"))["worker_id"] == "worker-0.1"
