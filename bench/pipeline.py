@@ -1,7 +1,7 @@
 """The toy world served end to end on CPU, printed as JSON lines (``python -m bench.pipeline``).
 
 - ``single``: one session, ``continuous`` for 60 chunks: real-time factor (p95 chunk period /
-  chunk media duration), first-output latency (create_session to the first chunk), and scheduler
+  chunk media duration), ``cpu_rtf`` (process CPU seconds per chunk / chunk media duration), first-output latency (create_session to the first chunk), and scheduler
   efficiency (mean chunk period / mean time of the slowest stage, from
   ``chunk.metadata["stage_times"]``; 1.0 means the slowest stage never waits).
 - ``multi``: four sessions in the default ``on_input`` mode, each holding a key with its controller
@@ -16,8 +16,16 @@
   period / chunk media duration), mean chunk period and startup time (``running()`` entered,
   process spawns and warm-up included).
 
+- ``resolutions``: one ``continuous`` session per resolution (``--option resolution=WxH``: 160x96, the
+  default, 320x192 and 832x480, the largest a session may ask for), ``RESOLUTION_CHUNKS`` chunks each
+  after a warm-up chunk, walking forward: real-time factor (p95 chunk period / chunk media duration),
+  mean chunk period, and the process CPU seconds per chunk over the chunk media duration
+  (``cpu_rtf``: what the model costs when it has a core to itself, a fairer figure on a shared machine),
+  and each one's ratio to the default resolution's figures from the same run.
+
 Wall clock (``time.perf_counter``) throughout; the toy world at its default size except for
-``placements``. ``python -m bench.pipeline placements`` prints only that line.
+``placements`` and ``resolutions``. ``python -m bench.pipeline placements`` prints only that line;
+``python -m bench.pipeline resolutions [DEVICE]`` only that one (``DEVICE`` e.g. ``cuda``, default ``cpu``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ RESEND_SECONDS = 0.05  # how often a controller re-sends its held keys
 MULTI_LIMIT_SECONDS = 120.0
 PLACEMENT_CHUNKS = 24
 PLACEMENT_SIZE = dict(height=48, width=80, frames_per_chunk=4)
+RESOLUTIONS = ("160x96", "320x192", "832x480")
+RESOLUTION_CHUNKS = 24
 
 
 def placement(mode: str, decode_devices: list[str]) -> dict[str, Any]:
@@ -76,11 +86,13 @@ async def single(service: Any) -> dict[str, Any]:
     start = time.perf_counter()
     session_id = await service.create_session(SessionConfig(options={"continuous": True, "chunks": CHUNKS}))
     arrivals: list[float] = []
+    cpu: list[float] = []
     stage_times: list[dict[str, float]] = []
     media = 0.0
     async with aclosing(service.chunks(session_id)) as chunks:
         async for chunk in chunks:
             arrivals.append(time.perf_counter())
+            cpu.append(time.process_time())
             stage_times.append(dict(chunk.metadata.get("stage_times", {})))
             media = chunk.media_seconds
     await service.close_session(session_id)
@@ -99,6 +111,7 @@ async def single(service: Any) -> dict[str, Any]:
         "mean_chunk_period_s": mean_period,
         "p95_chunk_period_s": percentile(gaps, 0.95),
         "real_time_factor": percentile(gaps, 0.95) / media,
+        "cpu_rtf": (cpu[-1] - cpu[0]) / (len(cpu) - 1) / media,
         "first_output_latency_s": arrivals[0] - start,
         "stage_mean_s": stage_means,
         "slowest_stage": slowest,
@@ -207,9 +220,42 @@ async def placements() -> dict[str, Any]:
     return line
 
 
-async def main(only: str | None = None) -> None:
+async def resolutions(device: str = "cpu") -> dict[str, Any]:
+    line: dict[str, Any] = {"bench": "pipeline.resolutions", "device": device, "chunks": RESOLUTION_CHUNKS}
+    service = get_service(device=device)
+    walk = Control(ControlType.CONTROL_STATE, keys=frozenset({"w"}))
+    async with service.running():
+        for resolution in RESOLUTIONS:
+            options = {"continuous": True, "chunks": RESOLUTION_CHUNKS + 1, "resolution": resolution}
+            session_id = await service.create_session(SessionConfig(options=options))
+            await service.push_control(session_id, walk)
+            arrivals: list[float] = []
+            cpu: list[float] = []
+            media = 0.0
+            async with aclosing(service.chunks(session_id)) as chunks:
+                async for chunk in chunks:
+                    arrivals.append(time.perf_counter())
+                    cpu.append(time.process_time())
+                    media = chunk.media_seconds
+            await service.close_session(session_id)
+            gaps = sorted(periods(arrivals))  # after the warm-up chunk
+            line[resolution] = {
+                "real_time_factor": percentile(gaps, 0.95) / media,
+                "mean_chunk_period_s": statistics.fmean(gaps),
+                "cpu_rtf": (cpu[-1] - cpu[0]) / (len(cpu) - 1) / media,
+            }
+    base = line[RESOLUTIONS[0]]
+    for resolution in RESOLUTIONS[1:]:
+        line[resolution]["period_ratio_to_default"] = line[resolution]["mean_chunk_period_s"] / base["mean_chunk_period_s"]
+    return line
+
+
+async def main(only: str | None = None, device: str = "cpu") -> None:
     if only == "placements":
         emit(await placements())
+        return
+    if only == "resolutions":
+        emit(await resolutions(device))
         return
     service = get_service()
     async with service.running():
@@ -217,10 +263,12 @@ async def main(only: str | None = None) -> None:
         emit(line)
         emit(await multi(service, line["mean_chunk_period_s"]))
     emit(await placements())
+    emit(await resolutions())
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 or sys.argv[1:] not in ([], ["placements"]):
-        print("usage: python -m bench.pipeline [placements]", file=sys.stderr)
+    args = sys.argv[1:]
+    if not (args in ([], ["placements"]) or (args[:1] == ["resolutions"] and len(args) <= 2)):
+        print("usage: python -m bench.pipeline [placements | resolutions [DEVICE]]", file=sys.stderr)
         sys.exit(2)
-    trio.run(main, *sys.argv[1:])
+    trio.run(main, *args)

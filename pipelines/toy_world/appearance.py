@@ -7,7 +7,8 @@ picture):
 - ``ground``: a ``3 x S x S`` texture from the image's lower half (tiled mirror-wise on the ground);
 - ``sky``: a ``3 x S x 2S`` panorama from the image's upper half (mirrored in azimuth, so it wraps);
 - ``surface``: a ``3 x S x S`` texture from the whole image, for the objects' surfaces;
-- ``palette``: ``P`` colours of the image at seeded points (the objects' colours);
+- ``palette``: ``P`` colours of the image at seeded points (the objects' colours; without an image,
+  ``P`` seeded colours);
 - ``sky_top``, ``horizon``, ``sun``: colours (``horizon`` is also the fog colour);
 - ``params``: ``(sun azimuth deg, sun elevation deg, fog scale, light level)``.
 
@@ -98,7 +99,7 @@ def _value_noise(gen: torch.Generator, height: int, width: int, cells: int) -> t
 
 
 def procedural_picture(seed: int, height: int = 96, width: int = 160) -> torch.Tensor:
-    """A ``3 x H x W`` picture in ``[0, 1]`` from the seed: a sky over a field, with coloured patches."""
+    """A ``3 x H x W`` picture in ``[0, 1]`` from the seed: a sky with clouds over a field."""
     gen = _seeded(seed, "picture")
     ys = torch.linspace(0.0, 1.0, height).view(height, 1)
     sky_hue, ground_hue = torch.rand(3, generator=gen), torch.rand(3, generator=gen)
@@ -110,14 +111,6 @@ def procedural_picture(seed: int, height: int = 96, width: int = 160) -> torch.T
         0.45 + 0.4 * _value_noise(gen, height, width, 10) + 0.45 * _value_noise(gen, height, width, 40)
     )
     picture = torch.where(ys.view(1, height, 1) < 0.5, sky.expand(3, height, width), ground.expand(3, height, width))
-    for _ in range(10):  # coloured patches: the palette the objects draw from
-        colour = torch.rand(3, generator=gen).view(3, 1, 1) * 0.9 + 0.05
-        cy, cx = float(torch.rand((), generator=gen)), float(torch.rand((), generator=gen))
-        size = 0.05 + 0.08 * float(torch.rand((), generator=gen))
-        yy = torch.linspace(0, 1, height).view(height, 1) - cy
-        xx = torch.linspace(0, 1, width).view(1, width) - cx
-        mask = (yy.square() + (xx * width / height).square()) < size**2
-        picture = torch.where(mask, colour.expand(3, height, width), picture)
     return picture.clamp(0.0, 1.0)
 
 
@@ -138,7 +131,10 @@ def encode_appearance(image: torch.Tensor | None, seed: int, texture: int) -> Ap
     # does not decide), pushed away from grey so objects stand out from the ground.
     smooth = resized(picture, (32, 32))
     points = torch.randint(0, 32, (PALETTE, 2), generator=gen)
-    palette = smooth[:, points[:, 0], points[:, 1]].T
+    if image is None:  # the seed's own colours: bright, varied
+        palette = 0.2 + 0.75 * torch.rand(PALETTE, 3, generator=gen)
+    else:
+        palette = smooth[:, points[:, 0], points[:, 1]].T
     grey = palette.mean(dim=1, keepdim=True)
     palette = (grey + 1.6 * (palette - grey)).clamp(0.05, 0.95)
     sky_top = top[:, : max(1, half // 4)].mean(dim=(1, 2))

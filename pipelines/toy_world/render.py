@@ -335,7 +335,7 @@ def _draw_objects(colour, depth, look, rays, origin, poses, height, width, confi
     centre, radius = prims.centre[chosen], prims.radius[chosen]
     reach_xz = np.hypot(cam_xz[None, :, 0] - centre[:, None, 0], cam_xz[None, :, 1] - centre[:, None, 2])
     alpha = np.clip((config.view_distance - reach_xz) / (0.15 * config.view_distance), 0, 1) * np.clip(
-        (reach_xz - radius[:, None] - 0.3) / 0.8, 0, 1
+        (reach_xz - radius[:, None] - 0.5) / 1.5, 0, 1
     )
     table = np.stack([*centre.T, radius, prims.height[chosen], prims.shade[chosen]], axis=1)
 
@@ -343,11 +343,11 @@ def _draw_objects(colour, depth, look, rays, origin, poses, height, width, confi
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, kind or dtype)
 
     flat, owner, frame = on_device(flat_np, torch.int64), on_device(owner_np, torch.int64), on_device(frame_np, torch.int64)
-    params = on_device(table)[owner]  # N x 6
+    params = on_device(table).index_select(0, owner)  # N x 6
     cx, cy, cz, r, h, shade = params.unbind(-1)
-    is_cylinder = on_device(prims.kind[chosen] == CYLINDER, torch.bool)[owner]
-    d = rays.reshape(-1, 3)[flat]
-    o = origin.reshape(count, 3)[frame]
+    is_cylinder = on_device(prims.kind[chosen] == CYLINDER, torch.bool).index_select(0, owner)
+    d = rays.reshape(-1, 3).index_select(0, flat)
+    o = origin.reshape(count, 3).index_select(0, frame)
     dx, dy, dz = d.unbind(-1)
     ox, oy, oz = o[:, 0] - cx, o[:, 1] - cy, o[:, 2] - cz
     # Vertical cylinder standing on the ground (cy = 0): the ray's hit on its side, from outside.
@@ -362,17 +362,17 @@ def _draw_objects(colour, depth, look, rays, origin, poses, height, width, confi
     disc_s = b_s * b_s - (ox * ox + oy * oy + oz * oz - r * r)
     t_s = -b_s - disc_s.clamp(min=0).sqrt()
     t = torch.where(is_cylinder, t_c, t_s)
-    weight = on_device(alpha)[owner, frame]
+    weight = on_device(alpha).view(-1).index_select(0, owner * count + frame)
     hit = torch.where(is_cylinder, hit_c, disc_s > 0) & (t > NEAR) & (weight > 0)
     t = torch.where(hit, t, torch.full_like(t, math.inf))
     # The nearest hit per pixel; ties go to the later element (deterministic).
     nearest = torch.full((count * height * width,), math.inf, device=device, dtype=dtype)
     nearest.scatter_reduce_(0, flat, t, reduce="amin")
-    wins = hit & (t == nearest[flat]) & (t < depth.reshape(-1)[flat])
+    wins = hit & (t == nearest.index_select(0, flat)) & (t < depth.view(-1).index_select(0, flat))
     element = torch.arange(len(flat), device=device)
     winner = torch.full_like(nearest, -1, dtype=torch.int64)
     winner.scatter_reduce_(0, flat, torch.where(wins, element, torch.full_like(element, -1)), reduce="amax")
-    keep = wins & (winner[flat] == element)
+    keep = wins & (winner.index_select(0, flat) == element)
     if not bool(keep.any()):
         return
     sel = keep.nonzero().squeeze(1)
