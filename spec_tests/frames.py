@@ -18,3 +18,12 @@ def horizontal_shift(before: np.ndarray, after: np.ndarray) -> tuple[int, float,
         errors[s] = float(np.abs(a - b).mean())
     best = min(errors, key=errors.__getitem__)
     return best, errors[best], errors[0]
+
+
+def near_ground_shift(before: np.ndarray, after: np.ndarray, rows: int = 3) -> tuple[int, float, float]:
+    """:func:`horizontal_shift` of the bottom ``rows`` rows: the toy world's nearest ground.
+
+    A strafe moves each row by its own depth's parallax (the sky not at all), so no single shift fits a
+    whole frame; a thin band of the nearest ground moves the most and by one shift.
+    """
+    return horizontal_shift(before[-rows:], after[-rows:])

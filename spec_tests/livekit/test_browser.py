@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from server.livekit_local import stop_process, wait_http_ok
-from spec_tests.frames import horizontal_shift
+from spec_tests.frames import near_ground_shift
 
 from .conftest import IN_CI, LiveKit, StreamServer
 from .test_stream import TERMINAL, wait_status
@@ -192,7 +192,7 @@ def drive(driver_url: str, base_url: str, profiles: Path, artifacts: Path) -> di
             hold(controller, "d", False)
         held_frames, after = settled(controller, "the controller's picture after D")
         controller.save_screenshot(str(artifacts / "browser-02-controller-after-d.png"))
-        seen.update(first_frames=first_frames, held_frames=held_frames, shift=horizontal_shift(before, after))
+        seen.update(first_frames=first_frames, held_frames=held_frames, shift=near_ground_shift(before, after))
 
         click(controller, "btn-share")
         link = wait(controller, lambda d: d.find_element(By.ID, "share-link").get_attribute("value"), "the viewer link")

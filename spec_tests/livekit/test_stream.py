@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import trio
 
-from spec_tests.frames import horizontal_shift
+from spec_tests.frames import near_ground_shift
 
 from .conftest import Agent, LiveKit, StreamServer
 
@@ -88,7 +88,7 @@ async def test_controller_holds_d_and_the_livekit_video_moves(stream: StreamServ
     await agent.request("hold", client="alice", keys=[])
     after_count, after = await settled_frame(agent, "alice")
     assert after_count >= before_count + 12, (before_count, after_count)
-    shift, error, unshifted = horizontal_shift(before, after)
+    shift, error, unshifted = near_ground_shift(before, after)
     assert shift >= 5, f"holding D should move the content left; best shift {shift} px (error {error:.1f})"
     assert error < 0.6 * unshifted, (shift, error, unshifted)
 
