@@ -73,7 +73,7 @@ class SessionShutdown:
                 ) from rt.cleanup_error
 
     async def _wait_settled(self, rt: SessionRuntime, deadline: float) -> bool:
-        with trio.move_on_at(deadline):  # the settle deadline: stop waiting, not the running calls
+        with trio.move_on_at(deadline) as settle_deadline:  # stops the waiting, not the running calls
             while not self._core.work_settled(rt):
                 await rt.changed.park()
         return self._core.work_settled(rt)
@@ -94,7 +94,7 @@ class SessionShutdown:
 
     async def _retry(self, rt: SessionRuntime, deadline: float) -> None:
         """Re-enter stage release, once no call from the timed-out attempt still runs."""
-        with trio.move_on_at(deadline):  # the retry deadline
+        with trio.move_on_at(deadline) as retry_deadline:  # stops the wait for the timed-out calls
             while rt.reservations:
                 await rt.changed.park()
         if rt.reservations:

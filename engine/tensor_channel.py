@@ -96,7 +96,7 @@ from .tensor_channel_shm import (
     ControlLayout,
     CpuSlotPool,
     Segment,
-    _posixshmem,
+    SHARED_MEMORY,
     release_owned,
 )
 from .tensor_tree import map_leaves, unique_tensors
@@ -131,7 +131,7 @@ class WorkerTensorChannel(ConsumerSide):
             raise ValueError(f"cuda_ipc_slots must be an int >= 1, got {cuda_ipc_slots!r}")
         if shard_dim is not None and not isinstance(shard_dim, int):
             raise ValueError(f"shard_dim must be an int or None, got {shard_dim!r}")
-        if _posixshmem is None:  # pragma: no cover
+        if not SHARED_MEMORY:  # pragma: no cover
             raise RuntimeError("WorkerTensorChannel needs POSIX shared memory")
         self.channel_id = secrets.token_hex(5)
         self.world_size = consumer_world_size
@@ -139,22 +139,20 @@ class WorkerTensorChannel(ConsumerSide):
         self.shard_dim = shard_dim
         self.cuda_ipc_slots = cuda_ipc_slots
         self._init_local()
-        self._control = Segment(self._prefix + "ctl", self._layout.words * 8, create=True)
+        self._control = Segment(self.prefix + "ctl", self.layout.words * 8, create=True)
         self._control.words[ControlLayout.MAGIC] = MAGIC
         self._owner_state = {"closed": False}
-        self._finalizer = weakref.finalize(self, release_owned, self._control, self._prefix, self._owner_state)
+        self._finalizer = weakref.finalize(self, release_owned, self._control, self.prefix, self._owner_state)
 
     def _init_local(self) -> None:
-        self._prefix = f"cl_{self.channel_id}_"
-        self._layout = ControlLayout(self.world_size)
+        self.prefix = f"cl_{self.channel_id}_"
+        self.layout = ControlLayout(self.world_size)
         self._control: Segment | None = None
         self._finalizer = None
-        self._pool = CpuSlotPool(self._prefix, self._ctl)
-        self._attached: dict[str, Segment] = {}
-        self._through: dict[int, int] = {}
+        self._pool = CpuSlotPool(self.prefix, self.control_words)
         self._cuda_producer = None
-        self._cuda_consumer = None
         self._detached = False
+        ConsumerSide.__init__(self)  # the consumer's own state in this process
 
     def __getstate__(self) -> dict:
         return {k: getattr(self, k) for k in ("channel_id", "world_size", "timeout", "shard_dim", "cuda_ipc_slots")}
@@ -179,14 +177,11 @@ class WorkerTensorChannel(ConsumerSide):
     def detach(self) -> None:
         """Drop this process's mappings and CUDA pools (children call this when they stop)."""
         self._detached = True
-        for side in (self._cuda_producer, self._cuda_consumer):
-            if side is not None:
-                side.close()
-        self._cuda_producer = self._cuda_consumer = None
+        if self._cuda_producer is not None:
+            self._cuda_producer.close()
+        self._cuda_producer = None
+        super().detach()
         self._pool.close()
-        for segment in self._attached.values():
-            segment.close()
-        self._attached.clear()
         if self._control is not None and not self.is_owner:
             self._control.close()
             self._control = None
@@ -203,40 +198,45 @@ class WorkerTensorChannel(ConsumerSide):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ctl(self):
+    def control_words(self):
+        """The shared control words (mapped on first use in this process)."""
         if self.closed:
             raise TensorChannelError(f"{self!r} is closed")
         if self._control is None:
-            self._control = Segment(self._prefix + "ctl")
+            self._control = Segment(self.prefix + "ctl")
         return self._control.words
 
     # -- acks ------------------------------------------------------------------------
 
-    def _ack_index(self, rank: int, tid: int) -> int:
-        return self._layout.ack(rank, tid)
+    def own_segment(self, name: str) -> Segment | None:
+        """The CPU pool's segment ``name`` when this process created it (the producer's own mapping)."""
+        return self._pool.segment(name)
 
     def ack_of(self, rank: int, tid: int) -> int:
         """+tid: rank copied (or released) transfer tid; -tid: discarded; 0: unresolved (a newer ack also means resolved)."""
-        value = self._ctl()[self._ack_index(rank, tid)]
+        value = self.control_words()[self.layout.ack(rank, tid)]
         return value if abs(value) == tid else (tid if abs(value) > tid else 0)
 
-    def _resolved(self, rank: int, tid: int) -> bool:
-        return tid <= 0 or abs(self._ctl()[self._ack_index(rank, tid)]) >= tid
+    def resolved(self, rank: int, tid: int) -> bool:
+        """Whether ``rank`` acked or discarded transfer ``tid`` (so its slot is free of that rank)."""
+        return tid <= 0 or abs(self.control_words()[self.layout.ack(rank, tid)]) >= tid
 
-    def _held(self, rank: int, tid: int) -> bool:
-        return tid > 0 and self._ctl()[self._layout.hold(rank, tid)] == tid
+    def held(self, rank: int, tid: int) -> bool:
+        """Whether ``rank`` holds zero-copy views of transfer ``tid`` (until it releases them)."""
+        return tid > 0 and self.control_words()[self.layout.hold(rank, tid)] == tid
 
-    def _wait_resolved(self, tids: Iterable[int], what: str, deadline: float) -> None:
+    def wait_resolved(self, tids: Iterable[int], what: str, deadline: float) -> None:
+        """Until every rank resolved every transfer of ``tids``; :class:`TensorChannelTimeout` at ``deadline``."""
         tids = [t for t in tids if t > 0]
         if not tids:
             return
         spin_until, delay = time.monotonic() + SPIN_S, 0.00005
         while True:
-            pending = sorted({r for r in range(self.world_size) for t in tids if not self._resolved(r, t)})
+            pending = sorted({r for r in range(self.world_size) for t in tids if not self.resolved(r, t)})
             if not pending:
                 return
             if time.monotonic() >= deadline:
-                held = sorted({r for r in pending for t in tids if self._held(r, t)})
+                held = sorted({r for r in pending for t in tids if self.held(r, t)})
                 raise TensorChannelTimeout(
                     f"{self!r}: {what}: transfers {sorted(tids)} not released by consumer ranks {pending} "
                     f"within {self.timeout:g} s" + (f" (ranks {held} hold zero-copy views)" if held else "")
@@ -256,7 +256,7 @@ class WorkerTensorChannel(ConsumerSide):
         if not leaves:
             return tree
         dims = [self._check_leaf(i, t) for i, t in enumerate(leaves)]
-        words = self._ctl()
+        words = self.control_words()
         pid = os.getpid()
         if words[ControlLayout.PRODUCER] not in (0, pid):
             raise TensorChannelError(
@@ -265,7 +265,7 @@ class WorkerTensorChannel(ConsumerSide):
         words[ControlLayout.PRODUCER] = pid
         tid = words[ControlLayout.LAST_TID] + 1
         deadline = time.monotonic() + self.timeout
-        self._wait_resolved([tid - ACK_WINDOW], "ack window full", deadline)
+        self.wait_resolved([tid - ACK_WINDOW], "ack window full", deadline)
         words[ControlLayout.LAST_TID] = tid
         refs = [self._send_one(tid, i, t, len(leaves), dims[i], deadline) for i, t in enumerate(leaves)]
         return map_leaves(tree, lambda t: refs[seen[id(t)]], torch.Tensor)
@@ -302,7 +302,7 @@ class WorkerTensorChannel(ConsumerSide):
                 self._cuda_producer = CudaProducer(self, MAX_PROFILES)
             payload = self._cuda_producer.send(tid, index, t, count, deadline)
         elif t.device.type == "cpu":
-            payload = self._pool.write(tid, index, t, count, lambda tids, what: self._wait_resolved(tids, what, deadline))
+            payload = self._pool.write(tid, index, t, count, lambda tids, what: self.wait_resolved(tids, what, deadline))
         else:
             raise ValueError(f"tensor {index}: device {t.device} is not supported (cpu or cuda)")
         return WorkerTensorRef(**fields, payload=payload)

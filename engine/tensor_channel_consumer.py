@@ -3,7 +3,7 @@
 ``receive`` (copying, or zero-copy views held until ``release``), ``release``,
 ``discard``, the producer-order rule and the metadata checks. The protocol is
 described in :mod:`engine.tensor_channel`; the channel supplies the control
-words (``_ctl``), the layout, the ack helpers and its CPU pool.
+words, the layout, the ack helpers and its CPU pool's segments (see the class).
 """
 
 from __future__ import annotations
@@ -24,11 +24,31 @@ from .tensor_channel_refs import (
 from .tensor_channel_shm import DTYPES, CpuPayload, Segment, read_header, slot_view
 from .tensor_tree import leaves_of, map_leaves
 
-__all__ = ["ConsumerSide"]
+__all__ = ["ConsumerSide", "copy_out"]
 
 
 class ConsumerSide:
-    """Consumer methods of the channel (mixed into WorkerTensorChannel)."""
+    """Consumer methods of the channel (mixed into WorkerTensorChannel).
+
+    It owns the consumer's local state (attached segments, each rank's receive order, the CUDA consumer)
+    and uses the channel only through its public members: ``world_size``, ``channel_id``, ``timeout``,
+    ``prefix``, ``layout``, ``control_words()``, ``own_segment()``, ``resolved()``, ``held()`` and
+    ``wait_resolved()``.
+    """
+
+    def __init__(self) -> None:
+        self._attached: dict[str, Segment] = {}
+        self._through: dict[int, int] = {}
+        self._cuda_consumer = None
+
+    def detach(self) -> None:
+        """Drop the consumer's mappings in this process."""
+        if self._cuda_consumer is not None:
+            self._cuda_consumer.close()
+        self._cuda_consumer = None
+        for segment in self._attached.values():
+            segment.close()
+        self._attached.clear()
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
@@ -73,25 +93,25 @@ class ConsumerSide:
             if [r.tensor_index for r in refs] != list(range(count)):
                 raise ValueError(f"transfer {tid}: receive all {count} tensors of a transfer together")
             self._check_order(rank, tid)
-            if self._resolved(rank, tid) or self._held(rank, tid):
+            if self.resolved(rank, tid) or self.held(rank, tid):
                 raise TensorChannelDiscarded(f"{self!r}: transfer {tid} was already discarded or received on rank {rank}")
             checks: list[Callable[[], None]] = []
             for ref in refs:
                 key = (tid, ref.tensor_index)
                 got[key] = self._receive_one(ref, rank, device, checks, dest.get(key), copy)
-            words = self._ctl()
+            words = self.control_words()
             if not copy:
-                words[self._layout.hold(rank, tid)] = tid  # a discard from now on leaves the slot alone
+                words[self.layout.hold(rank, tid)] = tid  # a discard from now on leaves the slot alone
             try:
                 for check in checks:
                     check()
-                if not copy and self._resolved(rank, tid):
+                if not copy and self.resolved(rank, tid):
                     raise TensorChannelDiscarded(f"{self!r}: transfer {tid} was discarded while rank {rank} received it")
             except TensorChannelDiscarded:
                 if not copy:
-                    words[self._layout.hold(rank, tid)] = 0
+                    words[self.layout.hold(rank, tid)] = 0
                 raise
-            index = self._ack_index(rank, tid)
+            index = self.layout.ack(rank, tid)
             if copy and abs(words[index]) < tid:
                 words[index] = tid
             self._advance(rank, tid)
@@ -112,23 +132,23 @@ class ConsumerSide:
             raise TensorChannelError(f"{self!r}: cannot release refs of other channels {foreign}")
         tids = list(self._own_refs(tree))
         for tid in tids:
-            if not self._held(rank, tid):
+            if not self.held(rank, tid):
                 raise TensorChannelError(
                     f"{self!r}: rank {rank} does not hold transfer {tid} (released already, received with "
                     "copy=True, discarded or never received)"
                 )
-        words = self._ctl()
+        words = self.control_words()
         for tid in tids:
-            index = self._ack_index(rank, tid)
+            index = self.layout.ack(rank, tid)
             if abs(words[index]) < tid:
                 words[index] = tid
-            words[self._layout.hold(rank, tid)] = 0
+            words[self.layout.hold(rank, tid)] = 0
 
     def _check_order(self, rank: int, tid: int) -> None:
-        words = self._ctl()
-        through_index = self._layout.through(rank)
+        words = self.control_words()
+        through_index = self.layout.through(rank)
         t = max(self._through.get(rank, 0), words[through_index])
-        while t + 1 < tid and (self._resolved(rank, t + 1) or self._held(rank, t + 1)):
+        while t + 1 < tid and (self.resolved(rank, t + 1) or self.held(rank, t + 1)):
             t += 1
         self._through[rank] = t
         words[through_index] = max(words[through_index], t)
@@ -141,9 +161,9 @@ class ConsumerSide:
     def _advance(self, rank: int, tid: int) -> None:
         if self._through.get(rank, 0) == tid - 1:
             self._through[rank] = tid
-            self._ctl()[self._layout.through(rank)] = tid
+            self.control_words()[self.layout.through(rank)] = tid
 
-    def _mismatch(self, ref: WorkerTensorRef, rank: int, field: str, expected: Any, got: Any) -> TensorChannelMismatch:
+    def mismatch(self, ref: WorkerTensorRef, rank: int, field: str, expected: Any, got: Any) -> TensorChannelMismatch:
         return TensorChannelMismatch(
             f"{self!r} rank {rank} received incompatible tensor metadata for transfer {ref.transfer_id} "
             f"tensor {ref.tensor_index}: {field} expected {expected!r}, got {got!r}"
@@ -156,24 +176,24 @@ class ConsumerSide:
             ("device", ref.source_device, device),
         ):
             if got is not None and expected != got:
-                raise self._mismatch(ref, rank, field, expected, got)
+                raise self.mismatch(ref, rank, field, expected, got)
 
     def local_view(self, ref: WorkerTensorRef, rank: int, full: torch.Tensor) -> torch.Tensor:
         """The rank's slice of ``full`` (all of it without sharding), checked against the ref."""
         if ref.shard_dim is None:
             return full
         if not 0 <= ref.shard_dim < len(ref.shape) or ref.shape[ref.shard_dim] < self.world_size:
-            raise self._mismatch(ref, rank, "shard_dim", "a dim with size >= world size", ref.shard_dim)
+            raise self.mismatch(ref, rank, "shard_dim", "a dim with size >= world size", ref.shard_dim)
         view = torch.tensor_split(full, self.world_size, ref.shard_dim)[rank]
         expected = list(ref.shape)
         expected[ref.shard_dim] = len(range(ref.shape[ref.shard_dim])[rank :: self.world_size])  # same count as split
         nbytes = view.numel() * view.element_size()
         if tuple(view.shape) != tuple(expected) or nbytes != ref.nbytes // max(ref.shape[ref.shard_dim], 1) * expected[ref.shard_dim]:
-            raise self._mismatch(ref, rank, "shard shape", tuple(expected), tuple(view.shape))
+            raise self.mismatch(ref, rank, "shard shape", tuple(expected), tuple(view.shape))
         return view
 
     def _receive_one(self, ref: WorkerTensorRef, rank: int, device: Any, checks: list, dest: Any, copy: bool) -> torch.Tensor:
-        payload = ref._payload
+        payload = ref.payload
         if not isinstance(payload, CpuPayload):
             if self._cuda_consumer is None:
                 from .tensor_channel_cuda import CudaConsumer
@@ -184,17 +204,17 @@ class ConsumerSide:
         header = read_header(segment)
         seq = segment.words[0]
         if seq != ref.transfer_id:
-            if self._resolved(rank, ref.transfer_id) or seq == 0 or seq > ref.transfer_id:
+            if self.resolved(rank, ref.transfer_id) or seq == 0 or seq > ref.transfer_id:
                 raise TensorChannelDiscarded(f"{self!r}: transfer {ref.transfer_id} was released before rank {rank} received it")
-            raise self._mismatch(ref, rank, "transfer_id", ref.transfer_id, seq)
+            raise self.mismatch(ref, rank, "transfer_id", ref.transfer_id, seq)
         if header is None:
-            raise self._mismatch(ref, rank, "header", "a valid slot header", list(segment.words[:5]))
+            raise self.mismatch(ref, rank, "header", "a valid slot header", list(segment.words[:5]))
         _, nbytes, code, shape = header
         dtype = DTYPES[code]
         self.validate(ref, rank, shape, str(dtype), nbytes, "cpu")
         view = self.local_view(ref, rank, slot_view(segment, dtype, shape, nbytes))
         if copy or dest is not None:
-            out = _copy_out(view, dest, ref)
+            out = copy_out(view, dest, ref)
         elif device is not None and torch.device(device) != view.device:
             out = view.to(device, copy=True)
         else:
@@ -211,10 +231,10 @@ class ConsumerSide:
         segment = self._attached.get(payload.name)
         if segment is None:
             for name, old in list(self._attached.items()):  # an evicted epoch of the same profile entry
-                if name.startswith(f"{self._prefix}p{payload.entry}e") and old.epoch != payload.epoch:
+                if name.startswith(f"{self.prefix}p{payload.entry}e") and old.epoch != payload.epoch:
                     old.close()
                     del self._attached[name]
-            own = self._pool.segment(payload.name)
+            own = self.own_segment(payload.name)
             segment = own if own is not None else Segment(payload.name)
             segment.epoch = payload.epoch
             if own is None:
@@ -232,17 +252,17 @@ class ConsumerSide:
         if rank is not None:
             self._check_rank(rank)
         tids = list(self._own_refs(tree))
-        words = self._ctl()
+        words = self.control_words()
         for tid in tids:
             for r in ranks:
-                index = self._ack_index(r, tid)
-                if abs(words[index]) < tid and not self._held(r, tid):
+                index = self.layout.ack(r, tid)
+                if abs(words[index]) < tid and not self.held(r, tid):
                     words[index] = -tid
         if sync:
-            self._wait_resolved(tids, "discard", time.monotonic() + self.timeout)
+            self.wait_resolved(tids, "discard", time.monotonic() + self.timeout)
 
 
-def _copy_out(view: torch.Tensor, dest: torch.Tensor | None, ref: WorkerTensorRef) -> torch.Tensor:
+def copy_out(view: torch.Tensor, dest: torch.Tensor | None, ref: WorkerTensorRef) -> torch.Tensor:
     """A contiguous copy of ``view``: into ``dest`` when given (checked), else a new tensor."""
     if dest is None:
         return view.clone(memory_format=torch.contiguous_format)
@@ -255,7 +275,7 @@ def _copy_out(view: torch.Tensor, dest: torch.Tensor | None, ref: WorkerTensorRe
 
 
 def _count(ref: WorkerTensorRef) -> int:
-    count = getattr(ref._payload, "count", None)
+    count = getattr(ref.payload, "count", None)
     if not isinstance(count, int) or count < 1:
         raise TensorChannelMismatch(f"ref {ref!r} carries no channel payload (was it rebuilt without one?)")
     return count

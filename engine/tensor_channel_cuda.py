@@ -95,7 +95,7 @@ class CudaProducer:
 
     def send(self, tid: int, index: int, t: torch.Tensor, count: int, deadline: float) -> Any:
         channel = self.channel
-        for old in [k for k in self.fallback_keep if all(channel._resolved(r, k) for r in range(channel.world_size))]:
+        for old in [k for k in self.fallback_keep if all(channel.resolved(r, k) for r in range(channel.world_size))]:
             del self.fallback_keep[old]
         key = (index, tuple(t.shape), t.dtype, t.device)
         with torch.cuda.device(t.device):
@@ -111,7 +111,7 @@ class CudaProducer:
             slot = profile.next
             profile.next = (slot + 1) % len(profile.buffers)
             previous = profile.last[slot]
-            channel._wait_resolved([previous], f"CUDA slot {slot} of tensor {index}", deadline)
+            channel.wait_resolved([previous], f"CUDA slot {slot} of tensor {index}", deadline)
             for rank in range(channel.world_size):
                 if previous and channel.ack_of(rank, previous) > 0:  # the rank copied: wait for its copy
                     stream.wait_event(profile.done[slot][rank])
@@ -150,7 +150,7 @@ class CudaConsumer:
         return event
 
     def receive(self, ref: WorkerTensorRef, rank: int, device: Any, dest: torch.Tensor | None = None) -> torch.Tensor:
-        channel, payload = self.channel, ref._payload
+        channel, payload = self.channel, ref.payload
         if isinstance(payload, CudaFallbackPayload):
             fn, args = payload.shares[rank]
             full = fn(*args)
@@ -161,7 +161,7 @@ class CudaConsumer:
             torch.cuda.current_stream(full.device).synchronize()  # the IPC block may be freed once `full` goes
             return out
         if not isinstance(payload, CudaPoolPayload):
-            raise channel._mismatch(ref, rank, "payload", "a channel payload", type(payload).__name__)
+            raise channel.mismatch(ref, rank, "payload", "a channel payload", type(payload).__name__)
         source = torch.device("cuda", payload.device_index)
         key = (payload.uid, payload.slot)
         full = self.slots.get(key)
@@ -169,7 +169,7 @@ class CudaConsumer:
             fn, args = payload.shares[rank]
             full = self.slots[key] = fn(*args)
         if not ref.source_device.startswith("cuda"):
-            raise channel._mismatch(ref, rank, "device", ref.source_device, str(full.device))
+            raise channel.mismatch(ref, rank, "device", ref.source_device, str(full.device))
         channel.validate(ref, rank, full.shape, str(full.dtype), full.numel() * full.element_size(), None)
         if dest is not None:
             target = dest.device
@@ -196,6 +196,6 @@ class CudaConsumer:
 def _copy_to(view: torch.Tensor, target: torch.device, dest: torch.Tensor | None, ref: WorkerTensorRef) -> torch.Tensor:
     if dest is None:
         return view.to(target, copy=True, memory_format=torch.contiguous_format)
-    from .tensor_channel_consumer import _copy_out
+    from .tensor_channel_consumer import copy_out
 
-    return _copy_out(view, dest, ref)
+    return copy_out(view, dest, ref)

@@ -50,4 +50,4 @@ class WorkerTensorRef:
     nbytes: int
     source_device: str
     shard_dim: int | None = None
-    _payload: Any = attrs.field(default=None, eq=False, hash=False, repr=False)
+    payload: Any = attrs.field(default=None, eq=False, hash=False, repr=False)

@@ -30,7 +30,10 @@ try:  # the primitive multiprocessing.shared_memory is built on
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
+SHARED_MEMORY = _posixshmem is not None  # whether this platform has POSIX shared memory
+
 __all__ = [
+    "SHARED_MEMORY",
     "ACK_WINDOW", "CPU_SLOTS", "DTYPES", "DTYPE_CODE", "HDR_BYTES", "MAX_NDIM", "MAX_PROFILES",
     "ControlLayout", "CpuPayload", "CpuSlotPool", "Segment", "release_owned", "slot_view", "unlink",
 ]

@@ -47,7 +47,7 @@ class Child:
     def submit(self, name: str, *args: Any, **kwargs: Any) -> None:
         self.conn.send((name, args, kwargs))
 
-    def result(self, timeout: float = 20.0) -> Any:
+    def result(self, timeout: float = 60.0) -> Any:  # a hang bound
         assert self.conn.poll(timeout), "child did not answer"
         reply = self.conn.recv()
         if reply[0] == "err":
@@ -65,11 +65,20 @@ class Child:
         self.process.close()
 
 
+# A spawned child imports torch before it answers: seconds, and tens of seconds on a loaded machine. The
+# fixture waits for that once (a hang bound), so a slow start never makes a test's first call miss its
+# answer (a missed answer would also leave every later reply one call behind).
+START_BOUND_S = 180.0
+
+
 @pytest.fixture(scope="module")
 def procs():
     ctx = multiprocessing.get_context("spawn")
     children = {name: Child(ctx, name) for name in ("producer", "c0", "c1")}
     try:
+        for child in children.values():
+            child.submit("summarize", "started")
+            assert child.result(timeout=START_BOUND_S) == "started"
         yield children
     finally:
         for child in children.values():
