@@ -43,3 +43,13 @@ async def test_a_refused_publish_is_reported_on_every_frame(livekit_server: Live
     first, second = seen["errors"]
     assert first is not None and "publishing the video track" in first, seen
     assert second == first, seen  # not silently sent to a source nobody receives
+
+
+async def test_a_long_chunk_of_audio_does_not_stall_the_next_video_and_leaving_is_prompt(livekit_server: LiveKit) -> None:
+    seen = await probe(livekit_server, "media")
+    # 2 s of audio is queued, not played out first (the SDK's default 1 s queue would block about 1 s)
+    assert seen["audio_seconds"] < 0.5, seen
+    assert seen["next_frame_seconds"] < 0.2, seen
+    # leaving first, then closing the sources: one round trip, and the worker is gone from the room
+    assert seen["listed_before"] and not seen["listed_after"], seen
+    assert seen["disconnect_seconds"] < 2.0, seen

@@ -8,6 +8,8 @@ trio-asyncio loop, a worker token) and looks at the room through the server's Ro
   while the SDK's next attempt (through the relay, now passing bytes) joins the room later; reports
   whether the worker identity was ever listed, and whether it still is once that join has ended.
 - ``publish_refused``: a token that may join but not publish; reports the error of each of two frames.
+- ``media``: a frame, 2 s of audio, the next frame, then leaving; reports how long each took and
+  whether the worker was listed in the room before and after leaving.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import trio
 import trio_asyncio
 from livekit import api
 
+from pipelines.contract import Audio
 from server.tokens import TokenIssuer
 from server.transport import TransportError
 from server.transport.livekit import LiveKitTransport
@@ -138,7 +141,38 @@ async def publish_refused(url: str, key: str, secret: str) -> dict[str, Any]:
     return {"errors": errors}
 
 
-SCENARIOS = {"ghost": ghost, "publish_refused": publish_refused}
+async def media(url: str, key: str, secret: str) -> dict[str, Any]:
+    """A chunk of 2 s of audio between two chunks of video, then leaving: how long each step took."""
+    token = TokenIssuer(key, secret, 600).worker_token(ROOM, IDENTITY)
+    transport = LiveKitTransport(url)
+    frame = np.full((96, 160, 3), 90, dtype=np.uint8)
+    audio = Audio(bytes(2 * 48000 * 2), 48000, 1)  # 2 s of PCM16 mono: more than the SDK's default queue
+    async with trio.open_nursery() as nursery:
+        loop = await nursery.start(transport.run)
+        connection = await transport.connect(ROOM, IDENTITY, token, timeout=10)
+        await connection.publish_frame(frame, 16.0)
+        started = time.monotonic()
+        await connection.publish_audio(audio)
+        audio_seconds = time.monotonic() - started
+        started = time.monotonic()
+        await connection.publish_frame(frame, 16.0)  # the next chunk's first frame
+        next_frame_seconds = time.monotonic() - started
+        listed_before = await participants(loop, url, key, secret)
+        started = time.monotonic()
+        await connection.disconnect()
+        disconnect_seconds = time.monotonic() - started
+        listed_after = await participants(loop, url, key, secret)
+        nursery.cancel_scope.cancel()
+    return {
+        "audio_seconds": audio_seconds,
+        "next_frame_seconds": next_frame_seconds,
+        "disconnect_seconds": disconnect_seconds,
+        "listed_before": IDENTITY in listed_before,
+        "listed_after": IDENTITY in listed_after,
+    }
+
+
+SCENARIOS = {"ghost": ghost, "publish_refused": publish_refused, "media": media}
 
 
 def main() -> None:
