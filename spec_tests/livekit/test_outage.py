@@ -13,7 +13,9 @@ import trio
 
 from server.runner import CONNECT_TIMEOUT
 
-from .conftest import Agent, LiveKit, StreamServer
+from server.livekit_clients import Clients as Agent
+
+from .conftest import LiveKit, StreamServer
 from .test_stream import TERMINAL, create, health, wait_status
 
 pytestmark = pytest.mark.livekit

@@ -16,7 +16,9 @@ import trio
 
 from spec_tests.frames import near_ground_shift
 
-from .conftest import Agent, LiveKit, StreamServer
+from server.livekit_clients import Clients as Agent
+
+from .conftest import LiveKit, StreamServer
 
 pytestmark = pytest.mark.livekit
 
@@ -124,7 +126,7 @@ async def test_a_viewer_sees_the_same_frames_takes_no_slot_and_may_not_send(stre
     await agent.join("carol", created["token"])
     await agent.wait_message("carol", "status", stage="running")
     granted = await viewer_token(stream, created["session_id"], "viewer-1")
-    assert granted["role"] == "viewer" and granted["livekit_url"] == agent.livekit.config.url
+    assert granted["role"] == "viewer" and granted["livekit_url"] == agent.config.url
     await agent.join("viewer-1", granted["token"])
     assert (await health(stream))["free_slots"] == 0  # carol's slot only: the viewer consumed none
 

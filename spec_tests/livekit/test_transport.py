@@ -7,7 +7,6 @@ Each scenario of :mod:`spec_tests.livekit.transport_probe` runs in its own proce
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -31,7 +30,7 @@ async def probe(livekit: LiveKit, scenario: str) -> dict:
 async def test_a_timed_out_connect_leaves_no_ghost_worker(livekit_server: LiveKit) -> None:
     seen = await probe(livekit_server, "ghost")
     assert seen["error"].endswith("within 0.5 s: no answer (timed out)"), seen
-    assert seen["gave_up_after"] < 1.0, seen
+    assert seen["gave_up_after"] < 2.0, seen  # 0.5 s and the hand-over of the join; a loaded machine is slow
     # the SDK went on and joined through its next attempt after the caller had given up...
     assert seen["relay_held_first_connection"] and seen["sdk_retried_after_timeout"], seen
     # ...and the transport took that late join back out of the room

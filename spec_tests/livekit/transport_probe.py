@@ -98,8 +98,8 @@ async def ghost(url: str, key: str, secret: str) -> dict[str, Any]:
         with trio.move_on_after(15):
             await forwarded.wait()  # the SDK's next attempt, after the caller gave up
         retried = forwarded.is_set()
-        # watch the room while the late join completes: the worker must not stay
-        with trio.move_on_after(4):
+        # watch the room while the late join completes (the worker must not stay): until it came and went
+        with trio.move_on_after(10):
             while True:
                 seen.append(await participants(loop, url, key, secret))
                 if len(seen) > 1 and IDENTITY in seen[-2] and IDENTITY not in seen[-1]:

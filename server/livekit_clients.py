@@ -1,8 +1,9 @@
-"""LiveKit clients in a process of their own, driven over stdin/stdout as JSON lines.
+"""LiveKit clients (controllers, viewers, the RoomService) in a process of their own, driven as JSON lines.
 
-The tests and ``bench.livekit`` run this inside the private network namespace (WebRTC ignores
+The tests and ``bench.livekit`` run the process inside the private network namespace (WebRTC ignores
 loopback, so the clients must live where the LiveKit server's non-loopback address is), while the
-driver stays outside: ``ip netns exec NS python -m spec_tests.livekit.agent``.
+driver (:class:`Clients`, trio) stays outside: :func:`open_clients` starts
+``ip netns exec NS python -m server.livekit_clients`` and talks to it over its stdin and stdout.
 
 Requests: ``{"id": n, "op": ..., "client": name, ...}``; every request gets one reply
 ``{"id": n, "ok": true, ...}`` or ``{"id": n, "ok": false, "error": "..."}``. Unsolicited lines carry
@@ -27,13 +28,22 @@ Operations (one agent holds many named clients, e.g. sixteen viewers):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import trio
 from livekit import api, rtc
+
+from .livekit_local import LiveKitConfig
+
+REQUEST_TIMEOUT = 20.0  # one request (a join includes ICE)
 
 CONTROL_TOPIC = "tf.control"
 
@@ -155,7 +165,9 @@ async def list_participants(url: str, key: str, secret: str, room: str) -> list[
         await lkapi.aclose()
 
 
-class Agent:
+class ClientsServer:
+    """The process side: named clients, one request at a time each (asyncio)."""
+
     def __init__(self) -> None:
         self.clients: dict[str, Client] = {}
 
@@ -202,7 +214,7 @@ class Agent:
 
 
 async def main() -> None:
-    agent = Agent()
+    agent = ClientsServer()
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
@@ -218,6 +230,123 @@ async def main() -> None:
     for client in agent.clients.values():  # stdin closed: the driver is gone
         await client.leave()
 
+
+
+# -- the driver (trio, outside) ---------------------------------------------------------------------------
+
+
+class ClientsError(RuntimeError):
+    """The clients process answered a request with an error (the SDK's words)."""
+
+
+class Clients:
+    """The driver side: requests to the clients process, and the events it reported (trio)."""
+
+    def __init__(self, process: trio.Process, config: LiveKitConfig) -> None:
+        self.process = process
+        self.config = config
+        self.events: list[dict[str, Any]] = []
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._arrived = trio.Event()
+        self._next_id = 0
+
+    async def read(self) -> None:
+        assert self.process.stdout is not None
+        buffer = b""
+        async for data in self.process.stdout:
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                message = json.loads(line)
+                if "event" in message:
+                    self.events.append(message)
+                else:
+                    self._replies[message["id"]] = message
+            self._arrived.set()
+            self._arrived = trio.Event()
+
+    async def request(self, op: str, timeout: float = REQUEST_TIMEOUT, **fields: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self._next_id += 1
+        number = self._next_id
+        await self.process.stdin.send_all(json.dumps({"id": number, "op": op, **fields}).encode() + b"\n")
+        with trio.fail_after(timeout):
+            while number not in self._replies:
+                await self._arrived.wait()
+        reply = self._replies.pop(number)
+        if not reply["ok"]:
+            raise ClientsError(reply["error"])
+        return reply
+
+    async def join(self, client: str, token: str, **fields: Any) -> dict[str, Any]:
+        return await self.request("join", client=client, url=self.config.url, token=token, **fields)
+
+    async def room_participants(self, room: str) -> list[str]:
+        config = self.config
+        reply = await self.request("participants", url=config.url, key=config.api_key, secret=config.api_secret, room=room)
+        return reply["identities"]
+
+    async def wait_frames(self, client: str, at_least: int, timeout: float = 20.0) -> int:
+        """Wait until ``client`` has decoded ``at_least`` video frames; returns the count."""
+        with trio.move_on_after(timeout):
+            while (count := (await self.request("frames", client=client))["frames"]) < at_least:
+                await trio.sleep(0.2)  # bench-cost: frames come over a real network from another process
+            return count
+        raise AssertionError(f"{client} decoded {count} frames in {timeout:g} s, not {at_least}")
+
+    async def remove_participant(self, room: str, identity: str) -> None:
+        config = self.config
+        await self.request("remove", url=config.url, key=config.api_key, secret=config.api_secret, room=room, identity=identity)
+
+    def messages(self, client: str, topic: str = "tf.status") -> list[dict[str, Any]]:
+        """The JSON messages ``client`` received on ``topic`` so far."""
+        return [json.loads(e["payload"]) for e in self.events if e["event"] == "data" and e["client"] == client and e["topic"] == topic]
+
+    async def wait_for(self, predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+        """Wait until ``predicate()`` is truthy (re-checked at each line the agent writes); returns its value."""
+        with trio.move_on_after(timeout):
+            while not (value := predicate()):
+                await self._arrived.wait()
+            return value
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+    async def wait_message(self, client: str, kind: str, timeout: float = 20.0, topic: str = "tf.status", **match: Any) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            for message in self.messages(client, topic):
+                if message.get("type") == kind and all(message.get(k) == v or message.get("data", {}).get(k) == v for k, v in match.items()):
+                    return message
+            return None
+
+        return await self.wait_for(found, f"{client}: a {kind!r} message {match or ''} on {topic}", timeout)
+
+
+@contextlib.asynccontextmanager
+async def open_clients(config: LiveKitConfig, prefix: Sequence[str] = (), stderr: Path | None = None) -> AsyncIterator[Clients]:
+    """The clients process (run with ``prefix``, e.g. inside a namespace) and its driver, until exit."""
+    root = Path(__file__).resolve().parents[1]
+    with open(stderr or "/dev/null", "ab") as errors:
+        process = await trio.lowlevel.open_process(
+            [*prefix, sys.executable, "-m", "server.livekit_clients"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, cwd=root,
+        )
+    driver = Clients(process, config)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(driver.read)
+            try:
+                yield driver
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(10):
+                    try:
+                        await driver.request("quit", timeout=8)
+                    except (ClientsError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
 
 if __name__ == "__main__":
     asyncio.run(main())
