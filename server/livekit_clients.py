@@ -13,7 +13,8 @@ Requests: ``{"id": n, "op": ..., "client": name, ...}``; every request gets one 
 Operations (one agent holds many named clients, e.g. sixteen viewers):
 
 - ``join`` url, token, [auto_subscribe], [decode]: connect; frames of the first subscribed video
-  track are counted (and, with ``decode``, the latest kept in grey levels);
+  track are counted (and, with ``decode``, the latest kept in grey levels); ``decode: "none"``
+  subscribes without reading frames (a cheap viewer, for fan-out measurements);
 - ``publish`` topic, payload, [reliable]: ``publish_data`` (the error is the SDK's, e.g. a grant);
 - ``hold`` keys, [period]: send ``control_state`` with ``keys`` on ``tf.control`` now and every
   ``period`` s (the heartbeat), replacing the previous hold; ``keys: []`` sends one empty state and stops;
@@ -56,7 +57,7 @@ def emit(message: dict[str, Any]) -> None:
 class Client:
     """One participant: a room, its first video track's frames, and a control heartbeat."""
 
-    def __init__(self, name: str, decode: bool) -> None:
+    def __init__(self, name: str, decode: bool | str) -> None:
         self.name = name
         self.decode = decode
         self.room = rtc.Room()
@@ -83,7 +84,7 @@ class Client:
 
     def _on_track(self, track: rtc.Track, publication: rtc.RemoteTrackPublication, participant: rtc.RemoteParticipant) -> None:
         emit({"event": "track", "client": self.name, "kind": int(track.kind), "name": publication.name, "participant": participant.identity})
-        if track.kind == rtc.TrackKind.KIND_VIDEO and self._stream_task is None:
+        if track.kind == rtc.TrackKind.KIND_VIDEO and self._stream_task is None and self.decode != "none":
             self._stream_task = asyncio.get_running_loop().create_task(self._read_video(track))
 
     async def _read_video(self, track: rtc.Track) -> None:
@@ -175,7 +176,8 @@ class ClientsServer:
         op = request["op"]
         name = request.get("client", "")
         if op == "join":
-            client = Client(name, bool(request.get("decode", True)))
+            decode = request.get("decode", True)
+            client = Client(name, decode if decode == "none" else bool(decode))
             self.clients[name] = client
             return await client.join(request["url"], request["token"], bool(request.get("auto_subscribe", True)))
         if op == "participants":
