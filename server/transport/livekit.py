@@ -117,6 +117,8 @@ def _video_options(fps: float) -> rtc.TrackPublishOptions:
         simulcast=False,
         video_codec=rtc.VideoCodec.VP8,
         video_encoding=rtc.VideoEncoding(max_framerate=float(fps), max_bitrate=MAX_VIDEO_BITRATE),
+        # under CPU load the encoder lowers the frame rate, not the picture size the viewers see
+        degradation_preference=rtc.DegradationPreference.MAINTAIN_RESOLUTION,
     )
 
 

@@ -204,6 +204,8 @@ def test_rgb_frames_and_publish_options() -> None:
     frame[..., 0] = 255  # pure red
     video = _rgb_frame(frame)
     assert (video.width, video.height, video.type) == (64, 48, rtc.VideoBufferType.RGB24)
+    # no full-frame copy on the trio thread: the SDK frame is the array's own memory
+    assert np.shares_memory(np.frombuffer(video.data, np.uint8), frame)
     i420 = video.convert(rtc.VideoBufferType.I420)
     assert len(i420.data) == 64 * 48 * 3 // 2
     assert abs(i420.data[0] - 82) <= 2  # BT.601 luma of pure red: the SDK read it as RGB24
@@ -214,6 +216,7 @@ def test_rgb_frames_and_publish_options() -> None:
     assert options.video_codec == rtc.VideoCodec.VP8
     assert options.video_encoding.max_framerate == 24.0
     assert options.video_encoding.max_bitrate == 8_000_000
+    assert options.degradation_preference == rtc.DegradationPreference.MAINTAIN_RESOLUTION
 
 
 # -- room callbacks become port events ----------------------------------------------------------------
