@@ -261,27 +261,34 @@ def render_views(
          math.cos(math.radians(sun_az)) * math.cos(math.radians(sun_el))], device=device, dtype=dtype,
     )
     fog_distance = config.view_distance / 2.0 * fog_scale
-    rays = _rays(poses, height, width, config, device, dtype)
-    dx, dy, dz = rays.unbind(-1)
+    rays = _rays(poses, height, width, config, device, dtype).contiguous()
     count = len(poses)
     origin = torch.tensor([[p.x, config.eye_height, p.z] for p in poses], device=device, dtype=dtype).view(count, 1, 1, 3)
+    # Every pixel shows either sky or ground: each is computed only where it shows.
+    flat_rays = rays.view(-1, 3)
+    down = flat_rays[:, 1] < -1e-4
+    sky_at, ground_at = (~down).nonzero().squeeze(1), down.nonzero().squeeze(1)
+    colour = torch.empty(3, flat_rays.shape[0], device=device, dtype=dtype)  # painted in place below
+    depth = torch.full((flat_rays.shape[0],), math.inf, device=device, dtype=dtype)
 
     # Sky: depends on the direction only.
+    sky_rays = flat_rays.index_select(0, sky_at)
+    dx, dy, dz = sky_rays.unbind(-1)
     elevation = torch.asin(dy.clamp(-1, 1))
     azimuth = torch.atan2(dx, dz) / math.pi
     lift = (elevation.clamp(min=0) / (math.pi / 2)) ** 0.6
-    gradient = look.horizon.view(3, 1, 1, 1) + (look.sky_top - look.horizon).view(3, 1, 1, 1) * lift
+    gradient = look.horizon.view(3, 1) + (look.sky_top - look.horizon).view(3, 1) * lift
     panorama = _sample(look.sky, _mirror(azimuth + 1.0), 1.0 - 2.0 * (elevation / 1.2).clamp(0, 1))
-    glow = torch.exp((torch.einsum("thwc,c->thw", rays, sun_dir) - 1.0) * 60.0)
+    glow = torch.exp((torch.einsum("nc,c->n", sky_rays, sun_dir) - 1.0) * 60.0)
     sky = gradient * 0.55 + panorama * 0.45
-    sky = sky + (look.sun.view(3, 1, 1, 1) - sky) * glow
-    sky = sky * (0.35 + 0.65 * light)
+    sky = sky + (look.sun.view(3, 1) - sky) * glow
+    colour[:, sky_at] = sky * (0.35 + 0.65 * light)
 
     # Ground: the ray-plane hit.
-    down = dy < -1e-4
-    t_ground = torch.where(down, config.eye_height / (-dy).clamp(min=1e-4), torch.full_like(dy, math.inf))
-    t_flat = torch.where(down, t_ground, torch.zeros_like(dy))
-    gx, gz = origin[..., 0] + t_flat * dx, origin[..., 2] + t_flat * dz
+    dx, dy, dz = flat_rays.index_select(0, ground_at).unbind(-1)
+    t_flat = config.eye_height / (-dy).clamp(min=1e-4)
+    frame_origin = origin.view(count, 3).index_select(0, torch.div(ground_at, height * width, rounding_mode="floor"))
+    gx, gz = frame_origin[:, 0] + t_flat * dx, frame_origin[:, 2] + t_flat * dz
     tile = config.ground_tile
     texture = _sample(look.ground, _mirror(gx / tile), _mirror(gz / tile))
     # Patches of one ground unit each (flat, with edges: near detail), over smooth variation.
@@ -289,13 +296,13 @@ def render_views(
     near = torch.exp(-t_flat / (0.25 * config.view_distance))
     noise = 0.45 + 0.7 * _value_noise(lattice, gx, gz, 3.0, 0.0) + 0.3 * _value_noise(lattice, gx, gz, 0.7, 37.0)
     noise = noise * (1.0 + 1.1 * patches * near)
-    mean = look.ground.mean(dim=(1, 2)).view(3, 1, 1, 1)
+    mean = look.ground.mean(dim=(1, 2)).view(3, 1)
     detail = torch.exp(-t_flat / (0.6 * config.view_distance))
     sunlit = light * (0.75 + 0.35 * math.sin(math.radians(max(sun_el, 0.0))))
-    ground = (mean + (texture * noise - mean) * detail) * sunlit
+    colour[:, ground_at] = (mean + (texture * noise - mean) * detail) * sunlit
+    depth[ground_at] = t_flat
 
-    colour = torch.where(down, ground, sky).contiguous()  # 3 x T x H x W, painted in place below
-    depth = t_ground.clone(memory_format=torch.contiguous_format)
+    colour, depth = colour.view(3, count, height, width), depth.view(count, height, width)
     _draw_objects(colour, depth, look, rays, origin, poses, height, width, config, sun_dir, light)
     fog = torch.where(torch.isfinite(depth), 1.0 - torch.exp(-depth.clamp(max=1e6) / fog_distance), torch.zeros_like(depth))
     horizon = look.horizon.view(3, 1, 1, 1) * (0.35 + 0.65 * light)
