@@ -83,8 +83,16 @@ def process_figures(pid: int) -> dict[str, Any]:
     names = collections.Counter(
         Path(f"/proc/{pid}/task/{task}/comm").read_text().strip() for task in os.listdir(f"/proc/{pid}/task")
     )
+    kinds: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kinds[target.split(":", 1)[0] if ":" in target else "file"] += 1
     return {
         "thread_names": dict(sorted(names.items())),
+        "fd_kinds": dict(sorted(kinds.items())),
         "rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
         "open_files": len(os.listdir(f"/proc/{pid}/fd")),
         "threads": int(fields["Threads"]),

@@ -233,6 +233,11 @@ class BidirectionalService(abc.ABC):
         """Warm-up snapshots and per-session budgets, or None if the service does not measure."""
         return None
 
+    @property
+    def failure(self) -> object | None:
+        """Why the service failed as a whole (it then leaves ``running()`` with that error), or None."""
+        return None
+
     def configure_session_capacity(self, limit: int) -> None:
         """Told the retained-session capacity before admission starts (e.g. to size slot pools)."""
 
@@ -249,6 +254,11 @@ class ServerPushService(abc.ABC):
     @abc.abstractmethod
     def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
         """The chunks of one stream, in order, paced by the caller."""
+
+    @property
+    def failure(self) -> object | None:
+        """Why the service failed as a whole (it then leaves ``running()`` with that error), or None."""
+        return None
 
 
 Service = BidirectionalService | ServerPushService

@@ -7,7 +7,9 @@ the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), the
   (message bound while it arrives, write deadline, ping/pong deadline);
 - anything else is spliced to hypercorn on a private Unix socket, each write to the client bounded by
   ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
-  reads could otherwise hold a response, its task and the shutdown forever).
+  reads could otherwise hold a response, its task and the shutdown forever), and the connection
+  closed once no byte has moved either way for ``Deadlines.idle`` (hypercorn's own keep-alive timeout
+  does not end an idle connection here, so a client could otherwise keep any number of them open).
 
 At most :data:`MAX_CONNECTIONS` connections are served at once (more are answered 503 and closed), and
 :meth:`Front.close` ends every connection that is still open, so shutdown does not wait on any client.
@@ -130,28 +132,40 @@ class Front:
 
     async def _splice(self, client: trio.SocketStream, head: bytes) -> None:
         backend = await trio.open_unix_socket(self._backend)
+        moved_at = trio.current_time()  # the last time a byte went either way
         try:
             await backend.send_all(head)
             async with trio.open_nursery() as nursery:
 
+                async def until_idle() -> None:
+                    while (due := moved_at + self._deadlines.idle) > trio.current_time():
+                        await trio.sleep_until(due)
+                    log.info("a connection moved nothing for %g s: closed", self._deadlines.idle)
+                    nursery.cancel_scope.cancel()
+
                 async def to_backend() -> None:
+                    nonlocal moved_at
                     try:
                         while data := await client.receive_some(READ_SIZE):
+                            moved_at = trio.current_time()
                             await backend.send_all(data)
                         await backend.send_eof()  # the client is done sending; its answer may still come
                     except _GONE:
                         nursery.cancel_scope.cancel()
 
                 async def to_client() -> None:
+                    nonlocal moved_at
                     with contextlib.suppress(*_GONE):
                         while data := await backend.receive_some(READ_SIZE):
                             with trio.move_on_after(self._deadlines.write) as deadline:
                                 await client.send_all(data)
+                            moved_at = trio.current_time()
                             if deadline.cancelled_caught:
                                 log.info("a client did not read its response for %g s: closed", self._deadlines.write)
                                 break
                     nursery.cancel_scope.cancel()
 
+                nursery.start_soon(until_idle)
                 nursery.start_soon(to_backend)
                 nursery.start_soon(to_client)
         finally:

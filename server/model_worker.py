@@ -24,13 +24,17 @@ from pipelines.loader import load_service
 from .process_service import start_process_service
 from .reasons import public_reason
 
-__all__ = ["ModelWorker", "WorkerStartError"]
+__all__ = ["ModelWorker", "ServiceEnded", "WorkerStartError"]
 
 log = logging.getLogger("chunkline.worker")
 
 
 class WorkerStartError(RuntimeError):
     """The pipeline could not be loaded or does not fit this configuration."""
+
+
+class ServiceEnded(RuntimeError):
+    """The service left its ``running()`` block without being asked to: the worker failed."""
 
 
 class ModelWorker:
@@ -62,8 +66,15 @@ class ModelWorker:
         self.service: Service | None = None
         self.plan: CapacityPlan | None = None
         self.failure: str | None = None
+        #: set once the worker failed (``failure`` says why); runners ending meanwhile wait for it
+        self.failed = trio.Event()
         self._runners: trio.Nursery | None = None
         self._stop = trio.Event()
+
+    @property
+    def failing(self) -> bool:
+        """The worker failed, or its service says it did (its report comes once it has left ``running()``)."""
+        return self.failure is not None or (self.service is not None and self.service.failure is not None)
 
     @property
     def kind(self) -> str | None:
@@ -90,6 +101,7 @@ class ModelWorker:
         self.failure = reason
         log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
         self._on_failed(self, reason)
+        self.failed.set()
 
     async def _serve(self) -> None:
         loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids), **self._options)
@@ -114,6 +126,8 @@ class ModelWorker:
                     self._runners = runners
                     self._on_ready(self, self.plan.effective_capacity, self.plan)
                     await self._stop.wait()
+                if not self._stop.is_set():
+                    raise ServiceEnded("the service stopped by itself")
             except Exception as exc:
                 self._runners = None
                 self._failed(exc)  # the runners fail with the cause; the nursery waits for their bounded ends

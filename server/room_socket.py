@@ -42,13 +42,14 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from .tokens import TokenRejected
 from .transport.local import LocalRooms
 
-__all__ = ["PING_INTERVAL", "PONG_DEADLINE", "WRITE_DEADLINE", "Deadlines", "PeerGone", "RoomSocket", "room_of"]
+__all__ = ["IDLE_DEADLINE", "PING_INTERVAL", "PONG_DEADLINE", "WRITE_DEADLINE", "Deadlines", "PeerGone", "RoomSocket", "room_of"]
 
 log = logging.getLogger("chunkline.rooms")
 
 WRITE_DEADLINE: Final = 10.0  # seconds one write to a peer may take
 PING_INTERVAL: Final = 5.0  # seconds between pings
 PONG_DEADLINE: Final = 15.0  # seconds a peer may answer nothing before it is sent away
+IDLE_DEADLINE: Final = 30.0  # seconds an HTTP connection may be silent both ways (longer than any answer takes)
 CLOSE_DEADLINE: Final = 1.0  # seconds the closing handshake may take before the connection is dropped
 READ_SIZE: Final = 65536
 ROOM_PREFIX: Final = "/v1/rooms/"
@@ -56,12 +57,14 @@ ROOM_PREFIX: Final = "/v1/rooms/"
 
 @attrs.frozen
 class Deadlines:
-    """How long a peer may take (seconds): one write, between pings, to answer, to send its request head."""
+    """How long a peer may take (seconds): one write, between pings, to answer, to send its request head,
+    and how long an HTTP connection may move no byte either way (an idle keep-alive) before it is closed."""
 
     write: float = WRITE_DEADLINE
     ping_interval: float = PING_INTERVAL
     pong: float = PONG_DEADLINE
     head: float = 10.0
+    idle: float = IDLE_DEADLINE
 
 
 class PeerGone(Exception):

@@ -43,6 +43,9 @@ log = logging.getLogger("chunkline.runner")
 CONNECT_TIMEOUT = 10.0
 DISCONNECT_TIMEOUT = 5.0
 CLOSE_PIPELINE_TIMEOUT = 30.0
+CREATE_PIPELINE_TIMEOUT = 60.0  # seconds the service may take to create a pipeline session
+CONTROL_TIMEOUT = 10.0  # seconds the service may take to take one control
+WORKER_CAUSE_WAIT = 10.0  # seconds a runner waits for a failing worker to say why, when its stream ended first
 EARLY_CONTROL_LIMIT = 64  # controls held before the pipeline session exists
 METRICS_PERIOD = 1.0
 
@@ -134,8 +137,14 @@ class RoomRunner:
             error = public_reason(cause, prefix_type=not isinstance(cause, RunnerError | TransportError))
             log.warning("session %s failed: %s", self.record.session_id, error, exc_info=cause)
         finally:
-            error = self._failure or error  # a failure told by fail() wins, however the run ended
             with trio.CancelScope(shield=True):
+                if self._failure is None and self.worker.failing:
+                    # the service is failing as a whole: whatever ended this run, the worker's cause is the
+                    # session's (never a quiet "closed"); bounded, since the cause comes once running() is left
+                    with trio.move_on_after(WORKER_CAUSE_WAIT):
+                        await self.worker.failed.wait()
+                    error = self._failure or error or f"worker {self.worker.worker_id} stopped"
+                error = self._failure or error  # a failure told by fail() wins, however the run ended
                 await self._finish(error)
 
     async def _run(self) -> None:
@@ -192,7 +201,10 @@ class RoomRunner:
     async def _run_bidirectional(self, service: BidirectionalService, nursery: trio.Nursery) -> None:
         record = self.record
         config = SessionConfig(prompt=record.prompt, image_path=record.image_path, options=record.config)
-        pipeline_id = await service.create_session(config, on_event=self._on_service_event)
+        with trio.move_on_after(CREATE_PIPELINE_TIMEOUT) as deadline:
+            pipeline_id = await service.create_session(config, on_event=self._on_service_event)
+        if deadline.cancelled_caught:
+            raise RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
         self._pipeline_session = pipeline_id
         record.pipeline_session_id = pipeline_id
         if not self._advance(Event.RUN):
@@ -205,10 +217,11 @@ class RoomRunner:
         async with trio.open_nursery() as streaming:
             async def stop_on_request() -> None:
                 await self._stop.wait()
-                try:
-                    await service.push_control(pipeline_id, Control(ControlType.STOP))
-                except ControlRejected:
-                    pass
+                with trio.move_on_after(CONTROL_TIMEOUT):
+                    try:
+                        await service.push_control(pipeline_id, Control(ControlType.STOP))
+                    except ControlRejected:
+                        pass
                 streaming.cancel_scope.cancel()
 
             streaming.start_soon(stop_on_request)
@@ -377,7 +390,10 @@ class RoomRunner:
     async def _apply_control(self, service: BidirectionalService, control: Control) -> None:
         assert self._pipeline_session is not None
         try:
-            await service.push_control(self._pipeline_session, control)
+            with trio.move_on_after(CONTROL_TIMEOUT) as deadline:
+                await service.push_control(self._pipeline_session, control)
+            if deadline.cancelled_caught:
+                self.fail(f"the pipeline did not take a control within {CONTROL_TIMEOUT:g} s")
         except ControlRejected as exc:
             self.runtime.metrics.record_control_rejection("service")
             await self._send(protocol.rejection_message(self.record.session_id, "service", exc.reason))

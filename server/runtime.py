@@ -65,6 +65,8 @@ class ViewerLimit(RuntimeError):
 MAX_VIEWERS_PER_SESSION = 32
 #: seconds a client is told to wait (Retry-After) when no worker is live
 NO_WORKER_RETRY_AFTER = 10.0
+#: the error of a session still queued when the server stops
+SHUTDOWN_REASON = "the server shut down before the session could start"
 
 
 @attrs.frozen
@@ -185,9 +187,8 @@ class StreamRuntime:
         self.closing = True
         live = len(self.runners)
         log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", live, grace)
-        for record in self.registry:
-            if record.status is State.QUEUED:
-                self._withdraw(record)
+        # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
+        self._fail_queued(SHUTDOWN_REASON)
         for runner in list(self.runners.values()):
             self._drain(runner.record, "shutdown")
         with trio.move_on_after(grace):
@@ -235,6 +236,16 @@ class StreamRuntime:
             elif not self.book.can_place():
                 self._fail_queued(f"no worker can take the session: {slot.tracker.describe(now)}")
         self._publish_gauges()
+
+    def _notice_failing(self, now: float) -> None:
+        """A worker whose service is failing takes nothing more, before the book can promote onto it.
+
+        Its failure report comes once the service has left ``running()``; sessions ending before that
+        would otherwise hand their slots to queued sessions on the same dying worker.
+        """
+        for worker_id, worker in self.workers.items():
+            if worker.failing and self.book.worker_state(worker_id) not in (WorkerState.FAILED, WorkerState.STOPPED):
+                self._follow(self.book.fail_worker(worker_id, now))
 
     def _fail_queued(self, reason: str) -> None:
         """Nothing will ever run the queued sessions (every slot gave up): they fail with the reason."""
@@ -299,6 +310,7 @@ class StreamRuntime:
             admission = Admission(status="rejected", session_id=session_id, reason="shutting_down")
             transitions: list[Transition] = []
         else:
+            self._notice_failing(now)
             admission, transitions = self.book.admit(session_id, now)
         self.metrics.record_admission(admission.status)
         if admission.status == "rejected":
@@ -370,6 +382,7 @@ class StreamRuntime:
 
     def _withdraw(self, record: SessionRecord) -> None:
         now = trio.current_time()
+        self._notice_failing(now)
         self.registry.apply(record, Event.WITHDRAW, now=now)
         self._discard_upload(record)
         self._follow(self.book.release(record.session_id, now))
@@ -421,6 +434,7 @@ class StreamRuntime:
         self.runners.pop(record.session_id, None)
         self._discard_upload(record)
         self.metrics.record_session_finished(record.session_id, record.status.value)
+        self._notice_failing(now)
         if self.book.holds(record.session_id):
             self._follow(self.book.release(record.session_id, now))
         self._publish_gauges()
@@ -465,6 +479,7 @@ class StreamRuntime:
         self.metrics.set_capacity(sum(w.capacity for w in self.book.workers() if w.state in (WorkerState.IDLE, WorkerState.BUSY)))
 
     def health(self) -> dict[str, Any]:
+        self._notice_failing(trio.current_time())  # a worker whose service is failing is not counted healthy
         snapshot = self.book.snapshot()
         live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
         if live == 0:

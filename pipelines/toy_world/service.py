@@ -25,9 +25,10 @@ starts at or after their time on the media clock.
 Placement (:mod:`.placement`, :mod:`.stages`): in-process (default) or process worker groups;
 identical chunks for a seed and controls either way. A dead worker fails its group, its actor and
 every session of this service (all use every stage); the service does **not** restart groups, it
-reports itself failed: :attr:`ToyWorldService.failure` names the stage, failed sessions' ``chunks()``
-raise :class:`PipelineFailed`, ``create_session`` and the exit of ``running()`` raise
-:class:`ServiceFailedError`, so its owner replaces the instance (other instances are unaffected).
+fails as a whole: :attr:`ToyWorldService.failure` names the stage, failed sessions' ``chunks()``
+raise :class:`PipelineFailed`, ``create_session`` raises :class:`ServiceFailedError`, and ``running()``
+is left at once (its body is cancelled) with :class:`ServiceFailedError`, so that its owner notices
+and replaces the instance (other instances are unaffected).
 """
 
 from __future__ import annotations
@@ -154,19 +155,27 @@ class ToyWorldService(BidirectionalService):
                 self._orch, self._nursery = orch, nursery
                 nursery.start_soon(self._lease.run)
                 await self._warm_up()
-                try:
-                    yield self
-                finally:
-                    with trio.CancelScope(shield=True):
-                        for session_id in list(self._sessions):
-                            await self.close_session(session_id)
-                    nursery.cancel_scope.cancel()
+                # a stage that fails as a whole ends the block: the owner hears it now, not at its next call
+                with trio.CancelScope() as body:
+                    nursery.start_soon(self._leave_on_failure, stages, body)
+                    try:
+                        yield self
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            for session_id in list(self._sessions):
+                                await self.close_session(session_id)
+                        nursery.cancel_scope.cancel()
         finally:
             self._orch = self._nursery = None
             with trio.CancelScope(shield=True):
                 await stages.aclose()
         if stages.failure is not None:
             raise ServiceFailedError(f"the toy world service failed: {stages.failure}")
+
+    @staticmethod
+    async def _leave_on_failure(stages: Any, body: trio.CancelScope) -> None:
+        await stages.failed.wait()
+        body.cancel(reason=f"the toy world service failed: {stages.failure}")
 
     async def _warm_up(self) -> None:
         """One chunk through every stage so that memory snapshots see steady-state peaks."""

@@ -17,8 +17,9 @@ The world made by encode reaches the denoise ranks through the slot's world chan
 stage's session hook discards them (``channel.discard``) before the session's slot is reused.
 
 Failure (a rank process dies): the group fails, its owning actor fails, the orchestrator fails every
-session on it, and :attr:`StageHost.failure` names the stage and reason. The service then reports
-itself failed (it does not restart groups): see :mod:`.service`.
+session on it, :attr:`StageHost.failure` names the stage and reason and :attr:`StageHost.failed` is
+set. The service then leaves ``running()`` with that failure (it does not restart groups; its owner
+replaces the whole service): see :mod:`.service`.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class _StageHost:
         self.notify = notify
         self.slot_of: dict[str, int] = {}
         self.failure = None
+        self.failed = trio.Event()  # set (in the trio thread) once a stage's actor failed
 
     def acquire_slot(self, session_id: str) -> int:
         slot = self.pool.acquire()  # SlotPoolFullError when every retained slot is taken
@@ -118,6 +120,7 @@ class _StageHost:
         def on_failed(reason: str) -> None:
             if self.failure is None:
                 self.failure = f"stage {stage!r} failed: {reason}"
+                self.failed.set()
 
         actor.add_failure_listener(on_failed)
 

@@ -7,6 +7,7 @@ declared failed by its heartbeat deadline (principles 3, 4 and 6 of the hostile-
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -149,3 +150,69 @@ async def test_a_frozen_service_child_is_declared_failed_and_replaced() -> None:
         assert "heartbeat deadline" in metadata["worker_failures"]["worker-0"]
         await wait_until(lambda: "worker-0.1" in s.runtime.workers and s.runtime.ready, "the replacement", 120)
         assert (await s.create("ctl2"))["worker_id"] == "worker-0.1"
+
+
+def toy_world_in_process(path: str, **options: Any) -> Any:
+    """The toy world at test sizes; its stages run in rank processes, the service in the server's process."""
+    from pipelines.loader import load_service
+
+    return load_service(path, height=32, width=48, frames_per_chunk=2, idle_timeout=60.0, **options)
+
+
+RANK_PLACEMENT = json.dumps({
+    "mode": "process",
+    "encode": {"devices": ["cpu"], "world_size": 1, "dtype": "float32"},
+    "denoise": {"devices": ["cpu"], "world_size": 1},
+    "decode": {"devices": ["cpu"]},
+})
+
+
+async def test_an_in_process_service_whose_stage_dies_is_rebuilt_and_the_queue_moves_to_the_new_one() -> None:
+    """In-process worker, toy world stages in rank processes: SIGKILL of the denoise rank fails the stage
+    as a whole, so the service leaves running(); the running session fails with the stage's cause, the
+    queued one is never promoted onto the dying worker and runs on its replacement (a new id), and health
+    and metrics count the restart."""
+    async with serve(toy_world_in_process, pipeline="pipelines/toy_world", placement=RANK_PLACEMENT) as s:
+        await wait_until(lambda: s.runtime.ready, "the toy world", deadline=120)
+        running = await s.create("ctl", config={"continuous": True})
+        queued = await s.create("ctl-next")
+        assert running["worker_id"] == "worker-0" and queued["status"] == "queued"
+        service = s.runtime.workers["worker-0"].service
+        async with join(s, running["room"], running["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk", timeout=60)
+            os.kill(service._stages.groups["denoise"].pids[0], signal.SIGKILL)  # type: ignore[union-attr]
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the session's error", timeout=60)
+        record = await s.get(running["session_id"])
+        assert record["status"] == "failed" and "stage 'denoise' failed" in record["error"], record
+        assert "stage 'denoise' failed" in errors[0]["detail"]
+        await wait_until(lambda: s.runtime.book.worker_of(queued["session_id"]) is not None, "the promotion", 120)
+        assert (await s.get(queued["session_id"]))["worker_id"] == "worker-0.1"
+        health = (await s.json("get", "/v1/stream/health"))[1]
+        assert health["worker_restarts"] == 1 and health["worker_slots"]["worker-0"]["worker_id"] == "worker-0.1"
+        assert "stage 'denoise' failed" in (await s.json("get", "/v1/service/metadata"))[1]["worker_failures"]["worker-0"]
+        assert "chunkline_worker_restarts_total 1.0" in await s.metrics_text()
+
+
+async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_dying_worker() -> None:
+    """Process worker: SIGKILL of the service child. Its session fails with the child's cause; the queued
+    session waits for the replacement child rather than being promoted onto the dead one (whose other
+    session ends first), and never ends closed without an error."""
+    loader = functools.partial(start_process_service, height=32, width=48, frames_per_chunk=2, idle_timeout=60.0)
+    async with serve(loader, pipeline="pipelines/toy_world", worker_mode="process",
+                     max_sessions_per_worker=2, queue_size=1) as s:
+        await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
+        first = await s.create("ctl")
+        idle = await s.create("ctl-idle")  # assigned, never joined: it ends as the worker dies
+        queued = await s.create("ctl-next")
+        assert queued["status"] == "queued"
+        service = s.runtime.workers["worker-0"].service
+        async with join(s, first["room"], first["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=60)
+            os.kill(service.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            await ctl.wait_for(lambda p: p.status("error"), "the session's error", timeout=60)
+        for session_id in (first["session_id"], idle["session_id"]):
+            await wait_until(lambda: s.runtime.get(session_id).is_terminal, "the session to end", 30)
+            record = await s.get(session_id)
+            assert record["status"] == "failed" and "worker worker-0 failed" in record["error"], record
+        await wait_until(lambda: s.runtime.book.worker_of(queued["session_id"]) is not None, "the promotion", 120)
+        assert (await s.get(queued["session_id"]))["worker_id"] == "worker-0.1"

@@ -34,7 +34,7 @@ from server.settings import ServerSettings
 from server.transport.client import RoomClient
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = Deadlines(write=1.0, ping_interval=0.2, pong=1.0, head=1.0)
+FAST = Deadlines(write=1.0, ping_interval=0.2, pong=1.0, head=1.0, idle=3.0)
 WAIT = 20.0  # wall seconds any bounded real-time wait may take on a loaded machine
 
 
@@ -242,6 +242,29 @@ async def test_a_client_that_never_reads_its_response_cannot_hold_it() -> None:
         size = (ROOT / "server/static/vendor/livekit-client.umd.js").stat().st_size
         assert len(received) < 16 * size, f"{len(received)} bytes arrived: the stalled connection was kept"
         await stalled.aclose()
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_its_deadline() -> None:
+    """A client that asks once and then keeps its connection open, silent, holds it (and the server's
+    descriptors for it) only for ``Deadlines.idle``; a request answered on it before then is fine."""
+    async with running() as server:
+        fds = len(os.listdir("/proc/self/fd"))
+        idle = [await server.raw() for _ in range(8)]
+        for stream in idle:
+            await stream.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        started = trio.current_time()
+        for stream in idle:
+            answer = await closed_by_server(stream)  # the answer, then the close
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"}\n"), answer[-80:]
+        assert trio.current_time() - started >= FAST.idle * 0.9
+        for stream in idle:
+            await stream.aclose()
+        await wait_for(lambda: _fds_at_most(fds), "the server's descriptors to be released")
+
+
+async def _fds_at_most(count: int) -> bool:
+    await trio.sleep(0)
+    return len(os.listdir("/proc/self/fd")) <= count
 
 
 # -- principle 2: SIGTERM is bounded whatever the clients do ----------------------------------------------------

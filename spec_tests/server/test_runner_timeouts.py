@@ -10,6 +10,9 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
+from server.runner import CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
+from server.runtime import DELETE_WAIT
+
 from .runner_fixtures import (
     WORKER_IDENTITY,
     CounterService,
@@ -163,3 +166,52 @@ async def test_session_timeout_expires_a_running_session_and_admits_the_queue(
         assert not s.runtime.book.holds(session_id)
         assert status_of(s, queued["session_id"]) in ("assigned", "joining_room")
         assert s.runtime.book.holds(queued["session_id"])
+
+
+class StuckService(CounterService):
+    """A CounterService whose create_session or push_control never returns (the model is wedged)."""
+
+    def __init__(self, *, stuck_controls: bool = False) -> None:
+        super().__init__()
+        self.stuck_controls = stuck_controls
+
+    async def push_control(self, session_id: str, control: Any) -> None:
+        if self.stuck_controls:
+            await trio.sleep_forever()
+        await super().push_control(session_id, control)
+
+
+async def test_a_pipeline_that_never_creates_the_session_fails_it_at_the_deadline(autojump_clock: Any) -> None:
+    """Principle 3: a DELETE while the service hangs in create_session answers within its wait, and the
+    session ends failed at the create deadline with the reason instead of staying draining."""
+    service = StuckService()
+    service.create_gate = trio.Event()  # never set
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: "starting_pipeline" in p.stages(), "starting_pipeline")
+            start = trio.current_time()
+            status, body = await s.json("delete", f"/v1/stream/sessions/{session_id}")
+            assert status == 200 and body["status"] == "draining"
+            assert trio.current_time() - start <= DELETE_WAIT + 1
+            await until(start + CREATE_PIPELINE_TIMEOUT + 1)
+            record = await s.get(session_id)
+            assert record["status"] == "failed" and f"within {CREATE_PIPELINE_TIMEOUT:g} s" in record["error"], record
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the error on tf.status")
+            assert "did not create the session" in errors[0]["detail"]
+        assert s.free_slots() == 1 and not s.runtime.runners
+
+
+async def test_a_pipeline_that_never_takes_a_control_fails_the_session_at_the_deadline(autojump_clock: Any) -> None:
+    service = StuckService(stuck_controls=True)
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            await ctl.control({"type": "control", "key": "w", "pressed": True})
+            sent = trio.current_time()
+            await until(sent + CONTROL_TIMEOUT + 1)
+            record = await s.get(created["session_id"])
+            assert record["status"] == "failed" and "did not take a control" in record["error"], record
+        assert s.free_slots() == 1 and not s.runtime.runners
