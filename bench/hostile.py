@@ -15,8 +15,10 @@ Three phases of ``--seconds`` each: calm, attack, calm again. During the attack,
 
 It prints JSON lines: ``{"figure": "phase"}`` per phase with the honest clients' chunk-period p50/p95 (the gaps
 between consecutive ``chunk`` status messages of one session as received) and frames received; ``{"figure":
-"resources"}`` with the server process's RSS, open files, threads and child processes before the attack
-(end of the first calm phase) and after it (end of the second); ``{"figure": "summary"}`` with
+"resources"}`` with the server process's RSS, open files (by kind), threads and child processes before the
+attack (end of the first calm phase) and after it (at least :data:`SETTLE` seconds after the attack stopped,
+past every deadline the server gives a peer; the attackers' sockets are left open, as an attacker's would
+be); ``{"figure": "summary"}`` with
 ``attack_p95_ratio`` (attack p95 / calm p95; goal <= 1.5), the count of HTTP 5xx answers (goal 0), what
 each attack got back, and whether RSS/fds/threads/children returned to baseline.
 """
@@ -53,6 +55,7 @@ KEY_SETS = (["w"], ["d"], ["a", "j"], ["s"])
 RSS_SLACK = 0.10  # RSS may end 10 % above its baseline (allocator pools) and still count as back
 FD_SLACK = 4
 FROZEN_FOR = 20.0  # seconds a frozen peer stays silent: past the server's ping/pong deadline (15 s)
+SETTLE = 35.0  # seconds after the attack before "after" is measured: past every deadline (idle connections: 30 s)
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -320,17 +323,21 @@ async def main(args: argparse.Namespace) -> None:
                 await trio.sleep(args.seconds)
                 marks["attack_start"] = time.perf_counter()
                 before = process_figures(process.pid)
+                # the attackers' own client: its connections are left open when they stop, as an attacker's are
+                attack_http = httpx.AsyncClient(base_url=base, timeout=30)
                 async with trio.open_nursery() as attackers:
-                    attackers.start_soon(http_attacks, http, tally)
-                    attackers.start_soon(room_attacks, http, host, port, tally)
-                    attackers.start_soon(frozen_peers, http, host, port, tally)
+                    attackers.start_soon(http_attacks, attack_http, tally)
+                    attackers.start_soon(room_attacks, attack_http, host, port, tally)
+                    attackers.start_soon(frozen_peers, attack_http, host, port, tally)
                     attackers.start_soon(raw_attacks, host, port, tally)
                     await trio.sleep(args.seconds)
                     attackers.cancel_scope.cancel()
                 marks["attack_end"] = time.perf_counter()
                 await trio.sleep(args.seconds)  # calm again: whatever the attackers held must be let go
                 marks["end"] = time.perf_counter()
+                await trio.sleep(max(0.0, SETTLE - args.seconds))
                 after = process_figures(process.pid)
+                await attack_http.aclose()
                 nursery.cancel_scope.cancel()
             phases = {}
             for name, start, end in (("calm", "calm_start", "attack_start"), ("attack", "attack_start", "attack_end"),

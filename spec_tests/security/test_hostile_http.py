@@ -214,6 +214,18 @@ async def test_the_429_during_shutdown_says_shutting_down() -> None:
         assert int(response.headers["Retry-After"]) > 0
 
 
+async def test_a_session_queued_at_shutdown_fails_with_the_reason() -> None:
+    """A queued session never ran and never will: shutdown fails it with why, not a quiet ``closed``."""
+    async with serve(make_settings(max_sessions_per_worker=1, queue_size=1), cleanup=False) as s:
+        await s.create("holder")
+        status, queued, _ = await s.create("waiting")
+        assert status == 202 and queued["status"] == "queued"
+        await s.runtime.shutdown(1.0)
+        status, record, _ = await s.json("get", f"/v1/stream/sessions/{queued['session_id']}")
+        assert status == 200 and record["status"] == "failed", record
+        assert record["error"] == "the server shut down before the session could start"
+
+
 # -- principle 8: no 500 on any route, static files included -----------------------------------------------
 
 
