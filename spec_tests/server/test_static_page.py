@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -107,6 +108,24 @@ def test_app_js_parses() -> None:
         pytest.skip("node is not installed")
     result = subprocess.run([node, "--check", str(APP_JS)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_page_takes_status_and_metrics_only_from_the_server() -> None:
+    """Principle 7 on the page: ``tf.status``/``tf.metrics`` from a participant (a LiveKit controller may
+    publish on any topic) or from nobody are ignored; the worker's are shown. The page runs in node with
+    an inert DOM (``page_harness.js``) and is handed the data messages as a room delivers them."""
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true: node is needed to run the demo page's script")
+        pytest.skip("node is not installed")
+    harness = Path(__file__).with_name("page_harness.js")
+    result = subprocess.run([node, str(harness), str(APP_JS)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    taken = json.loads(result.stdout)
+    assert taken["participant"] == {"status": False, "metrics": False}, taken
+    assert taken["nobody"] == {"status": False, "metrics": False}, taken
+    assert taken["worker"] == {"status": True, "metrics": True}, taken
 
 
 def test_app_js_sends_only_control_types_the_server_accepts() -> None:
