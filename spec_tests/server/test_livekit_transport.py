@@ -34,10 +34,8 @@ from server.transport.livekit import (
     VIDEO_TRACK_NAME,
     LiveKitTransport,
     _LiveKitConnection,
-    _MediaPublisher,
-    _rgb_frame,
-    _video_options,
 )
+from server.transport.livekit_media import MediaPublisher, rgb_frame, video_options
 
 KEY = "devkey"
 SECRET = "0123456789abcdef0123456789abcdef-secret"
@@ -171,7 +169,7 @@ async def test_connect_works_from_a_task_that_did_not_open_the_loop(nursery: tri
 async def test_media_publisher_captures_video_and_audio(nursery: trio.Nursery) -> None:
     _, loop = await start(nursery, "ws://127.0.0.1:7880")
     on_aio = lambda fn: trio_asyncio.aio_as_trio(fn, loop=loop)
-    media = _MediaPublisher(None)
+    media = MediaPublisher(None)
     frames = np.zeros((3, 48, 64, 3), dtype=np.uint8)
     frames[..., 0] = 255
     for frame in frames:
@@ -202,7 +200,7 @@ async def test_media_publisher_captures_video_and_audio(nursery: trio.Nursery) -
 def test_rgb_frames_and_publish_options() -> None:
     frame = np.zeros((48, 64, 3), np.uint8)
     frame[..., 0] = 255  # pure red
-    video = _rgb_frame(frame)
+    video = rgb_frame(frame)
     assert (video.width, video.height, video.type) == (64, 48, rtc.VideoBufferType.RGB24)
     # no full-frame copy on the trio thread: the SDK frame is the array's own memory
     assert np.shares_memory(np.frombuffer(video.data, np.uint8), frame)
@@ -210,7 +208,7 @@ def test_rgb_frames_and_publish_options() -> None:
     assert len(i420.data) == 64 * 48 * 3 // 2
     assert abs(i420.data[0] - 82) <= 2  # BT.601 luma of pure red: the SDK read it as RGB24
 
-    options = _video_options(24.0)
+    options = video_options(24.0)
     assert options.source == rtc.TrackSource.SOURCE_CAMERA
     assert options.simulcast is False
     assert options.video_codec == rtc.VideoCodec.VP8
@@ -297,7 +295,7 @@ async def test_disconnect_of_an_unconnected_room_is_bounded(nursery: trio.Nurser
 
     async def attach() -> None:
         connection._attach(rtc.Room(loop=loop))
-        connection.media = _MediaPublisher(None)
+        connection.media = MediaPublisher(None)
         await connection.media.publish_frame(np.zeros((8, 8, 3), np.uint8), 16.0)
 
     await trio_asyncio.aio_as_trio(attach, loop=loop)()
@@ -315,7 +313,7 @@ async def test_stopping_run_leaves_open_rooms_first() -> None:
 
         async def attach() -> None:
             connection._attach(rtc.Room(loop=loop))
-            connection.media = _MediaPublisher(None)
+            connection.media = MediaPublisher(None)
             await connection.media.publish_audio(Audio(bytes(1920), 48000, 1))
 
         await trio_asyncio.aio_as_trio(attach, loop=loop)()
