@@ -173,11 +173,16 @@ class LocalRoom:
     def __init__(self, client: RoomClient) -> None:
         self.client = client
         self.send_frames, self.frames = trio.open_memory_channel[bytes](1024)
+        self.published = 0  # frames the worker published, from its chunk status (a slow client may miss some)
 
     async def read(self) -> None:
         while (message := await self.client.receive()) is not None:
-            if isinstance(message, bytes) and message[:1] == b"V":
-                await self.send_frames.send(message)
+            if isinstance(message, bytes):
+                if message[:1] == b"V":
+                    await self.send_frames.send(message)
+            elif message.get("type") == "data" and isinstance(payload := message.get("payload"), dict):
+                if payload.get("type") == "chunk":
+                    self.published += int(payload["data"]["frames"])
         self.send_frames.close()
 
     async def hold(self, keys: list[str]) -> None:
@@ -227,7 +232,7 @@ async def local_latency(url: str, samples: int) -> list[float]:
 async def local_cpu(url: str, pid: int, hold: float) -> dict[str, Any]:
     async with local_session(url, "cpu") as room:
         await room.next_frame()
-        frames = 0
+        received = 0
         async with trio.open_nursery() as nursery:
             async def heartbeat() -> None:
                 while True:
@@ -238,15 +243,15 @@ async def local_cpu(url: str, pid: int, hold: float) -> dict[str, Any]:
             with trio.move_on_after(1.0):  # bench-cost: streaming reaches its pace before measuring
                 while True:
                     await room.frames.receive()
-            cpu0, wall0 = cpu_seconds(pid), time.monotonic()
+            frames0, cpu0, wall0 = room.published, cpu_seconds(pid), time.monotonic()
             with trio.move_on_after(hold):
                 while True:
                     await room.frames.receive()
-                    frames += 1
-            cpu1, wall1 = cpu_seconds(pid), time.monotonic()
+                    received += 1
+            frames1, cpu1, wall1 = room.published, cpu_seconds(pid), time.monotonic()
             nursery.cancel_scope.cancel()
         await room.hold([])
-    return cpu_record(cpu1 - cpu0, frames, wall1 - wall0)
+    return {**cpu_record(cpu1 - cpu0, frames1 - frames0, wall1 - wall0), "received": received}
 
 
 # -- the run ----------------------------------------------------------------------------------------------

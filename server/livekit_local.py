@@ -197,6 +197,7 @@ class PrivateNetwork:
     @classmethod
     def create(cls, label: str = "chunkline-lk") -> PrivateNetwork:
         """Make the namespace and a free veth pair (``lkc<k>`` outside, ``lkn<k>`` inside); needs root."""
+        remove_stale_networks(label)
         name = f"{label}-{os.getpid()}-{secrets.token_hex(3)}"
         _ip("netns", "add", name)
         try:
@@ -234,6 +235,22 @@ class PrivateNetwork:
         subprocess.run(["ip", "link", "del", self.outer_link], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=10)
         return left
+
+
+def remove_stale_networks(label: str) -> list[str]:
+    """Remove the empty namespaces ``label-<pid>-<hex>`` whose maker is dead (a run killed before its
+    cleanup), so that killed runs do not pile up namespaces and veth names; returns their names."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    removed = []
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        maker = name.removeprefix(f"{label}-").split("-", 1)[0]
+        if not name.startswith(f"{label}-") or not maker.isdigit() or Path(f"/proc/{maker}").exists():
+            continue
+        if PrivateNetwork(name, 0).pids():
+            continue  # something still runs inside: not ours to remove
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+        removed.append(name)
+    return removed
 
 
 def livekit_settings_env(config: LiveKitConfig) -> dict[str, Any]:
