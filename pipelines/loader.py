@@ -7,6 +7,7 @@ import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
+from collections.abc import Mapping
 from typing import Any
 
 from .contract import BidirectionalService, ServerPushService, Service
@@ -72,8 +73,13 @@ def _importable_name(target: Path) -> str | None:
     return dotted
 
 
-def load_service(path: str | Path, **options: Any) -> Service:
-    """Call the file's ``get_service(**options)`` and validate what it returns."""
+def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, **options: Any) -> Service:
+    """Call the file's ``get_service(**options)`` and validate what it returns.
+
+    ``offered`` are settings the server hands to any pipeline that names them in
+    ``get_service``'s signature (e.g. ``control_idle_timeout``, ``gpu_ids``); a
+    pipeline that does not name one simply does not get it (``**kwargs`` does not count).
+    """
     module = load_pipeline_module(path)
     factory = getattr(module, "get_service", None)
     if factory is None or not callable(factory):
@@ -83,6 +89,8 @@ def load_service(path: str | Path, **options: Any) -> Service:
     unknown = sorted(k for k in options if k not in accepted and not takes_any)
     if unknown:
         raise PipelineLoadError(f"get_service() in {str(path)!r} does not accept {unknown}")
+    named = {name for name, p in accepted.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    options = {**{k: v for k, v in (offered or {}).items() if k in named and k not in options}, **options}
     try:
         service = factory(**options)
     except Exception as exc:

@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException
 from . import json_limits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
-from .registry import UnknownSession
+from .registry import UnknownStreamSession
 from .requests import BadRequest, parse_create_session, parse_token_request, resolve_image_path
 from states.stream_session import State as SessionState
 
@@ -141,8 +141,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     async def viewer_limit(exc: ViewerLimit) -> Response:
         return error(409, "viewer_limit", str(exc))
 
-    @app.errorhandler(UnknownSession)
-    async def unknown_session(exc: UnknownSession) -> Response:
+    @app.errorhandler(UnknownStreamSession)
+    async def unknown_session(exc: UnknownStreamSession) -> Response:
         return error(404, "not_found", f"no session {exc.args[0]!r}")
 
     @app.errorhandler(SessionConflict)
@@ -269,6 +269,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         token = websocket.args.get("token", "")
         try:
             subscriber = transport.admit_client(room, token)
+            record = runtime.registry.in_room(room)
+            if record is None or record.is_terminal:  # a closed session's tokens no longer open its room
+                raise TokenRejected("session_closed")
         except TokenRejected as exc:
             await websocket.accept()
             await websocket.send(json.dumps({"type": "refused", "reason": exc.reason}))

@@ -24,12 +24,12 @@ from pipelines.loader import load_service
 from .process_service import start_process_service
 from .reasons import public_reason
 
-__all__ = ["ModelWorker", "ServiceEnded", "WorkerStartError"]
+__all__ = ["ModelWorker", "ModelWorkerError", "ServiceEnded"]
 
 log = logging.getLogger("chunkline.worker")
 
 
-class WorkerStartError(RuntimeError):
+class ModelWorkerError(RuntimeError):
     """The pipeline could not be loaded or does not fit this configuration."""
 
 
@@ -51,7 +51,12 @@ class ModelWorker:
         policy: SessionCapacityPolicy = SessionCapacityPolicy(),
         worker_mode: str = "in-process",
         placement: str | None = None,
+        offered: dict[str, Any] | None = None,
     ) -> None:
+        """``gpu_ids``: this worker's device group: in a child process they become its
+        ``CUDA_VISIBLE_DEVICES`` (and the service sees them as 0..n-1); in-process the
+        service gets them as ``gpu_ids``. ``gpu_num`` is the group's size. ``offered``:
+        server settings handed to a pipeline that names them (``control_idle_timeout``)."""
         if service_loader is None:  # "process": the service runs in a child process behind a proxy
             service_loader = start_process_service if worker_mode == "process" else load_service
         self.worker_id = worker_id
@@ -62,7 +67,14 @@ class ModelWorker:
         self._on_failed = on_failed
         self._load = service_loader
         self._policy = policy
-        self._options = {} if placement is None else {"placement": placement}  # settings.placement, as given
+        self._options: dict[str, Any] = {} if placement is None else {"placement": placement}  # as given
+        self._offered: dict[str, Any] = dict(offered or {})
+        if worker_mode == "process" and service_loader is start_process_service:
+            self._offered["gpu_ids"] = tuple(range(len(gpu_ids)))
+            if gpu_ids:
+                self._options["environment"] = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids)}
+        else:
+            self._offered["gpu_ids"] = tuple(gpu_ids)
         self.service: Service | None = None
         self.plan: CapacityPlan | None = None
         self.failure: str | None = None
@@ -83,7 +95,7 @@ class ModelWorker:
     def start_runner(self, run: Callable[[], Any]) -> None:
         """Run a room runner while the service is up (runners share the service instance)."""
         if self._runners is None:
-            raise WorkerStartError(f"worker {self.worker_id} is not running")
+            raise ModelWorkerError(f"worker {self.worker_id} is not running")
         self._runners.start_soon(run)
 
     def stop(self) -> None:
@@ -104,7 +116,7 @@ class ModelWorker:
         self.failed.set()
 
     async def _serve(self) -> None:
-        loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids), **self._options)
+        loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids), offered=self._offered, **self._options)
         service = await trio.to_thread.run_sync(loader)
         self.service = service
         limit = self.max_sessions if isinstance(self.max_sessions, int) else None
@@ -112,7 +124,7 @@ class ModelWorker:
             close = getattr(service, "close", None)  # a service in a child process: stop the child
             if close is not None:
                 await trio.to_thread.run_sync(close)
-            raise WorkerStartError(
+            raise ModelWorkerError(
                 f"a ServerPushService holds exactly one retained session; max_sessions_per_worker={limit} is refused"
             )
         if isinstance(service, BidirectionalService):
@@ -150,4 +162,4 @@ class ModelWorker:
                 policy=self._policy,
             )
         except InsufficientMemoryError as exc:
-            raise WorkerStartError(str(exc)) from exc
+            raise ModelWorkerError(str(exc)) from exc

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from states.stream_session import DrainCause, State
+
 __all__ = ["openapi_document"]
 
-STATUSES = ["pending", "queued", "assigned", "joining_room", "starting_pipeline", "running", "draining",
-            "closed", "failed", "expired", "rejected"]
+# generated from the enums, so the document cannot drift from the table
+STATUSES = [state.value for state in State]
+DRAIN_CAUSES = [cause.value for cause in DrainCause]
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -80,6 +83,8 @@ SCHEMAS: dict[str, Any] = {
             "participant_count": {"type": "integer", "minimum": 0},
             "queue_position": NULLABLE_INT,
             "error": NULLABLE_STR,
+            "drain_cause": {"type": ["string", "null"], "enum": [*DRAIN_CAUSES, None],
+                            "description": "why the session ended (or is ending); set once, the first cause wins"},
         },
     },
     "SessionList": {"type": "object", "required": ["sessions"],
@@ -118,6 +123,7 @@ SCHEMAS: dict[str, Any] = {
             "status": {"type": "string", "enum": ["healthy", "degraded", "unhealthy"]},
             "transport": {"type": "string"},
             "transport_connected": {"type": "boolean"},
+            "livekit_connected": {"type": "boolean", "description": "the seed's name: an alias of transport_connected"},
             "workers_total": {"type": "integer"},
             "workers_idle": {"type": "integer"},
             "workers_busy": {"type": "integer"},

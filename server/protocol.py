@@ -7,7 +7,7 @@ Controls (reference B.7)
 ------------------------
 :func:`parse_control` turns one data packet into a normalized
 :class:`~pipelines.contract.Control` (or a :class:`DeliveryAck`), or raises
-:class:`ControlRejection` whose ``reason`` is a short stable code (see
+:class:`InvalidControl` whose ``reason`` is a short stable code (see
 :data:`REJECTION_REASONS`) and whose ``detail`` is a short human sentence, both
 safe to send back to the controller (:func:`rejection_message`).
 
@@ -98,7 +98,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REJECTION_REASONS",
     "STATUS_TOPIC",
-    "ControlRejection",
+    "InvalidControl",
     "DeliveryAck",
     "chunk_message",
     "done_message",
@@ -174,7 +174,7 @@ _SIMPLE_TYPES: Final = {
 }
 
 
-class ControlRejection(ValueError):
+class InvalidControl(ValueError):
     """A control packet was refused; ``reason`` is a code from :data:`REJECTION_REASONS`."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -218,12 +218,12 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _decode(raw: bytes | str, max_bytes: int) -> Any:
     size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
-        raise ControlRejection("too_large", f"{size} bytes; at most {max_bytes} allowed")
+        raise InvalidControl("too_large", f"{size} bytes; at most {max_bytes} allowed")
     try:
         return json_limits.loads(raw, object_pairs_hook=_unique_pairs)
     except json_limits.JsonRefused as exc:
         detail = "the message is not valid UTF-8 JSON" if exc.reason == "invalid_json" else exc.detail
-        raise ControlRejection("invalid_json", detail) from exc
+        raise InvalidControl("invalid_json", detail) from exc
 
 
 def _is_list(value: Any) -> bool:
@@ -239,11 +239,11 @@ def parse_control(
     session_id: str,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Control | DeliveryAck:
-    """Validate and normalize one control packet; raises :class:`ControlRejection`."""
+    """Validate and normalize one control packet; raises :class:`InvalidControl`."""
     if topic != CONTROL_TOPIC:
-        raise ControlRejection("wrong_topic", f"controls are accepted on {CONTROL_TOPIC!r} only")
+        raise InvalidControl("wrong_topic", f"controls are accepted on {CONTROL_TOPIC!r} only")
     if not sender_identity or not isinstance(sender_identity, str) or sender_identity != controller_identity:
-        raise ControlRejection("not_controller", "only the controller may send control messages")
+        raise InvalidControl("not_controller", "only the controller may send control messages")
 
     if isinstance(raw, bytearray | memoryview):
         raw = bytes(raw)
@@ -252,18 +252,18 @@ def parse_control(
     else:
         message = raw
     if not isinstance(message, Mapping):
-        raise ControlRejection("not_an_object", "a control message must be a JSON object")
+        raise InvalidControl("not_an_object", "a control message must be a JSON object")
 
     if "version" in message or "payload" in message:
         version = message.get("version")
         if type(version) is not int or version != PROTOCOL_VERSION:
-            raise ControlRejection("bad_version", f"envelope version must be {PROTOCOL_VERSION}")
+            raise InvalidControl("bad_version", f"envelope version must be {PROTOCOL_VERSION}")
     _check_session(message, session_id)
     fields = _merge_envelope(message) if ("version" in message or "payload" in message) else message
 
     kind = fields.get("type")
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
-        raise ControlRejection("unknown_type", f"type {_show(kind)} is not one of {sorted(MESSAGE_TYPES)}")
+        raise InvalidControl("unknown_type", f"type {_show(kind)} is not one of {sorted(MESSAGE_TYPES)}")
 
     if kind == ControlType.CONTROL_STATE.value:
         return Control(ControlType.CONTROL_STATE, keys=_held_keys(fields))
@@ -279,7 +279,7 @@ def parse_control(
 def _check_session(message: Mapping[str, Any], session_id: str) -> None:
     claimed = message.get("session_id")
     if claimed is not None and claimed != session_id:
-        raise ControlRejection("wrong_session", "the message names another session")
+        raise InvalidControl("wrong_session", "the message names another session")
 
 
 def _merge_envelope(message: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -287,11 +287,11 @@ def _merge_envelope(message: Mapping[str, Any]) -> Mapping[str, Any]:
     if payload is None:
         payload = {}
     if not isinstance(payload, Mapping):
-        raise ControlRejection("bad_payload", "the envelope payload must be an object")
+        raise InvalidControl("bad_payload", "the envelope payload must be an object")
     fields = dict(payload)
     if "type" in message:
         if "type" in payload and payload["type"] != message["type"]:
-            raise ControlRejection("bad_payload", "the payload type contradicts the envelope type")
+            raise InvalidControl("bad_payload", "the payload type contradicts the envelope type")
         fields["type"] = message["type"]
     return fields
 
@@ -299,14 +299,14 @@ def _merge_envelope(message: Mapping[str, Any]) -> Mapping[str, Any]:
 def _held_keys(fields: Mapping[str, Any]) -> frozenset[str]:
     controls = fields.get("controls")
     if not _is_list(controls) or not all(isinstance(name, str) for name in controls):
-        raise ControlRejection("bad_controls", "control_state needs 'controls': a list of strings")
+        raise InvalidControl("bad_controls", "control_state needs 'controls': a list of strings")
     held: set[str] = set()
     for name in controls:
         key = normalize_key(name)
         if key is None:
-            raise ControlRejection("unknown_control", f"unknown control {_show(name)}")
+            raise InvalidControl("unknown_control", f"unknown control {_show(name)}")
         if key in held:
-            raise ControlRejection("duplicate_control", f"control {_show(name)} repeats key {key!r}")
+            raise InvalidControl("duplicate_control", f"control {_show(name)} repeats key {key!r}")
         held.add(key)
     return frozenset(held)
 
@@ -314,14 +314,14 @@ def _held_keys(fields: Mapping[str, Any]) -> frozenset[str]:
 def _key_event(fields: Mapping[str, Any]) -> Control:
     name = fields["control"] if "control" in fields else fields.get("key")
     if not isinstance(name, str):
-        raise ControlRejection("bad_controls", "a control message needs a string 'control' (or 'key')")
+        raise InvalidControl("bad_controls", "a control message needs a string 'control' (or 'key')")
     key = normalize_key(name)
     if key is None:
-        raise ControlRejection("unknown_control", f"unknown control {_show(name)}")
+        raise InvalidControl("unknown_control", f"unknown control {_show(name)}")
     event = fields["event"] if "event" in fields else fields.get("action", "press")
     meaning = _EVENTS.get(event.lower()) if isinstance(event, str) else None
     if meaning is None:
-        raise ControlRejection("unknown_event", f"event {_show(event)} is not one of {sorted(_EVENTS)}")
+        raise InvalidControl("unknown_event", f"event {_show(event)} is not one of {sorted(_EVENTS)}")
     if isinstance(meaning, ControlType):
         return Control(meaning)
     return Control(ControlType.CONTROL, key=key, pressed=meaning)
@@ -330,16 +330,16 @@ def _key_event(fields: Mapping[str, Any]) -> Control:
 def _prompt(fields: Mapping[str, Any]) -> str:
     prompt = fields.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ControlRejection("bad_prompt", "a prompt message needs non-empty 'prompt' text")
+        raise InvalidControl("bad_prompt", "a prompt message needs non-empty 'prompt' text")
     if len(prompt) > MAX_PROMPT_CHARS:
-        raise ControlRejection("bad_prompt", f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+        raise InvalidControl("bad_prompt", f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
     return prompt
 
 
 def _delivery_ack(fields: Mapping[str, Any], session_id: str) -> DeliveryAck:
     frames = fields.get("received_frames")
     if frames is not None and (type(frames) is not int or frames < 0):
-        raise ControlRejection("bad_payload", "received_frames must be an integer >= 0")
+        raise InvalidControl("bad_payload", "received_frames must be an integer >= 0")
     return DeliveryAck(session_id=session_id, received_frames=frames)
 
 
@@ -397,11 +397,13 @@ def chunk_message(
 
 
 def done_message(
-    session_id: str, total_chunks: int, published_frames: int, *, timestamp: float | None = None
+    session_id: str, total_chunks: int, published_frames: int, *, reason: str | None = None,
+    timestamp: float | None = None,
 ) -> bytes:
-    """The stream ended normally."""
+    """The stream ended normally; ``reason`` is the drain cause (``stop``, ``deleted``, ``room_empty``...)."""
     return _message(
-        "done", session_id, timestamp, {"total_chunks": total_chunks, "published_frames": published_frames}
+        "done", session_id, timestamp,
+        {"total_chunks": total_chunks, "published_frames": published_frames, "reason": reason},
     )
 
 
@@ -411,7 +413,7 @@ def error_message(session_id: str, reason: str, detail: str, *, timestamp: float
 
 
 def rejection_message(session_id: str, reason: str, detail: str, *, timestamp: float | None = None) -> bytes:
-    """The answer to a refused control (a :class:`ControlRejection` or a service's ControlRejected)."""
+    """The answer to a refused control (a :class:`InvalidControl` or a service's ControlRejected)."""
     return _message("control_rejected", session_id, timestamp, {"reason": reason, "detail": detail})
 
 

@@ -14,12 +14,12 @@ from typing import Any
 import attrs
 
 from states import stream_session as table
-from states.stream_session import Event, State, StreamSessionMachine
+from states.stream_session import DrainCause, Event, State, StreamSessionMachine
 
-__all__ = ["SessionRecord", "SessionRegistry", "UnknownSession"]
+__all__ = ["SessionRecord", "SessionRegistry", "UnknownStreamSession"]
 
 
-class UnknownSession(KeyError):
+class UnknownStreamSession(KeyError):
     """No record with this id (it never existed or was pruned)."""
 
 
@@ -42,7 +42,8 @@ class SessionRecord:
     terminal_since: float | None = None  # trio clock
     participants: set[str] = attrs.Factory(set)  # identities present in the room (worker excluded)
     viewer_identities: set[str] = attrs.Factory(set)  # identities viewer tokens were minted for
-    drain_cause: str | None = None  # why the session is draining: deleted, stop, expired, controller_left, ...
+    drain_cause: DrainCause | None = None  # why it drains: set once, with its DRAIN (server.lifecycle)
+    drain_detail: str | None = None  # the cause in words (the error, should the cause fail the session)
     upload_path: str | None = None  # a server-owned copy of an uploaded image, deleted when terminal
 
     @property
@@ -71,6 +72,7 @@ class SessionRecord:
             "participant_count": self.participant_count,
             "queue_position": queue_position,
             "error": self.error,
+            "drain_cause": None if self.drain_cause is None else self.drain_cause.value,
         }
 
 
@@ -79,6 +81,7 @@ class SessionRegistry:
 
     def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
         self._records: dict[str, SessionRecord] = {}
+        self._by_room: dict[str, SessionRecord] = {}
         self._wall = wall_clock
 
     def __len__(self) -> int:
@@ -92,15 +95,20 @@ class SessionRegistry:
             raise ValueError(f"session {record.session_id!r} already exists")
         record.updated_at = self._wall()
         self._records[record.session_id] = record
+        self._by_room[record.room] = record
 
     def get(self, session_id: str) -> SessionRecord:
         try:
             return self._records[session_id]
         except KeyError:
-            raise UnknownSession(session_id) from None
+            raise UnknownStreamSession(session_id) from None
 
     def find(self, session_id: str) -> SessionRecord | None:
         return self._records.get(session_id)
+
+    def in_room(self, room: str) -> SessionRecord | None:
+        """The record whose room this is (None once it is pruned, or for a room no session made)."""
+        return self._by_room.get(room)
 
     def list(self, status: State | None = None) -> list[SessionRecord]:
         return [r for r in self._records.values() if status is None or r.status is status]
@@ -112,7 +120,10 @@ class SessionRegistry:
         return counts
 
     def apply(self, record: SessionRecord, event: Event, *, now: float, error: str | None = None) -> State:
-        """Move a record through the stream-session table (raises IllegalTransition, changing nothing)."""
+        """Move a record through the stream-session table (raises IllegalTransition, changing nothing).
+
+        Only :class:`server.lifecycle.SessionLifecycle` calls this.
+        """
         state = record.machine.apply(event)
         record.updated_at = self._wall()
         if error is not None and record.error is None:
@@ -122,7 +133,9 @@ class SessionRegistry:
         return state
 
     def remove(self, session_id: str) -> None:
-        self._records.pop(session_id, None)
+        record = self._records.pop(session_id, None)
+        if record is not None:
+            self._by_room.pop(record.room, None)
 
     def expired(self, now: float) -> list[SessionRecord]:
         """Live records whose session timeout has passed (by the trio clock)."""
@@ -142,5 +155,5 @@ class SessionRegistry:
         if len(keep) > retention_count:
             removed += [r.session_id for r in keep[: len(keep) - retention_count]]
         for session_id in removed:
-            del self._records[session_id]
+            self._by_room.pop(self._records.pop(session_id).room, None)
         return removed

@@ -3,14 +3,23 @@
     assigned -> joining_room -> starting_pipeline -> running -> draining -> closed
                                                         (or failed / expired)
 
-It joins the room as the worker, waits for the controller (``controller_timeout``),
-creates the pipeline session, forwards validated controls (held, bounded, until
-the pipeline session exists; every refusal is answered on ``tf.status``),
-publishes chunks paced at their fps, and reports lifecycle, lease and chunk
-status. Whatever ends the session — stop, DELETE, the session timeout, the
-controller leaving, an empty room, an error — the runner drains: it closes the
-pipeline session through its owner, says ``done``, leaves the room and hands
-the slot back, so the next queued session is admitted.
+It joins the room as the worker, waits for the controller, creates the
+pipeline session, forwards validated controls (held, bounded, until the
+pipeline session exists; every refusal is answered on ``tf.status``), publishes
+chunks paced at their fps, and reports lifecycle, lease and chunk status. Who is
+in the room, and which timeout runs, is the :class:`states.room_presence.RoomPresence`
+book: a controller that never joins (or leaves and does not return) within
+``controller_timeout`` fails the session naming the controller; a room emptied
+after someone had joined ends it after ``room_empty_timeout`` as ``room_empty``.
+Whatever ends the session (a :class:`~states.stream_session.DrainCause`, set once
+through the :class:`~server.lifecycle.SessionLifecycle`), the runner drains: it
+closes the pipeline session through its owner, says ``done``, leaves the room
+and hands the slot back, so the next queued session is admitted.
+
+The runner gets what it needs as one value (:class:`RunnerDeps`), runs its side
+tasks (the room watch, the presence timers, ``tf.metrics``, lease messages) in
+its own nursery, which ends before the session does, and names its cancel scopes
+after what they cancel.
 """
 
 from __future__ import annotations
@@ -22,21 +31,28 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from pipelines.contract import BidirectionalService, Chunk, Control, ControlRejected, ControlType, ServiceEvent, SessionConfig
-from states.stream_session import Event, State
+from states.room_presence import RoomPresence, Timer
+from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
 from . import protocol
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .lifecycle import SessionLifecycle
+    from .metrics import ServerMetrics
     from .model_worker import ModelWorker
     from .registry import SessionRecord
-    from .runtime import StreamRuntime
+    from .tokens import TokenIssuer
+    from .transport import RoomTransport
 
-__all__ = ["RoomRunner", "RunnerError"]
+__all__ = ["RoomRunner", "RunnerDeps", "RunnerError"]
 
 log = logging.getLogger("chunkline.runner")
 
@@ -48,10 +64,32 @@ CONTROL_TIMEOUT = 10.0  # seconds the service may take to take one control
 WORKER_CAUSE_WAIT = 10.0  # seconds a runner waits for a failing worker to say why, when its stream ended first
 EARLY_CONTROL_LIMIT = 64  # controls held before the pipeline session exists
 METRICS_PERIOD = 1.0
+OUTBOX_LIMIT = 32  # service events (lease status) waiting to be sent; more are dropped and counted
+
+#: What each presence timeout means for the session.
+TIMEOUT_CAUSES: dict[Timer, DrainCause] = {
+    Timer.CONTROLLER_ABSENT: DrainCause.CONTROLLER_ABSENT,
+    Timer.CONTROLLER_LEFT: DrainCause.CONTROLLER_LEFT,
+    Timer.ROOM_EMPTY: DrainCause.ROOM_EMPTY,
+}
 
 
 class RunnerError(RuntimeError):
     """Why a session failed, in words a client can read on its record."""
+
+
+@attrs.frozen
+class RunnerDeps:
+    """Everything a room runner uses from the server, handed over as one value."""
+
+    issuer: TokenIssuer
+    transport: RoomTransport
+    metrics: ServerMetrics
+    lifecycle: SessionLifecycle
+    controller_timeout: float
+    room_empty_timeout: float
+    max_data_message_bytes: int
+    on_finished: Callable[[RoomRunner, str | None], None]  # settles the record and frees the slot
 
 
 def _single_cause(exc: BaseException) -> BaseException:
@@ -77,13 +115,12 @@ class _Pacer:
 
 
 class RoomRunner:
-    def __init__(self, runtime: StreamRuntime, record: SessionRecord, worker: ModelWorker) -> None:
-        self.runtime = runtime
+    def __init__(self, deps: RunnerDeps, record: SessionRecord, worker: ModelWorker) -> None:
+        self.deps = deps
         self.record = record
         self.worker = worker
         self.identity = f"chunkline-{worker.worker_id}"
         self.finished = trio.Event()
-        self._stop_cause: str | None = None
         self._failure: str | None = None  # set by fail(): the session ends failed with this reason
         self._stop = trio.Event()
         self._connection: RoomConnection | None = None
@@ -91,6 +128,10 @@ class RoomRunner:
         self._pipeline_ready = trio.Event()
         self._early_controls: deque[Control] = deque()
         self._controller_here = trio.Event()
+        self._presence: RoomPresence | None = None
+        self._presence_changed = trio.Event()
+        self._outbox_in, self._outbox = trio.open_memory_channel[bytes](OUTBOX_LIMIT)
+        self.dropped_service_events = 0
         self._published_chunks = 0
         self._published_frames = 0
         self._chunk_times: deque[float] = deque(maxlen=32)
@@ -98,39 +139,38 @@ class RoomRunner:
         self._rtf: float | None = None
         self._frames_per_chunk = 0
         self._pacer = _Pacer()
-        self._scope = trio.CancelScope()
+        self._session_scope = trio.CancelScope()  # cancels everything but the drain (abort)
 
     # -- control from the runtime ----------------------------------------------
 
-    def stop(self, cause: str) -> None:
-        """End the session (DELETE, expiry, departure...): the first cause is the one recorded."""
-        if self._stop_cause is None:
-            self._stop_cause = cause
+    def drain(self, cause: DrainCause, detail: str | None = None) -> None:
+        """End the session (DELETE, expiry, a timeout, stop...): the first cause is the one recorded."""
+        self.deps.lifecycle.drain(self.record, cause, detail)
         self._stop.set()
 
-    def abort(self) -> None:
-        """Stop at once (server shutdown past its grace): waiting is cancelled, cleanup still runs."""
-        self.stop("shutdown")
-        self._scope.cancel()
+    def abort(self, cause: DrainCause = DrainCause.SHUTDOWN) -> None:
+        """Stop at once (shutdown past its grace): waiting is cancelled, cleanup still runs."""
+        self.drain(cause)
+        self._session_scope.cancel()
 
-    def fail(self, reason: str) -> None:
-        """End at once as a failure with ``reason`` (the worker under the session died): cleanup still runs."""
+    def fail(self, reason: str, cause: DrainCause = DrainCause.WORKER_FAILED) -> None:
+        """End at once as a failure with ``reason`` (the worker under the session died, the pipeline
+        stalled): cleanup still runs."""
         if self._failure is None:
             self._failure = reason
-        self.stop("failed")
-        self._scope.cancel()
-
-    @property
-    def stop_cause(self) -> str | None:
-        return self._stop_cause
+        self.drain(cause, reason)
+        self._session_scope.cancel()
 
     # -- life --------------------------------------------------------------------
 
     async def run(self) -> None:
         error: str | None = None
         try:
-            with self._scope:
-                await self._run()
+            with self._session_scope:
+                async with trio.open_nursery() as side_tasks:
+                    side_tasks.start_soon(self._send_outbox)
+                    await self._run(side_tasks)
+                    side_tasks.cancel_scope.cancel()
         except Exception as exc:
             cause = _single_cause(exc)
             # the record and the room hear one short line; the log keeps the traceback
@@ -147,58 +187,66 @@ class RoomRunner:
                 error = self._failure or error  # a failure told by fail() wins, however the run ended
                 await self._finish(error)
 
-    async def _run(self) -> None:
-        record, runtime = self.record, self.runtime
-        if not self._advance(Event.JOIN_ROOM):
+    async def _run(self, side_tasks: trio.Nursery) -> None:
+        record, deps = self.record, self.deps
+        if not self._step(Event.JOIN_ROOM):
             return
-        token = runtime.issuer.worker_token(record.room, self.identity)
+        token = deps.issuer.worker_token(record.room, self.identity)
         # the transport bounds the connect itself and raises TransportError with the reason
-        self._connection = await runtime.transport.connect(record.room, self.identity, token, timeout=CONNECT_TIMEOUT)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_room)
-            await self._wait_for_controller()
-            if self._stop.is_set():
-                nursery.cancel_scope.cancel()
-                return
-            if not self._advance(Event.START_PIPELINE):
-                nursery.cancel_scope.cancel()
-                return
-            await self._send_status("starting_pipeline")
-            service = self.worker.service
-            if isinstance(service, BidirectionalService):
-                await self._run_bidirectional(service, nursery)
-            else:
-                await self._run_server_push(service, nursery)
-            nursery.cancel_scope.cancel()
+        self._connection = await deps.transport.connect(record.room, self.identity, token, timeout=CONNECT_TIMEOUT)
+        self._presence = RoomPresence(
+            record.controller_identity, deps.controller_timeout, deps.room_empty_timeout, trio.current_time()
+        )
+        side_tasks.start_soon(self._watch_room)
+        side_tasks.start_soon(self._enforce_timeouts)
+        await self._wait_for_controller()
+        if self._stop.is_set() or not self._step(Event.START_PIPELINE):
+            return
+        await self._send_status("starting_pipeline")
+        service = self.worker.service
+        if isinstance(service, BidirectionalService):
+            await self._run_bidirectional(service, side_tasks)
+        else:
+            await self._run_server_push(service, side_tasks)
 
-    def _advance(self, event: Event) -> bool:
+    def _step(self, event: Event) -> bool:
         """Apply a lifecycle step unless the session is already draining (then stop quietly)."""
-        # a stop before the pipeline session exists still lets it start and then end cleanly
-        # (RUN), so the controller hears "running" then "done" rather than nothing
-        if self.record.status is State.DRAINING or (self._stop.is_set() and event is not Event.RUN):
-            return False
-        self.runtime.registry.apply(self.record, event, now=trio.current_time())
-        return True
+        return self.deps.lifecycle.step(self.record, event)
 
     async def _wait_for_controller(self) -> None:
-        controller = self.record.controller_identity
-        assert self._connection is not None
-        if controller in self._connection.participants():
-            self._controller_here.set()
-        with trio.move_on_after(self.runtime.settings.controller_timeout):
-            async with trio.open_nursery() as waiting:
-                async def until(event: trio.Event) -> None:
-                    await event.wait()
-                    waiting.cancel_scope.cancel()
+        """Until the controller is here or the session drains (the presence timer bounds the wait)."""
+        async with trio.open_nursery() as waiting:
+            async def until(event: trio.Event) -> None:
+                await event.wait()
+                waiting.cancel_scope.cancel()
 
-                waiting.start_soon(until, self._controller_here)
-                waiting.start_soon(until, self._stop)
-        if not self._controller_here.is_set() and not self._stop.is_set():
-            raise RunnerError(
-                f"the controller {controller!r} did not join within {self.runtime.settings.controller_timeout:g} s"
-            )
+            waiting.start_soon(until, self._controller_here)
+            waiting.start_soon(until, self._stop)
 
-    async def _run_bidirectional(self, service: BidirectionalService, nursery: trio.Nursery) -> None:
+    async def _enforce_timeouts(self) -> None:
+        """Sleep until the presence book's next deadline (re-read whenever someone joins or leaves); drain on it."""
+        presence = self._presence
+        assert presence is not None
+        while True:
+            changed = self._presence_changed
+            nearest = presence.deadline()
+            with trio.move_on_at(math.inf if nearest is None else nearest[0]):
+                await changed.wait()
+                continue
+            timer = presence.due(trio.current_time())
+            if timer is not None:
+                self.drain(TIMEOUT_CAUSES[timer], self._timeout_detail(timer))
+                return
+
+    def _timeout_detail(self, timer: Timer) -> str:
+        controller, deps = self.record.controller_identity, self.deps
+        if timer is Timer.CONTROLLER_ABSENT:
+            return f"the controller {controller!r} did not join within {deps.controller_timeout:g} s"
+        if timer is Timer.CONTROLLER_LEFT:
+            return f"the controller {controller!r} left and did not return within {deps.controller_timeout:g} s"
+        return f"the room was empty for {deps.room_empty_timeout:g} s"
+
+    async def _run_bidirectional(self, service: BidirectionalService, side_tasks: trio.Nursery) -> None:
         record = self.record
         config = SessionConfig(prompt=record.prompt, image_path=record.image_path, options=record.config)
         with trio.move_on_after(CREATE_PIPELINE_TIMEOUT) as deadline:
@@ -207,15 +255,15 @@ class RoomRunner:
             raise RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
         self._pipeline_session = pipeline_id
         record.pipeline_session_id = pipeline_id
-        if not self._advance(Event.RUN):
+        if not self._step(Event.RUN):
             return
         self._pipeline_ready.set()
         while self._early_controls:
             await self._apply_control(service, self._early_controls.popleft())
         await self._send_status("running", worker_id=self.worker.worker_id)
-        nursery.start_soon(self._publish_metrics)
+        side_tasks.start_soon(self._publish_metrics)
         async with trio.open_nursery() as streaming:
-            async def stop_on_request() -> None:
+            async def stop_streaming_on_drain() -> None:
                 await self._stop.wait()
                 with trio.move_on_after(CONTROL_TIMEOUT):
                     try:
@@ -224,26 +272,26 @@ class RoomRunner:
                         pass
                 streaming.cancel_scope.cancel()
 
-            streaming.start_soon(stop_on_request)
+            streaming.start_soon(stop_streaming_on_drain)
             async with contextlib.aclosing(service.chunks(pipeline_id)) as chunks:
                 async for chunk in chunks:
                     await self._publish(chunk)
             streaming.cancel_scope.cancel()
 
-    async def _run_server_push(self, service: Any, nursery: trio.Nursery) -> None:
+    async def _run_server_push(self, service: Any, side_tasks: trio.Nursery) -> None:
         record = self.record
         config = SessionConfig(prompt=record.prompt, image_path=record.image_path, options=record.config)
-        if not self._advance(Event.RUN):
+        if not self._step(Event.RUN):
             return
         self._pipeline_ready.set()
         await self._send_status("running", worker_id=self.worker.worker_id)
-        nursery.start_soon(self._publish_metrics)
+        side_tasks.start_soon(self._publish_metrics)
         with trio.CancelScope() as streaming:
-            async def stop_on_request() -> None:
+            async def stop_streaming_on_drain() -> None:
                 await self._stop.wait()
                 streaming.cancel()
 
-            nursery.start_soon(stop_on_request)
+            side_tasks.start_soon(stop_streaming_on_drain)
             stream = service.stream(config)
             try:
                 async for chunk in stream:
@@ -259,7 +307,7 @@ class RoomRunner:
     async def _publish(self, chunk: Chunk) -> None:
         assert self._connection is not None
         pacer = self._pacer
-        metrics = self.runtime.metrics
+        metrics = self.deps.metrics
         started = time.time()
         for frame in chunk.frames:
             if self._stop.is_set():
@@ -281,13 +329,14 @@ class RoomRunner:
         if compute:
             metrics.record_chunk_processed(compute)
             self._rtf = compute / chunk.media_seconds
+        # the pipeline's own metadata keys win: the runner's figures only fill in what it did not say
         data = {
-            **{k: v for k, v in chunk.metadata.items()},
             "frames": chunk.frame_count,
             "fps": chunk.fps,
             "applied_controls": dict(chunk.applied_controls),
             "publish_started_at": started,
             "publish_finished_at": time.time(),
+            **chunk.metadata,
         }
         await self._send(protocol.chunk_message(self.record.session_id, chunk.index, data))
 
@@ -314,45 +363,38 @@ class RoomRunner:
     # -- the room ----------------------------------------------------------------------
 
     async def _watch_room(self) -> None:
-        """Participants, departures and controls, for the life of the connection."""
-        assert self._connection is not None
-        settings = self.runtime.settings
-        record = self.record
-        record.participants = set(self._connection.participants())
-        departure: trio.CancelScope | None = None
-        emptiness: trio.CancelScope | None = None
-        async with trio.open_nursery() as timers:
-            async def close_after(delay: float, cause: str, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
-                with trio.CancelScope() as scope:
-                    task_status.started(scope)
-                    await trio.sleep(delay)
-                    self.stop(cause)
+        """Participants, departures and controls, for the life of the connection (into the presence book)."""
+        assert self._connection is not None and self._presence is not None
+        presence, record = self._presence, self.record
+        for identity in self._connection.participants():
+            self._joined(identity)
+        async for event in self._connection.events():
+            if isinstance(event, ParticipantJoined):
+                self._joined(event.identity)
+            elif isinstance(event, ParticipantLeft):
+                presence.left(event.identity, trio.current_time())
+                record.participants.discard(event.identity)
+                self._presence_moved()
+            elif isinstance(event, DataReceived):
+                await self._on_data(event)
 
-            if not record.participants:
-                emptiness = await timers.start(close_after, settings.room_empty_timeout, "room_empty")
-            async for event in self._connection.events():
-                if isinstance(event, ParticipantJoined):
-                    record.participants.add(event.identity)
-                    if emptiness is not None:
-                        emptiness.cancel()
-                        emptiness = None
-                    if event.identity == record.controller_identity:
-                        self._controller_here.set()
-                        if departure is not None:
-                            departure.cancel()
-                            departure = None
-                elif isinstance(event, ParticipantLeft):
-                    record.participants.discard(event.identity)
-                    if event.identity == record.controller_identity and departure is None:
-                        departure = await timers.start(close_after, settings.controller_timeout, "controller_left")
-                    if not record.participants and emptiness is None:
-                        emptiness = await timers.start(close_after, settings.room_empty_timeout, "room_empty")
-                elif isinstance(event, DataReceived):
-                    await self._on_data(event)
+    def _joined(self, identity: str) -> None:
+        assert self._presence is not None
+        self._presence.joined(identity, trio.current_time())
+        self.record.participants.add(identity)
+        if identity == self.record.controller_identity:
+            self._controller_here.set()
+        self._presence_moved()
+
+    def _presence_moved(self) -> None:
+        self._presence_changed.set()
+        self._presence_changed = trio.Event()
 
     async def _on_data(self, event: DataReceived) -> None:
         record = self.record
-        metrics = self.runtime.metrics
+        metrics = self.deps.metrics
+        if event.sender_identity == self.identity:
+            return  # the runner's own messages, where a transport echoes them
         try:
             parsed = protocol.parse_control(
                 event.payload,
@@ -360,11 +402,9 @@ class RoomRunner:
                 sender_identity=event.sender_identity,
                 controller_identity=record.controller_identity,
                 session_id=record.session_id,
-                max_bytes=self.runtime.settings.max_data_message_bytes,
+                max_bytes=self.deps.max_data_message_bytes,
             )
-        except protocol.ControlRejection as exc:
-            if event.topic != protocol.CONTROL_TOPIC:
-                return  # data on other topics (status echoes, app data) is not for the runner
+        except protocol.InvalidControl as exc:  # a wrong topic too: every refusal is answered
             metrics.record_control_rejection(exc.reason)
             await self._send(protocol.rejection_message(record.session_id, exc.reason, exc.detail))
             return
@@ -372,7 +412,7 @@ class RoomRunner:
             return
         metrics.record_control(record.session_id)
         if parsed.type is ControlType.STOP:
-            self.stop("stop")
+            self.drain(DrainCause.STOP)
             return
         service = self.worker.service
         if not self._pipeline_ready.is_set():
@@ -393,16 +433,24 @@ class RoomRunner:
             with trio.move_on_after(CONTROL_TIMEOUT) as deadline:
                 await service.push_control(self._pipeline_session, control)
             if deadline.cancelled_caught:
-                self.fail(f"the pipeline did not take a control within {CONTROL_TIMEOUT:g} s")
+                self.fail(f"the pipeline did not take a control within {CONTROL_TIMEOUT:g} s", DrainCause.PIPELINE_STALLED)
         except ControlRejected as exc:
-            self.runtime.metrics.record_control_rejection("service")
+            self.deps.metrics.record_control_rejection("service")
             await self._send(protocol.rejection_message(self.record.session_id, "service", exc.reason))
 
     def _on_service_event(self, event: ServiceEvent) -> None:
+        """From the service (any moment, synchronously): queued for the runner's own sender task."""
         if event.type.startswith("lease_") and self._connection is not None:
             position = event.data.get("queue_position")
             payload = protocol.lease_message(self.record.session_id, event.type, position)
-            self.runtime.spawn(self._send, payload)
+            try:
+                self._outbox_in.send_nowait(payload)
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                self.dropped_service_events += 1  # bounded: a stalled room cannot make the runner hold more
+
+    async def _send_outbox(self) -> None:
+        async for payload in self._outbox:
+            await self._send(payload)
 
     async def _send_status(self, stage: str, **data: Any) -> None:
         await self._send(protocol.status_message(self.record.session_id, stage, **data))
@@ -419,31 +467,32 @@ class RoomRunner:
 
     async def _finish(self, error: str | None) -> None:
         """Drain: close the pipeline session, say done, leave, settle the record, free the slot."""
-        record, runtime = self.record, self.runtime
-        now = trio.current_time()
-        if record.status is not State.DRAINING and not record.is_terminal:
-            if error is None and record.machine.can(Event.DRAIN):
-                runtime.registry.apply(record, Event.DRAIN, now=now)
-                record.drain_cause = record.drain_cause or self._stop_cause or "completed"
+        record = self.record
+        self._outbox_in.close()
+        if error is None:
+            self.deps.lifecycle.drain(record, DrainCause.COMPLETED)  # a no-op when a cause came first
         service = self.worker.service
         if self._pipeline_session is not None and isinstance(service, BidirectionalService):
-            with trio.move_on_after(CLOSE_PIPELINE_TIMEOUT) as scope:
+            with trio.move_on_after(CLOSE_PIPELINE_TIMEOUT) as close_pipeline_scope:
                 try:
                     await service.close_session(self._pipeline_session)
                 except Exception as exc:
                     log.warning("session %s: closing the pipeline session failed", record.session_id, exc_info=exc)
                     error = error or f"closing the pipeline session failed: {public_reason(exc)}"
-            if scope.cancelled_caught:
+            if close_pipeline_scope.cancelled_caught:
                 error = error or "closing the pipeline session timed out"
+        failure = error or (record.drain_detail if record.drain_cause in FAILING_CAUSES else None)
         if self._connection is not None:
-            if error is None:
+            if failure is None:
                 await self._send(
-                    protocol.done_message(record.session_id, self._published_chunks, self._published_frames)
+                    protocol.done_message(record.session_id, self._published_chunks, self._published_frames,
+                                          reason=None if record.drain_cause is None else record.drain_cause.value)
                 )
             else:
-                await self._send(protocol.error_message(record.session_id, "session_failed", error))
+                reason = "session_failed" if error is not None or record.drain_cause is None else record.drain_cause.value
+                await self._send(protocol.error_message(record.session_id, reason, failure))
             with trio.move_on_after(DISCONNECT_TIMEOUT):
                 await self._connection.disconnect()
         record.participants.clear()  # the worker left: nobody is in the session's room any more
-        runtime.session_finished(self, error)
+        self.deps.on_finished(self, error)
         self.finished.set()

@@ -25,14 +25,16 @@ import trio
 from engine import CapacityPlan
 from states.admission import Admission, AdmissionBook, AdmissionTransition, Transition
 from states.restart_policy import RestartPolicy, RestartTracker
-from states.stream_session import RETAINING, Event, State
-from states.worker import State as WorkerState
+from states.stream_session import LIVE_MEDIA, RETAINING, DrainCause, State
+from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
+from states.worker import TERMINAL as WORKER_TERMINAL
 
 from .metrics import ServerMetrics
 from .model_worker import ModelWorker
+from .lifecycle import SessionLifecycle
 from .registry import SessionRecord, SessionRegistry
 from .requests import CreateSession, store_upload
-from .runner import RoomRunner
+from .runner import RoomRunner, RunnerDeps
 from .settings import ServerSettings
 from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
@@ -103,6 +105,12 @@ class StreamRuntime:
         self.transport = transport
         self.metrics = metrics
         self.registry = SessionRegistry()
+        self.lifecycle = SessionLifecycle(self.registry)
+        self.runner_deps = RunnerDeps(
+            issuer=issuer, transport=transport, metrics=metrics, lifecycle=self.lifecycle,
+            controller_timeout=settings.controller_timeout, room_empty_timeout=settings.room_empty_timeout,
+            max_data_message_bytes=settings.max_data_message_bytes, on_finished=self.session_finished,
+        )
         self.book = AdmissionBook(settings.queue_size)
         self.workers: dict[str, ModelWorker] = {}
         self.runners: dict[str, RoomRunner] = {}
@@ -149,6 +157,7 @@ class StreamRuntime:
             on_failed=self._worker_failed,
             worker_mode=self.settings.worker_mode,
             placement=self.settings.placement,
+            offered={"control_idle_timeout": self.settings.control_idle_timeout, "fps": self.settings.default_fps},
             **options,
         )
         slot.worker = worker
@@ -190,7 +199,7 @@ class StreamRuntime:
         # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
         self._fail_queued(SHUTDOWN_REASON)
         for runner in list(self.runners.values()):
-            self._drain(runner.record, "shutdown")
+            self._drain(runner.record, DrainCause.SHUTDOWN)
         with trio.move_on_after(grace):
             for runner in list(self.runners.values()):
                 await runner.finished.wait()
@@ -221,8 +230,7 @@ class StreamRuntime:
     def _worker_failed(self, worker: ModelWorker, reason: str) -> None:
         """A worker died: its sessions fail with its cause, and its slot backs off and restarts (or gives up)."""
         now = trio.current_time()
-        state = self.book.worker_state(worker.worker_id)
-        if state not in (WorkerState.FAILED, WorkerState.STOPPED):
+        if self.book.worker_state(worker.worker_id) not in WORKER_TERMINAL:
             self._follow(self.book.fail_worker(worker.worker_id, now))
         for runner in list(self.runners.values()):
             if runner.worker is worker:
@@ -244,7 +252,7 @@ class StreamRuntime:
         would otherwise hand their slots to queued sessions on the same dying worker.
         """
         for worker_id, worker in self.workers.items():
-            if worker.failing and self.book.worker_state(worker_id) not in (WorkerState.FAILED, WorkerState.STOPPED):
+            if worker.failing and self.book.worker_state(worker_id) not in WORKER_TERMINAL:
                 self._follow(self.book.fail_worker(worker_id, now))
 
     def _fail_queued(self, reason: str) -> None:
@@ -252,7 +260,7 @@ class StreamRuntime:
         now = trio.current_time()
         for record in self.registry:
             if record.status is State.QUEUED:
-                self.registry.apply(record, Event.FAIL, now=now, error=reason)
+                self.lifecycle.fail_queued(record, reason)
                 self._discard_upload(record)
                 self._follow(self.book.release(record.session_id, now))
                 self.metrics.record_session_finished(record.session_id, "failed")
@@ -314,14 +322,14 @@ class StreamRuntime:
             admission, transitions = self.book.admit(session_id, now)
         self.metrics.record_admission(admission.status)
         if admission.status == "rejected":
-            self.registry.apply(record, Event.REJECT, now=now, error=admission.reason)
+            self.lifecycle.reject(record, admission.reason or "rejected")
             self.registry.remove(session_id)
             self._discard_upload(record)
             self._publish_gauges()
             return Created(record, admission, None)
         token = self.issuer.controller_token(room, identity)
         if admission.status == "queued":
-            self.registry.apply(record, Event.QUEUE, now=now)
+            self.lifecycle.queue(record)
         self._follow(transitions)
         return Created(record, admission, token)
 
@@ -356,7 +364,7 @@ class StreamRuntime:
         if record.status is State.QUEUED:
             self._withdraw(record)
             return record
-        runner = self._drain(record, "deleted")
+        runner = self._drain(record, DrainCause.DELETED)
         if runner is not None:
             with trio.move_on_after(DELETE_WAIT):
                 await runner.finished.wait()
@@ -383,19 +391,18 @@ class StreamRuntime:
     def _withdraw(self, record: SessionRecord) -> None:
         now = trio.current_time()
         self._notice_failing(now)
-        self.registry.apply(record, Event.WITHDRAW, now=now)
+        self.lifecycle.withdraw(record)
         self._discard_upload(record)
         self._follow(self.book.release(record.session_id, now))
         self.metrics.record_session_finished(record.session_id, "closed")
 
-    def _drain(self, record: SessionRecord, cause: str) -> RoomRunner | None:
-        """Start the drain of a live session; the runner finishes it."""
-        if record.machine.can(Event.DRAIN):
-            self.registry.apply(record, Event.DRAIN, now=trio.current_time())
-            record.drain_cause = cause
+    def _drain(self, record: SessionRecord, cause: DrainCause) -> RoomRunner | None:
+        """Start the drain of a live session (the first cause wins); the runner finishes it."""
         runner = self.runners.get(record.session_id)
         if runner is not None:
-            runner.stop(cause)
+            runner.drain(cause)
+        else:
+            self.lifecycle.drain(record, cause)
         self._publish_gauges()
         return runner
 
@@ -410,10 +417,9 @@ class StreamRuntime:
             record = self.registry.find(transition.session_id)
             if record is None or record.is_terminal:
                 continue
-            record.worker_id = transition.worker_id
-            self.registry.apply(record, Event.ASSIGN, now=now)
+            self.lifecycle.assign(record, transition.worker_id)  # type: ignore[arg-type]
             worker = self.workers[transition.worker_id]  # type: ignore[index]
-            runner = RoomRunner(self, record, worker)
+            runner = RoomRunner(self.runner_deps, record, worker)
             self.runners[record.session_id] = runner
             worker.start_runner(runner.run)
         self._publish_gauges()
@@ -422,15 +428,7 @@ class StreamRuntime:
         """A runner is done: settle its record, release the slot, admit the queue head."""
         record = runner.record
         now = trio.current_time()
-        if not record.is_terminal:
-            if error is not None:
-                self.registry.apply(record, Event.FAIL, now=now, error=error)
-            elif record.drain_cause == "expired":
-                self.registry.apply(record, Event.EXPIRE, now=now)
-            else:
-                if record.machine.can(Event.DRAIN):
-                    self.registry.apply(record, Event.DRAIN, now=now)
-                self.registry.apply(record, Event.COMPLETE, now=now)
+        self.lifecycle.settle(record, error)
         self.runners.pop(record.session_id, None)
         self._discard_upload(record)
         self.metrics.record_session_finished(record.session_id, record.status.value)
@@ -448,13 +446,12 @@ class StreamRuntime:
             now = trio.current_time()
             for record in self.registry.expired(now):
                 if record.status is State.QUEUED:
-                    self.registry.apply(record, Event.EXPIRE, now=now)
+                    self.lifecycle.expire_queued(record)
                     self._discard_upload(record)
                     self._follow(self.book.release(record.session_id, now))
                     self.metrics.record_session_finished(record.session_id, "expired")
                 elif record.status in RETAINING:
-                    self._drain(record, "expired")
-                    record.drain_cause = "expired"
+                    self._drain(record, DrainCause.EXPIRED)  # a no-op when an earlier cause drains it
             self.registry.prune(
                 now,
                 retention_seconds=self.settings.terminal_retention_seconds,
@@ -476,12 +473,13 @@ class StreamRuntime:
                 "starting": snapshot.workers_starting,
             }
         )
-        self.metrics.set_capacity(sum(w.capacity for w in self.book.workers() if w.state in (WorkerState.IDLE, WorkerState.BUSY)))
+        self.metrics.set_capacity(sum(w.capacity for w in self.book.workers() if w.state in ELIGIBLE_WORKERS))
 
     def health(self) -> dict[str, Any]:
         self._notice_failing(trio.current_time())  # a worker whose service is failing is not counted healthy
         snapshot = self.book.snapshot()
         live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
+        connected = any(r.record.status in LIVE_MEDIA for r in self.runners.values())
         if live == 0:
             status = "unhealthy"
         elif snapshot.workers_failed or snapshot.workers_starting:
@@ -491,7 +489,9 @@ class StreamRuntime:
         return {
             "status": status,
             "transport": self.transport.name,
-            "transport_connected": any(r.record.status in (State.STARTING_PIPELINE, State.RUNNING) for r in self.runners.values()),
+            # the seed's definition: a runner whose worker is in its room with media
+            "transport_connected": connected,
+            "livekit_connected": connected,  # the seed's name, kept as an alias of transport_connected
             "workers_total": snapshot.workers_total,
             "workers_idle": snapshot.workers_idle,
             "workers_busy": snapshot.workers_busy,

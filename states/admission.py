@@ -51,9 +51,9 @@ __all__ = [
     "WorkerView",
     "AdmissionSnapshot",
     "InvalidSetting",
-    "DuplicateSession",
+    "DuplicateAdmissionSession",
     "DuplicateWorker",
-    "UnknownSession",
+    "UnknownAdmissionSession",
     "UnknownWorker",
     "admitted_ids",
 ]
@@ -74,7 +74,7 @@ class InvalidSetting(ValueError):
         super().__init__(f"{field}={value!r}: {why}")
 
 
-class DuplicateSession(ValueError):
+class DuplicateAdmissionSession(ValueError):
     """The session is already queued or assigned; admitting it twice would hold two slots."""
 
     def __init__(self, session_id: str, where: str) -> None:
@@ -90,7 +90,7 @@ class DuplicateWorker(ValueError):
         super().__init__(f"worker {worker_id!r} already exists")
 
 
-class UnknownSession(KeyError):
+class UnknownAdmissionSession(KeyError):
     """The session is neither queued nor assigned (never admitted, rejected or released)."""
 
     def __init__(self, session_id: str) -> None:
@@ -382,9 +382,9 @@ class AdmissionBook:
         """
         _check_id("session_id", session_id)
         if session_id in self._assigned:
-            raise DuplicateSession(session_id, f"assigned to {self._assigned[session_id]!r}")
+            raise DuplicateAdmissionSession(session_id, f"assigned to {self._assigned[session_id]!r}")
         if session_id in self._queue:
-            raise DuplicateSession(session_id, "queued")
+            raise DuplicateAdmissionSession(session_id, "queued")
         worker_id = self._least_loaded()
         if worker_id is not None:
             assigned = self._assign(session_id, worker_id, "assigned", now, None, None)
@@ -405,7 +405,7 @@ class AdmissionBook:
             queued_at = self._queue.pop(session_id)
             return [AdmissionTransition(session_id, "dequeued", None, position, now, queued_at)]
         if session_id not in self._assigned:
-            raise UnknownSession(session_id)
+            raise UnknownAdmissionSession(session_id)
         worker_id = self._assigned[session_id]
         w = self._workers[worker_id]
         last = len(w.sessions) == 1

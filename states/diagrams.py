@@ -27,6 +27,7 @@ from .machine import StateMachine
 from .pipeline_session import PipelineSessionMachine
 from .process_group import ProcessGroupMachine
 from .restart_policy import RestartMachine
+from .room_presence import RoomPresenceMachine
 from .service_child import ServiceChildMachine
 from .stage_actor import StageActorMachine
 from .stream_session import StreamSessionMachine
@@ -37,6 +38,7 @@ __all__ = ["MACHINES", "DOCUMENT", "render_machine", "render_document", "main"]
 #: The lifecycles drawn, in document order.
 MACHINES: tuple[type[StateMachine], ...] = (
     StreamSessionMachine,
+    RoomPresenceMachine,
     LeaseMachine,
     PipelineSessionMachine,
     StageActorMachine,

@@ -26,10 +26,10 @@ from .admission import (
     Admission,
     AdmissionBook,
     AdmissionTransition,
-    DuplicateSession,
+    DuplicateAdmissionSession,
     InvalidSetting,
     Transition,
-    UnknownSession,
+    UnknownAdmissionSession,
 )
 from .explore import Configuration
 from .worker import ELIGIBLE, State as WorkerState
@@ -177,7 +177,7 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
         nxt = book.copy()
         try:
             nxt.release(sid(i), NOW)
-        except UnknownSession:
+        except UnknownAdmissionSession:
             if nxt.canonical_key() != before_key:
                 yield noted(f"delete {sid(i)} again", "refused release changed the book")
         else:
@@ -186,7 +186,7 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
         nxt = book.copy()
         try:
             nxt.admit(sid(i), NOW)
-        except DuplicateSession:
+        except DuplicateAdmissionSession:
             if nxt.canonical_key() != before_key:
                 yield noted(f"admit {sid(i)} twice", "refused admit changed the book")
         else:

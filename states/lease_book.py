@@ -42,6 +42,18 @@ Rules (reference B.8, with the F.26 weakness fixed):
   forfeited) and, like any parked session, is granted again only after new
   activity, which queues it at the tail. Only the ACTIVE holder may
   relinquish (``NotHolder``), and not mid-chunk (``ChunkInProgress``).
+* The driver's word (the rules ``pipelines/lease.py`` used to keep on its own,
+  now here where the explorer sees them). ``declare_idle`` says the session's
+  driver has nothing to run (it waits for input); ``request_turn`` says it has
+  a chunk to run. Whenever an idle-declared holder is between chunks and
+  someone waits, the book relinquishes for it (after every call). A WAITING or
+  PARKED session returns to the FIFO only on a *new* valid control: a control
+  that arrives while its driver is idle-declared is remembered (``fresh``) and
+  queues it at its driver's next ``request_turn``; a ``request_turn`` with no
+  control since it was parked queues nothing (the driver waits for one). So a
+  held key is activity only while the controller keeps refreshing it: a
+  session parked for idleness with a key still held stays parked until its
+  controller sends again.
 * ``close`` ends a session's claim from any live state. Closing the holder
   frees the lease at once and grants the next waiter -- unless the holder is
   mid-chunk, in which case the lease stays occupied by that chunk (the closing
@@ -67,8 +79,8 @@ __all__ = [
     "LeaseTransition",
     "LeaseSnapshot",
     "LeaseError",
-    "UnknownSession",
-    "DuplicateSession",
+    "UnknownLeaseSession",
+    "DuplicateLeaseSession",
     "SessionClosing",
     "NotHolder",
     "ChunkInProgress",
@@ -91,11 +103,11 @@ class LeaseError(ValueError):
         super().__init__(f"execution lease: session {session_id!r}: {message}")
 
 
-class UnknownSession(LeaseError):
+class UnknownLeaseSession(LeaseError):
     """The session was never registered (or was already released)."""
 
 
-class DuplicateSession(LeaseError):
+class DuplicateLeaseSession(LeaseError):
     """``register`` of a session id the book already holds."""
 
 
@@ -149,6 +161,8 @@ class _Entry:
     busy: bool = False
     has_run_since_grant: bool = False
     protect_next_grant: bool = False
+    idle: bool = False  # its driver declared it has nothing to run
+    fresh: bool = False  # a control arrived since it last queued, parked or relinquished
 
     @property
     def state(self) -> State:
@@ -240,6 +254,14 @@ class LeaseBook:
     def is_idle_expired(self, session_id: str, now: float) -> bool:
         return self._expired(self._entry(session_id), now)
 
+    def is_idle_declared(self, session_id: str) -> bool:
+        """Its driver said it has nothing to run, and has not asked for a turn since."""
+        return self._entry(session_id).idle
+
+    def has_fresh_activity(self, session_id: str) -> bool:
+        """A control arrived since it last queued, parked or relinquished."""
+        return self._entry(session_id).fresh
+
     def snapshot(self) -> tuple[LeaseSnapshot, ...]:
         """Every known session, in registration order."""
         positions = {session_id: index + 1 for index, session_id in enumerate(self._fifo)}
@@ -270,6 +292,8 @@ class LeaseBook:
                     entry.busy,
                     entry.has_run_since_grant,
                     entry.protect_next_grant,
+                    entry.idle,
+                    entry.fresh,
                     self._expired(entry, now),
                 )
                 for session_id, entry in sorted(self._entries.items())
@@ -289,6 +313,8 @@ class LeaseBook:
                 busy=entry.busy,
                 has_run_since_grant=entry.has_run_since_grant,
                 protect_next_grant=entry.protect_next_grant,
+                idle=entry.idle,
+                fresh=entry.fresh,
             )
             for session_id, entry in self._entries.items()
         }
@@ -316,31 +342,80 @@ class LeaseBook:
     def register(self, session_id: str, now: float) -> list[LeaseTransition]:
         """A new session, WAITING (it has not asked to run yet)."""
         if session_id in self._entries:
-            raise DuplicateSession(session_id, "already registered")
+            raise DuplicateLeaseSession(session_id, "already registered")
         self._entries[session_id] = _Entry(machine=LeaseMachine(), last_activity_at=now)
         return [LeaseTransition(session_id, State.WAITING)]
 
     def record_activity(self, session_id: str, now: float) -> list[LeaseTransition]:
-        """A valid control arrived: stamp, queue if needed, maybe park an idle holder, grant."""
+        """A valid control arrived: stamp; queue a waiting or parked session unless its driver is
+        idle-declared (then remember it for its next ``request_turn``); maybe park an idle holder; grant."""
         entry = self._entry(session_id)
         if entry.state is State.CLOSING:
             return []  # a late control racing teardown
-        transitions: list[LeaseTransition] = []
-        occupant = self.holder() or self.draining()
         entry.last_activity_at = now
-        before = entry.state
+        entry.fresh = True
+        if entry.state in (State.WAITING, State.PARKED):
+            if entry.idle:
+                return self._settle()
+            return self._enqueue(session_id, now) + self._settle()
+        entry.machine.apply(Event.ACTIVITY)  # refreshes a queued or active session
+        return self._park_expired_holder(session_id, now) + self._grant_if_free() + self._settle()
+
+    def request_turn(self, session_id: str, now: float) -> list[LeaseTransition]:
+        """The session's driver has a chunk to run: clears its idle mark; a waiting or parked
+        session queues only if a control came since it last left the lease (else it must wait for one)."""
+        entry = self._entry(session_id)
+        if entry.state is State.CLOSING:
+            return []
+        entry.idle = False
+        if entry.state in (State.WAITING, State.PARKED) and entry.fresh:
+            return self._enqueue(session_id, now) + self._settle()
+        return self._settle()
+
+    def declare_idle(self, session_id: str) -> list[LeaseTransition]:
+        """The session's driver has nothing to run: an idle-declared holder between chunks steps aside
+        for whoever waits (now, or whenever someone queues)."""
+        entry = self._entry(session_id)
+        if entry.state is State.CLOSING:
+            return []
+        entry.idle = True
+        return self._settle()
+
+    def _enqueue(self, session_id: str, now: float) -> list[LeaseTransition]:
+        entry = self._entries[session_id]
+        occupant = self.holder() or self.draining()
         entry.machine.apply(Event.ACTIVITY)
-        if before in (State.WAITING, State.PARKED):
-            self._fifo.append(session_id)
-            entry.protect_next_grant = occupant is not None and occupant != session_id
-            transitions.append(LeaseTransition(session_id, State.QUEUED))
+        entry.fresh = False  # this control is used up by queuing
+        self._fifo.append(session_id)
+        entry.protect_next_grant = occupant is not None and occupant != session_id
+        transitions = [LeaseTransition(session_id, State.QUEUED)]
+        transitions.extend(self._park_expired_holder(session_id, now))
+        transitions.extend(self._grant_if_free())
+        return transitions
+
+    def _park_expired_holder(self, session_id: str, now: float) -> list[LeaseTransition]:
+        """Activity of ``session_id``: another holder between chunks, idle-expired after its chunk, is parked."""
         holder = self.holder()
         if holder is not None and holder != session_id:
             held = self._entries[holder]
             if held.has_run_since_grant and not held.busy and self._expired(held, now):
-                transitions.append(self._park(holder))
-        transitions.extend(self._grant_if_free())
-        return transitions
+                return [self._park(holder)]
+        return []
+
+    def _settle(self) -> list[LeaseTransition]:
+        """While an idle-declared holder is between chunks and someone waits, relinquish for it.
+
+        Terminates: each round parks one session, and a parked one is queued again only by
+        a new control, which this loop never makes."""
+        transitions: list[LeaseTransition] = []
+        while True:
+            holder = self.holder()
+            if holder is None or not self._fifo:
+                return transitions
+            entry = self._entries[holder]
+            if not entry.idle or entry.busy:
+                return transitions
+            transitions += self._relinquish(holder)
 
     def begin_chunk(self, session_id: str) -> list[LeaseTransition]:
         """The ACTIVE holder starts one chunk (returns no transitions)."""
@@ -367,7 +442,7 @@ class LeaseBook:
             elif self._rotate:
                 transitions.append(self._yield(session_id))
         transitions.extend(self._grant_if_free())
-        return transitions
+        return transitions + self._settle()
 
     def relinquish(self, session_id: str, now: float) -> list[LeaseTransition]:
         """The holder, between chunks, has nothing to run: park it and grant the next.
@@ -380,9 +455,14 @@ class LeaseBook:
             raise NotHolder(session_id, f"cannot relinquish while {entry.state.name}")
         if entry.busy:
             raise ChunkInProgress(session_id, "cannot relinquish mid-chunk")
+        return self._relinquish(session_id) + self._settle()
+
+    def _relinquish(self, session_id: str) -> list[LeaseTransition]:
+        entry = self._entries[session_id]
         entry.machine.apply(Event.RELINQUISH)
         entry.has_run_since_grant = False
         entry.protect_next_grant = False  # it gave the lease up: owed nothing
+        entry.fresh = False  # back in the FIFO only on a new control
         return [LeaseTransition(session_id, State.PARKED), *self._grant_if_free()]
 
     def abort_chunk(self, session_id: str) -> list[LeaseTransition]:
@@ -392,7 +472,7 @@ class LeaseBook:
         if not entry.busy:
             raise NoChunkInProgress(session_id, "no chunk is running")
         entry.busy = False
-        return self._grant_if_free()
+        return self._grant_if_free() + self._settle()
 
     def tick(self, now: float) -> list[LeaseTransition]:
         """Periodic timer: hand off from an idle holder between chunks if someone waits."""
@@ -403,7 +483,7 @@ class LeaseBook:
             if entry.has_run_since_grant and not entry.busy and self._expired(entry, now):
                 transitions.append(self._park(holder))
         transitions.extend(self._grant_if_free())
-        return transitions
+        return transitions + self._settle()
 
     def close(self, session_id: str) -> list[LeaseTransition]:
         """End the session's claim; a holder between chunks frees the lease at once."""
@@ -414,7 +494,8 @@ class LeaseBook:
             self._fifo.remove(session_id)
         entry.machine.apply(Event.CLOSE)
         entry.protect_next_grant = False
-        return [LeaseTransition(session_id, State.CLOSING), *self._grant_if_free()]
+        entry.idle = entry.fresh = False
+        return [LeaseTransition(session_id, State.CLOSING), *self._grant_if_free(), *self._settle()]
 
     def release(self, session_id: str) -> list[LeaseTransition]:
         """Forget a closing session whose chunk (if any) is over."""
@@ -432,7 +513,7 @@ class LeaseBook:
         try:
             return self._entries[session_id]
         except KeyError:
-            raise UnknownSession(session_id, "not registered") from None
+            raise UnknownLeaseSession(session_id, "not registered") from None
 
     def _expired(self, entry: _Entry, now: float) -> bool:
         return now - entry.last_activity_at >= self._idle_timeout
@@ -441,6 +522,7 @@ class LeaseBook:
         entry = self._entries[session_id]
         entry.machine.apply(Event.PARK)
         entry.has_run_since_grant = False
+        entry.fresh = False  # back in the FIFO only on a new control
         return LeaseTransition(session_id, State.PARKED)
 
     def _yield(self, session_id: str) -> LeaseTransition:

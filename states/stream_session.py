@@ -9,13 +9,17 @@ the queue; the record exists only long enough to answer 429).
 
 An assigned session belongs to exactly one room runner, which reports its
 progress with JOIN_ROOM -> START_PIPELINE -> RUN. Whatever ends a live session
-(DELETE, the controller's ``stop``, the controller leaving, the pipeline
-finishing, the session timeout) first moves it to DRAINING with DRAIN: the
-runner stops taking controls, closes the pipeline session through its owner
-and disconnects. When that finishes the runner settles the record with the
-outcome: COMPLETE (closed), FAIL (failed) or EXPIRE (expired, when the drain
-was caused by ``session_timeout``). An error before the drain fails the session
-directly.
+first moves it to DRAINING with DRAIN, and the DRAIN carries its
+:class:`DrainCause` (DELETE, the controller's ``stop``, the session timeout, a
+controller that never joined or left for good, an empty room, the pipeline
+finishing, shutdown). DRAIN happens once, so the cause is set once: the first
+cause wins, and a later one (a timeout just after a DELETE) changes nothing. The
+runner stops taking controls, closes the pipeline session through its owner and
+disconnects; then the record settles with the event :func:`settle_event` names
+for its cause: EXPIRE for the session timeout, FAIL for the controller's
+causes (the session did not get the controller it was for), COMPLETE for the
+rest -- or FAIL whatever the cause when the drain itself failed. An error before
+the drain fails the session directly.
 
 A queued session holds nothing: WITHDRAW (deleted while waiting) closes it and
 EXPIRE expires it without a drain.
@@ -30,7 +34,10 @@ import enum
 
 from .machine import StateMachine
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "StreamSessionMachine"]
+__all__ = [
+    "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "FAILING_CAUSES",
+    "StreamSessionMachine", "settle_event",
+]
 
 
 class State(enum.Enum):
@@ -97,6 +104,51 @@ TERMINAL = frozenset({State.CLOSED, State.FAILED, State.EXPIRED, State.REJECTED}
 RETAINING = frozenset(
     {State.ASSIGNED, State.JOINING_ROOM, State.STARTING_PIPELINE, State.RUNNING, State.DRAINING}
 )
+
+
+# States in which the worker is in the room with its media (the seed's "transport connected").
+LIVE_MEDIA = frozenset({State.STARTING_PIPELINE, State.RUNNING, State.DRAINING})
+
+
+class DrainCause(enum.Enum):
+    """Why a live session drains (recorded with its DRAIN, once)."""
+
+    DELETED = "deleted"  # DELETE /v1/stream/sessions/{id}
+    STOP = "stop"  # the controller's stop message
+    EXPIRED = "expired"  # session_timeout
+    CONTROLLER_ABSENT = "controller_absent"  # the controller never joined within controller_timeout
+    CONTROLLER_LEFT = "controller_left"  # the controller left and did not return within controller_timeout
+    ROOM_EMPTY = "room_empty"  # everyone left and nobody returned within room_empty_timeout
+    COMPLETED = "completed"  # the pipeline's stream ended
+    SHUTDOWN = "shutdown"  # the server is shutting down
+    WORKER_FAILED = "worker_failed"  # the model worker hosting it failed
+    PIPELINE_STALLED = "pipeline_stalled"  # the pipeline did not take a control within its deadline
+
+
+#: The event that settles a drain that itself went well, by its cause.
+SETTLES_WITH: dict[DrainCause, Event] = {
+    DrainCause.DELETED: Event.COMPLETE,
+    DrainCause.STOP: Event.COMPLETE,
+    DrainCause.EXPIRED: Event.EXPIRE,
+    DrainCause.CONTROLLER_ABSENT: Event.FAIL,
+    DrainCause.CONTROLLER_LEFT: Event.FAIL,
+    DrainCause.ROOM_EMPTY: Event.COMPLETE,
+    DrainCause.COMPLETED: Event.COMPLETE,
+    DrainCause.SHUTDOWN: Event.COMPLETE,
+    DrainCause.WORKER_FAILED: Event.FAIL,
+    DrainCause.PIPELINE_STALLED: Event.FAIL,
+}
+
+
+#: Causes whose drain fails the session (derived from SETTLES_WITH).
+FAILING_CAUSES = frozenset(cause for cause, event in SETTLES_WITH.items() if event is Event.FAIL)
+
+
+def settle_event(cause: DrainCause | None, *, failed: bool) -> Event:
+    """The event that ends a drain: FAIL when it failed, else what its cause settles with."""
+    if failed:
+        return Event.FAIL
+    return SETTLES_WITH[cause] if cause is not None else Event.COMPLETE
 
 
 class StreamSessionMachine(StateMachine[State, Event]):

@@ -10,7 +10,7 @@ every stage's devices). An impossible placement raises ``ValueError`` naming the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .model import ToyWorldConfig
@@ -32,10 +32,12 @@ __all__ = [
 def get_service(
     gpu_num: int = 0,
     *,
+    gpu_ids: Sequence[int] = (),
     device: str | None = None,
     seed: int = 0,
     max_sessions: int = 4,
-    idle_timeout: float = 10.0,
+    control_idle_timeout: float = 10.0,
+    rotate_lease: bool = False,
     placement: Placement | Mapping[str, Any] | str | None = None,
     **sizes: Any,
 ) -> ToyWorldService:
@@ -44,10 +46,11 @@ def get_service(
             raise ValueError("give either device or placement, not both (the placement names each stage's devices)")
         placement = load_placement(placement)
         device = placement.denoise.devices[0]
-    if device is None:
-        device = f"cuda:{gpu_num}" if gpu_num and _cuda_available() else "cpu"
+    if device is None:  # gpu_num is the size of the worker's device group, never a device index
+        device = f"cuda:{gpu_ids[0]}" if gpu_ids and _cuda_available() else "cpu"
     config = ToyWorldConfig(device=device, seed=seed, **sizes)
-    return ToyWorldService(config, max_sessions=max_sessions, idle_timeout=idle_timeout, placement=placement)
+    return ToyWorldService(config, max_sessions=max_sessions, control_idle_timeout=control_idle_timeout,
+                           rotate_lease=rotate_lease, placement=placement)
 
 
 def _cuda_available() -> bool:

@@ -101,9 +101,13 @@ class ToyWorldService(BidirectionalService):
         config: ToyWorldConfig | None = None,
         *,
         max_sessions: int = 4,
-        idle_timeout: float = 10.0,
+        control_idle_timeout: float = 10.0,
+        rotate_lease: bool = False,
         placement: Placement | Mapping[str, Any] | str | None = None,
     ) -> None:
+        """``control_idle_timeout``: seconds without a control after which a session's claim on the
+        lease is idle (the server's ``--control-idle-timeout``); ``rotate_lease``: opt in to active
+        sessions taking turns chunk by chunk (the default is the seed's rule: hand over when idle)."""
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.config = config or ToyWorldConfig()
@@ -112,7 +116,7 @@ class ToyWorldService(BidirectionalService):
             Placement.uniform(self.config.device, dtype) if placement is None else load_placement(placement)
         )
         self.max_sessions = max_sessions
-        self.idle_timeout = idle_timeout
+        self.control_idle_timeout = control_idle_timeout
         self._sessions: dict[str, _ToySession] = {}
         self._slot_of: dict[str, int] = {}
         self._ids = itertools.count(1)
@@ -122,10 +126,15 @@ class ToyWorldService(BidirectionalService):
         self._orch: Any = None
         self._nursery: trio.Nursery | None = None
         self._token: trio.lowlevel.TrioToken | None = None
-        self._lease = ExecutionLease(idle_timeout, on_transition=self._on_lease_transition)
+        self._lease = ExecutionLease(control_idle_timeout, rotate=rotate_lease, on_transition=self._on_lease_transition)
         self._snapshots: tuple[Any, ...] = ()
 
     # -- lifecycle ---------------------------------------------------------------
+
+    @property
+    def lease_idle_timeout(self) -> float:
+        """The idle timeout the execution lease applies (what ``control_idle_timeout`` became)."""
+        return self._lease.book.idle_timeout
 
     @property
     def failure(self) -> str | None:

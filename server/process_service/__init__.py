@@ -100,6 +100,7 @@ def start_process_service(
     name: str | None = None,
     environment: dict[str, str] | None = None,
     heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
+    offered: dict[str, Any] | None = None,
     **options: Any,
 ) -> ProcessBidirectionalService | ProcessServerPushService:
     """Spawn a child that loads ``pipeline`` with ``load_service(pipeline, **options)``; return its proxy.
@@ -108,12 +109,14 @@ def start_process_service(
     loaded the pipeline and reported its kind, or raises
     :class:`ProcessServiceStartError` (with the child's traceback) after the
     child has exited. ``options`` must pickle; ``environment`` is set in the
-    child before the pipeline is imported (e.g. ``CUDA_VISIBLE_DEVICES``).
+    child before the pipeline is imported (e.g. ``CUDA_VISIBLE_DEVICES``); ``offered`` as for
+    :func:`pipelines.loader.load_service`.
     """
     name = name or f"process-service-{next(_names)}"
     link = ServiceLink(
         str(Path(pipeline)), dict(options), name=name, close_timeout=close_timeout, kill_grace=kill_grace,
         parent_death_signal=parent_death_signal, environment=environment, heartbeat_timeout=heartbeat_timeout,
+        offered=offered,
     )
     ready = link.start(startup_timeout)
     if ready.kind == BidirectionalService.kind:

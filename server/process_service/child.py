@@ -50,7 +50,7 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
     try:
         from pipelines.loader import load_service
 
-        service = load_service(config["pipeline"], **config["options"])
+        service = load_service(config["pipeline"], offered=config.get("offered"), **config["options"])
     except BaseException:
         _send_now(conn, wire.LoadFailed(traceback.format_exc()))
         raise SystemExit(1) from None

@@ -40,6 +40,7 @@ class ServiceLink:
     def __init__(
         self, pipeline: str, options: dict[str, Any], *, name: str, close_timeout: float, kill_grace: float,
         parent_death_signal: bool, environment: dict[str, str] | None = None, heartbeat_timeout: float | None = None,
+        offered: dict[str, Any] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.name = name
@@ -47,8 +48,8 @@ class ServiceLink:
         self.exitcode: int | None = None
         # not daemonic: the service may start worker processes of its own (process placement);
         # its lifetime is still bound to ours (parent-death signal, watchdog, and the bounded stop)
-        spec = ChildSpec(name, child_main, {"pipeline": pipeline, "options": options, "environment": environment or {}},
-                         daemon=False)
+        config = {"pipeline": pipeline, "options": options, "environment": environment or {}, "offered": offered or {}}
+        spec = ChildSpec(name, child_main, config, daemon=False)
         self._supervisor = Supervisor(
             [spec], on_message=self._on_bytes, on_exit=self._on_exit, close_timeout=close_timeout,
             kill_grace=kill_grace, parent_death_signal=parent_death_signal, name=name,

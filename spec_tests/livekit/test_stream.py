@@ -169,7 +169,9 @@ async def test_the_controller_leaving_ends_the_session_and_admits_the_queue_head
     left_at = trio.current_time()
     ended = await wait_status(stream, first["session_id"], TERMINAL, timeout=CONTROLLER_TIMEOUT + 15)
     waited = trio.current_time() - left_at
-    assert ended["status"] == "closed", ended
+    # a controller that leaves for good fails its session, naming it (issue 12: the two timeouts)
+    assert ended["status"] == "failed" and ended["drain_cause"] == "controller_left", ended
+    assert "'dave'" in ended["error"], ended
     assert CONTROLLER_TIMEOUT - 0.5 <= waited <= CONTROLLER_TIMEOUT + 10, waited
     assert await agent.room_participants(first["room"]) == []  # the worker left too: no ghost
 

@@ -297,9 +297,9 @@ async def test_close_is_idempotent_and_ignores_unknown_sessions(lease, log, auto
 # -- rotation ------------------------------------------------------------------------------------------
 
 
-async def test_the_driver_rotates_by_default(autojump_clock):
-    assert ExecutionLease(IDLE).book.rotate is True
-    assert ExecutionLease(IDLE, rotate=False).book.rotate is False
+async def test_the_seed_rule_is_the_default_and_rotation_is_opt_in(autojump_clock):
+    assert ExecutionLease(IDLE).book.rotate is False
+    assert ExecutionLease(IDLE, rotate=True).book.rotate is True
 
 
 async def test_with_rotation_busy_sessions_alternate_at_chunk_boundaries(log, autojump_clock):
@@ -457,19 +457,22 @@ async def test_an_idle_holder_keeps_the_lease_until_someone_queues(log, autojump
     assert log.events() == [("b", "lease_queued"), ("a", "lease_parked"), ("b", "lease_granted")]
     lease.idle("b")
     assert lease.book.holder() == "b"  # nobody waits behind b
-    # a's driver has a chunk to run again: entering chunk() asks for the lease itself
+    # a's driver has a chunk to run again, but no control came since it stepped aside: it waits
     runner = Runner(lease, "a")
     runner.release.set()
-    with trio.fail_after(CHUNK):
-        await runner.one()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runner.one)
+        await trio.sleep(LONG_IDLE * 3)
+        assert runner.finished == 0 and lease.book.state("a") is State.PARKED and log.events()[-1] == ("b", "lease_granted")
+        lease.record_activity("a")  # its controller sends again: queued, and idle b steps aside
     assert runner.finished == 1 and lease.book.holder() == "a"
     assert log.events()[-3:] == [("a", "lease_queued"), ("b", "lease_parked"), ("a", "lease_granted")]
     assert not lease.is_idle("a") and lease.is_idle("b")
 
 
-async def test_a_parked_session_entering_chunk_is_queued_not_stuck(log, autojump_clock):
-    # the reference rule parks an idle-expired holder; its driver (e.g. a continuous
-    # session sending no controls) later enters chunk() without any new control
+async def test_a_parked_session_returns_to_the_queue_only_on_a_new_control(log, autojump_clock):
+    # the seed's rule parks an idle-expired holder; its driver (a held key with no heartbeat,
+    # a continuous session) still has work, but only a new control queues it again
     lease = ExecutionLease(IDLE, rotate=False, on_transition=log)
     lease.register("a")
     lease.register("b")
@@ -482,18 +485,21 @@ async def test_a_parked_session_entering_chunk_is_queued_not_stuck(log, autojump
         lease.record_activity("b")
         await trio.sleep(IDLE * 2)  # the tick parks idle a, b is granted
         assert lease.book.state("a") is State.PARKED and lease.book.holder() == "b"
-        lease.idle("b")  # b has nothing more: the lease is free
+        lease.idle("b")  # b has nothing more, but nobody waits: b keeps the lease
         a2 = Runner(lease, "a")
         a2.release.set()
-        with trio.fail_after(IDLE / 10):
-            await a2.one()
+        async with trio.open_nursery() as waiting:
+            waiting.start_soon(a2.one)
+            await trio.sleep(IDLE * 10)  # no re-queue without a message: no alternation
+            assert a2.finished == 0 and lease.book.state("a") is State.PARKED
+            lease.record_activity("a")  # a new control: queued, b (idle) steps aside
         nursery.cancel_scope.cancel()
     assert a2.finished == 1
     assert log.events("a")[-3:] == [("a", "lease_parked"), ("a", "lease_queued"), ("a", "lease_granted")]
 
 
 async def test_a_queued_idle_session_hands_a_later_grant_straight_on(log, autojump_clock):
-    lease = ExecutionLease(LONG_IDLE, on_transition=log)  # rotation
+    lease = ExecutionLease(LONG_IDLE, rotate=True, on_transition=log)
     for sid in ("a", "b", "c"):
         lease.register(sid)
         lease.record_activity(sid)

@@ -273,8 +273,8 @@ async def test_a_killed_worker_fails_its_services_sessions_and_the_service_leave
     of that service instance, and the service fails as a whole: it leaves ``running()`` at once with
     ServiceFailedError (its body is cancelled), so that its owner replaces it. Sessions of another
     service instance (another server worker) are unaffected."""
-    victim = get_service(seed=1, max_sessions=2, placement=placement(), idle_timeout=60.0, **SIZE)
-    other = get_service(seed=1, max_sessions=2, placement=placement("in-process"), idle_timeout=60.0, **SIZE)
+    victim = get_service(seed=1, max_sessions=2, placement=placement(), control_idle_timeout=60.0, **SIZE)
+    other = get_service(seed=1, max_sessions=2, placement=placement("in-process"), control_idle_timeout=60.0, **SIZE)
     endless = SessionConfig(options={"continuous": True})
     async with other.running():
         survivor = await other.create_session(endless)

@@ -330,7 +330,7 @@ async def test_a_session_beyond_max_sessions_is_refused(service, nursery, mock_c
     assert service._slots.pool.in_use == 2
     assert set(service._sessions) == {a, b}
     await reader_a.wait_for(1)
-    mock_clock.jump(service.idle_timeout)  # a idles out: b gets the lease for its preview
+    mock_clock.jump(service.control_idle_timeout)  # a idles out: b gets the lease for its preview
     await reader_b.wait_for(1)
     await service.close_session(a)
     c, reader_c = await open_session(service, nursery)  # a's slot is free again
@@ -415,7 +415,7 @@ async def test_a_second_session_is_queued_then_takes_turns_with_a_busy_one(servi
 async def test_a_holder_with_nothing_to_run_steps_aside_at_once(mock_clock):
     """A holder that let go of its keys relinquishes the lease (it is parked) as soon as
     someone waits: the waiter does not wait for the holder's idle timeout."""
-    svc = get_service(**SIZE, max_sessions=2, idle_timeout=30.0)
+    svc = get_service(**SIZE, max_sessions=2, control_idle_timeout=30.0)
     events: list[tuple[str, str]] = []
     async with svc.running(), trio.open_nursery() as nursery:
         a, reader_a = await open_session(svc, nursery, on_event=event_log(events))

@@ -14,7 +14,7 @@ Terminal states, as the product defines them (server/runner.py ``RoomRunner.run`
   ``service.close_session``; the engine leaves the pipeline session POISONED and raises
   ``SessionCleanupError``, which ``_finish`` records as "closing the pipeline session failed: ...".
   The slot is still released. Retrying the cleanup through the orchestrator then succeeds;
-- the controller leaving for good: CLOSED after ``controller_timeout``, drain cause ``controller_left``.
+- the controller leaving for good: FAILED after ``controller_timeout``, drain cause ``controller_left``, the error naming it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 import trio
+
+from states.stream_session import DrainCause
 from trio.testing import wait_all_tasks_blocked
 
 from states.pipeline_session import State as PipelineState
@@ -189,7 +191,7 @@ async def test_cleanup_hook_raising_poisons_the_pipeline_session_and_a_retry_suc
         record = record_of(s, session_id)
         # the server session still ends, FAILED, with the cleanup failure as its reason
         assert record.status.value == "failed" and body["status"] == "failed", (record.status, body)
-        assert record.drain_cause == "deleted"
+        assert record.drain_cause is DrainCause.DELETED
         assert "closing the pipeline session failed" in record.error and "SessionCleanupError" in record.error
         assert "decode could not release session" in record.error, record.error
         assert "closing the pipeline session failed" in errors[0]["detail"]
@@ -260,7 +262,7 @@ async def test_livekit_unreachable_fails_the_session_within_the_connect_timeout(
 
 
 @pytest.mark.usefixtures("no_threads")
-async def test_controller_dropping_mid_stream_closes_the_session_after_the_timeout(autojump_clock: Any) -> None:
+async def test_controller_dropping_mid_stream_fails_the_session_after_the_timeout(autojump_clock: Any) -> None:
     leaks = Leaks()
     service = CounterService()
     async with serve(settings(controller_timeout=30), service) as s:
@@ -277,8 +279,9 @@ async def test_controller_dropping_mid_stream_closes_the_session_after_the_timeo
         await trio.sleep(2)
         await wait_all_tasks_blocked()
         record = record_of(s, session_id)
-        assert record.status.value == "closed" and record.error is None
-        assert record.drain_cause == "controller_left"
+        assert record.status.value == "failed"
+        assert record.error == "the controller 'ctl' left and did not return within 30 s"
+        assert record.drain_cause is DrainCause.CONTROLLER_LEFT
         assert 30 <= (record.terminal_since or 0) - dropped < 31
         assert service.closed == [record.pipeline_session_id]
         assert_released_and_promoted(s, session_id, queued["session_id"])

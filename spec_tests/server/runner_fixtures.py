@@ -91,8 +91,12 @@ class CounterService(BidirectionalService):
         chunk_delay: float = 0.0,
         stalls: dict[int, float] | None = None,
         max_chunks: int | None = None,
+        close_delay: float = 0.0,
+        metadata: dict[str, Any] | None = None,
     ) -> None:
         self.fps = fps
+        self.close_delay = close_delay  # trio seconds close_session takes
+        self.metadata = dict(metadata or {})  # extra keys every chunk's metadata carries
         self.frames_per_chunk = frames_per_chunk
         self.size = size
         self.chunk_delay = chunk_delay  # trio seconds to make each chunk
@@ -145,6 +149,8 @@ class CounterService(BidirectionalService):
         session = self.sessions.get(session_id)
         if session is None or session.closed:
             return
+        if self.close_delay:
+            await trio.sleep(self.close_delay)
         session.closed = True
         session.iterator_closed_before_close_session = session.iterator_closed
         self.closed.append(session_id)
@@ -184,7 +190,7 @@ class _CounterChunks:
             frames=frames,
             fps=service.fps,
             applied_controls={"keys": sorted(session.held)},
-            metadata={"first_frame": first},
+            metadata={"first_frame": first, **service.metadata},
         )
         self._index += 1
         return chunk

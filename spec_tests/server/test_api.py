@@ -220,10 +220,11 @@ async def test_get_session_fields(served):
     status, body, _ = await served.json("get", f"{SESSIONS}/{created['session_id']}")
     assert status == 200
     assert set(body) == {"session_id", "room", "status", "worker_id", "pipeline_session_id", "created_at",
-                         "updated_at", "expires_at", "participant_count", "queue_position", "error"}
+                         "updated_at", "expires_at", "participant_count", "queue_position", "error", "drain_cause"}
     assert body["session_id"] == created["session_id"] and body["room"] == created["room"]
     assert body["status"] == "joining_room"  # its runner waits for the controller
     assert body["participant_count"] == 0 and body["error"] is None and body["queue_position"] is None
+    assert body["drain_cause"] is None
 
 
 async def test_get_unknown_session_is_404_json(served):
@@ -374,8 +375,8 @@ async def test_viewer_token_bad_body_is_400(served, payload, code):
 # -- health, readiness, metadata, metrics --------------------------------------------------------------
 
 
-HEALTH_KEYS = {"status", "transport", "transport_connected", "workers_total", "workers_idle", "workers_busy",
-               "workers_starting", "workers_failed", "queued_sessions", "retained_sessions", "free_slots",
+HEALTH_KEYS = {"status", "transport", "transport_connected", "livekit_connected", "workers_total", "workers_idle",
+               "workers_busy", "workers_starting", "workers_failed", "queued_sessions", "retained_sessions", "free_slots",
                "worker_restarts", "worker_slots"}
 
 

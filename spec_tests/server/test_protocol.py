@@ -21,7 +21,7 @@ from server.protocol import (
     METRICS_TOPIC,
     REJECTION_REASONS,
     STATUS_TOPIC,
-    ControlRejection,
+    InvalidControl,
     DeliveryAck,
     chunk_message,
     done_message,
@@ -49,8 +49,8 @@ def parse(raw: Any, **overrides: Any) -> Control | DeliveryAck:
     return parse_control(raw, **kwargs)
 
 
-def rejected(raw: Any, **overrides: Any) -> ControlRejection:
-    with pytest.raises(ControlRejection) as info:
+def rejected(raw: Any, **overrides: Any) -> InvalidControl:
+    with pytest.raises(InvalidControl) as info:
         parse(raw, **overrides)
     return info.value
 
@@ -328,7 +328,7 @@ def test_rejection_carries_reason_and_detail() -> None:
     assert "z" in failure.detail and len(failure.detail) < 100  # never echoes a huge value
     assert str(failure).startswith("unknown_control: ")
     with pytest.raises(ValueError):
-        ControlRejection("made_up", "x")
+        InvalidControl("made_up", "x")
 
 
 def test_every_reason_is_reachable_by_these_tests() -> None:
@@ -389,7 +389,7 @@ near_valid = (
 def check_outcome(raw: Any) -> None:
     try:
         result = parse(raw)
-    except ControlRejection as failure:
+    except InvalidControl as failure:
         assert failure.reason in REJECTION_REASONS
         assert isinstance(failure.detail, str)
     else:
@@ -477,8 +477,9 @@ def test_builders_put_the_real_type_on_top() -> None:
     assert decode(chunk_message(SESSION, 4, {"frames": 8}, timestamp=1.0)) == {
         "type": "chunk", "session_id": SESSION, "index": 4, "data": {"frames": 8}, "timestamp": 1.0,
     }  # fmt: skip
-    assert decode(done_message(SESSION, 10, 160, timestamp=2)) == {
-        "type": "done", "session_id": SESSION, "total_chunks": 10, "published_frames": 160, "timestamp": 2.0,
+    assert decode(done_message(SESSION, 10, 160, reason="stop", timestamp=2)) == {
+        "type": "done", "session_id": SESSION, "total_chunks": 10, "published_frames": 160, "reason": "stop",
+        "timestamp": 2.0,
     }  # fmt: skip
     assert decode(error_message(SESSION, "pipeline_failed", "boom", timestamp=3)) == {
         "type": "error", "session_id": SESSION, "reason": "pipeline_failed", "detail": "boom", "timestamp": 3.0,

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+
+from states.stream_session import DrainCause
 from trio.testing import wait_all_tasks_blocked
 
 from pipelines.contract import Control, ControlType
@@ -300,7 +302,7 @@ async def test_stop_ends_the_stream_and_the_queued_session_is_admitted(autojump_
             assert done["published_frames"] == len(ctl.frames())
             assert done["published_frames"] >= done["total_chunks"] * 4
             record = s.runtime.get(first["session_id"])
-            assert record.status.value == "closed" and record.drain_cause == "stop"
+            assert record.status.value == "closed" and record.drain_cause is DrainCause.STOP
             assert (await s.get(first["session_id"]))["status"] == "closed"
             (pipeline_id,) = [sid for sid in service.sessions]
             assert service.closed == [pipeline_id]
@@ -324,7 +326,7 @@ async def test_delete_drains_a_running_session_and_frees_the_slot(autojump_clock
             assert status == 200 and body == {"session_id": created["session_id"], "status": "closed"}
             await ctl.wait_for(lambda p: p.status("done"), "done")
             await worker_gone(ctl)
-            assert s.runtime.get(created["session_id"]).drain_cause == "deleted"
+            assert s.runtime.get(created["session_id"]).drain_cause is DrainCause.DELETED
             assert service.closed == list(service.sessions)
             assert s.free_slots() == 1
             assert not s.runtime.runners

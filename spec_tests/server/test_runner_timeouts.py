@@ -12,6 +12,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from server.runner import CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
 from server.runtime import DELETE_WAIT
+from states.stream_session import DrainCause
 
 from .runner_fixtures import (
     WORKER_IDENTITY,
@@ -63,21 +64,24 @@ async def test_controller_never_joins_fails_the_session_and_frees_the_slot(
         assert s.runtime.book.holds(queued["session_id"]) and not s.runtime.book.holds(created["session_id"])
 
 
-async def test_controller_leaving_for_good_closes_the_session(autojump_clock: Any) -> None:
+async def test_controller_leaving_for_good_fails_the_session_naming_the_controller(autojump_clock: Any) -> None:
     service = CounterService()
-    async with serve(settings(controller_timeout=5), service) as s:
+    async with serve(settings(controller_timeout=5, max_sessions_per_worker=1), service) as s:
         created = await s.create("ctl")
         session_id = created["session_id"]
-        async with join(s, created["room"], created["token"]) as ctl:
-            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
-        left = trio.current_time()
-        await until(left + 4.5)
-        assert status_of(s, session_id) == "running"
-        await until(left + 5.5)
-        record = s.runtime.get(session_id)
-        assert record.status.value == "closed", record.status
-        assert record.drain_cause == "controller_left"
-        assert record.error is None
+        token = await s.viewer_token(session_id, "watcher")
+        async with join(s, created["room"], token) as viewer:
+            async with join(s, created["room"], created["token"]) as ctl:
+                await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            left = trio.current_time()
+            await until(left + 4.5)
+            assert status_of(s, session_id) == "running"  # a viewer is here: the room is not empty
+            (error,) = await viewer.wait_for(lambda p: p.status("error"), "the error", timeout=2)
+            assert error["reason"] == "controller_left" and "'ctl'" in error["detail"] and "5 s" in error["detail"]
+        view = await s.get(session_id)
+        assert view["status"] == "failed" and view["drain_cause"] == "controller_left"
+        assert view["error"] == "the controller 'ctl' left and did not return within 5 s"
+        assert s.runtime.get(session_id).drain_cause is DrainCause.CONTROLLER_LEFT
         assert service.closed == list(service.sessions)
         assert s.free_slots() == 1 and not s.runtime.runners
 
@@ -121,20 +125,44 @@ async def test_empty_room_closes_the_session(autojump_clock: Any) -> None:
         assert status_of(s, session_id) == "running"
         await until(emptied + 5.5)
         record = s.runtime.get(session_id)
-        assert record.status.value == "closed" and record.drain_cause == "room_empty"
+        assert record.status.value == "closed" and record.drain_cause is DrainCause.ROOM_EMPTY
+        assert (await s.get(session_id))["drain_cause"] == "room_empty"
         assert s.free_slots() == 1 and service.closed == list(service.sessions)
 
 
-async def test_room_nobody_joins_closes_after_room_empty_timeout(autojump_clock: Any) -> None:
+async def test_with_the_defaults_a_controller_that_never_joins_fails_at_the_controller_timeout(
+    autojump_clock: Any
+) -> None:
+    """Controller 60 s, room-empty 30 s: a room nobody entered is waiting for its controller, not empty."""
+    service = CounterService()
+    async with serve(settings(controller_timeout=60, room_empty_timeout=30), service) as s:
+        start = trio.current_time()
+        created = await s.create("ctl")
+        await until(start + 45)
+        assert status_of(s, created["session_id"]) == "joining_room"  # past the room-empty timeout
+        await until(start + 61)
+        view = await s.get(created["session_id"])
+        assert view["status"] == "failed" and view["drain_cause"] == "controller_absent"
+        assert view["error"] == "the controller 'ctl' did not join within 60 s"
+        assert s.free_slots() == 1 and not service.sessions
+
+
+async def test_a_room_emptied_before_the_controller_came_ends_as_room_empty(autojump_clock: Any) -> None:
     service = CounterService()
     async with serve(settings(controller_timeout=60, room_empty_timeout=5), service) as s:
         start = trio.current_time()
         created = await s.create("ctl")
-        await until(start + 4.5)
-        assert status_of(s, created["session_id"]) == "joining_room"
-        await until(start + 5.5)
-        record = s.runtime.get(created["session_id"])
-        assert record.status.value == "closed" and record.drain_cause == "room_empty"
+        session_id = created["session_id"]
+        token = await s.viewer_token(session_id, "watcher")
+        async with join(s, created["room"], token) as viewer:
+            await viewer.wait_for(lambda p: [m for m in p.texts() if m["type"] == "joined"], "joined")
+        emptied = trio.current_time()
+        await until(emptied + 4.5)
+        assert status_of(s, session_id) == "joining_room"
+        await until(emptied + 5.5)
+        view = await s.get(session_id)
+        assert view["status"] == "closed" and view["drain_cause"] == "room_empty" and view["error"] is None
+        assert trio.current_time() < start + 60  # the room-empty timeout fired, not the controller's
         assert s.free_slots() == 1
 
 
@@ -160,7 +188,7 @@ async def test_session_timeout_expires_a_running_session_and_admits_the_queue(
             await wait_all_tasks_blocked()
         record = s.runtime.get(session_id)
         assert record.status.value == "expired", record.status
-        assert record.drain_cause == "expired" and record.error is None
+        assert record.drain_cause is DrainCause.EXPIRED and record.error is None
         assert (await s.get(session_id))["status"] == "expired"
         assert service.closed == list(service.sessions)
         assert not s.runtime.book.holds(session_id)
@@ -214,4 +242,85 @@ async def test_a_pipeline_that_never_takes_a_control_fails_the_session_at_the_de
             await until(sent + CONTROL_TIMEOUT + 1)
             record = await s.get(created["session_id"])
             assert record["status"] == "failed" and "did not take a control" in record["error"], record
+            assert record["drain_cause"] == "pipeline_stalled", record
         assert s.free_slots() == 1 and not s.runtime.runners
+
+
+async def test_a_session_deleted_just_before_its_timeout_ends_closed_as_deleted(autojump_clock: Any) -> None:
+    """The drain's cause is set once: the session timeout passing during a DELETE's drain changes nothing."""
+    service = CounterService(close_delay=3.0)  # the drain outlasts the session's deadline
+    async with serve(settings(session_timeout=10), service) as s:
+        start = trio.current_time()
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            await until(start + 9.5)
+            status, body = await s.json("delete", f"/v1/stream/sessions/{session_id}")
+            assert status == 200, (status, body)
+            assert trio.current_time() > start + 12  # the sweep ran past the deadline during the drain
+            (done,) = await ctl.wait_for(lambda p: p.status("done"), "done")
+            assert done["reason"] == "deleted"
+        view = await s.get(session_id)
+        assert view["status"] == "closed" and view["drain_cause"] == "deleted" and view["error"] is None
+        assert s.runtime.get(session_id).drain_cause is DrainCause.DELETED
+
+
+async def test_a_pipeline_s_own_chunk_metadata_keys_are_not_overwritten(autojump_clock: Any) -> None:
+    service = CounterService(metadata={"frames": "the pipeline's own", "fps": 24})
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            (chunk, *_) = await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+        assert chunk["data"]["frames"] == "the pipeline's own" and chunk["data"]["fps"] == 24
+        assert chunk["data"]["first_frame"] == 0 and "publish_finished_at" in chunk["data"]
+
+
+async def test_health_transport_connected_and_its_livekit_alias_follow_the_seed(autojump_clock: Any) -> None:
+    """True while a worker is in its room with media: starting_pipeline, running or draining."""
+    service = CounterService(close_delay=3.0)
+    async with serve(settings(), service) as s:
+        async def connected() -> tuple[bool, bool]:
+            status, body = await s.json("get", "/v1/stream/health")
+            assert status == 200
+            return body["transport_connected"], body["livekit_connected"]
+
+        created = await s.create("ctl")
+        await wait_all_tasks_blocked()
+        assert status_of(s, created["session_id"]) == "joining_room" and await connected() == (False, False)
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            assert await connected() == (True, True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(s.json, "delete", f"/v1/stream/sessions/{created['session_id']}")
+                await trio.sleep(1.0)  # inside the 3 s drain
+                assert status_of(s, created["session_id"]) == "draining" and await connected() == (True, True)
+        await wait_all_tasks_blocked()
+        assert await connected() == (False, False)
+
+
+async def test_data_on_a_wrong_topic_is_answered_with_a_refusal_like_other_refused_data(autojump_clock: Any) -> None:
+    service = CounterService()
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            await ctl.send("app.chat", {"type": "control_state", "controls": ["w"]})
+            (refusal,) = await ctl.wait_for(lambda p: p.status("control_rejected"), "the refusal")
+            assert refusal["reason"] == "wrong_topic" and "tf.control" in refusal["detail"]
+            assert service.sessions[s.runtime.get(created["session_id"]).pipeline_session_id].controls == []
+
+
+async def test_a_closed_session_s_tokens_no_longer_join_its_room(autojump_clock: Any) -> None:
+    service = CounterService()
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        viewer = await s.viewer_token(created["session_id"], "watcher")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+        status, _ = await s.json("delete", f"/v1/stream/sessions/{created['session_id']}")
+        assert status == 200 and (await s.get(created["session_id"]))["status"] == "closed"
+        for token in (created["token"], viewer):  # both still within their TTL
+            async with join(s, created["room"], token) as late:
+                await late.reader_done.wait()
+            assert [m for m in late.texts() if m.get("type") == "refused"] == [{"type": "refused", "reason": "session_closed"}]

@@ -14,10 +14,10 @@ from states.admission import (
     Admission,
     AdmissionBook,
     AdmissionTransition,
-    DuplicateSession,
+    DuplicateAdmissionSession,
     DuplicateWorker,
     InvalidSetting,
-    UnknownSession,
+    UnknownAdmissionSession,
     UnknownWorker,
     WorkerTransition,
     admitted_ids,
@@ -169,7 +169,7 @@ def test_queue_then_reject_queue_full_holding_nothing():
     assert admission == Admission("rejected", "s4", reason="queue_full")
     assert session_moves(transitions) == [("rejected", "s4", None, None)]
     assert not book.holds("s4")
-    with pytest.raises(UnknownSession):
+    with pytest.raises(UnknownAdmissionSession):
         book.release("s4", 4.0)
     # a rejected id may try again later
     book.release("s2", 5.0)
@@ -188,7 +188,7 @@ def test_duplicate_admission_is_refused_and_changes_nothing():
     book.admit("s2", 0.0)
     before = book.canonical_key()
     for s in ("s1", "s2"):
-        with pytest.raises(DuplicateSession) as err:
+        with pytest.raises(DuplicateAdmissionSession) as err:
             book.admit(s, 1.0)
         assert err.value.session_id == s
         assert isinstance(err.value, ValueError)
@@ -238,7 +238,7 @@ def test_last_release_makes_worker_idle():
     assert worker_moves(transitions) == [("w0", WE.LAST_SESSION_REMOVED, WS.IDLE)]
     assert book.worker_state("w0") is WS.IDLE
     assert book.worker_of("s1") is None
-    with pytest.raises(UnknownSession) as err:
+    with pytest.raises(UnknownAdmissionSession) as err:
         book.release("s1", 2.0)
     assert err.value.session_id == "s1" and isinstance(err.value, KeyError)
     assert "s1" in str(err.value)
@@ -536,7 +536,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.seen))
         before = self.book.canonical_key()
         if self.model.where(s) is not None or s in self.model.queue:
-            with pytest.raises(DuplicateSession):
+            with pytest.raises(DuplicateAdmissionSession):
                 self.book.admit(s, self.tick())
             assert self.book.canonical_key() == before
         else:  # rejected or released before: a fresh admission
@@ -551,7 +551,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(self.seen))
         before = self.book.canonical_key()
         if self.model.where(s) is None and s not in self.model.queue:
-            with pytest.raises(UnknownSession):
+            with pytest.raises(UnknownAdmissionSession):
                 self.book.release(s, self.tick())
             assert self.book.canonical_key() == before
             return

@@ -16,7 +16,7 @@ from states.explore import explore
 from states.lease import State
 from states.lease_book import (
     ChunkInProgress,
-    DuplicateSession,
+    DuplicateLeaseSession,
     LeaseBook,
     LeaseError,
     LeaseSnapshot,
@@ -25,7 +25,7 @@ from states.lease_book import (
     NotClosing,
     NotHolder,
     SessionClosing,
-    UnknownSession,
+    UnknownLeaseSession,
 )
 
 T = 10.0  # idle timeout used by the unit tests
@@ -63,7 +63,7 @@ def test_register_waits_and_rejects_duplicates() -> None:
     assert book.state("a") is W
     assert book.holder() is None
     assert book.queue_position("a") is None
-    with pytest.raises(DuplicateSession) as info:
+    with pytest.raises(DuplicateLeaseSession) as info:
         book.register("a", 1.0)
     assert info.value.session_id == "a"
     assert isinstance(info.value, LeaseError) and isinstance(info.value, ValueError)
@@ -264,7 +264,7 @@ def test_closing_the_holder_grants_the_next_waiter() -> None:
     assert book.holder() == "b"
     assert book.release("a") == []
     assert "a" not in book
-    with pytest.raises(UnknownSession):
+    with pytest.raises(UnknownLeaseSession):
         book.state("a")
 
 
@@ -508,7 +508,7 @@ def test_relinquish_refuses_anyone_but_the_holder_between_chunks() -> None:
     book.record_activity("a", 0.0)
     book.record_activity("b", 0.0)
     book.begin_chunk("a")
-    for sid, error in [("a", ChunkInProgress), ("b", NotHolder), ("w", NotHolder), ("zz", UnknownSession)]:
+    for sid, error in [("a", ChunkInProgress), ("b", NotHolder), ("w", NotHolder), ("zz", UnknownLeaseSession)]:
         before = (book.snapshot(), book.queued(), book.canonical_key(50.0))
         with pytest.raises(error) as info:
             book.relinquish(sid, 0.0)
@@ -581,25 +581,25 @@ def _busy_two() -> LeaseBook:
 
 
 ERROR_CASES = [
-    (lambda b: b.register("a", 1.0), DuplicateSession),
+    (lambda b: b.register("a", 1.0), DuplicateLeaseSession),
     (lambda b: b.begin_chunk("b"), NotHolder),
     (lambda b: b.begin_chunk("w"), NotHolder),
     (lambda b: b.begin_chunk("a"), ChunkInProgress),
     (lambda b: b.finish_chunk("b", 99.0), NoChunkInProgress),
     (lambda b: b.abort_chunk("w"), NoChunkInProgress),
     (lambda b: b.release("b"), NotClosing),
-    (lambda b: b.record_activity("zz", 5.0), UnknownSession),
-    (lambda b: b.begin_chunk("zz"), UnknownSession),
-    (lambda b: b.finish_chunk("zz", 5.0), UnknownSession),
-    (lambda b: b.abort_chunk("zz"), UnknownSession),
-    (lambda b: b.close("zz"), UnknownSession),
-    (lambda b: b.release("zz"), UnknownSession),
+    (lambda b: b.record_activity("zz", 5.0), UnknownLeaseSession),
+    (lambda b: b.begin_chunk("zz"), UnknownLeaseSession),
+    (lambda b: b.finish_chunk("zz", 5.0), UnknownLeaseSession),
+    (lambda b: b.abort_chunk("zz"), UnknownLeaseSession),
+    (lambda b: b.close("zz"), UnknownLeaseSession),
+    (lambda b: b.release("zz"), UnknownLeaseSession),
     (lambda b: b.relinquish("a", 1.0), ChunkInProgress),
     (lambda b: b.relinquish("b", 1.0), NotHolder),
     (lambda b: b.relinquish("w", 1.0), NotHolder),
-    (lambda b: b.relinquish("zz", 1.0), UnknownSession),
-    (lambda b: b.queue_position("zz"), UnknownSession),
-    (lambda b: b.is_busy("zz"), UnknownSession),
+    (lambda b: b.relinquish("zz", 1.0), UnknownLeaseSession),
+    (lambda b: b.queue_position("zz"), UnknownLeaseSession),
+    (lambda b: b.is_busy("zz"), UnknownLeaseSession),
 ]
 
 
@@ -694,12 +694,12 @@ class ReferenceLease:
 
     def _need(self, sid: str) -> dict:
         if sid not in self.sessions:
-            raise UnknownSession(sid, "model")
+            raise UnknownLeaseSession(sid, "model")
         return self.sessions[sid]
 
     def register(self, sid: str, now: float) -> list:
         if sid in self.sessions:
-            raise DuplicateSession(sid, "model")
+            raise DuplicateLeaseSession(sid, "model")
         self.sessions[sid] = dict(state="waiting", last=now, busy=False, may_park=False, owed=False)
         return [(sid, "waiting")]
 

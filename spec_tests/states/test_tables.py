@@ -22,6 +22,7 @@ from states import (
     pipeline_session,
     process_group,
     restart_policy,
+    room_presence,
     service_child,
     stage_actor,
     stream_session,
@@ -39,6 +40,7 @@ MODULES: dict[ModuleType, type[StateMachine]] = {
     process_group: process_group.ProcessGroupMachine,
     service_child: service_child.ServiceChildMachine,
     restart_policy: restart_policy.RestartMachine,
+    room_presence: room_presence.RoomPresenceMachine,
 }
 
 # Self-loops on a terminal state that a module's docstring documents on purpose:

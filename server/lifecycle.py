@@ -1,0 +1,85 @@
+"""The one owner of every stream-session record transition in the server.
+
+The runtime (admission, DELETE, the sweep) and the room runners (progress,
+timeouts, the end) never move a record themselves: they ask
+:class:`SessionLifecycle`, which applies the event through the registry (and so
+through the stream-session table) and records what goes with it (the worker,
+the drain cause, the error). A drain's cause is recorded with its DRAIN, once:
+the first cause wins. A drain's outcome is the table's
+(:func:`states.stream_session.settle_event`), never a string compared later.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from states.stream_session import DrainCause, Event, settle_event
+
+from .registry import SessionRecord, SessionRegistry
+
+__all__ = ["SessionLifecycle"]
+
+
+class SessionLifecycle:
+    """Moves stream-session records; single owner: the runtime's trio thread."""
+
+    def __init__(self, registry: SessionRegistry) -> None:
+        self.registry = registry
+
+    def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None) -> None:
+        self.registry.apply(record, event, now=trio.current_time(), error=error)
+
+    # -- admission ---------------------------------------------------------------------
+
+    def reject(self, record: SessionRecord, reason: str) -> None:
+        self._apply(record, Event.REJECT, error=reason)
+
+    def queue(self, record: SessionRecord) -> None:
+        self._apply(record, Event.QUEUE)
+
+    def assign(self, record: SessionRecord, worker_id: str) -> None:
+        record.worker_id = worker_id
+        self._apply(record, Event.ASSIGN)
+
+    def withdraw(self, record: SessionRecord) -> None:
+        """A queued session deleted (or the server shutting down): closed, holding nothing."""
+        self._apply(record, Event.WITHDRAW)
+
+    def expire_queued(self, record: SessionRecord) -> None:
+        self._apply(record, Event.EXPIRE)
+
+    def fail_queued(self, record: SessionRecord, reason: str) -> None:
+        """A queued session nothing will ever run (every worker slot gave up): failed with the reason."""
+        self._apply(record, Event.FAIL, error=reason)
+
+    # -- the runner's progress ---------------------------------------------------------------
+
+    def step(self, record: SessionRecord, event: Event) -> bool:
+        """A runner's progress (JOIN_ROOM, START_PIPELINE, RUN); False, changing nothing, once it drains."""
+        if record.drain_cause is not None or not record.machine.can(event):
+            return False
+        self._apply(record, event)
+        return True
+
+    def drain(self, record: SessionRecord, cause: DrainCause, detail: str | None = None) -> bool:
+        """Start the drain with its cause; False (changing nothing) when a drain already started or it ended.
+
+        ``detail`` is the reason in words, kept for the record's error should the cause fail the session.
+        """
+        if not record.machine.can(Event.DRAIN):
+            return False
+        self._apply(record, Event.DRAIN)
+        record.drain_cause = cause
+        record.drain_detail = detail
+        return True
+
+    def settle(self, record: SessionRecord, error: str | None) -> None:
+        """End a live session: its outcome from the table, by its drain cause (FAIL when ``error``)."""
+        if record.is_terminal:
+            return
+        if error is None and record.drain_cause is None:
+            self.drain(record, DrainCause.COMPLETED)
+        event = settle_event(record.drain_cause, failed=error is not None)
+        if event is Event.FAIL and error is None:
+            error = record.drain_detail or (record.drain_cause.value if record.drain_cause else "failed")
+        self._apply(record, event, error=error)
