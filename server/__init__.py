@@ -8,6 +8,10 @@ works too. It is built on first access, so importing the package stays cheap.
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = ["app", "build_app_from_environment"]
@@ -15,14 +19,21 @@ __all__ = ["app", "build_app_from_environment"]
 _app: Any = None
 
 
-def build_app_from_environment() -> Any:
-    import os
+#: What plain ``hypercorn server:app`` serves with no ``CHUNKLINE_PIPELINE``: the embedded default
+#: (the toy world on the local transport), as ``make run`` does.
+DEFAULT_PIPELINE = str(Path(__file__).resolve().parent.parent / "pipelines" / "toy_world")
+
+
+def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
+    """The app from ``CHUNKLINE_*`` variables; raises SettingsError naming the variable at fault."""
 
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
     from .settings import ServerSettings
 
-    settings = ServerSettings.from_sources({}, os.environ)
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("CHUNKLINE_PIPELINE", DEFAULT_PIPELINE)
+    settings = ServerSettings.from_sources({}, env)
     return TrioASGIAnyWorker(create_app(settings))
 
 
@@ -33,7 +44,13 @@ class _LazyApp:
     def _target(self) -> Any:
         global _app
         if _app is None:
-            _app = build_app_from_environment()
+            from .setting_values import SettingsError
+
+            try:
+                _app = build_app_from_environment()
+            except SettingsError as exc:  # one line naming the variable, not a traceback from inside hypercorn
+                print(f"chunkline: {exc}", file=sys.stderr, flush=True)
+                os._exit(2)
         return _app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

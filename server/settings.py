@@ -325,7 +325,7 @@ class ServerSettings:
     default_fps: float = attrs.field(
         default=16.0,
         converter=lambda v: _float("--default-fps", v, 1.0, 120.0),
-        metadata=_help("frame rate when a pipeline names none (1-120)"),
+        metadata=_help("frame rate offered to a pipeline that takes an fps and is given none (1-120)"),
     )
     max_data_message_bytes: int = attrs.field(
         default=12288,

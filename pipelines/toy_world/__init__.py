@@ -38,6 +38,7 @@ def get_service(
     max_sessions: int = 4,
     control_idle_timeout: float = 10.0,
     rotate_lease: bool = False,
+    fps: float | None = None,
     placement: Placement | Mapping[str, Any] | str | None = None,
     **sizes: Any,
 ) -> ToyWorldService:
@@ -48,6 +49,8 @@ def get_service(
         device = placement.denoise.devices[0]
     if device is None:  # gpu_num is the size of the worker's device group, never a device index
         device = f"cuda:{gpu_ids[0]}" if gpu_ids and _cuda_available() else "cpu"
+    if fps is not None:  # the server's --default-fps, unless the caller sized it explicitly
+        sizes.setdefault("fps", fps)
     config = ToyWorldConfig(device=device, seed=seed, **sizes)
     return ToyWorldService(config, max_sessions=max_sessions, control_idle_timeout=control_idle_timeout,
                            rotate_lease=rotate_lease, placement=placement)

@@ -3,9 +3,9 @@
 Two sessions share one toy world worker. A's controller holds ``w`` with one
 ``control_state`` and then sends no heartbeat; B's controller asks to run. A is
 parked, and B granted, once A has been silent for the configured timeout (at a
-chunk boundary), never before: checked with 1 s and with 30 s. The clock is
-trio's autojump clock, so the times are virtual and the test takes the model's
-compute time only.
+chunk boundary), never before: checked with 1 s (parked within a bounded real-time
+watch) and with 30 s (not parked within it). The toy world computes in threads, so
+these tests run on the real clock, bounded.
 """
 
 from __future__ import annotations
@@ -63,11 +63,21 @@ async def test_a_silent_holder_is_parked_after_the_configured_control_idle_timeo
             if timeout < watch:
                 assert parked, "a was not parked although it was silent past the timeout"
                 assert parked[0].at - silent_from >= timeout
-                granted = await ctl_b.wait_for(lambda p: lease_events(p, "lease_granted", after=parked[0].at),
-                                               "b to be granted")
+                granted = await ctl_b.wait_for(lambda p: lease_events(p, "lease_granted", after=silent_from),
+                                               "b to be granted")  # (each peer hears it at its own moment)
                 assert granted
                 # a still holds w, but without a new control it does not queue again (no alternation)
                 await trio.sleep(2 * timeout)  # bench-cost
                 assert lease_events(ctl_a, "lease_queued", after=parked[0].at) == []
             else:
                 assert parked == [] and lease_events(ctl_b, "lease_granted", after=silent_from) == []
+
+
+async def test_default_fps_reaches_a_pipeline_that_takes_one():
+    config = settings(pipeline="pipelines/toy_world", max_sessions_per_worker=1, queue_size=0, default_fps=24)
+    async with serve(config, tiny_toy_world) as s:
+        assert s.runtime.workers["worker-0"].service.config.fps == 24.0
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            (chunk, *_) = await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+        assert chunk["data"]["fps"] == 24.0
