@@ -37,6 +37,41 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     return TrioASGIAnyWorker(create_app(settings))
 
 
+def _end_hypercorn_supervisor() -> None:
+    """End hypercorn's supervising process, so that the command fails (it cannot start).
+
+    Plain ``hypercorn server:app`` loads the app in a spawned worker; hypercorn 0.18's
+    supervisor loses that worker's exit status and would exit 0. Only a parent whose
+    command line is hypercorn's is ended, with SIGKILL (it takes SIGTERM as a clean
+    stop), and its multiprocessing resource tracker first, which would otherwise
+    print warnings about the supervisor's semaphores after the one line.
+    """
+    import multiprocessing
+    import signal
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None or b"hypercorn" not in _command_line(parent.pid):
+        return
+    for child in _children(parent.pid):
+        if b"resource_tracker" in _command_line(child):
+            os.kill(child, signal.SIGKILL)
+    os.kill(parent.pid, signal.SIGKILL)
+
+
+def _command_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+
+
 class _LazyApp:
     """A real module attribute (hypercorn looks ``app`` up with ``eval``) that builds the
     application on first use, so ``import server`` needs no configuration."""
@@ -50,6 +85,7 @@ class _LazyApp:
                 _app = build_app_from_environment()
             except SettingsError as exc:  # one line naming the variable, not a traceback from inside hypercorn
                 print(f"chunkline: {exc}", file=sys.stderr, flush=True)
+                _end_hypercorn_supervisor()
                 os._exit(2)
         return _app
 

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
@@ -170,9 +171,10 @@ async def test_plain_hypercorn_with_no_chunkline_variables_serves_the_embedded_d
                 await process.wait()
 
 
-async def test_plain_hypercorn_with_a_bad_setting_prints_one_line_naming_it():
-    """(hypercorn's supervising process still exits 0 when its worker exits 2: not fixed here)"""
-    command = [sys.executable, "-m", "hypercorn", "--bind", "127.0.0.1:0", APP_TARGET]
+@pytest.mark.parametrize("workers", [[], ["--workers", "0"]], ids=["supervised", "in-process"])
+async def test_plain_hypercorn_with_a_bad_setting_prints_one_line_naming_it_and_fails(workers):
+    """One line naming the variable and its value, no traceback, and the command exits non-zero."""
+    command = [sys.executable, "-m", "hypercorn", *workers, "--bind", "127.0.0.1:0", APP_TARGET]
     with trio.fail_after(START_DEADLINE):
         done = await trio.run_process(command, cwd=str(ROOT), env=bare_env(CHUNKLINE_QUEUE_SIZE="lots"),
                                       stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, check=False)
@@ -180,3 +182,5 @@ async def test_plain_hypercorn_with_a_bad_setting_prints_one_line_naming_it():
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("chunkline:")]
     assert len(lines) == 1 and "CHUNKLINE_QUEUE_SIZE" in lines[0] and "'lots'" in lines[0], err
+    assert [line for line in err.splitlines() if line.strip()] == lines, err  # nothing else on stderr
+    assert done.returncode != 0, err
