@@ -20,6 +20,7 @@ import trio
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
 from pipelines.contract import BidirectionalService, ServerPushService, Service
 from pipelines.loader import load_service
+from pipelines.validation import validate_service
 
 from .process_service import start_process_service
 from .reasons import public_reason
@@ -27,6 +28,9 @@ from .reasons import public_reason
 __all__ = ["ModelWorker", "ModelWorkerError", "ServiceEnded"]
 
 log = logging.getLogger("chunkline.worker")
+
+#: Seconds the startup check (one warm-up chunk) may take once the service is up.
+VALIDATION_TIMEOUT = 120.0
 
 
 class ModelWorkerError(RuntimeError):
@@ -52,11 +56,13 @@ class ModelWorker:
         worker_mode: str = "in-process",
         placement: str | None = None,
         offered: dict[str, Any] | None = None,
+        validate: bool = False,
     ) -> None:
         """``gpu_ids``: this worker's device group: in a child process they become its
         ``CUDA_VISIBLE_DEVICES`` (and the service sees them as 0..n-1); in-process the
         service gets them as ``gpu_ids``. ``gpu_num`` is the group's size. ``offered``:
-        server settings handed to a pipeline that names them (``control_idle_timeout``)."""
+        server settings handed to a pipeline that names them (``control_idle_timeout``). ``validate``:
+        run the startup check (one warm-up chunk, :mod:`pipelines.validation`) before taking sessions."""
         if service_loader is None:  # "process": the service runs in a child process behind a proxy
             service_loader = start_process_service if worker_mode == "process" else load_service
         self.worker_id = worker_id
@@ -67,6 +73,7 @@ class ModelWorker:
         self._on_failed = on_failed
         self._load = service_loader
         self._policy = policy
+        self._validate = validate
         self._options: dict[str, Any] = {} if placement is None else {"placement": placement}  # as given
         self._offered: dict[str, Any] = dict(offered or {})
         if worker_mode == "process" and service_loader is start_process_service:
@@ -80,6 +87,9 @@ class ModelWorker:
         self.failure: str | None = None
         #: set once the worker failed (``failure`` says why); runners ending meanwhile wait for it
         self.failed = trio.Event()
+        #: the startup check's outcome, for metadata: None until it ran, then passed (with the chunk's
+        #: shape and fps) or skipped
+        self.startup_check: dict[str, Any] | None = None
         self._runners: trio.Nursery | None = None
         self._stop = trio.Event()
 
@@ -134,6 +144,7 @@ class ModelWorker:
         async with trio.open_nursery() as runners:
             try:
                 async with service.running():
+                    await self._check(service)
                     self.plan = self._capacity_plan(service, limit)
                     self._runners = runners
                     self._on_ready(self, self.plan.effective_capacity, self.plan)
@@ -146,6 +157,14 @@ class ModelWorker:
                 return
             self._runners = None
             runners.cancel_scope.cancel()
+
+    async def _check(self, service: Service) -> None:
+        """The startup check (one warm-up chunk against the contract) unless validation is skipped."""
+        if not self._validate:
+            self.startup_check = {"status": "skipped"}
+            return
+        chunk = await validate_service(service, timeout=VALIDATION_TIMEOUT)
+        self.startup_check = {"status": "passed", "frames": list(chunk.frames.shape), "fps": chunk.fps}
 
     def _capacity_plan(self, service: Service, limit: int | None) -> CapacityPlan:
         if isinstance(service, ServerPushService):

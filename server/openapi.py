@@ -156,7 +156,10 @@ SCHEMAS: dict[str, Any] = {
                                                 "session_capacity"],
                  "properties": {"service_type": {"type": "string"}, "transport": {"type": "string"},
                                 "pipeline_file": {"type": "string"}, "queue_size": {"type": "integer"},
-                                "session_capacity": {"type": "object"}}},
+                                "session_capacity": {"type": "object"},
+                                "startup_check": {"type": "object", "description": "per worker: the startup "
+                                                  "check (one warm-up chunk) passed or was skipped "
+                                                  "(--skip-validation)"}}},
     "MetricsJson": {"type": "object", "required": ["service_type", "transport", "health", "serving"],
                     "properties": {"service_type": {"type": "string"}, "transport": {"type": "string"},
                                    "health": _ref("Health"), "serving": {"type": "object"}}},

@@ -158,6 +158,7 @@ class StreamRuntime:
             worker_mode=self.settings.worker_mode,
             placement=self.settings.placement,
             offered={"control_idle_timeout": self.settings.control_idle_timeout, "fps": self.settings.default_fps},
+            validate=not self.settings.skip_validation,
             **options,
         )
         slot.worker = worker
@@ -532,6 +533,7 @@ class StreamRuntime:
             "room_empty_timeout": settings.room_empty_timeout,
             "token_ttl": settings.token_ttl,
             "worker_failures": {w.worker_id: w.failure for w in self.workers.values() if w.failure},
+            "startup_check": {w.worker_id: w.startup_check for w in self.workers.values() if w.startup_check},
             "session_capacity": capacities,
             **self.health(),
         }

@@ -308,7 +308,7 @@ class ServerSettings:
     skip_validation: bool = attrs.field(
         default=False,
         converter=lambda v: _bool("--skip-validation", v),
-        metadata=_help("skip validating the pipeline at startup"),
+        metadata=_help("skip the startup check of the pipeline (one warm-up chunk checked against the contract)"),
     )
     assets_dir: str | None = attrs.field(
         default=None, converter=_assets_dir, metadata=_help("directory of static assets to serve")

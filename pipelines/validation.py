@@ -1,0 +1,76 @@
+"""The startup check of a loaded pipeline: one warm-up chunk through the service contract.
+
+A model worker runs it once the service is up and before it takes sessions
+(``--skip-validation`` skips it), so a pipeline that cannot produce a chunk, or
+produces one that breaks the contract, fails its worker with a reason at
+startup instead of failing the first user's session. The check opens one
+session (a bidirectional service) or one stream (a server-push service) with
+the default :class:`~pipelines.contract.SessionConfig`, takes its first chunk,
+checks it and closes what it opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import trio
+
+from .contract import BidirectionalService, Chunk, ServerPushService, SessionConfig
+
+__all__ = ["PipelineValidationError", "validate_service"]
+
+
+class PipelineValidationError(RuntimeError):
+    """The pipeline failed its startup check; the message says what was wrong."""
+
+
+async def validate_service(service: object, *, timeout: float) -> Chunk:
+    """Take one warm-up chunk from ``service`` within ``timeout`` seconds and check it; return it."""
+    if not isinstance(service, BidirectionalService | ServerPushService):
+        raise PipelineValidationError(
+            f"get_service returned {type(service).__name__}, not a BidirectionalService or ServerPushService"
+        )
+    chunk: object = None
+    try:
+        with trio.move_on_after(timeout) as deadline:
+            if isinstance(service, BidirectionalService):
+                chunk = await _first_session_chunk(service)
+            else:
+                chunk = await _first_chunk(service.stream(SessionConfig()))
+    except PipelineValidationError:
+        raise
+    except Exception as exc:
+        raise PipelineValidationError(f"the warm-up chunk failed: {type(exc).__name__}: {exc}") from exc
+    if deadline.cancelled_caught:
+        raise PipelineValidationError(f"no warm-up chunk within {timeout:g} s")
+    return check_first_chunk(chunk)
+
+
+def check_first_chunk(chunk: object) -> Chunk:
+    """The contract of a stream's first chunk (a Chunk validates its frames and fps itself)."""
+    if not isinstance(chunk, Chunk):
+        raise PipelineValidationError(f"the warm-up chunk is a {type(chunk).__name__}, not a Chunk")
+    if chunk.index != 0:
+        raise PipelineValidationError(f"the first chunk of a stream has index {chunk.index}, not 0")
+    return chunk
+
+
+async def _first_session_chunk(service: BidirectionalService) -> object:
+    session_id = await service.create_session(SessionConfig())
+    try:
+        return await _first_chunk(service.chunks(session_id))
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+            await service.close_session(session_id)
+
+
+#: Seconds the check waits for its own session to close (its deadline may have passed).
+CLOSE_TIMEOUT = 30.0
+
+
+async def _first_chunk(chunks: AsyncIterator[object]) -> object:
+    async with contextlib.aclosing(chunks) as stream:  # type: ignore[type-var]
+        async for chunk in stream:
+            return chunk
+    raise PipelineValidationError("the warm-up stream ended without a chunk")
