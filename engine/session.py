@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from states.pipeline_session import Event, State
+from states.pipeline_session import EMITTING, Event, State
 
 from .blockers import Blocker
 from .errors import SessionStateError
@@ -118,7 +118,7 @@ class Session:
                 yield item
             if items:
                 continue
-            if rt.all_emitted or rt.machine.is_terminal or rt.state not in (State.RUNNING, State.DRAINING):
+            if rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING:
                 return
             await rt.emitted.park()
 

@@ -141,6 +141,8 @@ HOOK_REASON = {
 ADMITTING = frozenset({State.RUNNING})
 # States in which already-accepted work may still be started (and its results kept).
 STARTING_ACCEPTED_WORK = frozenset({State.RUNNING, State.DRAINING})
+# States in which outputs may still come (accepted work still starts, and its results are kept).
+EMITTING = STARTING_ACCEPTED_WORK
 # States in which accepted work that waits is dropped.
 DROPPING_WORK = frozenset({State.CANCELLING, State.SHUTTING_DOWN, State.FAILING})
 

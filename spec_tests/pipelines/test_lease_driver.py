@@ -564,3 +564,43 @@ async def test_idle_ignores_unknown_and_closing_sessions_and_close_clears_the_ma
     assert lease.is_idle("b")
     lease.close("b")
     assert not lease.is_idle("b")
+
+
+@pytest.mark.parametrize("idle_timeout", [1.0, 30.0])
+async def test_a_held_key_without_heartbeats_parks_after_the_configured_idle_timeout(idle_timeout, autojump_clock):
+    """Two continuously wanting drivers (a key held in each, as in the toy world); a's controller sent
+    one control and then no heartbeat, b's keeps sending. a is parked at the first chunk boundary at or
+    after ``idle_timeout`` of silence (never before), b runs, and a never queues again without a control."""
+    log = Log()
+    lease = ExecutionLease(idle_timeout, rotate=False, on_transition=log)
+    chunk_seconds = 0.25
+    lease.register("a")
+    lease.register("b")
+    lease.record_activity("a")
+    silent_from = trio.current_time()
+    ran: dict[str, int] = {"a": 0, "b": 0}
+
+    async def drive(session_id: str) -> None:  # a held key: there is always a chunk to run
+        while True:
+            async with lease.chunk(session_id):
+                await trio.sleep(chunk_seconds)
+            ran[session_id] += 1
+
+    async def heartbeat(session_id: str) -> None:  # the demo page's control_state, once a second
+        while True:
+            lease.record_activity(session_id)
+            await trio.sleep(1.0)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lease.run)
+        nursery.start_soon(drive, "a")
+        await trio.sleep(chunk_seconds / 2)
+        nursery.start_soon(heartbeat, "b")
+        nursery.start_soon(drive, "b")
+        await trio.sleep(idle_timeout * 3)
+        nursery.cancel_scope.cancel()
+    parked = [at for at, sid, state in log.items if sid == "a" and state is State.PARKED]
+    assert len(parked) == 1
+    assert silent_from + idle_timeout <= parked[0] <= silent_from + idle_timeout + chunk_seconds + idle_timeout / 4
+    assert [state for at, sid, state in log.items if sid == "a" and at > parked[0]] == []  # no alternation
+    assert ran["b"] > 0 and lease.book.holder() == "b"

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from states.room_presence import RoomPresence, State, Timer
+from states import explore_room_presence
+from states.explore import explore
+from states.room_presence import TIMERS, RoomPresence, State, Timer
 from states.stream_session import FAILING_CAUSES, DrainCause, Event, settle_event
 
 
@@ -64,3 +69,81 @@ def test_each_drain_cause_settles_as_its_table_says():
     assert FAILING_CAUSES == {DrainCause.CONTROLLER_ABSENT, DrainCause.CONTROLLER_LEFT, DrainCause.WORKER_FAILED,
                               DrainCause.PIPELINE_STALLED}
     assert {timer.value for timer in Timer} <= {cause.value for cause in DrainCause}  # a timeout names its cause
+
+
+# -- exhaustive exploration and a model test -------------------------------------------------------
+
+
+def test_the_explorer_finds_no_violation_and_every_timer_can_end_the_watch():
+    reports = [explore(config) for config in explore_room_presence.configurations(small=True)]
+    assert all(report.violations == () and report.states > 100 for report in reports), [r.line() for r in reports]
+    assert explore_room_presence.ended_by_each_timer() == set(Timer)  # each timeout can happen
+
+
+def test_the_explorer_catches_a_room_empty_timer_that_runs_before_anyone_came(monkeypatch):
+    monkeypatch.setitem(TIMERS, State.AWAITING, (Timer.CONTROLLER_ABSENT, Timer.ROOM_EMPTY))
+    monkeypatch.setattr(RoomPresence, "__attrs_post_init__", lambda self: setattr(self, "emptied_at", 0.0))
+    (report, *_) = [explore(config) for config in explore_room_presence.configurations(small=True)]
+    assert report.violations, report.line()
+
+
+class PresenceModel(RuleBasedStateMachine):
+    """The book against the definitions: who is here, when the controller left, when the room emptied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.book = RoomPresence("ctl", 7.0, 5.0, 0.0)
+        self.now = 0.0
+        self.here: set[str] = set()
+        self.controller_came = False
+        self.left_at: float | None = None
+        self.emptied_at: float | None = None
+        self.ended: Timer | None = None
+
+    def expected(self) -> tuple[float, Timer] | None:
+        due = []
+        if "ctl" not in self.here:
+            due.append((self.left_at + 7.0, 0, Timer.CONTROLLER_LEFT) if self.controller_came
+                       else (7.0, 0, Timer.CONTROLLER_ABSENT))
+        if not self.here and self.emptied_at is not None:
+            due.append((self.emptied_at + 5.0, 1, Timer.ROOM_EMPTY))
+        return min(due)[::2] if due else None
+
+    @rule(who=st.sampled_from(["ctl", "v0", "v1"]))
+    def join_or_leave(self, who: str) -> None:
+        if self.ended is not None:  # the watch is over: joins and departures change nothing
+            (self.book.left if who in self.book.participants else self.book.joined)(who, self.now)
+            return
+        if who in self.here:
+            self.book.left(who, self.now)
+            self.here.discard(who)
+            if who == "ctl":
+                self.left_at = self.now
+            if not self.here:
+                self.emptied_at = self.now
+        else:
+            self.book.joined(who, self.now)
+            self.here.add(who)
+            self.controller_came |= who == "ctl"
+            self.emptied_at = None
+
+    @precondition(lambda self: self.ended is None)
+    @rule(seconds=st.sampled_from([0.5, 1.0, 2.0, 5.0, 7.0]))
+    def time_passes(self, seconds: float) -> None:
+        expected = self.expected()
+        self.now += seconds
+        ended = self.book.due(self.now)
+        assert ended is (expected[1] if expected is not None and expected[0] <= self.now else None)
+        self.ended = ended
+
+    @invariant()
+    def the_deadline_follows_the_definitions(self) -> None:
+        if self.ended is None:
+            assert self.book.deadline() == self.expected()
+            assert (self.book.state is State.PRESENT) == ("ctl" in self.here)
+        else:
+            assert self.book.state is State.ENDED and self.book.ended_by is self.ended
+
+
+TestPresenceModel = PresenceModel.TestCase
+TestPresenceModel.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
