@@ -25,6 +25,7 @@ __all__ = [
     "ToyWorldConfig",
     "ToyWorldService",
     "get_service",
+    "group_device",
     "load_placement",
 ]
 
@@ -47,13 +48,20 @@ def get_service(
             raise ValueError("give either device or placement, not both (the placement names each stage's devices)")
         placement = load_placement(placement)
         device = placement.denoise.devices[0]
-    if device is None:  # gpu_num is the size of the worker's device group, never a device index
-        device = f"cuda:{gpu_ids[0]}" if gpu_ids and _cuda_available() else "cpu"
+    if device is None:
+        device = group_device(gpu_ids)
     if fps is not None:  # the server's --default-fps, unless the caller sized it explicitly
         sizes.setdefault("fps", fps)
     config = ToyWorldConfig(device=device, seed=seed, **sizes)
     return ToyWorldService(config, max_sessions=max_sessions, control_idle_timeout=control_idle_timeout,
                            rotate_lease=rotate_lease, placement=placement)
+
+
+def group_device(gpu_ids: Sequence[int]) -> str:
+    """The device of a worker's group: its first GPU, or the CPU when it has none or there is no CUDA.
+
+    ``gpu_num`` is the size of the group, never a device index (a map ``0`` is ``cuda:0``)."""
+    return f"cuda:{gpu_ids[0]}" if gpu_ids and _cuda_available() else "cpu"
 
 
 def _cuda_available() -> bool:
