@@ -69,6 +69,9 @@ async def test_a_silent_holder_is_parked_after_the_configured_control_idle_timeo
                 # a still holds w, but without a new control it does not queue again (no alternation)
                 await trio.sleep(2 * timeout)  # bench-cost
                 assert lease_events(ctl_a, "lease_queued", after=parked[0].at) == []
+                await ctl_a.control({"type": "control_state", "controls": ["w"]})  # a heartbeat: a new control
+                assert await ctl_a.wait_for(lambda p: lease_events(p, "lease_queued", after=parked[0].at),
+                                            "a to queue again on its new control")
             else:
                 assert parked == [] and lease_events(ctl_b, "lease_granted", after=silent_from) == []
 
