@@ -395,21 +395,52 @@ def event_log(events: list[tuple[str, str]]):
     return sink
 
 
-async def test_a_second_session_is_queued_then_takes_turns_with_a_busy_one(service, nursery, mock_clock):
+async def test_by_default_a_busy_holder_keeps_the_lease_until_its_controller_is_silent_for_the_idle_timeout(
+    service, nursery, mock_clock
+):
+    """The seed's rule (no rotation): a holds "d" with no heartbeat and keeps running while b waits; once
+    a's controller has been silent for control_idle_timeout, a is parked at a chunk boundary and b runs;
+    a, still holding "d", queues again only on its controller's next control."""
     events: list[tuple[str, str]] = []
     a, reader_a = await open_session(service, nursery, on_event=event_log(events))
     await reader_a.wait_for(1)
-    await service.push_control(a, keys("d"))
+    await service.push_control(a, keys("d"))  # held, never refreshed
     await reader_a.wait_for(3)
     b, reader_b = await open_session(service, nursery, on_event=event_log(events))
     assert [e for e in events if e[0] == b] == [(b, "lease_queued")]
-    await progress_or_stall(service, reader_b, 1, "b's preview")  # a yields at a chunk boundary, still holding "d"
-    assert [e for e in events if e[0] == b][:2] == [(b, "lease_queued"), (b, "lease_granted")]
-    count = len(reader_a.chunks)
-    # a keeps going afterwards (b has nothing more to do), without waiting for b's idle timeout
-    await progress_or_stall(service, reader_a, count + 2, "a holds 'd' after b's preview")
-    assert (a, "lease_parked") not in events
+    await reader_a.wait_for(len(reader_a.chunks) + 3)  # a runs on: no time has passed
+    assert reader_b.chunks == [] and (a, "lease_parked") not in events
+    mock_clock.jump(service.control_idle_timeout)
+    await progress_or_stall(service, reader_b, 1, "b's preview once a idled out")
+    assert (a, "lease_parked") in events and (b, "lease_granted") in events
+    await quiesce(service)
+    parked_at, seen = len(reader_a.chunks), len(events)
+    mock_clock.jump(service.control_idle_timeout)  # more silence: a still holds "d" but stays parked
+    await quiesce(service)
+    assert len(reader_a.chunks) == parked_at and (a, "lease_queued") not in events[seen:]
+    await service.push_control(a, keys("d"))  # a new control: a queues, b (idle) steps aside
+    await progress_or_stall(service, reader_a, parked_at + 1, "a after its new control")
     await service.push_control(a, keys())
+
+
+async def test_with_rotation_a_second_session_is_queued_then_takes_turns_with_a_busy_one(mock_clock):
+    svc = get_service(**SIZE, max_sessions=2, rotate_lease=True)  # the pipeline opts in
+    events: list[tuple[str, str]] = []
+    async with svc.running(), trio.open_nursery() as nursery:
+        a, reader_a = await open_session(svc, nursery, on_event=event_log(events))
+        await reader_a.wait_for(1)
+        await svc.push_control(a, keys("d"))
+        await reader_a.wait_for(3)
+        b, reader_b = await open_session(svc, nursery, on_event=event_log(events))
+        assert [e for e in events if e[0] == b] == [(b, "lease_queued")]
+        await progress_or_stall(svc, reader_b, 1, "b's preview")  # a yields at a chunk boundary, still holding "d"
+        assert [e for e in events if e[0] == b][:2] == [(b, "lease_queued"), (b, "lease_granted")]
+        count = len(reader_a.chunks)
+        # a keeps going afterwards (b has nothing more to do), without waiting for b's idle timeout
+        await progress_or_stall(svc, reader_a, count + 2, "a holds 'd' after b's preview")
+        assert (a, "lease_parked") not in events
+        await svc.push_control(a, keys())
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_holder_with_nothing_to_run_steps_aside_at_once(mock_clock):
