@@ -157,12 +157,15 @@ async def test_a_frozen_controller_is_sent_away_and_its_session_ends() -> None:
         stream = await server.raw()  # a peer that completes the handshake, then answers nothing (frozen)
         await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
 
-        async def status() -> str | None:
-            state = (await server.request("GET", f"/v1/stream/sessions/{created['session_id']}"))[1]["status"]
-            return state if state in ("closed", "failed") else None
+        async def ended() -> dict | None:
+            record = (await server.request("GET", f"/v1/stream/sessions/{created['session_id']}"))[1]
+            return record if record["status"] in ("closed", "failed") else None
 
         started = time.monotonic()
-        assert await wait_for(status, "the frozen controller's session to end") == "closed"
+        record = await wait_for(ended, "the frozen controller's session to end")
+        # sent away, the controller left and did not return: the session fails naming it (states/room_presence.py)
+        assert record["status"] == "failed" and record["drain_cause"] == "controller_left", record
+        assert "left and did not return" in record["error"], record
         # the pong deadline plus controller_timeout, with slack for a loaded machine
         assert time.monotonic() - started < FAST.pong + 1.0 + 10.0
         await stream.aclose()
