@@ -156,7 +156,7 @@ def toy_world_in_process(path: str, **options: Any) -> Any:
     """The toy world at test sizes; its stages run in rank processes, the service in the server's process."""
     from pipelines.loader import load_service
 
-    return load_service(path, height=32, width=48, frames_per_chunk=2, idle_timeout=60.0, **options)
+    return load_service(path, height=32, width=48, frames_per_chunk=2, control_idle_timeout=60.0, **options)
 
 
 RANK_PLACEMENT = json.dumps({
@@ -197,7 +197,7 @@ async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_
     """Process worker: SIGKILL of the service child. Its session fails with the child's cause; the queued
     session waits for the replacement child rather than being promoted onto the dead one (whose other
     session ends first), and never ends closed without an error."""
-    loader = functools.partial(start_process_service, height=32, width=48, frames_per_chunk=2, idle_timeout=60.0)
+    loader = functools.partial(start_process_service, height=32, width=48, frames_per_chunk=2, control_idle_timeout=60.0)
     async with serve(loader, pipeline="pipelines/toy_world", worker_mode="process",
                      max_sessions_per_worker=2, queue_size=1) as s:
         await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
