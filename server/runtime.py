@@ -481,9 +481,14 @@ class StreamRuntime:
         snapshot = self.book.snapshot()
         live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
         connected = any(r.record.status in LIVE_MEDIA for r in self.runners.values())
+        # a failed worker that its slot has replaced is history (counted in workers_failed), not a degradation
+        failed_now = sum(
+            1 for slot in self._slots.values()
+            if slot.worker is None or self.book.worker_state(slot.worker.worker_id) in WORKER_TERMINAL
+        )
         if live == 0:
             status = "unhealthy"
-        elif snapshot.workers_failed or snapshot.workers_starting:
+        elif failed_now or snapshot.workers_starting:
             status = "degraded"
         else:
             status = "healthy"
