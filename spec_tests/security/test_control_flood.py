@@ -27,9 +27,9 @@ from server.transport import local
 from spec_tests.server.runner_fixtures import CounterService, join, serve, settings
 
 FLOOD = 10_000
-HEALTH_WITHIN = 1.0  # seconds, wall clock
+HEALTH_WITHIN = 5.0  # seconds, wall clock: a starved event loop, not a slow one (latency is bench.server's job)
 TEXT_BACKLOG_BOUND = 64
-SETTLE_WITHIN = 3.0  # seconds, wall clock
+SETTLE_WITHIN = 10.0  # seconds, wall clock: a hang bound
 KEY_SETS = [["w"], ["a"], ["s"], ["d"], ["w", "a"], ["s", "d"], [], ["j"], ["l"]]
 LAST = ["i", "k"]  # sent once, last: the state the pipeline must end with
 
