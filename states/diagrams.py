@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .child_process import ChildProcessMachine
 from .lease import LeaseMachine
+from .liveness import LivenessMachine
 from .machine import StateMachine
 from .pipeline_session import PipelineSessionMachine
 from .process_group import ProcessGroupMachine
@@ -47,6 +48,7 @@ MACHINES: tuple[type[StateMachine], ...] = (
     ProcessGroupMachine,
     ChildProcessMachine,
     RestartMachine,
+    LivenessMachine,
 )
 
 #: Where the rendering is committed (repository root / docs).

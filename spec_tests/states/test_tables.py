@@ -19,6 +19,7 @@ import states
 from states import (
     child_process,
     lease,
+    liveness,
     pipeline_session,
     process_group,
     restart_policy,
@@ -41,6 +42,7 @@ MODULES: dict[ModuleType, type[StateMachine]] = {
     service_child: service_child.ServiceChildMachine,
     restart_policy: restart_policy.RestartMachine,
     room_presence: room_presence.RoomPresenceMachine,
+    liveness: liveness.LivenessMachine,
 }
 
 # Self-loops on a terminal state that a module's docstring documents on purpose:

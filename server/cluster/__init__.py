@@ -1,0 +1,1 @@
+"""Scale-out: worker agents that dial in to the stream-serve authority, and the launchers that place them."""

@@ -1,0 +1,95 @@
+"""The authority <-> agent wire: every message round-trips; anything else is refused with its reason."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, strategies as st
+
+from server.cluster import wire
+
+SAMPLES: list[wire.Message] = [
+    wire.Hello("n0nce", "0.1.0"),
+    wire.Register(worker_id="w-1", proof="ab", version="0.1.0", pipeline="toy_world", pipeline_digest="d1",
+                  node="host-a", devices=(0, 1), launcher="local", pid=42, slot="0"),
+    wire.Welcome(worker_id="w-1", heartbeat_interval=1.0, deadline=5.0, transport="local",
+                 rooms_url="http://127.0.0.1:8088", livekit_url=None, controller_timeout=60.0,
+                 room_empty_timeout=30.0, max_data_message_bytes=12288),
+    wire.Refused("the cluster token does not match"),
+    wire.Ready(2, "bidirectional", {"effective_capacity": 2}),
+    wire.Failed("RuntimeError: no model"),
+    wire.Heartbeat(7, ("s1", "s2")),
+    wire.HeartbeatAck(7),
+    wire.Start(session_id="s1", room="chunkline-s1", identity="chunkline-w-1", token="jwt", controller_identity="me",
+               prompt=None, config={"seed": 1}, image=None),
+    wire.Stop("s1", "deleted", now=True),
+    wire.Drain(30.0),
+    wire.SessionEvent("s1", 3, "run", pipeline_session_id="p1", participants=("me",)),
+    wire.SessionFinished("s1", 4, None, "deleted"),
+    wire.Goodbye("drained"),
+]
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.TYPE)
+def test_every_message_round_trips(message: wire.Message) -> None:
+    frame = wire.encode(message)
+    (size,) = struct.unpack(">I", frame[:4])
+    assert size == len(frame) - 4
+    assert wire.decode(frame[4:]) == message
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"not json", "not valid JSON"),
+        (b"[1]", "JSON object"),
+        (json.dumps({"v": 99, "type": "hello", "nonce": "n", "authority_version": "x"}).encode(), "protocol version 99"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "teleport"}).encode(), "unknown message type 'teleport'"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": 1, "extra": 2}).encode(), "unknown field(s) extra"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": "one"}).encode(), "heartbeat_ack"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack"}).encode(), "heartbeat_ack"),
+    ],
+)
+def test_bad_frames_are_refused_naming_what_is_wrong(body: bytes, reason: str) -> None:
+    with pytest.raises(wire.WireError, match=None) as caught:
+        wire.decode(body)
+    assert reason in str(caught.value)
+
+
+@given(st.binary(max_size=64))
+def test_arbitrary_bytes_never_escape_as_another_error(data: bytes) -> None:
+    try:
+        wire.decode(data)
+    except wire.WireError:
+        pass
+
+
+def test_the_proof_binds_token_nonce_and_worker_id() -> None:
+    proof = wire.proof_for("t" * 16, "nonce", "w-1")
+    assert wire.proof_matches("t" * 16, "nonce", "w-1", proof)
+    assert not wire.proof_matches("u" * 16, "nonce", "w-1", proof)
+    assert not wire.proof_matches("t" * 16, "other", "w-1", proof)
+    assert not wire.proof_matches("t" * 16, "nonce", "w-2", proof)
+
+
+async def test_a_channel_carries_messages_in_order_and_reports_a_close() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    a, b = wire.Channel(left), wire.Channel(right)
+    for message in SAMPLES:
+        await a.send(message)
+    for message in SAMPLES:
+        assert await b.receive() == message
+    await a.aclose()
+    with pytest.raises(wire.ConnectionClosed):
+        await b.receive()
+
+
+async def test_an_oversized_frame_header_is_refused_before_reading_it() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    await left.send_all(struct.pack(">I", wire.MAX_FRAME_BYTES + 1))
+    with pytest.raises(wire.WireError, match="exceeds"):
+        await wire.Channel(right).receive()

@@ -1,0 +1,302 @@
+"""Liveness of worker agents as the authority sees them: registration, heartbeats, drain, loss.
+
+Theory of operation
+-------------------
+A worker agent dials in to the authority and registers under a fresh id
+(CONNECTED while it loads its pipeline). READY makes it live for admission.
+Every message it sends counts as a HEARTBEAT: it moves the worker's deadline to
+``now + deadline``. DRAIN takes it out of admission while its sessions finish;
+LEAVE ends a drained worker that said goodbye. LOSE ends a worker at once, with
+a cause: its socket closed, its heartbeat deadline passed (:meth:`expire`), or
+the launcher reported its process or node dead. LOST and LEFT are terminal:
+the id is never live again, and whatever it still sends — a late session event,
+a heartbeat that was in flight — is a *stale* message, dropped and counted.
+
+The agent's side of the same clock is :func:`fence_at`: an agent that has not
+had a heartbeat acknowledged stops its own sessions at ``sent + deadline *
+FENCE_FRACTION``, where ``sent`` is when it sent the newest acknowledged
+heartbeat. The authority received that heartbeat no earlier than ``sent``, so
+it cannot declare the agent lost before ``sent + deadline``: the agent has
+fenced itself first, and no session runs on two workers at once.
+
+The book is pure: no clock (every method that needs time takes ``now``), no
+I/O. Terminal entries are kept up to ``retain_terminal`` (oldest forgotten);
+a message from a forgotten or never-seen id is stale too.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from typing import Literal
+
+import attrs
+
+from .machine import StateMachine
+
+__all__ = [
+    "State",
+    "Event",
+    "TRANSITIONS",
+    "TERMINAL",
+    "ADMITTING",
+    "FENCE_FRACTION",
+    "LivenessMachine",
+    "LivenessBook",
+    "LivenessTransition",
+    "WorkerLiveness",
+    "DuplicateWorkerId",
+    "InvalidLiveness",
+    "fence_at",
+]
+
+FENCE_FRACTION = 0.5
+
+
+class State(enum.Enum):
+    CONNECTED = "connected"
+    READY = "ready"
+    DRAINING = "draining"
+    LOST = "lost"
+    LEFT = "left"
+
+
+class Event(enum.Enum):
+    HEARTBEAT = "heartbeat"
+    READY = "ready"
+    DRAIN = "drain"
+    LEAVE = "leave"
+    LOSE = "lose"
+
+
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.CONNECTED, Event.HEARTBEAT): State.CONNECTED,
+    (State.READY, Event.HEARTBEAT): State.READY,
+    (State.DRAINING, Event.HEARTBEAT): State.DRAINING,
+    (State.CONNECTED, Event.READY): State.READY,
+    (State.CONNECTED, Event.DRAIN): State.DRAINING,
+    (State.READY, Event.DRAIN): State.DRAINING,
+    (State.DRAINING, Event.LEAVE): State.LEFT,
+    (State.CONNECTED, Event.LOSE): State.LOST,
+    (State.READY, Event.LOSE): State.LOST,
+    (State.DRAINING, Event.LOSE): State.LOST,
+}
+
+TERMINAL = frozenset({State.LOST, State.LEFT})
+
+# A worker in these states may be offered new sessions (the admission book decides which).
+ADMITTING = frozenset({State.READY})
+
+
+class LivenessMachine(StateMachine[State, Event]):
+    NAME = "worker liveness"
+    TABLE = TRANSITIONS
+    INITIAL = State.CONNECTED
+    TERMINAL = TERMINAL
+
+
+class InvalidLiveness(ValueError):
+    """A setting or argument the book cannot accept; ``field`` names it."""
+
+    def __init__(self, field: str, value: object, why: str) -> None:
+        self.field = field
+        super().__init__(f"{field}={value!r}: {why}")
+
+
+class DuplicateWorkerId(ValueError):
+    """A worker registered with an id the book already holds (agents take a fresh id every start)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        super().__init__(f"worker id {worker_id!r} is already registered; an agent takes a fresh id every start")
+
+
+def fence_at(acknowledged_sent_at: float, deadline: float) -> float:
+    """When an agent must stop its sessions if no newer heartbeat is acknowledged."""
+    return acknowledged_sent_at + deadline * FENCE_FRACTION
+
+
+@attrs.frozen
+class LivenessTransition:
+    """One event applied to a worker; ``cause`` says why a worker was lost."""
+
+    worker_id: str
+    event: Event
+    state: State
+    at: float
+    cause: str | None = None
+    kind: Literal["liveness"] = "liveness"
+
+
+@attrs.frozen
+class WorkerLiveness:
+    """A read-only picture of one worker's liveness."""
+
+    worker_id: str
+    state: State
+    registered_at: float
+    last_heard: float
+    deadline_at: float | None  # None once terminal
+    cause: str | None
+
+    def heartbeat_age(self, now: float) -> float:
+        return max(0.0, now - self.last_heard)
+
+
+@attrs.define(slots=True)
+class _Entry:
+    machine: LivenessMachine
+    registered_at: float
+    last_heard: float
+    cause: str | None = None
+
+
+class LivenessBook:
+    """Registered workers, their heartbeat deadlines, and the count of stale messages dropped."""
+
+    __slots__ = ("_deadline", "_retain", "_entries", "_gone", "stale_dropped")
+
+    def __init__(self, deadline: float, *, retain_terminal: int = 64) -> None:
+        if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not deadline > 0:
+            raise InvalidLiveness("deadline", deadline, "must be a number of seconds > 0")
+        if isinstance(retain_terminal, bool) or not isinstance(retain_terminal, int) or retain_terminal < 0:
+            raise InvalidLiveness("retain_terminal", retain_terminal, "must be an integer >= 0")
+        self._deadline = float(deadline)
+        self._retain = retain_terminal
+        self._entries: dict[str, _Entry] = {}
+        self._gone: list[str] = []  # terminal ids, oldest first (for bounded retention)
+        self.stale_dropped = 0
+
+    @property
+    def deadline(self) -> float:
+        return self._deadline
+
+    # -- copying and keys (the explorer copies worlds) --
+
+    def copy(self) -> LivenessBook:
+        other = LivenessBook.__new__(LivenessBook)
+        other._deadline = self._deadline
+        other._retain = self._retain
+        other._entries = {
+            wid: _Entry(LivenessMachine(e.machine.state), e.registered_at, e.last_heard, e.cause)
+            for wid, e in self._entries.items()
+        }
+        other._gone = list(self._gone)
+        other.stale_dropped = self.stale_dropped
+        return other
+
+    def canonical_key(self, now: float) -> Hashable:
+        """What decides future behaviour: states and how long until each deadline (not absolute
+        times); the stale counter only counts, so it is left out."""
+        return tuple(
+            (wid, e.machine.state, None if e.machine.is_terminal else e.last_heard + self._deadline - now)
+            for wid, e in sorted(self._entries.items())
+        )
+
+    # -- queries --
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._entries
+
+    def state(self, worker_id: str) -> State | None:
+        entry = self._entries.get(worker_id)
+        return None if entry is None else entry.machine.state
+
+    def view(self, worker_id: str) -> WorkerLiveness | None:
+        entry = self._entries.get(worker_id)
+        if entry is None:
+            return None
+        live = not entry.machine.is_terminal
+        return WorkerLiveness(
+            worker_id,
+            entry.machine.state,
+            entry.registered_at,
+            entry.last_heard,
+            entry.last_heard + self._deadline if live else None,
+            entry.cause,
+        )
+
+    def views(self) -> tuple[WorkerLiveness, ...]:
+        return tuple(self.view(wid) for wid in sorted(self._entries))  # type: ignore[misc]
+
+    def live_ids(self) -> tuple[str, ...]:
+        return tuple(wid for wid, e in sorted(self._entries.items()) if not e.machine.is_terminal)
+
+    def admitting(self, worker_id: str) -> bool:
+        entry = self._entries.get(worker_id)
+        return entry is not None and entry.machine.state in ADMITTING
+
+    def next_deadline(self) -> float | None:
+        """The earliest heartbeat deadline among live workers (when :meth:`expire` next matters)."""
+        live = [e.last_heard for e in self._entries.values() if not e.machine.is_terminal]
+        return min(live) + self._deadline if live else None
+
+    def counts(self) -> dict[str, int]:
+        counts = {state.value: 0 for state in State}
+        for entry in self._entries.values():
+            counts[entry.machine.state.value] += 1
+        return counts
+
+    # -- moves --
+
+    def register(self, worker_id: str, now: float) -> WorkerLiveness:
+        """A new agent connected and authenticated: CONNECTED, its deadline starts now."""
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidLiveness("worker_id", worker_id, "must be a non-empty string")
+        if worker_id in self._entries:
+            raise DuplicateWorkerId(worker_id)
+        self._entries[worker_id] = _Entry(LivenessMachine(), now, now)
+        return self.view(worker_id)  # type: ignore[return-value]
+
+    def heard(self, worker_id: str, now: float) -> bool:
+        """Any message from the worker: True moves its deadline; False means stale (dropped, counted)."""
+        entry = self._entries.get(worker_id)
+        if entry is None or not entry.machine.can(Event.HEARTBEAT):
+            self.stale_dropped += 1
+            return False
+        entry.machine.apply(Event.HEARTBEAT)
+        entry.last_heard = max(entry.last_heard, now)
+        return True
+
+    def ready(self, worker_id: str, now: float) -> list[LivenessTransition]:
+        return self._move(worker_id, Event.READY, now)
+
+    def drain(self, worker_id: str, now: float) -> list[LivenessTransition]:
+        """No new sessions for this worker; [] when it is already draining or gone."""
+        return self._move(worker_id, Event.DRAIN, now)
+
+    def leave(self, worker_id: str, now: float) -> list[LivenessTransition]:
+        """A drained worker said goodbye."""
+        return self._move(worker_id, Event.LEAVE, now)
+
+    def lose(self, worker_id: str, cause: str, now: float) -> list[LivenessTransition]:
+        """The worker is gone (socket closed, launcher's notice...); [] when it already was."""
+        return self._move(worker_id, Event.LOSE, now, cause)
+
+    def expire(self, now: float) -> list[LivenessTransition]:
+        """Lose every live worker whose heartbeat deadline has passed."""
+        out: list[LivenessTransition] = []
+        for wid, entry in sorted(self._entries.items()):
+            if not entry.machine.is_terminal and now >= entry.last_heard + self._deadline:
+                silent = now - entry.last_heard
+                out += self._move(wid, Event.LOSE, now, f"heartbeat missed (nothing heard for {silent:.1f} s)")
+        return out
+
+    # -- internals --
+
+    def _move(self, worker_id: str, event: Event, now: float, cause: str | None = None) -> list[LivenessTransition]:
+        entry = self._entries.get(worker_id)
+        if entry is None or not entry.machine.can(event):
+            return []
+        state = entry.machine.apply(event)
+        if cause is not None:
+            entry.cause = cause
+        if entry.machine.is_terminal:
+            self._gone.append(worker_id)
+            while len(self._gone) > self._retain:
+                self._entries.pop(self._gone.pop(0), None)
+        return [LivenessTransition(worker_id, event, state, now, cause)]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{wid}:{e.machine.state.name}" for wid, e in sorted(self._entries.items()))
+        return f"<LivenessBook [{inner}] stale={self.stale_dropped}>"
