@@ -83,6 +83,7 @@ async def running_server(settings: ServerSettings, **app_options: Any) -> AsyncI
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(partial(hypercorn_serve, app, config, shutdown_trigger=stop.wait))
         served = Served(app, urls[0])
+        served.runtime.serving_at(urls[0])
         with trio.fail_after(READY_DEADLINE):
             while not served.runtime.ready:
                 await trio.sleep(0.05)

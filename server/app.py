@@ -22,12 +22,13 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .registry import UnknownStreamSession
 from .requests import BadRequest, parse_create_session, parse_token_request, resolve_image_path
+from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
 from .runtime import NoWorker, SessionConflict, StreamRuntime, ViewerLimit
 from .settings import ServerSettings
 from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected
-from .transport.local import LocalRooms
+from .transport.local import LocalRooms, RemoteWorkerPresence
 
 __all__ = ["create_app"]
 
@@ -35,6 +36,8 @@ log = logging.getLogger("chunkline.server")
 
 STATIC = Path(__file__).parent / "static"
 SHUTDOWN_GRACE = 20.0
+DRAIN_DEADLINE = 30.0
+MAX_DRAIN_DEADLINE = 3600.0
 RETRY_AFTER_SECONDS = 5
 MAX_STATIC_NAME = 255  # characters of a static file's path (longer names are a 404, not an OS error)
 REFUSALS = {
@@ -255,6 +258,25 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         return {"service_type": "stream", "transport": transport.name, "health": runtime.health(),
                 "serving": metrics.summary()}
 
+    @app.post("/v1/service/workers/<worker_id>/drain")
+    async def drain_worker(worker_id: str) -> Response:
+        if settings.api_key and request.headers.get("Authorization", "") != f"Bearer {settings.api_key}":
+            return error(401, "unauthorized", "this route needs 'Authorization: Bearer <api key>'",
+                         {"WWW-Authenticate": "Bearer"})
+        raw = await request.get_data(cache=True)
+        deadline = DRAIN_DEADLINE
+        if raw:
+            body = await json_body()
+            value = body.get("deadline_seconds", DRAIN_DEADLINE) if isinstance(body, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_DRAIN_DEADLINE:
+                raise BadRequest("invalid_field", f"deadline_seconds must be a number in (0, {MAX_DRAIN_DEADLINE}]")
+            deadline = float(value)
+        try:
+            return Response(json.dumps(runtime.drain_worker(worker_id, deadline)), status=202,
+                            mimetype="application/json")
+        except UnknownWorker:
+            return error(404, "not_found", f"no worker {worker_id!r}")
+
     @app.get("/openapi.json")
     async def openapi() -> dict[str, Any]:
         return openapi_document()
@@ -278,6 +300,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             await websocket.close(4401, exc.reason)
             return
         await websocket.accept()
+        if isinstance(subscriber, RemoteWorkerPresence):  # a worker agent publishing from its own process
+            await transport.serve_worker(room, subscriber, websocket.send, websocket.receive)
+            return
         await transport.serve_client(room, subscriber, websocket.send, websocket.receive)
 
     @app.get("/")

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_stream_serve_parser(commands)
+    from server.cluster.worker_cli import add_worker_parser
+
+    add_worker_parser(commands)
 
     run = commands.add_parser(
         "run",
@@ -97,6 +100,14 @@ _SERVE_METAVARS: dict[str, str] = {
     "max_data_message_bytes": "BYTES",
     "max_body_bytes": "BYTES",
     "terminal_retention_count": "N",
+    "workers": "in-process|local|ray|external",
+    "cluster_host": "HOST",
+    "cluster_port": "N",
+    "cluster_token": "TOKEN",
+    "cluster_tls_cert": "FILE",
+    "cluster_tls_key": "FILE",
+    "public_url": "URL",
+    "ray_address": "ADDRESS",
 }
 
 
@@ -355,6 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "stream-serve":
         return _cmd_stream_serve(args)
+    if args.command == "worker":
+        from server.cluster.worker_cli import cmd_worker
+
+        return cmd_worker(args)
     if args.command == "run":
         try:
             return _cmd_run(args)

@@ -80,6 +80,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 ADMISSION_RESULTS = ("assigned", "queued", "rejected")
 CHUNK_RESULTS = ("processed", "published")
 FINISH_RESULTS = ("closed", "failed", "expired")
+LOSS_CAUSES = ("connection_closed", "heartbeat_missed", "process_exited", "node_removed", "protocol_error")
 FPS_SCOPES = (
     "aggregate",
     "per_session_mean",
@@ -242,6 +243,17 @@ class ServerMetrics:
             ["state"],
             registry=registry,
         )
+        self._worker_losses = Counter(
+            "chunkline_worker_losses",
+            "Worker agents lost, by cause (connection_closed, heartbeat_missed, process_exited, node_removed, protocol_error)",
+            ["cause"],
+            registry=registry,
+        )
+        self._stale_messages = Counter(
+            "chunkline_cluster_stale_messages",
+            "Messages from worker agents dropped as stale (a dead id, a late or duplicate session event)",
+            registry=registry,
+        )
         self._capacity = Gauge(
             "chunkline_session_capacity",
             "Total retained-session capacity across workers",
@@ -343,6 +355,13 @@ class ServerMetrics:
         self._worker_states.update(counts)
         for state in self._worker_states:
             self._workers.labels(state=state).set(counts.get(state, 0))
+
+    def record_worker_lost(self, cause: str) -> None:
+        _check_choice("worker loss cause", cause, LOSS_CAUSES)
+        self._worker_losses.labels(cause=cause).inc()
+
+    def record_stale_messages(self, count: int = 1) -> None:
+        self._stale_messages.inc(count)
 
     def set_capacity(self, capacity: int) -> None:
         self._capacity.set(capacity)

@@ -102,6 +102,14 @@ class ModelWorker:
     def kind(self) -> str | None:
         return None if self.service is None else self.service.kind
 
+    def open_runner(self, runtime: Any, record: Any) -> Any:
+        """Start a room runner for an admitted session on this worker; the runtime tracks it."""
+        from .runner import RoomRunner
+
+        runner = RoomRunner(runtime.runner_deps, record, self)
+        self.start_runner(runner.run)
+        return runner
+
     def start_runner(self, run: Callable[[], Any]) -> None:
         """Run a room runner while the service is up (runners share the service instance)."""
         if self._runners is None:

@@ -134,6 +134,8 @@ SCHEMAS: dict[str, Any] = {
             "free_slots": {"type": "integer"},
             "worker_restarts": {"type": "integer"},
             "worker_slots": {"type": "object"},
+            "workers": {"type": "array", "items": {"type": "object", "required": ["worker_id", "state", "capacity",
+                                                                                  "retained", "launcher"]}},
         },
     },
     "ServiceHealth": {"allOf": [_ref("Health"), {"type": "object", "required": ["ready", "service_type"],
@@ -218,6 +220,25 @@ def openapi_document() -> dict[str, Any]:
         "/v1/service/ready": {"get": {"summary": "Readiness probe",
                                       "responses": {"200": _json(_ref("Ready"), "ready"),
                                                     "503": _json(_ref("Ready"), "not ready yet (loading) or closing")}}},
+        "/v1/service/workers/{worker_id}/drain": {
+            "post": {
+                "summary": "Drain a worker: no new sessions; live ones finish or are drained at the deadline",
+                "parameters": [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"deadline_seconds": {"type": "number", "exclusiveMinimum": 0,
+                                                                          "maximum": 3600}}}}}},
+                "responses": {
+                    "202": _json({"type": "object", "required": ["worker_id", "state", "deadline_seconds"],
+                                  "properties": {"worker_id": {"type": "string"}, "state": {"type": "string"},
+                                                 "deadline_seconds": {"type": "number"}}}, "draining"),
+                    "400": _error("invalid deadline"),
+                    "401": _error("missing or wrong API key"),
+                    "404": _error("unknown worker"),
+                    "409": _error("the worker is still starting"),
+                    **COMMON_ERRORS,
+                },
+            }
+        },
         "/v1/service/metadata": {"get": {"summary": "Topology, settings in force and the capacity plan",
                                          "responses": {"200": _json(_ref("Metadata"), "metadata")}}},
         "/v1/service/metrics": {"get": {"summary": "Prometheus metrics",

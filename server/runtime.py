@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -23,11 +24,13 @@ import attrs
 import trio
 
 from engine import CapacityPlan
-from states.admission import Admission, AdmissionBook, AdmissionTransition, Transition
+from states.admission import Admission, AdmissionBook, AdmissionTransition, Transition, UnknownWorker
+from states.machine import IllegalTransition
 from states.restart_policy import RestartPolicy, RestartTracker
 from states.stream_session import LIVE_MEDIA, RETAINING, DrainCause, State
 from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
 from states.worker import TERMINAL as WORKER_TERMINAL
+from states.worker import State as WorkerState
 
 from .metrics import ServerMetrics
 from .model_worker import ModelWorker
@@ -117,6 +120,7 @@ class StreamRuntime:
         self.restart_policy = restart_policy or RestartPolicy()
         self._slots: dict[str, _Slot] = {}
         self._slot_of: dict[str, _Slot] = {}
+        self.cluster: Any = None  # the ClusterAuthority when workers are agents (--workers local|ray|external)
         self._service_loader = service_loader
         self._nursery: trio.Nursery | None = None
         self._uploads: str | None = None
@@ -130,15 +134,24 @@ class StreamRuntime:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            groups = self.settings.worker_gpu_map or tuple(() for _ in range(self.settings.num_workers))
-            for index, gpu_ids in enumerate(groups):
-                slot = f"worker-{index}"
-                self._slots[slot] = _Slot(slot, tuple(gpu_ids), RestartTracker(self.restart_policy))
-                self._start_worker(self._slots[slot])
+            if self.settings.workers == "in-process":
+                self._start_in_process_workers()
+            else:
+                from .cluster.launchers import make_authority
+
+                self.cluster = make_authority(self)
+                await nursery.start(self.cluster.run)
             nursery.start_soon(self._sweep)
             self.started = True
             self._publish_gauges()
             task_status.started()
+
+    def _start_in_process_workers(self) -> None:
+        groups = self.settings.worker_gpu_map or tuple(() for _ in range(self.settings.num_workers))
+        for index, gpu_ids in enumerate(groups):
+            slot = f"worker-{index}"
+            self._slots[slot] = _Slot(slot, tuple(gpu_ids), RestartTracker(self.restart_policy))
+            self._start_worker(self._slots[slot])
 
     def _start_worker(self, slot: _Slot) -> ModelWorker:
         """A fresh worker for ``slot``: a new id (``worker-0``, then ``worker-0.1``...), its own capacity plan."""
@@ -283,6 +296,60 @@ class StreamRuntime:
             for name, slot in self._slots.items()
         }
 
+    def serving_at(self, url: str) -> None:
+        """The HTTP server is bound at ``url``: agents join the local rooms there (or at --public-url)."""
+        if self.cluster is not None:
+            self.cluster.set_rooms_url(self.settings.public_url or url)
+
+    def add_worker(self, worker: Any) -> None:
+        """A worker agent registered: it joins the one admission book (STARTING until it is ready)."""
+        self.workers[worker.worker_id] = worker
+        self.book.add_worker(worker.worker_id, 1, trio.current_time())
+        self._publish_gauges()
+
+    def retire_worker(self, worker: Any, reason: str) -> None:
+        """A worker agent is gone (lost or left): fail its sessions with the reason, free its slots, forget it."""
+        self._worker_failed(worker, reason)
+        self.book.remove_worker(worker.worker_id, trio.current_time())
+        self.workers.pop(worker.worker_id, None)
+        self._publish_gauges()
+
+    def drain_in_book(self, worker_id: str) -> None:
+        """No new sessions for the worker; it stops once it retains none."""
+        try:
+            self._follow(self.book.drain_worker(worker_id, trio.current_time()))
+        except IllegalTransition:
+            pass  # starting, already draining, failed or stopped: nothing to take it out of
+
+    def drain_worker(self, worker_id: str, deadline: float) -> dict[str, Any]:
+        """``POST /v1/service/workers/{id}/drain``: live sessions finish or are drained at the deadline."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorker(worker_id)
+        if self.book.worker_state(worker_id) is WorkerState.STARTING:
+            raise SessionConflict(f"worker {worker_id} is still starting; drain it once it is ready")
+        if self.cluster is not None:
+            self.cluster.drain(worker_id, deadline)
+        elif self.book.worker_state(worker_id) is not WorkerState.DRAINING:
+            self.drain_in_book(worker_id)
+            self.spawn(self._drain_in_process, worker, deadline)
+        self._publish_gauges()
+        return {"worker_id": worker_id, "state": self.book.worker_state(worker_id).value, "deadline_seconds": deadline}
+
+    async def _drain_in_process(self, worker: ModelWorker, deadline: float) -> None:
+        def on_worker() -> list[RoomRunner]:
+            return [r for r in self.runners.values() if r.worker is worker]
+
+        with trio.move_on_after(deadline):
+            while on_worker():
+                await on_worker()[0].finished.wait()
+        for runner in on_worker():
+            runner.stop("worker_drain")  # at a chunk boundary, never mid-chunk
+        with trio.move_on_after(DELETE_WAIT):
+            while on_worker():
+                await on_worker()[0].finished.wait()
+        worker.stop()
+
     # -- sessions ------------------------------------------------------------------
 
     def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None) -> Created:
@@ -420,9 +487,7 @@ class StreamRuntime:
                 continue
             self.lifecycle.assign(record, transition.worker_id)  # type: ignore[arg-type]
             worker = self.workers[transition.worker_id]  # type: ignore[index]
-            runner = RoomRunner(self.runner_deps, record, worker)
-            self.runners[record.session_id] = runner
-            worker.start_runner(runner.run)
+            self.runners[record.session_id] = worker.open_runner(self, record)
         self._publish_gauges()
 
     def session_finished(self, runner: RoomRunner, error: str | None) -> None:
@@ -486,9 +551,11 @@ class StreamRuntime:
             1 for slot in self._slots.values()
             if slot.worker is None or self.book.worker_state(slot.worker.worker_id) in WORKER_TERMINAL
         )
+        # agents: fewer eligible than the launcher expects is a degradation (a lost agent leaves the book)
+        short = self.cluster is not None and snapshot.workers_idle + snapshot.workers_busy < self.cluster.expected
         if live == 0:
             status = "unhealthy"
-        elif failed_now or snapshot.workers_starting:
+        elif failed_now or snapshot.workers_starting or short:
             status = "degraded"
         else:
             status = "healthy"
@@ -508,7 +575,29 @@ class StreamRuntime:
             "worker_slots": self.slot_status(trio.current_time()),
             "retained_sessions": snapshot.retained,
             "free_slots": snapshot.free_slots,
+            "workers": self.worker_views(),
         }
+
+    def worker_views(self) -> list[dict[str, Any]]:
+        """One entry per worker: id, node, devices, state, capacity, retained, heartbeat age, launcher."""
+        now = trio.current_time()
+        out = []
+        for view in self.book.workers():
+            worker = self.workers.get(view.worker_id)
+            entry: dict[str, Any] = {
+                "worker_id": view.worker_id,
+                "state": view.state.value,
+                "capacity": view.capacity,
+                "retained": view.retained,
+                "node": socket.gethostname(),
+                "devices": list(getattr(worker, "gpu_ids", ())),
+                "heartbeat_age": None,
+                "launcher": "in-process",
+            }
+            if self.cluster is not None:
+                entry.update(self.cluster.view(view.worker_id, now) or {})
+            out.append(entry)
+        return out
 
     @property
     def ready(self) -> bool:
@@ -539,6 +628,11 @@ class StreamRuntime:
             "token_ttl": settings.token_ttl,
             "worker_failures": {w.worker_id: w.failure for w in self.workers.values() if w.failure},
             "startup_check": {w.worker_id: w.startup_check for w in self.workers.values() if w.startup_check},
+            "workers_launcher": settings.workers,
+            "cluster": None if self.cluster is None else {
+                **self.cluster.summary(),
+                "slots": self.cluster.launcher.view() if self.cluster.launcher is not None else [],
+            },
             "session_capacity": capacities,
             **self.health(),
         }

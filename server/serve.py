@@ -93,6 +93,7 @@ async def serve_app(
             )
             nursery.start_soon(_accept, listeners, front)
             urls = [_url(listener) for listener in listeners]
+            runtime.serving_at(urls[0])  # agents join the local rooms at this address
             task_status.started(urls)
             for url in urls:
                 print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)

@@ -45,6 +45,16 @@ CHUNKLINE_MAX_DATA_MESSAGE_BYTES      --max-data-message-bytes      ``12288``; >
 CHUNKLINE_MAX_BODY_BYTES              --max-body-bytes              ``8388608`` (8 MiB); >= 1024
 CHUNKLINE_TERMINAL_RETENTION_SECONDS  --terminal-retention-seconds  ``3600`` s; > 0
 CHUNKLINE_TERMINAL_RETENTION_COUNT    --terminal-retention-count    ``1000``; >= 0
+CHUNKLINE_WORKERS                     --workers                     ``in-process``; or ``local``, ``ray``, ``external``
+CHUNKLINE_CLUSTER_HOST                --cluster-host                unset: ``--host``; the agents' listener
+CHUNKLINE_CLUSTER_PORT                --cluster-port                ``0`` (any free port); 0–65535
+CHUNKLINE_CLUSTER_TOKEN               --cluster-token               unset (local/ray make one); >= 16 bytes
+CHUNKLINE_CLUSTER_TLS_CERT            --cluster-tls-cert            unset; a PEM file (with the key: TLS to agents)
+CHUNKLINE_CLUSTER_TLS_KEY             --cluster-tls-key             unset; a PEM file
+CHUNKLINE_PUBLIC_URL                  --public-url                  unset: the bound address; ``http://HOST:PORT``
+CHUNKLINE_HEARTBEAT_INTERVAL          --heartbeat-interval          ``1`` s; > 0
+CHUNKLINE_HEARTBEAT_DEADLINE          --heartbeat-deadline          ``5`` s; > 2 x the interval
+CHUNKLINE_RAY_ADDRESS                 --ray-address                 unset: a local Ray; or ``HOST:PORT`` / ``auto``
 ====================================  ============================  ===================================================
 
 Notes:
@@ -105,6 +115,7 @@ REDACTED = "***"
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
+Workers = Literal["in-process", "local", "ray", "external"]
 _LIVEKIT_SCHEMES = ("ws://", "wss://", "http://", "https://")
 
 
@@ -138,6 +149,12 @@ def _livekit_url(value: Any) -> str | None:
     if not isinstance(value, str) or not value.strip().lower().startswith(_LIVEKIT_SCHEMES):
         raise _fail("--livekit-url", "a ws://, wss://, http:// or https:// URL", value)
     return value.strip()
+
+
+def _public_url(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip().startswith("http://") or ":" not in value.strip()[7:]:
+        raise _fail("--public-url", "http://HOST:PORT", value)
+    return value.strip().rstrip("/")
 
 
 def _livekit_api_key(value: Any) -> str | None:
@@ -192,6 +209,27 @@ def _placement(value: Any) -> str | None:
     if not path.is_file():
         raise SettingsError("--placement", f"--placement {value!r} is not an existing file")
     return str(path)
+
+
+def _existing_file(option: str) -> Any:
+    def convert(value: Any) -> str | None:
+        value = _blank_to_none(value)
+        if value is None:
+            return None
+        if not isinstance(value, (str, Path)) or not Path(value).expanduser().is_file():
+            raise SettingsError(option, f"{option} {str(value)!r} is not an existing file")
+        return str(Path(value).expanduser())
+
+    return convert
+
+
+def _cluster_token(value: Any) -> str | None:
+    value = _blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.encode()) < 16:
+        raise SettingsError("--cluster-token", "--cluster-token must be at least 16 bytes of text")
+    return value
 
 
 def _assets_dir(value: Any) -> str | None:
@@ -348,7 +386,68 @@ class ServerSettings:
         metadata=_help("most finished session records kept (>= 0)"),
     )
 
+    workers: Workers = attrs.field(
+        default="in-process",
+        converter=lambda v: _choice("--workers", v, ("in-process", "local", "ray", "external")),
+        metadata=_help("where model workers run: in-process, local (agent processes on this host), ray, or external agents"),
+    )
+    cluster_host: str | None = attrs.field(
+        default=None,
+        converter=lambda v: None if _blank_to_none(v) is None else _host(v),
+        metadata=_help("interface the agents' listener binds (default: --host)"),
+    )
+    cluster_port: int = attrs.field(
+        default=0,
+        converter=lambda v: _int("--cluster-port", v, 0, 65535),
+        metadata=_help("TCP port worker agents dial (0: any free port; give one for external agents)"),
+    )
+    cluster_token: str | None = attrs.field(
+        default=None,
+        converter=_cluster_token,
+        metadata=_help("shared secret agents prove at registration, >= 16 bytes (local and ray make one when unset)"),
+        repr=_secret_repr,
+    )
+    cluster_tls_cert: str | None = attrs.field(
+        default=None, converter=_existing_file("--cluster-tls-cert"), metadata=_help("TLS certificate of the agents' listener")
+    )
+    cluster_tls_key: str | None = attrs.field(
+        default=None, converter=_existing_file("--cluster-tls-key"), metadata=_help("TLS private key of the agents' listener")
+    )
+    public_url: str | None = attrs.field(
+        default=None,
+        converter=lambda v: None if _blank_to_none(v) is None else _public_url(v),
+        metadata=_help("this server's http://HOST:PORT as agents on other hosts reach it (local rooms)"),
+    )
+    heartbeat_interval: float = attrs.field(
+        default=1.0,
+        converter=lambda v: _float("--heartbeat-interval", v, 0.0, lo_open=True),
+        metadata=_help("seconds between an agent's heartbeats"),
+    )
+    heartbeat_deadline: float = attrs.field(
+        default=5.0,
+        converter=lambda v: _float("--heartbeat-deadline", v, 0.0, lo_open=True),
+        metadata=_help("seconds without word from an agent before it is lost (> 2 x the interval)"),
+    )
+    ray_address: str | None = attrs.field(
+        default=None,
+        converter=_blank_to_none,
+        metadata=_help("Ray cluster to place agents on (--workers ray; default: start a local Ray)"),
+    )
+
     def __attrs_post_init__(self) -> None:
+        if self.heartbeat_deadline <= 2 * self.heartbeat_interval:
+            raise SettingsError(
+                "--heartbeat-deadline",
+                f"--heartbeat-deadline ({self.heartbeat_deadline:g} s) must exceed twice --heartbeat-interval "
+                f"({self.heartbeat_interval:g} s), or one late heartbeat loses a healthy worker",
+            )
+        if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
+            raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")
+        if self.workers == "external" and self.cluster_token is None:
+            raise SettingsError(
+                "--cluster-token",
+                f"--workers external needs --cluster-token (or {env_var('cluster_token')}): the agents prove it",
+            )
         if self.transport is None:
             object.__setattr__(self, "transport", "livekit" if self.livekit_url is not None else "local")
         if self.transport == "livekit":
@@ -413,7 +512,7 @@ class ServerSettings:
         out: dict[str, Any] = {}
         for field in attrs.fields(type(self)):
             value = getattr(self, field.name)
-            if field.name in ("livekit_api_secret", "api_key") and value is not None:
+            if field.name in ("livekit_api_secret", "api_key", "cluster_token") and value is not None:
                 value = REDACTED
             elif field.name == "worker_gpu_map" and value is not None:
                 value = [list(group) for group in value]

@@ -359,6 +359,17 @@ class AdmissionBook:
         """STOP: retire a worker that holds nothing (starting or idle)."""
         return [self._apply(worker_id, WorkerEvent.STOP, now)]
 
+    def remove_worker(self, worker_id: str, now: float) -> list[Transition]:
+        """Forget a FAILED or STOPPED worker that retains nothing (a lost agent never returns
+        under its id: it registers a new one), so the book stays bounded over restarts."""
+        w = self._worker(worker_id)
+        if not w.machine.is_terminal or w.sessions:
+            raise InvalidSetting(
+                "worker_id", worker_id, "only a failed or stopped worker that retains nothing can be removed"
+            )
+        del self._workers[worker_id]
+        return []
+
     def set_capacity(self, worker_id: str, capacity: int, now: float) -> list[Transition]:
         """Change a worker's slot count; never below what it retains now. Growth promotes queued heads."""
         w = self._worker(worker_id)

@@ -70,6 +70,11 @@ class RoomClient:
 
         await self._send(TextMessage(data=json.dumps(message)))
 
+    async def send_bytes(self, data: bytes) -> None:
+        from wsproto.events import BytesMessage
+
+        await self._send(BytesMessage(data=data))
+
     async def receive(self) -> Any:
         """The next whole message (dict for text, bytes for media), or None once the server closed."""
         from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage

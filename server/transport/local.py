@@ -45,7 +45,7 @@ from .. import json_limits
 from ..tokens import TokenIssuer, TokenRejected
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 
-__all__ = ["LocalRooms", "encode_jpeg"]
+__all__ = ["LocalRooms", "RemoteWorkerPresence", "encode_jpeg"]
 
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
 EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
@@ -107,10 +107,43 @@ class _Subscriber:
 
 
 @attrs.define(eq=False)
+class RemoteWorkerPresence:
+    """A worker agent in a local room over its own WebSocket (the agent runs on another process or host).
+
+    Room events for its runner queue here, bounded like the in-process worker's: a flood of
+    data loses its oldest data messages, participant events are always kept.
+    """
+
+    identity: str
+    texts: deque = attrs.Factory(deque)
+    ready: trio.Event = attrs.Factory(trio.Event)
+    data_events: int = 0
+    dropped_data: int = 0
+
+    def deliver(self, event: RoomEvent) -> None:
+        if isinstance(event, DataReceived):
+            if self.data_events >= EVENT_BACKLOG:
+                for index, (is_data, _) in enumerate(self.texts):
+                    if is_data:
+                        del self.texts[index]
+                        self.data_events -= 1
+                        self.dropped_data += 1
+                        break
+            self.data_events += 1
+            message = _data_message(event.topic, event.payload, event.sender_identity or "")
+        elif isinstance(event, ParticipantJoined):
+            message = json.dumps({"type": "participant_joined", "identity": event.identity})
+        else:
+            message = json.dumps({"type": "participant_left", "identity": event.identity})
+        self.texts.append((isinstance(event, DataReceived), message))
+        self.ready.set()
+
+
+@attrs.define(eq=False)
 class _Room:
     name: str
     subscribers: dict[str, _Subscriber] = attrs.Factory(dict)
-    worker: _WorkerConnection | None = None
+    worker: _WorkerConnection | RemoteWorkerPresence | None = None
     last_frame: bytes | None = None
 
     def identities(self) -> set[str]:
@@ -242,6 +275,14 @@ class LocalRooms:
         self._rooms: dict[str, _Room] = {}
         self.max_data_message_bytes = max_data_message_bytes
         self.encode_limiter = trio.CapacityLimiter(2)
+        self._expected_workers: dict[str, str] = {}  # room -> the agent identity the runtime started there
+
+    def expect_worker(self, room: str, identity: str) -> None:
+        """A worker agent was started for ``room``: its worker token may join over the WebSocket."""
+        self._expected_workers[room] = identity
+
+    def forget_worker(self, room: str) -> None:
+        self._expected_workers.pop(room, None)
 
     def close_clients(self) -> None:
         """Send every browser away (server shutdown): their sockets close after a last flush."""
@@ -283,7 +324,7 @@ class LocalRooms:
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": identity}))
         return connection
 
-    def _leave_worker(self, room: _Room, connection: _WorkerConnection) -> None:
+    def _leave_worker(self, room: _Room, connection: _WorkerConnection | RemoteWorkerPresence) -> None:
         if room.worker is connection:
             room.worker = None
             room.last_frame = None
@@ -292,17 +333,73 @@ class LocalRooms:
 
     # -- browsers (WebSocket) ------------------------------------------------------
 
-    def admit_client(self, room: str, token: str) -> _Subscriber:
-        """Check a client's token for ``room``; raises TokenRejected (with a reason) to refuse it."""
+    def admit_client(self, room: str, token: str) -> _Subscriber | RemoteWorkerPresence:
+        """Check a client's token for ``room``; raises TokenRejected (with a reason) to refuse it.
+
+        A worker token admits a worker agent (:meth:`serve_worker`); the others a browser.
+        """
         verified = self._issuer.verify(token, room=room)
-        if verified.role not in ("controller", "viewer"):
+        if verified.role not in ("controller", "viewer", "worker"):
             raise TokenRejected("wrong role")
         target = self._rooms.get(room)
         if target is not None and verified.identity in target.identities():
             raise TokenRejected("identity in use")
+        if verified.role == "worker":
+            if self._expected_workers.get(room) != verified.identity:
+                raise TokenRejected("wrong role")  # only the agent the runtime started for this room
+            return RemoteWorkerPresence(verified.identity)
         if target is not None and len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
             raise TokenRejected("room full")
         return _Subscriber(verified.identity, verified.role, verified.can_publish_data)
+
+    async def serve_worker(
+        self,
+        room: str,
+        worker: RemoteWorkerPresence,
+        send: Callable[[str | bytes], Awaitable[None]],
+        receive: Callable[[], Awaitable[str | bytes]],
+    ) -> None:
+        """Host a worker agent's presence until its socket closes: its media and data fan out
+        to the room as an in-process worker's do; room events go back to it."""
+        target = self._room(room)
+        if target.worker is not None or worker.identity in target.identities():
+            await send(json.dumps({"type": "refused", "reason": "identity_in_use"}))
+            return
+        target.worker = worker
+        target.broadcast_text(json.dumps({"type": "participant_joined", "identity": worker.identity}))
+        await send(json.dumps({"type": "joined", "identity": worker.identity, "role": "worker",
+                               "participants": sorted(target.subscribers)}))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump_to_worker, worker, send)
+                while True:
+                    message = await receive()
+                    if isinstance(message, bytes):
+                        if message[:1] == b"V":
+                            target.last_frame = message
+                        for subscriber in target.subscribers.values():
+                            subscriber.push_media(message)
+                        continue
+                    try:
+                        envelope = json.loads(message)
+                        topic, payload = envelope["topic"], envelope["payload"]
+                    except (ValueError, KeyError, TypeError):
+                        continue  # the agent is ours; a malformed envelope is dropped, not echoed
+                    raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+                    target.broadcast_text(_data_message(str(topic), raw, worker.identity))
+        finally:
+            self._leave_worker(target, worker)
+
+    @staticmethod
+    async def _pump_to_worker(worker: RemoteWorkerPresence, send: Callable[[str | bytes], Awaitable[None]]) -> None:
+        while True:
+            await worker.ready.wait()
+            worker.ready = trio.Event()
+            while worker.texts:
+                is_data, message = worker.texts.popleft()
+                if is_data:
+                    worker.data_events -= 1
+                await send(message)
 
     async def serve_client(
         self,

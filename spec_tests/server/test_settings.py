@@ -356,7 +356,19 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
         "CHUNKLINE_MAX_BODY_BYTES": "65536",
         "CHUNKLINE_TERMINAL_RETENTION_SECONDS": "11",
         "CHUNKLINE_TERMINAL_RETENTION_COUNT": "12",
+        "CHUNKLINE_WORKERS": "external",
+        "CHUNKLINE_CLUSTER_HOST": "0.0.0.0",
+        "CHUNKLINE_CLUSTER_PORT": "7070",
+        "CHUNKLINE_CLUSTER_TOKEN": "a-cluster-token-of-16+",
+        "CHUNKLINE_CLUSTER_TLS_CERT": str(tmp_path / "cert.pem"),
+        "CHUNKLINE_CLUSTER_TLS_KEY": str(tmp_path / "key.pem"),
+        "CHUNKLINE_PUBLIC_URL": "http://10.0.0.5:8088",
+        "CHUNKLINE_HEARTBEAT_INTERVAL": "2",
+        "CHUNKLINE_HEARTBEAT_DEADLINE": "9",
+        "CHUNKLINE_RAY_ADDRESS": "auto",
     }
+    (tmp_path / "cert.pem").write_text("cert")
+    (tmp_path / "key.pem").write_text("key")
     assert set(env) == {env_var(name) for name in ServerSettings.field_names()}
     s = ServerSettings.from_sources({}, env)
     assert s.public_dict() == {
@@ -387,6 +399,16 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
         "max_body_bytes": 65536,
         "terminal_retention_seconds": 11.0,
         "terminal_retention_count": 12,
+        "workers": "external",
+        "cluster_host": "0.0.0.0",
+        "cluster_port": 7070,
+        "cluster_token": "***",
+        "cluster_tls_cert": str(tmp_path / "cert.pem"),
+        "cluster_tls_key": str(tmp_path / "key.pem"),
+        "public_url": "http://10.0.0.5:8088",
+        "heartbeat_interval": 2.0,
+        "heartbeat_deadline": 9.0,
+        "ray_address": "auto",
     }
 
 

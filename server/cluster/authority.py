@@ -1,0 +1,354 @@
+"""The authority's side of the cluster: the agents' listener, the worker directory, the liveness clock.
+
+``stream-serve --workers local|ray|external`` runs one :class:`ClusterAuthority` in the runtime's
+nursery. It accepts agent connections (plain TCP, or TLS with a certificate), authenticates each
+registration against the cluster token, refuses another chunkline version or pipeline, and adds
+each agent to the runtime's single admission book as a :class:`~server.cluster.remote.RemoteWorker`.
+The pure :class:`~states.liveness.LivenessBook` decides who is alive: the first of a closed
+socket, a missed heartbeat deadline or a launcher's death notice loses the worker — its sessions
+fail with "worker lost: <cause>", its slots are released and the queue head goes to another
+worker. Messages from a lost id are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from engine import CapacityPlan
+from states.liveness import DuplicateWorkerId, LivenessBook
+
+from . import wire
+from .identity import chunkline_version, pipeline_digest, pipeline_name
+from .remote import PlanView, RemoteWorker
+
+if TYPE_CHECKING:
+    from ..runtime import StreamRuntime
+
+__all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "HANDSHAKE_TIMEOUT"]
+
+log = logging.getLogger("chunkline.cluster")
+
+HANDSHAKE_TIMEOUT = 10.0
+RECENT_LOSSES = 32
+
+
+class UnknownWorkerId(KeyError):
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        super().__init__(worker_id)
+
+    def __str__(self) -> str:
+        return f"no live worker {self.worker_id!r}"
+
+
+class Launcher(Protocol):
+    """Starts and replaces agents (local processes, Ray actors); ``external`` has none."""
+
+    name: str
+    expected: int
+
+    async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None]) -> None: ...
+
+    def worker_registered(self, worker: RemoteWorker) -> None: ...
+
+    def worker_lost(self, worker: RemoteWorker, cause: str) -> None: ...
+
+    def worker_left(self, worker: RemoteWorker) -> None: ...
+
+    def view(self) -> list[dict[str, Any]]: ...
+
+
+def loss_kind(cause: str) -> str:
+    """The bounded Prometheus label of a loss cause."""
+    for prefix, kind in (
+        ("heartbeat missed", "heartbeat_missed"),
+        ("connection", "connection_closed"),
+        ("process exited", "process_exited"),
+        ("node removed", "node_removed"),
+        ("actor died", "node_removed"),
+    ):
+        if cause.startswith(prefix):
+            return kind
+    return "protocol_error"
+
+
+class ClusterAuthority:
+    def __init__(self, runtime: StreamRuntime, launcher: Launcher | None, *, token: str) -> None:
+        settings = runtime.settings
+        self.runtime = runtime
+        self.launcher = launcher
+        self.launcher_name = launcher.name if launcher is not None else "external"
+        self.expected = launcher.expected if launcher is not None else settings.num_workers
+        self.token = token
+        self.version = chunkline_version()
+        self.pipeline = pipeline_name(settings.pipeline)
+        self.digest = pipeline_digest(settings.pipeline)
+        self.interval = settings.heartbeat_interval
+        self.liveness = LivenessBook(settings.heartbeat_deadline)
+        self.handles: dict[str, RemoteWorker] = {}
+        self.losses: deque[dict[str, Any]] = deque(maxlen=RECENT_LOSSES)
+        self.port: int | None = None
+        self.rooms_url: str | None = None
+        self._rooms_known = trio.Event()
+        self._wake = trio.Event()
+        self.refused = 0
+
+    # -- life --
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        settings = self.runtime.settings
+        host = settings.cluster_host or settings.host
+        listeners = await trio.open_tcp_listeners(settings.cluster_port, host=host)
+        self.port = listeners[0].socket.getsockname()[1]
+        log.info("cluster: agents dial tcp://%s:%d (launcher %s)", host, self.port, self.launcher_name)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, self._serve_connection, listeners)
+            nursery.start_soon(self._sweep)
+            if self.launcher is not None:
+                await nursery.start(self.launcher.run, self)
+            task_status.started(self.port)
+
+    def set_rooms_url(self, url: str) -> None:
+        """The authority's HTTP base URL (agents join its local rooms there); known once hypercorn binds."""
+        self.rooms_url = url
+        self._rooms_known.set()
+
+    @property
+    def authority_url(self) -> str:
+        host = self.runtime.settings.cluster_host or self.runtime.settings.host
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+        return f"{'tls' if self.runtime.settings.cluster_tls_cert else 'tcp'}://{host}:{self.port}"
+
+    async def _sweep(self) -> None:
+        """Lose workers whose heartbeat deadline passed (the book says who)."""
+        while True:
+            next_at = self.liveness.next_deadline()
+            with trio.move_on_at(next_at if next_at is not None else trio.current_time() + 3600):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            for transition in self.liveness.expire(trio.current_time()):
+                self._settle_loss(transition.worker_id, transition.cause or "heartbeat missed")
+
+    # -- one agent --
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        settings = self.runtime.settings
+        wrapped: trio.abc.Stream = stream
+        if settings.cluster_tls_cert:
+            wrapped = wire.wrap_server_tls(stream, settings.cluster_tls_cert, settings.cluster_tls_key or "")
+        channel = wire.Channel(wrapped)
+        nonce = secrets.token_hex(16)
+        with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            await self._rooms_known.wait()  # before the handshake: the worker's deadline starts at its register
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await channel.send(wire.Hello(nonce, self.version))
+                first = await channel.receive()
+        except (trio.TooSlowError, wire.ConnectionClosed, wire.WireError, OSError) as exc:
+            log.warning("cluster: a connection failed its handshake: %s", exc or type(exc).__name__)
+            await channel.aclose()
+            return
+        reason = self._refusal(first, nonce)
+        if reason is None and self.rooms_url is None and settings.transport == "local":
+            reason = "the authority does not know its rooms URL yet; try again"
+        if reason is not None:
+            self.refused += 1
+            log.warning("cluster: refused a worker: %s", reason)
+            with trio.move_on_after(2.0):
+                try:
+                    await channel.send(wire.Refused(reason))
+                except wire.ConnectionClosed:
+                    pass
+            await channel.aclose()
+            return
+        assert isinstance(first, wire.Register)
+        worker = self._admit(first, channel)
+        if worker is None:
+            await channel.aclose()
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.pump)
+            cause = await self._read(worker)
+            nursery.cancel_scope.cancel()
+        if cause is not None:
+            self._lost(worker.worker_id, cause)
+        await channel.aclose()
+
+    def _refusal(self, message: wire.Message, nonce: str) -> str | None:
+        if not isinstance(message, wire.Register):
+            return f"expected register, got {message.TYPE}"
+        if not wire.proof_matches(self.token, nonce, message.worker_id, message.proof):
+            return "the cluster token does not match"
+        if message.version != self.version:
+            return f"chunkline version {message.version!r} differs from the authority's {self.version!r}"
+        if message.pipeline != self.pipeline:
+            return f"pipeline {message.pipeline!r} differs from the authority's {self.pipeline!r}"
+        if message.pipeline_digest != self.digest:
+            return f"pipeline {message.pipeline!r} has other code (digest {message.pipeline_digest}, authority {self.digest})"
+        if message.worker_id in self.liveness:
+            return f"worker id {message.worker_id!r} is taken; an agent takes a fresh id every start"
+        return None
+
+    def _admit(self, message: wire.Register, channel: wire.Channel) -> RemoteWorker | None:
+        now = trio.current_time()
+        try:
+            self.liveness.register(message.worker_id, now)
+        except DuplicateWorkerId:
+            return None
+        worker = RemoteWorker(
+            message.worker_id,
+            channel=channel,
+            node=message.node,
+            devices=message.devices,
+            launcher=message.launcher,
+            pid=message.pid,
+            slot=message.slot,
+        )
+        self.handles[worker.worker_id] = worker
+        self.runtime.add_worker(worker)
+        if self.launcher is not None:
+            self.launcher.worker_registered(worker)
+        settings = self.runtime.settings
+        worker.send(
+            wire.Welcome(
+                worker_id=worker.worker_id,
+                heartbeat_interval=self.interval,
+                deadline=self.liveness.deadline,
+                transport=settings.transport,
+                rooms_url=self.rooms_url,
+                livekit_url=settings.livekit_url,
+                controller_timeout=settings.controller_timeout,
+                room_empty_timeout=settings.room_empty_timeout,
+                max_data_message_bytes=settings.max_data_message_bytes,
+            )
+        )
+        log.info("cluster: worker %s registered (node %s, devices %s, %s)", worker.worker_id, worker.node,
+                 list(worker.gpu_ids), worker.launcher)
+        self._wake.set()
+        return worker
+
+    async def _read(self, worker: RemoteWorker) -> str | None:
+        """Dispatch the agent's messages; returns the loss cause, or None when it left cleanly."""
+        metrics = self.runtime.metrics
+        while True:
+            try:
+                message = await worker.channel.receive()
+            except wire.ConnectionClosed as exc:
+                return f"connection closed: {exc}"
+            except wire.WireError as exc:
+                return f"protocol error: {exc}"
+            now = trio.current_time()
+            if not self.liveness.heard(worker.worker_id, now):
+                metrics.record_stale_messages()
+                if worker.lost_cause is not None:
+                    return None  # already lost: the connection is being closed
+                continue
+            self._wake.set()
+            before = worker.stale_events
+            if isinstance(message, wire.Heartbeat):
+                worker.send(wire.HeartbeatAck(message.seq))
+            elif isinstance(message, wire.SessionEvent):
+                worker.on_session_event(message, now)
+            elif isinstance(message, wire.SessionFinished):
+                worker.on_session_finished(message)
+            elif isinstance(message, wire.Ready):
+                self._ready(worker, message)
+            elif isinstance(message, wire.Failed):
+                return f"process exited: the agent failed to start: {message.reason}"
+            elif isinstance(message, wire.Drain):
+                self.drain(worker.worker_id, message.deadline, tell_agent=False)
+            elif isinstance(message, wire.Goodbye):
+                self._left(worker)
+                return None
+            else:
+                return f"protocol error: unexpected {message.TYPE} from an agent"
+            if worker.stale_events > before:
+                metrics.record_stale_messages(worker.stale_events - before)
+
+    def _ready(self, worker: RemoteWorker, message: wire.Ready) -> None:
+        if not self.liveness.ready(worker.worker_id, trio.current_time()):
+            return  # draining already: it takes no sessions
+        worker.plan = PlanView(message.plan)
+        worker.kind = message.kind
+        plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device") if k in message.plan})
+        self.runtime._worker_ready(worker, message.capacity, plan)  # type: ignore[arg-type]
+
+    # -- losses and departures --
+
+    def lose(self, worker_id: str, cause: str) -> None:
+        """A launcher's notice (process exited, node removed)."""
+        self._lost(worker_id, cause)
+
+    def _lost(self, worker_id: str, cause: str) -> None:
+        if self.liveness.lose(worker_id, cause, trio.current_time()):
+            self._settle_loss(worker_id, cause)
+
+    def _settle_loss(self, worker_id: str, cause: str) -> None:
+        """The book made the worker LOST: fail its sessions, release its slots, tell the launcher."""
+        worker = self.handles.get(worker_id)
+        if worker is None:
+            return
+        log.warning("cluster: worker %s lost: %s", worker_id, cause)
+        self.runtime.metrics.record_worker_lost(loss_kind(cause))
+        self.losses.append({"worker_id": worker_id, "node": worker.node, "cause": cause, "slot": worker.slot})
+        worker.lose(cause)
+        self.runtime.retire_worker(worker, f"worker lost: {cause}")
+        del self.handles[worker_id]
+        if self.launcher is not None:
+            self.launcher.worker_lost(worker, cause)
+
+    def _left(self, worker: RemoteWorker) -> None:
+        self.liveness.leave(worker.worker_id, trio.current_time())
+        log.info("cluster: worker %s drained and left", worker.worker_id)
+        worker.lose("left after draining")
+        self.runtime.retire_worker(worker, "the worker left after draining")
+        self.handles.pop(worker.worker_id, None)
+        if self.launcher is not None:
+            self.launcher.worker_left(worker)
+
+    def drain(self, worker_id: str, deadline: float, *, tell_agent: bool = True) -> None:
+        worker = self.handles.get(worker_id)
+        if worker is None:
+            raise UnknownWorkerId(worker_id)
+        if self.liveness.drain(worker_id, trio.current_time()):
+            self.runtime.drain_in_book(worker_id)
+        if tell_agent:
+            worker.send(wire.Drain(deadline))
+
+    def stop(self) -> None:
+        for worker in list(self.handles.values()):
+            worker.stop()
+
+    # -- views --
+
+    def view(self, worker_id: str, now: float) -> dict[str, Any] | None:
+        liveness = self.liveness.view(worker_id)
+        worker = self.handles.get(worker_id)
+        if liveness is None or worker is None:
+            return None
+        return {
+            "node": worker.node,
+            "devices": list(worker.gpu_ids),
+            "liveness": liveness.state.value,
+            "heartbeat_age": round(liveness.heartbeat_age(now), 3),
+            "launcher": worker.launcher,
+            "slot": worker.slot,
+            "pid": worker.pid,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "launcher": self.launcher_name,
+            "authority_url": self.authority_url if self.port is not None else None,
+            "workers_expected": self.expected,
+            "liveness": self.liveness.counts(),
+            "stale_messages_dropped": self.liveness.stale_dropped + sum(w.stale_events for w in self.handles.values()),
+            "registrations_refused": self.refused,
+            "recent_losses": list(self.losses),
+        }

@@ -1,0 +1,193 @@
+"""``--workers local``: one agent process per worker slot on this host, replaced when lost.
+
+Slots are ``--num-workers`` (or one per ``--worker-gpu-map`` group, whose GPUs the agent
+gets as ``--devices`` and ``CUDA_VISIBLE_DEVICES``). A slot whose process exits is started
+again after the relaunch policy's backoff (:mod:`states.relaunch`), and gives up after a
+crash loop. A slot whose worker the authority lost while the process lives on (frozen, cut
+off) gets one heartbeat deadline to register again by itself; then it is killed and
+replaced. At shutdown every agent gets SIGTERM, then SIGKILL after a grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from states.relaunch import RelaunchPolicy, SlotRestarts
+
+if TYPE_CHECKING:
+    from .authority import ClusterAuthority
+    from .remote import RemoteWorker
+
+__all__ = ["LocalLauncher", "agent_command"]
+
+log = logging.getLogger("chunkline.cluster")
+
+TERMINATE_GRACE = 5.0
+REREGISTER_WINDOW = 10.0  # a lost agent whose process lives may register again (fresh id) within this
+
+
+def agent_command(
+    pipeline: str,
+    authority_url: str,
+    *,
+    devices: Sequence[int],
+    launcher: str,
+    slot: str,
+    max_sessions: int | str,
+    worker_mode: str,
+    placement: str | None,
+) -> list[str]:
+    command = [sys.executable, "-m", "server.cli", "worker", pipeline, "--authority", authority_url,
+               "--launcher", launcher, "--slot", slot, "--max-sessions", str(max_sessions),
+               "--worker-mode", worker_mode]
+    if devices:
+        command += ["--devices", ",".join(str(d) for d in devices)]
+    if placement is not None:
+        command += ["--placement", placement]
+    return command
+
+
+async def _terminate_then_kill(process: trio.Process) -> None:
+    process.send_signal(signal.SIGTERM)
+    with trio.move_on_after(TERMINATE_GRACE):
+        await process.wait()
+        return
+    process.kill()
+
+
+@attrs.define(eq=False)
+class _Slot:
+    name: str
+    devices: tuple[int, ...]
+    restarts: SlotRestarts
+    process: trio.Process | None = None
+    worker_id: str | None = None
+    lost: trio.Event = attrs.Factory(trio.Event)
+    registered: trio.Event = attrs.Factory(trio.Event)
+    drained: bool = False
+    state: str = "starting"  # starting, running, backoff, drained, gave_up
+
+
+class LocalLauncher:
+    name = "local"
+
+    def __init__(self, groups: Sequence[tuple[int, ...]], *, policy: RelaunchPolicy = RelaunchPolicy()) -> None:
+        self.slots = [_Slot(str(i), tuple(g), SlotRestarts(policy)) for i, g in enumerate(groups)]
+        self.expected = len(self.slots)
+        self._authority: ClusterAuthority | None = None
+        self.pids: list[int] = []  # every agent process started (tests check none survives)
+
+    async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._authority = authority
+        async with trio.open_nursery() as nursery:
+            for slot in self.slots:
+                nursery.start_soon(self._keep, slot)
+            task_status.started()
+
+    def _command(self, slot: _Slot) -> list[str]:
+        assert self._authority is not None
+        settings = self._authority.runtime.settings
+        return agent_command(
+            settings.pipeline, self._authority.authority_url, devices=slot.devices, launcher=self.name,
+            slot=slot.name, max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
+            placement=settings.placement,
+        )
+
+    def _env(self, slot: _Slot) -> dict[str, str]:
+        assert self._authority is not None
+        env = dict(os.environ)
+        env["CHUNKLINE_CLUSTER_TOKEN"] = self._authority.token
+        if slot.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in slot.devices)
+        return env
+
+    async def _keep(self, slot: _Slot) -> None:
+        """Run the slot's agent; replace it with backoff when it ends; give up on a crash loop."""
+        while True:
+            slot.lost = trio.Event()
+            slot.state = "running"
+            slot.restarts.started(trio.current_time())
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(
+                    partial(trio.run_process, self._command(slot), env=self._env(slot), check=False,
+                            stdin=subprocess.DEVNULL, deliver_cancel=_terminate_then_kill)
+                )
+                slot.process = process
+                self.pids.append(process.pid)
+                nursery.start_soon(self._reap_if_silent, slot, process)
+                await process.wait()
+                nursery.cancel_scope.cancel()  # the reaper has nothing left to watch
+            why = f"process exited with code {process.returncode}"
+            if slot.worker_id is not None and self._authority is not None:
+                self._authority.lose(slot.worker_id, why)  # the process notice may beat the socket's
+            slot.worker_id = None
+            if slot.drained and process.returncode == 0:
+                slot.state = "drained"  # drained on purpose: its resources are back, nothing to replace
+                log.info("local slot %s: drained; it stays down", slot.name)
+                return
+            decision = slot.restarts.ended(trio.current_time(), why)
+            if decision.action == "give_up":
+                slot.state = "gave_up"
+                log.error("local slot %s: %s; not starting it again", slot.name, decision.reason)
+                return
+            slot.state = "backoff"
+            log.warning("local slot %s: %s; starting it again in %.1f s", slot.name, why, decision.delay)
+            await trio.sleep(decision.delay)
+
+    async def _reap_if_silent(self, slot: _Slot, process: trio.Process) -> None:
+        """A lost worker whose process lives on gets one deadline to register again, then is killed."""
+        assert self._authority is not None
+        while True:
+            await slot.lost.wait()
+            slot.lost = trio.Event()
+            slot.registered = trio.Event()
+            with trio.move_on_after(max(self._authority.liveness.deadline, REREGISTER_WINDOW)):
+                await slot.registered.wait()
+                continue
+            if process.returncode is None:
+                log.warning("local slot %s: lost and silent; killing pid %d", slot.name, process.pid)
+                process.kill()
+            return
+
+    # -- the authority's notices --
+
+    def _slot_of(self, worker: RemoteWorker) -> _Slot | None:
+        for slot in self.slots:
+            if slot.name == worker.slot:
+                return slot
+        return None
+
+    def worker_registered(self, worker: RemoteWorker) -> None:
+        slot = self._slot_of(worker)
+        if slot is not None and worker.launcher == self.name:
+            slot.worker_id = worker.worker_id
+            slot.registered.set()
+
+    def worker_lost(self, worker: RemoteWorker, cause: str) -> None:
+        slot = self._slot_of(worker)
+        if slot is not None and slot.worker_id == worker.worker_id:
+            slot.worker_id = None
+            slot.lost.set()
+
+    def worker_left(self, worker: RemoteWorker) -> None:
+        slot = self._slot_of(worker)
+        if slot is not None and slot.worker_id == worker.worker_id:
+            slot.worker_id = None
+            slot.drained = True  # it drained and exits 0: the slot stays down
+
+    def view(self) -> list[dict[str, Any]]:
+        return [
+            {"slot": s.name, "devices": list(s.devices), "state": s.state, "worker_id": s.worker_id,
+             "pid": s.process.pid if s.process is not None and s.process.returncode is None else None}
+            for s in self.slots
+        ]

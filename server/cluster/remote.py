@@ -1,0 +1,218 @@
+"""The authority's handles on a worker agent and on each session it runs.
+
+:class:`RemoteWorker` stands where an in-process :class:`~server.model_worker.ModelWorker`
+stands in the runtime (the admission book, ``runtime.workers``, health); :class:`RemoteRun`
+stands where a :class:`~server.runner.RoomRunner` stands (``runtime.runners``): the runtime
+asks it to stop, abort or settle, and it forwards to the agent. The agent's own runner
+drives the session; its table events come back over the wire and are applied here to the
+authoritative record, in sequence order (duplicates and late events are dropped and counted).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from states.stream_session import Event
+
+from .wire import Channel, ConnectionClosed, Message, SessionEvent, SessionFinished, Start, Stop
+
+if TYPE_CHECKING:
+    from ..registry import SessionRecord
+    from ..runtime import StreamRuntime
+
+__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES"]
+
+log = logging.getLogger("chunkline.cluster")
+
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+
+
+@attrs.frozen
+class PlanView:
+    """The capacity plan an agent reported (the metadata route shows it as the agent sent it)."""
+
+    facts: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.facts)
+
+
+class RemoteWorker:
+    """One registered agent: its identity, what it reported, and its connection's outbox."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        channel: Channel,
+        node: str,
+        devices: tuple[int, ...],
+        launcher: str,
+        pid: int,
+        slot: str | None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.channel = channel
+        self.node = node
+        self.gpu_ids = devices
+        self.launcher = launcher
+        self.pid = pid
+        self.slot = slot
+        self.plan: PlanView | None = None
+        self.kind: str | None = None
+        self.failure: str | None = None
+        self.runs: dict[str, RemoteRun] = {}
+        self.lost_cause: str | None = None
+        self.stale_events = 0
+        self._outbox_send, self._outbox = trio.open_memory_channel[Message](256)
+
+    @property
+    def identity(self) -> str:
+        return f"chunkline-{self.worker_id}"
+
+    def send(self, message: Message) -> None:
+        """Queue a message for the agent (in order); a full outbox means the agent stopped reading."""
+        if self.lost_cause is not None:
+            return
+        try:
+            self._outbox_send.send_nowait(message)
+        except trio.WouldBlock:
+            log.warning("worker %s is not reading its connection; closing it", self.worker_id)
+            self._outbox_send.close()
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the connection is gone; its loss is being handled
+
+    async def pump(self) -> None:
+        """Send the outbox until the connection breaks (the reader then notices and reports the loss)."""
+        async with self._outbox:
+            async for message in self._outbox:
+                try:
+                    await self.channel.send(message)
+                except ConnectionClosed:
+                    return
+        await self.channel.aclose()  # outbox closed: the agent stopped reading
+
+    def stop(self) -> None:
+        """The runtime is done with this worker (shutdown): close the connection."""
+        self._outbox_send.close()
+
+    # -- sessions --
+
+    def open_runner(self, runtime: StreamRuntime, record: SessionRecord) -> RemoteRun:
+        run = RemoteRun(runtime, record, self)
+        self.runs[record.session_id] = run
+        expect = getattr(runtime.transport, "expect_worker", None)
+        if expect is not None:  # local rooms admit this agent's worker token, and no other
+            expect(record.room, self.identity)
+        image, suffix = _read_image(record.image_path)
+        self.send(
+            Start(
+                session_id=record.session_id,
+                room=record.room,
+                identity=self.identity,
+                token=runtime.issuer.worker_token(record.room, self.identity),
+                controller_identity=record.controller_identity,
+                prompt=record.prompt,
+                config=dict(record.config),
+                image=image,
+                image_suffix=suffix,
+            )
+        )
+        return run
+
+    def on_session_event(self, message: SessionEvent, now: float) -> None:
+        run = self.runs.get(message.session_id)
+        if run is None or message.seq <= run.seq:
+            self.stale_events += 1
+            return
+        run.seq = message.seq
+        record = run.record
+        try:
+            event = Event(message.event)
+        except ValueError:
+            self.stale_events += 1
+            return
+        if message.pipeline_session_id is not None:
+            record.pipeline_session_id = message.pipeline_session_id
+        record.participants = set(message.participants)
+        if record.machine.can(event):
+            run.runtime.registry.apply(record, event, now=now, error=message.error)
+        # else: the authority moved first (a DRAIN it applied itself); nothing to do
+
+    def on_session_finished(self, message: SessionFinished) -> None:
+        run = self.runs.get(message.session_id)
+        if run is None or message.seq <= run.seq:
+            self.stale_events += 1
+            return
+        run.seq = message.seq
+        if message.drain_cause and not run.record.drain_cause:
+            run.record.drain_cause = message.drain_cause
+        run.settle(message.error)
+
+    def lose(self, cause: str) -> None:
+        """The agent is gone: every session it ran fails with the cause (the runtime releases the slots)."""
+        if self.lost_cause is None:
+            self.lost_cause = cause
+            self.failure = f"worker lost: {cause}"
+        self._outbox_send.close()
+
+
+def _read_image(path: str | None) -> tuple[str | None, str | None]:
+    if path is None:
+        return None, None
+    data = Path(path).read_bytes()[: MAX_IMAGE_BYTES + 1]
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the reference image {path!r} is larger than {MAX_IMAGE_BYTES} bytes")
+    return base64.b64encode(data).decode(), Path(path).suffix or None
+
+
+class RemoteRun:
+    """A session running on an agent, as the runtime sees it (the shape of a RoomRunner)."""
+
+    def __init__(self, runtime: StreamRuntime, record: SessionRecord, worker: RemoteWorker) -> None:
+        self.runtime = runtime
+        self.record = record
+        self.worker = worker
+        self.finished = trio.Event()
+        self.seq = 0
+        self._stop_cause: str | None = None
+
+    @property
+    def stop_cause(self) -> str | None:
+        return self._stop_cause
+
+    def stop(self, cause: str) -> None:
+        if self._stop_cause is None:
+            self._stop_cause = cause
+        self.worker.send(Stop(self.record.session_id, cause))
+
+    def abort(self) -> None:
+        """Stop at once; a lost worker's sessions are settled here, failed with the cause."""
+        if self.worker.lost_cause is not None:
+            self.settle(f"worker lost: {self.worker.lost_cause}")
+            return
+        if self._stop_cause is None:
+            self._stop_cause = "shutdown"
+        self.worker.send(Stop(self.record.session_id, self._stop_cause, now=True))
+
+    def fail(self, reason: str) -> None:
+        """The worker under the session is gone: settle it failed, naming the loss when there is one."""
+        if self.worker.lost_cause is None:
+            self.worker.send(Stop(self.record.session_id, "failed", now=True))
+        self.settle(self.worker.failure or reason)
+
+    def settle(self, error: str | None) -> None:
+        if self.finished.is_set():
+            return
+        self.worker.runs.pop(self.record.session_id, None)
+        forget = getattr(self.runtime.transport, "forget_worker", None)
+        if forget is not None:
+            forget(self.record.room)
+        self.runtime.session_finished(self, error)  # type: ignore[arg-type]
+        self.finished.set()

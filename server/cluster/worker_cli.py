@@ -1,0 +1,114 @@
+"""``chunkline worker PIPE --authority URL [--devices 0,1] ...``: run one worker agent.
+
+The cluster token comes from ``CHUNKLINE_CLUSTER_TOKEN`` (or ``--cluster-token-file``), never
+from the command line, where other users of the host could read it. Exit codes: 0 drained,
+1 failed (the model did not load, the authority stayed unreachable), 2 bad arguments,
+3 refused by the authority (another version or pipeline, a wrong token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_worker_parser", "cmd_worker"]
+
+TOKEN_ENV = "CHUNKLINE_CLUSTER_TOKEN"
+
+
+def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
+    worker = commands.add_parser(
+        "worker",
+        help="run a worker agent that dials in to a stream-serve authority",
+        description=(
+            "Run one worker agent: load PIPE on this host's devices, dial the authority, register, and run the "
+            f"sessions it starts. The cluster token is read from {TOKEN_ENV} or --cluster-token-file."
+        ),
+    )
+    worker.add_argument("pipeline", metavar="PIPE", help="the same pipeline file or package the authority serves")
+    worker.add_argument("--authority", metavar="URL", required=True, help="tcp://HOST:PORT or tls://HOST:PORT")
+    worker.add_argument("--devices", metavar="IDS", default="", help="GPU ids of this agent, e.g. 0,1 (default: none)")
+    worker.add_argument("--max-sessions", metavar="auto|N", default="auto", help="retained sessions (default auto)")
+    worker.add_argument("--worker-mode", choices=("in-process", "process"), default="in-process")
+    worker.add_argument("--placement", metavar="FILE|JSON", default=None, help="where each stage runs")
+    worker.add_argument("--node", metavar="NAME", default=socket.gethostname(), help="node name shown in health")
+    worker.add_argument("--launcher", metavar="NAME", default="external", help="who started this agent")
+    worker.add_argument("--slot", metavar="NAME", default=None, help="the launcher's slot (set by launchers)")
+    worker.add_argument("--cluster-token-file", metavar="FILE", default=None, help=f"read the token here, not {TOKEN_ENV}")
+    worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle to verify a tls:// authority")
+    worker.add_argument("--drain-deadline", metavar="SECONDS", type=float, default=30.0,
+                        help="seconds live sessions get to finish on SIGTERM (default 30)")
+    return worker
+
+
+def _devices(text: str) -> tuple[int, ...]:
+    if not text.strip():
+        return ()
+    try:
+        devices = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--devices must be comma-separated GPU ids, got {text!r}") from None
+    if any(d < 0 for d in devices) or len(set(devices)) != len(devices):
+        raise ValueError(f"--devices must be distinct ids >= 0, got {text!r}")
+    return devices
+
+
+def _max_sessions(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 64:
+        raise ValueError(f"--max-sessions must be 'auto' or 1-64, got {text!r}")
+    return value
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import trio
+
+    from .agent import Agent, AgentOptions, parse_authority
+
+    prefix = "chunkline worker"
+    try:
+        parse_authority(args.authority)
+        devices = _devices(args.devices)
+        max_sessions = _max_sessions(args.max_sessions)
+        if not Path(args.pipeline).exists():
+            raise ValueError(f"PIPE {args.pipeline!r} does not exist")
+        if args.cluster_token_file is not None:
+            token = Path(args.cluster_token_file).read_text().strip()
+        else:
+            token = os.environ.get(TOKEN_ENV, "")
+        if len(token.encode()) < 16:
+            raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least 16 bytes")
+        if args.drain_deadline <= 0:
+            raise ValueError("--drain-deadline must be > 0")
+    except (ValueError, OSError) as exc:
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return 2
+    if devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("livekit").setLevel(logging.ERROR)
+    options = AgentOptions(
+        pipeline=args.pipeline,
+        authority=args.authority,
+        token=token,
+        devices=devices,
+        max_sessions=max_sessions,
+        worker_mode=args.worker_mode,
+        placement=args.placement,
+        node=args.node,
+        launcher=args.launcher,
+        slot=args.slot,
+        tls_ca=args.tls_ca,
+        drain_deadline=args.drain_deadline,
+    )
+    return trio.run(Agent(options).run)
