@@ -40,7 +40,7 @@ from wsproto.events import (
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from .tokens import TokenRejected
-from .transport.local import LocalRooms
+from .transport.local import LocalRooms, RemoteWorkerPresence
 
 __all__ = ["IDLE_DEADLINE", "PING_INTERVAL", "PONG_DEADLINE", "WRITE_DEADLINE", "Deadlines", "PeerGone", "RoomSocket", "room_of"]
 
@@ -52,6 +52,7 @@ PONG_DEADLINE: Final = 15.0  # seconds a peer may answer nothing before it is se
 IDLE_DEADLINE: Final = 30.0  # seconds an HTTP connection may be silent both ways (longer than any answer takes)
 CLOSE_DEADLINE: Final = 1.0  # seconds the closing handshake may take before the connection is dropped
 READ_SIZE: Final = 65536
+WORKER_MESSAGE_BYTES: Final = 16 * 1024 * 1024  # a worker agent's media message (one encoded frame) may be this big
 ROOM_PREFIX: Final = "/v1/rooms/"
 
 
@@ -122,7 +123,11 @@ class RoomSocket:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._keep_alive, nursery.cancel_scope)
-                    await self._rooms.serve_client(room, subscriber, self._send, self._receive)
+                    if isinstance(subscriber, RemoteWorkerPresence):  # a worker agent publishing from its process
+                        self._limit = max(self._limit, WORKER_MESSAGE_BYTES)
+                        await self._rooms.serve_worker(room, subscriber, self._send, self._receive)
+                    else:
+                        await self._rooms.serve_client(room, subscriber, self._send, self._receive)
                     nursery.cancel_scope.cancel()
             except* (PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass

@@ -307,6 +307,10 @@ class StreamRuntime:
         self.book.add_worker(worker.worker_id, 1, trio.current_time())
         self._publish_gauges()
 
+    def agent_ready(self, worker: Any, capacity: int, plan: CapacityPlan) -> None:
+        """A worker agent loaded its pipeline: its capacity joins the book and the queue head may start."""
+        self._worker_ready(worker, capacity, plan)
+
     def retire_worker(self, worker: Any, reason: str) -> None:
         """A worker agent is gone (lost or left): fail its sessions with the reason, free its slots, forget it."""
         self._worker_failed(worker, reason)

@@ -37,7 +37,7 @@ import trio
 
 from engine import CapacityPlan
 from states.liveness import fence_at
-from states.relaunch import RelaunchPolicy, SlotRestarts
+from states.restart_policy import RestartPolicy, RestartTracker
 from states.stream_session import Event, State, StreamSessionMachine
 
 from ..metrics import ServerMetrics
@@ -45,6 +45,7 @@ from ..model_worker import ModelWorker
 from ..registry import SessionRecord, SessionRegistry
 from ..runner import RoomRunner
 from . import wire
+from .backoff import back_off
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 from .rooms import RemoteRooms
 
@@ -56,6 +57,8 @@ EXIT_REFUSED = 3
 CONNECT_TIMEOUT = 10.0
 RUNNER_STOP_GRACE = 10.0  # how long fenced or drained runners may take to finish their cleanup
 OUTBOX = 1024
+# an agent cut off from the authority registers again quickly at first, and gives up on a crash loop
+REREGISTER_POLICY = RestartPolicy(base_delay=0.2, max_delay=5.0, max_failures=8, window=60.0)
 
 
 def parse_authority(url: str) -> tuple[str, str, int]:
@@ -218,21 +221,16 @@ class Agent:
                 self.begin_drain(self.options.drain_deadline)
 
     async def _registrations(self) -> int:
-        """Register, serve, and register again (a fresh id) after a loss, with backoff."""
-        restarts = SlotRestarts(RelaunchPolicy(base=0.2, cap=5.0, healthy_after=30.0, window=60.0, crash_loop_limit=8))
+        """Register, serve, and register again (a fresh id) after a loss, on the shared restart policy."""
+        restarts = RestartTracker(REREGISTER_POLICY)
         while True:
-            restarts.started(trio.current_time())
             outcome = await self._one_registration()
             if outcome == "refused":
                 return EXIT_REFUSED
             if outcome == "drained" or self._draining:
                 return 0
-            decision = restarts.ended(trio.current_time(), outcome)
-            if decision.action == "give_up":
-                log.error("giving up on the authority at %s: %s", self.options.authority, decision.reason)
+            if not await back_off(restarts, f"authority connection ended ({outcome})", f"agent at {self.options.authority}"):
                 return 1
-            log.warning("authority connection ended (%s); registering again in %.1f s", outcome, decision.delay)
-            await trio.sleep(decision.delay)
 
     async def _handshake(self, worker_id: str) -> tuple[wire.Channel, wire.Welcome] | str:
         options = self.options

@@ -277,7 +277,7 @@ class ClusterAuthority:
         worker.plan = PlanView(message.plan)
         worker.kind = message.kind
         plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device") if k in message.plan})
-        self.runtime._worker_ready(worker, message.capacity, plan)  # type: ignore[arg-type]
+        self.runtime.agent_ready(worker, message.capacity, plan)
 
     # -- losses and departures --
 

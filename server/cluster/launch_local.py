@@ -2,8 +2,8 @@
 
 Slots are ``--num-workers`` (or one per ``--worker-gpu-map`` group, whose GPUs the agent
 gets as ``--devices`` and ``CUDA_VISIBLE_DEVICES``). A slot whose process exits is started
-again after the relaunch policy's backoff (:mod:`states.relaunch`), and gives up after a
-crash loop. A slot whose worker the authority lost while the process lives on (frozen, cut
+again after the shared restart policy's backoff (:mod:`states.restart_policy`, the one the
+in-process worker restarts use), and gives up after a crash loop. A slot whose worker the authority lost while the process lives on (frozen, cut
 off) gets one heartbeat deadline to register again by itself; then it is killed and
 replaced. At shutdown every agent gets SIGTERM, then SIGKILL after a grace.
 """
@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from states.relaunch import RelaunchPolicy, SlotRestarts
+from states.restart_policy import RestartPolicy, RestartTracker
+
+from .backoff import back_off
 
 if TYPE_CHECKING:
     from .authority import ClusterAuthority
@@ -69,20 +71,19 @@ async def _terminate_then_kill(process: trio.Process) -> None:
 class _Slot:
     name: str
     devices: tuple[int, ...]
-    restarts: SlotRestarts
+    restarts: RestartTracker
     process: trio.Process | None = None
     worker_id: str | None = None
     lost: trio.Event = attrs.Factory(trio.Event)
     registered: trio.Event = attrs.Factory(trio.Event)
     drained: bool = False
-    state: str = "starting"  # starting, running, backoff, drained, gave_up
 
 
 class LocalLauncher:
     name = "local"
 
-    def __init__(self, groups: Sequence[tuple[int, ...]], *, policy: RelaunchPolicy = RelaunchPolicy()) -> None:
-        self.slots = [_Slot(str(i), tuple(g), SlotRestarts(policy)) for i, g in enumerate(groups)]
+    def __init__(self, groups: Sequence[tuple[int, ...]], *, policy: RestartPolicy | None = None) -> None:
+        self.slots = [_Slot(str(i), tuple(g), RestartTracker(policy)) for i, g in enumerate(groups)]
         self.expected = len(self.slots)
         self._authority: ClusterAuthority | None = None
         self.pids: list[int] = []  # every agent process started (tests check none survives)
@@ -115,8 +116,6 @@ class LocalLauncher:
         """Run the slot's agent; replace it with backoff when it ends; give up on a crash loop."""
         while True:
             slot.lost = trio.Event()
-            slot.state = "running"
-            slot.restarts.started(trio.current_time())
             async with trio.open_nursery() as nursery:
                 process: trio.Process = await nursery.start(
                     partial(trio.run_process, self._command(slot), env=self._env(slot), check=False,
@@ -132,17 +131,11 @@ class LocalLauncher:
                 self._authority.lose(slot.worker_id, why)  # the process notice may beat the socket's
             slot.worker_id = None
             if slot.drained and process.returncode == 0:
-                slot.state = "drained"  # drained on purpose: its resources are back, nothing to replace
+                slot.restarts.stop()  # drained on purpose: its resources are back, nothing to replace
                 log.info("local slot %s: drained; it stays down", slot.name)
                 return
-            decision = slot.restarts.ended(trio.current_time(), why)
-            if decision.action == "give_up":
-                slot.state = "gave_up"
-                log.error("local slot %s: %s; not starting it again", slot.name, decision.reason)
+            if not await back_off(slot.restarts, why, f"local slot {slot.name}"):
                 return
-            slot.state = "backoff"
-            log.warning("local slot %s: %s; starting it again in %.1f s", slot.name, why, decision.delay)
-            await trio.sleep(decision.delay)
 
     async def _reap_if_silent(self, slot: _Slot, process: trio.Process) -> None:
         """A lost worker whose process lives on gets one deadline to register again, then is killed."""
@@ -187,7 +180,8 @@ class LocalLauncher:
 
     def view(self) -> list[dict[str, Any]]:
         return [
-            {"slot": s.name, "devices": list(s.devices), "state": s.state, "worker_id": s.worker_id,
+            {"slot": s.name, "devices": list(s.devices), "state": s.restarts.state.value, "worker_id": s.worker_id,
+             "restarts": s.restarts.restarts, "reason": s.restarts.describe(trio.current_time()),
              "pid": s.process.pid if s.process is not None and s.process.returncode is None else None}
             for s in self.slots
         ]

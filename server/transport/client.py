@@ -88,7 +88,10 @@ class RoomClient:
                 return None
             if isinstance(event, CloseConnection):
                 self.closed = True
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                from wsproto.utilities import LocalProtocolError
+
+                # the peer may have dropped the connection without a closing handshake (1006): nothing to answer
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError, LocalProtocolError):
                     await self._send(event.response())
                 return None
             if isinstance(event, Ping):

@@ -8,6 +8,7 @@ processes are real-time polls, bounded by a deadline.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -33,7 +34,7 @@ TINY = "spec_tests/cluster/tiny_world.py"
 TOKEN = "cluster-test-token-0123456789"
 START_DEADLINE = 240.0  # wall seconds: an agent imports torch and builds its model (slow on a loaded 2-core host)
 INTERVAL, DEADLINE = 0.5, 4.0  # heartbeat interval and deadline of the test authority
-SERVING = re.compile(rb"Running on (http://127\.0\.0\.1:(\d+))")
+SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
 
 
 def free_port() -> int:
@@ -112,9 +113,9 @@ class Cluster:
         return [w for w in self.workers() if w["state"] in ("idle", "busy")]
 
 
-def start_cluster(*extra: str, workers: int = 2) -> Cluster:
+def start_cluster(*extra: str, workers: int = 2, launcher: str = "local") -> Cluster:
     cluster_port = free_port()
-    command = chunkline("stream-serve", TINY, "--port", "0", "--workers", "local", "--num-workers", str(workers),
+    command = chunkline("stream-serve", TINY, "--port", "0", "--workers", launcher, "--num-workers", str(workers),
                         "--max-sessions-per-worker", "1", "--queue-size", "4", "--cluster-port", str(cluster_port),
                         "--heartbeat-interval", str(INTERVAL), "--heartbeat-deadline", str(DEADLINE),
                         "--controller-timeout", "60", "--room-empty-timeout", "60", *extra)
@@ -183,6 +184,18 @@ class Controller:
         self.ws = ws
         self.inbox: list[Any] = []
         self.frames = 0
+        # one reader all along, so pings are answered while the test does other things (the room sends a
+        # silent peer away); messages wait here until the test reads them
+        self._arrived, self._messages = trio.open_memory_channel[Any](math.inf)
+        trio.lowlevel.spawn_system_task(self._read)
+
+    async def _read(self) -> None:
+        try:
+            while (message := await self.ws.receive()) is not None:
+                self._arrived.send_nowait(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        self._arrived.send_nowait(None)
 
     @property
     def session_id(self) -> str:
@@ -197,7 +210,13 @@ class Controller:
         return cls(created, ws)
 
     async def next(self) -> Any:
-        message = await self.ws.receive()
+        try:
+            message = await self._messages.receive()
+        except trio.EndOfChannel:
+            return None
+        if message is None:
+            self._arrived.close()  # the room closed: every later next() says so too
+            return None
         if isinstance(message, bytes):
             self.frames += 1
         elif message is not None:

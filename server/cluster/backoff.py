@@ -1,0 +1,30 @@
+"""Replacing a lost agent on the shared restart policy (:mod:`states.restart_policy`).
+
+The local and Ray launchers replace a slot's agent, and an agent cut off from the authority
+registers again, with the same exponential backoff and crash-loop limit as the in-process
+worker restarts: one policy, one tracker per slot, this one step around it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from states.restart_policy import RestartTracker
+
+__all__ = ["back_off"]
+
+log = logging.getLogger("chunkline.cluster")
+
+
+async def back_off(tracker: RestartTracker, cause: str, what: str) -> bool:
+    """``what`` ended with ``cause``: wait out the backoff and return True to start again, False on a crash loop."""
+    decision = tracker.failure(trio.current_time(), cause)
+    if decision.due_at is None:
+        log.error("%s: %s", what, decision.reason)
+        return False
+    log.warning("%s: %s", what, decision.reason)
+    await trio.sleep_until(decision.due_at)
+    tracker.restarted(trio.current_time())
+    return True
