@@ -21,9 +21,9 @@ def make_authority(runtime: StreamRuntime) -> ClusterAuthority:
     if settings.workers == "local":
         from .launch_local import LocalLauncher
 
-        return ClusterAuthority(runtime, LocalLauncher(groups), token=token)
+        return ClusterAuthority(runtime, LocalLauncher(groups, policy=runtime.restart_policy), token=token)
     if settings.workers == "ray":
         from .launch_ray import RayLauncher
 
-        return ClusterAuthority(runtime, RayLauncher(groups, address=settings.ray_address), token=token)
+        return ClusterAuthority(runtime, RayLauncher(groups, address=settings.ray_address, policy=runtime.restart_policy), token=token)
     return ClusterAuthority(runtime, None, token=token)

@@ -1,0 +1,265 @@
+"""``--workers ray``: Ray places and supervises the agents; it never routes a session.
+
+Per worker slot: one placement group (one bundle: the slot's GPU count, or one CPU when it has
+none) and one thin synchronous actor in it (``max_restarts=0``, owned by this process, so both
+die with the authority). The actor starts the agent process with the devices Ray assigned
+(``CUDA_VISIBLE_DEVICES`` and ``--devices``) and the node's id as its node name; the agent
+process dies with the actor (``PR_SET_PDEATHSIG``). A thread waits on each actor's ``run``
+result and posts its end into trio: a clean exit, an agent's exit code, or Ray's death notice
+(node removed) — the authority loses the slot's worker with that cause, the placement group
+is removed, and the slot starts again after the shared restart policy's backoff
+(:mod:`states.restart_policy`), giving up after a crash loop. A placement group that waits for
+resources (every node full, a node gone) is not a failure: the slot waits, placing, until Ray
+finds room (a node joins, another slot drains).
+
+Ray's asyncio actors do not mix with trio (ray issue 7228); the actor here is synchronous and
+the authority talks to Ray only from threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from states.restart_policy import RestartPolicy, RestartTracker
+
+from .backoff import back_off
+
+from .launch_local import agent_command
+
+if TYPE_CHECKING:
+    from .authority import ClusterAuthority
+    from .remote import RemoteWorker
+
+__all__ = ["RayLauncher", "AgentActor"]
+
+log = logging.getLogger("chunkline.cluster")
+
+PLACEMENT_TIMEOUT = 60.0  # seconds a placed actor may take to answer (its worker process starting)
+PLACEMENT_POLL = 1.0  # seconds between looks at a pending placement group
+NAMESPACE = "chunkline"
+
+
+class AgentActor:
+    """Runs one agent process where Ray placed this actor; ``run`` returns its exit code."""
+
+    def __init__(self) -> None:
+        self.process: Any = None
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()[:12]
+
+    def run(self, command: list[str], env: dict[str, str], cwd: str) -> int:
+        import ctypes
+        import signal
+        import subprocess
+
+        import ray
+
+        gpus = [str(int(g)) for g in ray.get_gpu_ids()]
+        env = dict(env)
+        command = [*command, "--node", self.node()]
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            command += ["--devices", ",".join(gpus)]
+
+        def die_with_the_actor() -> None:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+        self.process = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                        preexec_fn=die_with_the_actor)
+        return self.process.wait()
+
+
+@attrs.define(eq=False)
+class _RaySlot:
+    name: str
+    gpus: int
+    restarts: RestartTracker
+    worker_id: str | None = None
+    drained: bool = False
+    node: str | None = None
+    actor: Any = None
+    group: Any = None
+
+
+class RayLauncher:
+    name = "ray"
+
+    def __init__(self, groups: Sequence[tuple[int, ...]], *, address: str | None,
+                 policy: RestartPolicy | None = None) -> None:
+        self.slots = [_RaySlot(str(i), len(g), RestartTracker(policy)) for i, g in enumerate(groups)]
+        self.expected = len(self.slots)
+        self.address = address
+        self._authority: ClusterAuthority | None = None
+        self._actor_class: Any = None
+
+    async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        import ray
+
+        self._authority = authority
+        await trio.to_thread.run_sync(
+            partial(ray.init, address=self.address, namespace=NAMESPACE, include_dashboard=False,
+                    log_to_driver=True, ignore_reinit_error=True, configure_logging=False)
+        )
+        self._actor_class = ray.remote(max_restarts=0, max_concurrency=2)(AgentActor)
+        try:
+            async with trio.open_nursery() as nursery:
+                for slot in self.slots:
+                    nursery.start_soon(self._keep, slot)
+                task_status.started()
+        finally:
+            with trio.CancelScope(shield=True):
+                for slot in self.slots:
+                    await trio.to_thread.run_sync(self._release, slot)
+                await trio.to_thread.run_sync(ray.shutdown)
+
+    def _command(self) -> list[str]:
+        assert self._authority is not None
+        settings = self._authority.runtime.settings
+        return agent_command(
+            os.path.abspath(settings.pipeline), self._authority.authority_url, devices=(), launcher=self.name,
+            slot="", max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
+            placement=settings.placement,
+        )
+
+    def _request(self, slot: _RaySlot) -> Any:
+        """Blocking (a thread): ask Ray for the slot's placement group (one bundle, on one node)."""
+        from ray.util.placement_group import placement_group
+
+        bundle = {"GPU": slot.gpus} if slot.gpus else {"CPU": 1}
+        slot.group = placement_group([bundle], strategy="STRICT_PACK")
+        return slot.group.ready()
+
+    @staticmethod
+    def _placed(ready: Any) -> bool:
+        """Blocking (a thread, at most PLACEMENT_POLL): whether the placement group is placed."""
+        import ray
+
+        done, _ = ray.wait([ready], timeout=PLACEMENT_POLL)
+        return bool(done)
+
+    def _start(self, slot: _RaySlot) -> Any:
+        """Blocking (a thread): the slot's actor in its placed group, then its ``run`` reference."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=slot.group, placement_group_bundle_index=0)
+        slot.actor = self._actor_class.options(
+            num_gpus=slot.gpus, num_cpus=0 if slot.gpus else 1, scheduling_strategy=strategy
+        ).remote()
+        slot.node = ray.get(slot.actor.node.remote(), timeout=PLACEMENT_TIMEOUT)
+        assert self._authority is not None
+        command = self._command()
+        command[command.index("--slot") + 1] = slot.name
+        env = dict(os.environ, CHUNKLINE_CLUSTER_TOKEN=self._authority.token)
+        return slot.actor.run.remote(command, env, os.getcwd())
+
+    @staticmethod
+    def _outcome(reference: Any) -> str:
+        """Blocking (a thread): how the slot's actor ended."""
+        import ray
+
+        try:
+            code = ray.get(reference)
+        except ray.exceptions.RayActorError as exc:
+            return f"node removed: the actor died ({type(exc).__name__})"
+        except ray.exceptions.RayError as exc:
+            return f"node removed: {type(exc).__name__}"
+        return f"process exited with code {code}"
+
+    def _release(self, slot: _RaySlot) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if slot.actor is not None:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception as exc:  # the actor's node may be gone already
+                log.debug("ray slot %s: kill: %s", slot.name, exc)
+            slot.actor = None
+        if slot.group is not None:
+            try:
+                remove_placement_group(slot.group)
+            except Exception as exc:
+                log.debug("ray slot %s: remove placement group: %s", slot.name, exc)
+            slot.group = None
+
+    async def _keep(self, slot: _RaySlot) -> None:
+        """Place the slot's actor, wait for its end, release it, and place it again after the backoff."""
+        import ray
+
+        while True:
+            try:
+                ready = await trio.to_thread.run_sync(self._request, slot)
+                while not await trio.to_thread.run_sync(self._placed, ready, abandon_on_cancel=True):
+                    pass  # pending: waits for room, not a failure
+                reference = await trio.to_thread.run_sync(self._start, slot, abandon_on_cancel=True)
+            except ray.exceptions.RayError as exc:
+                why = f"placement failed: {type(exc).__name__}: {exc}"
+            else:
+                why = await trio.to_thread.run_sync(self._outcome, reference, abandon_on_cancel=True)
+            if slot.worker_id is not None and self._authority is not None:
+                self._authority.lose(slot.worker_id, why)
+            slot.worker_id = None
+            await trio.to_thread.run_sync(self._release, slot)
+            slot.node = None
+            if slot.drained and why == "process exited with code 0":
+                slot.restarts.stop()  # drained on purpose: its resources are back in Ray, nothing to replace
+                log.info("ray slot %s: drained; it stays down", slot.name)
+                return
+            if not await back_off(slot.restarts, why, f"ray slot {slot.name}"):
+                return
+
+    # -- the authority's notices --
+
+    def _slot_of(self, worker: RemoteWorker) -> _RaySlot | None:
+        return next((s for s in self.slots if s.name == worker.slot and worker.launcher == self.name), None)
+
+    def worker_registered(self, worker: RemoteWorker) -> None:
+        slot = self._slot_of(worker)
+        if slot is not None:
+            slot.worker_id = worker.worker_id
+
+    def worker_lost(self, worker: RemoteWorker, cause: str) -> None:
+        slot = self._slot_of(worker)
+        if slot is not None and slot.worker_id == worker.worker_id:
+            slot.worker_id = None
+            if slot.actor is not None and not cause.startswith(("node removed", "process exited")):
+                # lost while its process may live on (frozen, cut off): end the actor, the slot is replaced
+                actor, slot.actor = slot.actor, None
+                trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, partial(_kill, actor))
+
+    def worker_left(self, worker: RemoteWorker) -> None:
+        slot = self._slot_of(worker)
+        if slot is not None and slot.worker_id == worker.worker_id:
+            slot.worker_id = None
+            slot.drained = True
+
+    def view(self) -> list[dict[str, Any]]:
+        now = trio.current_time()
+        return [{"slot": s.name, "gpus": s.gpus, "state": s.restarts.state.value, "placed": s.node is not None,
+                 "worker_id": s.worker_id, "node": s.node, "restarts": s.restarts.restarts,
+                 "reason": s.restarts.describe(now)} for s in self.slots]
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:
+        log.debug("ray: kill: %s", exc)
+
+
+if sys.platform != "linux":  # pragma: no cover - PR_SET_PDEATHSIG is Linux only
+    raise ImportError("--workers ray needs Linux (agent processes die with their actor through PR_SET_PDEATHSIG)")
