@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 import httpx
+import pytest
 import trio
 import trio.lowlevel
 from hypercorn.config import Config
@@ -39,6 +40,8 @@ QUEUE = 8
 CLIENTS = 64
 ITERATIONS = 5
 MAX_POLLS = 3  # GETs per iteration (fewer once the session is no longer queued)
+AGENT_PIPELINE = "spec_tests/cluster/tiny_world.py"
+AGENT_START = 240.0  # seconds: an agent process imports torch (slow on a loaded 2-core host)
 HANG_BOUND = 30.0  # seconds: a request slower than this is stuck, not slow (it took 11 s on a loaded 2-core host)
 SESSIONS = "/v1/stream/sessions"
 WAITING = {"assigned", "joining_room"}
@@ -148,11 +151,17 @@ class Watch:
             self.problem(f"book FIFO {list(self.book.queued_ids())} != model {self.queue}")
 
 
-async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("workers", ["in-process", "local"])
+async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: trio.Nursery, workers: str) -> None:
+    """``local``: the same load through the authority, its one worker a ``chunkline worker`` agent process."""
     leaks = Leaks(fd_slack=4)
-    settings = ServerSettings(pipeline="in-test", max_sessions_per_worker=CAPACITY, queue_size=QUEUE,
-                              controller_timeout=3600, room_empty_timeout=3600)
-    app = create_app(settings, service_loader=counter_loader(CounterService()))
+    limits = dict(max_sessions_per_worker=CAPACITY, queue_size=QUEUE, controller_timeout=3600, room_empty_timeout=3600)
+    if workers == "in-process":
+        settings = ServerSettings(pipeline="in-test", **limits)
+        app = create_app(settings, service_loader=counter_loader(CounterService()))
+    else:
+        # a generous heartbeat deadline: this test loads the authority's loop on purpose, liveness is not its subject
+        app = create_app(ServerSettings(pipeline=AGENT_PIPELINE, workers="local", heartbeat_deadline=30.0, **limits))
     runtime: StreamRuntime = app.extensions["chunkline"]
     config = Config()
     config.bind = ["127.0.0.1:0"]
@@ -167,7 +176,9 @@ async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: t
             stopped.set()
 
     urls = await nursery.start(run_server)
-    await wait_until(lambda: runtime.ready, "the runtime to be ready")
+    runtime.serving_at(urls[0])  # agents join the local rooms here
+    await wait_until(lambda: runtime.ready, "the runtime to be ready", deadline=AGENT_START)
+    worker_id = next(iter(runtime.workers))  # worker-0, or the agent's fresh id
     watch = Watch(runtime)
     answers: list[Answer] = []
 
@@ -188,7 +199,7 @@ async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: t
                 continue
             session_id = body["session_id"]
             if created.status == 200:
-                assert body["status"] == "assigned" and body["worker_id"] == "worker-0", body
+                assert body["status"] == "assigned" and body["worker_id"] == worker_id, body
                 assert body["queue_position"] is None and body["token"], body
             else:
                 assert created.status == 202, (created.status, body)
@@ -206,7 +217,7 @@ async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: t
                     await trio.lowlevel.checkpoint()
                     continue
                 assert view["status"] in WAITING and view["queue_position"] is None, view
-                assert view["worker_id"] == "worker-0", view
+                assert view["worker_id"] == worker_id, view
                 position = None
                 break
             deleted = await request(client, index, "DELETE", f"{SESSIONS}/{session_id}")
