@@ -195,6 +195,9 @@ class Controller:
                 self._arrived.send_nowait(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
+        finally:  # also when the test's run ends without closing it (a failed test): no socket left to the GC
+            with trio.CancelScope(shield=True):
+                await self.ws.aclose()
         self._arrived.send_nowait(None)
 
     @property
