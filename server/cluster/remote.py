@@ -73,6 +73,11 @@ class RemoteWorker:
         self._outbox_send, self._outbox = trio.open_memory_channel[Message](256)
 
     @property
+    def failing(self) -> bool:
+        """Lost (the runtime's check before it promotes onto a worker; an agent's own failure is a loss)."""
+        return self.lost_cause is not None
+
+    @property
     def identity(self) -> str:
         return f"chunkline-{self.worker_id}"
 
