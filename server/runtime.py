@@ -348,7 +348,7 @@ class StreamRuntime:
             while on_worker():
                 await on_worker()[0].finished.wait()
         for runner in on_worker():
-            runner.stop("worker_drain")  # at a chunk boundary, never mid-chunk
+            runner.drain(DrainCause.WORKER_DRAIN)  # at a chunk boundary, never mid-chunk
         with trio.move_on_after(DELETE_WAIT):
             while on_worker():
                 await on_worker()[0].finished.wait()

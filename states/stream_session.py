@@ -123,6 +123,7 @@ class DrainCause(enum.Enum):
     SHUTDOWN = "shutdown"  # the server is shutting down
     WORKER_FAILED = "worker_failed"  # the model worker hosting it failed
     PIPELINE_STALLED = "pipeline_stalled"  # the pipeline did not take a control within its deadline
+    WORKER_DRAIN = "worker_drain"  # its worker drains (POST /v1/service/workers/{id}/drain, SIGTERM to an agent)
 
 
 #: The event that settles a drain that itself went well, by its cause.
@@ -137,6 +138,7 @@ SETTLES_WITH: dict[DrainCause, Event] = {
     DrainCause.SHUTDOWN: Event.COMPLETE,
     DrainCause.WORKER_FAILED: Event.FAIL,
     DrainCause.PIPELINE_STALLED: Event.FAIL,
+    DrainCause.WORKER_DRAIN: Event.COMPLETE,
 }
 
 

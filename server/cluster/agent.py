@@ -38,12 +38,13 @@ import trio
 from engine import CapacityPlan
 from states.liveness import fence_at
 from states.restart_policy import RestartPolicy, RestartTracker
-from states.stream_session import Event, State, StreamSessionMachine
+from states.stream_session import DrainCause, Event, State, StreamSessionMachine
 
 from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
 from ..registry import SessionRecord, SessionRegistry
-from ..runner import RoomRunner
+from ..lifecycle import SessionLifecycle
+from ..runner import RoomRunner, RunnerDeps
 from . import wire
 from .backoff import back_off
 from .identity import chunkline_version, pipeline_digest, pipeline_name
@@ -92,15 +93,6 @@ class AgentOptions:
     version: str = attrs.Factory(chunkline_version)
 
 
-@attrs.frozen
-class RunnerSettings:
-    """What a room runner reads of the settings; the authority sends the values."""
-
-    controller_timeout: float
-    room_empty_timeout: float
-    max_data_message_bytes: int
-
-
 class _MintedTokens:
     """The runner asks for a worker token; the authority minted it (secrets stay there)."""
 
@@ -125,21 +117,30 @@ class _ForwardingRegistry(SessionRegistry):
 
 
 class _RunnerHost:
-    """The runtime surface a RoomRunner uses, backed by the agent."""
+    """What the agent's room runners use (:class:`~server.runner.RunnerDeps`), backed by the agent."""
 
     def __init__(self, agent: Agent, welcome: wire.Welcome, transport: Any) -> None:
         self.registry = _ForwardingRegistry(agent)
         self.issuer = _MintedTokens()
         self.transport = transport
-        self.settings = RunnerSettings(welcome.controller_timeout, welcome.room_empty_timeout, welcome.max_data_message_bytes)
-        self.metrics = agent.metrics
-        self._agent = agent
+        self.deps = RunnerDeps(
+            issuer=self.issuer,  # type: ignore[arg-type]
+            transport=transport,
+            metrics=agent.metrics,
+            lifecycle=SessionLifecycle(self.registry),
+            controller_timeout=welcome.controller_timeout,
+            room_empty_timeout=welcome.room_empty_timeout,
+            max_data_message_bytes=welcome.max_data_message_bytes,
+            on_finished=agent.session_finished,
+        )
 
-    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        self._agent.spawn(fn, *args)
 
-    def session_finished(self, runner: RoomRunner, error: str | None) -> None:
-        self._agent.session_finished(runner, error)
+def _cause(value: str) -> DrainCause:
+    """The drain cause the authority sent (its runtime's); an unknown one stops as a shutdown."""
+    try:
+        return DrainCause(value)
+    except ValueError:
+        return DrainCause.SHUTDOWN
 
 
 def _make_transport(welcome: wire.Welcome) -> Any:
@@ -360,7 +361,7 @@ class Agent:
             elif isinstance(message, wire.Stop):
                 runner = self.runners.get(message.session_id)
                 if runner is not None:
-                    runner.abort() if message.now else runner.stop(message.cause)
+                    runner.abort(_cause(message.cause)) if message.now else runner.drain(_cause(message.cause))
             elif isinstance(message, wire.Drain):
                 self.begin_drain(message.deadline)
             elif isinstance(message, wire.Refused):
@@ -420,7 +421,7 @@ class Agent:
             worker_id=self.worker_id,
         )
         self._host.issuer.by_room[message.room] = message.token
-        runner = RoomRunner(self._host, record, self.worker)  # type: ignore[arg-type]
+        runner = RoomRunner(self._host.deps, record, self.worker)
         self.runners[message.session_id] = runner
         self.worker.start_runner(runner.run)
 
@@ -441,7 +442,8 @@ class Agent:
         session_id = runner.record.session_id
         self.runners.pop(session_id, None)
         seq = self._seq.pop(session_id, 0) + 1
-        self.send(wire.SessionFinished(session_id, seq, error, runner.record.drain_cause or runner.stop_cause))
+        cause = runner.record.drain_cause
+        self.send(wire.SessionFinished(session_id, seq, error, None if cause is None else cause.value))
         image = self._images.pop(session_id, None)
         if image is not None:
             with contextlib.suppress(OSError):
@@ -452,7 +454,10 @@ class Agent:
     async def _stop_runners(self, cause: str, *, hard: bool) -> None:
         runners = list(self.runners.values())
         for runner in runners:
-            runner.abort() if hard else runner.stop(cause)
+            if hard:  # fenced or exiting: the authority settles these sessions with the loss
+                runner.fail(cause, DrainCause.WORKER_FAILED)
+            else:
+                runner.drain(DrainCause.WORKER_DRAIN)
         with trio.move_on_after(RUNNER_STOP_GRACE):
             for runner in runners:
                 await runner.finished.wait()

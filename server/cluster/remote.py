@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from states.stream_session import Event
+from states.stream_session import DrainCause, Event
 
 from .wire import Channel, ConnectionClosed, Message, SessionEvent, SessionFinished, Start, Stop
 
@@ -156,8 +156,9 @@ class RemoteWorker:
             self.stale_events += 1
             return
         run.seq = message.seq
-        if message.drain_cause and not run.record.drain_cause:
-            run.record.drain_cause = message.drain_cause
+        if message.drain_cause and run.record.drain_cause is None:
+            # the agent's runner drained first (its controller left, its room emptied): its cause, once
+            run.record.drain_cause = _drain_cause(message.drain_cause)
         run.settle(message.error)
 
     def lose(self, cause: str) -> None:
@@ -166,6 +167,13 @@ class RemoteWorker:
             self.lost_cause = cause
             self.failure = f"worker lost: {cause}"
         self._outbox_send.close()
+
+
+def _drain_cause(value: str) -> DrainCause:
+    try:
+        return DrainCause(value)
+    except ValueError:
+        return DrainCause.WORKER_FAILED  # an agent of this version sends only known causes
 
 
 def _read_image(path: str | None) -> tuple[str | None, str | None]:
@@ -186,30 +194,25 @@ class RemoteRun:
         self.worker = worker
         self.finished = trio.Event()
         self.seq = 0
-        self._stop_cause: str | None = None
 
-    @property
-    def stop_cause(self) -> str | None:
-        return self._stop_cause
+    def drain(self, cause: DrainCause, detail: str | None = None) -> None:
+        """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""
+        self.runtime.lifecycle.drain(self.record, cause, detail)
+        self.worker.send(Stop(self.record.session_id, cause.value))
 
-    def stop(self, cause: str) -> None:
-        if self._stop_cause is None:
-            self._stop_cause = cause
-        self.worker.send(Stop(self.record.session_id, cause))
-
-    def abort(self) -> None:
+    def abort(self, cause: DrainCause = DrainCause.SHUTDOWN) -> None:
         """Stop at once; a lost worker's sessions are settled here, failed with the cause."""
         if self.worker.lost_cause is not None:
             self.settle(f"worker lost: {self.worker.lost_cause}")
             return
-        if self._stop_cause is None:
-            self._stop_cause = "shutdown"
-        self.worker.send(Stop(self.record.session_id, self._stop_cause, now=True))
+        self.runtime.lifecycle.drain(self.record, cause)
+        self.worker.send(Stop(self.record.session_id, cause.value, now=True))
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, cause: DrainCause = DrainCause.WORKER_FAILED) -> None:
         """The worker under the session is gone: settle it failed, naming the loss when there is one."""
+        self.runtime.lifecycle.drain(self.record, cause, self.worker.failure or reason)
         if self.worker.lost_cause is None:
-            self.worker.send(Stop(self.record.session_id, "failed", now=True))
+            self.worker.send(Stop(self.record.session_id, cause.value, now=True))
         self.settle(self.worker.failure or reason)
 
     def settle(self, error: str | None) -> None:
