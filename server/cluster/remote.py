@@ -147,9 +147,9 @@ class RemoteWorker:
         if message.pipeline_session_id is not None:
             record.pipeline_session_id = message.pipeline_session_id
         record.participants = set(message.participants)
-        if record.machine.can(event):
-            run.runtime.registry.apply(record, event, now=now, error=message.error)
-        # else: the authority moved first (a DRAIN it applied itself); nothing to do
+        # the agent's progress moves the authority's record through its lifecycle; a drain's cause and the end
+        # arrive with the finish (SessionFinished), and a drain the authority applied first stays
+        run.runtime.lifecycle.step(record, event)
 
     def on_session_finished(self, message: SessionFinished) -> None:
         run = self.runs.get(message.session_id)
@@ -157,9 +157,9 @@ class RemoteWorker:
             self.stale_events += 1
             return
         run.seq = message.seq
-        if message.drain_cause and run.record.drain_cause is None:
+        if message.drain_cause:
             # the agent's runner drained first (its controller left, its room emptied): its cause, once
-            run.record.drain_cause = _drain_cause(message.drain_cause)
+            run.runtime.lifecycle.drain(run.record, _drain_cause(message.drain_cause), message.error)
         run.settle(message.error)
 
     def lose(self, cause: str) -> None:
