@@ -30,7 +30,7 @@ from states.restart_policy import RestartPolicy, RestartTracker
 from states.stream_session import LIVE_MEDIA, RETAINING, DrainCause, State
 from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
 from states.worker import TERMINAL as WORKER_TERMINAL
-from states.worker import State as WorkerState
+from states.worker import DRAINABLE as WORKER_DRAINABLE, LOADING as WORKER_LOADING
 
 from .metrics import ServerMetrics
 from .model_worker import ModelWorker
@@ -330,11 +330,12 @@ class StreamRuntime:
         worker = self.workers.get(worker_id)
         if worker is None:
             raise UnknownWorker(worker_id)
-        if self.book.worker_state(worker_id) is WorkerState.STARTING:
+        state = self.book.worker_state(worker_id)
+        if state in WORKER_LOADING:
             raise SessionConflict(f"worker {worker_id} is still starting; drain it once it is ready")
         if self.cluster is not None:
             self.cluster.drain(worker_id, deadline)
-        elif self.book.worker_state(worker_id) is not WorkerState.DRAINING:
+        elif state in WORKER_DRAINABLE:  # a draining, failed or stopped worker has nothing left to drain
             self.drain_in_book(worker_id)
             self.spawn(self._drain_in_process, worker, deadline)
         self._publish_gauges()

@@ -19,7 +19,9 @@ import enum
 
 from .machine import StateMachine
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "ELIGIBLE", "PROSPECTIVE", "WorkerMachine"]
+__all__ = [
+    "State", "Event", "TRANSITIONS", "TERMINAL", "ELIGIBLE", "PROSPECTIVE", "DRAINABLE", "LOADING", "WorkerMachine",
+]
 
 
 class State(enum.Enum):
@@ -69,6 +71,11 @@ TERMINAL = frozenset({State.FAILED, State.STOPPED})
 ELIGIBLE = frozenset({State.IDLE, State.BUSY})
 # Workers a new session may wait for: eligible now, or once loaded.
 PROSPECTIVE = ELIGIBLE | {State.STARTING}
+
+# Workers a drain takes out of admission (read from the table, never retyped).
+DRAINABLE = frozenset(state for (state, event) in TRANSITIONS if event is Event.DRAIN)
+# Workers still loading their pipeline: a drain must wait until they are ready.
+LOADING = frozenset(state for (state, event) in TRANSITIONS if event is Event.READY)
 
 
 class WorkerMachine(StateMachine[State, Event]):

@@ -1,0 +1,45 @@
+"""POST /v1/service/workers/{id}/drain on an in-process worker (the agents' drain has its own tests).
+
+A drain takes the worker out of admission at once, lets its live sessions run until the deadline, then
+drains them at a chunk boundary (they end as completed work, not failures) and stops the worker.
+"""
+
+from __future__ import annotations
+
+from .conftest import GatedLoader, make_settings, serve, wait_until
+
+DRAIN = "/v1/service/workers/{}/drain"
+
+
+async def test_a_drained_worker_takes_no_new_session_and_its_live_one_ends_closed_at_the_deadline():
+    async with serve(make_settings(max_sessions_per_worker=2, queue_size=2)) as s:
+        status, created, _ = await s.create("a")
+        assert status == 200, created
+        status, body, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 0.2})
+        assert status == 202, body
+        assert body == {"worker_id": "worker-0", "state": "draining", "deadline_seconds": 0.2}
+
+        status, refused, _ = await s.create("b")  # the only worker is draining: no place to run
+        assert status in (429, 503), refused
+        assert s.runtime.get(created["session_id"]).status.value != "closed"  # live until the deadline
+
+        await wait_until(lambda: s.runtime.get(created["session_id"]).is_terminal, "the drained session to end")
+        record = s.runtime.get(created["session_id"])
+        assert (record.status.value, record.error) == ("closed", None)
+        await wait_until(lambda: s.runtime.book.worker_state("worker-0").value == "stopped", "the worker to stop")
+
+        status, again, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 0.2})
+        assert (status, again["state"]) == (202, "stopped")  # nothing left to drain: answered, changes nothing
+
+
+async def test_draining_a_worker_that_is_still_loading_is_a_conflict_and_unknown_is_404():
+    loader = GatedLoader()
+    async with serve(make_settings(), loader=loader, ready=False) as s:
+        try:
+            status, body, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 1})
+            assert (status, body["error"]) == (409, "conflict") and "still starting" in body["detail"], body
+            assert s.runtime.book.worker_state("worker-0").value == "starting"
+            status, body, _ = await s.json("post", DRAIN.format("nobody"), json={"deadline_seconds": 1})
+            assert status == 404, body
+        finally:
+            loader.release()
