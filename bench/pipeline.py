@@ -5,9 +5,13 @@
   efficiency (mean chunk period / mean time of the slowest stage, from
   ``chunk.metadata["stage_times"]``; 1.0 means the slowest stage never waits).
 - ``multi``: four sessions in the default ``on_input`` mode, each holding a key with its controller
-  re-sending the held keys continuously, until about 60 chunks were made in all: aggregate chunks/s,
-  each session's largest gap between consecutive chunks (in its own mean chunk period -- the
-  fairness goal is <= 2 -- and in single-session and aggregate chunk periods), and each session's real-time factor.
+  re-sending the held keys continuously, until about 60 chunks were made in all, on a service that opts
+  in to lease rotation (``rotate_lease=True``; under the default rule an always-active holder keeps the
+  lease, so the other three would wait by design): aggregate chunks/s, each session's largest gap
+  between consecutive chunks (in its own mean chunk period -- the fairness goal is <= 2 -- and in
+  single-session and aggregate chunk periods), each session's real-time factor, and
+  ``starved_sessions``, how many made fewer than two chunks (their gaps cannot be measured; any is a
+  fairness failure, whatever the worst gap says).
 
 - ``placements``: one ``continuous`` session of ``PLACEMENT_CHUNKS`` chunks at a small size
   (``PLACEMENT_SIZE``) under each placement, side by side: ``in-process``, ``process`` with decode
@@ -190,6 +194,7 @@ async def multi(service: Any, single_period: float) -> dict[str, Any]:
         "worst_max_gap_single_periods": max(worst) if worst else None,
         "worst_max_gap_own_periods": max(worst_own) if worst_own else None,
         "gap_goal_own_periods": 2.0,
+        "starved_sessions": sum(1 for v in per_session.values() if v["chunks"] < 2),
         "per_session": per_session,
     }
 
@@ -261,7 +266,9 @@ async def main(only: str | None = None, device: str = "cpu") -> None:
     async with service.running():
         line = await single(service)
         emit(line)
-        emit(await multi(service, line["mean_chunk_period_s"]))
+    rotating = get_service(rotate_lease=True)
+    async with rotating.running():
+        emit(await multi(rotating, line["mean_chunk_period_s"]))
     emit(await placements())
     emit(await resolutions())
 
