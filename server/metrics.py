@@ -9,21 +9,11 @@ Session and room ids never become label values: the `session_key` passed to
 `record_control`, `record_chunk_published` and `record_session_finished` keys internal
 per-session state (the pending action, the per-session fps window) and nothing else.
 
-Published fps (reference B.12, F.17)
-------------------------------------
+Published fps
+-------------
 `chunkline_published_fps{scope}` is computed when the registry is collected, over the
-trailing window `(now - fps_window_seconds, now]`:
-
-* `aggregate` — every frame published in the window (sessions that have since finished
-  included) divided by the window length;
-* `per_session_mean|p50|p95|min` — over the live sessions that published at least one frame
-  in the window, each session's frames in the window divided by the window length.
-  Quantiles are nearest-rank: the value at rank `ceil(q * n)` of the ascending sample
-  (never interpolated, unlike the orchestrator's linear percentiles in `engine.metrics`).
-  With no such session every per-session scope reads 0.
-
-Dividing by the full window keeps the figures comparable, at the price that a session
-younger than the window reads low until it has published for a whole window.
+trailing window of `fps_window_seconds` (the scopes and how they are computed:
+`server.published_fps`).
 
 Action to first frame
 ---------------------
@@ -39,15 +29,16 @@ the server's trio thread, and collect (`prometheus_text`, `summary`) from that t
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from .histogram_summary import histogram_summary
+from .published_fps import FPS_SCOPES, PublishedFps
 
 __all__ = [
     "ADMISSION_RESULTS",
@@ -57,7 +48,6 @@ __all__ = [
     "FPS_SCOPES",
     "LATENCY_BUCKETS",
     "ServerMetrics",
-    "nearest_rank",
 ]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -81,52 +71,6 @@ ADMISSION_RESULTS = ("assigned", "queued", "rejected")
 CHUNK_RESULTS = ("processed", "published")
 FINISH_RESULTS = ("closed", "failed", "expired")
 LOSS_CAUSES = ("connection_closed", "heartbeat_missed", "process_exited", "node_removed", "protocol_error")
-FPS_SCOPES = (
-    "aggregate",
-    "per_session_mean",
-    "per_session_p50",
-    "per_session_p95",
-    "per_session_min",
-)
-
-
-def nearest_rank(ordered: Sequence[float], fraction: float) -> float:
-    """The nearest-rank quantile of an ascending sample: the element at rank ceil(q * n)."""
-    if not ordered:
-        raise ValueError("quantile of an empty sample")
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"quantile fraction {fraction!r} is outside [0, 1]")
-    rank = max(1, math.ceil(fraction * len(ordered)))
-    return ordered[rank - 1]
-
-
-class _FrameWindow:
-    """(time, frames) entries inside a trailing window; older entries are pruned lazily."""
-
-    __slots__ = ("_entries", "_frames")
-
-    def __init__(self) -> None:
-        self._entries: deque[tuple[float, int]] = deque()
-        self._frames = 0
-
-    def add(self, at: float, frames: int) -> None:
-        # Entries normally arrive in time order; an out-of-order stamp is kept sorted so
-        # pruning from the left stays correct.
-        if self._entries and at < self._entries[-1][0]:
-            entries = sorted([*self._entries, (at, frames)], key=lambda entry: entry[0])
-            self._entries = deque(entries)
-        else:
-            self._entries.append((at, frames))
-        self._frames += frames
-
-    def frames_since(self, horizon: float) -> int:
-        """Drop entries at or before `horizon`; return the frames that remain."""
-        while self._entries and self._entries[0][0] <= horizon:
-            _, frames = self._entries.popleft()
-            self._frames -= frames
-        return self._frames
-
-
 class _PublishedFpsCollector(Collector):
     """Computes `chunkline_published_fps{scope}` and `chunkline_uptime_seconds` per scrape."""
 
@@ -168,13 +112,9 @@ class ServerMetrics:
         clock: Callable[[], float] = time.monotonic,
         fps_window_seconds: float = 30.0,
     ) -> None:
-        if not fps_window_seconds > 0:
-            raise ValueError(f"fps_window_seconds must be > 0, got {fps_window_seconds!r}")
+        self._fps = PublishedFps(fps_window_seconds)
         self._clock = clock
-        self._fps_window_seconds = float(fps_window_seconds)
         self._started_at = clock()
-        self._aggregate_window = _FrameWindow()
-        self._session_windows: dict[str, _FrameWindow] = {}
         self._pending_actions: dict[str, float] = {}
         self._session_statuses: set[str] = set()
         self._worker_states: set[str] = set()
@@ -320,15 +260,7 @@ class ServerMetrics:
         if frames == 0:
             return
         self._frames_published.inc(frames)
-        # Prune as we go, so the windows stay bounded even if nobody scrapes.
-        horizon = self._clock() - self._fps_window_seconds
-        self._aggregate_window.add(stamp, frames)
-        self._aggregate_window.frames_since(horizon)
-        window = self._session_windows.get(session_key)
-        if window is None:
-            window = self._session_windows[session_key] = _FrameWindow()
-        window.add(stamp, frames)
-        window.frames_since(horizon)
+        self._fps.add(session_key, stamp, frames, self._clock())  # prunes as it goes, scraped or not
         pending = self._pending_actions.get(session_key)
         if pending is not None and stamp >= pending:
             del self._pending_actions[session_key]
@@ -339,7 +271,7 @@ class ServerMetrics:
         _check_choice("session result", result, FINISH_RESULTS)
         self._sessions_finished.labels(result=result).inc()
         self._pending_actions.pop(session_key, None)
-        self._session_windows.pop(session_key, None)
+        self._fps.forget(session_key)
 
     def set_sessions(self, counts: Mapping[str, int]) -> None:
         """Set `chunkline_sessions{status}`; a status seen before but absent here reads 0."""
@@ -370,7 +302,7 @@ class ServerMetrics:
 
     @property
     def fps_window_seconds(self) -> float:
-        return self._fps_window_seconds
+        return self._fps.window_seconds
 
     def uptime_seconds(self) -> float:
         return max(0.0, self._clock() - self._started_at)
@@ -381,24 +313,7 @@ class ServerMetrics:
 
     def published_fps(self) -> dict[str, float]:
         """The fps scopes over the trailing window ending now (see the module docstring)."""
-        horizon = self._clock() - self._fps_window_seconds
-        window = self._fps_window_seconds
-        aggregate = self._aggregate_window.frames_since(horizon) / window
-        in_window = {key: w.frames_since(horizon) for key, w in self._session_windows.items()}
-        for key, frames in in_window.items():
-            if frames == 0:  # idle for a whole window: no longer an active session
-                del self._session_windows[key]
-        rates = sorted(frames / window for frames in in_window.values() if frames > 0)
-        if rates:
-            per_session = {
-                "per_session_mean": math.fsum(rates) / len(rates),
-                "per_session_p50": nearest_rank(rates, 0.50),
-                "per_session_p95": nearest_rank(rates, 0.95),
-                "per_session_min": rates[0],
-            }
-        else:
-            per_session = dict.fromkeys(FPS_SCOPES[1:], 0.0)
-        return {"aggregate": aggregate, **per_session}
+        return self._fps.rates(self._clock())
 
     def prometheus_text(self) -> bytes:
         """The registry in the Prometheus text exposition format (see `CONTENT_TYPE`)."""
@@ -449,13 +364,13 @@ class ServerMetrics:
             },
             "frames_published": count("chunkline_frames_published_total"),
             "published_fps": {
-                "window_seconds": self._fps_window_seconds,
+                "window_seconds": self._fps.window_seconds,
                 **self.published_fps(),
             },
-            "chunk_latency_seconds": _histogram_summary(self._chunk_latency),
+            "chunk_latency_seconds": histogram_summary(self._chunk_latency),
             "action_to_first_frame_seconds": {
                 key: item
-                for key, item in _histogram_summary(self._action_to_first_frame).items()
+                for key, item in histogram_summary(self._action_to_first_frame).items()
                 if key in ("count", "mean")
             },
         }
@@ -464,48 +379,3 @@ class ServerMetrics:
 def _check_choice(what: str, value: str, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(choices)}")
-
-
-def _histogram_summary(histogram: Histogram) -> dict[str, Any]:
-    """Count, mean and bucket-interpolated p50/p95 estimates (None when empty)."""
-    buckets: list[tuple[float, float]] = []
-    total = 0.0
-    observed = 0.0
-    for metric in histogram.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_bucket"):
-                buckets.append((float(sample.labels["le"]), sample.value))
-            elif sample.name.endswith("_sum"):
-                total = sample.value
-            elif sample.name.endswith("_count"):
-                observed = sample.value
-    buckets.sort()
-    n = int(observed)
-    if n == 0:
-        return {"count": 0, "mean": None, "p50": None, "p95": None}
-    return {
-        "count": n,
-        "mean": total / n,
-        "p50": _bucket_quantile(buckets, 0.50),
-        "p95": _bucket_quantile(buckets, 0.95),
-    }
-
-
-def _bucket_quantile(buckets: Sequence[tuple[float, float]], fraction: float) -> float:
-    """Estimate a quantile from cumulative buckets the way PromQL's histogram_quantile does.
-
-    Linear interpolation inside the bucket holding the target rank, from the previous
-    bound (0 for the first bucket). A rank in the `+Inf` bucket reads as the largest finite
-    bound, since nothing better is known.
-    """
-    observed = buckets[-1][1]
-    target = fraction * observed
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, cumulative in buckets:
-        if cumulative >= target and cumulative > lower_count:
-            if math.isinf(bound):
-                return lower_bound
-            share = (target - lower_count) / (cumulative - lower_count)
-            return lower_bound + (bound - lower_bound) * share
-        lower_bound, lower_count = bound, cumulative
-    return lower_bound

@@ -10,7 +10,6 @@ import base64
 import binascii
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import attrs
 
 from pipelines.images import ImageRefused, check_image, check_image_file
 
-__all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_token_request", "resolve_image_path", "store_upload"]
+__all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_token_request", "resolve_image_path"]
 
 MAX_PROMPT = 2000
 MAX_CONFIG_BYTES = 16384
@@ -139,11 +138,3 @@ def _check_image(check: Any, field: str) -> None:
         raise BadRequest(exc.reason, f"{field}: {exc.detail}") from None
     except OSError:
         raise BadRequest("invalid_image_path", f"{field}: the file cannot be read") from None
-
-
-def store_upload(image: bytes, directory: str) -> str:
-    """Write an uploaded image to a private file the pipeline can read; the caller deletes it."""
-    handle, path = tempfile.mkstemp(prefix="upload-", suffix=".img", dir=directory)
-    with os.fdopen(handle, "wb") as file:
-        file.write(image)
-    return path

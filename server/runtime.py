@@ -9,13 +9,8 @@ pipeline sessions in theirs, and the API calls below return at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import secrets
-import shutil
-import socket
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,9 +21,8 @@ import trio
 from engine import CapacityPlan
 from states.admission import Admission, AdmissionBook, AdmissionTransition, Transition, UnknownWorker
 from states.machine import IllegalTransition
-from states.restart_policy import RestartPolicy, RestartTracker
-from states.stream_session import LIVE_MEDIA, RETAINING, DrainCause, State
-from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
+from states.restart_policy import RestartPolicy
+from states.stream_session import RETAINING, DrainCause, State
 from states.worker import TERMINAL as WORKER_TERMINAL
 from states.worker import DRAINABLE as WORKER_DRAINABLE, LOADING as WORKER_LOADING
 
@@ -36,11 +30,14 @@ from .metrics import ServerMetrics
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle
 from .registry import SessionRecord, SessionRegistry
-from .requests import CreateSession, store_upload
+from . import runtime_views
+from .requests import CreateSession
 from .runner import RoomRunner, RunnerDeps
 from .settings import ServerSettings
 from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
+from .uploads import UploadFolder
+from .worker_slots import WorkerSlot, WorkerSlots
 
 __all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created", "NoWorker", "ViewerLimit"]
 
@@ -81,17 +78,6 @@ class Created:
     token: str | None
 
 
-@attrs.define(eq=False)
-class _Slot:
-    """One configured worker place: its GPUs, its restart history, the worker filling it now."""
-
-    name: str
-    gpu_ids: tuple[int, ...]
-    tracker: RestartTracker
-    worker: ModelWorker | None = None
-    generation: int = 0
-
-
 class StreamRuntime:
     def __init__(
         self,
@@ -118,12 +104,11 @@ class StreamRuntime:
         self.workers: dict[str, ModelWorker] = {}
         self.runners: dict[str, RoomRunner] = {}
         self.restart_policy = restart_policy or RestartPolicy()
-        self._slots: dict[str, _Slot] = {}
-        self._slot_of: dict[str, _Slot] = {}
+        self.slots = WorkerSlots(self.restart_policy)
         self.cluster: Any = None  # the ClusterAuthority when workers are agents (--workers local|ray|external)
         self._service_loader = service_loader
         self._nursery: trio.Nursery | None = None
-        self._uploads: str | None = None
+        self.uploads = UploadFolder()
         self._shut_down = trio.Event()
         self.started = False
         self.closing = False
@@ -143,20 +128,17 @@ class StreamRuntime:
                 await nursery.start(self.cluster.run)
             nursery.start_soon(self._sweep)
             self.started = True
-            self._publish_gauges()
+            runtime_views.publish_gauges(self)
             task_status.started()
 
     def _start_in_process_workers(self) -> None:
         groups = self.settings.worker_gpu_map or tuple(() for _ in range(self.settings.num_workers))
         for index, gpu_ids in enumerate(groups):
-            slot = f"worker-{index}"
-            self._slots[slot] = _Slot(slot, tuple(gpu_ids), RestartTracker(self.restart_policy))
-            self._start_worker(self._slots[slot])
+            self._start_worker(self.slots.add(f"worker-{index}", tuple(gpu_ids)))
 
-    def _start_worker(self, slot: _Slot) -> ModelWorker:
+    def _start_worker(self, slot: WorkerSlot) -> ModelWorker:
         """A fresh worker for ``slot``: a new id (``worker-0``, then ``worker-0.1``...), its own capacity plan."""
-        worker_id = slot.name if slot.generation == 0 else f"{slot.name}.{slot.generation}"
-        slot.generation += 1
+        worker_id = slot.next_worker_id()
         initial = self.settings.max_sessions_per_worker
         options: dict[str, Any] = {}
         if self._service_loader is not None:
@@ -174,15 +156,14 @@ class StreamRuntime:
             validate=not self.settings.skip_validation,
             **options,
         )
-        slot.worker = worker
+        self.slots.fill(slot, worker)
         self.workers[worker_id] = worker
-        self._slot_of[worker_id] = slot
         self.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
         assert self._nursery is not None
         self._nursery.start_soon(worker.run)
         return worker
 
-    async def _restart_when_due(self, slot: _Slot) -> None:
+    async def _restart_when_due(self, slot: WorkerSlot) -> None:
         """Replace a failed worker once its backoff has passed (unless the server is stopping)."""
         due_at = slot.tracker.due_at
         if due_at is None:
@@ -195,7 +176,7 @@ class StreamRuntime:
         self.metrics.record_worker_restart()
         worker = self._start_worker(slot)
         log.info("worker slot %s: started %s (restart %d)", slot.name, worker.worker_id, slot.tracker.restarts)
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run a small task in the runtime's nursery (e.g. publishing an event)."""
@@ -222,13 +203,12 @@ class StreamRuntime:
         with trio.move_on_after(grace):
             for runner in list(self.runners.values()):
                 await runner.finished.wait()
-        for slot in self._slots.values():
-            slot.tracker.stop()
+        self.slots.stop()
         for worker in self.workers.values():
             worker.stop()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
-        self._remove_upload_dir()
+        self.uploads.remove()
         log.info("shutdown complete: %d session(s) drained", live)
         self._shut_down.set()
 
@@ -249,15 +229,15 @@ class StreamRuntime:
         for runner in list(self.runners.values()):
             if runner.worker is worker:
                 runner.fail(f"worker {worker.worker_id} failed: {reason}")
-        slot = self._slot_of.get(worker.worker_id)
-        if slot is not None and slot.worker is worker and not self.closing:
+        slot = self.slots.holding(worker)
+        if slot is not None and not self.closing:
             decision = slot.tracker.failure(now, reason)
             log.warning("worker slot %s: %s", slot.name, decision.reason)
             if decision.delay is not None:
                 self.spawn(self._restart_when_due, slot)
             elif not self.book.can_place():
                 self._fail_queued(f"no worker can take the session: {slot.tracker.describe(now)}")
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
 
     def _notice_failing(self, now: float) -> None:
         """A worker whose service is failing takes nothing more, before the book can promote onto it.
@@ -275,26 +255,9 @@ class StreamRuntime:
         for record in self.registry:
             if record.status is State.QUEUED:
                 self.lifecycle.fail_queued(record, reason)
-                self._discard_upload(record)
+                self.uploads.discard(record)
                 self._follow(self.book.release(record.session_id, now))
                 self.metrics.record_session_finished(record.session_id, "failed")
-
-    def restart_retry_after(self, now: float) -> float | None:
-        """Seconds until the next worker restart is due, or None when none is coming."""
-        waits = [w for slot in self._slots.values() if (w := slot.tracker.retry_after(now)) is not None]
-        return min(waits, default=None)
-
-    def slot_status(self, now: float) -> dict[str, dict[str, Any]]:
-        """Per worker slot: the current worker, its restarts and, when not running, why."""
-        return {
-            name: {
-                "worker_id": None if slot.worker is None else slot.worker.worker_id,
-                "restarts": slot.tracker.restarts,
-                "state": slot.tracker.state.value,
-                "reason": slot.tracker.describe(now),
-            }
-            for name, slot in self._slots.items()
-        }
 
     def serving_at(self, url: str) -> None:
         """The HTTP server is bound at ``url``: agents join the local rooms there (or at --public-url)."""
@@ -305,7 +268,7 @@ class StreamRuntime:
         """A worker agent registered: it joins the one admission book (STARTING until it is ready)."""
         self.workers[worker.worker_id] = worker
         self.book.add_worker(worker.worker_id, 1, trio.current_time())
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
 
     def agent_ready(self, worker: Any, capacity: int, plan: CapacityPlan) -> None:
         """A worker agent loaded its pipeline: its capacity joins the book and the queue head may start."""
@@ -316,7 +279,7 @@ class StreamRuntime:
         self._worker_failed(worker, reason)
         self.book.remove_worker(worker.worker_id, trio.current_time())
         self.workers.pop(worker.worker_id, None)
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
 
     def drain_in_book(self, worker_id: str) -> None:
         """No new sessions for the worker; it stops once it retains none."""
@@ -338,7 +301,7 @@ class StreamRuntime:
         elif state in WORKER_DRAINABLE:  # a draining, failed or stopped worker has nothing left to drain
             self.drain_in_book(worker_id)
             self.spawn(self._drain_in_process, worker, deadline)
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
         return {"worker_id": worker_id, "state": self.book.worker_state(worker_id).value, "deadline_seconds": deadline}
 
     async def _drain_in_process(self, worker: ModelWorker, deadline: float) -> None:
@@ -362,8 +325,8 @@ class StreamRuntime:
         identity = validate_client_identity(request.identity)
         if not self.closing and not self.book.can_place():
             now = trio.current_time()
-            reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slot_status(now).items() if why["reason"])
-            retry = self.restart_retry_after(now)
+            reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slots.status(now).items() if why["reason"])
+            retry = self.slots.retry_after(now)
             raise NoWorker(
                 "no worker is running or starting" + (f" ({reasons})" if reasons else ""),
                 NO_WORKER_RETRY_AFTER if retry is None else retry,
@@ -385,7 +348,7 @@ class StreamRuntime:
             deadline=now + timeout,
         )
         if image_bytes is not None:
-            record.upload_path = record.image_path = store_upload(image_bytes, self._upload_dir())
+            self.uploads.store(record, image_bytes)
         self.registry.add(record)
         if self.closing:
             admission = Admission(status="rejected", session_id=session_id, reason="shutting_down")
@@ -397,31 +360,14 @@ class StreamRuntime:
         if admission.status == "rejected":
             self.lifecycle.reject(record, admission.reason or "rejected")
             self.registry.remove(session_id)
-            self._discard_upload(record)
-            self._publish_gauges()
+            self.uploads.discard(record)
+            runtime_views.publish_gauges(self)
             return Created(record, admission, None)
         token = self.issuer.controller_token(room, identity)
         if admission.status == "queued":
             self.lifecycle.queue(record)
         self._follow(transitions)
         return Created(record, admission, token)
-
-    def _upload_dir(self) -> str:
-        if self._uploads is None:
-            self._uploads = tempfile.mkdtemp(prefix="chunkline-uploads-")
-        return self._uploads
-
-    def _remove_upload_dir(self) -> None:
-        """The server stops: every session is over, so the upload folder goes (whatever is left in it)."""
-        if self._uploads is not None:
-            shutil.rmtree(self._uploads, ignore_errors=True)
-            self._uploads = None
-
-    def _discard_upload(self, record: SessionRecord) -> None:
-        if record.upload_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(record.upload_path)
-            record.upload_path = None
 
     def queue_position(self, record: SessionRecord) -> int | None:
         return self.book.queue_position(record.session_id) if record.status is State.QUEUED else None
@@ -465,7 +411,7 @@ class StreamRuntime:
         now = trio.current_time()
         self._notice_failing(now)
         self.lifecycle.withdraw(record)
-        self._discard_upload(record)
+        self.uploads.discard(record)
         self._follow(self.book.release(record.session_id, now))
         self.metrics.record_session_finished(record.session_id, "closed")
 
@@ -476,7 +422,7 @@ class StreamRuntime:
             runner.drain(cause)
         else:
             self.lifecycle.drain(record, cause)
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
         return runner
 
     def _follow(self, transitions: list[Transition]) -> None:
@@ -493,7 +439,7 @@ class StreamRuntime:
             self.lifecycle.assign(record, transition.worker_id)  # type: ignore[arg-type]
             worker = self.workers[transition.worker_id]  # type: ignore[index]
             self.runners[record.session_id] = worker.open_runner(self, record)
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
 
     def session_finished(self, runner: RoomRunner, error: str | None) -> None:
         """A runner is done: settle its record, release the slot, admit the queue head."""
@@ -501,12 +447,12 @@ class StreamRuntime:
         now = trio.current_time()
         self.lifecycle.settle(record, error)
         self.runners.pop(record.session_id, None)
-        self._discard_upload(record)
+        self.uploads.discard(record)
         self.metrics.record_session_finished(record.session_id, record.status.value)
         self._notice_failing(now)
         if self.book.holds(record.session_id):
             self._follow(self.book.release(record.session_id, now))
-        self._publish_gauges()
+        runtime_views.publish_gauges(self)
 
     # -- time ----------------------------------------------------------------------------
 
@@ -518,7 +464,7 @@ class StreamRuntime:
             for record in self.registry.expired(now):
                 if record.status is State.QUEUED:
                     self.lifecycle.expire_queued(record)
-                    self._discard_upload(record)
+                    self.uploads.discard(record)
                     self._follow(self.book.release(record.session_id, now))
                     self.metrics.record_session_finished(record.session_id, "expired")
                 elif record.status in RETAINING:
@@ -528,81 +474,16 @@ class StreamRuntime:
                 retention_seconds=self.settings.terminal_retention_seconds,
                 retention_count=self.settings.terminal_retention_count,
             )
-            self._publish_gauges()
+            runtime_views.publish_gauges(self)
 
     # -- views ------------------------------------------------------------------------------
 
-    def _publish_gauges(self) -> None:
-        snapshot = self.book.snapshot()
-        self.metrics.set_sessions(self.registry.counts())
-        self.metrics.set_queue_depth(snapshot.queued)
-        self.metrics.set_workers(
-            {
-                "idle": snapshot.workers_idle,
-                "busy": snapshot.workers_busy,
-                "failed": snapshot.workers_failed,
-                "starting": snapshot.workers_starting,
-            }
-        )
-        self.metrics.set_capacity(sum(w.capacity for w in self.book.workers() if w.state in ELIGIBLE_WORKERS))
-
     def health(self) -> dict[str, Any]:
         self._notice_failing(trio.current_time())  # a worker whose service is failing is not counted healthy
-        snapshot = self.book.snapshot()
-        live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
-        connected = any(r.record.status in LIVE_MEDIA for r in self.runners.values())
-        # a failed worker that its slot has replaced is history (counted in workers_failed), not a degradation
-        failed_now = sum(
-            1 for slot in self._slots.values()
-            if slot.worker is None or self.book.worker_state(slot.worker.worker_id) in WORKER_TERMINAL
-        )
-        # agents: fewer eligible than the launcher expects is a degradation (a lost agent leaves the book)
-        short = self.cluster is not None and snapshot.workers_idle + snapshot.workers_busy < self.cluster.expected
-        if live == 0:
-            status = "unhealthy"
-        elif failed_now or snapshot.workers_starting or short:
-            status = "degraded"
-        else:
-            status = "healthy"
-        return {
-            "status": status,
-            "transport": self.transport.name,
-            # the seed's definition: a runner whose worker is in its room with media
-            "transport_connected": connected,
-            "livekit_connected": connected,  # the seed's name, kept as an alias of transport_connected
-            "workers_total": snapshot.workers_total,
-            "workers_idle": snapshot.workers_idle,
-            "workers_busy": snapshot.workers_busy,
-            "workers_starting": snapshot.workers_starting,
-            "workers_failed": snapshot.workers_failed,
-            "queued_sessions": snapshot.queued,
-            "worker_restarts": sum(slot.tracker.restarts for slot in self._slots.values()),
-            "worker_slots": self.slot_status(trio.current_time()),
-            "retained_sessions": snapshot.retained,
-            "free_slots": snapshot.free_slots,
-            "workers": self.worker_views(),
-        }
+        return runtime_views.health(self)
 
     def worker_views(self) -> list[dict[str, Any]]:
-        """One entry per worker: id, node, devices, state, capacity, retained, heartbeat age, launcher."""
-        now = trio.current_time()
-        out = []
-        for view in self.book.workers():
-            worker = self.workers.get(view.worker_id)
-            entry: dict[str, Any] = {
-                "worker_id": view.worker_id,
-                "state": view.state.value,
-                "capacity": view.capacity,
-                "retained": view.retained,
-                "node": socket.gethostname(),
-                "devices": list(getattr(worker, "gpu_ids", ())),
-                "heartbeat_age": None,
-                "launcher": "in-process",
-            }
-            if self.cluster is not None:
-                entry.update(self.cluster.view(view.worker_id, now) or {})
-            out.append(entry)
-        return out
+        return runtime_views.worker_views(self)
 
     @property
     def ready(self) -> bool:
@@ -610,35 +491,4 @@ class StreamRuntime:
         return self.started and not self.closing and (snapshot.workers_idle + snapshot.workers_busy) > 0
 
     def metadata(self) -> dict[str, Any]:
-        settings = self.settings
-        capacities = {
-            worker_id: worker.plan.to_dict() for worker_id, worker in self.workers.items() if worker.plan is not None
-        }
-        kinds = {w.kind for w in self.workers.values() if w.kind is not None}
-        return {
-            "service_type": "stream",
-            "transport": self.transport.name,
-            "pipeline_file": settings.pipeline,
-            "pipeline_kind": kinds.pop() if len(kinds) == 1 else None,
-            "livekit_url": settings.livekit_url,
-            "num_workers": settings.num_workers,
-            "worker_mode": settings.worker_mode,
-            "max_sessions_per_worker": min((w.capacity for w in self.book.workers()), default=None),
-            "configured_max_sessions_per_worker": settings.max_sessions_per_worker,
-            "queue_size": settings.queue_size,
-            "control_idle_timeout": settings.control_idle_timeout,
-            "session_timeout": settings.session_timeout,
-            "controller_timeout": settings.controller_timeout,
-            "room_empty_timeout": settings.room_empty_timeout,
-            "token_ttl": settings.token_ttl,
-            "worker_failures": {w.worker_id: w.failure for w in self.workers.values() if w.failure},
-            "startup_check": {w.worker_id: w.startup_check for w in self.workers.values() if w.startup_check},
-            "workers_launcher": settings.workers,
-            "cluster": None if self.cluster is None else {
-                **self.cluster.summary(),
-                "slots": self.cluster.launcher.view() if self.cluster.launcher is not None else [],
-            },
-            "session_capacity": capacities,
-            **self.health(),
-        }
-
+        return runtime_views.metadata(self, self.health())

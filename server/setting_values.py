@@ -10,7 +10,21 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ENV_PREFIX", "GpuMap", "SettingsError", "env_var", "option_for", "parse_cors_origins", "parse_gpu_map"]
+__all__ = [
+    "ENV_PREFIX",
+    "GpuMap",
+    "SettingsError",
+    "bad_value",
+    "blank_to_none",
+    "env_var",
+    "option_for",
+    "parse_bool",
+    "parse_choice",
+    "parse_cors_origins",
+    "parse_float",
+    "parse_gpu_map",
+    "parse_int",
+]
 
 ENV_PREFIX = "CHUNKLINE_"
 GpuMap = tuple[tuple[int, ...], ...]
@@ -43,29 +57,30 @@ def env_var(field_name: str) -> str:
 # --- parsers: text or value in, checked value out -----------------------------------------------------------
 
 
-def _fail(option: str, expected: str, value: Any) -> SettingsError:
+def bad_value(option: str, expected: str, value: Any) -> SettingsError:
+    """The error for ``value`` where ``option`` expects ``expected`` (raise it)."""
     return SettingsError(option, f"{option} must be {expected}, got {value!r}")
 
 
-def _int(option: str, value: Any, lo: int, hi: int | None) -> int:
+def parse_int(option: str, value: Any, lo: int, hi: int | None) -> int:
     expected = f"an integer between {lo} and {hi}" if hi is not None else f"an integer >= {lo}"
     if isinstance(value, bool):
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     if isinstance(value, str):
         try:
             parsed = int(value.strip())
         except ValueError:
-            raise _fail(option, expected, value) from None
+            raise bad_value(option, expected, value) from None
     elif isinstance(value, int):
         parsed = value
     else:
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     if parsed < lo or (hi is not None and parsed > hi):
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     return parsed
 
 
-def _float(option: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
+def parse_float(option: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
     if lo_open:
         expected = "a number of seconds > 0" if lo == 0 else f"a number > {lo:g}"
     elif hi is not None:
@@ -73,29 +88,29 @@ def _float(option: str, value: Any, lo: float, hi: float | None = None, *, lo_op
     else:
         expected = f"a number >= {lo:g}"
     if isinstance(value, bool):
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     if isinstance(value, str):
         try:
             parsed = float(value.strip())
         except ValueError:
-            raise _fail(option, expected, value) from None
+            raise bad_value(option, expected, value) from None
     elif isinstance(value, (int, float)):
         parsed = float(value)
     else:
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     if not math.isfinite(parsed) or parsed < lo or (lo_open and parsed == lo) or (hi is not None and parsed > hi):
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     return parsed
 
 
-def _choice(option: str, value: Any, choices: Sequence[str]) -> str:
+def parse_choice(option: str, value: Any, choices: Sequence[str]) -> str:
     expected = " or ".join(repr(c) for c in choices)
     if not isinstance(value, str) or value.strip().lower() not in choices:
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     return value.strip().lower()
 
 
-def _bool(option: str, value: Any) -> bool:
+def parse_bool(option: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -104,10 +119,11 @@ def _bool(option: str, value: Any) -> bool:
             return True
         if text in _FALSE:
             return False
-    raise _fail(option, "true or false (1/0, true/false, yes/no, on/off)", value)
+    raise bad_value(option, "true or false (1/0, true/false, yes/no, on/off)", value)
 
 
-def _blank_to_none(value: Any) -> Any:
+def blank_to_none(value: Any) -> Any:
+    """Blank text means "not set"."""
     return None if isinstance(value, str) and not value.strip() else value
 
 
@@ -117,7 +133,7 @@ def parse_gpu_map(value: Any, option: str = "--worker-gpu-map") -> GpuMap | None
     Blank text or None means no map. A sequence of sequences of ints is accepted as is (checked). Every group
     needs at least one GPU id (a non-negative integer); a GPU id may appear in only one group.
     """
-    value = _blank_to_none(value)
+    value = blank_to_none(value)
     if value is None:
         return None
     expected = "GPU groups like '0,1;2,3' (';' between workers, ',' between GPU ids)"
@@ -127,10 +143,10 @@ def parse_gpu_map(value: Any, option: str = "--worker-gpu-map") -> GpuMap | None
         raw_groups = []
         for group in value:
             if isinstance(group, str) or not isinstance(group, Sequence):
-                raise _fail(option, expected, value)
+                raise bad_value(option, expected, value)
             raw_groups.append(list(group))
     else:
-        raise _fail(option, expected, value)
+        raise bad_value(option, expected, value)
     groups: list[tuple[int, ...]] = []
     owner: dict[int, int] = {}
     for index, raw in enumerate(raw_groups):
@@ -174,7 +190,7 @@ def parse_cors_origins(value: Any, option: str = "--cors-allow-origins") -> tupl
     Each origin is ``scheme://host[:port]`` (no path, no trailing slash — browsers send it that way), or ``*``
     alone for any origin.
     """
-    value = _blank_to_none(value)
+    value = blank_to_none(value)
     if value is None:
         return ()
     if isinstance(value, str):
@@ -183,10 +199,10 @@ def parse_cors_origins(value: Any, option: str = "--cors-allow-origins") -> tupl
         items = []
         for part in value:
             if not isinstance(part, str):
-                raise _fail(option, "a comma-separated list of origins", value)
+                raise bad_value(option, "a comma-separated list of origins", value)
             items.append(part.strip())
     else:
-        raise _fail(option, "a comma-separated list of origins", value)
+        raise bad_value(option, "a comma-separated list of origins", value)
     origins = tuple(dict.fromkeys(item for item in items if item))
     for origin in origins:
         if origin == "*":

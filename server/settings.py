@@ -78,25 +78,25 @@ Notes:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 
+from . import setting_fields as fields
+from .setting_fields import MIN_LIVEKIT_SECRET_BYTES
 from .setting_values import (
     ENV_PREFIX,
     GpuMap,
     SettingsError,
-    _blank_to_none,
-    _bool,
-    _choice,
-    _fail,
-    _float,
-    _int,
+    blank_to_none,
     env_var,
     option_for,
+    parse_bool,
+    parse_choice,
     parse_cors_origins,
+    parse_float,
     parse_gpu_map,
+    parse_int,
 )
 
 __all__ = [
@@ -110,147 +110,11 @@ __all__ = [
     "parse_gpu_map",
 ]
 
-MIN_LIVEKIT_SECRET_BYTES = 32  # PyJWT warns about HMAC keys shorter than this
 REDACTED = "***"
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
 Workers = Literal["in-process", "local", "ray", "external"]
-_LIVEKIT_SCHEMES = ("ws://", "wss://", "http://", "https://")
-
-
-# --- converters bound to their fields -----------------------------------------------------------------------
-
-
-def _pipeline(value: Any) -> str:
-    if not isinstance(value, (str, Path)) or not str(value).strip():
-        raise SettingsError(
-            "PIPE", f"PIPE (the pipeline file) is required: pass it as an argument or set {env_var('pipeline')}"
-        )
-    return str(value)
-
-
-def _host(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip() or any(ch.isspace() for ch in value.strip()):
-        raise _fail("--host", "a host name or IP address", value)
-    return value.strip()
-
-
-def _transport(value: Any) -> str | None:
-    if value is None:
-        return None
-    return _choice("--transport", value, ("local", "livekit"))
-
-
-def _livekit_url(value: Any) -> str | None:
-    value = _blank_to_none(value)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip().lower().startswith(_LIVEKIT_SCHEMES):
-        raise _fail("--livekit-url", "a ws://, wss://, http:// or https:// URL", value)
-    return value.strip()
-
-
-def _public_url(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip().startswith("http://") or ":" not in value.strip()[7:]:
-        raise _fail("--public-url", "http://HOST:PORT", value)
-    return value.strip().rstrip("/")
-
-
-def _livekit_api_key(value: Any) -> str | None:
-    value = _blank_to_none(value)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise SettingsError("--livekit-api-key", "--livekit-api-key must be text")
-    return value.strip()
-
-
-def _livekit_api_secret(value: Any) -> str | None:
-    value = _blank_to_none(value)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise SettingsError("--livekit-api-secret", "--livekit-api-secret must be text")
-    size = len(value.encode("utf-8"))
-    if size < MIN_LIVEKIT_SECRET_BYTES:  # never echo the secret itself
-        raise SettingsError(
-            "--livekit-api-secret",
-            f"--livekit-api-secret must be at least {MIN_LIVEKIT_SECRET_BYTES} bytes, got {size} bytes",
-        )
-    return value
-
-
-def _max_sessions(value: Any) -> int | Literal["auto"]:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _int("--max-sessions-per-worker", value, 1, 64)
-    except SettingsError:
-        raise _fail("--max-sessions-per-worker", "'auto' or an integer between 1 and 64", value) from None
-
-
-def _worker_mode(value: Any) -> str:
-    return _choice("--worker-mode", value, ("in-process", "process"))
-
-
-def _placement(value: Any) -> str | None:
-    """A placement file that exists, or inline JSON (``{...}``); the pipeline validates the content."""
-    value = _blank_to_none(value)
-    if value is None:
-        return None
-    if isinstance(value, Path):
-        value = str(value)
-    if not isinstance(value, str):
-        raise _fail("--placement", "a JSON placement file or inline JSON", value)
-    if value.strip().startswith("{"):
-        return value.strip()
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise SettingsError("--placement", f"--placement {value!r} is not an existing file")
-    return str(path)
-
-
-def _existing_file(option: str) -> Any:
-    def convert(value: Any) -> str | None:
-        value = _blank_to_none(value)
-        if value is None:
-            return None
-        if not isinstance(value, (str, Path)) or not Path(value).expanduser().is_file():
-            raise SettingsError(option, f"{option} {str(value)!r} is not an existing file")
-        return str(Path(value).expanduser())
-
-    return convert
-
-
-def _cluster_token(value: Any) -> str | None:
-    value = _blank_to_none(value)
-    if value is None:
-        return None
-    if not isinstance(value, str) or len(value.encode()) < 16:
-        raise SettingsError("--cluster-token", "--cluster-token must be at least 16 bytes of text")
-    return value
-
-
-def _assets_dir(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, (str, Path)) or not str(value).strip():
-        raise _fail("--assets-dir", "an existing directory", value)
-    path = Path(value).expanduser()
-    if not path.exists():
-        raise SettingsError("--assets-dir", f"--assets-dir {str(value)!r} does not exist")
-    if not path.is_dir():
-        raise SettingsError("--assets-dir", f"--assets-dir {str(value)!r} is not a directory")
-    return str(path)
-
-
-def _api_key(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip():
-        raise SettingsError("--api-key", "--api-key must be non-empty when given (unset it to disable auth)")
-    return value
 
 
 def _secret_repr(value: str | None) -> str:
@@ -265,26 +129,26 @@ def _help(text: str) -> dict[str, str]:
 class ServerSettings:
     """Every setting of the stream server, validated. Construct directly or with :meth:`from_sources`."""
 
-    pipeline: str = attrs.field(converter=_pipeline, metadata=_help("pipeline file or package"))
+    pipeline: str = attrs.field(converter=fields.pipeline_path, metadata=_help("pipeline file or package"))
     host: str = attrs.field(
         default="127.0.0.1",
-        converter=_host,
+        converter=fields.host_name,
         metadata=_help("interface to listen on (use 0.0.0.0 to expose on every interface)"),
     )
     port: int = attrs.field(
         default=8088,
-        converter=lambda v: _int("--port", v, 0, 65535),
+        converter=lambda v: parse_int("--port", v, 0, 65535),
         metadata=_help("TCP port to listen on (0: any free port)"),
     )
     livekit_url: str | None = attrs.field(
-        default=None, converter=_livekit_url, metadata=_help("LiveKit server URL (ws:// or wss://)")
+        default=None, converter=fields.livekit_url, metadata=_help("LiveKit server URL (ws:// or wss://)")
     )
     livekit_api_key: str | None = attrs.field(
-        default=None, converter=_livekit_api_key, metadata=_help("LiveKit API key")
+        default=None, converter=fields.livekit_api_key, metadata=_help("LiveKit API key")
     )
     livekit_api_secret: str | None = attrs.field(
         default=None,
-        converter=_livekit_api_secret,
+        converter=fields.livekit_api_secret,
         metadata=_help(
             f"LiveKit API secret, at least {MIN_LIVEKIT_SECRET_BYTES} bytes (prefer the environment variable)"
         ),
@@ -292,10 +156,10 @@ class ServerSettings:
     )
     #: ``None`` only before construction finishes: resolved to "livekit" when a LiveKit URL is set, else "local".
     transport: Transport = attrs.field(
-        default=None, converter=_transport, metadata=_help("media transport: local or livekit")
+        default=None, converter=fields.transport_name, metadata=_help("media transport: local or livekit")
     )
     num_workers: int = attrs.field(
-        default=1, converter=lambda v: _int("--num-workers", v, 1, 64), metadata=_help("number of workers (1-64)")
+        default=1, converter=lambda v: parse_int("--num-workers", v, 1, 64), metadata=_help("number of workers (1-64)")
     )
     worker_gpu_map: GpuMap | None = attrs.field(
         default=None,
@@ -303,57 +167,57 @@ class ServerSettings:
         metadata=_help("GPUs per worker, e.g. '0,1;2,3' (';' between workers, ',' between GPUs)"),
     )
     max_sessions_per_worker: int | Literal["auto"] = attrs.field(
-        default="auto", converter=_max_sessions, metadata=_help("sessions per worker: auto (from memory) or 1-64")
+        default="auto", converter=fields.max_sessions, metadata=_help("sessions per worker: auto (from memory) or 1-64")
     )
     queue_size: int = attrs.field(
         default=0,
-        converter=lambda v: _int("--queue-size", v, 0, 10000),
+        converter=lambda v: parse_int("--queue-size", v, 0, 10000),
         metadata=_help("sessions that may wait for capacity (0-10000)"),
     )
     control_idle_timeout: float = attrs.field(
         default=10.0,
-        converter=lambda v: _float("--control-idle-timeout", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--control-idle-timeout", v, 0.0, lo_open=True),
         metadata=_help("seconds without controls after which a held control is released"),
     )
     session_timeout: float = attrs.field(
         default=1800.0,
-        converter=lambda v: _float("--session-timeout", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--session-timeout", v, 0.0, lo_open=True),
         metadata=_help("seconds a session may live"),
     )
     token_ttl: float = attrs.field(
         default=3600.0,
-        converter=lambda v: _float("--token-ttl", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--token-ttl", v, 0.0, lo_open=True),
         metadata=_help("seconds a room access token is valid"),
     )
     controller_timeout: float = attrs.field(
         default=60.0,
-        converter=lambda v: _float("--controller-timeout", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--controller-timeout", v, 0.0, lo_open=True),
         metadata=_help("seconds a new room waits for its controller"),
     )
     room_empty_timeout: float = attrs.field(
         default=30.0,
-        converter=lambda v: _float("--room-empty-timeout", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--room-empty-timeout", v, 0.0, lo_open=True),
         metadata=_help("seconds a room may stay empty before its session ends"),
     )
     worker_mode: WorkerMode = attrs.field(
-        default="in-process", converter=_worker_mode, metadata=_help("in-process or process workers")
+        default="in-process", converter=fields.worker_mode, metadata=_help("in-process or process workers")
     )
     placement: str | None = attrs.field(
         default=None,
-        converter=_placement,
+        converter=fields.placement,
         metadata=_help("where each pipeline stage runs: a JSON placement file or inline JSON (see the pipeline)"),
     )
     skip_validation: bool = attrs.field(
         default=False,
-        converter=lambda v: _bool("--skip-validation", v),
+        converter=lambda v: parse_bool("--skip-validation", v),
         metadata=_help("skip the startup check of the pipeline (one warm-up chunk checked against the contract)"),
     )
     assets_dir: str | None = attrs.field(
-        default=None, converter=_assets_dir, metadata=_help("directory of static assets to serve")
+        default=None, converter=fields.assets_dir, metadata=_help("directory of static assets to serve")
     )
     api_key: str | None = attrs.field(
         default=None,
-        converter=_api_key,
+        converter=fields.api_key,
         metadata=_help("require this key on API requests (prefer the environment variable)"),
         repr=_secret_repr,
     )
@@ -362,75 +226,75 @@ class ServerSettings:
     )
     default_fps: float = attrs.field(
         default=16.0,
-        converter=lambda v: _float("--default-fps", v, 1.0, 120.0),
+        converter=lambda v: parse_float("--default-fps", v, 1.0, 120.0),
         metadata=_help("frame rate offered to a pipeline that takes an fps and is given none (1-120)"),
     )
     max_data_message_bytes: int = attrs.field(
         default=12288,
-        converter=lambda v: _int("--max-data-message-bytes", v, 1024, None),
+        converter=lambda v: parse_int("--max-data-message-bytes", v, 1024, None),
         metadata=_help("largest data message (>= 1024)"),
     )
     max_body_bytes: int = attrs.field(
         default=8 * 1024 * 1024,
-        converter=lambda v: _int("--max-body-bytes", v, 1024, None),
+        converter=lambda v: parse_int("--max-body-bytes", v, 1024, None),
         metadata=_help("largest HTTP request body; larger ones get 413 (>= 1024)"),
     )
     terminal_retention_seconds: float = attrs.field(
         default=3600.0,
-        converter=lambda v: _float("--terminal-retention-seconds", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--terminal-retention-seconds", v, 0.0, lo_open=True),
         metadata=_help("seconds finished session records are kept"),
     )
     terminal_retention_count: int = attrs.field(
         default=1000,
-        converter=lambda v: _int("--terminal-retention-count", v, 0, None),
+        converter=lambda v: parse_int("--terminal-retention-count", v, 0, None),
         metadata=_help("most finished session records kept (>= 0)"),
     )
 
     workers: Workers = attrs.field(
         default="in-process",
-        converter=lambda v: _choice("--workers", v, ("in-process", "local", "ray", "external")),
+        converter=lambda v: parse_choice("--workers", v, ("in-process", "local", "ray", "external")),
         metadata=_help("where model workers run: in-process, local (agent processes on this host), ray, or external agents"),
     )
     cluster_host: str | None = attrs.field(
         default=None,
-        converter=lambda v: None if _blank_to_none(v) is None else _host(v),
+        converter=lambda v: None if blank_to_none(v) is None else fields.host_name(v),
         metadata=_help("interface the agents' listener binds (default: --host)"),
     )
     cluster_port: int = attrs.field(
         default=0,
-        converter=lambda v: _int("--cluster-port", v, 0, 65535),
+        converter=lambda v: parse_int("--cluster-port", v, 0, 65535),
         metadata=_help("TCP port worker agents dial (0: any free port; give one for external agents)"),
     )
     cluster_token: str | None = attrs.field(
         default=None,
-        converter=_cluster_token,
+        converter=fields.cluster_token,
         metadata=_help("shared secret agents prove at registration, >= 16 bytes (local and ray make one when unset)"),
         repr=_secret_repr,
     )
     cluster_tls_cert: str | None = attrs.field(
-        default=None, converter=_existing_file("--cluster-tls-cert"), metadata=_help("TLS certificate of the agents' listener")
+        default=None, converter=fields.existing_file("--cluster-tls-cert"), metadata=_help("TLS certificate of the agents' listener")
     )
     cluster_tls_key: str | None = attrs.field(
-        default=None, converter=_existing_file("--cluster-tls-key"), metadata=_help("TLS private key of the agents' listener")
+        default=None, converter=fields.existing_file("--cluster-tls-key"), metadata=_help("TLS private key of the agents' listener")
     )
     public_url: str | None = attrs.field(
         default=None,
-        converter=lambda v: None if _blank_to_none(v) is None else _public_url(v),
+        converter=lambda v: None if blank_to_none(v) is None else fields.public_url(v),
         metadata=_help("this server's http://HOST:PORT as agents on other hosts reach it (local rooms)"),
     )
     heartbeat_interval: float = attrs.field(
         default=1.0,
-        converter=lambda v: _float("--heartbeat-interval", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--heartbeat-interval", v, 0.0, lo_open=True),
         metadata=_help("seconds between an agent's heartbeats"),
     )
     heartbeat_deadline: float = attrs.field(
         default=5.0,
-        converter=lambda v: _float("--heartbeat-deadline", v, 0.0, lo_open=True),
+        converter=lambda v: parse_float("--heartbeat-deadline", v, 0.0, lo_open=True),
         metadata=_help("seconds without word from an agent before it is lost (> 2 x the interval)"),
     )
     ray_address: str | None = attrs.field(
         default=None,
-        converter=_blank_to_none,
+        converter=blank_to_none,
         metadata=_help("Ray cluster to place agents on (--workers ray; default: start a local Ray)"),
     )
 
@@ -496,7 +360,7 @@ class ServerSettings:
                 values[name] = env[env_var(name)]
                 from_env[option_for(name)] = env_var(name)
         if "pipeline" not in values:
-            _pipeline(None)  # raises, naming PIPE and CHUNKLINE_PIPELINE
+            fields.pipeline_path(None)  # raises, naming PIPE and CHUNKLINE_PIPELINE
         try:
             return cls(**values)
         except SettingsError as exc:

@@ -112,7 +112,7 @@ async def test_a_crash_loop_stops_restarting_says_why_and_fails_the_queue() -> N
         assert queued["status"] == "queued"
         s.runtime.workers["worker-0"].service.die.set()  # type: ignore[union-attr]
         # worker-0 dies, worker-0.1 and worker-0.2 fail to load: more than max_failures=2 within the window
-        await wait_until(lambda: s.runtime.slot_status(trio.current_time())["worker-0"]["state"] == "gave_up",
+        await wait_until(lambda: s.runtime.slots.status(trio.current_time())["worker-0"]["state"] == "gave_up",
                          "the crash loop")
         health = (await s.json("get", "/v1/stream/health"))[1]
         assert health["status"] == "unhealthy" and health["worker_restarts"] == 2

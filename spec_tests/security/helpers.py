@@ -90,7 +90,7 @@ def check_runtime_invariants(runtime: StreamRuntime) -> None:
     queued = [r for r in records if r.status is State.QUEUED]
     assert len(queued) == snapshot.queued, (len(queued), snapshot.queued)
     # uploaded images live exactly as long as their session: none is left behind by a refused or ended one
-    uploads = runtime._uploads
+    uploads = runtime.uploads.path
     if uploads is not None:
         on_disk = {os.path.join(uploads, name) for name in os.listdir(uploads)}
         owned = {r.upload_path for r in records if r.upload_path is not None}

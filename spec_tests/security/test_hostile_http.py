@@ -64,7 +64,7 @@ async def test_an_image_bomb_is_refused_from_its_header(image: bytes) -> None:
         assert_error_body(status, body, "image_too_large")
         assert "MAX_IMAGE_SIDE" in body["detail"] and "pixels" in body["detail"]
         assert not list(s.runtime.registry) and not s.runtime.runners  # nothing was admitted or stored
-        assert s.runtime._uploads is None or not os.listdir(s.runtime._uploads)
+        assert s.runtime.uploads.path is None or not os.listdir(s.runtime.uploads.path)
 
 
 async def test_an_image_that_is_not_a_known_format_is_refused() -> None:
@@ -190,7 +190,7 @@ async def test_uploads_are_removed_with_their_session_and_the_folder_with_the_se
         refused = await s.create("c", image_b64=image)
         refused_again = await s.create("d", image_b64=image)
         assert (refused[0], refused_again[0]) == (202, 429)
-        folder = s.runtime._uploads
+        folder = s.runtime.uploads.path
         assert folder is not None and len(os.listdir(folder)) == 3
         await s.json("delete", f"{SESSIONS}/{queued['session_id']}")  # withdrawn from the queue
         await s.json("delete", f"{SESSIONS}/{first['session_id']}")  # ended while waiting for its controller

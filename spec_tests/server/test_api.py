@@ -184,11 +184,11 @@ async def test_image_b64_upload_is_stored_then_deleted_when_the_session_ends(ser
 async def test_image_b64_upload_of_a_rejected_session_is_not_kept():
     async with serve(make_settings(max_sessions_per_worker=1, queue_size=0)) as s:
         assert (await s.create("a"))[0] == 200
-        uploads_before = s.runtime._uploads and set(os.listdir(s.runtime._uploads))
+        uploads_before = s.runtime.uploads.path and set(os.listdir(s.runtime.uploads.path))
         status, _, _ = await s.create("b", image_b64=base64.b64encode(png_bytes()).decode())
         assert status == 429
-        if s.runtime._uploads is not None:
-            assert set(os.listdir(s.runtime._uploads)) == (uploads_before or set())
+        if s.runtime.uploads.path is not None:
+            assert set(os.listdir(s.runtime.uploads.path)) == (uploads_before or set())
 
 
 async def test_image_path_and_image_b64_together_are_refused(assets_dir):

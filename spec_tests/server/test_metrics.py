@@ -9,7 +9,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.metrics import CONTENT_TYPE, LATENCY_BUCKETS, ServerMetrics, nearest_rank
+from server.metrics import CONTENT_TYPE, LATENCY_BUCKETS, ServerMetrics
+from server.published_fps import nearest_rank
 
 
 class FakeClock:

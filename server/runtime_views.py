@@ -1,0 +1,136 @@
+"""What the stream runtime shows: health, per-worker views, service metadata and the metrics gauges.
+
+Read-only: each function reads the runtime's book, registry, runners and slots and
+builds the JSON the HTTP API returns (or the gauges it publishes); none of them moves a
+session or a worker.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from states.stream_session import LIVE_MEDIA
+from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
+from states.worker import TERMINAL as WORKER_TERMINAL
+
+if TYPE_CHECKING:
+    from .runtime import StreamRuntime
+
+__all__ = ["health", "metadata", "publish_gauges", "worker_views"]
+
+
+def publish_gauges(runtime: StreamRuntime) -> None:
+    """Session, queue, worker and capacity gauges from the book and the registry."""
+    snapshot = runtime.book.snapshot()
+    metrics = runtime.metrics
+    metrics.set_sessions(runtime.registry.counts())
+    metrics.set_queue_depth(snapshot.queued)
+    metrics.set_workers(
+        {
+            "idle": snapshot.workers_idle,
+            "busy": snapshot.workers_busy,
+            "failed": snapshot.workers_failed,
+            "starting": snapshot.workers_starting,
+        }
+    )
+    metrics.set_capacity(sum(w.capacity for w in runtime.book.workers() if w.state in ELIGIBLE_WORKERS))
+
+
+def health(runtime: StreamRuntime) -> dict[str, Any]:
+    """``GET /v1/service/health``: healthy, degraded or unhealthy, with the counts behind it."""
+    book = runtime.book
+    snapshot = book.snapshot()
+    live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
+    connected = any(r.record.status in LIVE_MEDIA for r in runtime.runners.values())
+    # a failed worker that its slot has replaced is history (counted in workers_failed), not a degradation
+    failed_now = sum(
+        1 for slot in runtime.slots
+        if slot.worker is None or book.worker_state(slot.worker.worker_id) in WORKER_TERMINAL
+    )
+    # agents: fewer eligible than the launcher expects is a degradation (a lost agent leaves the book)
+    cluster = runtime.cluster
+    short = cluster is not None and snapshot.workers_idle + snapshot.workers_busy < cluster.expected
+    if live == 0:
+        status = "unhealthy"
+    elif failed_now or snapshot.workers_starting or short:
+        status = "degraded"
+    else:
+        status = "healthy"
+    return {
+        "status": status,
+        "transport": runtime.transport.name,
+        # the seed's definition: a runner whose worker is in its room with media
+        "transport_connected": connected,
+        "livekit_connected": connected,  # the seed's name, kept as an alias of transport_connected
+        "workers_total": snapshot.workers_total,
+        "workers_idle": snapshot.workers_idle,
+        "workers_busy": snapshot.workers_busy,
+        "workers_starting": snapshot.workers_starting,
+        "workers_failed": snapshot.workers_failed,
+        "queued_sessions": snapshot.queued,
+        "worker_restarts": runtime.slots.restarts,
+        "worker_slots": runtime.slots.status(trio.current_time()),
+        "retained_sessions": snapshot.retained,
+        "free_slots": snapshot.free_slots,
+        "workers": worker_views(runtime),
+    }
+
+
+def worker_views(runtime: StreamRuntime) -> list[dict[str, Any]]:
+    """One entry per worker: id, node, devices, state, capacity, retained, heartbeat age, launcher."""
+    now = trio.current_time()
+    out = []
+    for view in runtime.book.workers():
+        worker = runtime.workers.get(view.worker_id)
+        entry: dict[str, Any] = {
+            "worker_id": view.worker_id,
+            "state": view.state.value,
+            "capacity": view.capacity,
+            "retained": view.retained,
+            "node": socket.gethostname(),
+            "devices": list(getattr(worker, "gpu_ids", ())),
+            "heartbeat_age": None,
+            "launcher": "in-process",
+        }
+        if runtime.cluster is not None:
+            entry.update(runtime.cluster.view(view.worker_id, now) or {})
+        out.append(entry)
+    return out
+
+
+def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, Any]:
+    """``GET /v1/service/metadata``: the settings that shape sessions, the workers' plans, and ``health_view``."""
+    settings = runtime.settings
+    workers = runtime.workers.values()
+    capacities = {worker.worker_id: worker.plan.to_dict() for worker in workers if worker.plan is not None}
+    kinds = {w.kind for w in workers if w.kind is not None}
+    cluster = runtime.cluster
+    return {
+        "service_type": "stream",
+        "transport": runtime.transport.name,
+        "pipeline_file": settings.pipeline,
+        "pipeline_kind": kinds.pop() if len(kinds) == 1 else None,
+        "livekit_url": settings.livekit_url,
+        "num_workers": settings.num_workers,
+        "worker_mode": settings.worker_mode,
+        "max_sessions_per_worker": min((w.capacity for w in runtime.book.workers()), default=None),
+        "configured_max_sessions_per_worker": settings.max_sessions_per_worker,
+        "queue_size": settings.queue_size,
+        "control_idle_timeout": settings.control_idle_timeout,
+        "session_timeout": settings.session_timeout,
+        "controller_timeout": settings.controller_timeout,
+        "room_empty_timeout": settings.room_empty_timeout,
+        "token_ttl": settings.token_ttl,
+        "worker_failures": {w.worker_id: w.failure for w in workers if w.failure},
+        "startup_check": {w.worker_id: w.startup_check for w in workers if w.startup_check},
+        "workers_launcher": settings.workers,
+        "cluster": None if cluster is None else {
+            **cluster.summary(),
+            "slots": cluster.launcher.view() if cluster.launcher is not None else [],
+        },
+        "session_capacity": capacities,
+        **health_view,
+    }

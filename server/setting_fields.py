@@ -1,0 +1,165 @@
+"""The converters of the :class:`~server.settings.ServerSettings` fields that need more than a number range.
+
+Each takes text (from a flag or an environment variable) or a value and returns the checked value, or
+raises :class:`SettingsError` naming the flag; the generic parsers (integers, numbers, choices, booleans)
+are in :mod:`server.setting_values`. A secret's value never appears in an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from .setting_values import SettingsError, bad_value, blank_to_none, env_var, parse_choice, parse_int
+
+__all__ = [
+    "MIN_LIVEKIT_SECRET_BYTES",
+    "api_key",
+    "assets_dir",
+    "cluster_token",
+    "existing_file",
+    "host_name",
+    "livekit_api_key",
+    "livekit_api_secret",
+    "livekit_url",
+    "max_sessions",
+    "pipeline_path",
+    "placement",
+    "public_url",
+    "transport_name",
+    "worker_mode",
+]
+
+MIN_LIVEKIT_SECRET_BYTES = 32  # PyJWT warns about HMAC keys shorter than this
+_LIVEKIT_SCHEMES = ("ws://", "wss://", "http://", "https://")
+
+
+def pipeline_path(value: Any) -> str:
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise SettingsError(
+            "PIPE", f"PIPE (the pipeline file) is required: pass it as an argument or set {env_var('pipeline')}"
+        )
+    return str(value)
+
+
+def host_name(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or any(ch.isspace() for ch in value.strip()):
+        raise bad_value("--host", "a host name or IP address", value)
+    return value.strip()
+
+
+def transport_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return parse_choice("--transport", value, ("local", "livekit"))
+
+
+def livekit_url(value: Any) -> str | None:
+    value = blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip().lower().startswith(_LIVEKIT_SCHEMES):
+        raise bad_value("--livekit-url", "a ws://, wss://, http:// or https:// URL", value)
+    return value.strip()
+
+
+def public_url(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip().startswith("http://") or ":" not in value.strip()[7:]:
+        raise bad_value("--public-url", "http://HOST:PORT", value)
+    return value.strip().rstrip("/")
+
+
+def livekit_api_key(value: Any) -> str | None:
+    value = blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SettingsError("--livekit-api-key", "--livekit-api-key must be text")
+    return value.strip()
+
+
+def livekit_api_secret(value: Any) -> str | None:
+    value = blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SettingsError("--livekit-api-secret", "--livekit-api-secret must be text")
+    size = len(value.encode("utf-8"))
+    if size < MIN_LIVEKIT_SECRET_BYTES:  # never echo the secret itself
+        raise SettingsError(
+            "--livekit-api-secret",
+            f"--livekit-api-secret must be at least {MIN_LIVEKIT_SECRET_BYTES} bytes, got {size} bytes",
+        )
+    return value
+
+
+def max_sessions(value: Any) -> int | Literal["auto"]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_int("--max-sessions-per-worker", value, 1, 64)
+    except SettingsError:
+        raise bad_value("--max-sessions-per-worker", "'auto' or an integer between 1 and 64", value) from None
+
+
+def worker_mode(value: Any) -> str:
+    return parse_choice("--worker-mode", value, ("in-process", "process"))
+
+
+def placement(value: Any) -> str | None:
+    """A placement file that exists, or inline JSON (``{...}``); the pipeline validates the content."""
+    value = blank_to_none(value)
+    if value is None:
+        return None
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str):
+        raise bad_value("--placement", "a JSON placement file or inline JSON", value)
+    if value.strip().startswith("{"):
+        return value.strip()
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise SettingsError("--placement", f"--placement {value!r} is not an existing file")
+    return str(path)
+
+
+def existing_file(option: str) -> Any:
+    def convert(value: Any) -> str | None:
+        value = blank_to_none(value)
+        if value is None:
+            return None
+        if not isinstance(value, (str, Path)) or not Path(value).expanduser().is_file():
+            raise SettingsError(option, f"{option} {str(value)!r} is not an existing file")
+        return str(Path(value).expanduser())
+
+    return convert
+
+
+def cluster_token(value: Any) -> str | None:
+    value = blank_to_none(value)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value.encode()) < 16:
+        raise SettingsError("--cluster-token", "--cluster-token must be at least 16 bytes of text")
+    return value
+
+
+def assets_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise bad_value("--assets-dir", "an existing directory", value)
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise SettingsError("--assets-dir", f"--assets-dir {str(value)!r} does not exist")
+    if not path.is_dir():
+        raise SettingsError("--assets-dir", f"--assets-dir {str(value)!r} is not a directory")
+    return str(path)
+
+
+def api_key(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise SettingsError("--api-key", "--api-key must be non-empty when given (unset it to disable auth)")
+    return value
