@@ -72,86 +72,22 @@ from collections.abc import Hashable
 
 import attrs
 
+from . import lease_values
 from .lease import Event, LeaseMachine, State
+from .lease_values import (
+    ChunkInProgress,
+    DuplicateLeaseSession,
+    LeaseError,
+    LeaseSnapshot,
+    LeaseTransition,
+    NoChunkInProgress,
+    NotClosing,
+    NotHolder,
+    SessionClosing,
+    UnknownLeaseSession,
+)
 
-__all__ = [
-    "LeaseBook",
-    "LeaseTransition",
-    "LeaseSnapshot",
-    "LeaseError",
-    "UnknownLeaseSession",
-    "DuplicateLeaseSession",
-    "SessionClosing",
-    "NotHolder",
-    "ChunkInProgress",
-    "NoChunkInProgress",
-    "NotClosing",
-]
-
-
-# --------------------------------------------------------------------- errors
-
-
-class LeaseError(ValueError):
-    """A lease-book call that does not fit the session's current situation.
-
-    ``session_id`` names the session; the book is unchanged.
-    """
-
-    def __init__(self, session_id: str, message: str) -> None:
-        self.session_id = session_id
-        super().__init__(f"execution lease: session {session_id!r}: {message}")
-
-
-class UnknownLeaseSession(LeaseError):
-    """The session was never registered (or was already released)."""
-
-
-class DuplicateLeaseSession(LeaseError):
-    """``register`` of a session id the book already holds."""
-
-
-class SessionClosing(LeaseError):
-    """``close`` of a session that is already closing."""
-
-
-class NotHolder(LeaseError):
-    """``begin_chunk`` / ``relinquish`` by a session that is not the ACTIVE holder."""
-
-
-class ChunkInProgress(LeaseError):
-    """A chunk of this session is still running (``begin_chunk`` twice,
-    ``relinquish`` or ``release`` mid-chunk)."""
-
-
-class NoChunkInProgress(LeaseError):
-    """``finish_chunk`` / ``abort_chunk`` with no chunk of this session running."""
-
-
-class NotClosing(LeaseError):
-    """``release`` of a session that has not been closed."""
-
-
-# --------------------------------------------------------------------- values
-
-
-@attrs.frozen
-class LeaseTransition:
-    """One lifecycle change the book made (publish as ``lease_<state>``)."""
-
-    session_id: str
-    state: State
-
-
-@attrs.frozen
-class LeaseSnapshot:
-    """One session as a status publisher sees it."""
-
-    session_id: str
-    state: State
-    last_activity_at: float
-    busy: bool
-    queue_position: int | None
+__all__ = ["LeaseBook", *lease_values.__all__]
 
 
 @attrs.define
