@@ -6,11 +6,14 @@ its parent (:func:`engine.supervised_child.bind_to_parent`), then
 builds its rank object with ``factory(rank=..., world_size=..., device=...)``
 and serves calls until it is told to shut down or its pipe closes.
 
-Messages are tuples. Parent to child: ``("call", call_id, method, args, kwargs)``
-and ``("shutdown",)``. Child to parent: ``("ready", rank, pid)``,
-``("startup_failed", rank, traceback_text)``,
-``("result", call_id, rank, ok, value_or_(type, message, traceback_text))``
-and ``("closed", rank, traceback_text_or_None)``.
+The messages are the attrs classes of :mod:`engine.worker_wire`: it takes
+:class:`~engine.worker_wire.Call` and :class:`~engine.worker_wire.Shutdown` and
+answers :class:`~engine.worker_wire.RankReady` (or
+:class:`~engine.worker_wire.RankStartFailed`), then a
+:class:`~engine.worker_wire.Result` or :class:`~engine.worker_wire.Raised` per
+call, and :class:`~engine.worker_wire.Closed`. Any other message is an
+:class:`~engine.worker_wire.UnknownWorkerMessage`: the rank exits with it, and
+the group fails on that exit.
 
 Nothing heavy is imported here: a rank imports what it needs (torch, say) in
 its own factory.
@@ -26,6 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 from .supervised_child import bind_to_parent
+from .worker_wire import (
+    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, remote_error,
+)
 
 __all__ = ["child_main", "resolve_factory"]
 
@@ -45,11 +51,6 @@ def resolve_factory(factory: str | Callable[..., Any]) -> Callable[..., Any]:
     return target
 
 
-def _error_payload(exc: BaseException) -> tuple[str, str, str]:
-    kind = type(exc)
-    return (f"{kind.__module__}.{kind.__qualname__}", str(exc), traceback.format_exc())
-
-
 def child_main(conn: Any, config: dict[str, Any]) -> None:
     """Entry point of one rank process (the target of a spawn-context Process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
@@ -60,10 +61,10 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
         factory = resolve_factory(config["factory"])
         worker = factory(rank=rank, world_size=config["world_size"], device=config["device"])
     except BaseException:
-        conn.send(("startup_failed", rank, traceback.format_exc()))
+        conn.send(RankStartFailed(rank, traceback.format_exc()))
         conn.close()
         raise SystemExit(1) from None
-    conn.send(("ready", rank, os.getpid()))
+    conn.send(RankReady(rank, os.getpid()))
     try:
         _serve(conn, worker, rank)
     finally:
@@ -76,30 +77,38 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
             message = conn.recv()
         except (EOFError, OSError):  # the parent closed its end: nothing more to do
             return
-        if message[0] == "shutdown":
-            error = None
-            closer = getattr(worker, "close", None)
-            if closer is not None:
+        match message:
+            case Shutdown():
+                _send(conn, Closed(rank, _close(worker)))
+                return
+            case Call(call_id=call_id, method=method, args=args, kwargs=kwargs):
                 try:
-                    closer()
-                except BaseException:
-                    error = traceback.format_exc()
-            _send(conn, ("closed", rank, error))
-            return
-        _, call_id, method, args, kwargs = message
-        try:
-            reply = ("result", call_id, rank, True, getattr(worker, method)(*args, **kwargs))
-        except BaseException as exc:
-            reply = ("result", call_id, rank, False, _error_payload(exc))
-        try:
-            conn.send(reply)  # pickled before anything is written: a failure leaves the pipe intact
-        except (EOFError, OSError):
-            return
-        except BaseException as exc:
-            _send(conn, ("result", call_id, rank, False, _error_payload(exc)))
+                    reply: Result | Raised = Result(call_id, rank, getattr(worker, method)(*args, **kwargs))
+                except BaseException as exc:
+                    reply = Raised(call_id, rank, remote_error(exc))
+                try:
+                    conn.send(reply)  # pickled before anything is written: a failure leaves the pipe intact
+                except (EOFError, OSError):
+                    return
+                except BaseException as exc:
+                    _send(conn, Raised(call_id, rank, remote_error(exc)))
+            case _:
+                raise UnknownWorkerMessage(message, sender="the worker group", expected=(Call, Shutdown))
 
 
-def _send(conn: Any, message: tuple) -> None:
+def _close(worker: Any) -> str | None:
+    """Run the rank object's ``close()``; its traceback text when it raised."""
+    closer = getattr(worker, "close", None)
+    if closer is None:
+        return None
+    try:
+        closer()
+    except BaseException:
+        return traceback.format_exc()
+    return None
+
+
+def _send(conn: Any, message: Closed | Raised) -> None:
     try:
         conn.send(message)
     except (EOFError, OSError):

@@ -38,6 +38,7 @@ from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachi
 from .errors import EngineError, FatalStageError
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 from .worker_child import child_main
+from .worker_wire import Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage
 
 __all__ = [
     "ProcessWorkerGroup",
@@ -90,7 +91,7 @@ class _Call:
         self.call_id = call_id
         self.method = method
         self.ranks = ranks
-        self.results: dict[int, tuple[bool, Any]] = {}
+        self.results: dict[int, Result | Raised] = {}
         self.error: BaseException | None = None
         self.event = threading.Event()
 
@@ -120,15 +121,17 @@ class DeferredResult:
             call.event.wait()  # set by the failure
         if call.error is not None:
             raise call.error
+        values = []
         for rank in call.ranks:
-            ok, payload = call.results[rank]
-            if not ok:
-                kind, message, tb = payload
-                raise WorkerCallError(
-                    f"rank {rank}: {call.method}() raised {kind}: {message}\n--- child traceback ---\n{tb}",
-                    rank=rank, method=call.method, remote_type=kind, remote_traceback=tb,
-                )
-        values = [call.results[rank][1] for rank in call.ranks]
+            match call.results[rank]:
+                case Result(value=value):
+                    values.append(value)
+                case Raised(error=error):
+                    raise WorkerCallError(
+                        f"rank {rank}: {call.method}() raised {error.type_name}: {error.message}\n"
+                        f"--- child traceback ---\n{error.traceback}",
+                        rank=rank, method=call.method, remote_type=error.type_name, remote_traceback=error.traceback,
+                    )
         return values if self._gather else values[0]
 
 
@@ -256,9 +259,15 @@ class ProcessWorkerGroup:
         return self
 
     def _check_hello(self, rank: int, data: bytes) -> None:
-        message = pickle.loads(data)
-        if message[0] == "startup_failed":
-            raise WorkerStartupError(f"{self.name}: rank {rank} failed to start:\n--- child traceback ---\n{message[2]}")
+        match pickle.loads(data):
+            case RankReady():
+                pass
+            case RankStartFailed(traceback=tb):
+                raise WorkerStartupError(f"{self.name}: rank {rank} failed to start:\n--- child traceback ---\n{tb}")
+            case other:
+                raise WorkerStartupError(
+                    f"{self.name}: {UnknownWorkerMessage(other, sender=f'rank {rank}', expected=(RankReady, RankStartFailed))}"
+                )
 
     def _startup_error(self, failure: StartupFailed) -> WorkerStartupError:
         if failure.problem == StartupProblem.REFUSED and isinstance(failure.__cause__, WorkerStartupError):
@@ -280,19 +289,21 @@ class ProcessWorkerGroup:
     # -- what the supervisor reports (its monitor thread) --------------------------------------
 
     def _on_message(self, rank: int, data: bytes) -> None:
-        message = pickle.loads(data)
-        if message[0] == "result":
-            _, call_id, rank, ok, payload = message
-            with self._lock:
-                call = self._pending.get(call_id)
-                if call is None:
-                    return
-                call.results[rank] = (ok, payload)
-                if len(call.results) == len(call.ranks):
-                    del self._pending[call_id]
-                    call.event.set()
-        elif message[0] == "closed" and message[2] is not None:
-            self.close_errors[message[1]] = message[2]
+        match message := pickle.loads(data):
+            case Result() | Raised():
+                with self._lock:
+                    call = self._pending.get(message.call_id)
+                    if call is None:
+                        return
+                    call.results[message.rank] = message
+                    if len(call.results) == len(call.ranks):
+                        del self._pending[message.call_id]
+                        call.event.set()
+            case Closed(rank=closed_rank, error=error):
+                if error is not None:
+                    self.close_errors[closed_rank] = error
+            case _:
+                self._fail(str(UnknownWorkerMessage(message, sender=f"rank {rank}", expected=(Result, Raised, Closed))))
 
     def _on_exit(self, exit: ChildExit) -> None:
         self.exit_codes[exit.index] = exit.exitcode
@@ -336,7 +347,7 @@ class ProcessWorkerGroup:
         """Send ``method(*args, **kwargs)`` to every rank (rank 0 alone for ``rank0_only``)."""
         ranks = (0,) if method in self._rank0_only else tuple(range(self.world_size))
         call = _Call(next(_ids), method, ranks)
-        payload = ForkingPickler.dumps(("call", call.call_id, method, args, kwargs))
+        payload = ForkingPickler.dumps(Call(call.call_id, method, args, kwargs))
         with self._lock:
             if self.failure_reason is not None:
                 raise WorkerGroupFailed(f"{self.name} failed: {self.failure_reason}")
@@ -375,7 +386,7 @@ class ProcessWorkerGroup:
         timeout = self.close_timeout if timeout is None else timeout
         if self.failure_reason is not None:  # survivors may be stuck waiting on the dead rank: do not wait long
             timeout = min(timeout, self.kill_grace)
-        self._supervisor.close(ForkingPickler.dumps(("shutdown",)), timeout=timeout)
+        self._supervisor.close(ForkingPickler.dumps(Shutdown()), timeout=timeout)
         self._abort(pending, WorkerGroupClosed(f"{self.name} closed while the call was pending"))
         with self._lock:
             if self._life.can(Event.CLOSED):

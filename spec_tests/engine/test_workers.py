@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import textwrap
@@ -22,6 +23,8 @@ import pytest
 import trio
 
 from engine import EdgeSpec, ParallelWorkerStageActor, PipelineSpec, StageSpec, open_orchestrator
+from engine.supervisor import ChildExit, ChildSpec, Supervisor
+from engine.worker_child import child_main
 from engine.workers import (
     ProcessWorkerGroup,
     WorkerCallError,
@@ -214,8 +217,9 @@ def test_close_fails_calls_still_pending(groups):
         (f"{RANKS}:failing_factory", ["rank 1 failed to start", "factory exploded", "worker_ranks.py"]),
         (f"{RANKS}:exiting_factory", ["exited during startup with code 5"]),
         (lambda **kw: None, ["could not start"]),  # not picklable, so never spawned
+        (f"{RANKS}:tuple_hello_factory", ["unknown worker message tuple", "expected one of: RankReady, RankStartFailed"]),
     ],
-    ids=["import-error", "factory-raises", "exits", "unpicklable"],
+    ids=["import-error", "factory-raises", "exits", "unpicklable", "unknown-hello"],
 )
 def test_startup_failure_is_a_typed_error_and_leaves_no_rank_running(groups, factory, expected):
     group = groups(factory, world_size=2)
@@ -249,6 +253,42 @@ def test_bad_arguments_are_refused_before_anything_starts():
         unstarted.call("step", 1)
     unstarted.close()
     assert unstarted.closed
+
+
+# -- the wire --------------------------------------------------------------------------------------
+
+
+def test_an_unknown_message_from_a_rank_fails_the_group_naming_it(groups):
+    group = groups(f"{RANKS}:TupleReplyRank", world_size=1).start()
+    with pytest.raises(WorkerGroupFailed, match="rank 0 sent an unknown worker message tuple") as caught:
+        group.call("reply_in_tuples")()
+    assert "expected one of: Result, Raised, Closed" in str(caught.value)
+    assert group.failed
+
+
+def test_a_rank_given_an_unknown_message_exits_naming_it(capfd):
+    exits: list[ChildExit] = []
+    changed = threading.Condition()
+
+    def on_exit(exit: ChildExit) -> None:
+        with changed:
+            exits.append(exit)
+            changed.notify_all()
+
+    config = {"factory": f"{RANKS}:EchoRank", "rank": 0, "world_size": 1, "device": "cpu"}
+    supervisor = Supervisor([ChildSpec("rank0", child_main, config)], on_message=lambda index, data: None,
+                            on_exit=on_exit, close_timeout=2.0, kill_grace=0.5)
+    try:
+        supervisor.start(30)
+        assert supervisor.send(0, pickle.dumps(("call", 1, "step", (1,), {})))  # the old tuple format
+        with changed:
+            assert changed.wait_for(lambda: exits, 10), "the rank did not exit"
+    finally:
+        supervisor.close()
+    assert exits[0].exitcode == 1 and not exits[0].expected
+    err = capfd.readouterr().err
+    assert "UnknownWorkerMessage: the worker group sent an unknown worker message tuple" in err
+    assert "expected one of: Call, Shutdown" in err
 
 
 # -- parent death -----------------------------------------------------------------------------------

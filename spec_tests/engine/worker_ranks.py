@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -78,3 +79,33 @@ def exiting_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
 def echo_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
     """A top-level callable factory (passed by reference, not by name)."""
     return EchoRank(rank=rank, world_size=world_size, device=device)
+
+
+def _child_conn() -> Any:
+    """The rank process's end of the pipe, read from ``engine.worker_child.child_main``'s frame.
+
+    Only for the ranks below, which stand in for a rank built against another wire format.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "child_main":
+        frame = frame.f_back
+    assert frame is not None, "not called under engine.worker_child.child_main"
+    return frame.f_locals["conn"]
+
+
+def tuple_hello_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
+    """Says hello in the old tuple format before the real hello follows."""
+    _child_conn().send(("ready", rank, os.getpid()))
+    return EchoRank(rank=rank, world_size=world_size, device=device)
+
+
+class TupleReplyRank(EchoRank):
+    """Answers ``reply_in_tuples`` with an old-format tuple ahead of its real result."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._conn = _child_conn()
+
+    def reply_in_tuples(self) -> int:
+        self._conn.send(("result", 0, self.rank, True, 1))
+        return 1
