@@ -163,7 +163,7 @@ class Recorder:
                     await gate.wait()
                 cost = self.costs.get(stage)
                 if cost:
-                    await trio.sleep(cost)  # bench-cost
+                    await trio.sleep(cost)  # bench-cost: the stage's configured work time (virtual under autojump)
                 error = self._lookup(self._failures, *entry)
                 if error is not None:
                     status = "raised"

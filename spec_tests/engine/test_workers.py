@@ -118,7 +118,7 @@ def test_ranks_outlive_the_thread_that_started_them(groups):
     deadline = time.monotonic() + 5
     while Path(f"/proc/self/task/{starter.native_id}").exists():  # the OS thread itself is gone too
         assert time.monotonic() < deadline
-        time.sleep(0.005)  # bench-cost
+        time.sleep(0.005)  # bench-cost: real-time poll for an OS thread to end, bounded by a deadline
     assert group.call("step", 2, scale=3)() == 6  # a rank killed at the thread's end could not answer
 
 
@@ -301,7 +301,7 @@ PARENT_SCRIPT = textwrap.dedent(
                                parent_death_signal=sys.argv[1] == "prctl")
     group.start(timeout=30)
     print(*group.pids, flush=True)
-    time.sleep(60)
+    time.sleep(60)  # bench-cost: the parent lives until the test kills it
     """
 )
 
@@ -326,7 +326,7 @@ async def test_ranks_exit_when_their_parent_is_killed(mechanism):
         deadline = time.monotonic() + 10
         while not all(gone(pid) for pid in pids):
             assert time.monotonic() < deadline, f"ranks {pids} outlived their parent"
-            await trio.sleep(0.05)  # bench-cost
+            await trio.sleep(0.05)  # bench-cost: real-time poll for orphaned ranks to exit, bounded by a deadline
 
 
 # -- owned by a stage actor inside the orchestrator --------------------------------------------------

@@ -108,7 +108,7 @@ class Leaks:
                 return
             if time.monotonic() > give_up:
                 raise AssertionError("; ".join(found))
-            await trio.to_thread.run_sync(time.sleep, 0.02)  # not trio.sleep: autojump would not wait
+            await trio.to_thread.run_sync(time.sleep, 0.02)  # bench-cost: bounded poll for threads and processes to end (not trio.sleep: autojump would not wait)
 
 
 async def wait_until(predicate: Callable[[], Any], what: str, deadline: float = 20.0) -> Any:

@@ -360,7 +360,7 @@ async def test_sigterm_drains_live_sessions_and_exits_0(workers: str) -> None:
             async with httpx.AsyncClient(base_url=base, timeout=10) as client:
                 with trio.fail_after(START_DEADLINE if workers == "in-process" else AGENT_START_DEADLINE):
                     while (await client.get("/v1/service/ready")).status_code != 200:
-                        await trio.sleep(0.05)
+                        await trio.sleep(0.05)  # bench-cost: poll interval while a real server process starts (bounded)
                 response = await client.post("/v1/stream/sessions",
                                              json={"identity": "ctl", "config": {"duration_seconds": 3600}})
                 assert response.status_code == 200, response.text

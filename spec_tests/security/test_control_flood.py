@@ -39,7 +39,7 @@ class SlowControlService(CounterService):
     the runner falls behind the flood and the transport's event channel fills up."""
 
     async def push_control(self, session_id: str, control: Any) -> None:
-        await trio.sleep(CONTROL_COST)
+        await trio.sleep(CONTROL_COST)  # bench-cost: the model's per-control work (real time, like the flood)
         await super().push_control(session_id, control)
 
 

@@ -150,7 +150,7 @@ class CounterService(BidirectionalService):
         if session is None or session.closed:
             return
         if self.close_delay:
-            await trio.sleep(self.close_delay)
+            await trio.sleep(self.close_delay)  # bench-cost: close_session's configured work time (virtual under autojump)
         session.closed = True
         session.iterator_closed_before_close_session = session.iterator_closed
         self.closed.append(session_id)
@@ -175,7 +175,7 @@ class _CounterChunks:
             raise StopAsyncIteration
         delay = service.chunk_delay + service.stalls.get(self._index, 0.0)
         if delay:
-            await trio.sleep(delay)
+            await trio.sleep(delay)  # bench-cost: the chunk's configured work time (virtual under autojump)
         else:
             await trio.lowlevel.checkpoint()
         height, width = service.size

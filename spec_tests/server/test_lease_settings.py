@@ -67,7 +67,7 @@ async def test_a_silent_holder_is_parked_after_the_configured_control_idle_timeo
                                                "b to be granted")  # (each peer hears it at its own moment)
                 assert granted
                 # a still holds w, but without a new control it does not queue again (no alternation)
-                await trio.sleep(2 * timeout)  # bench-cost
+                await trio.sleep(2 * timeout)  # bench-cost: a real-time watch that no re-queue happens
                 assert lease_events(ctl_a, "lease_queued", after=parked[0].at) == []
                 await ctl_a.control({"type": "control_state", "controls": ["w"]})  # a heartbeat: a new control
                 assert await ctl_a.wait_for(lambda p: lease_events(p, "lease_queued", after=parked[0].at),

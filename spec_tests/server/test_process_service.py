@@ -226,7 +226,7 @@ class Stuck(ServerPushService):
     @asynccontextmanager
     async def running(self):
         yield self
-        time.sleep(60)  # never leaves running() by itself
+        time.sleep(60)  # bench-cost: never leaves running() by itself (a hung pipeline's stand-in)
 
     def stream(self, config):
         raise NotImplementedError
