@@ -47,6 +47,11 @@ asks the child to leave the service's ``running()`` and exit, then after
 ``close_timeout`` seconds terminates it, then kills it ``kill_grace`` later;
 it returns once the child is reaped and every pipe is closed.
 
+Every call waits for the child's answer for at most its own deadline (:class:`CallDeadlines`: entering
+``running()``, ``create_session``, ``push_control``, ``close_session``; ``call_deadlines=`` of
+:func:`start_process_service`); past it the call is cancelled in the child and fails with
+:class:`ProcessServiceCallTimeout`, naming the call and the deadline, while the service keeps running.
+
 A child that stops answering is declared failed: its trio loop sends a heartbeat every second, and one
 that is silent for ``heartbeat_timeout`` seconds (:data:`HEARTBEAT_TIMEOUT`; a frozen process, a loop
 blocked by a call) is killed, so every pending call and stream fails with that cause at once.
@@ -61,7 +66,9 @@ from typing import Any
 
 from pipelines.contract import BidirectionalService, ServerPushService
 
+from .deadlines import CallDeadlines
 from .errors import (
+    ProcessServiceCallTimeout,
     ProcessServiceClosed,
     ProcessServiceError,
     ProcessServiceFailed,
@@ -75,9 +82,11 @@ from .wire import CREDIT_WINDOW
 __all__ = [
     "CREDIT_WINDOW",
     "HEARTBEAT_TIMEOUT",
+    "CallDeadlines",
     "ProcessBidirectionalService",
     "ProcessServerPushService",
     "ProcessService",
+    "ProcessServiceCallTimeout",
     "ProcessServiceClosed",
     "ProcessServiceError",
     "ProcessServiceFailed",
@@ -100,6 +109,7 @@ def start_process_service(
     name: str | None = None,
     environment: dict[str, str] | None = None,
     heartbeat_timeout: float | None = HEARTBEAT_TIMEOUT,
+    call_deadlines: CallDeadlines | None = None,
     offered: dict[str, Any] | None = None,
     **options: Any,
 ) -> ProcessBidirectionalService | ProcessServerPushService:
@@ -110,7 +120,8 @@ def start_process_service(
     :class:`ProcessServiceStartError` (with the child's traceback) after the
     child has exited. ``options`` must pickle; ``environment`` is set in the
     child before the pipeline is imported (e.g. ``CUDA_VISIBLE_DEVICES``); ``offered`` as for
-    :func:`pipelines.loader.load_service`.
+    :func:`pipelines.loader.load_service`; ``call_deadlines``: how long each call waits for the child
+    (the defaults of :class:`CallDeadlines` when None).
     """
     name = name or f"process-service-{next(_names)}"
     link = ServiceLink(
@@ -120,8 +131,10 @@ def start_process_service(
     )
     ready = link.start(startup_timeout)
     if ready.kind == BidirectionalService.kind:
-        return ProcessBidirectionalService(link, supports_timeline=ready.supports_timeline)
+        return ProcessBidirectionalService(
+            link, supports_timeline=ready.supports_timeline, call_deadlines=call_deadlines
+        )
     if ready.kind == ServerPushService.kind:
-        return ProcessServerPushService(link)
+        return ProcessServerPushService(link, call_deadlines=call_deadlines)
     link.close()
     raise ProcessServiceStartError(f"{name}: the child reported an unknown service kind {ready.kind!r}")

@@ -231,8 +231,8 @@ class _Server:
             except Exception as exc:
                 reply = wire.Result(call_id, False, wire.error_info(exc))
         self.calls.pop(call_id, None)
-        if reply is None:  # cancelled by the parent, which no longer waits
-            return
+        if reply is None:  # cancelled by the parent, which no longer waits: the answer lets it forget the call
+            reply = wire.Result(call_id, False, wire.ErrorInfo("trio.Cancelled", "cancelled by the parent", "", None))
         try:
             self.post(reply)
         except Exception as exc:  # the value does not pickle: say so instead

@@ -7,8 +7,8 @@ from pipelines.contract import ControlRejected
 from .wire import ErrorInfo
 
 __all__ = [
-    "ProcessServiceClosed", "ProcessServiceError", "ProcessServiceFailed", "ProcessServiceStartError",
-    "RemoteServiceError", "remote_error",
+    "ProcessServiceCallTimeout", "ProcessServiceClosed", "ProcessServiceError", "ProcessServiceFailed",
+    "ProcessServiceStartError", "RemoteServiceError", "remote_error",
 ]
 
 
@@ -26,6 +26,22 @@ class ProcessServiceFailed(ProcessServiceError):
 
 class ProcessServiceClosed(ProcessServiceError):
     """The service is not running (before ``running()``, or after it was left)."""
+
+
+class ProcessServiceCallTimeout(ProcessServiceError):
+    """The child did not answer a call within that call's deadline (:class:`~server.process_service.CallDeadlines`).
+
+    The call was cancelled in the child, which keeps running; ``method`` is the call
+    (``"running"`` for entering ``running()``), ``deadline`` its deadline in seconds.
+    """
+
+    def __init__(self, service: str, method: str, deadline: float) -> None:
+        super().__init__(
+            f"{service}: {method}() got no answer from the service process within its deadline of {deadline:g} s "
+            f"(call_deadlines.{method}); the call was cancelled there"
+        )
+        self.method = method
+        self.deadline = deadline
 
 
 class RemoteServiceError(ProcessServiceError):

@@ -30,7 +30,9 @@ from pipelines.contract import (
 from states.service_child import FAILS_WHEN_LOST, INSIDE_RUNNING, TAKES_CALLS, Event, ServiceChildMachine
 
 from . import wire
+from .deadlines import CallDeadlines
 from .errors import (
+    ProcessServiceCallTimeout,
     ProcessServiceClosed,
     ProcessServiceError,
     ProcessServiceFailed,
@@ -133,9 +135,12 @@ class ProcessService:
 
     kind: str
 
-    def __init__(self, link: ServiceLink, *, supports_timeline: bool = False) -> None:
+    def __init__(
+        self, link: ServiceLink, *, supports_timeline: bool = False, call_deadlines: CallDeadlines | None = None
+    ) -> None:
         self._link = link
         self.supports_timeline = supports_timeline
+        self.call_deadlines = call_deadlines or CallDeadlines()
         self._life = ServiceChildMachine()
         self._capacity: int | None = None
         self._failure: ProcessServiceFailed | None = None
@@ -209,7 +214,11 @@ class ProcessService:
         try:
             with trio.CancelScope() as self._body:
                 self._send_quiet(wire.Run(self._capacity))
-                await self._started.wait()
+                deadline = self.call_deadlines.running
+                with trio.move_on_after(deadline) as entering:
+                    await self._started.wait()
+                if entering.cancelled_caught:
+                    raise ProcessServiceCallTimeout(self.name, "running", deadline)
                 if self._failure is not None:
                     raise self._failure
                 if self._run_error is not None:
@@ -353,14 +362,17 @@ class ProcessService:
 
     async def _call(self, method: str, args: tuple, on_event: EventSink | None = None) -> Any:
         self._check_running()
+        deadline = self.call_deadlines.of(method)
         call_id, call = self._start_call(method, args, on_event)
         try:
-            await call.event.wait()
+            with trio.move_on_after(deadline) as waiting:
+                await call.event.wait()
         except BaseException:
-            if self._pending.pop(call_id, None) is not None:  # cancelled while the child works on it
-                self._abandoned[call_id] = method
-                self._send_quiet(wire.Cancel(call_id))
+            self._give_up(call_id, method)  # cancelled while the child works on it
             raise
+        if waiting.cancelled_caught:
+            self._give_up(call_id, method)
+            raise ProcessServiceCallTimeout(self.name, method, deadline)
         if call.error is not None:
             raise call.error
         if not call.ok:
@@ -369,6 +381,12 @@ class ProcessService:
         if method == "create_session" and on_event is not None:
             self._session_calls[call.payload] = call_id
         return call.payload
+
+    def _give_up(self, call_id: int, method: str) -> None:
+        """Nobody waits for the call any more: cancel it in the child (its late answer is dropped there or here)."""
+        if self._pending.pop(call_id, None) is not None:
+            self._abandoned[call_id] = method
+            self._send_quiet(wire.Cancel(call_id))
 
     def _open_stream(self, method: str, arg: Any) -> _ProxyStream:
         stream_id = next(self._ids)

@@ -28,10 +28,13 @@ from pipelines.contract import (
     SessionConfig,
 )
 from server.model_worker import ModelWorker
+from server.runner import CLOSE_PIPELINE_TIMEOUT, CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
 from server.process_service import (
     CREDIT_WINDOW,
+    CallDeadlines,
     ProcessBidirectionalService,
     ProcessServerPushService,
+    ProcessServiceCallTimeout,
     ProcessServiceFailed,
     ProcessServiceStartError,
     RemoteServiceError,
@@ -45,6 +48,13 @@ TINY = {"height": 32, "width": 48, "frames_per_chunk": 2}
 
 async def start(pipeline: str, **options: Any) -> Any:
     return await trio.to_thread.run_sync(lambda: start_process_service(pipeline, **options))
+
+
+async def start_written(tmp_path: Path, name: str, source: str, **options: Any) -> Any:
+    """Write the pipeline file ``name``.py with ``source`` and start it in a child."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    return await start(str(path), **options)
 
 
 def assert_no_children() -> None:
@@ -237,9 +247,7 @@ def get_service(gpu_num=0):
 
 
 async def test_a_child_stuck_on_close_is_terminated_in_bounded_time(tmp_path: Path) -> None:
-    stuck = tmp_path / "stuck_pipeline.py"
-    stuck.write_text(STUCK_PIPELINE)
-    service = await start(str(stuck), close_timeout=0.5, kill_grace=0.5)
+    service = await start_written(tmp_path, "stuck_pipeline", STUCK_PIPELINE, close_timeout=0.5, kill_grace=0.5)
     started = time.monotonic()
     with trio.fail_after(5):
         async with service.running():
@@ -249,3 +257,94 @@ async def test_a_child_stuck_on_close_is_terminated_in_bounded_time(tmp_path: Pa
     # under live sessions), so the escalation ends with SIGKILL
     assert service.exitcode in (-signal.SIGTERM, -signal.SIGKILL)
     assert_no_children()
+
+
+HANGING_PIPELINE = """
+from contextlib import asynccontextmanager
+
+import trio
+
+from pipelines.contract import BidirectionalService
+
+
+class Hanging(BidirectionalService):
+    '''Its loop runs (heartbeats go on) while some calls never finish.'''
+
+    @asynccontextmanager
+    async def running(self):
+        yield self
+
+    async def create_session(self, config, *, on_event=None):
+        if config.prompt == "hang":
+            await trio.sleep_forever()  # a model that never gets its session ready
+        return "s-1"
+
+    async def push_control(self, session_id, control):
+        await trio.sleep_forever()  # a control queue that never drains
+
+    def chunks(self, session_id):
+        return self._none()
+
+    async def _none(self):
+        await trio.sleep_forever()
+        yield
+
+    async def close_session(self, session_id):
+        return None
+
+
+def get_service(gpu_num=0):
+    return Hanging()
+"""
+
+
+async def test_a_call_the_child_never_answers_fails_at_its_own_deadline(tmp_path: Path) -> None:
+    deadlines = CallDeadlines(push_control=0.5, create_session=1.0)
+    # its loop runs, so the heartbeat (10 s) never fires
+    service = await start_written(tmp_path, "hanging_pipeline", HANGING_PIPELINE, call_deadlines=deadlines)
+    async with service.running():
+        sid = await service.create_session(SessionConfig())
+        started = time.monotonic()
+        with trio.fail_after(5), pytest.raises(ProcessServiceCallTimeout) as late:
+            await service.push_control(sid, Control(ControlType.RESET))
+        assert 0.5 <= time.monotonic() - started < 5
+        assert (late.value.method, late.value.deadline) == ("push_control", 0.5)
+        assert "push_control() got no answer" in str(late.value) and "0.5 s" in str(late.value)
+        # the deadline is the call's own: create_session has a longer one, and the child keeps serving
+        started = time.monotonic()
+        with trio.fail_after(5), pytest.raises(ProcessServiceCallTimeout, match=r"create_session\(\).* 1 s"):
+            await service.create_session(SessionConfig(prompt="hang"))
+        assert time.monotonic() - started >= 1.0
+        await service.close_session(sid)
+        assert service.failure is None
+    assert service.exitcode == 0
+    assert_no_children()
+
+
+async def test_a_stopped_child_fails_the_call_at_its_deadline_before_the_heartbeat() -> None:
+    service = await start(
+        "pipelines/replay", call_deadlines=CallDeadlines(running=0.5), heartbeat_timeout=30,
+        close_timeout=0.5, kill_grace=0.5,
+    )
+    os.kill(service.pid, signal.SIGSTOP)  # the child cannot answer Run: running() is never entered
+    started = time.monotonic()
+    with trio.fail_after(10), pytest.raises(ProcessServiceCallTimeout) as late:
+        async with service.running():
+            pytest.fail("running() was entered by a stopped child")
+    assert time.monotonic() - started < 5  # the deadline, then the bounded stop (a stopped child takes SIGKILL)
+    assert (late.value.method, late.value.deadline) == ("running", 0.5)
+    assert "running() got no answer" in str(late.value)
+    assert service.exitcode == -signal.SIGKILL
+    assert_no_children()
+
+
+def test_call_deadlines_are_seconds_above_zero() -> None:
+    with pytest.raises(ValueError, match=r"call_deadlines.push_control must be a number of seconds > 0, got 0"):
+        CallDeadlines(push_control=0)
+    with pytest.raises(ValueError, match="call_deadlines.running"):
+        CallDeadlines(running=float("inf"))
+    # under a room runner its own deadline for the same call comes first (its cause is the one recorded)
+    defaults = CallDeadlines()
+    runner = {"create_session": CREATE_PIPELINE_TIMEOUT, "push_control": CONTROL_TIMEOUT,
+              "close_session": CLOSE_PIPELINE_TIMEOUT}
+    assert all(defaults.of(call) > seconds for call, seconds in runner.items())
