@@ -171,6 +171,11 @@ async def test_plain_hypercorn_with_no_chunkline_variables_serves_the_embedded_d
                 await process.wait()
 
 
+#: the exit status of hypercorn with a bad setting: the worker's own 2 when it is hypercorn's only process;
+#: when it is a supervised worker, the worker ends the supervisor with SIGKILL (see the test after this one)
+BAD_SETTING_STATUS = {"supervised": -signal.SIGKILL, "in-process": 2}
+
+
 @pytest.mark.parametrize("workers", [[], ["--workers", "0"]], ids=["supervised", "in-process"])
 async def test_plain_hypercorn_with_a_bad_setting_prints_one_line_naming_it_and_fails(workers):
     """One line naming the variable and its value, no traceback, and the command exits non-zero."""
@@ -183,4 +188,23 @@ async def test_plain_hypercorn_with_a_bad_setting_prints_one_line_naming_it_and_
     lines = [line for line in err.splitlines() if line.startswith("chunkline:")]
     assert len(lines) == 1 and "CHUNKLINE_QUEUE_SIZE" in lines[0] and "'lots'" in lines[0], err
     assert [line for line in err.splitlines() if line.strip()] == lines, err  # nothing else on stderr
-    assert done.returncode != 0, err
+    assert done.returncode == BAD_SETTING_STATUS["in-process" if workers else "supervised"], (done.returncode, err)
+
+
+async def test_hypercorn_supervisor_still_drops_its_workers_exit_status(tmp_path: Path):
+    """Why a bad setting ends hypercorn's supervisor from the worker (server._end_hypercorn_supervisor).
+
+    hypercorn 0.18's supervisor never imports the app (only under --reload), so no check of ours can run
+    there before it spawns the worker, and its ``run()`` returns 0 whatever the worker's exit status (the
+    second ``_join_exited`` replaces it). When this fails, hypercorn passes the status on: drop the kill and
+    expect the worker's own status in the test above.
+    """
+    (tmp_path / "failing_app.py").write_text("raise SystemExit(3)\n")
+    command = [sys.executable, "-m", "hypercorn", "--bind", "127.0.0.1:0", "failing_app:app"]
+    with trio.fail_after(START_DEADLINE):
+        supervised = await trio.run_process(command, cwd=str(tmp_path), stdin=subprocess.DEVNULL, check=False,
+                                            capture_stdout=True, capture_stderr=True)
+        in_process = await trio.run_process([*command[:3], "--workers", "0", *command[3:]], cwd=str(tmp_path),
+                                            stdin=subprocess.DEVNULL, check=False, capture_stdout=True,
+                                            capture_stderr=True)
+    assert (supervised.returncode, in_process.returncode) == (0, 3), (supervised.stderr, in_process.stderr)
