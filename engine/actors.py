@@ -28,7 +28,7 @@ from states import stage_actor as actor_table
 from states.pipeline_session import CloseReason
 
 from .errors import ActorBusyError, ActorFailedError, FatalStageError
-from .threads import DedicatedThread
+from .threads import NOTHING_LEFT, DedicatedThread, WaitQueue
 
 __all__ = [
     "TaskKey",
@@ -145,7 +145,10 @@ class _Delivery:
             return None
         actor._count(pending=-1)
         finish = from_thread(self.invocation, result)
-        return functools.partial(actor._after_thread_delivery, finish)
+        if finish is not None:
+            return functools.partial(actor._after_thread_delivery, finish)
+        # nothing for trio to do: the call is delivered here, and trio is woken only for a barrier
+        return actor._mark_done if actor._count(undelivered=-1) else NOTHING_LEFT
 
 
 _names = itertools.count()
@@ -185,7 +188,7 @@ class LocalStageActor:
         self._counts = threading.Lock()  # submit may run on another actor's thread (a direct hand-off)
         self._closes = 0  # session hooks queued or running
         # barrier waiters park here until the counts reach zero (no per-call allocation)
-        self._quiet = trio.lowlevel.ParkingLot()
+        self._quiet = WaitQueue()
         # read by the dedicated thread before each call: once the actor is broken,
         # queued work must not run against its state (plain attribute: GIL-atomic)
         self._refusal: str | None = None
@@ -266,10 +269,12 @@ class LocalStageActor:
         """Whether ``submit`` may be called from another thread (a synchronous handler: its queue is)."""
         return not self._handler_is_async
 
-    def _count(self, *, pending: int = 0, undelivered: int = 0) -> None:
+    def _count(self, *, pending: int = 0, undelivered: int = 0) -> bool:
+        """Change the counts; returns whether a barrier waits (then someone must wake it in trio)."""
         with self._counts:
             self._pending += pending
             self._undelivered += undelivered
+            return self._quiet.waiting > 0
 
     def _after_thread_delivery(self, finish: Callable[[], None]) -> None:
         """In trio, after a call completed on the thread: the scheduler's leftovers, then barrier waiters."""
@@ -298,8 +303,8 @@ class LocalStageActor:
             raise
 
     def _mark_done(self) -> None:
-        if self._pending == 0 and self._undelivered == 0 and self._quiet:
-            self._quiet.unpark_all()
+        if self._pending == 0 and self._undelivered == 0:
+            self._quiet.wake()
 
     def _resolve(self, invocation: StageInvocation, on_done: Completion, result: outcome.Outcome, *, from_thread: bool = False) -> None:
         self._count(pending=-1, undelivered=-1 if from_thread else 0)
@@ -345,8 +350,7 @@ class LocalStageActor:
 
     async def _barrier_then_close(self, context: SessionContext, reason: CloseReason) -> None:
         if self._closer_is_async:
-            while self._pending:
-                await self._quiet.park()
+            await self._quiet.wait_until(self._counts, lambda: not self._pending)
             with trio.CancelScope(shield=True):
                 await self._closer(context, reason)
         else:
@@ -368,8 +372,10 @@ class LocalStageActor:
 
     async def barrier(self) -> None:
         """Wait until every submitted invocation and every session hook has finished."""
-        while self._pending or self._closes or self._undelivered:
-            await self._quiet.park()
+        await self._quiet.wait_until(self._counts, self._quiet_now)
+
+    def _quiet_now(self) -> bool:
+        return not (self._pending or self._closes or self._undelivered)
 
     # -- health ----------------------------------------------------------------
 

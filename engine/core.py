@@ -41,6 +41,7 @@ from .metrics import Diagnostics
 from .reservations import UsageBook
 from .runtime import SessionRuntime
 from .spec import StageOrdering, StageSpec
+from .threads import WaitQueue
 
 __all__ = ["CoreCompletion", "SchedulerCore"]
 
@@ -102,7 +103,7 @@ class SchedulerCore:
         # While a thread is in the core, wake-ups of trio tasks are collected, then handed to trio.
         self.lock = threading.RLock()
         self._now = trio.lowlevel.current_clock().current_time
-        self._off_trio: set[SessionRuntime] | None = None  # sessions to wake in trio, while off it
+        self._off_trio: set[WaitQueue] | None = None  # wait queues to wake in trio, while off it
         self._trio_stages: set[str] = set()  # stages whose actor must be submitted to from trio
         self._failed_off_trio: list[SessionRuntime] = []
         self.completion = CoreCompletion(self)
@@ -165,8 +166,11 @@ class SchedulerCore:
         return True
 
     async def push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
-        while not self.try_push(rt, seq, artifacts):
-            await rt.room.park()
+        await rt.room.wait_until(self.lock, functools.partial(self.try_push, rt, seq, artifacts))
+
+    async def wait_until(self, queue: WaitQueue, done: Callable[[], bool]) -> None:
+        """Park on one of a session's wait queues until ``done()``, checked under the core's lock."""
+        await queue.wait_until(self.lock, done)
 
     @_locked
     def has_room(self, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
@@ -180,7 +184,7 @@ class SchedulerCore:
     def finish_inputs(self, rt: SessionRuntime, final_sequence_id: int) -> None:
         if check_final_sequence(self.graph, rt, final_sequence_id):
             rt.final_sequence_id = final_sequence_id
-            self._wake(rt, rt.wake)
+            self._wake(*rt.everyone)
             self._pump()
 
     @_locked
@@ -188,7 +192,7 @@ class SchedulerCore:
         items = list(rt.outputs)
         rt.outputs.clear()
         if items:
-            self._wake(rt, rt.wake_progress)  # output room freed: a drain may proceed
+            self._wake(rt.changed)  # output room freed: a drain may proceed
             self._pump(self.graph.output_producers)
         return items
 
@@ -221,7 +225,7 @@ class SchedulerCore:
             rt.discard_buffers()
             if _DROPS_OUTPUTS[event]:
                 rt.outputs.clear()
-        self._wake(rt, rt.wake)
+        self._wake(*rt.everyone)
         self._pump()
         return True
 
@@ -322,17 +326,18 @@ class SchedulerCore:
                 if error is not None:
                     self._fail(rt, error)
                 elif record_result(self.graph, rt, stage, key.sequence_id, result.value, now):
-                    self._wake(rt, rt.wake_emitted)
+                    self._wake(rt.emitted)
         finally:
-            self._wake(rt, rt.wake_progress)
+            self._wake(rt.changed)
             self._pump(self.graph.after_completion[stage.stage_id])
 
-    def complete_from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None]:
+    def complete_from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None] | None:
         """Complete a successful invocation on the stage's own thread; returns what trio must then run.
 
         The completion admits whatever it unblocks right here, so the next stage's thread is
-        woken by this one, not through the trio thread. Wake-ups of trio tasks, background
-        cleanups and submits to actors that need trio are collected and returned.
+        woken by this one, not through the trio thread. Wake-ups of trio tasks that wait,
+        background cleanups and submits to actors that need trio are collected and returned
+        (None when there are none: the trio thread is not woken at all).
         """
         with self.lock:
             self._off_trio = wake = set()
@@ -342,22 +347,27 @@ class SchedulerCore:
                 self._off_trio = None
                 failed, self._failed_off_trio = self._failed_off_trio, []
                 stages, self._trio_stages = self._trio_stages, set()
+        if not (wake or failed or stages):
+            return None
         return functools.partial(self._finish_in_trio, wake, failed, stages)
 
-    def _finish_in_trio(self, wake: set[SessionRuntime], failed: list[SessionRuntime], stages: set[str]) -> None:
+    def _finish_in_trio(self, wake: set[WaitQueue], failed: list[SessionRuntime], stages: set[str]) -> None:
         with self.lock:
-            for rt in wake:
-                rt.wake()
+            for queue in wake:
+                queue.wake()
             for rt in failed:
                 self._on_failed(rt)
             if stages:
                 self._pump(stages)
 
-    def _wake(self, rt: SessionRuntime, wake: Callable[[], None]) -> None:
-        if self._off_trio is None:
-            wake()
-        else:
-            self._off_trio.add(rt)
+    def _wake(self, *queues: WaitQueue) -> None:
+        """Wake the session wait queues that have waiters: now in trio, or (off trio) once the thread is done."""
+        for queue in queues:
+            if queue.waiting:
+                if self._off_trio is None:
+                    queue.wake()
+                else:
+                    self._off_trio.add(queue)
 
     # == failure ==================================================================================
 
@@ -381,7 +391,7 @@ class SchedulerCore:
         rt.error = error
         rt.discard_buffers()
         rt.outputs.clear()
-        self._wake(rt, rt.wake)
+        self._wake(*rt.everyone)
         if needs_cleanup:
             if self._off_trio is None:
                 self._on_failed(rt)
@@ -503,7 +513,7 @@ class SchedulerCore:
             return False
         self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
         if stage.consumes & self.graph.ingress:
-            self._wake(rt, rt.wake_room)
+            self._wake(rt.room, rt.changed)
         else:
-            self._wake(rt, rt.wake_progress)
+            self._wake(rt.changed)
         return True

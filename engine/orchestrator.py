@@ -189,7 +189,7 @@ class Orchestrator:
             busy = next((rt for rt in self._core.runtimes() if self._core.busy(rt)), None)
             if busy is None:
                 break
-            await busy.changed.park()
+            await self._core.wait_until(busy.changed, lambda rt=busy: not self._core.busy(rt))
         for actor in {id(a): a for a in (self.actors[s] for s in self.spec.topological_order)}.values():
             await actor.barrier()
 

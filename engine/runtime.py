@@ -19,6 +19,7 @@ from states.pipeline_session import CloseReason
 from .blockers import Blocker
 from .metrics import RunningSummary
 from .reservations import SessionReservations
+from .threads import WaitQueue
 
 __all__ = ["SeqSet", "Slot", "SessionRuntime", "METRICS_WINDOW"]
 
@@ -119,10 +120,12 @@ class SessionRuntime:
         self.cleaned: set[str] = set()
         self.phases: list[tuple[str, str]] = []  # (phase, outcome) as shutdown proceeds
         self.lifecycle_lock = trio.Lock()
-        # separate wait queues, so a completion wakes only who can use it
-        self.room = trio.lowlevel.ParkingLot()  # pushers: an ingress slot was consumed
-        self.emitted = trio.lowlevel.ParkingLot()  # output readers: an output was emitted
-        self.changed = trio.lowlevel.ParkingLot()  # shutdown and idle waits: any progress
+        # separate wait queues, so a completion wakes only who can use it (and, on a stage's
+        # thread, hands trio nothing when nobody waits); waits go through the core's lock
+        self.room = WaitQueue()  # pushers: an ingress slot was consumed
+        self.emitted = WaitQueue()  # output readers: an output was emitted
+        self.changed = WaitQueue()  # shutdown and idle waits: any progress
+        self.everyone = (self.room, self.emitted, self.changed)
         self.settled = trio.Event()  # terminal or poisoned
 
     # -- status ------------------------------------------------------------
@@ -148,24 +151,9 @@ class SessionRuntime:
         return self.final_sequence_id is not None and self.next_emit > self.final_sequence_id
 
     def wake(self) -> None:
-        """The session's state changed: everyone re-checks."""
-        for lot in (self.room, self.emitted, self.changed):
-            if lot:  # a ParkingLot is falsy when nobody waits
-                lot.unpark_all()
-
-    def wake_progress(self) -> None:
-        if self.changed:
-            self.changed.unpark_all()
-
-    def wake_room(self) -> None:
-        if self.room:
-            self.room.unpark_all()
-        if self.changed:
-            self.changed.unpark_all()
-
-    def wake_emitted(self) -> None:
-        if self.emitted:
-            self.emitted.unpark_all()
+        """In trio: the session's state changed, everyone re-checks."""
+        for queue in self.everyone:
+            queue.wake()
 
     def timing(self, stage_id: str, seq: int) -> _Timing:
         timings = self.timings[stage_id]

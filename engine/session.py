@@ -94,10 +94,15 @@ class Session:
         """Wait until every named ingress artifact has room (raises if the session stops admitting)."""
         names = tuple(artifacts)
         rt = self._runtime
-        while not self.can_push(names):
+
+        def room() -> bool:
+            if self.can_push(names):
+                return True
             if not rt.admitting:
                 raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input")
-            await rt.room.park()
+            return False
+
+        await self._core.wait_until(rt.room, room)
 
     def finish_inputs(self, final_sequence_id: int) -> None:
         """Declare the last sequence of an open-ended session."""
@@ -112,6 +117,10 @@ class Session:
     async def outputs(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Yield ``(sequence_id, {artifact: value})`` in order until the session has no more."""
         rt = self._runtime
+
+        def more_or_none() -> bool:
+            return bool(rt.outputs) or rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING
+
         while True:
             items = self._core.poll_outputs(rt)
             for item in items:
@@ -120,7 +129,7 @@ class Session:
                 continue
             if rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING:
                 return
-            await rt.emitted.park()
+            await self._core.wait_until(rt.emitted, more_or_none)
 
     # -- ending ----------------------------------------------------------------------
 
@@ -143,8 +152,7 @@ class Session:
     async def wait_until_idle(self) -> None:
         """Wait until nothing of this session runs or could start now."""
         rt = self._runtime
-        while self._core.busy(rt):
-            await rt.changed.park()
+        await self._core.wait_until(rt.changed, lambda: not self._core.busy(rt))
 
     async def __aenter__(self) -> Session:
         return self

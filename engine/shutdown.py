@@ -74,8 +74,7 @@ class SessionShutdown:
 
     async def _wait_settled(self, rt: SessionRuntime, deadline: float) -> bool:
         with trio.move_on_at(deadline) as settle_deadline:  # stops the waiting, not the running calls
-            while not self._core.work_settled(rt):
-                await rt.changed.park()
+            await self._core.wait_until(rt.changed, lambda: self._core.work_settled(rt))
         return self._core.work_settled(rt)
 
     async def _settle_work(self, rt: SessionRuntime, drain_deadline: float, deadline: float) -> None:
@@ -95,8 +94,7 @@ class SessionShutdown:
     async def _retry(self, rt: SessionRuntime, deadline: float) -> None:
         """Re-enter stage release, once no call from the timed-out attempt still runs."""
         with trio.move_on_at(deadline) as retry_deadline:  # stops the wait for the timed-out calls
-            while rt.reservations:
-                await rt.changed.park()
+            await self._core.wait_until(rt.changed, lambda: not rt.reservations)
         if rt.reservations:
             self._poison(rt, TimeoutError("work still in flight; cleanup not retried"), "retry")
         else:

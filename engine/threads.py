@@ -17,9 +17,92 @@ from typing import Any
 import outcome
 import trio
 
-__all__ = ["DedicatedThread"]
+__all__ = ["DedicatedThread", "NOTHING_LEFT", "TrioInbox", "WaitQueue"]
 
 _STOP = object()
+# what a delivery's ``on_thread`` returns when it handled the result entirely: nothing to post to trio
+NOTHING_LEFT = object()
+
+
+class WaitQueue:
+    """A trio wait queue whose waiters another thread can see before it decides to wake them.
+
+    A waiter counts itself in under the owner's lock before it checks its condition, so a
+    change made after that (on any thread, under the same lock) sees it and wakes it, and
+    one made before is seen by the check: no wake-up is lost, and a thread that finds
+    nobody waiting has nothing to hand to trio.
+    """
+
+    __slots__ = ("_lot", "waiting")
+
+    def __init__(self) -> None:
+        self._lot = trio.lowlevel.ParkingLot()
+        self.waiting = 0  # changed under the owner's lock only
+
+    async def wait_until(self, lock: threading.Lock | threading.RLock, done: Callable[[], bool]) -> None:
+        """Park until ``done()`` (called under ``lock``) is true; it may raise to stop the wait."""
+        with lock:
+            self.waiting += 1
+        try:
+            while True:
+                with lock:
+                    if done():
+                        return
+                await self._lot.park()
+        finally:
+            with lock:
+                self.waiting -= 1
+
+    def wake(self) -> None:
+        """In trio: every parked waiter re-checks its condition."""
+        if self._lot:
+            self._lot.unpark_all()
+
+
+class TrioInbox:
+    """Calls that other threads hand to the trio thread, run in batches: one trio wake-up per batch.
+
+    A call posted while an earlier batch is still waiting to run joins that batch, so
+    several stage threads finishing close together wake the trio thread once, not once each.
+    """
+
+    _current: trio.lowlevel.RunVar[TrioInbox] = trio.lowlevel.RunVar("chunkline_trio_inbox")
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self._lock = threading.Lock()
+        self._calls: list[tuple[Callable[..., Any], tuple]] = []
+
+    @classmethod
+    def current(cls) -> TrioInbox:
+        """The inbox of the running trio run (made on first use)."""
+        try:
+            return cls._current.get()
+        except LookupError:
+            inbox = cls(trio.lowlevel.current_trio_token())
+            cls._current.set(inbox)
+            return inbox
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """From any thread: run ``fn(*args)`` in the trio thread soon, in posting order."""
+        with self._lock:
+            self._calls.append((fn, args))
+            if len(self._calls) > 1:
+                return  # a batch is already waiting to run: this call joins it
+        self._token.run_sync_soon(self._run_batch)
+
+    def _run_batch(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        error: BaseException | None = None
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except BaseException as exc:  # a scheduler bug: surface it in trio after the rest ran
+                error = error or exc
+        del calls
+        if error is not None:
+            raise error
 
 
 def _reraise(error: BaseException) -> None:
@@ -41,6 +124,7 @@ class DedicatedThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
+        self._inbox: TrioInbox | None = None
         self._exited = trio.Event()
 
     @property
@@ -53,6 +137,7 @@ class DedicatedThread:
 
     def start(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
+        self._inbox = TrioInbox.current()
         self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self._thread.start()
 
@@ -89,20 +174,26 @@ class DedicatedThread:
             except BaseException as exc:  # a scheduler bug: surface it in trio, as a delivery there would
                 after = functools.partial(_reraise, exc)
             del on_thread
+        inbox = self._inbox
+        assert inbox is not None
+        if after is NOTHING_LEFT:
+            del deliver, result, after
+            return True
         if after is not None:
             del deliver, result
-            token.run_sync_soon(after)
+            inbox.post(after)
             return True
         box = [deliver, result]
         del deliver, result
-        token.run_sync_soon(_unbox, box)
+        inbox.post(_unbox, box)
         return True
 
     def submit(self, fn: Callable[..., Any], args: tuple, deliver: Callable[[outcome.Outcome], None]) -> None:
         """Queue ``fn(*args)``; ``deliver(outcome)`` later runs in the trio thread.
 
         If ``deliver`` has ``on_thread(outcome)``, it is offered the result on this thread
-        first; what it returns (if not None) runs in the trio thread instead of ``deliver``.
+        first; what it returns (if not None) runs in the trio thread instead of ``deliver``,
+        and :data:`NOTHING_LEFT` means nothing is left for trio to run.
 
         The fast path of stage actors: no trio task wakes between the call and
         its delivery.
