@@ -3,7 +3,12 @@
 ``python -m bench.engine`` runs all; ``python -m bench.engine w3 w5`` runs those named;
 ``--peer PATH`` also runs the peer scheduler (see ``bench/engine_peer.py``) on each workload in
 the same run and prints the ratios. Lines with a stage cost carry ``hop_p50_us``: how long each
-hand-off of a chunk's critical path took (a stage able to start until it started).
+hand-off of a chunk's critical path took (a stage able to start until it started). Every line
+carries ``wakeups_per_chunk``: how often a thread of the process blocked and was woken again
+(voluntary context switches), per chunk; chunkline's also ``trio_wakeups_per_chunk``: how often
+a stage's thread had to wake the trio thread. ``python -m bench.engine host`` (part of the
+default run) prints what this host's bare thread primitives cost and the bounds they put under
+the goals (``bench/engine_host.py``).
 The graph, costs and driver follow the shared WORKLOADS definition exactly: three
 stages, one synchronous handler per stage actor (``time.sleep(cost)``), capacity-2
 edges, the driver pushing image and control for chunk k as soon as they are admitted.
@@ -12,9 +17,11 @@ edges, the driver pushing image and control for chunk k as soon as they are admi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import queue
+import resource
 import statistics
 import sys
 import threading
@@ -24,7 +31,9 @@ from collections.abc import Callable, Sequence
 import trio
 
 from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec, open_orchestrator
+from engine.threads import TrioInbox
 
+from .engine_host import host_figures
 from .engine_peer import load_peer, run_peer_workload
 
 SPEC = PipelineSpec(
@@ -161,7 +170,21 @@ async def _run_workload(sessions: int, chunks: int, costs: Sequence[float], paci
         wall = time.perf_counter() - start
         for session in handles:
             await session.aclose()
-    return _figures(clock, sessions, chunks, costs, wall, emitted, control_at, latencies, finish)
+    figures = _figures(clock, sessions, chunks, costs, wall, emitted, control_at, latencies, finish)
+    figures["trio_wakeups_per_chunk"] = TrioInbox.current().batches / (sessions * chunks)
+    return figures
+
+
+def _blocked_and_woken() -> int:
+    """Voluntary context switches of every thread of this process so far (a block, then a wake-up)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+
+
+def _counting_wakeups(chunks: int, run: Callable[[], dict]) -> dict:
+    before = _blocked_and_woken()
+    figures = run()
+    figures["wakeups_per_chunk"] = (_blocked_and_woken() - before) / chunks
+    return figures
 
 
 def _run_peer(peer, sessions: int, chunks: int, costs: Sequence[float], pacing: float | None) -> dict:
@@ -268,15 +291,22 @@ def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
     """Each workload on chunkline, then (with a peer) on the peer, then their ratios: all in one run."""
     peer = load_peer(peer_path) if peer_path else None
     results = []
-    floor = floor_us_per_chunk() if "w1" in names else None
+    floor = floor_us_per_chunk() if "w1" in names or "host" in names else None
     for name in names:
+        if name == "host":
+            assert floor is not None
+            results.append(host_figures(floor))
+            _print(results[-1])
+            continue
         sessions, chunks, costs, pacing = WORKLOADS[name]
-        ours = _line(name, "chunkline", trio.run(_run_workload, sessions, chunks, costs, pacing), floor)
+        ours = _line(name, "chunkline", _counting_wakeups(
+            sessions * chunks, functools.partial(trio.run, _run_workload, sessions, chunks, costs, pacing)), floor)
         results.append(ours)
         _print(ours)
         if peer is None:
             continue
-        theirs = _line(name, "peer", _run_peer(peer, sessions, chunks, costs, pacing), floor)
+        theirs = _line(name, "peer", _counting_wakeups(
+            sessions * chunks, functools.partial(_run_peer, peer, sessions, chunks, costs, pacing)), floor)
         results.append(theirs)
         _print(theirs)
         _print({
@@ -290,17 +320,17 @@ def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n\n")[0])
-    parser.add_argument("workloads", nargs="*", help=f"some of {list(WORKLOADS)} (default: all)")
+    parser.add_argument("workloads", nargs="*", help=f"some of {[*WORKLOADS, 'host']} (default: all)")
     parser.add_argument(
         "--peer", default=os.environ.get("CHUNKLINE_PEER_ORCHESTRATOR"),
         help="the peer's streaming_pipeline_orchestrator.py, run on the same workloads in the same run "
              "(default: $CHUNKLINE_PEER_ORCHESTRATOR)",
     )
     args = parser.parse_args(argv)
-    names = args.workloads or list(WORKLOADS)
-    unknown = [n for n in names if n not in WORKLOADS]
+    names = args.workloads or [*WORKLOADS, "host"]
+    unknown = [n for n in names if n not in WORKLOADS and n != "host"]
     if unknown:
-        print(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}", file=sys.stderr)
+        print(f"unknown workloads {unknown}; choose from {[*WORKLOADS, 'host']}", file=sys.stderr)
         return 2
     if args.peer and not os.path.isfile(args.peer):
         print(f"--peer {args.peer!r}: no such file", file=sys.stderr)

@@ -11,8 +11,9 @@ completes a successful invocation right there (``CoreCompletion.from_thread``),
 and the admission that completion unblocks submits the next stage from that
 same thread. A chunk's hop from one stage to the next is then one thread
 wake-up (the next stage's), not two through the trio thread. What only trio may
-do (wake trio tasks, start background cleanups, submit to actors that take work
-in trio) is collected meanwhile and handed to trio afterwards.
+do (wake trio tasks that wait, start background cleanups, submit to actors that
+take work in trio) is collected meanwhile (:mod:`engine.handoff`) and handed to
+trio afterwards; when there is none, the trio thread is not woken at all.
 
 :class:`~engine.session.Session` and :class:`~engine.shutdown.SessionShutdown`
 talk to it through the methods listed under "interface" below and nothing else.
@@ -36,11 +37,12 @@ from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import check_result, record_result
 from .errors import ActorBusyError, ActorFailedError, SessionExistsError
 from .graph import StageGraph
+from .handoff import TrioHandoff
 from .ingress import check_final_sequence, check_ingress, has_room
 from .metrics import Diagnostics
 from .reservations import UsageBook
 from .runtime import SessionRuntime
-from .spec import StageOrdering, StageSpec
+from .spec import StageSpec
 from .threads import WaitQueue
 
 __all__ = ["CoreCompletion", "SchedulerCore"]
@@ -87,7 +89,6 @@ class SchedulerCore:
     ) -> None:
         self.graph = graph
         self._actors = dict(actors)
-        self._on_failed = on_failed  # starts the failed session's cleanup in the orchestrator's nursery
         self._group_limit = {g.name: g.max_concurrency for g in graph.spec.resource_groups}
         self._usage = UsageBook(graph.stage_ids, self._group_limit)
         self._turns: dict[str, deque[str]] = {s: deque() for s in graph.stage_ids}  # round robin per stage
@@ -100,12 +101,11 @@ class SchedulerCore:
         self._surfaced: dict[str, BaseException] = {}  # stage -> the error that revealed its actor's failure
         # A stage's own thread may complete an invocation and admit the next stage itself (one
         # thread wake-up per hop); the lock makes that and every trio-side call one at a time.
-        # While a thread is in the core, wake-ups of trio tasks are collected, then handed to trio.
+        # While a thread is in the core, what only trio may do is collected, then handed to trio.
         self.lock = threading.RLock()
         self._now = trio.lowlevel.current_clock().current_time
-        self._off_trio: set[WaitQueue] | None = None  # wait queues to wake in trio, while off it
-        self._trio_stages: set[str] = set()  # stages whose actor must be submitted to from trio
-        self._failed_off_trio: list[SessionRuntime] = []
+        # on_failed starts the failed session's cleanup in the orchestrator's nursery
+        self._handoff = TrioHandoff(on_failed)
         self.completion = CoreCompletion(self)
 
     # == interface: sessions ===============================================================
@@ -242,7 +242,7 @@ class SchedulerCore:
         if not rt.starting_accepted_work:
             return True
         for stage in self.graph.scan_order:
-            if self._candidate(rt, stage) is None:
+            if rt.next_ready(stage) is None:
                 continue
             blocker = self._blocker(rt, stage)
             if blocker is None or not blocker.waits_on_own_downstream:
@@ -302,6 +302,9 @@ class SchedulerCore:
     @_locked
     def complete(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
         """Called by an actor, in the trio thread, once per submitted invocation."""
+        self._complete(invocation, result)
+
+    def _complete(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
         key = invocation.key
         rt = self._sessions.get(key.session_id)
         if rt is None or key.request_id >= self._next_request:
@@ -340,34 +343,22 @@ class SchedulerCore:
         (None when there are none: the trio thread is not woken at all).
         """
         with self.lock:
-            self._off_trio = wake = set()
+            self._handoff.begin()
             try:
-                self.complete(invocation, result)
+                self._complete(invocation, result)
             finally:
-                self._off_trio = None
-                failed, self._failed_off_trio = self._failed_off_trio, []
-                stages, self._trio_stages = self._trio_stages, set()
-        if not (wake or failed or stages):
-            return None
-        return functools.partial(self._finish_in_trio, wake, failed, stages)
+                left = self._handoff.end(self._pump)
+        return None if left is None else functools.partial(self._locked_call, left)
 
-    def _finish_in_trio(self, wake: set[WaitQueue], failed: list[SessionRuntime], stages: set[str]) -> None:
+    def _locked_call(self, fn: Callable[[], None]) -> None:
         with self.lock:
-            for queue in wake:
-                queue.wake()
-            for rt in failed:
-                self._on_failed(rt)
-            if stages:
-                self._pump(stages)
+            fn()
 
     def _wake(self, *queues: WaitQueue) -> None:
-        """Wake the session wait queues that have waiters: now in trio, or (off trio) once the thread is done."""
+        """Wake the session wait queues that have waiters (off trio: once the thread is done)."""
         for queue in queues:
             if queue.waiting:
-                if self._off_trio is None:
-                    queue.wake()
-                else:
-                    self._off_trio.add(queue)
+                self._handoff.wake(queue)
 
     # == failure ==================================================================================
 
@@ -393,10 +384,7 @@ class SchedulerCore:
         rt.outputs.clear()
         self._wake(*rt.everyone)
         if needs_cleanup:
-            if self._off_trio is None:
-                self._on_failed(rt)
-            else:
-                self._failed_off_trio.append(rt)
+            self._handoff.clean_up(rt)
 
     def _fail_actor_sessions(self, stage_id: str, reason: str | None, cause: BaseException | None) -> None:
         """An actor failure fails every session still starting work, with the cause attached."""
@@ -454,16 +442,9 @@ class SchedulerCore:
             turns.remove(session_id)
             turns.append(session_id)
 
-    def _candidate(self, rt: SessionRuntime, stage: StageSpec) -> int | None:
-        ready = rt.ready[stage.stage_id]
-        if stage.ordering is StageOrdering.PER_SESSION_STRICT:
-            frontier = rt.taken[stage.stage_id].below
-            return frontier if frontier in ready else None
-        return min(ready) if ready else None
-
     def _admissible(self, rt: SessionRuntime) -> bool:
         return any(
-            self._candidate(rt, stage) is not None and self._blocker(rt, stage) is None
+            rt.next_ready(stage) is not None and self._blocker(rt, stage) is None
             for stage in self.graph.scan_order
         )
 
@@ -473,7 +454,7 @@ class SchedulerCore:
     def _try_admit(self, rt: SessionRuntime, stage: StageSpec) -> bool:
         if not rt.starting_accepted_work:
             return False
-        seq = self._candidate(rt, stage)
+        seq = rt.next_ready(stage)
         if seq is None:
             return False
         stage_id = stage.stage_id
@@ -482,8 +463,8 @@ class SchedulerCore:
             rt.blockers[stage_id][seq] = blocker
             return False
         actor = self._actors[stage_id]
-        if self._off_trio is not None and not getattr(actor, "threadsafe_submit", False):
-            self._trio_stages.add(stage_id)  # this actor takes work in trio only
+        if self._handoff.off_trio and not getattr(actor, "threadsafe_submit", False):
+            self._handoff.submit_in_trio(stage_id)  # this actor takes work in trio only
             return False
         if not actor.is_healthy():
             self._fail_actor_sessions(stage_id, actor.health().failure_reason, None)

@@ -1,7 +1,8 @@
 """Per-session bookkeeping of the orchestrator: slots, edge occupancy, readiness, frontiers.
 
-Everything here is synchronous and runs in the trio thread; the orchestrator
-is the only caller. Counters are maintained incrementally so that an admission
+Everything here is synchronous and runs under the scheduler core's lock (in the
+trio thread, or on a stage's thread completing its call); the core is the only
+caller that changes it. Counters are maintained incrementally so that an admission
 check costs O(edges of one stage), not a scan of every session.
 """
 
@@ -19,6 +20,7 @@ from states.pipeline_session import CloseReason
 from .blockers import Blocker
 from .metrics import RunningSummary
 from .reservations import SessionReservations
+from .spec import StageOrdering, StageSpec
 from .threads import WaitQueue
 
 __all__ = ["SeqSet", "Slot", "SessionRuntime", "METRICS_WINDOW"]
@@ -154,6 +156,14 @@ class SessionRuntime:
         """In trio: the session's state changed, everyone re-checks."""
         for queue in self.everyone:
             queue.wake()
+
+    def next_ready(self, stage: StageSpec) -> int | None:
+        """The sequence ``stage`` would take next for this session, if its inputs are all here."""
+        ready = self.ready[stage.stage_id]
+        if stage.ordering is StageOrdering.PER_SESSION_STRICT:
+            frontier = self.taken[stage.stage_id].below
+            return frontier if frontier in ready else None
+        return min(ready) if ready else None
 
     def timing(self, stage_id: str, seq: int) -> _Timing:
         timings = self.timings[stage_id]

@@ -72,6 +72,7 @@ class TrioInbox:
         self._token = token
         self._lock = threading.Lock()
         self._calls: list[tuple[Callable[..., Any], tuple]] = []
+        self.batches = 0  # how many times threads woke the trio thread through this inbox
 
     @classmethod
     def current(cls) -> TrioInbox:
@@ -92,6 +93,7 @@ class TrioInbox:
         self._token.run_sync_soon(self._run_batch)
 
     def _run_batch(self) -> None:
+        self.batches += 1
         with self._lock:
             calls, self._calls = self._calls, []
         error: BaseException | None = None

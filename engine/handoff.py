@@ -1,0 +1,78 @@
+"""What a completion made on a stage's own thread leaves for the trio thread.
+
+The scheduler core completes a successful invocation on the stage's thread and admits
+what that unblocks right there, so a chunk's hop to the next stage is one thread
+wake-up. Some of what follows may only happen in trio: waking trio tasks, starting a
+failed session's background cleanup, submitting to an actor that takes work in trio.
+While a thread is in the core, :class:`TrioHandoff` collects those; afterwards the
+thread hands them to trio as one call, or nothing at all when nothing was collected
+(the trio thread is then not woken).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .threads import WaitQueue
+
+if TYPE_CHECKING:
+    from .runtime import SessionRuntime
+
+__all__ = ["TrioHandoff"]
+
+
+class TrioHandoff:
+    """Does trio-only follow-ups now (in trio) or collects them (while a stage's thread is in the core).
+
+    Used under the core's lock only.
+    """
+
+    __slots__ = ("_on_failed", "_queues", "_failed", "_stages", "off_trio")
+
+    def __init__(self, on_failed: Callable[[SessionRuntime], None]) -> None:
+        self._on_failed = on_failed  # starts a failed session's cleanup (in trio)
+        self._queues: set[WaitQueue] = set()
+        self._failed: list[SessionRuntime] = []
+        self._stages: set[str] = set()
+        self.off_trio = False  # a stage's thread is in the core
+
+    def begin(self) -> None:
+        """A stage's thread enters the core: collect from now on."""
+        self.off_trio = True
+
+    def end(self, pump: Callable[[set[str]], None]) -> Callable[[], None] | None:
+        """The thread leaves the core: what trio must run (under the core's lock), or None."""
+        self.off_trio = False
+        if not (self._queues or self._failed or self._stages):
+            return None
+        queues, failed, stages = self._queues, self._failed, self._stages
+        self._queues, self._failed, self._stages = set(), [], set()
+        return functools.partial(self._run, queues, failed, stages, pump)
+
+    def _run(self, queues: set[WaitQueue], failed: list[SessionRuntime], stages: set[str], pump: Callable[[set[str]], None]) -> None:
+        for queue in queues:
+            queue.wake()
+        for rt in failed:
+            self._on_failed(rt)
+        if stages:
+            pump(stages)
+
+    def wake(self, queue: WaitQueue) -> None:
+        """Wake a wait queue's parked tasks (only ever asked for one that has waiters)."""
+        if self.off_trio:
+            self._queues.add(queue)
+        else:
+            queue.wake()
+
+    def clean_up(self, rt: SessionRuntime) -> None:
+        """Start a failed session's background cleanup."""
+        if self.off_trio:
+            self._failed.append(rt)
+        else:
+            self._on_failed(rt)
+
+    def submit_in_trio(self, stage_id: str) -> None:
+        """A stage whose actor takes work in trio only: admit to it from trio afterwards."""
+        self._stages.add(stage_id)
