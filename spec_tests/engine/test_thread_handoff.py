@@ -96,12 +96,15 @@ async def test_no_wake_up_is_lost_between_threads_and_waiting_tasks():
                     if seq % 64 == 0:
                         await orch.barrier()
 
+            async def stream(handle) -> None:
+                async with trio.open_nursery() as both:
+                    both.start_soon(push, handle)
+                    both.start_soon(read, handle)
+                await handle.aclose()
+
             async with trio.open_nursery() as nursery:
                 for handle in handles:
-                    nursery.start_soon(push, handle)
-                    nursery.start_soon(read, handle)
-            for handle in handles:
-                await handle.aclose()
+                    nursery.start_soon(stream, handle)
             await orch.barrier()
     assert all(order == list(range(chunks)) for order in seen.values())
     assert orch.diagnostics().slot_leaks == 0
