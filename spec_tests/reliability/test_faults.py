@@ -85,6 +85,11 @@ async def delete_and_settle(s: Served, session_id: str) -> None:
 # -- (a) a stage handler raises mid-stream ------------------------------------------------------
 
 
+@pytest.mark.in_process_only(reason=(
+    "the fault is injected into an in-process service object (EngineService) whose orchestrator and "
+    "handles the test reads; agent faults (kill -9, SIGSTOP, a cut connection, drain) are "
+    "spec_tests/cluster/test_agents.py"
+))
 async def test_stage_handler_raising_mid_stream_fails_the_session() -> None:
     leaks = Leaks()
     service = EngineService(threaded=True, raise_on_chunk=3)
@@ -109,6 +114,10 @@ async def test_stage_handler_raising_mid_stream_fails_the_session() -> None:
     await leaks.check()
 
 
+@pytest.mark.in_process_only(reason=(
+    "the fault is a monkeypatch of ToyWorldService in this process; an agent process loads its own; agent"
+    " faults (kill -9, SIGSTOP, a cut connection, drain) are spec_tests/cluster/test_agents.py"
+))
 async def test_toy_world_stage_raising_mid_stream_fails_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same fault in the shipped toy world (its denoise stage raises on chunk 3)."""
     from pipelines.toy_world import ToyWorldConfig, ToyWorldService
@@ -147,6 +156,11 @@ async def test_toy_world_stage_raising_mid_stream_fails_the_session(monkeypatch:
 # -- (b) a worker process is killed mid-chunk ---------------------------------------------------
 
 
+@pytest.mark.in_process_only(reason=(
+    "it kills a rank of an in-process service's worker group and reads the group; an agent killed "
+    "mid-chunk is spec_tests/cluster/test_agents.py::"
+    "test_kill_9_mid_chunk_fails_the_session_with_the_cause_and_the_queue_head_runs_elsewhere"
+))
 async def test_worker_process_killed_mid_chunk_fails_the_session() -> None:
     leaks = Leaks()
     service = EngineService(denoise_actor=lambda: process_denoise_actor(hold_from=2))
@@ -176,6 +190,10 @@ async def test_worker_process_killed_mid_chunk_fails_the_session() -> None:
 # -- (c) a stage's session-cleanup hook raises -----------------------------------------------------
 
 
+@pytest.mark.in_process_only(reason=(
+    "the hook and the retry belong to an in-process service object (EngineService) whose orchestrator the"
+    " test reads"
+))
 async def test_cleanup_hook_raising_poisons_the_pipeline_session_and_a_retry_succeeds() -> None:
     leaks = Leaks()
     service = EngineService(threaded=True, closer_failures=1)
@@ -218,6 +236,10 @@ async def test_cleanup_hook_raising_poisons_the_pipeline_session_and_a_retry_suc
 # -- (d) LiveKit unreachable -----------------------------------------------------------------------
 
 
+@pytest.mark.in_process_only(reason=(
+    "it reads the in-process service (no pipeline session was made) and checks this process's threads; an"
+    " agent's LiveKit connection is its own"
+))
 async def test_livekit_unreachable_fails_the_session_within_the_connect_timeout() -> None:
     from server.runner import CONNECT_TIMEOUT
 
@@ -261,6 +283,7 @@ async def test_livekit_unreachable_fails_the_session_within_the_connect_timeout(
 # -- (e), (f): the controller (virtual time, no threads) ---------------------------------------------
 
 
+@pytest.mark.in_process_only(reason="virtual time (autojump_clock, no threads); an agent process runs in real time")
 @pytest.mark.usefixtures("no_threads")
 async def test_controller_dropping_mid_stream_fails_the_session_after_the_timeout(autojump_clock: Any) -> None:
     leaks = Leaks()
@@ -289,6 +312,7 @@ async def test_controller_dropping_mid_stream_fails_the_session_after_the_timeou
     await leaks.check()
 
 
+@pytest.mark.in_process_only(reason="virtual time (autojump_clock, no threads); an agent process runs in real time")
 @pytest.mark.usefixtures("no_threads")
 async def test_controller_never_joining_fails_the_session_naming_the_timeout(autojump_clock: Any) -> None:
     leaks = Leaks()

@@ -25,13 +25,12 @@ import httpx
 import pytest
 import trio
 import trio.lowlevel
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from server.app import create_app
 from server.runtime import StreamRuntime
 from server.settings import ServerSettings
 
+from ..server.http_served import AGENT_PIPELINE, serve_http
 from ..server.runner_fixtures import CounterService, counter_loader
 from .helpers import Leaks, wait_until
 
@@ -40,7 +39,6 @@ QUEUE = 8
 CLIENTS = 64
 ITERATIONS = 5
 MAX_POLLS = 3  # GETs per iteration (fewer once the session is no longer queued)
-AGENT_PIPELINE = "spec_tests/cluster/tiny_world.py"
 AGENT_START = 240.0  # seconds: an agent process imports torch (slow on a loaded 2-core host)
 HANG_BOUND = 30.0  # seconds: a request slower than this is stuck, not slow (it took 11 s on a loaded 2-core host)
 SESSIONS = "/v1/stream/sessions"
@@ -152,7 +150,7 @@ class Watch:
 
 
 @pytest.mark.parametrize("workers", ["in-process", "local"])
-async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: trio.Nursery, workers: str) -> None:
+async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(workers: str) -> None:
     """``local``: the same load through the authority, its one worker a ``chunkline worker`` agent process."""
     leaks = Leaks(fd_slack=4)
     limits = dict(max_sessions_per_worker=CAPACITY, queue_size=QUEUE, controller_timeout=3600, room_empty_timeout=3600)
@@ -163,103 +161,87 @@ async def test_64_clients_create_poll_delete_under_capacity_4_queue_8(nursery: t
         # a generous heartbeat deadline: this test loads the authority's loop on purpose, liveness is not its subject
         app = create_app(ServerSettings(pipeline=AGENT_PIPELINE, workers="local", heartbeat_deadline=30.0, **limits))
     runtime: StreamRuntime = app.extensions["chunkline"]
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    stop = trio.Event()
-    stopped = trio.Event()
+    async with serve_http(app) as base_url:  # hypercorn on loopback; agents join the local rooms there
+        await wait_until(lambda: runtime.ready, "the runtime to be ready", deadline=AGENT_START)
+        worker_id = next(iter(runtime.workers))  # worker-0, or the agent's fresh id
+        watch = Watch(runtime)
+        answers: list[Answer] = []
 
-    async def run_server(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
-        finally:
-            stopped.set()
+        async def request(client: httpx.AsyncClient, index: int, method: str, path: str, **kw: Any) -> Answer:
+            started = time.monotonic()
+            response = await client.request(method, path, **kw)
+            answer = Answer(index, method, path, response.status_code, response.json(), time.monotonic() - started)
+            answers.append(answer)
+            watch.check_book()
+            return answer
 
-    urls = await nursery.start(run_server)
-    runtime.serving_at(urls[0])  # agents join the local rooms here
-    await wait_until(lambda: runtime.ready, "the runtime to be ready", deadline=AGENT_START)
-    worker_id = next(iter(runtime.workers))  # worker-0, or the agent's fresh id
-    watch = Watch(runtime)
-    answers: list[Answer] = []
-
-    async def request(client: httpx.AsyncClient, index: int, method: str, path: str, **kw: Any) -> Answer:
-        started = time.monotonic()
-        response = await client.request(method, path, **kw)
-        answer = Answer(index, method, path, response.status_code, response.json(), time.monotonic() - started)
-        answers.append(answer)
-        watch.check_book()
-        return answer
-
-    async def client_loop(index: int, client: httpx.AsyncClient) -> None:
-        for iteration in range(ITERATIONS):
-            created = await request(client, index, "POST", SESSIONS, json={"identity": f"c{index}-{iteration}"})
-            body = created.body
-            if created.status == 429:
-                assert body["error"] == "queue_full", body
-                continue
-            session_id = body["session_id"]
-            if created.status == 200:
-                assert body["status"] == "assigned" and body["worker_id"] == worker_id, body
-                assert body["queue_position"] is None and body["token"], body
-            else:
-                assert created.status == 202, (created.status, body)
-                assert body["status"] == "queued" and body["worker_id"] is None, body
-                assert 1 <= body["queue_position"] <= QUEUE, body
-            position = body["queue_position"]
-            for _ in range(MAX_POLLS):
-                polled = await request(client, index, "GET", f"{SESSIONS}/{session_id}")
-                assert polled.status == 200, (polled.status, polled.body)
-                view = polled.body
-                if view["status"] == "queued":
-                    assert position is not None, f"{session_id} went back to the queue: {view}"
-                    assert 1 <= view["queue_position"] <= position, (position, view)  # only moves forward
-                    position = view["queue_position"]
-                    await trio.lowlevel.checkpoint()
+        async def client_loop(index: int, client: httpx.AsyncClient) -> None:
+            for iteration in range(ITERATIONS):
+                created = await request(client, index, "POST", SESSIONS, json={"identity": f"c{index}-{iteration}"})
+                body = created.body
+                if created.status == 429:
+                    assert body["error"] == "queue_full", body
                     continue
-                assert view["status"] in WAITING and view["queue_position"] is None, view
-                assert view["worker_id"] == worker_id, view
-                position = None
-                break
-            deleted = await request(client, index, "DELETE", f"{SESSIONS}/{session_id}")
-            assert deleted.status == 200 and deleted.body == {"session_id": session_id, "status": "closed"}, (
-                deleted.status, deleted.body)
+                session_id = body["session_id"]
+                if created.status == 200:
+                    assert body["status"] == "assigned" and body["worker_id"] == worker_id, body
+                    assert body["queue_position"] is None and body["token"], body
+                else:
+                    assert created.status == 202, (created.status, body)
+                    assert body["status"] == "queued" and body["worker_id"] is None, body
+                    assert 1 <= body["queue_position"] <= QUEUE, body
+                position = body["queue_position"]
+                for _ in range(MAX_POLLS):
+                    polled = await request(client, index, "GET", f"{SESSIONS}/{session_id}")
+                    assert polled.status == 200, (polled.status, polled.body)
+                    view = polled.body
+                    if view["status"] == "queued":
+                        assert position is not None, f"{session_id} went back to the queue: {view}"
+                        assert 1 <= view["queue_position"] <= position, (position, view)  # only moves forward
+                        position = view["queue_position"]
+                        await trio.lowlevel.checkpoint()
+                        continue
+                    assert view["status"] in WAITING and view["queue_position"] is None, view
+                    assert view["worker_id"] == worker_id, view
+                    position = None
+                    break
+                deleted = await request(client, index, "DELETE", f"{SESSIONS}/{session_id}")
+                assert deleted.status == 200 and deleted.body == {"session_id": session_id, "status": "closed"}, (
+                    deleted.status, deleted.body)
 
-    # Every client is built before any request: building one loads the CA bundle synchronously
-    # (tens of milliseconds), which would block the shared event loop while other requests run.
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    with trio.fail_after(60):
-        async with contextlib.AsyncExitStack() as stack:
-            pool = [await stack.enter_async_context(httpx.AsyncClient(base_url=urls[0], limits=limits, timeout=10))
-                    for _ in range(CLIENTS)]
-            async with trio.open_nursery() as clients:
-                for index, client in enumerate(pool):
-                    clients.start_soon(client_loop, index, client)
+        # Every client is built before any request: building one loads the CA bundle synchronously
+        # (tens of milliseconds), which would block the shared event loop while other requests run.
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        with trio.fail_after(60):
+            async with contextlib.AsyncExitStack() as stack:
+                pool = [await stack.enter_async_context(httpx.AsyncClient(base_url=base_url, limits=limits, timeout=10))
+                        for _ in range(CLIENTS)]
+                async with trio.open_nursery() as clients:
+                    for index, client in enumerate(pool):
+                        clients.start_soon(client_loop, index, client)
 
-    assert not watch.problems, watch.problems[:10]
-    statuses = Counter(a.status for a in answers)
-    assert set(statuses) <= {200, 202, 429}, statuses
-    assert statuses[429] and statuses[202], f"the load never filled the queue: {statuses}"  # the test is real
-    assert watch.max_retained == CAPACITY and watch.max_queued == QUEUE, (watch.max_retained, watch.max_queued)
-    assert watch.decisions["promoted"], "no queued session was ever promoted"
-    creates = [a for a in answers if a.method == "POST"]
-    assert len(creates) == CLIENTS * ITERATIONS
-    assert Counter(a.status for a in creates) == Counter(
-        {200: watch.decisions["assigned"], 202: watch.decisions["queued"], 429: watch.decisions["rejected"]})
-    slowest = max(answers, key=lambda a: a.seconds)
-    assert slowest.seconds < HANG_BOUND, f"slowest request {slowest}"
+        assert not watch.problems, watch.problems[:10]
+        statuses = Counter(a.status for a in answers)
+        assert set(statuses) <= {200, 202, 429}, statuses
+        assert statuses[429] and statuses[202], f"the load never filled the queue: {statuses}"  # the test is real
+        assert watch.max_retained == CAPACITY and watch.max_queued == QUEUE, (watch.max_retained, watch.max_queued)
+        assert watch.decisions["promoted"], "no queued session was ever promoted"
+        creates = [a for a in answers if a.method == "POST"]
+        assert len(creates) == CLIENTS * ITERATIONS
+        assert Counter(a.status for a in creates) == Counter(
+            {200: watch.decisions["assigned"], 202: watch.decisions["queued"], 429: watch.decisions["rejected"]})
+        slowest = max(answers, key=lambda a: a.seconds)
+        assert slowest.seconds < HANG_BOUND, f"slowest request {slowest}"
 
-    # everything ended: nothing retained or queued, every slot free, every record terminal
-    snapshot = runtime.book.snapshot()
-    assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, CAPACITY), snapshot
-    assert not runtime.runners
-    records = list(runtime.registry)
-    assert len(records) == len([a for a in creates if a.status in (200, 202)])
-    assert all(r.is_terminal and r.status.value == "closed" for r in records), Counter(r.status.value for r in records)
-    async with httpx.AsyncClient(base_url=urls[0]) as client:
-        health = (await client.get("/v1/stream/health")).json()
-    assert (health["retained_sessions"], health["queued_sessions"], health["free_slots"]) == (0, 0, CAPACITY)
+        # everything ended: nothing retained or queued, every slot free, every record terminal
+        snapshot = runtime.book.snapshot()
+        assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, CAPACITY), snapshot
+        assert not runtime.runners
+        records = list(runtime.registry)
+        assert len(records) == len([a for a in creates if a.status in (200, 202)])
+        assert all(r.is_terminal and r.status.value == "closed" for r in records), Counter(r.status.value for r in records)
+        async with httpx.AsyncClient(base_url=base_url) as client:
+            health = (await client.get("/v1/stream/health")).json()
+        assert (health["retained_sessions"], health["queued_sessions"], health["free_slots"]) == (0, 0, CAPACITY)
 
-    stop.set()
-    with trio.fail_after(30):
-        await stopped.wait()
     await leaks.check()

@@ -4,6 +4,11 @@ Apps are built with a tiny toy world (32x48, 2 frames per chunk) so a worker is
 ready in a few milliseconds. Sessions in these tests have no controller: with a
 large ``controller_timeout`` / ``room_empty_timeout`` their runners wait in
 ``joining_room`` until the test deletes them or the session timeout fires.
+
+A test that takes ``worker_kind`` (or ``served``) runs twice: ``in-process`` (the app on quart's test
+client, its worker in the process) and ``local-agents`` (the same settings with ``--workers local``,
+served over HTTP, the worker an agent process; see :mod:`.http_served`). A test that cannot apply
+to agents says why with ``@pytest.mark.in_process_only(reason=...)`` and runs ``in-process`` only.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
@@ -26,6 +32,8 @@ from pipelines.toy_world import ToyWorldConfig, ToyWorldService
 from server.app import create_app
 from server.runtime import StreamRuntime
 from server.settings import ServerSettings
+
+from .http_served import AgentApp, AgentApps, HttpClient, agent_settings
 
 PIPELINE = "pipelines/toy_world"
 READY_DEADLINE = 20.0  # wall seconds a toy worker may take to load (it takes ~30 ms)
@@ -79,9 +87,39 @@ class GatedLoader:
         self.gate.set()
 
 
+WORKERS = ("in-process", "local-agents")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "worker_kind" in metafunc.fixturenames:
+        only = metafunc.definition.get_closest_marker("in_process_only")
+        if only is not None:
+            assert only.kwargs.get("reason"), f"{metafunc.definition.name}: in_process_only needs a reason"
+        metafunc.parametrize("worker_kind", ["in-process"] if only else list(WORKERS), indirect=True)
+
+
+@pytest.fixture(scope="module")
+def agent_apps() -> Iterator[AgentApps]:
+    """The module's ``--workers local`` apps (agents take seconds to start: tests share them)."""
+    apps = AgentApps()
+    try:
+        yield apps
+    finally:
+        apps.close()
+
+
 @pytest.fixture
-def assets_dir(tmp_path: Path) -> Path:
-    """``assets/scene.png``, ``assets/sub/deep.png``, and ``assets/escape.png`` -> ``../outside.png``."""
+def worker_kind(request: pytest.FixtureRequest) -> AgentApps | None:
+    """None for ``in-process``; the module's agent apps for ``local-agents``."""
+    return None if request.param == "in-process" else request.getfixturevalue("agent_apps")
+
+
+@pytest.fixture(scope="module")
+def assets_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``assets/scene.png``, ``assets/sub/deep.png``, and ``assets/escape.png`` -> ``../outside.png``.
+
+    Module-scoped: no test writes to it, and a ``local-agents`` app with it is shared by the module."""
+    tmp_path = tmp_path_factory.mktemp("assets-root")
     root = tmp_path / "assets"
     (root / "sub").mkdir(parents=True)
     (root / "scene.png").write_bytes(png_bytes())
@@ -123,6 +161,8 @@ class Served:
     client: Any
     runtime: StreamRuntime
     settings: ServerSettings
+    worker_id: str = "worker-0"  # the one worker (an agent registers under a fresh id)
+    agents: AgentApp | None = None  # local-agents: the shared app these requests go to
 
     async def json(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any, Any]:
         response = await getattr(self.client, method)(path, **kwargs)
@@ -139,8 +179,11 @@ class Served:
         return await self.json("post", "/v1/stream/sessions", json={"identity": identity, **fields})
 
     async def settle(self) -> None:
-        """Let every task that can run, run (runners advancing, drains finishing)."""
+        """Let every task that can run, run (runners advancing, drains finishing); with agents, until
+        their progress reached the authority."""
         await wait_all_tasks_blocked()
+        if self.agents is not None:
+            await self.agents.settle()
 
 
 async def wait_until(predicate: Callable[[], bool], what: str, deadline: float = READY_DEADLINE) -> None:
@@ -167,6 +210,7 @@ async def wait_worker_failed(runtime: StreamRuntime) -> None:
 async def serve(
     settings: ServerSettings | None = None,
     *,
+    workers: AgentApps | None = None,
     loader: Callable[..., Any] | None = None,
     ready: bool = True,
     cleanup: bool = True,
@@ -174,9 +218,15 @@ async def serve(
     """A started app (lifespan run) and its test client; waits until ready unless ``ready=False``.
 
     ``cleanup`` deletes live sessions before the lifespan ends, so each test checks its own subject;
-    ``test_shutdown_with_live_session`` checks shutdown with live sessions on its own.
+    ``test_shutdown_with_live_session`` checks shutdown with live sessions on its own. With ``workers``
+    (``local-agents``) the app is the module's shared one for these settings, over HTTP.
     """
     settings = settings or make_settings()
+    if workers is not None:
+        assert loader is None and ready and cleanup, "an agent loads its own pipeline, and is shared: ready, cleaned up"
+        async with serve_agents(workers, settings) as served:
+            yield served
+        return
     app = create_app(settings, service_loader=loader or toy_loader(settings_capacity(settings)))
     runtime: StreamRuntime = app.extensions["chunkline"]
     async with app.test_app() as test_app:
@@ -194,14 +244,33 @@ async def serve(
                 await wait_all_tasks_blocked()
 
 
+@asynccontextmanager
+async def serve_agents(apps: AgentApps, settings: ServerSettings) -> AsyncIterator[Served]:
+    """The module's ``--workers local`` app for ``settings``, ready and clean, and an HTTP client to it."""
+    app = await apps.get(agent_settings(settings))
+    try:
+        worker_id = await app.wait_clean()
+        # one connection a request, as the test client's requests are independent: under plain hypercorn a
+        # keep-alive connection that answered 413 (body too large) answers nothing more (README, known limits)
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=app.url or "", timeout=10, limits=fresh) as http:
+            try:
+                yield Served(app.app, HttpClient(http), app.runtime, app.settings, worker_id, app)  # type: ignore[arg-type]
+            finally:
+                await app.reset()
+    except BaseException:
+        await apps.discard(app)  # the next test gets a fresh one, not one left in an unknown state
+        raise
+
+
 def settings_capacity(settings: ServerSettings) -> int:
     limit = settings.max_sessions_per_worker
     return limit if isinstance(limit, int) else 4
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
-    async with serve() as s:
+async def served(worker_kind: AgentApps | None) -> AsyncIterator[Served]:
+    async with serve(workers=worker_kind) as s:
         yield s
 
 

@@ -16,8 +16,8 @@ async def status_of(s, session_id: str) -> dict:
     return body
 
 
-async def test_two_slots_two_queue_places_then_queue_full():
-    async with serve(make_settings(max_sessions_per_worker=2, queue_size=2)) as s:
+async def test_two_slots_two_queue_places_then_queue_full(worker_kind):
+    async with serve(make_settings(max_sessions_per_worker=2, queue_size=2), workers=worker_kind) as s:
         results = [await s.create(f"user-{i}") for i in range(5)]
         codes = [r[0] for r in results]
         assert codes == [200, 200, 202, 202, 429], [r[1] for r in results]
@@ -35,8 +35,8 @@ async def test_two_slots_two_queue_places_then_queue_full():
             (results[2][1]["session_id"], 1), (results[3][1]["session_id"], 2)]
 
 
-async def test_deleting_the_first_queued_session_renumbers_the_rest():
-    async with serve(make_settings(max_sessions_per_worker=2, queue_size=2)) as s:
+async def test_deleting_the_first_queued_session_renumbers_the_rest(worker_kind):
+    async with serve(make_settings(max_sessions_per_worker=2, queue_size=2), workers=worker_kind) as s:
         ids = [(await s.create(f"user-{i}"))[1]["session_id"] for i in range(4)]
         status, body, _ = await s.json("delete", f"{SESSIONS}/{ids[2]}")
         assert (status, body["status"]) == (200, "closed")
@@ -50,8 +50,8 @@ async def test_deleting_the_first_queued_session_renumbers_the_rest():
         assert {(await status_of(s, i))["status"] for i in ids[:2]} <= LIVE
 
 
-async def test_deleting_an_assigned_session_admits_the_queue_head():
-    async with serve(make_settings(max_sessions_per_worker=2, queue_size=2)) as s:
+async def test_deleting_an_assigned_session_admits_the_queue_head(worker_kind):
+    async with serve(make_settings(max_sessions_per_worker=2, queue_size=2), workers=worker_kind) as s:
         created = [await s.create(f"user-{i}") for i in range(4)]
         assert [c[0] for c in created] == [200, 200, 202, 202]
         ids = [c[1]["session_id"] for c in created]
@@ -60,7 +60,7 @@ async def test_deleting_an_assigned_session_admits_the_queue_head():
         assert (status, body["status"]) == (200, "closed")
         await s.settle()
         head = await status_of(s, ids[2])
-        assert head["status"] in LIVE and head["worker_id"] == "worker-0" and head["queue_position"] is None
+        assert head["status"] in LIVE and head["worker_id"] == s.worker_id and head["queue_position"] is None
         assert ids[2] in s.runtime.runners  # a runner started for the promoted session
         tail = await status_of(s, ids[3])
         assert (tail["status"], tail["queue_position"]) == ("queued", 1)
@@ -71,8 +71,8 @@ async def test_deleting_an_assigned_session_admits_the_queue_head():
         assert (await s.create("user-6"))[0] == 429
 
 
-async def test_queue_size_zero_rejects_with_no_capacity():
-    async with serve(make_settings(max_sessions_per_worker=2, queue_size=0)) as s:
+async def test_queue_size_zero_rejects_with_no_capacity(worker_kind):
+    async with serve(make_settings(max_sessions_per_worker=2, queue_size=0), workers=worker_kind) as s:
         assert [(await s.create(f"u{i}"))[0] for i in range(2)] == [200, 200]
         status, body, response = await s.create("u2")
         assert status == 429
@@ -86,7 +86,9 @@ async def test_queue_size_zero_rejects_with_no_capacity():
 
 
 @pytest.mark.parametrize("queue_size", [0, 2])
-async def test_a_failed_worker_takes_nothing(queue_size):
+@pytest.mark.in_process_only(reason="the failure comes from an in-process loader object (failing_loader); an agent whose "
+                              "pipeline fails to load exits, and its launcher replaces it (spec_tests/cluster)")
+async def test_a_failed_worker_takes_nothing(queue_size, worker_kind):
     """No admission without a place to run: with no worker running or starting, a create is
     refused at once (503, the reason, Retry-After), never queued to wait for nothing."""
     async with serve(make_settings(queue_size=queue_size), loader=failing_loader, ready=False) as s:
