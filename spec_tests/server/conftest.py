@@ -251,7 +251,7 @@ async def serve_agents(apps: AgentApps, settings: ServerSettings) -> AsyncIterat
     try:
         worker_id = await app.wait_clean()
         # one connection a request, as the test client's requests are independent: under plain hypercorn a
-        # keep-alive connection that answered 413 (body too large) answers nothing more (README, known limits)
+        # keep-alive connection that answered 413 (body too large) sometimes answers nothing more (README, known limits)
         fresh = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=app.url or "", timeout=10, limits=fresh) as http:
             try:
