@@ -164,9 +164,8 @@ class AgentApp:
 
     async def wait_clean(self) -> str:
         """Up, its one agent ready with every slot free, nothing live, no record; returns the worker id."""
-        with trio.fail_after(AGENT_START):
-            await trio.to_thread.run_sync(self._up.wait)
-        if self._error is not None or self.runtime is None:
+        up = await trio.to_thread.run_sync(self._up.wait, AGENT_START)
+        if not up or self._error is not None or self.runtime is None:
             raise AssertionError(f"the agent app did not start: {self._error!r}")
 
         def clean(runtime: StreamRuntime) -> str | None:
