@@ -126,6 +126,10 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         code = (exc.name or "error").lower().replace(" ", "_")
+        if exc.code == 413:
+            # answered before the body was read: the connection closes rather than read the rest
+            # of an over-large body (or hang a keep-alive client waiting behind it)
+            return error(413, code, exc.description or code, {"Connection": "close"})
         return error(exc.code or 500, code, exc.description or code)
 
     @app.errorhandler(BadRequest)
