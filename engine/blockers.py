@@ -92,13 +92,13 @@ def first_blocker(
     group = stage.resource_group
     if group is not None and usage.by_group[group] >= group_limit[group]:
         return Blocker.group(group)
-    for artifact in stage.produces:
+    for artifact, edge, limit, blocker in graph.room_limits[stage_id]:
         reserved = held.producing[artifact]
-        for target in graph.targets.get(artifact, ()):
-            if rt.occupancy[(artifact, target)] + reserved >= graph.capacity[(artifact, target)]:
-                return Blocker.edge(artifact, target)
-        if artifact in graph.outputs:
+        if edge is not None:
+            if rt.occupancy[edge] + reserved >= limit:
+                return blocker
+        else:
             queued = len(rt.outputs) + sum(1 for v in rt.pending_outputs.values() if artifact in v)
-            if queued + reserved >= graph.output_capacity:
-                return Blocker.output(artifact)
+            if queued + reserved >= limit:
+                return blocker
     return None

@@ -426,9 +426,11 @@ class SchedulerCore:
 
     def _admit_stage(self, stage: StageSpec) -> None:
         stage_id = stage.stage_id
+        by_stage = self._usage.by_stage
+        if by_stage[stage_id] >= stage.max_in_flight_global:
+            return  # the common case on a busy stage: nothing to look at
         turns = self._turns[stage_id]
         served: list[str] = []
-        by_stage = self._usage.by_stage
         for session_id in tuple(turns):
             if by_stage[stage_id] >= stage.max_in_flight_global:
                 break
@@ -452,10 +454,8 @@ class SchedulerCore:
         return first_blocker(self.graph, self._usage, self._group_limit, rt, stage)
 
     def _try_admit(self, rt: SessionRuntime, stage: StageSpec) -> bool:
-        if not rt.starting_accepted_work:
-            return False
-        seq = rt.next_ready(stage)
-        if seq is None:
+        seq = rt.next_ready(stage)  # the cheaper check first: most calls find nothing ready
+        if seq is None or not rt.starting_accepted_work:
             return False
         stage_id = stage.stage_id
         blocker = self._blocker(rt, stage)
@@ -493,7 +493,7 @@ class SchedulerCore:
                 self._fail(rt, exc)
             return False
         self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
-        if stage.consumes & self.graph.ingress:
+        if stage_id in self.graph.ingress_consumers:
             self._wake(rt.room, rt.changed)
         else:
             self._wake(rt.changed)

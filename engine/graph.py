@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 
+from .blockers import Blocker
 from .spec import PipelineSpec, StageSpec
 
 __all__ = ["StageGraph"]
@@ -31,6 +32,10 @@ class StageGraph:
     upstream: dict[str, frozenset[str]]  # stage -> producers of its inputs
     after_completion: dict[str, frozenset[str]]  # stage -> stages its completion may unblock
     output_producers: frozenset[str]
+    # stage -> (artifact, edge or None for the output queue, capacity, the blocker it names), in
+    # the order admission checks them; built once so the check allocates nothing per admission
+    room_limits: dict[str, tuple[tuple[str, tuple[str, str] | None, int, Blocker], ...]]
+    ingress_consumers: frozenset[str]  # stages that take an ingress artifact (admitting one frees pushers' room)
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> StageGraph:
@@ -69,8 +74,22 @@ class StageGraph:
             },
             after_completion=after_completion,
             output_producers=frozenset(spec.producers[a] for a in spec.output_artifacts),
+            room_limits={s.stage_id: _room_limits(s, targets, capacity, spec) for s in spec.stages},
+            ingress_consumers=frozenset(s.stage_id for s in spec.stages if s.consumes & spec.ingress_artifacts),
         )
 
     def consumers(self, artifacts: object) -> set[str]:
         """Every stage that consumes one of ``artifacts``."""
         return {target for artifact in artifacts for target in self.targets.get(artifact, ())}  # type: ignore[attr-defined]
+
+
+def _room_limits(
+    stage: StageSpec, targets: dict[str, tuple[str, ...]], capacity: dict[tuple[str, str], int], spec: PipelineSpec
+) -> tuple[tuple[str, tuple[str, str] | None, int, Blocker], ...]:
+    limits: list[tuple[str, tuple[str, str] | None, int, Blocker]] = []
+    for artifact in stage.produces:
+        for target in targets.get(artifact, ()):
+            limits.append((artifact, (artifact, target), capacity[(artifact, target)], Blocker.edge(artifact, target)))
+        if artifact in spec.output_artifacts:
+            limits.append((artifact, None, spec.output_capacity_per_session, Blocker.output(artifact)))
+    return tuple(limits)

@@ -183,11 +183,13 @@ class SessionRuntime:
         for stage_id in consumers:
             self.occupancy[(artifact, stage_id)] += 1
             present = self.present[stage_id]
-            present[seq] += 1
-            if present[seq] == len(consumes[stage_id]):
-                del present[seq]
+            count = present.get(seq, 0) + 1  # plain dict calls: Counter's missing-key and del hooks are Python code
+            if count == len(consumes[stage_id]):
+                present.pop(seq, None)
                 self.ready[stage_id].add(seq)
                 self.timing(stage_id, seq).inputs_ready_at = now
+            else:
+                present[seq] = count
 
     def take_inputs(self, stage_id: str, seq: int, consumes: frozenset[str]) -> dict[str, Any]:
         """Remove ``stage_id`` from each input slot's consumers (freeing the slot when empty)."""
