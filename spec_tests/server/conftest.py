@@ -250,10 +250,8 @@ async def serve_agents(apps: AgentApps, settings: ServerSettings) -> AsyncIterat
     app = await apps.get(agent_settings(settings))
     try:
         worker_id = await app.wait_clean()
-        # one connection a request, as the test client's requests are independent: under plain hypercorn a
-        # keep-alive connection that answered 413 (body too large) sometimes answers nothing more (README, known limits)
-        fresh = httpx.Limits(max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=app.url or "", timeout=10, limits=fresh) as http:
+        # keep-alive, as a real client: a 413 closes its own connection and the client opens a new one
+        async with httpx.AsyncClient(base_url=app.url or "", timeout=10) as http:
             try:
                 yield Served(app.app, HttpClient(http), app.runtime, app.settings, worker_id, app)  # type: ignore[arg-type]
             finally:
