@@ -27,6 +27,7 @@ from states.pipeline_session import State
 from states.stage_actor import State as ActorState
 
 from .conftest import canonical_spec, chunk, running, settle
+from ..virtual_time import elapse
 
 # -- failure causes ------------------------------------------------------------------------------
 
@@ -171,7 +172,7 @@ async def test_metrics_stay_right_and_bounded_over_100_000_chunks(autojump_clock
 
     async def handle(inv: Any) -> dict[str, Any]:
         if inv.key.sequence_id == 0:
-            await trio.sleep(1.0)  # the first output comes one (virtual) second after its input
+            await elapse(1.0)  # the first output comes one (virtual) second after its input
         return {"frames": None}
 
     spec = PipelineSpec(

@@ -17,6 +17,7 @@ import trio.testing
 
 from pipelines.lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from states.lease import State
+from ..virtual_time import elapse
 
 IDLE = 1.0
 
@@ -118,7 +119,7 @@ async def test_chunk_waits_for_the_sessions_turn(lease, log, autojump_clock):
         # a is not idle yet (its activity is fresh): it keeps the lease
         assert lease.book.holder() == "a"
         assert b.started == 0
-        await trio.sleep(IDLE * 2)  # a is idle now; the tick hands over
+        await elapse(IDLE * 2)  # a is idle now; the tick hands over
         await b.entered.wait()
         assert log.events() [-2:] == [("a", "lease_parked"), ("b", "lease_granted")]
         b.release.set()
@@ -134,7 +135,7 @@ async def test_an_idle_holder_keeps_the_lease_while_nobody_waits(lease, log, aut
     a = Runner(lease, "a")
     a.release.set()
     await a.one()
-    await trio.sleep(IDLE * 10)
+    await elapse(IDLE * 10)
     assert lease.book.holder() == "a"
     assert ("a", "lease_parked") not in log.events()
     a2 = Runner(lease, "a")
@@ -153,7 +154,7 @@ async def test_an_idle_holder_mid_chunk_hands_over_only_at_the_chunk_boundary(le
         await a.entered.wait()
         lease.record_activity("b")
         nursery.start_soon(b.one)
-        await trio.sleep(IDLE * 5)  # far past a's idle timeout, ticks run, a is still mid-chunk
+        await elapse(IDLE * 5)  # far past a's idle timeout, ticks run, a is still mid-chunk
         assert lease.book.holder() == "a"
         assert b.started == 0
         assert ("a", "lease_parked") not in log.events()
@@ -185,7 +186,7 @@ async def test_a_tick_hands_over_from_an_idle_holder_between_chunks(lease, log, 
     assert start + IDLE <= parked[0] <= start + IDLE * 1.25 + 1e-9  # within a quarter timeout
     assert log.events("b") == [("b", "lease_queued"), ("b", "lease_granted")]
     # a parked session is granted again only after new activity
-    await trio.sleep(IDLE * 3)
+    await elapse(IDLE * 3)
     assert lease.book.state("a") is State.PARKED
     lease.record_activity("a")  # b is idle-expired by now: parked at once, a granted
     assert log.events()[-3:] == [("a", "lease_queued"), ("b", "lease_parked"), ("a", "lease_granted")]
@@ -200,7 +201,7 @@ async def test_fresh_activity_keeps_the_holder_active(lease, log, autojump_clock
     await a.one()
     lease.record_activity("b")
     for _ in range(10):
-        await trio.sleep(IDLE / 2)
+        await elapse(IDLE / 2)
         lease.record_activity("a")  # the controller keeps sending
         runner = Runner(lease, "a")
         runner.release.set()
@@ -217,10 +218,10 @@ async def test_a_newly_granted_session_is_guaranteed_one_chunk(lease, log, autoj
     a.release.set()
     await a.one()
     lease.record_activity("b")  # queued while a holds: protected
-    await trio.sleep(IDLE * 3)  # a is parked by a tick, b granted; b's own activity is stale now
+    await elapse(IDLE * 3)  # a is parked by a tick, b granted; b's own activity is stale now
     assert lease.book.holder() == "b"
     lease.record_activity("a")  # a queues again; b has not run yet, so it keeps the lease
-    await trio.sleep(IDLE * 3)
+    await elapse(IDLE * 3)
     assert lease.book.holder() == "b"
     b = Runner(lease, "b")
     b.release.set()
@@ -311,7 +312,7 @@ async def test_with_rotation_busy_sessions_alternate_at_chunk_boundaries(log, au
             lease.record_activity(session_id)  # always active: never idle-expired
             async with lease.chunk(session_id):
                 order.append(session_id)
-                await trio.sleep(0.1)
+                await elapse(0.1)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(lease.run)
@@ -337,7 +338,7 @@ async def test_with_rotation_a_single_active_session_keeps_the_lease(log, autoju
         for _ in range(3):
             lease.record_activity("a")
             async with lease.chunk("a"):
-                await trio.sleep(0.1)
+                await elapse(0.1)
         nursery.cancel_scope.cancel()
     assert log.events() == [("a", "lease_queued"), ("a", "lease_granted")]  # nobody waits: no yield
 
@@ -351,7 +352,7 @@ async def test_with_rotation_an_idle_holder_is_parked_not_rotated(log, autojump_
         lease.record_activity("a")
         async with lease.chunk("a"):
             lease.record_activity("b")
-            await trio.sleep(IDLE * 2)  # a is idle-expired by its chunk's end
+            await elapse(IDLE * 2)  # a is idle-expired by its chunk's end
         assert log.events()[-2:] == [("a", "lease_parked"), ("b", "lease_granted")]
         nursery.cancel_scope.cancel()
 
@@ -375,11 +376,11 @@ async def _starvation_scenario(*, declare_idle: bool, rotate: bool = True) -> tu
             asked = trio.current_time()
             async with lease.chunk("a"):
                 waits.append(trio.current_time() - asked)
-                await trio.sleep(CHUNK)
+                await elapse(CHUNK)
 
     async def b_previews_once() -> None:
         async with lease.chunk("b"):
-            await trio.sleep(CHUNK)
+            await elapse(CHUNK)
         if declare_idle:
             lease.idle("b")  # about to wait for input
         await trio.sleep_forever()
@@ -390,11 +391,11 @@ async def _starvation_scenario(*, declare_idle: bool, rotate: bool = True) -> tu
         lease.record_activity("a")
         async with trio.open_nursery() as sessions:
             sessions.start_soon(a_holds_a_key)
-            await trio.sleep(CHUNK / 2)  # a is mid-chunk when b starts
+            await elapse(CHUNK / 2)  # a is mid-chunk when b starts
             lease.register("b")
             lease.record_activity("b")  # pressing Start asks for the preview chunk
             sessions.start_soon(b_previews_once)
-            await trio.sleep(CHUNK * 30 + LONG_IDLE * 2)  # room for a stall of a whole idle timeout
+            await elapse(CHUNK * 30 + LONG_IDLE * 2)  # room for a stall of a whole idle timeout
             sessions.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
     return waits, log
@@ -429,7 +430,7 @@ async def test_without_rotation_an_idle_holder_hands_over_at_once(log, autojump_
         await a.one()  # a ran; its controls are fresh (not idle-expired)
         lease.record_activity("b")
         nursery.start_soon(b.one)
-        await trio.sleep(CHUNK)
+        await elapse(CHUNK)
         assert b.started == 0 and lease.book.holder() == "a"  # the reference rule: a keeps it
         declared = trio.current_time()
         lease.idle("a")  # a's keys were released: nothing to run
@@ -462,7 +463,7 @@ async def test_an_idle_holder_keeps_the_lease_until_someone_queues(log, autojump
     runner.release.set()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(runner.one)
-        await trio.sleep(LONG_IDLE * 3)
+        await elapse(LONG_IDLE * 3)
         assert runner.finished == 0 and lease.book.state("a") is State.PARKED and log.events()[-1] == ("b", "lease_granted")
         lease.record_activity("a")  # its controller sends again: queued, and idle b steps aside
     assert runner.finished == 1 and lease.book.holder() == "a"
@@ -483,14 +484,14 @@ async def test_a_parked_session_returns_to_the_queue_only_on_a_new_control(log, 
         a1.release.set()
         await a1.one()
         lease.record_activity("b")
-        await trio.sleep(IDLE * 2)  # the tick parks idle a, b is granted
+        await elapse(IDLE * 2)  # the tick parks idle a, b is granted
         assert lease.book.state("a") is State.PARKED and lease.book.holder() == "b"
         lease.idle("b")  # b has nothing more, but nobody waits: b keeps the lease
         a2 = Runner(lease, "a")
         a2.release.set()
         async with trio.open_nursery() as waiting:
             waiting.start_soon(a2.one)
-            await trio.sleep(IDLE * 10)  # no re-queue without a message: no alternation
+            await elapse(IDLE * 10)  # no re-queue without a message: no alternation
             assert a2.finished == 0 and lease.book.state("a") is State.PARKED
             lease.record_activity("a")  # a new control: queued, b (idle) steps aside
         nursery.cancel_scope.cancel()
@@ -583,21 +584,21 @@ async def test_a_held_key_without_heartbeats_parks_after_the_configured_idle_tim
     async def drive(session_id: str) -> None:  # a held key: there is always a chunk to run
         while True:
             async with lease.chunk(session_id):
-                await trio.sleep(chunk_seconds)
+                await elapse(chunk_seconds)
             ran[session_id] += 1
 
     async def heartbeat(session_id: str) -> None:  # the demo page's control_state, once a second
         while True:
             lease.record_activity(session_id)
-            await trio.sleep(1.0)
+            await elapse(1.0)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(lease.run)
         nursery.start_soon(drive, "a")
-        await trio.sleep(chunk_seconds / 2)
+        await elapse(chunk_seconds / 2)
         nursery.start_soon(heartbeat, "b")
         nursery.start_soon(drive, "b")
-        await trio.sleep(idle_timeout * 3)
+        await elapse(idle_timeout * 3)
         nursery.cancel_scope.cancel()
     parked = [at for at, sid, state in log.items if sid == "a" and state is State.PARKED]
     assert len(parked) == 1

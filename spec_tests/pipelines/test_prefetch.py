@@ -21,6 +21,7 @@ from engine import EdgeSpec, PipelineSpec, SessionCleanupError, SessionStateErro
 from pipelines.prefetch import DEPTH, ConditionPrefetch, ControlOrderError
 from spec_tests.engine.conftest import Recorder, running, settle
 from states.pipeline_session import CloseReason, State
+from ..virtual_time import elapse
 
 
 def lingbot_spec(*, encode_request_capacity: int = 2, capacity: int = 2) -> PipelineSpec:
@@ -310,7 +311,7 @@ async def test_condition_only_ingress_does_not_start_the_control_to_output_timer
     d.prefetch.prime()
     await settle()
     assert d.session.metrics().ingress_accepted_at == ()  # two conditions in, no timer yet
-    await trio.sleep(5)  # the encodes are long done when the control arrives
+    await elapse(5)  # the encodes are long done when the control arrives
     start = trio.current_time()
     assert d.prefetch.try_submit(0, "control0")
     stamps = dict(d.session.metrics().ingress_accepted_at)

@@ -50,6 +50,7 @@ from ..server.runner_fixtures import (
 )
 from .fault_pipelines import EngineService, HookExploded, process_denoise_actor
 from .helpers import Leaks, RawWebSocket, wait_until
+from ..virtual_time import elapse
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -296,10 +297,10 @@ async def test_controller_dropping_mid_stream_fails_the_session_after_the_timeou
             await ctl.wait_for(lambda p: len(p.frames()) >= 5, "frames streaming")
             # the socket goes away mid-stream (the block ends while frames are flowing), and never returns
         dropped = trio.current_time()
-        await trio.sleep(29)
+        await elapse(29)
         await wait_all_tasks_blocked()
         assert record_of(s, session_id).status.value == "running"
-        await trio.sleep(2)
+        await elapse(2)
         await wait_all_tasks_blocked()
         record = record_of(s, session_id)
         assert record.status.value == "failed"
@@ -322,10 +323,10 @@ async def test_controller_never_joining_fails_the_session_naming_the_timeout(aut
         created = await s.create("ctl")
         queued = await s.create("ctl-next")
         session_id = created["session_id"]
-        await trio.sleep(44)
+        await elapse(44)
         await wait_all_tasks_blocked()
         assert record_of(s, session_id).status.value == "joining_room"
-        await trio.sleep(2)
+        await elapse(2)
         await wait_all_tasks_blocked()
         record = record_of(s, session_id)
         assert record.status.value == "failed"

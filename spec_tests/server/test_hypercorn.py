@@ -20,6 +20,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from server.app import create_app
 
 from .conftest import make_settings, toy_loader, wait_ready
+from .http_served import serve_http
 
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS = "/v1/stream/sessions"
@@ -215,15 +216,10 @@ async def test_a_body_above_the_limit_gets_413_and_the_connection_closes_so_the_
     rest of an over-large body, and a keep-alive client sometimes got no answer on it. The server closes it,
     and the client's next request goes out on a new connection."""
     app = create_app(make_settings(max_body_bytes=2048), service_loader=toy_loader(2))
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    stop = trio.Event()
     with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            urls = await nursery.start(partial(hypercorn_serve, app, config, shutdown_trigger=stop.wait))
+        async with serve_http(app) as url:
             await wait_ready(app.extensions["chunkline"])
-            async with httpx.AsyncClient(base_url=urls[0], timeout=10) as client:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 for size in [5_000, 105_000, 205_000, 305_000] * 5:
                     body = b'{"identity": "' + b"x" * size + b'"}'
                     response = await client.post(SESSIONS, content=body, headers={"Content-Type": "application/json"})
@@ -232,4 +228,3 @@ async def test_a_body_above_the_limit_gets_413_and_the_connection_closes_so_the_
                     assert response.headers["connection"] == "close"
                     response = await client.get("/v1/service/ready")
                     assert response.status_code == 200
-            stop.set()

@@ -41,6 +41,7 @@ from .runner_fixtures import (
     settings,
     wait_until,
 )
+from ..virtual_time import elapse
 
 TOY = ToyWorldConfig(height=32, width=48, frames_per_chunk=2)
 
@@ -227,7 +228,7 @@ async def test_viewer_control_is_refused_by_the_transport(autojump_clock: Any) -
                 "two refusals",
             )
             assert refused == [{"type": "refused", "reason": "publish_data_not_allowed"}] * 2
-            await trio.sleep(1.0)
+            await elapse(1.0)
             (session,) = service.sessions.values()
             assert session.controls == [] and not session.stopping
             assert not [m for m in ctl.texts() if m["type"] == "data" and m["from"] == "watcher"]

@@ -24,6 +24,7 @@ from .runner_fixtures import (
     serve,
     settings,
 )
+from ..virtual_time import elapse, elapse_until
 
 pytestmark = pytest.mark.usefixtures("no_threads")
 
@@ -37,7 +38,7 @@ def status_of(s: Served, session_id: str) -> str:
 
 
 async def until(t: float) -> None:
-    await trio.sleep_until(t)
+    await elapse_until(t)
     await wait_all_tasks_blocked()
 
 
@@ -293,7 +294,7 @@ async def test_health_transport_connected_and_its_livekit_alias_follow_the_seed(
             assert await connected() == (True, True)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(s.json, "delete", f"/v1/stream/sessions/{created['session_id']}")
-                await trio.sleep(1.0)  # inside the 3 s drain
+                await elapse(1.0)  # inside the 3 s drain
                 assert status_of(s, created["session_id"]) == "draining" and await connected() == (True, True)
         await wait_all_tasks_blocked()
         assert await connected() == (False, False)
