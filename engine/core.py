@@ -37,7 +37,7 @@ from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import check_result, record_result
 from .errors import ActorBusyError, ActorFailedError, SessionExistsError
 from .graph import StageGraph
-from .handoff import TrioHandoff
+from .handoff import CoreCompletion, TrioHandoff
 from .ingress import check_final_sequence, check_ingress, has_room
 from .metrics import Diagnostics
 from .reservations import UsageBook
@@ -45,7 +45,7 @@ from .runtime import SessionRuntime
 from .spec import StageSpec
 from .threads import WaitQueue
 
-__all__ = ["CoreCompletion", "SchedulerCore"]
+__all__ = ["SchedulerCore"]
 
 Event = table.Event
 # Events that stop a session's admission, with whether they drop already emitted, unread outputs.
@@ -61,21 +61,6 @@ def _locked(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return locked
-
-
-class CoreCompletion:
-    """The completion callback the core gives actors: call it in trio, or ``from_thread`` on a stage's thread."""
-
-    __slots__ = ("_core",)
-
-    def __init__(self, core: SchedulerCore) -> None:
-        self._core = core
-
-    def __call__(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
-        self._core.complete(invocation, result)
-
-    def from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None]:
-        return self._core.complete_from_thread(invocation, result)
 
 
 class SchedulerCore:
@@ -199,7 +184,7 @@ class SchedulerCore:
     @_locked
     def busy(self, rt: SessionRuntime) -> bool:
         """Something of the session runs, or could start now (backpressured work cannot)."""
-        return bool(rt.reservations) or (rt.starting_accepted_work and self._admissible(rt))
+        return bool(rt.reservations or rt.handoffs_queued) or (rt.starting_accepted_work and self._admissible(rt))
 
     @_locked
     def blocker(self, rt: SessionRuntime, stage_id: str, seq: int) -> Blocker | None:
@@ -237,7 +222,7 @@ class SchedulerCore:
         own full downstream edge can never move: the edge empties only when its
         target runs, and nothing of this session is running or admissible.
         """
-        if rt.reservations:
+        if rt.reservations or rt.handoffs_queued:
             return False
         if not rt.starting_accepted_work:
             return True
@@ -340,7 +325,9 @@ class SchedulerCore:
         The completion admits whatever it unblocks right here, so the next stage's thread is
         woken by this one, not through the trio thread. Wake-ups of trio tasks that wait,
         background cleanups and submits to actors that need trio are collected and returned
-        (None when there are none: the trio thread is not woken at all).
+        (None when there are none: the trio thread is not woken at all). Until trio has run
+        them, the session counts as busy: an idle wait cannot see it settled while its
+        reader's wake-up (or a trio-side submit) is still queued.
         """
         with self.lock:
             self._handoff.begin()
@@ -348,11 +335,21 @@ class SchedulerCore:
                 self._complete(invocation, result)
             finally:
                 left = self._handoff.end(self._pump)
-        return None if left is None else functools.partial(self._locked_call, left)
+            if left is None:
+                return None
+            rt = self._sessions.get(invocation.key.session_id)
+            if rt is not None:
+                rt.handoffs_queued += 1
+        return functools.partial(self._run_handoff, rt, left)
 
-    def _locked_call(self, fn: Callable[[], None]) -> None:
+    def _run_handoff(self, rt: SessionRuntime | None, left: Callable[[], None]) -> None:
         with self.lock:
-            fn()
+            try:
+                left()
+            finally:
+                if rt is not None:
+                    rt.handoffs_queued -= 1
+                    self._wake(rt.changed)
 
     def _wake(self, *queues: WaitQueue) -> None:
         """Wake the session wait queues that have waiters (off trio: once the thread is done)."""

@@ -15,12 +15,31 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import outcome
+
 from .threads import WaitQueue
 
 if TYPE_CHECKING:
+    from .actors import StageInvocation
+    from .core import SchedulerCore
     from .runtime import SessionRuntime
 
-__all__ = ["TrioHandoff"]
+__all__ = ["CoreCompletion", "TrioHandoff"]
+
+
+class CoreCompletion:
+    """The completion callback the core gives actors: call it in trio, or ``from_thread`` on a stage's thread."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self._core = core
+
+    def __call__(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
+        self._core.complete(invocation, result)
+
+    def from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None] | None:
+        return self._core.complete_from_thread(invocation, result)
 
 
 class TrioHandoff:

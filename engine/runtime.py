@@ -102,6 +102,7 @@ class SessionRuntime:
         self.highest_ingress = -1
 
         self.reservations = SessionReservations()  # changed only by the scheduler's UsageBook
+        self.handoffs_queued = 0  # completions made on a stage's thread whose trio follow-ups have not run
 
         self.pending_outputs: dict[int, dict[str, Any]] = {}
         self.outputs: deque[tuple[int, dict[str, Any]]] = deque()

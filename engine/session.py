@@ -245,4 +245,11 @@ class Session:
 
     @property
     def in_flight(self) -> int:
-        return len(self._runtime.reservations)
+        """Invocations of this session not yet fully delivered.
+
+        Running ones, and ones that completed on a stage's thread while the trio side of
+        that completion (a reader's wake-up, a trio-side submit) is still queued.
+        """
+        rt = self._runtime
+        with self._core.lock:
+            return len(rt.reservations) + rt.handoffs_queued

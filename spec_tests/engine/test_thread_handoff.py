@@ -10,6 +10,7 @@ they synchronise through ``threading.Event`` gates and ``wait_all_tasks_blocked`
 from __future__ import annotations
 
 import threading
+import time
 
 import trio
 import trio.testing
@@ -22,8 +23,10 @@ from .conftest import canonical_spec, chunk
 SAFETY = 30.0  # a broken test fails instead of hanging
 
 
-def sync_actors(gate: threading.Event | None = None) -> dict[str, LocalStageActor]:
+def sync_actors(gate: threading.Event | None = None, at_gate: threading.Event | None = None) -> dict[str, LocalStageActor]:
     def decode(inv):
+        if at_gate is not None:
+            at_gate.set()
         if gate is not None:
             assert gate.wait(SAFETY)
         return {"frames": (inv.key.session_id, inv.key.sequence_id, inv.inputs["latent"])}
@@ -35,18 +38,24 @@ def sync_actors(gate: threading.Event | None = None) -> dict[str, LocalStageActo
     }
 
 
+def one_chunk_with_reader(orch):
+    """A session with its one chunk pushed, the list its reader fills, and the reader."""
+    session = orch.create_session("s", final_sequence_id=0)
+    assert session.try_push(0, chunk(0))
+    got: list = []
+
+    async def read() -> None:
+        async for item in session.outputs():
+            got.append(item)
+
+    return session, got, read
+
+
 async def test_stage_threads_wake_trio_only_for_a_task_that_waits():
     gate = threading.Event()
     async with open_orchestrator(canonical_spec(), sync_actors(gate)) as orch:
-        session = orch.create_session("s", final_sequence_id=0)
         inbox = TrioInbox.current()
-        assert session.try_push(0, chunk(0))
-        got = []
-
-        async def read() -> None:
-            async for item in session.outputs():
-                got.append(item)
-
+        session, got, read = one_chunk_with_reader(orch)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read)
             await trio.testing.wait_all_tasks_blocked()  # the reader waits for an output
@@ -108,3 +117,32 @@ async def test_no_wake_up_is_lost_between_threads_and_waiting_tasks():
             await orch.barrier()
     assert all(order == list(range(chunks)) for order in seen.values())
     assert orch.diagnostics().slot_leaks == 0
+
+
+async def test_a_session_is_not_idle_while_its_completions_trio_side_is_queued():
+    """A call that ended on its thread counts as in flight until trio has run what it left.
+
+    The trio thread is held (synchronously) until decode's thread has completed the call in
+    the core: the reservation is gone then, but the reader's wake-up has not run yet, so the
+    session must not look idle (a quiescence check would see an output nobody was woken for).
+    """
+    gate, at_gate = threading.Event(), threading.Event()
+    async with open_orchestrator(canonical_spec(), sync_actors(gate, at_gate)) as orch:
+        session, got, read = one_chunk_with_reader(orch)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()  # the reader waits
+            await trio.to_thread.run_sync(at_gate.wait, SAFETY)  # decode's call runs, held at its gate
+            await trio.testing.wait_all_tasks_blocked()
+            assert orch.in_flight("decode") == 1 and session.in_flight == 1
+            gate.set()
+            deadline = time.monotonic() + SAFETY
+            while orch.in_flight("decode"):  # the trio thread does not yield: decode's thread completes
+                assert time.monotonic() < deadline, "decode's call never completed"
+            assert got == []
+            assert session.in_flight == 1  # completed on its thread, the reader's wake-up still queued
+            await session.wait_until_idle()
+            assert session.in_flight == 0
+            await trio.testing.wait_all_tasks_blocked()
+            assert [seq for seq, _ in got] == [0]
+        await session.aclose()

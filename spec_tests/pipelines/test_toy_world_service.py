@@ -76,12 +76,7 @@ async def quiesce(service: Any) -> None:
         await trio.testing.wait_all_tasks_blocked()
         busy = [s.orch for s in service._sessions.values() if s.orch.in_flight]
         if not busy:
-            # a stage thread that just finished may still have its hand-off to trio queued (the
-            # reader's wake-up): one more pass lets it run, and the check repeats if it started work
-            await trio.testing.wait_all_tasks_blocked()
-            if not any(s.orch.in_flight for s in service._sessions.values()):
-                return
-            continue
+            return  # in_flight counts a call that ended on its thread until trio has run its follow-ups
         for orch in busy:
             await orch.wait_until_idle()
 
