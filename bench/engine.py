@@ -291,10 +291,10 @@ def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
     """Each workload on chunkline, then (with a peer) on the peer, then their ratios: all in one run."""
     peer = load_peer(peer_path) if peer_path else None
     results = []
-    floor = floor_us_per_chunk() if "w1" in names else None
+    floor = floor_us_per_chunk() if {"w1", "host"} & set(names) else None
     for name in names:
         if name == "host":
-            results.append(host_figures())
+            results.append(host_figures(floor))
             _print(results[-1])
             continue
         sessions, chunks, costs, pacing = WORKLOADS[name]

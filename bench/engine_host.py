@@ -11,6 +11,11 @@ loop before a thread hands it a result), and the bounds follow from them:
   overshoots, one thread-to-thread hop (denoise's thread hands decode's thread the latent) and one
   thread-to-trio hop (decode's thread hands the output to the reader, a trio task in chunkline);
   ``w5_latency_bound_thread_reader_ms`` is the same with a thread for a reader (as the peer's).
+- ``w1_trio_floor_us``: w1's floor (three threads, no-op handlers, at most two chunks in flight) with a
+  trio task for the driver and one for the reader, as chunkline's callers are: the driver hands chunk k
+  to the first thread, the last thread hands it back through ``run_sync_soon`` (one trio wake-up for
+  every batch, as chunkline's inbox does). ``floor_ratio_bound`` = the thread floor over it: the best
+  ``floor_ratio`` a scheduler with trio callers can show here, with no bookkeeping at all.
 """
 
 from __future__ import annotations
@@ -105,7 +110,75 @@ def trio_hop_us(samples: int = 300) -> list[float]:
     return trio.run(main)
 
 
-def host_figures() -> dict:
+def w1_trio_floor_us(chunks: int = 3000) -> float:
+    """w1 with no scheduler: a trio driver and reader around three SimpleQueue-linked threads, in us a chunk."""
+
+    async def main() -> float:
+        token = trio.lowlevel.current_trio_token()
+        first, second, third = queue.SimpleQueue(), queue.SimpleQueue(), queue.SimpleQueue()
+        lock = threading.Lock()
+        arrived: list[int] = []  # chunks the last thread finished, for the trio thread to take
+        done: list[int] = []
+        room, ready = trio.lowlevel.ParkingLot(), trio.lowlevel.ParkingLot()
+        in_flight = 0
+
+        def take_batch() -> None:
+            nonlocal in_flight
+            with lock:
+                done.extend(arrived)
+                in_flight -= len(arrived)
+                arrived.clear()
+            room.unpark_all()
+            ready.unpark_all()
+
+        def relay(inbox: queue.SimpleQueue, outbox: queue.SimpleQueue) -> None:
+            while (item := inbox.get()) is not None:
+                outbox.put(item)
+            outbox.put(None)
+
+        def hand_back() -> None:
+            while (item := third.get()) is not None:
+                with lock:
+                    arrived.append(item)
+                    first_of_batch = len(arrived) == 1
+                if first_of_batch:
+                    token.run_sync_soon(take_batch)
+
+        threads = [threading.Thread(target=relay, args=(first, second)),
+                   threading.Thread(target=relay, args=(second, third)), threading.Thread(target=hand_back)]
+        for thread in threads:
+            thread.start()
+
+        async def drive() -> None:
+            nonlocal in_flight
+            for k in range(chunks):
+                while in_flight >= 2:
+                    await room.park()
+                in_flight += 1
+                first.put(k)
+
+        async def read() -> None:
+            taken = 0
+            while taken < chunks:
+                if not done:
+                    await ready.park()
+                taken += len(done)
+                done.clear()
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drive)
+            nursery.start_soon(read)
+        wall = time.perf_counter() - start
+        first.put(None)
+        for thread in threads:
+            thread.join()
+        return wall / chunks * 1e6
+
+    return trio.run(main)
+
+
+def host_figures(thread_floor_us: float | None = None) -> dict:
     """The primitives (p50, and p95 where a tail matters) and the bounds they put under the goals."""
     over8, over4 = sleep_overshoot_us(0.008), sleep_overshoot_us(0.004)
     thread_hops, trio_hops = thread_hop_us(), trio_hop_us()
@@ -114,7 +187,8 @@ def host_figures() -> dict:
         sleeps = _pct(over8, fraction) + _pct(over4, fraction)
         return 12.0 + (sleeps + _pct(thread_hops, fraction) + _pct(reader_hops, fraction)) / 1e3
 
-    return {
+    trio_floor = w1_trio_floor_us()
+    figures = {
         "workload": "host",
         "sleep_8ms_overshoot_us": {"p50": _pct(over8, 0.5), "p95": _pct(over8, 0.95)},
         "sleep_4ms_overshoot_us": {"p50": _pct(over4, 0.5), "p95": _pct(over4, 0.95)},
@@ -123,5 +197,10 @@ def host_figures() -> dict:
         "w3_efficiency_bound": 8.0 / (8.0 + _pct(over8, 0.5) / 1e3),
         "w5_latency_bound_ms": {"p50": bound(0.5, trio_hops), "p95": bound(0.95, trio_hops)},
         "w5_latency_bound_thread_reader_ms": {"p50": bound(0.5, thread_hops), "p95": bound(0.95, thread_hops)},
-        "goals": {"w3_efficiency": 0.98, "w5_latency_p50_ms": 12.3, "w5_latency_p95_ms": 12.6},
+        "w1_trio_floor_us": trio_floor,
+        "goals": {"w3_efficiency": 0.98, "w5_latency_p50_ms": 12.3, "w5_latency_p95_ms": 12.6, "w1_floor_ratio": 0.25},
     }
+    if thread_floor_us is not None:
+        figures["w1_thread_floor_us"] = thread_floor_us
+        figures["floor_ratio_bound"] = thread_floor_us / trio_floor
+    return figures
