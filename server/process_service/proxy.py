@@ -262,6 +262,7 @@ class ProcessService:
             stream._on_failure(error)
         self._sinks.clear()
         self._session_calls.clear()
+        self._abandoned.clear()  # the child is gone: no late answer will come for them
         if self._started is not None:
             self._started.set()
 
