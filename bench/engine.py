@@ -5,8 +5,10 @@
 the same run and prints the ratios. Lines with a stage cost carry ``hop_p50_us``: how long each
 hand-off of a chunk's critical path took (a stage able to start until it started). Every line
 carries ``wakeups_per_chunk``: how often a thread of the process blocked and was woken again
-(voluntary context switches), per chunk; chunkline's also ``trio_wakeups_per_chunk``: how often
-a stage's thread had to wake the trio thread. ``python -m bench.engine host`` (part of the
+(voluntary context switches), per chunk, and ``cpu_us_per_chunk``: the process's CPU time (user +
+system) per chunk; chunkline's also ``trio_wakeups_per_chunk``: how often a stage's thread had to
+wake the trio thread, and ``thread_cpu_us_per_chunk``: that CPU time split by thread (the trio
+thread, each stage's), which says where a chunk's cost goes. ``python -m bench.engine host`` (part of the
 default run) prints what this host's bare thread primitives cost and the bounds they put under
 the goals (``bench/engine_host.py``).
 The graph, costs and driver follow the shared WORKLOADS definition exactly: three
@@ -133,6 +135,7 @@ async def _run_workload(sessions: int, chunks: int, costs: Sequence[float], paci
     async with open_orchestrator(SPEC, actors) as orch:
         handles = [orch.create_session(f"s{i}", final_sequence_id=chunks - 1) for i in range(sessions)]
         start = time.perf_counter()
+        cpu_before = _thread_cpu_s()
 
         async def drive(index: int) -> None:
             session = handles[index]
@@ -168,11 +171,31 @@ async def _run_workload(sessions: int, chunks: int, costs: Sequence[float], paci
                 nursery.start_soon(drive, i)
                 nursery.start_soon(consume, i)
         wall = time.perf_counter() - start
+        cpu_after = _thread_cpu_s()
         for session in handles:
             await session.aclose()
     figures = _figures(clock, sessions, chunks, costs, wall, emitted, control_at, latencies, finish)
     figures["trio_wakeups_per_chunk"] = TrioInbox.current().batches / (sessions * chunks)
+    figures["thread_cpu_us_per_chunk"] = {
+        name: (cpu_after[name] - cpu_before[name]) / (sessions * chunks) * 1e6
+        for name in ("trio", *clock.handlers(costs)) if name in cpu_before and name in cpu_after
+    }
     return figures
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU time (user + system) of each live thread of this process, by name (Linux /proc; else empty)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    spent = {}
+    for thread in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = "trio" if thread is threading.main_thread() else thread.name
+        spent[name] = (int(fields[11]) + int(fields[12])) / tick
+    return spent
 
 
 def _blocked_and_woken() -> int:
@@ -180,10 +203,16 @@ def _blocked_and_woken() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
 
 
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _counting_wakeups(chunks: int, run: Callable[[], dict]) -> dict:
-    before = _blocked_and_woken()
+    before, cpu_before = _blocked_and_woken(), _process_cpu_s()
     figures = run()
     figures["wakeups_per_chunk"] = (_blocked_and_woken() - before) / chunks
+    figures["cpu_us_per_chunk"] = (_process_cpu_s() - cpu_before) / chunks * 1e6
     return figures
 
 
