@@ -5,7 +5,8 @@
 it writes ``DIR/video.mp4`` and ``DIR/metrics.json``, draws a progress bar on stderr and prints a summary on
 stdout. Bad input (a missing pipeline, image or controls file, a malformed controls file, an unknown control,
 an unsupported device, options the pipeline refuses) is reported on stderr with exit code 2 and leaves no
-output behind; a run that fails later exits 1, also without output files.
+output behind; a run that fails later exits 1, also without output files, and so does one stopped by Ctrl-C
+(exit code 130) or SIGTERM (143).
 
 ``--placement`` (both commands; ``CHUNKLINE_PLACEMENT`` for stream-serve) names a JSON placement file, or
 is inline JSON starting with ``{``: where each stage runs (format: :mod:`pipelines.toy_world.placement`).
@@ -194,6 +195,43 @@ class _BadInput(Exception):
     """Input the user can fix: reported on stderr with exit code 2."""
 
 
+class _Terminated(Exception):
+    """SIGTERM stopped an offline run: it cleans up as for Ctrl-C and exits 143."""
+
+
+async def _until_sigterm(run: Any, *args: Any) -> Any:
+    """``await run(*args)``, cancelled by SIGTERM so its temporary files go as they do on Ctrl-C."""
+    import signal
+
+    import trio
+
+    result: list[Any] = []
+    terminated = False
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    nonlocal terminated
+                    async for _ in signals:
+                        terminated = True
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                result.append(await run(*args))
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # the run's own error (or Ctrl-C) is what the caller reports
+            leaves = [group]
+            while len(leaves) == 1 and isinstance(leaves[0], BaseExceptionGroup):
+                leaves = list(leaves[0].exceptions)
+            if len(leaves) == 1:
+                raise leaves[0] from None
+            raise
+    if terminated:
+        raise _Terminated()
+    return result[0]
+
+
 class ProgressBar:
     """A ``\\r``-updated text progress bar: ``[#######.......]  3/8 chunks  1.2 s``."""
 
@@ -347,7 +385,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     created = not out_dir.exists()
     bar = ProgressBar(sys.stderr)
     try:
-        summary = trio.run(run_offline, service, config, controls, args.chunks, out_dir, bar)
+        summary = trio.run(_until_sigterm, run_offline, service, config, controls, args.chunks, out_dir, bar)
     except BaseException:
         bar.finish()
         if created:
@@ -382,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("chunkline run: interrupted; no output was written", file=sys.stderr)
             return 130
+        except _Terminated:
+            print("chunkline run: terminated (SIGTERM); no output was written", file=sys.stderr)
+            return 143
         except Exception as exc:
             print(f"chunkline run: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
