@@ -90,6 +90,9 @@ class AgentOptions:
     slot: str | None = None
     tls_ca: str | None = None
     drain_deadline: float = 30.0
+    control_idle_timeout: float = 10.0  # offered to the pipeline, as the authority offers its own workers
+    default_fps: float = 16.0
+    validate: bool = True  # the startup check, unless the authority runs with --skip-validation
     version: str = attrs.Factory(chunkline_version)
 
 
@@ -166,6 +169,8 @@ class Agent:
             on_failed=self._model_failed,
             worker_mode=options.worker_mode,
             placement=options.placement,
+            offered={"control_idle_timeout": options.control_idle_timeout, "fps": options.default_fps},
+            validate=options.validate,
             **extra,
         )
         self.worker_id: str | None = None
@@ -385,7 +390,7 @@ class Agent:
             await trio.sleep_until(fence)
 
     def _model_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
-        self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict())
+        self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}))
         self._model_settled.set()
 
     def _model_failed(self, worker: ModelWorker, reason: str) -> None:

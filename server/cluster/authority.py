@@ -276,6 +276,7 @@ class ClusterAuthority:
             return  # draining already: it takes no sessions
         worker.plan = PlanView(message.plan)
         worker.kind = message.kind
+        worker.startup_check = message.startup_check or None
         plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device") if k in message.plan})
         self.runtime.agent_ready(worker, message.capacity, plan)
 

@@ -48,10 +48,17 @@ def agent_command(
     max_sessions: int | str,
     worker_mode: str,
     placement: str | None,
+    control_idle_timeout: float,
+    default_fps: float,
+    skip_validation: bool,
 ) -> list[str]:
+    """The agent's command line: the authority's settings that its own workers would get, its slot's devices."""
     command = [sys.executable, "-m", "server.cli", "worker", pipeline, "--authority", authority_url,
                "--launcher", launcher, "--slot", slot, "--max-sessions", str(max_sessions),
-               "--worker-mode", worker_mode]
+               "--worker-mode", worker_mode, "--control-idle-timeout", repr(control_idle_timeout),
+               "--default-fps", repr(default_fps)]
+    if skip_validation:
+        command.append("--skip-validation")
     if devices:
         command += ["--devices", ",".join(str(d) for d in devices)]
     if placement is not None:
@@ -101,7 +108,8 @@ class LocalLauncher:
         return agent_command(
             settings.pipeline, self._authority.authority_url, devices=slot.devices, launcher=self.name,
             slot=slot.name, max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
-            placement=settings.placement,
+            placement=settings.placement, control_idle_timeout=settings.control_idle_timeout,
+            default_fps=settings.default_fps, skip_validation=settings.skip_validation,
         )
 
     def _env(self, slot: _Slot) -> dict[str, str]:

@@ -129,7 +129,8 @@ class RayLauncher:
         return agent_command(
             os.path.abspath(settings.pipeline), self._authority.authority_url, devices=(), launcher=self.name,
             slot="", max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
-            placement=settings.placement,
+            placement=settings.placement, control_idle_timeout=settings.control_idle_timeout,
+            default_fps=settings.default_fps, skip_validation=settings.skip_validation,
         )
 
     def _request(self, slot: _RaySlot) -> Any:

@@ -66,7 +66,7 @@ class RemoteWorker:
         self.slot = slot
         self.plan: PlanView | None = None
         self.kind: str | None = None
-        self.startup_check: dict[str, Any] | None = None  # the agent runs its own; not reported over the wire yet
+        self.startup_check: dict[str, Any] | None = None  # the agent's own, from its Ready
         self.failure: str | None = None
         self.runs: dict[str, RemoteRun] = {}
         self.lost_cause: str | None = None

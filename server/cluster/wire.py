@@ -177,6 +177,7 @@ class Ready(Message):
     capacity: int = attrs.field(converter=_int)
     kind: str = attrs.field(converter=_str)
     plan: dict[str, Any] = attrs.field(converter=_dict)
+    startup_check: dict[str, Any] = attrs.field(converter=_dict, factory=dict)  # the agent's: passed or skipped
 
 
 @attrs.frozen

@@ -41,8 +41,15 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
     worker.add_argument("--slot", metavar="NAME", default=None, help="the launcher's slot (set by launchers)")
     worker.add_argument("--cluster-token-file", metavar="FILE", default=None, help=f"read the token here, not {TOKEN_ENV}")
     worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle to verify a tls:// authority")
-    worker.add_argument("--drain-deadline", metavar="SECONDS", type=float, default=30.0,
+    worker.add_argument("--drain-deadline", metavar="SECONDS", default="30",
                         help="seconds live sessions get to finish on SIGTERM (default 30)")
+    # what the authority's own workers get (its launchers pass its values; give them to external agents)
+    worker.add_argument("--control-idle-timeout", metavar="SECONDS", default="10",
+                        help="offered to a pipeline that takes control_idle_timeout (default 10)")
+    worker.add_argument("--default-fps", metavar="FPS", default="16",
+                        help="offered to a pipeline that takes an fps (1-120, default 16)")
+    worker.add_argument("--skip-validation", action="store_true",
+                        help="skip the startup check (one warm-up chunk checked against the contract)")
     return worker
 
 
@@ -73,6 +80,7 @@ def _max_sessions(text: str) -> int | str:
 def cmd_worker(args: argparse.Namespace) -> int:
     import trio
 
+    from ..setting_values import parse_float
     from .agent import Agent, AgentOptions, parse_authority
 
     prefix = "chunkline worker"
@@ -88,8 +96,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             token = os.environ.get(TOKEN_ENV, "")
         if len(token.encode()) < 16:
             raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least 16 bytes")
-        if args.drain_deadline <= 0:
-            raise ValueError("--drain-deadline must be > 0")
+        drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, lo_open=True)
+        control_idle_timeout = parse_float("--control-idle-timeout", args.control_idle_timeout, 0.0, lo_open=True)
+        default_fps = parse_float("--default-fps", args.default_fps, 1.0, 120.0)
     except (ValueError, OSError) as exc:
         print(f"{prefix}: error: {exc}", file=sys.stderr)
         return 2
@@ -109,6 +118,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         launcher=args.launcher,
         slot=args.slot,
         tls_ca=args.tls_ca,
-        drain_deadline=args.drain_deadline,
+        drain_deadline=drain_deadline,
+        control_idle_timeout=control_idle_timeout,
+        default_fps=default_fps,
+        validate=not args.skip_validation,
     )
     return trio.run(Agent(options).run)

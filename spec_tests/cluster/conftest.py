@@ -113,9 +113,9 @@ class Cluster:
         return [w for w in self.workers() if w["state"] in ("idle", "busy")]
 
 
-def start_cluster(*extra: str, workers: int = 2, launcher: str = "local") -> Cluster:
+def start_cluster(*extra: str, workers: int = 2, launcher: str = "local", pipeline: str = TINY) -> Cluster:
     cluster_port = free_port()
-    command = chunkline("stream-serve", TINY, "--port", "0", "--workers", launcher, "--num-workers", str(workers),
+    command = chunkline("stream-serve", pipeline, "--port", "0", "--workers", launcher, "--num-workers", str(workers),
                         "--max-sessions-per-worker", "1", "--queue-size", "4", "--cluster-port", str(cluster_port),
                         "--heartbeat-interval", str(INTERVAL), "--heartbeat-deadline", str(DEADLINE),
                         "--controller-timeout", "60", "--room-empty-timeout", "60", *extra)
