@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from pipelines.images import ImageRefused, check_image, check_image_file
+from pipelines.paths import PathRefused, resolve_inside
 
 __all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_token_request", "resolve_image_path"]
 
@@ -115,17 +116,10 @@ def resolve_image_path(image_path: str, assets_dir: str | None) -> str:
     """A path the client named must resolve inside the assets directory (no absolute paths, no ``..``, no symlinks out)."""
     if assets_dir is None:
         raise BadRequest("image_path_not_allowed", "image_path needs the server to be started with --assets-dir")
-    if os.path.isabs(image_path) or "\\" in image_path or "\x00" in image_path:
-        raise BadRequest("invalid_image_path", "image_path must be relative to the assets directory")
-    parts = Path(image_path).parts
-    if ".." in parts:
-        raise BadRequest("invalid_image_path", "image_path may not contain '..'")
-    root = Path(assets_dir).resolve()
-    resolved = (root / image_path).resolve()
-    if not resolved.is_relative_to(root):
-        raise BadRequest("invalid_image_path", "image_path resolves outside the assets directory")
-    if not resolved.is_file():
-        raise BadRequest("invalid_image_path", f"image_path {image_path!r} does not exist in the assets directory")
+    try:
+        resolved = resolve_inside(assets_dir, image_path)
+    except PathRefused as exc:
+        raise BadRequest("invalid_image_path", f"image_path {exc}") from None
     _check_image(lambda: check_image_file(resolved), "image_path")
     return str(resolved)
 

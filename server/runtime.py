@@ -152,7 +152,8 @@ class StreamRuntime:
             on_failed=self._worker_failed,
             worker_mode=self.settings.worker_mode,
             placement=self.settings.placement,
-            offered={"control_idle_timeout": self.settings.control_idle_timeout, "fps": self.settings.default_fps},
+            offered={"control_idle_timeout": self.settings.control_idle_timeout, "fps": self.settings.default_fps,
+                     "served": True, "assets_dir": self.settings.assets_dir},
             validate=not self.settings.skip_validation,
             **options,
         )

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .service import ReplayOptions, ReplayService
+from .service import ANY_FILE, ReplayOptions, ReplayService
 
 __all__ = ["ReplayOptions", "ReplayService", "get_service"]
 
 
-def get_service(gpu_num: int = 0, **_: Any) -> ReplayService:
-    """The replay service; it uses no accelerator, so ``gpu_num`` (and any other option) is ignored."""
-    return ReplayService(gpu_num=gpu_num)
+def get_service(gpu_num: int = 0, *, served: bool = False, assets_dir: str | None = None, **_: Any) -> ReplayService:
+    """The replay service; it uses no accelerator, so ``gpu_num`` (and any other option) is ignored.
+
+    The stream server offers ``served`` and its ``assets_dir``: its clients are remote, so their
+    ``video_path`` must name a file inside the assets directory (and none without one); a local run
+    (``chunkline run``) may name any file."""
+    return ReplayService(gpu_num=gpu_num, videos=assets_dir if served else ANY_FILE)

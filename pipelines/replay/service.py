@@ -14,6 +14,12 @@ option              default  meaning
 ``video_path``      None     a video file to replay instead of the test pattern (decoded with PyAV)
 ==================  =======  ============================================================================
 
+A chunk holds at most ``MAX_CHUNK_BYTES`` (64 MiB) of frames (``width x height x 3 x frames_per_chunk``), so
+no request can make the service hold more than that per chunk. Where ``video_path`` may point is the
+service's ``videos``: any file (``ANY_FILE``, offline runs, where the user names their own files), only files
+inside a directory (relative names, no ``..``, no symlinks out: the stream server's ``--assets-dir``, since
+its clients are remote), or none at all (``None``: a server without an assets directory).
+
 The stream is bounded: ``ceil(duration_seconds * fps / frames_per_chunk)`` chunks of ``frames_per_chunk``
 frames each. With ``video_path`` it also ends when the video does; its last chunk then holds the frames that
 were left (fewer than ``frames_per_chunk``). Video frames are sampled at the stream's fps (the latest source
@@ -47,10 +53,21 @@ import numpy as np
 import trio
 
 from pipelines.contract import Audio, Chunk, ServerPushService, SessionConfig
+from pipelines.paths import PathRefused, resolve_inside
 
-__all__ = ["SAMPLE_RATE", "ReplayOptions", "ReplayService", "render_test_pattern", "tone_pcm"]
+__all__ = ["ANY_FILE", "MAX_CHUNK_BYTES", "SAMPLE_RATE", "ReplayOptions", "ReplayService", "render_test_pattern", "tone_pcm"]
 
 SAMPLE_RATE = 48000
+MAX_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+class _AnyFile:
+    def __repr__(self) -> str:
+        return "ANY_FILE"
+
+
+#: ``videos`` that lets ``video_path`` name any file (a local user's own run)
+ANY_FILE: Any = _AnyFile()
 _AMPLITUDE = 0.25 * 32767
 
 # 3 x 5 block glyphs for the frame counter.
@@ -90,7 +107,8 @@ class ReplayOptions:
     video_path: str | None = None
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any]) -> ReplayOptions:
+    def from_mapping(cls, options: Mapping[str, Any], videos: str | None = ANY_FILE) -> ReplayOptions:
+        """``videos``: where ``video_path`` may point (``ANY_FILE``, a directory, or ``None`` for nowhere)."""
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(str(k) for k in options if k not in known)
         if unknown:
@@ -113,13 +131,17 @@ class ReplayOptions:
         tone = values["tone_hz"]
         if not _is_real(tone) or not 0 <= float(tone) < SAMPLE_RATE / 2:
             raise ValueError(f"replay option 'tone_hz' must be a number in [0, {SAMPLE_RATE // 2}), got {tone!r}")
+        chunk_bytes = int(values["width"]) * int(values["height"]) * 3 * per_chunk
+        if chunk_bytes > MAX_CHUNK_BYTES:
+            raise ValueError(
+                f"replay options 'width' x 'height' x 3 x 'frames_per_chunk' make {chunk_bytes} bytes a chunk; "
+                f"at most {MAX_CHUNK_BYTES} (lower the size or frames_per_chunk)"
+            )
         video = values["video_path"]
         if video is not None:
             if not isinstance(video, str | os.PathLike) or not str(video):
                 raise ValueError(f"replay option 'video_path' must be a file path, got {video!r}")
-            video = str(video)
-            if not Path(video).is_file():
-                raise ValueError(f"replay option 'video_path': no such file {video!r}")
+            video = _video_file(str(video), videos)
         return cls(
             fps=float(fps),
             width=int(values["width"]),
@@ -133,6 +155,20 @@ class ReplayOptions:
     @property
     def chunk_count(self) -> int:
         return max(1, math.ceil(self.duration_seconds * self.fps / self.frames_per_chunk - 1e-9))
+
+
+def _video_file(video: str, videos: str | None) -> str:
+    """Where ``video`` may be read from, given the service's ``videos`` (see the module docstring)."""
+    if videos is ANY_FILE:
+        if not Path(video).is_file():
+            raise ValueError(f"replay option 'video_path': no such file {video!r}")
+        return video
+    if videos is None:
+        raise ValueError("replay option 'video_path' needs the server to be started with --assets-dir")
+    try:
+        return str(resolve_inside(videos, video))
+    except PathRefused as exc:
+        raise ValueError(f"replay option 'video_path' {exc}") from None
 
 
 def _sample_at(frame: int, fps: float) -> int:
@@ -294,8 +330,9 @@ class _ReplayStream:
 class ReplayService(ServerPushService):
     """Streams a test pattern or a video file, with a sine tone; one stream (session) at a time."""
 
-    def __init__(self, gpu_num: int = 0) -> None:
+    def __init__(self, gpu_num: int = 0, *, videos: str | None = ANY_FILE) -> None:
         self.gpu_num = gpu_num
+        self.videos = videos
         self._running = False
         self._active: _ReplayStream | None = None
 
@@ -318,7 +355,7 @@ class ReplayService(ServerPushService):
         """
         if not self._running:
             raise RuntimeError("replay service: stream() called outside `async with service.running()`")
-        options = ReplayOptions.from_mapping(config.options)
+        options = ReplayOptions.from_mapping(config.options, self.videos)
         if options.video_path is not None:
             _probe_video(options.video_path)
         if self._active is not None:

@@ -169,7 +169,9 @@ class Agent:
             on_failed=self._model_failed,
             worker_mode=options.worker_mode,
             placement=options.placement,
-            offered={"control_idle_timeout": options.control_idle_timeout, "fps": options.default_fps},
+            # served to remote clients; the authority's assets directory is not this host's: no client paths
+            offered={"control_idle_timeout": options.control_idle_timeout, "fps": options.default_fps,
+                     "served": True, "assets_dir": None},
             validate=options.validate,
             **extra,
         )
