@@ -19,6 +19,8 @@ only while a key is held (or a short press, a pose reset or a new prompt is
 pending), after the previous chunk's denoise finished; with nothing held no
 chunk is made and the last frame stays on screen. Session creation makes one
 preview chunk. ``continuous`` mode (offline runs) makes chunks back to back;
+``chunks`` ends the session after that many, ``resolution`` sizes its frames, and any other option is
+refused with a ``ValueError`` naming it;
 scripted controls (``SessionConfig.timeline``) apply to the first chunk that
 starts at or after their time on the media clock.
 
@@ -74,6 +76,10 @@ from .stages import ChunkControl, Condition, EncodeRequest, make_stages
 __all__ = [
     "SPEC", "ChunkControl", "Condition", "EncodeRequest", "PipelineFailed", "ServiceFailedError", "ToyWorldService",
 ]
+
+#: the options a session may ask for (``SessionConfig.options``); anything else is refused naming it.
+#: ``preview`` is the startup check's own one-chunk session.
+SESSION_OPTIONS = frozenset({"continuous", "chunks", "resolution", "preview"})
 
 
 class PipelineFailed(RuntimeError):
@@ -209,13 +215,18 @@ class ToyWorldService(BidirectionalService):
         if self._stages.failure is not None:
             raise ServiceFailedError(f"the toy world service failed and takes no new sessions: {self._stages.failure}")
         options = dict(config.options)
-        continuous = bool(options.pop("continuous", False))
+        unknown = sorted(str(name) for name in options if name not in SESSION_OPTIONS)
+        if unknown:  # a misspelt option would otherwise stream the default world without a word
+            raise ValueError(f"toy world: unknown option(s) {unknown} (known: {sorted(SESSION_OPTIONS)})")
+        continuous = options.pop("continuous", False)
+        if not isinstance(continuous, bool):
+            raise ValueError(f"option 'continuous' must be true or false, got {continuous!r}")
         chunk_count = options.pop("chunks", None)
-        options.pop("preview", None)
         resolution = options.pop("resolution", None)
         if resolution is not None:
             resolution = parse_resolution(resolution, self.config)  # ValueError naming 'resolution'
-        if chunk_count is not None and (not isinstance(chunk_count, int) or chunk_count < 1):
+        if chunk_count is not None and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
+                                        or chunk_count < 1):
             raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
         image = (
             await trio.to_thread.run_sync(load_image, config.image_path, self.config.world_size)

@@ -72,3 +72,12 @@ async def test_a_chunk_a_client_asks_for_is_bounded_before_it_is_made() -> None:
         found, frames = await _outcome(server, {"width": 4096, "height": 4096, "frames_per_chunk": 1024})
     assert found["status"] == "failed" and frames == 0, found
     assert "at most 67108864" in found["error"], found["error"]
+
+
+async def test_an_option_the_toy_world_does_not_know_fails_the_session_naming_it() -> None:
+    async with running(pipeline="pipelines/toy_world") as server:
+        for config, named in [({"seeed": 3}, "unknown option(s) ['seeed']"),
+                              ({"continuous": "no"}, "option 'continuous' must be true or false")]:
+            found, frames = await _outcome(server, config)
+            assert found["status"] == "failed" and frames == 0, (config, found)
+            assert named in found["error"], (config, found["error"])

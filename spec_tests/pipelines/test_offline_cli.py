@@ -1,4 +1,5 @@
-"""``chunkline run`` stopped by a real signal mid-run: no partial file is left, and the exit code says so."""
+"""``chunkline run`` as a user meets it: stopped by a real signal mid-run it leaves no partial file and its exit
+code says so; an option the pipeline does not know is bad input (exit 2), not silently ignored."""
 
 from __future__ import annotations
 
@@ -74,3 +75,14 @@ def test_a_signal_mid_run_leaves_no_partial_file(tmp_path: Path, signal_number: 
     assert process.returncode == code, err[-2000:]
     assert message in err
     assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+def test_an_option_the_toy_world_does_not_know_exits_2_naming_it(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from server.cli import main
+
+    out = tmp_path / "out"
+    toy_world = str(Path(pipelines.__file__).parent / "toy_world")
+    assert main(["run", toy_world, "--chunks", "1", "--option", "seeed=3", "--out", str(out)]) == 2
+    assert "unknown option(s) ['seeed']" in capsys.readouterr().err
+    assert not out.exists()
