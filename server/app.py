@@ -6,6 +6,7 @@ transport and metrics registry. Every error is JSON ``{"error": code, "detail": 
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import math
@@ -106,12 +107,19 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     async def require_api_key() -> Response | None:
         if request.method == "OPTIONS":
             return None
-        if settings.api_key and request.path.startswith("/v1/stream/"):
-            header = request.headers.get("Authorization", "")
-            if header != f"Bearer {settings.api_key}":
-                return error(401, "unauthorized", "this route needs 'Authorization: Bearer <api key>'",
-                             {"WWW-Authenticate": "Bearer"})
+        if request.path.startswith("/v1/stream/"):
+            return unauthorized()
         return None
+
+    def unauthorized() -> Response | None:
+        """A 401 unless the request carries the API key (compared in constant time), or none is set."""
+        if not settings.api_key:
+            return None
+        header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(header, f"Bearer {settings.api_key}".encode()):
+            return None
+        return error(401, "unauthorized", "this route needs 'Authorization: Bearer <api key>'",
+                     {"WWW-Authenticate": "Bearer"})
 
     @app.after_request
     async def cors(response: Response) -> Response:
@@ -264,9 +272,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.post("/v1/service/workers/<worker_id>/drain")
     async def drain_worker(worker_id: str) -> Response:
-        if settings.api_key and request.headers.get("Authorization", "") != f"Bearer {settings.api_key}":
-            return error(401, "unauthorized", "this route needs 'Authorization: Bearer <api key>'",
-                         {"WWW-Authenticate": "Bearer"})
+        if (refused := unauthorized()) is not None:
+            return refused
         raw = await request.get_data(cache=True)
         deadline = DRAIN_DEADLINE
         if raw:
