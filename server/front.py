@@ -9,7 +9,10 @@ the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), the
   ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
   reads could otherwise hold a response, its task and the shutdown forever), and the connection
   closed once no byte has moved either way for ``Deadlines.idle`` (hypercorn's own keep-alive timeout
-  does not end an idle connection here, so a client could otherwise keep any number of them open).
+  does not end an idle connection here, so a client could otherwise keep any number of them open);
+  every later head on a keep-alive connection and every body are bounded too
+  (:mod:`server.http_framing`: a head within ``Deadlines.head`` of its first byte, else 408; a body at
+  a minimum rate), so trickling bytes slower than that cannot hold a connection either.
 
 At most :data:`MAX_CONNECTIONS` connections are served at once (more are answered 503 and closed), and
 :meth:`Front.close` ends every connection that is still open, so shutdown does not wait on any client.
@@ -23,6 +26,7 @@ from typing import Final
 
 import trio
 
+from .http_framing import FramingRefused, RequestFraming
 from .room_socket import Deadlines, RoomSocket, room_of
 from .transport.local import LocalRooms
 
@@ -36,9 +40,12 @@ READ_SIZE: Final = 65536
 
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _REFUSALS: Final = {
+    400: b"400 Bad Request",
     408: b"408 Request Timeout",
+    411: b"411 Length Required",
     431: b"431 Request Header Fields Too Large",
     503: b"503 Service Unavailable",
+    505: b"505 HTTP Version Not Supported",
 }
 
 
@@ -131,6 +138,13 @@ class Front:
             await stream.send_all(response)
 
     async def _splice(self, client: trio.SocketStream, head: bytes) -> None:
+        framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD)
+        refusal: int | None = None
+        try:
+            framing.feed(head, trio.current_time())
+        except FramingRefused as exc:
+            await self._refuse(client, exc.status)
+            return
         backend = await trio.open_unix_socket(self._backend)
         moved_at = trio.current_time()  # the last time a byte went either way
         try:
@@ -144,19 +158,36 @@ class Front:
                     nursery.cancel_scope.cancel()
 
                 async def to_backend() -> None:
-                    nonlocal moved_at
+                    nonlocal moved_at, refusal
                     try:
-                        while data := await client.receive_some(READ_SIZE):
+                        while True:
+                            with trio.move_on_at(framing.due) as late:  # the request under way, if any
+                                data = await client.receive_some(READ_SIZE)
+                            if late.cancelled_caught:
+                                log.info("a request did not arrive within its deadline: 408")
+                                refusal = 408
+                                break
+                            if not data:
+                                await backend.send_eof()  # the client is done sending; its answer may still come
+                                return
                             moved_at = trio.current_time()
+                            try:
+                                framing.feed(data, moved_at)
+                            except FramingRefused as exc:
+                                log.info("a request the front refuses: %d %s", exc.status, exc.detail)
+                                refusal = exc.status
+                                break
                             await backend.send_all(data)
-                        await backend.send_eof()  # the client is done sending; its answer may still come
                     except _GONE:
-                        nursery.cancel_scope.cancel()
+                        pass
+                    nursery.cancel_scope.cancel()
 
                 async def to_client() -> None:
                     nonlocal moved_at
                     with contextlib.suppress(*_GONE):
                         while data := await backend.receive_some(READ_SIZE):
+                            if data.startswith(b"HTTP/1.1 101 "):
+                                framing.switched()  # no longer HTTP/1.1 from here on
                             with trio.move_on_after(self._deadlines.write) as deadline:
                                 await client.send_all(data)
                             moved_at = trio.current_time()
@@ -171,3 +202,5 @@ class Front:
         finally:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await backend.aclose()
+        if refusal is not None:
+            await self._refuse(client, refusal)

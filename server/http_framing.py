@@ -1,0 +1,97 @@
+"""Where each request on a spliced HTTP/1.1 connection starts and ends, so the front can bound every one.
+
+The front reads a connection's first head itself; later heads on a keep-alive connection and every body
+pass through to hypercorn, which has no deadline for either. :class:`RequestFraming` follows the client's
+bytes (pure: no I/O, ``now`` is an argument) and says by when the request under way must have arrived:
+a head within ``head_seconds`` of its first byte, a body of ``n`` bytes within ``head_seconds + n /
+MIN_UPLOAD_RATE`` of the end of its head. Between requests nothing is due (the idle deadline applies).
+
+What cannot be framed is refused rather than passed on unbounded: a head over ``MAX_HEAD`` (431), a
+``Transfer-Encoding`` body (411: send ``Content-Length``), a malformed or contradictory ``Content-Length``
+(400) and HTTP/2 without TLS (505). Once the backend switches protocols (101) the connection is no longer
+HTTP/1.1 and is passed through as it is (:meth:`switched`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+__all__ = ["MIN_UPLOAD_RATE", "FramingRefused", "RequestFraming"]
+
+MIN_UPLOAD_RATE: Final = 16384  # bytes a second a request body must at least arrive at
+
+
+class FramingRefused(Exception):
+    """A request the front answers itself (``status``) and then closes the connection."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+class RequestFraming:
+    """The client side of one spliced connection: heads and ``Content-Length`` bodies, in order."""
+
+    def __init__(self, *, head_seconds: float, max_head: int) -> None:
+        self._head_seconds = head_seconds
+        self._max_head = max_head
+        self._head = bytearray()  # the head under way
+        self._body_left = 0
+        self._passthrough = False
+        #: when the request under way must have arrived (``math.inf``: none is under way)
+        self.due = math.inf
+
+    def switched(self) -> None:
+        """The backend answered 101: what follows is another protocol, passed through as it is."""
+        self._passthrough = True
+        self.due = math.inf
+
+    def feed(self, data: bytes, now: float) -> None:
+        """Follow ``data`` from the client; raises :class:`FramingRefused` for what cannot be framed."""
+        view = memoryview(data)
+        while view and not self._passthrough:
+            if self._body_left:
+                taken = min(self._body_left, len(view))
+                self._body_left -= taken
+                view = view[taken:]
+                if not self._body_left:
+                    self.due = math.inf
+                continue
+            if not self._head:
+                self.due = now + self._head_seconds  # a new head: it must be whole in time
+            start = max(0, len(self._head) - 3)
+            self._head += view
+            end = self._head.find(b"\r\n\r\n", start)
+            if end < 0:
+                if len(self._head) > self._max_head:
+                    raise FramingRefused(431, "the request head is larger than the front allows")
+                return
+            if end > self._max_head:
+                raise FramingRefused(431, "the request head is larger than the front allows")
+            rest = bytes(self._head[end + 4:])
+            length = self._body_length(bytes(self._head[:end]))
+            self._head.clear()
+            self._body_left = length
+            self.due = now + self._head_seconds + length / MIN_UPLOAD_RATE if length else math.inf
+            view = memoryview(rest)
+
+    @staticmethod
+    def _body_length(head: bytes) -> int:
+        line, _, fields = head.partition(b"\r\n")
+        if line.startswith(b"PRI * HTTP/2.0"):
+            raise FramingRefused(505, "HTTP/2 needs TLS here; speak HTTP/1.1")
+        lengths: set[bytes] = set()
+        for field in fields.split(b"\r\n"):
+            name, _, value = field.partition(b":")
+            name = name.strip().lower()
+            if name == b"transfer-encoding":
+                raise FramingRefused(411, "a request body needs Content-Length (Transfer-Encoding is not taken)")
+            if name == b"content-length":
+                lengths.update(part.strip() for part in value.split(b","))
+        if not lengths:
+            return 0
+        if len(lengths) > 1 or not all(v.isdigit() for v in lengths):
+            raise FramingRefused(400, "Content-Length must be one decimal number")
+        return int(lengths.pop())
