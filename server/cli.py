@@ -185,6 +185,9 @@ def _cmd_stream_serve(args: argparse.Namespace) -> int:
     serve = importlib.import_module("server.serve")  # lazily: `chunkline run` never loads the server stack
     try:
         result = serve.run(settings)
+    except SettingsError as exc:  # a --host/--port (or cluster address) it cannot listen on
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130

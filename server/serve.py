@@ -23,10 +23,11 @@ from hypercorn.trio import serve
 from .app import SHUTDOWN_GRACE, create_app
 from .front import Front
 from .room_socket import Deadlines
+from .setting_values import ListenError
 from .settings import ServerSettings
 from .transport.local import LocalRooms
 
-__all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "run", "serve_app"]
+__all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "run", "serve_app"]
 
 log = logging.getLogger("chunkline.serve")
 
@@ -35,12 +36,13 @@ FRONT_GRACE = 5.0  # seconds open HTTP connections get to finish once the sessio
 SHUTDOWN_BOUND = 2 * SHUTDOWN_GRACE + FRONT_GRACE + 10.0
 
 
-def _exit_watchdog(bound: float) -> threading.Timer:
+def _exit_watchdog(bound: float, private: str) -> threading.Timer:
     """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after)."""
 
     def expire() -> None:
         log.error("shutdown exceeded its bound of %g s: exiting", bound)
         logging.shutdown()
+        shutil.rmtree(private, ignore_errors=True)  # os._exit skips the finally that would
         os._exit(1)
 
     timer = threading.Timer(bound, expire)
@@ -60,6 +62,14 @@ async def serve_app(
 
     ``deadlines`` bounds what each client connection may take (the defaults of :class:`Deadlines`);
     setting ``stop`` shuts the server down as a signal would."""
+    try:
+        listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
+    except OSError as exc:
+        raise ListenError.of("--host/--port", settings.host, settings.port, exc) from None
+    if settings.port == 0:
+        listeners = listeners[:1]  # one free port, not one per address family
+    if settings.workers != "in-process":
+        await _check_cluster_address(settings)
     app = create_app(settings)
     runtime = app.extensions["chunkline"]
     private = tempfile.mkdtemp(prefix="chunkline-front-")
@@ -72,9 +82,6 @@ async def serve_app(
     config.websocket_max_message_size = settings.max_data_message_bytes + 1024
     rooms = runtime.transport if isinstance(runtime.transport, LocalRooms) else None
     front = Front(rooms, backend, max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines)
-    listeners = await trio.open_tcp_listeners(settings.port, host=settings.host)
-    if settings.port == 0:
-        listeners = listeners[:1]  # one free port, not one per address family
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
 
@@ -98,7 +105,7 @@ async def serve_app(
             for url in urls:
                 print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
             await stop.wait()
-            watchdog = _exit_watchdog(SHUTDOWN_BOUND)
+            watchdog = _exit_watchdog(SHUTDOWN_BOUND, private)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.shutdown(SHUTDOWN_GRACE)
@@ -114,6 +121,17 @@ async def serve_app(
         if watchdog is not None:
             watchdog.cancel()
         shutil.rmtree(private, ignore_errors=True)
+
+
+async def _check_cluster_address(settings: ServerSettings) -> None:
+    """Bind the agents' port once and let it go, so an address in use is a clear error here, not a traceback
+    from the app's startup (the authority binds it again a moment later)."""
+    host = settings.cluster_host or settings.host
+    try:
+        for listener in await trio.open_tcp_listeners(settings.cluster_port, host=host):
+            await listener.aclose()
+    except OSError as exc:
+        raise ListenError.of("--cluster-host/--cluster-port", host, settings.cluster_port, exc) from None
 
 
 async def _accept(listeners: list[trio.SocketListener], front: Front) -> None:

@@ -42,6 +42,14 @@ class SettingsError(ValueError):
         self.option = option
 
 
+class ListenError(SettingsError):
+    """An address the server cannot listen on (a port in use, an address this host does not have)."""
+
+    @classmethod
+    def of(cls, options: str, host: str, port: int, exc: OSError) -> ListenError:
+        return cls(options, f"{options}: cannot listen on {host}:{port}: {exc.strerror or exc}")
+
+
 def option_for(field_name: str) -> str:
     """The command-line flag of a field: ``queue_size`` -> ``--queue-size`` (``pipeline`` -> ``PIPE``)."""
     if field_name == "pipeline":

@@ -1,0 +1,40 @@
+"""``chunkline stream-serve`` on a port it cannot have: one line naming the options, exit 2, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+START_DEADLINE = 120.0  # wall seconds for the command to import and give up
+
+
+@pytest.mark.parametrize("where", ["port_in_use", "address_not_here", "cluster_port_in_use"])
+def test_a_port_it_cannot_listen_on_exits_2_naming_host_and_port(where: str, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        host = "192.0.2.1" if where == "address_not_here" else "127.0.0.1"  # TEST-NET-1: never this host's
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+        env["TMPDIR"] = str(tmp_path)  # where the server would put its private socket folder
+        env["CHUNKLINE_CLUSTER_TOKEN"] = "startup-test-token-0123456789"
+        command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--host", host]
+        if where == "cluster_port_in_use":
+            command += ["--port", "0", "--workers", "external", "--cluster-port", str(port)]
+            options = "--cluster-host/--cluster-port"
+        else:
+            command += ["--port", str(port)]
+            options = "--host/--port"
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
+    assert done.returncode == 2, done.stderr[-2000:]
+    why = "Cannot assign requested address" if where == "address_not_here" else "Address already in use"
+    line = f"chunkline stream-serve: error: {options}: cannot listen on {host}:{port}: {why}"
+    assert done.stderr.strip().splitlines()[-1] == line, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
