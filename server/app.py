@@ -22,7 +22,7 @@ from . import json_limits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .registry import UnknownStreamSession
-from .requests import BadRequest, parse_create_session, parse_token_request, resolve_image_path
+from .requests import BadRequest, parse_create_session, parse_drain_request, parse_token_request, resolve_image_path
 from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
@@ -277,11 +277,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         raw = await request.get_data(cache=True)
         deadline = DRAIN_DEADLINE
         if raw:
-            body = await json_body()
-            value = body.get("deadline_seconds", DRAIN_DEADLINE) if isinstance(body, dict) else None
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_DRAIN_DEADLINE:
-                raise BadRequest("invalid_field", f"deadline_seconds must be a number in (0, {MAX_DRAIN_DEADLINE}]")
-            deadline = float(value)
+            deadline = parse_drain_request(await json_body(), DRAIN_DEADLINE, MAX_DRAIN_DEADLINE)
         try:
             return Response(json.dumps(runtime.drain_worker(worker_id, deadline)), status=202,
                             mimetype="application/json")

@@ -225,13 +225,13 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "Drain a worker: no new sessions; live ones finish or are drained at the deadline",
                 "parameters": [{"name": "worker_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "requestBody": {"required": False, "content": {"application/json": {"schema": {
-                    "type": "object", "properties": {"deadline_seconds": {"type": "number", "exclusiveMinimum": 0,
-                                                                          "maximum": 3600}}}}}},
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"deadline_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600}}}}}},
                 "responses": {
                     "202": _json({"type": "object", "required": ["worker_id", "state", "deadline_seconds"],
                                   "properties": {"worker_id": {"type": "string"}, "state": {"type": "string"},
                                                  "deadline_seconds": {"type": "number"}}}, "draining"),
-                    "400": _error("invalid deadline"),
+                    "400": _error("invalid deadline, or a field other than deadline_seconds"),
                     "401": _error("missing or wrong API key"),
                     "404": _error("unknown worker"),
                     "409": _error("the worker is still starting"),

@@ -18,7 +18,8 @@ import attrs
 from pipelines.images import ImageRefused, check_image, check_image_file
 from pipelines.paths import PathRefused, resolve_inside
 
-__all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_token_request", "resolve_image_path"]
+__all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_drain_request", "parse_token_request",
+           "resolve_image_path"]
 
 MAX_PROMPT = 2000
 MAX_CONFIG_BYTES = 16384
@@ -110,6 +111,16 @@ def parse_token_request(body: Any) -> str:
     if body.get("role", "viewer") != "viewer":
         raise BadRequest("invalid_field", "role must be 'viewer'")
     return identity
+
+
+def parse_drain_request(body: Any, default: float, limit: float) -> float:
+    """``{deadline_seconds?}`` -> the drain deadline (``default`` when not given), in (0, ``limit``]."""
+    body = _object(body)
+    _unknown(body, {"deadline_seconds"})
+    value = body.get("deadline_seconds", default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= limit:
+        raise BadRequest("invalid_field", f"deadline_seconds must be a number in (0, {limit}]")
+    return float(value)
 
 
 def resolve_image_path(image_path: str, assets_dir: str | None) -> str:

@@ -318,6 +318,10 @@ class StreamRuntime:
             while on_worker():
                 await on_worker()[0].finished.wait()
         worker.stop()
+        slot = self.slots.holding(worker)
+        if slot is not None:
+            slot.tracker.stop()  # drained on purpose: the slot stays down, and health says so
+        runtime_views.publish_gauges(self)
 
     # -- sessions ------------------------------------------------------------------
 

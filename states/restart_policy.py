@@ -196,4 +196,6 @@ class RestartTracker:
                 f"crash loop: more than {self.policy.max_failures} failures within {self.policy.window:g} s; "
                 f"not restarted (last: {self.last_cause})"
             )
+        if state is State.STOPPED:
+            return "stopped on purpose (drained, or the server is stopping); not restarted"
         return None

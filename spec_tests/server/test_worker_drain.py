@@ -27,6 +27,10 @@ async def test_a_drained_worker_takes_no_new_session_and_its_live_one_ends_close
         record = s.runtime.get(created["session_id"])
         assert (record.status.value, record.error) == ("closed", None)
         await wait_until(lambda: s.runtime.book.worker_state("worker-0").value == "stopped", "the worker to stop")
+        status, health, _ = await s.json("get", "/v1/stream/health")
+        assert health["worker_slots"]["worker-0"] == {  # the slot says what happened, not "running"
+            "worker_id": "worker-0", "restarts": 0, "state": "stopped",
+            "reason": "stopped on purpose (drained, or the server is stopping); not restarted"}, health
 
         status, again, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 0.2})
         assert (status, again["state"]) == (202, "stopped")  # nothing left to drain: answered, changes nothing
@@ -43,3 +47,12 @@ async def test_draining_a_worker_that_is_still_loading_is_a_conflict_and_unknown
             assert status == 404, body
         finally:
             loader.release()
+
+
+async def test_a_drain_body_with_an_unknown_field_is_refused_and_drains_nothing():
+    async with serve(make_settings()) as s:
+        for body, code in [({"deadline": 5}, "unknown_field"), ({"deadline_seconds": 1, "x": 2}, "unknown_field"),
+                           ([], "invalid_body"), ({"deadline_seconds": 0}, "invalid_field")]:
+            status, refused, _ = await s.json("post", DRAIN.format("worker-0"), json=body)
+            assert (status, refused["error"]) == (400, code), (body, refused)
+        assert s.runtime.book.worker_state("worker-0").value == "idle"
