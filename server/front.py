@@ -3,8 +3,9 @@
 ``chunkline stream-serve`` listens here rather than in hypercorn. For each connection the front reads
 the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), then
 
-- a WebSocket upgrade to ``/v1/rooms/{room}/ws`` is served by :class:`server.room_socket.RoomSocket`
-  (message bound while it arrives, write deadline, ping/pong deadline);
+- every WebSocket upgrade is served by :class:`server.room_socket.RoomSocket` (message bound while it
+  arrives, write deadline, ping/pong deadline): a room's ``/v1/rooms/{room}/ws`` however its path is
+  spelt, anything else a 404 (none reaches hypercorn's WebSocket);
 - anything else is spliced to hypercorn on a private Unix socket, each write to the client bounded by
   ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
   reads could otherwise hold a response, its task and the shutdown forever), and the connection
@@ -27,7 +28,7 @@ from typing import Final
 import trio
 
 from .http_framing import FramingRefused, RequestFraming
-from .room_socket import Deadlines, RoomSocket, room_of
+from .room_socket import Deadlines, RoomSocket
 from .transport.local import LocalRooms
 
 __all__ = ["MAX_CONNECTIONS", "MAX_HEAD", "Front"]
@@ -49,20 +50,14 @@ _REFUSALS: Final = {
 }
 
 
-def _is_room_upgrade(head: bytes) -> bool:
-    line, _, headers = head.partition(b"\r\n")
-    parts = line.split(b" ")
-    if len(parts) != 3 or parts[0] != b"GET":
-        return False
-    try:
-        target = parts[1].decode("ascii")
-    except UnicodeDecodeError:
-        return False
-    upgrade = any(
+def _is_websocket_upgrade(head: bytes) -> bool:
+    """Any WebSocket upgrade, whatever its target: the front serves every one itself (a room's, or a 404),
+    so none reaches hypercorn's WebSocket, which bounds neither writes nor pongs."""
+    _, _, headers = head.partition(b"\r\n")
+    return any(
         name.strip().lower() == b"upgrade" and b"websocket" in value.lower()
         for name, _, value in (h.partition(b":") for h in headers.split(b"\r\n"))
     )
-    return upgrade and room_of(target) is not None
 
 
 class Front:
@@ -99,7 +94,7 @@ class Front:
                 head = await self._read_head(stream)
                 if head is None:
                     return
-                if self._rooms is not None and _is_room_upgrade(head):
+                if self._rooms is not None and _is_websocket_upgrade(head):
                     await RoomSocket(
                         stream, head, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines
                     ).serve()

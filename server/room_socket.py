@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections import deque
 from typing import Final
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -74,7 +75,10 @@ class PeerGone(Exception):
 
 def room_of(target: str) -> str | None:
     """The room named by a ``/v1/rooms/{room}/ws`` request target, or None."""
-    path = unquote(urlsplit(target).path)
+    # origin-form as the app's router reads it: "//v1/rooms/r/ws" is a path (urlsplit would take "v1" for a
+    # host), and repeated slashes are one, so no spelling of a room's path reaches hypercorn's WebSocket
+    raw = urlsplit(target).path if "://" in target.split("?", 1)[0] else target.split("?", 1)[0].split("#", 1)[0]
+    path = re.sub("/{2,}", "/", unquote(raw))
     if not path.startswith(ROOM_PREFIX) or not path.endswith("/ws"):
         return None
     room = path[len(ROOM_PREFIX) : -len("/ws")]

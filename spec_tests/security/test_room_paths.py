@@ -1,0 +1,45 @@
+"""Every spelling of a room's WebSocket path is served by the front's room socket (with its bounds), never by
+hypercorn's WebSocket behind it (no write or pong deadline): the app's router merges repeated slashes, so
+``//v1/rooms/{room}/ws`` reached a room through hypercorn. Any other WebSocket upgrade is a 404."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import trio
+
+from .test_hostile_server import WAIT, closed_by_server, handshake, running
+
+
+@pytest.mark.parametrize("spelling", ["//v1/rooms/{room}/ws", "/v1//rooms/{room}/ws", "/v1/rooms/{room}//ws"])
+async def test_an_endless_message_on_any_spelling_of_the_room_path_is_cut_at_the_limit(spelling: str) -> None:
+    async with running() as server:
+        created = await server.session()
+        async with await server.raw() as stream:
+            with trio.fail_after(WAIT):
+                await handshake(stream, spelling.format(room=created["room"]) + f"?token={created['token']}")
+            total = 64 * 1024 * 1024  # one text frame declared 64 MiB long
+            await stream.send_all(bytes([0x81, 0x80 | 127]) + struct.pack(">Q", total) + b"\x00\x00\x00\x00")
+            sent = 0
+            with trio.move_on_after(WAIT):
+                try:
+                    while sent < total:
+                        await stream.send_all(b"a" * 65536)
+                        sent += 65536
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        assert sent < 4 * 1024 * 1024, f"the server kept reading {sent} bytes of one message"
+
+
+async def test_a_websocket_upgrade_anywhere_else_is_a_404_from_the_front() -> None:
+    async with running() as server:
+        async with await server.raw() as stream:
+            await stream.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                                  b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                                  b"Sec-WebSocket-Version: 13\r\n\r\n")
+            answer = await closed_by_server(stream)
+        assert answer.startswith(b"HTTP/1.1 404"), answer
+        assert b"hypercorn" not in answer.lower(), answer
+        assert (await server.request("GET", "/v1/stream/health"))[0] == 200
+        await trio.lowlevel.checkpoint()
