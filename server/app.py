@@ -10,6 +10,7 @@ import hmac
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,13 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         body, image = parse_create_session(await json_body())
         if body.image_path is not None:
             body = type(body)(body.identity, body.prompt, resolve_image_path(body.image_path, settings.assets_dir), body.config)
+        if runtime.cluster is not None:  # the image goes to its agent in one message, so it is bounded
+            from .cluster.remote import MAX_IMAGE_BYTES
+
+            size = len(image) if image is not None else os.path.getsize(body.image_path) if body.image_path else 0
+            if size > MAX_IMAGE_BYTES:
+                raise BadRequest("image_too_large",
+                                 f"the image has {size} bytes; worker agents take images of at most {MAX_IMAGE_BYTES}")
         created = runtime.create_session(body, image_bytes=image)
         admission = created.admission
         if admission.status == "rejected":

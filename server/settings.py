@@ -41,8 +41,8 @@ CHUNKLINE_ASSETS_DIR                  --assets-dir                  unset; an ex
 CHUNKLINE_API_KEY                     --api-key                     unset (no auth); non-empty when set
 CHUNKLINE_CORS_ALLOW_ORIGINS          --cors-allow-origins          unset: same origin only; ``a,b`` or ``*``
 CHUNKLINE_DEFAULT_FPS                 --default-fps                 ``16``; 1–120
-CHUNKLINE_MAX_DATA_MESSAGE_BYTES      --max-data-message-bytes      ``12288``; >= 1024
-CHUNKLINE_MAX_BODY_BYTES              --max-body-bytes              ``8388608`` (8 MiB); >= 1024
+CHUNKLINE_MAX_DATA_MESSAGE_BYTES      --max-data-message-bytes      ``12288``; 1024–1048576
+CHUNKLINE_MAX_BODY_BYTES              --max-body-bytes              ``8388608`` (8 MiB); 1024–64 MiB
 CHUNKLINE_TERMINAL_RETENTION_SECONDS  --terminal-retention-seconds  ``3600`` s; > 0
 CHUNKLINE_TERMINAL_RETENTION_COUNT    --terminal-retention-count    ``1000``; >= 0
 CHUNKLINE_WORKERS                     --workers                     ``in-process``; or ``local``, ``ray``, ``external``
@@ -111,6 +111,8 @@ __all__ = [
 ]
 
 REDACTED = "***"
+MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKit's data packets are far smaller
+MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
@@ -231,13 +233,13 @@ class ServerSettings:
     )
     max_data_message_bytes: int = attrs.field(
         default=12288,
-        converter=lambda v: parse_int("--max-data-message-bytes", v, 1024, None),
-        metadata=_help("largest data message (>= 1024)"),
+        converter=lambda v: parse_int("--max-data-message-bytes", v, 1024, MAX_DATA_MESSAGE_LIMIT),
+        metadata=_help("largest data message (1024-1048576)"),
     )
     max_body_bytes: int = attrs.field(
         default=8 * 1024 * 1024,
-        converter=lambda v: parse_int("--max-body-bytes", v, 1024, None),
-        metadata=_help("largest HTTP request body; larger ones get 413 (>= 1024)"),
+        converter=lambda v: parse_int("--max-body-bytes", v, 1024, MAX_BODY_LIMIT),
+        metadata=_help(f"largest HTTP request body; larger ones get 413 (1024-{MAX_BODY_LIMIT})"),
     )
     terminal_retention_seconds: float = attrs.field(
         default=3600.0,

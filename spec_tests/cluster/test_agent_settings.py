@@ -1,8 +1,12 @@
 """The authority's settings meant for its workers reach its agents as they reach in-process workers:
 ``--default-fps`` and ``--control-idle-timeout`` are offered to the pipeline, and the startup check runs
-(``--skip-validation`` unset) and is reported in metadata."""
+(``--skip-validation`` unset) and is reported in metadata; an image no agent can be sent is refused up front."""
 
 from __future__ import annotations
+
+import base64
+import struct
+import zlib
 
 import httpx
 import trio
@@ -29,6 +33,36 @@ async def test_an_agents_pipeline_gets_the_authoritys_fps_and_idle_timeout_and_r
             assert (chunk["data"]["frames"], chunk["data"]["fps"]) == (3, 8.0), chunk
             await client.delete(f"/v1/stream/sessions/{controller.session_id}")
             await controller.ws.aclose()
+    finally:
+        cluster.http.close()
+        assert cluster.process.stop() == 0, cluster.process.text()
+
+
+def _padded_png(size: int) -> bytes:
+    """A valid 8x8 PNG followed by padding up to ``size`` bytes (the header check reads the header only)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\x00" + b"\x80" * 24 * 8)) + chunk(b"IEND", b""))
+    return png + b"\x00" * (size - len(png))
+
+
+async def test_an_image_too_large_for_an_agent_is_a_400_and_takes_no_slot() -> None:
+    cluster = start_cluster("--max-body-bytes", str(16 * 1024 * 1024), workers=1)
+    try:
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=30) as client:
+            body = {"identity": "big", "image_b64": base64.b64encode(_padded_png(9 * 1024 * 1024)).decode()}
+            response = await client.post("/v1/stream/sessions", json=body)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"] == "image_too_large" and "at most 8388608" in response.json()["detail"]
+            assert (await client.get("/v1/stream/sessions")).json()["sessions"] == []
+            health = (await client.get("/v1/stream/health")).json()
+            assert health["retained_sessions"] == 0 and health["workers_idle"] == 1, health
+            ok = await client.post("/v1/stream/sessions", json={"identity": "small",
+                                                                 "image_b64": base64.b64encode(_padded_png(1024)).decode()})
+            assert ok.status_code == 200, ok.text
+            await client.delete(f"/v1/stream/sessions/{ok.json()['session_id']}")
     finally:
         cluster.http.close()
         assert cluster.process.stop() == 0, cluster.process.text()

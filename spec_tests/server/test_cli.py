@@ -191,6 +191,8 @@ def test_parse_raises_settings_error_for_bad_values() -> None:
         (["--default-fps", "500"], "--default-fps"),
         (["--max-body-bytes", "10"], "--max-body-bytes"),
         (["--max-data-message-bytes", "100"], "--max-data-message-bytes"),
+        (["--max-data-message-bytes", "99999999999"], "--max-data-message-bytes"),  # a client's message is held whole
+        (["--max-body-bytes", "99999999999"], "--max-body-bytes"),  # a body is read into memory
         (["--terminal-retention-count", "-1"], "--terminal-retention-count"),
     ],
 )
