@@ -197,6 +197,7 @@ class LocalStageActor:
         self._capacity = mailbox_capacity
         self._send_closed = False
         self._close_requested = trio.Event()
+        self._abandon = trio.Event()  # set when aclose's caller stops waiting for a stuck thread
         self._failure_listeners: list[Callable[[str], None]] = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -221,8 +222,12 @@ class LocalStageActor:
                     del message  # the invocation's inputs and outputs die with the call
         finally:
             with trio.CancelScope(shield=True):
-                if self._thread is not None:
-                    await self._thread.stop()
+                if self._thread is not None and not self._abandon.is_set():
+                    # a call that never returns keeps the thread: aclose's caller may give up on it
+                    async with trio.open_nursery() as stopping:
+                        stopping.start_soon(_cancel_on, self._abandon, stopping.cancel_scope)
+                        await self._thread.stop()
+                        stopping.cancel_scope.cancel()
                 if self._machine.can(actor_table.Event.CLOSE):
                     self._machine.apply(actor_table.Event.CLOSE)
                 self._stopped.set()
@@ -236,7 +241,13 @@ class LocalStageActor:
         self._send_closed = True
         self._close_requested.set()
         if self._machine.state is not ActorState.STARTING:
-            await self._stopped.wait()
+            try:
+                await self._stopped.wait()
+            except trio.Cancelled:
+                # the caller's deadline passed with a call still running on the (daemon) thread:
+                # leave the thread to it, so the actor's task and the orchestrator can end
+                self._abandon.set()
+                raise
         elif self._machine.can(actor_table.Event.CLOSE):
             self._machine.apply(actor_table.Event.CLOSE)
 
@@ -354,10 +365,29 @@ class LocalStageActor:
             with trio.CancelScope(shield=True):
                 await self._closer(context, reason)
         else:
-            assert self._thread is not None
-            await self._thread.call(self._closer, context, reason)
+            await self._hook_on_thread(context, reason)
         if self._machine.state is ActorState.FAILED:
             raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+
+    async def _hook_on_thread(self, context: SessionContext, reason: CloseReason) -> None:
+        """Run the synchronous hook on the thread; the caller's deadline stops the wait, not the hook.
+
+        The hook counts (for ``barrier``) until it has really returned, even if its caller gave up.
+        """
+        assert self._thread is not None
+        done = trio.Event()
+        box: list[outcome.Outcome] = []
+        self._closes += 1
+
+        def deliver(result: outcome.Outcome) -> None:
+            box.append(result)
+            self._closes -= 1
+            self._mark_done()
+            done.set()
+
+        self._thread.submit(self._closer, (context, reason), deliver)
+        await done.wait()
+        box[0].unwrap()
 
     async def _close_session(self, message: _CloseSession) -> None:
         if self._machine.state is ActorState.FAILED:
@@ -416,3 +446,8 @@ class LocalStageActor:
     def thread_ident(self) -> int | None:
         """The OS thread that runs this actor's synchronous calls (None before start)."""
         return None if self._thread is None else self._thread.ident
+
+
+async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

@@ -15,13 +15,21 @@ from .errors import IngressRefused, SessionStateError
 from .graph import StageGraph
 from .runtime import SessionRuntime
 
-__all__ = ["check_ingress", "has_room", "check_final_sequence"]
+__all__ = ["check_ingress", "has_room", "check_final_sequence", "refused_input"]
+
+
+def refused_input(rt: SessionRuntime) -> SessionStateError:
+    """Why a stopped session takes no input; a failed one names its failure (a stage's error) as the cause."""
+    why = f": {type(rt.error).__name__}: {rt.error}" if rt.error is not None else ""
+    error = SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input{why}")
+    error.__cause__ = rt.error
+    return error
 
 
 def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
     """Raise for ingress that can never run; capacity is checked separately."""
     if not rt.admitting:
-        raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input")
+        raise refused_input(rt)
     if not isinstance(seq, int) or seq < 0:
         raise IngressRefused(f"sequence id must be an int >= 0, got {seq!r}")
     if not artifacts:

@@ -34,6 +34,7 @@ from .spec import PipelineSpec
 __all__ = ["Orchestrator", "open_orchestrator"]
 
 FAILED_CLEANUP_TIMEOUT = 300.0
+MAX_CLOSE_ERRORS_TOLD = 4  # a close error names this many failures (each session's and stage's), then "..."
 
 
 @asynccontextmanager
@@ -226,5 +227,7 @@ class Orchestrator:
         self._closed.set()
         if errors:
             raise OrchestratorCloseError(
-                f"failed to close {len(errors)} streaming stage actor(s) or session(s); first: {errors[0]!r}"
+                f"failed to close {len(errors)} streaming stage actor(s) or session(s): "
+                + "; ".join(repr(error) for error in errors[:MAX_CLOSE_ERRORS_TOLD])
+                + ("; ..." if len(errors) > MAX_CLOSE_ERRORS_TOLD else "")
             ) from errors[0]

@@ -10,7 +10,7 @@ import trio
 from states.pipeline_session import EMITTING, Event, State
 
 from .blockers import Blocker
-from .errors import SessionStateError
+from .ingress import refused_input
 from .metrics import (
     ArtifactStats,
     IdleInterval,
@@ -99,7 +99,7 @@ class Session:
             if self.can_push(names):
                 return True
             if not rt.admitting:
-                raise SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input")
+                raise refused_input(rt)
             return False
 
         await self._core.wait_until(rt.room, room)
@@ -115,7 +115,11 @@ class Session:
         return self._core.poll_outputs(self._runtime)
 
     async def outputs(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """Yield ``(sequence_id, {artifact: value})`` in order until the session has no more."""
+        """Yield ``(sequence_id, {artifact: value})`` in order until the session has no more.
+
+        A failed session's outputs end too (they do not raise): ``error`` then says why,
+        e.g. the stage's exception or the :class:`~engine.errors.InvalidStageOutput`.
+        """
         rt = self._runtime
 
         def more_or_none() -> bool:

@@ -69,7 +69,7 @@ class SessionShutdown:
             if rt.machine.can(Event.RETRY_CLEANUP):
                 raise SessionCleanupError(
                     f"failed to clean up session {rt.session_id!r}; it is poisoned and its "
-                    f"cleanup may be retried: {rt.cleanup_error}"
+                    f"cleanup may be retried: {_last_failure(rt)}"
                 ) from rt.cleanup_error
 
     async def _wait_settled(self, rt: SessionRuntime, deadline: float) -> bool:
@@ -153,3 +153,9 @@ class SessionShutdown:
             self._core.advance(rt, Event.CLEANUP_FAILED)
         rt.settled.set()
         rt.wake()
+
+
+def _last_failure(rt: SessionRuntime) -> str:
+    """The phase that failed last and how (``release:decode failed: RuntimeError('...')``), naming the stage."""
+    failed = [f"{phase} {outcome}" for phase, outcome in rt.phases if outcome.startswith("failed")]
+    return failed[-1] if failed else str(rt.cleanup_error)

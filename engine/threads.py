@@ -149,6 +149,8 @@ class DedicatedThread:
         try:
             while self._serve_one(token):
                 pass
+        except trio.RunFinishedError:
+            pass  # trio ended while a call ran on (its owner gave up on it): nobody is left to tell
         finally:
             try:
                 token.run_sync_soon(self._exited.set)

@@ -1,0 +1,152 @@
+"""What a pipeline author's mistakes look like through the public API: a clear error, bounded waits.
+
+A stage that raises or returns the wrong thing, a session hook that raises or never returns, a
+call that never returns: each must name the stage and what went wrong, and no wait of the caller
+may outlast its deadline (the stuck thread is left to itself; the process can still exit).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+
+from engine import (
+    EdgeSpec,
+    InvalidStageOutput,
+    LocalStageActor,
+    OrchestratorCloseError,
+    PipelineSpec,
+    SessionCleanupError,
+    SessionStateError,
+    StageSpec,
+    open_orchestrator,
+)
+from states.pipeline_session import State
+
+SPEC = PipelineSpec(
+    stages=[StageSpec("dynamics", {"control"}, {"latent"}), StageSpec("render", {"latent"}, {"frames"})],
+    edges=[EdgeSpec("control", "dynamics", None, 2), EdgeSpec("latent", "render", "dynamics", 2)],
+    output_artifacts={"frames"},
+)
+
+
+def render(invocation):
+    return {"frames": invocation.inputs["latent"]}
+
+
+async def join_thread(actor: LocalStageActor) -> None:
+    """Wait (on a worker thread) until the actor's own OS thread has ended."""
+    thread = next((t for t in threading.enumerate() if t.ident == actor.thread_ident), None)
+    if thread is not None:
+        await trio.to_thread.run_sync(thread.join)
+
+
+@pytest.mark.parametrize(
+    ("handler", "named"),
+    [
+        (lambda inv: (_ for _ in ()).throw(RuntimeError("model exploded")), "RuntimeError: model exploded"),
+        (lambda inv: [1, 2], "InvalidStageOutput: stage 'dynamics' returned list"),
+        (lambda inv: {"latnt": 1}, "InvalidStageOutput: stage 'dynamics' returned ['latnt']"),
+    ],
+    ids=["raises", "wrong_type", "misspelled_artifact"],
+)
+async def test_pushing_to_a_session_a_stage_failed_names_the_stage_s_error(handler, named):
+    actors = {"dynamics": LocalStageActor(handler), "render": LocalStageActor(render)}
+    async with open_orchestrator(SPEC, actors) as orch:
+        s = orch.create_session("a")
+        await s.push(0, {"control": 1})
+        await s.wait_settled()
+        assert s.status is State.FAILED
+        assert [item async for item in s.outputs()] == []  # the outputs end; s.error says why
+        with pytest.raises(SessionStateError, match="accepts no input") as refused:
+            await s.push(1, {"control": 1})
+        assert named in str(refused.value)
+        assert refused.value.__cause__ is s.error
+        with pytest.raises(SessionStateError, match=named.split(":")[0]):
+            await s.wait_for_room(["control"])
+        if "Invalid" in named:
+            assert isinstance(s.error, InvalidStageOutput)
+
+
+async def test_a_session_hook_that_raises_is_named_by_its_stage_in_the_cleanup_error():
+    def closer(context, reason):
+        raise RuntimeError("teardown failed")
+
+    actors = {"dynamics": LocalStageActor(lambda inv: {"latent": 1}, session_closer=closer),
+              "render": LocalStageActor(render)}
+    with pytest.raises(OrchestratorCloseError, match="release:dynamics"):  # still poisoned at shutdown
+        async with open_orchestrator(SPEC, actors) as orch:
+            s = orch.create_session("a", final_sequence_id=0)
+            await s.push(0, {"control": 1})
+            with pytest.raises(SessionCleanupError, match=r"release:dynamics failed: RuntimeError\('teardown failed'\)"):
+                await s.aclose()
+            assert s.status is State.POISONED
+            with pytest.raises(SessionCleanupError, match="release:dynamics"):
+                await s.aclose()  # the retry runs the hook again and still names it
+
+
+async def test_a_synchronous_session_hook_that_never_returns_is_bounded_by_the_close_deadline():
+    # the real clock: the stages' threads must get to run (the hook blocks until released, so the
+    # short deadline cannot be met by luck)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def closer(context, reason):
+        entered.set()
+        release.wait()
+
+    dynamics = LocalStageActor(lambda inv: {"latent": 1}, session_closer=closer)
+    try:
+        async with open_orchestrator(SPEC, {"dynamics": dynamics, "render": LocalStageActor(render)}) as orch:
+            s = orch.create_session("a")
+            with pytest.raises(SessionCleanupError, match="stage 'dynamics' did not release session 'a' in time"):
+                await s.aclose(timeout=0.2)
+            assert entered.is_set()
+            assert s.status is State.POISONED
+            barrier_done = False
+            async with trio.open_nursery() as nursery:
+
+                async def barrier() -> None:
+                    nonlocal barrier_done
+                    await orch.barrier()
+                    barrier_done = True
+
+                nursery.start_soon(barrier)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not barrier_done  # the hook still runs on its thread, and the actor says so
+                release.set()
+            assert barrier_done
+            await s.aclose()
+            assert s.status is State.CLOSED
+    finally:
+        release.set()
+    await join_thread(dynamics)
+
+
+async def test_a_call_that_never_returns_does_not_hold_the_orchestrator_past_its_close_timeout(autojump_clock):
+    release = threading.Event()
+    started = threading.Event()
+
+    def stuck(invocation):
+        started.set()
+        release.wait()
+        return {"latent": 1}
+
+    dynamics = LocalStageActor(stuck)
+    begun = trio.current_time()
+    try:
+        with pytest.raises(OrchestratorCloseError) as failed:
+            async with open_orchestrator(SPEC, {"dynamics": dynamics, "render": LocalStageActor(render)},
+                                         close_timeout=10) as orch:
+                s = orch.create_session("a")
+                await s.push(0, {"control": 1})
+                await trio.to_thread.run_sync(started.wait)
+        assert trio.current_time() - begun <= 10 + 1
+        assert "still running" in str(failed.value)
+        assert "stage actor 'dynamics' did not close in time" in str(failed.value)
+    finally:
+        release.set()  # the abandoned thread finishes its call and ends on its own
+    await join_thread(dynamics)
+
