@@ -171,8 +171,8 @@ class LocalStageActor:
         mailbox_capacity: int = 1,
         session_closer: Callable[[SessionContext, CloseReason], Any] | None = None,
     ) -> None:
-        if mailbox_capacity < 1:
-            raise ValueError(f"mailbox_capacity must be >= 1, got {mailbox_capacity}")
+        if isinstance(mailbox_capacity, bool) or not isinstance(mailbox_capacity, int) or mailbox_capacity < 1:
+            raise ValueError(f"mailbox_capacity must be an int >= 1, got {mailbox_capacity!r}")
         self.name = name or f"stage-actor-{next(_names)}"
         self._handler = handler
         self._handler_is_async = inspect.iscoroutinefunction(handler)
@@ -222,6 +222,8 @@ class LocalStageActor:
                     del message  # the invocation's inputs and outputs die with the call
         finally:
             with trio.CancelScope(shield=True):
+                if self._thread is not None:
+                    self._thread.request_stop()  # even when abandoned: it ends after the stuck call
                 if self._thread is not None and not self._abandon.is_set():
                     # a call that never returns keeps the thread: aclose's caller may give up on it
                     async with trio.open_nursery() as stopping:

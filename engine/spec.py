@@ -40,6 +40,18 @@ def _names(value: Iterable[str]) -> frozenset[str]:
     return frozenset(value)
 
 
+def _require_count(what: str, value: object) -> None:
+    """A limit or capacity: an int >= 1 (not a bool, a float or a string, which would compare or round oddly)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+
+
+def _require_all(what: str, items: tuple, kind: type) -> None:
+    for index, item in enumerate(items):
+        if not isinstance(item, kind):
+            raise ValueError(f"{what}[{index}] must be a {kind.__name__} value, got {type(item).__name__} {item!r}")
+
+
 def _require_name(what: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{what} must be a non-empty string, got {value!r}")
@@ -73,10 +85,8 @@ class StageSpec:
             raise ValueError(f"{where}: ordering must be a StageOrdering, got {self.ordering!r}")
         if self.resource_group is not None:
             _require_name(f"{where}: resource_group", self.resource_group)
-        if self.max_in_flight_per_session < 1:
-            raise ValueError(f"{where}: max_in_flight_per_session must be >= 1")
-        if self.max_in_flight_global < 1:
-            raise ValueError(f"{where}: max_in_flight_global must be >= 1")
+        _require_count(f"{where}: max_in_flight_per_session", self.max_in_flight_per_session)
+        _require_count(f"{where}: max_in_flight_global", self.max_in_flight_global)
         if self.max_in_flight_per_session > self.max_in_flight_global:
             raise ValueError(
                 f"{where}: max_in_flight_per_session ({self.max_in_flight_per_session}) "
@@ -106,8 +116,7 @@ class EdgeSpec:
         _require_name(f"edge {self.artifact!r}: target_stage", self.target_stage)
         if self.source_stage is not None:
             _require_name(f"edge {self.artifact!r}: source_stage", self.source_stage)
-        if self.capacity_per_session < 1:
-            raise ValueError(f"edge {self.describe()}: capacity_per_session must be >= 1")
+        _require_count(f"edge {self.describe()}: capacity_per_session", self.capacity_per_session)
 
     def describe(self) -> str:
         return f"{self.artifact}: {self.source_stage or 'ingress'} -> {self.target_stage}"
@@ -122,8 +131,7 @@ class ResourceGroupSpec:
 
     def __attrs_post_init__(self) -> None:
         _require_name("resource group name", self.name)
-        if self.max_concurrency < 1:
-            raise ValueError(f"resource group {self.name!r}: max_concurrency must be >= 1")
+        _require_count(f"resource group {self.name!r}: max_concurrency", self.max_concurrency)
 
 
 @attrs.frozen
@@ -143,15 +151,17 @@ class PipelineSpec:
     ingress_artifacts: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.output_capacity_per_session < 1:
-            raise ValueError("output_capacity_per_session must be >= 1")
+        _require_all("stages", self.stages, StageSpec)
+        _require_all("edges", self.edges, EdgeSpec)
+        _require_all("resource_groups", self.resource_groups, ResourceGroupSpec)
+        _require_count("output_capacity_per_session", self.output_capacity_per_session)
         if self.latency_anchor_artifact is not None:
             _require_name("latency_anchor_artifact", self.latency_anchor_artifact)
         stages = self._check_stages()
         producers = self._check_producers()
+        self._check_outputs(producers)  # before the edges: a misspelled output is named, not its producer's artifact
         self._check_edges(stages, producers)
         ingress = frozenset(e.artifact for e in self.edges if e.source_stage is None)
-        self._check_outputs(producers)
         if self.latency_anchor_artifact is not None and self.latency_anchor_artifact not in ingress:
             raise ValueError(
                 f"latency_anchor_artifact {self.latency_anchor_artifact!r} "

@@ -128,6 +128,7 @@ class DedicatedThread:
         self._token: trio.lowlevel.TrioToken | None = None
         self._inbox: TrioInbox | None = None
         self._exited = trio.Event()
+        self._stop_requested = False
 
     @property
     def ident(self) -> int | None:
@@ -227,10 +228,16 @@ class DedicatedThread:
             await done.wait()
         return box[0].unwrap()
 
+    def request_stop(self) -> None:
+        """Tell the thread to end once its queued calls are done (never waits; idempotent)."""
+        if self._thread is not None and not self._stop_requested:
+            self._stop_requested = True
+            self._jobs.put(_STOP)
+
     async def stop(self) -> None:
         """Finish queued calls, then end the thread; waits without blocking trio."""
         if self._thread is None or self._exited.is_set():
             return
-        self._jobs.put(_STOP)
+        self.request_stop()
         await self._exited.wait()
         self._thread.join()

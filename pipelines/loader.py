@@ -100,4 +100,28 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
             f"get_service() in {str(path)!r} returned {type(service).__name__}; it must return a "
             f"BidirectionalService or a ServerPushService"
         )
+    problem = contract_shape_problem(service)
+    if problem is not None:
+        raise PipelineLoadError(f"{type(service).__name__} in {str(path)!r}: {problem}")
     return service
+
+
+_STREAMS = {"bidirectional": "chunks", "server_push": "stream"}
+
+
+def contract_shape_problem(service: Service) -> str | None:
+    """What in a service's methods cannot work with how the contract calls them, or None.
+
+    ``running()`` is entered with ``async with``; ``chunks()``/``stream()`` are iterated with
+    ``async for``. Told at load time, so the mistake is named instead of surfacing as a
+    TypeError in the middle of a run.
+    """
+    running = service.running
+    if inspect.iscoroutinefunction(running) or inspect.isasyncgenfunction(running):
+        return ("running() is an 'async def'; it must return an async context manager "
+                "(decorate it with @contextlib.asynccontextmanager)")
+    stream = _STREAMS[service.kind]
+    if inspect.iscoroutinefunction(getattr(service, stream)):
+        return (f"{stream}() is an 'async def' without 'yield'; it must be an async generator "
+                f"(yield each Chunk) or return an async iterator")
+    return None

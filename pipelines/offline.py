@@ -280,6 +280,11 @@ class _Run:
     progress: Callable[[int, int], None] | None
 
     async def deliver(self, chunk: Chunk) -> None:
+        if not isinstance(chunk, Chunk):
+            raise RuntimeError(
+                f"the pipeline yielded a {type(chunk).__name__} as chunk {len(self.recorder.arrivals)}, "
+                f"not a pipelines.contract.Chunk"
+            )
         self.recorder.chunk(chunk, time.perf_counter())
         await self.send.send(chunk)
         if self.progress is not None:

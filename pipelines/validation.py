@@ -59,10 +59,22 @@ def check_first_chunk(chunk: object) -> Chunk:
 async def _first_session_chunk(service: BidirectionalService) -> object:
     session_id = await service.create_session(SessionConfig())
     try:
-        return await _first_chunk(service.chunks(session_id))
-    finally:
+        chunk = await _first_chunk(service.chunks(session_id))
+    except BaseException:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+            with contextlib.suppress(Exception):  # the chunk's failure is the one to tell
+                await service.close_session(session_id)
+        raise
+    with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT) as closing:
+        try:
             await service.close_session(session_id)
+        except Exception as exc:  # the chunk was fine: say that the close (a teardown hook) failed
+            raise PipelineValidationError(
+                f"closing the warm-up session failed: {type(exc).__name__}: {exc}"
+            ) from exc
+    if closing.cancelled_caught:
+        raise PipelineValidationError(f"closing the warm-up session took longer than {CLOSE_TIMEOUT:g} s")
+    return chunk
 
 
 #: Seconds the check waits for its own session to close (its deadline may have passed).

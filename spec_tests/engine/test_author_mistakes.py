@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from engine import (
+    ResourceGroupSpec,
     EdgeSpec,
     InvalidStageOutput,
     LocalStageActor,
@@ -150,3 +151,36 @@ async def test_a_call_that_never_returns_does_not_hold_the_orchestrator_past_its
         release.set()  # the abandoned thread finishes its call and ends on its own
     await join_thread(dynamics)
 
+
+
+def _stages() -> list[StageSpec]:
+    return [StageSpec("dynamics", {"control"}, {"latent"}), StageSpec("render", {"latent"}, {"frames"})]
+
+
+def _edges() -> list[EdgeSpec]:
+    return [EdgeSpec("control", "dynamics"), EdgeSpec("latent", "render", "dynamics")]
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: EdgeSpec("control", "dynamics", None, 1.5), "edge control: ingress -> dynamics: capacity_per_session must be an int >= 1, got 1.5"),
+        (lambda: EdgeSpec("control", "dynamics", None, "2"), "capacity_per_session must be an int >= 1, got '2'"),
+        (lambda: EdgeSpec("control", "dynamics", None, True), "capacity_per_session must be an int >= 1, got True"),
+        (lambda: EdgeSpec("control", "dynamics", None, float("nan")), "capacity_per_session must be an int >= 1, got nan"),
+        (lambda: StageSpec("x", {"a"}, {"b"}, max_in_flight_global="2"), "stage 'x': max_in_flight_global must be an int >= 1"),
+        (lambda: StageSpec("x", {"a"}, {"b"}, max_in_flight_per_session=0.5), "stage 'x': max_in_flight_per_session must be an int"),
+        (lambda: ResourceGroupSpec("gpu", 1.5), "resource group 'gpu': max_concurrency must be an int >= 1, got 1.5"),
+        (lambda: PipelineSpec(_stages(), _edges(), {"frames"}, output_capacity_per_session=2.5), "output_capacity_per_session must be an int"),
+        (lambda: PipelineSpec(_stages(), _edges(), {"framez"}), "output artifact 'framez' is not produced by any stage"),
+        (lambda: PipelineSpec(["dynamics"], _edges(), {"frames"}), "stages[0] must be a StageSpec value, got str 'dynamics'"),
+        (lambda: PipelineSpec(_stages(), {"control": "dynamics"}, {"frames"}), "edges[0] must be a EdgeSpec value, got str"),
+        (lambda: LocalStageActor(render, mailbox_capacity=1.5), "mailbox_capacity must be an int >= 1, got 1.5"),
+    ],
+    ids=["edge_float", "edge_str", "edge_bool", "edge_nan", "in_flight_str", "in_flight_float", "group_float",
+         "output_capacity_float", "misspelled_output", "stage_names", "edges_dict", "mailbox_float"],
+)
+def test_a_bad_spec_value_is_a_value_error_naming_the_field(build, named):
+    with pytest.raises(ValueError) as refused:
+        build()
+    assert named in str(refused.value)
