@@ -198,6 +198,7 @@ class LocalStageActor:
         self._send_closed = False
         self._close_requested = trio.Event()
         self._abandon = trio.Event()  # set when aclose's caller stops waiting for a stuck thread
+        self._running: trio.CancelScope | None = None  # the async call running in the actor's task
         self._failure_listeners: list[Callable[[str], None]] = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -249,6 +250,8 @@ class LocalStageActor:
                 # the caller's deadline passed with a call still running on the (daemon) thread:
                 # leave the thread to it, so the actor's task and the orchestrator can end
                 self._abandon.set()
+                if self._running is not None:
+                    self._running.cancel()  # an async call or hook in the actor's task that never returns
                 raise
         elif self._machine.can(actor_table.Event.CLOSE):
             self._machine.apply(actor_table.Event.CLOSE)
@@ -330,9 +333,15 @@ class LocalStageActor:
 
     async def _call(self, fn: Callable[..., Any], is_async: bool, *args: Any) -> outcome.Outcome:
         if is_async:
-            # a running call is never interrupted mid-chunk
-            with trio.CancelScope(shield=True):
-                return await outcome.acapture(fn, *args)
+            # a running call is never interrupted mid-chunk, unless aclose's caller gave up on it
+            with trio.CancelScope(shield=True) as self._running:
+                if self._abandon.is_set():
+                    self._running.cancel()
+                result = await outcome.acapture(fn, *args)
+            self._running = None
+            if isinstance(result, outcome.Error) and isinstance(result.error, trio.Cancelled):
+                return outcome.Error(ActorFailedError(f"stage actor {self.name!r} closed while this call still ran"))
+            return result
         assert self._thread is not None
         return await outcome.acapture(self._thread.call, fn, *args)
 
@@ -364,8 +373,7 @@ class LocalStageActor:
     async def _barrier_then_close(self, context: SessionContext, reason: CloseReason) -> None:
         if self._closer_is_async:
             await self._quiet.wait_until(self._counts, lambda: not self._pending)
-            with trio.CancelScope(shield=True):
-                await self._closer(context, reason)
+            await self._closer(context, reason)  # a hook, not a chunk: the close deadline may end it
         else:
             await self._hook_on_thread(context, reason)
         if self._machine.state is ActorState.FAILED:

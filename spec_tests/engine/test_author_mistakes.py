@@ -184,3 +184,47 @@ def test_a_bad_spec_value_is_a_value_error_naming_the_field(build, named):
     with pytest.raises(ValueError) as refused:
         build()
     assert named in str(refused.value)
+
+
+async def _render_async(invocation):
+    return {"frames": invocation.inputs["latent"]}
+
+
+@pytest.mark.parametrize("handler_kind", ["async", "sync"])
+async def test_an_async_session_hook_that_never_returns_is_bounded_by_the_deadlines(handler_kind, autojump_clock):
+    async def closer(context, reason):
+        await trio.sleep_forever()
+
+    async def dynamics_async(invocation):
+        return {"latent": 1}
+
+    handler = dynamics_async if handler_kind == "async" else (lambda inv: {"latent": 1})
+    dynamics = LocalStageActor(handler, session_closer=closer)
+    begun = trio.current_time()
+    with pytest.raises(OrchestratorCloseError, match="release:dynamics"):
+        async with open_orchestrator(SPEC, {"dynamics": dynamics, "render": LocalStageActor(_render_async)},
+                                     close_timeout=5) as orch:
+            s = orch.create_session("a")
+            with pytest.raises(SessionCleanupError, match="stage 'dynamics' did not release session 'a' in time"):
+                await s.aclose(timeout=1)
+            assert s.status is State.POISONED
+    assert trio.current_time() - begun <= 1 + 5 + 1
+    assert dynamics.health().state.value == "closed"
+    await join_thread(dynamics)
+
+
+async def test_an_async_call_that_never_returns_does_not_hold_the_orchestrator_past_its_close_timeout(autojump_clock):
+    started = trio.Event()
+
+    async def stuck(invocation):
+        started.set()
+        await trio.sleep_forever()
+
+    begun = trio.current_time()
+    with pytest.raises(OrchestratorCloseError, match="stage actor 'dynamics' did not close in time"):
+        async with open_orchestrator(SPEC, {"dynamics": LocalStageActor(stuck), "render": LocalStageActor(_render_async)},
+                                     close_timeout=10) as orch:
+            s = orch.create_session("a")
+            await s.push(0, {"control": 1})
+            await started.wait()
+    assert trio.current_time() - begun <= 10 + 1
