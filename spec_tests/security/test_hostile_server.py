@@ -95,6 +95,21 @@ async def running(**overrides: Any) -> AsyncIterator[Server]:
             stop.set()
 
 
+async def send_endless_message(stream: trio.SocketStream) -> int:
+    """Send one text frame declared 64 MiB long until the server stops reading (or WAIT passes): bytes sent."""
+    total = 64 * 1024 * 1024
+    await stream.send_all(bytes([0x81, 0x80 | 127]) + struct.pack(">Q", total) + b"\x00\x00\x00\x00")
+    sent = 0
+    with trio.move_on_after(WAIT):
+        try:
+            while sent < total:
+                await stream.send_all(b"a" * 65536)
+                sent += 65536
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    return sent
+
+
 async def handshake(stream: trio.SocketStream, target: str) -> WSConnection:
     ws = WSConnection(ConnectionType.CLIENT)
     await stream.send_all(ws.send(Request(host="localhost", target=target)))
@@ -133,16 +148,7 @@ async def test_an_endless_room_message_is_cut_at_the_limit_and_costs_no_memory()
         stream = await server.raw()
         await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
         before = vm_rss()
-        total = 64 * 1024 * 1024  # one text frame declared 64 MiB long
-        await stream.send_all(bytes([0x81, 0x80 | 127]) + struct.pack(">Q", total) + b"\x00\x00\x00\x00")
-        sent = 0
-        with trio.move_on_after(WAIT):
-            try:
-                while sent < total:
-                    await stream.send_all(b"a" * 65536)
-                    sent += 65536
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        sent = await send_endless_message(stream)
         assert sent < 4 * 1024 * 1024, f"the server kept reading {sent} bytes of one message"
         assert vm_rss() - before < 16 * 1024 * 1024
         await stream.aclose()

@@ -4,12 +4,10 @@ hypercorn's WebSocket behind it (no write or pong deadline): the app's router me
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 import trio
 
-from .test_hostile_server import WAIT, closed_by_server, handshake, running
+from .test_hostile_server import WAIT, closed_by_server, handshake, running, send_endless_message
 
 
 @pytest.mark.parametrize("spelling", ["//v1/rooms/{room}/ws", "/v1//rooms/{room}/ws", "/v1/rooms/{room}//ws"])
@@ -19,16 +17,7 @@ async def test_an_endless_message_on_any_spelling_of_the_room_path_is_cut_at_the
         async with await server.raw() as stream:
             with trio.fail_after(WAIT):
                 await handshake(stream, spelling.format(room=created["room"]) + f"?token={created['token']}")
-            total = 64 * 1024 * 1024  # one text frame declared 64 MiB long
-            await stream.send_all(bytes([0x81, 0x80 | 127]) + struct.pack(">Q", total) + b"\x00\x00\x00\x00")
-            sent = 0
-            with trio.move_on_after(WAIT):
-                try:
-                    while sent < total:
-                        await stream.send_all(b"a" * 65536)
-                        sent += 65536
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+            sent = await send_endless_message(stream)
         assert sent < 4 * 1024 * 1024, f"the server kept reading {sent} bytes of one message"
 
 
