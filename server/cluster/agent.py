@@ -186,7 +186,7 @@ class Agent:
         self._outbox: trio.MemorySendChannel[wire.Message] | None = None
         self._draining = False
         self._drained = trio.Event()
-        self._tmp = tempfile.mkdtemp(prefix="chunkline-agent-")
+        self._tmp: str | None = None  # made with the first uploaded image: a killed agent without one leaves nothing
         self._host: _RunnerHost | None = None
         self._acked_sent_at = 0.0
         self._sent_at: dict[int, float] = {}
@@ -210,8 +210,9 @@ class Agent:
             await self._stop_runners("agent exiting", hard=True)
             self.worker.stop()
             nursery.cancel_scope.cancel()
-        with contextlib.suppress(OSError):
-            os.rmdir(self._tmp)
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._tmp)
         return code
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
@@ -411,6 +412,8 @@ class Agent:
             return
         image_path = None
         if message.image is not None:
+            if self._tmp is None:
+                self._tmp = tempfile.mkdtemp(prefix="chunkline-agent-")
             image_path = os.path.join(self._tmp, f"{message.session_id}{message.image_suffix or ''}")
             Path(image_path).write_bytes(base64.b64decode(message.image))
             self._images[message.session_id] = image_path

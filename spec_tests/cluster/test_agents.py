@@ -251,6 +251,21 @@ async def test_sigterm_to_an_agent_drains_it(cluster: Cluster) -> None:
 # -- helpers -----------------------------------------------------------------------------------
 
 
+async def test_an_agent_killed_before_any_image_leaves_no_folder_behind(tmp_path) -> None:
+    """The agent's folder for uploaded images is made with the first one: kill -9 before that leaves nothing."""
+    nobody = free_port()  # no authority listens: the agent loads its model, then keeps dialing
+    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{nobody}"),
+                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
+    try:
+        await until(lambda: f"127.0.0.1:{nobody}" in agent.text(), "the agent to dial the absent authority")
+        os.kill(agent.popen.pid, signal.SIGKILL)
+        await trio.to_thread.run_sync(agent.popen.wait, DEADLINE)
+    finally:
+        agent.stop()
+    assert agent.popen.returncode == -signal.SIGKILL
+    assert not list(tmp_path.glob("chunkline-agent-*")), agent.text()
+
+
 async def _terminal(client: httpx.AsyncClient, session_id: str) -> dict[str, Any] | None:
     found = await record(client, session_id)
     return found if found["status"] in ("closed", "failed", "expired") else None
