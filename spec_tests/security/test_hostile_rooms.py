@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 
 import trio
-from trio.testing import wait_all_tasks_blocked
 
 from server.json_limits import MAX_JSON_DEPTH
 from server.transport.local import MAX_CLIENTS_PER_ROOM
 from spec_tests.server.runner_fixtures import join
 
-from .test_tokens_transport import WAIT, pipeline_controls, running_room
+from .test_tokens_transport import WAIT, pipeline_controls, running_room, wait_for_a_control
 
 
 def refusals(peer: object) -> list[str]:
@@ -52,9 +51,7 @@ async def test_deep_json_on_the_room_socket_is_refused_and_the_controller_keeps_
         assert refusals(ctl) == ["too_deep", "too_deep", "unencodable_text"]
         assert pipeline_controls(service) == []
         await ctl.control({"type": "control_state", "controls": ["a"]})  # the socket is still up and in control
-        with trio.fail_after(WAIT):
-            while not pipeline_controls(service):
-                await trio.sleep(0.01)  # bench-cost: bounded poll of state the service updates
+        await wait_for_a_control(service)
         (session,) = service.sessions.values()
         assert session.held == {"a"}
         assert (await served.get(created["session_id"]))["status"] == "running"
@@ -66,21 +63,26 @@ async def test_a_room_holds_a_bounded_number_of_sockets() -> None:
         room = rooms._rooms[created["room"]]
         # fill the room to its bound with (token-holding) viewers, then one more is refused
         issuer = served.runtime.issuer
+        viewers = MAX_CLIENTS_PER_ROOM - 1  # the controller holds the first socket
         async with trio.open_nursery() as nursery:
             joined: list[object] = []
+            all_joined = trio.Event()
 
             async def viewer(index: int, done: trio.Event) -> None:
                 async with join(served, created["room"], issuer.viewer_token(created["room"], f"v{index}")) as peer:
+                    # "joined" is sent once the room holds the socket: the handshake has landed
+                    await peer.wait_for(lambda p: any(m["type"] == "joined" for m in p.texts()), "joined", timeout=WAIT)
                     joined.append(peer)
+                    if len(joined) == viewers:
+                        all_joined.set()
                     await done.wait()
 
             done = trio.Event()
-            for index in range(MAX_CLIENTS_PER_ROOM - 1):
+            for index in range(viewers):
                 nursery.start_soon(viewer, index, done)
             with trio.fail_after(WAIT):
-                while len(room.subscribers) < MAX_CLIENTS_PER_ROOM:
-                    await wait_all_tasks_blocked()
-                    await trio.sleep(0.01)  # bench-cost: bounded wait for the viewers' handshakes
+                await all_joined.wait()
+            assert len(room.subscribers) == MAX_CLIENTS_PER_ROOM
             async with join(served, created["room"], issuer.viewer_token(created["room"], "extra")) as extra:
                 with trio.fail_after(WAIT):
                     await extra.reader_done.wait()

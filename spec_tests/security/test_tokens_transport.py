@@ -55,6 +55,13 @@ def pipeline_controls(service: CounterService) -> list[Any]:
     return list(session.controls)
 
 
+async def wait_for_a_control(service: CounterService) -> None:
+    """Wait until a control reaches the pipeline session (the service signals each one), at most WAIT s."""
+    (session,) = service.sessions.values()
+    with trio.fail_after(WAIT):
+        await session.wait_for(lambda taken: bool(taken.controls))
+
+
 def tampered(token: str, **claims: Any) -> str:
     """The same signature over a payload with ``claims`` changed."""
     header, payload, signature = token.split(".")
@@ -204,9 +211,7 @@ async def test_a_controller_sending_binary_is_refused_and_keeps_control() -> Non
         assert refused == [{"type": "refused", "reason": "clients_publish_no_media"}] * 2
         assert pipeline_controls(service) == []
         await ctl.control({"type": "control_state", "controls": ["a"]})
-        with trio.fail_after(WAIT):
-            while not pipeline_controls(service):
-                await trio.sleep(0.01)  # bench-cost: bounded poll of state the service thread updates
+        await wait_for_a_control(service)
         (session,) = service.sessions.values()
         assert session.held == {"a"}
 
@@ -243,9 +248,7 @@ async def test_a_second_connection_with_the_same_identity_is_refused(who: str) -
         # the first connection is still in the room and still works
         assert {"ctl", "chunkline-worker-0"} <= served.runtime.transport.participants(room)
         await ctl.control({"type": "control_state", "controls": ["w"]})
-        with trio.fail_after(WAIT):
-            while not pipeline_controls(service):
-                await trio.sleep(0.01)  # bench-cost: bounded poll of state the service thread updates
+        await wait_for_a_control(service)
         assert [c.keys for c in pipeline_controls(service)] == [frozenset({"w"})]
         assert (await served.get(created["session_id"]))["status"] == "running"
 

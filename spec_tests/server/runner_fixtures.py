@@ -3,7 +3,7 @@
 - :class:`CounterService`: a tiny async BidirectionalService with no threads. Frame ``n`` of a
   session is a flat grey of :func:`frame_level` ``(n)``; every chunk reports the held keys. It can
   hold ``create_session`` on a gate and stall before chosen chunks, and it records every control
-  it was given and every session it closed.
+  it was given and every session it closed; :meth:`CounterSession.wait_for` waits for a control to land.
 - :func:`no_threads`: a fixture that runs ``trio.to_thread.run_sync`` inline, so that the JPEG
   encoder of the local transport (and the worker's loader) never leave the trio thread. Under
   ``autojump_clock`` a task waiting on a thread counts as blocked, and the clock would jump to the
@@ -77,6 +77,12 @@ class CounterSession:
     changed: trio.Event = attrs.Factory(trio.Event)
     iterator_closed: bool = False  # the chunks iterator was closed (aclose) or exhausted
     iterator_closed_before_close_session: bool | None = None
+
+    async def wait_for(self, predicate: Callable[[CounterSession], bool]) -> None:
+        """Wait until ``predicate(self)`` holds, woken by each control the session takes in (``changed``):
+        no polling; the caller bounds the wait (``trio.fail_after``)."""
+        while not predicate(self):
+            await self.changed.wait()
 
 
 class CounterService(BidirectionalService):
