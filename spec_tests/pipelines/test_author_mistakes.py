@@ -7,50 +7,21 @@ the warm-up session's close after a good chunk).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 
-from pipelines.contract import BidirectionalService, Chunk, Control, SessionConfig
 from pipelines.loader import PipelineLoadError, load_service
 from pipelines.validation import PipelineValidationError, validate_service
 from server.cli import main
 
-
-class Author(BidirectionalService):
-    """A small, correct service; the tests' pipeline files break one thing each."""
-
-    yield_dicts = False
-    close_fails = False
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        yield
-
-    async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
-        return "s0"
-
-    async def push_control(self, session_id: str, control: Control) -> None:
-        pass
-
-    async def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
-        for index in range(100):
-            frames = np.zeros((2, 8, 8, 3), np.uint8)
-            yield {"frames": frames} if self.yield_dicts else Chunk(index, frames, 8.0)  # type: ignore[misc]
-
-    async def close_session(self, session_id: str) -> None:
-        if self.close_fails:
-            raise RuntimeError("teardown failed")
+from .minimal_service import MinimalService
 
 
 def pipeline_file(tmp_path: Path, body: str) -> str:
     path = tmp_path / "author_pipeline.py"
     path.write_text(
-        "from spec_tests.pipelines.test_author_mistakes import Author\n\n"
+        "from spec_tests.pipelines.minimal_service import MinimalService\n\n"
         f"{body}\n\n"
         "def get_service(gpu_num=0):\n"
         "    return Broken()\n"
@@ -59,19 +30,19 @@ def pipeline_file(tmp_path: Path, body: str) -> str:
 
 
 RUNNING_COROUTINE = """
-class Broken(Author):
+class Broken(MinimalService):
     async def running(self):
         return None
 """
 
 RUNNING_GENERATOR = """
-class Broken(Author):
+class Broken(MinimalService):
     async def running(self):
         yield
 """
 
 CHUNKS_COROUTINE = """
-class Broken(Author):
+class Broken(MinimalService):
     async def chunks(self, session_id):
         return []
 """
@@ -103,7 +74,9 @@ def test_a_contract_method_of_the_wrong_kind_is_refused_at_load_naming_it(
 def test_a_chunk_that_is_not_a_chunk_fails_the_run_naming_what_it_was(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = pipeline_file(tmp_path, "class Broken(Author):\n    yield_dicts = True")
+    path = pipeline_file(
+        tmp_path, "class Broken(MinimalService):\n    def __init__(self):\n        super().__init__(dict_chunks=True)"
+    )
     out = tmp_path / "out"
     assert main(["run", path, "--chunks", "2", "--out", str(out)]) == 1
     err = capsys.readouterr().err
@@ -112,8 +85,7 @@ def test_a_chunk_that_is_not_a_chunk_fails_the_run_naming_what_it_was(
 
 
 async def test_a_failing_teardown_after_a_good_warm_up_chunk_is_told_as_the_close() -> None:
-    service = Author()
-    service.close_fails = True
+    service = MinimalService(close_fails=True)
     async with service.running():
         with pytest.raises(PipelineValidationError) as failed:
             await validate_service(service, timeout=10)

@@ -2,56 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-import trio
 
-from pipelines.contract import BidirectionalService, Chunk, Control, ServerPushService, SessionConfig
+from pipelines.contract import ServerPushService
 from pipelines.replay import get_service as replay_service
 from pipelines.validation import PipelineValidationError, validate_service
 
-
-class Scripted(BidirectionalService):
-    """Each session's stream is ``script()``: nothing, a hang, or an error."""
-
-    def __init__(self, script: Any) -> None:
-        self.script = script
-        self.closed: list[str] = []
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        yield
-
-    async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
-        return "s0"
-
-    async def push_control(self, session_id: str, control: Control) -> None:
-        pass
-
-    async def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
-        async for chunk in self.script():
-            yield chunk
-
-    async def close_session(self, session_id: str) -> None:
-        self.closed.append(session_id)
-
-
-async def nothing() -> AsyncIterator[Chunk]:
-    return
-    yield
-
-
-async def silence() -> AsyncIterator[Chunk]:
-    await trio.sleep_forever()
-    yield
-
-
-async def explode() -> AsyncIterator[Chunk]:
-    raise RuntimeError("the decoder is missing its weights")
-    yield
+from .minimal_service import MinimalService
 
 
 async def test_a_server_push_service_passes_with_its_first_chunk():
@@ -63,17 +22,19 @@ async def test_a_server_push_service_passes_with_its_first_chunk():
 
 
 @pytest.mark.parametrize(
-    ("script", "reason"),
+    ("then", "reason"),
     [
-        (nothing, "the warm-up stream ended without a chunk"),
-        (silence, "no warm-up chunk within 120 s"),
-        (explode, "the warm-up chunk failed: RuntimeError: the decoder is missing its weights"),
+        ("end", "the warm-up stream ended without a chunk"),
+        ("hang", "no warm-up chunk within 120 s"),
+        (RuntimeError("the decoder is missing its weights"),
+         "the warm-up chunk failed: RuntimeError: the decoder is missing its weights"),
     ],
+    ids=["nothing", "silence", "explode"],
 )
 async def test_a_service_without_a_good_first_chunk_fails_the_check_and_its_session_is_closed(
-    script, reason, autojump_clock
-):
-    service = Scripted(script)
+    then: Any, reason: str, autojump_clock: Any
+) -> None:
+    service = MinimalService(chunks=0, then=then)
     with pytest.raises(PipelineValidationError, match=reason):
         await validate_service(service, timeout=120)
     assert service.closed == ["s0"]
