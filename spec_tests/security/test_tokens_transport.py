@@ -117,22 +117,6 @@ BAD_TOKENS = ["forged", "forged_other_key", "expired", "expired_by_a_second", "o
               "tampered_identity", "alg_none", "worker_role", "garbage", "random_bytes", "empty", "missing"]
 
 
-@asynccontextmanager
-async def connect(served: Served, room: str, token: str | None) -> AsyncIterator[Peer]:
-    if token is None:
-        async with served.client.websocket(f"/v1/rooms/{room}/ws") as ws:
-            peer = Peer(ws)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(peer._read)
-                try:
-                    yield peer
-                finally:
-                    nursery.cancel_scope.cancel()
-    else:
-        async with join(served, room, token) as peer:
-            yield peer
-
-
 async def assert_refused_and_closed(peer: Peer, reasons: set[str]) -> str:
     with trio.fail_after(WAIT):
         await peer.reader_done.wait()
@@ -153,7 +137,7 @@ async def test_bad_tokens_are_refused_and_the_room_is_unchanged(kind: str) -> No
         before = (transport.participants(room), set(transport.room_names()),
                   set(served.runtime.get(created["session_id"]).participants))
         joined_before = len([m for m in ctl.texts() if m["type"] == "participant_joined"])
-        async with connect(served, room, token) as intruder:
+        async with join(served, room, token) as intruder:
             await assert_refused_and_closed(intruder, reasons)
             # whatever the intruder still writes on the closed socket reaches nobody (checked below)
             with contextlib.suppress(Exception):
@@ -172,7 +156,7 @@ async def test_a_token_for_a_room_that_does_not_exist_creates_no_room() -> None:
     async with running_room() as (served, service, created, ctl):
         rooms = set(served.runtime.transport.room_names())
         forged = make_issuer(secret=OTHER_SECRET).controller_token("chunkline-made-up", "intruder")
-        async with connect(served, "chunkline-made-up", forged) as intruder:
+        async with join(served, "chunkline-made-up", forged) as intruder:
             await assert_refused_and_closed(intruder, {"bad signature"})
         assert set(served.runtime.transport.room_names()) == rooms
 

@@ -383,9 +383,11 @@ class Peer:
 
 
 @asynccontextmanager
-async def join(served: Served, room: str, token: str) -> AsyncIterator[Peer]:
-    """Connect a participant; its reader runs until the block ends (the socket is then closed)."""
-    async with served.client.websocket(f"/v1/rooms/{room}/ws?token={token}") as ws:
+async def join(served: Served, room: str, token: str | None) -> AsyncIterator[Peer]:
+    """Connect a participant (``token`` None: with no token at all); its reader runs until the block ends
+    (the socket is then closed)."""
+    query = "" if token is None else f"?token={token}"
+    async with served.client.websocket(f"/v1/rooms/{room}/ws{query}") as ws:
         peer = Peer(ws)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(peer._read)
