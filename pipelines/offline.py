@@ -87,6 +87,7 @@ __all__ = [
     "load_timed_controls",
     "normalize_key",
     "parse_timed_controls",
+    "remove_partial_files",
     "run_offline",
 ]
 
@@ -388,6 +389,15 @@ def _single_leaf(exc: BaseException) -> BaseException:
 def _temp_path(out_dir: Path, name: str) -> Path:
     """A hidden name that no other run uses; the file itself is created by its writer (umask applies)."""
     return out_dir / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+
+
+def remove_partial_files(out_dir: str | os.PathLike[str]) -> None:
+    """Remove this process's temporary files in ``out_dir``: for an abort that cannot wait for the run to
+    clean up after itself (other runs' temporaries, named with their own pids, are left alone)."""
+    out = Path(out_dir)
+    for name in (VIDEO_NAME, METRICS_NAME):
+        for path in out.glob(f".{name}.{os.getpid()}.*.partial"):
+            path.unlink(missing_ok=True)
 
 
 async def run_offline(

@@ -5,8 +5,11 @@
 it writes ``DIR/video.mp4`` and ``DIR/metrics.json``, draws a progress bar on stderr and prints a summary on
 stdout. Bad input (a missing pipeline, image or controls file, a malformed controls file, an unknown control,
 an unsupported device, options the pipeline refuses) is reported on stderr with exit code 2 and leaves no
-output behind; a run that fails later exits 1, also without output files, and so does one stopped by Ctrl-C
-(exit code 130) or SIGTERM (143).
+output behind; a run that fails later exits 1, also without output files. The first Ctrl-C (SIGINT) or
+SIGTERM stops the run in order: the pipeline closes its session and stages, no output is left, and the exit
+code is 130 (SIGINT) or 143 (SIGTERM); a stage that hangs can make that stop last as long as the pipeline's
+close deadline, so a second Ctrl-C or SIGTERM aborts at once (no output is left; the exit code is the first
+signal's, 130 after Ctrl-C) without waiting for the pipeline (:mod:`server.run_signals`).
 
 ``--placement`` (both commands; ``CHUNKLINE_PLACEMENT`` for stream-serve) names a JSON placement file, or
 is inline JSON starting with ``{``: where each stage runs (format: :mod:`pipelines.toy_world.placement`).
@@ -23,14 +26,16 @@ A bad value is reported as ``chunkline stream-serve: error: <message naming the 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 DEFAULT_CHUNKS = 8
 DEFAULT_OUT = "chunkline-run"
@@ -51,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a pipeline offline: write video.mp4 and metrics.json",
         description="Run one session of a pipeline offline and write OUT/video.mp4 and OUT/metrics.json.",
+        epilog=(
+            "Ctrl-C (or SIGTERM) stops the run in order: the pipeline closes its session, no output is left, "
+            "exit code 130 (143 for SIGTERM). That can wait for a hung stage up to the pipeline's close "
+            "deadline; a second Ctrl-C (or SIGTERM) aborts at once, also leaving no output."
+        ),
     )
     run.add_argument("pipeline", help="path of a pipeline file or package defining get_service()")
     run.add_argument("--image", metavar="FILE", help="reference image for the session (SessionConfig.image_path)")
@@ -198,43 +208,6 @@ class _BadInput(Exception):
     """Input the user can fix: reported on stderr with exit code 2."""
 
 
-class _Terminated(Exception):
-    """SIGTERM stopped an offline run: it cleans up as for Ctrl-C and exits 143."""
-
-
-async def _until_sigterm(run: Any, *args: Any) -> Any:
-    """``await run(*args)``, cancelled by SIGTERM so its temporary files go as they do on Ctrl-C."""
-    import signal
-
-    import trio
-
-    result: list[Any] = []
-    terminated = False
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    nonlocal terminated
-                    async for _ in signals:
-                        terminated = True
-                        nursery.cancel_scope.cancel()
-
-                nursery.start_soon(watch)
-                result.append(await run(*args))
-                nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:  # the run's own error (or Ctrl-C) is what the caller reports
-            leaves = [group]
-            while len(leaves) == 1 and isinstance(leaves[0], BaseExceptionGroup):
-                leaves = list(leaves[0].exceptions)
-            if len(leaves) == 1:
-                raise leaves[0] from None
-            raise
-    if terminated:
-        raise _Terminated()
-    return result[0]
-
-
 class ProgressBar:
     """A ``\\r``-updated text progress bar: ``[#######.......]  3/8 chunks  1.2 s``."""
 
@@ -251,6 +224,11 @@ class ProgressBar:
         self._stream.write(f"\r[{bar}] {done:>{len(str(total))}}/{total} chunks  {now - self._started:6.1f} s")
         self._stream.flush()
         self._drawn = True
+
+    @property
+    def drawn(self) -> bool:
+        """A bar line is on the screen, not yet ended by a newline."""
+        return self._drawn
 
     def finish(self) -> None:
         if self._drawn:
@@ -344,7 +322,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from pipelines.contract import SessionConfig
     from pipelines.loader import PipelineLoadError, load_service
-    from pipelines.offline import load_timed_controls, run_offline
+    from pipelines.offline import load_timed_controls, remove_partial_files, run_offline
+    from server.run_signals import run_until_signalled
 
     if args.chunks < 1:
         raise _BadInput(f"--chunks must be >= 1, got {args.chunks}")
@@ -387,15 +366,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config = SessionConfig(prompt=args.prompt, image_path=image_path, options=options)
     created = not out_dir.exists()
     bar = ProgressBar(sys.stderr)
-    try:
-        summary = trio.run(_until_sigterm, run_offline, service, config, controls, args.chunks, out_dir, bar)
-    except BaseException:
-        bar.finish()
+
+    def remove_empty_out_dir() -> None:
         if created:
             try:
                 out_dir.rmdir()  # only if the failed run left it empty
             except OSError:
                 pass
+
+    def on_stop(number: int) -> None:
+        bar.finish()
+        print(f"chunkline run: {signal.Signals(number).name} received, stopping the run "
+              f"(press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+
+    def abort(first: int) -> NoReturn:  # in a signal handler: no buffered I/O, no waiting
+        remove_partial_files(out_dir)
+        remove_empty_out_dir()
+        line = b"chunkline run: aborted by a second signal; no output was written\n"
+        os.write(2, b"\n" + line if bar.drawn else line)
+        os._exit(128 + first)
+
+    try:
+        summary = trio.run(
+            functools.partial(run_until_signalled, on_stop=on_stop, abort=abort),
+            run_offline, service, config, controls, args.chunks, out_dir, bar,
+        )
+    except BaseException:
+        bar.finish()
+        remove_empty_out_dir()
         raise
     bar.finish()
     for line in _summary_lines(args.pipeline, summary.metrics, out_dir):
@@ -412,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return cmd_worker(args)
     if args.command == "run":
+        from server.run_signals import StoppedBySignal
+
         try:
             return _cmd_run(args)
         except _BadInput as exc:
@@ -420,12 +420,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:  # the pipeline refused the request (e.g. an option)
             print(f"chunkline run: {exc}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C before the run had started
             print("chunkline run: interrupted; no output was written", file=sys.stderr)
             return 130
-        except _Terminated:
-            print("chunkline run: terminated (SIGTERM); no output was written", file=sys.stderr)
-            return 143
+        except StoppedBySignal as stopped:
+            if stopped.signal_number == signal.SIGTERM:
+                print("chunkline run: terminated (SIGTERM); no output was written", file=sys.stderr)
+            else:
+                print("chunkline run: interrupted; no output was written", file=sys.stderr)
+            return 128 + stopped.signal_number
         except Exception as exc:
             print(f"chunkline run: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,14 @@ import pytest
 import pipelines
 
 REPLAY = str(Path(pipelines.__file__).parent / "replay")
+HUNG_STAGE = str(Path(__file__).parent / "hung_stage_world.py")
 PROGRESS_DEADLINE = 60.0  # seconds for the child to import its pipeline and write its first chunk
 EXIT_DEADLINE = 30.0
 
 
-def _start_long_run(out: Path) -> subprocess.Popen[bytes]:
-    """A replay run far longer than the test: it is stopped by the signal, never by its end."""
-    command = [sys.executable, "-m", "server.cli", "run", REPLAY, "--chunks", "100000",
-               "--option", "duration_seconds=86400", "--out", str(out)]
+def _start_long_run(out: Path, pipeline: str = REPLAY, *options: str) -> subprocess.Popen[bytes]:
+    """A run far longer than the test: it is stopped by the signal, never by its end."""
+    command = [sys.executable, "-m", "server.cli", "run", pipeline, "--chunks", "100000", *options, "--out", str(out)]
 
     def default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
         for number in (signal.SIGINT, signal.SIGTERM):
@@ -38,22 +39,26 @@ def _chunks_done(progress: bytes) -> int:
     return int(counts[-1]) if counts else 0
 
 
+def _read_stderr_until(process: subprocess.Popen[bytes], done: Callable[[bytes], bool], what: str,
+                       seen: bytes = b"", within: float = PROGRESS_DEADLINE) -> bytes:
+    assert process.stderr is not None
+    deadline = time.monotonic() + within
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stderr, selectors.EVENT_READ)
+        while not done(seen):
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {what} within {within} s: {seen[-500:]!r}"
+            if selector.select(left):
+                data = os.read(process.stderr.fileno(), 65536)
+                assert data, f"the run ended before {what}: {seen[-500:]!r}"
+                seen += data
+    return seen
+
+
 def _wait_for_progress(process: subprocess.Popen[bytes]) -> bytes:
     """Read the child's stderr until its progress bar shows more chunks done than its writer's queue holds
     (4), so the writer has opened its temporary file."""
-    assert process.stderr is not None
-    seen = b""
-    deadline = time.monotonic() + PROGRESS_DEADLINE
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stderr, selectors.EVENT_READ)
-        while _chunks_done(seen) < 10:
-            left = deadline - time.monotonic()
-            assert left > 0, f"no progress within {PROGRESS_DEADLINE} s: {seen[-500:]!r}"
-            if selector.select(left):
-                data = os.read(process.stderr.fileno(), 65536)
-                assert data, f"the run ended before any progress: {seen[-500:]!r}"
-                seen += data
-    return seen
+    return _read_stderr_until(process, lambda seen: _chunks_done(seen) >= 10, "progress")
 
 
 @pytest.mark.parametrize(("signal_number", "code", "message"), [
@@ -62,7 +67,7 @@ def _wait_for_progress(process: subprocess.Popen[bytes]) -> bytes:
 ])
 def test_a_signal_mid_run_leaves_no_partial_file(tmp_path: Path, signal_number: int, code: int, message: bytes) -> None:
     out = tmp_path / "out"
-    process = _start_long_run(out)
+    process = _start_long_run(out, REPLAY, "--option", "duration_seconds=86400")
     try:
         _wait_for_progress(process)
         assert [p.name for p in out.iterdir() if p.name.endswith(".partial")], "the run writes to a temporary file"
@@ -75,6 +80,38 @@ def test_a_signal_mid_run_leaves_no_partial_file(tmp_path: Path, signal_number: 
     assert process.returncode == code, err[-2000:]
     assert message in err
     assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_aborts_a_stop_that_waits_for_a_hung_stage(tmp_path: Path, second: int) -> None:
+    """The first Ctrl-C stops in order, which waits for the hung stage up to the pipeline's close deadline
+    (300 s); a second signal ends the run at once, with its temporary file gone and exit code 130."""
+    out = tmp_path / "out"
+    process = _start_long_run(out, HUNG_STAGE)
+    try:
+        seen = _wait_for_progress(process)
+        assert [p.name for p in out.iterdir() if p.name.endswith(".partial")], "the run writes to a temporary file"
+        process.send_signal(signal.SIGINT)
+        seen = _read_stderr_until(process, lambda text: b"stopping the run" in text, "stop message", seen)
+        process.send_signal(second)
+        _, err = process.communicate(timeout=EXIT_DEADLINE)
+        err = seen + err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err[-2000:]
+    assert b"press Ctrl-C again to abort" in err
+    assert err.rstrip().endswith(b"chunkline run: aborted by a second signal; no output was written"), err[-500:]
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+def test_run_help_says_what_the_first_and_second_ctrl_c_do() -> None:
+    result = subprocess.run([sys.executable, "-m", "server.cli", "run", "--help"], capture_output=True,
+                            text=True, check=True)
+    text = " ".join(result.stdout.split())
+    assert "Ctrl-C (or SIGTERM) stops the run in order" in text
+    assert "a second Ctrl-C (or SIGTERM) aborts at once" in text
 
 
 def test_an_option_the_toy_world_does_not_know_exits_2_naming_it(tmp_path: Path,

@@ -1,0 +1,71 @@
+"""How ``chunkline run`` answers SIGINT and SIGTERM: the first starts an orderly stop, a second aborts.
+
+The orderly stop cancels the run, so the pipeline closes its session and its stages as it would on any
+error, and its temporary files go; that can take as long as the pipeline's own close deadline when a stage
+hangs (an orchestrator waits up to its ``close_timeout`` for a stage's call). A second signal (SIGINT or
+SIGTERM) during that stop does not wait for anything: the caller's ``abort`` removes what the run left and
+ends the process at once. The handlers are plain Python signal handlers, so the abort runs even while the
+trio loop is busy; the first signal only asks the loop to cancel (``TrioToken.run_sync_soon`` is safe to
+call from a signal handler).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+import trio
+
+__all__ = ["StoppedBySignal", "run_until_signalled"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StoppedBySignal(Exception):
+    """The first stop signal cancelled the run; ``signal_number`` says which one."""
+
+    def __init__(self, signal_number: int) -> None:
+        super().__init__(signal.Signals(signal_number).name)
+        self.signal_number = signal_number
+
+
+async def run_until_signalled(
+    run: Callable[..., Awaitable[Any]],
+    *args: Any,
+    on_stop: Callable[[int], None],
+    abort: Callable[[int], NoReturn],
+) -> Any:
+    """``await run(*args)`` with SIGINT and SIGTERM handled as the module says.
+
+    ``on_stop(first)`` runs in the trio loop when the first signal arrives (to tell the user); ``abort(first)``
+    runs in the signal handler on a second one and must not return. Raises :class:`StoppedBySignal` when the
+    first signal cancelled the run (even if the run then failed while stopping: the user asked it to stop).
+    """
+    token = trio.lowlevel.current_trio_token()
+    scope = trio.CancelScope()
+    first: list[int] = []
+
+    def stop_now(number: int) -> None:
+        scope.cancel(reason=f"{signal.Signals(number).name} received")
+        on_stop(number)
+
+    def handler(number: int, _frame: Any) -> None:
+        if first:
+            abort(first[0])
+        first.append(number)
+        token.run_sync_soon(stop_now, number)
+
+    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
+    try:
+        with scope:
+            try:
+                return await run(*args)
+            except Exception as exc:
+                if first:
+                    raise StoppedBySignal(first[0]) from exc
+                raise
+        raise StoppedBySignal(first[0])  # reached only when the first signal's cancel ended the run
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
