@@ -110,6 +110,7 @@ _SERVE_METAVARS: dict[str, str] = {
     "default_fps": "FPS",
     "max_data_message_bytes": "BYTES",
     "max_body_bytes": "BYTES",
+    "max_body_bytes_in_flight": "BYTES",
     "terminal_retention_count": "N",
     "workers": "in-process|local|ray|external",
     "cluster_host": "HOST",

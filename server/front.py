@@ -15,19 +15,22 @@ the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), the
   (:mod:`server.http_framing`: a head within ``Deadlines.head`` of its first byte, else 408; a body at
   a minimum rate), so trickling bytes slower than that cannot hold a connection either.
 
-At most :data:`MAX_CONNECTIONS` connections are served at once (more are answered 503 and closed), and
-:meth:`Front.close` ends every connection that is still open, so shutdown does not wait on any client.
+At most :data:`MAX_CONNECTIONS` connections are served at once (more are answered 503 and closed), the
+request bodies of them all under way at once are bounded by a :class:`~server.http_framing.BodyBudget`
+(``--max-body-bytes-in-flight``: a request past it is answered 503 with ``Retry-After`` and reaches nothing),
+and :meth:`Front.close` ends every connection that is still open, so shutdown does not wait on any client.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from typing import Final
 
 import trio
 
-from .http_framing import FramingRefused, RequestFraming
+from .http_framing import BodyBudget, FramingRefused, RequestFraming
 from .room_socket import Deadlines, RoomSocket
 from .transport.local import LocalRooms
 
@@ -64,12 +67,19 @@ class Front:
     """Serve connections from public listeners: room sockets here, HTTP through hypercorn at ``backend``."""
 
     def __init__(
-        self, rooms: LocalRooms | None, backend: str, *, max_message_bytes: int, deadlines: Deadlines | None = None
+        self,
+        rooms: LocalRooms | None,
+        backend: str,
+        *,
+        max_message_bytes: int,
+        deadlines: Deadlines | None = None,
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self._deadlines = deadlines or Deadlines()
         self._rooms = rooms
         self._backend = backend
         self._max_message_bytes = max_message_bytes
+        self.body_budget = body_budget
         self._open: set[trio.CancelScope] = set()
         self.refused = 0
 
@@ -122,23 +132,33 @@ class Front:
         await self._refuse(stream, 408)
         return None
 
-    async def _refuse(self, stream: trio.SocketStream, status: int) -> None:
+    async def _refuse(self, stream: trio.SocketStream, status: int, why: FramingRefused | None = None) -> None:
         reason = _REFUSALS[status]
-        body = b'{"error": "' + reason.split(b" ", 1)[1].lower().replace(b" ", b"_") + b'", "detail": "' + reason + b'"}'
+        error = why.error if why is not None and why.error else reason.decode().split(" ", 1)[1].lower().replace(" ", "_")
+        detail = why.detail if why is not None and why.error else reason.decode()
+        body = json.dumps({"error": error, "detail": detail}).encode()
+        retry = b"" if why is None or why.retry_after is None else b"Retry-After: %d\r\n" % why.retry_after
         response = (
-            b"HTTP/1.1 " + reason + b"\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            b"HTTP/1.1 " + reason + b"\r\nContent-Type: application/json\r\nConnection: close\r\n" + retry
+            + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
         with trio.move_on_after(self._deadlines.write):
             await stream.send_all(response)
 
     async def _splice(self, client: trio.SocketStream, head: bytes) -> None:
-        framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD)
-        refusal: int | None = None
+        framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD, budget=self.body_budget)
+        try:
+            await self._splice_framed(client, head, framing)
+        finally:
+            framing.release()  # a body cut short gives its share of the budget back
+
+    async def _splice_framed(self, client: trio.SocketStream, head: bytes, framing: RequestFraming) -> None:
+        refusal: FramingRefused | None = None
         try:
             framing.feed(head, trio.current_time())
         except FramingRefused as exc:
-            await self._refuse(client, exc.status)
+            log.info("a request the front refuses: %d %s", exc.status, exc.detail)
+            await self._refuse(client, exc.status, exc)
             return
         backend = await trio.open_unix_socket(self._backend)
         moved_at = trio.current_time()  # the last time a byte went either way
@@ -160,7 +180,7 @@ class Front:
                                 data = await client.receive_some(READ_SIZE)
                             if late.cancelled_caught:
                                 log.info("a request did not arrive within its deadline: 408")
-                                refusal = 408
+                                refusal = FramingRefused(408, "the request did not arrive within its deadline")
                                 break
                             if not data:
                                 await backend.send_eof()  # the client is done sending; its answer may still come
@@ -170,7 +190,7 @@ class Front:
                                 framing.feed(data, moved_at)
                             except FramingRefused as exc:
                                 log.info("a request the front refuses: %d %s", exc.status, exc.detail)
-                                refusal = exc.status
+                                refusal = exc
                                 break
                             await backend.send_all(data)
                     except _GONE:
@@ -198,4 +218,4 @@ class Front:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await backend.aclose()
         if refusal is not None:
-            await self._refuse(client, refusal)
+            await self._refuse(client, refusal.status, refusal)

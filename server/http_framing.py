@@ -10,6 +10,11 @@ What cannot be framed is refused rather than passed on unbounded: a head over ``
 ``Transfer-Encoding`` body (411: send ``Content-Length``), a malformed or contradictory ``Content-Length``
 (400) and HTTP/2 without TLS (505). Once the backend switches protocols (101) the connection is no longer
 HTTP/1.1 and is passed through as it is (:meth:`switched`).
+
+The bodies of all connections together are bounded too (:class:`BodyBudget`): the app holds a body in memory
+while it arrives, so a body's ``Content-Length`` (up to the largest body the app takes) is reserved when its
+head has arrived and given back once the body has passed, or its connection ended. A head whose body would
+take the total past the budget is answered 503 with ``Retry-After`` before any of it reaches the app.
 """
 
 from __future__ import annotations
@@ -17,26 +22,61 @@ from __future__ import annotations
 import math
 from typing import Final
 
-__all__ = ["MIN_UPLOAD_RATE", "FramingRefused", "RequestFraming"]
+__all__ = ["BODY_RETRY_AFTER", "MIN_UPLOAD_RATE", "BodyBudget", "FramingRefused", "RequestFraming"]
 
 MIN_UPLOAD_RATE: Final = 16384  # bytes a second a request body must at least arrive at
+BODY_RETRY_AFTER: Final = 5  # seconds a client refused for the body budget is told to wait
 
 
 class FramingRefused(Exception):
     """A request the front answers itself (``status``) and then closes the connection."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, *, error: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        self.error = error  # the JSON body's ``error`` code; None: named after the status
+        self.retry_after = retry_after
+
+
+class BodyBudget:
+    """The request body bytes every connection of the front together may have on their way in at once."""
+
+    def __init__(self, limit: int, *, max_body: int) -> None:
+        if limit < max_body:
+            raise ValueError(f"a body budget of {limit} bytes could never take a body of {max_body} bytes")
+        self.limit = limit
+        self.max_body = max_body  # the app refuses a longer body (413) without reading it, so no more is held
+        self.in_flight = 0
+        self.refused = 0
+
+    def take(self, length: int) -> int:
+        """Reserve room for a body of ``length`` bytes; returns what was reserved. Raises FramingRefused (503)."""
+        held = min(length, self.max_body)
+        if self.in_flight + held > self.limit:
+            self.refused += 1
+            raise FramingRefused(
+                503,
+                f"the server is receiving too many request bodies at once ({self.in_flight} of {self.limit} bytes "
+                f"in flight; this one declares {length}); retry in {BODY_RETRY_AFTER} s",
+                error="bodies_in_flight",
+                retry_after=BODY_RETRY_AFTER,
+            )
+        self.in_flight += held
+        return held
+
+    def give_back(self, held: int) -> None:
+        self.in_flight -= held
 
 
 class RequestFraming:
     """The client side of one spliced connection: heads and ``Content-Length`` bodies, in order."""
 
-    def __init__(self, *, head_seconds: float, max_head: int) -> None:
+    def __init__(self, *, head_seconds: float, max_head: int, budget: BodyBudget | None = None) -> None:
         self._head_seconds = head_seconds
         self._max_head = max_head
+        self._budget = budget
+        self._held = 0  # what the body under way holds of the budget
         self._head = bytearray()  # the head under way
         self._body_left = 0
         self._passthrough = False
@@ -47,6 +87,13 @@ class RequestFraming:
         """The backend answered 101: what follows is another protocol, passed through as it is."""
         self._passthrough = True
         self.due = math.inf
+        self.release()
+
+    def release(self) -> None:
+        """Give back what the body under way holds of the budget (it has passed, or the connection ended)."""
+        if self._budget is not None and self._held:
+            self._budget.give_back(self._held)
+        self._held = 0
 
     def feed(self, data: bytes, now: float) -> None:
         """Follow ``data`` from the client; raises :class:`FramingRefused` for what cannot be framed."""
@@ -58,6 +105,7 @@ class RequestFraming:
                 view = view[taken:]
                 if not self._body_left:
                     self.due = math.inf
+                    self.release()
                 continue
             if not self._head:
                 self.due = now + self._head_seconds  # a new head: it must be whole in time
@@ -72,6 +120,8 @@ class RequestFraming:
                 raise FramingRefused(431, "the request head is larger than the front allows")
             rest = bytes(self._head[end + 4:])
             length = self._body_length(bytes(self._head[:end]))
+            if length and self._budget is not None:
+                self._held = self._budget.take(length)
             self._head.clear()
             self._body_left = length
             self.due = now + self._head_seconds + length / MIN_UPLOAD_RATE if length else math.inf

@@ -22,6 +22,7 @@ from hypercorn.trio import serve
 
 from .app import SHUTDOWN_GRACE, create_app
 from .front import Front
+from .http_framing import BodyBudget
 from .room_socket import Deadlines
 from .setting_values import ListenError
 from .settings import ServerSettings
@@ -81,7 +82,10 @@ async def serve_app(
     config.read_timeout = 30  # a request body that stops arriving is dropped (the front bounds the head)
     config.websocket_max_message_size = settings.max_data_message_bytes + 1024
     rooms = runtime.transport if isinstance(runtime.transport, LocalRooms) else None
-    front = Front(rooms, backend, max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines)
+    budget = BodyBudget(settings.max_body_bytes_in_flight, max_body=settings.max_body_bytes)
+    front = Front(
+        rooms, backend, max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines, body_budget=budget
+    )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
 

@@ -43,6 +43,7 @@ CHUNKLINE_CORS_ALLOW_ORIGINS          --cors-allow-origins          unset: same 
 CHUNKLINE_DEFAULT_FPS                 --default-fps                 ``16``; 1–120
 CHUNKLINE_MAX_DATA_MESSAGE_BYTES      --max-data-message-bytes      ``12288``; 1024–1048576
 CHUNKLINE_MAX_BODY_BYTES              --max-body-bytes              ``8388608`` (8 MiB); 1024–64 MiB
+CHUNKLINE_MAX_BODY_BYTES_IN_FLIGHT    --max-body-bytes-in-flight    ``134217728`` (128 MiB); max body–16 GiB
 CHUNKLINE_TERMINAL_RETENTION_SECONDS  --terminal-retention-seconds  ``3600`` s; > 0
 CHUNKLINE_TERMINAL_RETENTION_COUNT    --terminal-retention-count    ``1000``; >= 0
 CHUNKLINE_WORKERS                     --workers                     ``in-process``; or ``local``, ``ray``, ``external``
@@ -69,7 +70,8 @@ Notes:
 * ``transport=livekit`` needs all three of the LiveKit URL, key and secret; the error names the missing ones.
 * A GPU id may belong to only one worker group; the number of groups must equal ``num_workers``.
 * ``cors_allow_origins`` defaults to no origin (same origin only), not ``*``; ``max_body_bytes`` bounds request
-  bodies (larger ones get HTTP 413).
+  bodies (larger ones get HTTP 413), and ``max_body_bytes_in_flight`` the bodies of all connections still
+  arriving at once (the front answers one more 503 with ``Retry-After``); it must be at least ``max_body_bytes``.
 * ``session_timeout`` expires sessions, ``controller_timeout`` / ``room_empty_timeout`` bound how long a room
   waits for its controller / sits empty, and ``terminal_retention_seconds`` / ``terminal_retention_count`` bound
   how long and how many finished session records are kept (the reference kept them forever).
@@ -113,6 +115,7 @@ __all__ = [
 REDACTED = "***"
 MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKit's data packets are far smaller
 MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
+MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies together may hold
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
@@ -241,6 +244,14 @@ class ServerSettings:
         converter=lambda v: parse_int("--max-body-bytes", v, 1024, MAX_BODY_LIMIT),
         metadata=_help(f"largest HTTP request body; larger ones get 413 (1024-{MAX_BODY_LIMIT})"),
     )
+    max_body_bytes_in_flight: int = attrs.field(
+        default=128 * 1024 * 1024,
+        converter=lambda v: parse_int("--max-body-bytes-in-flight", v, 1024, MAX_BODIES_IN_FLIGHT_LIMIT),
+        metadata=_help(
+            "request body bytes all connections together may have arriving at once (by their Content-Length); "
+            f"one more gets 503 with Retry-After (--max-body-bytes to {MAX_BODIES_IN_FLIGHT_LIMIT})"
+        ),
+    )
     terminal_retention_seconds: float = attrs.field(
         default=3600.0,
         converter=lambda v: parse_float("--terminal-retention-seconds", v, 0.0, lo_open=True),
@@ -306,6 +317,12 @@ class ServerSettings:
                 "--heartbeat-deadline",
                 f"--heartbeat-deadline ({self.heartbeat_deadline:g} s) must exceed twice --heartbeat-interval "
                 f"({self.heartbeat_interval:g} s), or one late heartbeat loses a healthy worker",
+            )
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise SettingsError(
+                "--max-body-bytes-in-flight",
+                f"--max-body-bytes-in-flight ({self.max_body_bytes_in_flight}) must be at least --max-body-bytes "
+                f"({self.max_body_bytes}), or a body of the largest size could never be taken",
             )
         if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
             raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")

@@ -1,12 +1,17 @@
 """Slowloris past the first request head: a keep-alive connection's later heads and every request body are
 bounded in time too (a head within ``Deadlines.head`` of its first byte, a body at a minimum rate), so a
-client that trickles bytes cannot hold a connection -- and with 1024 of them the whole port -- for ever."""
+client that trickles bytes cannot hold a connection -- and with 1024 of them the whole port -- for ever; and
+the bodies still arriving on all connections together are bounded (``--max-body-bytes-in-flight``)."""
 
 from __future__ import annotations
 
+import json
 import re
 
+import pytest
 import trio
+
+from server.http_framing import BodyBudget, FramingRefused, RequestFraming
 
 from .test_hostile_server import FAST, WAIT, closed_by_server, running
 
@@ -88,3 +93,84 @@ async def test_what_the_front_cannot_bound_is_refused_and_an_honest_keep_alive_c
                 while len(re.findall(rb"HTTP/1\.1 \d{3} ", received)) < 3 or not received.endswith(b"}"):
                     received += await stream.receive_some(65536)
         assert re.findall(rb"HTTP/1\.1 (\d{3}) ", received) == [b"200", b"200", b"429"], received  # one slot
+
+
+async def _response(stream: trio.SocketStream, received: bytes = b"") -> tuple[bytes, bytes]:
+    """The head and body of the next final (non-1xx) response on ``stream`` (bounded), after ``received``."""
+    with trio.fail_after(WAIT):
+        while True:
+            while b"\r\n\r\n" not in received:
+                received += await stream.receive_some(65536)
+            head, _, rest = received.partition(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 1"):
+                break
+            received = rest  # an interim response (100 Continue)
+        length = int(re.search(rb"(?i)\r\ncontent-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+        while len(rest) < length:
+            rest += await stream.receive_some(65536)
+    return head, rest[:length]
+
+
+def _create_head(length: int, *, expect_continue: bool = False) -> bytes:
+    return (b"POST /v1/stream/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + (b"Expect: 100-continue\r\n" if expect_continue else b"")
+            + b"Content-Length: " + str(length).encode() + b"\r\n\r\n")
+
+
+def _create_body(identity: str, length: int) -> bytes:
+    body = json.dumps({"identity": identity}).encode()
+    return body + b" " * (length - len(body))  # padded to the declared length with JSON whitespace
+
+
+async def test_bodies_past_the_fronts_budget_get_503_with_retry_after_and_change_nothing() -> None:
+    """The bodies still arriving on all connections together are bounded: one that would take the total past
+    ``--max-body-bytes-in-flight`` is refused before any of it reaches the app, and its room comes back as
+    soon as the body holding it has arrived."""
+    size = 256 * 1024  # at the minimum rate the front waits 16 s for such a body: time for the rest of the test
+    async with running(max_body_bytes=size, max_body_bytes_in_flight=size + size // 2) as server:
+        async with await server.raw() as holder:
+            await holder.send_all(_create_head(size, expect_continue=True))
+            with trio.fail_after(WAIT):  # hypercorn's 100 Continue: the front passed the head, holding its room
+                received = b""
+                while b"\r\n\r\n" not in received:
+                    received += await holder.receive_some(65536)
+            assert received.startswith(b"HTTP/1.1 100 "), received
+            async with await server.raw() as refused:
+                await refused.send_all(_create_head(size))
+                answer = await closed_by_server(refused)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 "), answer
+            assert b"\r\nRetry-After: 5" in head, head
+            error = json.loads(body)
+            assert error["error"] == "bodies_in_flight"
+            assert "too many request bodies at once" in error["detail"], error
+            status, listed = await server.request("GET", "/v1/stream/sessions")
+            assert status == 200 and listed["sessions"] == []  # the refused request changed nothing
+            await holder.send_all(_create_body("holder", size))
+            head, body = await _response(holder, received.partition(b"\r\n\r\n")[2])
+            assert head.startswith(b"HTTP/1.1 200 "), (head, body)
+            assert (await server.request("DELETE", f"/v1/stream/sessions/{json.loads(body)['session_id']}"))[0] == 200
+        async with await server.raw() as after:  # the holder's body arrived: its room is free again
+            await after.send_all(_create_head(size) + _create_body("after", size))
+            head, body = await _response(after)
+        assert head.startswith(b"HTTP/1.1 200 "), (head, body)
+
+
+def test_a_body_gives_its_share_of_the_budget_back_when_it_has_passed_or_its_connection_ends() -> None:
+    budget = BodyBudget(3000, max_body=2000)
+    first = RequestFraming(head_seconds=1.0, max_head=16384, budget=budget)
+    first.feed(_create_head(5000)[:-10], 0.0)
+    assert budget.in_flight == 0  # nothing is reserved before the head is whole
+    first.feed(_create_head(5000)[-10:] + b"x" * 100, 0.0)
+    assert budget.in_flight == 2000  # no more than the app reads: a longer body is refused (413) unread
+    second = RequestFraming(head_seconds=1.0, max_head=16384, budget=budget)
+    second.feed(_create_head(1000), 0.0)
+    assert budget.in_flight == 3000
+    with pytest.raises(FramingRefused) as refused:
+        RequestFraming(head_seconds=1.0, max_head=16384, budget=budget).feed(_create_head(1), 0.0)
+    assert (refused.value.status, refused.value.retry_after, budget.in_flight) == (503, 5, 3000)
+    second.feed(b"y" * 1000 + _create_head(10), 0.0)  # its body passed; the next request's is under way
+    assert budget.in_flight == 2010
+    first.release()  # its connection ended mid-body
+    second.release()
+    assert budget.in_flight == 0

@@ -193,6 +193,7 @@ def test_parse_raises_settings_error_for_bad_values() -> None:
         (["--max-data-message-bytes", "100"], "--max-data-message-bytes"),
         (["--max-data-message-bytes", "99999999999"], "--max-data-message-bytes"),  # a client's message is held whole
         (["--max-body-bytes", "99999999999"], "--max-body-bytes"),  # a body is read into memory
+        (["--max-body-bytes-in-flight", "65536"], "--max-body-bytes-in-flight"),  # below --max-body-bytes
         (["--terminal-retention-count", "-1"], "--terminal-retention-count"),
     ],
 )
