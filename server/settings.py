@@ -72,6 +72,9 @@ Notes:
 * ``cors_allow_origins`` defaults to no origin (same origin only), not ``*``; ``max_body_bytes`` bounds request
   bodies (larger ones get HTTP 413), and ``max_body_bytes_in_flight`` the bodies of all connections still
   arriving at once (the front answers one more 503 with ``Retry-After``); it must be at least ``max_body_bytes``.
+* The agents' listener and addresses (``cluster_host``, ``cluster_port``, ``cluster_tls_cert``/``cluster_tls_key``,
+  ``public_url``) are refused with ``workers=in-process`` and ``ray_address`` with any ``workers`` but ``ray``: there
+  they would be ignored. (``cluster_token`` is not: it is often exported for a whole shell.)
 * ``session_timeout`` expires sessions, ``controller_timeout`` / ``room_empty_timeout`` bound how long a room
   waits for its controller / sits empty, and ``terminal_retention_seconds`` / ``terminal_retention_count`` bound
   how long and how many finished session records are kept (the reference kept them forever).
@@ -116,6 +119,9 @@ REDACTED = "***"
 MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKit's data packets are far smaller
 MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
 MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies together may hold
+
+#: where worker agents reach the authority or the rooms: meaningless with in-process workers, so refused there
+AGENT_ADDRESS_SETTINGS = ("cluster_host", "cluster_port", "cluster_tls_cert", "cluster_tls_key", "public_url")
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
@@ -326,6 +332,7 @@ class ServerSettings:
             )
         if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
             raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")
+        self._refuse_options_that_would_be_ignored()
         if self.workers == "external" and self.cluster_token is None:
             raise SettingsError(
                 "--cluster-token",
@@ -349,6 +356,24 @@ class ServerSettings:
                 "--worker-gpu-map",
                 f"--worker-gpu-map has {len(self.worker_gpu_map)} worker group(s) but --num-workers is "
                 f"{self.num_workers}; give one group per worker",
+            )
+
+    def _refuse_options_that_would_be_ignored(self) -> None:
+        """An address or certificate for worker agents given where no agent runs would silently do nothing."""
+        defaults = {field.name: field.default for field in attrs.fields(type(self))}
+        if self.workers == "in-process":
+            for name in AGENT_ADDRESS_SETTINGS:
+                if getattr(self, name) != defaults[name]:
+                    raise SettingsError(
+                        option_for(name),
+                        f"{option_for(name)} ({getattr(self, name)}) applies to worker agents (--workers local, ray or "
+                        f"external); with --workers in-process it would be ignored",
+                    )
+        if self.workers != "ray" and self.ray_address is not None:
+            raise SettingsError(
+                "--ray-address",
+                f"--ray-address ({self.ray_address}) applies to --workers ray; with --workers {self.workers} it would "
+                f"be ignored",
             )
 
     # --- sources --------------------------------------------------------------------------------------------

@@ -203,6 +203,10 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("max_body_bytes_in_flight", "65536", "--max-body-bytes-in-flight"),  # below the default largest body
     ("terminal_retention_seconds", 0, "--terminal-retention-seconds"),
     ("terminal_retention_count", -1, "--terminal-retention-count"),
+    ("cluster_port", 7700, "--cluster-port"),  # with --workers in-process nothing would listen there
+    ("public_url", "http://10.0.0.5:8088", "--public-url"),
+    ("cluster_host", "0.0.0.0", "--cluster-host"),
+    ("ray_address", "auto", "--ray-address"),
     ("pipeline", "", "PIPE"),
     ("pipeline", None, "PIPE"),
 ]
@@ -360,7 +364,7 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
         "CHUNKLINE_MAX_BODY_BYTES_IN_FLIGHT": "131072",
         "CHUNKLINE_TERMINAL_RETENTION_SECONDS": "11",
         "CHUNKLINE_TERMINAL_RETENTION_COUNT": "12",
-        "CHUNKLINE_WORKERS": "external",
+        "CHUNKLINE_WORKERS": "ray",
         "CHUNKLINE_CLUSTER_HOST": "0.0.0.0",
         "CHUNKLINE_CLUSTER_PORT": "7070",
         "CHUNKLINE_CLUSTER_TOKEN": "a-cluster-token-of-16+",
@@ -404,7 +408,7 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
         "max_body_bytes_in_flight": 131072,
         "terminal_retention_seconds": 11.0,
         "terminal_retention_count": 12,
-        "workers": "external",
+        "workers": "ray",
         "cluster_host": "0.0.0.0",
         "cluster_port": 7070,
         "cluster_token": "***",
