@@ -39,10 +39,30 @@ __all__ = [
     "ServerPushService",
     "Service",
     "KNOWN_KEYS",
+    "ChunkOrder",
+    "InvalidChunk",
+    "PipelineContractError",
+    "checked_session_id",
 ]
 
 # Keys a controller may hold, normalized to one name each.
 KNOWN_KEYS = frozenset({"w", "a", "s", "d", "i", "j", "k", "l"})
+
+
+class PipelineContractError(RuntimeError):
+    """The pipeline broke this contract while serving: a bug in the pipeline, never in the request (the message
+    says so: ``pipeline bug: ...``)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"pipeline bug: {detail}")
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled (to or from a child process) with its detail, not its text
+        return type(self), (self.detail,)
+
+
+class InvalidChunk(PipelineContractError, ValueError):
+    """A :class:`Chunk` or :class:`Audio` made with values the contract does not allow (a ValueError, as before)."""
 
 
 def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -59,11 +79,11 @@ class Audio:
 
     def __attrs_post_init__(self) -> None:
         if self.sample_rate <= 0:
-            raise ValueError(f"audio sample_rate must be > 0, got {self.sample_rate}")
+            raise InvalidChunk(f"audio sample_rate must be > 0, got {self.sample_rate}")
         if self.channels <= 0:
-            raise ValueError(f"audio channels must be > 0, got {self.channels}")
+            raise InvalidChunk(f"audio channels must be > 0, got {self.channels}")
         if len(self.pcm) % (2 * self.channels):
-            raise ValueError(
+            raise InvalidChunk(
                 f"audio pcm length {len(self.pcm)} is not a multiple of 2 bytes x {self.channels} channel(s)"
             )
 
@@ -85,16 +105,16 @@ class Chunk:
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.index, int) or self.index < 0:
-            raise ValueError(f"chunk index must be an int >= 0, got {self.index!r}")
+            raise InvalidChunk(f"chunk index must be an int >= 0, got {self.index!r}")
         frames = self.frames
         if not isinstance(frames, np.ndarray):
-            raise ValueError(f"chunk frames must be a numpy array, got {type(frames).__name__}")
+            raise InvalidChunk(f"chunk frames must be a numpy array, got {type(frames).__name__}")
         if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
-            raise ValueError(f"chunk frames must be T x H x W x 3 with no empty dimension, got {frames.shape}")
+            raise InvalidChunk(f"chunk frames must be T x H x W x 3 with no empty dimension, got {frames.shape}")
         if frames.dtype != np.uint8:
-            raise ValueError(f"chunk frames must be uint8, got {frames.dtype}")
+            raise InvalidChunk(f"chunk frames must be uint8, got {frames.dtype}")
         if not (isinstance(self.fps, int | float) and math.isfinite(self.fps) and self.fps > 0):
-            raise ValueError(f"chunk fps must be a finite number > 0, got {self.fps!r}")
+            raise InvalidChunk(f"chunk fps must be a finite number > 0, got {self.fps!r}")
 
     @property
     def frame_count(self) -> int:
@@ -262,3 +282,33 @@ class ServerPushService(abc.ABC):
 
 
 Service = BidirectionalService | ServerPushService
+
+
+def checked_session_id(value: object) -> str:
+    """What ``create_session`` returned, if it is a session id (a non-empty ``str``)."""
+    if not isinstance(value, str) or not value:
+        raise PipelineContractError(
+            f"create_session returned {type(value).__name__} {value!r:.40}, not a session id (a non-empty str)"
+        )
+    return value
+
+
+class ChunkOrder:
+    """Checks one stream's chunks as they come: each a :class:`Chunk`, with indexes 0, 1, 2, ... in order."""
+
+    def __init__(self) -> None:
+        self.next_index = 0
+
+    def check(self, chunk: object) -> Chunk:
+        if not isinstance(chunk, Chunk):
+            raise PipelineContractError(
+                f"the pipeline yielded a {type(chunk).__name__} as chunk {self.next_index}, "
+                f"not a pipelines.contract.Chunk"
+            )
+        if chunk.index != self.next_index:
+            raise PipelineContractError(
+                f"chunk indexes must run 0, 1, 2, ... in order; chunk {self.next_index} of the stream has index "
+                f"{chunk.index}"
+            )
+        self.next_index += 1
+        return chunk

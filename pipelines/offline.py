@@ -64,10 +64,13 @@ from engine.metrics import LatencySummary
 from .contract import (
     BidirectionalService,
     Chunk,
+    ChunkOrder,
     ControlRejected,
+    PipelineContractError,
     ServerPushService,
     ServiceEvent,
     SessionConfig,
+    checked_session_id,
 )
 from .mp4 import Mp4Writer
 from .timed_controls import (
@@ -279,13 +282,24 @@ class _Run:
     send: trio.MemorySendChannel[Chunk]
     total: int
     progress: Callable[[int, int], None] | None
+    order: ChunkOrder = attrs.Factory(ChunkOrder)
+
+    async def next_chunk(self, iterator: Any) -> Chunk | None:
+        """The stream's next chunk, checked (None: the stream ended). Whatever goes wrong while the pipeline makes
+        it is the pipeline's failure, never the request's, so a ValueError from it becomes a RuntimeError."""
+        try:
+            chunk = await iterator.__anext__()
+        except StopAsyncIteration:
+            return None
+        except PipelineContractError:
+            raise
+        except ValueError as exc:
+            raise RuntimeError(
+                f"the pipeline failed making chunk {self.order.next_index}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return self.order.check(chunk)
 
     async def deliver(self, chunk: Chunk) -> None:
-        if not isinstance(chunk, Chunk):
-            raise RuntimeError(
-                f"the pipeline yielded a {type(chunk).__name__} as chunk {len(self.recorder.arrivals)}, "
-                f"not a pipelines.contract.Chunk"
-            )
         self.recorder.chunk(chunk, time.perf_counter())
         await self.send.send(chunk)
         if self.progress is not None:
@@ -319,8 +333,9 @@ async def _run_bidirectional(
         session_id = await service.create_session(config, on_event=rec.event)
         rec.expect_scripted(scripted_controls)
         rec.session_setup = time.perf_counter() - rec.session_requested
-        iterator = service.chunks(session_id)
+        iterator = None
         try:
+            iterator = service.chunks(checked_session_id(session_id))
             position = 0
             start = 0.0  # media time at which the next chunk starts
             for index in range(run.total):
@@ -334,15 +349,15 @@ async def _run_bidirectional(
                         rec.rejected(timed, index, exc.reason)
                         continue
                     rec.pushed(timed, index, pushed_at)
-                try:
-                    chunk = await iterator.__anext__()
-                except StopAsyncIteration:
+                chunk = await run.next_chunk(iterator)
+                if chunk is None:
                     rec.ended_early = True
                     return
                 await run.deliver(chunk)
                 start += chunk.media_seconds
         finally:
-            await _aclose(iterator)
+            if iterator is not None:
+                await _aclose(iterator)
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await service.close_session(session_id)
 
@@ -355,9 +370,8 @@ async def _run_server_push(service: ServerPushService, config: SessionConfig, ru
         rec.session_setup = time.perf_counter() - rec.session_requested
         try:
             for _ in range(run.total):
-                try:
-                    chunk = await iterator.__anext__()
-                except StopAsyncIteration:
+                chunk = await run.next_chunk(iterator)
+                if chunk is None:
                     rec.ended_early = True
                     return
                 await run.deliver(chunk)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
-from .contract import BidirectionalService, Chunk, ServerPushService, SessionConfig
+from .contract import BidirectionalService, Chunk, ServerPushService, SessionConfig, checked_session_id
 
 __all__ = ["PipelineValidationError", "validate_service"]
 
@@ -59,7 +59,7 @@ def check_first_chunk(chunk: object) -> Chunk:
 async def _first_session_chunk(service: BidirectionalService) -> object:
     session_id = await service.create_session(SessionConfig())
     try:
-        chunk = await _first_chunk(service.chunks(session_id))
+        chunk = await _first_chunk(service.chunks(checked_session_id(session_id)))
     except BaseException:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
             with contextlib.suppress(Exception):  # the chunk's failure is the one to tell

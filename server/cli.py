@@ -5,7 +5,9 @@
 it writes ``DIR/video.mp4`` and ``DIR/metrics.json``, draws a progress bar on stderr and prints a summary on
 stdout. Bad input (a missing pipeline, image or controls file, a malformed controls file, an unknown control,
 an unsupported device, options the pipeline refuses) is reported on stderr with exit code 2 and leaves no
-output behind; a run that fails later exits 1, also without output files. The first Ctrl-C (SIGINT) or
+output behind; a run that fails later exits 1, also without output files, and so does a pipeline that breaks
+the contract (a chunk that is not a Chunk or not uint8, indexes that skip, a session id that is not a str): a
+pipeline bug, never bad input. The first Ctrl-C (SIGINT) or
 SIGTERM stops the run in order: the pipeline closes its session and stages, no output is left, and the exit
 code is 130 (SIGINT) or 143 (SIGTERM); a stage that hangs can make that stop last as long as the pipeline's
 close deadline, so a second Ctrl-C or SIGTERM aborts at once (no output is left; the exit code is the first
@@ -411,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return cmd_worker(args)
     if args.command == "run":
+        from pipelines.contract import PipelineContractError
         from server.run_signals import StoppedBySignal
 
         try:
@@ -418,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except _BadInput as exc:
             print(f"chunkline run: {exc}", file=sys.stderr)
             return 2
+        except PipelineContractError as exc:  # a pipeline bug (a bad chunk, session id...): not the user's input
+            print(f"chunkline run: the run failed: {exc}", file=sys.stderr)
+            return 1
         except ValueError as exc:  # the pipeline refused the request (e.g. an option)
             print(f"chunkline run: {exc}", file=sys.stderr)
             return 2

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from pipelines.contract import BidirectionalService, Chunk, Control, ControlRejected, ControlType, ServiceEvent, SessionConfig
+from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
+from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, checked_session_id
 from states.room_presence import RoomPresence, Timer
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
@@ -124,7 +125,7 @@ class RoomRunner:
         self._failure: str | None = None  # set by fail(): the session ends failed with this reason
         self._stop = trio.Event()
         self._connection: RoomConnection | None = None
-        self._pipeline_session: str | None = None
+        self._pipeline_session: Any = None  # what create_session returned: closed with it even if it is no id
         self._pipeline_ready = trio.Event()
         self._early_controls: deque[Control] = deque()
         self._controller_here = trio.Event()
@@ -174,7 +175,9 @@ class RoomRunner:
         except Exception as exc:
             cause = _single_cause(exc)
             # the record and the room hear one short line; the log keeps the traceback
-            error = public_reason(cause, prefix_type=not isinstance(cause, RunnerError | TransportError))
+            error = public_reason(
+                cause, prefix_type=not isinstance(cause, RunnerError | TransportError | PipelineContractError)
+            )
             log.warning("session %s failed: %s", self.record.session_id, error, exc_info=cause)
         finally:
             with trio.CancelScope(shield=True):
@@ -254,7 +257,7 @@ class RoomRunner:
         if deadline.cancelled_caught:
             raise RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
         self._pipeline_session = pipeline_id
-        record.pipeline_session_id = pipeline_id
+        record.pipeline_session_id = checked_session_id(pipeline_id)
         if not self._step(Event.RUN):
             return
         self._pipeline_ready.set()
@@ -273,9 +276,10 @@ class RoomRunner:
                 streaming.cancel_scope.cancel()
 
             streaming.start_soon(stop_streaming_on_drain)
+            order = ChunkOrder()
             async with contextlib.aclosing(service.chunks(pipeline_id)) as chunks:
                 async for chunk in chunks:
-                    await self._publish(chunk)
+                    await self._publish(order.check(chunk))
             streaming.cancel_scope.cancel()
 
     async def _run_server_push(self, service: Any, side_tasks: trio.Nursery) -> None:
@@ -292,10 +296,10 @@ class RoomRunner:
                 streaming.cancel()
 
             side_tasks.start_soon(stop_streaming_on_drain)
-            stream = service.stream(config)
+            stream, order = service.stream(config), ChunkOrder()
             try:
                 async for chunk in stream:
-                    await self._publish(chunk)
+                    await self._publish(order.check(chunk))
             finally:
                 aclose = getattr(stream, "aclose", None)
                 if aclose is not None:

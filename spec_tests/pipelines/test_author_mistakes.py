@@ -1,12 +1,15 @@
 """A pipeline author's mistakes in the service contract, as ``chunkline run`` and the startup check tell them.
 
 Each is told with what was wrong and where, at load time where it can be (``running()`` written as a
-plain ``async def``), else when it happens (a chunk that is not a ``Chunk``; a teardown hook that fails
+plain ``async def``), else when it happens (a chunk that is not a ``Chunk``, frames that are not uint8, chunk
+indexes that skip, a session id that is not a string: a pipeline bug, exit code 1; a teardown hook that fails
 the warm-up session's close after a good chunk).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,9 @@ from pipelines.validation import PipelineValidationError, validate_service
 from server.cli import main
 
 from .minimal_service import MinimalService
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and fail
 
 
 def pipeline_file(tmp_path: Path, body: str) -> str:
@@ -82,6 +88,53 @@ def test_a_chunk_that_is_not_a_chunk_fails_the_run_naming_what_it_was(
     err = capsys.readouterr().err
     assert "the pipeline yielded a dict as chunk 0, not a pipelines.contract.Chunk" in err
     assert not (out / "video.mp4").exists() and not (out / "metrics.json").exists()
+
+
+FLOAT_FRAMES = """
+class Broken(MinimalService):
+    async def chunks(self, session_id):
+        import numpy as np
+        from pipelines.contract import Chunk
+        yield Chunk(0, np.zeros((2, 8, 8, 3), np.float32), 8.0)
+"""
+
+SKIPPED_INDEX = """
+class Broken(MinimalService):
+    async def chunks(self, session_id):
+        import numpy as np
+        from pipelines.contract import Chunk
+        for index in (0, 2, 3):
+            yield Chunk(index, np.zeros((2, 8, 8, 3), np.uint8), 8.0)
+"""
+
+INT_SESSION_ID = """
+class Broken(MinimalService):
+    async def create_session(self, config, *, on_event=None):
+        return 7
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "told"),
+    [
+        (FLOAT_FRAMES, "pipeline bug: chunk frames must be uint8, got float32"),
+        (SKIPPED_INDEX, "pipeline bug: chunk indexes must run 0, 1, 2, ... in order; chunk 1 of the stream has index 2"),
+        (INT_SESSION_ID, "pipeline bug: create_session returned int 7, not a session id (a non-empty str)"),
+    ],
+    ids=["float_frames", "skipped_index", "int_session_id"],
+)
+def test_a_chunk_or_session_id_that_breaks_the_contract_is_a_pipeline_failure_not_bad_input(
+    body: str, told: str, tmp_path: Path
+) -> None:
+    """Exit code 1 (a run that failed), not 2 (the user's input): the user cannot fix a pipeline's bug."""
+    path = pipeline_file(tmp_path, body)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", path, "--chunks", "3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == f"chunkline run: the run failed: {told}", done.stderr[-2000:]
+    assert "Warning" not in done.stderr, done.stderr[-2000:]
+    assert not out.exists()
 
 
 async def test_a_failing_teardown_after_a_good_warm_up_chunk_is_told_as_the_close() -> None:

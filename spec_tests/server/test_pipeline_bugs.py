@@ -1,0 +1,95 @@
+"""A pipeline that breaks the service contract while serving fails its session with a reason that names what
+the pipeline did wrong and calls it a pipeline bug: a session id that is not a string, chunk indexes that skip,
+a chunk that is not a ``Chunk``. Through the app's HTTP API and the local room protocol (a controller in the
+room), with :class:`~spec_tests.server.runner_fixtures.CounterService` on virtual time."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+from pipelines.contract import Chunk, ServerPushService, SessionConfig
+
+from .runner_fixtures import WORKER_IDENTITY, CounterService, join, no_threads, serve, settings  # noqa: F401
+
+
+class IntSessionIds(CounterService):
+    """``create_session`` returns an int; everything else works with it."""
+
+    closed_with: Any = None
+
+    async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
+        self.real_id = await super().create_session(config, on_event=on_event)
+        return 42  # type: ignore[return-value]
+
+    def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        return super().chunks(self.real_id)
+
+    async def close_session(self, session_id: str) -> None:
+        self.closed_with = session_id
+        await super().close_session(self.real_id)
+
+
+async def _changed(chunks: AsyncIterator[Chunk], change: Any) -> AsyncIterator[Any]:
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            yield change(chunk)
+
+
+class SkippingIndexes(CounterService):
+    def chunks(self, session_id: str) -> AsyncIterator[Chunk]:  # 0, 2, 4, ...
+        return _changed(super().chunks(session_id), lambda chunk: attrs.evolve(chunk, index=chunk.index * 2))
+
+
+class DictsLater(CounterService):
+    def chunks(self, session_id: str) -> AsyncIterator[Any]:  # two chunks, then dicts
+        return _changed(super().chunks(session_id), lambda chunk: chunk if chunk.index < 2 else {"frames": chunk.frames})
+
+
+class SkippingStream(ServerPushService):
+    """A server-push stream whose indexes run 0, 2, 4, ..."""
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        yield
+
+    async def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
+        for index in range(0, 100, 2):
+            yield Chunk(index, np.full((2, 16, 16, 3), 100, np.uint8), 10.0)
+
+
+CASES = [
+    (IntSessionIds, "pipeline bug: create_session returned int 42, not a session id (a non-empty str)", 0),
+    (SkippingIndexes, "pipeline bug: chunk indexes must run 0, 1, 2, ... in order; chunk 1 of the stream has index 2", 1),
+    (DictsLater, "pipeline bug: the pipeline yielded a dict as chunk 2, not a pipelines.contract.Chunk", 2),
+    (SkippingStream, "pipeline bug: chunk indexes must run 0, 1, 2, ... in order; chunk 1 of the stream has index 2", 1),
+]
+
+
+@pytest.mark.usefixtures("no_threads")
+@pytest.mark.parametrize(("make", "reason", "published"), CASES, ids=[case[0].__name__ for case in CASES])
+async def test_a_pipeline_that_breaks_the_contract_fails_the_session_naming_its_bug(
+    make: type, reason: str, published: int, autojump_clock: Any
+) -> None:
+    service = make()
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message")
+            await ctl.wait_for(
+                lambda p: any(m.get("type") == "participant_left" and m.get("identity") == WORKER_IDENTITY
+                              for m in p.texts()), "the worker to leave")
+        view = await s.get(created["session_id"])
+        assert view["status"] == "failed"
+        assert (error["reason"], error["detail"], view["error"]) == ("session_failed", reason, reason)
+        assert [m["index"] for m in ctl.status("chunk")] == list(range(published))  # the good chunks went out
+        assert s.free_slots() == 1 and not s.runtime.runners
+    if isinstance(service, IntSessionIds):
+        assert service.closed_with == 42  # the pipeline's session is closed with what it returned
+        assert view["pipeline_session_id"] is None
