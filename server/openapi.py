@@ -159,6 +159,11 @@ SCHEMAS: dict[str, Any] = {
                  "properties": {"service_type": {"type": "string"}, "transport": {"type": "string"},
                                 "pipeline_file": {"type": "string"}, "queue_size": {"type": "integer"},
                                 "session_capacity": {"type": "object"},
+                                "control_idle_timeout": {**NULLABLE_NUM, "description": "seconds a "
+                                                         "session may send no control before it steps aside; "
+                                                         "null where it does not apply (a server-push pipeline "
+                                                         "takes no controls) or no worker has loaded the "
+                                                         "pipeline yet"},
                                 "startup_check": {"type": "object", "description": "per worker: the startup "
                                                   "check (one warm-up chunk) passed or was skipped "
                                                   "(--skip-validation)"}}},

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from pipelines.contract import BidirectionalService
 from states.stream_session import LIVE_MEDIA
 from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
 from states.worker import TERMINAL as WORKER_TERMINAL
@@ -108,18 +109,21 @@ def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, A
     capacities = {worker.worker_id: worker.plan.to_dict() for worker in workers if worker.plan is not None}
     kinds = {w.kind for w in workers if w.kind is not None}
     cluster = runtime.cluster
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
     return {
         "service_type": "stream",
         "transport": runtime.transport.name,
         "pipeline_file": settings.pipeline,
-        "pipeline_kind": kinds.pop() if len(kinds) == 1 else None,
+        "pipeline_kind": kind,
         "livekit_url": settings.livekit_url,
         "num_workers": settings.num_workers,
         "worker_mode": settings.worker_mode,
         "max_sessions_per_worker": min((w.capacity for w in runtime.book.workers()), default=None),
         "configured_max_sessions_per_worker": settings.max_sessions_per_worker,
         "queue_size": settings.queue_size,
-        "control_idle_timeout": settings.control_idle_timeout,
+        # only where it applies: a pipeline that takes controls (a server-push stream never gets one; null
+        # too until a worker has loaded the pipeline and its kind is known)
+        "control_idle_timeout": settings.control_idle_timeout if BidirectionalService.kind in kinds else None,
         "session_timeout": settings.session_timeout,
         "controller_timeout": settings.controller_timeout,
         "room_empty_timeout": settings.room_empty_timeout,
