@@ -85,17 +85,19 @@ def first_blocker(
     """
     stage_id = stage.stage_id
     held = rt.reservations
-    if held.by_stage[stage_id] >= stage.max_in_flight_per_session:
+    # plain dict gets: a Counter's missing-key hook is Python code, and this runs for every admission
+    if held.by_stage.get(stage_id, 0) >= stage.max_in_flight_per_session:
         return STAGE_CAPACITY
     if usage.by_stage[stage_id] >= stage.max_in_flight_global:
         return GLOBAL_CAPACITY
     group = stage.resource_group
     if group is not None and usage.by_group[group] >= group_limit[group]:
         return Blocker.group(group)
+    producing, occupancy = held.producing, rt.occupancy
     for artifact, edge, limit, blocker in graph.room_limits[stage_id]:
-        reserved = held.producing[artifact]
+        reserved = producing.get(artifact, 0)
         if edge is not None:
-            if rt.occupancy[edge] + reserved >= limit:
+            if occupancy.get(edge, 0) + reserved >= limit:
                 return blocker
         else:
             queued = len(rt.outputs) + sum(1 for v in rt.pending_outputs.values() if artifact in v)

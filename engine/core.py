@@ -89,6 +89,9 @@ class SchedulerCore:
         # While a thread is in the core, what only trio may do is collected, then handed to trio.
         self.lock = threading.RLock()
         self._now = trio.lowlevel.current_clock().current_time
+        self._latency_anchor = graph.spec.latency_anchor_artifact
+        # whether each stage's actor may be submitted to from a stage's thread (fixed for its life)
+        self._threadsafe = {s: bool(getattr(a, "threadsafe_submit", False)) for s, a in self._actors.items()}
         # on_failed starts the failed session's cleanup in the orchestrator's nursery
         self._handoff = TrioHandoff(on_failed)
         self.completion = CoreCompletion(self)
@@ -132,23 +135,25 @@ class SchedulerCore:
 
     # == interface: ingress and outputs (Session) =============================================
 
-    @_locked
     def try_push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` for ``seq`` now, or nothing."""
         graph = self.graph
-        check_ingress(graph, rt, seq, artifacts)
-        if not has_room(graph, rt, artifacts):
-            return False
-        now = self._now()
-        anchor = graph.spec.latency_anchor_artifact
-        if anchor is None or anchor in artifacts:
-            rt.record_ingress(seq, now)
-        for artifact, value in artifacts.items():
-            rt.add_slot(seq, artifact, value, graph.targets[artifact], now, graph.consumes)
-        if seq > rt.highest_ingress:
-            rt.highest_ingress = seq
-        self._pump(graph.consumers(artifacts))
-        return True
+        with self.lock:
+            check_ingress(graph, rt, seq, artifacts)
+            if not has_room(graph, rt, artifacts):
+                return False
+            now = self._now()
+            anchor = self._latency_anchor
+            if anchor is None or anchor in artifacts:
+                rt.record_ingress(seq, now)
+            targets, consumes, dirty = graph.targets, graph.consumes, self._dirty
+            for artifact, value in artifacts.items():
+                rt.add_slot(seq, artifact, value, targets[artifact], now, consumes)
+                dirty.update(targets[artifact])
+            if seq > rt.highest_ingress:
+                rt.highest_ingress = seq
+            self._pump(())
+            return True
 
     async def push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
         await rt.room.wait_until(self.lock, functools.partial(self.try_push, rt, seq, artifacts))
@@ -172,14 +177,16 @@ class SchedulerCore:
             self._wake(*rt.everyone)
             self._pump()
 
-    @_locked
     def poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
-        items = list(rt.outputs)
-        rt.outputs.clear()
-        if items:
+        with self.lock:
+            outputs = rt.outputs
+            if not outputs:
+                return []
+            items = list(outputs)
+            outputs.clear()
             self._wake(rt.changed)  # output room freed: a drain may proceed
             self._pump(self.graph.output_producers)
-        return items
+            return items
 
     @_locked
     def busy(self, rt: SessionRuntime) -> bool:
@@ -298,26 +305,28 @@ class SchedulerCore:
         if rt.epoch != key.session_epoch:
             self._counters["stale_epoch_results"] += 1
             return
-        reservation = rt.reservations.get(key.stage_id, key.sequence_id)
-        if reservation is None or reservation.key != key:
+        stage_id, seq = key.stage_id, key.sequence_id
+        reservation = rt.reservations.held.get((stage_id, seq))
+        # the key travels with the invocation: the same object unless an actor rebuilt it (a worker process)
+        if reservation is None or (reservation.key is not key and reservation.key != key):
             self._counters["duplicate_results"] += 1
             return
         self._usage.release(rt.reservations, reservation)
-        stage = self.graph.stages[key.stage_id]
+        stage = self.graph.stages[stage_id]
         now = self._now()
-        rt.timing(key.stage_id, key.sequence_id).completed_at = now
+        rt.timing(stage_id, seq).completed_at = now
         try:
             if isinstance(result, outcome.Error):
                 self._on_error(rt, stage.stage_id, result.error)
             elif rt.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
-                error = check_result(stage, key.sequence_id, result.value)
+                error = check_result(stage, seq, result.value)
                 if error is not None:
                     self._fail(rt, error)
-                elif record_result(self.graph, rt, stage, key.sequence_id, result.value, now):
+                elif record_result(self.graph, rt, stage, seq, result.value, now):
                     self._wake(rt.emitted)
         finally:
             self._wake(rt.changed)
-            self._pump(self.graph.after_completion[stage.stage_id])
+            self._pump(self.graph.after_completion[stage_id])
 
     def complete_from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None] | None:
         """Complete a successful invocation on the stage's own thread; returns what trio must then run.
@@ -351,9 +360,11 @@ class SchedulerCore:
                     rt.handoffs_queued -= 1
                     self._wake(rt.changed)
 
-    def _wake(self, *queues: WaitQueue) -> None:
+    def _wake(self, queue: WaitQueue, *more: WaitQueue) -> None:
         """Wake the session wait queues that have waiters (off trio: once the thread is done)."""
-        for queue in queues:
+        if queue.waiting:
+            self._handoff.wake(queue)
+        for queue in more:
             if queue.waiting:
                 self._handoff.wake(queue)
 
@@ -407,39 +418,44 @@ class SchedulerCore:
         at again. Re-entrant calls (a completion inside ``submit``) fold into the
         running pump.
         """
-        self._dirty.update(self.graph.stage_ids if stages is None else stages)
-        if self._pumping:
+        dirty = self._dirty
+        dirty.update(self.graph.stage_ids if stages is None else stages)
+        if self._pumping or not dirty:
             return
         self._pumping = True
         try:
-            dirty = self._dirty
+            scan_order, admit_stage = self.graph.scan_order, self._admit_stage
             while dirty:
-                for stage in self.graph.scan_order:
+                for stage in scan_order:
                     if stage.stage_id in dirty:
                         dirty.discard(stage.stage_id)
-                        self._admit_stage(stage)
+                        admit_stage(stage)
         finally:
             self._pumping = False
 
     def _admit_stage(self, stage: StageSpec) -> None:
         stage_id = stage.stage_id
         by_stage = self._usage.by_stage
-        if by_stage[stage_id] >= stage.max_in_flight_global:
+        limit = stage.max_in_flight_global
+        if by_stage[stage_id] >= limit:
             return  # the common case on a busy stage: nothing to look at
         turns = self._turns[stage_id]
+        sessions, try_admit = self._sessions, self._try_admit
         served: list[str] = []
         for session_id in tuple(turns):
-            if by_stage[stage_id] >= stage.max_in_flight_global:
-                break
-            rt = self._sessions.get(session_id)
+            rt = sessions.get(session_id)
             if rt is None or not rt.ready[stage_id]:
                 continue
-            while self._try_admit(rt, stage):
-                if session_id not in served:
-                    served.append(session_id)
-        for session_id in served:
-            turns.remove(session_id)
-            turns.append(session_id)
+            if try_admit(rt, stage):
+                served.append(session_id)
+                while try_admit(rt, stage):
+                    pass
+            if by_stage[stage_id] >= limit:
+                break
+        if len(turns) > 1:  # round robin: who was served goes to the back
+            for session_id in served:
+                turns.remove(session_id)
+                turns.append(session_id)
 
     def _admissible(self, rt: SessionRuntime) -> bool:
         return any(
@@ -455,28 +471,27 @@ class SchedulerCore:
         if seq is None or not rt.starting_accepted_work:
             return False
         stage_id = stage.stage_id
-        blocker = self._blocker(rt, stage)
+        blocker = first_blocker(self.graph, self._usage, self._group_limit, rt, stage)
         if blocker is not None:
             rt.blockers[stage_id][seq] = blocker
             return False
         actor = self._actors[stage_id]
-        if self._handoff.off_trio and not getattr(actor, "threadsafe_submit", False):
+        if self._handoff.off_trio and not self._threadsafe[stage_id]:
             self._handoff.submit_in_trio(stage_id)  # this actor takes work in trio only
             return False
         if not actor.is_healthy():
             self._fail_actor_sessions(stage_id, actor.health().failure_reason, None)
             return False
-        key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, self._next_request)
-        self._next_request += 1
+        request = self._next_request
+        self._next_request = request + 1
+        key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, request)
         # everything the invocation holds is taken before submit: an actor may complete it inside submit
         inputs = rt.take_inputs(stage_id, seq, stage.consumes)
         reservation = self._usage.take(rt.reservations, stage, key)
         rt.taken[stage_id].add(seq)
         rt.timing(stage_id, seq).admitted_at = self._now()
         try:
-            self._actors[stage_id].submit(
-                StageInvocation(key, inputs, is_first=seq == 0, is_last=seq == rt.final_sequence_id), self.completion
-            )
+            actor.submit(StageInvocation(key, inputs, seq == 0, seq == rt.final_sequence_id), self.completion)
         except Exception as exc:
             if rt.reservations.get(stage_id, seq) is reservation:
                 self._usage.release(rt.reservations, reservation)

@@ -38,13 +38,14 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
         raise IngressRefused(
             f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
         )
+    ingress, slots, taken, targets = graph.ingress, rt.slots, rt.taken, graph.targets
     for artifact in artifacts:
-        if artifact not in graph.ingress:
+        if artifact not in ingress:
             raise IngressRefused(f"{artifact!r} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
-        if (seq, artifact) in rt.slots:
+        if (seq, artifact) in slots:
             raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
-        for stage_id in graph.targets[artifact]:
-            if seq in rt.taken[stage_id]:
+        for stage_id in targets[artifact]:
+            if seq in taken[stage_id]:
                 raise IngressRefused(
                     f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
                     f"so {artifact!r} for it would never be consumed"
@@ -53,9 +54,11 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
 
 def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
     """Whether every edge the named artifacts feed has room for one more item."""
+    occupancy, capacity, targets = rt.occupancy, graph.capacity, graph.targets
     for artifact in artifacts:
-        for stage_id in graph.targets.get(artifact, ()):
-            if rt.occupancy[(artifact, stage_id)] >= graph.capacity[(artifact, stage_id)]:
+        for stage_id in targets.get(artifact, ()):
+            edge = (artifact, stage_id)
+            if occupancy.get(edge, 0) >= capacity[edge]:  # a plain get: Counter's missing-key hook is Python
                 return False
     return True
 

@@ -13,26 +13,30 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-import attrs
-
 from .actors import TaskKey
 from .spec import StageSpec
 
 __all__ = ["Reservation", "SessionReservations", "UsageBook"]
 
 
-@attrs.frozen(eq=False)
 class Reservation:
-    """What one admitted invocation holds until its result is accepted or dropped."""
+    """What one admitted invocation holds until its result is accepted or dropped.
 
-    key: TaskKey
-    stage_id: str
-    resource_group: str | None
-    produces: tuple[str, ...]
+    Made for every admission, so a plain slotted class; only :class:`UsageBook` makes one,
+    and nothing changes it after.
+    """
 
-    @property
-    def slot(self) -> tuple[str, int]:
-        return (self.key.stage_id, self.key.sequence_id)
+    __slots__ = ("key", "stage_id", "resource_group", "produces", "slot")
+
+    def __init__(self, key: TaskKey, stage_id: str, resource_group: str | None, produces: frozenset[str]) -> None:
+        self.key = key
+        self.stage_id = stage_id
+        self.resource_group = resource_group
+        self.produces = produces
+        self.slot = (stage_id, key.sequence_id)
+
+    def __repr__(self) -> str:
+        return f"Reservation({self.key!r})"
 
 
 class SessionReservations:
@@ -66,6 +70,10 @@ class SessionReservations:
         )
 
 
+def _shift(counts: Counter[str], name: str, by: int) -> None:
+    counts[name] = counts.get(name, 0) + by  # plain dict calls: Counter's missing-key hook is Python code
+
+
 class UsageBook:
     """The global in-flight counts (per stage, per resource group), beside every session's own."""
 
@@ -74,27 +82,32 @@ class UsageBook:
         self.by_group: dict[str, int] = {g: 0 for g in group_names}
 
     def take(self, session: SessionReservations, stage: StageSpec, key: TaskKey) -> Reservation:
-        slot = (stage.stage_id, key.sequence_id)
-        if slot in session.held:
-            raise RuntimeError(f"stage {stage.stage_id!r} already holds sequence {key.sequence_id} of {key.session_id!r}")
-        reservation = Reservation(key, stage.stage_id, stage.resource_group, tuple(stage.produces))
-        session.held[slot] = reservation
-        session.by_stage[stage.stage_id] += 1
+        stage_id = stage.stage_id
+        reservation = Reservation(key, stage_id, stage.resource_group, stage.produces)
+        held = session.held
+        if reservation.slot in held:
+            raise RuntimeError(f"stage {stage_id!r} already holds sequence {key.sequence_id} of {key.session_id!r}")
+        held[reservation.slot] = reservation
+        _shift(session.by_stage, stage_id, 1)
+        producing = session.producing
         for artifact in reservation.produces:
-            session.producing[artifact] += 1
-        self.by_stage[stage.stage_id] += 1
-        if stage.resource_group is not None:
-            self.by_group[stage.resource_group] += 1
+            _shift(producing, artifact, 1)
+        self.by_stage[stage_id] += 1
+        if reservation.resource_group is not None:
+            self.by_group[reservation.resource_group] += 1
         return reservation
 
     def release(self, session: SessionReservations, reservation: Reservation) -> None:
-        if session.held.get(reservation.slot) is not reservation:
+        held = session.held
+        if held.get(reservation.slot) is not reservation:
             raise RuntimeError(f"{reservation.key} is not held; a reservation is released once")
-        del session.held[reservation.slot]
-        session.by_stage[reservation.stage_id] -= 1
+        del held[reservation.slot]
+        stage_id = reservation.stage_id
+        _shift(session.by_stage, stage_id, -1)
+        producing = session.producing
         for artifact in reservation.produces:
-            session.producing[artifact] -= 1
-        self.by_stage[reservation.stage_id] -= 1
+            _shift(producing, artifact, -1)
+        self.by_stage[stage_id] -= 1
         if reservation.resource_group is not None:
             self.by_group[reservation.resource_group] -= 1
 

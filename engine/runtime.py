@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from typing import Any
 
-import attrs
 import trio
 
 from states import pipeline_session as table
@@ -68,19 +67,28 @@ class SeqSet:
         return max(self._extra, default=self.below - 1)
 
 
-@attrs.define
 class Slot:
     """One artifact value for one sequence, and the stages that still have to take it."""
 
-    value: Any
-    consumers: set[str]
+    __slots__ = ("value", "consumers")
+
+    def __init__(self, value: Any, consumers: set[str]) -> None:
+        self.value = value
+        self.consumers = consumers
+
+    def __repr__(self) -> str:
+        return f"Slot(value={self.value!r}, consumers={self.consumers!r})"
 
 
-@attrs.define
 class _Timing:
-    inputs_ready_at: float | None = None
-    admitted_at: float | None = None
-    completed_at: float | None = None
+    """When one (stage, sequence) had its inputs, was admitted, completed (a plain slotted record: made per call)."""
+
+    __slots__ = ("inputs_ready_at", "admitted_at", "completed_at")
+
+    def __init__(self) -> None:
+        self.inputs_ready_at: float | None = None
+        self.admitted_at: float | None = None
+        self.completed_at: float | None = None
 
 
 class SessionRuntime:
@@ -181,10 +189,12 @@ class SessionRuntime:
 
     def add_slot(self, seq: int, artifact: str, value: Any, consumers: tuple[str, ...], now: float, consumes: dict[str, frozenset[str]]) -> None:
         self.slots[(seq, artifact)] = Slot(value, set(consumers))
+        occupancy = self.occupancy
         for stage_id in consumers:
-            self.occupancy[(artifact, stage_id)] += 1
+            edge = (artifact, stage_id)
+            occupancy[edge] = occupancy.get(edge, 0) + 1  # plain dict calls: Counter's hooks are Python code
             present = self.present[stage_id]
-            count = present.get(seq, 0) + 1  # plain dict calls: Counter's missing-key and del hooks are Python code
+            count = present.get(seq, 0) + 1
             if count == len(consumes[stage_id]):
                 present.pop(seq, None)
                 self.ready[stage_id].add(seq)
@@ -196,13 +206,15 @@ class SessionRuntime:
         """Remove ``stage_id`` from each input slot's consumers (freeing the slot when empty)."""
         self.ready[stage_id].discard(seq)
         inputs = {}
+        slots, occupancy = self.slots, self.occupancy
         for artifact in consumes:
-            slot = self.slots[(seq, artifact)]
+            slot = slots[(seq, artifact)]
             inputs[artifact] = slot.value
-            slot.consumers.discard(stage_id)
-            self.occupancy[(artifact, stage_id)] -= 1
-            if not slot.consumers:
-                del self.slots[(seq, artifact)]
+            consumers = slot.consumers
+            consumers.discard(stage_id)
+            occupancy[(artifact, stage_id)] -= 1
+            if not consumers:
+                del slots[(seq, artifact)]
         return inputs
 
     def restore_inputs(self, stage_id: str, seq: int, inputs: dict[str, Any]) -> None:

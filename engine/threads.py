@@ -42,13 +42,15 @@ class WaitQueue:
     async def wait_until(self, lock: threading.Lock | threading.RLock, done: Callable[[], bool]) -> None:
         """Park until ``done()`` (called under ``lock``) is true; it may raise to stop the wait."""
         with lock:
-            self.waiting += 1
+            if done():
+                return  # the common case: no need to count in at all
+            self.waiting += 1  # counted in the same locked region as the failed check: no wake-up is lost
         try:
             while True:
+                await self._lot.park()
                 with lock:
                     if done():
                         return
-                await self._lot.park()
         finally:
             with lock:
                 self.waiting -= 1

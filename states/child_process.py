@@ -15,14 +15,13 @@ fact the supervisor records: a stop had been requested.
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "LIVE", "HEARTBEAT_WATCHED", "ChildProcessMachine", "due_signal"]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     STARTING = "starting"
     RUNNING = "running"
     STOPPING = "stopping"
@@ -31,7 +30,7 @@ class State(enum.Enum):
     EXITED = "exited"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     HELLO = "hello"
     STOP = "stop"
     TERMINATE = "terminate"

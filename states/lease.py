@@ -39,14 +39,13 @@ CLOSING is terminal, and the book forgets the entry when it is released.
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "LeaseMachine"]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     WAITING = "waiting"
     QUEUED = "queued"
     ACTIVE = "active"
@@ -54,7 +53,7 @@ class State(enum.Enum):
     CLOSING = "closing"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     ACTIVITY = "activity"
     GRANT = "grant"
     PARK = "park"

@@ -26,13 +26,12 @@ a message from a forgotten or never-seen id is stale too.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Hashable
 from typing import Literal
 
 import attrs
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State",
@@ -53,7 +52,7 @@ __all__ = [
 FENCE_FRACTION = 0.5
 
 
-class State(enum.Enum):
+class State(TableEnum):
     CONNECTED = "connected"
     READY = "ready"
     DRAINING = "draining"
@@ -61,7 +60,7 @@ class State(enum.Enum):
     LEFT = "left"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     HEARTBEAT = "heartbeat"
     READY = "ready"
     DRAIN = "drain"

@@ -15,7 +15,18 @@ from typing import ClassVar, Generic, TypeVar
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
 
-__all__ = ["IllegalTransition", "StateMachine"]
+__all__ = ["IllegalTransition", "StateMachine", "TableEnum"]
+
+
+class TableEnum(enum.Enum):
+    """The base of every lifecycle's states and events: hashed by identity.
+
+    Members are singletons, so identity is their equality; ``enum.Enum``'s own hash is
+    Python code, and the scheduler asks set membership of a session's state on every
+    admission and completion.
+    """
+
+    __hash__ = object.__hash__
 
 
 class IllegalTransition(Exception):

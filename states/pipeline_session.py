@@ -39,9 +39,8 @@ attempt would have.
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "CloseReason", "TRANSITIONS", "TERMINAL", "STOPPING", "SETTLE_EVENT", "HOOK_REASON",
@@ -49,7 +48,7 @@ __all__ = [
 ]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     RUNNING = "running"
     DRAINING = "draining"
     CANCELLING = "cancelling"
@@ -63,7 +62,7 @@ class State(enum.Enum):
     POISONED = "poisoned"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     CLOSE = "close"
     CANCEL = "cancel"
     DRAIN_TIMED_OUT = "drain_timed_out"
@@ -78,7 +77,7 @@ class Event(enum.Enum):
     SETTLE_FAILED = "settle_failed"
 
 
-class CloseReason(enum.Enum):
+class CloseReason(TableEnum):
     """Why a session is shutting down; passed to every stage's session hook."""
 
     CLOSED = "closed"

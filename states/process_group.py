@@ -15,14 +15,13 @@ pipe closed. A NEW group closes at once. CLOSED takes nothing again.
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_CALLS", "ProcessGroupMachine", "on_rank_exit"]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     NEW = "new"
     STARTING = "starting"
     RUNNING = "running"
@@ -31,7 +30,7 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     START = "start"
     READY = "ready"
     START_FAILED = "start_failed"

@@ -25,25 +25,24 @@ which event its machine gets; nothing else moves the machine.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
 
 import attrs
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "RestartMachine", "RestartPolicy", "Decision", "RestartTracker"]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     RUNNING = "running"
     BACKING_OFF = "backing_off"
     GAVE_UP = "gave_up"
     STOPPED = "stopped"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     FAILED = "failed"  # the worker failed; a replacement is allowed after the backoff
     CRASH_LOOP = "crash_loop"  # the worker failed once too often inside the window
     RESTARTED = "restarted"  # the replacement was started

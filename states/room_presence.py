@@ -19,16 +19,15 @@ next deadline is and what it means (``deadline``), and whether one has passed
 
 from __future__ import annotations
 
-import enum
 
 import attrs
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "Timer", "TRANSITIONS", "TERMINAL", "TIMERS", "RoomPresence", "RoomPresenceMachine"]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     AWAITING = "awaiting"  # the controller has not joined yet; nobody, or others, are here
     AWAITING_EMPTY = "awaiting_empty"  # the controller never came; everyone who came has left
     PRESENT = "present"  # the controller is here
@@ -37,7 +36,7 @@ class State(enum.Enum):
     ENDED = "ended"  # a timeout passed
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     CONTROLLER_JOINED = "controller_joined"
     CONTROLLER_LEFT = "controller_left"  # others remain
     CONTROLLER_LEFT_LAST = "controller_left_last"  # nobody remains
@@ -46,7 +45,7 @@ class Event(enum.Enum):
     DEADLINE = "deadline"
 
 
-class Timer(enum.Enum):
+class Timer(TableEnum):
     """The timeouts, named by the drain cause they produce."""
 
     CONTROLLER_ABSENT = "controller_absent"  # never joined within controller_timeout

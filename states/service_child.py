@@ -18,9 +18,8 @@ state, so that it survives the stop.
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_CALLS", "FAILS_WHEN_LOST", "INSIDE_RUNNING",
@@ -28,7 +27,7 @@ __all__ = [
 ]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     LOADED = "loaded"
     STARTING = "starting"
     RUNNING = "running"
@@ -37,7 +36,7 @@ class State(enum.Enum):
     STOPPED = "stopped"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     RUN = "run"
     ENTERED = "entered"
     RUN_FAILED = "run_failed"

@@ -13,21 +13,20 @@ queued work finished; closing an actor that already failed keeps it FAILED
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "StageActorMachine"]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     STARTING = "starting"
     RUNNING = "running"
     FAILED = "failed"
     CLOSED = "closed"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     STARTED = "started"
     FAIL = "fail"
     CLOSE = "close"

@@ -30,9 +30,8 @@ terminal record is kept for a bounded time so clients can read the outcome.
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "FAILING_CAUSES",
@@ -40,7 +39,7 @@ __all__ = [
 ]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     PENDING = "pending"
     QUEUED = "queued"
     ASSIGNED = "assigned"
@@ -54,7 +53,7 @@ class State(enum.Enum):
     REJECTED = "rejected"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     ASSIGN = "assign"
     QUEUE = "queue"
     REJECT = "reject"
@@ -110,7 +109,7 @@ RETAINING = frozenset(
 LIVE_MEDIA = frozenset({State.STARTING_PIPELINE, State.RUNNING, State.DRAINING})
 
 
-class DrainCause(enum.Enum):
+class DrainCause(TableEnum):
     """Why a live session drains (recorded with its DRAIN, once)."""
 
     DELETED = "deleted"  # DELETE /v1/stream/sessions/{id}

@@ -15,16 +15,15 @@ again.
 
 from __future__ import annotations
 
-import enum
 
-from .machine import StateMachine
+from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "TRANSITIONS", "TERMINAL", "ELIGIBLE", "PROSPECTIVE", "DRAINABLE", "LOADING", "WorkerMachine",
 ]
 
 
-class State(enum.Enum):
+class State(TableEnum):
     STARTING = "starting"
     IDLE = "idle"
     BUSY = "busy"
@@ -33,7 +32,7 @@ class State(enum.Enum):
     STOPPED = "stopped"
 
 
-class Event(enum.Enum):
+class Event(TableEnum):
     READY = "ready"
     SESSION_ADDED = "session_added"
     SESSION_REMOVED = "session_removed"
