@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -37,6 +38,7 @@ from engine.threads import TrioInbox
 
 from .engine_host import host_figures
 from .engine_peer import load_peer, run_peer_workload
+from .engine_work import COUNTED_CHUNKS, bytecodes_per_chunk
 
 SPEC = PipelineSpec(
     stages=(
@@ -343,7 +345,25 @@ def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
             "chunkline_minus_peer_latency_p50_ms": ours["latency_p50_ms"] - theirs["latency_p50_ms"],
             "chunkline_minus_peer_latency_p95_ms": ours["latency_p95_ms"] - theirs["latency_p95_ms"],
         })
+    if "w1" in names:
+        results.append(w1_work(peer))
+        _print(results[-1])
     return results
+
+
+def w1_work(peer: Any = None) -> dict:
+    """w1's Python work per chunk (bytecodes, every thread), for chunkline and the peer: noise-free figures."""
+    sessions, _chunks, costs, pacing = WORKLOADS["w1"]
+    stages = frozenset(StageClock().handlers(costs))
+    line: dict[str, Any] = {"workload": "w1", "counted_chunks": COUNTED_CHUNKS, "bytecodes_per_chunk": {}}
+    counted = line["bytecodes_per_chunk"]
+    counted["chunkline"] = bytecodes_per_chunk(
+        functools.partial(trio.run, _run_workload, sessions, COUNTED_CHUNKS, costs, pacing), COUNTED_CHUNKS, stages)
+    if peer is not None:
+        counted["peer"] = bytecodes_per_chunk(
+            functools.partial(_run_peer, peer, sessions, COUNTED_CHUNKS, costs, pacing), COUNTED_CHUNKS)
+        line["chunkline_over_peer_bytecodes"] = counted["chunkline"]["total"] / counted["peer"]["total"]
+    return line
 
 
 def main(argv: Sequence[str] | None = None) -> int:

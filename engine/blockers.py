@@ -100,7 +100,8 @@ def first_blocker(
             if occupancy.get(edge, 0) + reserved >= limit:
                 return blocker
         else:
-            queued = len(rt.outputs) + sum(1 for v in rt.pending_outputs.values() if artifact in v)
+            pending = rt.pending_outputs  # outputs made, waiting for an earlier sequence's
+            queued = len(rt.outputs) + (sum(1 for v in pending.values() if artifact in v) if pending else 0)
             if queued + reserved >= limit:
                 return blocker
     return None

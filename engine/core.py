@@ -424,23 +424,30 @@ class SchedulerCore:
             return
         self._pumping = True
         try:
-            scan_order, admit_stage = self.graph.scan_order, self._admit_stage
+            scan_order, admit_stage, by_stage = self.graph.scan_order, self._admit_stage, self._usage.by_stage
             while dirty:
                 for stage in scan_order:
-                    if stage.stage_id in dirty:
-                        dirty.discard(stage.stage_id)
-                        admit_stage(stage)
+                    stage_id = stage.stage_id
+                    if stage_id in dirty:
+                        dirty.discard(stage_id)
+                        if by_stage[stage_id] < stage.max_in_flight_global:  # else busy: nothing to look at
+                            admit_stage(stage)
         finally:
             self._pumping = False
 
     def _admit_stage(self, stage: StageSpec) -> None:
+        """Admit the stage's ready work, session by session in turn (the pump checked it has room)."""
         stage_id = stage.stage_id
         by_stage = self._usage.by_stage
         limit = stage.max_in_flight_global
-        if by_stage[stage_id] >= limit:
-            return  # the common case on a busy stage: nothing to look at
         turns = self._turns[stage_id]
         sessions, try_admit = self._sessions, self._try_admit
+        if len(turns) == 1:  # one session: no turns to take
+            rt = sessions.get(turns[0])
+            if rt is not None and rt.ready[stage_id] and try_admit(rt, stage) and stage.max_in_flight_per_session > 1:
+                while try_admit(rt, stage):
+                    pass
+            return
         served: list[str] = []
         for session_id in tuple(turns):
             rt = sessions.get(session_id)
@@ -448,14 +455,14 @@ class SchedulerCore:
                 continue
             if try_admit(rt, stage):
                 served.append(session_id)
-                while try_admit(rt, stage):
-                    pass
+                if stage.max_in_flight_per_session > 1:  # else the session's one place is taken now
+                    while try_admit(rt, stage):
+                        pass
             if by_stage[stage_id] >= limit:
                 break
-        if len(turns) > 1:  # round robin: who was served goes to the back
-            for session_id in served:
-                turns.remove(session_id)
-                turns.append(session_id)
+        for session_id in served:  # round robin: who was served goes to the back
+            turns.remove(session_id)
+            turns.append(session_id)
 
     def _admissible(self, rt: SessionRuntime) -> bool:
         return any(

@@ -30,16 +30,16 @@ __all__ = ["CoreCompletion", "TrioHandoff"]
 class CoreCompletion:
     """The completion callback the core gives actors: call it in trio, or ``from_thread`` on a stage's thread."""
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "from_thread")
 
     def __init__(self, core: SchedulerCore) -> None:
         self._core = core
+        # ``from_thread(invocation, result)`` -> what trio must then run, or None: the core's own
+        # method, bound once (it runs for every call a stage's thread completes)
+        self.from_thread: Callable[[StageInvocation, outcome.Value], Callable[[], None] | None] = core.complete_from_thread
 
     def __call__(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
         self._core.complete(invocation, result)
-
-    def from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None] | None:
-        return self._core.complete_from_thread(invocation, result)
 
 
 class TrioHandoff:

@@ -70,10 +70,6 @@ class SessionReservations:
         )
 
 
-def _shift(counts: Counter[str], name: str, by: int) -> None:
-    counts[name] = counts.get(name, 0) + by  # plain dict calls: Counter's missing-key hook is Python code
-
-
 class UsageBook:
     """The global in-flight counts (per stage, per resource group), beside every session's own."""
 
@@ -88,10 +84,11 @@ class UsageBook:
         if reservation.slot in held:
             raise RuntimeError(f"stage {stage_id!r} already holds sequence {key.sequence_id} of {key.session_id!r}")
         held[reservation.slot] = reservation
-        _shift(session.by_stage, stage_id, 1)
-        producing = session.producing
+        # plain dict calls: Counter's missing-key hook is Python code
+        by_stage, producing = session.by_stage, session.producing
+        by_stage[stage_id] = by_stage.get(stage_id, 0) + 1
         for artifact in reservation.produces:
-            _shift(producing, artifact, 1)
+            producing[artifact] = producing.get(artifact, 0) + 1
         self.by_stage[stage_id] += 1
         if reservation.resource_group is not None:
             self.by_group[reservation.resource_group] += 1
@@ -103,10 +100,11 @@ class UsageBook:
             raise RuntimeError(f"{reservation.key} is not held; a reservation is released once")
         del held[reservation.slot]
         stage_id = reservation.stage_id
-        _shift(session.by_stage, stage_id, -1)
-        producing = session.producing
+        # plain dict calls: Counter's missing-key hook is Python code
+        by_stage, producing = session.by_stage, session.producing
+        by_stage[stage_id] = by_stage.get(stage_id, 0) - 1
         for artifact in reservation.produces:
-            _shift(producing, artifact, -1)
+            producing[artifact] = producing.get(artifact, 0) - 1
         self.by_stage[stage_id] -= 1
         if reservation.resource_group is not None:
             self.by_group[reservation.resource_group] -= 1
