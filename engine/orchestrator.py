@@ -34,6 +34,9 @@ from .spec import PipelineSpec
 __all__ = ["Orchestrator", "open_orchestrator"]
 
 FAILED_CLEANUP_TIMEOUT = 300.0
+# once the close deadline has passed (a stuck session or actor used it up), each actor still to close
+# gets this long: a healthy one closes at once and is not reported as "did not close in time"
+ACTOR_CLOSE_GRACE = 0.5
 MAX_CLOSE_ERRORS_TOLD = 4  # a close error names this many failures (each session's and stage's), then "..."
 
 
@@ -195,7 +198,11 @@ class Orchestrator:
             await actor.barrier()
 
     async def aclose(self, *, timeout: float = 300.0) -> None:
-        """Shut every session down (reason shutdown), then close actors in reverse order (each actor once)."""
+        """Shut every session down (reason shutdown), then close actors in reverse order (each actor once).
+
+        Everything shares ``timeout``; an actor left to close after it passed still gets
+        ``ACTOR_CLOSE_GRACE`` seconds, so only the ones that are really stuck are reported.
+        """
         if self._closing:
             await self._closed.wait()
             return
@@ -217,7 +224,7 @@ class Orchestrator:
             if id(self.actors[stage_id]) in closed:
                 continue  # an actor shared by several stages closes once
             closed.add(id(self.actors[stage_id]))
-            with trio.move_on_at(deadline) as actor_close_deadline:
+            with trio.move_on_at(max(deadline, trio.current_time() + ACTOR_CLOSE_GRACE)) as actor_close_deadline:
                 try:
                     await self.actors[stage_id].aclose()
                 except Exception as exc:

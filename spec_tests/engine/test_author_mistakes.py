@@ -228,3 +228,29 @@ async def test_an_async_call_that_never_returns_does_not_hold_the_orchestrator_p
             await s.push(0, {"control": 1})
             await started.wait()
     assert trio.current_time() - begun <= 10 + 1
+
+
+async def test_once_the_close_deadline_is_spent_only_the_stuck_actor_is_reported():
+    """A hung session hook uses up the close deadline; the healthy actor closed after it is not blamed.
+
+    Real time (a short deadline): an autojump clock would jump past the healthy actor's
+    thread stop, which takes real microseconds.
+    """
+    release = threading.Event()
+
+    def closer(context, reason):
+        release.wait()
+
+    dynamics = LocalStageActor(lambda inv: {"latent": 1}, session_closer=closer)
+    try:
+        with pytest.raises(OrchestratorCloseError) as failed:
+            async with open_orchestrator(SPEC, {"dynamics": dynamics, "render": LocalStageActor(render)},
+                                         close_timeout=0.3) as orch:
+                orch.create_session("a")
+        told = str(failed.value)
+        assert "did not release session" in told
+        assert "stage actor 'dynamics' did not close in time" in told
+        assert "'render'" not in told  # closed in its grace, not reported
+    finally:
+        release.set()
+    await join_thread(dynamics)
