@@ -45,6 +45,9 @@ class SeqSet:
         self._extra: set[int] = set()
 
     def add(self, seq: int) -> None:
+        if seq == self.below and not self._extra:  # the common case: a strict stage takes the next one
+            self.below = seq + 1
+            return
         if seq < self.below:
             return
         self._extra.add(seq)
