@@ -237,6 +237,14 @@ class BidirectionalService(abc.ABC):
     async def create_session(self, config: SessionConfig, *, on_event: EventSink | None = None) -> str:
         """Create isolated session state; returns the pipeline session id."""
 
+    async def check_options(self, options: Mapping[str, Any]) -> None:
+        """Refuse session options this service would refuse, with a ``ValueError`` naming the option.
+
+        The server calls it (inside ``running()``) before it admits a session, so a bad option is an
+        HTTP 400 rather than a session that fails once its controller joins. It must be the very check
+        ``create_session`` runs (one source), and cheap: it holds nothing. The default takes any options.
+        """
+
     @abc.abstractmethod
     async def push_control(self, session_id: str, control: Control) -> None:
         """Apply a control to chunks not yet started; raises ControlRejected with a reason."""
@@ -274,6 +282,9 @@ class ServerPushService(abc.ABC):
     @abc.abstractmethod
     def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
         """The chunks of one stream, in order, paced by the caller."""
+
+    async def check_options(self, options: Mapping[str, Any]) -> None:
+        """As :meth:`BidirectionalService.check_options`: the very check ``stream`` runs on its options."""
 
     @property
     def failure(self) -> object | None:

@@ -196,6 +196,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             if size > MAX_IMAGE_BYTES:
                 raise BadRequest("image_too_large",
                                  f"the image has {size} bytes; worker agents take images of at most {MAX_IMAGE_BYTES}")
+        await runtime.check_options(body.config)  # a bad option is a 400 before anything is held
         created = runtime.create_session(body, image_bytes=image)
         admission = created.admission
         if admission.status == "rejected":

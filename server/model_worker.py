@@ -24,6 +24,7 @@ from pipelines.validation import validate_service
 
 from .process_service import start_process_service
 from .reasons import public_reason
+from .requests import OptionsRefused
 
 __all__ = ["ModelWorker", "ModelWorkerError", "ServiceEnded"]
 
@@ -118,6 +119,18 @@ class ModelWorker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def check_options(self, options: dict[str, Any]) -> None:
+        """The service's own check of a session's options; its refusal is an :class:`OptionsRefused`.
+
+        Only for a ready worker (its service is inside ``running()``); the caller bounds the wait.
+        """
+        if self.service is None or self._runners is None:
+            raise ModelWorkerError(f"worker {self.worker_id} is not running")
+        try:
+            await self.service.check_options(options)
+        except ValueError as exc:
+            raise OptionsRefused(public_reason(exc, prefix_type=False)) from None
 
     async def run(self) -> None:
         """Load, warm up, report capacity, host runners until stopped; report failure instead of raising."""

@@ -49,7 +49,8 @@ SCHEMAS: dict[str, Any] = {
             "prompt": {"type": ["string", "null"], "maxLength": 2000},
             "image_path": {"type": ["string", "null"], "description": "relative to the server's --assets-dir"},
             "image_b64": {"type": ["string", "null"], "description": "an uploaded image (PNG or JPEG), base64"},
-            "config": {"type": "object", "description": "pipeline options (e.g. continuous, chunks)"},
+            "config": {"type": "object", "description": "pipeline options (e.g. continuous, chunks), checked by the "
+                       "pipeline before anything is held: a refused one is a 400 invalid_option naming it"},
         },
     },
     "SessionCreateResponse": {
@@ -186,10 +187,11 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json(_ref("SessionCreateResponse"), "assigned to a worker"),
                     "202": _json(_ref("SessionCreateResponse"), "queued; queue_position is its place"),
-                    "400": _error("invalid request (field named in detail)"),
+                    "400": _error("invalid request (field or pipeline option named in detail)"),
                     "429": {**_error("no slot and no room in the queue, or the server is shutting down"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
-                    "503": {**_error("no worker is running or starting (the reason and when one may be back)"),
+                    "503": {**_error("no worker is running or starting, or none is ready to check the "
+                                     "options (the reason and when one may be back)"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     **COMMON_ERRORS,
                 },

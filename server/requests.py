@@ -18,7 +18,7 @@ import attrs
 from pipelines.images import ImageRefused, check_image, check_image_file
 from pipelines.paths import PathRefused, resolve_inside
 
-__all__ = ["CreateSession", "BadRequest", "parse_create_session", "parse_drain_request", "parse_token_request",
+__all__ = ["CreateSession", "BadRequest", "OptionsRefused", "parse_create_session", "parse_drain_request", "parse_token_request",
            "resolve_image_path"]
 
 MAX_PROMPT = 2000
@@ -44,6 +44,14 @@ class BadRequest(ValueError):
         self.code = code
         self.detail = detail
         self.status = status
+
+
+class OptionsRefused(BadRequest):
+    """The pipeline refused a session's options (``config``); ``reason`` is its own word, naming the option."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("invalid_option", f"config: {reason}")
+        self.reason = reason
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from .metrics import ServerMetrics
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle
 from .registry import SessionRecord, SessionRegistry
-from . import runtime_views
+from . import option_check, runtime_views
 from .requests import CreateSession
 from .runner import RoomRunner, RunnerDeps
 from .settings import ServerSettings
@@ -324,6 +324,10 @@ class StreamRuntime:
         runtime_views.publish_gauges(self)
 
     # -- sessions ------------------------------------------------------------------
+
+    async def check_options(self, options: dict[str, Any]) -> None:
+        """A ready worker's pipeline checks a create's options before anything is held (:mod:`.option_check`)."""
+        await option_check.check_options(self, options)
 
     def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits."""

@@ -355,13 +355,21 @@ class ReplayService(ServerPushService):
         """
         if not self._running:
             raise RuntimeError("replay service: stream() called outside `async with service.running()`")
-        options = ReplayOptions.from_mapping(config.options, self.videos)
-        if options.video_path is not None:
-            _probe_video(options.video_path)
+        options = self._options(config.options)
         if self._active is not None:
             raise RuntimeError("replay service serves one stream at a time (server-push: one retained session)")
         self._active = _ReplayStream(self, options)
         return self._active
+
+    async def check_options(self, options: Mapping[str, Any]) -> None:
+        """The check :meth:`stream` runs (``ValueError`` naming the option); a named video is probed."""
+        self._options(options)
+
+    def _options(self, options: Mapping[str, Any]) -> ReplayOptions:
+        checked = ReplayOptions.from_mapping(options, self.videos)
+        if checked.video_path is not None:
+            _probe_video(checked.video_path)
+        return checked
 
     def _release(self, stream: _ReplayStream) -> None:
         if self._active is stream:

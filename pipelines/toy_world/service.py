@@ -214,20 +214,7 @@ class ToyWorldService(BidirectionalService):
             raise RuntimeError("create_session needs `async with service.running():`")
         if self._stages.failure is not None:
             raise ServiceFailedError(f"the toy world service failed and takes no new sessions: {self._stages.failure}")
-        options = dict(config.options)
-        unknown = sorted(str(name) for name in options if name not in SESSION_OPTIONS)
-        if unknown:  # a misspelt option would otherwise stream the default world without a word
-            raise ValueError(f"toy world: unknown option(s) {unknown} (known: {sorted(SESSION_OPTIONS)})")
-        continuous = options.pop("continuous", False)
-        if not isinstance(continuous, bool):
-            raise ValueError(f"option 'continuous' must be true or false, got {continuous!r}")
-        chunk_count = options.pop("chunks", None)
-        resolution = options.pop("resolution", None)
-        if resolution is not None:
-            resolution = parse_resolution(resolution, self.config)  # ValueError naming 'resolution'
-        if chunk_count is not None and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
-                                        or chunk_count < 1):
-            raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
+        continuous, chunk_count, resolution = self._session_options(config.options)
         image = (
             await trio.to_thread.run_sync(load_image, config.image_path, self.config.world_size)
             if config.image_path
@@ -265,6 +252,27 @@ class ToyWorldService(BidirectionalService):
         session.prefetch.prime()
         self._nursery.start_soon(self._run_session, session)
         return session_id
+
+    async def check_options(self, options: Mapping[str, Any]) -> None:
+        """The check :meth:`create_session` runs on a session's options (``ValueError`` naming the option)."""
+        self._session_options(options)
+
+    def _session_options(self, options: Mapping[str, Any]) -> tuple[bool, int | None, Any]:
+        """``(continuous, chunks, resolution)`` from a session's options, or a ``ValueError`` naming the bad one."""
+        unknown = sorted(str(name) for name in options if name not in SESSION_OPTIONS)
+        if unknown:  # a misspelt option would otherwise stream the default world without a word
+            raise ValueError(f"toy world: unknown option(s) {unknown} (known: {sorted(SESSION_OPTIONS)})")
+        continuous = options.get("continuous", False)
+        if not isinstance(continuous, bool):
+            raise ValueError(f"option 'continuous' must be true or false, got {continuous!r}")
+        chunk_count = options.get("chunks")
+        if chunk_count is not None and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
+                                        or chunk_count < 1):
+            raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
+        resolution = options.get("resolution")
+        if resolution is not None:
+            resolution = parse_resolution(resolution, self.config)  # ValueError naming 'resolution'
+        return continuous, chunk_count, resolution
 
     def _encode_request(self, session: _ToySession, index: int) -> EncodeRequest:
         needs_world = index == 0

@@ -42,6 +42,9 @@ from states.stream_session import DrainCause, Event, State, StreamSessionMachine
 
 from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
+from ..option_check import CHECK_OPTIONS_TIMEOUT
+from ..reasons import public_reason
+from ..requests import OptionsRefused
 from ..registry import SessionRecord, SessionRegistry
 from ..lifecycle import SessionLifecycle
 from ..runner import RoomRunner, RunnerDeps
@@ -370,6 +373,9 @@ class Agent:
                 runner = self.runners.get(message.session_id)
                 if runner is not None:
                     runner.abort(_cause(message.cause)) if message.now else runner.drain(_cause(message.cause))
+            elif isinstance(message, wire.CheckOptions):
+                assert self._nursery is not None
+                self._nursery.start_soon(self._check_options, message)
             elif isinstance(message, wire.Drain):
                 self.begin_drain(message.deadline)
             elif isinstance(message, wire.Refused):
@@ -391,6 +397,19 @@ class Agent:
             if trio.current_time() >= fence:
                 return "no heartbeat acknowledged: fenced before the authority's deadline"
             await trio.sleep_until(fence)
+
+    async def _check_options(self, message: wire.CheckOptions) -> None:
+        """The pipeline's word on a create's options, for the authority (which bounds its own wait too)."""
+        refused = error = None
+        try:
+            with trio.fail_after(CHECK_OPTIONS_TIMEOUT):
+                await self.worker.check_options(message.options)
+        except OptionsRefused as exc:
+            refused = exc.reason
+        except Exception as exc:
+            log.warning("checking a session's options failed: %r", exc)
+            error = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc)
+        self.send(wire.OptionsChecked(message.check_id, refused, error))
 
     def _model_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
         self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}))

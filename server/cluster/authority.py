@@ -257,6 +257,8 @@ class ClusterAuthority:
                 worker.on_session_event(message, now)
             elif isinstance(message, wire.SessionFinished):
                 worker.on_session_finished(message)
+            elif isinstance(message, wire.OptionsChecked):
+                worker.on_options_checked(message)
             elif isinstance(message, wire.Ready):
                 self._ready(worker, message)
             elif isinstance(message, wire.Failed):

@@ -11,6 +11,7 @@ authoritative record, in sequence order (duplicates and late events are dropped 
 from __future__ import annotations
 
 import base64
+import itertools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,10 @@ import trio
 
 from states.stream_session import DrainCause, Event
 
-from .wire import Channel, ConnectionClosed, Message, SessionEvent, SessionFinished, Start, Stop
+from ..requests import OptionsRefused
+from .wire import (
+    Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, SessionEvent, SessionFinished, Start, Stop,
+)
 
 if TYPE_CHECKING:
     from ..registry import SessionRecord
@@ -72,6 +76,8 @@ class RemoteWorker:
         self.lost_cause: str | None = None
         self.stale_events = 0
         self._outbox_send, self._outbox = trio.open_memory_channel[Message](256)
+        self._checks: dict[int, _Check] = {}
+        self._check_ids = itertools.count(1)
 
     @property
     def failing(self) -> bool:
@@ -107,6 +113,37 @@ class RemoteWorker:
     def stop(self) -> None:
         """The runtime is done with this worker (shutdown): close the connection."""
         self._outbox_send.close()
+
+    # -- option checks --
+
+    async def check_options(self, options: dict[str, Any]) -> None:
+        """The agent's pipeline checks a create's options: :class:`OptionsRefused` when it refuses them.
+
+        The caller bounds the wait; a loss meanwhile ends it with the loss.
+        """
+        if self.lost_cause is not None:
+            raise RuntimeError(f"worker lost: {self.lost_cause}")
+        check = _Check(next(self._check_ids))
+        self._checks[check.check_id] = check
+        try:
+            self.send(CheckOptions(check.check_id, options))
+            await check.done.wait()
+        finally:
+            self._checks.pop(check.check_id, None)
+        if check.answer is None:
+            raise RuntimeError(f"worker lost: {self.lost_cause}")
+        if check.answer.refused is not None:
+            raise OptionsRefused(check.answer.refused)
+        if check.answer.error is not None:
+            raise RuntimeError(check.answer.error)
+
+    def on_options_checked(self, message: OptionsChecked) -> None:
+        check = self._checks.get(message.check_id)
+        if check is None:
+            self.stale_events += 1  # its create gave up waiting
+            return
+        check.answer = message
+        check.done.set()
 
     # -- sessions --
 
@@ -168,6 +205,8 @@ class RemoteWorker:
             self.lost_cause = cause
             self.failure = f"worker lost: {cause}"
         self._outbox_send.close()
+        for check in self._checks.values():
+            check.done.set()  # no answer will come
 
 
 def _drain_cause(value: str) -> DrainCause:
@@ -184,6 +223,15 @@ def _read_image(path: str | None) -> tuple[str | None, str | None]:
     if len(data) > MAX_IMAGE_BYTES:
         raise ValueError(f"the reference image {path!r} is larger than {MAX_IMAGE_BYTES} bytes")
     return base64.b64encode(data).decode(), Path(path).suffix or None
+
+
+@attrs.define
+class _Check:
+    """One option check awaiting its agent's answer."""
+
+    check_id: int
+    done: trio.Event = attrs.Factory(trio.Event)
+    answer: OptionsChecked | None = None
 
 
 class RemoteRun:

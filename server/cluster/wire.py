@@ -12,8 +12,8 @@ answers :class:`Register` whose ``proof`` is ``HMAC-SHA256(cluster token, nonce 
 worker id)``, so the token itself never crosses the wire; the authority answers
 :class:`Welcome` or :class:`Refused` (then closes). After that the agent sends
 :class:`Ready`, :class:`Heartbeat`, :class:`SessionEvent`, :class:`SessionFinished`,
-:class:`Failed` and :class:`Goodbye`; the authority sends :class:`HeartbeatAck`,
-:class:`Start`, :class:`Stop` and :class:`Drain`.
+:class:`Failed`, :class:`OptionsChecked` and :class:`Goodbye`; the authority sends :class:`HeartbeatAck`,
+:class:`Start`, :class:`Stop`, :class:`Drain` and :class:`CheckOptions`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ __all__ = [
     "Drain",
     "SessionEvent",
     "SessionFinished",
+    "CheckOptions",
+    "OptionsChecked",
     "Goodbye",
     "proof_for",
     "proof_matches",
@@ -247,6 +249,25 @@ class SessionFinished(Message):
     seq: int = attrs.field(converter=_int)
     error: str | None = attrs.field(converter=_opt_str)
     drain_cause: str | None = attrs.field(converter=_opt_str)
+
+
+@attrs.frozen
+class CheckOptions(Message):
+    """Check a create's session options with the agent's pipeline (the create waits for the answer)."""
+
+    TYPE = "check_options"
+    check_id: int = attrs.field(converter=_int)
+    options: dict[str, Any] = attrs.field(converter=_dict)
+
+
+@attrs.frozen
+class OptionsChecked(Message):
+    """The answer: ``refused`` is the pipeline's reason, ``error`` why it could not check; both None: accepted."""
+
+    TYPE = "options_checked"
+    check_id: int = attrs.field(converter=_int)
+    refused: str | None = attrs.field(default=None, converter=_opt_str)
+    error: str | None = attrs.field(default=None, converter=_opt_str)
 
 
 @attrs.frozen

@@ -215,9 +215,15 @@ class _Server:
         with scope:
             try:
                 service = self.service
-                if not isinstance(service, BidirectionalService):
+                if method == "check_options":  # a refusal is the answer (its text), not a failed call
+                    try:
+                        await service.check_options(*args)
+                        value = None
+                    except ValueError as exc:
+                        value = str(exc)
+                elif not isinstance(service, BidirectionalService):
                     raise TypeError(f"{type(service).__name__} is a {service.kind} service; it has no {method}()")
-                if method == "create_session":
+                elif method == "create_session":
                     (config,) = args
                     sink = self._event_sink(call_id) if message.wants_events else None
                     value = await service.create_session(config, on_event=sink)

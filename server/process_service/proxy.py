@@ -12,7 +12,7 @@ import itertools
 import logging
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -382,6 +382,12 @@ class ProcessService:
         if method == "create_session" and on_event is not None:
             self._session_calls[call.payload] = call_id
         return call.payload
+
+    async def check_options(self, options: Mapping[str, Any]) -> None:
+        """The child's service checks the options; its refusal is a ``ValueError`` here, with its text."""
+        refused = await self._call("check_options", (dict(options),))
+        if refused is not None:
+            raise ValueError(refused)
 
     def _give_up(self, call_id: int, method: str) -> None:
         """Nobody waits for the call any more: cancel it in the child (its late answer is dropped there or here)."""

@@ -37,7 +37,7 @@ __all__ = [
 
 CREDIT_WINDOW = 2  # chunks a stream may send ahead of what the parent's consumer has taken
 
-CALL_METHODS = frozenset({"create_session", "push_control", "close_session"})
+CALL_METHODS = frozenset({"check_options", "create_session", "push_control", "close_session"})
 STREAM_METHODS = frozenset({"chunks", "stream"})
 
 

@@ -1,5 +1,6 @@
 """Session options come from remote clients: through a real server they may not name server files outside
-``--assets-dir`` (the replay pipeline's ``video_path``), nor make the server hold an unbounded chunk."""
+``--assets-dir`` (the replay pipeline's ``video_path``), nor make the server hold an unbounded chunk. The
+pipeline refuses such options before anything is held: the create is a 400 ``invalid_option`` with its reason."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ import trio
 
 from ..pipelines.test_replay import write_video
 from .test_hostile_server import WAIT, Server, running, wait_for
+
+
+async def _refusal(server: Server, config: dict[str, Any]) -> str:
+    """Create a session with ``config``: the pipeline refuses it (400 ``invalid_option``); its reason, and no record."""
+    status, body = await server.request("POST", "/v1/stream/sessions", {"identity": "ctl", "config": config})
+    assert status == 400 and body["error"] == "invalid_option", (config, status, body)
+    listed = (await server.request("GET", "/v1/stream/sessions"))[1]["sessions"]
+    assert not [s for s in listed if s["status"] not in ("closed", "failed", "expired")], listed
+    return body["detail"]
 
 
 async def _outcome(server: Server, config: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -41,9 +51,8 @@ async def test_a_client_cannot_replay_a_server_file_without_an_assets_dir(tmp_pa
     clip = tmp_path / "private.mp4"
     write_video(clip, [200] * 10)
     async with running() as server:
-        found, frames = await _outcome(server, {"video_path": str(clip)})
-    assert found["status"] == "failed" and frames == 0, found
-    assert "video_path' needs the server to be started with --assets-dir" in found["error"]
+        refused = await _refusal(server, {"video_path": str(clip)})
+    assert "video_path' needs the server to be started with --assets-dir" in refused
 
 
 async def test_a_clients_video_path_must_be_inside_the_assets_dir(tmp_path: Path) -> None:
@@ -61,23 +70,20 @@ async def test_a_clients_video_path_must_be_inside_the_assets_dir(tmp_path: Path
                           ("../private.mp4", "may not contain '..'"),
                           ("link.mp4", "resolves outside the assets directory"),
                           ("nope.mp4", "'nope.mp4' does not exist in the assets directory")]:
-            found, frames = await _outcome(server, {**small, "video_path": name})
-            assert found["status"] == "failed" and frames == 0, (name, found)
-            assert f"video_path' {why}" in found["error"], (name, found["error"])
+            refused = await _refusal(server, {**small, "video_path": name})
+            assert f"video_path' {why}" in refused, (name, refused)
 
 
 async def test_a_chunk_a_client_asks_for_is_bounded_before_it_is_made() -> None:
     async with running() as server:
         # 4096 x 4096 x 3 x 1024 frames: 51 GB a chunk had the request been taken
-        found, frames = await _outcome(server, {"width": 4096, "height": 4096, "frames_per_chunk": 1024})
-    assert found["status"] == "failed" and frames == 0, found
-    assert "at most 67108864" in found["error"], found["error"]
+        refused = await _refusal(server, {"width": 4096, "height": 4096, "frames_per_chunk": 1024})
+    assert "at most 67108864" in refused, refused
 
 
-async def test_an_option_the_toy_world_does_not_know_fails_the_session_naming_it() -> None:
+async def test_an_option_the_toy_world_does_not_know_is_refused_naming_it() -> None:
     async with running(pipeline="pipelines/toy_world") as server:
         for config, named in [({"seeed": 3}, "unknown option(s) ['seeed']"),
                               ({"continuous": "no"}, "option 'continuous' must be true or false")]:
-            found, frames = await _outcome(server, config)
-            assert found["status"] == "failed" and frames == 0, (config, found)
-            assert named in found["error"], (config, found["error"])
+            refused = await _refusal(server, config)
+            assert named in refused, (config, refused)

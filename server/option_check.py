@@ -1,0 +1,60 @@
+"""A create's session options, checked by the pipeline itself before the server holds anything.
+
+The API process does not import the pipeline when its workers run out of process (process workers,
+worker agents), so it asks a ready worker: the service's ``check_options`` (the very check its
+``create_session`` or ``stream`` runs) in the worker's process, through the process proxy or the
+agent's connection. Its refusal is an HTTP 400 ``invalid_option`` with the pipeline's own words;
+no slot, queue place, room or token is taken. Every worker runs the same pipeline, so one's word
+holds for all.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from states.worker import ELIGIBLE
+
+from .reasons import public_reason
+from .requests import OptionsRefused
+
+if TYPE_CHECKING:
+    from .runtime import StreamRuntime
+
+__all__ = ["CHECK_OPTIONS_TIMEOUT", "check_options"]
+
+log = logging.getLogger("chunkline.runtime")
+
+#: seconds a create waits for a worker's check of its options (a process child's own deadline is longer)
+CHECK_OPTIONS_TIMEOUT = 10.0
+
+
+async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None:
+    """Raise :class:`OptionsRefused` (400) when the pipeline refuses ``options``.
+
+    No options: nothing to check, and a create costs no round trip to a worker. With no worker
+    ready yet (every one loading), or one that does not answer within :data:`CHECK_OPTIONS_TIMEOUT`,
+    the options cannot be checked: ``NoWorker`` (503 with Retry-After). With no worker at all, or
+    while the server stops, ``create_session`` answers as it always does.
+    """
+    from .runtime import NO_WORKER_RETRY_AFTER, NoWorker
+
+    if not options or runtime.closing or not runtime.book.can_place():
+        return
+    ready = [worker for worker_id, worker in runtime.workers.items()
+             if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.failing]
+    if not ready:
+        raise NoWorker("no worker is ready to check the session's options yet (every worker is starting)",
+                       NO_WORKER_RETRY_AFTER)
+    worker = ready[0]
+    try:
+        with trio.fail_after(CHECK_OPTIONS_TIMEOUT):
+            await worker.check_options(options)
+    except OptionsRefused:
+        raise
+    except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken
+        log.warning("worker %s could not check a session's options: %r", worker.worker_id, exc)
+        reason = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc)
+        raise NoWorker(f"the session's options could not be checked: {reason}", NO_WORKER_RETRY_AFTER) from None

@@ -1,0 +1,116 @@
+"""A create's session options are checked by the pipeline itself before the server holds anything.
+
+A refused option is an HTTP 400 ``invalid_option`` naming it, in every worker mode: in-process (the
+app's own worker), ``local-agents`` (the pipeline in an agent process, asked over the agent's
+connection) and process workers (the pipeline in a service child, asked through its proxy). Nothing
+is held: a one-slot server with no queue takes the next valid create at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+from pipelines.contract import SessionConfig
+from pipelines.replay import ReplayService
+from server.process_service import start_process_service
+
+from . import runner_fixtures
+from .conftest import GatedLoader, assert_error_body, make_settings, serve
+from .runner_fixtures import CounterService, wait_until
+
+SESSIONS = "/v1/stream/sessions"
+
+#: (options, the words the refusal must hold): bad values, bounds, an unknown name, wrong types
+BAD_OPTIONS: list[tuple[dict[str, Any], tuple[str, ...]]] = [
+    ({"resolution": "abc"}, ("'resolution'", "'abc'")),
+    ({"resolution": "4000x4000"}, ("'resolution'", "4000")),
+    ({"resolution": "322x192"}, ("'resolution'", "multiple of 4")),
+    ({"resolutoin": "320x192"}, ("unknown option", "resolutoin")),
+    ({"chunks": "three"}, ("'chunks'", "'three'")),
+    ({"chunks": 0}, ("'chunks'",)),
+    ({"continuous": "yes"}, ("'continuous'", "'yes'")),
+]
+
+
+async def assert_refused(s: Any, options: dict[str, Any], words: tuple[str, ...]) -> None:
+    status, body, *_ = await s.json("post", SESSIONS, json={"identity": "ctl", "config": options})
+    assert status == 400, (options, status, body)
+    assert_error_body(status, body, "invalid_option")
+    for word in words:
+        assert word in body["detail"], (options, body)
+    assert not [r for r in s.runtime.registry if not r.is_terminal], "a refused create left a record"
+
+
+async def test_a_bad_option_is_a_400_naming_it_and_holds_nothing(worker_kind):
+    async with serve(make_settings(max_sessions_per_worker=1, queue_size=0), workers=worker_kind) as s:
+        for options, words in BAD_OPTIONS:
+            await assert_refused(s, options, words)
+        assert not list(s.runtime.registry)
+        assert s.runtime.health()["free_slots"] == 1
+        # the one slot is still free: a valid create (with options the pipeline takes) gets it
+        status, body, _ = await s.create("ctl", config={"resolution": "320x192", "chunks": 4})
+        assert status == 200, body
+        assert body["token"] and body["worker_id"] == s.worker_id
+        # and with that slot taken and no queue, the next create is the usual 429, not a 400
+        status, body, _ = await s.create("ctl-2", config={"continuous": True})
+        assert status == 429, body
+
+
+async def test_options_are_checked_in_the_process_worker_and_the_slot_stays_free():
+    loader = functools.partial(start_process_service, height=32, width=48, frames_per_chunk=2)
+    settings = runner_fixtures.settings(pipeline="pipelines/toy_world", worker_mode="process",
+                                        max_sessions_per_worker=1, queue_size=0)
+    async with runner_fixtures.serve(settings, loader, ready=False) as s:
+        await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
+        for options, words in (({"resolution": "abc"}, ("'resolution'", "'abc'")),
+                               ({"colour": "red"}, ("unknown option", "colour"))):
+            status, body = await s.json("post", SESSIONS, json={"identity": "ctl", "config": options})
+            assert status == 400 and body["error"] == "invalid_option", body
+            assert all(word in body["detail"] for word in words), body
+            assert "Traceback" not in body["detail"] and "RemoteServiceError" not in body["detail"]
+        assert not list(s.runtime.registry) and s.free_slots() == 1
+        created = await s.create("ctl", config={"resolution": "64x48"})
+        assert created["status"] == "assigned", created
+
+
+async def test_a_pipeline_that_declares_no_check_takes_any_options():
+    """The contract's default ``check_options`` takes everything: such a pipeline works as before."""
+    async with runner_fixtures.serve(runner_fixtures.settings(), CounterService()) as s:
+        created = await s.create("ctl", config={"anything": [1, 2], "resolution": "abc"})
+        assert created["status"] == "assigned", created
+
+
+async def test_options_while_every_worker_is_loading_are_a_503_and_hold_nothing():
+    loader = GatedLoader()
+    async with serve(make_settings(), loader=loader, ready=False) as s:
+        try:
+            status, body, response = await s.create("ctl", config={"resolution": "abc"})
+            assert status == 503, body
+            assert_error_body(status, body, "no_worker")
+            assert "check the session's options" in body["detail"]
+            assert int(response.headers["Retry-After"]) > 0
+            assert not list(s.runtime.registry)
+            # with no options there is nothing to check: the create waits for the worker as before
+            status, body, _ = await s.create("ctl-plain")
+            assert status == 202 and body["status"] == "queued", body
+        finally:
+            loader.release()
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"fps": 0}, "'fps'"), ({"width": 15}, "'width'"), ({"colour": "red"}, "colour"),
+     ({"width": 4096, "height": 4096, "frames_per_chunk": 1024}, "'frames_per_chunk'")],
+)
+async def test_the_replay_check_is_the_one_its_stream_runs(options: dict[str, Any], named: str) -> None:
+    service = ReplayService()
+    async with service.running():
+        with pytest.raises(ValueError, match=named) as checked:
+            await service.check_options(options)
+        with pytest.raises(ValueError) as streamed:
+            service.stream(SessionConfig(options=options))
+        assert str(checked.value) == str(streamed.value)
+        await service.check_options({"fps": 24, "width": 64, "height": 48})
