@@ -19,7 +19,7 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from . import json_limits
+from . import json_limits, option_check
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .registry import UnknownStreamSession
@@ -196,7 +196,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             if size > MAX_IMAGE_BYTES:
                 raise BadRequest("image_too_large",
                                  f"the image has {size} bytes; worker agents take images of at most {MAX_IMAGE_BYTES}")
-        await runtime.check_options(body.config)  # a bad option is a 400 before anything is held
+        await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
         created = runtime.create_session(body, image_bytes=image)
         admission = created.admission
         if admission.status == "rejected":

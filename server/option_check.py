@@ -23,12 +23,14 @@ from .requests import OptionsRefused
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["CHECK_OPTIONS_TIMEOUT", "check_options"]
+__all__ = ["CHECK_OPTIONS_TIMEOUT", "MAX_CHECKS_AT_ONCE", "check_options"]
 
 log = logging.getLogger("chunkline.runtime")
 
 #: seconds a create waits for a worker's check of its options (a process child's own deadline is longer)
 CHECK_OPTIONS_TIMEOUT = 10.0
+#: checks under way at once; more wait their turn within their deadline (an agent's outbox holds 256 messages)
+MAX_CHECKS_AT_ONCE = 16
 
 
 async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None:
@@ -51,7 +53,8 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
     worker = ready[0]
     try:
         with trio.fail_after(CHECK_OPTIONS_TIMEOUT):
-            await worker.check_options(options)
+            async with runtime.option_checks:
+                await worker.check_options(options)
     except OptionsRefused:
         raise
     except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken

@@ -109,6 +109,8 @@ class StreamRuntime:
         self._service_loader = service_loader
         self._nursery: trio.Nursery | None = None
         self.uploads = UploadFolder()
+        #: option checks under way at once (each is a message to a worker: a burst of creates stays bounded)
+        self.option_checks = trio.CapacityLimiter(option_check.MAX_CHECKS_AT_ONCE)
         self._shut_down = trio.Event()
         self.started = False
         self.closing = False
@@ -324,10 +326,6 @@ class StreamRuntime:
         runtime_views.publish_gauges(self)
 
     # -- sessions ------------------------------------------------------------------
-
-    async def check_options(self, options: dict[str, Any]) -> None:
-        """A ready worker's pipeline checks a create's options before anything is held (:mod:`.option_check`)."""
-        await option_check.check_options(self, options)
 
     def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits."""
