@@ -12,9 +12,11 @@ import functools
 from typing import Any
 
 import pytest
+import trio
 
 from pipelines.contract import SessionConfig
 from pipelines.replay import ReplayService
+from server import option_check
 from server.process_service import start_process_service
 
 from . import runner_fixtures
@@ -114,3 +116,20 @@ async def test_the_replay_check_is_the_one_its_stream_runs(options: dict[str, An
             service.stream(SessionConfig(options=options))
         assert str(checked.value) == str(streamed.value)
         await service.check_options({"fps": 24, "width": 64, "height": 48})
+
+
+class SilentCheck(CounterService):
+    """A pipeline whose option check never answers (a hung check's stand-in)."""
+
+    async def check_options(self, options: Any) -> None:
+        await trio.sleep_forever()
+
+
+async def test_a_check_that_never_answers_is_a_503_at_its_deadline(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(option_check, "CHECK_OPTIONS_TIMEOUT", 0.2)  # the 10 s deadline, shortened
+    async with runner_fixtures.serve(runner_fixtures.settings(), SilentCheck()) as s:
+        status, body = await s.json("post", SESSIONS, json={"identity": "ctl", "config": {"continuous": True}})
+        assert status == 503 and body["error"] == "no_worker", body
+        assert "could not be checked: no answer in time" in body["detail"]
+        assert not list(s.runtime.registry) and s.free_slots() == 1
+        assert s.runtime.option_checks.borrowed_tokens == 0
