@@ -15,6 +15,12 @@ the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), the
   (:mod:`server.http_framing`: a head within ``Deadlines.head`` of its first byte, else 408; a body at
   a minimum rate), so trickling bytes slower than that cannot hold a connection either.
 
+Closing a connection the client may still be sending on -- a request refused before its body was read,
+here or by the app (413) -- is a lingering close: the answer, then the write side shut, then what the client
+still sends read and thrown away, at most :data:`LINGER_BYTES` (or what its body declares) within
+``Deadlines.linger``, then the close. Closing at once with bytes unread makes the kernel send a reset, and
+the client's kernel then drops the answer it had not read yet.
+
 At most :data:`MAX_CONNECTIONS` connections are served at once (more are answered 503 and closed), the
 request bodies of them all under way at once are bounded by a :class:`~server.http_framing.BodyBudget`
 (``--max-body-bytes-in-flight``: a request past it is answered 503 with ``Retry-After`` and reaches nothing),
@@ -34,13 +40,14 @@ from .http_framing import BodyBudget, FramingRefused, RequestFraming
 from .room_socket import Deadlines, RoomSocket
 from .transport.local import LocalRooms
 
-__all__ = ["MAX_CONNECTIONS", "MAX_HEAD", "Front"]
+__all__ = ["LINGER_BYTES", "MAX_CONNECTIONS", "MAX_HEAD", "Front"]
 
 log = logging.getLogger("chunkline.front")
 
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024
 READ_SIZE: Final = 65536
+LINGER_BYTES: Final = 4 * 1024 * 1024  # the most a lingering close reads of what a refused client still sends
 
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _REFUSALS: Final = {
@@ -99,7 +106,7 @@ class Front:
             try:
                 if len(self._open) > MAX_CONNECTIONS:
                     self.refused += 1
-                    await self._refuse(stream, 503)
+                    await self._refuse(stream, 503, linger=0)  # shed at once: lingering would hold one more
                     return
                 head = await self._read_head(stream)
                 if head is None:
@@ -132,7 +139,10 @@ class Front:
         await self._refuse(stream, 408)
         return None
 
-    async def _refuse(self, stream: trio.SocketStream, status: int, why: FramingRefused | None = None) -> None:
+    async def _refuse(
+        self, stream: trio.SocketStream, status: int, why: FramingRefused | None = None, *, linger: int = LINGER_BYTES
+    ) -> None:
+        """Answer ``status`` and close lingering (reading at most ``linger`` bytes more; 0: close at once)."""
         reason = _REFUSALS[status]
         error = why.error if why is not None and why.error else reason.decode().split(" ", 1)[1].lower().replace(" ", "_")
         detail = why.detail if why is not None and why.error else reason.decode()
@@ -142,24 +152,44 @@ class Front:
             b"HTTP/1.1 " + reason + b"\r\nContent-Type: application/json\r\nConnection: close\r\n" + retry
             + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
-        with trio.move_on_after(self._deadlines.write):
+        with trio.move_on_after(self._deadlines.write) as deadline:
             await stream.send_all(response)
+        if linger and not deadline.cancelled_caught:  # a client that does not read its answer is not waited for
+            await self._linger(stream, linger)
+
+    async def _linger(self, stream: trio.SocketStream, most: int) -> None:
+        """Shut the write side (the answer is complete), then read and drop what the client still sends -- at
+        most ``most`` bytes, within ``Deadlines.linger`` -- so that closing does not reset the connection."""
+        most = min(most, LINGER_BYTES)
+        with contextlib.suppress(*_GONE), trio.move_on_after(self._deadlines.linger):
+            await stream.send_eof()
+            while most > 0 and (data := await stream.receive_some(min(READ_SIZE, most))):
+                most -= len(data)
 
     async def _splice(self, client: trio.SocketStream, head: bytes) -> None:
         framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD, budget=self.body_budget)
         try:
-            await self._splice_framed(client, head, framing)
+            refusal, answered = await self._splice_framed(client, head, framing)
         finally:
-            framing.release()  # a body cut short gives its share of the budget back
+            framing.release()  # a body cut short gives its share of the budget back (before any lingering)
+        unread = framing.body_left or LINGER_BYTES  # what may still be on its way: its body's rest, or unknown
+        if refusal is not None:
+            await self._refuse(client, refusal.status, refusal, linger=unread)
+        elif answered:  # the backend answered and closed (a 413 with the body unread, Connection: close, ...)
+            await self._linger(client, unread)
 
-    async def _splice_framed(self, client: trio.SocketStream, head: bytes, framing: RequestFraming) -> None:
+    async def _splice_framed(
+        self, client: trio.SocketStream, head: bytes, framing: RequestFraming
+    ) -> tuple[FramingRefused | None, bool]:
+        """Splice until either side ends; returns the front's own refusal, if any, and whether the splice ended
+        because the backend had answered all it would (so the client is due a lingering close)."""
         refusal: FramingRefused | None = None
+        answered = False
         try:
             framing.feed(head, trio.current_time())
         except FramingRefused as exc:
             log.info("a request the front refuses: %d %s", exc.status, exc.detail)
-            await self._refuse(client, exc.status, exc)
-            return
+            return exc, False
         backend = await trio.open_unix_socket(self._backend)
         moved_at = trio.current_time()  # the last time a byte went either way
         try:
@@ -192,15 +222,25 @@ class Front:
                                 log.info("a request the front refuses: %d %s", exc.status, exc.detail)
                                 refusal = exc
                                 break
-                            await backend.send_all(data)
+                            try:
+                                await backend.send_all(data)
+                            except _GONE:
+                                return  # the backend stopped reading (it answered and closes): its answer goes on
                     except _GONE:
                         pass
                     nursery.cancel_scope.cancel()
 
                 async def to_client() -> None:
-                    nonlocal moved_at
+                    nonlocal moved_at, answered
                     with contextlib.suppress(*_GONE):
-                        while data := await backend.receive_some(READ_SIZE):
+                        while True:
+                            try:
+                                data = await backend.receive_some(READ_SIZE)
+                            except _GONE:
+                                data = b""  # the backend closed with bytes unread: what it answered went out
+                            if not data:
+                                answered = True  # the backend is done with this connection
+                                break
                             if data.startswith(b"HTTP/1.1 101 "):
                                 framing.switched()  # no longer HTTP/1.1 from here on
                             with trio.move_on_after(self._deadlines.write) as deadline:
@@ -217,5 +257,4 @@ class Front:
         finally:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await backend.aclose()
-        if refusal is not None:
-            await self._refuse(client, refusal.status, refusal)
+        return refusal, answered

@@ -83,6 +83,11 @@ class RequestFraming:
         #: when the request under way must have arrived (``math.inf``: none is under way)
         self.due = math.inf
 
+    @property
+    def body_left(self) -> int:
+        """Bytes the body under way declares that have not arrived yet (at most; 0: none is under way)."""
+        return self._body_left
+
     def switched(self) -> None:
         """The backend answered 101: what follows is another protocol, passed through as it is."""
         self._passthrough = True
@@ -120,10 +125,10 @@ class RequestFraming:
                 raise FramingRefused(431, "the request head is larger than the front allows")
             rest = bytes(self._head[end + 4:])
             length = self._body_length(bytes(self._head[:end]))
+            self._head.clear()
+            self._body_left = length  # also what is still to come if the budget refuses it
             if length and self._budget is not None:
                 self._held = self._budget.take(length)
-            self._head.clear()
-            self._body_left = length
             self.due = now + self._head_seconds + length / MIN_UPLOAD_RATE if length else math.inf
             view = memoryview(rest)
 

@@ -60,13 +60,15 @@ ROOM_PREFIX: Final = "/v1/rooms/"
 @attrs.frozen
 class Deadlines:
     """How long a peer may take (seconds): one write, between pings, to answer, to send its request head,
-    and how long an HTTP connection may move no byte either way (an idle keep-alive) before it is closed."""
+    how long an HTTP connection may move no byte either way (an idle keep-alive) before it is closed, and
+    how long the front reads what a client still sends after it was answered and is being closed."""
 
     write: float = WRITE_DEADLINE
     ping_interval: float = PING_INTERVAL
     pong: float = PONG_DEADLINE
     head: float = 10.0
     idle: float = IDLE_DEADLINE
+    linger: float = 2.0
 
 
 class PeerGone(Exception):
