@@ -5,8 +5,9 @@
 
 It joins the room as the worker, waits for the controller, creates the
 pipeline session, forwards validated controls (held, bounded, until the
-pipeline session exists; every refusal is answered on ``tf.status``), publishes
-chunks paced at their fps, and reports lifecycle, lease and chunk status. Who is
+pipeline session exists; every refusal is answered on ``tf.status``), hands its
+chunks to a :class:`~server.chunk_publisher.ChunkPublisher` (paced media, chunk
+messages, ``tf.metrics``), and reports lifecycle and lease status. Who is
 in the room, and which timeout runs, is the :class:`states.room_presence.RoomPresence`
 book: a controller that never joins (or leaves and does not return) within
 ``controller_timeout`` fails the session naming the controller; a room emptied
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from states.room_presence import RoomPresence, Timer
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
 from . import protocol
+from .chunk_publisher import ChunkPublisher
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
 
@@ -64,7 +65,6 @@ CREATE_PIPELINE_TIMEOUT = 60.0  # seconds the service may take to create a pipel
 CONTROL_TIMEOUT = 10.0  # seconds the service may take to take one control
 WORKER_CAUSE_WAIT = 10.0  # seconds a runner waits for a failing worker to say why, when its stream ended first
 EARLY_CONTROL_LIMIT = 64  # controls held before the pipeline session exists
-METRICS_PERIOD = 1.0
 OUTBOX_LIMIT = 32  # service events (lease status) waiting to be sent; more are dropped and counted
 
 #: What each presence timeout means for the session.
@@ -100,21 +100,6 @@ def _single_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-class _Pacer:
-    """Deadline-based pacing at the chunk's fps, with no catch-up burst after a stall."""
-
-    def __init__(self) -> None:
-        self.next_at: float | None = None
-
-    async def wait(self, fps: float) -> None:
-        interval = 1.0 / fps
-        now = trio.current_time()
-        if self.next_at is None or now - self.next_at > interval:
-            self.next_at = now
-        await trio.sleep_until(self.next_at)
-        self.next_at += interval
-
-
 class RoomRunner:
     def __init__(self, deps: RunnerDeps, record: SessionRecord, worker: ModelWorker) -> None:
         self.deps = deps
@@ -125,6 +110,7 @@ class RoomRunner:
         self._failure: str | None = None  # set by fail(): the session ends failed with this reason
         self._stop = trio.Event()
         self._connection: RoomConnection | None = None
+        self._publisher: ChunkPublisher | None = None  # made with the connection
         self._pipeline_session: Any = None  # what create_session returned: closed with it even if it is no id
         self._pipeline_ready = trio.Event()
         self._early_controls: deque[Control] = deque()
@@ -133,13 +119,6 @@ class RoomRunner:
         self._presence_changed = trio.Event()
         self._outbox_in, self._outbox = trio.open_memory_channel[bytes](OUTBOX_LIMIT)
         self.dropped_service_events = 0
-        self._published_chunks = 0
-        self._published_frames = 0
-        self._chunk_times: deque[float] = deque(maxlen=32)
-        self._last_latency: float | None = None
-        self._rtf: float | None = None
-        self._frames_per_chunk = 0
-        self._pacer = _Pacer()
         self._session_scope = trio.CancelScope()  # cancels everything but the drain (abort)
 
     # -- control from the runtime ----------------------------------------------
@@ -197,6 +176,7 @@ class RoomRunner:
         token = deps.issuer.worker_token(record.room, self.identity)
         # the transport bounds the connect itself and raises TransportError with the reason
         self._connection = await deps.transport.connect(record.room, self.identity, token, timeout=CONNECT_TIMEOUT)
+        self._publisher = ChunkPublisher(self._connection, deps.metrics, record.session_id, self._stop)
         self._presence = RoomPresence(
             record.controller_identity, deps.controller_timeout, deps.room_empty_timeout, trio.current_time()
         )
@@ -264,7 +244,7 @@ class RoomRunner:
         while self._early_controls:
             await self._apply_control(service, self._early_controls.popleft())
         await self._send_status("running", worker_id=self.worker.worker_id)
-        side_tasks.start_soon(self._publish_metrics)
+        side_tasks.start_soon(self._report_metrics)
         async with trio.open_nursery() as streaming:
             async def stop_streaming_on_drain() -> None:
                 await self._stop.wait()
@@ -289,7 +269,7 @@ class RoomRunner:
             return
         self._pipeline_ready.set()
         await self._send_status("running", worker_id=self.worker.worker_id)
-        side_tasks.start_soon(self._publish_metrics)
+        side_tasks.start_soon(self._report_metrics)
         with trio.CancelScope() as streaming:
             async def stop_streaming_on_drain() -> None:
                 await self._stop.wait()
@@ -309,60 +289,14 @@ class RoomRunner:
     # -- media ---------------------------------------------------------------------
 
     async def _publish(self, chunk: Chunk) -> None:
-        assert self._connection is not None
-        pacer = self._pacer
-        metrics = self.deps.metrics
-        started = time.time()
-        for frame in chunk.frames:
-            if self._stop.is_set():
-                return
-            await pacer.wait(chunk.fps)
-            await self._connection.publish_frame(frame, chunk.fps)
-            self._published_frames += 1
-        if chunk.audio is not None and not self._stop.is_set():
-            await self._connection.publish_audio(chunk.audio)
-        self._published_chunks += 1
-        self._frames_per_chunk = chunk.frame_count
-        now = trio.current_time()
-        self._chunk_times.append(now)
-        metrics.record_chunk_published(self.record.session_id, chunk.frame_count)
-        latency = chunk.metadata.get("control_to_output_seconds")
-        if isinstance(latency, int | float) and math.isfinite(latency):
-            self._last_latency = float(latency)
-        compute = sum(v for v in chunk.metadata.get("stage_times", {}).values() if isinstance(v, int | float))
-        if compute:
-            metrics.record_chunk_processed(compute)
-            self._rtf = compute / chunk.media_seconds
-        # the pipeline's own metadata keys win: the runner's figures only fill in what it did not say
-        data = {
-            "frames": chunk.frame_count,
-            "fps": chunk.fps,
-            "applied_controls": dict(chunk.applied_controls),
-            "publish_started_at": started,
-            "publish_finished_at": time.time(),
-            **chunk.metadata,
-        }
-        await self._send(protocol.chunk_message(self.record.session_id, chunk.index, data))
+        assert self._publisher is not None
+        message = await self._publisher.publish(chunk)
+        if message is not None:
+            await self._send(message)
 
-    async def _publish_metrics(self) -> None:
-        """Lossy ``tf.metrics`` every second: chunk period, fps, RTF, control-to-output latency."""
-        assert self._connection is not None
-        while True:
-            await trio.sleep(METRICS_PERIOD)
-            times = list(self._chunk_times)
-            period = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-            payload = protocol.metrics_message(
-                self.record.session_id,
-                chunk_period_seconds=period,
-                published_fps=None if period is None else self._frames_per_chunk / period,
-                real_time_factor=self._rtf,
-                control_to_output_seconds=self._last_latency,
-                published_frames=self._published_frames,
-            )
-            try:
-                await self._connection.send_data(protocol.METRICS_TOPIC, payload, reliable=False)
-            except TransportError:
-                return
+    async def _report_metrics(self) -> None:
+        assert self._publisher is not None
+        await self._publisher.report_metrics()
 
     # -- the room ----------------------------------------------------------------------
 
@@ -488,8 +422,10 @@ class RoomRunner:
         failure = error or (record.drain_detail if record.drain_cause in FAILING_CAUSES else None)
         if self._connection is not None:
             if failure is None:
+                publisher = self._publisher
+                chunks, frames = (0, 0) if publisher is None else (publisher.published_chunks, publisher.published_frames)
                 await self._send(
-                    protocol.done_message(record.session_id, self._published_chunks, self._published_frames,
+                    protocol.done_message(record.session_id, chunks, frames,
                                           reason=None if record.drain_cause is None else record.drain_cause.value)
                 )
             else:
