@@ -12,7 +12,10 @@ from typing import Any
 
 from .contract import BidirectionalService, ServerPushService, Service
 
-__all__ = ["PipelineLoadError", "load_pipeline_module", "load_service"]
+__all__ = ["FILE_MODULE_PREFIX", "PipelineLoadError", "load_pipeline_module", "load_service"]
+
+#: the module name a pipeline file outside any package is imported under: only the process that loaded it has it
+FILE_MODULE_PREFIX = "chunkline_pipeline_"
 
 
 class PipelineLoadError(ValueError):
@@ -37,7 +40,7 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
             raise PipelineLoadError(
                 f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
-    name = f"chunkline_pipeline_{abs(hash(str(target.resolve())))}"
+    name = f"{FILE_MODULE_PREFIX}{abs(hash(str(target.resolve())))}"
     spec = importlib.util.spec_from_file_location(
         name, target, submodule_search_locations=[str(path)] if path.is_dir() else None
     )

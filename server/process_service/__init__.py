@@ -35,8 +35,13 @@ with :class:`ProcessServiceFailed` ("... exited unexpectedly with code N"), the
 body of ``running()`` is cancelled and ``running()`` raises that error (as an
 in-process service's ``running()`` raises when its actors die).
 ``ControlRejected`` raised in the child is raised again as ``ControlRejected``
-with the same reason; any other exception as :class:`RemoteServiceError`
-carrying the child's traceback text.
+with the same reason, and ``PipelineContractError`` (a pipeline bug) with the
+same detail, the child's traceback as a note; any other exception as
+:class:`RemoteServiceError` carrying the child's traceback text. The child checks
+each chunk before it goes (``ChunkOrder``; that it pickles, with nothing of the
+pipeline file's own module, which the parent could not unpickle), so a stream
+that yields what is not a chunk fails that stream naming the pipeline's bug,
+not the whole service with an unreadable message.
 
 Chunk streams are credit-based: the child pulls at most ``CREDIT_WINDOW``
 chunks ahead of what the parent's consumer has taken, so a slow consumer holds

@@ -132,6 +132,20 @@ class _Server:
         """Queue a message for the parent (pickled here, so a pickling error is the poster's)."""
         self.outbox.put(wire.dumps(message))
 
+    def post_chunk(self, stream_id: int, chunk: Any, index: int) -> None:
+        """Queue chunk ``index`` of a stream, or raise PipelineContractError if the parent could not read it."""
+        from pipelines.contract import PipelineContractError
+        from pipelines.loader import FILE_MODULE_PREFIX
+
+        try:
+            data = wire.dumps_readable(wire.ChunkOut(stream_id, chunk), foreign=FILE_MODULE_PREFIX)
+        except Exception as exc:
+            raise PipelineContractError(
+                f"chunk {index} cannot be sent from the worker process (a Chunk's metadata and applied_controls "
+                f"must be plain data that pickles): {type(exc).__name__}: {exc}"
+            ) from exc
+        self.outbox.put(data)
+
     # -- trio ------------------------------------------------------------------------
 
     async def _main(self, capacity: int | None) -> None:
@@ -254,9 +268,12 @@ class _Server:
         return forward
 
     async def _stream(self, stream: _ChildStream, message: wire.OpenStream) -> None:
+        from pipelines.contract import ChunkOrder
+
         stream_id = message.stream_id
         error = None
         iterator = None
+        order = ChunkOrder()  # checked here: what is not a Chunk may not even pickle, or unpickle in the parent
         with stream.scope:
             try:
                 if message.method == "chunks":
@@ -269,11 +286,11 @@ class _Server:
                     while stream.credits <= 0:
                         await stream.changed.park()
                     try:
-                        chunk = await iterator.__anext__()
+                        chunk = order.check(await iterator.__anext__())
                     except StopAsyncIteration:
                         break
                     stream.credits -= 1
-                    self.post(wire.ChunkOut(stream_id, chunk))
+                    self.post_chunk(stream_id, chunk, chunk.index)
             except Exception as exc:
                 error = wire.error_info(exc)
             finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipelines.contract import ControlRejected
+from pipelines.contract import ControlRejected, PipelineContractError
 
 from .wire import ErrorInfo
 
@@ -56,9 +56,14 @@ class RemoteServiceError(ProcessServiceError):
 
 
 def remote_error(method: str, info: ErrorInfo) -> Exception:
-    """The exception to raise in the parent for ``info``: ControlRejected again, or a RemoteServiceError."""
+    """The exception to raise in the parent for ``info``: ControlRejected or PipelineContractError again (the
+    pipeline's bug says what it did wrong, as it does in-process), else a RemoteServiceError."""
     if info.reject_reason is not None:
         return ControlRejected(info.reject_reason)
+    if info.contract_detail is not None:
+        error = PipelineContractError(info.contract_detail)
+        error.add_note(f"--- child traceback ---\n{info.traceback}")
+        return error
     return RemoteServiceError(
         f"{method}() raised {info.type_name}: {info.message}\n--- child traceback ---\n{info.traceback}",
         method=method, remote_type=info.type_name, remote_message=info.message, remote_traceback=info.traceback,

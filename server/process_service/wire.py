@@ -32,7 +32,7 @@ import attrs
 __all__ = [
     "CREDIT_WINDOW", "Call", "Cancel", "ChildExited", "ChunkOut", "CloseStream", "Credit", "ErrorInfo",
     "LoadFailed", "OpenStream", "ProtocolError", "Ready", "Result", "Run", "RunFailed", "Running",
-    "SessionEvent", "Stop", "Stopped", "StreamEnd", "dumps", "error_info", "loads",
+    "SessionEvent", "Stop", "Stopped", "StreamEnd", "dumps", "dumps_readable", "error_info", "loads",
 ]
 
 CREDIT_WINDOW = 2  # chunks a stream may send ahead of what the parent's consumer has taken
@@ -43,23 +43,26 @@ STREAM_METHODS = frozenset({"chunks", "stream"})
 
 @attrs.frozen
 class ErrorInfo:
-    """An exception raised in the child: its type, message, traceback and (for a ControlRejected) reason."""
+    """An exception raised in the child: its type, message, traceback, (for a ControlRejected) its reason and
+    (for a PipelineContractError, a bug of the pipeline's) its detail."""
 
     type_name: str
     message: str
     traceback: str
     reject_reason: str | None = None
+    contract_detail: str | None = None
 
 
 def error_info(exc: BaseException) -> ErrorInfo:
     """Describe ``exc`` for the parent; call it inside the ``except`` block (for the traceback)."""
-    from pipelines.contract import ControlRejected
+    from pipelines.contract import ControlRejected, PipelineContractError
 
     kind = type(exc)
     reason = getattr(exc, "reason", None)
     return ErrorInfo(
         f"{kind.__module__}.{kind.__qualname__}", str(exc), traceback.format_exc(),
         reason if isinstance(exc, ControlRejected) and isinstance(reason, str) else None,
+        exc.detail if isinstance(exc, PipelineContractError) else None,
     )
 
 
@@ -228,6 +231,31 @@ def dumps(message: Any) -> bytes:
     """Pickle one message (contract objects hold ``MappingProxyType`` values, which plain pickle refuses)."""
     buffer = io.BytesIO()
     _WirePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
+class _ReadablePickler(_WirePickler):
+    """Refuses what the parent could not unpickle: objects of modules named ``foreign*``, which only the child has."""
+
+    def __init__(self, file: io.BytesIO, foreign: str) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.foreign = foreign
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = obj if isinstance(obj, type | types.FunctionType) else type(obj)
+        module = getattr(kind, "__module__", None)
+        if isinstance(module, str) and module.startswith(self.foreign):
+            raise pickle.PicklingError(
+                f"{kind.__qualname__} is defined in the pipeline file itself, which the server process cannot import"
+            )
+        return NotImplemented
+
+
+def dumps_readable(message: Any, *, foreign: str) -> bytes:
+    """Like :func:`dumps`, but raise ``pickle.PicklingError`` for an object of a module whose name starts with
+    ``foreign`` (the parent could not read the message, and an unreadable message fails the whole service)."""
+    buffer = io.BytesIO()
+    _ReadablePickler(buffer, foreign).dump(message)
     return buffer.getvalue()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 
 from pipelines.contract import Chunk, ServerPushService, SessionConfig
+from server.process_service import start_process_service
 
-from .runner_fixtures import WORKER_IDENTITY, CounterService, join, no_threads, serve, settings  # noqa: F401
+from .runner_fixtures import WORKER_IDENTITY, CounterService, join, no_threads, serve, settings, wait_until  # noqa: F401
 
 
 class IntSessionIds(CounterService):
@@ -93,3 +95,85 @@ async def test_a_pipeline_that_breaks_the_contract_fails_the_session_naming_its_
     if isinstance(service, IntSessionIds):
         assert service.closed_with == 42  # the pipeline's session is closed with what it returned
         assert view["pipeline_session_id"] is None
+
+
+# -- the same bugs with the pipeline in a worker process (``--worker-mode process``) ---------------------------
+
+BAD_CHUNKS_PIPELINE = """
+import threading
+from contextlib import asynccontextmanager
+
+import numpy as np
+import trio
+
+from pipelines.contract import BidirectionalService, Chunk
+
+
+class Frames:  # a class of the pipeline's own file, which the server process cannot import
+    def __init__(self, frames):
+        self.frames = frames
+
+
+def third():
+    frames = np.full((2, 16, 16, 3), 100, np.uint8)
+    return {third}
+
+
+class BadThirdChunk(BidirectionalService):
+    @asynccontextmanager
+    async def running(self):
+        yield self
+
+    async def create_session(self, config, *, on_event=None):
+        return "only"
+
+    async def push_control(self, session_id, control):
+        pass
+
+    async def chunks(self, session_id):
+        for index in range(2):
+            yield Chunk(index, np.full((2, 16, 16, 3), 100, np.uint8), 10.0)
+        yield third()
+        await trio.sleep_forever()
+
+    async def close_session(self, session_id):
+        pass
+
+
+def get_service(gpu_num=0):
+    return BadThirdChunk()
+"""
+
+PROCESS_CASES = [
+    ("{'frames': frames}", "pipeline bug: the pipeline yielded a dict as chunk 2, not a pipelines.contract.Chunk"),
+    ("threading.Lock()", "pipeline bug: the pipeline yielded a lock as chunk 2, not a pipelines.contract.Chunk"),
+    ("Frames(frames)", "pipeline bug: the pipeline yielded a Frames as chunk 2, not a pipelines.contract.Chunk"),
+    ("Chunk(2, frames, 10.0, metadata={'lock': threading.Lock()})",
+     "pipeline bug: chunk 2 cannot be sent from the worker process (a Chunk's metadata and applied_controls must "
+     "be plain data that pickles): TypeError: cannot pickle '_thread.lock' object"),
+    ("Chunk(2, frames, 10.0, metadata={'frames': Frames(frames)})",
+     "pipeline bug: chunk 2 cannot be sent from the worker process (a Chunk's metadata and applied_controls must "
+     "be plain data that pickles): PicklingError: Frames is defined in the pipeline file itself, which the server "
+     "process cannot import"),
+]
+
+
+@pytest.mark.parametrize(("third", "reason"), PROCESS_CASES, ids=["dict", "unpicklable", "own-class", "chunk-unpicklable", "chunk-of-own-class"])
+async def test_a_pipeline_in_a_worker_process_that_yields_what_is_not_a_chunk_fails_naming_its_bug(
+    third: str, reason: str, tmp_path: Path
+) -> None:
+    """Not an error of the process service (a pickling error, a message the server could not read, a worker
+    that failed for every session): the session fails, the worker serves on."""
+    path = tmp_path / "bad_third_chunk.py"
+    path.write_text(BAD_CHUNKS_PIPELINE.replace("{third}", third))
+    async with serve(settings(pipeline=str(path), worker_mode="process", max_sessions_per_worker=1),
+                     start_process_service) as s:
+        for _ in range(2):  # the worker is still there for the next session
+            created = await s.create("ctl")
+            async with join(s, created["room"], created["token"]) as ctl:
+                (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message", timeout=60.0)
+            view = await s.get(created["session_id"])
+            assert (view["status"], view["error"], error["detail"]) == ("failed", reason, reason)
+            assert [m["index"] for m in ctl.status("chunk")] == [0, 1]  # the good chunks went out
+            await wait_until(lambda: s.free_slots() == 1, "the slot to be free")
+        assert [worker.failure for worker in s.runtime.workers.values()] == [None]
