@@ -22,6 +22,7 @@ import trio
 from engine import CapacityPlan
 from states.liveness import DuplicateWorkerId, LivenessBook
 
+from ..tokens import IdentityError, validate_identity
 from . import wire
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 from .remote import PlanView, RemoteWorker
@@ -29,11 +30,13 @@ from .remote import PlanView, RemoteWorker
 if TYPE_CHECKING:
     from ..runtime import StreamRuntime
 
-__all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "HANDSHAKE_TIMEOUT"]
+__all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "HANDSHAKE_TIMEOUT", "MAX_PENDING_HANDSHAKES"]
 
 log = logging.getLogger("chunkline.cluster")
 
 HANDSHAKE_TIMEOUT = 10.0
+#: connections that have not registered yet, at most; more are closed at once (each pending one ends by its deadline)
+MAX_PENDING_HANDSHAKES = 32
 RECENT_LOSSES = 32
 
 
@@ -97,6 +100,8 @@ class ClusterAuthority:
         self._rooms_known = trio.Event()
         self._wake = trio.Event()
         self.refused = 0
+        self.shed = 0  # connections closed unheard because MAX_PENDING_HANDSHAKES were pending
+        self._handshakes = 0
 
     # -- life --
 
@@ -138,36 +143,24 @@ class ClusterAuthority:
     # -- one agent --
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        settings = self.runtime.settings
-        wrapped: trio.abc.Stream = stream
-        if settings.cluster_tls_cert:
-            wrapped = wire.wrap_server_tls(stream, settings.cluster_tls_cert, settings.cluster_tls_key or "")
-        channel = wire.Channel(wrapped)
-        nonce = secrets.token_hex(16)
-        with trio.move_on_after(HANDSHAKE_TIMEOUT):
-            await self._rooms_known.wait()  # before the handshake: the worker's deadline starts at its register
+        if self._handshakes >= MAX_PENDING_HANDSHAKES:
+            # unauthenticated peers are bounded in number as well as in time: the rest are closed at once
+            self.shed += 1
+            if self.shed == 1 or self.shed % 1000 == 0:
+                log.warning("cluster: %d handshakes pending; closed a connection (%d so far)", self._handshakes, self.shed)
+            with trio.move_on_after(1.0) as scope:
+                scope.shield = True
+                await stream.aclose()
+            return
+        self._handshakes += 1
         try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await channel.send(wire.Hello(nonce, self.version))
-                first = await channel.receive()
-        except (trio.TooSlowError, wire.ConnectionClosed, wire.WireError, OSError) as exc:
-            log.warning("cluster: a connection failed its handshake: %s", exc or type(exc).__name__)
-            await channel.aclose()
+            shaken = await self._handshake(stream)
+        finally:
+            self._handshakes -= 1
+        if shaken is None:
             return
-        reason = self._refusal(first, nonce)
-        if reason is None and self.rooms_url is None and settings.transport == "local":
-            reason = "the authority does not know its rooms URL yet; try again"
-        if reason is not None:
-            self.refused += 1
-            log.warning("cluster: refused a worker: %s", reason)
-            with trio.move_on_after(2.0):
-                try:
-                    await channel.send(wire.Refused(reason))
-                except wire.ConnectionClosed:
-                    pass
-            await channel.aclose()
-            return
-        assert isinstance(first, wire.Register)
+        first, channel = shaken
+        channel.max_frame = wire.MAX_FRAME_BYTES  # the peer proved the token
         worker = self._admit(first, channel)
         if worker is None:
             await channel.aclose()
@@ -180,11 +173,54 @@ class ClusterAuthority:
             self._lost(worker.worker_id, cause)
         await channel.aclose()
 
+    async def _handshake(self, stream: trio.SocketStream) -> tuple[wire.Register, wire.Channel] | None:
+        """Hello, then the peer's Register within the deadline: the registration, or None (refused or failed)."""
+        settings = self.runtime.settings
+        wrapped: trio.abc.Stream = stream
+        if settings.cluster_tls_cert:
+            wrapped = wire.wrap_server_tls(stream, settings.cluster_tls_cert, settings.cluster_tls_key or "")
+        channel = wire.Channel(wrapped, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
+        nonce = secrets.token_hex(16)
+        with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            await self._rooms_known.wait()  # before the handshake: the worker's deadline starts at its register
+        reason: str | None
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await channel.send(wire.Hello(nonce, self.version))
+                first = await channel.receive()
+        except wire.WireError as exc:
+            first, reason = None, str(exc)
+        except (trio.TooSlowError, wire.ConnectionClosed, OSError) as exc:
+            log.warning("cluster: a connection failed its handshake: %s", exc or type(exc).__name__)
+            await channel.aclose()
+            return None
+        else:
+            reason = self._refusal(first, nonce)
+        if reason is None and self.rooms_url is None and settings.transport == "local":
+            reason = "the authority does not know its rooms URL yet; try again"
+        if reason is not None:
+            self.refused += 1
+            log.warning("cluster: refused a worker: %s", reason)
+            with trio.move_on_after(2.0):
+                try:
+                    await channel.send(wire.Refused(reason))
+                except wire.ConnectionClosed:
+                    pass
+            await channel.aclose()
+            return None
+        assert isinstance(first, wire.Register)
+        return first, channel
+
     def _refusal(self, message: wire.Message, nonce: str) -> str | None:
         if not isinstance(message, wire.Register):
             return f"expected register, got {message.TYPE}"
         if not wire.proof_matches(self.token, nonce, message.worker_id, message.proof):
             return "the cluster token does not match"
+        try:
+            validate_identity(message.worker_id)
+            validate_identity(f"chunkline-{message.worker_id}")  # the worker joins its rooms as chunkline-<id>
+        except IdentityError as exc:
+            return f"worker id {message.worker_id[:80]!r} cannot name a room participant: {exc}"
         if message.version != self.version:
             return f"chunkline version {message.version!r} differs from the authority's {self.version!r}"
         if message.pipeline != self.pipeline:
@@ -279,7 +315,7 @@ class ClusterAuthority:
         worker.plan = PlanView(message.plan)
         worker.kind = message.kind
         worker.startup_check = message.startup_check or None
-        plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device") if k in message.plan})
+        plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device")})
         self.runtime.agent_ready(worker, message.capacity, plan)
 
     # -- losses and departures --
@@ -353,5 +389,6 @@ class ClusterAuthority:
             "liveness": self.liveness.counts(),
             "stale_messages_dropped": self.liveness.stale_dropped + sum(w.stale_events for w in self.handles.values()),
             "registrations_refused": self.refused,
+            "connections_shed": self.shed,
             "recent_losses": list(self.losses),
         }

@@ -28,9 +28,13 @@ from typing import Any, ClassVar
 import attrs
 import trio
 
+from ..json_limits import JsonRefused, loads as json_loads
+
 __all__ = [
     "PROTOCOL",
     "MAX_FRAME_BYTES",
+    "MAX_HANDSHAKE_FRAME_BYTES",
+    "MAX_CAPACITY",
     "WireError",
     "ConnectionClosed",
     "Channel",
@@ -61,6 +65,11 @@ __all__ = [
 
 PROTOCOL = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
+#: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
+MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
+#: the most sessions one agent may report it can retain (the CLI's --max-sessions allows 64)
+MAX_CAPACITY = 4096
+MAX_JSON_DEPTH = 64  # a Start's config is at most the API's depth (32) inside the message
 _HEADER = struct.Struct(">I")
 
 
@@ -173,12 +182,37 @@ class Refused(Message):
     reason: str = attrs.field(converter=_str)
 
 
+def _capacity(value: object) -> int:
+    capacity = _int(value)
+    if not 1 <= capacity <= MAX_CAPACITY:
+        raise TypeError(f"capacity must be 1-{MAX_CAPACITY}, got {capacity}")
+    return capacity
+
+
+_PLAN_FIELDS = {"computed_capacity": True, "effective_capacity": False, "configured_limit": True}
+
+
+def _plan(value: object) -> dict[str, Any]:
+    """A capacity plan as the agent's ``CapacityPlan.to_dict`` makes it: its counts are integers."""
+    plan = _dict(value)
+    missing = [name for name in (*_PLAN_FIELDS, "limiting_device") if name not in plan]
+    if missing:
+        raise TypeError(f"plan lacks {', '.join(missing)}")
+    for name, optional in _PLAN_FIELDS.items():
+        count = plan.get(name)
+        if not (count is None and optional) and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise TypeError(f"plan.{name} must be an integer >= 0{' or null' if optional else ''}, got {count!r}")
+    if not isinstance(plan.get("limiting_device"), str | None):
+        raise TypeError("plan.limiting_device must be text or null")
+    return plan
+
+
 @attrs.frozen
 class Ready(Message):
     TYPE = "ready"
-    capacity: int = attrs.field(converter=_int)
+    capacity: int = attrs.field(converter=_capacity)
     kind: str = attrs.field(converter=_str)
-    plan: dict[str, Any] = attrs.field(converter=_dict)
+    plan: dict[str, Any] = attrs.field(converter=_plan)
     startup_check: dict[str, Any] = attrs.field(converter=_dict, factory=dict)  # the agent's: passed or skipped
 
 
@@ -287,9 +321,9 @@ def encode(message: Message) -> bytes:
 def decode(data: bytes) -> Message:
     """One frame body to its message; :class:`WireError` names what is wrong."""
     try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        raise WireError("a frame is not valid JSON") from None
+        body = json_loads(data, max_depth=MAX_JSON_DEPTH)
+    except JsonRefused as exc:
+        raise WireError(f"a frame is not valid JSON: {exc.detail}") from None
     if not isinstance(body, dict):
         raise WireError("a frame must be a JSON object")
     version = body.pop("v", None)
@@ -310,10 +344,14 @@ def decode(data: bytes) -> Message:
 
 
 class Channel:
-    """Framed messages over one byte stream; one sender at a time, one receiver."""
+    """Framed messages over one byte stream; one sender at a time, one receiver.
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    ``max_frame`` bounds what :meth:`receive` reads (the authority keeps it small until the peer proved
+    the token, so an unauthenticated connection cannot make it hold a 16 MiB buffer)."""
+
+    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = MAX_FRAME_BYTES) -> None:
         self.stream = stream
+        self.max_frame = max_frame
         self._send_lock = trio.Lock()
         self._buffer = bytearray()
 
@@ -338,8 +376,8 @@ class Channel:
     async def receive(self) -> Message:
         await self._fill(_HEADER.size)
         (size,) = _HEADER.unpack(self._buffer[: _HEADER.size])
-        if size > MAX_FRAME_BYTES:
-            raise WireError(f"a frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+        if size > self.max_frame:
+            raise WireError(f"a frame of {size} bytes exceeds the {self.max_frame}-byte limit")
         await self._fill(_HEADER.size + size)
         body = bytes(self._buffer[_HEADER.size : _HEADER.size + size])
         del self._buffer[: _HEADER.size + size]

@@ -114,6 +114,13 @@ class Cluster:
 
 
 def start_cluster(*extra: str, workers: int = 2, launcher: str = "local", pipeline: str = TINY) -> Cluster:
+    cluster = start_authority(*extra, workers=workers, launcher=launcher, pipeline=pipeline)
+    wait_for(lambda: len(cluster.eligible()) >= workers, f"{workers} ready agents", cluster)
+    return cluster
+
+
+def start_authority(*extra: str, workers: int = 2, launcher: str = "local", pipeline: str = TINY) -> Cluster:
+    """The authority serving HTTP and its cluster port; its agents may still be on their way."""
     cluster_port = free_port()
     command = chunkline("stream-serve", pipeline, "--port", "0", "--workers", launcher, "--num-workers", str(workers),
                         "--max-sessions-per-worker", "1", "--queue-size", "4", "--cluster-port", str(cluster_port),
@@ -126,9 +133,7 @@ def start_cluster(*extra: str, workers: int = 2, launcher: str = "local", pipeli
             process.stop()
             raise AssertionError(f"the authority did not start:\n{process.text()}")
         time.sleep(0.05)  # bench-cost: real-time poll of another process, bounded by a deadline
-    cluster = Cluster(process, match.group(1).decode(), cluster_port)
-    wait_for(lambda: len(cluster.eligible()) >= workers, f"{workers} ready agents", cluster)
-    return cluster
+    return Cluster(process, match.group(1).decode(), cluster_port)
 
 
 def wait_for(predicate: Any, what: str, cluster: Cluster | None = None, deadline: float = START_DEADLINE) -> Any:

@@ -1,0 +1,159 @@
+"""Hostile peers on the cluster port of a real ``--workers external`` authority: unauthenticated floods, frames
+that cannot be parsed, and token holders whose registration or Ready breaks the protocol. Each is refused or
+lost with its reason, is bounded in number and time, and the authority keeps serving the next agent.
+
+The peers here speak the wire themselves (``server.cluster.wire``), as a hostile or buggy agent would.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trio
+
+from server.cluster import wire
+from server.cluster.authority import HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES
+from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
+
+from .conftest import TINY, TOKEN, Cluster, start_authority, until
+
+PLAN = {"computed_capacity": None, "effective_capacity": 1, "configured_limit": 1, "limiting_device": None}
+
+
+@pytest.fixture(scope="module")
+def authority() -> Iterator[Cluster]:
+    found = start_authority(launcher="external", workers=1)
+    try:
+        yield found
+    finally:
+        found.http.close()
+        rc = found.process.stop()
+        assert rc == 0, f"the authority exited with {rc}:\n{found.process.text()}"
+
+
+async def dial(cluster: Cluster) -> tuple[trio.SocketStream, wire.Channel, wire.Hello]:
+    stream = await trio.open_tcp_stream("127.0.0.1", cluster.cluster_port)
+    channel = wire.Channel(stream)
+    with trio.fail_after(HANDSHAKE_TIMEOUT):
+        hello = await channel.receive()
+    assert isinstance(hello, wire.Hello)
+    return stream, channel, hello
+
+
+async def register(cluster: Cluster, worker_id: str) -> tuple[wire.Channel, wire.Message]:
+    """A registration with the right token, version and pipeline; the authority's answer."""
+    _, channel, hello = await dial(cluster)
+    await channel.send(wire.Register(
+        worker_id=worker_id, proof=wire.proof_for(TOKEN, hello.nonce, worker_id), version=chunkline_version(),
+        pipeline=pipeline_name(TINY), pipeline_digest=pipeline_digest(TINY), node="hostile", devices=(),
+        launcher="external", pid=1))
+    with trio.fail_after(HANDSHAKE_TIMEOUT):
+        return channel, await channel.receive()
+
+
+async def still_serving(cluster: Cluster, worker_id: str) -> None:
+    """The authority takes a well-formed agent after whatever came before, and lists it."""
+    channel, reply = await register(cluster, worker_id)
+    assert isinstance(reply, wire.Welcome), reply
+    await channel.send(wire.Ready(1, "bidirectional", PLAN))
+    await until(lambda: any(w["worker_id"] == worker_id for w in cluster.workers()), f"{worker_id} in health", cluster,
+                deadline=10)
+    await channel.send(wire.Goodbye("test over"))
+    await channel.aclose()
+
+
+async def closed_by_peer(stream: trio.SocketStream, deadline: float) -> bool:
+    """True when the authority closes the connection within ``deadline`` (reading and dropping what it sends)."""
+    with trio.move_on_after(deadline):
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass
+        return True
+    return False
+
+
+def losses(cluster: Cluster) -> dict[str, str]:
+    return {loss["worker_id"]: loss["cause"] for loss in cluster.get("/v1/service/metadata")["cluster"]["recent_losses"]}
+
+
+async def test_an_unauthenticated_frame_the_authority_cannot_parse_is_refused_and_it_keeps_serving(
+    authority: Cluster,
+) -> None:
+    # nested 60,000 deep: json.loads alone raises RecursionError, which took the authority's runtime down
+    stream, channel, _ = await dial(authority)
+    deep = b"[" * 60_000
+    await stream.send_all(struct.pack(">I", len(deep)) + deep)
+    with trio.fail_after(HANDSHAKE_TIMEOUT):
+        refused = await channel.receive()
+    assert isinstance(refused, wire.Refused) and "nested 60000 levels deep" in refused.reason, refused
+    await channel.aclose()
+    # a frame header over the handshake's limit is refused before its body is awaited (nothing buffered for it)
+    stream, channel, _ = await dial(authority)
+    await stream.send_all(struct.pack(">I", wire.MAX_FRAME_BYTES - 1))
+    with trio.fail_after(HANDSHAKE_TIMEOUT / 2):
+        refused = await channel.receive()
+    assert isinstance(refused, wire.Refused), refused
+    assert f"exceeds the {wire.MAX_HANDSHAKE_FRAME_BYTES}-byte limit" in refused.reason
+    await channel.aclose()
+    await still_serving(authority, "after-garbage")
+    assert "Traceback" not in authority.process.text(200_000)
+
+
+async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is_refused_or_lost_with_the_reason(
+    authority: Cluster,
+) -> None:
+    for worker_id in ("", "two words", "x" * 200):
+        channel, reply = await register(authority, worker_id)
+        assert isinstance(reply, wire.Refused) and "worker id" in reply.reason, (worker_id, reply)
+        await channel.aclose()
+    bad_ready: dict[str, tuple[Any, Any]] = {
+        "zero-capacity": (0, PLAN),
+        "huge-capacity": (10**9, PLAN),
+        "empty-plan": (1, {}),
+        "text-plan": (1, {**PLAN, "effective_capacity": "one"}),
+    }
+    for worker_id, (capacity, plan) in bad_ready.items():
+        channel, reply = await register(authority, worker_id)
+        assert isinstance(reply, wire.Welcome), reply
+        # sent as raw JSON: this side's own Ready would refuse to build such a message
+        body = {"v": wire.PROTOCOL, "type": "ready", "capacity": capacity, "kind": "bidirectional", "plan": plan}
+        frame = wire.json.dumps(body).encode()
+        await channel.stream.send_all(struct.pack(">I", len(frame)) + frame)
+        assert await closed_by_peer(channel.stream, 10.0), worker_id  # type: ignore[arg-type]
+        await channel.aclose()
+        cause = (await until(lambda: losses(authority).get(worker_id), f"{worker_id} to be lost", authority,
+                             deadline=10))
+        assert cause.startswith("protocol error: ready: "), cause
+    await still_serving(authority, "after-bad-ready")
+    health = authority.get("/v1/stream/health")
+    assert not any(w["worker_id"] in bad_ready for w in health["workers"])
+    assert "Traceback" not in authority.process.text(200_000)
+
+
+async def test_connections_that_never_register_are_bounded_in_number_and_in_time(authority: Cluster) -> None:
+    extra = 8
+    streams = [await trio.open_tcp_stream("127.0.0.1", authority.cluster_port)
+               for _ in range(MAX_PENDING_HANDSHAKES + extra)]
+    opened = time.monotonic()
+    greeted = shed = 0
+    for stream in streams:
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            first = await stream.receive_some(65536)
+        if first:
+            greeted += 1
+        else:
+            shed += 1  # closed at once, unheard: too many handshakes were pending
+    assert (greeted, shed) == (MAX_PENDING_HANDSHAKES, extra)
+    assert authority.get("/v1/service/metadata")["cluster"]["connections_shed"] >= extra
+    # the pending ones are closed at their deadline; then an agent registers again
+    for stream in streams:
+        assert await closed_by_peer(stream, HANDSHAKE_TIMEOUT + 10.0)
+        await stream.aclose()
+    assert time.monotonic() - opened < HANDSHAKE_TIMEOUT + 10.0
+    await still_serving(authority, "after-flood")
