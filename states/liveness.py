@@ -19,6 +19,10 @@ heartbeat. The authority received that heartbeat no earlier than ``sent``, so
 it cannot declare the agent lost before ``sent + deadline``: the agent has
 fenced itself first, and no session runs on two workers at once.
 
+A worker that registers must also say READY within ``ready_within`` seconds (when the book
+has one): heartbeats alone keep a CONNECTED worker alive, and one that never becomes ready
+would hold its place in admission (sessions queued for it) for ever. :meth:`expire` loses it.
+
 The book is pure: no clock (every method that needs time takes ``now``), no
 I/O. Terminal entries are kept up to ``retain_terminal`` (oldest forgotten);
 a message from a forgotten or never-seen id is stale too.
@@ -39,6 +43,7 @@ __all__ = [
     "TRANSITIONS",
     "TERMINAL",
     "ADMITTING",
+    "AWAITING_READY",
     "FENCE_FRACTION",
     "LivenessMachine",
     "LivenessBook",
@@ -85,6 +90,9 @@ TERMINAL = frozenset({State.LOST, State.LEFT})
 
 # A worker in these states may be offered new sessions (the admission book decides which).
 ADMITTING = frozenset({State.READY})
+
+# A worker in these states has registered but not said READY (bounded by the book's ``ready_within``).
+AWAITING_READY = frozenset({State.CONNECTED})
 
 
 class LivenessMachine(StateMachine[State, Event]):
@@ -153,14 +161,19 @@ class _Entry:
 class LivenessBook:
     """Registered workers, their heartbeat deadlines, and the count of stale messages dropped."""
 
-    __slots__ = ("_deadline", "_retain", "_entries", "_gone", "stale_dropped")
+    __slots__ = ("_deadline", "_ready_within", "_retain", "_entries", "_gone", "stale_dropped")
 
-    def __init__(self, deadline: float, *, retain_terminal: int = 64) -> None:
+    def __init__(self, deadline: float, *, retain_terminal: int = 64, ready_within: float | None = None) -> None:
         if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not deadline > 0:
             raise InvalidLiveness("deadline", deadline, "must be a number of seconds > 0")
+        if ready_within is not None and (
+            isinstance(ready_within, bool) or not isinstance(ready_within, int | float) or not ready_within > 0
+        ):
+            raise InvalidLiveness("ready_within", ready_within, "must be a number of seconds > 0, or None")
         if isinstance(retain_terminal, bool) or not isinstance(retain_terminal, int) or retain_terminal < 0:
             raise InvalidLiveness("retain_terminal", retain_terminal, "must be an integer >= 0")
         self._deadline = float(deadline)
+        self._ready_within = None if ready_within is None else float(ready_within)
         self._retain = retain_terminal
         self._entries: dict[str, _Entry] = {}
         self._gone: list[str] = []  # terminal ids, oldest first (for bounded retention)
@@ -175,6 +188,7 @@ class LivenessBook:
     def copy(self) -> LivenessBook:
         other = LivenessBook.__new__(LivenessBook)
         other._deadline = self._deadline
+        other._ready_within = self._ready_within
         other._retain = self._retain
         other._entries = {
             wid: _Entry(LivenessMachine(e.machine.state), e.registered_at, e.last_heard, e.cause)
@@ -188,7 +202,7 @@ class LivenessBook:
         """What decides future behaviour: states and how long until each deadline (not absolute
         times); the stale counter only counts, so it is left out."""
         return tuple(
-            (wid, e.machine.state, None if e.machine.is_terminal else e.last_heard + self._deadline - now)
+            (wid, e.machine.state, None if e.machine.is_terminal else self._due(e) - now)
             for wid, e in sorted(self._entries.items())
         )
 
@@ -211,7 +225,7 @@ class LivenessBook:
             entry.machine.state,
             entry.registered_at,
             entry.last_heard,
-            entry.last_heard + self._deadline if live else None,
+            self._due(entry) if live else None,
             entry.cause,
         )
 
@@ -226,9 +240,9 @@ class LivenessBook:
         return entry is not None and entry.machine.state in ADMITTING
 
     def next_deadline(self) -> float | None:
-        """The earliest heartbeat deadline among live workers (when :meth:`expire` next matters)."""
-        live = [e.last_heard for e in self._entries.values() if not e.machine.is_terminal]
-        return min(live) + self._deadline if live else None
+        """The earliest deadline among live workers (when :meth:`expire` next matters)."""
+        live = [self._due(e) for e in self._entries.values() if not e.machine.is_terminal]
+        return min(live) if live else None
 
     def counts(self) -> dict[str, int]:
         counts = {state.value: 0 for state in State}
@@ -273,13 +287,24 @@ class LivenessBook:
         return self._move(worker_id, Event.LOSE, now, cause)
 
     def expire(self, now: float) -> list[LivenessTransition]:
-        """Lose every live worker whose heartbeat deadline has passed."""
+        """Lose every live worker whose heartbeat deadline (or, still connected, its ready deadline) has passed."""
         out: list[LivenessTransition] = []
         for wid, entry in sorted(self._entries.items()):
-            if not entry.machine.is_terminal and now >= entry.last_heard + self._deadline:
-                silent = now - entry.last_heard
-                out += self._move(wid, Event.LOSE, now, f"heartbeat missed (nothing heard for {silent:.1f} s)")
+            if entry.machine.is_terminal or now < self._due(entry):
+                continue
+            if now >= entry.last_heard + self._deadline:
+                cause = f"heartbeat missed (nothing heard for {now - entry.last_heard:.1f} s)"
+            else:
+                cause = f"protocol error: not ready {now - entry.registered_at:.1f} s after registering"
+            out += self._move(wid, Event.LOSE, now, cause)
         return out
+
+    def _due(self, entry: _Entry) -> float:
+        """When a live entry is lost unless it is heard from (or, while connected, says ready)."""
+        due = entry.last_heard + self._deadline
+        if self._ready_within is not None and entry.machine.state in AWAITING_READY:
+            due = min(due, entry.registered_at + self._ready_within)
+        return due
 
     # -- internals --
 

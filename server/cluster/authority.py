@@ -92,7 +92,8 @@ class ClusterAuthority:
         self.pipeline = pipeline_name(settings.pipeline)
         self.digest = pipeline_digest(settings.pipeline)
         self.interval = settings.heartbeat_interval
-        self.liveness = LivenessBook(settings.heartbeat_deadline)
+        # an agent loads its pipeline before it dials, so its ready follows the welcome at once
+        self.liveness = LivenessBook(settings.heartbeat_deadline, ready_within=max(HANDSHAKE_TIMEOUT, settings.heartbeat_deadline))
         self.handles: dict[str, RemoteWorker] = {}
         self.losses: deque[dict[str, Any]] = deque(maxlen=RECENT_LOSSES)
         self.port: int | None = None
@@ -100,6 +101,7 @@ class ClusterAuthority:
         self._rooms_known = trio.Event()
         self._wake = trio.Event()
         self.refused = 0
+        self.stale_of_gone = 0  # stale events counted by workers since lost or left (the summary keeps counting them)
         self.shed = 0  # connections closed unheard because MAX_PENDING_HANDSHAKES were pending
         self._handshakes = 0
 
@@ -302,7 +304,8 @@ class ClusterAuthority:
             elif isinstance(message, wire.Drain):
                 self.drain(worker.worker_id, message.deadline, tell_agent=False)
             elif isinstance(message, wire.Goodbye):
-                self._left(worker)
+                if not self._left(worker):
+                    return "protocol error: goodbye from a worker that was not draining"
                 return None
             else:
                 return f"protocol error: unexpected {message.TYPE} from an agent"
@@ -337,19 +340,24 @@ class ClusterAuthority:
         self.runtime.metrics.record_worker_lost(loss_kind(cause))
         self.losses.append({"worker_id": worker_id, "node": worker.node, "cause": cause, "slot": worker.slot})
         worker.lose(cause)
+        self.stale_of_gone += worker.stale_events
         self.runtime.retire_worker(worker, f"worker lost: {cause}")
         del self.handles[worker_id]
         if self.launcher is not None:
             self.launcher.worker_lost(worker, cause)
 
-    def _left(self, worker: RemoteWorker) -> None:
-        self.liveness.leave(worker.worker_id, trio.current_time())
+    def _left(self, worker: RemoteWorker) -> bool:
+        """A drained worker said goodbye; False (nothing changed) when the table has it not draining."""
+        if not self.liveness.leave(worker.worker_id, trio.current_time()):
+            return False
         log.info("cluster: worker %s drained and left", worker.worker_id)
         worker.lose("left after draining")
+        self.stale_of_gone += worker.stale_events
         self.runtime.retire_worker(worker, "the worker left after draining")
         self.handles.pop(worker.worker_id, None)
         if self.launcher is not None:
             self.launcher.worker_left(worker)
+        return True
 
     def drain(self, worker_id: str, deadline: float, *, tell_agent: bool = True) -> None:
         worker = self.handles.get(worker_id)
@@ -387,7 +395,8 @@ class ClusterAuthority:
             "authority_url": self.authority_url if self.port is not None else None,
             "workers_expected": self.expected,
             "liveness": self.liveness.counts(),
-            "stale_messages_dropped": self.liveness.stale_dropped + sum(w.stale_events for w in self.handles.values()),
+            "stale_messages_dropped": self.liveness.stale_dropped + self.stale_of_gone
+            + sum(w.stale_events for w in self.handles.values()),
             "registrations_refused": self.refused,
             "connections_shed": self.shed,
             "recent_losses": list(self.losses),

@@ -62,7 +62,8 @@ async def still_serving(cluster: Cluster, worker_id: str) -> None:
     await channel.send(wire.Ready(1, "bidirectional", PLAN))
     await until(lambda: any(w["worker_id"] == worker_id for w in cluster.workers()), f"{worker_id} in health", cluster,
                 deadline=10)
-    await channel.send(wire.Goodbye("test over"))
+    await channel.send(wire.Drain(1.0))  # leaves as a drained agent does
+    await channel.send(wire.Goodbye("drained"))
     await channel.aclose()
 
 
@@ -134,6 +135,51 @@ async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is
     health = authority.get("/v1/stream/health")
     assert not any(w["worker_id"] in bad_ready for w in health["workers"])
     assert "Traceback" not in authority.process.text(200_000)
+
+
+async def test_an_agent_that_heartbeats_but_never_says_ready_is_lost_and_holds_no_queue(authority: Cluster) -> None:
+    channel, reply = await register(authority, "never-ready")
+    assert isinstance(reply, wire.Welcome), reply
+    registered = time.monotonic()
+    created = authority.http.post("/v1/stream/sessions", json={"identity": "alice"})
+    assert created.status_code == 202, created.text  # it waits for the starting worker
+    session_id = created.json()["session_id"]
+    seq = 0
+    while not losses(authority).get("never-ready"):
+        seq += 1
+        try:
+            await channel.send(wire.Heartbeat(seq, ()))
+        except wire.ConnectionClosed:
+            break
+        await trio.sleep(0.25)  # bench-cost: a heartbeat every quarter second, as a live agent sends them
+        assert time.monotonic() - registered < HANDSHAKE_TIMEOUT + 15.0, "the never-ready agent was not lost"
+    await channel.aclose()
+    cause = await until(lambda: losses(authority).get("never-ready"), "the never-ready agent to be lost", authority,
+                        deadline=10)
+    assert cause.startswith("protocol error: not ready"), cause
+    # no worker is left: the queued session waits for another (it is not failed), a new create is told so
+    assert authority.get(f"/v1/stream/sessions/{session_id}")["status"] == "queued"
+    assert authority.http.post("/v1/stream/sessions", json={"identity": "bob"}).status_code == 503
+    assert authority.http.delete(f"/v1/stream/sessions/{session_id}").status_code == 200
+
+
+async def test_a_goodbye_from_a_worker_that_was_not_draining_is_a_protocol_error(authority: Cluster) -> None:
+    channel, reply = await register(authority, "rude")
+    assert isinstance(reply, wire.Welcome), reply
+    await channel.send(wire.Ready(1, "bidirectional", PLAN))
+    await until(lambda: any(w["worker_id"] == "rude" and w["state"] in ("idle", "busy") for w in authority.workers()),
+                "the rude agent to be idle", authority, deadline=10)
+    before = authority.get("/v1/service/metadata")["cluster"]["stale_messages_dropped"]
+    for seq in (1, 2, 3):  # events for a session it does not run: dropped and counted
+        await channel.send(wire.SessionEvent("not-its-session", seq, "run"))
+    await channel.send(wire.Goodbye("bye"))  # no drain first: the liveness table has no leave from ready
+    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+    await channel.aclose()
+    cause = await until(lambda: losses(authority).get("rude"), "the rude agent to be lost", authority, deadline=10)
+    assert cause == "protocol error: goodbye from a worker that was not draining"
+    summary = authority.get("/v1/service/metadata")["cluster"]
+    assert summary["liveness"]["ready"] == 0, summary  # the book holds no live entry for it
+    assert summary["stale_messages_dropped"] >= before + 3, summary  # still counted once the worker is gone
 
 
 async def test_connections_that_never_register_are_bounded_in_number_and_in_time(authority: Cluster) -> None:

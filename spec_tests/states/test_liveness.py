@@ -41,6 +41,23 @@ def test_every_message_moves_the_deadline_and_expiry_loses_the_silent() -> None:
     assert book.state("a") is State.CONNECTED and book.next_deadline() == 5.5
 
 
+def test_a_worker_that_heartbeats_but_never_says_ready_is_lost_at_its_ready_deadline() -> None:
+    book = LivenessBook(3.0, ready_within=5.0)
+    book.register("slow", 0.0)
+    book.register("prompt", 0.0)
+    book.ready("prompt", 0.5)
+    for now in (1.0, 2.0, 3.0, 4.0):  # heartbeats keep both alive, but not past the ready deadline
+        assert book.heard("slow", now) and book.heard("prompt", now)
+    assert book.view("slow").deadline_at == 5.0 and book.next_deadline() == 5.0  # type: ignore[union-attr]
+    assert book.expire(4.9) == []
+    [lost] = book.expire(5.0)
+    assert (lost.worker_id, lost.state) == ("slow", State.LOST)
+    assert lost.cause == "protocol error: not ready 5.0 s after registering"
+    assert book.state("prompt") is State.READY and book.next_deadline() == 7.0  # ready: only heartbeats count
+    with pytest.raises(InvalidLiveness, match="ready_within"):
+        LivenessBook(3.0, ready_within=0)
+
+
 def test_messages_from_a_dead_id_are_dropped_and_counted() -> None:
     book = LivenessBook(3.0)
     book.register("a", 0.0)
