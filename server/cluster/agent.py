@@ -19,9 +19,11 @@ and exits 0.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -139,6 +141,19 @@ class _RunnerHost:
             max_data_message_bytes=welcome.max_data_message_bytes,
             on_finished=agent.session_finished,
         )
+
+
+_IMAGE_SUFFIX = re.compile(r"\.[A-Za-z0-9]{1,10}")
+
+
+def _image_bytes(data: str, suffix: str | None) -> bytes:
+    """A Start's reference image; ValueError names what is wrong with it."""
+    if suffix is not None and _IMAGE_SUFFIX.fullmatch(suffix) is None:
+        raise ValueError(f"image_suffix {suffix[:40]!r} is not a file suffix (a dot and 1-10 letters or digits)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise ValueError("the image is not base64") from None
 
 
 def _cause(value: str) -> DrainCause:
@@ -423,18 +438,31 @@ class Agent:
 
     def _start(self, message: wire.Start) -> None:
         assert self._host is not None
-        seq = self._seq.setdefault(message.session_id, 0)
-        if self._draining or self._ready is None or message.session_id in self.runners:
-            why = "the worker is draining" if self._draining else "the worker cannot take this session"
-            self._seq[message.session_id] = seq + 1
-            self.send(wire.SessionFinished(message.session_id, seq + 1, why, None))
+        why = None
+        if self._draining:
+            why = "the worker is draining"
+        elif self._ready is None or message.session_id in self.runners:
+            why = "the worker cannot take this session"
+        image = None
+        if why is None and message.image is not None:
+            try:
+                image = _image_bytes(message.image, message.image_suffix)
+            except ValueError as exc:
+                why = f"the session's image was refused: {exc}"
+        if why is not None:
+            seq = self._seq.get(message.session_id, 0) + 1
+            if message.session_id in self.runners:
+                self._seq[message.session_id] = seq
+            self.send(wire.SessionFinished(message.session_id, seq, why, None))
             return
         image_path = None
-        if message.image is not None:
+        if image is not None:
             if self._tmp is None:
                 self._tmp = tempfile.mkdtemp(prefix="chunkline-agent-")
-            image_path = os.path.join(self._tmp, f"{message.session_id}{message.image_suffix or ''}")
-            Path(image_path).write_bytes(base64.b64decode(message.image))
+            # a name of the agent's own: the session id is the authority's text, never part of a path
+            handle, image_path = tempfile.mkstemp(dir=self._tmp, suffix=message.image_suffix or "")
+            with os.fdopen(handle, "wb") as file:
+                file.write(image)
             self._images[message.session_id] = image_path
         record = SessionRecord(
             session_id=message.session_id,

@@ -1,0 +1,106 @@
+"""A real worker agent that dialed something speaking the wire as an authority: a Start whose fields would
+steer its files or break its decoding is refused with the reason, and the agent keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import signal
+from pathlib import Path
+
+import trio
+
+from server.cluster import wire
+
+from .conftest import TINY, TOKEN, Process, chunkline, clean_env, free_port
+
+START_DEADLINE = 240.0  # the agent imports torch and builds its model before it dials (slow on a loaded host)
+
+
+class FakeAuthority:
+    """Greets one agent, welcomes it, and hands the test what the agent sends."""
+
+    def __init__(self) -> None:
+        self.channel: wire.Channel | None = None
+        self.connected = trio.Event()
+        self.done: dict[str, wire.SessionFinished] = {}
+        self.arrived, self.messages = trio.open_memory_channel[wire.Message](math.inf)
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._one, listeners)
+
+    async def _one(self, stream: trio.SocketStream) -> None:
+        channel = wire.Channel(stream)
+        await channel.send(wire.Hello("n0nce", "any"))
+        register = await channel.receive()
+        assert isinstance(register, wire.Register)
+        await channel.send(wire.Welcome(
+            worker_id=register.worker_id, heartbeat_interval=0.5, deadline=30.0, transport="local",
+            rooms_url=f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
+            room_empty_timeout=5.0, max_data_message_bytes=12288))
+        self.channel = channel
+        self.connected.set()
+        try:
+            while True:
+                message = await channel.receive()
+                if isinstance(message, wire.Heartbeat):
+                    await channel.send(wire.HeartbeatAck(message.seq))
+                self.arrived.send_nowait(message)
+        except wire.ConnectionClosed:
+            self.arrived.send_nowait(wire.Goodbye("connection closed"))
+
+    async def finished(self, session_id: str) -> wire.SessionFinished:
+        while session_id not in self.done:
+            message = await self.messages.receive()
+            if isinstance(message, wire.SessionFinished):
+                self.done[message.session_id] = message
+            assert not isinstance(message, wire.Goodbye), "the agent went away"
+        return self.done[session_id]
+
+
+def start(session_id: str, image: str, suffix: str | None) -> wire.Start:
+    return wire.Start(session_id=session_id, room=f"chunkline-{session_id}", identity="chunkline-w",
+                      token="t", controller_identity="me", prompt=None, config={}, image=image, image_suffix=suffix)
+
+
+async def test_a_start_that_would_steer_the_agents_files_or_break_its_decoding_is_refused(tmp_path: Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    fake = FakeAuthority()
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(fake.serve)
+        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}", "--max-sessions", "2",
+                                  "--drain-deadline", "5"),
+                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(scratch)))
+        try:
+            with trio.fail_after(START_DEADLINE):
+                await fake.connected.wait()
+            assert fake.channel is not None
+            png = base64.b64encode(b"\x89PNG not really").decode()
+            # the session id is the authority's text: it must not become part of a path
+            await fake.channel.send(start("../../escaped", png, ".png"))
+            for session_id, image, suffix, reason in (
+                ("bad-base64", "!!! not base64 !!!", ".png", "the image is not base64"),
+                ("bad-suffix", png, "/../../x", "is not a file suffix"),
+            ):
+                await fake.channel.send(start(session_id, image, suffix))
+                with trio.fail_after(60):
+                    finished = await fake.finished(session_id)
+                assert finished.error is not None and reason in finished.error, finished
+            with trio.fail_after(60):
+                await fake.finished("../../escaped")  # it ran (and failed to reach its room), and ended
+            assert not list(tmp_path.glob("escaped*")), list(tmp_path.rglob("*"))
+            # still serving: it heartbeats, then drains on SIGTERM and exits 0
+            with trio.fail_after(30):
+                while not isinstance(await fake.messages.receive(), wire.Heartbeat):
+                    pass
+            os.kill(agent.popen.pid, signal.SIGTERM)
+            assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
+            assert "binascii" not in agent.text(200_000), agent.text()
+            assert not list(scratch.glob("chunkline-agent-*/*")), list(scratch.rglob("*"))
+        finally:
+            agent.stop()
+            nursery.cancel_scope.cancel()
