@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import ssl
 import struct
 from typing import Any, ClassVar
@@ -97,6 +98,13 @@ def _num(value: object) -> float:
     return float(value)
 
 
+def _seconds(value: object) -> float:
+    seconds = _num(value)
+    if not 0 < seconds < math.inf:
+        raise TypeError(f"must be a number of seconds > 0, got {seconds!r}")
+    return seconds
+
+
 def _int(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError("must be an integer")
@@ -166,13 +174,13 @@ class Register(Message):
 class Welcome(Message):
     TYPE = "welcome"
     worker_id: str = attrs.field(converter=_str)
-    heartbeat_interval: float = attrs.field(converter=_num)
-    deadline: float = attrs.field(converter=_num)
+    heartbeat_interval: float = attrs.field(converter=_seconds)
+    deadline: float = attrs.field(converter=_seconds)
     transport: str = attrs.field(converter=_str)
     rooms_url: str | None = attrs.field(converter=_opt_str)  # local rooms: the authority's HTTP base URL
     livekit_url: str | None = attrs.field(converter=_opt_str)
-    controller_timeout: float = attrs.field(converter=_num)
-    room_empty_timeout: float = attrs.field(converter=_num)
+    controller_timeout: float = attrs.field(converter=_seconds)
+    room_empty_timeout: float = attrs.field(converter=_seconds)
     max_data_message_bytes: int = attrs.field(converter=_int)
 
 
@@ -260,7 +268,7 @@ class Stop(Message):
 @attrs.frozen
 class Drain(Message):
     TYPE = "drain"
-    deadline: float = attrs.field(converter=_num)  # seconds live sessions may take to finish
+    deadline: float = attrs.field(converter=_seconds)  # seconds live sessions may take to finish
 
 
 @attrs.frozen

@@ -4,9 +4,11 @@ steer its files or break its decoding is refused with the reason, and the agent 
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
 import signal
+import struct
 from pathlib import Path
 
 import trio
@@ -24,6 +26,7 @@ class FakeAuthority:
     def __init__(self) -> None:
         self.channel: wire.Channel | None = None
         self.connected = trio.Event()
+        self.registrations = 0
         self.done: dict[str, wire.SessionFinished] = {}
         self.arrived, self.messages = trio.open_memory_channel[wire.Message](math.inf)
 
@@ -42,6 +45,7 @@ class FakeAuthority:
             rooms_url=f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
             room_empty_timeout=5.0, max_data_message_bytes=12288))
         self.channel = channel
+        self.registrations += 1
         self.connected.set()
         try:
             while True:
@@ -97,6 +101,13 @@ async def test_a_start_that_would_steer_the_agents_files_or_break_its_decoding_i
             with trio.fail_after(30):
                 while not isinstance(await fake.messages.receive(), wire.Heartbeat):
                     pass
+            # a drain with a negative deadline breaks the protocol: the agent drops that connection and dials again
+            frame = json.dumps({"v": wire.PROTOCOL, "type": "drain", "deadline": -1}).encode()
+            await fake.channel.stream.send_all(struct.pack(">I", len(frame)) + frame)
+            with trio.fail_after(60):
+                while fake.registrations < 2:
+                    await trio.sleep(0.05)  # bench-cost: real-time poll of the agent process, bounded
+            assert "protocol error: drain: must be a number of seconds > 0" in agent.text(200_000), agent.text()
             os.kill(agent.popen.pid, signal.SIGTERM)
             assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
             assert "binascii" not in agent.text(200_000), agent.text()

@@ -56,6 +56,13 @@ def test_every_message_round_trips(message: wire.Message) -> None:
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": 1, "extra": 2}).encode(), "unknown field(s) extra"),
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": "one"}).encode(), "heartbeat_ack"),
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack"}).encode(), "heartbeat_ack"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "drain", "deadline": -1}).encode(), "drain: must be a number of seconds > 0"),
+        (b'{"v": 1, "type": "drain", "deadline": 1e999}', "drain: must be a number of seconds > 0, got inf"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 0, "kind": "x", "plan": {}}).encode(),
+         "ready: capacity must be 1-4096"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 1, "kind": "x", "plan": {}}).encode(),
+         "ready: plan lacks computed_capacity"),
+        (b"[" * 100 + b"]" * 100, "nested 100 levels deep"),
     ],
 )
 def test_bad_frames_are_refused_naming_what_is_wrong(body: bytes, reason: str) -> None:
