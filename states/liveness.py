@@ -22,6 +22,8 @@ fenced itself first, and no session runs on two workers at once.
 A worker that registers must also say READY within ``ready_within`` seconds (when the book
 has one): heartbeats alone keep a CONNECTED worker alive, and one that never becomes ready
 would hold its place in admission (sessions queued for it) for ever. :meth:`expire` loses it.
+Likewise a draining worker given a deadline (``drain(..., within=)``) that has not said
+goodbye by then is lost: its sessions cannot outlive the drain.
 
 The book is pure: no clock (every method that needs time takes ``now``), no
 I/O. Terminal entries are kept up to ``retain_terminal`` (oldest forgotten);
@@ -44,6 +46,7 @@ __all__ = [
     "TERMINAL",
     "ADMITTING",
     "AWAITING_READY",
+    "DRAINING_STATES",
     "FENCE_FRACTION",
     "LivenessMachine",
     "LivenessBook",
@@ -93,6 +96,9 @@ ADMITTING = frozenset({State.READY})
 
 # A worker in these states has registered but not said READY (bounded by the book's ``ready_within``).
 AWAITING_READY = frozenset({State.CONNECTED})
+
+# A worker in these states should leave by its drain deadline (``drain(..., within=)``).
+DRAINING_STATES = frozenset({State.DRAINING})
 
 
 class LivenessMachine(StateMachine[State, Event]):
@@ -156,6 +162,7 @@ class _Entry:
     registered_at: float
     last_heard: float
     cause: str | None = None
+    leave_by: float | None = None  # a draining worker's deadline to say goodbye (None: no limit)
 
 
 class LivenessBook:
@@ -191,7 +198,7 @@ class LivenessBook:
         other._ready_within = self._ready_within
         other._retain = self._retain
         other._entries = {
-            wid: _Entry(LivenessMachine(e.machine.state), e.registered_at, e.last_heard, e.cause)
+            wid: _Entry(LivenessMachine(e.machine.state), e.registered_at, e.last_heard, e.cause, e.leave_by)
             for wid, e in self._entries.items()
         }
         other._gone = list(self._gone)
@@ -274,9 +281,14 @@ class LivenessBook:
     def ready(self, worker_id: str, now: float) -> list[LivenessTransition]:
         return self._move(worker_id, Event.READY, now)
 
-    def drain(self, worker_id: str, now: float) -> list[LivenessTransition]:
-        """No new sessions for this worker; [] when it is already draining or gone."""
-        return self._move(worker_id, Event.DRAIN, now)
+    def drain(self, worker_id: str, now: float, *, within: float | None = None) -> list[LivenessTransition]:
+        """No new sessions for this worker; [] when it is already draining or gone.
+
+        ``within``: seconds it has to say goodbye; :meth:`expire` loses it after that (heartbeats do not help)."""
+        moved = self._move(worker_id, Event.DRAIN, now)
+        if moved and within is not None:
+            self._entries[worker_id].leave_by = now + within
+        return moved
 
     def leave(self, worker_id: str, now: float) -> list[LivenessTransition]:
         """A drained worker said goodbye."""
@@ -294,6 +306,8 @@ class LivenessBook:
                 continue
             if now >= entry.last_heard + self._deadline:
                 cause = f"heartbeat missed (nothing heard for {now - entry.last_heard:.1f} s)"
+            elif entry.machine.state in DRAINING_STATES:
+                cause = f"protocol error: still draining {now - entry.leave_by:.1f} s past its drain deadline"  # type: ignore[operator]
             else:
                 cause = f"protocol error: not ready {now - entry.registered_at:.1f} s after registering"
             out += self._move(wid, Event.LOSE, now, cause)
@@ -304,6 +318,8 @@ class LivenessBook:
         due = entry.last_heard + self._deadline
         if self._ready_within is not None and entry.machine.state in AWAITING_READY:
             due = min(due, entry.registered_at + self._ready_within)
+        if entry.leave_by is not None and entry.machine.state in DRAINING_STATES:
+            due = min(due, entry.leave_by)
         return due
 
     # -- internals --

@@ -35,6 +35,8 @@ __all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "HANDSHAKE_TIMEOUT
 log = logging.getLogger("chunkline.cluster")
 
 HANDSHAKE_TIMEOUT = 10.0
+#: seconds a draining agent has past its drain deadline to say goodbye (it gives runners 10 s to stop, then flushes)
+DRAIN_GRACE = 15.0
 #: connections that have not registered yet, at most; more are closed at once (each pending one ends by its deadline)
 MAX_PENDING_HANDSHAKES = 32
 RECENT_LOSSES = 32
@@ -363,8 +365,9 @@ class ClusterAuthority:
         worker = self.handles.get(worker_id)
         if worker is None:
             raise UnknownWorkerId(worker_id)
-        if self.liveness.drain(worker_id, trio.current_time()):
+        if self.liveness.drain(worker_id, trio.current_time(), within=deadline + DRAIN_GRACE):
             self.runtime.drain_in_book(worker_id)
+            self._wake.set()  # the sweep now also watches the drain's deadline
         if tell_agent:
             worker.send(wire.Drain(deadline))
 

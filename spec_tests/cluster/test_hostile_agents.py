@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from server.cluster import wire
-from server.cluster.authority import HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES
+from server.cluster.authority import DRAIN_GRACE, HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 
 from .conftest import TINY, TOKEN, Cluster, start_authority, until
@@ -180,6 +180,30 @@ async def test_a_goodbye_from_a_worker_that_was_not_draining_is_a_protocol_error
     summary = authority.get("/v1/service/metadata")["cluster"]
     assert summary["liveness"]["ready"] == 0, summary  # the book holds no live entry for it
     assert summary["stale_messages_dropped"] >= before + 3, summary  # still counted once the worker is gone
+
+
+async def test_a_drained_agent_that_never_leaves_is_lost_past_its_drain_deadline(authority: Cluster) -> None:
+    channel, reply = await register(authority, "clinging")
+    assert isinstance(reply, wire.Welcome), reply
+    await channel.send(wire.Ready(1, "bidirectional", PLAN))
+    await until(lambda: any(w["worker_id"] == "clinging" and w["state"] in ("idle", "busy") for w in authority.workers()),
+                "the clinging agent to be ready", authority, deadline=10)
+    drained = authority.http.post("/v1/service/workers/clinging/drain", json={"deadline_seconds": 1})
+    assert drained.status_code == 202, drained.text
+    asked = time.monotonic()
+    seq = 0
+    while not losses(authority).get("clinging"):  # it heartbeats on and never says goodbye
+        seq += 1
+        try:
+            await channel.send(wire.Heartbeat(seq, ()))
+        except wire.ConnectionClosed:
+            break
+        await trio.sleep(0.25)  # bench-cost: a heartbeat every quarter second, as a live agent sends them
+        assert time.monotonic() - asked < 1 + DRAIN_GRACE + 15.0, "the clinging agent was not lost"
+    await channel.aclose()
+    cause = await until(lambda: losses(authority).get("clinging"), "the clinging agent to be lost", authority,
+                        deadline=10)
+    assert cause.startswith("protocol error: still draining"), cause
 
 
 async def test_connections_that_never_register_are_bounded_in_number_and_in_time(authority: Cluster) -> None:

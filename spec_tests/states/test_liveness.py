@@ -58,6 +58,23 @@ def test_a_worker_that_heartbeats_but_never_says_ready_is_lost_at_its_ready_dead
         LivenessBook(3.0, ready_within=0)
 
 
+def test_a_draining_worker_that_never_says_goodbye_is_lost_at_its_drain_deadline() -> None:
+    book = LivenessBook(3.0)
+    for wid in ("stuck", "free"):
+        book.register(wid, 0.0)
+        book.ready(wid, 0.0)
+    book.drain("stuck", 1.0, within=4.0)
+    book.drain("free", 1.0)  # no deadline given: heartbeats alone keep it
+    assert book.drain("stuck", 2.0, within=100.0) == []  # a second drain changes nothing, its deadline included
+    for now in (2.0, 3.0, 4.0):
+        assert book.heard("stuck", now) and book.heard("free", now)
+    assert book.next_deadline() == 5.0 and book.expire(4.9) == []
+    [lost] = book.expire(5.0)
+    assert (lost.worker_id, lost.state) == ("stuck", State.LOST)
+    assert lost.cause == "protocol error: still draining 0.0 s past its drain deadline"
+    assert book.state("free") is State.DRAINING and book.copy().next_deadline() == 7.0
+
+
 def test_messages_from_a_dead_id_are_dropped_and_counted() -> None:
     book = LivenessBook(3.0)
     book.register("a", 0.0)
