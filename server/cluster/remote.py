@@ -153,7 +153,14 @@ class RemoteWorker:
         expect = getattr(runtime.transport, "expect_worker", None)
         if expect is not None:  # local rooms admit this agent's worker token, and no other
             expect(record.room, self.identity)
-        image, suffix = _read_image(record.image_path)
+        try:
+            image, suffix = _read_image(record.image_path)
+        except (OSError, ValueError) as exc:
+            # a queued session's file may be gone or grown by its turn: that session fails, alone,
+            # once the runtime has recorded this run (it is mid-way through its own book-keeping now)
+            reason = f"the reference image could not be sent to the worker: {exc}"
+            trio.lowlevel.current_trio_token().run_sync_soon(run.settle, reason)
+            return run
         self.send(
             Start(
                 session_id=record.session_id,
