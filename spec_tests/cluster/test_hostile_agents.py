@@ -144,16 +144,7 @@ async def test_an_agent_that_heartbeats_but_never_says_ready_is_lost_and_holds_n
     created = authority.http.post("/v1/stream/sessions", json={"identity": "alice"})
     assert created.status_code == 202, created.text  # it waits for the starting worker
     session_id = created.json()["session_id"]
-    seq = 0
-    while not losses(authority).get("never-ready"):
-        seq += 1
-        try:
-            await channel.send(wire.Heartbeat(seq, ()))
-        except wire.ConnectionClosed:
-            break
-        await trio.sleep(0.25)  # bench-cost: a heartbeat every quarter second, as a live agent sends them
-        assert time.monotonic() - registered < HANDSHAKE_TIMEOUT + 15.0, "the never-ready agent was not lost"
-    await channel.aclose()
+    await heartbeat_until_lost(authority, channel, "never-ready", registered + HANDSHAKE_TIMEOUT + 15.0)
     cause = await until(lambda: losses(authority).get("never-ready"), "the never-ready agent to be lost", authority,
                         deadline=10)
     assert cause.startswith("protocol error: not ready"), cause
@@ -166,9 +157,7 @@ async def test_an_agent_that_heartbeats_but_never_says_ready_is_lost_and_holds_n
 async def test_a_goodbye_from_a_worker_that_was_not_draining_is_a_protocol_error(authority: Cluster) -> None:
     channel, reply = await register(authority, "rude")
     assert isinstance(reply, wire.Welcome), reply
-    await channel.send(wire.Ready(1, "bidirectional", PLAN))
-    await until(lambda: any(w["worker_id"] == "rude" and w["state"] in ("idle", "busy") for w in authority.workers()),
-                "the rude agent to be idle", authority, deadline=10)
+    await say_ready(authority, channel, "rude")
     before = authority.get("/v1/service/metadata")["cluster"]["stale_messages_dropped"]
     for seq in (1, 2, 3):  # events for a session it does not run: dropped and counted
         await channel.send(wire.SessionEvent("not-its-session", seq, "run"))
@@ -185,22 +174,11 @@ async def test_a_goodbye_from_a_worker_that_was_not_draining_is_a_protocol_error
 async def test_a_drained_agent_that_never_leaves_is_lost_past_its_drain_deadline(authority: Cluster) -> None:
     channel, reply = await register(authority, "clinging")
     assert isinstance(reply, wire.Welcome), reply
-    await channel.send(wire.Ready(1, "bidirectional", PLAN))
-    await until(lambda: any(w["worker_id"] == "clinging" and w["state"] in ("idle", "busy") for w in authority.workers()),
-                "the clinging agent to be ready", authority, deadline=10)
+    await say_ready(authority, channel, "clinging")
     drained = authority.http.post("/v1/service/workers/clinging/drain", json={"deadline_seconds": 1})
     assert drained.status_code == 202, drained.text
     asked = time.monotonic()
-    seq = 0
-    while not losses(authority).get("clinging"):  # it heartbeats on and never says goodbye
-        seq += 1
-        try:
-            await channel.send(wire.Heartbeat(seq, ()))
-        except wire.ConnectionClosed:
-            break
-        await trio.sleep(0.25)  # bench-cost: a heartbeat every quarter second, as a live agent sends them
-        assert time.monotonic() - asked < 1 + DRAIN_GRACE + 15.0, "the clinging agent was not lost"
-    await channel.aclose()
+    await heartbeat_until_lost(authority, channel, "clinging", asked + 1 + DRAIN_GRACE + 15.0)  # never says goodbye
     cause = await until(lambda: losses(authority).get("clinging"), "the clinging agent to be lost", authority,
                         deadline=10)
     assert cause.startswith("protocol error: still draining"), cause
@@ -227,3 +205,24 @@ async def test_connections_that_never_register_are_bounded_in_number_and_in_time
         await stream.aclose()
     assert time.monotonic() - opened < HANDSHAKE_TIMEOUT + 10.0
     await still_serving(authority, "after-flood")
+
+
+async def say_ready(authority: Cluster, channel: wire.Channel, worker_id: str) -> None:
+    """A registered agent reports ready; wait until the authority counts it eligible."""
+    await channel.send(wire.Ready(1, "bidirectional", PLAN))
+    await until(lambda: any(w["worker_id"] == worker_id and w["state"] in ("idle", "busy") for w in authority.workers()),
+                f"agent {worker_id!r} to be ready", authority, deadline=10)
+
+
+async def heartbeat_until_lost(authority: Cluster, channel: wire.Channel, worker_id: str, give_up: float) -> None:
+    """Heartbeat as a live agent does until the authority loses the worker (or closes it); fail at ``give_up``."""
+    seq = 0
+    while not losses(authority).get(worker_id):
+        seq += 1
+        try:
+            await channel.send(wire.Heartbeat(seq, ()))
+        except wire.ConnectionClosed:
+            break
+        await trio.sleep(0.25)  # bench-cost: a heartbeat every quarter second, as a live agent sends them
+        assert time.monotonic() < give_up, f"agent {worker_id!r} was not lost"
+    await channel.aclose()
