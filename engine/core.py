@@ -360,11 +360,9 @@ class SchedulerCore:
                     rt.handoffs_queued -= 1
                     self._wake(rt.changed)
 
-    def _wake(self, queue: WaitQueue, *more: WaitQueue) -> None:
+    def _wake(self, *queues: WaitQueue) -> None:
         """Wake the session wait queues that have waiters (off trio: once the thread is done)."""
-        if queue.waiting:
-            self._handoff.wake(queue)
-        for queue in more:
+        for queue in queues:
             if queue.waiting:
                 self._handoff.wake(queue)
 
@@ -442,12 +440,6 @@ class SchedulerCore:
         limit = stage.max_in_flight_global
         turns = self._turns[stage_id]
         sessions, try_admit = self._sessions, self._try_admit
-        if len(turns) == 1:  # one session: no turns to take
-            rt = sessions.get(turns[0])
-            if rt is not None and rt.ready[stage_id] and try_admit(rt, stage) and stage.max_in_flight_per_session > 1:
-                while try_admit(rt, stage):
-                    pass
-            return
         served: list[str] = []
         for session_id in tuple(turns):
             rt = sessions.get(session_id)
@@ -478,7 +470,7 @@ class SchedulerCore:
         if seq is None or not rt.starting_accepted_work:
             return False
         stage_id = stage.stage_id
-        blocker = first_blocker(self.graph, self._usage, self._group_limit, rt, stage)
+        blocker = self._blocker(rt, stage)
         if blocker is not None:
             rt.blockers[stage_id][seq] = blocker
             return False
