@@ -133,22 +133,26 @@ class _Delivery:
             result = outcome.Error(ActorFailedError(f"stage actor {actor.name!r} failed: {actor._failure_reason}"))
         actor._resolve(self.invocation, self.on_done, result, from_thread=True)
 
-    def on_thread(self, result: outcome.Outcome) -> Callable[[], None] | None:
-        """On the actor's thread: complete a success right here when the scheduler allows it.
+    def on_thread(self, value: Any) -> Callable[[], None] | object | None:
+        """On the actor's thread, for a successful call: complete it right here when the scheduler allows it.
 
-        Returns what the trio thread must run afterwards, or None when the result has to
-        travel to trio as usual (an error, a failed actor, a completion that needs trio).
+        Returns what the trio thread must run afterwards, :data:`NOTHING_LEFT`, or None when
+        the value has to travel to trio as usual (a failed actor, a completion that needs trio).
         """
         actor = self.actor
         from_thread = getattr(self.on_done, "from_thread", None)
-        if from_thread is None or not isinstance(result, outcome.Value) or actor._machine.state is not ActorState.RUNNING:
+        if from_thread is None or actor._machine.state is not ActorState.RUNNING:
             return None
-        actor._count(pending=-1)
-        finish = from_thread(self.invocation, result)
+        with actor._counts:
+            actor._pending -= 1
+        finish = from_thread(self.invocation, value)
         if finish is not None:
             return functools.partial(actor._after_thread_delivery, finish)
         # nothing for trio to do: the call is delivered here, and trio is woken only for a barrier
-        return actor._mark_done if actor._count(undelivered=-1) else NOTHING_LEFT
+        with actor._counts:
+            actor._undelivered -= 1
+            barrier_waits = actor._quiet.waiting > 0
+        return actor._mark_done if barrier_waits else NOTHING_LEFT
 
 
 _names = itertools.count()
@@ -275,7 +279,9 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
-            self._count(pending=1, undelivered=1)
+            with self._counts:
+                self._pending += 1
+                self._undelivered += 1
             self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
             return
         self._count(pending=1)

@@ -84,24 +84,22 @@ def first_blocker(
     the results still being made for it.
     """
     stage_id = stage.stage_id
-    held = rt.reservations
-    # plain dict gets: a Counter's missing-key hook is Python code, and this runs for every admission
-    if held.by_stage.get(stage_id, 0) >= stage.max_in_flight_per_session:
+    in_flight = rt.reservations.by_stage.get(stage_id, 0)  # also the room it reserves on its edges
+    if in_flight >= stage.max_in_flight_per_session:
         return STAGE_CAPACITY
     if usage.by_stage[stage_id] >= stage.max_in_flight_global:
         return GLOBAL_CAPACITY
     group = stage.resource_group
     if group is not None and usage.by_group[group] >= group_limit[group]:
         return Blocker.group(group)
-    producing, occupancy = held.producing, rt.occupancy
+    occupancy = rt.occupancy
     for artifact, edge, limit, blocker in graph.room_limits[stage_id]:
-        reserved = producing.get(artifact, 0)
         if edge is not None:
-            if occupancy.get(edge, 0) + reserved >= limit:
+            if occupancy.get(edge, 0) + in_flight >= limit:  # a plain get: Counter's missing-key hook is Python
                 return blocker
         else:
             pending = rt.pending_outputs  # outputs made, waiting for an earlier sequence's
             queued = len(rt.outputs) + (sum(1 for v in pending.values() if artifact in v) if pending else 0)
-            if queued + reserved >= limit:
+            if queued + in_flight >= limit:
                 return blocker
     return None

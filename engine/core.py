@@ -294,9 +294,13 @@ class SchedulerCore:
     @_locked
     def complete(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
         """Called by an actor, in the trio thread, once per submitted invocation."""
-        self._complete(invocation, result)
+        if isinstance(result, outcome.Error):
+            self._complete(invocation, None, result.error)
+        else:
+            self._complete(invocation, result.value, None)
 
-    def _complete(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
+    def _complete(self, invocation: StageInvocation, value: Any, error: BaseException | None) -> None:
+        """Accept one invocation's result (``value``) or failure (``error``), unless it no longer counts."""
         key = invocation.key
         rt = self._sessions.get(key.session_id)
         if rt is None or key.request_id >= self._next_request:
@@ -313,23 +317,22 @@ class SchedulerCore:
             return
         self._usage.release(rt.reservations, reservation)
         stage = self.graph.stages[stage_id]
-        now = self._now()
-        rt.timing(stage_id, seq).completed_at = now
+        now = reservation.timing.completed_at = self._now()
         try:
-            if isinstance(result, outcome.Error):
-                self._on_error(rt, stage.stage_id, result.error)
+            if error is not None:
+                self._on_error(rt, stage_id, error)
             elif rt.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
-                error = check_result(stage, seq, result.value)
-                if error is not None:
-                    self._fail(rt, error)
-                elif record_result(self.graph, rt, stage, seq, result.value, now):
+                invalid = check_result(stage, seq, value)
+                if invalid is not None:
+                    self._fail(rt, invalid)
+                elif record_result(self.graph, rt, stage, seq, value, now):
                     self._wake(rt.emitted)
         finally:
             self._wake(rt.changed)
             self._pump(self.graph.after_completion[stage_id])
 
-    def complete_from_thread(self, invocation: StageInvocation, result: outcome.Value) -> Callable[[], None] | None:
-        """Complete a successful invocation on the stage's own thread; returns what trio must then run.
+    def complete_from_thread(self, invocation: StageInvocation, value: Any) -> Callable[[], None] | None:
+        """Complete a successful invocation (its ``value``) on the stage's own thread; returns what trio must then run.
 
         The completion admits whatever it unblocks right here, so the next stage's thread is
         woken by this one, not through the trio thread. Wake-ups of trio tasks that wait,
@@ -341,7 +344,7 @@ class SchedulerCore:
         with self.lock:
             self._handoff.begin()
             try:
-                self._complete(invocation, result)
+                self._complete(invocation, value, None)
             finally:
                 left = self._handoff.end(self._pump)
             if left is None:
@@ -486,9 +489,10 @@ class SchedulerCore:
         key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, request)
         # everything the invocation holds is taken before submit: an actor may complete it inside submit
         inputs = rt.take_inputs(stage_id, seq, stage.consumes)
-        reservation = self._usage.take(rt.reservations, stage, key)
+        timing = rt.timings[stage_id].get(seq) or rt.timing(stage_id, seq)
+        timing.admitted_at = self._now()
+        reservation = self._usage.take(rt.reservations, stage, key, timing)
         rt.taken[stage_id].add(seq)
-        rt.timing(stage_id, seq).admitted_at = self._now()
         try:
             actor.submit(StageInvocation(key, inputs, seq == 0, seq == rt.final_sequence_id), self.completion)
         except Exception as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import outcome
 
@@ -34,9 +34,9 @@ class CoreCompletion:
 
     def __init__(self, core: SchedulerCore) -> None:
         self._core = core
-        # ``from_thread(invocation, result)`` -> what trio must then run, or None: the core's own
+        # ``from_thread(invocation, value)`` -> what trio must then run, or None: the core's own
         # method, bound once (it runs for every call a stage's thread completes)
-        self.from_thread: Callable[[StageInvocation, outcome.Value], Callable[[], None] | None] = core.complete_from_thread
+        self.from_thread: Callable[[StageInvocation, Any], Callable[[], None] | None] = core.complete_from_thread
 
     def __call__(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
         self._core.complete(invocation, result)

@@ -2,7 +2,10 @@
 
 Admitting an invocation takes, at once, a place in the stage's per-session and
 global in-flight limits, in its resource group, and room on every edge its
-result will need. All of that is one :class:`Reservation` value. Only
+result will need. All of that is one :class:`Reservation` value. The room a
+session's in-flight work reserves on an artifact's edges is its producer stage's
+in-flight count (every call of a stage makes each of its artifacts once), so
+that one count serves both. Only
 :class:`UsageBook` changes the counts, in ``take`` and ``release``, so a count
 cannot drift; releasing a reservation that is not held is refused, and the
 slot-leak check asks what is still held rather than trusting a counter.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 from .actors import TaskKey
 from .spec import StageSpec
@@ -26,14 +30,14 @@ class Reservation:
     and nothing changes it after.
     """
 
-    __slots__ = ("key", "stage_id", "resource_group", "produces", "slot")
+    __slots__ = ("key", "stage_id", "resource_group", "slot", "timing")
 
-    def __init__(self, key: TaskKey, stage_id: str, resource_group: str | None, produces: frozenset[str]) -> None:
+    def __init__(self, key: TaskKey, stage_id: str, resource_group: str | None, timing: Any) -> None:
         self.key = key
         self.stage_id = stage_id
         self.resource_group = resource_group
-        self.produces = produces
         self.slot = (stage_id, key.sequence_id)
+        self.timing = timing  # the (stage, sequence) timing record its completion stamps
 
     def __repr__(self) -> str:
         return f"Reservation({self.key!r})"
@@ -42,12 +46,11 @@ class Reservation:
 class SessionReservations:
     """The reservations one session holds; read by the scheduler, changed only by the book."""
 
-    __slots__ = ("held", "by_stage", "producing")
+    __slots__ = ("held", "by_stage")
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, int], Reservation] = {}  # (stage, seq) -> reservation
-        self.by_stage: Counter[str] = Counter()
-        self.producing: Counter[str] = Counter()  # artifact -> in-flight producers (reserved room)
+        self.by_stage: dict[str, int] = {}  # also the room reserved on the stage's outgoing edges
 
     def __bool__(self) -> bool:
         return bool(self.held)
@@ -64,10 +67,7 @@ class SessionReservations:
     def drift(self) -> int:
         """Counts that disagree with the reservations held (0 unless the book is broken)."""
         by_stage: Counter[str] = Counter(r.stage_id for r in self.held.values())
-        producing: Counter[str] = Counter(a for r in self.held.values() for a in r.produces)
-        return sum(1 for k in by_stage.keys() | self.by_stage.keys() if by_stage[k] != self.by_stage[k]) + sum(
-            1 for k in producing.keys() | self.producing.keys() if producing[k] != self.producing[k]
-        )
+        return sum(1 for k in by_stage.keys() | self.by_stage.keys() if by_stage[k] != self.by_stage.get(k, 0))
 
 
 class UsageBook:
@@ -77,18 +77,15 @@ class UsageBook:
         self.by_stage: dict[str, int] = {s: 0 for s in stage_ids}
         self.by_group: dict[str, int] = {g: 0 for g in group_names}
 
-    def take(self, session: SessionReservations, stage: StageSpec, key: TaskKey) -> Reservation:
+    def take(self, session: SessionReservations, stage: StageSpec, key: TaskKey, timing: Any) -> Reservation:
         stage_id = stage.stage_id
-        reservation = Reservation(key, stage_id, stage.resource_group, stage.produces)
+        reservation = Reservation(key, stage_id, stage.resource_group, timing)
         held = session.held
         if reservation.slot in held:
             raise RuntimeError(f"stage {stage_id!r} already holds sequence {key.sequence_id} of {key.session_id!r}")
         held[reservation.slot] = reservation
-        # plain dict calls: Counter's missing-key hook is Python code
-        by_stage, producing = session.by_stage, session.producing
+        by_stage = session.by_stage
         by_stage[stage_id] = by_stage.get(stage_id, 0) + 1
-        for artifact in reservation.produces:
-            producing[artifact] = producing.get(artifact, 0) + 1
         self.by_stage[stage_id] += 1
         if reservation.resource_group is not None:
             self.by_group[reservation.resource_group] += 1
@@ -100,11 +97,7 @@ class UsageBook:
             raise RuntimeError(f"{reservation.key} is not held; a reservation is released once")
         del held[reservation.slot]
         stage_id = reservation.stage_id
-        # plain dict calls: Counter's missing-key hook is Python code
-        by_stage, producing = session.by_stage, session.producing
-        by_stage[stage_id] = by_stage.get(stage_id, 0) - 1
-        for artifact in reservation.produces:
-            producing[artifact] = producing.get(artifact, 0) - 1
+        session.by_stage[stage_id] -= 1
         self.by_stage[stage_id] -= 1
         if reservation.resource_group is not None:
             self.by_group[reservation.resource_group] -= 1

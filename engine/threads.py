@@ -171,36 +171,42 @@ class DedicatedThread:
             return False
         fn, args, deliver = job
         del job
-        result = outcome.capture(fn, *args)
+        inbox = self._inbox
+        assert inbox is not None
+        try:
+            value = fn(*args)
+        except BaseException as exc:  # delivered to trio, as any failure of a call is
+            box = [deliver, outcome.Error(exc)]
+            del fn, args, deliver
+            inbox.post(_unbox, box)
+            return True
         del fn, args
         on_thread = getattr(deliver, "on_thread", None)
         after = None
         if on_thread is not None:
             try:
-                after = on_thread(result)
+                after = on_thread(value)
             except BaseException as exc:  # a scheduler bug: surface it in trio, as a delivery there would
                 after = functools.partial(_reraise, exc)
             del on_thread
-        inbox = self._inbox
-        assert inbox is not None
         if after is NOTHING_LEFT:
-            del deliver, result, after
             return True
         if after is not None:
-            del deliver, result
+            del deliver, value
             inbox.post(after)
             return True
-        box = [deliver, result]
-        del deliver, result
+        box = [deliver, outcome.Value(value)]
+        del deliver, value
         inbox.post(_unbox, box)
         return True
 
     def submit(self, fn: Callable[..., Any], args: tuple, deliver: Callable[[outcome.Outcome], None]) -> None:
         """Queue ``fn(*args)``; ``deliver(outcome)`` later runs in the trio thread.
 
-        If ``deliver`` has ``on_thread(outcome)``, it is offered the result on this thread
-        first; what it returns (if not None) runs in the trio thread instead of ``deliver``,
-        and :data:`NOTHING_LEFT` means nothing is left for trio to run.
+        If ``deliver`` has ``on_thread(value)``, it is offered a successful call's value on
+        this thread first; what it returns (if not None) runs in the trio thread instead of
+        ``deliver``, and :data:`NOTHING_LEFT` means nothing is left for trio to run. A
+        failed call always goes to ``deliver`` in trio.
 
         The fast path of stage actors: no trio task wakes between the call and
         its delivery.
