@@ -263,7 +263,8 @@ class LocalStageActor:
     # -- work ------------------------------------------------------------------
 
     def submit(self, invocation: StageInvocation, on_done: Completion) -> None:
-        self._check_usable()
+        if self._machine.state is not ActorState.RUNNING:
+            self._check_usable()
         if self._handler_is_async:
             try:
                 self._send.send_nowait(_Invoke(invocation, on_done))

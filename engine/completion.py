@@ -32,13 +32,15 @@ def check_result(stage: StageSpec, seq: int, artifacts: Any) -> InvalidStageOutp
 
 def record_result(graph: StageGraph, rt: SessionRuntime, stage: StageSpec, seq: int, artifacts: Mapping[str, Any], now: float) -> bool:
     """Store a checked result; returns whether an output was emitted."""
+    made_output = False
     for artifact, value in artifacts.items():
         targets = graph.targets.get(artifact, ())
         if targets:
             rt.add_slot(seq, artifact, value, targets, now, graph.consumes)
         if artifact in graph.outputs:
             rt.pending_outputs.setdefault(seq, {})[artifact] = value
-    emitted = _emit_ready_outputs(graph, rt, now)
+            made_output = True
+    emitted = made_output and _emit_ready_outputs(graph, rt, now)  # else no output can have become complete
     following = seq + 1
     if rt.final_sequence_id is None or following <= rt.final_sequence_id:
         slots = rt.slots
