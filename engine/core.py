@@ -32,10 +32,11 @@ import trio
 
 from states import pipeline_session as table
 
+from .actor_failures import ActorFailures
 from .actors import StageActor, StageInvocation, TaskKey
 from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import check_result, record_result
-from .errors import ActorBusyError, ActorFailedError, SessionExistsError
+from .errors import ActorBusyError, SessionExistsError
 from .graph import StageGraph
 from .handoff import CoreCompletion, TrioHandoff
 from .ingress import check_final_sequence, check_ingress, has_room
@@ -83,7 +84,6 @@ class SchedulerCore:
         self._counters: Counter[str] = Counter()  # keyed by the Diagnostics field names
         self._pumping = False
         self._dirty: set[str] = set()
-        self._surfaced: dict[str, BaseException] = {}  # stage -> the error that revealed its actor's failure
         # A stage's own thread may complete an invocation and admit the next stage itself (one
         # thread wake-up per hop); the lock makes that and every trio-side call one at a time.
         # While a thread is in the core, what only trio may do is collected, then handed to trio.
@@ -94,6 +94,7 @@ class SchedulerCore:
         self._threadsafe = {s: bool(getattr(a, "threadsafe_submit", False)) for s, a in self._actors.items()}
         # on_failed starts the failed session's cleanup in the orchestrator's nursery
         self._handoff = TrioHandoff(on_failed)
+        self._failures = ActorFailures(self._actors, self._sessions.values, self._fail)
         self.completion = CoreCompletion(self)
 
     # == interface: sessions ===============================================================
@@ -285,7 +286,7 @@ class SchedulerCore:
 
         def listener(reason: str) -> None:
             with self.lock:
-                self._fail_actor_sessions(stage_id, reason, self._surfaced.get(stage_id))
+                self._failures.heard(stage_id, reason)
 
         return listener
 
@@ -320,7 +321,7 @@ class SchedulerCore:
         now = reservation.timing.completed_at = self._now()
         try:
             if error is not None:
-                self._on_error(rt, stage_id, error)
+                self._failures.call_failed(rt, stage_id, error)
             elif rt.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
                 invalid = check_result(stage, seq, value)
                 if invalid is not None:
@@ -371,17 +372,6 @@ class SchedulerCore:
 
     # == failure ==================================================================================
 
-    def _on_error(self, rt: SessionRuntime, stage_id: str, error: BaseException) -> None:
-        """The session that surfaced an error keeps it; an actor failure it revealed fails the rest."""
-        self._fail(rt, error)
-        self._surfaced[stage_id] = error
-        try:
-            health = self._actors[stage_id].health()  # may itself notice the failure and tell the listeners
-        finally:
-            del self._surfaced[stage_id]
-        if not health.healthy:
-            self._fail_actor_sessions(stage_id, health.failure_reason, error)
-
     def _fail(self, rt: SessionRuntime, error: BaseException) -> None:
         """Fail one session: stop it, drop its buffers, clean it up in the background."""
         if not rt.machine.can(Event.FAIL):
@@ -394,16 +384,6 @@ class SchedulerCore:
         self._wake(*rt.everyone)
         if needs_cleanup:
             self._handoff.clean_up(rt)
-
-    def _fail_actor_sessions(self, stage_id: str, reason: str | None, cause: BaseException | None) -> None:
-        """An actor failure fails every session still starting work, with the cause attached."""
-        if cause is None:
-            cause = self._actors[stage_id].health().failure_cause
-        for rt in list(self._sessions.values()):
-            if rt.starting_accepted_work:
-                failure = ActorFailedError(f"stage actor {stage_id!r} is failed: {reason}")
-                failure.__cause__ = cause
-                self._fail(rt, failure)
 
     # == scheduling ===============================================================================
 
@@ -482,7 +462,7 @@ class SchedulerCore:
             self._handoff.submit_in_trio(stage_id)  # this actor takes work in trio only
             return False
         if not actor.is_healthy():
-            self._fail_actor_sessions(stage_id, actor.health().failure_reason, None)
+            self._failures.actor_failed(stage_id, actor.health().failure_reason, None)
             return False
         request = self._next_request
         self._next_request = request + 1
@@ -503,7 +483,7 @@ class SchedulerCore:
             if isinstance(exc, ActorBusyError):
                 rt.blockers[stage_id][seq] = ACTOR_BUSY
             elif not actor.health().healthy:
-                self._fail_actor_sessions(stage_id, actor.health().failure_reason, exc)
+                self._failures.actor_failed(stage_id, actor.health().failure_reason, exc)
             else:
                 self._fail(rt, exc)
             return False
