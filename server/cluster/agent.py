@@ -3,9 +3,9 @@
 One agent process holds one device group's model worker (service, lease, orchestrator),
 its room runners and its transport, so media is published next to the model. It loads
 its pipeline, dials the authority (no inbound port on the worker's host), registers under
-a fresh id,
-reports the capacity of the pipeline it loaded first, heartbeats, forwards each session's table
-events in order, and runs the sessions the authority starts.
+a fresh id, reports the capacity of the pipeline it loaded first, and heartbeats; the
+sessions the authority starts run in :class:`~server.cluster.agent_sessions.AgentSessions`,
+whose table events go back over this connection in order.
 
 Cut off from the authority (no heartbeat acknowledged), the agent *fences* itself at
 :func:`states.liveness.fence_at` — before the authority's deadline — by stopping every
@@ -18,19 +18,12 @@ and exits 0.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import contextlib
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
-import tempfile
-import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,20 +33,16 @@ import trio
 from engine import CapacityPlan
 from states.liveness import fence_at
 from states.restart_policy import RestartPolicy, RestartTracker
-from states.stream_session import DrainCause, Event, State, StreamSessionMachine
 
 from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
 from ..reasons import public_reason
 from ..requests import OptionsRefused
-from ..registry import SessionRecord, SessionRegistry
-from ..lifecycle import SessionLifecycle
-from ..runner import RoomRunner, RunnerDeps
 from . import wire
+from .agent_sessions import AgentSessions
 from .backoff import back_off
 from .identity import chunkline_version, pipeline_digest, pipeline_name
-from .rooms import RemoteRooms
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
 
@@ -61,7 +50,6 @@ log = logging.getLogger("chunkline.agent")
 
 EXIT_REFUSED = 3
 CONNECT_TIMEOUT = 10.0
-RUNNER_STOP_GRACE = 10.0  # how long fenced or drained runners may take to finish their cleanup
 OUTBOX = 1024
 # an agent cut off from the authority registers again quickly at first, and gives up on a crash loop
 REREGISTER_POLICY = RestartPolicy(base_delay=0.2, max_delay=5.0, max_failures=8, window=60.0)
@@ -101,77 +89,6 @@ class AgentOptions:
     version: str = attrs.Factory(chunkline_version)
 
 
-class _MintedTokens:
-    """The runner asks for a worker token; the authority minted it (secrets stay there)."""
-
-    def __init__(self) -> None:
-        self.by_room: dict[str, str] = {}
-
-    def worker_token(self, room: str, identity: str) -> str:
-        return self.by_room[room]
-
-
-class _ForwardingRegistry(SessionRegistry):
-    """The agent's mirror of its sessions' records: every table event is also sent to the authority."""
-
-    def __init__(self, agent: Agent) -> None:
-        super().__init__()
-        self._agent = agent
-
-    def apply(self, record: SessionRecord, event: Event, *, now: float, error: str | None = None) -> State:
-        state = super().apply(record, event, now=now, error=error)
-        self._agent.forward_event(record, event, error)
-        return state
-
-
-class _RunnerHost:
-    """What the agent's room runners use (:class:`~server.runner.RunnerDeps`), backed by the agent."""
-
-    def __init__(self, agent: Agent, welcome: wire.Welcome, transport: Any) -> None:
-        self.registry = _ForwardingRegistry(agent)
-        self.issuer = _MintedTokens()
-        self.transport = transport
-        self.deps = RunnerDeps(
-            issuer=self.issuer,  # type: ignore[arg-type]
-            transport=transport,
-            metrics=agent.metrics,
-            lifecycle=SessionLifecycle(self.registry),
-            controller_timeout=welcome.controller_timeout,
-            room_empty_timeout=welcome.room_empty_timeout,
-            max_data_message_bytes=welcome.max_data_message_bytes,
-            on_finished=agent.session_finished,
-        )
-
-
-_IMAGE_SUFFIX = re.compile(r"\.[A-Za-z0-9]{1,10}")
-
-
-def _image_bytes(data: str, suffix: str | None) -> bytes:
-    """A Start's reference image; ValueError names what is wrong with it."""
-    if suffix is not None and _IMAGE_SUFFIX.fullmatch(suffix) is None:
-        raise ValueError(f"image_suffix {suffix[:40]!r} is not a file suffix (a dot and 1-10 letters or digits)")
-    try:
-        return base64.b64decode(data, validate=True)
-    except binascii.Error:
-        raise ValueError("the image is not base64") from None
-
-
-def _cause(value: str) -> DrainCause:
-    """The drain cause the authority sent (its runtime's); an unknown one stops as a shutdown."""
-    try:
-        return DrainCause(value)
-    except ValueError:
-        return DrainCause.SHUTDOWN
-
-
-def _make_transport(welcome: wire.Welcome) -> Any:
-    if welcome.transport == "livekit":
-        from ..transport.livekit import LiveKitTransport
-
-        return LiveKitTransport(welcome.livekit_url or "")
-    return RemoteRooms(welcome.rooms_url or "")
-
-
 class Agent:
     def __init__(self, options: AgentOptions, *, service_loader: Callable[..., Any] | None = None) -> None:
         self.options = options
@@ -194,9 +111,7 @@ class Agent:
             **extra,
         )
         self.worker_id: str | None = None
-        self.runners: dict[str, RoomRunner] = {}
-        self._seq: dict[str, int] = {}
-        self._images: dict[str, str] = {}
+        self.sessions = AgentSessions(self.worker, self.metrics, self.send)
         self._nursery: trio.Nursery | None = None
         self._ready: wire.Ready | None = None
         self._model_failure: str | None = None
@@ -204,8 +119,6 @@ class Agent:
         self._outbox: trio.MemorySendChannel[wire.Message] | None = None
         self._draining = False
         self._drained = trio.Event()
-        self._tmp: str | None = None  # made with the first uploaded image: a killed agent without one leaves nothing
-        self._host: _RunnerHost | None = None
         self._acked_sent_at = 0.0
         self._sent_at: dict[int, float] = {}
         self._flushed = trio.Event()
@@ -225,12 +138,10 @@ class Agent:
                 code = 1
             else:
                 code = await self._registrations()
-            await self._stop_runners("agent exiting", hard=True)
+            await self.sessions.stop_all("agent exiting", hard=True)
             self.worker.stop()
             nursery.cancel_scope.cancel()
-        if self._tmp is not None:
-            with contextlib.suppress(OSError):
-                os.rmdir(self._tmp)
+        self.sessions.close()
         return code
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
@@ -305,7 +216,7 @@ class Agent:
         channel, welcome = shaken
         self.worker_id = worker_id
         self.worker.worker_id = worker_id  # runners join rooms as chunkline-<worker id>
-        self._host = _RunnerHost(self, welcome, _make_transport(welcome))
+        self.sessions.attach(welcome)
         log.info("registered as %s with %s", worker_id, self.options.authority)
         outbox_send, outbox = trio.open_memory_channel[wire.Message](OUTBOX)
         self._outbox = outbox_send
@@ -318,7 +229,7 @@ class Agent:
                     outcome = await make()
                     nursery.cancel_scope.cancel()
 
-                transport_run = getattr(self._host.transport, "run", None)
+                transport_run = getattr(self.sessions.transport, "run", None)
                 if transport_run is not None:  # LiveKit: its asyncio loop lives as long as this registration
                     await nursery.start(transport_run)
                 nursery.start_soon(self._pump, channel, outbox)
@@ -333,7 +244,7 @@ class Agent:
             self._outbox = None
             if outcome != "drained":
                 log.warning("worker %s: %s; stopping its sessions", worker_id, outcome)
-                await self._stop_runners(f"worker fenced: {outcome}", hard=True)
+                await self.sessions.stop_all(f"worker fenced: {outcome}", hard=True)
             await channel.aclose()
         return outcome
 
@@ -383,11 +294,9 @@ class Agent:
                 for seq in [s for s in self._sent_at if s < message.seq]:
                     del self._sent_at[seq]
             elif isinstance(message, wire.Start):
-                self._start(message)
+                self.sessions.start(message, refusal="the worker is draining" if self._draining else None)
             elif isinstance(message, wire.Stop):
-                runner = self.runners.get(message.session_id)
-                if runner is not None:
-                    runner.abort(_cause(message.cause)) if message.now else runner.drain(_cause(message.cause))
+                self.sessions.stop(message)
             elif isinstance(message, wire.CheckOptions):
                 assert self._nursery is not None
                 self._nursery.start_soon(self._check_options, message)
@@ -403,7 +312,7 @@ class Agent:
             self._sent_at[seq] = trio.current_time()
             while len(self._sent_at) > 64:
                 del self._sent_at[min(self._sent_at)]
-            self.send(wire.Heartbeat(seq, tuple(self.runners)))
+            self.send(wire.Heartbeat(seq, tuple(self.sessions.runners)))
             await trio.sleep(interval)
 
     async def _fence(self, deadline: float) -> str:
@@ -434,91 +343,6 @@ class Agent:
         self._model_failure = reason
         self._model_settled.set()
 
-    # -- sessions --
-
-    def _start(self, message: wire.Start) -> None:
-        assert self._host is not None
-        why = None
-        if self._draining:
-            why = "the worker is draining"
-        elif self._ready is None or message.session_id in self.runners:
-            why = "the worker cannot take this session"
-        image = None
-        if why is None and message.image is not None:
-            try:
-                image = _image_bytes(message.image, message.image_suffix)
-            except ValueError as exc:
-                why = f"the session's image was refused: {exc}"
-        if why is not None:
-            seq = self._seq.get(message.session_id, 0) + 1
-            if message.session_id in self.runners:
-                self._seq[message.session_id] = seq
-            self.send(wire.SessionFinished(message.session_id, seq, why, None))
-            return
-        image_path = None
-        if image is not None:
-            if self._tmp is None:
-                self._tmp = tempfile.mkdtemp(prefix="chunkline-agent-")
-            # a name of the agent's own: the session id is the authority's text, never part of a path
-            handle, image_path = tempfile.mkstemp(dir=self._tmp, suffix=message.image_suffix or "")
-            with os.fdopen(handle, "wb") as file:
-                file.write(image)
-            self._images[message.session_id] = image_path
-        record = SessionRecord(
-            session_id=message.session_id,
-            room=message.room,
-            controller_identity=message.controller_identity,
-            config=dict(message.config),
-            prompt=message.prompt,
-            image_path=image_path,
-            created_at=time.time(),
-            expires_at=None,
-            deadline=None,  # the authority enforces the session timeout
-            machine=StreamSessionMachine(State.ASSIGNED),
-            worker_id=self.worker_id,
-        )
-        self._host.issuer.by_room[message.room] = message.token
-        runner = RoomRunner(self._host.deps, record, self.worker)
-        self.runners[message.session_id] = runner
-        self.worker.start_runner(runner.run)
-
-    def forward_event(self, record: SessionRecord, event: Event, error: str | None) -> None:
-        seq = self._seq[record.session_id] = self._seq.get(record.session_id, 0) + 1
-        self.send(
-            wire.SessionEvent(
-                record.session_id,
-                seq,
-                event.value,
-                error=error,
-                pipeline_session_id=record.pipeline_session_id,
-                participants=tuple(sorted(record.participants)),
-            )
-        )
-
-    def session_finished(self, runner: RoomRunner, error: str | None) -> None:
-        session_id = runner.record.session_id
-        self.runners.pop(session_id, None)
-        seq = self._seq.pop(session_id, 0) + 1
-        cause = runner.record.drain_cause
-        self.send(wire.SessionFinished(session_id, seq, error, None if cause is None else cause.value))
-        image = self._images.pop(session_id, None)
-        if image is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(image)
-        if self._host is not None:
-            self._host.issuer.by_room.pop(runner.record.room, None)
-
-    async def _stop_runners(self, cause: str, *, hard: bool) -> None:
-        runners = list(self.runners.values())
-        for runner in runners:
-            if hard:  # fenced or exiting: the authority settles these sessions with the loss
-                runner.fail(cause, DrainCause.WORKER_FAILED)
-            else:
-                runner.drain(DrainCause.WORKER_DRAIN)
-        with trio.move_on_after(RUNNER_STOP_GRACE):
-            for runner in runners:
-                await runner.finished.wait()
-
     # -- drain --
 
     def begin_drain(self, deadline: float) -> None:
@@ -530,9 +354,8 @@ class Agent:
 
     async def _drain(self, deadline: float) -> None:
         with trio.move_on_after(deadline):
-            while self.runners:
-                await next(iter(self.runners.values())).finished.wait()
-        await self._stop_runners("worker_drain", hard=False)  # at a chunk boundary, never mid-chunk
+            await self.sessions.until_empty()
+        await self.sessions.stop_all("worker_drain", hard=False)  # at a chunk boundary, never mid-chunk
         self._drained.set()
 
     async def _until_drained(self) -> str:
