@@ -94,6 +94,10 @@ class SchedulerCore:
         self._threadsafe = {s: bool(getattr(a, "threadsafe_submit", False)) for s, a in self._actors.items()}
         # on_failed starts the failed session's cleanup in the orchestrator's nursery
         self._handoff = TrioHandoff(on_failed)
+        # ``_blocker(rt, stage)``: the first limit holding the stage's next item back (asked on every admission)
+        self._blocker: Callable[[SessionRuntime, StageSpec], Blocker | None] = functools.partial(
+            first_blocker, graph, self._usage, self._group_limit
+        )
         self._failures = ActorFailures(self._actors, self._sessions.values, self._fail)
         self.completion = CoreCompletion(self)
 
@@ -444,9 +448,6 @@ class SchedulerCore:
             rt.next_ready(stage) is not None and self._blocker(rt, stage) is None
             for stage in self.graph.scan_order
         )
-
-    def _blocker(self, rt: SessionRuntime, stage: StageSpec) -> Blocker | None:
-        return first_blocker(self.graph, self._usage, self._group_limit, rt, stage)
 
     def _try_admit(self, rt: SessionRuntime, stage: StageSpec) -> bool:
         seq = rt.next_ready(stage)  # the cheaper check first: most calls find nothing ready
