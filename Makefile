@@ -13,7 +13,11 @@ LIVEKIT_SERVER := $(TOOLS)/livekit-server
 
 .PHONY: test run bench explore diagrams clean livekit-server
 
+# A new .venv takes about 5.5 GB (torch with its CUDA libraries); say so before pip fails halfway with ENOSPC.
+NEED_GB ?= 7
 $(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -c 'import shutil, sys; free = shutil.disk_usage(".").free / 2**30; \
+		sys.exit(0 if free >= $(NEED_GB) else f"make: a new $(VENV) needs about $(NEED_GB) GB of free disk here; {free:.1f} GB is free (free some space, or NEED_GB=0 to try anyway)")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
