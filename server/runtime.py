@@ -27,6 +27,7 @@ from states.worker import TERMINAL as WORKER_TERMINAL
 from states.worker import DRAINABLE as WORKER_DRAINABLE, LOADING as WORKER_LOADING
 
 from .metrics import ServerMetrics
+from .in_process_workers import InProcessWorkers
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle
 from .registry import SessionRecord, SessionRegistry
@@ -37,7 +38,7 @@ from .settings import ServerSettings
 from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
 from .uploads import UploadFolder
-from .worker_slots import WorkerSlot, WorkerSlots
+from .worker_slots import WorkerSlots
 
 __all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created", "NoWorker", "ViewerLimit"]
 
@@ -106,7 +107,7 @@ class StreamRuntime:
         self.restart_policy = restart_policy or RestartPolicy()
         self.slots = WorkerSlots(self.restart_policy)
         self.cluster: Any = None  # the ClusterAuthority when workers are agents (--workers local|ray|external)
-        self._service_loader = service_loader
+        self.in_process = InProcessWorkers(self, service_loader, DELETE_WAIT)
         self._nursery: trio.Nursery | None = None
         self.uploads = UploadFolder()
         #: option checks under way at once (each is a message to a worker: a burst of creates stays bounded)
@@ -122,7 +123,7 @@ class StreamRuntime:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             if self.settings.workers == "in-process":
-                self._start_in_process_workers()
+                self.in_process.start()
             else:
                 from .cluster.launchers import make_authority
 
@@ -132,54 +133,6 @@ class StreamRuntime:
             self.started = True
             runtime_views.publish_gauges(self)
             task_status.started()
-
-    def _start_in_process_workers(self) -> None:
-        groups = self.settings.worker_gpu_map or tuple(() for _ in range(self.settings.num_workers))
-        for index, gpu_ids in enumerate(groups):
-            self._start_worker(self.slots.add(f"worker-{index}", tuple(gpu_ids)))
-
-    def _start_worker(self, slot: WorkerSlot) -> ModelWorker:
-        """A fresh worker for ``slot``: a new id (``worker-0``, then ``worker-0.1``...), its own capacity plan."""
-        worker_id = slot.next_worker_id()
-        initial = self.settings.max_sessions_per_worker
-        options: dict[str, Any] = {}
-        if self._service_loader is not None:
-            options["service_loader"] = self._service_loader
-        worker = ModelWorker(
-            worker_id,
-            pipeline=self.settings.pipeline,
-            gpu_ids=slot.gpu_ids,
-            max_sessions=initial,
-            on_ready=self._worker_ready,
-            on_failed=self._worker_failed,
-            worker_mode=self.settings.worker_mode,
-            placement=self.settings.placement,
-            offered={"control_idle_timeout": self.settings.control_idle_timeout, "fps": self.settings.default_fps,
-                     "served": True, "assets_dir": self.settings.assets_dir},
-            validate=not self.settings.skip_validation,
-            **options,
-        )
-        self.slots.fill(slot, worker)
-        self.workers[worker_id] = worker
-        self.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
-        assert self._nursery is not None
-        self._nursery.start_soon(worker.run)
-        return worker
-
-    async def _restart_when_due(self, slot: WorkerSlot) -> None:
-        """Replace a failed worker once its backoff has passed (unless the server is stopping)."""
-        due_at = slot.tracker.due_at
-        if due_at is None:
-            return
-        await trio.sleep_until(due_at)
-        now = trio.current_time()
-        if self.closing or not slot.tracker.due(now):
-            return
-        slot.tracker.restarted(now)
-        self.metrics.record_worker_restart()
-        worker = self._start_worker(slot)
-        log.info("worker slot %s: started %s (restart %d)", slot.name, worker.worker_id, slot.tracker.restarts)
-        runtime_views.publish_gauges(self)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run a small task in the runtime's nursery (e.g. publishing an event)."""
@@ -217,14 +170,14 @@ class StreamRuntime:
 
     # -- workers -----------------------------------------------------------------
 
-    def _worker_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
+    def worker_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
         now = trio.current_time()
         transitions = self.book.set_capacity(worker.worker_id, capacity, now)
         transitions += self.book.worker_ready(worker.worker_id, now)
         log.info("worker %s ready: capacity %d", worker.worker_id, capacity)
         self._follow(transitions)
 
-    def _worker_failed(self, worker: ModelWorker, reason: str) -> None:
+    def worker_failed(self, worker: ModelWorker, reason: str) -> None:
         """A worker died: its sessions fail with its cause, and its slot backs off and restarts (or gives up)."""
         now = trio.current_time()
         if self.book.worker_state(worker.worker_id) not in WORKER_TERMINAL:
@@ -233,12 +186,8 @@ class StreamRuntime:
             if runner.worker is worker:
                 runner.fail(f"worker {worker.worker_id} failed: {reason}")
         slot = self.slots.holding(worker)
-        if slot is not None and not self.closing:
-            decision = slot.tracker.failure(now, reason)
-            log.warning("worker slot %s: %s", slot.name, decision.reason)
-            if decision.delay is not None:
-                self.spawn(self._restart_when_due, slot)
-            elif not self.book.can_place():
+        if slot is not None and not self.closing and not self.in_process.failed(worker, reason, now):
+            if not self.book.can_place():
                 self._fail_queued(f"no worker can take the session: {slot.tracker.describe(now)}")
         runtime_views.publish_gauges(self)
 
@@ -275,11 +224,11 @@ class StreamRuntime:
 
     def agent_ready(self, worker: Any, capacity: int, plan: CapacityPlan) -> None:
         """A worker agent loaded its pipeline: its capacity joins the book and the queue head may start."""
-        self._worker_ready(worker, capacity, plan)
+        self.worker_ready(worker, capacity, plan)
 
     def retire_worker(self, worker: Any, reason: str) -> None:
         """A worker agent is gone (lost or left): fail its sessions with the reason, free its slots, forget it."""
-        self._worker_failed(worker, reason)
+        self.worker_failed(worker, reason)
         self.book.remove_worker(worker.worker_id, trio.current_time())
         self.workers.pop(worker.worker_id, None)
         runtime_views.publish_gauges(self)
@@ -303,27 +252,9 @@ class StreamRuntime:
             self.cluster.drain(worker_id, deadline)
         elif state in WORKER_DRAINABLE:  # a draining, failed or stopped worker has nothing left to drain
             self.drain_in_book(worker_id)
-            self.spawn(self._drain_in_process, worker, deadline)
+            self.spawn(self.in_process.drain, worker, deadline)
         runtime_views.publish_gauges(self)
         return {"worker_id": worker_id, "state": self.book.worker_state(worker_id).value, "deadline_seconds": deadline}
-
-    async def _drain_in_process(self, worker: ModelWorker, deadline: float) -> None:
-        def on_worker() -> list[RoomRunner]:
-            return [r for r in self.runners.values() if r.worker is worker]
-
-        with trio.move_on_after(deadline):
-            while on_worker():
-                await on_worker()[0].finished.wait()
-        for runner in on_worker():
-            runner.drain(DrainCause.WORKER_DRAIN)  # at a chunk boundary, never mid-chunk
-        with trio.move_on_after(DELETE_WAIT):
-            while on_worker():
-                await on_worker()[0].finished.wait()
-        worker.stop()
-        slot = self.slots.holding(worker)
-        if slot is not None:
-            slot.tracker.stop()  # drained on purpose: the slot stays down, and health says so
-        runtime_views.publish_gauges(self)
 
     # -- sessions ------------------------------------------------------------------
 

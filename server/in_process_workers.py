@@ -1,0 +1,120 @@
+"""The in-process model workers: one per slot, replaced with backoff when it fails, stopped when drained.
+
+The stream runtime owns the admission book and the sessions; this module owns
+only when an in-process worker is started, restarted and stopped. It tells the
+runtime through its public calls (``worker_ready``, ``worker_failed``) and
+runs its tasks in the runtime's nursery (``spawn``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from states.stream_session import DrainCause
+
+from . import runtime_views
+from .model_worker import ModelWorker
+from .worker_slots import WorkerSlot
+
+if TYPE_CHECKING:
+    from .runner import RoomRunner
+    from .runtime import StreamRuntime
+
+__all__ = ["InProcessWorkers"]
+
+log = logging.getLogger("chunkline.runtime")
+
+
+class InProcessWorkers:
+    """Starts one ``ModelWorker`` per slot of ``runtime.slots`` and keeps the slots filled."""
+
+    def __init__(self, runtime: StreamRuntime, service_loader: Callable[..., Any] | None, delete_wait: float) -> None:
+        self.runtime = runtime
+        self.service_loader = service_loader
+        self.delete_wait = delete_wait
+
+    def start(self) -> None:
+        """One worker per configured GPU group (or ``num_workers`` with no devices)."""
+        settings = self.runtime.settings
+        groups = settings.worker_gpu_map or tuple(() for _ in range(settings.num_workers))
+        for index, gpu_ids in enumerate(groups):
+            self.start_worker(self.runtime.slots.add(f"worker-{index}", tuple(gpu_ids)))
+
+    def start_worker(self, slot: WorkerSlot) -> ModelWorker:
+        """A fresh worker for ``slot``: a new id (``worker-0``, then ``worker-0.1``...), its own capacity plan."""
+        runtime = self.runtime
+        settings = runtime.settings
+        worker_id = slot.next_worker_id()
+        initial = settings.max_sessions_per_worker
+        options: dict[str, Any] = {}
+        if self.service_loader is not None:
+            options["service_loader"] = self.service_loader
+        worker = ModelWorker(
+            worker_id,
+            pipeline=settings.pipeline,
+            gpu_ids=slot.gpu_ids,
+            max_sessions=initial,
+            on_ready=runtime.worker_ready,
+            on_failed=runtime.worker_failed,
+            worker_mode=settings.worker_mode,
+            placement=settings.placement,
+            offered={"control_idle_timeout": settings.control_idle_timeout, "fps": settings.default_fps,
+                     "served": True, "assets_dir": settings.assets_dir},
+            validate=not settings.skip_validation,
+            **options,
+        )
+        runtime.slots.fill(slot, worker)
+        runtime.workers[worker_id] = worker
+        runtime.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
+        runtime.spawn(worker.run)
+        return worker
+
+    def failed(self, worker: ModelWorker, reason: str, now: float) -> bool:
+        """A worker failed: its slot backs off and restarts it; False when the slot gave up."""
+        slot = self.runtime.slots.holding(worker)
+        if slot is None:
+            return True
+        decision = slot.tracker.failure(now, reason)
+        log.warning("worker slot %s: %s", slot.name, decision.reason)
+        if decision.delay is None:
+            return False
+        self.runtime.spawn(self.restart_when_due, slot)
+        return True
+
+    async def restart_when_due(self, slot: WorkerSlot) -> None:
+        """Replace a failed worker once its backoff has passed (unless the server is stopping)."""
+        due_at = slot.tracker.due_at
+        if due_at is None:
+            return
+        await trio.sleep_until(due_at)
+        now = trio.current_time()
+        if self.runtime.closing or not slot.tracker.due(now):
+            return
+        slot.tracker.restarted(now)
+        self.runtime.metrics.record_worker_restart()
+        worker = self.start_worker(slot)
+        log.info("worker slot %s: started %s (restart %d)", slot.name, worker.worker_id, slot.tracker.restarts)
+        runtime_views.publish_gauges(self.runtime)
+
+    async def drain(self, worker: ModelWorker, deadline: float) -> None:
+        """Let the worker's sessions finish for ``deadline`` seconds, drain the rest, then stop it for good."""
+        def on_worker() -> list[RoomRunner]:
+            return [r for r in self.runtime.runners.values() if r.worker is worker]
+
+        with trio.move_on_after(deadline):
+            while on_worker():
+                await on_worker()[0].finished.wait()
+        for runner in on_worker():
+            runner.drain(DrainCause.WORKER_DRAIN)  # at a chunk boundary, never mid-chunk
+        with trio.move_on_after(self.delete_wait):
+            while on_worker():
+                await on_worker()[0].finished.wait()
+        worker.stop()
+        slot = self.runtime.slots.holding(worker)
+        if slot is not None:
+            slot.tracker.stop()  # drained on purpose: the slot stays down, and health says so
+        runtime_views.publish_gauges(self.runtime)
