@@ -26,6 +26,7 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .supervised_child import bind_to_parent
@@ -83,7 +84,9 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
                 return
             case Call(call_id=call_id, method=method, args=args, kwargs=kwargs):
                 try:
-                    reply: Result | Raised = Result(call_id, rank, getattr(worker, method)(*args, **kwargs))
+                    value = getattr(worker, method)(*args, **kwargs)
+                    # pickled apart from the message: a value the parent cannot load fails only this call there
+                    reply: Result | Raised = Result(call_id, rank, bytes(ForkingPickler.dumps(value)))
                 except BaseException as exc:
                     reply = Raised(call_id, rank, remote_error(exc))
                 try:

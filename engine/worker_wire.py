@@ -18,6 +18,8 @@ imported here.
 
 from __future__ import annotations
 
+import io
+import pickle
 import traceback
 from typing import Any
 
@@ -35,6 +37,8 @@ __all__ = [
     "Result",
     "Shutdown",
     "UnknownWorkerMessage",
+    "UnloadableValue",
+    "load_value",
     "remote_error",
 ]
 
@@ -48,6 +52,37 @@ class UnknownWorkerMessage(EngineError, TypeError):
         names = ", ".join(kind.__name__ for kind in expected)
         super().__init__(f"{sender} sent an unknown worker message {type(received).__qualname__} "
                          f"({received!r:.200}); expected one of: {names}")
+
+
+class UnloadableValue(EngineError, ValueError):
+    """A value pickled in a child process does not load in this one; the message says what did not load."""
+
+
+class _NamingUnpickler(pickle.Unpickler):
+    """Names what did not load: the global that could not be found, or the last one found before loading raised."""
+
+    last: str | None = None
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            found = super().find_class(module, name)
+        except Exception as exc:
+            raise UnloadableValue(f"{module}.{name} cannot be imported: {type(exc).__name__}: {exc}") from exc
+        self.last = f"{module}.{name}"
+        return found
+
+
+def load_value(data: bytes) -> Any:
+    """Unpickle a value a child sent apart from its message (so that one which does not load here fails only what
+    it belongs to, not the reader of every message), or raise :class:`UnloadableValue` saying what did not load."""
+    unpickler = _NamingUnpickler(io.BytesIO(data))
+    try:
+        return unpickler.load()
+    except UnloadableValue:
+        raise
+    except Exception as exc:
+        after = f" (the last name it loaded: {unpickler.last})" if unpickler.last else ""
+        raise UnloadableValue(f"loading it raised {type(exc).__name__}: {exc}{after}") from exc
 
 
 @attrs.frozen
@@ -104,11 +139,11 @@ class RankStartFailed:
 
 @attrs.frozen
 class Result:
-    """One rank's return value for call ``call_id``."""
+    """One rank's return value for call ``call_id``, pickled on its own (:func:`load_value` reads it)."""
 
     call_id: int
     rank: int
-    value: Any
+    value: bytes
 
 
 @attrs.frozen

@@ -38,7 +38,9 @@ from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachi
 from .errors import EngineError, FatalStageError
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 from .worker_child import child_main
-from .worker_wire import Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage
+from .worker_wire import (
+    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue, load_value,
+)
 
 __all__ = [
     "ProcessWorkerGroup",
@@ -103,6 +105,7 @@ class DeferredResult:
         self._group = group
         self._call = call
         self._gather = gather
+        self._loaded: dict[int, Any] = {}
 
     def done(self) -> bool:
         return self._call.event.is_set()
@@ -124,8 +127,8 @@ class DeferredResult:
         values = []
         for rank in call.ranks:
             match call.results[rank]:
-                case Result(value=value):
-                    values.append(value)
+                case Result(value=data):
+                    values.append(self._load(rank, data))
                 case Raised(error=error):
                     raise WorkerCallError(
                         f"rank {rank}: {call.method}() raised {error.type_name}: {error.message}\n"
@@ -133,6 +136,19 @@ class DeferredResult:
                         rank=rank, method=call.method, remote_type=error.type_name, remote_traceback=error.traceback,
                     )
         return values if self._gather else values[0]
+
+    def _load(self, rank: int, data: bytes) -> Any:
+        """A rank's value, loaded once; one that does not load in this process fails this call (the group lives on)."""
+        if rank not in self._loaded:
+            method = self._call.method
+            try:
+                self._loaded[rank] = load_value(data)
+            except UnloadableValue as exc:
+                raise WorkerCallError(
+                    f"rank {rank}: the value {method}() returned does not load in this process: {exc}",
+                    rank=rank, method=method, remote_type="", remote_traceback="",
+                ) from None
+        return self._loaded[rank]
 
 
 class ProcessWorkerGroup:

@@ -20,6 +20,7 @@ The package's parts:
 
 - :mod:`~server.process_service.proxy`: the proxies (the parent's side of every
   call and chunk stream; the lifecycle table is :mod:`states.service_child`);
+- :mod:`~server.process_service.stream`: the parent's end of one chunk stream;
 - :mod:`~server.process_service.link`: the child's supervisor (the shared
   :class:`engine.supervisor.Supervisor`: spawn from a monitor thread, parent-death
   signal and watchdog, bounded stop, reap) and delivery of its messages into trio;
@@ -41,7 +42,12 @@ same detail, the child's traceback as a note; any other exception as
 each chunk before it goes (``ChunkOrder``; that it pickles, with nothing of the
 pipeline file's own module, which the parent could not unpickle), so a stream
 that yields what is not a chunk fails that stream naming the pipeline's bug,
-not the whole service with an unreadable message.
+not the whole service with an unreadable message. Every value of the
+pipeline's (a chunk, a call's result, an event) travels pickled apart from its
+message (:class:`~server.process_service.wire.Sealed`), so one the parent cannot
+load (a module only the child has, a ``__setstate__`` that raises) fails only its
+call, its stream or (an event) its session's chunks, as a pipeline bug naming
+what did not load.
 
 Chunk streams are credit-based: the child pulls at most ``CREDIT_WINDOW``
 chunks ahead of what the parent's consumer has taken, so a slow consumer holds

@@ -64,6 +64,13 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
     _Server(conn, service).serve(message.capacity)
 
 
+def _seal(value: Any) -> wire.Sealed:
+    """A value of the pipeline's for the parent (refusing, here, what is of the pipeline file's own module)."""
+    from pipelines.loader import FILE_MODULE_PREFIX
+
+    return wire.seal(value, foreign=FILE_MODULE_PREFIX)
+
+
 def _send_now(conn: Any, message: Any) -> None:
     try:
         conn.send_bytes(wire.dumps(message))
@@ -138,7 +145,7 @@ class _Server:
         from pipelines.loader import FILE_MODULE_PREFIX
 
         try:
-            data = wire.dumps_readable(wire.ChunkOut(stream_id, chunk), foreign=FILE_MODULE_PREFIX)
+            data = wire.dumps(wire.ChunkOut(stream_id, wire.seal(chunk, foreign=FILE_MODULE_PREFIX)))
         except Exception as exc:
             raise PipelineContractError(
                 f"chunk {index} cannot be sent from the worker process (a Chunk's metadata and applied_controls "
@@ -191,7 +198,7 @@ class _Server:
     def _post_report(self) -> None:
         try:
             report = self.service.memory_report() if hasattr(self.service, "memory_report") else None
-            self.post(wire.Running(report, None))
+            self.post(wire.Running(None if report is None else _seal(report), None))
         except Exception as exc:
             self.post(wire.Running(None, wire.error_info(exc)))
 
@@ -247,21 +254,18 @@ class _Server:
                     value = await service.close_session(*args)
                 else:
                     raise ValueError(f"unknown process service method {method!r}")
-                reply = wire.Result(call_id, True, value)
+                reply = wire.Result(call_id, True, _seal(value))
             except Exception as exc:
                 reply = wire.Result(call_id, False, wire.error_info(exc))
         self.calls.pop(call_id, None)
         if reply is None:  # cancelled by the parent, which no longer waits: the answer lets it forget the call
             reply = wire.Result(call_id, False, wire.ErrorInfo("trio.Cancelled", "cancelled by the parent", "", None))
-        try:
-            self.post(reply)
-        except Exception as exc:  # the value does not pickle: say so instead
-            self.post(wire.Result(call_id, False, wire.error_info(exc)))
+        self.post(reply)
 
     def _event_sink(self, call_id: int) -> Any:
         def forward(event: Any) -> None:
             try:
-                self.post(wire.SessionEvent(call_id, event))
+                self.post(wire.SessionEvent(call_id, _seal(event)))
             except Exception:
                 log.exception("process service child: an event could not be forwarded")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,6 +23,7 @@ from pipelines.contract import (
     Control,
     EventSink,
     MemoryReport,
+    PipelineContractError,
     ServerPushService,
     SessionConfig,
 )
@@ -41,6 +41,7 @@ from .errors import (
     remote_error,
 )
 from .link import ServiceLink
+from .stream import ProxyStream
 
 __all__ = ["ProcessBidirectionalService", "ProcessServerPushService", "ProcessService"]
 
@@ -56,78 +57,6 @@ class _Pending:
         self.ok = False
         self.payload: Any = None
         self.error: BaseException | None = None
-
-
-class _ProxyStream:
-    """The parent's end of one chunk stream (``chunks()`` or ``stream()``)."""
-
-    def __init__(self, service: ProcessService, stream_id: int, method: str) -> None:
-        self._service = service
-        self._id = stream_id
-        self._method = method
-        self._buffer: deque[Chunk] = deque()
-        self._ended = False  # the child said stream_end, or the service failed or stopped
-        self._error: BaseException | None = None
-        self._closing = False  # the consumer closed or abandoned it
-        self._changed = trio.Event()
-
-    # called from the service's message handler
-    def _on_chunk(self, chunk: Chunk) -> None:
-        if not self._closing:
-            self._buffer.append(chunk)
-        self._wake()
-
-    def _on_end(self, error: BaseException | None) -> None:
-        self._ended = True
-        if error is not None and self._error is None:
-            self._error = error
-        self._wake()
-
-    def _on_failure(self, error: BaseException) -> None:
-        self._buffer.clear()
-        self._ended = True
-        self._error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    # the async iterator
-    def __aiter__(self) -> _ProxyStream:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self._closing:
-            raise StopAsyncIteration
-        try:
-            while not self._buffer and not self._ended:
-                await self._changed.wait()
-        except BaseException:
-            self._abandon()  # like an async generator: an exception out of it ends the stream
-            raise
-        if self._buffer:
-            chunk = self._buffer.popleft()
-            if not self._ended:
-                self._service._send_quiet(wire.Credit(self._id, 1))
-            return chunk
-        self._closing = True
-        if self._error is not None:
-            raise self._error
-        raise StopAsyncIteration
-
-    def _abandon(self) -> None:
-        if not self._closing:
-            self._closing = True
-            self._buffer.clear()
-            if not self._ended:
-                self._service._send_quiet(wire.CloseStream(self._id))
-
-    async def aclose(self) -> None:
-        """Stop the stream and wait until the child has closed its iterator."""
-        self._abandon()
-        while not self._ended:
-            await self._changed.wait()
 
 
 class ProcessService:
@@ -150,9 +79,10 @@ class ProcessService:
         self._report_error: wire.ErrorInfo | None = None
         self._pending: dict[int, _Pending] = {}
         self._abandoned: dict[int, str] = {}  # call id -> method, for calls cancelled while pending
-        self._streams: dict[int, _ProxyStream] = {}
+        self._streams: dict[int, ProxyStream] = {}
         self._sinks: dict[int, EventSink] = {}
         self._session_calls: dict[str, int] = {}  # session id -> the create call its events carry
+        self._broken_calls: dict[int, PipelineContractError] = {}  # create call -> why its session's events broke
         self._ids = itertools.count(1)
         self._started: trio.Event | None = None
         self._body: trio.CancelScope | None = None
@@ -259,9 +189,10 @@ class ProcessService:
             call.event.set()
         streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
-            stream._on_failure(error)
+            stream.on_failure(error)
         self._sinks.clear()
         self._session_calls.clear()
+        self._broken_calls.clear()
         self._abandoned.clear()  # the child is gone: no late answer will come for them
         if self._started is not None:
             self._started.set()
@@ -286,22 +217,26 @@ class ProcessService:
             case wire.ChunkOut(stream_id=stream_id, chunk=chunk):
                 stream = self._streams.get(stream_id)
                 if stream is not None:
-                    stream._on_chunk(chunk)
+                    stream.on_chunk(chunk)
             case wire.Result(call_id=call_id, ok=ok, value=value):
                 self._on_result(call_id, ok, value)
             case wire.SessionEvent(call_id=call_id, event=event):
                 sink = self._sinks.get(call_id)
                 if sink is not None:
-                    try:
-                        sink(event)
-                    except Exception:
-                        log.exception("%s: an on_event callback raised", self.name)
+                    self._on_event(call_id, sink, event)
             case wire.StreamEnd(stream_id=stream_id, error=error):
                 stream = self._streams.pop(stream_id, None)
                 if stream is not None:
-                    stream._on_end(None if error is None else remote_error(stream._method, error))
+                    stream.on_end(None if error is None else remote_error(stream.method, error))
             case wire.Running(report=report, error=error):
-                self._report, self._report_error = report, error
+                self._report_error = error
+                try:
+                    self._report = None if report is None else wire.unseal(report)
+                except wire.Unreadable as exc:
+                    self._report_error = wire.ErrorInfo(
+                        "pipelines.contract.PipelineContractError", "", "",
+                        contract_detail=f"the memory report from the worker process does not load in the server process: {exc}",
+                    )
                 if self._started is not None:
                     self._started.set()
             case wire.RunFailed(traceback=text):
@@ -323,13 +258,33 @@ class ProcessService:
             case _:
                 log.warning("%s: unknown message %r from the child", self.name, type(message).__name__)
 
+    def _on_event(self, call_id: int, sink: EventSink, sealed: wire.Sealed) -> None:
+        """Hand a session's event to its sink; one that does not load fails that session's chunks (a pipeline bug)."""
+        try:
+            event = wire.unseal(sealed)
+        except wire.Unreadable as exc:
+            error = PipelineContractError(f"an event of the session from the worker process does not load in the server process: {exc}")
+            self._broken_calls[call_id] = error
+            for stream in self._streams.values():
+                if stream.method == "chunks" and self._session_calls.get(stream.arg) == call_id:
+                    stream.on_broken(error)
+            return
+        try:
+            sink(event)
+        except Exception:
+            log.exception("%s: an on_event callback raised", self.name)
+
     def _on_result(self, call_id: int, ok: bool, payload: Any) -> None:
         call = self._pending.pop(call_id, None)
         if call is None:
             method = self._abandoned.pop(call_id, None)
             self._sinks.pop(call_id, None)
+            self._broken_calls.pop(call_id, None)
             if method == "create_session" and ok:  # created after its caller gave up: close it
-                self._start_call("close_session", (payload,))
+                try:
+                    self._start_call("close_session", (wire.unseal(payload),))
+                except wire.Unreadable:
+                    log.error("%s: a session created after its caller gave up has an id that does not load", self.name)
             return
         call.ok, call.payload = ok, payload
         call.event.set()
@@ -378,10 +333,19 @@ class ProcessService:
             raise call.error
         if not call.ok:
             self._sinks.pop(call_id, None)
+            self._broken_calls.pop(call_id, None)
             raise remote_error(method, call.payload)
+        try:
+            value = wire.unseal(call.payload)
+        except wire.Unreadable as exc:
+            self._sinks.pop(call_id, None)
+            self._broken_calls.pop(call_id, None)
+            raise PipelineContractError(
+                f"the value {method} returned in the worker process does not load in the server process: {exc}"
+            ) from None
         if method == "create_session" and on_event is not None:
-            self._session_calls[call.payload] = call_id
-        return call.payload
+            self._session_calls[value] = call_id
+        return value
 
     async def check_options(self, options: Mapping[str, Any]) -> None:
         """The child's service checks the options; its refusal is a ``ValueError`` here, with its text."""
@@ -395,13 +359,17 @@ class ProcessService:
             self._abandoned[call_id] = method
             self._send_quiet(wire.Cancel(call_id))
 
-    def _open_stream(self, method: str, arg: Any) -> _ProxyStream:
+    def _open_stream(self, method: str, arg: Any) -> ProxyStream:
         stream_id = next(self._ids)
-        stream = _ProxyStream(self, stream_id, method)
+        stream = ProxyStream(self._send_quiet, stream_id, method, arg)
         try:
             self._check_running()
         except ProcessServiceError as exc:
-            stream._on_failure(exc)
+            stream.on_failure(exc)
+            return stream
+        broken = self._broken_calls.get(self._session_calls.get(arg, -1)) if method == "chunks" else None
+        if broken is not None:
+            stream.on_failure(broken)
             return stream
         self._streams[stream_id] = stream
         try:
@@ -439,6 +407,7 @@ class ProcessBidirectionalService(ProcessService, BidirectionalService):
         call_id = self._session_calls.pop(session_id, None)
         if call_id is not None:
             self._sinks.pop(call_id, None)
+            self._broken_calls.pop(call_id, None)
 
 
 class ProcessServerPushService(ProcessService, ServerPushService):

@@ -29,10 +29,14 @@ from typing import Any, ClassVar
 
 import attrs
 
+from engine.worker_wire import UnloadableValue as Unreadable
+from engine.worker_wire import load_value
+
 __all__ = [
     "CREDIT_WINDOW", "Call", "Cancel", "ChildExited", "ChunkOut", "CloseStream", "Credit", "ErrorInfo",
     "LoadFailed", "OpenStream", "ProtocolError", "Ready", "Result", "Run", "RunFailed", "Running",
-    "SessionEvent", "Stop", "Stopped", "StreamEnd", "dumps", "dumps_readable", "error_info", "loads",
+    "Sealed", "SessionEvent", "Stop", "Stopped", "StreamEnd", "Unreadable", "dumps", "dumps_readable", "error_info",
+    "loads", "seal", "unseal",
 ]
 
 CREDIT_WINDOW = 2  # chunks a stream may send ahead of what the parent's consumer has taken
@@ -158,7 +162,7 @@ class RunFailed:
 
 @attrs.frozen
 class Result:
-    """The outcome of a :class:`Call`: its value, or an :class:`ErrorInfo` when ``ok`` is false."""
+    """The outcome of a :class:`Call`: its value (:class:`Sealed`), or an :class:`ErrorInfo` when ``ok`` is false."""
 
     call_id: int
     ok: bool
@@ -167,16 +171,18 @@ class Result:
 
 @attrs.frozen
 class SessionEvent:
-    """An ``on_event`` callback of the session created by call ``call_id``."""
+    """An ``on_event`` callback of the session created by call ``call_id`` (the event :class:`Sealed`)."""
 
     call_id: int
-    event: Any
+    event: Sealed
 
 
 @attrs.frozen
 class ChunkOut:
+    """One chunk of a stream (:class:`Sealed`)."""
+
     stream_id: int
-    chunk: Any
+    chunk: Sealed
 
 
 @attrs.frozen
@@ -253,7 +259,7 @@ class _ReadablePickler(_WirePickler):
 
 def dumps_readable(message: Any, *, foreign: str) -> bytes:
     """Like :func:`dumps`, but raise ``pickle.PicklingError`` for an object of a module whose name starts with
-    ``foreign`` (the parent could not read the message, and an unreadable message fails the whole service)."""
+    ``foreign`` (the parent could not load it: said here, in the child, with the name of the class)."""
     buffer = io.BytesIO()
     _ReadablePickler(buffer, foreign).dump(message)
     return buffer.getvalue()
@@ -261,3 +267,25 @@ def dumps_readable(message: Any, *, foreign: str) -> bytes:
 
 def loads(data: bytes) -> Any:
     return pickle.loads(data)
+
+
+# -- the pipeline's values, sealed apart from the messages that carry them --------------------------
+
+
+@attrs.frozen
+class Sealed:
+    """A value of the pipeline's (a chunk, a call's result, an event), pickled apart from its message, so that
+    one the parent cannot load (a module only the child has, a ``__setstate__`` that raises) fails only the
+    call or stream it belongs to; the message around it always loads."""
+
+    data: bytes
+
+
+def seal(value: Any, *, foreign: str | None = None) -> Sealed:
+    """Pickle ``value`` on its own (refusing what is of a module named ``foreign*``, as :func:`dumps_readable`)."""
+    return Sealed(dumps(value) if foreign is None else dumps_readable(value, foreign=foreign))
+
+
+def unseal(sealed: Sealed) -> Any:
+    """The value, or :class:`Unreadable` saying what did not load (whatever loading it raised)."""
+    return load_value(sealed.data)

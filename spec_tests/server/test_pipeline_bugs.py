@@ -100,8 +100,13 @@ async def test_a_pipeline_that_breaks_the_contract_fails_the_session_naming_its_
 # -- the same bugs with the pipeline in a worker process (``--worker-mode process``) ---------------------------
 
 BAD_CHUNKS_PIPELINE = """
+import os
+import sys
 import threading
 from contextlib import asynccontextmanager
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "child_only"))  # a module the server process lacks
+import child_only_mod
 
 import numpy as np
 import trio
@@ -155,17 +160,29 @@ PROCESS_CASES = [
      "pipeline bug: chunk 2 cannot be sent from the worker process (a Chunk's metadata and applied_controls must "
      "be plain data that pickles): PicklingError: Frames is defined in the pipeline file itself, which the server "
      "process cannot import"),
+    ("Chunk(2, frames, 10.0, metadata={'thing': child_only_mod.Thing()})",
+     "pipeline bug: chunk 2 from the worker process does not load in the server process: child_only_mod.Thing "
+     "cannot be imported: ModuleNotFoundError: No module named 'child_only_mod'"),
+    ("Chunk(2, frames, 10.0, metadata={'thing': child_only_mod.FailsToLoad()})",
+     "pipeline bug: chunk 2 from the worker process does not load in the server process: loading it raised "
+     "ValueError: invalid literal for int() with base 10: 'not a number' (the last name it loaded: builtins.int)"),
 ]
 
+#: a module beside the pipeline file that only the worker process puts on its path
+CHILD_ONLY_MODULE = """
+class Thing:
+    pass
 
-@pytest.mark.parametrize(("third", "reason"), PROCESS_CASES, ids=["dict", "unpicklable", "own-class", "chunk-unpicklable", "chunk-of-own-class"])
-async def test_a_pipeline_in_a_worker_process_that_yields_what_is_not_a_chunk_fails_naming_its_bug(
-    third: str, reason: str, tmp_path: Path
-) -> None:
-    """Not an error of the process service (a pickling error, a message the server could not read, a worker
-    that failed for every session): the session fails, the worker serves on."""
-    path = tmp_path / "bad_third_chunk.py"
-    path.write_text(BAD_CHUNKS_PIPELINE.replace("{third}", third))
+
+class FailsToLoad:
+    def __reduce__(self):
+        return int, ("not a number",)  # pickles; raises when it is loaded
+"""
+
+
+async def each_session_fails_alone(path: Path, reason: str, published: int) -> None:
+    """Two sessions in turn on one process worker each fail with ``reason`` after ``published`` good chunks;
+    the worker serves on (it never failed)."""
     async with serve(settings(pipeline=str(path), worker_mode="process", max_sessions_per_worker=1),
                      start_process_service) as s:
         for _ in range(2):  # the worker is still there for the next session
@@ -174,6 +191,51 @@ async def test_a_pipeline_in_a_worker_process_that_yields_what_is_not_a_chunk_fa
                 (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message", timeout=60.0)
             view = await s.get(created["session_id"])
             assert (view["status"], view["error"], error["detail"]) == ("failed", reason, reason)
-            assert [m["index"] for m in ctl.status("chunk")] == [0, 1]  # the good chunks went out
+            assert [m["index"] for m in ctl.status("chunk")] == list(range(published))  # the good chunks went out
             await wait_until(lambda: s.free_slots() == 1, "the slot to be free")
         assert [worker.failure for worker in s.runtime.workers.values()] == [None]
+
+
+def write_pipeline(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "child_only").mkdir()
+    (tmp_path / "child_only" / "child_only_mod.py").write_text(CHILD_ONLY_MODULE)
+    path = tmp_path / "bad_pipeline.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("third", "reason"), PROCESS_CASES, ids=[
+    "dict", "unpicklable", "own-class", "chunk-unpicklable", "chunk-of-own-class", "chunk-of-a-module-the-server-lacks",
+    "chunk-that-raises-on-load",
+])
+async def test_a_pipeline_in_a_worker_process_that_yields_what_is_not_a_chunk_fails_naming_its_bug(
+    third: str, reason: str, tmp_path: Path
+) -> None:
+    """Not an error of the process service (a pickling error, a message the server could not read, a worker
+    that failed for every session): the session fails, the worker serves on."""
+    await each_session_fails_alone(write_pipeline(tmp_path, BAD_CHUNKS_PIPELINE.replace("{third}", third)), reason, 2)
+
+
+BAD_VALUES_PIPELINE = BAD_CHUNKS_PIPELINE.replace("{third}", "Chunk(2, frames, 10.0)").replace(
+    """    async def create_session(self, config, *, on_event=None):
+        return "only"
+""", """    async def create_session(self, config, *, on_event=None):
+        {create}
+""")
+
+VALUE_CASES = [
+    ("return child_only_mod.Thing()",
+     "pipeline bug: the value create_session returned in the worker process does not load in the server process: "
+     "child_only_mod.Thing cannot be imported: ModuleNotFoundError: No module named 'child_only_mod'"),
+    ("on_event(child_only_mod.FailsToLoad()); return 'only'",
+     "pipeline bug: an event of the session from the worker process does not load in the server process: loading it "
+     "raised ValueError: invalid literal for int() with base 10: 'not a number' (the last name it loaded: builtins.int)"),
+]
+
+
+@pytest.mark.parametrize(("create", "reason"), VALUE_CASES, ids=["session-id", "event"])
+async def test_a_value_from_a_worker_process_that_does_not_load_fails_only_its_session(
+    create: str, reason: str, tmp_path: Path
+) -> None:
+    """A session id or an event the server cannot unpickle is the session's pipeline bug, not the worker's."""
+    await each_session_fails_alone(write_pipeline(tmp_path, BAD_VALUES_PIPELINE.replace("{create}", create)), reason, 0)
