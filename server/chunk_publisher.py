@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+from pipelines.contract import PipelineContractError
 
 from . import protocol
 from .transport import TransportError
@@ -25,9 +28,40 @@ if TYPE_CHECKING:
     from .metrics import ServerMetrics
     from .transport import RoomConnection
 
-__all__ = ["METRICS_PERIOD", "ChunkPublisher"]
+__all__ = ["METRICS_PERIOD", "ChunkPublisher", "checked_metadata"]
 
 METRICS_PERIOD = 1.0  # seconds between two ``tf.metrics`` messages
+
+
+def checked_metadata(chunk: Chunk) -> Chunk:
+    """``chunk``, if its metadata and applied controls go into its ``tf.status`` message; else the pipeline's bug,
+    naming the key, raised where the chunk is received (in-process, from a worker process or on an agent alike)
+    rather than once its frames are out and its message is built."""
+    for field, values in (("metadata", chunk.metadata), ("applied_controls", chunk.applied_controls)):
+        try:
+            protocol.chunk_message("check", chunk.index, values, timestamp=0.0)
+        except Exception as exc:
+            key, cause = next(((k, e) for k, e in _key_errors(chunk.index, values)), ("", exc))
+            raise PipelineContractError(
+                f"chunk {chunk.index}'s {field} key {key!r} cannot be sent as JSON in its tf.status message: "
+                f"{type(cause).__name__}: {cause}"
+            ) from None
+    stage_times = chunk.metadata.get("stage_times")
+    if stage_times is not None and not isinstance(stage_times, Mapping):
+        raise PipelineContractError(
+            f"chunk {chunk.index}'s metadata key 'stage_times' is a {type(stage_times).__name__}, not a mapping of "
+            f"stage name to seconds"
+        )
+    return chunk
+
+
+def _key_errors(index: int, values: Mapping[str, Any]) -> Iterator[tuple[str, Exception]]:
+    """The keys of ``values`` whose value alone cannot be encoded, with the error."""
+    for key, value in values.items():
+        try:
+            protocol.chunk_message("check", index, {key: value}, timestamp=0.0)
+        except Exception as exc:
+            yield key, exc
 
 
 class _Pacer:

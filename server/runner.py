@@ -40,7 +40,7 @@ from states.room_presence import RoomPresence, Timer
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
 from . import protocol
-from .chunk_publisher import ChunkPublisher
+from .chunk_publisher import ChunkPublisher, checked_metadata
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
 
@@ -289,8 +289,9 @@ class RoomRunner:
     # -- media ---------------------------------------------------------------------
 
     async def _publish(self, chunk: Chunk) -> None:
+        """Publish a chunk as it is received (its metadata checked first: a pipeline bug fails before any frame)."""
         assert self._publisher is not None
-        message = await self._publisher.publish(chunk)
+        message = await self._publisher.publish(checked_metadata(chunk))
         if message is not None:
             await self._send(message)
 

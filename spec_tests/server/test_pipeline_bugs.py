@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,19 @@ class DictsLater(CounterService):
         return _changed(super().chunks(session_id), lambda chunk: chunk if chunk.index < 2 else {"frames": chunk.frames})
 
 
+class UnsendableMetadata(CounterService):
+    """Chunk 1's metadata holds a number JSON cannot carry (a fraction too large for a float)."""
+
+    def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        return _changed(super().chunks(session_id), lambda chunk: chunk if chunk.index != 1 else attrs.evolve(
+            chunk, metadata={**chunk.metadata, "pose": Fraction(10**400)}))
+
+
+class ListStageTimes(CounterService):
+    def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        return _changed(super().chunks(session_id), lambda chunk: attrs.evolve(chunk, metadata={"stage_times": [0.1]}))
+
+
 class SkippingStream(ServerPushService):
     """A server-push stream whose indexes run 0, 2, 4, ..."""
 
@@ -70,6 +84,10 @@ CASES = [
     (IntSessionIds, "pipeline bug: create_session returned int 42, not a session id (a non-empty str)", 0),
     (SkippingIndexes, "pipeline bug: chunk indexes must run 0, 1, 2, ... in order; chunk 1 of the stream has index 2", 1),
     (DictsLater, "pipeline bug: the pipeline yielded a dict as chunk 2, not a pipelines.contract.Chunk", 2),
+    (UnsendableMetadata, "pipeline bug: chunk 1's metadata key 'pose' cannot be sent as JSON in its tf.status "
+     "message: OverflowError: integer division result too large for a float", 1),
+    (ListStageTimes, "pipeline bug: chunk 0's metadata key 'stage_times' is a list, not a mapping of stage name to "
+     "seconds", 0),
     (SkippingStream, "pipeline bug: chunk indexes must run 0, 1, 2, ... in order; chunk 1 of the stream has index 2", 1),
 ]
 
@@ -100,6 +118,7 @@ async def test_a_pipeline_that_breaks_the_contract_fails_the_session_naming_its_
 # -- the same bugs with the pipeline in a worker process (``--worker-mode process``) ---------------------------
 
 BAD_CHUNKS_PIPELINE = """
+import fractions
 import os
 import sys
 import threading
@@ -166,6 +185,9 @@ PROCESS_CASES = [
     ("Chunk(2, frames, 10.0, metadata={'thing': child_only_mod.FailsToLoad()})",
      "pipeline bug: chunk 2 from the worker process does not load in the server process: loading it raised "
      "ValueError: invalid literal for int() with base 10: 'not a number' (the last name it loaded: builtins.int)"),
+    ("Chunk(2, frames, 10.0, metadata={'pose': fractions.Fraction(10**400)})",
+     "pipeline bug: chunk 2's metadata key 'pose' cannot be sent as JSON in its tf.status message: OverflowError: "
+     "integer division result too large for a float"),
 ]
 
 #: a module beside the pipeline file that only the worker process puts on its path
@@ -206,7 +228,7 @@ def write_pipeline(tmp_path: Path, text: str) -> Path:
 
 @pytest.mark.parametrize(("third", "reason"), PROCESS_CASES, ids=[
     "dict", "unpicklable", "own-class", "chunk-unpicklable", "chunk-of-own-class", "chunk-of-a-module-the-server-lacks",
-    "chunk-that-raises-on-load",
+    "chunk-that-raises-on-load", "chunk-metadata-not-json",
 ])
 async def test_a_pipeline_in_a_worker_process_that_yields_what_is_not_a_chunk_fails_naming_its_bug(
     third: str, reason: str, tmp_path: Path
