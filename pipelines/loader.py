@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+import weakref
 from pathlib import Path
 from types import ModuleType
 from collections.abc import Mapping
@@ -12,10 +13,33 @@ from typing import Any
 
 from .contract import BidirectionalService, ServerPushService, Service
 
-__all__ = ["FILE_MODULE_PREFIX", "PipelineLoadError", "load_pipeline_module", "load_service"]
+__all__ = [
+    "FILE_MODULE_PREFIX", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
+]
 
 #: the module name a pipeline file outside any package is imported under: only the process that loaded it has it
 FILE_MODULE_PREFIX = "chunkline_pipeline_"
+
+
+#: the offered settings each loaded service's ``get_service`` took (what the server may say the pipeline applies)
+_TAKEN: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def offered_taken(service: object) -> frozenset[str] | None:
+    """The names of the offered settings ``service``'s ``get_service`` took, or None when that is not known (a
+    service not made by :func:`load_service`, nor recorded by whatever stands for one)."""
+    try:
+        return _TAKEN.get(service)
+    except TypeError:  # not weak-referenceable (or not hashable): never recorded
+        return None
+
+
+def record_offered_taken(service: object, names: frozenset[str]) -> None:
+    """Say which offered settings ``service`` took (e.g. a proxy, for the service its child loaded)."""
+    try:
+        _TAKEN[service] = frozenset(names)
+    except TypeError:
+        pass  # such a service's offers stay unknown
 
 
 class PipelineLoadError(ValueError):
@@ -106,6 +130,7 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     problem = contract_shape_problem(service)
     if problem is not None:
         raise PipelineLoadError(f"{type(service).__name__} in {str(path)!r}: {problem}")
+    record_offered_taken(service, frozenset(offered or {}) & named)
     return service
 
 

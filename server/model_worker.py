@@ -19,7 +19,7 @@ import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
 from pipelines.contract import BidirectionalService, ServerPushService, Service
-from pipelines.loader import load_service
+from pipelines.loader import load_service, offered_taken
 from pipelines.validation import validate_service
 
 from .process_service import start_process_service
@@ -102,6 +102,11 @@ class ModelWorker:
     @property
     def kind(self) -> str | None:
         return None if self.service is None else self.service.kind
+
+    @property
+    def offered_taken(self) -> frozenset[str] | None:
+        """The offered settings the pipeline's ``get_service`` took; None until it is loaded, or when not known."""
+        return None if self.service is None else offered_taken(self.service)
 
     def open_runner(self, runtime: Any, record: Any) -> Any:
         """Start a room runner for an admitted session on this worker; the runtime tracks it."""

@@ -8,6 +8,7 @@ session or a worker.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -20,7 +21,7 @@ from states.worker import TERMINAL as WORKER_TERMINAL
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["health", "metadata", "publish_gauges", "worker_views"]
+__all__ = ["applies_control_idle_timeout", "health", "metadata", "publish_gauges", "worker_views"]
 
 
 def publish_gauges(runtime: StreamRuntime) -> None:
@@ -102,6 +103,17 @@ def worker_views(runtime: StreamRuntime) -> list[dict[str, Any]]:
     return out
 
 
+def applies_control_idle_timeout(workers: Iterable[Any]) -> bool:
+    """Every worker that has loaded the pipeline is known to have handed it ``control_idle_timeout``: a
+    bidirectional pipeline whose ``get_service`` takes it (one that does not never applies the setting)."""
+    loaded = [worker for worker in workers if worker.kind is not None]
+    return bool(loaded) and all(
+        # an agent's wire does not say what its pipeline took (no offered_taken): not known, so not claimed
+        worker.kind == BidirectionalService.kind and "control_idle_timeout" in (getattr(worker, "offered_taken", None) or ())
+        for worker in loaded
+    )
+
+
 def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, Any]:
     """``GET /v1/service/metadata``: the settings that shape sessions, the workers' plans, and ``health_view``."""
     settings = runtime.settings
@@ -121,9 +133,8 @@ def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, A
         "max_sessions_per_worker": min((w.capacity for w in runtime.book.workers()), default=None),
         "configured_max_sessions_per_worker": settings.max_sessions_per_worker,
         "queue_size": settings.queue_size,
-        # only where it applies: a pipeline that takes controls (a server-push stream never gets one; null
-        # too until a worker has loaded the pipeline and its kind is known)
-        "control_idle_timeout": settings.control_idle_timeout if BidirectionalService.kind in kinds else None,
+        # only where it applies: null for a server-push stream, and until a worker has loaded the pipeline
+        "control_idle_timeout": settings.control_idle_timeout if applies_control_idle_timeout(workers) else None,
         "session_timeout": settings.session_timeout,
         "controller_timeout": settings.controller_timeout,
         "room_empty_timeout": settings.room_empty_timeout,

@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.contract import BidirectionalService, ServerPushService
+from pipelines.loader import record_offered_taken
 
 from .deadlines import CallDeadlines
 from .errors import (
@@ -141,11 +142,13 @@ def start_process_service(
         offered=offered,
     )
     ready = link.start(startup_timeout)
-    if ready.kind == BidirectionalService.kind:
-        return ProcessBidirectionalService(
-            link, supports_timeline=ready.supports_timeline, call_deadlines=call_deadlines
-        )
-    if ready.kind == ServerPushService.kind:
-        return ProcessServerPushService(link, call_deadlines=call_deadlines)
-    link.close()
-    raise ProcessServiceStartError(f"{name}: the child reported an unknown service kind {ready.kind!r}")
+    if ready.kind not in (BidirectionalService.kind, ServerPushService.kind):
+        link.close()
+        raise ProcessServiceStartError(f"{name}: the child reported an unknown service kind {ready.kind!r}")
+    service: ProcessBidirectionalService | ProcessServerPushService = (
+        ProcessBidirectionalService(link, supports_timeline=ready.supports_timeline, call_deadlines=call_deadlines)
+        if ready.kind == BidirectionalService.kind else ProcessServerPushService(link, call_deadlines=call_deadlines)
+    )
+    if ready.offered_taken is not None:  # the proxy stands for the child's service: what that took, it took
+        record_offered_taken(service, frozenset(ready.offered_taken))
+    return service

@@ -48,13 +48,15 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
     bind_to_parent(config)
     os.environ.update(config.get("environment") or {})
     try:
-        from pipelines.loader import load_service
+        from pipelines.loader import load_service, offered_taken
 
         service = load_service(config["pipeline"], offered=config.get("offered"), **config["options"])
     except BaseException:
         _send_now(conn, wire.LoadFailed(traceback.format_exc()))
         raise SystemExit(1) from None
-    _send_now(conn, wire.Ready(service.kind, bool(getattr(service, "supports_timeline", False)), os.getpid()))
+    taken = offered_taken(service)
+    _send_now(conn, wire.Ready(service.kind, bool(getattr(service, "supports_timeline", False)), os.getpid(),
+                               None if taken is None else tuple(sorted(taken))))
     try:
         message = wire.loads(conn.recv_bytes())
     except (EOFError, OSError):  # the parent went away before running

@@ -136,6 +136,7 @@ class Ready:
     kind: str
     supports_timeline: bool
     pid: int
+    offered_taken: tuple[str, ...] | None = None  # the offered settings get_service took (None: not known)
 
 
 @attrs.frozen
