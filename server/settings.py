@@ -72,9 +72,11 @@ Notes:
 * ``cors_allow_origins`` defaults to no origin (same origin only), not ``*``; ``max_body_bytes`` bounds request
   bodies (larger ones get HTTP 413), and ``max_body_bytes_in_flight`` the bodies of all connections still
   arriving at once (the front answers one more 503 with ``Retry-After``); it must be at least ``max_body_bytes``.
-* The agents' listener and addresses (``cluster_host``, ``cluster_port``, ``cluster_tls_cert``/``cluster_tls_key``,
-  ``public_url``) are refused with ``workers=in-process`` and ``ray_address`` with any ``workers`` but ``ray``: there
-  they would be ignored. (``cluster_token`` is not: it is often exported for a whole shell.)
+* The agents' listener, addresses, token and heartbeats (``cluster_host``, ``cluster_port``,
+  ``cluster_tls_cert``/``cluster_tls_key``, ``public_url``, ``cluster_token``, ``heartbeat_interval``,
+  ``heartbeat_deadline``) are refused with ``workers=in-process`` and ``ray_address`` with any ``workers`` but
+  ``ray``: there they would be ignored (one table, ``WORKERS_ONLY``). ``cluster_token`` only when given on the
+  command line: it is often exported for a whole shell.
 * ``session_timeout`` expires sessions, ``controller_timeout`` / ``room_empty_timeout`` bound how long a room
   waits for its controller / sits empty, and ``terminal_retention_seconds`` / ``terminal_retention_count`` bound
   how long and how many finished session records are kept (the reference kept them forever).
@@ -120,8 +122,18 @@ MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKi
 MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
 MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies together may hold
 
-#: where worker agents reach the authority or the rooms: meaningless with in-process workers, so refused there
-AGENT_ADDRESS_SETTINGS = ("cluster_host", "cluster_port", "cluster_tls_cert", "cluster_tls_key", "public_url")
+#: the --workers that run worker agents
+AGENT_WORKERS = ("local", "ray", "external")
+#: settings that apply only to some --workers (agents' addresses, token and heartbeats; the Ray cluster): given
+#: with any other they would silently do nothing, so they are refused there, all by this one table
+WORKERS_ONLY: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("cluster_host", "cluster_port", "cluster_tls_cert", "cluster_tls_key", "public_url",
+                     "cluster_token", "heartbeat_interval", "heartbeat_deadline"), AGENT_WORKERS),
+    "ray_address": ("ray",),
+}
+#: of those, the ones often exported for a whole shell: refused only when given on the command line
+SHELL_WIDE = frozenset({"cluster_token"})
+SECRETS = frozenset({"livekit_api_secret", "api_key", "cluster_token"})
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
@@ -318,6 +330,7 @@ class ServerSettings:
     )
 
     def __attrs_post_init__(self) -> None:
+        self._refuse_options_that_would_be_ignored(given=frozenset(WORKERS_ONLY) - SHELL_WIDE)
         if self.heartbeat_deadline <= 2 * self.heartbeat_interval:
             raise SettingsError(
                 "--heartbeat-deadline",
@@ -332,7 +345,6 @@ class ServerSettings:
             )
         if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
             raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")
-        self._refuse_options_that_would_be_ignored()
         if self.workers == "external" and self.cluster_token is None:
             raise SettingsError(
                 "--cluster-token",
@@ -358,23 +370,19 @@ class ServerSettings:
                 f"{self.num_workers}; give one group per worker",
             )
 
-    def _refuse_options_that_would_be_ignored(self) -> None:
-        """An address or certificate for worker agents given where no agent runs would silently do nothing."""
+    def _refuse_options_that_would_be_ignored(self, given: frozenset[str]) -> None:
+        """A setting of :data:`WORKERS_ONLY` (among ``given``) set for --workers it does not apply to would silently
+        do nothing: refused, naming the option and what it applies to."""
         defaults = {field.name: field.default for field in attrs.fields(type(self))}
-        if self.workers == "in-process":
-            for name in AGENT_ADDRESS_SETTINGS:
-                if getattr(self, name) != defaults[name]:
-                    raise SettingsError(
-                        option_for(name),
-                        f"{option_for(name)} ({getattr(self, name)}) applies to worker agents (--workers local, ray or "
-                        f"external); with --workers in-process it would be ignored",
-                    )
-        if self.workers != "ray" and self.ray_address is not None:
-            raise SettingsError(
-                "--ray-address",
-                f"--ray-address ({self.ray_address}) applies to --workers ray; with --workers {self.workers} it would "
-                f"be ignored",
-            )
+        for name in sorted(given, key=list(WORKERS_ONLY).index):
+            applies = WORKERS_ONLY[name]
+            if self.workers in applies or getattr(self, name) == defaults[name]:
+                continue
+            option = option_for(name)
+            shown = "" if name in SECRETS else f" ({getattr(self, name)})"
+            where = "worker agents (--workers local, ray or external)" if applies == AGENT_WORKERS else (
+                "--workers " + " or ".join(applies))
+            raise SettingsError(option, f"{option}{shown} applies to {where}; with --workers {self.workers} it would be ignored")
 
     # --- sources --------------------------------------------------------------------------------------------
 
@@ -406,12 +414,14 @@ class ServerSettings:
         if "pipeline" not in values:
             fields.pipeline_path(None)  # raises, naming PIPE and CHUNKLINE_PIPELINE
         try:
-            return cls(**values)
+            settings = cls(**values)
         except SettingsError as exc:
             variable = from_env.get(exc.option)
             if variable is None or variable in str(exc):
                 raise
             raise SettingsError(exc.option, f"{exc} (from environment variable {variable})") from None
+        settings._refuse_options_that_would_be_ignored(given=frozenset(n for n in SHELL_WIDE if cli.get(n) is not None))
+        return settings
 
     # --- views ----------------------------------------------------------------------------------------------
 
@@ -420,7 +430,7 @@ class ServerSettings:
         out: dict[str, Any] = {}
         for field in attrs.fields(type(self)):
             value = getattr(self, field.name)
-            if field.name in ("livekit_api_secret", "api_key", "cluster_token") and value is not None:
+            if field.name in SECRETS and value is not None:
                 value = REDACTED
             elif field.name == "worker_gpu_map" and value is not None:
                 value = [list(group) for group in value]

@@ -41,15 +41,19 @@ def test_a_port_it_cannot_listen_on_exits_2_naming_host_and_port(where: str, tmp
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("option", "value"), [("--cluster-port", "7700"), ("--public-url", "http://10.0.0.5:8088"),
-                                               ("--cluster-host", "0.0.0.0")])
-def test_an_agents_address_with_in_process_workers_exits_2_naming_it(option: str, value: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("option", "value"), [
+    ("--cluster-port", "7700"), ("--public-url", "http://10.0.0.5:8088"), ("--cluster-host", "0.0.0.0"),
+    ("--cluster-token", "a-cluster-token-of-16+"), ("--heartbeat-interval", "2.0"), ("--heartbeat-deadline", "30.0"),
+])
+def test_an_agents_option_with_in_process_workers_exits_2_naming_it(option: str, value: str, tmp_path: Path) -> None:
+    """Every option that only worker agents use (their addresses, token, heartbeats) would do nothing here."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
     env["TMPDIR"] = str(tmp_path)
     command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--port", "0", option, value]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
     assert done.returncode == 2, done.stderr[-2000:]
-    line = (f"chunkline stream-serve: error: {option} ({value}) applies to worker agents (--workers local, ray or "
+    shown = "" if option == "--cluster-token" else f" ({value})"  # a secret is never echoed
+    line = (f"chunkline stream-serve: error: {option}{shown} applies to worker agents (--workers local, ray or "
             f"external); with --workers in-process it would be ignored")
     assert done.stderr.strip().splitlines() == [line], done.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
