@@ -36,18 +36,22 @@ MAX_CHECKS_AT_ONCE = 16
 async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None:
     """Raise :class:`OptionsRefused` (400) when the pipeline refuses ``options``.
 
-    No options: nothing to check, and a create costs no round trip to a worker. With no worker
+    No options are checked too (a pipeline may require one: its refusal names it). With no worker
     ready yet (every one loading), or one that does not answer within :data:`CHECK_OPTIONS_TIMEOUT`,
-    the options cannot be checked: ``NoWorker`` (503 with Retry-After). With no worker at all, or
-    while the server stops, ``create_session`` answers as it always does.
+    the options cannot be checked: ``NoWorker`` (503 with Retry-After) — except no options, which
+    are taken unchecked then, as before (the session waits for a worker, whose pipeline checks them
+    when it starts the session). With no worker at all, or while the server stops,
+    ``create_session`` answers as it always does.
     """
     from .runtime import NO_WORKER_RETRY_AFTER, NoWorker
 
-    if not options or runtime.closing or not runtime.book.can_place():
+    if runtime.closing or not runtime.book.can_place():
         return
     ready = [worker for worker_id, worker in runtime.workers.items()
              if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.failing]
     if not ready:
+        if not options:
+            return
         raise NoWorker("no worker is ready to check the session's options yet (every worker is starting)",
                        NO_WORKER_RETRY_AFTER)
     worker = ready[0]

@@ -9,18 +9,23 @@ is held: a one-slot server with no queue takes the next valid create at once.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
+
+import httpx
 
 import pytest
 import trio
 
 from pipelines.contract import SessionConfig
+from pipelines.loader import load_service
 from pipelines.replay import ReplayService
 from server import option_check
 from server.process_service import start_process_service
 
 from . import runner_fixtures
 from .conftest import GatedLoader, assert_error_body, make_settings, serve
+from .http_served import AgentApp
 from .runner_fixtures import CounterService, wait_until
 
 SESSIONS = "/v1/stream/sessions"
@@ -95,7 +100,7 @@ async def test_options_while_every_worker_is_loading_are_a_503_and_hold_nothing(
             assert "check the session's options" in body["detail"]
             assert int(response.headers["Retry-After"]) > 0
             assert not list(s.runtime.registry)
-            # with no options there is nothing to check: the create waits for the worker as before
+            # no options, with no worker ready to check them: taken as before (the pipeline checks them at start)
             status, body, _ = await s.create("ctl-plain")
             assert status == 202 and body["status"] == "queued", body
         finally:
@@ -133,3 +138,81 @@ async def test_a_check_that_never_answers_is_a_503_at_its_deadline(monkeypatch: 
         assert "could not be checked: no answer in time" in body["detail"]
         assert not list(s.runtime.registry) and s.free_slots() == 1
         assert s.runtime.option_checks.borrowed_tokens == 0
+
+
+#: a pipeline that requires an option: its check (the one its create_session runs) refuses a config without it
+REQUIRES_SCENE = """
+from contextlib import asynccontextmanager
+
+from pipelines.contract import BidirectionalService
+
+
+class RequiresScene(BidirectionalService):
+    @asynccontextmanager
+    async def running(self):
+        yield self
+
+    async def check_options(self, options):
+        if "scene" not in options:
+            raise ValueError("the option 'scene' is required (the name of the world to open)")
+
+    async def create_session(self, config, *, on_event=None):
+        await self.check_options(config.options)
+        return "only"
+
+    async def push_control(self, session_id, control):
+        pass
+
+    def chunks(self, session_id):
+        raise NotImplementedError("no session of these tests joins")
+
+    async def close_session(self, session_id):
+        pass
+
+
+def get_service(gpu_num=0, **_):
+    return RequiresScene()
+"""
+
+
+async def creates_refuse_no_options_naming_the_required_one(post: Any) -> None:
+    """``post(config)`` -> (status, body): no config is a 400 naming the option; with it, the slot is taken."""
+    status, body = await post({})
+    assert status == 400 and body["error"] == "invalid_option", body
+    assert body["detail"] == "config: the option 'scene' is required (the name of the world to open)", body
+    status, body = await post({"scene": "meadow"})
+    assert status == 200 and body["status"] == "assigned", body
+
+
+@pytest.mark.parametrize("loader", [load_service, start_process_service], ids=["in-process", "worker-process"])
+async def test_a_required_option_missing_from_an_empty_config_is_a_400_at_create(loader: Any, tmp_path: Path) -> None:
+    path = tmp_path / "requires_scene.py"
+    path.write_text(REQUIRES_SCENE)
+    worker_mode = "process" if loader is start_process_service else "in-process"
+    settings = runner_fixtures.settings(pipeline=str(path), worker_mode=worker_mode, queue_size=0)
+    async with runner_fixtures.serve(settings, loader, ready=False) as s:
+        await wait_until(lambda: s.runtime.ready, "the worker", deadline=120)
+
+        async def post(config: dict[str, Any]) -> tuple[int, Any]:
+            return await s.json("post", SESSIONS, json={"identity": "ctl", "config": config})
+
+        await creates_refuse_no_options_naming_the_required_one(post)
+        assert len(s.runtime.registry) == 1  # the refused create left nothing
+
+
+async def test_a_required_option_missing_from_an_empty_config_is_a_400_at_create_with_agents(tmp_path: Path) -> None:
+    path = tmp_path / "requires_scene.py"
+    path.write_text(REQUIRES_SCENE)
+    app = AgentApp(runner_fixtures.settings(pipeline=str(path), workers="local", num_workers=1, queue_size=0,
+                                            heartbeat_deadline=30.0))
+    try:
+        await app.wait_clean()
+        async with httpx.AsyncClient(base_url=app.url or "", timeout=30) as http:
+            async def post(config: dict[str, Any]) -> tuple[int, Any]:
+                response = await http.post(SESSIONS, json={"identity": "ctl", "config": config})
+                return response.status_code, response.json()
+
+            await creates_refuse_no_options_naming_the_required_one(post)
+        await app.reset()
+    finally:
+        await trio.to_thread.run_sync(app.stop)
