@@ -105,7 +105,7 @@ class ServiceLink:
 
     def _on_bytes(self, index: int, data: bytes) -> None:
         try:
-            message = wire.loads(data)
+            message = wire.open_sealed(wire.loads(data))  # the pipeline's value too, here and not on the trio thread
         except Exception as exc:
             message = wire.ProtocolError(f"a message from the child could not be read: {exc!r}")
         self._deliver(message)

@@ -273,13 +273,31 @@ def loads(data: bytes) -> Any:
 # -- the pipeline's values, sealed apart from the messages that carry them --------------------------
 
 
-@attrs.frozen
 class Sealed:
     """A value of the pipeline's (a chunk, a call's result, an event), pickled apart from its message, so that
     one the parent cannot load (a module only the child has, a ``__setstate__`` that raises) fails only the
-    call or stream it belongs to; the message around it always loads."""
+    call or stream it belongs to; the message around it always loads.
 
-    data: bytes
+    The parent's reader thread loads it (:func:`open_sealed`), as it loads the message, so the trio thread
+    that takes the value does no unpickling of frames."""
+
+    __slots__ = ("data", "_loaded")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._loaded: tuple[Any, Unreadable | None] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Sealed, (self.data,)
+
+    def load(self) -> None:
+        """Load the value now (once): its value, or why it does not load, is kept for :func:`unseal`."""
+        if self._loaded is None:
+            try:
+                self._loaded = (load_value(self.data), None)
+            except Unreadable as exc:
+                self._loaded = (None, exc)
+            self.data = b""  # the bytes are not needed once loaded
 
 
 def seal(value: Any, *, foreign: str | None = None) -> Sealed:
@@ -287,6 +305,23 @@ def seal(value: Any, *, foreign: str | None = None) -> Sealed:
     return Sealed(dumps(value) if foreign is None else dumps_readable(value, foreign=foreign))
 
 
+def open_sealed(message: Any) -> Any:
+    """Load the sealed value a child's message carries (called on the reader thread); returns the message."""
+    sealed = getattr(message, _SEALED_FIELDS.get(type(message), ""), None)
+    if isinstance(sealed, Sealed):
+        sealed.load()
+    return message
+
+
 def unseal(sealed: Sealed) -> Any:
     """The value, or :class:`Unreadable` saying what did not load (whatever loading it raised)."""
-    return load_value(sealed.data)
+    sealed.load()
+    assert sealed._loaded is not None
+    value, error = sealed._loaded
+    if error is not None:
+        raise error
+    return value
+
+
+#: the field of each child message that holds a sealed value
+_SEALED_FIELDS: dict[type, str] = {ChunkOut: "chunk", SessionEvent: "event", Result: "value", Running: "report"}
