@@ -29,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -47,6 +46,7 @@ from server.livekit_local import (
     running_livekit,
     stop_process,
     wait_http_ok,
+    work_folder,
 )
 from server.transport.client import RoomClient
 
@@ -265,10 +265,9 @@ def latency_record(transport: str, times: list[float]) -> dict[str, Any]:
 async def run(samples: int, hold: float, rounds: int) -> None:
     find_livekit_server()
     network = PrivateNetwork.create("chunkline-bench")
-    workdir = Path(tempfile.mkdtemp(prefix="chunkline-bench-livekit-"))
     try:
         config = LiveKitConfig(bind=network.inner_ip, node_ip=network.inner_ip)
-        with running_livekit(config, workdir, prefix=network.prefix()):
+        with work_folder("chunkline-bench-livekit-") as workdir, running_livekit(config, workdir, prefix=network.prefix()):
             async with open_clients(config, network.prefix(), workdir / "clients.stderr.log") as clients:
                 results = await measure(network, config, clients, workdir, samples, hold, rounds)
         summarize(results)

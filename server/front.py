@@ -6,7 +6,7 @@ the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), the
 - every WebSocket upgrade is served by :class:`server.room_socket.RoomSocket` (message bound while it
   arrives, write deadline, ping/pong deadline): a room's ``/v1/rooms/{room}/ws`` however its path is
   spelt, anything else a 404 (none reaches hypercorn's WebSocket);
-- anything else is spliced to hypercorn on a private Unix socket, each write to the client bounded by
+- anything else is spliced to hypercorn on a Unix socket of this process, each write to the client bounded by
   ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
   reads could otherwise hold a response, its task and the shutdown forever), and the connection
   closed once no byte has moved either way for ``Deadlines.idle`` (hypercorn's own keep-alive timeout
@@ -76,7 +76,7 @@ class Front:
     def __init__(
         self,
         rooms: LocalRooms | None,
-        backend: str,
+        backend: str | bytes,
         *,
         max_message_bytes: int,
         deadlines: Deadlines | None = None,

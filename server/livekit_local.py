@@ -9,6 +9,8 @@ this module runs it for the tests, the benchmark and ``make run LIVEKIT=1``:
   the node's own address so no client is ever sent to a public STUN host;
 - :func:`running_livekit` (blocking, so a module-scoped fixture can share one server) starts the binary, waits until ``GET /`` answers 200, and stops it at exit
   (SIGTERM, a second SIGTERM, then SIGKILL, each bounded);
+- :func:`work_folder` holds a run's config (with its secret) and logs: removed when the run ends, kept
+  (and named) only when it fails;
 - :class:`PrivateNetwork` is a network namespace with ``lo`` up and one end of a veth pair
   (``10.77.k.1/30``; the other end, ``10.77.k.2``, stays in the caller's namespace, and nothing has a
   route out). libwebrtc gathers no candidates on loopback, so the server and its WebRTC clients run in
@@ -22,7 +24,10 @@ import os
 import random
 import secrets
 import signal
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -39,6 +44,7 @@ __all__ = [
     "find_livekit_server",
     "running_livekit",
     "stop_process",
+    "work_folder",
 ]
 
 LIVEKIT_VERSION = "v1.13.5"  # the Makefile's pin
@@ -144,6 +150,22 @@ def wait_http_ok(url: str, timeout: float, process: subprocess.Popen[Any] | None
                 last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.1)  # bench-cost: a real process starting up; bounded by the deadline
     raise RuntimeError(f"{url} did not answer 200 within {timeout:g} s ({last})")
+
+
+@contextlib.contextmanager
+def work_folder(prefix: str) -> Iterator[Path]:
+    """A private temporary folder for a run's config and logs, removed at exit unless the run raised (then it is
+    kept for its logs and named on stderr; Ctrl-C is no failure)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield folder
+    except Exception:
+        print(f"{prefix.rstrip('-')}: the run failed; its config and logs are kept in {folder}", file=sys.stderr)
+        raise
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -278,9 +300,6 @@ def machine_address() -> str:
 def dev_stack(argv: Sequence[str]) -> int:
     """LiveKit (generated keys, signalling on 127.0.0.1:7880, media on this machine's address) and
     ``chunkline stream-serve ARGV`` pointed at it; Ctrl-C stops both. Returns the exit code."""
-    import sys
-    import tempfile
-
     try:
         binary = find_livekit_server()
         address = machine_address()
@@ -288,11 +307,11 @@ def dev_stack(argv: Sequence[str]) -> int:
         print(f"chunkline dev stack: {exc}", file=sys.stderr)
         return 2
     config = LiveKitConfig(bind="127.0.0.1", node_ip=address, tcp_port=7881)
-    workdir = Path(tempfile.mkdtemp(prefix="chunkline-livekit-"))
     env = {**os.environ, **livekit_settings_env(config)}
     chunkline = Path(sys.executable).with_name("chunkline")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops both as Ctrl-C does
     try:
-        with running_livekit(config, workdir, binary=binary):
+        with work_folder("chunkline-livekit-") as workdir, running_livekit(config, workdir, binary=binary):
             print(f"LiveKit {LIVEKIT_VERSION} at {config.url} (media: udp {address}:{config.udp_port}, "
                   f"tcp {config.tcp_port}); log {workdir / 'livekit.log'}", flush=True)
             server = subprocess.Popen([str(chunkline), "stream-serve", *argv], env=env)
@@ -307,6 +326,4 @@ def dev_stack(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     raise SystemExit(dev_stack(sys.argv[1:]))

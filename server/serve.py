@@ -1,23 +1,31 @@
 """Run the stream server: the front on the public port, hypercorn behind it, a bounded drain on SIGTERM/SIGINT.
 
 The front (:mod:`server.front`) owns every client connection: it serves the local rooms' WebSockets
-itself and splices HTTP to hypercorn on a private Unix socket, each with its deadlines. SIGTERM or
+itself and splices HTTP to hypercorn on a Unix socket, each with its deadlines. SIGTERM or
 SIGINT drains live sessions (they get ``done``), sends room clients away and exits 0 within
 :data:`SHUTDOWN_BOUND` seconds whatever any client does; past it a watchdog ends the process (exit 1).
+A second SIGTERM or SIGINT during that drain ends the process at once (exit 128 + the first signal).
+
+Nothing the server makes on disk outlives it: hypercorn's socket is in Linux's abstract namespace (no file,
+so even SIGKILL leaves none behind; like the public port, any process in the host's network namespace can
+reach it), and the uploads folder goes on every exit the server controls, the watchdog's and a second
+signal's included (one a killed server left is removed by the next server, see :mod:`server.uploads`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
+import secrets
 import signal
+import socket
 import sys
-import tempfile
 import threading
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import trio
-from hypercorn.config import Config
+from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
 
 from .app import SHUTDOWN_GRACE, create_app
@@ -37,16 +45,40 @@ FRONT_GRACE = 5.0  # seconds open HTTP connections get to finish once the sessio
 SHUTDOWN_BOUND = 2 * SHUTDOWN_GRACE + FRONT_GRACE + 10.0
 
 
-def _exit_watchdog(bound: float, private: str) -> threading.Timer:
+class _HandedSocket(Config):
+    """hypercorn's config with the listening socket made here (hypercorn binds only paths, ports and fds)."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        super().__init__()
+        self._listener = listener
+
+    def create_sockets(self) -> Sockets:
+        return Sockets(secure_sockets=[], insecure_sockets=[self._listener], quic_sockets=[])
+
+
+def _backend_socket() -> socket.socket:
+    """hypercorn's socket, bound in the abstract namespace: it has no file, so no exit can leave one."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(b"\0chunkline-front-%d-%s" % (os.getpid(), secrets.token_hex(8).encode()))
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _exit_now(code: int, why: str, remove: Callable[[], None]) -> NoReturn:
+    """End the process without waiting for anything; ``remove`` takes what it has on disk first (os._exit
+    skips every ``finally`` that would)."""
+    log.error("%s: exiting now (exit %d)", why, code)
+    logging.shutdown()
+    remove()
+    os._exit(code)
+
+
+def _exit_watchdog(bound: float, remove: Callable[[], None]) -> threading.Timer:
     """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after)."""
-
-    def expire() -> None:
-        log.error("shutdown exceeded its bound of %g s: exiting", bound)
-        logging.shutdown()
-        shutil.rmtree(private, ignore_errors=True)  # os._exit skips the finally that would
-        os._exit(1)
-
-    timer = threading.Timer(bound, expire)
+    timer = threading.Timer(bound, _exit_now, (1, f"shutdown exceeded its bound of {bound:g} s", remove))
     timer.daemon = True
     timer.start()
     return timer
@@ -68,15 +100,35 @@ async def serve_app(
     except OSError as exc:
         raise ListenError.of("--host/--port", settings.host, settings.port, exc) from None
     if settings.port == 0:
+        for extra in listeners[1:]:
+            await extra.aclose()
         listeners = listeners[:1]  # one free port, not one per address family
-    if settings.workers != "in-process":
-        await _check_cluster_address(settings)
-    app = create_app(settings)
+    backend: socket.socket | None = None
+    try:
+        if settings.workers != "in-process":
+            await _check_cluster_address(settings)
+        app = create_app(settings)
+        backend = _backend_socket()
+        await _serve(app, settings, backend, listeners, deadlines, stop, task_status)
+    finally:
+        if backend is not None:
+            backend.close()  # hypercorn closes it too once it served on it
+        for listener in listeners:
+            await listener.aclose()  # each closed by serving on it too; this covers a failed start
+
+
+async def _serve(
+    app: Any,
+    settings: ServerSettings,
+    backend: socket.socket,
+    listeners: list[trio.SocketListener],
+    deadlines: Deadlines | None,
+    stop: trio.Event | None,
+    task_status: trio.TaskStatus[list[str]],
+) -> None:
     runtime = app.extensions["chunkline"]
-    private = tempfile.mkdtemp(prefix="chunkline-front-")
-    backend = os.path.join(private, "http.sock")
-    config = Config()
-    config.bind = [f"unix:{backend}"]
+    remove = runtime.uploads.remove  # what the server holds on disk
+    config = _HandedSocket(backend)
     config.accesslog = None
     config.graceful_timeout = FRONT_GRACE  # sessions are drained before hypercorn is told to stop
     config.read_timeout = 30  # a request body that stops arriving is dropped (the front bounds the head)
@@ -84,16 +136,21 @@ async def serve_app(
     rooms = runtime.transport if isinstance(runtime.transport, LocalRooms) else None
     budget = BodyBudget(settings.max_body_bytes_in_flight, max_body=settings.max_body_bytes)
     front = Front(
-        rooms, backend, max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines, body_budget=budget
+        rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines,
+        body_budget=budget,
     )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
 
     async def on_signals() -> None:
+        """The first signal starts the drain; a second one (the drain is taking too long) ends it now."""
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for _ in signals:
+            first = None
+            async for number in signals:
+                if first is not None:
+                    _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", remove)
+                first = number
                 stop.set()
-                return
 
     watchdog: threading.Timer | None = None
     try:
@@ -109,7 +166,7 @@ async def serve_app(
             for url in urls:
                 print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
             await stop.wait()
-            watchdog = _exit_watchdog(SHUTDOWN_BOUND, private)
+            watchdog = _exit_watchdog(SHUTDOWN_BOUND, remove)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.shutdown(SHUTDOWN_GRACE)
@@ -124,7 +181,7 @@ async def serve_app(
     finally:
         if watchdog is not None:
             watchdog.cancel()
-        shutil.rmtree(private, ignore_errors=True)
+        remove()
 
 
 async def _check_cluster_address(settings: ServerSettings) -> None:

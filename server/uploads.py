@@ -2,7 +2,9 @@
 
 A pipeline reads a session's image from a path, so an uploaded image is written to a
 file that lives while its session does. The folder is made at the first upload and goes
-when the server stops, with whatever is still in it.
+when the server stops, with whatever is still in it. Its name carries the server's process
+id, so a folder whose server was killed (SIGKILL skips every cleanup) is removed by the next
+server's first upload.
 """
 
 from __future__ import annotations
@@ -11,10 +13,26 @@ import contextlib
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 from .registry import SessionRecord
 
-__all__ = ["UploadFolder"]
+__all__ = ["PREFIX", "UploadFolder", "remove_stale_folders"]
+
+PREFIX = "chunkline-uploads-"
+
+
+def remove_stale_folders(parent: str | None = None) -> list[str]:
+    """Remove the upload folders ``PREFIX<pid>-*`` under ``parent`` (the temporary directory) whose server
+    is no longer running and that belong to this user; returns what was removed."""
+    removed = []
+    for folder in Path(parent or tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        owner = folder.name.removeprefix(PREFIX).split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists() and folder.stat().st_uid == os.getuid():
+                shutil.rmtree(folder)
+                removed.append(str(folder))
+    return removed
 
 
 class UploadFolder:
@@ -31,7 +49,8 @@ class UploadFolder:
     def store(self, record: SessionRecord, image: bytes) -> None:
         """Write ``image`` to a private file and point the session's image (and upload) path at it."""
         if self._path is None:
-            self._path = tempfile.mkdtemp(prefix="chunkline-uploads-")
+            remove_stale_folders()
+            self._path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
         handle, path = tempfile.mkstemp(prefix="upload-", suffix=".img", dir=self._path)
         with os.fdopen(handle, "wb") as file:
             file.write(image)

@@ -23,7 +23,7 @@ def test_a_port_it_cannot_listen_on_exits_2_naming_host_and_port(where: str, tmp
         port = taken.getsockname()[1]
         host = "192.0.2.1" if where == "address_not_here" else "127.0.0.1"  # TEST-NET-1: never this host's
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-        env["TMPDIR"] = str(tmp_path)  # where the server would put its private socket folder
+        env["TMPDIR"] = str(tmp_path)  # where the server would put anything of its own
         env["CHUNKLINE_CLUSTER_TOKEN"] = "startup-test-token-0123456789"
         command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--host", host]
         if where == "cluster_port_in_use":
