@@ -56,6 +56,27 @@ def error(status: int, code: str, detail: str, headers: dict[str, str] | None = 
     return response
 
 
+def _closes_after_its_last_byte(asgi_app: Any) -> Any:
+    """The app with each HTTP response's last send shielded from the app's own cancellation.
+
+    quart-trio cancels a request's tasks as soon as hypercorn reports the client's side done, and for a
+    request that asked for ``Connection: close`` (every HTTP/1.0 one, too) hypercorn closes the connection
+    from inside that last send: cancelled there, it left the connection open until its 30 s read timeout, so a
+    client reading to the end waited 30 s and the server held the connection as long."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async def send_last_shielded(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):  # bounded: hypercorn's own writes are shielded already
+                    await send(message)
+            else:
+                await send(message)
+
+        await asgi_app(scope, receive, send_last_shielded if scope["type"] == "http" else send)
+
+    return app
+
+
 def _make_transport(settings: ServerSettings, issuer: TokenIssuer) -> Any:
     if settings.transport == "livekit":
         from .transport.livekit import LiveKitTransport
@@ -66,6 +87,7 @@ def _make_transport(settings: ServerSettings, issuer: TokenIssuer) -> Any:
 
 def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_policy: Any = None) -> QuartTrio:
     app = QuartTrio(__name__, static_folder=None)
+    app.asgi_app = _closes_after_its_last_byte(app.asgi_app)  # type: ignore[method-assign]
     # "//" in a path is a 404 with a JSON reason, not an HTML redirect to a merged path
     app.url_map.merge_slashes = False
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None

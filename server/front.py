@@ -5,12 +5,13 @@ the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), the
 
 - every WebSocket upgrade is served by :class:`server.room_socket.RoomSocket` (message bound while it
   arrives, write deadline, ping/pong deadline): a room's ``/v1/rooms/{room}/ws`` however its path is
-  spelt, anything else a 404 (none reaches hypercorn's WebSocket);
+  spelt, anything else a 404 (none reaches hypercorn's WebSocket: with LiveKit rooms every upgrade is a
+  404, and one after the connection's first request is refused by the framing);
 - anything else is spliced to hypercorn on a Unix socket of this process, each write to the client bounded by
   ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
   reads could otherwise hold a response, its task and the shutdown forever), and the connection
-  closed once no byte has moved either way for ``Deadlines.idle`` (hypercorn's own keep-alive timeout
-  does not end an idle connection here, so a client could otherwise keep any number of them open);
+  closed once no byte has moved either way for ``Deadlines.idle`` (whatever hypercorn's own keep-alive
+  timeout does, so a client cannot keep any number of them open);
   every later head on a keep-alive connection and every body are bounded too
   (:mod:`server.http_framing`: a head within ``Deadlines.head`` of its first byte, else 408; a body at
   a minimum rate), so trickling bytes slower than that cannot hold a connection either.
@@ -52,6 +53,7 @@ LINGER_BYTES: Final = 4 * 1024 * 1024  # the most a lingering close reads of wha
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _REFUSALS: Final = {
     400: b"400 Bad Request",
+    404: b"404 Not Found",
     408: b"408 Request Timeout",
     411: b"411 Length Required",
     431: b"431 Request Header Fields Too Large",
@@ -63,7 +65,7 @@ _REFUSALS: Final = {
 def _is_websocket_upgrade(head: bytes) -> bool:
     """Any WebSocket upgrade, whatever its target: the front serves every one itself (a room's, or a 404),
     so none reaches hypercorn's WebSocket, which bounds neither writes nor pongs."""
-    _, _, headers = head.partition(b"\r\n")
+    _, _, headers = head.partition(b"\r\n\r\n")[0].partition(b"\r\n")  # the first request's head only
     return any(
         name.strip().lower() == b"upgrade" and b"websocket" in value.lower()
         for name, _, value in (h.partition(b":") for h in headers.split(b"\r\n"))
@@ -111,12 +113,15 @@ class Front:
                 head = await self._read_head(stream)
                 if head is None:
                     return
-                if self._rooms is not None and _is_websocket_upgrade(head):
+                if not _is_websocket_upgrade(head):
+                    await self._splice(stream, head)
+                elif self._rooms is None:
+                    await self._refuse(stream, 404, FramingRefused(404, "this server's rooms are LiveKit's: no "
+                                                                   "WebSocket is served here", error="not_found"))
+                else:
                     await RoomSocket(
                         stream, head, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines
                     ).serve()
-                else:
-                    await self._splice(stream, head)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             finally:
@@ -145,7 +150,7 @@ class Front:
         """Answer ``status`` and close lingering (reading at most ``linger`` bytes more; 0: close at once)."""
         reason = _REFUSALS[status]
         error = why.error if why is not None and why.error else reason.decode().split(" ", 1)[1].lower().replace(" ", "_")
-        detail = why.detail if why is not None and why.error else reason.decode()
+        detail = why.detail if why is not None else reason.decode()
         body = json.dumps({"error": error, "detail": detail}).encode()
         retry = b"" if why is None or why.retry_after is None else b"Retry-After: %d\r\n" % why.retry_after
         response = (
@@ -186,14 +191,14 @@ class Front:
         refusal: FramingRefused | None = None
         answered = False
         try:
-            framing.feed(head, trio.current_time())
+            first = framing.feed(head, trio.current_time())
         except FramingRefused as exc:
             log.info("a request the front refuses: %d %s", exc.status, exc.detail)
             return exc, False
         backend = await trio.open_unix_socket(self._backend)
         moved_at = trio.current_time()  # the last time a byte went either way
         try:
-            await backend.send_all(head)
+            await backend.send_all(first)
             async with trio.open_nursery() as nursery:
 
                 async def until_idle() -> None:
@@ -217,13 +222,14 @@ class Front:
                                 return
                             moved_at = trio.current_time()
                             try:
-                                framing.feed(data, moved_at)
+                                data = framing.feed(data, moved_at)
                             except FramingRefused as exc:
                                 log.info("a request the front refuses: %d %s", exc.status, exc.detail)
                                 refusal = exc
                                 break
                             try:
-                                await backend.send_all(data)
+                                if data:
+                                    await backend.send_all(data)
                             except _GONE:
                                 return  # the backend stopped reading (it answered and closes): its answer goes on
                     except _GONE:

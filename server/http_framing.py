@@ -8,8 +8,14 @@ MIN_UPLOAD_RATE`` of the end of its head. Between requests nothing is due (the i
 
 What cannot be framed is refused rather than passed on unbounded: a head over ``MAX_HEAD`` (431), a
 ``Transfer-Encoding`` body (411: send ``Content-Length``), a malformed or contradictory ``Content-Length``
-(400) and HTTP/2 without TLS (505). Once the backend switches protocols (101) the connection is no longer
-HTTP/1.1 and is passed through as it is (:meth:`switched`).
+(400), HTTP/2 without TLS (505) and a WebSocket upgrade after the connection's first request (400: the
+front serves a room's socket itself, with its bounds, only when the upgrade opens the connection; a later one
+reached hypercorn's WebSocket, which has none). A head goes on to hypercorn once it is whole, without any
+``Upgrade``/``HTTP2-Settings`` field: hypercorn would switch an ``Upgrade: h2c`` request to HTTP/2, whose
+streams the front cannot frame (any number of requests and bodies at once on one connection, past the
+connection cap and the body budget); without the field the request is answered in HTTP/1.1, as the upgrade
+allows. Once the backend switches protocols (101) anyway, the connection is passed through as it is
+(:meth:`switched`).
 
 The bodies of all connections together are bounded too (:class:`BodyBudget`): the app holds a body in memory
 while it arrives, so a body's ``Content-Length`` (up to the largest body the app takes) is reserved when its
@@ -100,13 +106,19 @@ class RequestFraming:
             self._budget.give_back(self._held)
         self._held = 0
 
-    def feed(self, data: bytes, now: float) -> None:
-        """Follow ``data`` from the client; raises :class:`FramingRefused` for what cannot be framed."""
+    def feed(self, data: bytes, now: float) -> bytes:
+        """Follow ``data`` from the client; returns what of it goes on to the backend now (a head only once it is
+        whole, as :meth:`_forwarded_head` leaves it). Raises :class:`FramingRefused` for what cannot be framed."""
         view = memoryview(data)
-        while view and not self._passthrough:
+        forward = bytearray()
+        while view:
+            if self._passthrough:
+                forward += view
+                break
             if self._body_left:
                 taken = min(self._body_left, len(view))
                 self._body_left -= taken
+                forward += view[:taken]
                 view = view[taken:]
                 if not self._body_left:
                     self.due = math.inf
@@ -120,17 +132,35 @@ class RequestFraming:
             if end < 0:
                 if len(self._head) > self._max_head:
                     raise FramingRefused(431, "the request head is larger than the front allows")
-                return
+                break
             if end > self._max_head:
                 raise FramingRefused(431, "the request head is larger than the front allows")
             rest = bytes(self._head[end + 4:])
-            length = self._body_length(bytes(self._head[:end]))
+            head = bytes(self._head[:end])
+            length = self._body_length(head)
+            forward += self._forwarded_head(head) + b"\r\n\r\n"
             self._head.clear()
             self._body_left = length  # also what is still to come if the budget refuses it
             if length and self._budget is not None:
                 self._held = self._budget.take(length)
             self.due = now + self._head_seconds + length / MIN_UPLOAD_RATE if length else math.inf
             view = memoryview(rest)
+        return bytes(forward)
+
+    @staticmethod
+    def _forwarded_head(head: bytes) -> bytes:
+        """``head`` without the fields that ask to leave HTTP/1.1 (``Upgrade``, ``HTTP2-Settings``); a WebSocket
+        upgrade here is refused (the front serves only one that opens its connection)."""
+        line, _, fields = head.partition(b"\r\n")
+        kept = [line]
+        for field in fields.split(b"\r\n") if fields else []:
+            name = field.partition(b":")[0].strip().lower()
+            if name == b"upgrade" and b"websocket" in field.lower():
+                raise FramingRefused(400, "a WebSocket upgrade must be the first request on its connection "
+                                          "(open a new connection for it)", error="websocket_not_first")
+            if name not in (b"upgrade", b"http2-settings"):
+                kept.append(field)
+        return b"\r\n".join(kept)
 
     @staticmethod
     def _body_length(head: bytes) -> int:

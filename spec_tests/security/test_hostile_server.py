@@ -76,14 +76,14 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def running(**overrides: Any) -> AsyncIterator[Server]:
+async def running(deadlines: Deadlines = FAST, **overrides: Any) -> AsyncIterator[Server]:
     values: dict[str, Any] = {"pipeline": "pipelines/replay", "port": 0, "max_sessions_per_worker": 1,
                               "controller_timeout": 1.0, "room_empty_timeout": 3600}
     values.update(overrides)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         urls = await nursery.start(lambda task_status: serve_app(
-            ServerSettings(**values), deadlines=FAST, stop=stop, task_status=task_status))
+            ServerSettings(**values), deadlines=deadlines, stop=stop, task_status=task_status))
         host, port = urls[0].removeprefix("http://").rsplit(":", 1)
         server = Server(host, int(port), None)
         with trio.fail_after(WAIT):
