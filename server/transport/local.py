@@ -16,8 +16,10 @@ Wire format (WebSocket):
 - a client may not publish on the worker's topics (``tf.status``, ``tf.metrics``: refused with
   ``server_topic``), nor send JSON nested deeper than 33 levels (``too_deep``) or text that is not
   encodable (``unencodable_text``); a room holds at most 64 client sockets (``room full``);
-- a client that falls more than 1024 data messages behind is sent away
-  (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory;
+- a client that falls more than 1024 data messages or 1 MiB of them behind is sent away
+  (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
+  controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
+  as their write deadline let them stay);
 - binary messages are media: ``b"V"`` + a JPEG frame, or ``b"A"`` + 4-byte
   little-endian sample rate + 2-byte channel count + PCM16 samples.
 
@@ -50,6 +52,7 @@ __all__ = ["LocalRooms", "RemoteWorkerPresence", "encode_jpeg"]
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
 EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
 TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before it is sent away
+TEXT_BACKLOG_BYTES = 1024 * 1024  # ... and the characters of them (ASCII JSON: bytes) it may fall behind by
 MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and its viewers)
 #: topics only the worker publishes on: a client's message on them is refused, so nobody poses as the server
 SERVER_TOPICS = frozenset({"tf.status", "tf.metrics"})
@@ -84,20 +87,26 @@ class _Subscriber:
     presence: trio.CancelScope = attrs.Factory(trio.CancelScope)  # cancelled to send the client away
     too_slow: bool = False
     dropped_frames: int = 0
+    text_size: int = 0  # characters queued in ``texts``
 
     def push_text(self, message: str) -> None:
         if self.too_slow:
             return
-        if len(self.texts) >= TEXT_BACKLOG:
+        if len(self.texts) >= TEXT_BACKLOG or self.text_size + len(message) > TEXT_BACKLOG_BYTES:
             # a client that does not read its reliable messages is sent away rather than
             # letting its queue grow without bound (LiveKit drops such subscribers too)
             self.too_slow = True
             self.texts.clear()
-            self.texts.append(json.dumps({"type": "refused", "reason": "too_slow"}))
+            self.text_size = 0
+            message = json.dumps({"type": "refused", "reason": "too_slow"})
             self.presence.cancel()
-        else:
-            self.texts.append(message)
+        self.texts.append(message)
+        self.text_size += len(message)
         self.ready.set()
+
+    def sent_text(self) -> None:
+        """The oldest queued text message has been sent."""
+        self.text_size -= len(self.texts.popleft())
 
     def push_media(self, message: bytes) -> None:
         if len(self.media) == self.media.maxlen:
@@ -441,7 +450,8 @@ class LocalRooms:
                 # the server is closing: flush what is queued (the worker's last status, "done")
                 with trio.move_on_after(1.0):
                     while subscriber.texts:
-                        await send(subscriber.texts.popleft())
+                        await send(subscriber.texts[0])
+                        subscriber.sent_text()
         finally:
             target.subscribers.pop(subscriber.identity, None)
             target.broadcast_text(json.dumps({"type": "participant_left", "identity": subscriber.identity}))
@@ -458,7 +468,7 @@ class LocalRooms:
                     # a data message leaves its queue only once sent: a send cut short by the
                     # server closing leaves it queued for the final flush
                     await send(subscriber.texts[0])
-                    subscriber.texts.popleft()
+                    subscriber.sent_text()
                 else:
                     await send(subscriber.media.popleft())  # frames are droppable
 
