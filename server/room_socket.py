@@ -22,6 +22,8 @@ import json
 import logging
 import re
 from collections import deque
+from collections.abc import Sequence
+from http import HTTPStatus
 from typing import Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -112,12 +114,15 @@ class RoomSocket:
         """Handshake, then the peer's presence in its room until it leaves or is sent away."""
         try:
             request = self._request()
-            if request is None:
+            if isinstance(request, RemoteProtocolError):
+                hint = request.event_hint
+                status, headers = (hint.status_code, hint.headers) if isinstance(hint, RejectConnection) else (400, [])
+                await self._reject(status, "bad_websocket_handshake", f"not a WebSocket handshake: {request}", headers)
                 return
             room = room_of(request.target)
             token = parse_qs(urlsplit(request.target).query).get("token", [""])[0]
             if room is None:
-                await self._write(self._ws.send(RejectConnection(status_code=404, headers=[(b"content-length", b"0")])))
+                await self._reject(404, "not_found", "no room at this path (a room's WebSocket is /v1/rooms/{room}/ws)")
                 return
             await self._write(self._ws.send(AcceptConnection()))
             try:
@@ -148,16 +153,25 @@ class RoomSocket:
 
     # -- the protocol ---------------------------------------------------------------
 
-    def _request(self) -> Request | None:
+    def _request(self) -> Request | RemoteProtocolError:
+        """The handshake's request, or why it is not one (the front read a whole head, so there is no other case)."""
         try:
             self._ws.receive_data(self._head)
             for event in self._ws.events():
                 if isinstance(event, Request):
                     self._absorb()  # frames that came with the head
                     return event
-        except RemoteProtocolError:
-            return None
-        return None
+        except RemoteProtocolError as exc:
+            return exc
+        return RemoteProtocolError("the request head is incomplete", event_hint=RejectConnection())
+
+    async def _reject(self, status: int, error: str, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """Answer the handshake with ``status`` and the JSON error every refusal of the server has."""
+        body = json.dumps({"error": error, "detail": detail}).encode()
+        head = [b"HTTP/1.1 %d %s" % (status, HTTPStatus(status).phrase.encode()), b"Content-Type: application/json",
+                b"Connection: close", b"Content-Length: %d" % len(body)]
+        head += [name + b": " + value for name, value in headers if name.lower() != b"content-length"]
+        await self._write(b"\r\n".join(head) + b"\r\n\r\n" + body)
 
     def _absorb(self) -> None:
         """Turn every event wsproto has into messages, pongs and closes (raises PeerGone)."""

@@ -1,8 +1,11 @@
 """Every spelling of a room's WebSocket path is served by the front's room socket (with its bounds), never by
 hypercorn's WebSocket behind it (no write or pong deadline): the app's router merges repeated slashes, so
-``//v1/rooms/{room}/ws`` reached a room through hypercorn. Any other WebSocket upgrade is a 404."""
+``//v1/rooms/{room}/ws`` reached a room through hypercorn. Any other WebSocket upgrade is a 404, and a
+handshake that is not one is answered with the reason (it was closed with no answer at all)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import trio
@@ -29,6 +32,29 @@ async def test_a_websocket_upgrade_anywhere_else_is_a_404_from_the_front() -> No
                                   b"Sec-WebSocket-Version: 13\r\n\r\n")
             answer = await closed_by_server(stream)
         assert answer.startswith(b"HTTP/1.1 404"), answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"] == "not_found", answer
         assert b"hypercorn" not in answer.lower(), answer
         assert (await server.request("GET", "/v1/stream/health"))[0] == 200
         await trio.lowlevel.checkpoint()
+
+
+UPGRADE = (b"Host: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+           b"Sec-WebSocket-Version: 13\r\n")
+
+
+@pytest.mark.parametrize(("request_head", "status", "named"), [
+    (b"GET /v1/rooms/r/ws HTTP/1.1\r\n" + UPGRADE.replace(b"Version: 13", b"Version: 8") + b"\r\n", 426, b"Version"),
+    (b"GET /v1/rooms/r/ws HTTP/1.1\r\n" + UPGRADE.replace(b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n", b"")
+     + b"\r\n", 400, b"Sec-WebSocket-Key"),
+    (b"POST /v1/rooms/r/ws HTTP/1.1\r\n" + UPGRADE + b"Content-Length: 0\r\n\r\n", 400, b"GET"),
+], ids=["version-8", "no-key", "post"])
+async def test_a_handshake_that_is_not_one_is_answered_with_the_reason(request_head: bytes, status: int, named: bytes) -> None:
+    async with running() as server:
+        async with await server.raw() as stream:
+            await stream.send_all(request_head)
+            answer = await closed_by_server(stream)
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert json.loads(body)["error"] == "bad_websocket_handshake" and named in body, answer
+    if status == 426:
+        assert b"\r\nSec-WebSocket-Version: 13" in head, answer  # the version this server speaks
