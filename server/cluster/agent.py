@@ -10,14 +10,19 @@ whose table events go back over this connection in order.
 Cut off from the authority (no heartbeat acknowledged), the agent *fences* itself at
 :func:`states.liveness.fence_at` — before the authority's deadline — by stopping every
 session it runs, then registers again under a new id with the model it already
-loaded. Refused at registration (another version or pipeline, a wrong token) it exits
-with code 3. SIGTERM (or a drain from the authority) drains: no new sessions, live ones
+loaded. The authority proves the cluster token back (its Welcome), and every frame after
+that is tagged (see :mod:`server.cluster.wire`): a peer at the authority's address that
+cannot prove it is dropped and dialed again after a backoff, as after any failed connect.
+Refused at registration by a token holder (another version or pipeline) it exits with
+code 3; a refusal it cannot check (the token differs there, or it is not the authority)
+backs off like a failed connect, and a crash loop of them exits with code 3 too. SIGTERM (or a drain from the authority) drains: no new sessions, live ones
 finish or are stopped at the drain deadline at a chunk boundary, then it says goodbye
 and exits 0.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import secrets
@@ -53,6 +58,21 @@ CONNECT_TIMEOUT = 10.0
 OUTBOX = 1024
 # an agent cut off from the authority registers again quickly at first, and gives up on a crash loop
 REREGISTER_POLICY = RestartPolicy(base_delay=0.2, max_delay=5.0, max_failures=8, window=60.0)
+
+
+class End(enum.Enum):
+    """How one registration (or one attempt at it) ended: what the agent does next."""
+
+    LOST = "lost"  # back off and register again (counted toward the crash-loop limit)
+    REFUSED = "refused"  # by a token holder: exit 3
+    UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved: as lost; a crash loop of them exits 3
+    DRAINED = "drained"  # exit 0
+
+
+@attrs.frozen
+class Ended:
+    kind: End
+    why: str
 
 
 def parse_authority(url: str) -> tuple[str, str, int]:
@@ -162,22 +182,25 @@ class Agent:
         """Register, serve, and register again (a fresh id) after a loss, on the shared restart policy."""
         restarts = RestartTracker(REREGISTER_POLICY)
         while True:
-            outcome = await self._one_registration()
-            if outcome == "refused":
+            ended = await self._one_registration()
+            if ended.kind is End.REFUSED:
                 return EXIT_REFUSED
-            if outcome == "drained" or self._draining:
+            if ended.kind is End.DRAINED or self._draining:
                 return 0
-            if not await back_off(restarts, f"authority connection ended ({outcome})", f"agent at {self.options.authority}"):
-                return 1
+            if not await back_off(restarts, f"authority connection ended ({ended.why})", f"agent at {self.options.authority}"):
+                return EXIT_REFUSED if ended.kind is End.UNPROVEN_REFUSAL else 1
 
-    async def _handshake(self, worker_id: str) -> tuple[wire.Channel, wire.Welcome] | str:
+    async def _handshake(self, worker_id: str) -> tuple[wire.Channel, wire.Welcome] | Ended:
         options = self.options
+        agent_nonce = secrets.token_hex(16)
+        channel: wire.Channel | None = None
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
                 if self.scheme == "tls":
                     stream = wire.wrap_client_tls(stream, self.host, options.tls_ca)
-                channel = wire.Channel(stream)
+                # small frames until the peer proved the token: an impostor cannot make this side buffer 16 MiB
+                channel = wire.Channel(stream, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
                 hello = await channel.receive()
                 if not isinstance(hello, wire.Hello):
                     raise wire.WireError(f"expected hello, got {hello.TYPE}")
@@ -185,6 +208,7 @@ class Agent:
                 await channel.send(
                     wire.Register(
                         worker_id=worker_id,
+                        agent_nonce=agent_nonce,
                         proof=wire.proof_for(options.token, hello.nonce, worker_id),
                         version=options.version,
                         pipeline=pipeline_name(options.pipeline),
@@ -198,20 +222,40 @@ class Agent:
                 )
                 reply = await channel.receive()
         except (OSError, trio.TooSlowError, wire.ConnectionClosed, wire.WireError) as exc:
-            return f"authority unreachable: {type(exc).__name__}: {exc}"
-        if isinstance(reply, wire.Refused):
-            log.error("the authority refused this worker: %s", reply.reason)
+            if channel is not None:
+                await channel.aclose()
+            return Ended(End.LOST, f"authority unreachable: {type(exc).__name__}: {exc}")
+        ended = self._answer(reply, hello.nonce, agent_nonce, worker_id)
+        if ended is not None:
             await channel.aclose()
-            return "refused"
-        if not isinstance(reply, wire.Welcome):
-            await channel.aclose()
-            return f"protocol error: expected welcome, got {reply.TYPE}"
+            return ended
+        assert isinstance(reply, wire.Welcome)
+        channel.max_frame = wire.MAX_FRAME_BYTES
+        channel.authenticate(wire.frame_key(options.token, hello.nonce, agent_nonce, worker_id), authority=False)
         return channel, reply
 
-    async def _one_registration(self) -> str:
+    def _answer(self, reply: wire.Message, nonce: str, agent_nonce: str, worker_id: str) -> Ended | None:
+        """Why the authority's answer to a Register ends this attempt; None for a Welcome that proves the token."""
+        token, at = self.options.token, self.options.authority
+        if isinstance(reply, wire.Refused):
+            if wire.refusal_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
+                log.error("the authority refused this worker: %s", reply.reason)
+                return Ended(End.REFUSED, reply.reason)
+            log.error("%s refused this worker without proving the cluster token (the token differs there, or it "
+                      "is not the authority): %s", at, reply.reason[:200])
+            return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {reply.reason[:200]}")
+        if not isinstance(reply, wire.Welcome):
+            return Ended(End.LOST, f"protocol error: expected welcome, got {reply.TYPE}")
+        if not wire.authority_proof_matches(token, nonce, agent_nonce, worker_id, reply.proof):
+            log.error("%s did not prove the cluster token in its welcome: not the authority, or another token; "
+                      "dropped it", at)
+            return Ended(End.LOST, "the authority did not prove the cluster token")
+        return None
+
+    async def _one_registration(self) -> Ended:
         worker_id = f"{self.options.node}-{secrets.token_hex(4)}"
         shaken = await self._handshake(worker_id)
-        if isinstance(shaken, str):
+        if isinstance(shaken, Ended):
             return shaken
         channel, welcome = shaken
         self.worker_id = worker_id
@@ -246,7 +290,7 @@ class Agent:
                 log.warning("worker %s: %s; stopping its sessions", worker_id, outcome)
                 await self.sessions.stop_all(f"worker fenced: {outcome}", hard=True)
             await channel.aclose()
-        return outcome
+        return Ended(End.DRAINED if outcome == "drained" else End.LOST, outcome)
 
     # -- the connection --
 

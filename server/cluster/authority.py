@@ -2,7 +2,8 @@
 
 ``stream-serve --workers local|ray|external`` runs one :class:`ClusterAuthority` in the runtime's
 nursery. It accepts agent connections (plain TCP, or TLS with a certificate), authenticates each
-registration against the cluster token, refuses another chunkline version or pipeline, and adds
+registration against the cluster token (and proves the token back, then tags every frame: see
+:mod:`server.cluster.wire`), refuses another chunkline version or pipeline, and adds
 each agent to the runtime's single admission book as a :class:`~server.cluster.remote.RemoteWorker`.
 The pure :class:`~states.liveness.LivenessBook` decides who is alive: the first of a closed
 socket, a missed heartbeat deadline or a launcher's death notice loses the worker — its sessions
@@ -163,22 +164,32 @@ class ClusterAuthority:
             self._handshakes -= 1
         if shaken is None:
             return
-        first, channel = shaken
+        first, channel, nonce = shaken
         channel.max_frame = wire.MAX_FRAME_BYTES  # the peer proved the token
         worker = self._admit(first, channel)
         if worker is None:
             await channel.aclose()
             return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(worker.pump)
-            cause = await self._read(worker)
-            nursery.cancel_scope.cancel()
+        cause: str | None
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await channel.send(self._welcome(worker, nonce, first.agent_nonce))
+        except (trio.TooSlowError, wire.ConnectionClosed) as exc:
+            cause = f"connection closed: sending welcome: {exc or 'no room within the handshake deadline'}"
+        else:
+            # every frame after the welcome is tagged under this connection's key
+            channel.authenticate(wire.frame_key(self.token, nonce, first.agent_nonce, first.worker_id), authority=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.pump)
+                cause = await self._read(worker)
+                nursery.cancel_scope.cancel()
         if cause is not None:
             self._lost(worker.worker_id, cause)
         await channel.aclose()
 
-    async def _handshake(self, stream: trio.SocketStream) -> tuple[wire.Register, wire.Channel] | None:
-        """Hello, then the peer's Register within the deadline: the registration, or None (refused or failed)."""
+    async def _handshake(self, stream: trio.SocketStream) -> tuple[wire.Register, wire.Channel, str] | None:
+        """Hello, then the peer's Register within the deadline: the registration and the nonce it answered,
+        or None (refused or failed)."""
         settings = self.runtime.settings
         wrapped: trio.abc.Stream = stream
         if settings.cluster_tls_cert:
@@ -205,15 +216,18 @@ class ClusterAuthority:
         if reason is not None:
             self.refused += 1
             log.warning("cluster: refused a worker: %s", reason)
+            proof = None
+            if isinstance(first, wire.Register):  # the agent may check that the refusal comes from a token holder
+                proof = wire.refusal_proof(self.token, nonce, first.agent_nonce, first.worker_id, reason)
             with trio.move_on_after(2.0):
                 try:
-                    await channel.send(wire.Refused(reason))
+                    await channel.send(wire.Refused(reason, proof))
                 except wire.ConnectionClosed:
                     pass
             await channel.aclose()
             return None
         assert isinstance(first, wire.Register)
-        return first, channel
+        return first, channel, nonce
 
     def _refusal(self, message: wire.Message, nonce: str) -> str | None:
         if not isinstance(message, wire.Register):
@@ -254,24 +268,25 @@ class ClusterAuthority:
         self.runtime.add_worker(worker)
         if self.launcher is not None:
             self.launcher.worker_registered(worker)
-        settings = self.runtime.settings
-        worker.send(
-            wire.Welcome(
-                worker_id=worker.worker_id,
-                heartbeat_interval=self.interval,
-                deadline=self.liveness.deadline,
-                transport=settings.transport,
-                rooms_url=self.rooms_url,
-                livekit_url=settings.livekit_url,
-                controller_timeout=settings.controller_timeout,
-                room_empty_timeout=settings.room_empty_timeout,
-                max_data_message_bytes=settings.max_data_message_bytes,
-            )
-        )
         log.info("cluster: worker %s registered (node %s, devices %s, %s)", worker.worker_id, worker.node,
                  list(worker.gpu_ids), worker.launcher)
         self._wake.set()
         return worker
+
+    def _welcome(self, worker: RemoteWorker, nonce: str, agent_nonce: str) -> wire.Welcome:
+        settings = self.runtime.settings
+        return wire.Welcome(
+            worker_id=worker.worker_id,
+            heartbeat_interval=self.interval,
+            deadline=self.liveness.deadline,
+            transport=settings.transport,
+            rooms_url=self.rooms_url,
+            livekit_url=settings.livekit_url,
+            controller_timeout=settings.controller_timeout,
+            room_empty_timeout=settings.room_empty_timeout,
+            max_data_message_bytes=settings.max_data_message_bytes,
+            proof=wire.authority_proof(self.token, nonce, agent_nonce, worker.worker_id),
+        )
 
     async def _read(self, worker: RemoteWorker) -> str | None:
         """Dispatch the agent's messages; returns the loss cause, or None when it left cleanly."""

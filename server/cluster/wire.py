@@ -8,9 +8,14 @@ JSON: ``{"v": PROTOCOL, "type": "<name>", ...fields}``. Frames above
 :class:`WireError` that names what was wrong.
 
 Handshake: the authority speaks first with :class:`Hello` (a fresh nonce); the agent
-answers :class:`Register` whose ``proof`` is ``HMAC-SHA256(cluster token, nonce +
-worker id)``, so the token itself never crosses the wire; the authority answers
-:class:`Welcome` or :class:`Refused` (then closes). After that the agent sends
+answers :class:`Register` with a fresh nonce of its own and a ``proof``, an HMAC-SHA256
+under the cluster token over the authority's nonce and the worker id; the authority answers
+:class:`Welcome` or :class:`Refused` (then closes), each with its own proof over both nonces,
+so the agent knows it reached a holder of the token too. The token itself never crosses
+the wire. From the frame after the Welcome on, every frame in either direction carries a
+tag (:meth:`Channel.authenticate`): an HMAC under a key both derive from the token and the
+nonces, over the frame's direction, its number and its bytes, so that nobody between the
+two can send, change, replay, reorder or drop a frame unnoticed, TLS or not. After that the agent sends
 :class:`Ready`, :class:`Heartbeat`, :class:`SessionEvent`, :class:`SessionFinished`,
 :class:`Failed`, :class:`OptionsChecked` and :class:`Goodbye`; the authority sends :class:`HeartbeatAck`,
 :class:`Start`, :class:`Stop`, :class:`Drain` and :class:`CheckOptions`.
@@ -58,13 +63,19 @@ __all__ = [
     "Goodbye",
     "proof_for",
     "proof_matches",
+    "authority_proof",
+    "authority_proof_matches",
+    "refusal_proof",
+    "refusal_proof_matches",
+    "frame_key",
+    "body_of",
     "encode",
     "decode",
     "wrap_client_tls",
     "wrap_server_tls",
 ]
 
-PROTOCOL = 1
+PROTOCOL = 2
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -72,6 +83,7 @@ MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
 MAX_CAPACITY = 4096
 MAX_JSON_DEPTH = 64  # a Start's config is at most the API's depth (32) inside the message
 _HEADER = struct.Struct(">I")
+TAG_BYTES = 32  # an HMAC-SHA256 tag after the body of every frame past the handshake
 
 
 class WireError(ValueError):
@@ -159,6 +171,7 @@ class Hello(Message):
 class Register(Message):
     TYPE = "register"
     worker_id: str = attrs.field(converter=_str)
+    agent_nonce: str = attrs.field(converter=_str)  # the authority proves the token over it (its Welcome)
     proof: str = attrs.field(converter=_str)
     version: str = attrs.field(converter=_str)
     pipeline: str = attrs.field(converter=_str)  # the pipeline's name (file or package name)
@@ -182,12 +195,15 @@ class Welcome(Message):
     controller_timeout: float = attrs.field(converter=_seconds)
     room_empty_timeout: float = attrs.field(converter=_seconds)
     max_data_message_bytes: int = attrs.field(converter=_int)
+    proof: str = attrs.field(converter=_str)  # :func:`authority_proof`: the authority holds the cluster token
 
 
 @attrs.frozen
 class Refused(Message):
     TYPE = "refused"
     reason: str = attrs.field(converter=_str)
+    #: :func:`refusal_proof` when the authority answered a Register (an agent with another token cannot check it)
+    proof: str | None = attrs.field(default=None, converter=_opt_str)
 
 
 def _capacity(value: object) -> int:
@@ -318,11 +334,18 @@ class Goodbye(Message):
     reason: str = attrs.field(converter=_str)
 
 
-def encode(message: Message) -> bytes:
+def body_of(message: Message) -> bytes:
+    """A message's frame body (its JSON, no header, no tag)."""
     body = {"v": PROTOCOL, "type": message.TYPE, **attrs.asdict(message, recurse=False)}
     data = json.dumps(body, separators=(",", ":")).encode()
     if len(data) > MAX_FRAME_BYTES:
         raise WireError(f"a {message.TYPE} message of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    return data
+
+
+def encode(message: Message) -> bytes:
+    """A message as a handshake frame (untagged)."""
+    data = body_of(message)
     return _HEADER.pack(len(data)) + data
 
 
@@ -354,7 +377,7 @@ def decode(data: bytes) -> Message:
 class Channel:
     """Framed messages over one byte stream; one sender at a time, one receiver.
 
-    ``max_frame`` bounds what :meth:`receive` reads (the authority keeps it small until the peer proved
+    ``max_frame`` bounds what :meth:`receive` reads (each side keeps it small until the peer proved
     the token, so an unauthenticated connection cannot make it hold a 16 MiB buffer)."""
 
     def __init__(self, stream: trio.abc.Stream, *, max_frame: int = MAX_FRAME_BYTES) -> None:
@@ -362,14 +385,33 @@ class Channel:
         self.max_frame = max_frame
         self._send_lock = trio.Lock()
         self._buffer = bytearray()
+        self._key: bytes | None = None
+        self._send_label = self._receive_label = b""
+        self._sent = self._received = 0
+
+    def authenticate(self, key: bytes, *, authority: bool) -> None:
+        """Tag every frame from now on, and refuse every frame that does not carry its tag (see the module)."""
+        self._key = key
+        self._send_label, self._receive_label = (b"A", b"W") if authority else (b"W", b"A")
+        self._sent = self._received = 0
+
+    def _tag(self, label: bytes, number: int, data: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, label + number.to_bytes(8, "big") + data, hashlib.sha256).digest()
 
     async def send(self, message: Message) -> None:
-        frame = encode(message)
+        await self.send_body(body_of(message), message.TYPE)
+
+    async def send_body(self, data: bytes, what: str = "a frame") -> None:
+        """Frame ``data`` (a message's JSON, see :func:`body_of`), tag it once authenticated, and send it."""
         async with self._send_lock:
+            if self._key is not None:
+                data += self._tag(self._send_label, self._sent, data)
+                self._sent += 1
             try:
-                await self.stream.send_all(frame)
+                await self.stream.send_all(_HEADER.pack(len(data)) + data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise ConnectionClosed(f"sending {message.TYPE}: {exc}") from exc
+                raise ConnectionClosed(f"sending {what}: {exc}") from exc
 
     async def _fill(self, size: int) -> None:
         while len(self._buffer) < size:
@@ -382,13 +424,24 @@ class Channel:
             self._buffer += data
 
     async def receive(self) -> Message:
+        tag = TAG_BYTES if self._key is not None else 0
         await self._fill(_HEADER.size)
         (size,) = _HEADER.unpack(self._buffer[: _HEADER.size])
-        if size > self.max_frame:
+        if size > self.max_frame + tag:
             raise WireError(f"a frame of {size} bytes exceeds the {self.max_frame}-byte limit")
+        if size < tag:
+            raise WireError(f"a frame of {size} bytes is too short to carry its authentication tag")
         await self._fill(_HEADER.size + size)
-        body = bytes(self._buffer[_HEADER.size : _HEADER.size + size])
+        body = bytes(self._buffer[_HEADER.size : _HEADER.size + size - tag])
+        got = bytes(self._buffer[_HEADER.size + size - tag : _HEADER.size + size])
         del self._buffer[: _HEADER.size + size]
+        if tag:
+            if not hmac.compare_digest(got, self._tag(self._receive_label, self._received, body)):
+                raise WireError(
+                    f"frame {self._received} does not carry its authentication tag: changed, replayed or dropped "
+                    "on the way, or the peer holds another cluster token"
+                )
+            self._received += 1
         return decode(body)
 
     async def aclose(self) -> None:
@@ -397,12 +450,49 @@ class Channel:
             await self.stream.aclose()
 
 
+def _mac(token: str, label: str, *parts: str) -> bytes:
+    """HMAC-SHA256 under the cluster token over a label and length-prefixed parts.
+
+    Every use has its own label, and the parts cannot run into each other, so no proof one side
+    makes over the other's nonce can stand in for another proof or for the frame key."""
+    message = bytearray(b"chunkline " + label.encode() + b"\0")
+    for part in parts:
+        data = part.encode()
+        message += len(data).to_bytes(4, "big") + data
+    return hmac.new(token.encode(), bytes(message), hashlib.sha256).digest()
+
+
 def proof_for(token: str, nonce: str, worker_id: str) -> str:
-    return hmac.new(token.encode(), (nonce + worker_id).encode(), hashlib.sha256).hexdigest()
+    """The agent's proof: it holds the token (over the authority's fresh nonce and its worker id)."""
+    return _mac(token, "agent", nonce, worker_id).hex()
 
 
 def proof_matches(token: str, nonce: str, worker_id: str, proof: str) -> bool:
     return hmac.compare_digest(proof_for(token, nonce, worker_id), proof)
+
+
+def authority_proof(token: str, nonce: str, agent_nonce: str, worker_id: str) -> str:
+    """The authority's proof in its Welcome: it holds the token (over the agent's fresh nonce too)."""
+    return _mac(token, "authority", nonce, agent_nonce, worker_id).hex()
+
+
+def authority_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id: str, proof: str) -> bool:
+    return hmac.compare_digest(authority_proof(token, nonce, agent_nonce, worker_id), proof)
+
+
+def refusal_proof(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str) -> str:
+    """The authority's proof in a Refused: this refusal, of this registration, comes from a token holder."""
+    return _mac(token, "refusal", nonce, agent_nonce, worker_id, reason).hex()
+
+
+def refusal_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str,
+                          proof: str | None) -> bool:
+    return proof is not None and hmac.compare_digest(refusal_proof(token, nonce, agent_nonce, worker_id, reason), proof)
+
+
+def frame_key(token: str, nonce: str, agent_nonce: str, worker_id: str) -> bytes:
+    """The key of one connection's frame tags (:meth:`Channel.authenticate`), fresh with every handshake."""
+    return _mac(token, "frames", nonce, agent_nonce, worker_id)
 
 
 def wrap_server_tls(stream: trio.abc.Stream, cert_file: str, key_file: str) -> trio.SSLStream:

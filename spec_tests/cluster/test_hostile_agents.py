@@ -45,14 +45,21 @@ async def dial(cluster: Cluster) -> tuple[trio.SocketStream, wire.Channel, wire.
 
 
 async def register(cluster: Cluster, worker_id: str) -> tuple[wire.Channel, wire.Message]:
-    """A registration with the right token, version and pipeline; the authority's answer."""
+    """A registration with the right token, version and pipeline; the authority's answer (after a Welcome
+    that proves the token, the channel tags its frames as an agent's does)."""
     _, channel, hello = await dial(cluster)
     await channel.send(wire.Register(
-        worker_id=worker_id, proof=wire.proof_for(TOKEN, hello.nonce, worker_id), version=chunkline_version(),
-        pipeline=pipeline_name(TINY), pipeline_digest=pipeline_digest(TINY), node="hostile", devices=(),
-        launcher="external", pid=1))
+        worker_id=worker_id, agent_nonce="agent-nonce", proof=wire.proof_for(TOKEN, hello.nonce, worker_id),
+        version=chunkline_version(), pipeline=pipeline_name(TINY), pipeline_digest=pipeline_digest(TINY),
+        node="hostile", devices=(), launcher="external", pid=1))
     with trio.fail_after(HANDSHAKE_TIMEOUT):
-        return channel, await channel.receive()
+        reply = await channel.receive()
+    if isinstance(reply, wire.Welcome):
+        assert wire.authority_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.proof), reply
+        channel.authenticate(wire.frame_key(TOKEN, hello.nonce, "agent-nonce", worker_id), authority=False)
+    elif isinstance(reply, wire.Refused):
+        assert wire.refusal_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.reason, reply.proof)
+    return channel, reply
 
 
 async def still_serving(cluster: Cluster, worker_id: str) -> None:
@@ -124,13 +131,21 @@ async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is
         assert isinstance(reply, wire.Welcome), reply
         # sent as raw JSON: this side's own Ready would refuse to build such a message
         body = {"v": wire.PROTOCOL, "type": "ready", "capacity": capacity, "kind": "bidirectional", "plan": plan}
-        frame = wire.json.dumps(body).encode()
-        await channel.stream.send_all(struct.pack(">I", len(frame)) + frame)
+        await channel.send_body(wire.json.dumps(body).encode())
         assert await closed_by_peer(channel.stream, 10.0), worker_id  # type: ignore[arg-type]
         await channel.aclose()
         cause = (await until(lambda: losses(authority).get(worker_id), f"{worker_id} to be lost", authority,
                              deadline=10))
         assert cause.startswith("protocol error: ready: "), cause
+    # a frame after the welcome without its tag (injected by someone between agent and authority): lost
+    channel, reply = await register(authority, "untagged")
+    assert isinstance(reply, wire.Welcome), reply
+    await channel.stream.send_all(wire.encode(wire.Ready(1, "bidirectional", PLAN)))
+    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+    await channel.aclose()
+    cause = await until(lambda: losses(authority).get("untagged"), "the untagged agent to be lost", authority,
+                        deadline=10)
+    assert cause.startswith("protocol error: frame 0 does not carry its authentication tag"), cause
     await still_serving(authority, "after-bad-ready")
     health = authority.get("/v1/stream/health")
     assert not any(w["worker_id"] in bad_ready for w in health["workers"])

@@ -1,5 +1,6 @@
 """A real worker agent that dialed something speaking the wire as an authority: a Start whose fields would
-steer its files or break its decoding is refused with the reason, and the agent keeps serving."""
+steer its files or break its decoding is refused with the reason, and the agent keeps serving; a peer that
+cannot prove the cluster token, or frames injected between the two, never get a session started."""
 
 from __future__ import annotations
 
@@ -37,13 +38,7 @@ class FakeAuthority:
 
     async def _one(self, stream: trio.SocketStream) -> None:
         channel = wire.Channel(stream)
-        await channel.send(wire.Hello("n0nce", "any"))
-        register = await channel.receive()
-        assert isinstance(register, wire.Register)
-        await channel.send(wire.Welcome(
-            worker_id=register.worker_id, heartbeat_interval=0.5, deadline=30.0, transport="local",
-            rooms_url=f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
-            room_empty_timeout=5.0, max_data_message_bytes=12288))
+        await welcome(channel, TOKEN)
         self.channel = channel
         self.registrations += 1
         self.connected.set()
@@ -63,6 +58,22 @@ class FakeAuthority:
                 self.done[message.session_id] = message
             assert not isinstance(message, wire.Goodbye), "the agent went away"
         return self.done[session_id]
+
+
+async def welcome(channel: wire.Channel, token: str, *, tag: bool = True) -> wire.Register:
+    """Greet an agent and welcome its registration as the authority does, proving ``token``; the frames after
+    the welcome are tagged under it (unless ``tag`` is False: someone who wants to inject frames)."""
+    await channel.send(wire.Hello("n0nce", "any"))
+    register = await channel.receive()
+    assert isinstance(register, wire.Register)
+    await channel.send(wire.Welcome(
+        worker_id=register.worker_id, heartbeat_interval=0.5, deadline=30.0, transport="local",
+        rooms_url=f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
+        room_empty_timeout=5.0, max_data_message_bytes=12288,
+        proof=wire.authority_proof(token, "n0nce", register.agent_nonce, register.worker_id)))
+    if tag:
+        channel.authenticate(wire.frame_key(token, "n0nce", register.agent_nonce, register.worker_id), authority=True)
+    return register
 
 
 def start(session_id: str, image: str, suffix: str | None) -> wire.Start:
@@ -103,7 +114,7 @@ async def test_a_start_that_would_steer_the_agents_files_or_break_its_decoding_i
                     pass
             # a drain with a negative deadline breaks the protocol: the agent drops that connection and dials again
             frame = json.dumps({"v": wire.PROTOCOL, "type": "drain", "deadline": -1}).encode()
-            await fake.channel.stream.send_all(struct.pack(">I", len(frame)) + frame)
+            await fake.channel.send_body(frame)
             with trio.fail_after(60):
                 while fake.registrations < 2:
                     await trio.sleep(0.05)  # bench-cost: real-time poll of the agent process, bounded
@@ -112,6 +123,77 @@ async def test_a_start_that_would_steer_the_agents_files_or_break_its_decoding_i
             assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
             assert "binascii" not in agent.text(200_000), agent.text()
             assert not list(scratch.glob("chunkline-agent-*/*")), list(scratch.rglob("*"))
+        finally:
+            agent.stop()
+            nursery.cancel_scope.cancel()
+
+
+class Impostor:
+    """Answers an agent's dials, one way per connection in turn (``ways``), and records what each one heard."""
+
+    def __init__(self, ways: list[str]) -> None:
+        self.ways = ways
+        self.heard: list[list[wire.Message]] = []
+        self.dialed = trio.Event()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._one, listeners)
+
+    async def _one(self, stream: trio.SocketStream) -> None:
+        way = self.ways[min(len(self.heard), len(self.ways) - 1)]
+        heard: list[wire.Message] = []
+        self.heard.append(heard)
+        channel = wire.Channel(stream)
+        try:
+            if way == "refuse without proof":  # a Refused anyone can send
+                await channel.send(wire.Hello("n0nce", "any"))
+                heard.append(await channel.receive())
+                await channel.send(wire.Refused("go away"))
+                await channel.receive()  # the agent closes: ConnectionClosed ends this
+                return
+            register = await welcome(channel, TOKEN if way != "another token" else "not-the-cluster-token",
+                                     tag=way == "authority")
+            heard.append(register)
+            if way == "inject":  # a Start sent by someone between the agent and the authority: no tag
+                await channel.stream.send_all(wire.encode(start("injected", "", None)))
+            elif way == "another token":
+                await channel.send(start("impostor's", "", None))
+            while True:
+                message = await channel.receive()
+                heard.append(message)
+                if isinstance(message, wire.Heartbeat):
+                    await channel.send(wire.HeartbeatAck(message.seq))
+                    self.dialed.set()
+        except (wire.ConnectionClosed, wire.WireError):
+            pass
+
+
+async def test_an_authority_that_cannot_prove_the_token_or_injected_frames_never_start_a_session() -> None:
+    impostor = Impostor(["another token", "inject", "refuse without proof", "authority"])
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(impostor.serve)
+        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}", "--drain-deadline", "5"),
+                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        try:
+            with trio.fail_after(START_DEADLINE):
+                await impostor.dialed.wait()  # the fourth dial: the real authority's way, heartbeats acknowledged
+            log = agent.text(200_000)
+            assert agent.popen.poll() is None, log
+            # each failed dial is dropped by the agent with a clear line, and dialed again after a backoff
+            assert "did not prove the cluster token in its welcome" in log, log
+            assert "does not carry its authentication tag" in log, log
+            assert "refused this worker without proving the cluster token" in log and "go away" in log, log
+            assert log.count("authority connection ended") == 3, log
+            # neither the impostor's Start nor the injected one ran: nothing about them came back on any dial
+            for heard in impostor.heard:
+                assert not [m for m in heard if isinstance(m, wire.SessionEvent | wire.SessionFinished)], heard
+            assert [type(m) for m in impostor.heard[0]] == [wire.Register], impostor.heard[0]
+            assert [type(m) for m in impostor.heard[1]] == [wire.Register], impostor.heard[1]
+            os.kill(agent.popen.pid, signal.SIGTERM)
+            assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
+            assert "Traceback" not in agent.text(200_000), agent.text()
         finally:
             agent.stop()
             nursery.cancel_scope.cancel()

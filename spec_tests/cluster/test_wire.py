@@ -14,12 +14,13 @@ from server.cluster import wire
 
 SAMPLES: list[wire.Message] = [
     wire.Hello("n0nce", "0.1.0"),
-    wire.Register(worker_id="w-1", proof="ab", version="0.1.0", pipeline="toy_world", pipeline_digest="d1",
+    wire.Register(worker_id="w-1", agent_nonce="m0nce", proof="ab", version="0.1.0", pipeline="toy_world", pipeline_digest="d1",
                   node="host-a", devices=(0, 1), launcher="local", pid=42, slot="0"),
     wire.Welcome(worker_id="w-1", heartbeat_interval=1.0, deadline=5.0, transport="local",
                  rooms_url="http://127.0.0.1:8088", livekit_url=None, controller_timeout=60.0,
-                 room_empty_timeout=30.0, max_data_message_bytes=12288),
+                 room_empty_timeout=30.0, max_data_message_bytes=12288, proof="cd"),
     wire.Refused("the cluster token does not match"),
+    wire.Refused("pipeline 'x' differs", proof="ef"),
     wire.Ready(2, "bidirectional", {"computed_capacity": 3, "effective_capacity": 2, "configured_limit": 2,
                                     "limiting_device": "cpu"}),
     wire.Failed("RuntimeError: no model"),
@@ -57,7 +58,7 @@ def test_every_message_round_trips(message: wire.Message) -> None:
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": "one"}).encode(), "heartbeat_ack"),
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack"}).encode(), "heartbeat_ack"),
         (json.dumps({"v": wire.PROTOCOL, "type": "drain", "deadline": -1}).encode(), "drain: must be a number of seconds > 0"),
-        (b'{"v": 1, "type": "drain", "deadline": 1e999}', "drain: must be a number of seconds > 0, got inf"),
+        (b'{"v": %d, "type": "drain", "deadline": 1e999}' % wire.PROTOCOL, "drain: must be a number of seconds > 0, got inf"),
         (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 0, "kind": "x", "plan": {}}).encode(),
          "ready: capacity must be 1-4096"),
         (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 1, "kind": "x", "plan": {}}).encode(),
@@ -85,6 +86,76 @@ def test_the_proof_binds_token_nonce_and_worker_id() -> None:
     assert not wire.proof_matches("u" * 16, "nonce", "w-1", proof)
     assert not wire.proof_matches("t" * 16, "other", "w-1", proof)
     assert not wire.proof_matches("t" * 16, "nonce", "w-2", proof)
+    assert not wire.proof_matches("t" * 16, "non", "cew-1", proof)  # the parts cannot run into each other
+
+
+def test_the_authoritys_proofs_bind_both_nonces_and_never_stand_in_for_the_agents() -> None:
+    token = "t" * 16
+    proof = wire.authority_proof(token, "nonce", "agent-nonce", "w-1")
+    assert wire.authority_proof_matches(token, "nonce", "agent-nonce", "w-1", proof)
+    for args in (("u" * 16, "nonce", "agent-nonce", "w-1"), (token, "nonce", "other", "w-1"),
+                 (token, "other", "agent-nonce", "w-1"), (token, "nonce", "agent-nonce", "w-2")):
+        assert not wire.authority_proof_matches(*args, proof)
+    refusal = wire.refusal_proof(token, "nonce", "agent-nonce", "w-1", "pipeline differs")
+    assert wire.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", refusal)
+    assert not wire.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "another reason", refusal)
+    assert not wire.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", None)
+    # an agent answers any nonce a peer sends it: no nonce makes its answer the authority's proof or the frame key
+    key = wire.frame_key(token, "nonce", "agent-nonce", "w-1")
+    assert len({proof, refusal, key.hex(), wire.proof_for(token, "nonce", "w-1")}) == 4
+
+
+async def authenticated_pair(token: str = "t" * 16) -> tuple[wire.Channel, wire.Channel]:
+    left, right = trio.testing.memory_stream_pair()
+    authority, agent = wire.Channel(left), wire.Channel(right)
+    key = wire.frame_key(token, "nonce", "agent-nonce", "w-1")
+    authority.authenticate(key, authority=True)
+    agent.authenticate(key, authority=False)
+    return authority, agent
+
+
+async def test_authenticated_frames_pass_both_ways_and_carry_their_tag() -> None:
+    authority, agent = await authenticated_pair()
+    for message in SAMPLES:
+        await authority.send(message)
+        assert await agent.receive() == message
+        await agent.send(message)
+        assert await authority.receive() == message
+
+
+@pytest.mark.parametrize("tamper", ["untagged", "changed", "replayed", "reflected", "other key"])
+async def test_a_frame_without_its_tag_is_refused(tamper: str) -> None:
+    authority, agent = await authenticated_pair()
+    drain = wire.Drain(1.0)
+    if tamper == "untagged":  # injected by someone between the peers, who has no key
+        await authority.stream.send_all(wire.encode(drain))
+    elif tamper == "changed":
+        left, right = trio.testing.memory_stream_pair()
+        sender = wire.Channel(left)
+        sender.authenticate(wire.frame_key("t" * 16, "nonce", "agent-nonce", "w-1"), authority=True)
+        await sender.send(drain)
+        frame = bytearray(await right.receive_some(65536))
+        frame[frame.index(b"1.0")] = ord("9")
+        await authority.stream.send_all(bytes(frame))
+    elif tamper == "replayed":
+        left, right = trio.testing.memory_stream_pair()
+        sender = wire.Channel(left)
+        sender.authenticate(wire.frame_key("t" * 16, "nonce", "agent-nonce", "w-1"), authority=True)
+        await sender.send(drain)
+        frame = await right.receive_some(65536)
+        await authority.stream.send_all(frame)
+        assert await agent.receive() == drain  # the first time it is the next frame
+        await authority.stream.send_all(frame)
+    elif tamper == "reflected":  # the agent's own frame sent back to it
+        await agent.send(drain)
+        frame = await authority.stream.receive_some(65536)
+        await authority.stream.send_all(frame)
+    else:
+        impostor, _ = await authenticated_pair("u" * 16)
+        impostor.stream = authority.stream
+        await impostor.send(drain)
+    with pytest.raises(wire.WireError, match="does not carry its authentication tag|too short"):
+        await agent.receive()
 
 
 async def test_a_channel_carries_messages_in_order_and_reports_a_close() -> None:
