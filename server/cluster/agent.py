@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -64,6 +65,7 @@ class End(enum.Enum):
     """How one registration (or one attempt at it) ended: what the agent does next."""
 
     LOST = "lost"  # back off and register again (counted toward the crash-loop limit)
+    BUSY = "busy"  # the authority turned this dial away busy: back off and dial again, not counted
     REFUSED = "refused"  # by a token holder: exit 3
     UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved: as lost; a crash loop of them exits 3
     DRAINED = "drained"  # exit 0
@@ -181,12 +183,23 @@ class Agent:
     async def _registrations(self) -> int:
         """Register, serve, and register again (a fresh id) after a loss, on the shared restart policy."""
         restarts = RestartTracker(REREGISTER_POLICY)
+        busy = 0
         while True:
             ended = await self._one_registration()
             if ended.kind is End.REFUSED:
                 return EXIT_REFUSED
             if ended.kind is End.DRAINED or self._draining:
                 return 0
+            if ended.kind is End.BUSY:
+                # someone else's flood fills the authority's handshakes: wait it out, however long it lasts
+                busy += 1
+                delay = REREGISTER_POLICY.delay(busy) * random.uniform(0.5, 1.0)  # agents turned away together spread
+                log.warning("agent at %s: the authority is busy (%s); dialing again in %.1f s (not counted toward "
+                            "giving up)", self.options.authority, ended.why[:200], delay)
+                with trio.move_on_after(delay):
+                    await self._drained.wait()
+                continue
+            busy = 0
             if not await back_off(restarts, f"authority connection ended ({ended.why})", f"agent at {self.options.authority}"):
                 return EXIT_REFUSED if ended.kind is End.UNPROVEN_REFUSAL else 1
 
@@ -202,6 +215,9 @@ class Agent:
                 # small frames until the peer proved the token: an impostor cannot make this side buffer 16 MiB
                 channel = wire.Channel(stream, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
                 hello = await channel.receive()
+                if isinstance(hello, wire.Busy):
+                    await channel.aclose()
+                    return Ended(End.BUSY, hello.reason)
                 if not isinstance(hello, wire.Hello):
                     raise wire.WireError(f"expected hello, got {hello.TYPE}")
                 self._acked_sent_at = trio.current_time()  # the authority's deadline starts when register arrives

@@ -13,6 +13,7 @@ worker. Messages from a lost id are dropped and counted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections import deque
@@ -38,7 +39,8 @@ log = logging.getLogger("chunkline.cluster")
 HANDSHAKE_TIMEOUT = 10.0
 #: seconds a draining agent has past its drain deadline to say goodbye (it gives runners 10 s to stop, then flushes)
 DRAIN_GRACE = 15.0
-#: connections that have not registered yet, at most; more are closed at once (each pending one ends by its deadline)
+#: connections that have not registered yet, at most; more are told Busy and closed at once (each pending one
+#: ends by its deadline), and an agent told Busy waits and dials again without counting it toward giving up
 MAX_PENDING_HANDSHAKES = 32
 RECENT_LOSSES = 32
 
@@ -105,8 +107,10 @@ class ClusterAuthority:
         self._wake = trio.Event()
         self.refused = 0
         self.stale_of_gone = 0  # stale events counted by workers since lost or left (the summary keeps counting them)
-        self.shed = 0  # connections closed unheard because MAX_PENDING_HANDSHAKES were pending
+        self.shed = 0  # connections told Busy, unheard, because MAX_PENDING_HANDSHAKES were pending
         self._handshakes = 0
+        self._tls = (wire.server_tls_context(settings.cluster_tls_cert, settings.cluster_tls_key or "")
+                     if settings.cluster_tls_cert else None)
 
     # -- life --
 
@@ -149,13 +153,17 @@ class ClusterAuthority:
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         if self._handshakes >= MAX_PENDING_HANDSHAKES:
-            # unauthenticated peers are bounded in number as well as in time: the rest are closed at once
+            # unauthenticated peers are bounded in number as well as in time: the rest are told busy and closed
             self.shed += 1
             if self.shed == 1 or self.shed % 1000 == 0:
-                log.warning("cluster: %d handshakes pending; closed a connection (%d so far)", self._handshakes, self.shed)
-            with trio.move_on_after(1.0) as scope:
-                scope.shield = True
-                await stream.aclose()
+                log.warning("cluster: %d handshakes pending; turned a connection away busy (%d so far)",
+                            self._handshakes, self.shed)
+            channel = wire.Channel(self._wrap(stream))
+            try:
+                with trio.move_on_after(1.0), contextlib.suppress(wire.ConnectionClosed):
+                    await channel.send(wire.Busy(f"{self._handshakes} registrations pending; dial again later"))
+            finally:
+                await channel.aclose()
             return
         self._handshakes += 1
         try:
@@ -187,14 +195,14 @@ class ClusterAuthority:
             self._lost(worker.worker_id, cause)
         await channel.aclose()
 
+    def _wrap(self, stream: trio.SocketStream) -> trio.abc.Stream:
+        return stream if self._tls is None else wire.wrap_server_tls(stream, self._tls)
+
     async def _handshake(self, stream: trio.SocketStream) -> tuple[wire.Register, wire.Channel, str] | None:
         """Hello, then the peer's Register within the deadline: the registration and the nonce it answered,
         or None (refused or failed)."""
         settings = self.runtime.settings
-        wrapped: trio.abc.Stream = stream
-        if settings.cluster_tls_cert:
-            wrapped = wire.wrap_server_tls(stream, settings.cluster_tls_cert, settings.cluster_tls_key or "")
-        channel = wire.Channel(wrapped, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
+        channel = wire.Channel(self._wrap(stream), max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
         nonce = secrets.token_hex(16)
         with trio.move_on_after(HANDSHAKE_TIMEOUT):
             await self._rooms_known.wait()  # before the handshake: the worker's deadline starts at its register

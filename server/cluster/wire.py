@@ -7,7 +7,8 @@ JSON: ``{"v": PROTOCOL, "type": "<name>", ...fields}``. Frames above
 :data:`MAX_FRAME_BYTES` and unknown types, versions or fields are refused with a
 :class:`WireError` that names what was wrong.
 
-Handshake: the authority speaks first with :class:`Hello` (a fresh nonce); the agent
+Handshake: the authority speaks first with :class:`Hello` (a fresh nonce), or with :class:`Busy`
+when it has too many handshakes pending (then closes); the agent
 answers :class:`Register` with a fresh nonce of its own and a ``proof``, an HMAC-SHA256
 under the cluster token over the authority's nonce and the worker id; the authority answers
 :class:`Welcome` or :class:`Refused` (then closes), each with its own proof over both nonces,
@@ -46,6 +47,7 @@ __all__ = [
     "Channel",
     "Message",
     "Hello",
+    "Busy",
     "Register",
     "Welcome",
     "Refused",
@@ -73,6 +75,7 @@ __all__ = [
     "decode",
     "wrap_client_tls",
     "wrap_server_tls",
+    "server_tls_context",
 ]
 
 PROTOCOL = 2
@@ -165,6 +168,16 @@ class Hello(Message):
     TYPE = "hello"
     nonce: str = attrs.field(converter=_str)
     authority_version: str = attrs.field(converter=_str)
+
+
+@attrs.frozen
+class Busy(Message):
+    """In place of :class:`Hello` when the authority has as many handshakes pending as it allows
+    (someone may be flooding its port): try again after a backoff. Nobody proved anything yet, so
+    this only ever makes an agent wait, never give up or exit."""
+
+    TYPE = "busy"
+    reason: str = attrs.field(converter=_str)
 
 
 @attrs.frozen
@@ -495,9 +508,14 @@ def frame_key(token: str, nonce: str, agent_nonce: str, worker_id: str) -> bytes
     return _mac(token, "frames", nonce, agent_nonce, worker_id)
 
 
-def wrap_server_tls(stream: trio.abc.Stream, cert_file: str, key_file: str) -> trio.SSLStream:
+def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The authority's TLS context, made once (not per connection: a flood must not make it read its key again)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def wrap_server_tls(stream: trio.abc.Stream, context: ssl.SSLContext) -> trio.SSLStream:
     return trio.SSLStream(stream, context, server_side=True)
 
 

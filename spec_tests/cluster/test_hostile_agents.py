@@ -7,6 +7,7 @@ The peers here speak the wire themselves (``server.cluster.wire``), as a hostile
 
 from __future__ import annotations
 
+import signal
 import struct
 import time
 from collections.abc import Iterator
@@ -16,10 +17,11 @@ import pytest
 import trio
 
 from server.cluster import wire
+from server.cluster.agent import REREGISTER_POLICY
 from server.cluster.authority import DRAIN_GRACE, HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 
-from .conftest import TINY, TOKEN, Cluster, start_authority, until
+from .conftest import TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
 
 PLAN = {"computed_capacity": None, "effective_capacity": 1, "configured_limit": 1, "limiting_device": None}
 
@@ -204,15 +206,11 @@ async def test_connections_that_never_register_are_bounded_in_number_and_in_time
     streams = [await trio.open_tcp_stream("127.0.0.1", authority.cluster_port)
                for _ in range(MAX_PENDING_HANDSHAKES + extra)]
     opened = time.monotonic()
-    greeted = shed = 0
+    first: list[str] = []
     for stream in streams:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            first = await stream.receive_some(65536)
-        if first:
-            greeted += 1
-        else:
-            shed += 1  # closed at once, unheard: too many handshakes were pending
-    assert (greeted, shed) == (MAX_PENDING_HANDSHAKES, extra)
+            first.append((await wire.Channel(stream).receive()).TYPE)  # busy, then closed: too many were pending
+    assert (first.count("hello"), first.count("busy")) == (MAX_PENDING_HANDSHAKES, extra), first
     assert authority.get("/v1/service/metadata")["cluster"]["connections_shed"] >= extra
     # the pending ones are closed at their deadline; then an agent registers again
     for stream in streams:
@@ -220,6 +218,81 @@ async def test_connections_that_never_register_are_bounded_in_number_and_in_time
         await stream.aclose()
     assert time.monotonic() - opened < HANDSHAKE_TIMEOUT + 10.0
     await still_serving(authority, "after-flood")
+
+
+class Flood:
+    """Keeps every pending-handshake place of the authority taken by connections that never register, and
+    dials on (a few dialers at a time) so that a place freed at a deadline is taken again at once."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.pending = 0
+        self.full = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(MAX_PENDING_HANDSHAKES + 2):
+                nursery.start_soon(self._dialer)
+            await self.full.wait()
+            task_status.started()
+
+    async def _dialer(self) -> None:
+        while True:
+            try:
+                stream = await trio.open_tcp_stream("127.0.0.1", self.cluster.cluster_port)
+            except OSError:
+                await trio.sleep(0.02)  # bench-cost: a refused dial is tried again shortly
+                continue
+            async with stream:
+                first = await stream.receive_some(65536)
+                if not first or b'"busy"' in first:
+                    await trio.sleep(0.05)  # bench-cost: turned away: dial again shortly
+                    continue
+                self.pending += 1  # greeted: hold the place until the authority closes it at its deadline
+                if self.pending >= MAX_PENDING_HANDSHAKES:
+                    self.full.set()
+                try:
+                    while await stream.receive_some(65536):
+                        pass
+                except trio.BrokenResourceError:
+                    pass
+                self.pending -= 1
+
+
+async def test_a_real_agent_dialing_through_a_flood_of_unauthenticated_connections_waits_it_out(
+    authority: Cluster,
+) -> None:
+    """Turned away busy more often than its crash-loop limit allows, the agent lives, and registers after."""
+    enough = REREGISTER_POLICY.max_failures + 2
+    async with trio.open_nursery() as nursery:
+        flood_scope = trio.CancelScope()
+
+        async def flood() -> None:
+            with flood_scope:
+                await Flood(authority).run()
+
+        nursery.start_soon(flood)
+        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
+                                  "--node", "patient", "--drain-deadline", "5"),
+                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        try:
+            def registered() -> bool:
+                return any(w["node"] == "patient" for w in authority.workers())
+
+            # a place may come free between a deadline and the flood's next dial: then the agent is in early
+            await until(lambda: agent.popen.poll() is not None or registered()
+                        or agent.text(200_000).count("the authority is busy") >= enough,
+                        f"the agent to be turned away busy {enough} times", authority)
+            assert agent.popen.poll() is None, f"the agent gave up during the flood:\n{agent.text()}"
+            flood_scope.cancel()
+            await until(lambda: any(w["node"] == "patient" and w["state"] == "idle" for w in authority.workers()),
+                        "the agent to register once the flood ended", authority, deadline=60)
+            assert "crash loop" not in agent.text(200_000), agent.text()
+            agent.popen.send_signal(signal.SIGTERM)
+            assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
+        finally:
+            agent.stop()
+            flood_scope.cancel()
 
 
 async def say_ready(authority: Cluster, channel: wire.Channel, worker_id: str) -> None:
