@@ -144,6 +144,7 @@ class Agent:
         self._acked_sent_at = 0.0
         self._sent_at: dict[int, float] = {}
         self._flushed = trio.Event()
+        self._pump_scope = trio.CancelScope()
 
     # -- life --
 
@@ -281,6 +282,8 @@ class Agent:
         outbox_send, outbox = trio.open_memory_channel[wire.Message](OUTBOX)
         self._outbox = outbox_send
         self._flushed = trio.Event()
+        self._pump_scope = trio.CancelScope()
+        channel.send_timeout = welcome.deadline  # an authority that takes no frame for that long is gone
         outcome = "connection lost"
         try:
             async with trio.open_nursery() as nursery:
@@ -292,7 +295,7 @@ class Agent:
                 transport_run = getattr(self.sessions.transport, "run", None)
                 if transport_run is not None:  # LiveKit: its asyncio loop lives as long as this registration
                     await nursery.start(transport_run)
-                nursery.start_soon(self._pump, channel, outbox)
+                nursery.start_soon(until, lambda: self._pump(channel, outbox))
                 nursery.start_soon(until, lambda: self._read(channel))
                 nursery.start_soon(until, lambda: self._heartbeat(welcome.heartbeat_interval))
                 nursery.start_soon(until, lambda: self._fence(welcome.deadline))
@@ -318,19 +321,26 @@ class Agent:
         except trio.WouldBlock:
             log.error("the authority does not read: closing the connection")
             self._outbox.close()
+            self._pump_scope.cancel()  # the pump may be stuck in a large send: the connection ends now
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # the connection is gone; its loss is being handled
 
-    async def _pump(self, channel: wire.Channel, outbox: trio.MemoryReceiveChannel[wire.Message]) -> None:
+    async def _pump(self, channel: wire.Channel, outbox: trio.MemoryReceiveChannel[wire.Message]) -> str:
+        """Send the outbox in order; returns why the connection broke on this side (a send failed or took past
+        its deadline, or the outbox overflowed). A closed outbox (the goodbye was flushed) ends nothing."""
         try:
-            async with outbox:
-                async for message in outbox:
-                    try:
-                        await channel.send(message)
-                    except wire.ConnectionClosed:
-                        return
+            with self._pump_scope:
+                async with outbox:
+                    async for message in outbox:
+                        try:
+                            await channel.send(message)
+                        except wire.ConnectionClosed as exc:
+                            return f"connection lost: {exc}"
         finally:
             self._flushed.set()
+        if self._pump_scope.cancelled_caught:
+            return f"connection lost: the authority stopped reading ({OUTBOX} messages wait for it)"
+        await trio.sleep_forever()  # flushed: the drain ends this registration
 
     async def _flush_and_close(self) -> None:
         """Close the outbox and wait (bounded) until what it holds was sent."""

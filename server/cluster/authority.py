@@ -187,8 +187,17 @@ class ClusterAuthority:
         else:
             # every frame after the welcome is tagged under this connection's key
             channel.authenticate(wire.frame_key(self.token, nonce, first.agent_nonce, first.worker_id), authority=True)
+            channel.send_timeout = self.liveness.deadline  # an agent that takes no frame for that long is lost
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(worker.pump)
+
+                async def pump() -> None:
+                    nonlocal cause
+                    failed = await worker.pump()
+                    if failed is not None:  # the sending side broke first: that is the cause
+                        cause = f"connection closed: {failed}"
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(pump)
                 cause = await self._read(worker)
                 nursery.cancel_scope.cancel()
         if cause is not None:

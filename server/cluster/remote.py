@@ -35,6 +35,7 @@ __all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES"]
 log = logging.getLogger("chunkline.cluster")
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
+OUTBOX = 256  # messages waiting for an agent's connection; one more means it stopped reading
 
 
 @attrs.frozen
@@ -75,7 +76,9 @@ class RemoteWorker:
         self.runs: dict[str, RemoteRun] = {}
         self.lost_cause: str | None = None
         self.stale_events = 0
-        self._outbox_send, self._outbox = trio.open_memory_channel[Message](256)
+        self._outbox_send, self._outbox = trio.open_memory_channel[Message](OUTBOX)
+        self._pump_scope = trio.CancelScope()  # cancelled when the outbox overflows: a send stuck on the socket ends
+        self._stalled: str | None = None
         self._checks: dict[int, _Check] = {}
         self._check_ids = itertools.count(1)
 
@@ -96,19 +99,26 @@ class RemoteWorker:
             self._outbox_send.send_nowait(message)
         except trio.WouldBlock:
             log.warning("worker %s is not reading its connection; closing it", self.worker_id)
+            self._stalled = f"the agent stopped reading: {OUTBOX} messages wait for it"
             self._outbox_send.close()
+            self._pump_scope.cancel()  # the pump may be stuck in a large send: the connection ends now
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass  # the connection is gone; its loss is being handled
 
-    async def pump(self) -> None:
-        """Send the outbox until the connection breaks (the reader then notices and reports the loss)."""
-        async with self._outbox:
-            async for message in self._outbox:
-                try:
-                    await self.channel.send(message)
-                except ConnectionClosed:
-                    return
-        await self.channel.aclose()  # outbox closed: the agent stopped reading
+    async def pump(self) -> str | None:
+        """Send the outbox in order. Returns why the connection is dead on this side (a send failed or took
+        past its deadline, or the outbox overflowed), or None when the outbox was closed (stop or loss)."""
+        with self._pump_scope:
+            async with self._outbox:
+                async for message in self._outbox:
+                    try:
+                        await self.channel.send(message)
+                    except ConnectionClosed as exc:
+                        return str(exc)
+        if self._stalled is not None:
+            return self._stalled
+        await self.channel.aclose()  # stopped or lost: the connection ends, and with it the reader
+        return None
 
     def stop(self) -> None:
         """The runtime is done with this worker (shutdown): close the connection."""

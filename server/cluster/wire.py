@@ -87,6 +87,9 @@ MAX_CAPACITY = 4096
 MAX_JSON_DEPTH = 64  # a Start's config is at most the API's depth (32) inside the message
 _HEADER = struct.Struct(">I")
 TAG_BYTES = 32  # an HMAC-SHA256 tag after the body of every frame past the handshake
+#: seconds a peer has to take a frame, by default, plus one second per :data:`MIN_SEND_RATE` bytes of it
+SEND_TIMEOUT = 10.0
+MIN_SEND_RATE = 1 << 20  # bytes per second: a peer slower than 8 Mbit/s at taking a large frame has stopped reading
 
 
 class WireError(ValueError):
@@ -391,11 +394,16 @@ class Channel:
     """Framed messages over one byte stream; one sender at a time, one receiver.
 
     ``max_frame`` bounds what :meth:`receive` reads (each side keeps it small until the peer proved
-    the token, so an unauthenticated connection cannot make it hold a 16 MiB buffer)."""
+    the token, so an unauthenticated connection cannot make it hold a 16 MiB buffer). Every send has a
+    deadline: ``send_timeout`` seconds plus the frame's size at :data:`MIN_SEND_RATE`; a peer that does
+    not take the frame by then has stopped reading, and the send raises :class:`ConnectionClosed` (the
+    stream then holds part of a frame: close it)."""
 
-    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = MAX_FRAME_BYTES) -> None:
+    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = MAX_FRAME_BYTES,
+                 send_timeout: float = SEND_TIMEOUT) -> None:
         self.stream = stream
         self.max_frame = max_frame
+        self.send_timeout = send_timeout
         self._send_lock = trio.Lock()
         self._buffer = bytearray()
         self._key: bytes | None = None
@@ -421,10 +429,15 @@ class Channel:
             if self._key is not None:
                 data += self._tag(self._send_label, self._sent, data)
                 self._sent += 1
+            deadline = self.send_timeout + len(data) / MIN_SEND_RATE
             try:
-                await self.stream.send_all(_HEADER.pack(len(data)) + data)
+                with trio.move_on_after(deadline) as sending:
+                    await self.stream.send_all(_HEADER.pack(len(data)) + data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise ConnectionClosed(f"sending {what}: {exc}") from exc
+            if sending.cancelled_caught:
+                raise ConnectionClosed(f"sending {what}: the peer did not take its {len(data)} bytes within "
+                                       f"{deadline:.0f} s (it stopped reading)")
 
     async def _fill(self, size: int) -> None:
         while len(self._buffer) < size:

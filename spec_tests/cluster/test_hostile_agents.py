@@ -8,6 +8,7 @@ The peers here speak the wire themselves (``server.cluster.wire``), as a hostile
 from __future__ import annotations
 
 import signal
+import socket
 import struct
 import time
 from collections.abc import Iterator
@@ -21,14 +22,19 @@ from server.cluster.agent import REREGISTER_POLICY
 from server.cluster.authority import DRAIN_GRACE, HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 
-from .conftest import TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
+from ..server.conftest import png_bytes
+from .conftest import DEADLINE, INTERVAL, TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
 
+BIG_IMAGE_BYTES = 15 * 2**19
 PLAN = {"computed_capacity": None, "effective_capacity": 1, "configured_limit": 1, "limiting_device": None}
 
 
 @pytest.fixture(scope="module")
-def authority() -> Iterator[Cluster]:
-    found = start_authority(launcher="external", workers=1)
+def authority(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    assets = tmp_path_factory.mktemp("assets")
+    # a valid header and 7.5 MiB after it: a Start that carries it is ~10 MB, more than the sockets buffer
+    (assets / "large.png").write_bytes(png_bytes() + bytes(BIG_IMAGE_BYTES))
+    found = start_authority("--assets-dir", str(assets), launcher="external", workers=1)
     try:
         yield found
     finally:
@@ -302,15 +308,45 @@ async def say_ready(authority: Cluster, channel: wire.Channel, worker_id: str) -
                 f"agent {worker_id!r} to be ready", authority, deadline=10)
 
 
-async def heartbeat_until_lost(authority: Cluster, channel: wire.Channel, worker_id: str, give_up: float) -> None:
+async def heartbeat_until_lost(authority: Cluster, channel: wire.Channel, worker_id: str, give_up: float,
+                               *, seq: int = 0) -> None:
     """Heartbeat as a live agent does until the authority loses the worker (or closes it); fail at ``give_up``."""
-    seq = 0
     while not losses(authority).get(worker_id):
         seq += 1
         try:
             await channel.send(wire.Heartbeat(seq, ()))
         except wire.ConnectionClosed:
             break
-        await trio.sleep(0.25)  # bench-cost: a heartbeat every quarter second, as a live agent sends them
+        await trio.sleep(INTERVAL / 2)  # bench-cost: heartbeats as often as a live agent sends them
         assert time.monotonic() < give_up, f"agent {worker_id!r} was not lost"
     await channel.aclose()
+
+
+@pytest.mark.parametrize("burst", [0, 300], ids=["heartbeats", "a burst of heartbeats"])
+async def test_an_agent_that_stops_reading_during_a_large_send_is_lost_promptly(authority: Cluster, burst: int) -> None:
+    """The authority's send of a ~10 MB Start blocks on an agent that reads nothing (and heartbeats on): it is
+    lost at that send's deadline, or at once when its outbox overflows (a burst of heartbeats to acknowledge)."""
+    worker_id = f"deaf-{burst}"
+    channel, reply = await register(authority, worker_id)
+    async with channel.stream:
+        assert isinstance(reply, wire.Welcome), reply
+        channel.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # type: ignore[attr-defined]
+        await say_ready(authority, channel, worker_id)
+        created = authority.http.post("/v1/stream/sessions", json={"identity": "alice", "image_path": "large.png"})
+        assert created.status_code == 200 and created.json()["worker_id"] == worker_id, created.text
+        session_id = created.json()["session_id"]
+        deaf_at = time.monotonic()  # from here on nothing is read on this side
+        for seq in range(1, burst + 1):
+            await channel.send(wire.Heartbeat(seq, ()))
+        # the send's deadline: the heartbeat deadline, plus a second per MiB of the frame
+        bound = DEADLINE + (BIG_IMAGE_BYTES * 4 / 3) / wire.MIN_SEND_RATE + 10.0
+        await heartbeat_until_lost(authority, channel, worker_id, deaf_at + bound, seq=burst)
+    took = time.monotonic() - deaf_at
+    cause = losses(authority)[worker_id]
+    if burst:
+        assert cause == "connection closed: the agent stopped reading: 256 messages wait for it", cause
+        assert took < DEADLINE, took  # before the heartbeat deadline could have passed
+    else:
+        assert cause.startswith("connection closed: sending start: the peer did not take its"), cause
+    record = authority.get(f"/v1/stream/sessions/{session_id}")
+    assert record["status"] == "failed" and record["error"] == f"worker lost: {cause}", record
