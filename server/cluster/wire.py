@@ -100,9 +100,14 @@ class ConnectionClosed(ConnectionError):
     """The peer closed the connection (or it broke)."""
 
 
+def _kind(value: object) -> str:
+    """A JSON value's kind, for an error message."""
+    return {type(None): "null", dict: "object", list: "list", bool: "bool"}.get(type(value), type(value).__name__)
+
+
 def _str(value: object) -> str:
     if not isinstance(value, str):
-        raise TypeError("must be text")
+        raise TypeError(f"expected str, got {_kind(value)}")
     return value
 
 
@@ -110,9 +115,15 @@ def _opt_str(value: object) -> str | None:
     return None if value is None else _str(value)
 
 
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected bool, got {_kind(value)}")
+    return value
+
+
 def _num(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError("must be a number")
+        raise TypeError(f"expected a number, got {_kind(value)}")
     return float(value)
 
 
@@ -125,25 +136,34 @@ def _seconds(value: object) -> float:
 
 def _int(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError("must be an integer")
+        raise TypeError(f"expected int, got {_kind(value)}")
     return value
 
 
-def _ints(value: object) -> tuple[int, ...]:
+def _items(value: object, item: Any, name: str) -> tuple[Any, ...]:
+    """A list converted item by item; an error names the item (``[2]: expected int, got str``)."""
     if not isinstance(value, list | tuple):
-        raise TypeError("must be a list of integers")
-    return tuple(_int(v) for v in value)
+        raise TypeError(f"expected a list of {name}, got {_kind(value)}")
+    converted = []
+    for index, one in enumerate(value):
+        try:
+            converted.append(item(one))
+        except TypeError as exc:
+            raise TypeError(f"[{index}]: {exc}") from None
+    return tuple(converted)
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    return _items(value, _int, "int")
 
 
 def _strs(value: object) -> tuple[str, ...]:
-    if not isinstance(value, list | tuple):
-        raise TypeError("must be a list of text")
-    return tuple(_str(v) for v in value)
+    return _items(value, _str, "str")
 
 
 def _dict(value: object) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise TypeError("must be an object")
+        raise TypeError(f"expected an object, got {_kind(value)}")
     return value
 
 
@@ -225,7 +245,7 @@ class Refused(Message):
 def _capacity(value: object) -> int:
     capacity = _int(value)
     if not 1 <= capacity <= MAX_CAPACITY:
-        raise TypeError(f"capacity must be 1-{MAX_CAPACITY}, got {capacity}")
+        raise TypeError(f"must be 1-{MAX_CAPACITY}, got {capacity}")
     return capacity
 
 
@@ -237,13 +257,13 @@ def _plan(value: object) -> dict[str, Any]:
     plan = _dict(value)
     missing = [name for name in (*_PLAN_FIELDS, "limiting_device") if name not in plan]
     if missing:
-        raise TypeError(f"plan lacks {', '.join(missing)}")
+        raise TypeError(f"lacks {', '.join(missing)}")
     for name, optional in _PLAN_FIELDS.items():
         count = plan.get(name)
         if not (count is None and optional) and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-            raise TypeError(f"plan.{name} must be an integer >= 0{' or null' if optional else ''}, got {count!r}")
+            raise TypeError(f".{name}: must be an integer >= 0{' or null' if optional else ''}, got {count!r}")
     if not isinstance(plan.get("limiting_device"), str | None):
-        raise TypeError("plan.limiting_device must be text or null")
+        raise TypeError(f".limiting_device: expected str or null, got {_kind(plan.get('limiting_device'))}")
     return plan
 
 
@@ -294,7 +314,7 @@ class Stop(Message):
     TYPE = "stop"
     session_id: str = attrs.field(converter=_str)
     cause: str = attrs.field(converter=_str)
-    now: bool = attrs.field(default=False, converter=bool)  # cancel waiting at once (cleanup still runs)
+    now: bool = attrs.field(default=False, converter=_bool)  # cancel waiting at once (cleanup still runs)
 
 
 @attrs.frozen
@@ -380,14 +400,22 @@ def decode(data: bytes) -> Message:
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise WireError(f"unknown message type {kind!r}")
-    names = {f.name for f in attrs.fields(cls)}
-    unknown = sorted(set(body) - names)
+    fields = attrs.fields(cls)
+    unknown = sorted(set(body) - {f.name for f in fields})
     if unknown:
         raise WireError(f"{kind}: unknown field(s) {', '.join(unknown)}")
-    try:
-        return cls(**body)
-    except TypeError as exc:
-        raise WireError(f"{kind}: {exc}") from None
+    missing = [f.name for f in fields if f.default is attrs.NOTHING and f.name not in body]
+    if missing:
+        raise WireError(f"{kind}: missing field(s) {', '.join(missing)}")
+    for field in fields:  # each field's converter, so that the error names the field
+        if field.name in body and field.converter is not None:
+            try:
+                body[field.name] = field.converter(body[field.name])  # type: ignore[operator]
+            except TypeError as exc:
+                detail = str(exc)
+                joint = "" if detail.startswith(("[", ".")) else ": "
+                raise WireError(f"{kind}.{field.name}{joint}{detail}") from None
+    return cls(**body)
 
 
 class Channel:

@@ -144,7 +144,7 @@ async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is
         await channel.aclose()
         cause = (await until(lambda: losses(authority).get(worker_id), f"{worker_id} to be lost", authority,
                              deadline=10))
-        assert cause.startswith("protocol error: ready: "), cause
+        assert cause.startswith("protocol error: ready."), cause
     # a frame after the welcome without its tag (injected by someone between agent and authority): lost
     channel, reply = await register(authority, "untagged")
     assert isinstance(reply, wire.Welcome), reply

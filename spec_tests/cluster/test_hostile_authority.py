@@ -118,7 +118,7 @@ async def test_a_start_that_would_steer_the_agents_files_or_break_its_decoding_i
             with trio.fail_after(60):
                 while fake.registrations < 2:
                     await trio.sleep(0.05)  # bench-cost: real-time poll of the agent process, bounded
-            assert "protocol error: drain: must be a number of seconds > 0" in agent.text(200_000), agent.text()
+            assert "protocol error: drain.deadline: must be a number of seconds > 0" in agent.text(200_000), agent.text()
             os.kill(agent.popen.pid, signal.SIGTERM)
             assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
             assert "binascii" not in agent.text(200_000), agent.text()
