@@ -153,11 +153,13 @@ class RoomRunner:
                     side_tasks.cancel_scope.cancel()
         except Exception as exc:
             cause = _single_cause(exc)
-            # the record and the room hear one short line; the log keeps the traceback
+            # the record and the room hear one short line; the log keeps the traceback of what nobody expected
+            # (a room that went away, or anything after fail() ended the session, is one plain line)
+            expected = isinstance(cause, TransportError) or self._failure is not None
             error = public_reason(
                 cause, prefix_type=not isinstance(cause, RunnerError | TransportError | PipelineContractError)
             )
-            log.warning("session %s failed: %s", self.record.session_id, error, exc_info=cause)
+            log.warning("session %s failed: %s", self.record.session_id, error, exc_info=None if expected else cause)
         finally:
             with trio.CancelScope(shield=True):
                 if self._failure is None and self.worker.failing:

@@ -45,7 +45,13 @@ class RemoteRoomConnection:
 
     async def events(self) -> AsyncIterator[RoomEvent]:
         while not self._closed:
-            message = await self._client.receive()
+            try:
+                message = await self._client.receive()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                if self._closed:
+                    return  # the runner left the room: its socket closing is no news
+                # the hub reset the socket (the authority dropped this worker, or the network broke): the reason
+                raise TransportError(f"the room hub connection broke: {exc}") from None
             if message is None:
                 return
             if not isinstance(message, dict):

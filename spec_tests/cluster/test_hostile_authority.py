@@ -9,8 +9,10 @@ import json
 import math
 import os
 import signal
+import socket
 import struct
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -19,6 +21,13 @@ from server.cluster import wire
 from .conftest import TINY, TOKEN, Process, chunkline, clean_env, free_port
 
 START_DEADLINE = 240.0  # the agent imports torch and builds its model before it dials (slow on a loaded host)
+
+
+async def serve(handler: Any, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``handler`` on a fresh loopback port (started with the port)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handler, listeners)
 
 
 class FakeAuthority:
@@ -31,12 +40,7 @@ class FakeAuthority:
         self.done: dict[str, wire.SessionFinished] = {}
         self.arrived, self.messages = trio.open_memory_channel[wire.Message](math.inf)
 
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._one, listeners)
-
-    async def _one(self, stream: trio.SocketStream) -> None:
+    async def one(self, stream: trio.SocketStream) -> None:
         channel = wire.Channel(stream)
         await welcome(channel, TOKEN)
         self.channel = channel
@@ -60,15 +64,16 @@ class FakeAuthority:
         return self.done[session_id]
 
 
-async def welcome(channel: wire.Channel, token: str, *, tag: bool = True) -> wire.Register:
+async def welcome(channel: wire.Channel, token: str, *, tag: bool = True, rooms_url: str | None = None,
+                  deadline: float = 30.0) -> wire.Register:
     """Greet an agent and welcome its registration as the authority does, proving ``token``; the frames after
     the welcome are tagged under it (unless ``tag`` is False: someone who wants to inject frames)."""
     await channel.send(wire.Hello("n0nce", "any"))
     register = await channel.receive()
     assert isinstance(register, wire.Register)
     await channel.send(wire.Welcome(
-        worker_id=register.worker_id, heartbeat_interval=0.5, deadline=30.0, transport="local",
-        rooms_url=f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
+        worker_id=register.worker_id, heartbeat_interval=0.5, deadline=deadline, transport="local",
+        rooms_url=rooms_url or f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
         room_empty_timeout=5.0, max_data_message_bytes=12288,
         proof=wire.authority_proof(token, "n0nce", register.agent_nonce, register.worker_id)))
     if tag:
@@ -86,7 +91,7 @@ async def test_a_start_that_would_steer_the_agents_files_or_break_its_decoding_i
     scratch.mkdir()
     fake = FakeAuthority()
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(fake.serve)
+        port = await nursery.start(serve, fake.one)
         agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}", "--max-sessions", "2",
                                   "--drain-deadline", "5"),
                         clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(scratch)))
@@ -136,12 +141,7 @@ class Impostor:
         self.heard: list[list[wire.Message]] = []
         self.dialed = trio.Event()
 
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._one, listeners)
-
-    async def _one(self, stream: trio.SocketStream) -> None:
+    async def one(self, stream: trio.SocketStream) -> None:
         way = self.ways[min(len(self.heard), len(self.ways) - 1)]
         heard: list[wire.Message] = []
         self.heard.append(heard)
@@ -173,7 +173,7 @@ class Impostor:
 async def test_an_authority_that_cannot_prove_the_token_or_injected_frames_never_start_a_session() -> None:
     impostor = Impostor(["another token", "inject", "refuse without proof", "authority"])
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(impostor.serve)
+        port = await nursery.start(serve, impostor.one)
         agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}", "--drain-deadline", "5"),
                         clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
         try:
@@ -194,6 +194,88 @@ async def test_an_authority_that_cannot_prove_the_token_or_injected_frames_never
             os.kill(agent.popen.pid, signal.SIGTERM)
             assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
             assert "Traceback" not in agent.text(200_000), agent.text()
+        finally:
+            agent.stop()
+            nursery.cancel_scope.cancel()
+
+
+class BreakingHub:
+    """One room of a hub, as the authority serves it to a worker: it admits the agent's runner with the
+    controller already there, moves the controls, and resets the connection (RST) after two frames."""
+
+    def __init__(self) -> None:
+        self.frames = 0
+        self.broken = trio.Event()
+
+    async def one(self, stream: trio.SocketStream) -> None:
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import AcceptConnection, BytesMessage, Request, TextMessage
+
+        ws = WSConnection(ConnectionType.SERVER)
+        while self.frames < 2:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            ws.receive_data(data)
+            for event in ws.events():
+                if isinstance(event, Request):
+                    await stream.send_all(ws.send(AcceptConnection()))
+                    joined = {"type": "joined", "identity": "chunkline-w", "role": "worker", "participants": ["me"]}
+                    await stream.send_all(ws.send(TextMessage(json.dumps(joined))))
+                elif isinstance(event, TextMessage) and '"running"' in event.data:
+                    control = {"type": "data", "topic": "tf.control", "from": "me",
+                               "payload": {"type": "control_state", "controls": ["w"]}}
+                    await stream.send_all(ws.send(TextMessage(json.dumps(control))))
+                elif isinstance(event, BytesMessage) and event.message_finished:
+                    self.frames += 1
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()  # a reset, as when the authority drops a lost worker's room sockets
+        self.broken.set()
+
+
+async def test_a_fenced_agents_broken_room_socket_is_one_log_line_without_a_traceback() -> None:
+    """The room socket resets under a streaming session while the authority stops answering heartbeats (the
+    agent fences itself): the session ends naming the broken room, and the agent logs no traceback."""
+    hub = BreakingHub()
+    fenced = trio.Event()
+    finished: list[wire.SessionFinished] = []
+
+    async def authority(stream: trio.SocketStream) -> None:
+        channel = wire.Channel(stream)
+        await welcome(channel, TOKEN, rooms_url=f"http://127.0.0.1:{hub_port}", deadline=3.0)
+        if fenced.is_set():
+            return  # it came back after the fence: enough
+        try:
+            while True:
+                message = await channel.receive()
+                if isinstance(message, wire.Ready):
+                    await channel.send(wire.Start(session_id="breaking", room="chunkline-breaking", identity="w",
+                                                  token="t", controller_identity="me", prompt=None, config={},
+                                                  image=None))
+                elif isinstance(message, wire.Heartbeat) and not hub.broken.is_set():
+                    await channel.send(wire.HeartbeatAck(message.seq))  # none after the reset: the agent fences
+                elif isinstance(message, wire.SessionFinished):
+                    finished.append(message)
+        except wire.ConnectionClosed:
+            fenced.set()
+
+    async with trio.open_nursery() as nursery:
+        hub_port = await nursery.start(serve, hub.one)
+        port = await nursery.start(serve, authority)
+        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}", "--drain-deadline", "5"),
+                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        try:
+            with trio.move_on_after(START_DEADLINE):
+                await fenced.wait()
+            assert fenced.is_set() and hub.broken.is_set(), (hub.frames, finished, agent.text())
+            log = agent.text(200_000)
+            assert "fenced before the authority's deadline" in log, log
+            assert finished and finished[0].session_id == "breaking" and finished[0].error, finished
+            assert "room" in finished[0].error, finished[0]
+            assert log.count("session breaking failed") <= 1, log
+            assert "Traceback" not in log, log
+            os.kill(agent.popen.pid, signal.SIGTERM)
+            assert await trio.to_thread.run_sync(agent.popen.wait, 60) == 0, agent.text()
         finally:
             agent.stop()
             nursery.cancel_scope.cancel()
