@@ -13,9 +13,12 @@ import trio
 
 from states.restart_policy import RestartTracker
 
-__all__ = ["back_off"]
+__all__ = ["back_off", "await_goodbye", "GOODBYE_GRACE"]
 
 log = logging.getLogger("chunkline.cluster")
+
+#: seconds a drained agent's goodbye may trail the launcher's notice that it exited (either may come first)
+GOODBYE_GRACE = 5.0
 
 
 async def back_off(tracker: RestartTracker, cause: str, what: str) -> bool:
@@ -28,3 +31,12 @@ async def back_off(tracker: RestartTracker, cause: str, what: str) -> bool:
     await trio.sleep_until(decision.due_at)
     tracker.restarted(trio.current_time())
     return True
+
+
+async def await_goodbye(settled: trio.Event, exited_cleanly: bool) -> None:
+    """An agent that exited 0 drained, and its goodbye is on its socket: the launcher may see the exit first.
+    Wait (bounded) until the authority settled the worker, so that a drained slot is never taken for a lost one
+    and replaced, whichever notice comes first."""
+    if exited_cleanly:
+        with trio.move_on_after(GOODBYE_GRACE):
+            await settled.wait()

@@ -24,7 +24,7 @@ import trio
 
 from states.restart_policy import RestartPolicy, RestartTracker
 
-from .backoff import back_off
+from .backoff import await_goodbye, back_off
 
 if TYPE_CHECKING:
     from .authority import ClusterAuthority
@@ -83,6 +83,7 @@ class _Slot:
     worker_id: str | None = None
     lost: trio.Event = attrs.Factory(trio.Event)
     registered: trio.Event = attrs.Factory(trio.Event)
+    settled: trio.Event = attrs.Factory(trio.Event)  # its registered worker left or was lost
     drained: bool = False
 
 
@@ -135,6 +136,8 @@ class LocalLauncher:
                 await process.wait()
                 nursery.cancel_scope.cancel()  # the reaper has nothing left to watch
             why = f"process exited with code {process.returncode}"
+            if slot.worker_id is not None:
+                await await_goodbye(slot.settled, process.returncode == 0)
             if slot.worker_id is not None and self._authority is not None:
                 self._authority.lose(slot.worker_id, why)  # the process notice may beat the socket's
             slot.worker_id = None
@@ -172,12 +175,14 @@ class LocalLauncher:
         slot = self._slot_of(worker)
         if slot is not None and worker.launcher == self.name:
             slot.worker_id = worker.worker_id
+            slot.settled = trio.Event()
             slot.registered.set()
 
     def worker_lost(self, worker: RemoteWorker, cause: str) -> None:
         slot = self._slot_of(worker)
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
+            slot.settled.set()
             slot.lost.set()
 
     def worker_left(self, worker: RemoteWorker) -> None:
@@ -185,6 +190,7 @@ class LocalLauncher:
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
             slot.drained = True  # it drained and exits 0: the slot stays down
+            slot.settled.set()
 
     def view(self) -> list[dict[str, Any]]:
         return [

@@ -30,7 +30,7 @@ import trio
 
 from states.restart_policy import RestartPolicy, RestartTracker
 
-from .backoff import back_off
+from .backoff import await_goodbye, back_off
 
 from .launch_local import agent_command
 
@@ -86,6 +86,7 @@ class _RaySlot:
     gpus: int
     restarts: RestartTracker
     worker_id: str | None = None
+    settled: trio.Event = attrs.Factory(trio.Event)  # its registered worker left or was lost
     drained: bool = False
     node: str | None = None
     actor: Any = None
@@ -209,6 +210,8 @@ class RayLauncher:
                 why = f"placement failed: {type(exc).__name__}: {exc}"
             else:
                 why = await trio.to_thread.run_sync(self._outcome, reference, abandon_on_cancel=True)
+            if slot.worker_id is not None:
+                await await_goodbye(slot.settled, why == "process exited with code 0")
             if slot.worker_id is not None and self._authority is not None:
                 self._authority.lose(slot.worker_id, why)
             slot.worker_id = None
@@ -230,11 +233,13 @@ class RayLauncher:
         slot = self._slot_of(worker)
         if slot is not None:
             slot.worker_id = worker.worker_id
+            slot.settled = trio.Event()
 
     def worker_lost(self, worker: RemoteWorker, cause: str) -> None:
         slot = self._slot_of(worker)
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
+            slot.settled.set()
             if slot.actor is not None and not cause.startswith(("node removed", "process exited")):
                 # lost while its process may live on (frozen, cut off): end the actor, the slot is replaced
                 actor, slot.actor = slot.actor, None
@@ -245,6 +250,7 @@ class RayLauncher:
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
             slot.drained = True
+            slot.settled.set()
 
     def view(self) -> list[dict[str, Any]]:
         now = trio.current_time()
