@@ -13,11 +13,13 @@ session it runs, then registers again under a new id with the model it already
 loaded. The authority proves the cluster token back (its Welcome), and every frame after
 that is tagged (see :mod:`server.cluster.wire`): a peer at the authority's address that
 cannot prove it is dropped and dialed again after a backoff, as after any failed connect.
-Refused at registration by a token holder (another version or pipeline) it exits with
-code 3; a refusal it cannot check (the token differs there, or it is not the authority)
-backs off like a failed connect, and a crash loop of them exits with code 3 too. SIGTERM (or a drain from the authority) drains: no new sessions, live ones
-finish or are stopped at the drain deadline at a chunk boundary, then it says goodbye
-and exits 0.
+An authority too busy for another handshake (a flood) says Busy: the agent dials again
+later, however long that lasts, without counting it toward giving up. Refused at
+registration by a token holder (another version or pipeline) it exits with code 3; a
+refusal it cannot check (the token differs there, or it is not the authority) backs off
+like a failed connect, and a crash loop of them exits with code 3 too. SIGTERM (or a
+drain from the authority) drains: no new sessions, live ones finish or are stopped at the
+drain deadline at a chunk boundary, then it says goodbye and exits 0.
 """
 
 from __future__ import annotations
