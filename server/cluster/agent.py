@@ -47,7 +47,7 @@ from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
 from ..reasons import public_reason
 from ..requests import OptionsRefused
-from . import wire
+from . import proofs, wire
 from .agent_sessions import AgentSessions
 from .backoff import back_off
 from .identity import chunkline_version, pipeline_digest, pipeline_name
@@ -228,7 +228,7 @@ class Agent:
                     wire.Register(
                         worker_id=worker_id,
                         agent_nonce=agent_nonce,
-                        proof=wire.proof_for(options.token, hello.nonce, worker_id),
+                        proof=proofs.proof_for(options.token, hello.nonce, worker_id),
                         version=options.version,
                         pipeline=pipeline_name(options.pipeline),
                         pipeline_digest=pipeline_digest(options.pipeline),
@@ -250,14 +250,14 @@ class Agent:
             return ended
         assert isinstance(reply, wire.Welcome)
         channel.max_frame = wire.MAX_FRAME_BYTES
-        channel.authenticate(wire.frame_key(options.token, hello.nonce, agent_nonce, worker_id), authority=False)
+        channel.authenticate(proofs.frame_key(options.token, hello.nonce, agent_nonce, worker_id), authority=False)
         return channel, reply
 
     def _answer(self, reply: wire.Message, nonce: str, agent_nonce: str, worker_id: str) -> Ended | None:
         """Why the authority's answer to a Register ends this attempt; None for a Welcome that proves the token."""
         token, at = self.options.token, self.options.authority
         if isinstance(reply, wire.Refused):
-            if wire.refusal_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
+            if proofs.refusal_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
                 log.error("the authority refused this worker: %s", reply.reason)
                 return Ended(End.REFUSED, reply.reason)
             log.error("%s refused this worker without proving the cluster token (the token differs there, or it "
@@ -265,7 +265,7 @@ class Agent:
             return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {reply.reason[:200]}")
         if not isinstance(reply, wire.Welcome):
             return Ended(End.LOST, f"protocol error: expected welcome, got {reply.TYPE}")
-        if not wire.authority_proof_matches(token, nonce, agent_nonce, worker_id, reply.proof):
+        if not proofs.authority_proof_matches(token, nonce, agent_nonce, worker_id, reply.proof):
             log.error("%s did not prove the cluster token in its welcome: not the authority, or another token; "
                       "dropped it", at)
             return Ended(End.LOST, "the authority did not prove the cluster token")

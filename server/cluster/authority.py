@@ -25,7 +25,7 @@ from engine import CapacityPlan
 from states.liveness import DuplicateWorkerId, LivenessBook
 
 from ..tokens import IdentityError, validate_identity
-from . import wire
+from . import proofs, wire
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 from .remote import PlanView, RemoteWorker
 
@@ -186,7 +186,7 @@ class ClusterAuthority:
             cause = f"connection closed: sending welcome: {exc or 'no room within the handshake deadline'}"
         else:
             # every frame after the welcome is tagged under this connection's key
-            channel.authenticate(wire.frame_key(self.token, nonce, first.agent_nonce, first.worker_id), authority=True)
+            channel.authenticate(proofs.frame_key(self.token, nonce, first.agent_nonce, first.worker_id), authority=True)
             channel.send_timeout = self.liveness.deadline  # an agent that takes no frame for that long is lost
             async with trio.open_nursery() as nursery:
 
@@ -235,7 +235,7 @@ class ClusterAuthority:
             log.warning("cluster: refused a worker: %s", reason)
             proof = None
             if isinstance(first, wire.Register):  # the agent may check that the refusal comes from a token holder
-                proof = wire.refusal_proof(self.token, nonce, first.agent_nonce, first.worker_id, reason)
+                proof = proofs.refusal_proof(self.token, nonce, first.agent_nonce, first.worker_id, reason)
             with trio.move_on_after(2.0):
                 try:
                     await channel.send(wire.Refused(reason, proof))
@@ -249,7 +249,7 @@ class ClusterAuthority:
     def _refusal(self, message: wire.Message, nonce: str) -> str | None:
         if not isinstance(message, wire.Register):
             return f"expected register, got {message.TYPE}"
-        if not wire.proof_matches(self.token, nonce, message.worker_id, message.proof):
+        if not proofs.proof_matches(self.token, nonce, message.worker_id, message.proof):
             return "the cluster token does not match"
         try:
             validate_identity(message.worker_id)
@@ -302,7 +302,7 @@ class ClusterAuthority:
             controller_timeout=settings.controller_timeout,
             room_empty_timeout=settings.room_empty_timeout,
             max_data_message_bytes=settings.max_data_message_bytes,
-            proof=wire.authority_proof(self.token, nonce, agent_nonce, worker.worker_id),
+            proof=proofs.authority_proof(self.token, nonce, agent_nonce, worker.worker_id),
         )
 
     async def _read(self, worker: RemoteWorker) -> str | None:

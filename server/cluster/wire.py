@@ -12,8 +12,8 @@ when it has too many handshakes pending (then closes); the agent
 answers :class:`Register` with a fresh nonce of its own and a ``proof``, an HMAC-SHA256
 under the cluster token over the authority's nonce and the worker id; the authority answers
 :class:`Welcome` or :class:`Refused` (then closes), each with its own proof over both nonces,
-so the agent knows it reached a holder of the token too. The token itself never crosses
-the wire. From the frame after the Welcome on, every frame in either direction carries a
+so the agent knows it reached a holder of the token too (:mod:`server.cluster.proofs`).
+The token itself never crosses the wire. From the frame after the Welcome on, every frame in either direction carries a
 tag (:meth:`Channel.authenticate`): an HMAC under a key both derive from the token and the
 nonces, over the frame's direction, its number and its bytes, so that nobody between the
 two can send, change, replay, reorder or drop a frame unnoticed, TLS or not. After that the agent sends
@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import ssl
 import struct
 from typing import Any, ClassVar
@@ -36,6 +35,7 @@ import attrs
 import trio
 
 from ..json_limits import JsonRefused, loads as json_loads
+from .wire_values import MAX_CAPACITY, capacity, flag, integer, integers, obj, opt_text, plan, seconds, text, texts
 
 __all__ = [
     "PROTOCOL",
@@ -63,13 +63,6 @@ __all__ = [
     "CheckOptions",
     "OptionsChecked",
     "Goodbye",
-    "proof_for",
-    "proof_matches",
-    "authority_proof",
-    "authority_proof_matches",
-    "refusal_proof",
-    "refusal_proof_matches",
-    "frame_key",
     "body_of",
     "encode",
     "decode",
@@ -82,8 +75,6 @@ PROTOCOL = 2
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
-#: the most sessions one agent may report it can retain (the CLI's --max-sessions allows 64)
-MAX_CAPACITY = 4096
 MAX_JSON_DEPTH = 64  # a Start's config is at most the API's depth (32) inside the message
 _HEADER = struct.Struct(">I")
 TAG_BYTES = 32  # an HMAC-SHA256 tag after the body of every frame past the handshake
@@ -98,77 +89,6 @@ class WireError(ValueError):
 
 class ConnectionClosed(ConnectionError):
     """The peer closed the connection (or it broke)."""
-
-
-def _kind(value: object) -> str:
-    """A JSON value's kind, for an error message."""
-    return {type(None): "null", dict: "object", list: "list", bool: "bool"}.get(type(value), type(value).__name__)
-
-
-def _str(value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected str, got {_kind(value)}")
-    return value
-
-
-def _opt_str(value: object) -> str | None:
-    return None if value is None else _str(value)
-
-
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"expected bool, got {_kind(value)}")
-    return value
-
-
-def _num(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"expected a number, got {_kind(value)}")
-    return float(value)
-
-
-def _seconds(value: object) -> float:
-    seconds = _num(value)
-    if not 0 < seconds < math.inf:
-        raise TypeError(f"must be a number of seconds > 0, got {seconds!r}")
-    return seconds
-
-
-def _int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected int, got {_kind(value)}")
-    return value
-
-
-def _items(value: object, item: Any, name: str) -> tuple[Any, ...]:
-    """A list converted item by item; an error names the item (``[2]: expected int, got str``)."""
-    if not isinstance(value, list | tuple):
-        raise TypeError(f"expected a list of {name}, got {_kind(value)}")
-    converted = []
-    for index, one in enumerate(value):
-        try:
-            converted.append(item(one))
-        except TypeError as exc:
-            raise TypeError(f"[{index}]: {exc}") from None
-    return tuple(converted)
-
-
-def _ints(value: object) -> tuple[int, ...]:
-    return _items(value, _int, "int")
-
-
-def _strs(value: object) -> tuple[str, ...]:
-    return _items(value, _str, "str")
-
-
-def _dict(value: object) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TypeError(f"expected an object, got {_kind(value)}")
-    return value
-
-
-def _opt_dict(value: object) -> dict[str, Any] | None:
-    return None if value is None else _dict(value)
 
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -189,8 +109,8 @@ class Message:
 @attrs.frozen
 class Hello(Message):
     TYPE = "hello"
-    nonce: str = attrs.field(converter=_str)
-    authority_version: str = attrs.field(converter=_str)
+    nonce: str = attrs.field(converter=text)
+    authority_version: str = attrs.field(converter=text)
 
 
 @attrs.frozen
@@ -200,127 +120,102 @@ class Busy(Message):
     this only ever makes an agent wait, never give up or exit."""
 
     TYPE = "busy"
-    reason: str = attrs.field(converter=_str)
+    reason: str = attrs.field(converter=text)
 
 
 @attrs.frozen
 class Register(Message):
     TYPE = "register"
-    worker_id: str = attrs.field(converter=_str)
-    agent_nonce: str = attrs.field(converter=_str)  # the authority proves the token over it (its Welcome)
-    proof: str = attrs.field(converter=_str)
-    version: str = attrs.field(converter=_str)
-    pipeline: str = attrs.field(converter=_str)  # the pipeline's name (file or package name)
-    pipeline_digest: str = attrs.field(converter=_str)
-    node: str = attrs.field(converter=_str)
-    devices: tuple[int, ...] = attrs.field(converter=_ints)
-    launcher: str = attrs.field(converter=_str)
-    pid: int = attrs.field(converter=_int)
-    slot: str | None = attrs.field(default=None, converter=_opt_str)  # the launcher's slot, when it has one
+    worker_id: str = attrs.field(converter=text)
+    agent_nonce: str = attrs.field(converter=text)  # the authority proves the token over it (its Welcome)
+    proof: str = attrs.field(converter=text)
+    version: str = attrs.field(converter=text)
+    pipeline: str = attrs.field(converter=text)  # the pipeline's name (file or package name)
+    pipeline_digest: str = attrs.field(converter=text)
+    node: str = attrs.field(converter=text)
+    devices: tuple[int, ...] = attrs.field(converter=integers)
+    launcher: str = attrs.field(converter=text)
+    pid: int = attrs.field(converter=integer)
+    slot: str | None = attrs.field(default=None, converter=opt_text)  # the launcher's slot, when it has one
 
 
 @attrs.frozen
 class Welcome(Message):
     TYPE = "welcome"
-    worker_id: str = attrs.field(converter=_str)
-    heartbeat_interval: float = attrs.field(converter=_seconds)
-    deadline: float = attrs.field(converter=_seconds)
-    transport: str = attrs.field(converter=_str)
-    rooms_url: str | None = attrs.field(converter=_opt_str)  # local rooms: the authority's HTTP base URL
-    livekit_url: str | None = attrs.field(converter=_opt_str)
-    controller_timeout: float = attrs.field(converter=_seconds)
-    room_empty_timeout: float = attrs.field(converter=_seconds)
-    max_data_message_bytes: int = attrs.field(converter=_int)
-    proof: str = attrs.field(converter=_str)  # :func:`authority_proof`: the authority holds the cluster token
+    worker_id: str = attrs.field(converter=text)
+    heartbeat_interval: float = attrs.field(converter=seconds)
+    deadline: float = attrs.field(converter=seconds)
+    transport: str = attrs.field(converter=text)
+    rooms_url: str | None = attrs.field(converter=opt_text)  # local rooms: the authority's HTTP base URL
+    livekit_url: str | None = attrs.field(converter=opt_text)
+    controller_timeout: float = attrs.field(converter=seconds)
+    room_empty_timeout: float = attrs.field(converter=seconds)
+    max_data_message_bytes: int = attrs.field(converter=integer)
+    proof: str = attrs.field(converter=text)  # :func:`authority_proof`: the authority holds the cluster token
 
 
 @attrs.frozen
 class Refused(Message):
     TYPE = "refused"
-    reason: str = attrs.field(converter=_str)
+    reason: str = attrs.field(converter=text)
     #: :func:`refusal_proof` when the authority answered a Register (an agent with another token cannot check it)
-    proof: str | None = attrs.field(default=None, converter=_opt_str)
-
-
-def _capacity(value: object) -> int:
-    capacity = _int(value)
-    if not 1 <= capacity <= MAX_CAPACITY:
-        raise TypeError(f"must be 1-{MAX_CAPACITY}, got {capacity}")
-    return capacity
-
-
-_PLAN_FIELDS = {"computed_capacity": True, "effective_capacity": False, "configured_limit": True}
-
-
-def _plan(value: object) -> dict[str, Any]:
-    """A capacity plan as the agent's ``CapacityPlan.to_dict`` makes it: its counts are integers."""
-    plan = _dict(value)
-    missing = [name for name in (*_PLAN_FIELDS, "limiting_device") if name not in plan]
-    if missing:
-        raise TypeError(f"lacks {', '.join(missing)}")
-    for name, optional in _PLAN_FIELDS.items():
-        count = plan.get(name)
-        if not (count is None and optional) and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-            raise TypeError(f".{name}: must be an integer >= 0{' or null' if optional else ''}, got {count!r}")
-    if not isinstance(plan.get("limiting_device"), str | None):
-        raise TypeError(f".limiting_device: expected str or null, got {_kind(plan.get('limiting_device'))}")
-    return plan
+    proof: str | None = attrs.field(default=None, converter=opt_text)
 
 
 @attrs.frozen
 class Ready(Message):
     TYPE = "ready"
-    capacity: int = attrs.field(converter=_capacity)
-    kind: str = attrs.field(converter=_str)
-    plan: dict[str, Any] = attrs.field(converter=_plan)
-    startup_check: dict[str, Any] = attrs.field(converter=_dict, factory=dict)  # the agent's: passed or skipped
+    capacity: int = attrs.field(converter=capacity)
+    kind: str = attrs.field(converter=text)
+    plan: dict[str, Any] = attrs.field(converter=plan)
+    startup_check: dict[str, Any] = attrs.field(converter=obj, factory=dict)  # the agent's: passed or skipped
 
 
 @attrs.frozen
 class Failed(Message):
     TYPE = "failed"
-    reason: str = attrs.field(converter=_str)
+    reason: str = attrs.field(converter=text)
 
 
 @attrs.frozen
 class Heartbeat(Message):
     TYPE = "heartbeat"
-    seq: int = attrs.field(converter=_int)
-    sessions: tuple[str, ...] = attrs.field(converter=_strs)
+    seq: int = attrs.field(converter=integer)
+    sessions: tuple[str, ...] = attrs.field(converter=texts)
 
 
 @attrs.frozen
 class HeartbeatAck(Message):
     TYPE = "heartbeat_ack"
-    seq: int = attrs.field(converter=_int)
+    seq: int = attrs.field(converter=integer)
 
 
 @attrs.frozen
 class Start(Message):
     TYPE = "start"
-    session_id: str = attrs.field(converter=_str)
-    room: str = attrs.field(converter=_str)
-    identity: str = attrs.field(converter=_str)  # the worker's participant identity in the room
-    token: str = attrs.field(converter=_str)  # minted by the authority for that identity and room
-    controller_identity: str = attrs.field(converter=_str)
-    prompt: str | None = attrs.field(converter=_opt_str)
-    config: dict[str, Any] = attrs.field(converter=_dict)
-    image: str | None = attrs.field(converter=_opt_str)  # base64 of the reference image, if any
-    image_suffix: str | None = attrs.field(default=None, converter=_opt_str)
+    session_id: str = attrs.field(converter=text)
+    room: str = attrs.field(converter=text)
+    identity: str = attrs.field(converter=text)  # the worker's participant identity in the room
+    token: str = attrs.field(converter=text)  # minted by the authority for that identity and room
+    controller_identity: str = attrs.field(converter=text)
+    prompt: str | None = attrs.field(converter=opt_text)
+    config: dict[str, Any] = attrs.field(converter=obj)
+    image: str | None = attrs.field(converter=opt_text)  # base64 of the reference image, if any
+    image_suffix: str | None = attrs.field(default=None, converter=opt_text)
 
 
 @attrs.frozen
 class Stop(Message):
     TYPE = "stop"
-    session_id: str = attrs.field(converter=_str)
-    cause: str = attrs.field(converter=_str)
-    now: bool = attrs.field(default=False, converter=_bool)  # cancel waiting at once (cleanup still runs)
+    session_id: str = attrs.field(converter=text)
+    cause: str = attrs.field(converter=text)
+    now: bool = attrs.field(default=False, converter=flag)  # cancel waiting at once (cleanup still runs)
 
 
 @attrs.frozen
 class Drain(Message):
     TYPE = "drain"
-    deadline: float = attrs.field(converter=_seconds)  # seconds live sessions may take to finish
+    deadline: float = attrs.field(converter=seconds)  # seconds live sessions may take to finish
 
 
 @attrs.frozen
@@ -328,21 +223,21 @@ class SessionEvent(Message):
     """A stream-session table event the agent's runner applied; the authority applies the same."""
 
     TYPE = "session_event"
-    session_id: str = attrs.field(converter=_str)
-    seq: int = attrs.field(converter=_int)
-    event: str = attrs.field(converter=_str)
-    error: str | None = attrs.field(default=None, converter=_opt_str)
-    pipeline_session_id: str | None = attrs.field(default=None, converter=_opt_str)
-    participants: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    session_id: str = attrs.field(converter=text)
+    seq: int = attrs.field(converter=integer)
+    event: str = attrs.field(converter=text)
+    error: str | None = attrs.field(default=None, converter=opt_text)
+    pipeline_session_id: str | None = attrs.field(default=None, converter=opt_text)
+    participants: tuple[str, ...] = attrs.field(default=(), converter=texts)
 
 
 @attrs.frozen
 class SessionFinished(Message):
     TYPE = "session_finished"
-    session_id: str = attrs.field(converter=_str)
-    seq: int = attrs.field(converter=_int)
-    error: str | None = attrs.field(converter=_opt_str)
-    drain_cause: str | None = attrs.field(converter=_opt_str)
+    session_id: str = attrs.field(converter=text)
+    seq: int = attrs.field(converter=integer)
+    error: str | None = attrs.field(converter=opt_text)
+    drain_cause: str | None = attrs.field(converter=opt_text)
 
 
 @attrs.frozen
@@ -350,8 +245,8 @@ class CheckOptions(Message):
     """Check a create's session options with the agent's pipeline (the create waits for the answer)."""
 
     TYPE = "check_options"
-    check_id: int = attrs.field(converter=_int)
-    options: dict[str, Any] = attrs.field(converter=_dict)
+    check_id: int = attrs.field(converter=integer)
+    options: dict[str, Any] = attrs.field(converter=obj)
 
 
 @attrs.frozen
@@ -359,15 +254,15 @@ class OptionsChecked(Message):
     """The answer: ``refused`` is the pipeline's reason, ``error`` why it could not check; both None: accepted."""
 
     TYPE = "options_checked"
-    check_id: int = attrs.field(converter=_int)
-    refused: str | None = attrs.field(default=None, converter=_opt_str)
-    error: str | None = attrs.field(default=None, converter=_opt_str)
+    check_id: int = attrs.field(converter=integer)
+    refused: str | None = attrs.field(default=None, converter=opt_text)
+    error: str | None = attrs.field(default=None, converter=opt_text)
 
 
 @attrs.frozen
 class Goodbye(Message):
     TYPE = "goodbye"
-    reason: str = attrs.field(converter=_str)
+    reason: str = attrs.field(converter=text)
 
 
 def body_of(message: Message) -> bytes:
@@ -502,51 +397,6 @@ class Channel:
         with trio.move_on_after(1.0) as scope:
             scope.shield = True
             await self.stream.aclose()
-
-
-def _mac(token: str, label: str, *parts: str) -> bytes:
-    """HMAC-SHA256 under the cluster token over a label and length-prefixed parts.
-
-    Every use has its own label, and the parts cannot run into each other, so no proof one side
-    makes over the other's nonce can stand in for another proof or for the frame key."""
-    message = bytearray(b"chunkline " + label.encode() + b"\0")
-    for part in parts:
-        data = part.encode()
-        message += len(data).to_bytes(4, "big") + data
-    return hmac.new(token.encode(), bytes(message), hashlib.sha256).digest()
-
-
-def proof_for(token: str, nonce: str, worker_id: str) -> str:
-    """The agent's proof: it holds the token (over the authority's fresh nonce and its worker id)."""
-    return _mac(token, "agent", nonce, worker_id).hex()
-
-
-def proof_matches(token: str, nonce: str, worker_id: str, proof: str) -> bool:
-    return hmac.compare_digest(proof_for(token, nonce, worker_id), proof)
-
-
-def authority_proof(token: str, nonce: str, agent_nonce: str, worker_id: str) -> str:
-    """The authority's proof in its Welcome: it holds the token (over the agent's fresh nonce too)."""
-    return _mac(token, "authority", nonce, agent_nonce, worker_id).hex()
-
-
-def authority_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id: str, proof: str) -> bool:
-    return hmac.compare_digest(authority_proof(token, nonce, agent_nonce, worker_id), proof)
-
-
-def refusal_proof(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str) -> str:
-    """The authority's proof in a Refused: this refusal, of this registration, comes from a token holder."""
-    return _mac(token, "refusal", nonce, agent_nonce, worker_id, reason).hex()
-
-
-def refusal_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str,
-                          proof: str | None) -> bool:
-    return proof is not None and hmac.compare_digest(refusal_proof(token, nonce, agent_nonce, worker_id, reason), proof)
-
-
-def frame_key(token: str, nonce: str, agent_nonce: str, worker_id: str) -> bytes:
-    """The key of one connection's frame tags (:meth:`Channel.authenticate`), fresh with every handshake."""
-    return _mac(token, "frames", nonce, agent_nonce, worker_id)
 
 
 def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:

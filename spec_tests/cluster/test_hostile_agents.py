@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import trio
 
-from server.cluster import wire
+from server.cluster import proofs, wire
 from server.cluster.agent import REREGISTER_POLICY
 from server.cluster.authority import DRAIN_GRACE, HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
@@ -57,16 +57,16 @@ async def register(cluster: Cluster, worker_id: str) -> tuple[wire.Channel, wire
     that proves the token, the channel tags its frames as an agent's does)."""
     _, channel, hello = await dial(cluster)
     await channel.send(wire.Register(
-        worker_id=worker_id, agent_nonce="agent-nonce", proof=wire.proof_for(TOKEN, hello.nonce, worker_id),
+        worker_id=worker_id, agent_nonce="agent-nonce", proof=proofs.proof_for(TOKEN, hello.nonce, worker_id),
         version=chunkline_version(), pipeline=pipeline_name(TINY), pipeline_digest=pipeline_digest(TINY),
         node="hostile", devices=(), launcher="external", pid=1))
     with trio.fail_after(HANDSHAKE_TIMEOUT):
         reply = await channel.receive()
     if isinstance(reply, wire.Welcome):
-        assert wire.authority_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.proof), reply
-        channel.authenticate(wire.frame_key(TOKEN, hello.nonce, "agent-nonce", worker_id), authority=False)
+        assert proofs.authority_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.proof), reply
+        channel.authenticate(proofs.frame_key(TOKEN, hello.nonce, "agent-nonce", worker_id), authority=False)
     elif isinstance(reply, wire.Refused):
-        assert wire.refusal_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.reason, reply.proof)
+        assert proofs.refusal_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.reason, reply.proof)
     return channel, reply
 
 

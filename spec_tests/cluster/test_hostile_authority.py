@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from server.cluster import wire
+from server.cluster import proofs, wire
 
 from .conftest import TINY, TOKEN, Process, chunkline, clean_env, free_port
 
@@ -75,9 +75,9 @@ async def welcome(channel: wire.Channel, token: str, *, tag: bool = True, rooms_
         worker_id=register.worker_id, heartbeat_interval=0.5, deadline=deadline, transport="local",
         rooms_url=rooms_url or f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
         room_empty_timeout=5.0, max_data_message_bytes=12288,
-        proof=wire.authority_proof(token, "n0nce", register.agent_nonce, register.worker_id)))
+        proof=proofs.authority_proof(token, "n0nce", register.agent_nonce, register.worker_id)))
     if tag:
-        channel.authenticate(wire.frame_key(token, "n0nce", register.agent_nonce, register.worker_id), authority=True)
+        channel.authenticate(proofs.frame_key(token, "n0nce", register.agent_nonce, register.worker_id), authority=True)
     return register
 
 

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 from hypothesis import given, strategies as st
 
-from server.cluster import wire
+from server.cluster import proofs, wire
 
 SAMPLES: list[wire.Message] = [
     wire.Hello("n0nce", "0.1.0"),
@@ -101,34 +101,34 @@ def test_arbitrary_bytes_never_escape_as_another_error(data: bytes) -> None:
 
 
 def test_the_proof_binds_token_nonce_and_worker_id() -> None:
-    proof = wire.proof_for("t" * 16, "nonce", "w-1")
-    assert wire.proof_matches("t" * 16, "nonce", "w-1", proof)
-    assert not wire.proof_matches("u" * 16, "nonce", "w-1", proof)
-    assert not wire.proof_matches("t" * 16, "other", "w-1", proof)
-    assert not wire.proof_matches("t" * 16, "nonce", "w-2", proof)
-    assert not wire.proof_matches("t" * 16, "non", "cew-1", proof)  # the parts cannot run into each other
+    proof = proofs.proof_for("t" * 16, "nonce", "w-1")
+    assert proofs.proof_matches("t" * 16, "nonce", "w-1", proof)
+    assert not proofs.proof_matches("u" * 16, "nonce", "w-1", proof)
+    assert not proofs.proof_matches("t" * 16, "other", "w-1", proof)
+    assert not proofs.proof_matches("t" * 16, "nonce", "w-2", proof)
+    assert not proofs.proof_matches("t" * 16, "non", "cew-1", proof)  # the parts cannot run into each other
 
 
 def test_the_authoritys_proofs_bind_both_nonces_and_never_stand_in_for_the_agents() -> None:
     token = "t" * 16
-    proof = wire.authority_proof(token, "nonce", "agent-nonce", "w-1")
-    assert wire.authority_proof_matches(token, "nonce", "agent-nonce", "w-1", proof)
+    proof = proofs.authority_proof(token, "nonce", "agent-nonce", "w-1")
+    assert proofs.authority_proof_matches(token, "nonce", "agent-nonce", "w-1", proof)
     for args in (("u" * 16, "nonce", "agent-nonce", "w-1"), (token, "nonce", "other", "w-1"),
                  (token, "other", "agent-nonce", "w-1"), (token, "nonce", "agent-nonce", "w-2")):
-        assert not wire.authority_proof_matches(*args, proof)
-    refusal = wire.refusal_proof(token, "nonce", "agent-nonce", "w-1", "pipeline differs")
-    assert wire.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", refusal)
-    assert not wire.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "another reason", refusal)
-    assert not wire.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", None)
+        assert not proofs.authority_proof_matches(*args, proof)
+    refusal = proofs.refusal_proof(token, "nonce", "agent-nonce", "w-1", "pipeline differs")
+    assert proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", refusal)
+    assert not proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "another reason", refusal)
+    assert not proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", None)
     # an agent answers any nonce a peer sends it: no nonce makes its answer the authority's proof or the frame key
-    key = wire.frame_key(token, "nonce", "agent-nonce", "w-1")
-    assert len({proof, refusal, key.hex(), wire.proof_for(token, "nonce", "w-1")}) == 4
+    key = proofs.frame_key(token, "nonce", "agent-nonce", "w-1")
+    assert len({proof, refusal, key.hex(), proofs.proof_for(token, "nonce", "w-1")}) == 4
 
 
 async def authenticated_pair(token: str = "t" * 16) -> tuple[wire.Channel, wire.Channel]:
     left, right = trio.testing.memory_stream_pair()
     authority, agent = wire.Channel(left), wire.Channel(right)
-    key = wire.frame_key(token, "nonce", "agent-nonce", "w-1")
+    key = proofs.frame_key(token, "nonce", "agent-nonce", "w-1")
     authority.authenticate(key, authority=True)
     agent.authenticate(key, authority=False)
     return authority, agent
@@ -152,7 +152,7 @@ async def test_a_frame_without_its_tag_is_refused(tamper: str) -> None:
     elif tamper == "changed":
         left, right = trio.testing.memory_stream_pair()
         sender = wire.Channel(left)
-        sender.authenticate(wire.frame_key("t" * 16, "nonce", "agent-nonce", "w-1"), authority=True)
+        sender.authenticate(proofs.frame_key("t" * 16, "nonce", "agent-nonce", "w-1"), authority=True)
         await sender.send(drain)
         frame = bytearray(await right.receive_some(65536))
         frame[frame.index(b"1.0")] = ord("9")
@@ -160,7 +160,7 @@ async def test_a_frame_without_its_tag_is_refused(tamper: str) -> None:
     elif tamper == "replayed":
         left, right = trio.testing.memory_stream_pair()
         sender = wire.Channel(left)
-        sender.authenticate(wire.frame_key("t" * 16, "nonce", "agent-nonce", "w-1"), authority=True)
+        sender.authenticate(proofs.frame_key("t" * 16, "nonce", "agent-nonce", "w-1"), authority=True)
         await sender.send(drain)
         frame = await right.receive_some(65536)
         await authority.stream.send_all(frame)
