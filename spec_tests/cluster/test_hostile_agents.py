@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -332,9 +333,20 @@ async def test_an_agent_that_stops_reading_during_a_large_send_is_lost_promptly(
         assert isinstance(reply, wire.Welcome), reply
         channel.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # type: ignore[attr-defined]
         await say_ready(authority, channel, worker_id)
-        created = authority.http.post("/v1/stream/sessions", json={"identity": "alice", "image_path": "large.png"})
-        assert created.status_code == 200 and created.json()["worker_id"] == worker_id, created.text
-        session_id = created.json()["session_id"]
+        created: list[httpx.Response] = []
+        async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, trio.open_nursery() as nursery:
+
+            async def create() -> None:
+                created.append(await client.post("/v1/stream/sessions",
+                                                 json={"identity": "alice", "image_path": "large.png"}))
+
+            nursery.start_soon(create)
+            with trio.fail_after(HANDSHAKE_TIMEOUT):  # the create's options are checked by this agent first
+                while not isinstance(check := await channel.receive(), wire.CheckOptions):
+                    pass
+            await channel.send(wire.OptionsChecked(check.check_id))
+        assert created[0].status_code == 200 and created[0].json()["worker_id"] == worker_id, created[0].text
+        session_id = created[0].json()["session_id"]
         deaf_at = time.monotonic()  # from here on nothing is read on this side
         for seq in range(1, burst + 1):
             await channel.send(wire.Heartbeat(seq, ()))
