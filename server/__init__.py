@@ -52,10 +52,29 @@ def _end_hypercorn_supervisor() -> None:
     parent = multiprocessing.parent_process()
     if parent is None or parent.pid is None or b"hypercorn" not in _command_line(parent.pid):
         return
+    _unlink_inherited_semaphores()  # the tracker that would have (noisily) is ended with the supervisor
     for child in _children(parent.pid):
         if b"resource_tracker" in _command_line(child):
             os.kill(child, signal.SIGKILL)
     os.kill(parent.pid, signal.SIGKILL)
+
+
+def _unlink_inherited_semaphores() -> None:
+    """Unlink the named semaphores of the supervisor's shutdown event, which this worker holds: ended by SIGKILL
+    with its resource tracker, the supervisor left them in /dev/shm (five a start with a bad setting)."""
+    import contextlib
+    import gc
+    from multiprocessing.synchronize import SemLock
+
+    try:
+        from _multiprocessing import sem_unlink  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - no named semaphores on this platform
+        return
+    for lock in [obj for obj in gc.get_objects() if isinstance(obj, SemLock)]:
+        name = getattr(lock._semlock, "name", None)  # noqa: SLF001 - the one way to a semaphore's name
+        if name:
+            with contextlib.suppress(OSError):
+                sem_unlink(name)
 
 
 def _command_line(pid: int) -> bytes:

@@ -181,9 +181,12 @@ BAD_SETTING_STATUS = {"supervised": -signal.SIGKILL, "in-process": 2}
 async def test_plain_hypercorn_with_a_bad_setting_prints_one_line_naming_it_and_fails(workers):
     """One line naming the variable and its value, no traceback, and the command exits non-zero."""
     command = [sys.executable, "-m", "hypercorn", *workers, "--bind", "127.0.0.1:0", APP_TARGET]
+    semaphores = set(os.listdir("/dev/shm"))
     with trio.fail_after(START_DEADLINE):
         done = await trio.run_process(command, cwd=str(ROOT), env=bare_env(CHUNKLINE_QUEUE_SIZE="lots"),
                                       stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, check=False)
+    # the supervisor ended by SIGKILL (with its resource tracker) left its five named semaphores behind
+    assert [name for name in set(os.listdir("/dev/shm")) - semaphores if name.startswith("sem.mp-")] == []
     err = done.stderr.decode(errors="replace")
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("chunkline:")]
