@@ -103,6 +103,14 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         restart_policy=restart_policy,
     )
     app.extensions["chunkline"] = runtime
+    if isinstance(transport, LocalRooms):  # a room opens only while its session lives, and closes when it ends
+
+        def room_open(room: str) -> bool:
+            record = runtime.registry.in_room(room)
+            return record is not None and not record.is_terminal
+
+        transport.room_open = room_open
+        runtime.lifecycle.on_terminal = lambda record: transport.close_room(record.room)
     public_url = settings.livekit_url if settings.transport == "livekit" else None
 
     @app.before_serving
@@ -329,9 +337,6 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         token = websocket.args.get("token", "")
         try:
             subscriber = transport.admit_client(room, token)
-            record = runtime.registry.in_room(room)
-            if record is None or record.is_terminal:  # a closed session's tokens no longer open its room
-                raise TokenRejected("session_closed")
         except TokenRejected as exc:
             await websocket.accept()
             await websocket.send(json.dumps({"type": "refused", "reason": exc.reason}))

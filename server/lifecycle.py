@@ -11,6 +11,8 @@ the first cause wins. A drain's outcome is the table's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from states.stream_session import DrainCause, Event, settle_event
@@ -25,9 +27,13 @@ class SessionLifecycle:
 
     def __init__(self, registry: SessionRegistry) -> None:
         self.registry = registry
+        #: told of each record that has just become terminal (the app closes its room)
+        self.on_terminal: Callable[[SessionRecord], None] = lambda record: None
 
     def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None) -> None:
         self.registry.apply(record, event, now=trio.current_time(), error=error)
+        if record.is_terminal:
+            self.on_terminal(record)
 
     # -- admission ---------------------------------------------------------------------
 

@@ -88,6 +88,7 @@ class _Subscriber:
     too_slow: bool = False
     dropped_frames: int = 0
     text_size: int = 0  # characters queued in ``texts``
+    leaving: bool = False  # send what is queued, then leave
 
     def push_text(self, message: str) -> None:
         if self.too_slow:
@@ -102,6 +103,12 @@ class _Subscriber:
             self.presence.cancel()
         self.texts.append(message)
         self.text_size += len(message)
+        self.ready.set()
+
+    def leave(self) -> None:
+        """Send what is queued, then leave (the session ended): no send is cut short, so the socket closes
+        cleanly after the last message."""
+        self.leaving = True
         self.ready.set()
 
     def sent_text(self) -> None:
@@ -154,6 +161,11 @@ class _Room:
     subscribers: dict[str, _Subscriber] = attrs.Factory(dict)
     worker: _WorkerConnection | RemoteWorkerPresence | None = None
     last_frame: bytes | None = None
+    closed: bool = False  # its session ended: its clients leave once the worker has
+
+    def send_clients_away(self) -> None:
+        for subscriber in self.subscribers.values():
+            subscriber.leave()
 
     def identities(self) -> set[str]:
         present = set(self.subscribers)
@@ -285,6 +297,9 @@ class LocalRooms:
         self.max_data_message_bytes = max_data_message_bytes
         self.encode_limiter = trio.CapacityLimiter(2)
         self._expected_workers: dict[str, str] = {}  # room -> the agent identity the runtime started there
+        #: whether ``room`` is a live session's (the app answers from its registry): a token of a session
+        #: that ended no longer opens its room
+        self.room_open: Callable[[str], bool] = lambda room: True
 
     def expect_worker(self, room: str, identity: str) -> None:
         """A worker agent was started for ``room``: its worker token may join over the WebSocket."""
@@ -298,6 +313,16 @@ class LocalRooms:
         for room in self._rooms.values():
             for subscriber in room.subscribers.values():
                 subscriber.presence.cancel()
+
+    def close_room(self, room: str) -> None:
+        """The room's session ended: once its worker has left too, its browsers get what is queued for them (the
+        worker's ``done``, its leaving) and are sent away, so that no socket outlives its session (they stayed,
+        answering pings, for as long as they liked)."""
+        found = self._rooms.get(room)
+        if found is not None:
+            found.closed = True
+            if found.worker is None:
+                found.send_clients_away()
 
     def room_names(self) -> tuple[str, ...]:
         return tuple(self._rooms)
@@ -338,6 +363,8 @@ class LocalRooms:
             room.worker = None
             room.last_frame = None
             room.broadcast_text(json.dumps({"type": "participant_left", "identity": connection.identity}))
+            if room.closed:
+                room.send_clients_away()
         self._forget_if_empty(room)
 
     # -- browsers (WebSocket) ------------------------------------------------------
@@ -350,6 +377,8 @@ class LocalRooms:
         verified = self._issuer.verify(token, room=room)
         if verified.role not in ("controller", "viewer", "worker"):
             raise TokenRejected("wrong role")
+        if not self.room_open(room):
+            raise TokenRejected("session_closed")
         target = self._rooms.get(room)
         if target is not None and verified.identity in target.identities():
             raise TokenRejected("identity in use")
@@ -419,8 +448,11 @@ class LocalRooms:
     ) -> None:
         """Run one client's presence until its socket closes (then it leaves the room)."""
         target = self._room(room)
-        if subscriber.identity in target.identities() or len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
-            reason = "identity_in_use" if subscriber.identity in target.identities() else "room_full"
+        # the session may have ended since the client was admitted (the route's handshake awaits in between)
+        reason = ("session_closed" if not self.room_open(room)
+                  else "identity_in_use" if subscriber.identity in target.identities()
+                  else "room_full" if len(target.subscribers) >= MAX_CLIENTS_PER_ROOM else None)
+        if reason is not None:
             self._forget_if_empty(target)
             await send(json.dumps({"type": "refused", "reason": reason}))
             return
@@ -443,7 +475,7 @@ class LocalRooms:
         try:
             with subscriber.presence:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._pump_out, subscriber, send)
+                    nursery.start_soon(self._pump_out, subscriber, send, nursery.cancel_scope)
                     await self._pump_in(target, subscriber, receive)
                     nursery.cancel_scope.cancel()
             if subscriber.presence.cancelled_caught:
@@ -459,8 +491,11 @@ class LocalRooms:
                 target.worker.deliver(ParticipantLeft(subscriber.identity))
             self._forget_if_empty(target)
 
-    async def _pump_out(self, subscriber: _Subscriber, send: Callable[[str | bytes], Awaitable[None]]) -> None:
-        while True:
+    async def _pump_out(
+        self, subscriber: _Subscriber, send: Callable[[str | bytes], Awaitable[None]], end: trio.CancelScope
+    ) -> None:
+        """Send the subscriber's queues as they fill; once it is leaving and they are empty, end its presence."""
+        while not (subscriber.leaving and not subscriber.texts and not subscriber.media):
             await subscriber.ready.wait()
             subscriber.ready = trio.Event()
             while subscriber.texts or subscriber.media:
@@ -471,6 +506,7 @@ class LocalRooms:
                     subscriber.sent_text()
                 else:
                     await send(subscriber.media.popleft())  # frames are droppable
+        end.cancel()
 
     async def _pump_in(self, room: _Room, subscriber: _Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
         while True:
