@@ -35,9 +35,7 @@ import json
 import struct
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
-import attrs
 import numpy as np
 import trio
 
@@ -46,13 +44,10 @@ from pipelines.contract import Audio
 from .. import json_limits
 from ..tokens import TokenIssuer, TokenRejected
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
+from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
 
-__all__ = ["LocalRooms", "RemoteWorkerPresence", "encode_jpeg"]
+__all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
 
-FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
-EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
-TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before it is sent away
-TEXT_BACKLOG_BYTES = 1024 * 1024  # ... and the characters of them (ASCII JSON: bytes) it may fall behind by
 MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and its viewers)
 #: topics only the worker publishes on: a client's message on them is refused, so nobody poses as the server
 SERVER_TOPICS = frozenset({"tf.status", "tf.metrics"})
@@ -74,115 +69,10 @@ def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
     return b"".join(bytes(p) for p in packets)
 
 
-@attrs.define(eq=False)
-class _Subscriber:
-    """A browser participant: its queues are drained by its WebSocket task."""
-
-    identity: str
-    role: str
-    can_publish_data: bool
-    texts: deque = attrs.Factory(deque)  # data and participant messages: never dropped (bounded below)
-    media: deque = attrs.Factory(lambda: deque(maxlen=FRAME_BACKLOG))
-    ready: trio.Event = attrs.Factory(trio.Event)
-    presence: trio.CancelScope = attrs.Factory(trio.CancelScope)  # cancelled to send the client away
-    too_slow: bool = False
-    dropped_frames: int = 0
-    text_size: int = 0  # characters queued in ``texts``
-    leaving: bool = False  # send what is queued, then leave
-
-    def push_text(self, message: str) -> None:
-        if self.too_slow:
-            return
-        if len(self.texts) >= TEXT_BACKLOG or self.text_size + len(message) > TEXT_BACKLOG_BYTES:
-            # a client that does not read its reliable messages is sent away rather than
-            # letting its queue grow without bound (LiveKit drops such subscribers too)
-            self.too_slow = True
-            self.texts.clear()
-            self.text_size = 0
-            message = json.dumps({"type": "refused", "reason": "too_slow"})
-            self.presence.cancel()
-        self.texts.append(message)
-        self.text_size += len(message)
-        self.ready.set()
-
-    def leave(self) -> None:
-        """Send what is queued, then leave (the session ended): no send is cut short, so the socket closes
-        cleanly after the last message."""
-        self.leaving = True
-        self.ready.set()
-
-    def sent_text(self) -> None:
-        """The oldest queued text message has been sent."""
-        self.text_size -= len(self.texts.popleft())
-
-    def push_media(self, message: bytes) -> None:
-        if len(self.media) == self.media.maxlen:
-            self.dropped_frames += 1
-        self.media.append(message)
-        self.ready.set()
-
-
-@attrs.define(eq=False)
-class RemoteWorkerPresence:
-    """A worker agent in a local room over its own WebSocket (the agent runs on another process or host).
-
-    Room events for its runner queue here, bounded like the in-process worker's: a flood of
-    data loses its oldest data messages, participant events are always kept.
-    """
-
-    identity: str
-    texts: deque = attrs.Factory(deque)
-    ready: trio.Event = attrs.Factory(trio.Event)
-    data_events: int = 0
-    dropped_data: int = 0
-
-    def deliver(self, event: RoomEvent) -> None:
-        if isinstance(event, DataReceived):
-            if self.data_events >= EVENT_BACKLOG:
-                for index, (is_data, _) in enumerate(self.texts):
-                    if is_data:
-                        del self.texts[index]
-                        self.data_events -= 1
-                        self.dropped_data += 1
-                        break
-            self.data_events += 1
-            message = _data_message(event.topic, event.payload, event.sender_identity or "")
-        elif isinstance(event, ParticipantJoined):
-            message = json.dumps({"type": "participant_joined", "identity": event.identity})
-        else:
-            message = json.dumps({"type": "participant_left", "identity": event.identity})
-        self.texts.append((isinstance(event, DataReceived), message))
-        self.ready.set()
-
-
-@attrs.define(eq=False)
-class _Room:
-    name: str
-    subscribers: dict[str, _Subscriber] = attrs.Factory(dict)
-    worker: _WorkerConnection | RemoteWorkerPresence | None = None
-    last_frame: bytes | None = None
-    closed: bool = False  # its session ended: its clients leave once the worker has
-
-    def send_clients_away(self) -> None:
-        for subscriber in self.subscribers.values():
-            subscriber.leave()
-
-    def identities(self) -> set[str]:
-        present = set(self.subscribers)
-        if self.worker is not None:
-            present.add(self.worker.identity)
-        return present
-
-    def broadcast_text(self, message: str, *, skip: str | None = None) -> None:
-        for identity, subscriber in self.subscribers.items():
-            if identity != skip:
-                subscriber.push_text(message)
-
-
-class _WorkerConnection:
+class WorkerConnection:
     """The room runner's side of a local room (implements the RoomConnection port)."""
 
-    def __init__(self, rooms: LocalRooms, room: _Room, identity: str) -> None:
+    def __init__(self, rooms: LocalRooms, room: Room, identity: str) -> None:
         self._rooms = rooms
         self._room = room
         self._identity = identity
@@ -257,7 +147,7 @@ class _WorkerConnection:
     async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None:
         if self._closed:
             raise TransportError("the worker left the room")
-        self._room.broadcast_text(_data_message(topic, payload, self._identity))
+        self._room.broadcast_text(data_message(topic, payload, self._identity))
 
     async def disconnect(self) -> None:
         if self._closed:
@@ -268,7 +158,7 @@ class _WorkerConnection:
 
 
 class _EventStream:
-    def __init__(self, connection: _WorkerConnection) -> None:
+    def __init__(self, connection: WorkerConnection) -> None:
         self._connection = connection
 
     def __aiter__(self) -> _EventStream:
@@ -278,14 +168,6 @@ class _EventStream:
         return await self._connection.next_event()
 
 
-def _data_message(topic: str, payload: bytes, sender: str) -> str:
-    try:
-        body: Any = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
-        body = payload.decode("utf-8", "replace")
-    return json.dumps({"type": "data", "topic": topic, "payload": body, "from": sender})
-
-
 class LocalRooms:
     """The room hub (one per server) and the RoomTransport for the runners."""
 
@@ -293,7 +175,7 @@ class LocalRooms:
 
     def __init__(self, issuer: TokenIssuer, *, max_data_message_bytes: int = 12288) -> None:
         self._issuer = issuer
-        self._rooms: dict[str, _Room] = {}
+        self._rooms: dict[str, Room] = {}
         self.max_data_message_bytes = max_data_message_bytes
         self.encode_limiter = trio.CapacityLimiter(2)
         self._expected_workers: dict[str, str] = {}  # room -> the agent identity the runtime started there
@@ -331,19 +213,19 @@ class LocalRooms:
         found = self._rooms.get(room)
         return frozenset() if found is None else frozenset(found.identities())
 
-    def _room(self, name: str) -> _Room:
+    def _room(self, name: str) -> Room:
         room = self._rooms.get(name)
         if room is None:
-            room = self._rooms[name] = _Room(name)  # created on first join, as LiveKit does
+            room = self._rooms[name] = Room(name)  # created on first join, as LiveKit does
         return room
 
-    def _forget_if_empty(self, room: _Room) -> None:
+    def _forget_if_empty(self, room: Room) -> None:
         if not room.subscribers and room.worker is None:
             self._rooms.pop(room.name, None)
 
     # -- the worker (room runner) ------------------------------------------------
 
-    async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> _WorkerConnection:
+    async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> WorkerConnection:
         try:
             verified = self._issuer.verify(token, room=room)
         except TokenRejected as exc:
@@ -353,12 +235,12 @@ class LocalRooms:
         target = self._room(room)
         if identity in target.identities():
             raise TransportError(f"local room {room!r}: identity {identity!r} is already present")
-        connection = _WorkerConnection(self, target, identity)
+        connection = WorkerConnection(self, target, identity)
         target.worker = connection
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": identity}))
         return connection
 
-    def _leave_worker(self, room: _Room, connection: _WorkerConnection | RemoteWorkerPresence) -> None:
+    def _leave_worker(self, room: Room, connection: WorkerConnection | RemoteWorkerPresence) -> None:
         if room.worker is connection:
             room.worker = None
             room.last_frame = None
@@ -369,7 +251,7 @@ class LocalRooms:
 
     # -- browsers (WebSocket) ------------------------------------------------------
 
-    def admit_client(self, room: str, token: str) -> _Subscriber | RemoteWorkerPresence:
+    def admit_client(self, room: str, token: str) -> Subscriber | RemoteWorkerPresence:
         """Check a client's token for ``room``; raises TokenRejected (with a reason) to refuse it.
 
         A worker token admits a worker agent (:meth:`serve_worker`); the others a browser.
@@ -388,7 +270,7 @@ class LocalRooms:
             return RemoteWorkerPresence(verified.identity)
         if target is not None and len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
             raise TokenRejected("room full")
-        return _Subscriber(verified.identity, verified.role, verified.can_publish_data)
+        return Subscriber(verified.identity, verified.role, verified.can_publish_data)
 
     async def serve_worker(
         self,
@@ -424,7 +306,7 @@ class LocalRooms:
                     except (ValueError, KeyError, TypeError):
                         continue  # the agent is ours; a malformed envelope is dropped, not echoed
                     raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-                    target.broadcast_text(_data_message(str(topic), raw, worker.identity))
+                    target.broadcast_text(data_message(str(topic), raw, worker.identity))
         finally:
             self._leave_worker(target, worker)
 
@@ -442,7 +324,7 @@ class LocalRooms:
     async def serve_client(
         self,
         room: str,
-        subscriber: _Subscriber,
+        subscriber: Subscriber,
         send: Callable[[str | bytes], Awaitable[None]],
         receive: Callable[[], Awaitable[str | bytes]],
     ) -> None:
@@ -492,7 +374,7 @@ class LocalRooms:
             self._forget_if_empty(target)
 
     async def _pump_out(
-        self, subscriber: _Subscriber, send: Callable[[str | bytes], Awaitable[None]], end: trio.CancelScope
+        self, subscriber: Subscriber, send: Callable[[str | bytes], Awaitable[None]], end: trio.CancelScope
     ) -> None:
         """Send the subscriber's queues as they fill; once it is leaving and they are empty, end its presence."""
         while not (subscriber.leaving and not subscriber.texts and not subscriber.media):
@@ -508,7 +390,7 @@ class LocalRooms:
                     await send(subscriber.media.popleft())  # frames are droppable
         end.cancel()
 
-    async def _pump_in(self, room: _Room, subscriber: _Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
+    async def _pump_in(self, room: Room, subscriber: Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
         while True:
             message = await receive()
             if isinstance(message, bytes):
@@ -540,4 +422,4 @@ class LocalRooms:
             raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
             if room.worker is not None:
                 room.worker.deliver(DataReceived(topic, raw, subscriber.identity))
-            room.broadcast_text(_data_message(topic, raw, subscriber.identity), skip=subscriber.identity)
+            room.broadcast_text(data_message(topic, raw, subscriber.identity), skip=subscriber.identity)

@@ -19,7 +19,7 @@ import attrs
 import trio
 from wsproto.events import CloseConnection, TextMessage
 
-from server.transport.local import TEXT_BACKLOG, TEXT_BACKLOG_BYTES
+from server.transport.local_room import TEXT_BACKLOG, TEXT_BACKLOG_BYTES
 
 from .test_hostile_server import FAST, WAIT, handshake, running
 

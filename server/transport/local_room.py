@@ -1,0 +1,143 @@
+"""A local room's members and their bounded queues: each browser client, a remote worker agent, the room.
+
+:mod:`server.transport.local` runs the hub (admission, the sockets' tasks, the in-process worker's
+connection); what it keeps per room and per participant, and every bound on what a participant that
+does not read can make the server hold, is here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .base import DataReceived, ParticipantJoined, RoomEvent
+
+if TYPE_CHECKING:
+    from .local import WorkerConnection
+
+__all__ = [
+    "EVENT_BACKLOG", "FRAME_BACKLOG", "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES",
+    "RemoteWorkerPresence", "Room", "Subscriber", "data_message",
+]
+
+FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
+EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
+TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before it is sent away
+TEXT_BACKLOG_BYTES = 1024 * 1024  # ... and the characters of them (ASCII JSON: bytes) it may fall behind by
+
+
+@attrs.define(eq=False)
+class Subscriber:
+    """A browser participant: its queues are drained by its WebSocket task."""
+
+    identity: str
+    role: str
+    can_publish_data: bool
+    texts: deque = attrs.Factory(deque)  # data and participant messages: never dropped (bounded below)
+    media: deque = attrs.Factory(lambda: deque(maxlen=FRAME_BACKLOG))
+    ready: trio.Event = attrs.Factory(trio.Event)
+    presence: trio.CancelScope = attrs.Factory(trio.CancelScope)  # cancelled to send the client away
+    too_slow: bool = False
+    dropped_frames: int = 0
+    text_size: int = 0  # characters queued in ``texts``
+    leaving: bool = False  # send what is queued, then leave
+
+    def push_text(self, message: str) -> None:
+        if self.too_slow:
+            return
+        if len(self.texts) >= TEXT_BACKLOG or self.text_size + len(message) > TEXT_BACKLOG_BYTES:
+            # a client that does not read its reliable messages is sent away rather than
+            # letting its queue grow without bound (LiveKit drops such subscribers too)
+            self.too_slow = True
+            self.texts.clear()
+            self.text_size = 0
+            message = json.dumps({"type": "refused", "reason": "too_slow"})
+            self.presence.cancel()
+        self.texts.append(message)
+        self.text_size += len(message)
+        self.ready.set()
+
+    def leave(self) -> None:
+        """Send what is queued, then leave (the session ended): no send is cut short, so the socket closes
+        cleanly after the last message."""
+        self.leaving = True
+        self.ready.set()
+
+    def sent_text(self) -> None:
+        """The oldest queued text message has been sent."""
+        self.text_size -= len(self.texts.popleft())
+
+    def push_media(self, message: bytes) -> None:
+        if len(self.media) == self.media.maxlen:
+            self.dropped_frames += 1
+        self.media.append(message)
+        self.ready.set()
+
+
+@attrs.define(eq=False)
+class RemoteWorkerPresence:
+    """A worker agent in a local room over its own WebSocket (the agent runs on another process or host).
+
+    Room events for its runner queue here, bounded like the in-process worker's: a flood of
+    data loses its oldest data messages, participant events are always kept.
+    """
+
+    identity: str
+    texts: deque = attrs.Factory(deque)
+    ready: trio.Event = attrs.Factory(trio.Event)
+    data_events: int = 0
+    dropped_data: int = 0
+
+    def deliver(self, event: RoomEvent) -> None:
+        if isinstance(event, DataReceived):
+            if self.data_events >= EVENT_BACKLOG:
+                for index, (is_data, _) in enumerate(self.texts):
+                    if is_data:
+                        del self.texts[index]
+                        self.data_events -= 1
+                        self.dropped_data += 1
+                        break
+            self.data_events += 1
+            message = data_message(event.topic, event.payload, event.sender_identity or "")
+        elif isinstance(event, ParticipantJoined):
+            message = json.dumps({"type": "participant_joined", "identity": event.identity})
+        else:
+            message = json.dumps({"type": "participant_left", "identity": event.identity})
+        self.texts.append((isinstance(event, DataReceived), message))
+        self.ready.set()
+
+
+@attrs.define(eq=False)
+class Room:
+    name: str
+    subscribers: dict[str, Subscriber] = attrs.Factory(dict)
+    worker: WorkerConnection | RemoteWorkerPresence | None = None
+    last_frame: bytes | None = None
+    closed: bool = False  # its session ended: its clients leave once the worker has
+
+    def send_clients_away(self) -> None:
+        for subscriber in self.subscribers.values():
+            subscriber.leave()
+
+    def identities(self) -> set[str]:
+        present = set(self.subscribers)
+        if self.worker is not None:
+            present.add(self.worker.identity)
+        return present
+
+    def broadcast_text(self, message: str, *, skip: str | None = None) -> None:
+        for identity, subscriber in self.subscribers.items():
+            if identity != skip:
+                subscriber.push_text(message)
+
+
+def data_message(topic: str, payload: bytes, sender: str) -> str:
+    try:
+        body: Any = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        body = payload.decode("utf-8", "replace")
+    return json.dumps({"type": "data", "topic": topic, "payload": body, "from": sender})
