@@ -143,16 +143,12 @@ class _Delivery:
         from_thread = getattr(self.on_done, "from_thread", None)
         if from_thread is None or actor._machine.state is not ActorState.RUNNING:
             return None
-        with actor._counts:
-            actor._pending -= 1
+        actor._count(pending=-1)
         finish = from_thread(self.invocation, value)
         if finish is not None:
             return functools.partial(actor._after_thread_delivery, finish)
         # nothing for trio to do: the call is delivered here, and trio is woken only for a barrier
-        with actor._counts:
-            actor._undelivered -= 1
-            barrier_waits = actor._quiet.waiting > 0
-        return actor._mark_done if barrier_waits else NOTHING_LEFT
+        return actor._mark_done if actor._count(undelivered=-1) else NOTHING_LEFT
 
 
 _names = itertools.count()
@@ -280,9 +276,7 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
-            with self._counts:
-                self._pending += 1
-                self._undelivered += 1
+            self._count(pending=1, undelivered=1)
             self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
             return
         self._count(pending=1)

@@ -470,7 +470,7 @@ class SchedulerCore:
         key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, request)
         # everything the invocation holds is taken before submit: an actor may complete it inside submit
         inputs = rt.take_inputs(stage_id, seq, stage.consumes)
-        timing = rt.timings[stage_id].get(seq) or rt.timing(stage_id, seq)
+        timing = rt.timing(stage_id, seq)
         timing.admitted_at = self._now()
         reservation = self._usage.take(rt.reservations, stage, key, timing)
         rt.taken[stage_id].add(seq)
