@@ -365,7 +365,6 @@ class StreamRuntime:
 
     def _follow(self, transitions: list[Transition]) -> None:
         """Carry the book's decisions into the records and start runners for new assignments."""
-        now = trio.current_time()
         for transition in transitions:
             if not isinstance(transition, AdmissionTransition):
                 continue
