@@ -18,7 +18,7 @@ import inspect
 import itertools
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import outcome
@@ -42,9 +42,12 @@ __all__ = [
 ActorState = actor_table.State
 
 
-@attrs.frozen
-class TaskKey:
-    """Identity of one invocation: who, which epoch, which sequence, which stage, which try."""
+class TaskKey(NamedTuple):
+    """Identity of one invocation: who, which epoch, which sequence, which stage, which try.
+
+    A named tuple: immutable and hashable, and made for every admission at the cost of one
+    tuple (a frozen attrs class sets each field through a Python-level call).
+    """
 
     session_id: str
     session_epoch: int
@@ -59,8 +62,9 @@ class SessionContext:
     session_epoch: int
 
 
-@attrs.frozen
-class StageInvocation:
+class StageInvocation(NamedTuple):
+    """One call of a stage for one sequence of one session (a named tuple: made for every call)."""
+
     key: TaskKey
     inputs: Mapping[str, Any]
     is_first: bool
@@ -143,12 +147,16 @@ class _Delivery:
         from_thread = getattr(self.on_done, "from_thread", None)
         if from_thread is None or actor._machine.state is not ActorState.RUNNING:
             return None
-        actor._count(pending=-1)
+        counts = actor._counts
+        with counts:
+            actor._pending -= 1
         finish = from_thread(self.invocation, value)
         if finish is not None:
             return functools.partial(actor._after_thread_delivery, finish)
         # nothing for trio to do: the call is delivered here, and trio is woken only for a barrier
-        return actor._mark_done if actor._count(undelivered=-1) else NOTHING_LEFT
+        with counts:
+            actor._undelivered -= 1
+            return actor._mark_done if actor._quiet.waiting else NOTHING_LEFT
 
 
 _names = itertools.count()
@@ -276,7 +284,9 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
-            self._count(pending=1, undelivered=1)
+            with self._counts:  # inline: the one count change made for every call
+                self._pending += 1
+                self._undelivered += 1
             self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
             return
         self._count(pending=1)

@@ -326,14 +326,15 @@ class SchedulerCore:
         try:
             if error is not None:
                 self._failures.call_failed(rt, stage_id, error)
-            elif rt.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
+            elif rt.machine.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
                 invalid = check_result(stage, seq, value)
                 if invalid is not None:
                     self._fail(rt, invalid)
-                elif record_result(self.graph, rt, stage, seq, value, now):
-                    self._wake(rt.emitted)
+                elif record_result(self.graph, rt, stage, seq, value, now) and rt.emitted.waiting:
+                    self._handoff.wake(rt.emitted)
         finally:
-            self._wake(rt.changed)
+            if rt.changed.waiting:
+                self._handoff.wake(rt.changed)
             self._pump(self.graph.after_completion[stage_id])
 
     def complete_from_thread(self, invocation: StageInvocation, value: Any) -> Callable[[], None] | None:
@@ -409,23 +410,33 @@ class SchedulerCore:
             return
         self._pumping = True
         try:
-            scan_order, admit_stage, by_stage = self.graph.scan_order, self._admit_stage, self._usage.by_stage
+            by_stage, turns_of, sessions, try_admit = self._usage.by_stage, self._turns, self._sessions, self._try_admit
             while dirty:
-                for stage in scan_order:
+                for stage in self.graph.scan_order:
                     stage_id = stage.stage_id
-                    if stage_id in dirty:
-                        dirty.discard(stage_id)
-                        if by_stage[stage_id] < stage.max_in_flight_global:  # else busy: nothing to look at
-                            admit_stage(stage)
+                    if stage_id not in dirty:
+                        continue
+                    dirty.discard(stage_id)
+                    if by_stage[stage_id] >= stage.max_in_flight_global:
+                        continue  # busy: nothing to look at
+                    turns = turns_of[stage_id]
+                    if len(turns) != 1:
+                        self._admit_in_turn(stage, turns)
+                        continue
+                    # one session, nobody to take turns with (the common case, inline)
+                    rt = sessions.get(turns[0])
+                    if rt is not None and rt.ready[stage_id] and try_admit(rt, stage):
+                        if stage.max_in_flight_per_session > 1:
+                            while try_admit(rt, stage):
+                                pass
         finally:
             self._pumping = False
 
-    def _admit_stage(self, stage: StageSpec) -> None:
+    def _admit_in_turn(self, stage: StageSpec, turns: deque[str]) -> None:
         """Admit the stage's ready work, session by session in turn (the pump checked it has room)."""
         stage_id = stage.stage_id
         by_stage = self._usage.by_stage
         limit = stage.max_in_flight_global
-        turns = self._turns[stage_id]
         sessions, try_admit = self._sessions, self._try_admit
         served: list[str] = []
         for session_id in tuple(turns):
@@ -451,7 +462,7 @@ class SchedulerCore:
 
     def _try_admit(self, rt: SessionRuntime, stage: StageSpec) -> bool:
         seq = rt.next_ready(stage)  # the cheaper check first: most calls find nothing ready
-        if seq is None or not rt.starting_accepted_work:
+        if seq is None or not rt.machine.starting_accepted_work:
             return False
         stage_id = stage.stage_id
         blocker = self._blocker(rt, stage)
@@ -469,8 +480,7 @@ class SchedulerCore:
         self._next_request = request + 1
         key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, request)
         # everything the invocation holds is taken before submit: an actor may complete it inside submit
-        inputs = rt.take_inputs(stage_id, seq, stage.consumes)
-        timing = rt.timing(stage_id, seq)
+        inputs, timing = rt.take_inputs(stage_id, seq, stage.consumes)
         timing.admitted_at = self._now()
         reservation = self._usage.take(rt.reservations, stage, key, timing)
         rt.taken[stage_id].add(seq)
@@ -480,7 +490,7 @@ class SchedulerCore:
             if rt.reservations.get(stage_id, seq) is reservation:
                 self._usage.release(rt.reservations, reservation)
                 rt.taken[stage_id].discard(seq)
-                rt.restore_inputs(stage_id, seq, inputs)
+                rt.restore_inputs(stage_id, seq, inputs, timing)
             if isinstance(exc, ActorBusyError):
                 rt.blockers[stage_id][seq] = ACTOR_BUSY
             elif not actor.health().healthy:
@@ -488,9 +498,10 @@ class SchedulerCore:
             else:
                 self._fail(rt, exc)
             return False
-        self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
-        if stage_id in self.graph.ingress_consumers:
-            self._wake(rt.room, rt.changed)
-        else:
-            self._wake(rt.changed)
+        graph = self.graph
+        self._dirty.update(graph.upstream[stage_id])  # edge room freed upstream
+        if stage_id in graph.ingress_consumers and rt.room.waiting:
+            self._handoff.wake(rt.room)
+        if rt.changed.waiting:
+            self._handoff.wake(rt.changed)
         return True

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .actors import TaskKey
 from .spec import StageSpec
@@ -23,21 +23,18 @@ from .spec import StageSpec
 __all__ = ["Reservation", "SessionReservations", "UsageBook"]
 
 
-class Reservation:
+class Reservation(NamedTuple):
     """What one admitted invocation holds until its result is accepted or dropped.
 
-    Made for every admission, so a plain slotted class; only :class:`UsageBook` makes one,
-    and nothing changes it after.
+    Made for every admission, so a named tuple (immutable, one allocation); only
+    :class:`UsageBook` makes one.
     """
 
-    __slots__ = ("key", "stage_id", "resource_group", "slot", "timing")
-
-    def __init__(self, key: TaskKey, stage_id: str, resource_group: str | None, timing: Any) -> None:
-        self.key = key
-        self.stage_id = stage_id
-        self.resource_group = resource_group
-        self.slot = (stage_id, key.sequence_id)
-        self.timing = timing  # the (stage, sequence) timing record its completion stamps
+    key: TaskKey
+    stage_id: str
+    resource_group: str | None
+    slot: tuple[str, int]  # (stage, sequence): its place in the session's reservations
+    timing: Any  # the (stage, sequence) timing record its completion stamps
 
     def __repr__(self) -> str:
         return f"Reservation({self.key!r})"
@@ -79,16 +76,17 @@ class UsageBook:
 
     def take(self, session: SessionReservations, stage: StageSpec, key: TaskKey, timing: Any) -> Reservation:
         stage_id = stage.stage_id
-        reservation = Reservation(key, stage_id, stage.resource_group, timing)
+        slot = (stage_id, key.sequence_id)
         held = session.held
-        if reservation.slot in held:
+        if slot in held:
             raise RuntimeError(f"stage {stage_id!r} already holds sequence {key.sequence_id} of {key.session_id!r}")
-        held[reservation.slot] = reservation
+        group = stage.resource_group
+        reservation = held[slot] = Reservation(key, stage_id, group, slot, timing)
         by_stage = session.by_stage
         by_stage[stage_id] = by_stage.get(stage_id, 0) + 1
         self.by_stage[stage_id] += 1
-        if reservation.resource_group is not None:
-            self.by_group[reservation.resource_group] += 1
+        if group is not None:
+            self.by_group[group] += 1
         return reservation
 
     def release(self, session: SessionReservations, reservation: Reservation) -> None:

@@ -108,7 +108,8 @@ class SessionRuntime:
         self.slots: dict[tuple[int, str], Slot] = {}
         self.occupancy: Counter[tuple[str, str]] = Counter()  # (artifact, target) -> waiting slots
         self.present: dict[str, Counter[int]] = {s: Counter() for s in stage_ids}  # inputs present per seq
-        self.ready: dict[str, set[int]] = {s: set() for s in stage_ids}  # seqs with every input present
+        # seqs with every input present, each with its timing record (admission stamps it without a lookup)
+        self.ready: dict[str, dict[int, _Timing]] = {s: {} for s in stage_ids}
         self.taken: dict[str, SeqSet] = {s: SeqSet() for s in stage_ids}  # admitted (running or done)
         self.highest_ingress = -1
 
@@ -150,11 +151,11 @@ class SessionRuntime:
 
     @property
     def admitting(self) -> bool:
-        return self.machine.state in table.ADMITTING
+        return self.machine.admitting
 
     @property
     def starting_accepted_work(self) -> bool:
-        return self.machine.state in table.STARTING_ACCEPTED_WORK
+        return self.machine.starting_accepted_work
 
     @property
     def hook_reason(self) -> CloseReason:
@@ -196,18 +197,24 @@ class SessionRuntime:
         for stage_id in consumers:
             edge = (artifact, stage_id)
             occupancy[edge] = occupancy.get(edge, 0) + 1  # plain dict calls: Counter's hooks are Python code
-            present = self.present[stage_id]
-            count = present.get(seq, 0) + 1
-            if count == len(consumes[stage_id]):
-                present.pop(seq, None)
-                self.ready[stage_id].add(seq)
-                self.timing(stage_id, seq).inputs_ready_at = now
-            else:
-                present[seq] = count
+            needed = len(consumes[stage_id])
+            if needed > 1:  # a stage with one input is ready at once
+                present = self.present[stage_id]
+                count = present.get(seq, 0) + 1
+                if count < needed:
+                    present[seq] = count
+                    continue
+                del present[seq]
+            timing = self.timing(stage_id, seq)
+            timing.inputs_ready_at = now
+            self.ready[stage_id][seq] = timing
 
-    def take_inputs(self, stage_id: str, seq: int, consumes: frozenset[str]) -> dict[str, Any]:
-        """Remove ``stage_id`` from each input slot's consumers (freeing the slot when empty)."""
-        self.ready[stage_id].discard(seq)
+    def take_inputs(self, stage_id: str, seq: int, consumes: frozenset[str]) -> tuple[dict[str, Any], _Timing]:
+        """Remove ``stage_id`` from each input slot's consumers (freeing the slot when empty).
+
+        Returns the inputs and the (stage, sequence) timing record.
+        """
+        timing = self.ready[stage_id].pop(seq)
         inputs = {}
         slots, occupancy = self.slots, self.occupancy
         for artifact in consumes:
@@ -218,9 +225,9 @@ class SessionRuntime:
             occupancy[(artifact, stage_id)] -= 1
             if not consumers:
                 del slots[(seq, artifact)]
-        return inputs
+        return inputs, timing
 
-    def restore_inputs(self, stage_id: str, seq: int, inputs: dict[str, Any]) -> None:
+    def restore_inputs(self, stage_id: str, seq: int, inputs: dict[str, Any], timing: _Timing) -> None:
         """Undo :meth:`take_inputs` (the actor refused the invocation)."""
         for artifact, value in inputs.items():
             slot = self.slots.get((seq, artifact))
@@ -228,7 +235,7 @@ class SessionRuntime:
                 slot = self.slots[(seq, artifact)] = Slot(value, set())
             slot.consumers.add(stage_id)
             self.occupancy[(artifact, stage_id)] += 1
-        self.ready[stage_id].add(seq)
+        self.ready[stage_id][seq] = timing
 
     def discard_buffers(self) -> int:
         """Drop every buffered artifact and not-yet-polled output; returns slots dropped."""

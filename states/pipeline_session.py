@@ -152,17 +152,25 @@ class PipelineSessionMachine(StateMachine[State, Event]):
     INITIAL = State.RUNNING
     TERMINAL = TERMINAL
 
-    __slots__ = ("stopped_as",)
+    # ``admitting`` and ``starting_accepted_work``: the state's membership in ADMITTING and
+    # STARTING_ACCEPTED_WORK, looked up once per transition (the scheduler asks on every admission)
+    __slots__ = ("stopped_as", "admitting", "starting_accepted_work")
 
     def __init__(self, state: State | None = None) -> None:
         super().__init__(state)
         self.stopped_as: State | None = self.state if self.state in STOPPING else None
+        self._classify(self.state)
 
     def apply(self, event: Event) -> State:
         new_state = super().apply(event)
         if new_state in STOPPING:
             self.stopped_as = new_state
+        self._classify(new_state)
         return new_state
+
+    def _classify(self, state: State) -> None:
+        self.admitting = state in ADMITTING
+        self.starting_accepted_work = state in STARTING_ACCEPTED_WORK
 
     @property
     def settle_event(self) -> Event:
