@@ -44,7 +44,10 @@ def record_result(graph: StageGraph, rt: SessionRuntime, stage: StageSpec, seq: 
     following = seq + 1
     if rt.final_sequence_id is None or following <= rt.final_sequence_id:
         slots = rt.slots
-        missing = tuple(a for a in graph.consumes_sorted[stage.stage_id] if (following, a) not in slots)
+        missing: tuple[str, ...] = ()
+        for artifact in graph.consumes_sorted[stage.stage_id]:  # a loop, not a generator: made per completion
+            if (following, artifact) not in slots:
+                missing += (artifact,)
         if missing:
             rt.missing_after[stage.stage_id][following] = missing
     return emitted
