@@ -305,7 +305,8 @@ class LocalStageActor:
 
     def _after_thread_delivery(self, finish: Callable[[], None]) -> None:
         """In trio, after a call completed on the thread: the scheduler's leftovers, then barrier waiters."""
-        self._count(undelivered=-1)
+        with self._counts:
+            self._undelivered -= 1
         finish()
         self._mark_done()
 

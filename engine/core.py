@@ -144,9 +144,8 @@ class SchedulerCore:
         """Admit all of ``artifacts`` for ``seq`` now, or nothing."""
         graph = self.graph
         with self.lock:
-            check_ingress(graph, rt, seq, artifacts)
-            if not has_room(graph, rt, artifacts):
-                return False
+            if not check_ingress(graph, rt, seq, artifacts):
+                return False  # no room now
             now = self._now()
             anchor = self._latency_anchor
             if anchor is None or anchor in artifacts:
