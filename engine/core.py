@@ -144,7 +144,7 @@ class SchedulerCore:
         """Admit all of ``artifacts`` for ``seq`` now, or nothing."""
         graph = self.graph
         with self.lock:
-            if not check_ingress(graph, rt, seq, artifacts):
+            if not check_ingress(graph, rt, seq, artifacts):  # raises for input that can never run
                 return False  # no room now
             now = self._now()
             anchor = self._latency_anchor
@@ -409,34 +409,30 @@ class SchedulerCore:
             return
         self._pumping = True
         try:
-            by_stage, turns_of, sessions, try_admit = self._usage.by_stage, self._turns, self._sessions, self._try_admit
+            scan_order, admit_stage, by_stage = self.graph.scan_order, self._admit_stage, self._usage.by_stage
             while dirty:
-                for stage in self.graph.scan_order:
+                for stage in scan_order:
                     stage_id = stage.stage_id
-                    if stage_id not in dirty:
-                        continue
-                    dirty.discard(stage_id)
-                    if by_stage[stage_id] >= stage.max_in_flight_global:
-                        continue  # busy: nothing to look at
-                    turns = turns_of[stage_id]
-                    if len(turns) != 1:
-                        self._admit_in_turn(stage, turns)
-                        continue
-                    # one session, nobody to take turns with (the common case, inline)
-                    rt = sessions.get(turns[0])
-                    if rt is not None and rt.ready[stage_id] and try_admit(rt, stage):
-                        if stage.max_in_flight_per_session > 1:
-                            while try_admit(rt, stage):
-                                pass
+                    if stage_id in dirty:
+                        dirty.discard(stage_id)
+                        if by_stage[stage_id] < stage.max_in_flight_global:  # else busy: nothing to look at
+                            admit_stage(stage)
         finally:
             self._pumping = False
 
-    def _admit_in_turn(self, stage: StageSpec, turns: deque[str]) -> None:
+    def _admit_stage(self, stage: StageSpec) -> None:
         """Admit the stage's ready work, session by session in turn (the pump checked it has room)."""
         stage_id = stage.stage_id
+        turns = self._turns[stage_id]
+        sessions, try_admit = self._sessions, self._try_admit
+        if len(turns) == 1:  # one session: nobody to take turns with
+            rt = sessions.get(turns[0])
+            if rt is not None and rt.ready[stage_id] and try_admit(rt, stage) and stage.max_in_flight_per_session > 1:
+                while try_admit(rt, stage):
+                    pass
+            return
         by_stage = self._usage.by_stage
         limit = stage.max_in_flight_global
-        sessions, try_admit = self._sessions, self._try_admit
         served: list[str] = []
         for session_id in tuple(turns):
             rt = sessions.get(session_id)
@@ -497,9 +493,8 @@ class SchedulerCore:
             else:
                 self._fail(rt, exc)
             return False
-        graph = self.graph
-        self._dirty.update(graph.upstream[stage_id])  # edge room freed upstream
-        if stage_id in graph.ingress_consumers and rt.room.waiting:
+        self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
+        if stage_id in self.graph.ingress_consumers and rt.room.waiting:
             self._handoff.wake(rt.room)
         if rt.changed.waiting:
             self._handoff.wake(rt.changed)
