@@ -108,7 +108,7 @@ def applies_control_idle_timeout(workers: Iterable[Any]) -> bool:
     bidirectional pipeline whose ``get_service`` takes it (one that does not never applies the setting)."""
     loaded = [worker for worker in workers if worker.kind is not None]
     return bool(loaded) and all(
-        # an agent's wire does not say what its pipeline took (no offered_taken): not known, so not claimed
+        # a worker that cannot say what its pipeline took (offered_taken None) is not known to apply it: not claimed
         worker.kind == BidirectionalService.kind and "control_idle_timeout" in (getattr(worker, "offered_taken", None) or ())
         for worker in loaded
     )

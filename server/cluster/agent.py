@@ -13,21 +13,19 @@ session it runs, then registers again under a new id with the model it already
 loaded. The authority proves the cluster token back (its Welcome), and every frame after
 that is tagged (see :mod:`server.cluster.wire`): a peer at the authority's address that
 cannot prove it is dropped and dialed again after a backoff, as after any failed connect.
-An authority too busy for another handshake (a flood) says Busy: the agent dials again
-later, however long that lasts, without counting it toward giving up. Refused at
-registration by a token holder (another version or pipeline) it exits with code 3; a
-refusal it cannot check (the token differs there, or it is not the authority) backs off
-like a failed connect, and a crash loop of them exits with code 3 too. SIGTERM (or a
+What the authority's answers make it do is :mod:`server.cluster.dial_ends`: a proven Busy (a
+flood fills the authority's handshakes) or a proven transient refusal is waited out without
+counting it toward giving up; a proven permanent refusal (another version or pipeline) exits
+with code 3; anything unproven counts as a failed connect (a crash loop of unproven refusals
+exits with code 3 too). SIGTERM (or a
 drain from the authority) drains: no new sessions, live ones finish or are stopped at the
 drain deadline at a chunk boundary, then it says goodbye and exits 0.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
-import random
 import secrets
 import signal
 import socket
@@ -50,6 +48,7 @@ from ..requests import OptionsRefused
 from . import proofs, wire
 from .agent_sessions import AgentSessions
 from .backoff import back_off
+from .dial_ends import TRANSIENT_DEADLINE, End, Ended, Patience, answer, unproven_busy
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
@@ -61,22 +60,6 @@ CONNECT_TIMEOUT = 10.0
 OUTBOX = 1024
 # an agent cut off from the authority registers again quickly at first, and gives up on a crash loop
 REREGISTER_POLICY = RestartPolicy(base_delay=0.2, max_delay=5.0, max_failures=8, window=60.0)
-
-
-class End(enum.Enum):
-    """How one registration (or one attempt at it) ended: what the agent does next."""
-
-    LOST = "lost"  # back off and register again (counted toward the crash-loop limit)
-    BUSY = "busy"  # the authority turned this dial away busy: back off and dial again, not counted
-    REFUSED = "refused"  # by a token holder: exit 3
-    UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved: as lost; a crash loop of them exits 3
-    DRAINED = "drained"  # exit 0
-
-
-@attrs.frozen
-class Ended:
-    kind: End
-    why: str
 
 
 def parse_authority(url: str) -> tuple[str, str, int]:
@@ -186,23 +169,28 @@ class Agent:
     async def _registrations(self) -> int:
         """Register, serve, and register again (a fresh id) after a loss, on the shared restart policy."""
         restarts = RestartTracker(REREGISTER_POLICY)
-        busy = 0
+        patience = Patience()
         while True:
             ended = await self._one_registration()
             if ended.kind is End.REFUSED:
                 return EXIT_REFUSED
             if ended.kind is End.DRAINED or self._draining:
                 return 0
-            if ended.kind is End.BUSY:
-                # someone else's flood fills the authority's handshakes: wait it out, however long it lasts
-                busy += 1
-                delay = REREGISTER_POLICY.delay(busy) * random.uniform(0.5, 1.0)  # agents turned away together spread
-                log.warning("agent at %s: the authority is busy (%s); dialing again in %.1f s (not counted toward "
-                            "giving up)", self.options.authority, ended.why[:200], delay)
+            if ended.kind in (End.BUSY, End.TRANSIENT):
+                # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
+                # agent yet): dial again soon, not counted toward giving up
+                delay = patience.delay(ended, trio.current_time())
+                what = "is busy" if ended.kind is End.BUSY else "refused this worker for now"
+                if delay is None:
+                    log.error("agent at %s: the authority %s (%s) for more than %.0f s; giving up",
+                              self.options.authority, what, ended.why[:200], TRANSIENT_DEADLINE)
+                    return 1
+                log.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted toward "
+                            "giving up)", self.options.authority, what, ended.why[:200], delay)
                 with trio.move_on_after(delay):
                     await self._drained.wait()
                 continue
-            busy = 0
+            patience.reset()
             if not await back_off(restarts, f"authority connection ended ({ended.why})", f"agent at {self.options.authority}"):
                 return EXIT_REFUSED if ended.kind is End.UNPROVEN_REFUSAL else 1
 
@@ -218,9 +206,9 @@ class Agent:
                 # small frames until the peer proved the token: an impostor cannot make this side buffer 16 MiB
                 channel = wire.Channel(stream, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
                 hello = await channel.receive()
-                if isinstance(hello, wire.Busy):
+                if isinstance(hello, wire.Busy):  # in place of the hello: over no nonce of ours, it proves nothing
                     await channel.aclose()
-                    return Ended(End.BUSY, hello.reason)
+                    return unproven_busy(options.authority, hello)
                 if not isinstance(hello, wire.Hello):
                     raise wire.WireError(f"expected hello, got {hello.TYPE}")
                 self._acked_sent_at = trio.current_time()  # the authority's deadline starts when register arrives
@@ -244,7 +232,8 @@ class Agent:
             if channel is not None:
                 await channel.aclose()
             return Ended(End.LOST, f"authority unreachable: {type(exc).__name__}: {exc}")
-        ended = self._answer(reply, hello.nonce, agent_nonce, worker_id)
+        ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
+                       worker_id=worker_id)
         if ended is not None:
             await channel.aclose()
             return ended
@@ -252,24 +241,6 @@ class Agent:
         channel.max_frame = wire.MAX_FRAME_BYTES
         channel.authenticate(proofs.frame_key(options.token, hello.nonce, agent_nonce, worker_id), authority=False)
         return channel, reply
-
-    def _answer(self, reply: wire.Message, nonce: str, agent_nonce: str, worker_id: str) -> Ended | None:
-        """Why the authority's answer to a Register ends this attempt; None for a Welcome that proves the token."""
-        token, at = self.options.token, self.options.authority
-        if isinstance(reply, wire.Refused):
-            if proofs.refusal_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
-                log.error("the authority refused this worker: %s", reply.reason)
-                return Ended(End.REFUSED, reply.reason)
-            log.error("%s refused this worker without proving the cluster token (the token differs there, or it "
-                      "is not the authority): %s", at, reply.reason[:200])
-            return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {reply.reason[:200]}")
-        if not isinstance(reply, wire.Welcome):
-            return Ended(End.LOST, f"protocol error: expected welcome, got {reply.TYPE}")
-        if not proofs.authority_proof_matches(token, nonce, agent_nonce, worker_id, reply.proof):
-            log.error("%s did not prove the cluster token in its welcome: not the authority, or another token; "
-                      "dropped it", at)
-            return Ended(End.LOST, "the authority did not prove the cluster token")
-        return None
 
     async def _one_registration(self) -> Ended:
         worker_id = f"{self.options.node}-{secrets.token_hex(4)}"
@@ -408,7 +379,9 @@ class Agent:
         self.send(wire.OptionsChecked(message.check_id, refused, error))
 
     def _model_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
-        self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}))
+        taken = worker.offered_taken
+        self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}),
+                                 None if taken is None else tuple(sorted(taken)))
         self._model_settled.set()
 
     def _model_failed(self, worker: ModelWorker, reason: str) -> None:

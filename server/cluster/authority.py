@@ -19,6 +19,7 @@ import secrets
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 import trio
 
 from engine import CapacityPlan
@@ -32,17 +33,33 @@ from .remote import PlanView, RemoteWorker
 if TYPE_CHECKING:
     from ..runtime import StreamRuntime
 
-__all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "HANDSHAKE_TIMEOUT", "MAX_PENDING_HANDSHAKES"]
+__all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "Refusal", "HANDSHAKE_TIMEOUT", "MAX_PENDING_HANDSHAKES",
+           "MAX_BUSY_ANSWERS", "BUSY_WINDOW"]
 
 log = logging.getLogger("chunkline.cluster")
 
 HANDSHAKE_TIMEOUT = 10.0
 #: seconds a draining agent has past its drain deadline to say goodbye (it gives runners 10 s to stop, then flushes)
 DRAIN_GRACE = 15.0
-#: connections that have not registered yet, at most; more are told Busy and closed at once (each pending one
-#: ends by its deadline), and an agent told Busy waits and dials again without counting it toward giving up
+#: connections that have not registered yet, at most (each ends by its deadline); more are told Busy
 MAX_PENDING_HANDSHAKES = 32
+#: past the pending limit, connections answered Busy at once, at most: each gets a Hello and BUSY_WINDOW seconds
+#: to send its Register, so that the Busy can prove the token over the agent's nonce (one HMAC: an agent waits a
+#: proven Busy out without counting it, and must not do so for an impostor's). Past this too, a connection is
+#: closed unanswered: the places held for unregistered peers stay bounded in number and in time, and an unproven
+#: answer would change nothing (an agent counts it as a failed connect either way)
+MAX_BUSY_ANSWERS = 32
+BUSY_WINDOW = 1.0
 RECENT_LOSSES = 32
+
+
+@attrs.frozen
+class Refusal:
+    """Why a registration is refused, and whether the same agent may be taken later (``transient``: it dials
+    again, not counting it toward giving up) or never (it exits 3). The agent reads both off the wire, proven."""
+
+    reason: str
+    transient: bool = False
 
 
 class UnknownWorkerId(KeyError):
@@ -107,8 +124,9 @@ class ClusterAuthority:
         self._wake = trio.Event()
         self.refused = 0
         self.stale_of_gone = 0  # stale events counted by workers since lost or left (the summary keeps counting them)
-        self.shed = 0  # connections told Busy, unheard, because MAX_PENDING_HANDSHAKES were pending
+        self.shed = 0  # connections told Busy (or closed unanswered) because MAX_PENDING_HANDSHAKES were pending
         self._handshakes = 0
+        self._busy_answers = 0
         self._tls = (wire.server_tls_context(settings.cluster_tls_cert, settings.cluster_tls_key or "")
                      if settings.cluster_tls_cert else None)
 
@@ -153,17 +171,7 @@ class ClusterAuthority:
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         if self._handshakes >= MAX_PENDING_HANDSHAKES:
-            # unauthenticated peers are bounded in number as well as in time: the rest are told busy and closed
-            self.shed += 1
-            if self.shed == 1 or self.shed % 1000 == 0:
-                log.warning("cluster: %d handshakes pending; turned a connection away busy (%d so far)",
-                            self._handshakes, self.shed)
-            channel = wire.Channel(self._wrap(stream))
-            try:
-                with trio.move_on_after(1.0), contextlib.suppress(wire.ConnectionClosed):
-                    await channel.send(wire.Busy(f"{self._handshakes} registrations pending; dial again later"))
-            finally:
-                await channel.aclose()
+            await self._shed(stream)
             return
         self._handshakes += 1
         try:
@@ -204,6 +212,31 @@ class ClusterAuthority:
             self._lost(worker.worker_id, cause)
         await channel.aclose()
 
+    async def _shed(self, stream: trio.SocketStream) -> None:
+        """Too many handshakes pending (someone may be flooding the port): answer the Register with a proven Busy,
+        within BUSY_WINDOW and for MAX_BUSY_ANSWERS connections at once; close the rest unanswered."""
+        self.shed += 1
+        if self.shed == 1 or self.shed % 1000 == 0:
+            log.warning("cluster: %d handshakes pending; turned a connection away busy (%d so far)",
+                        self._handshakes, self.shed)
+        if self._busy_answers >= MAX_BUSY_ANSWERS:
+            await stream.aclose()
+            return
+        self._busy_answers += 1
+        channel = wire.Channel(self._wrap(stream), max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
+        reason = f"{self._handshakes} registrations pending; dial again later"
+        try:
+            with trio.move_on_after(BUSY_WINDOW), contextlib.suppress(wire.ConnectionClosed, wire.WireError):
+                nonce = secrets.token_hex(16)
+                await channel.send(wire.Hello(nonce, self.version))
+                register = await channel.receive()
+                if isinstance(register, wire.Register):
+                    proof = proofs.busy_proof(self.token, nonce, register.agent_nonce, register.worker_id, reason)
+                    await channel.send(wire.Busy(reason, proof))
+        finally:
+            self._busy_answers -= 1
+            await channel.aclose()
+
     def _wrap(self, stream: trio.SocketStream) -> trio.abc.Stream:
         return stream if self._tls is None else wire.wrap_server_tls(stream, self._tls)
 
@@ -215,30 +248,31 @@ class ClusterAuthority:
         nonce = secrets.token_hex(16)
         with trio.move_on_after(HANDSHAKE_TIMEOUT):
             await self._rooms_known.wait()  # before the handshake: the worker's deadline starts at its register
-        reason: str | None
+        refusal: Refusal | None
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT):
                 await channel.send(wire.Hello(nonce, self.version))
                 first = await channel.receive()
         except wire.WireError as exc:
-            first, reason = None, str(exc)
+            first, refusal = None, Refusal(str(exc))
         except (trio.TooSlowError, wire.ConnectionClosed, OSError) as exc:
             log.warning("cluster: a connection failed its handshake: %s", exc or type(exc).__name__)
             await channel.aclose()
             return None
         else:
-            reason = self._refusal(first, nonce)
-        if reason is None and self.rooms_url is None and settings.transport == "local":
-            reason = "the authority does not know its rooms URL yet; try again"
-        if reason is not None:
+            refusal = self._refusal(first, nonce)
+        if refusal is None and self.rooms_url is None and settings.transport == "local":
+            refusal = Refusal("the authority does not know its rooms URL yet; try again", transient=True)
+        if refusal is not None:
             self.refused += 1
-            log.warning("cluster: refused a worker: %s", reason)
+            log.warning("cluster: refused a worker%s: %s", " for now" if refusal.transient else "", refusal.reason)
             proof = None
             if isinstance(first, wire.Register):  # the agent may check that the refusal comes from a token holder
-                proof = proofs.refusal_proof(self.token, nonce, first.agent_nonce, first.worker_id, reason)
+                proof = proofs.refusal_proof(self.token, nonce, first.agent_nonce, first.worker_id, refusal.reason,
+                                             refusal.transient)
             with trio.move_on_after(2.0):
                 try:
-                    await channel.send(wire.Refused(reason, proof))
+                    await channel.send(wire.Refused(refusal.reason, proof, refusal.transient))
                 except wire.ConnectionClosed:
                     pass
             await channel.aclose()
@@ -246,24 +280,27 @@ class ClusterAuthority:
         assert isinstance(first, wire.Register)
         return first, channel, nonce
 
-    def _refusal(self, message: wire.Message, nonce: str) -> str | None:
+    def _refusal(self, message: wire.Message, nonce: str) -> Refusal | None:
+        """Why a first frame is refused; every reason but a taken id is for good (the agent would send it again)."""
         if not isinstance(message, wire.Register):
-            return f"expected register, got {message.TYPE}"
+            return Refusal(f"expected register, got {message.TYPE}")
         if not proofs.proof_matches(self.token, nonce, message.worker_id, message.proof):
-            return "the cluster token does not match"
+            return Refusal("the cluster token does not match")
         try:
             validate_identity(message.worker_id)
             validate_identity(f"chunkline-{message.worker_id}")  # the worker joins its rooms as chunkline-<id>
         except IdentityError as exc:
-            return f"worker id {message.worker_id[:80]!r} cannot name a room participant: {exc}"
+            return Refusal(f"worker id {message.worker_id[:80]!r} cannot name a room participant: {exc}")
         if message.version != self.version:
-            return f"chunkline version {message.version!r} differs from the authority's {self.version!r}"
+            return Refusal(f"chunkline version {message.version!r} differs from the authority's {self.version!r}")
         if message.pipeline != self.pipeline:
-            return f"pipeline {message.pipeline!r} differs from the authority's {self.pipeline!r}"
+            return Refusal(f"pipeline {message.pipeline!r} differs from the authority's {self.pipeline!r}")
         if message.pipeline_digest != self.digest:
-            return f"pipeline {message.pipeline!r} has other code (digest {message.pipeline_digest}, authority {self.digest})"
-        if message.worker_id in self.liveness:
-            return f"worker id {message.worker_id!r} is taken; an agent takes a fresh id every start"
+            return Refusal(f"pipeline {message.pipeline!r} has other code (digest {message.pipeline_digest}, "
+                           f"authority {self.digest})")
+        if message.worker_id in self.liveness:  # the agent dials again under a fresh id
+            return Refusal(f"worker id {message.worker_id!r} is taken; an agent takes a fresh id every dial",
+                           transient=True)
         return None
 
     def _admit(self, message: wire.Register, channel: wire.Channel) -> RemoteWorker | None:
@@ -352,6 +389,7 @@ class ClusterAuthority:
         worker.plan = PlanView(message.plan)
         worker.kind = message.kind
         worker.startup_check = message.startup_check or None
+        worker.offered_taken = None if message.offered_taken is None else frozenset(message.offered_taken)
         plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device")})
         self.runtime.agent_ready(worker, message.capacity, plan)
 

@@ -1,7 +1,7 @@
 """What proves the cluster token in the agent <-> authority handshake (:mod:`server.cluster.wire`).
 
 Each side answers the other's fresh nonce with an HMAC-SHA256 under the token: the agent in its
-Register, the authority in its Welcome (or Refused); both then derive the connection's frame key
+Register, the authority in its Welcome (or Refused, or Busy); both then derive the connection's frame key
 from the token and both nonces. The token itself never crosses the wire.
 """
 
@@ -17,6 +17,8 @@ __all__ = [
     "authority_proof_matches",
     "refusal_proof",
     "refusal_proof_matches",
+    "busy_proof",
+    "busy_proof_matches",
     "frame_key",
 ]
 
@@ -51,14 +53,26 @@ def authority_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id:
     return hmac.compare_digest(authority_proof(token, nonce, agent_nonce, worker_id), proof)
 
 
-def refusal_proof(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str) -> str:
-    """The authority's proof in a Refused: this refusal, of this registration, comes from a token holder."""
-    return _mac(token, "refusal", nonce, agent_nonce, worker_id, reason).hex()
+def refusal_proof(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str, transient: bool) -> str:
+    """The authority's proof in a Refused: this refusal, of this registration, and whether it is transient (the
+    agent dials again) or not (it exits), comes from a token holder."""
+    return _mac(token, "refusal", nonce, agent_nonce, worker_id, reason, "transient" if transient else "final").hex()
 
 
-def refusal_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str,
+def refusal_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str, transient: bool,
                           proof: str | None) -> bool:
-    return proof is not None and hmac.compare_digest(refusal_proof(token, nonce, agent_nonce, worker_id, reason), proof)
+    return proof is not None and hmac.compare_digest(
+        refusal_proof(token, nonce, agent_nonce, worker_id, reason, transient), proof)
+
+
+def busy_proof(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str) -> str:
+    """The authority's proof in a Busy: a token holder, at the pending-handshake limit, turned this dial away."""
+    return _mac(token, "busy", nonce, agent_nonce, worker_id, reason).hex()
+
+
+def busy_proof_matches(token: str, nonce: str, agent_nonce: str, worker_id: str, reason: str,
+                       proof: str | None) -> bool:
+    return proof is not None and hmac.compare_digest(busy_proof(token, nonce, agent_nonce, worker_id, reason), proof)
 
 
 def frame_key(token: str, nonce: str, agent_nonce: str, worker_id: str) -> bytes:

@@ -7,12 +7,13 @@ JSON: ``{"v": PROTOCOL, "type": "<name>", ...fields}``. Frames above
 :data:`MAX_FRAME_BYTES` and unknown types, versions or fields are refused with a
 :class:`WireError` that names what was wrong.
 
-Handshake: the authority speaks first with :class:`Hello` (a fresh nonce), or with :class:`Busy`
-when it has too many handshakes pending (then closes); the agent
+Handshake: the authority speaks first with :class:`Hello` (a fresh nonce); the agent
 answers :class:`Register` with a fresh nonce of its own and a ``proof``, an HMAC-SHA256
 under the cluster token over the authority's nonce and the worker id; the authority answers
-:class:`Welcome` or :class:`Refused` (then closes), each with its own proof over both nonces,
-so the agent knows it reached a holder of the token too (:mod:`server.cluster.proofs`).
+:class:`Welcome`, :class:`Refused` (``transient`` or not) or :class:`Busy` (too many handshakes are
+pending), the last two then closing, each with its own proof over both nonces, so the agent knows it
+reached a holder of the token too (:mod:`server.cluster.proofs`). A Busy without a proof (sent in place
+of the Hello when even the places to answer Busy are taken) proves nothing.
 The token itself never crosses the wire. From the frame after the Welcome on, every frame in either direction carries a
 tag (:meth:`Channel.authenticate`): an HMAC under a key both derive from the token and the
 nonces, over the frame's direction, its number and its bytes, so that nobody between the
@@ -35,7 +36,9 @@ import attrs
 import trio
 
 from ..json_limits import JsonRefused, loads as json_loads
-from .wire_values import MAX_CAPACITY, capacity, flag, integer, integers, obj, opt_text, plan, seconds, text, texts
+from .wire_values import (
+    MAX_CAPACITY, capacity, flag, integer, integers, obj, opt_text, opt_texts, plan, seconds, text, texts,
+)
 
 __all__ = [
     "PROTOCOL",
@@ -71,7 +74,7 @@ __all__ = [
     "server_tls_context",
 ]
 
-PROTOCOL = 2
+PROTOCOL = 3  # 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -115,12 +118,13 @@ class Hello(Message):
 
 @attrs.frozen
 class Busy(Message):
-    """In place of :class:`Hello` when the authority has as many handshakes pending as it allows
-    (someone may be flooding its port): try again after a backoff. Nobody proved anything yet, so
-    this only ever makes an agent wait, never give up or exit."""
+    """The answer to a Register when the authority has as many handshakes pending as it allows (someone may
+    be flooding its port): dial again later. Its ``proof`` (:func:`~server.cluster.proofs.busy_proof`) is what
+    lets an agent wait it out uncounted; one without (anyone can send that) counts as a failed connect."""
 
     TYPE = "busy"
     reason: str = attrs.field(converter=text)
+    proof: str | None = attrs.field(default=None, converter=opt_text)
 
 
 @attrs.frozen
@@ -160,6 +164,8 @@ class Refused(Message):
     reason: str = attrs.field(converter=text)
     #: :func:`refusal_proof` when the authority answered a Register (an agent with another token cannot check it)
     proof: str | None = attrs.field(default=None, converter=opt_text)
+    #: the same agent may be taken later (dial again, not counted toward giving up); False: it never will (exit 3)
+    transient: bool = attrs.field(default=False, converter=flag)
 
 
 @attrs.frozen
@@ -169,6 +175,8 @@ class Ready(Message):
     kind: str = attrs.field(converter=text)
     plan: dict[str, Any] = attrs.field(converter=plan)
     startup_check: dict[str, Any] = attrs.field(converter=obj, factory=dict)  # the agent's: passed or skipped
+    #: the offered settings the pipeline's ``get_service`` took (None: not known), as a process worker's child says
+    offered_taken: tuple[str, ...] | None = attrs.field(default=None, converter=opt_texts)
 
 
 @attrs.frozen

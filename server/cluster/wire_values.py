@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 __all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer", "integers",
-           "texts", "obj", "opt_obj", "capacity", "plan"]
+           "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan"]
 
 #: the most sessions one agent may report it can retain (the CLI's --max-sessions allows 64)
 MAX_CAPACITY = 4096
@@ -72,6 +72,10 @@ def integers(value: object) -> tuple[int, ...]:
 
 def texts(value: object) -> tuple[str, ...]:
     return _items(value, text, "str")
+
+
+def opt_texts(value: object) -> tuple[str, ...] | None:
+    return None if value is None else texts(value)
 
 
 def obj(value: object) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The authority's settings meant for its workers reach its agents as they reach in-process workers:
 ``--default-fps`` and ``--control-idle-timeout`` are offered to the pipeline, and the startup check runs
-(``--skip-validation`` unset) and is reported in metadata; an image no agent can be sent is refused up front."""
+(``--skip-validation`` unset) and is reported in metadata, with ``control_idle_timeout`` where the pipeline took it; an image no agent can be sent is refused up front."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ async def test_an_agents_pipeline_gets_the_authoritys_fps_and_idle_timeout_and_r
         assert metadata["startup_check"] == {
             worker["worker_id"]: {"status": "passed", "frames": [3, 32, 48, 3], "fps": 8.0}
         }, metadata["startup_check"]
+        # its get_service takes control_idle_timeout, and the agent's Ready says so: shown as in-process
+        assert metadata["control_idle_timeout"] == 3.0, metadata
         async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as client:
             controller = await Controller.open(client, cluster, "alice")
             with trio.fail_after(120):

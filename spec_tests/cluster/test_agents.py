@@ -56,6 +56,7 @@ async def test_sessions_run_on_agents_spread_over_workers_and_health_lists_them(
         assert metadata["cluster"]["workers_expected"] == 2
         assert {s["state"] for s in metadata["cluster"]["slots"]} == {"running"}
         assert metadata["session_capacity"][ra["worker_id"]]["effective_capacity"] == 1
+        assert metadata["control_idle_timeout"] is None  # the tiny world's get_service takes **_: not handed it
         text = (await client.get("/metrics")).text
         assert 'chunkline_workers{state="busy"} 2.0' in text
         for c in (a, b):

@@ -20,7 +20,9 @@ import trio
 
 from server.cluster import proofs, wire
 from server.cluster.agent import REREGISTER_POLICY
-from server.cluster.authority import DRAIN_GRACE, HANDSHAKE_TIMEOUT, MAX_PENDING_HANDSHAKES
+from server.cluster.authority import (
+    BUSY_WINDOW, DRAIN_GRACE, HANDSHAKE_TIMEOUT, MAX_BUSY_ANSWERS, MAX_PENDING_HANDSHAKES,
+)
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 
 from ..server.conftest import png_bytes
@@ -53,13 +55,13 @@ async def dial(cluster: Cluster) -> tuple[trio.SocketStream, wire.Channel, wire.
     return stream, channel, hello
 
 
-async def register(cluster: Cluster, worker_id: str) -> tuple[wire.Channel, wire.Message]:
-    """A registration with the right token, version and pipeline; the authority's answer (after a Welcome
-    that proves the token, the channel tags its frames as an agent's does)."""
+async def register(cluster: Cluster, worker_id: str, *, version: str | None = None) -> tuple[wire.Channel, wire.Message]:
+    """A registration with the right token and pipeline (and version, unless given); the authority's answer,
+    its proof checked (after a Welcome that proves the token, the channel tags its frames as an agent's does)."""
     _, channel, hello = await dial(cluster)
     await channel.send(wire.Register(
         worker_id=worker_id, agent_nonce="agent-nonce", proof=proofs.proof_for(TOKEN, hello.nonce, worker_id),
-        version=chunkline_version(), pipeline=pipeline_name(TINY), pipeline_digest=pipeline_digest(TINY),
+        version=version or chunkline_version(), pipeline=pipeline_name(TINY), pipeline_digest=pipeline_digest(TINY),
         node="hostile", devices=(), launcher="external", pid=1))
     with trio.fail_after(HANDSHAKE_TIMEOUT):
         reply = await channel.receive()
@@ -67,7 +69,10 @@ async def register(cluster: Cluster, worker_id: str) -> tuple[wire.Channel, wire
         assert proofs.authority_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.proof), reply
         channel.authenticate(proofs.frame_key(TOKEN, hello.nonce, "agent-nonce", worker_id), authority=False)
     elif isinstance(reply, wire.Refused):
-        assert proofs.refusal_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.reason, reply.proof)
+        assert proofs.refusal_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.reason,
+                                            reply.transient, reply.proof), reply
+    elif isinstance(reply, wire.Busy):
+        assert proofs.busy_proof_matches(TOKEN, hello.nonce, "agent-nonce", worker_id, reply.reason, reply.proof), reply
     return channel, reply
 
 
@@ -127,7 +132,7 @@ async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is
 ) -> None:
     for worker_id in ("", "two words", "x" * 200):
         channel, reply = await register(authority, worker_id)
-        assert isinstance(reply, wire.Refused) and "worker id" in reply.reason, (worker_id, reply)
+        assert isinstance(reply, wire.Refused) and "worker id" in reply.reason and not reply.transient, (worker_id, reply)
         await channel.aclose()
     bad_ready: dict[str, tuple[Any, Any]] = {
         "zero-capacity": (0, PLAN),
@@ -159,6 +164,25 @@ async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is
     health = authority.get("/v1/stream/health")
     assert not any(w["worker_id"] in bad_ready for w in health["workers"])
     assert "Traceback" not in authority.process.text(200_000)
+
+
+async def test_each_refusal_says_provenly_whether_the_agent_may_be_taken_later(authority: Cluster) -> None:
+    """A taken worker id is refused for now (a real agent dials again under a fresh id, not counting it), another
+    version for good (it exits 3); which one it is travels in the refusal's proof (``register`` checks it)."""
+    twin, reply = await register(authority, "twin")
+    assert isinstance(reply, wire.Welcome), reply
+    again, reply = await register(authority, "twin")
+    assert isinstance(reply, wire.Refused) and reply.transient and "is taken" in reply.reason, reply
+    await again.aclose()
+    older, reply = await register(authority, "older", version="0.0.1-older")
+    assert isinstance(reply, wire.Refused) and not reply.transient and "chunkline version" in reply.reason, reply
+    await older.aclose()
+    await twin.send(wire.Drain(1.0))  # leaves as a drained agent does
+    await twin.send(wire.Goodbye("drained"))
+    await twin.aclose()
+    log = authority.process.text(200_000)
+    assert "refused a worker for now: worker id 'twin' is taken" in log, log
+    assert "refused a worker: chunkline version '0.0.1-older'" in log, log
 
 
 async def test_an_agent_that_heartbeats_but_never_says_ready_is_lost_and_holds_no_queue(authority: Cluster) -> None:
@@ -209,17 +233,30 @@ async def test_a_drained_agent_that_never_leaves_is_lost_past_its_drain_deadline
 
 
 async def test_connections_that_never_register_are_bounded_in_number_and_in_time(authority: Cluster) -> None:
-    extra = 8
+    extra = MAX_BUSY_ANSWERS + 8
     streams = [await trio.open_tcp_stream("127.0.0.1", authority.cluster_port)
                for _ in range(MAX_PENDING_HANDSHAKES + extra)]
     opened = time.monotonic()
     first: list[str] = []
     for stream in streams:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            first.append((await wire.Channel(stream).receive()).TYPE)  # busy, then closed: too many were pending
-    assert (first.count("hello"), first.count("busy")) == (MAX_PENDING_HANDSHAKES, extra), first
-    assert authority.get("/v1/service/metadata")["cluster"]["connections_shed"] >= extra
-    # the pending ones are closed at their deadline; then an agent registers again
+            try:
+                first.append((await wire.Channel(stream).receive()).TYPE)
+            except wire.ConnectionClosed:
+                first.append("closed")  # past the places that answer busy: closed unanswered
+    # the pending ones are greeted; past them, a connection is greeted too (to answer its register with a proven
+    # busy) while a place to answer busy is free, or closed unanswered: never anything that proves nothing
+    assert first[:MAX_PENDING_HANDSHAKES] == ["hello"] * MAX_PENDING_HANDSHAKES, first
+    assert set(first[MAX_PENDING_HANDSHAKES:]) <= {"hello", "closed"}, first
+    # those past the pending ones are closed within the busy window, unregistered
+    for stream in streams[MAX_PENDING_HANDSHAKES:]:
+        assert await closed_by_peer(stream, BUSY_WINDOW + 10.0)
+    # a token holder dialing now, the pending ones still held, is told busy provenly (``register`` checks the proof)
+    channel, reply = await register(authority, "turned-away")
+    assert isinstance(reply, wire.Busy) and reply.proof is not None and "pending" in reply.reason, reply
+    await channel.aclose()
+    assert authority.get("/v1/service/metadata")["cluster"]["connections_shed"] >= extra + 1
+    # the pending ones are closed at their deadline
     for stream in streams:
         assert await closed_by_peer(stream, HANDSHAKE_TIMEOUT + 10.0)
         await stream.aclose()
@@ -255,7 +292,7 @@ class Flood:
                 if not first or b'"busy"' in first:
                     await trio.sleep(0.05)  # bench-cost: turned away: dial again shortly
                     continue
-                self.pending += 1  # greeted: hold the place until the authority closes it at its deadline
+                self.pending += 1  # greeted: hold the place until the authority closes it (its deadline, or busy's)
                 if self.pending >= MAX_PENDING_HANDSHAKES:
                     self.full.set()
                 try:

@@ -21,8 +21,13 @@ SAMPLES: list[wire.Message] = [
                  room_empty_timeout=30.0, max_data_message_bytes=12288, proof="cd"),
     wire.Refused("the cluster token does not match"),
     wire.Refused("pipeline 'x' differs", proof="ef"),
+    wire.Refused("the authority does not know its rooms URL yet; try again", proof="ef", transient=True),
+    wire.Busy("32 registrations pending"),
+    wire.Busy("32 registrations pending", proof="ab"),
     wire.Ready(2, "bidirectional", {"computed_capacity": 3, "effective_capacity": 2, "configured_limit": 2,
                                     "limiting_device": "cpu"}),
+    wire.Ready(1, "bidirectional", {"computed_capacity": None, "effective_capacity": 1, "configured_limit": 1,
+                                    "limiting_device": None}, {"status": "skipped"}, ("control_idle_timeout", "fps")),
     wire.Failed("RuntimeError: no model"),
     wire.Heartbeat(7, ("s1", "s2")),
     wire.HeartbeatAck(7),
@@ -70,6 +75,10 @@ def test_every_message_round_trips(message: wire.Message) -> None:
                      "plan": {"computed_capacity": 1, "effective_capacity": "one", "configured_limit": None,
                               "limiting_device": None}}).encode(),
          "ready.plan.effective_capacity: must be an integer >= 0, got 'one'"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 1, "kind": "x", "offered_taken": ["fps", 1],
+                     "plan": {"computed_capacity": 1, "effective_capacity": 1, "configured_limit": None,
+                              "limiting_device": None}}).encode(),
+         "ready.offered_taken[1]: expected str, got int"),
         (json.dumps({"v": wire.PROTOCOL, "type": "start", "session_id": 7, "room": "r", "identity": "i", "token": "t",
                      "controller_identity": "me", "prompt": None, "config": {}, "image": None}).encode(),
          "start.session_id: expected str, got int"),
@@ -77,6 +86,10 @@ def test_every_message_round_trips(message: wire.Message) -> None:
                      "version": "v", "pipeline": "p", "pipeline_digest": "d", "node": "n", "devices": [0, "1"],
                      "launcher": "l", "pid": 1}).encode(),
          "register.devices[1]: expected int, got str"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "refused", "reason": "r", "transient": 1}).encode(),
+         "refused.transient: expected bool, got int"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "busy", "reason": "r", "proof": 7}).encode(),
+         "busy.proof: expected str, got int"),
         (json.dumps({"v": wire.PROTOCOL, "type": "stop", "session_id": "s", "cause": "c", "now": "yes"}).encode(),
          "stop.now: expected bool, got str"),
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat", "seq": 1, "sessions": ["a", None]}).encode(),
@@ -116,13 +129,22 @@ def test_the_authoritys_proofs_bind_both_nonces_and_never_stand_in_for_the_agent
     for args in (("u" * 16, "nonce", "agent-nonce", "w-1"), (token, "nonce", "other", "w-1"),
                  (token, "other", "agent-nonce", "w-1"), (token, "nonce", "agent-nonce", "w-2")):
         assert not proofs.authority_proof_matches(*args, proof)
-    refusal = proofs.refusal_proof(token, "nonce", "agent-nonce", "w-1", "pipeline differs")
-    assert proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", refusal)
-    assert not proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "another reason", refusal)
-    assert not proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", None)
+    refusal = proofs.refusal_proof(token, "nonce", "agent-nonce", "w-1", "pipeline differs", False)
+    assert proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", False, refusal)
+    assert not proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "another reason", False, refusal)
+    assert not proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", False, None)
+    # whether a refusal is transient is proven with it: nobody between can turn "for good" into "try again"
+    assert not proofs.refusal_proof_matches(token, "nonce", "agent-nonce", "w-1", "pipeline differs", True, refusal)
+    busy = proofs.busy_proof(token, "nonce", "agent-nonce", "w-1", "32 pending")
+    assert proofs.busy_proof_matches(token, "nonce", "agent-nonce", "w-1", "32 pending", busy)
+    for args in (("u" * 16, "nonce", "agent-nonce", "w-1"), (token, "nonce", "other", "w-1"),
+                 (token, "other", "agent-nonce", "w-1"), (token, "nonce", "agent-nonce", "w-2")):
+        assert not proofs.busy_proof_matches(*args, "32 pending", busy)
+    assert not proofs.busy_proof_matches(token, "nonce", "agent-nonce", "w-1", "32 pending", None)
     # an agent answers any nonce a peer sends it: no nonce makes its answer the authority's proof or the frame key
     key = proofs.frame_key(token, "nonce", "agent-nonce", "w-1")
-    assert len({proof, refusal, key.hex(), proofs.proof_for(token, "nonce", "w-1")}) == 4
+    assert len({proof, refusal, busy, key.hex(), proofs.proof_for(token, "nonce", "w-1"),
+                proofs.refusal_proof(token, "nonce", "agent-nonce", "w-1", "pipeline differs", True)}) == 6
 
 
 async def authenticated_pair(token: str = "t" * 16) -> tuple[wire.Channel, wire.Channel]:

@@ -1,0 +1,107 @@
+"""How one of an agent's dials ended, and how long it waits before the next (:mod:`server.cluster.agent`).
+
+The authority's answer to a Register is judged here by what it proves, never by its text: a Welcome or
+Refused or Busy whose proof (:mod:`server.cluster.proofs`) does not match is from someone who does not
+hold the cluster token, and is obeyed as nothing more than a failed connect (counted toward the
+agent's crash-loop limit). A proven refusal says on the wire whether it is ``transient`` (the same
+agent may be taken later: the authority does not know its rooms URL yet, the worker id was taken): then
+the agent waits and dials again without counting it, for :data:`TRANSIENT_DEADLINE` at most; a proven
+permanent refusal (another version or pipeline) ends the agent with exit code 3. A proven Busy (the
+authority has as many handshakes pending as it allows: someone may be flooding it) is waited out,
+however long it lasts: only a holder of the token can say it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+
+import attrs
+
+from states.restart_policy import RestartPolicy
+
+from . import proofs, wire
+
+__all__ = ["End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "WAIT_POLICY"]
+
+log = logging.getLogger("chunkline.agent")
+
+#: seconds of unbroken transient refusals (no registration between) after which the agent gives up (exit 1)
+TRANSIENT_DEADLINE = 120.0
+#: the waits between dials the authority asked for (busy, a transient refusal): short, bounded, never counted
+WAIT_POLICY = RestartPolicy(base_delay=0.2, max_delay=2.0, max_failures=8, window=60.0)
+
+
+class End(enum.Enum):
+    """How one registration (or one attempt at it) ended: what the agent does next."""
+
+    LOST = "lost"  # back off and register again (counted toward the crash-loop limit)
+    BUSY = "busy"  # a proven busy: wait and dial again, not counted, however long it lasts
+    TRANSIENT = "transient"  # a proven transient refusal: wait and dial again, not counted, up to a deadline
+    REFUSED = "refused"  # a proven permanent refusal: exit 3
+    UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved: as lost; a crash loop of them exits 3
+    DRAINED = "drained"  # exit 0
+
+
+@attrs.frozen
+class Ended:
+    kind: End
+    why: str
+
+
+def answer(reply: wire.Message, *, token: str, at: str, nonce: str, agent_nonce: str, worker_id: str) -> Ended | None:
+    """Why the authority's answer to a Register ends this attempt; None for a Welcome that proves the token."""
+    if isinstance(reply, wire.Refused):
+        if proofs.refusal_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.transient,
+                                        reply.proof):
+            if reply.transient:
+                return Ended(End.TRANSIENT, reply.reason)
+            log.error("the authority refused this worker: %s", reply.reason)
+            return Ended(End.REFUSED, reply.reason)
+        log.error("%s refused this worker without proving the cluster token (the token differs there, or it "
+                  "is not the authority): %s", at, reply.reason[:200])
+        return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {reply.reason[:200]}")
+    if isinstance(reply, wire.Busy):
+        if proofs.busy_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
+            return Ended(End.BUSY, reply.reason)
+        return unproven_busy(at, reply)
+    if not isinstance(reply, wire.Welcome):
+        return Ended(End.LOST, f"protocol error: expected welcome, got {reply.TYPE}")
+    if not proofs.authority_proof_matches(token, nonce, agent_nonce, worker_id, reply.proof):
+        log.error("%s did not prove the cluster token in its welcome: not the authority, or another token; "
+                  "dropped it", at)
+        return Ended(End.LOST, "the authority did not prove the cluster token")
+    return None
+
+
+def unproven_busy(at: str, busy: wire.Busy) -> Ended:
+    """A Busy without its proof: anyone at the authority's address can send one (and send it for ever), so it is
+    obeyed as a failed connect is, counted toward the crash-loop limit, never waited out as a proven one."""
+    log.warning("%s said busy without proving the cluster token (%s): counted as a failed connect", at,
+                busy.reason[:200])
+    return Ended(End.LOST, f"busy without proof: {busy.reason[:200]}")
+
+
+class Patience:
+    """The waits the authority asked for, between dials: jittered (agents turned away together spread),
+    bounded by :data:`WAIT_POLICY`, and for transient refusals a deadline since the first of an unbroken run."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.transient_since: float | None = None
+
+    def reset(self) -> None:
+        """Anything else ended a dial (a registration, a failed connect): a fresh run of waits starts after it."""
+        self.waits = 0
+        self.transient_since = None
+
+    def delay(self, ended: Ended, now: float) -> float | None:
+        """Seconds to wait before dialing again, or None: transient refusals have lasted past their deadline."""
+        if ended.kind is End.TRANSIENT:
+            if self.transient_since is None:
+                self.transient_since = now
+            elif now - self.transient_since > TRANSIENT_DEADLINE:
+                return None
+        self.waits += 1
+        return WAIT_POLICY.delay(self.waits) * random.uniform(0.5, 1.0)

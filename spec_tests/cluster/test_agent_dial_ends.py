@@ -1,0 +1,129 @@
+"""What a real worker agent does with the authority's answer to its Register, judged by what the answer proves
+(``server/cluster/dial_ends.py``): a proven transient refusal is waited out, more often than the crash-loop limit
+allows, and not counted; a proven permanent one exits 3 with its reason; a Busy nobody proved (an impostor at the
+authority's address) counts as a failed connect, so it cannot keep the agent idle for ever.
+
+The authority here is the test, speaking the wire (``server.cluster.wire``) with the real proofs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from server.cluster import proofs, wire
+from server.cluster.agent import EXIT_REFUSED, REREGISTER_POLICY
+
+from .conftest import TINY, TOKEN, Process, chunkline, clean_env
+from .test_hostile_authority import START_DEADLINE, serve, welcome
+
+NOT_YET = "the authority does not know its rooms URL yet; try again"
+
+
+async def greet(channel: wire.Channel) -> wire.Register:
+    await channel.send(wire.Hello("n0nce", "any"))
+    register = await channel.receive()
+    assert isinstance(register, wire.Register), register
+    return register
+
+
+def refusal(register: wire.Register, reason: str, *, transient: bool, token: str = TOKEN) -> wire.Refused:
+    proof = proofs.refusal_proof(token, "n0nce", register.agent_nonce, register.worker_id, reason, transient)
+    return wire.Refused(reason, proof, transient)
+
+
+@asynccontextmanager
+async def agent_dialing(handler: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[Process]:
+    """A real agent process dialing ``handler``, which answers each of its connections; stopped at the end."""
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve, handler)
+        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}"),
+                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        try:
+            yield agent
+        finally:
+            agent.stop()
+            nursery.cancel_scope.cancel()
+
+
+async def exit_code(agent: Process, deadline: float) -> int | None:
+    """The agent's exit code within ``deadline`` seconds, or None if it still runs then."""
+    with trio.move_on_after(deadline):
+        while agent.popen.poll() is None:
+            await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+    return agent.popen.poll()
+
+
+async def test_a_proven_transient_refusal_is_waited_out_uncounted_and_a_permanent_one_exits_3() -> None:
+    times = REREGISTER_POLICY.max_failures + 2  # counted, this many would be a crash loop
+    dials = 0
+    registered = trio.Event()
+
+    async def authority(stream: trio.SocketStream) -> None:
+        nonlocal dials
+        dials += 1
+        channel = wire.Channel(stream)
+        try:
+            if dials <= times:
+                await channel.send(refusal(await greet(channel), NOT_YET, transient=True))
+            elif dials == times + 1:
+                await welcome(channel, TOKEN)
+                while not isinstance(message := await channel.receive(), wire.Heartbeat):
+                    pass
+                await channel.send(wire.HeartbeatAck(message.seq))
+                registered.set()  # then it closes: the agent dials again
+            else:
+                await channel.send(refusal(await greet(channel), "pipeline 'x' differs from the authority's", transient=False))
+            await channel.aclose()
+        except (wire.ConnectionClosed, wire.WireError):
+            pass
+
+    async with agent_dialing(authority) as agent:
+        with trio.move_on_after(START_DEADLINE):
+            while not registered.is_set() and agent.popen.poll() is None:
+                await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+        assert registered.is_set(), f"the agent never registered (exit code {agent.popen.poll()}):\n{agent.text()}"
+        code = await exit_code(agent, 60)
+        log = agent.text(200_000)
+        assert code == EXIT_REFUSED, log
+        # each transient refusal: a line saying why it waits, and it was not counted toward giving up
+        assert log.count("refused this worker for now") == times, log
+        assert "the authority refused this worker: pipeline 'x' differs" in log, log
+        assert "crash loop" not in log and "Traceback" not in log, log
+
+
+async def test_a_busy_nobody_proved_counts_as_a_failed_connect_and_ends_in_a_crash_loop() -> None:
+    """An impostor that says busy on every dial (in place of the hello, or after the register with a proof under
+    another token) cannot keep the agent idle: the agent counts each one, and gives up at its crash-loop limit."""
+    dials = 0
+    heard: list[Any] = []
+
+    async def impostor(stream: trio.SocketStream) -> None:
+        nonlocal dials
+        dials += 1
+        channel = wire.Channel(stream)
+        try:
+            if dials % 2:
+                await channel.send(wire.Busy("32 registrations pending; dial again later"))
+            else:
+                register = await greet(channel)
+                heard.append(register)
+                reason = "32 registrations pending; dial again later"
+                forged = proofs.busy_proof("not-the-cluster-token", "n0nce", register.agent_nonce, register.worker_id,
+                                           reason)
+                await channel.send(wire.Busy(reason, forged))  # proven under another token: proves nothing here
+            await channel.aclose()
+        except (wire.ConnectionClosed, wire.WireError):
+            pass
+
+    async with agent_dialing(impostor) as agent:
+        # the crash loop's backoffs add up to ~20 s once the model is loaded
+        code = await exit_code(agent, START_DEADLINE)
+        log = agent.text(200_000)
+        assert code == 1, log
+        assert log.count("said busy without proving the cluster token") == REREGISTER_POLICY.max_failures + 1, log
+        assert "crash loop" in log and "busy without proof" in log, log
+        assert "the authority is busy" not in log and "Traceback" not in log, log
+        assert heard, "the impostor never heard a register"
