@@ -47,7 +47,9 @@ pipeline's (a chunk, a call's result, an event) travels pickled apart from its
 message (:class:`~server.process_service.wire.Sealed`), so one the parent cannot
 load (a module only the child has, a ``__setstate__`` that raises) fails only its
 call, its stream or (an event) its session's chunks, as a pipeline bug naming
-what did not load.
+what did not load. A session stays the child's until the parent has taken its
+id: one whose id does not load here, cannot be sent, or whose caller gave up
+(cancelled, past its deadline) is closed by the child itself, with its own value.
 
 Chunk streams are credit-based: the child pulls at most ``CREDIT_WINDOW``
 chunks ahead of what the parent's consumer has taken, so a slow consumer holds

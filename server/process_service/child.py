@@ -63,7 +63,7 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
         return
     if not isinstance(message, wire.Run):  # Stop before running(): nothing was started
         return
-    _Server(conn, service).serve(message.capacity)
+    _Server(conn, service, message.release_timeout).serve(message.capacity)
 
 
 def _seal(value: Any) -> wire.Sealed:
@@ -92,9 +92,11 @@ class _ChildStream:
 class _Server:
     """Serves one running service: a reader thread feeds trio, a sender thread writes the pipe."""
 
-    def __init__(self, conn: Any, service: Any) -> None:
+    def __init__(self, conn: Any, service: Any, release_timeout: float) -> None:
         self.conn = conn
         self.service = service
+        self.release_timeout = release_timeout
+        self.unclaimed: dict[int, tuple[str, Any]] = {}  # call id -> (its method, what it made), until taken or released
         self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self.calls: dict[int, trio.CancelScope] = {}
         self.streams: dict[int, _ChildStream] = {}
@@ -215,6 +217,12 @@ class _Server:
                 scope = self.calls.get(call_id)
                 if scope is not None:
                     scope.cancel()
+            case wire.Taken(call_id=call_id):
+                self.unclaimed.pop(call_id, None)
+            case wire.Release(call_id=call_id):
+                made = self.unclaimed.pop(call_id, None)
+                if made is not None:
+                    self.nursery.start_soon(self._release, *made)
             case wire.OpenStream():
                 stream = self.streams[message.stream_id] = _ChildStream()
                 self.nursery.start_soon(self._stream, stream, message)
@@ -256,13 +264,45 @@ class _Server:
                     value = await service.close_session(*args)
                 else:
                     raise ValueError(f"unknown process service method {method!r}")
-                reply = wire.Result(call_id, True, _seal(value))
+                if method in wire.HANDED_OVER and scope.cancel_called:  # made although the parent gave up on it
+                    await self._release(method, value)
+                else:
+                    reply = wire.Result(call_id, True, await self._sealed(method, value))
+                    if method in wire.HANDED_OVER:
+                        self.unclaimed[call_id] = (method, value)  # the parent takes it or hands it back
             except Exception as exc:
                 reply = wire.Result(call_id, False, wire.error_info(exc))
         self.calls.pop(call_id, None)
         if reply is None:  # cancelled by the parent, which no longer waits: the answer lets it forget the call
             reply = wire.Result(call_id, False, wire.ErrorInfo("trio.Cancelled", "cancelled by the parent", "", None))
         self.post(reply)
+
+    async def _sealed(self, method: str, value: Any) -> wire.Sealed:
+        """The call's value for the parent; one that cannot be sent is a pipeline bug, and what it made (a session)
+        is released here, since the parent never gets hold of it."""
+        from pipelines.contract import PipelineContractError
+
+        try:
+            return _seal(value)
+        except Exception as exc:
+            if method in wire.HANDED_OVER:
+                await self._release(method, value)
+            raise PipelineContractError(
+                f"the value {method} returned cannot be sent from the worker process: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _release(self, method: str, value: Any) -> None:
+        """Release what a call made that the parent never took (``close_session`` for a session), bounded."""
+        releaser = wire.HANDED_OVER[method]
+        with trio.CancelScope(shield=True), trio.move_on_after(self.release_timeout) as late:
+            try:
+                await getattr(self.service, releaser)(value)
+            except Exception:
+                log.exception("process service child: %s() of what %s() made, which the server never took, raised",
+                              releaser, method)
+        if late.cancelled_caught:
+            log.error("process service child: %s() of what %s() made, which the server never took, did not end "
+                      "within %g s", releaser, method, self.release_timeout)
 
     def _event_sink(self, call_id: int) -> Any:
         def forward(event: Any) -> None:

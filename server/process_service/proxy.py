@@ -143,7 +143,7 @@ class ProcessService:
             self._on_message(message)
         try:
             with trio.CancelScope() as self._body:
-                self._send_quiet(wire.Run(self._capacity))
+                self._send_quiet(wire.Run(self._capacity, self.call_deadlines.close_session))
                 deadline = self.call_deadlines.running
                 with trio.move_on_after(deadline) as entering:
                     await self._started.wait()
@@ -280,11 +280,8 @@ class ProcessService:
             method = self._abandoned.pop(call_id, None)
             self._sinks.pop(call_id, None)
             self._broken_calls.pop(call_id, None)
-            if method == "create_session" and ok:  # created after its caller gave up: close it
-                try:
-                    self._start_call("close_session", (wire.unseal(payload),))
-                except wire.Unreadable:
-                    log.error("%s: a session created after its caller gave up has an id that does not load", self.name)
+            if ok and method in wire.HANDED_OVER:  # made after its caller gave up: the child releases it
+                self._send_quiet(wire.Release(call_id))
             return
         call.ok, call.payload = ok, payload
         call.event.set()
@@ -324,10 +321,10 @@ class ProcessService:
             with trio.move_on_after(deadline) as waiting:
                 await call.event.wait()
         except BaseException:
-            self._give_up(call_id, method)  # cancelled while the child works on it
+            self._give_up(call_id, call)  # cancelled while the child works on it
             raise
         if waiting.cancelled_caught:
-            self._give_up(call_id, method)
+            self._give_up(call_id, call)
             raise ProcessServiceCallTimeout(self.name, method, deadline)
         if call.error is not None:
             raise call.error
@@ -340,9 +337,13 @@ class ProcessService:
         except wire.Unreadable as exc:
             self._sinks.pop(call_id, None)
             self._broken_calls.pop(call_id, None)
+            if method in wire.HANDED_OVER:  # nothing here can refer to what it made: the child releases it
+                self._send_quiet(wire.Release(call_id))
             raise PipelineContractError(
                 f"the value {method} returned in the worker process does not load in the server process: {exc}"
             ) from None
+        if method in wire.HANDED_OVER:
+            self._send_quiet(wire.Taken(call_id))  # the caller has it now (and releases it)
         if method == "create_session" and on_event is not None:
             self._session_calls[value] = call_id
         return value
@@ -353,11 +354,16 @@ class ProcessService:
         if refused is not None:
             raise ValueError(refused)
 
-    def _give_up(self, call_id: int, method: str) -> None:
-        """Nobody waits for the call any more: cancel it in the child (its late answer is dropped there or here)."""
+    def _give_up(self, call_id: int, call: _Pending) -> None:
+        """Nobody waits for the call any more: cancel it in the child (its late answer is dropped there or here).
+        One answered just as its caller gave up hands what it made back to the child."""
         if self._pending.pop(call_id, None) is not None:
-            self._abandoned[call_id] = method
+            self._abandoned[call_id] = call.method
             self._send_quiet(wire.Cancel(call_id))
+        elif call.ok and call.method in wire.HANDED_OVER:
+            self._sinks.pop(call_id, None)
+            self._broken_calls.pop(call_id, None)
+            self._send_quiet(wire.Release(call_id))
 
     def _open_stream(self, method: str, arg: Any) -> ProxyStream:
         stream_id = next(self._ids)

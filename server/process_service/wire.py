@@ -5,8 +5,14 @@ Each message is pickled by :func:`dumps` (a pickler that also handles
 ``send_bytes`` through the :class:`engine.supervisor.Supervisor`'s pipe.
 
 Parent to child: :class:`Run` (once, after :class:`Ready`), :class:`Call`,
-:class:`Cancel`, :class:`OpenStream`, :class:`Credit`, :class:`CloseStream`,
-:class:`Stop`.
+:class:`Cancel`, :class:`Taken`, :class:`Release`, :class:`OpenStream`, :class:`Credit`,
+:class:`CloseStream`, :class:`Stop`.
+
+What a call of :data:`HANDED_OVER` made in the child (a session) stays the child's until the parent
+takes it (:class:`Taken`: its value loaded and a caller got it) or hands it back (:class:`Release`: it
+does not load here, or nobody waits for it any more); the child then releases it itself
+(``close_session`` with its own value). One the child cannot even send, or one made although the parent
+cancelled its call, the child releases at once.
 
 Child to parent: :class:`Ready` or :class:`LoadFailed` (the hello), then
 :class:`Running` or :class:`RunFailed`, :class:`Result`, :class:`SessionEvent`,
@@ -33,9 +39,9 @@ from engine.worker_wire import UnloadableValue as Unreadable
 from engine.worker_wire import load_value
 
 __all__ = [
-    "CREDIT_WINDOW", "Call", "Cancel", "ChildExited", "ChunkOut", "CloseStream", "Credit", "ErrorInfo",
-    "LoadFailed", "OpenStream", "ProtocolError", "Ready", "Result", "Run", "RunFailed", "Running",
-    "Sealed", "SessionEvent", "Stop", "Stopped", "StreamEnd", "Unreadable", "dumps", "dumps_readable", "error_info",
+    "CREDIT_WINDOW", "HANDED_OVER", "Call", "Cancel", "ChildExited", "ChunkOut", "CloseStream", "Credit",
+    "ErrorInfo", "LoadFailed", "OpenStream", "ProtocolError", "Ready", "Release", "Result", "Run", "RunFailed",
+    "Running", "Sealed", "SessionEvent", "Stop", "Stopped", "StreamEnd", "Taken", "Unreadable", "dumps", "dumps_readable", "error_info",
     "loads", "seal", "unseal",
 ]
 
@@ -43,6 +49,8 @@ CREDIT_WINDOW = 2  # chunks a stream may send ahead of what the parent's consume
 
 CALL_METHODS = frozenset({"check_options", "create_session", "push_control", "close_session"})
 STREAM_METHODS = frozenset({"chunks", "stream"})
+#: calls whose value owns something in the child, and the call that releases it there
+HANDED_OVER = {"create_session": "close_session"}
 
 
 @attrs.frozen
@@ -75,9 +83,11 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 @attrs.frozen
 class Run:
-    """Enter the service's ``running()``, after ``configure_session_capacity(capacity)`` when given."""
+    """Enter the service's ``running()``, after ``configure_session_capacity(capacity)`` when given;
+    ``release_timeout``: how long the child's own release of what the parent never took may take."""
 
     capacity: int | None
+    release_timeout: float = 45.0
 
 
 @attrs.frozen
@@ -93,6 +103,21 @@ class Call:
 @attrs.frozen
 class Cancel:
     """Cancel a pending call (the parent no longer waits for it)."""
+
+    call_id: int
+
+
+@attrs.frozen
+class Taken:
+    """The parent took the value of call ``call_id`` (of :data:`HANDED_OVER`): the child forgets it."""
+
+    call_id: int
+
+
+@attrs.frozen
+class Release:
+    """The parent could not take the value of call ``call_id`` (it does not load there, or nobody waited for it):
+    the child releases it itself."""
 
     call_id: int
 

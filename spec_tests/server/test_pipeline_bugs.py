@@ -15,8 +15,9 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
+import trio
 
-from pipelines.contract import Chunk, ServerPushService, SessionConfig
+from pipelines.contract import Chunk, PipelineContractError, ServerPushService, SessionConfig
 from server.process_service import start_process_service
 
 from .runner_fixtures import WORKER_IDENTITY, CounterService, join, no_threads, serve, settings, wait_until  # noqa: F401
@@ -261,3 +262,124 @@ async def test_a_value_from_a_worker_process_that_does_not_load_fails_only_its_s
 ) -> None:
     """A session id or an event the server cannot unpickle is the session's pipeline bug, not the worker's."""
     await each_session_fails_alone(write_pipeline(tmp_path, BAD_VALUES_PIPELINE.replace("{create}", create)), reason, 0)
+
+
+# -- a session the server could not take is closed in the worker process -----------------------------------------
+
+ONE_SLOT_PIPELINE = """
+import os
+import sys
+from contextlib import asynccontextmanager
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "child_only"))  # a module the server process lacks
+import child_only_mod
+
+import numpy as np
+import trio
+
+from pipelines.contract import BidirectionalService, Chunk
+
+
+class Held:  # a class of the pipeline's own file, which the server process cannot import
+    pass
+
+
+class OneSlot(BidirectionalService):
+    '''One slot: a session holds it until it is closed. The first three sessions get ids the server cannot take;
+    a session whose prompt is "late" is made only once its caller has given up.'''
+
+    def __init__(self):
+        self.sessions = []  # what create_session returned, for the sessions not yet closed
+        self.created = 0
+
+    @asynccontextmanager
+    async def running(self):
+        yield self
+
+    async def create_session(self, config, *, on_event=None):
+        if self.sessions:
+            raise RuntimeError(f"no free slot: {len(self.sessions)} session(s) still hold it")
+        if config.prompt == "late":
+            on_event("creating")
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                pass  # a model that finishes making the session anyway
+        self.created += 1
+        session = {make_id} if self.created <= 3 else f"s{self.created}"
+        self.sessions.append(session)
+        return session
+
+    async def push_control(self, session_id, control):
+        pass
+
+    async def chunks(self, session_id):
+        for index in range(2):
+            yield Chunk(index, np.full((2, 16, 16, 3), 100, np.uint8), 10.0, metadata={"held": len(self.sessions)})
+        await trio.sleep_forever()
+
+    async def close_session(self, session_id):
+        self.sessions = [held for held in self.sessions if held is not session_id and held != session_id]
+
+
+def get_service(gpu_num=0):
+    return OneSlot()
+"""
+
+NOT_TAKEN_CASES = [
+    ("child_only_mod.Thing()",
+     "pipeline bug: the value create_session returned in the worker process does not load in the server process: "
+     "child_only_mod.Thing cannot be imported: ModuleNotFoundError: No module named 'child_only_mod'"),
+    ("child_only_mod.FailsToLoad()",
+     "pipeline bug: the value create_session returned in the worker process does not load in the server process: "
+     "loading it raised ValueError: invalid literal for int() with base 10: 'not a number' (the last name it loaded: "
+     "builtins.int)"),
+    ("Held()",
+     "pipeline bug: the value create_session returned cannot be sent from the worker process: PicklingError: Held is "
+     "defined in the pipeline file itself, which the server process cannot import"),
+]
+
+
+@pytest.mark.parametrize(("make_id", "reason"), NOT_TAKEN_CASES, ids=["missing-module", "raises-on-load", "own-class"])
+async def test_a_session_whose_id_the_server_cannot_take_is_closed_in_the_worker_process(
+    make_id: str, reason: str, tmp_path: Path
+) -> None:
+    """The server never learns the id, so the worker process closes the session itself: its one slot is free for
+    each next attempt (they do not pile up), and the session after them holds it alone."""
+    path = write_pipeline(tmp_path, ONE_SLOT_PIPELINE.replace("{make_id}", make_id))
+    async with serve(settings(pipeline=str(path), worker_mode="process", max_sessions_per_worker=1),
+                     start_process_service) as s:
+        for _ in range(3):
+            created = await s.create("ctl")
+            async with join(s, created["room"], created["token"]) as ctl:
+                (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message", timeout=60.0)
+            view = await s.get(created["session_id"])
+            assert (view["status"], view["error"], error["detail"]) == ("failed", reason, reason)
+            await wait_until(lambda: s.free_slots() == 1, "the slot to be free")
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            chunks = await ctl.wait_for(lambda p: p.status("chunk"), "a chunk", timeout=60.0)
+        assert chunks[0]["data"]["held"] == 1  # this session alone holds the pipeline's slot
+        assert (await s.get(created["session_id"]))["pipeline_session_id"] == "s4"
+
+
+async def test_a_session_made_after_its_caller_gave_up_is_closed_in_the_worker_process(tmp_path: Path) -> None:
+    """The caller is cancelled while the worker process makes the session; its id (one the server cannot load
+    either) comes late, so the worker process closes the session itself and the next one gets the slot."""
+    path = write_pipeline(tmp_path, ONE_SLOT_PIPELINE.replace("{make_id}", "child_only_mod.Thing()"))
+    service = await trio.to_thread.run_sync(lambda: start_process_service(str(path)))
+    async with service.running():
+        creating = trio.Event()
+        with trio.CancelScope() as caller:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: service.create_session(SessionConfig(prompt="late"),
+                                                                  on_event=lambda _: creating.set()))
+                await creating.wait()
+                caller.cancel()
+        assert caller.cancelled_caught
+        with trio.fail_after(30):
+            for _ in range(2):  # ids the server cannot take: each closed in the worker process
+                with pytest.raises(PipelineContractError, match="does not load in the server process"):
+                    await service.create_session(SessionConfig())
+            assert await service.create_session(SessionConfig()) == "s4"
+    assert service.failure is None
