@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import attrs

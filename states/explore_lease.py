@@ -111,7 +111,6 @@ def _step(world: LeaseWorld, label: str, kind: str, session_id: str | None) -> L
     busy_before = _busy(book)
     occupant_before = book.holder() or book.draining()
     holder_before = book.holder()
-    waiters_before = bool(world.expected_fifo)
     fifo = list(world.expected_fifo)
     owed = set(world.owed_chunk)
     parked = set(world.parked)

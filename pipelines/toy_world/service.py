@@ -41,7 +41,6 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-import numpy as np
 import torch
 import trio
 

@@ -26,7 +26,7 @@ from engine import (
 from states.pipeline_session import State
 from states.stage_actor import State as ActorState
 
-from .conftest import canonical_spec, chunk, running, settle
+from .conftest import canonical_spec, chunk, running
 from ..virtual_time import elapse
 
 # -- failure causes ------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ starts as few as it needs.
 
 from __future__ import annotations
 
-import contextlib
 
 import json
 import os

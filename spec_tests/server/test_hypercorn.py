@@ -157,8 +157,10 @@ async def test_plain_hypercorn_with_no_chunkline_variables_serves_the_embedded_d
                 log.extend(data)
             url = RUNNING.search(log).group(1).decode()  # type: ignore[union-attr]
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-                while (response := await client.get("/v1/service/ready")).status_code != 200:
+                while (response := await client.get("/v1/service/ready")).status_code == 503:
+                    assert response.json()["status"] == "not_ready"
                     await trio.sleep(0.1)  # bench-cost: the toy world loads
+                assert (response.status_code, response.json()["status"]) == (200, "ready")
                 metadata = (await client.get("/v1/service/metadata")).json()
         assert metadata["pipeline_file"].endswith(os.path.join("pipelines", "toy_world"))
         assert metadata["transport"] == "local" and metadata["pipeline_kind"] == "bidirectional"
