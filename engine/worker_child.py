@@ -26,12 +26,11 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from .supervised_child import bind_to_parent
 from .worker_wire import (
-    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, remote_error,
+    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, remote_error,
 )
 
 __all__ = ["child_main", "resolve_factory"]
@@ -84,9 +83,9 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
                 return
             case Call(call_id=call_id, method=method, args=args, kwargs=kwargs):
                 try:
-                    value = getattr(worker, method)(*args, **kwargs)
-                    # pickled apart from the message: a value the parent cannot load fails only this call there
-                    reply: Result | Raised = Result(call_id, rank, bytes(ForkingPickler.dumps(value)))
+                    # pickled apart from the message: a value the parent cannot load fails only this call there;
+                    # nothing here keeps the value once it is pickled (its shared memory is the parent's to fetch)
+                    reply: Result | Raised = Result(call_id, rank, *dump_value(getattr(worker, method)(*args, **kwargs)))
                 except BaseException as exc:
                     reply = Raised(call_id, rank, remote_error(exc))
                 try:

@@ -12,15 +12,23 @@ then one :class:`Result` or :class:`Raised` per rank per call; and
 :class:`Closed` after a :class:`Shutdown`.
 
 Pickled with ``multiprocessing``'s pickler on both sides (so tensors in
-arguments and values travel as they would in a plain tuple). Nothing heavy is
-imported here.
+arguments and values travel as they would in a plain tuple). A CPU tensor in a
+value travels as a handle to its shared memory, which the rank holds until this
+process fetches it: :func:`dump_value` lists those handles beside the value, so
+that one this process does not load (it does not load here, or another rank's
+method raised) is fetched and closed by :func:`release_shared` instead of being
+held by the rank for its whole life. Nothing heavy is imported here.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import os
 import pickle
 import traceback
+from multiprocessing import resource_sharer
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import attrs
@@ -38,7 +46,9 @@ __all__ = [
     "Shutdown",
     "UnknownWorkerMessage",
     "UnloadableValue",
+    "dump_value",
     "load_value",
+    "release_shared",
     "remote_error",
 ]
 
@@ -58,10 +68,49 @@ class UnloadableValue(EngineError, ValueError):
     """A value pickled in a child process does not load in this one; the message says what did not load."""
 
 
+def dump_value(value: Any) -> tuple[bytes, bytes]:
+    """Pickle a rank's value apart from its message: its bytes, and (``b""`` when it has none) the shared-memory
+    handles (``resource_sharer.DupFd``) in it, in the order they were written, pickled on their own for
+    :func:`release_shared`."""
+    shared: list[Any] = []
+
+    def listed(handle: Any) -> Any:  # not a method of the pickler: a cycle would keep its memo (the tensors) alive
+        shared.append(handle)
+        return handle.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table[resource_sharer.DupFd] = listed
+    pickler.dump(value)
+    return buffer.getvalue(), (bytes(ForkingPickler.dumps(shared)) if shared else b"")
+
+
+def _counting(fetched: set[int]) -> type:
+    """A ``DupFd`` that notes, by its place in the pickle, that loading fetched it (loading may stop half-way)."""
+    places = itertools.count()
+
+    class CountedDupFd(resource_sharer.DupFd):  # type: ignore[name-defined,misc]
+        def __new__(cls, *args: Any) -> Any:
+            handle = super().__new__(cls)
+            handle.place = next(places)
+            return handle
+
+        def detach(self) -> int:
+            fetched.add(self.place)
+            return super().detach()
+
+    return CountedDupFd
+
+
 class _NamingUnpickler(pickle.Unpickler):
-    """Names what did not load: the global that could not be found, or the last one found before loading raised."""
+    """Names what did not load: the global that could not be found, or the last one found before loading raised;
+    notes which shared-memory handles loading fetched (into ``fetched``, when given)."""
 
     last: str | None = None
+
+    def __init__(self, file: io.BytesIO, fetched: set[int] | None) -> None:
+        super().__init__(file)
+        self.counted = None if fetched is None else _counting(fetched)
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -69,13 +118,16 @@ class _NamingUnpickler(pickle.Unpickler):
         except Exception as exc:
             raise UnloadableValue(f"{module}.{name} cannot be imported: {type(exc).__name__}: {exc}") from exc
         self.last = f"{module}.{name}"
+        if found is resource_sharer.DupFd and self.counted is not None:
+            return self.counted
         return found
 
 
-def load_value(data: bytes) -> Any:
+def load_value(data: bytes, fetched: set[int] | None = None) -> Any:
     """Unpickle a value a child sent apart from its message (so that one which does not load here fails only what
-    it belongs to, not the reader of every message), or raise :class:`UnloadableValue` saying what did not load."""
-    unpickler = _NamingUnpickler(io.BytesIO(data))
+    it belongs to, not the reader of every message), or raise :class:`UnloadableValue` saying what did not load.
+    ``fetched`` collects the places of the shared-memory handles that loading fetched, even when it fails."""
+    unpickler = _NamingUnpickler(io.BytesIO(data), fetched)
     try:
         return unpickler.load()
     except UnloadableValue:
@@ -83,6 +135,21 @@ def load_value(data: bytes) -> Any:
     except Exception as exc:
         after = f" (the last name it loaded: {unpickler.last})" if unpickler.last else ""
         raise UnloadableValue(f"loading it raised {type(exc).__name__}: {exc}{after}") from exc
+
+
+def release_shared(shared: bytes, fetched: frozenset[int] | set[int] = frozenset()) -> int:
+    """Fetch and close the shared-memory handles of a value that was not loaded (all but those at the places in
+    ``fetched``), so the rank holds them no longer; returns how many were released."""
+    released = 0
+    for place, handle in enumerate(pickle.loads(shared) if shared else ()):
+        if place in fetched:
+            continue
+        try:
+            os.close(handle.detach())
+        except (OSError, EOFError):  # the rank is gone, and its handles with it
+            continue
+        released += 1
+    return released
 
 
 @attrs.frozen
@@ -139,11 +206,13 @@ class RankStartFailed:
 
 @attrs.frozen
 class Result:
-    """One rank's return value for call ``call_id``, pickled on its own (:func:`load_value` reads it)."""
+    """One rank's return value for call ``call_id``, pickled on its own (:func:`load_value` reads it), and the
+    shared-memory handles in it (:func:`dump_value`)."""
 
     call_id: int
     rank: int
     value: bytes
+    shared: bytes = b""
 
 
 @attrs.frozen

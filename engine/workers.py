@@ -40,6 +40,7 @@ from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Sup
 from .worker_child import child_main
 from .worker_wire import (
     Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue, load_value,
+    release_shared,
 )
 
 __all__ = [
@@ -99,13 +100,19 @@ class _Call:
 
 
 class DeferredResult:
-    """What :meth:`ProcessWorkerGroup.call` returns: call it to wait for the value."""
+    """What :meth:`ProcessWorkerGroup.call` returns: call it to wait for the value.
+
+    Call it: the shared memory of CPU tensors in the ranks' values is fetched from the ranks then (a value that
+    does not load, or one another rank's error leaves unloaded, has it fetched and closed), and held by them
+    until then."""
 
     def __init__(self, group: ProcessWorkerGroup, call: _Call, gather: bool) -> None:
         self._group = group
         self._call = call
         self._gather = gather
         self._loaded: dict[int, Any] = {}
+        self._fetched: dict[int, set[int]] = {}  # rank -> the places of the shared handles a failed load fetched
+        self._released = False
 
     def done(self) -> bool:
         return self._call.event.is_set()
@@ -125,24 +132,39 @@ class DeferredResult:
         if call.error is not None:
             raise call.error
         values = []
-        for rank in call.ranks:
-            match call.results[rank]:
-                case Result(value=data):
-                    values.append(self._load(rank, data))
-                case Raised(error=error):
-                    raise WorkerCallError(
-                        f"rank {rank}: {call.method}() raised {error.type_name}: {error.message}\n"
-                        f"--- child traceback ---\n{error.traceback}",
-                        rank=rank, method=call.method, remote_type=error.type_name, remote_traceback=error.traceback,
-                    )
+        try:
+            for rank in call.ranks:
+                match call.results[rank]:
+                    case Result(value=data):
+                        values.append(self._load(rank, data))
+                    case Raised(error=error):
+                        raise WorkerCallError(
+                            f"rank {rank}: {call.method}() raised {error.type_name}: {error.message}\n"
+                            f"--- child traceback ---\n{error.traceback}",
+                            rank=rank, method=call.method, remote_type=error.type_name,
+                            remote_traceback=error.traceback,
+                        )
+        finally:
+            self._release_unloaded()
         return values if self._gather else values[0]
+
+    def _release_unloaded(self) -> None:
+        """The shared memory of every value this call will not load (it did not load, or another rank raised):
+        fetched and closed here, or its rank would hold it for good."""
+        if self._released:
+            return
+        self._released = True
+        for rank, result in self._call.results.items():
+            if isinstance(result, Result) and result.shared and rank not in self._loaded:
+                release_shared(result.shared, self._fetched.get(rank, set()))
 
     def _load(self, rank: int, data: bytes) -> Any:
         """A rank's value, loaded once; one that does not load in this process fails this call (the group lives on)."""
         if rank not in self._loaded:
             method = self._call.method
+            fetched = self._fetched.setdefault(rank, set())
             try:
-                self._loaded[rank] = load_value(data)
+                self._loaded[rank] = load_value(data, fetched)
             except UnloadableValue as exc:
                 raise WorkerCallError(
                     f"rank {rank}: the value {method}() returned does not load in this process: {exc}",

@@ -4,6 +4,7 @@ every message from that process never sees it, so the process group serves on. W
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 from engine.workers import ProcessWorkerGroup, WorkerCallError
 
 RANKS = "spec_tests.reliability.unloadable_ranks:UnloadableRank"
+TENSOR_RANKS = "spec_tests.reliability.unloadable_ranks:SharedTensorRank"
+SETTLE_DEADLINE = 10.0  # seconds for a rank's resource-sharer thread to close what the parent fetched
 
 
 @pytest.fixture
@@ -32,3 +35,29 @@ def test_a_rank_value_that_does_not_load_fails_that_call_and_the_group_lives_on(
     assert (caught.value.rank, caught.value.method) == (0, "unloadable")
     assert not group.failed and group.failure_reason is None
     assert group.call("step", 4)() == 4  # the next call is answered by the same ranks
+
+
+def settled_shared_fds(group: ProcessWorkerGroup) -> list[int]:
+    """Each rank's open shared-memory descriptors, once none is closing any more (a rank's resource-sharer thread
+    closes its copy of a handle just after handing it over); bounded by wall-clock time."""
+    give_up = time.monotonic() + SETTLE_DEADLINE
+    while any(held := group.call("shared_fds")()) and time.monotonic() < give_up:
+        time.sleep(0.01)  # bench-cost: the ranks' sharer threads, bounded
+    return held
+
+
+def test_the_shared_memory_of_a_value_that_is_not_loaded_is_not_left_with_the_rank() -> None:
+    """A CPU tensor travels as a handle to shared memory, which its rank holds until the parent fetches it: one in a
+    value that does not load (fetched half-way, or not at all because another rank raised) is fetched and closed
+    all the same, so it does not pile up in the rank for the rest of its life."""
+    with ProcessWorkerGroup(TENSOR_RANKS, world_size=2, call_timeout=60.0, gather=("shared_fds",),
+                            name="shared-tensors") as group:
+        for _ in range(4):
+            with pytest.raises(WorkerCallError, match="rank 0: the value half_loadable\\(\\) returned does not load"):
+                group.call("half_loadable")()
+        assert settled_shared_fds(group) == [0, 0]
+        for _ in range(4):
+            with pytest.raises(WorkerCallError, match="rank 0: fails_on_rank_0\\(\\) raised builtins.ValueError"):
+                group.call("fails_on_rank_0")()
+        assert settled_shared_fds(group) == [0, 0]
+        assert not group.failed

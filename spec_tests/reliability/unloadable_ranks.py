@@ -25,3 +25,35 @@ class UnloadableRank:
 
     def unloadable(self) -> Any:
         return {"latent": FailsToLoad()}
+
+
+class SharedTensorRank(UnloadableRank):
+    """Returns CPU tensors (torch, imported here, in the rank only), which travel as handles to shared memory that
+    the rank holds until the parent fetches them."""
+
+    def __init__(self, *, rank: int, world_size: int, device: str) -> None:
+        super().__init__(rank=rank, world_size=world_size, device=device)
+        import torch
+
+        self.torch = torch
+
+    def half_loadable(self) -> Any:
+        """Loading stops half-way: the first tensor is fetched, the second is not."""
+        return {"fetched": self.torch.ones(64), "latent": FailsToLoad(), "held": self.torch.ones(64)}
+
+    def fails_on_rank_0(self) -> Any:
+        if self.rank == 0:
+            raise ValueError("rank 0 failed")
+        return {"latent": self.torch.ones(64)}
+
+    def shared_fds(self) -> int:
+        """This rank's open descriptors of shared memory (every tensor it sent and nobody fetched holds one)."""
+        import os
+
+        held = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+            except OSError:  # the descriptor listdir itself used
+                continue
+        return held
