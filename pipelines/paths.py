@@ -9,7 +9,8 @@ __all__ = ["PathRefused", "resolve_inside"]
 
 
 class PathRefused(ValueError):
-    """A client-named path that is not a file inside its directory; the message says why."""
+    """A client-named path that is not a file inside its directory; the message says why (the caller names the
+    path, bounded, as it names the field: the message never repeats it)."""
 
 
 def resolve_inside(root: str | os.PathLike[str], name: str) -> Path:
@@ -19,9 +20,12 @@ def resolve_inside(root: str | os.PathLike[str], name: str) -> Path:
     if ".." in Path(name).parts:
         raise PathRefused("may not contain '..'")
     base = Path(root).resolve()
-    resolved = (base / name).resolve()
-    if not resolved.is_relative_to(base):
-        raise PathRefused("resolves outside the assets directory")
-    if not resolved.is_file():
-        raise PathRefused(f"{name!r} does not exist in the assets directory")
+    try:
+        resolved = (base / name).resolve()
+        if not resolved.is_relative_to(base):
+            raise PathRefused("resolves outside the assets directory")
+        if not resolved.is_file():
+            raise PathRefused("does not exist in the assets directory")
+    except OSError as exc:  # a name too long for the file system, a loop of links: not a file there either
+        raise PathRefused(f"cannot be looked up in the assets directory ({exc.strerror or 'not a file name'})") from None
     return resolved

@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException
 from . import json_limits, option_check
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
+from .reasons import echo
 from .registry import UnknownStreamSession
 from .requests import BadRequest, parse_create_session, parse_drain_request, parse_token_request, resolve_image_path
 from states.admission import UnknownWorker
@@ -189,7 +190,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.errorhandler(UnknownStreamSession)
     async def unknown_session(exc: UnknownStreamSession) -> Response:
-        return error(404, "not_found", f"no session {exc.args[0]!r}")
+        return error(404, "not_found", f"no session {echo(exc.args[0])}")
 
     @app.errorhandler(SessionConflict)
     async def conflict(exc: SessionConflict) -> Response:
@@ -254,7 +255,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         records = list(runtime.registry)
         if status is not None:
             if status not in {state.value for state in SessionState}:
-                raise BadRequest("invalid_query", f"unknown status {status!r}")
+                raise BadRequest("invalid_query", f"unknown status {echo(status)}")
             records = [r for r in records if r.status.value == status]
         return {"sessions": [session_view(r) for r in records]}
 
@@ -321,7 +322,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             return Response(json.dumps(runtime.drain_worker(worker_id, deadline)), status=202,
                             mimetype="application/json")
         except UnknownWorker:
-            return error(404, "not_found", f"no worker {worker_id!r}")
+            return error(404, "not_found", f"no worker {echo(worker_id)}")
 
     @app.get("/openapi.json")
     async def openapi() -> dict[str, Any]:
@@ -358,7 +359,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     @app.get("/static/<path:name>")
     async def static_file(name: str) -> Response:
         root = STATIC.resolve()
-        missing = error(404, "not_found", f"no static file {name[:64]!r}")
+        missing = error(404, "not_found", f"no static file {echo(name)}")
         if len(name) > MAX_STATIC_NAME or "\x00" in name:
             return missing
         try:

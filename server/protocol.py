@@ -87,6 +87,7 @@ import attrs
 from pipelines.contract import KNOWN_KEYS, Control, ControlType
 
 from . import json_limits
+from .reasons import echo
 
 __all__ = [
     "CONTROL_TOPIC",
@@ -198,11 +199,6 @@ def normalize_key(name: object) -> str | None:
     return KEY_ALIASES.get(name) if isinstance(name, str) else None
 
 
-def _show(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # -- parsing ------------------------------------------------------------------
 
 
@@ -210,7 +206,7 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise ValueError(f"duplicate key {echo(key)}")
         out[key] = value
     return out
 
@@ -263,7 +259,7 @@ def parse_control(
 
     kind = fields.get("type")
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
-        raise InvalidControl("unknown_type", f"type {_show(kind)} is not one of {sorted(MESSAGE_TYPES)}")
+        raise InvalidControl("unknown_type", f"type {echo(kind)} is not one of {sorted(MESSAGE_TYPES)}")
 
     if kind == ControlType.CONTROL_STATE.value:
         return Control(ControlType.CONTROL_STATE, keys=_held_keys(fields))
@@ -304,9 +300,9 @@ def _held_keys(fields: Mapping[str, Any]) -> frozenset[str]:
     for name in controls:
         key = normalize_key(name)
         if key is None:
-            raise InvalidControl("unknown_control", f"unknown control {_show(name)}")
+            raise InvalidControl("unknown_control", f"unknown control {echo(name)}")
         if key in held:
-            raise InvalidControl("duplicate_control", f"control {_show(name)} repeats key {key!r}")
+            raise InvalidControl("duplicate_control", f"control {echo(name)} repeats key {key!r}")
         held.add(key)
     return frozenset(held)
 
@@ -317,11 +313,11 @@ def _key_event(fields: Mapping[str, Any]) -> Control:
         raise InvalidControl("bad_controls", "a control message needs a string 'control' (or 'key')")
     key = normalize_key(name)
     if key is None:
-        raise InvalidControl("unknown_control", f"unknown control {_show(name)}")
+        raise InvalidControl("unknown_control", f"unknown control {echo(name)}")
     event = fields["event"] if "event" in fields else fields.get("action", "press")
     meaning = _EVENTS.get(event.lower()) if isinstance(event, str) else None
     if meaning is None:
-        raise InvalidControl("unknown_event", f"event {_show(event)} is not one of {sorted(_EVENTS)}")
+        raise InvalidControl("unknown_event", f"event {echo(event)} is not one of {sorted(_EVENTS)}")
     if isinstance(meaning, ControlType):
         return Control(meaning)
     return Control(ControlType.CONTROL, key=key, pressed=meaning)

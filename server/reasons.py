@@ -4,16 +4,23 @@ A session's ``error``, the ``tf.status`` error detail and a worker's failure in 
 are read by anyone holding the session id or a viewer link. They say what failed in one short line:
 never a traceback, never a server file path (a path is shown by its last component), never more
 than :data:`MAX_REASON` characters.
+
+Text a client sent that an error message repeats back (an id, a field name, a header value, a status
+filter) goes through :func:`echo`: quoted, and cut to :data:`MAX_ECHO` characters with its full length
+named when longer, so no refusal is larger than what it refuses needs to say.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["MAX_REASON", "public_reason"]
+__all__ = ["MAX_ECHO", "MAX_REASON", "echo", "echo_each", "public_reason"]
 
 MAX_REASON: Final = 240
+MAX_ECHO: Final = 64  # characters of one piece of client text an error message repeats
+MAX_ECHOED: Final = 5  # pieces of client text one error message repeats (the rest are counted)
 
 _PATH: Final = re.compile(r"(?<![\w.:/-])(?:[A-Za-z]:)?(?:[/\\][^\s/\\'\"]+)*[/\\]([^\s/\\'\"]+)")
 _TRACEBACK: Final = re.compile(r"Traceback \(most recent call last\):.*", re.DOTALL)
@@ -42,3 +49,24 @@ def public_reason(failure: BaseException | str, *, prefix_type: bool = True) -> 
     if len(text) > MAX_REASON:
         text = text[: MAX_REASON - 3].rstrip() + "..."
     return text or "failed"
+
+
+def echo(value: object, limit: int = MAX_ECHO) -> str:
+    """``value`` (client input) quoted for an error message: ``'abc'``, or when longer than ``limit``
+    characters its start and its length, ``'abcd'... (15000 characters in all)``. Anything but text is
+    shown by its ``repr``, cut the same way."""
+    if not isinstance(value, str | bytes):
+        text = repr(value)
+        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+    if len(value) <= limit:
+        return repr(value)
+    unit = "characters" if isinstance(value, str) else "bytes"
+    return f"{value[:limit]!r}... ({len(value)} {unit} in all)"
+
+
+def echo_each(values: Sequence[object]) -> str:
+    """Several pieces of client input, each :func:`echo`-ed, at most :data:`MAX_ECHOED` of them
+    (``'a', 'b', ... and 7 more``)."""
+    shown = ", ".join(echo(value) for value in values[:MAX_ECHOED])
+    more = len(values) - MAX_ECHOED
+    return f"{shown} and {more} more" if more > 0 else shown

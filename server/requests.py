@@ -16,6 +16,8 @@ import attrs
 from pipelines.images import ImageRefused, check_image, check_image_file
 from pipelines.paths import PathRefused, resolve_inside
 
+from .reasons import echo, echo_each
+
 __all__ = ["CreateSession", "BadRequest", "OptionsRefused", "parse_create_session", "parse_drain_request", "parse_token_request",
            "resolve_image_path"]
 
@@ -61,7 +63,7 @@ def _object(body: Any) -> dict[str, Any]:
 def _unknown(body: dict[str, Any], allowed: set[str]) -> None:
     extra = sorted(set(body) - allowed)
     if extra:
-        raise BadRequest("unknown_field", f"unknown field(s) {extra}; allowed: {sorted(allowed)}")
+        raise BadRequest("unknown_field", f"unknown field(s) {echo_each(extra)}; allowed: {sorted(allowed)}")
 
 
 def _optional_str(body: dict[str, Any], name: str, limit: int) -> str | None:
@@ -136,7 +138,7 @@ def resolve_image_path(image_path: str, assets_dir: str | None) -> str:
     try:
         resolved = resolve_inside(assets_dir, image_path)
     except PathRefused as exc:
-        raise BadRequest("invalid_image_path", f"image_path {exc}") from None
+        raise BadRequest("invalid_image_path", f"image_path {echo(image_path)} {exc}") from None
     _check_image(lambda: check_image_file(resolved), "image_path")
     return str(resolved)
 

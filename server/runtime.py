@@ -30,6 +30,7 @@ from .metrics import ServerMetrics
 from .in_process_workers import InProcessWorkers
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle
+from .reasons import echo
 from .registry import SessionRecord, SessionRegistry
 from . import option_check, runtime_views
 from .requests import CreateSession
@@ -337,9 +338,9 @@ class StreamRuntime:
             raise ViewerLimit(f"session {session_id} already has {limit} viewer identities, the most one room holds")
         taken = {record.controller_identity, *(f"chunkline-{w}" for w in self.workers)}
         if identity in taken or identity in record.participants and identity not in record.viewer_identities:
-            raise SessionConflict(f"identity {identity!r} is already used in this room")
+            raise SessionConflict(f"identity {echo(identity)} is already used in this room")
         if identity in record.viewer_identities and identity in record.participants:
-            raise SessionConflict(f"viewer {identity!r} is already in the room")
+            raise SessionConflict(f"viewer {echo(identity)} is already in the room")
         record.viewer_identities.add(identity)
         return self.issuer.viewer_token(record.room, identity)
 

@@ -33,6 +33,7 @@ from server.protocol import (
     rejection_message,
     status_message,
 )
+from server.reasons import MAX_ECHO
 
 CONTROLLER = "controller-1"
 SESSION = "sess-1"
@@ -325,7 +326,7 @@ def test_rejection_carries_reason_and_detail() -> None:
     failure = rejected({"type": "control_state", "controls": ["w", "z" * 500]})
     assert isinstance(failure, ValueError)
     assert failure.reason == "unknown_control"
-    assert "z" in failure.detail and len(failure.detail) < 100  # never echoes a huge value
+    assert "(500 characters in all)" in failure.detail and len(failure.detail) < 2 * MAX_ECHO  # cut, never all of it
     assert str(failure).startswith("unknown_control: ")
     with pytest.raises(ValueError):
         InvalidControl("made_up", "x")
