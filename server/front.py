@@ -7,7 +7,7 @@ the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), the
   arrives, write deadline, ping/pong deadline): a room's ``/v1/rooms/{room}/ws`` however its path is
   spelt, anything else a 404 (none reaches hypercorn's WebSocket: with LiveKit rooms every upgrade is a
   404, and one after the connection's first request is refused by the framing);
-- anything else is spliced to hypercorn on a Unix socket of this process, each write to the client bounded by
+- anything else is spliced to hypercorn on a Unix socket only this user may reach, each write to the client bounded by
   ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
   reads could otherwise hold a response, its task and the shutdown forever), and the connection
   closed once no byte has moved either way for ``Deadlines.idle`` (whatever hypercorn's own keep-alive
@@ -78,7 +78,7 @@ class Front:
     def __init__(
         self,
         rooms: LocalRooms | None,
-        backend: str | bytes,
+        backend: str,
         *,
         max_message_bytes: int,
         deadlines: Deadlines | None = None,

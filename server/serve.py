@@ -6,17 +6,17 @@ SIGINT drains live sessions (they get ``done``), sends room clients away and exi
 :data:`SHUTDOWN_BOUND` seconds whatever any client does; past it a watchdog ends the process (exit 1).
 A second SIGTERM or SIGINT during that drain ends the process at once (exit 128 + the first signal).
 
-Nothing the server makes on disk outlives it: hypercorn's socket is in Linux's abstract namespace (no file,
-so even SIGKILL leaves none behind; like the public port, any process in the host's network namespace can
-reach it), and the uploads folder goes on every exit the server controls, the watchdog's and a second
-signal's included (one a killed server left is removed by the next server, see :mod:`server.uploads`).
+Only this server's user can reach hypercorn past the front: its socket is a file in a folder of the server's
+own (mode 0700, see :mod:`server.server_folders`), not in the abstract namespace, where any local process of
+any user could connect and skip every bound the front enforces. Nothing the server makes on disk outlives
+it: that folder and the uploads folder go on every exit the server controls, the watchdog's and a second
+signal's included, and the ones a killed server left are removed by the next server as it starts.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -32,6 +32,7 @@ from .app import SHUTDOWN_GRACE, create_app
 from .front import Front
 from .http_framing import BodyBudget
 from .room_socket import Deadlines
+from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
 from .transport.local import LocalRooms
@@ -43,6 +44,7 @@ log = logging.getLogger("chunkline.serve")
 FRONT_GRACE = 5.0  # seconds open HTTP connections get to finish once the sessions are drained
 #: seconds from the signal to the exit: the drain (two grace periods), the connections' grace, a margin
 SHUTDOWN_BOUND = 2 * SHUTDOWN_GRACE + FRONT_GRACE + 10.0
+BACKEND_SOCKET = "http.sock"  # hypercorn's socket, in the server's "front" folder
 
 
 class _HandedSocket(Config):
@@ -56,11 +58,15 @@ class _HandedSocket(Config):
         return Sockets(secure_sockets=[], insecure_sockets=[self._listener], quic_sockets=[])
 
 
-def _backend_socket() -> socket.socket:
-    """hypercorn's socket, bound in the abstract namespace: it has no file, so no exit can leave one."""
+def _backend_socket(folder: ServerFolder) -> socket.socket:
+    """hypercorn's socket, a file in the server's private ``folder``: only this user may connect to it."""
+    path = os.path.join(folder.make(), BACKEND_SOCKET)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(b"\0chunkline-front-%d-%s" % (os.getpid(), secrets.token_hex(8).encode()))
+        listener.bind(path)
+    except OSError as exc:  # e.g. a temporary directory whose path is too long for a Unix socket's
+        listener.close()
+        raise ListenError("TMPDIR", f"TMPDIR: cannot make the front's Unix socket {path}: {exc.strerror or exc}") from None
     except BaseException:
         listener.close()
         raise
@@ -104,15 +110,17 @@ async def serve_app(
             await extra.aclose()
         listeners = listeners[:1]  # one free port, not one per address family
     backend: socket.socket | None = None
+    folder = ServerFolder("front")
     try:
         if settings.workers != "in-process":
             await _check_cluster_address(settings)
         app = create_app(settings)
-        backend = _backend_socket()
-        await _serve(app, settings, backend, listeners, deadlines, stop, task_status)
+        backend = _backend_socket(folder)
+        await _serve(app, settings, backend, folder, listeners, deadlines, stop, task_status)
     finally:
         if backend is not None:
             backend.close()  # hypercorn closes it too once it served on it
+        folder.remove()
         for listener in listeners:
             await listener.aclose()  # each closed by serving on it too; this covers a failed start
 
@@ -121,13 +129,19 @@ async def _serve(
     app: Any,
     settings: ServerSettings,
     backend: socket.socket,
+    folder: ServerFolder,
     listeners: list[trio.SocketListener],
     deadlines: Deadlines | None,
     stop: trio.Event | None,
     task_status: trio.TaskStatus[list[str]],
 ) -> None:
     runtime = app.extensions["chunkline"]
-    remove = runtime.uploads.remove  # what the server holds on disk
+
+    def remove() -> None:
+        """Take what the server holds on disk: its uploads, hypercorn's socket."""
+        runtime.uploads.remove()
+        folder.remove()
+
     config = _HandedSocket(backend)
     config.accesslog = None
     config.graceful_timeout = FRONT_GRACE  # sessions are drained before hypercorn is told to stop

@@ -1,10 +1,13 @@
-"""``chunkline stream-serve`` leaves nothing in the temporary directory, however it ends.
+"""``chunkline stream-serve`` leaves nothing in the temporary directory, however it ends, and only its own
+user can reach hypercorn behind the front.
 
-Each test runs the real command with ``TMPDIR`` set to a folder of its own, uploads a reference image (the
-one thing the server keeps on disk), ends the server, and reads the folder: empty after SIGTERM, after a
-second signal during the drain (which ends the process at once), and hypercorn's socket is never a file
-(it is in the abstract namespace, so not even SIGKILL can leave it behind). The upload folder a SIGKILL
-leaves is removed by the next server's first upload. A port it cannot listen on is test_serve_startup's.
+Each test runs the real command with ``TMPDIR`` set to a folder of its own, uploads a reference image, ends
+the server, and reads the folder. The server keeps two folders there (``chunkline-front-<pid>-*``, holding
+hypercorn's socket, and ``chunkline-uploads-<pid>-*``), both mode 0700 and the server's user's: the socket was
+in the abstract namespace, which has no permissions, so any local process of any user could connect to
+hypercorn and skip every bound of the front. Both go on SIGTERM and on a second signal during the drain (which
+ends the process at once); what a SIGKILL leaves is removed by the next server as it starts, and a server
+running beside it keeps its own. A port it cannot listen on is test_serve_startup's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import base64
 import os
 import re
 import signal
+import socket
+import stat
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -90,21 +95,41 @@ def left_in(tmp: Path) -> list[str]:
     return sorted(path.name for path in tmp.iterdir())
 
 
-def backend_sockets(pid: int) -> list[str]:
-    """The abstract-namespace sockets named after the server ``pid`` (hypercorn's, behind the front)."""
+def folders_of(tmp: Path, pid: int) -> list[str]:
+    """The kinds of the folders server ``pid`` keeps in ``tmp`` (``chunkline-<kind>-<pid>-*``)."""
+    return sorted(kind for _, kind, owner, *_ in (name.split("-") for name in left_in(tmp)) if owner == str(pid))
+
+
+def abstract_sockets() -> list[str]:
+    """The abstract-namespace sockets named for chunkline (hypercorn's, before its socket had a folder)."""
     with open("/proc/net/unix") as table:
-        return [line.split()[-1] for line in table if f"@chunkline-front-{pid}-" in line]
+        return [line.split()[-1] for line in table if "@chunkline" in line]
 
 
-async def test_sigterm_leaves_nothing_and_the_backend_socket_is_never_a_file(tmp_path: Path) -> None:
+def uid_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("Uid:")).split()[1])
+
+
+async def test_hypercorns_socket_is_in_a_folder_only_the_servers_user_may_enter_and_sigterm_leaves_nothing(
+    tmp_path: Path,
+) -> None:
     async with stream_serve(tmp_path) as served:
         await served.upload()
-        assert [name.split("-")[:3] for name in left_in(tmp_path)] == [["chunkline", "uploads", str(served.process.pid)]]
-        assert len(backend_sockets(served.process.pid)) >= 1  # listening in the abstract namespace
+        pid = served.process.pid
+        assert folders_of(tmp_path, pid) == ["front", "uploads"], left_in(tmp_path)
+        for folder in tmp_path.iterdir():
+            info = folder.stat()
+            assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == uid_of(pid), (folder, oct(info.st_mode))
+        (front,) = tmp_path.glob(f"chunkline-front-{pid}-*")
+        assert [path.name for path in front.iterdir()] == ["http.sock"]
+        assert stat.S_ISSOCK((front / "http.sock").stat().st_mode)
+        with socket.socket(socket.AF_UNIX) as direct:  # the user's own processes still reach it (it is listening)
+            direct.connect(str(front / "http.sock"))
+        assert not [name for name in abstract_sockets() if f"-{pid}-" in name]
         served.process.send_signal(signal.SIGTERM)
         assert await served.exit_code() == 0, served.text()
     assert left_in(tmp_path) == []
-    assert backend_sockets(served.process.pid) == []
 
 
 @pytest.mark.parametrize(("first", "second"), [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM),
@@ -124,15 +149,33 @@ async def test_a_second_signal_during_the_drain_exits_at_once_and_leaves_nothing
     assert left_in(tmp_path) == []
 
 
-async def test_the_upload_folder_a_killed_server_left_goes_with_the_next_servers_first_upload(tmp_path: Path) -> None:
+async def test_the_folders_a_killed_server_left_go_as_the_next_server_starts(tmp_path: Path) -> None:
     async with stream_serve(tmp_path) as killed:
         await killed.upload()
         killed.process.kill()
         assert await killed.exit_code() == -signal.SIGKILL
-    assert [name.split("-")[:3] for name in left_in(tmp_path)] == [["chunkline", "uploads", str(killed.process.pid)]]
+    assert folders_of(tmp_path, killed.process.pid) == ["front", "uploads"], left_in(tmp_path)
     async with stream_serve(tmp_path) as served:
+        assert folders_of(tmp_path, killed.process.pid) == [], left_in(tmp_path)  # gone before it served
+        assert folders_of(tmp_path, served.process.pid) == ["front"], left_in(tmp_path)
         await served.upload()
-        assert [name.split("-")[:3] for name in left_in(tmp_path)] == [["chunkline", "uploads", str(served.process.pid)]]
         served.process.send_signal(signal.SIGTERM)
         assert await served.exit_code() == 0, served.text()
+    assert left_in(tmp_path) == []
+
+
+async def test_a_server_starting_beside_a_running_one_leaves_that_ones_folders_alone(tmp_path: Path) -> None:
+    async with stream_serve(tmp_path) as first:
+        await first.upload()
+        async with stream_serve(tmp_path) as second:
+            await second.upload()
+            assert folders_of(tmp_path, first.process.pid) == ["front", "uploads"], left_in(tmp_path)
+            assert folders_of(tmp_path, second.process.pid) == ["front", "uploads"], left_in(tmp_path)
+            async with httpx.AsyncClient(base_url=first.url, timeout=10) as client:  # its front still reaches hypercorn
+                assert (await client.get("/v1/stream/sessions")).json()["sessions"][0]["status"] != "failed"
+            second.process.send_signal(signal.SIGTERM)
+            assert await second.exit_code() == 0, second.text()
+        assert folders_of(tmp_path, first.process.pid) == ["front", "uploads"], left_in(tmp_path)
+        first.process.send_signal(signal.SIGTERM)
+        assert await first.exit_code() == 0, first.text()
     assert left_in(tmp_path) == []

@@ -57,3 +57,18 @@ def test_an_agents_option_with_in_process_workers_exits_2_naming_it(option: str,
             f"external); with --workers in-process it would be ignored")
     assert done.stderr.strip().splitlines() == [line], done.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_temporary_directory_too_long_for_the_fronts_socket_exits_2_naming_tmpdir(tmp_path: Path) -> None:
+    """hypercorn's socket is a file in the server's folder under TMPDIR; a Unix socket's path has at most 107 bytes."""
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env["TMPDIR"] = str(deep)
+    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--port", "0"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"chunkline stream-serve: error: TMPDIR: cannot make the front's Unix socket {deep}/"), last
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert list(deep.iterdir()) == []
