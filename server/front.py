@@ -1,14 +1,16 @@
 """The front: the server's public port, owning every client connection so that every wait has a deadline.
 
 ``chunkline stream-serve`` listens here rather than in hypercorn. For each connection the front reads
-the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``), then
+the request head (at most :data:`MAX_HEAD` bytes within ``Deadlines.head``) as hypercorn would, with h11
+(:func:`server.http_framing.parse_head`: a head h11 refuses is a 400 naming the fault, here, rather than
+hypercorn's empty one), then
 
 - every WebSocket upgrade is served by :class:`server.room_socket.RoomSocket` (message bound while it
   arrives, write deadline, ping/pong deadline): a room's ``/v1/rooms/{room}/ws`` however its path is
   spelt, anything else a 404 (none reaches hypercorn's WebSocket: with LiveKit rooms every upgrade is a
   404, and one after the connection's first request is refused by the framing);
-- anything else is spliced to hypercorn on a Unix socket only this user may reach, each write to the client bounded by
-  ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
+- anything else is spliced to hypercorn on a Unix socket only this user may reach, each write to the
+  client bounded by ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
   reads could otherwise hold a response, its task and the shutdown forever), and the connection
   closed once no byte has moved either way for ``Deadlines.idle`` (whatever hypercorn's own keep-alive
   timeout does, so a client cannot keep any number of them open);
@@ -37,7 +39,15 @@ from typing import Final
 
 import trio
 
-from .http_framing import BodyBudget, FramingRefused, RequestFraming
+from .http_framing import (
+    BodyBudget,
+    FramingRefused,
+    RequestFraming,
+    RequestHead,
+    head_end,
+    not_a_request_line,
+    parse_head,
+)
 from .room_socket import Deadlines, RoomSocket
 from .transport.local import LocalRooms
 
@@ -60,16 +70,6 @@ _REFUSALS: Final = {
     503: b"503 Service Unavailable",
     505: b"505 HTTP Version Not Supported",
 }
-
-
-def _is_websocket_upgrade(head: bytes) -> bool:
-    """Any WebSocket upgrade, whatever its target: the front serves every one itself (a room's, or a 404),
-    so none reaches hypercorn's WebSocket, which bounds neither writes nor pongs."""
-    _, _, headers = head.partition(b"\r\n\r\n")[0].partition(b"\r\n")  # the first request's head only
-    return any(
-        name.strip().lower() == b"upgrade" and b"websocket" in value.lower()
-        for name, _, value in (h.partition(b":") for h in headers.split(b"\r\n"))
-    )
 
 
 class Front:
@@ -110,17 +110,18 @@ class Front:
                     self.refused += 1
                     await self._refuse(stream, 503, linger=0)  # shed at once: lingering would hold one more
                     return
-                head = await self._read_head(stream)
-                if head is None:
+                first = await self._read_head(stream)
+                if first is None:
                     return
-                if not _is_websocket_upgrade(head):
-                    await self._splice(stream, head)
+                raw, head = first
+                if not head.is_websocket_upgrade:  # any WebSocket upgrade, whatever its target, is served here:
+                    await self._splice(stream, raw)  # none reaches hypercorn's, which bounds neither writes nor pongs
                 elif self._rooms is None:
                     await self._refuse(stream, 404, FramingRefused(404, "this server's rooms are LiveKit's: no "
                                                                    "WebSocket is served here", error="not_found"))
                 else:
                     await RoomSocket(
-                        stream, head, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines
+                        stream, raw, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines
                     ).serve()
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
@@ -129,19 +130,27 @@ class Front:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     await stream.aclose()
 
-    async def _read_head(self, stream: trio.SocketStream) -> bytes | None:
+    async def _read_head(self, stream: trio.SocketStream) -> tuple[bytes, RequestHead] | None:
+        """The connection's first head as h11 reads it, with every byte received so far (the head and what came
+        after it); None once the client left or was refused (too slow, too large, malformed)."""
         buffer = bytearray()
+        end = -1
+        refusal = FramingRefused(408, "the request head did not arrive within its deadline")
         with trio.move_on_after(self._deadlines.head):
-            while (end := buffer.find(b"\r\n\r\n")) < 0 and len(buffer) <= MAX_HEAD:
+            while end < 0 and len(buffer) <= MAX_HEAD and not not_a_request_line(buffer):
                 data = await stream.receive_some(READ_SIZE)
                 if not data:
                     return None
                 buffer += data
-            if end < 0 or end > MAX_HEAD:
-                await self._refuse(stream, 431)
-                return None
-            return bytes(buffer)
-        await self._refuse(stream, 408)
+                end = head_end(buffer, len(buffer) - len(data))
+            try:
+                if end < 0 and not not_a_request_line(buffer) or end > MAX_HEAD + 4:
+                    raise FramingRefused(431, "the request head is larger than the front allows")
+                return bytes(buffer), parse_head(bytes(buffer[:end] if end >= 0 else buffer))
+            except FramingRefused as exc:
+                log.info("a request the front refuses: %d %s", exc.status, exc.detail)
+                refusal = exc
+        await self._refuse(stream, refusal.status, refusal)  # past the head's deadline: lingering has its own
         return None
 
     async def _refuse(

@@ -6,16 +6,24 @@ bytes (pure: no I/O, ``now`` is an argument) and says by when the request under 
 a head within ``head_seconds`` of its first byte, a body of ``n`` bytes within ``head_seconds + n /
 MIN_UPLOAD_RATE`` of the end of its head. Between requests nothing is due (the idle deadline applies).
 
+Every head is read as hypercorn reads it, by h11 (:func:`parse_head`), so the two never disagree about
+one: a head ends where h11 ends it (a blank line; ``\\r\\n`` or bare ``\\n`` line endings alike,
+:func:`head_end`), and a head h11 refuses -- two ``Host`` fields, none in HTTP/1.1, an HTTP/0.9 request
+line, a NUL or a space in the target, a field line without a colon or with a space before it, a malformed
+``Content-Length`` -- is refused here with a 400 ``malformed_request`` naming h11's reason (hypercorn
+answered these with an empty 400). A connection whose first byte cannot begin a request line (a TLS
+handshake on the plain port) is refused at once, as h11 does (:func:`not_a_request_line`).
+
 What cannot be framed is refused rather than passed on unbounded: a head over ``MAX_HEAD`` (431), a
-``Transfer-Encoding`` body (411: send ``Content-Length``), a malformed or contradictory ``Content-Length``
-(400), HTTP/2 without TLS (505) and a WebSocket upgrade after the connection's first request (400: the
-front serves a room's socket itself, with its bounds, only when the upgrade opens the connection; a later one
-reached hypercorn's WebSocket, which has none). A head goes on to hypercorn once it is whole, without any
-``Upgrade``/``HTTP2-Settings`` field: hypercorn would switch an ``Upgrade: h2c`` request to HTTP/2, whose
-streams the front cannot frame (any number of requests and bodies at once on one connection, past the
-connection cap and the body budget); without the field the request is answered in HTTP/1.1, as the upgrade
-allows. Once the backend switches protocols (101) anyway, the connection is passed through as it is
-(:meth:`switched`).
+``Transfer-Encoding`` body (411: send ``Content-Length``), HTTP/2 without TLS (505) and a WebSocket upgrade
+after the connection's first request (400: the front serves a room's socket itself, with its bounds, only
+when the upgrade opens the connection; a later one reached hypercorn's WebSocket, which has none). A head
+goes on to hypercorn once it is whole, as it was parsed and written again with ``\\r\\n`` endings (so
+hypercorn reads exactly the head the front framed), without any ``Upgrade``/``HTTP2-Settings`` field:
+hypercorn would switch an ``Upgrade: h2c`` request to HTTP/2, whose streams the front cannot frame (any
+number of requests and bodies at once on one connection, past the connection cap and the body budget);
+without the field the request is answered in HTTP/1.1, as the upgrade allows. Once the backend switches
+protocols (101) anyway, the connection is passed through as it is (:meth:`switched`).
 
 The bodies of all connections together are bounded too (:class:`BodyBudget`): the app holds a body in memory
 while it arrives, so a body's ``Content-Length`` (up to the largest body the app takes) is reserved when its
@@ -26,12 +34,32 @@ take the total past the budget is answered 503 with ``Retry-After`` before any o
 from __future__ import annotations
 
 import math
+import re
 from typing import Final
 
-__all__ = ["BODY_RETRY_AFTER", "MIN_UPLOAD_RATE", "BodyBudget", "FramingRefused", "RequestFraming"]
+import attrs
+import h11
+
+from .reasons import MAX_ECHO, cut
+
+__all__ = [
+    "BODY_RETRY_AFTER",
+    "MIN_UPLOAD_RATE",
+    "BodyBudget",
+    "FramingRefused",
+    "RequestFraming",
+    "RequestHead",
+    "head_end",
+    "not_a_request_line",
+    "parse_head",
+]
 
 MIN_UPLOAD_RATE: Final = 16384  # bytes a second a request body must at least arrive at
 BODY_RETRY_AFTER: Final = 5  # seconds a client refused for the body budget is told to wait
+_BLANK_LINE: Final = re.compile(rb"\n\r?\n")  # h11's end of a head
+_TE_HINT: Final = 501  # h11's status hint for a Transfer-Encoding it does not take
+_TRANSFER_ENCODING: Final = "a request body needs Content-Length (Transfer-Encoding is not taken)"
+_LEAVING_HTTP_1_1: Final = frozenset({b"upgrade", b"http2-settings"})
 
 
 class FramingRefused(Exception):
@@ -43,6 +71,65 @@ class FramingRefused(Exception):
         self.detail = detail
         self.error = error  # the JSON body's ``error`` code; None: named after the status
         self.retry_after = retry_after
+
+
+@attrs.frozen
+class RequestHead:
+    """A request head h11 accepted: its request line and its fields (names as sent, values as h11 left them)."""
+
+    method: bytes
+    target: bytes
+    version: bytes
+    fields: tuple[tuple[bytes, bytes], ...]
+
+    def values(self, name: bytes) -> list[bytes]:
+        """The values of every field called ``name`` (lower case)."""
+        return [value for field, value in self.fields if field.lower() == name]
+
+    @property
+    def is_websocket_upgrade(self) -> bool:
+        return any(b"websocket" in value.lower() for value in self.values(b"upgrade"))
+
+    def encode(self, *, without: frozenset[bytes] = frozenset()) -> bytes:
+        """The head written again (``\\r\\n`` endings, its blank line included), less the fields named in
+        ``without`` (lower case)."""
+        lines = [b"%s %s HTTP/%s" % (self.method, self.target, self.version)]
+        lines += [name + b": " + value for name, value in self.fields if name.lower() not in without]
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def head_end(buffer: bytes | bytearray, start: int = 0) -> int:
+    """Where the head in ``buffer`` ends (just past its blank line), searching from ``start``; -1: not yet."""
+    match = _BLANK_LINE.search(buffer, max(0, start - 2))
+    return -1 if match is None else match.end()
+
+
+def not_a_request_line(buffer: bytes | bytearray) -> bool:
+    """Whether ``buffer``'s first byte cannot begin a request line (h11 refuses such a connection at once)."""
+    return bool(buffer) and buffer[0] < 0x21
+
+
+def parse_head(raw: bytes) -> RequestHead:
+    """The head ``raw`` (up to its :func:`head_end`) as h11 reads it. Raises :class:`FramingRefused`: 400 for a
+    head h11 refuses, 411 for a ``Transfer-Encoding`` (the front frames ``Content-Length`` bodies only)."""
+    if not_a_request_line(raw):
+        raise FramingRefused(400, "malformed request head: illegal request line (it starts with a control "
+                                  "character or a space)", error="malformed_request")
+    connection = h11.Connection(h11.SERVER, max_incomplete_event_size=len(raw) + 1)
+    connection.receive_data(raw)
+    try:
+        event = connection.next_event()
+    except h11.RemoteProtocolError as exc:
+        if exc.error_status_hint == _TE_HINT:
+            raise FramingRefused(411, _TRANSFER_ENCODING) from None
+        raise FramingRefused(400, f"malformed request head: {cut(str(exc), 2 * MAX_ECHO)}",
+                             error="malformed_request") from None
+    if not isinstance(event, h11.Request):  # raw ended before its blank line
+        raise FramingRefused(400, "malformed request head: it ends before its blank line", error="malformed_request")
+    head = RequestHead(event.method, event.target, event.http_version, tuple(event.headers.raw_items()))
+    if head.values(b"transfer-encoding"):
+        raise FramingRefused(411, _TRANSFER_ENCODING)
+    return head
 
 
 class BodyBudget:
@@ -126,19 +213,21 @@ class RequestFraming:
                 continue
             if not self._head:
                 self.due = now + self._head_seconds  # a new head: it must be whole in time
-            start = max(0, len(self._head) - 3)
+            start = len(self._head)
             self._head += view
-            end = self._head.find(b"\r\n\r\n", start)
+            end = head_end(self._head, start)
             if end < 0:
+                if not_a_request_line(self._head):
+                    parse_head(bytes(self._head))  # refused at once, as h11 refuses it
                 if len(self._head) > self._max_head:
                     raise FramingRefused(431, "the request head is larger than the front allows")
                 break
-            if end > self._max_head:
+            if end > self._max_head + 4:
                 raise FramingRefused(431, "the request head is larger than the front allows")
-            rest = bytes(self._head[end + 4:])
-            head = bytes(self._head[:end])
+            rest = bytes(self._head[end:])
+            head = parse_head(bytes(self._head[:end]))
             length = self._body_length(head)
-            forward += self._forwarded_head(head) + b"\r\n\r\n"
+            forward += self._forwarded_head(head)
             self._head.clear()
             self._body_left = length  # also what is still to come if the budget refuses it
             if length and self._budget is not None:
@@ -148,35 +237,18 @@ class RequestFraming:
         return bytes(forward)
 
     @staticmethod
-    def _forwarded_head(head: bytes) -> bytes:
-        """``head`` without the fields that ask to leave HTTP/1.1 (``Upgrade``, ``HTTP2-Settings``); a WebSocket
-        upgrade here is refused (the front serves only one that opens its connection)."""
-        line, _, fields = head.partition(b"\r\n")
-        kept = [line]
-        for field in fields.split(b"\r\n") if fields else []:
-            name = field.partition(b":")[0].strip().lower()
-            if name == b"upgrade" and b"websocket" in field.lower():
-                raise FramingRefused(400, "a WebSocket upgrade must be the first request on its connection "
-                                          "(open a new connection for it)", error="websocket_not_first")
-            if name not in (b"upgrade", b"http2-settings"):
-                kept.append(field)
-        return b"\r\n".join(kept)
+    def _forwarded_head(head: RequestHead) -> bytes:
+        """``head`` as hypercorn gets it: without the fields that ask to leave HTTP/1.1 (``Upgrade``,
+        ``HTTP2-Settings``); a WebSocket upgrade here is refused (the front serves only one that opens its
+        connection)."""
+        if head.is_websocket_upgrade:
+            raise FramingRefused(400, "a WebSocket upgrade must be the first request on its connection "
+                                      "(open a new connection for it)", error="websocket_not_first")
+        return head.encode(without=_LEAVING_HTTP_1_1)
 
     @staticmethod
-    def _body_length(head: bytes) -> int:
-        line, _, fields = head.partition(b"\r\n")
-        if line.startswith(b"PRI * HTTP/2.0"):
+    def _body_length(head: RequestHead) -> int:
+        if head.method == b"PRI" and head.version == b"2.0":
             raise FramingRefused(505, "HTTP/2 needs TLS here; speak HTTP/1.1")
-        lengths: set[bytes] = set()
-        for field in fields.split(b"\r\n"):
-            name, _, value = field.partition(b":")
-            name = name.strip().lower()
-            if name == b"transfer-encoding":
-                raise FramingRefused(411, "a request body needs Content-Length (Transfer-Encoding is not taken)")
-            if name == b"content-length":
-                lengths.update(part.strip() for part in value.split(b","))
-        if not lengths:
-            return 0
-        if len(lengths) > 1 or not all(v.isdigit() for v in lengths):
-            raise FramingRefused(400, "Content-Length must be one decimal number")
-        return int(lengths.pop())
+        lengths = head.values(b"content-length")  # h11 took at most one value (400 otherwise)
+        return int(lengths[0]) if lengths else 0

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["MAX_ECHO", "MAX_REASON", "echo", "echo_each", "public_reason"]
+__all__ = ["MAX_ECHO", "MAX_REASON", "cut", "echo", "echo_each", "public_reason"]
 
 MAX_REASON: Final = 240
 MAX_ECHO: Final = 64  # characters of one piece of client text an error message repeats
@@ -51,13 +51,18 @@ def public_reason(failure: BaseException | str, *, prefix_type: bool = True) -> 
     return text or "failed"
 
 
+def cut(text: str, limit: int = MAX_ECHO) -> str:
+    """``text`` as it is when at most ``limit`` characters, else its start and its length, ``abcd... (15000
+    characters in all)``: for a message that already holds client text (a parser's), and for :func:`echo`."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+
+
 def echo(value: object, limit: int = MAX_ECHO) -> str:
     """``value`` (client input) quoted for an error message: ``'abc'``, or when longer than ``limit``
     characters its start and its length, ``'abcd'... (15000 characters in all)``. Anything but text is
-    shown by its ``repr``, cut the same way."""
+    shown by its ``repr``, :func:`cut` the same way."""
     if not isinstance(value, str | bytes):
-        text = repr(value)
-        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters in all)"
+        return cut(repr(value), limit)
     if len(value) <= limit:
         return repr(value)
     unit = "characters" if isinstance(value, str) else "bytes"

@@ -29,7 +29,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
 
 from .app import SHUTDOWN_GRACE, create_app
-from .front import Front
+from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
 from .room_socket import Deadlines
 from .server_folders import ServerFolder
@@ -66,7 +66,8 @@ def _backend_socket(folder: ServerFolder) -> socket.socket:
         listener.bind(path)
     except OSError as exc:  # e.g. a temporary directory whose path is too long for a Unix socket's
         listener.close()
-        raise ListenError("TMPDIR", f"TMPDIR: cannot make the front's Unix socket {path}: {exc.strerror or exc}") from None
+        why = exc.strerror or exc
+        raise ListenError("TMPDIR", f"TMPDIR: cannot make the front's Unix socket {path}: {why}") from None
     except BaseException:
         listener.close()
         raise
@@ -146,6 +147,9 @@ async def _serve(
     config.accesslog = None
     config.graceful_timeout = FRONT_GRACE  # sessions are drained before hypercorn is told to stop
     config.read_timeout = 30  # a request body that stops arriving is dropped (the front bounds the head)
+    # the front writes each head again with "\r\n" endings and ": " after each name, so one within MAX_HEAD
+    # may reach hypercorn up to 5/3 as long (a bare "a:\n" line becomes "a: \r\n"): h11 must take that whole
+    config.h11_max_incomplete_size = 2 * MAX_HEAD
     config.websocket_max_message_size = settings.max_data_message_bytes + 1024
     rooms = runtime.transport if isinstance(runtime.transport, LocalRooms) else None
     budget = BodyBudget(settings.max_body_bytes_in_flight, max_body=settings.max_body_bytes)

@@ -20,7 +20,7 @@ import attrs
 import pytest
 import trio
 
-from .test_hostile_server import FAST, WAIT, closed_by_server, running
+from .test_hostile_server import FAST, WAIT, closed_by_server, json_answer, running
 
 #: a connection never idles out during these tests: what closes it is the request itself
 NO_IDLE = attrs.evolve(FAST, idle=600.0)
@@ -65,10 +65,7 @@ async def test_a_websocket_upgrade_after_the_first_request_is_refused_and_a_new_
                    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
         async with await server.raw() as stream:
             await stream.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
-            first = b""
-            with trio.fail_after(WAIT):
-                while not first.endswith(b"}\n"):
-                    first += await stream.receive_some(65536)
+            first = await json_answer(stream)
             await stream.send_all(upgrade)
             answer = await closed_by_server(stream)
         assert first.startswith(b"HTTP/1.1 200 "), first

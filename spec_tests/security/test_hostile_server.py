@@ -127,6 +127,15 @@ async def wait_for(predicate: Any, what: str) -> Any:
     return found
 
 
+async def json_answer(stream: trio.SocketStream) -> bytes:
+    """Read one answer whose JSON body ends the bytes received so far (the connection stays open); bounded."""
+    received = b""
+    with trio.fail_after(WAIT):
+        while not received.endswith(b"}\n"):
+            received += await stream.receive_some(65536)
+    return received
+
+
 async def closed_by_server(stream: trio.SocketStream) -> bytes:
     """Read until the server closes the connection (bounded); returns what came."""
     received = bytearray()

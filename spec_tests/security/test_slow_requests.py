@@ -13,18 +13,9 @@ import trio
 
 from server.http_framing import BodyBudget, FramingRefused, RequestFraming
 
-from .test_hostile_server import FAST, WAIT, closed_by_server, running
+from .test_hostile_server import FAST, WAIT, closed_by_server, json_answer, running
 
 TRICKLE = 0.25  # seconds between the attacker's bytes: well inside the idle deadline, so it never goes idle
-
-
-async def _answer(stream: trio.SocketStream) -> bytes:
-    """One whole response to a health request (its JSON body ends the read)."""
-    received = b""
-    with trio.fail_after(WAIT):
-        while not received.endswith(b"}\n"):
-            received += await stream.receive_some(65536)
-    return received
 
 
 async def _trickle(stream: trio.SocketStream, data: bytes) -> float:
@@ -44,7 +35,7 @@ async def test_a_later_head_on_a_keep_alive_connection_is_timed_out_too() -> Non
     async with running() as server:
         async with await server.raw() as stream:
             await stream.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert (await _answer(stream)).startswith(b"HTTP/1.1 200")
+            assert (await json_answer(stream)).startswith(b"HTTP/1.1 200")
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_trickle, stream, b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n" + b"X" * 200)
                 answer = await closed_by_server(stream)
