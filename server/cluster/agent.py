@@ -228,6 +228,11 @@ class Agent:
                     )
                 )
                 reply = await channel.receive()
+        except wire.ProtocolMismatch as exc:  # unproven, as every frame before the proofs: a crash loop of them exits 3
+            if channel is not None:
+                await channel.aclose()
+            log.error("%s speaks another wire protocol: %s", options.authority, exc)
+            return Ended(End.UNPROVEN_REFUSAL, f"another wire protocol: {exc}")
         except (OSError, trio.TooSlowError, wire.ConnectionClosed, wire.WireError) as exc:
             if channel is not None:
                 await channel.aclose()

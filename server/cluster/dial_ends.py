@@ -6,7 +6,8 @@ hold the cluster token, and is obeyed as nothing more than a failed connect (cou
 agent's crash-loop limit). A proven refusal says on the wire whether it is ``transient`` (the same
 agent may be taken later: the authority does not know its rooms URL yet, the worker id was taken): then
 the agent waits and dials again without counting it, for :data:`TRANSIENT_DEADLINE` at most; a proven
-permanent refusal (another version or pipeline) ends the agent with exit code 3. A proven Busy (the
+permanent refusal (another version or pipeline) ends the agent with exit code 3; so does a crash loop of
+unproven ones, frames of another wire protocol version among them. A proven Busy (the
 authority has as many handshakes pending as it allows: someone may be flooding it) is waited out,
 however long it lasts: only a holder of the token can say it.
 """
@@ -40,7 +41,7 @@ class End(enum.Enum):
     BUSY = "busy"  # a proven busy: wait and dial again, not counted, however long it lasts
     TRANSIENT = "transient"  # a proven transient refusal: wait and dial again, not counted, up to a deadline
     REFUSED = "refused"  # a proven permanent refusal: exit 3
-    UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved: as lost; a crash loop of them exits 3
+    UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved, another protocol: as lost; a crash loop exits 3
     DRAINED = "drained"  # exit 0
 
 

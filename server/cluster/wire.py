@@ -46,6 +46,7 @@ __all__ = [
     "MAX_HANDSHAKE_FRAME_BYTES",
     "MAX_CAPACITY",
     "WireError",
+    "ProtocolMismatch",
     "ConnectionClosed",
     "Channel",
     "Message",
@@ -88,6 +89,10 @@ MIN_SEND_RATE = 1 << 20  # bytes per second: a peer slower than 8 Mbit/s at taki
 
 class WireError(ValueError):
     """A frame or message that breaks the protocol; the connection is closed with this reason."""
+
+
+class ProtocolMismatch(WireError):
+    """A frame of another protocol version: the peer runs another chunkline (it will not change by dialing again)."""
 
 
 class ConnectionClosed(ConnectionError):
@@ -298,7 +303,7 @@ def decode(data: bytes) -> Message:
         raise WireError("a frame must be a JSON object")
     version = body.pop("v", None)
     if version != PROTOCOL:
-        raise WireError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL})")
+        raise ProtocolMismatch(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL})")
     kind = body.pop("type", None)
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:

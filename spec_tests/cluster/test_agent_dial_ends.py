@@ -1,12 +1,14 @@
 """What a real worker agent does with the authority's answer to its Register, judged by what the answer proves
 (``server/cluster/dial_ends.py``): a proven transient refusal is waited out, more often than the crash-loop limit
 allows, and not counted; a proven permanent one exits 3 with its reason; a Busy nobody proved (an impostor at the
-authority's address) counts as a failed connect, so it cannot keep the agent idle for ever.
+authority's address) counts as a failed connect, so it cannot keep the agent idle for ever; a crash loop of hellos
+of another wire protocol exits 3.
 
 The authority here is the test, speaking the wire (``server.cluster.wire``) with the real proofs."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -127,3 +129,24 @@ async def test_a_busy_nobody_proved_counts_as_a_failed_connect_and_ends_in_a_cra
         assert "crash loop" in log and "busy without proof" in log, log
         assert "the authority is busy" not in log and "Traceback" not in log, log
         assert heard, "the impostor never heard a register"
+
+
+async def test_an_authority_of_another_wire_protocol_ends_the_agent_with_exit_3_after_a_crash_loop() -> None:
+    """A hello of another protocol version proves nothing (anyone can send one), so the agent counts it and dials
+    again; at its crash-loop limit it exits 3 with the reason, as for any refusal it could not check."""
+
+    async def other_version(stream: trio.SocketStream) -> None:
+        channel = wire.Channel(stream)
+        try:
+            await channel.send_body(json.dumps({"v": 99, "type": "hello", "nonce": "n", "authority_version": "x"}).encode())
+            await channel.receive()  # the agent closes: ConnectionClosed ends this
+        except (wire.ConnectionClosed, wire.WireError):
+            pass
+
+    async with agent_dialing(other_version) as agent:
+        code = await exit_code(agent, START_DEADLINE)
+        log = agent.text(200_000)
+        assert code == EXIT_REFUSED, log
+        assert log.count("speaks another wire protocol: protocol version 99 is not supported "
+                         f"(this side speaks {wire.PROTOCOL})") == REREGISTER_POLICY.max_failures + 1, log
+        assert "crash loop" in log and "Traceback" not in log, log
