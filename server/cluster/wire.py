@@ -12,8 +12,8 @@ answers :class:`Register` with a fresh nonce of its own and a ``proof``, an HMAC
 under the cluster token over the authority's nonce and the worker id; the authority answers
 :class:`Welcome`, :class:`Refused` (``transient`` or not) or :class:`Busy` (too many handshakes are
 pending), the last two then closing, each with its own proof over both nonces, so the agent knows it
-reached a holder of the token too (:mod:`server.cluster.proofs`). A Busy without a proof (sent in place
-of the Hello when even the places to answer Busy are taken) proves nothing.
+reached a holder of the token too (:mod:`server.cluster.proofs`). A Busy without a proof, or in place of
+the Hello, proves nothing (the authority never sends one: past its places to answer Busy it closes unanswered).
 The token itself never crosses the wire. From the frame after the Welcome on, every frame in either direction carries a
 tag (:meth:`Channel.authenticate`): an HMAC under a key both derive from the token and the
 nonces, over the frame's direction, its number and its bytes, so that nobody between the
