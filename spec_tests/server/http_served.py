@@ -41,7 +41,8 @@ AGENT_PIPELINE = "spec_tests/cluster/tiny_world.py"  # the toy world at 32x48, 2
 AGENT_START = 240.0  # wall seconds: an agent imports torch and builds its model (slow on a loaded 2-core host)
 SETTLE_DEADLINE = 30.0  # wall seconds the agent's progress may take to reach the authority
 STOP_DEADLINE = 30.0
-KEEP_APPS = 3  # agent apps a module keeps running at once (each holds an agent process)
+KEEP_APPS = 6  # agent apps a module keeps running at once (each holds an agent process, ~0.6 GB); test_api
+# goes back to its default app after each test with settings of its own: 3 evicted it twice more
 
 
 @asynccontextmanager
@@ -121,6 +122,7 @@ class AgentApp:
         self._stop: trio.Event | None = None
         self._up = threading.Event()
         self._error: BaseException | None = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="agent app", daemon=True)
         self._thread.start()
 
@@ -206,10 +208,15 @@ class AgentApp:
         await self.call(lambda runtime: runtime.registry.prune(
             trio.current_time(), retention_seconds=runtime.settings.terminal_retention_seconds, retention_count=0))
 
+    def begin_stop(self) -> None:
+        """Ask the app to stop, once, without waiting (:meth:`stop` waits and checks)."""
+        if self._token is not None and self._stop is not None and self._thread.is_alive() and not self._stopping:
+            self._stopping = True  # asked again once its loop ended, trio would raise RunFinishedError
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+
     def stop(self) -> None:
         """Stop the app (its launcher stops the agent) and check the agent process is gone."""
-        if self._token is not None and self._stop is not None and self._thread.is_alive():
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self.begin_stop()
         self._thread.join(STOP_DEADLINE)
         assert not self._thread.is_alive(), "the agent app did not stop"
         if self._error is not None:
@@ -247,5 +254,7 @@ class AgentApps:
 
     def close(self) -> None:
         apps, self.apps = list(self.apps.values()), OrderedDict()
+        for app in apps:  # the agents stop together (about a second each), then each is checked
+            app.begin_stop()
         for app in apps:
             app.stop()
