@@ -51,11 +51,14 @@ async def agent_dialing(handler: Callable[[trio.SocketStream], Awaitable[None]])
 
 
 async def exit_code(agent: Process, deadline: float) -> int | None:
-    """The agent's exit code within ``deadline`` seconds, or None if it still runs then."""
+    """The agent's exit code within ``deadline`` seconds, or None if it still runs then (once it exited, its log is
+    read to its end: the last lines may trail the exit)."""
     with trio.move_on_after(deadline):
         while agent.popen.poll() is None:
             await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
-    return agent.popen.poll()
+    if agent.popen.poll() is None:
+        return None
+    return await trio.to_thread.run_sync(agent.stop)
 
 
 async def test_a_proven_transient_refusal_is_waited_out_uncounted_and_a_permanent_one_exits_3() -> None:
