@@ -18,7 +18,6 @@ import re
 
 import attrs
 import pytest
-import trio
 
 from .test_hostile_server import FAST, WAIT, closed_by_server, json_answer, running
 
