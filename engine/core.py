@@ -144,8 +144,9 @@ class SchedulerCore:
         """Admit all of ``artifacts`` for ``seq`` now, or nothing."""
         graph = self.graph
         with self.lock:
-            if not check_ingress(graph, rt, seq, artifacts):  # raises for input that can never run
-                return False  # no room now
+            check_ingress(graph, rt, seq, artifacts)
+            if not has_room(graph, rt, artifacts):
+                return False
             now = self._now()
             anchor = self._latency_anchor
             if anchor is None or anchor in artifacts:
@@ -329,11 +330,10 @@ class SchedulerCore:
                 invalid = check_result(stage, seq, value)
                 if invalid is not None:
                     self._fail(rt, invalid)
-                elif record_result(self.graph, rt, stage, seq, value, now) and rt.emitted.waiting:
-                    self._handoff.wake(rt.emitted)
+                elif record_result(self.graph, rt, stage, seq, value, now):
+                    self._wake(rt.emitted)
         finally:
-            if rt.changed.waiting:
-                self._handoff.wake(rt.changed)
+            self._wake(rt.changed)
             self._pump(self.graph.after_completion[stage_id])
 
     def complete_from_thread(self, invocation: StageInvocation, value: Any) -> Callable[[], None] | None:
@@ -425,12 +425,6 @@ class SchedulerCore:
         stage_id = stage.stage_id
         turns = self._turns[stage_id]
         sessions, try_admit = self._sessions, self._try_admit
-        if len(turns) == 1:  # one session: nobody to take turns with
-            rt = sessions.get(turns[0])
-            if rt is not None and rt.ready[stage_id] and try_admit(rt, stage) and stage.max_in_flight_per_session > 1:
-                while try_admit(rt, stage):
-                    pass
-            return
         by_stage = self._usage.by_stage
         limit = stage.max_in_flight_global
         served: list[str] = []
@@ -445,7 +439,7 @@ class SchedulerCore:
                         pass
             if by_stage[stage_id] >= limit:
                 break
-        for session_id in served:  # round robin: who was served goes to the back
+        for session_id in served if len(turns) > 1 else ():  # round robin: who was served goes to the back
             turns.remove(session_id)
             turns.append(session_id)
 
@@ -494,8 +488,8 @@ class SchedulerCore:
                 self._fail(rt, exc)
             return False
         self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
-        if stage_id in self.graph.ingress_consumers and rt.room.waiting:
-            self._handoff.wake(rt.room)
-        if rt.changed.waiting:
-            self._handoff.wake(rt.changed)
+        if stage_id in self.graph.ingress_consumers:
+            self._wake(rt.room, rt.changed)
+        else:
+            self._wake(rt.changed)
         return True

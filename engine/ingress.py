@@ -26,12 +26,8 @@ def refused_input(rt: SessionRuntime) -> SessionStateError:
     return error
 
 
-def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> bool:
-    """Raise for ingress that can never run; else whether every edge it feeds has room now.
-
-    One pass does both (it runs for every push): any artifact that can never run is refused,
-    even when an earlier one found its edge full.
-    """
+def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
+    """Raise for ingress that can never run; capacity is checked separately."""
     if not rt.admitting:
         raise refused_input(rt)
     if not isinstance(seq, int) or seq < 0:
@@ -43,8 +39,6 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
             f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
         )
     ingress, slots, taken, targets = graph.ingress, rt.slots, rt.taken, graph.targets
-    occupancy, capacity = rt.occupancy, graph.capacity
-    room = True
     for artifact in artifacts:
         if artifact not in ingress:
             raise IngressRefused(f"{artifact!r} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
@@ -56,10 +50,6 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
                     f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
                     f"so {artifact!r} for it would never be consumed"
                 )
-            edge = (artifact, stage_id)
-            if room and occupancy.get(edge, 0) >= capacity[edge]:
-                room = False
-    return room
 
 
 def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
