@@ -348,7 +348,54 @@ def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
     if "w1" in names:
         results.append(w1_work(peer))
         _print(results[-1])
+        results.append(w1_one_core(peer))
+        _print(results[-1])
     return results
+
+
+ONE_CORE_ROUNDS = 3
+
+
+def w1_one_core(peer: Any = None) -> dict:
+    """w1 with every thread of the run on one CPU, for chunkline and the peer, rounds alternated.
+
+    On two cores each thread hand-off can be a wake-up across cores (in a VM, an interrupt between
+    virtual CPUs); on one core the hand-offs stay and only what a scheduler runs per chunk is left,
+    so the ratio measures the schedulers' own cost with far less of the host's noise.
+    """
+    sessions, chunks, costs, pacing = WORKLOADS["w1"]
+    cpu = min(os.sched_getaffinity(0))
+    runs: dict[str, list[float]] = {"chunkline": []}
+    if peer is not None:
+        runs["peer"] = []
+    for _ in range(ONE_CORE_ROUNDS):
+        with _on_one_cpu(cpu):  # threads a run starts inherit the caller's CPU set
+            runs["chunkline"].append(trio.run(_run_workload, sessions, chunks, costs, pacing)["us_per_chunk"])
+            if peer is not None:
+                runs["peer"].append(_run_peer(peer, sessions, chunks, costs, pacing)["us_per_chunk"])
+    line: dict[str, Any] = {"workload": "w1_one_core", "cpu": cpu, "rounds": ONE_CORE_ROUNDS}
+    for impl, values in runs.items():
+        line[f"{impl}_us_per_chunk"] = {"min": min(values), "median": statistics.median(values)}
+    if peer is not None:
+        line["chunkline_over_peer_chunks_per_s"] = (
+            statistics.median(runs["peer"]) / statistics.median(runs["chunkline"])
+        )
+    return line
+
+
+class _on_one_cpu:
+    """Pin the calling thread (and the threads it starts) to one CPU; restore its CPU set after."""
+
+    def __init__(self, cpu: int) -> None:
+        self._cpu = cpu
+        self._before: set[int] = set()
+
+    def __enter__(self) -> None:
+        self._before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {self._cpu})
+
+    def __exit__(self, *exc_info: object) -> None:
+        os.sched_setaffinity(0, self._before)
 
 
 def w1_work(peer: Any = None) -> dict:

@@ -42,7 +42,7 @@ from .handoff import CoreCompletion, TrioHandoff
 from .ingress import check_final_sequence, check_ingress, has_room
 from .metrics import Diagnostics
 from .reservations import UsageBook
-from .runtime import SessionRuntime
+from .runtime import Lane, SessionRuntime
 from .spec import StageSpec
 from .threads import WaitQueue
 
@@ -77,13 +77,13 @@ class SchedulerCore:
         self._actors = dict(actors)
         self._group_limit = {g.name: g.max_concurrency for g in graph.spec.resource_groups}
         self._usage = UsageBook(graph.stage_ids, self._group_limit)
-        self._turns: dict[str, deque[str]] = {s: deque() for s in graph.stage_ids}  # round robin per stage
+        self._turns: dict[str, deque[Lane]] = {s: deque() for s in graph.stage_ids}  # round robin per stage
         self._sessions: dict[str, SessionRuntime] = {}
         self._next_epoch = 1
         self._next_request = 1
         self._counters: Counter[str] = Counter()  # keyed by the Diagnostics field names
         self._pumping = False
-        self._dirty: set[str] = set()
+        self._dirty = 0  # stages to look at again (the graph's bit masks)
         # A stage's own thread may complete an invocation and admit the next stage itself (one
         # thread wake-up per hop); the lock makes that and every trio-side call one at a time.
         # While a thread is in the core, what only trio may do is collected, then handed to trio.
@@ -112,11 +112,11 @@ class SchedulerCore:
                 f"session {session_id!r} is {existing.state.value}; close it "
                 f"(or retry its cleanup) before reusing the id"
             )
-        runtime = SessionRuntime(session_id, self._next_epoch, final_sequence_id, self.graph.stage_ids)
+        runtime = SessionRuntime(session_id, self._next_epoch, final_sequence_id, self.graph.scan_order)
         self._next_epoch += 1
         self._sessions[session_id] = runtime
-        for turns in self._turns.values():
-            turns.append(session_id)
+        for stage_id, turns in self._turns.items():
+            turns.append(runtime.lanes[stage_id])
         return runtime
 
     def get(self, session_id: str) -> SessionRuntime | None:
@@ -132,9 +132,9 @@ class SchedulerCore:
         """Drop a settled session; its handle stays readable."""
         if self._sessions.get(rt.session_id) is rt:
             del self._sessions[rt.session_id]
-            for turns in self._turns.values():
+            for stage_id, turns in self._turns.items():
                 try:
-                    turns.remove(rt.session_id)
+                    turns.remove(rt.lanes[stage_id])
                 except ValueError:
                     pass
 
@@ -151,13 +151,14 @@ class SchedulerCore:
             anchor = self._latency_anchor
             if anchor is None or anchor in artifacts:
                 rt.record_ingress(seq, now)
-            targets, consumes, dirty = graph.targets, graph.consumes, self._dirty
+            targets, consumes, consumers_of = graph.targets, graph.consumes, graph.consumers_of
+            dirty = 0
             for artifact, value in artifacts.items():
                 rt.add_slot(seq, artifact, value, targets[artifact], now, consumes)
-                dirty.update(targets[artifact])
+                dirty |= consumers_of[artifact]
             if seq > rt.highest_ingress:
                 rt.highest_ingress = seq
-            self._pump(())
+            self._pump(dirty)
             return True
 
     async def push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
@@ -180,7 +181,7 @@ class SchedulerCore:
         if check_final_sequence(self.graph, rt, final_sequence_id):
             rt.final_sequence_id = final_sequence_id
             self._wake(*rt.everyone)
-            self._pump()
+            self._pump(self.graph.all_stages)
 
     def poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
         with self.lock:
@@ -223,7 +224,7 @@ class SchedulerCore:
             if _DROPS_OUTPUTS[event]:
                 rt.outputs.clear()
         self._wake(*rt.everyone)
-        self._pump()
+        self._pump(self.graph.all_stages)
         return True
 
     @_locked
@@ -394,29 +395,28 @@ class SchedulerCore:
     @_locked
     def pump(self) -> None:
         """Admit every piece of ready work the limits allow (after an outside change)."""
-        self._pump()
+        self._pump(self.graph.all_stages)
 
-    def _pump(self, stages: Iterable[str] | None = None) -> None:
-        """Admit ready work, looking only at the stages an event may have made admissible.
+    def _pump(self, stages: int) -> None:
+        """Admit ready work, looking only at the stages an event may have made admissible (a bit mask).
 
         Admitting a stage frees edge room, so its upstream producers are looked
         at again. Re-entrant calls (a completion inside ``submit``) fold into the
         running pump.
         """
-        dirty = self._dirty
-        dirty.update(self.graph.stage_ids if stages is None else stages)
+        dirty = self._dirty = self._dirty | stages
         if self._pumping or not dirty:
             return
         self._pumping = True
         try:
-            scan_order, admit_stage, by_stage = self.graph.scan_order, self._admit_stage, self._usage.by_stage
+            at_bit, admit_stage, by_stage = self.graph.at_bit, self._admit_stage, self._usage.by_stage
             while dirty:
-                for stage in scan_order:
-                    stage_id = stage.stage_id
-                    if stage_id in dirty:
-                        dirty.discard(stage_id)
-                        if by_stage[stage_id] < stage.max_in_flight_global:  # else busy: nothing to look at
-                            admit_stage(stage)
+                bit = dirty & -dirty  # the most downstream stage marked: finishing work frees room upstream
+                self._dirty = dirty ^ bit
+                stage = at_bit[bit]
+                if by_stage[stage.stage_id] < stage.max_in_flight_global:  # else busy: nothing to look at
+                    admit_stage(stage)  # may mark more stages (upstream room, a completion inside submit)
+                dirty = self._dirty
         finally:
             self._pumping = False
 
@@ -424,24 +424,23 @@ class SchedulerCore:
         """Admit the stage's ready work, session by session in turn (the pump checked it has room)."""
         stage_id = stage.stage_id
         turns = self._turns[stage_id]
-        sessions, try_admit = self._sessions, self._try_admit
+        try_admit = self._try_admit
         by_stage = self._usage.by_stage
         limit = stage.max_in_flight_global
-        served: list[str] = []
-        for session_id in tuple(turns):
-            rt = sessions.get(session_id)
-            if rt is None or not rt.ready[stage_id]:
+        served: list[Lane] = []
+        for lane in tuple(turns):
+            if not lane.ready:
                 continue
-            if try_admit(rt, stage):
-                served.append(session_id)
+            if try_admit(lane):
+                served.append(lane)
                 if stage.max_in_flight_per_session > 1:  # else the session's one place is taken now
-                    while try_admit(rt, stage):
+                    while try_admit(lane):
                         pass
             if by_stage[stage_id] >= limit:
                 break
-        for session_id in served if len(turns) > 1 else ():  # round robin: who was served goes to the back
-            turns.remove(session_id)
-            turns.append(session_id)
+        for lane in served if len(turns) > 1 else ():  # round robin: who was served goes to the back
+            turns.remove(lane)
+            turns.append(lane)
 
     def _admissible(self, rt: SessionRuntime) -> bool:
         return any(
@@ -449,10 +448,12 @@ class SchedulerCore:
             for stage in self.graph.scan_order
         )
 
-    def _try_admit(self, rt: SessionRuntime, stage: StageSpec) -> bool:
-        seq = rt.next_ready(stage)  # the cheaper check first: most calls find nothing ready
+    def _try_admit(self, lane: Lane) -> bool:
+        seq = lane.next_ready()  # the cheaper check first: most calls find nothing ready
+        rt = lane.rt
         if seq is None or not rt.machine.starting_accepted_work:
             return False
+        stage = lane.stage
         stage_id = stage.stage_id
         blocker = self._blocker(rt, stage)
         if blocker is not None:
@@ -460,7 +461,7 @@ class SchedulerCore:
             return False
         actor = self._actors[stage_id]
         if self._handoff.off_trio and not self._threadsafe[stage_id]:
-            self._handoff.submit_in_trio(stage_id)  # this actor takes work in trio only
+            self._handoff.submit_in_trio(self.graph.bit[stage_id])  # this actor takes work in trio only
             return False
         if not actor.is_healthy():
             self._failures.actor_failed(stage_id, actor.health().failure_reason, None)
@@ -472,13 +473,13 @@ class SchedulerCore:
         inputs, timing = rt.take_inputs(stage_id, seq, stage.consumes)
         timing.admitted_at = self._now()
         reservation = self._usage.take(rt.reservations, stage, key, timing)
-        rt.taken[stage_id].add(seq)
+        lane.taken.add(seq)
         try:
             actor.submit(StageInvocation(key, inputs, seq == 0, seq == rt.final_sequence_id), self.completion)
         except Exception as exc:
             if rt.reservations.get(stage_id, seq) is reservation:
                 self._usage.release(rt.reservations, reservation)
-                rt.taken[stage_id].discard(seq)
+                lane.taken.discard(seq)
                 rt.restore_inputs(stage_id, seq, inputs, timing)
             if isinstance(exc, ActorBusyError):
                 rt.blockers[stage_id][seq] = ACTOR_BUSY
@@ -487,7 +488,7 @@ class SchedulerCore:
             else:
                 self._fail(rt, exc)
             return False
-        self._dirty.update(self.graph.upstream[stage_id])  # edge room freed upstream
+        self._dirty |= self.graph.upstream[stage_id]  # edge room freed upstream
         if stage_id in self.graph.ingress_consumers:
             self._wake(rt.room, rt.changed)
         else:

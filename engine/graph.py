@@ -29,9 +29,15 @@ class StageGraph:
     outputs: frozenset[str]
     output_capacity: int
     ingress: frozenset[str]
-    upstream: dict[str, frozenset[str]]  # stage -> producers of its inputs
-    after_completion: dict[str, frozenset[str]]  # stage -> stages its completion may unblock
-    output_producers: frozenset[str]
+    # Stage sets the scheduler's pump marks for a look are bit masks (one bit per stage, the
+    # lowest the most downstream): an event ORs its mask in, the pump clears a bit as it looks.
+    bit: dict[str, int]  # stage -> its bit
+    all_stages: int  # every stage's bit
+    at_bit: dict[int, StageSpec]  # bit -> its stage; the lower the bit, the further downstream
+    upstream: dict[str, int]  # stage -> producers of its inputs (admitting it frees their room)
+    after_completion: dict[str, int]  # stage -> stages its completion may unblock
+    consumers_of: dict[str, int]  # artifact -> stages that consume it
+    output_producers: int
     # stage -> (artifact, edge or None for the output queue, capacity, the blocker it names), in
     # the order admission checks them; built once so the check allocates nothing per admission
     room_limits: dict[str, tuple[tuple[str, tuple[str, str] | None, int, Blocker], ...]]
@@ -45,10 +51,16 @@ class StageGraph:
         for edge in spec.edges:
             targets[edge.artifact] = targets.get(edge.artifact, ()) + (edge.target_stage,)
             capacity[(edge.artifact, edge.target_stage)] = edge.capacity_per_session
+        order = tuple(stages[s] for s in reversed(spec.topological_order))
+        bit = {stage.stage_id: 1 << index for index, stage in enumerate(order)}
+
+        def mask(stage_ids: object) -> int:
+            return sum(bit[s] for s in set(stage_ids))  # type: ignore[call-overload]
+
         groups = {s.resource_group for s in spec.stages if s.resource_group is not None}
         peers = {g: frozenset(s.stage_id for s in spec.stages if s.resource_group == g) for g in groups}
         after_completion = {
-            s.stage_id: frozenset(
+            s.stage_id: mask(
                 {s.stage_id}
                 | {t for a in s.produces for t in targets.get(a, ())}
                 | (peers[s.resource_group] if s.resource_group is not None else frozenset())
@@ -64,16 +76,17 @@ class StageGraph:
             consumes_sorted={s.stage_id: tuple(sorted(s.consumes)) for s in spec.stages},
             targets=targets,
             capacity=capacity,
-            scan_order=tuple(stages[s] for s in reversed(spec.topological_order)),
+            scan_order=order,
             outputs=spec.output_artifacts,
             output_capacity=spec.output_capacity_per_session,
             ingress=spec.ingress_artifacts,
-            upstream={
-                s.stage_id: frozenset(spec.producers[a] for a in s.consumes if a in spec.producers)
-                for s in spec.stages
-            },
+            bit=bit,
+            all_stages=mask(stages),
+            at_bit={bit[stage.stage_id]: stage for stage in order},
+            upstream={s.stage_id: mask(spec.producers[a] for a in s.consumes if a in spec.producers) for s in spec.stages},
             after_completion=after_completion,
-            output_producers=frozenset(spec.producers[a] for a in spec.output_artifacts),
+            consumers_of={artifact: mask(stage_ids) for artifact, stage_ids in targets.items()},
+            output_producers=mask(spec.producers[a] for a in spec.output_artifacts),
             room_limits={s.stage_id: _room_limits(s, targets, capacity, spec) for s in spec.stages},
             ingress_consumers=frozenset(s.stage_id for s in spec.stages if s.consumes & spec.ingress_artifacts),
         )

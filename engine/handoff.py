@@ -54,23 +54,23 @@ class TrioHandoff:
         self._on_failed = on_failed  # starts a failed session's cleanup (in trio)
         self._queues: set[WaitQueue] = set()
         self._failed: list[SessionRuntime] = []
-        self._stages: set[str] = set()
+        self._stages = 0  # stages (the graph's bit mask) to admit to from trio
         self.off_trio = False  # a stage's thread is in the core
 
     def begin(self) -> None:
         """A stage's thread enters the core: collect from now on."""
         self.off_trio = True
 
-    def end(self, pump: Callable[[set[str]], None]) -> Callable[[], None] | None:
+    def end(self, pump: Callable[[int], None]) -> Callable[[], None] | None:
         """The thread leaves the core: what trio must run (under the core's lock), or None."""
         self.off_trio = False
         if not (self._queues or self._failed or self._stages):
             return None
         queues, failed, stages = self._queues, self._failed, self._stages
-        self._queues, self._failed, self._stages = set(), [], set()
+        self._queues, self._failed, self._stages = set(), [], 0
         return functools.partial(self._run, queues, failed, stages, pump)
 
-    def _run(self, queues: set[WaitQueue], failed: list[SessionRuntime], stages: set[str], pump: Callable[[set[str]], None]) -> None:
+    def _run(self, queues: set[WaitQueue], failed: list[SessionRuntime], stages: int, pump: Callable[[int], None]) -> None:
         for queue in queues:
             queue.wake()
         for rt in failed:
@@ -92,6 +92,6 @@ class TrioHandoff:
         else:
             self._on_failed(rt)
 
-    def submit_in_trio(self, stage_id: str) -> None:
-        """A stage whose actor takes work in trio only: admit to it from trio afterwards."""
-        self._stages.add(stage_id)
+    def submit_in_trio(self, stage_bit: int) -> None:
+        """A stage (its bit) whose actor takes work in trio only: admit to it from trio afterwards."""
+        self._stages |= stage_bit

@@ -22,7 +22,7 @@ from .reservations import SessionReservations
 from .spec import StageOrdering, StageSpec
 from .threads import WaitQueue
 
-__all__ = ["SeqSet", "Slot", "SessionRuntime", "METRICS_WINDOW"]
+__all__ = ["Lane", "SeqSet", "Slot", "SessionRuntime", "METRICS_WINDOW"]
 
 # Per-sequence stamps are kept for the most recent sequences only, so that a
 # session streaming for hours holds bounded memory.
@@ -94,10 +94,32 @@ class _Timing:
         self.completed_at: float | None = None
 
 
+class Lane:
+    """One session at one stage: what admission asks of it, resolved once rather than looked up by key."""
+
+    __slots__ = ("rt", "stage", "ready", "taken", "_strict")
+
+    def __init__(self, rt: SessionRuntime, stage: StageSpec) -> None:
+        self.rt = rt
+        self.stage = stage
+        self.ready: dict[int, _Timing] = {}  # seqs with every input present, each with its timing record
+        self.taken = SeqSet()  # admitted (running or done)
+        self._strict = stage.ordering is StageOrdering.PER_SESSION_STRICT
+
+    def next_ready(self) -> int | None:
+        """The sequence the stage would take next for this session, if its inputs are all here."""
+        ready = self.ready
+        if self._strict:
+            frontier = self.taken.below
+            return frontier if frontier in ready else None
+        return min(ready) if ready else None
+
+
 class SessionRuntime:
     """All mutable state of one orchestrator session (one epoch)."""
 
-    def __init__(self, session_id: str, epoch: int, final_sequence_id: int | None, stage_ids: tuple[str, ...]) -> None:
+    def __init__(self, session_id: str, epoch: int, final_sequence_id: int | None, stages: tuple[StageSpec, ...]) -> None:
+        stage_ids = tuple(stage.stage_id for stage in stages)
         self.session_id = session_id
         self.epoch = epoch
         self.final_sequence_id = final_sequence_id
@@ -108,9 +130,10 @@ class SessionRuntime:
         self.slots: dict[tuple[int, str], Slot] = {}
         self.occupancy: Counter[tuple[str, str]] = Counter()  # (artifact, target) -> waiting slots
         self.present: dict[str, Counter[int]] = {s: Counter() for s in stage_ids}  # inputs present per seq
-        # seqs with every input present, each with its timing record (admission stamps it without a lookup)
-        self.ready: dict[str, dict[int, _Timing]] = {s: {} for s in stage_ids}
-        self.taken: dict[str, SeqSet] = {s: SeqSet() for s in stage_ids}  # admitted (running or done)
+        self.lanes: dict[str, Lane] = {stage.stage_id: Lane(self, stage) for stage in stages}
+        # by stage, the lanes' own records (admission stamps a ready seq's timing without a lookup)
+        self.ready: dict[str, dict[int, _Timing]] = {s: lane.ready for s, lane in self.lanes.items()}
+        self.taken: dict[str, SeqSet] = {s: lane.taken for s, lane in self.lanes.items()}
         self.highest_ingress = -1
 
         self.reservations = SessionReservations()  # changed only by the scheduler's UsageBook
@@ -172,11 +195,7 @@ class SessionRuntime:
 
     def next_ready(self, stage: StageSpec) -> int | None:
         """The sequence ``stage`` would take next for this session, if its inputs are all here."""
-        ready = self.ready[stage.stage_id]
-        if stage.ordering is StageOrdering.PER_SESSION_STRICT:
-            frontier = self.taken[stage.stage_id].below
-            return frontier if frontier in ready else None
-        return min(ready) if ready else None
+        return self.lanes[stage.stage_id].next_ready()
 
     def timing(self, stage_id: str, seq: int) -> _Timing:
         timings = self.timings[stage_id]
