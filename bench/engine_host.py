@@ -7,6 +7,10 @@ loop before a thread hands it a result), and the bounds follow from them:
 
 - ``w3_efficiency_bound``: denoise runs back to back on its thread, so a period is at least its
   8 ms ``time.sleep`` plus that sleep's own overshoot on this host.
+- ``reference_python_us``: a fixed ~1,500 bytecodes of plain Python timed back to back and right after
+  an 8 ms sleep on a thread (``slowdown`` the ratio): the pace of a stage thread's scheduling work right
+  after its call. ``w3_efficiency_bound_with_one_completion`` adds that much work, at that pace, to
+  each denoise period.
 - ``w5_latency_bound_ms``: control to output is at least denoise's and decode's sleeps with their
   overshoots, one thread-to-thread hop (denoise's thread hands decode's thread the latent) and one
   thread-to-trio hop (decode's thread hands the output to the reader, a trio task in chunkline);
@@ -79,6 +83,47 @@ def thread_hop_us(samples: int = 300) -> list[float]:
     inbox.put(None)
     thread.join()
     return hops
+
+
+REFERENCE_ROUNDS = 100  # about 1,500 bytecodes: one chunk's completion and the admissions it makes, in chunkline
+
+
+def _reference_python() -> int:
+    """A fixed piece of plain Python (dict stores and reads, arithmetic), about 1,500 bytecodes."""
+    table: dict[int, int] = {}
+    total = 0
+    for i in range(REFERENCE_ROUNDS):
+        table[i] = i
+        total += table.get(i, 0)
+    return total
+
+
+def python_after_sleep_us(samples: int = 60) -> dict[str, list[float]]:
+    """The reference Python timed back to back and right after an 8 ms ``time.sleep``, on a thread, in us.
+
+    A stage's thread does its scheduling work right after its handler's call (a sleep here, an
+    accelerator wait in a model) returns; on this host Python runs several times slower then than
+    back to back (caches and the virtual CPU's state after an idle spell), which no scheduler avoids.
+    """
+
+    def measure() -> list[float]:
+        spans = []
+        for _ in range(samples):
+            start = time.perf_counter()
+            _reference_python()
+            spans.append((time.perf_counter() - start) * 1e6)
+        return spans
+
+    def measure_after_sleep() -> list[float]:
+        spans = []
+        for _ in range(samples):
+            time.sleep(0.008)
+            start = time.perf_counter()
+            _reference_python()
+            spans.append((time.perf_counter() - start) * 1e6)
+        return spans
+
+    return {"back_to_back": _on_thread(measure), "after_8ms_sleep": _on_thread(measure_after_sleep)}
 
 
 def trio_hop_us(samples: int = 300) -> list[float]:
@@ -188,13 +233,18 @@ def host_figures(thread_floor_us: float | None = None) -> dict:
         return 12.0 + (sleeps + _pct(thread_hops, fraction) + _pct(reader_hops, fraction)) / 1e3
 
     trio_floor = w1_trio_floor_us()
+    python = python_after_sleep_us()
+    cold, hot = _pct(python["after_8ms_sleep"], 0.5), _pct(python["back_to_back"], 0.5)
     figures = {
         "workload": "host",
         "sleep_8ms_overshoot_us": {"p50": _pct(over8, 0.5), "p95": _pct(over8, 0.95)},
         "sleep_4ms_overshoot_us": {"p50": _pct(over4, 0.5), "p95": _pct(over4, 0.95)},
         "thread_hop_us": {"p50": _pct(thread_hops, 0.5), "p95": _pct(thread_hops, 0.95)},
         "thread_to_trio_hop_us": {"p50": _pct(trio_hops, 0.5), "p95": _pct(trio_hops, 0.95)},
+        "reference_python_us": {"back_to_back": hot, "after_8ms_sleep": cold, "slowdown": cold / hot},
         "w3_efficiency_bound": 8.0 / (8.0 + _pct(over8, 0.5) / 1e3),
+        # denoise's thread also runs at least its completion's Python between two calls, at the after-sleep pace
+        "w3_efficiency_bound_with_one_completion": 8.0 / (8.0 + (_pct(over8, 0.5) + cold) / 1e3),
         "w5_latency_bound_ms": {"p50": bound(0.5, trio_hops), "p95": bound(0.95, trio_hops)},
         "w5_latency_bound_thread_reader_ms": {"p50": bound(0.5, thread_hops), "p95": bound(0.95, thread_hops)},
         "w1_trio_floor_us": trio_floor,
