@@ -181,12 +181,13 @@ class Agent:
                 # agent yet): dial again soon, not counted toward giving up
                 delay = patience.delay(ended, trio.current_time())
                 what = "is busy" if ended.kind is End.BUSY else "refused this worker for now"
+                # ended.why is the authority's own proven reason: it repeats an agent's text only echo()-ed
                 if delay is None:
                     log.error("agent at %s: the authority %s (%s) for more than %.0f s; giving up",
-                              self.options.authority, what, ended.why[:200], TRANSIENT_DEADLINE)
+                              self.options.authority, what, ended.why, TRANSIENT_DEADLINE)
                     return 1
                 log.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted toward "
-                            "giving up)", self.options.authority, what, ended.why[:200], delay)
+                            "giving up)", self.options.authority, what, ended.why, delay)
                 with trio.move_on_after(delay):
                     await self._drained.wait()
                 continue

@@ -25,6 +25,7 @@ from states.stream_session import DrainCause, Event, State, StreamSessionMachine
 from ..lifecycle import SessionLifecycle
 from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
+from ..reasons import echo
 from ..registry import SessionRecord, SessionRegistry
 from ..runner import RoomRunner, RunnerDeps
 from . import wire
@@ -63,7 +64,7 @@ class _ForwardingRegistry(SessionRegistry):
 def _image_bytes(data: str, suffix: str | None) -> bytes:
     """A Start's reference image; ValueError names what is wrong with it."""
     if suffix is not None and _IMAGE_SUFFIX.fullmatch(suffix) is None:
-        raise ValueError(f"image_suffix {suffix[:40]!r} is not a file suffix (a dot and 1-10 letters or digits)")
+        raise ValueError(f"image_suffix {echo(suffix)} is not a file suffix (a dot and 1-10 letters or digits)")
     try:
         return base64.b64decode(data, validate=True)
     except binascii.Error:

@@ -25,6 +25,7 @@ import trio
 from engine import CapacityPlan
 from states.liveness import DuplicateWorkerId, LivenessBook
 
+from ..reasons import echo, public_reason
 from ..tokens import IdentityError, validate_identity
 from . import proofs, wire
 from .identity import chunkline_version, pipeline_digest, pipeline_name
@@ -290,16 +291,16 @@ class ClusterAuthority:
             validate_identity(message.worker_id)
             validate_identity(f"chunkline-{message.worker_id}")  # the worker joins its rooms as chunkline-<id>
         except IdentityError as exc:
-            return Refusal(f"worker id {message.worker_id[:80]!r} cannot name a room participant: {exc}")
+            return Refusal(f"worker id {echo(message.worker_id)} cannot name a room participant: {exc}")
         if message.version != self.version:
-            return Refusal(f"chunkline version {message.version!r} differs from the authority's {self.version!r}")
+            return Refusal(f"chunkline version {echo(message.version)} differs from the authority's {self.version!r}")
         if message.pipeline != self.pipeline:
-            return Refusal(f"pipeline {message.pipeline!r} differs from the authority's {self.pipeline!r}")
+            return Refusal(f"pipeline {echo(message.pipeline)} differs from the authority's {self.pipeline!r}")
         if message.pipeline_digest != self.digest:
-            return Refusal(f"pipeline {message.pipeline!r} has other code (digest {message.pipeline_digest}, "
-                           f"authority {self.digest})")
+            return Refusal(f"pipeline {echo(message.pipeline)} has other code (digest {echo(message.pipeline_digest)}, "
+                           f"authority {self.digest!r})")
         if message.worker_id in self.liveness:  # the agent dials again under a fresh id
-            return Refusal(f"worker id {message.worker_id!r} is taken; an agent takes a fresh id every dial",
+            return Refusal(f"worker id {echo(message.worker_id)} is taken; an agent takes a fresh id every dial",
                            transient=True)
         return None
 
@@ -371,7 +372,7 @@ class ClusterAuthority:
             elif isinstance(message, wire.Ready):
                 self._ready(worker, message)
             elif isinstance(message, wire.Failed):
-                return f"process exited: the agent failed to start: {message.reason}"
+                return f"process exited: the agent failed to start: {public_reason(message.reason)}"
             elif isinstance(message, wire.Drain):
                 self.drain(worker.worker_id, message.deadline, tell_agent=False)
             elif isinstance(message, wire.Goodbye):

@@ -22,6 +22,7 @@ import attrs
 
 from states.restart_policy import RestartPolicy
 
+from ..reasons import echo
 from . import proofs, wire
 
 __all__ = ["End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "WAIT_POLICY"]
@@ -61,8 +62,8 @@ def answer(reply: wire.Message, *, token: str, at: str, nonce: str, agent_nonce:
             log.error("the authority refused this worker: %s", reply.reason)
             return Ended(End.REFUSED, reply.reason)
         log.error("%s refused this worker without proving the cluster token (the token differs there, or it "
-                  "is not the authority): %s", at, reply.reason[:200])
-        return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {reply.reason[:200]}")
+                  "is not the authority): %s", at, echo(reply.reason))
+        return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {echo(reply.reason)}")
     if isinstance(reply, wire.Busy):
         if proofs.busy_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
             return Ended(End.BUSY, reply.reason)
@@ -80,8 +81,8 @@ def unproven_busy(at: str, busy: wire.Busy) -> Ended:
     """A Busy without its proof: anyone at the authority's address can send one (and send it for ever), so it is
     obeyed as a failed connect is, counted toward the crash-loop limit, never waited out as a proven one."""
     log.warning("%s said busy without proving the cluster token (%s): counted as a failed connect", at,
-                busy.reason[:200])
-    return Ended(End.LOST, f"busy without proof: {busy.reason[:200]}")
+                echo(busy.reason))
+    return Ended(End.LOST, f"busy without proof: {echo(busy.reason)}")
 
 
 class Patience:

@@ -21,6 +21,7 @@ import trio
 
 from states.stream_session import DrainCause, Event
 
+from ..reasons import public_reason
 from ..requests import OptionsRefused
 from .wire import (
     Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, SessionEvent, SessionFinished, Start, Stop,
@@ -144,7 +145,7 @@ class RemoteWorker:
         if check.answer is None:
             raise RuntimeError(f"worker lost: {self.lost_cause}")
         if check.answer.refused is not None:
-            raise OptionsRefused(check.answer.refused)
+            raise OptionsRefused(public_reason(check.answer.refused, prefix_type=False))
         if check.answer.error is not None:
             raise RuntimeError(check.answer.error)
 

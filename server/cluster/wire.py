@@ -36,6 +36,7 @@ import attrs
 import trio
 
 from ..json_limits import JsonRefused, loads as json_loads
+from ..reasons import echo, echo_each
 from .wire_values import (
     MAX_CAPACITY, capacity, flag, integer, integers, obj, opt_text, opt_texts, plan, seconds, text, texts,
 )
@@ -303,15 +304,15 @@ def decode(data: bytes) -> Message:
         raise WireError("a frame must be a JSON object")
     version = body.pop("v", None)
     if version != PROTOCOL:
-        raise ProtocolMismatch(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL})")
+        raise ProtocolMismatch(f"protocol version {echo(version)} is not supported (this side speaks {PROTOCOL})")
     kind = body.pop("type", None)
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise WireError(f"unknown message type {kind!r}")
+        raise WireError(f"unknown message type {echo(kind)}")
     fields = attrs.fields(cls)
     unknown = sorted(set(body) - {f.name for f in fields})
     if unknown:
-        raise WireError(f"{kind}: unknown field(s) {', '.join(unknown)}")
+        raise WireError(f"{kind}: unknown field(s) {echo_each(unknown)}")
     missing = [f.name for f in fields if f.default is attrs.NOTHING and f.name not in body]
     if missing:
         raise WireError(f"{kind}: missing field(s) {', '.join(missing)}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..reasons import echo
+
 __all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer", "integers",
            "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan"]
 
@@ -107,7 +109,7 @@ def plan(value: object) -> dict[str, Any]:
     for name, optional in _PLAN_FIELDS.items():
         count = facts.get(name)
         if not (count is None and optional) and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-            raise TypeError(f".{name}: must be an integer >= 0{' or null' if optional else ''}, got {count!r}")
+            raise TypeError(f".{name}: must be an integer >= 0{' or null' if optional else ''}, got {echo(count)}")
     if not isinstance(facts.get("limiting_device"), str | None):
         raise TypeError(f".limiting_device: expected str or null, got {kind_of(facts.get('limiting_device'))}")
     return facts

@@ -101,7 +101,8 @@ async def test_a_proven_transient_refusal_is_waited_out_uncounted_and_a_permanen
 
 async def test_a_busy_nobody_proved_counts_as_a_failed_connect_and_ends_in_a_crash_loop() -> None:
     """An impostor that says busy on every dial (in place of the hello, or after the register with a proof under
-    another token) cannot keep the agent idle: the agent counts each one, and gives up at its crash-loop limit."""
+    another token) cannot keep the agent idle: the agent counts each one, and gives up at its crash-loop limit.
+    Its log repeats the impostor's words cut short."""
     dials = 0
     heard: list[Any] = []
 
@@ -111,7 +112,7 @@ async def test_a_busy_nobody_proved_counts_as_a_failed_connect_and_ends_in_a_cra
         channel = wire.Channel(stream)
         try:
             if dials % 2:
-                await channel.send(wire.Busy("32 registrations pending; dial again later"))
+                await channel.send(wire.Busy("32 registrations pending; dial again later " + "x" * 5000))
             else:
                 register = await greet(channel)
                 heard.append(register)
@@ -130,6 +131,8 @@ async def test_a_busy_nobody_proved_counts_as_a_failed_connect_and_ends_in_a_cra
         assert code == 1, log
         assert log.count("said busy without proving the cluster token") == REREGISTER_POLICY.max_failures + 1, log
         assert "crash loop" in log and "busy without proof" in log, log
+        # what the impostor said is repeated only cut short (server.reasons.echo; it was the first 200 characters)
+        assert "... (5043 characters in all)" in log and "x" * 100 not in log, log
         assert "the authority is busy" not in log and "Traceback" not in log, log
         assert heard, "the impostor never heard a register"
 

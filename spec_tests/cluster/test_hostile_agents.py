@@ -166,6 +166,70 @@ async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is
     assert "Traceback" not in authority.process.text(200_000)
 
 
+LONG = "x" * 15000
+#: a refusal or a loss cause that repeats a peer's text, cut (MAX_ECHO characters of each piece, or MAX_REASON)
+MOST_CHARACTERS = 1024
+
+
+async def test_what_a_peer_sent_comes_back_only_cut_short(authority: Cluster) -> None:
+    """Text a peer sent that the authority repeats -- in a refusal on the wire, a loss cause, an HTTP answer -- is
+    echoed quoted and cut (``server.reasons``): it repeated a worker id's first 80 characters, and a version, a
+    message type, unknown field names, a plan's count, an agent's failure and its refusal of options whole."""
+    for worker_id, version in ((LONG, None), ("long-version", LONG)):
+        channel, reply = await register(authority, worker_id, version=version)
+        assert isinstance(reply, wire.Refused) and not reply.transient, reply
+        assert "(15000 characters in all)" in reply.reason and len(reply.reason) < MOST_CHARACTERS, reply.reason
+        await channel.aclose()
+    frames = [{"v": LONG, "type": "register"}, {"v": wire.PROTOCOL, "type": LONG},
+              {"v": wire.PROTOCOL, "type": "register", **{f"{n}{LONG[:300]}": 1 for n in range(100)}}]
+    for frame in frames:  # before any proof: anyone may send these
+        stream, channel, _ = await dial(authority)
+        body = wire.json.dumps(frame).encode()
+        await stream.send_all(struct.pack(">I", len(body)) + body)
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            refused = await channel.receive()
+        assert isinstance(refused, wire.Refused), refused
+        assert "in all)" in refused.reason and len(refused.reason) < MOST_CHARACTERS, refused.reason
+        await channel.aclose()
+    channel, reply = await register(authority, "long-plan")
+    assert isinstance(reply, wire.Welcome), reply
+    body = {"v": wire.PROTOCOL, "type": "ready", "capacity": 1, "kind": "bidirectional",
+            "plan": {**PLAN, "effective_capacity": LONG}}
+    await channel.send_body(wire.json.dumps(body).encode())
+    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+    await channel.aclose()
+    channel, reply = await register(authority, "long-failure")
+    assert isinstance(reply, wire.Welcome), reply
+    await channel.send(wire.Failed(LONG))
+    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+    await channel.aclose()
+    for worker_id in ("long-plan", "long-failure"):
+        cause = await until(lambda worker_id=worker_id: losses(authority).get(worker_id), f"{worker_id} lost",
+                            authority, deadline=10)
+        assert "xxx" in cause and len(cause) < MOST_CHARACTERS, cause
+    # a token holder's refusal of a create's options is the create's 400, cut as the agent's own would be
+    channel, reply = await register(authority, "long-refusal")
+    assert isinstance(reply, wire.Welcome), reply
+    await say_ready(authority, channel, "long-refusal")
+    async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, trio.open_nursery() as nursery:
+        created: list[httpx.Response] = []
+
+        async def create() -> None:
+            created.append(await client.post("/v1/stream/sessions", json={"identity": "alice", "config": {"a": 1}}))
+
+        nursery.start_soon(create)
+        with trio.fail_after(HANDSHAKE_TIMEOUT):
+            while not isinstance(check := await channel.receive(), wire.CheckOptions):
+                pass
+        await channel.send(wire.OptionsChecked(check.check_id, refused=LONG))
+    assert created[0].status_code == 400, created[0].text
+    assert "xxx" in created[0].json()["detail"] and len(created[0].text) < MOST_CHARACTERS, created[0].text
+    await channel.send(wire.Drain(1.0))  # leaves as a drained agent does
+    await channel.send(wire.Goodbye("drained"))
+    await channel.aclose()
+    assert "x" * 300 not in authority.process.text(400_000)  # nor did the log repeat any of it whole
+
+
 async def test_each_refusal_says_provenly_whether_the_agent_may_be_taken_later(authority: Cluster) -> None:
     """A taken worker id is refused for now (a real agent dials again under a fresh id, not counting it), another
     version for good (it exits 3); which one it is travels in the refusal's proof (``register`` checks it)."""
