@@ -59,7 +59,7 @@ def test_every_message_round_trips(message: wire.Message) -> None:
         (b"[1]", "JSON object"),
         (json.dumps({"v": 99, "type": "hello", "nonce": "n", "authority_version": "x"}).encode(), "protocol version 99"),
         (json.dumps({"v": wire.PROTOCOL, "type": "teleport"}).encode(), "unknown message type 'teleport'"),
-        (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": 1, "extra": 2}).encode(), "unknown field(s) extra"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": 1, "extra": 2}).encode(), "unknown field(s) 'extra'"),
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack", "seq": "one"}).encode(),
          "heartbeat_ack.seq: expected int, got str"),
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack"}).encode(), "heartbeat_ack: missing field(s) seq"),
