@@ -108,6 +108,13 @@ class ModelWorker:
         """The offered settings the pipeline's ``get_service`` took; None until it is loaded, or when not known."""
         return None if self.service is None else offered_taken(self.service)
 
+    @property
+    def settings_taken(self) -> dict[str, Any] | None:
+        """The offered settings the pipeline's ``get_service`` took, each with the value it was given (what its
+        sessions run with); None until it is loaded, or when that is not known."""
+        taken = self.offered_taken
+        return None if taken is None else {name: self._offered[name] for name in sorted(taken)}
+
     def open_runner(self, runtime: Any, record: Any) -> Any:
         """Start a room runner for an admitted session on this worker; the runtime tracks it."""
         from .runner import RoomRunner

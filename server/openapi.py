@@ -163,8 +163,11 @@ SCHEMAS: dict[str, Any] = {
                                 "control_idle_timeout": {**NULLABLE_NUM, "description": "seconds a "
                                                          "session may send no control before it steps aside; "
                                                          "null where it does not apply (a server-push pipeline "
-                                                         "takes no controls) or no worker has loaded the "
-                                                         "pipeline yet"},
+                                                         "takes no controls), no worker has loaded the "
+                                                         "pipeline yet, or workers run with different values"},
+                                "worker_settings": {"type": "object", "description": "per worker: the offered "
+                                                    "settings its pipeline took (control_idle_timeout, fps), "
+                                                    "with the values its sessions run with"},
                                 "startup_check": {"type": "object", "description": "per worker: the startup "
                                                   "check (one warm-up chunk) passed or was skipped "
                                                   "(--skip-validation)"}}},

@@ -21,7 +21,10 @@ from states.worker import TERMINAL as WORKER_TERMINAL
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["applies_control_idle_timeout", "health", "metadata", "publish_gauges", "worker_views"]
+__all__ = ["control_idle_timeout_in_force", "health", "metadata", "publish_gauges", "worker_views"]
+
+#: the offered settings metadata shows per worker, as its pipeline took them (``worker_settings``)
+SHOWN_SETTINGS = ("control_idle_timeout", "fps")
 
 
 def publish_gauges(runtime: StreamRuntime) -> None:
@@ -103,15 +106,31 @@ def worker_views(runtime: StreamRuntime) -> list[dict[str, Any]]:
     return out
 
 
-def applies_control_idle_timeout(workers: Iterable[Any]) -> bool:
-    """Every worker that has loaded the pipeline is known to have handed it ``control_idle_timeout``: a
-    bidirectional pipeline whose ``get_service`` takes it (one that does not never applies the setting)."""
-    loaded = [worker for worker in workers if worker.kind is not None]
-    return bool(loaded) and all(
-        # a worker that cannot say what its pipeline took (offered_taken None) is not known to apply it: not claimed
-        worker.kind == BidirectionalService.kind and "control_idle_timeout" in (getattr(worker, "offered_taken", None) or ())
-        for worker in loaded
-    )
+def control_idle_timeout_in_force(workers: Iterable[Any]) -> float | None:
+    """The ``control_idle_timeout`` the loaded workers' pipelines run with: the value each of them was handed (an
+    agent's own, which may differ from this server's setting), when all took it and one value; else None: no
+    worker has loaded the pipeline, one does not apply the setting (a server-push pipeline; a ``get_service`` that
+    does not take it; a worker that cannot say what its pipeline took is not claimed to), or they differ (then
+    ``worker_settings`` names each)."""
+    values = set()
+    for worker in workers:
+        if worker.kind is None:
+            continue
+        taken = getattr(worker, "settings_taken", None) or {}
+        if worker.kind != BidirectionalService.kind or "control_idle_timeout" not in taken:
+            return None
+        values.add(taken["control_idle_timeout"])
+    return values.pop() if len(values) == 1 else None
+
+
+def _worker_settings(workers: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """Per worker, the shown settings its pipeline took, with the values it runs with."""
+    shown = {}
+    for worker in workers:
+        taken = getattr(worker, "settings_taken", None) or {}
+        if any(name in taken for name in SHOWN_SETTINGS):
+            shown[worker.worker_id] = {name: taken[name] for name in SHOWN_SETTINGS if name in taken}
+    return shown
 
 
 def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +153,8 @@ def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, A
         "configured_max_sessions_per_worker": settings.max_sessions_per_worker,
         "queue_size": settings.queue_size,
         # only where it applies: null for a server-push stream, and until a worker has loaded the pipeline
-        "control_idle_timeout": settings.control_idle_timeout if applies_control_idle_timeout(workers) else None,
+        "control_idle_timeout": control_idle_timeout_in_force(workers),
+        "worker_settings": _worker_settings(workers),
         "session_timeout": settings.session_timeout,
         "controller_timeout": settings.controller_timeout,
         "room_empty_timeout": settings.room_empty_timeout,

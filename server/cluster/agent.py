@@ -385,9 +385,8 @@ class Agent:
         self.send(wire.OptionsChecked(message.check_id, refused, error))
 
     def _model_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
-        taken = worker.offered_taken
         self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}),
-                                 None if taken is None else tuple(sorted(taken)))
+                                 worker.settings_taken)
         self._model_settled.set()
 
     def _model_failed(self, worker: ModelWorker, reason: str) -> None:

@@ -390,7 +390,7 @@ class ClusterAuthority:
         worker.plan = PlanView(message.plan)
         worker.kind = message.kind
         worker.startup_check = message.startup_check or None
-        worker.offered_taken = None if message.offered_taken is None else frozenset(message.offered_taken)
+        worker.settings_taken = message.settings_taken
         plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device")})
         self.runtime.agent_ready(worker, message.capacity, plan)
 

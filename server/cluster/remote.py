@@ -73,7 +73,8 @@ class RemoteWorker:
         self.plan: PlanView | None = None
         self.kind: str | None = None
         self.startup_check: dict[str, Any] | None = None  # the agent's own, from its Ready
-        self.offered_taken: frozenset[str] | None = None  # what its pipeline's get_service took, from its Ready
+        #: the offered settings its pipeline's get_service took, with the agent's values, from its Ready
+        self.settings_taken: dict[str, Any] | None = None
         self.failure: str | None = None
         self.runs: dict[str, RemoteRun] = {}
         self.lost_cause: str | None = None

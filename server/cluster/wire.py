@@ -38,7 +38,8 @@ import trio
 from ..json_limits import JsonRefused, loads as json_loads
 from ..reasons import echo, echo_each
 from .wire_values import (
-    MAX_CAPACITY, capacity, flag, integer, integers, obj, opt_text, opt_texts, plan, seconds, text, texts,
+    MAX_CAPACITY, capacity, flag, integer, integers, obj, opt_text, plan, seconds, settings_taken, text,
+    texts,
 )
 
 __all__ = [
@@ -76,7 +77,9 @@ __all__ = [
     "server_tls_context",
 ]
 
-PROTOCOL = 3  # 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof
+#: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
+#: (the offered settings the pipeline took with their values, in place of offered_taken's names)
+PROTOCOL = 4
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -181,8 +184,9 @@ class Ready(Message):
     kind: str = attrs.field(converter=text)
     plan: dict[str, Any] = attrs.field(converter=plan)
     startup_check: dict[str, Any] = attrs.field(converter=obj, factory=dict)  # the agent's: passed or skipped
-    #: the offered settings the pipeline's ``get_service`` took (None: not known), as a process worker's child says
-    offered_taken: tuple[str, ...] | None = attrs.field(default=None, converter=opt_texts)
+    #: the offered settings the pipeline's ``get_service`` took, each with the value the agent gave it (what its
+    #: sessions run with: an agent may be started with other values than the authority's); None: not known
+    settings_taken: dict[str, Any] | None = attrs.field(default=None, converter=settings_taken)
 
 
 @attrs.frozen

@@ -9,7 +9,7 @@ from typing import Any
 from ..reasons import echo
 
 __all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer", "integers",
-           "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan"]
+           "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan", "settings_taken"]
 
 #: the most sessions one agent may report it can retain (the CLI's --max-sessions allows 64)
 MAX_CAPACITY = 4096
@@ -46,6 +46,13 @@ def seconds(value: object) -> float:
     count = number(value)
     if not 0 < count < math.inf:
         raise TypeError(f"must be a number of seconds > 0, got {count!r}")
+    return count
+
+
+def positive(value: object) -> float:
+    count = number(value)
+    if not 0 < count < math.inf:
+        raise TypeError(f"must be a finite number > 0, got {count!r}")
     return count
 
 
@@ -113,3 +120,22 @@ def plan(value: object) -> dict[str, Any]:
     if not isinstance(facts.get("limiting_device"), str | None):
         raise TypeError(f".limiting_device: expected str or null, got {kind_of(facts.get('limiting_device'))}")
     return facts
+
+
+#: the offered settings a session runs with, which the authority shows: each a finite number > 0 when taken
+SESSION_SETTINGS = ("control_idle_timeout", "fps")
+
+
+def settings_taken(value: object) -> dict[str, Any] | None:
+    """The offered settings an agent's pipeline took, with their values (None: not known); those the authority
+    shows (:data:`SESSION_SETTINGS`) must be numbers > 0."""
+    if value is None:
+        return None
+    taken = dict(obj(value))
+    for name in SESSION_SETTINGS:
+        if name in taken:
+            try:
+                taken[name] = positive(taken[name])
+            except TypeError as exc:
+                raise TypeError(f".{name}: {exc}") from None
+    return taken

@@ -11,7 +11,7 @@ import zlib
 import httpx
 import trio
 
-from .conftest import Controller, start_cluster
+from .conftest import TOKEN, Controller, Process, chunkline, clean_env, start_authority, start_cluster, until
 
 OFFERED_WORLD = "spec_tests/cluster/offered_world.py"
 
@@ -38,6 +38,26 @@ async def test_an_agents_pipeline_gets_the_authoritys_fps_and_idle_timeout_and_r
     finally:
         cluster.http.close()
         assert cluster.process.stop() == 0, cluster.process.text()
+
+
+async def test_an_external_agent_started_with_its_own_idle_timeout_is_shown_with_it_not_the_authoritys() -> None:
+    """Metadata shows what an agent's pipeline runs with: its Ready carries the values it handed the pipeline (it
+    named only which settings were taken, so metadata showed the authority's --control-idle-timeout instead)."""
+    authority = start_authority("--control-idle-timeout", "3", launcher="external", workers=1, pipeline=OFFERED_WORLD)
+    agent = Process(chunkline("worker", OFFERED_WORLD, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
+                              "--control-idle-timeout", "5", "--default-fps", "8"),
+                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+    try:
+        [worker] = await until(authority.eligible, "the external agent to be ready", authority)
+        metadata = authority.get("/v1/service/metadata")
+        # its startup chunk was made with 5 (the offered world makes one frame a second of idle timeout)
+        assert metadata["startup_check"][worker["worker_id"]]["frames"] == [5, 32, 48, 3], metadata["startup_check"]
+        assert metadata["control_idle_timeout"] == 5.0, metadata
+        assert metadata["worker_settings"] == {worker["worker_id"]: {"control_idle_timeout": 5.0, "fps": 8.0}}, metadata
+    finally:
+        agent.stop()
+        authority.http.close()
+        assert authority.process.stop() == 0, authority.process.text()
 
 
 def _padded_png(size: int) -> bytes:
