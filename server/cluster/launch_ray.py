@@ -88,6 +88,7 @@ class _RaySlot:
     worker_id: str | None = None
     settled: trio.Event = attrs.Factory(trio.Event)  # its registered worker left or was lost
     drained: bool = False
+    ended: str | None = None  # how its last agent ended, from the launcher's notice until it is placed again
     node: str | None = None
     actor: Any = None
     group: Any = None
@@ -201,6 +202,7 @@ class RayLauncher:
         import ray
 
         while True:
+            slot.ended = None
             try:
                 ready = await trio.to_thread.run_sync(self._request, slot)
                 while not await trio.to_thread.run_sync(self._placed, ready, abandon_on_cancel=True):
@@ -210,6 +212,7 @@ class RayLauncher:
                 why = f"placement failed: {type(exc).__name__}: {exc}"
             else:
                 why = await trio.to_thread.run_sync(self._outcome, reference, abandon_on_cancel=True)
+            slot.ended = why
             if slot.worker_id is not None:
                 await await_goodbye(slot.settled, why == "process exited with code 0")
             if slot.worker_id is not None and self._authority is not None:
@@ -255,7 +258,7 @@ class RayLauncher:
     def view(self) -> list[dict[str, Any]]:
         now = trio.current_time()
         return [{"slot": s.name, "gpus": s.gpus, "state": s.restarts.state.value, "placed": s.node is not None,
-                 "worker_id": s.worker_id, "node": s.node, "restarts": s.restarts.restarts,
+                 "worker_id": s.worker_id, "node": s.node, "ended": s.ended, "restarts": s.restarts.restarts,
                  "reason": s.restarts.describe(now)} for s in self.slots]
 
 
