@@ -85,6 +85,7 @@ from .tensor_channel_refs import (
     TensorChannelOrderError,
     TensorChannelTimeout,
     WorkerTensorRef,
+    register_owner,
 )
 from .tensor_channel_shm import (
     ACK_WINDOW,
@@ -143,6 +144,7 @@ class WorkerTensorChannel(ConsumerSide):
         self._control.words[ControlLayout.MAGIC] = MAGIC
         self._owner_state = {"closed": False}
         self._finalizer = weakref.finalize(self, release_owned, self._control, self.prefix, self._owner_state)
+        register_owner(self)  # a ref of it lost in this process (a value that does not load) is discarded here
 
     def _init_local(self) -> None:
         self.prefix = f"cl_{self.channel_id}_"

@@ -9,7 +9,7 @@ words, the layout, the ack helpers and its CPU pool's segments (see the class).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -248,10 +248,14 @@ class ConsumerSide:
         it. With ``sync`` waits (bounded by ``timeout``) until every consumer rank
         has resolved them, i.e. their slots are free for the producer.
         """
+        self.discard_transfers(list(self._own_refs(tree)), rank=rank, sync=sync)
+
+    def discard_transfers(self, tids: Iterable[int], *, rank: int | None = None, sync: bool = True) -> None:
+        """:meth:`discard` by transfer id (the refs themselves may be gone: a value that did not load)."""
         ranks = range(self.world_size) if rank is None else [rank]
         if rank is not None:
             self._check_rank(rank)
-        tids = list(self._own_refs(tree))
+        tids = list(tids)
         words = self.control_words()
         for tid in tids:
             for r in ranks:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import attrs
 
@@ -15,6 +17,8 @@ __all__ = [
     "TensorChannelOrderError",
     "TensorChannelTimeout",
     "WorkerTensorRef",
+    "discard_lost_transfers",
+    "register_owner",
 ]
 
 
@@ -51,3 +55,34 @@ class WorkerTensorRef:
     source_device: str
     shard_dim: int | None = None
     payload: Any = attrs.field(default=None, eq=False, hash=False, repr=False)
+
+
+class _OwnedChannel(Protocol):
+    channel_id: str
+    closed: bool
+
+    def discard_transfers(self, tids: Iterable[int], *, rank: int | None = None, sync: bool = True) -> None: ...
+
+
+#: the channels this process created (their owner: the scheduler), by id, for :func:`discard_lost_transfers`
+_OWNED: weakref.WeakValueDictionary[str, _OwnedChannel] = weakref.WeakValueDictionary()
+
+
+def register_owner(channel: _OwnedChannel) -> None:
+    """``channel`` was created in this process: refs of it that are lost here can be discarded here."""
+    _OWNED[channel.channel_id] = channel
+
+
+def discard_lost_transfers(transfers: Iterable[tuple[str, int]]) -> int:
+    """Discard, for every consumer rank, the transfers (``(channel id, transfer id)``) of refs that were lost on
+    their way to the scheduler -- in a value that did not load in this process, or that a call failing on another
+    rank dropped -- so that their slots are free for the producer's next send (else it waits until its timeout).
+    Transfers of channels this process did not create, or has closed, are left alone. Returns how many were
+    discarded."""
+    discarded = 0
+    for channel_id, tid in sorted(set(transfers)):
+        channel = _OWNED.get(channel_id)
+        if channel is not None and not channel.closed:
+            channel.discard_transfers([tid], sync=False)
+            discarded += 1
+    return discarded

@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 
 from .errors import EngineError
+from .tensor_channel_refs import WorkerTensorRef
 
 __all__ = [
     "Call",
@@ -68,21 +69,28 @@ class UnloadableValue(EngineError, ValueError):
     """A value pickled in a child process does not load in this one; the message says what did not load."""
 
 
-def dump_value(value: Any) -> tuple[bytes, bytes]:
-    """Pickle a rank's value apart from its message: its bytes, and (``b""`` when it has none) the shared-memory
+def dump_value(value: Any) -> tuple[bytes, bytes, tuple[tuple[str, int], ...]]:
+    """Pickle a rank's value apart from its message: its bytes; (``b""`` when it has none) the shared-memory
     handles (``resource_sharer.DupFd``) in it, in the order they were written, pickled on their own for
-    :func:`release_shared`."""
+    :func:`release_shared`; and the tensor-channel transfers its refs (:class:`WorkerTensorRef`) name, as
+    ``(channel id, transfer id)``, for the parent to discard should the value be lost there."""
     shared: list[Any] = []
+    transfers: set[tuple[str, int]] = set()
 
     def listed(handle: Any) -> Any:  # not a method of the pickler: a cycle would keep its memo (the tensors) alive
         shared.append(handle)
         return handle.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
+    def named(ref: WorkerTensorRef) -> Any:
+        transfers.add((ref.channel_id, ref.transfer_id))
+        return ref.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
     buffer = io.BytesIO()
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table[resource_sharer.DupFd] = listed
+    pickler.dispatch_table[WorkerTensorRef] = named
     pickler.dump(value)
-    return buffer.getvalue(), (bytes(ForkingPickler.dumps(shared)) if shared else b"")
+    return buffer.getvalue(), (bytes(ForkingPickler.dumps(shared)) if shared else b""), tuple(sorted(transfers))
 
 
 def _counting(fetched: set[int]) -> type:
@@ -206,13 +214,14 @@ class RankStartFailed:
 
 @attrs.frozen
 class Result:
-    """One rank's return value for call ``call_id``, pickled on its own (:func:`load_value` reads it), and the
-    shared-memory handles in it (:func:`dump_value`)."""
+    """One rank's return value for call ``call_id``, pickled on its own (:func:`load_value` reads it), the
+    shared-memory handles in it and the tensor-channel transfers its refs name (:func:`dump_value`)."""
 
     call_id: int
     rank: int
     value: bytes
     shared: bytes = b""
+    transfers: tuple[tuple[str, int], ...] = ()
 
 
 @attrs.frozen

@@ -37,6 +37,7 @@ from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachi
 
 from .errors import EngineError, FatalStageError
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
+from .tensor_channel_refs import discard_lost_transfers
 from .worker_child import child_main
 from .worker_wire import (
     Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue, load_value,
@@ -132,6 +133,7 @@ class DeferredResult:
         if call.error is not None:
             raise call.error
         values = []
+        lost = True  # until every value is loaded: a value this call does not return is lost here
         try:
             for rank in call.ranks:
                 match call.results[rank]:
@@ -144,19 +146,24 @@ class DeferredResult:
                             rank=rank, method=call.method, remote_type=error.type_name,
                             remote_traceback=error.traceback,
                         )
+            lost = False
         finally:
-            self._release_unloaded()
+            self._release_unloaded(lost)
         return values if self._gather else values[0]
 
-    def _release_unloaded(self) -> None:
+    def _release_unloaded(self, lost: bool) -> None:
         """The shared memory of every value this call will not load (it did not load, or another rank raised):
-        fetched and closed here, or its rank would hold it for good."""
+        fetched and closed here, or its rank would hold it for good. When the call fails (``lost``), the
+        tensor-channel transfers its values name are discarded too: nobody here holds their refs any more, and
+        their slots would stay taken until the producer's next send into them timed out."""
         if self._released:
             return
         self._released = True
         for rank, result in self._call.results.items():
             if isinstance(result, Result) and result.shared and rank not in self._loaded:
                 release_shared(result.shared, self._fetched.get(rank, set()))
+            if lost and isinstance(result, Result) and result.transfers:
+                discard_lost_transfers(result.transfers)
 
     def _load(self, rank: int, data: bytes) -> Any:
         """A rank's value, loaded once; one that does not load in this process fails this call (the group lives on)."""

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from engine.tensor_channel import CPU_SLOTS, WorkerTensorChannel
 from engine.workers import ProcessWorkerGroup, WorkerCallError
 
 RANKS = "spec_tests.reliability.unloadable_ranks:UnloadableRank"
@@ -60,4 +61,23 @@ def test_the_shared_memory_of_a_value_that_is_not_loaded_is_not_left_with_the_ra
             with pytest.raises(WorkerCallError, match="rank 0: fails_on_rank_0\\(\\) raised builtins.ValueError"):
                 group.call("fails_on_rank_0")()
         assert settled_shared_fds(group) == [0, 0]
+        assert not group.failed
+
+
+def test_the_tensor_channel_transfers_of_a_value_that_is_lost_are_discarded() -> None:
+    """A rank's value naming a tensor-channel transfer (a ``WorkerTensorRef``) that is lost in the parent -- it does
+    not load, or another rank's error fails the call -- has its transfer discarded for every consumer rank as the
+    call fails, so its slot is free: the producer's sends after it into that slot went on waiting for it until
+    their timeout (each profile has CPU_SLOTS slots)."""
+    with WorkerTensorChannel(consumer_world_size=2, timeout=60.0) as channel, \
+            ProcessWorkerGroup(TENSOR_RANKS, world_size=2, call_timeout=90.0, name="lost-refs") as group:
+        group.call("take_channel", channel)()
+        for transfer in range(1, CPU_SLOTS + 2):
+            with pytest.raises(WorkerCallError, match="rank 0: the value sends_unloadable\\(\\) returned does not load"):
+                group.call("sends_unloadable")()
+            assert [channel.ack_of(rank, transfer) for rank in range(2)] == [-transfer, -transfer]
+        with pytest.raises(WorkerCallError, match="rank 1: sends_then_rank_1_raises\\(\\) raised builtins.ValueError"):
+            group.call("sends_then_rank_1_raises")()
+        transfer = CPU_SLOTS + 2
+        assert [channel.ack_of(rank, transfer) for rank in range(2)] == [-transfer, -transfer]
         assert not group.failed

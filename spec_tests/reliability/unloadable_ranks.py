@@ -46,6 +46,22 @@ class SharedTensorRank(UnloadableRank):
             raise ValueError("rank 0 failed")
         return {"latent": self.torch.ones(64)}
 
+    def take_channel(self, channel: Any) -> None:
+        """Keep ``channel`` (a ``WorkerTensorChannel`` the parent made): rank 0 is its producer."""
+        self.channel = channel
+
+    def sends_unloadable(self) -> Any:
+        """Rank 0 sends a tensor on its channel and returns the ref inside a value that does not load."""
+        if self.rank != 0:
+            return None
+        return {"latent": self.channel.send(self.torch.ones(64)), "broken": FailsToLoad()}
+
+    def sends_then_rank_1_raises(self) -> Any:
+        """Rank 0 sends a tensor on its channel and returns its ref (it loads); rank 1 raises, failing the call."""
+        if self.rank == 1:
+            raise ValueError("rank 1 failed")
+        return {"latent": self.channel.send(self.torch.ones(64))}
+
     def shared_fds(self) -> int:
         """This rank's open descriptors of shared memory (every tensor it sent and nobody fetched holds one)."""
         import os
