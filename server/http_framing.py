@@ -6,9 +6,10 @@ bytes (pure: no I/O, ``now`` is an argument) and says by when the request under 
 a head within ``head_seconds`` of its first byte, a body of ``n`` bytes within ``head_seconds + n /
 MIN_UPLOAD_RATE`` of the end of its head. Between requests nothing is due (the idle deadline applies).
 
-Every head is read as hypercorn reads it, by h11 (:func:`parse_head`), so the two never disagree about
-one: a head ends where h11 ends it (a blank line; ``\\r\\n`` or bare ``\\n`` line endings alike,
-:func:`head_end`), and a head h11 refuses -- two ``Host`` fields, none in HTTP/1.1, an HTTP/0.9 request
+Every head is read as hypercorn reads it, by h11 (:func:`parse_head_by_h11`), so the two never disagree
+about one -- or, when it is plain (the common case, read by one regular expression: :mod:`server.plain_head`),
+exactly as h11 would read it: a head ends where h11 ends it (a blank line; ``\\r\\n`` or bare ``\\n`` line
+endings alike, :func:`head_end`), and a head h11 refuses -- two ``Host`` fields, none in HTTP/1.1, an HTTP/0.9 request
 line, a NUL or a space in the target, a field line without a colon or with a space before it, a malformed
 ``Content-Length`` -- is refused here with a 400 ``malformed_request`` naming h11's reason (hypercorn
 answered these with an empty 400). A connection whose first byte cannot begin a request line (a TLS
@@ -18,8 +19,8 @@ What cannot be framed is refused rather than passed on unbounded: a head over ``
 ``Transfer-Encoding`` body (411: send ``Content-Length``), HTTP/2 without TLS (505) and a WebSocket upgrade
 after the connection's first request (400: the front serves a room's socket itself, with its bounds, only
 when the upgrade opens the connection; a later one reached hypercorn's WebSocket, which has none). A head
-goes on to hypercorn once it is whole, as it was parsed and written again with ``\\r\\n`` endings (so
-hypercorn reads exactly the head the front framed), without any ``Upgrade``/``HTTP2-Settings`` field:
+goes on to hypercorn once it is whole: a plain one as it came, any other as it was parsed and written again
+with ``\\r\\n`` endings (so hypercorn reads exactly the head the front framed), without any ``Upgrade``/``HTTP2-Settings`` field:
 hypercorn would switch an ``Upgrade: h2c`` request to HTTP/2, whose streams the front cannot frame (any
 number of requests and bodies at once on one connection, past the connection cap and the body budget);
 without the field the request is answered in HTTP/1.1, as the upgrade allows. Once the backend switches
@@ -40,6 +41,7 @@ from typing import Final
 import attrs
 import h11
 
+from .plain_head import scan_plain_head
 from .reasons import MAX_ECHO, cut
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "head_end",
     "not_a_request_line",
     "parse_head",
+    "parse_head_by_h11",
 ]
 
 MIN_UPLOAD_RATE: Final = 16384  # bytes a second a request body must at least arrive at
@@ -75,12 +78,14 @@ class FramingRefused(Exception):
 
 @attrs.frozen
 class RequestHead:
-    """A request head h11 accepted: its request line and its fields (names as sent, values as h11 left them)."""
+    """A request head h11 accepted: its request line and its fields (names as sent, values as h11 left them);
+    ``raw``: its bytes as sent, when they go on unchanged (a plain head, :mod:`server.plain_head`)."""
 
     method: bytes
     target: bytes
     version: bytes
     fields: tuple[tuple[bytes, bytes], ...]
+    raw: bytes | None = attrs.field(default=None, eq=False, repr=False)
 
     def values(self, name: bytes) -> list[bytes]:
         """The values of every field called ``name`` (lower case)."""
@@ -110,7 +115,16 @@ def not_a_request_line(buffer: bytes | bytearray) -> bool:
 
 
 def parse_head(raw: bytes) -> RequestHead:
-    """The head ``raw`` (up to its :func:`head_end`) as h11 reads it. Raises :class:`FramingRefused`: 400 for a
+    """The head ``raw`` (up to its :func:`head_end`) as h11 reads it: a plain one by :func:`scan_plain_head`
+    (kept as sent), any other by :func:`parse_head_by_h11`, which raises :class:`FramingRefused`."""
+    plain = scan_plain_head(raw)
+    if plain is not None:
+        return RequestHead(*plain, raw=raw)
+    return parse_head_by_h11(raw)
+
+
+def parse_head_by_h11(raw: bytes) -> RequestHead:
+    """The head ``raw`` (up to its :func:`head_end`) read by h11. Raises :class:`FramingRefused`: 400 for a
     head h11 refuses, 411 for a ``Transfer-Encoding`` (the front frames ``Content-Length`` bodies only)."""
     if not_a_request_line(raw):
         raise FramingRefused(400, "malformed request head: illegal request line (it starts with a control "
@@ -238,13 +252,13 @@ class RequestFraming:
 
     @staticmethod
     def _forwarded_head(head: RequestHead) -> bytes:
-        """``head`` as hypercorn gets it: without the fields that ask to leave HTTP/1.1 (``Upgrade``,
-        ``HTTP2-Settings``); a WebSocket upgrade here is refused (the front serves only one that opens its
-        connection)."""
+        """``head`` as hypercorn gets it: a plain one as it came (it has none of the fields below), any other
+        written again without the fields that ask to leave HTTP/1.1 (``Upgrade``, ``HTTP2-Settings``); a
+        WebSocket upgrade here is refused (the front serves only one that opens its connection)."""
         if head.is_websocket_upgrade:
             raise FramingRefused(400, "a WebSocket upgrade must be the first request on its connection "
                                       "(open a new connection for it)", error="websocket_not_first")
-        return head.encode(without=_LEAVING_HTTP_1_1)
+        return head.raw if head.raw is not None else head.encode(without=_LEAVING_HTTP_1_1)
 
     @staticmethod
     def _body_length(head: RequestHead) -> int:
