@@ -18,13 +18,13 @@ from states.stream_session import LIVE_MEDIA
 from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
 from states.worker import TERMINAL as WORKER_TERMINAL
 
+from .cluster.wire_values import SESSION_SETTINGS
+
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
 __all__ = ["control_idle_timeout_in_force", "health", "metadata", "publish_gauges", "worker_views"]
 
-#: the offered settings metadata shows per worker, as its pipeline took them (``worker_settings``)
-SHOWN_SETTINGS = ("control_idle_timeout", "fps")
 
 
 def publish_gauges(runtime: StreamRuntime) -> None:
@@ -128,8 +128,8 @@ def _worker_settings(workers: Iterable[Any]) -> dict[str, dict[str, Any]]:
     shown = {}
     for worker in workers:
         taken = getattr(worker, "settings_taken", None) or {}
-        if any(name in taken for name in SHOWN_SETTINGS):
-            shown[worker.worker_id] = {name: taken[name] for name in SHOWN_SETTINGS if name in taken}
+        if any(name in taken for name in SESSION_SETTINGS):
+            shown[worker.worker_id] = {name: taken[name] for name in SESSION_SETTINGS if name in taken}
     return shown
 
 

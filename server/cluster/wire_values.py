@@ -9,7 +9,8 @@ from typing import Any
 from ..reasons import echo
 
 __all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer", "integers",
-           "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan", "settings_taken"]
+           "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan", "positive", "settings_taken",
+           "SESSION_SETTINGS"]
 
 #: the most sessions one agent may report it can retain (the CLI's --max-sessions allows 64)
 MAX_CAPACITY = 4096
@@ -100,7 +101,7 @@ def opt_obj(value: object) -> dict[str, Any] | None:
 def capacity(value: object) -> int:
     count = integer(value)
     if not 1 <= count <= MAX_CAPACITY:
-        raise TypeError(f"must be 1-{MAX_CAPACITY}, got {count}")
+        raise TypeError(f"must be 1-{MAX_CAPACITY}, got {echo(count)}")  # JSON allows 4,300 digits
     return count
 
 
@@ -122,7 +123,8 @@ def plan(value: object) -> dict[str, Any]:
     return facts
 
 
-#: the offered settings a session runs with, which the authority shows: each a finite number > 0 when taken
+#: the offered settings a session runs with, which metadata shows per worker (``worker_settings``): each a finite
+#: number > 0 when taken
 SESSION_SETTINGS = ("control_idle_timeout", "fps")
 
 

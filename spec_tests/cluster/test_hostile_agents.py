@@ -174,7 +174,8 @@ MOST_CHARACTERS = 1024
 async def test_what_a_peer_sent_comes_back_only_cut_short(authority: Cluster) -> None:
     """Text a peer sent that the authority repeats -- in a refusal on the wire, a loss cause, an HTTP answer -- is
     echoed quoted and cut (``server.reasons``): it repeated a worker id's first 80 characters, and a version, a
-    message type, unknown field names, a plan's count, an agent's failure and its refusal of options whole."""
+    message type, unknown field names, a capacity or a plan's count, an agent's failure and its refusal of options
+    whole."""
     for worker_id, version in ((LONG, None), ("long-version", LONG)):
         channel, reply = await register(authority, worker_id, version=version)
         assert isinstance(reply, wire.Refused) and not reply.transient, reply
@@ -191,22 +192,24 @@ async def test_what_a_peer_sent_comes_back_only_cut_short(authority: Cluster) ->
         assert isinstance(refused, wire.Refused), refused
         assert "in all)" in refused.reason and len(refused.reason) < MOST_CHARACTERS, refused.reason
         await channel.aclose()
-    channel, reply = await register(authority, "long-plan")
-    assert isinstance(reply, wire.Welcome), reply
-    body = {"v": wire.PROTOCOL, "type": "ready", "capacity": 1, "kind": "bidirectional",
-            "plan": {**PLAN, "effective_capacity": LONG}}
-    await channel.send_body(wire.json.dumps(body).encode())
-    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
-    await channel.aclose()
+    for worker_id, capacity, plan in (("long-plan", 1, {**PLAN, "effective_capacity": LONG}),
+                                      ("long-capacity", 10**4000, PLAN)):  # JSON allows 4,300 digits
+        channel, reply = await register(authority, worker_id)
+        assert isinstance(reply, wire.Welcome), reply
+        body = {"v": wire.PROTOCOL, "type": "ready", "capacity": capacity, "kind": "bidirectional", "plan": plan}
+        await channel.send_body(wire.json.dumps(body).encode())
+        assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+        await channel.aclose()
     channel, reply = await register(authority, "long-failure")
     assert isinstance(reply, wire.Welcome), reply
     await channel.send(wire.Failed(LONG))
     assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
     await channel.aclose()
-    for worker_id in ("long-plan", "long-failure"):
+    for worker_id in ("long-plan", "long-capacity", "long-failure"):
         cause = await until(lambda worker_id=worker_id: losses(authority).get(worker_id), f"{worker_id} lost",
                             authority, deadline=10)
-        assert "xxx" in cause and len(cause) < MOST_CHARACTERS, cause
+        assert "in all)" in cause or "..." in cause, cause
+        assert len(cause) < MOST_CHARACTERS, cause
     # a token holder's refusal of a create's options is the create's 400, cut as the agent's own would be
     channel, reply = await register(authority, "long-refusal")
     assert isinstance(reply, wire.Welcome), reply
