@@ -21,8 +21,9 @@ import trio
 
 from states.stream_session import DrainCause, Event
 
-from ..reasons import public_reason
+from ..reasons import cut, public_reason
 from ..requests import OptionsRefused
+from ..tokens import MAX_IDENTITY_LENGTH
 from .wire import (
     Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, SessionEvent, SessionFinished, Start, Stop,
 )
@@ -147,8 +148,8 @@ class RemoteWorker:
             raise RuntimeError(f"worker lost: {self.lost_cause}")
         if check.answer.refused is not None:
             raise OptionsRefused(public_reason(check.answer.refused, prefix_type=False))
-        if check.answer.error is not None:
-            raise RuntimeError(check.answer.error)
+        if check.answer.error is not None:  # one public line, as the agent's own would be (logged and answered)
+            raise RuntimeError(public_reason(check.answer.error, prefix_type=False))
 
     def on_options_checked(self, message: OptionsChecked) -> None:
         check = self._checks.get(message.check_id)
@@ -201,8 +202,8 @@ class RemoteWorker:
         except ValueError:
             self.stale_events += 1
             return
-        if message.pipeline_session_id is not None:
-            record.pipeline_session_id = message.pipeline_session_id
+        if message.pipeline_session_id is not None:  # a pipeline's id (a uuid, say): kept and shown, cut
+            record.pipeline_session_id = cut(message.pipeline_session_id, MAX_IDENTITY_LENGTH)
         record.participants = set(message.participants)
         # the agent's progress moves the authority's record through its lifecycle; a drain's cause and the end
         # arrive with the finish (SessionFinished), and a drain the authority applied first stays
@@ -214,10 +215,12 @@ class RemoteWorker:
             self.stale_events += 1
             return
         run.seq = message.seq
+        # the session's error, kept with its record and shown to clients: one public line, as the agent's own is
+        error = None if message.error is None else public_reason(message.error, prefix_type=False)
         if message.drain_cause:
             # the agent's runner drained first (its controller left, its room emptied): its cause, once
-            run.runtime.lifecycle.drain(run.record, _drain_cause(message.drain_cause), message.error)
-        run.settle(message.error)
+            run.runtime.lifecycle.drain(run.record, _drain_cause(message.drain_cause), error)
+        run.settle(error)
 
     def lose(self, cause: str) -> None:
         """The agent is gone: every session it ran fails with the cause (the runtime releases the slots)."""

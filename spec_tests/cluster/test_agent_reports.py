@@ -1,0 +1,194 @@
+"""What a token holder reports over the cluster port, against a real ``--workers external`` authority: every field
+the authority keeps, shows or logs is bounded to what a real agent would send itself -- cut to one public line
+(``server.reasons``), or refused as a protocol error naming the field when it is a count or a size no agent
+reaches -- and the authority keeps serving.
+
+The peers here speak the wire themselves (``server.cluster.wire``), as a hostile or buggy agent would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from server.cluster import wire
+from server.reasons import MAX_REASON
+from server.tokens import MAX_IDENTITY_LENGTH
+
+from .conftest import INTERVAL, Cluster, start_authority, until
+from .test_hostile_agents import losses, register, say_ready
+
+#: more than any field a real agent sends, less than a frame (16 MiB)
+HUGE = 4 * 1024 * 1024
+#: a cut field, a refusal or a loss cause that names a field: well under this
+SHORT = 1024
+#: what a log or a view would hold had it repeated any field whole
+REPEATED = "x" * 300
+
+
+@pytest.fixture(scope="module")
+def authority() -> Iterator[Cluster]:
+    found = start_authority(launcher="external", workers=1)
+    try:
+        yield found
+    finally:
+        found.http.close()
+        rc = found.process.stop()
+        assert rc == 0, f"the authority exited with {rc}:\n{found.process.text()}"
+
+
+class FakeAgent:
+    """A registered, ready token holder that heartbeats as a live agent does while the test speaks for it."""
+
+    def __init__(self, channel: wire.Channel) -> None:
+        self.channel = channel
+        self.stopped = trio.Event()
+
+    async def heartbeat(self) -> None:
+        """Until ``stopped`` (never cancelled mid-frame: the channel stays whole for the goodbye)."""
+        seq = 0
+        while not self.stopped.is_set():
+            seq += 1
+            try:
+                await self.channel.send(wire.Heartbeat(seq, ()))
+            except wire.ConnectionClosed:
+                return
+            with trio.move_on_after(INTERVAL / 2):  # as often as a live agent heartbeats
+                await self.stopped.wait()
+
+    async def expect(self, kind: type[wire.Message]) -> Any:
+        """The next message of ``kind`` from the authority (acknowledgements skipped)."""
+        with trio.fail_after(30):  # a loaded host: the authority reads and answers megabytes before it
+            while not isinstance(message := await self.channel.receive(), kind):
+                pass
+        return message
+
+    async def send_raw(self, body: dict[str, Any]) -> None:
+        """A message as JSON: this side's own classes refuse to build one out of bounds."""
+        await self.channel.send_body(json.dumps({"v": wire.PROTOCOL, **body}).encode())
+
+    async def create(self, client: httpx.AsyncClient, **answer: Any) -> httpx.Response:
+        """POST a session; the authority asks this agent to check its options first: answered with ``answer``'s
+        fields (none: accepted)."""
+        created: list[httpx.Response] = []
+        async with trio.open_nursery() as nursery:
+
+            async def post() -> None:
+                created.append(await client.post("/v1/stream/sessions", json={"identity": "alice"}))
+
+            nursery.start_soon(post)
+            check = await self.expect(wire.CheckOptions)
+            await self.channel.send(wire.OptionsChecked(check.check_id, **answer))
+        return created[0]
+
+    async def start_session(self, client: httpx.AsyncClient) -> wire.Start:
+        """A session the test creates over HTTP, placed on this agent: its Start."""
+        created = await self.create(client)
+        assert created.status_code == 200, created.text
+        start = await self.expect(wire.Start)
+        assert start.session_id == created.json()["session_id"], start
+        return start
+
+
+@asynccontextmanager
+async def ready_agent(authority: Cluster, worker_id: str) -> AsyncIterator[FakeAgent]:
+    """A token holder, registered and ready; it leaves as a drained agent does (unless it was lost meanwhile)."""
+    channel, reply = await register(authority, worker_id)
+    assert isinstance(reply, wire.Welcome), reply
+    await say_ready(authority, channel, worker_id)
+    agent = FakeAgent(channel)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(agent.heartbeat)
+        try:
+            yield agent
+        finally:
+            agent.stopped.set()
+    if worker_id not in losses(authority):
+        try:
+            await channel.send(wire.Drain(1.0))
+            await channel.send(wire.Goodbye("drained"))
+        except wire.ConnectionClosed:
+            pass
+    await channel.aclose()
+
+
+def session(authority: Cluster, session_id: str) -> dict[str, Any]:
+    return authority.get(f"/v1/stream/sessions/{session_id}")
+
+
+def listed(authority: Cluster, session_id: str) -> dict[str, Any]:
+    return next(s for s in authority.get("/v1/stream/sessions")["sessions"] if s["session_id"] == session_id)
+
+
+def nothing_repeated_whole(authority: Cluster) -> None:
+    """No view and no log line of the authority holds a field whole."""
+    for path in ("/v1/stream/sessions", "/v1/stream/health", "/v1/service/metadata", "/metrics"):
+        text = authority.http.get(path).text
+        assert REPEATED not in text, (path, len(text))
+    assert REPEATED not in authority.process.text(1_000_000)
+
+
+@pytest.mark.parametrize("drain_cause", [None, "controller_left"], ids=["failed", "drained first"])
+async def test_a_megabytes_long_finish_error_is_kept_as_one_public_line(authority: Cluster,
+                                                                        drain_cause: str | None) -> None:
+    """A SessionFinished's error is the session's error (and, with a drain cause, its drain's detail): kept with
+    its record for the retention time and shown to whoever holds the id. It was kept whole, 4 MiB per session."""
+    worker_id = f"long-finish-{drain_cause or 'failed'}"
+    error = "RuntimeError: the pipeline broke: " + "x" * HUGE + "\nTraceback (most recent call last):\n  ..."
+    async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, \
+            ready_agent(authority, worker_id) as agent:
+        start = await agent.start_session(client)
+        await agent.channel.send(wire.SessionFinished(start.session_id, 1, error, drain_cause))
+        record = await until(lambda: (found := session(authority, start.session_id))["status"] == "failed" and found,
+                             "the session to fail", authority, deadline=30)
+        assert record["error"].startswith("RuntimeError: the pipeline broke: xxx"), record["error"][:100]
+        assert len(record["error"]) <= MAX_REASON, len(record["error"])
+        assert listed(authority, start.session_id)["error"] == record["error"]
+        nothing_repeated_whole(authority)
+        # the authority keeps serving, this agent too: the next session is placed on it, and ends well
+        start = await agent.start_session(client)
+        await agent.channel.send(wire.SessionFinished(start.session_id, 1, None, None))
+        await until(lambda: session(authority, start.session_id)["status"] == "closed", "the next session to close",
+                    authority, deadline=30)
+    assert worker_id not in losses(authority)
+
+
+async def test_what_a_session_event_reports_is_kept_bounded(authority: Cluster) -> None:
+    """A SessionEvent's pipeline session id is shown with the session, cut; its error is not kept (the finish
+    carries the session's error); its participants are at most what a room holds (below)."""
+    async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, \
+            ready_agent(authority, "long-event") as agent:
+        start = await agent.start_session(client)
+        await agent.channel.send(wire.SessionEvent(start.session_id, 1, "join_room", error="x" * HUGE,
+                                                   pipeline_session_id="p" + "x" * HUGE, participants=("alice",)))
+        record = await until(lambda: (found := session(authority, start.session_id))["status"] == "joining_room"
+                             and found, "the session to join its room", authority, deadline=30)
+        assert record["pipeline_session_id"].startswith("pxxx"), record["pipeline_session_id"][:100]
+        assert len(record["pipeline_session_id"]) < MAX_IDENTITY_LENGTH + 40, len(record["pipeline_session_id"])
+        assert record["participant_count"] == 1, record
+        await agent.channel.send(wire.Heartbeat(10**6, ("x" * HUGE,)))  # the sessions it names are not kept
+        await agent.expect(wire.HeartbeatAck)
+        nothing_repeated_whole(authority)
+        await agent.channel.send(wire.SessionFinished(start.session_id, 2, None, None))
+        await until(lambda: session(authority, start.session_id)["status"] == "closed", "the session to close",
+                    authority, deadline=30)
+    assert "long-event" not in losses(authority)
+
+
+async def test_an_agent_that_could_not_check_options_is_answered_and_logged_cut(authority: Cluster) -> None:
+    """OptionsChecked's error (the agent could not check) is the create's 503 and a log line: both cut."""
+    async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, \
+            ready_agent(authority, "long-check-error") as agent:
+        created = await agent.create(client, error="ValueError: " + "x" * HUGE)
+        assert created.status_code == 503, created.text[:300]
+        assert "xxx" in created.json()["detail"] and len(created.text) < SHORT, created.text[:300]
+        await until(lambda: "could not check a session's options" in authority.process.text(1_000_000),
+                    "the log line", authority, deadline=30)
+        nothing_repeated_whole(authority)
+    assert "long-check-error" not in losses(authority)
