@@ -38,8 +38,8 @@ import trio
 from ..json_limits import JsonRefused, loads as json_loads
 from ..reasons import echo, echo_each
 from .wire_values import (
-    MAX_CAPACITY, capacity, flag, integer, integers, obj, opt_text, plan, seconds, settings_taken, text,
-    texts,
+    MAX_CAPACITY, capacity, device_indexes, flag, identities, integer, label, node_name, obj, opt_label, opt_text,
+    plan, process_id, report, seconds, settings_taken, text, texts,
 )
 
 __all__ = [
@@ -145,11 +145,11 @@ class Register(Message):
     version: str = attrs.field(converter=text)
     pipeline: str = attrs.field(converter=text)  # the pipeline's name (file or package name)
     pipeline_digest: str = attrs.field(converter=text)
-    node: str = attrs.field(converter=text)
-    devices: tuple[int, ...] = attrs.field(converter=integers)
-    launcher: str = attrs.field(converter=text)
-    pid: int = attrs.field(converter=integer)
-    slot: str | None = attrs.field(default=None, converter=opt_text)  # the launcher's slot, when it has one
+    node: str = attrs.field(converter=node_name)
+    devices: tuple[int, ...] = attrs.field(converter=device_indexes)
+    launcher: str = attrs.field(converter=label)
+    pid: int = attrs.field(converter=process_id)
+    slot: str | None = attrs.field(default=None, converter=opt_label)  # the launcher's slot, when it has one
 
 
 @attrs.frozen
@@ -181,9 +181,9 @@ class Refused(Message):
 class Ready(Message):
     TYPE = "ready"
     capacity: int = attrs.field(converter=capacity)
-    kind: str = attrs.field(converter=text)
+    kind: str = attrs.field(converter=label)
     plan: dict[str, Any] = attrs.field(converter=plan)
-    startup_check: dict[str, Any] = attrs.field(converter=obj, factory=dict)  # the agent's: passed or skipped
+    startup_check: dict[str, Any] = attrs.field(converter=report, factory=dict)  # the agent's: passed or skipped
     #: the offered settings the pipeline's ``get_service`` took, each with the value the agent gave it (what its
     #: sessions run with: an agent may be started with other values than the authority's); None: not known
     settings_taken: dict[str, Any] | None = attrs.field(default=None, converter=settings_taken)
@@ -246,7 +246,7 @@ class SessionEvent(Message):
     event: str = attrs.field(converter=text)
     error: str | None = attrs.field(default=None, converter=opt_text)
     pipeline_session_id: str | None = attrs.field(default=None, converter=opt_text)
-    participants: tuple[str, ...] = attrs.field(default=(), converter=texts)
+    participants: tuple[str, ...] = attrs.field(default=(), converter=identities)
 
 
 @attrs.frozen

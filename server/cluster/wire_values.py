@@ -3,17 +3,32 @@ what is wrong with it (:func:`server.cluster.wire.decode` adds the message and t
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from ..reasons import echo
+from ..tokens import MAX_IDENTITY_LENGTH
 
 __all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer", "integers",
            "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan", "positive", "settings_taken",
-           "SESSION_SETTINGS"]
+           "SESSION_SETTINGS", "MAX_PARTICIPANTS", "MAX_REPORT_CHARS", "MAX_LABEL", "MAX_NODE", "MAX_DEVICES",
+           "label", "opt_label", "node_name", "device_indexes", "process_id", "identities", "report"]
 
 #: the most sessions one agent may report it can retain (the CLI's --max-sessions allows 64)
 MAX_CAPACITY = 4096
+#: the most participants an agent may report in one session's room: a local room holds 64 sockets, and a session's
+#: tokens name its controller and at most 32 viewers (each identity at most ``MAX_IDENTITY_LENGTH`` characters)
+MAX_PARTICIPANTS = 64
+#: characters of JSON in one free-form report an agent sends (its capacity plan, its startup check, the settings its
+#: pipeline took): a real one is a few KiB (a plan names each device and its roles)
+MAX_REPORT_CHARS = 64 * 1024
+#: characters of a short name an agent sends (a service kind, a launcher, a launcher's slot)
+MAX_LABEL = 64
+#: characters of a node name (a host name: at most 253 as a fully qualified DNS name)
+MAX_NODE = 255
+#: device indexes one agent may report (a node with eight GPUs of seven MIG instances each has 56)
+MAX_DEVICES = 256
 
 
 def kind_of(value: object) -> str:
@@ -84,6 +99,52 @@ def texts(value: object) -> tuple[str, ...]:
     return _items(value, text, "str")
 
 
+def _bounded(value: str, limit: int) -> str:
+    if len(value) > limit:
+        raise TypeError(f"{len(value)} characters; at most {limit}")
+    return value
+
+
+def label(value: object) -> str:
+    """A short name (a service kind, a launcher, a slot): at most :data:`MAX_LABEL` characters."""
+    return _bounded(text(value), MAX_LABEL)
+
+
+def opt_label(value: object) -> str | None:
+    return None if value is None else label(value)
+
+
+def node_name(value: object) -> str:
+    return _bounded(text(value), MAX_NODE)
+
+
+def _index(value: object) -> int:
+    count = integer(value)
+    if not 0 <= count < 2**31:
+        raise TypeError(f"must be 0-{2**31 - 1}, got {echo(count)}")  # JSON allows 4,300 digits
+    return count
+
+
+def device_indexes(value: object) -> tuple[int, ...]:
+    """Device indexes: at most :data:`MAX_DEVICES` of them, each 0-2**31-1."""
+    if isinstance(value, list | tuple) and len(value) > MAX_DEVICES:
+        raise TypeError(f"{len(value)} devices; at most {MAX_DEVICES}")
+    return _items(value, _index, "int")
+
+
+def process_id(value: object) -> int:
+    """A process id: 0-2**31-1 (Linux allows at most 2**22)."""
+    return _index(value)
+
+
+def identities(value: object) -> tuple[str, ...]:
+    """Participant identities in a room: at most :data:`MAX_PARTICIPANTS`, each at most ``MAX_IDENTITY_LENGTH``
+    characters (what the authority's tokens name; the count checked before any is read)."""
+    if isinstance(value, list | tuple) and len(value) > MAX_PARTICIPANTS:
+        raise TypeError(f"{len(value)} identities; at most {MAX_PARTICIPANTS}")
+    return _items(value, lambda one: _bounded(text(one), MAX_IDENTITY_LENGTH), "str")
+
+
 def opt_texts(value: object) -> tuple[str, ...] | None:
     return None if value is None else texts(value)
 
@@ -98,6 +159,15 @@ def opt_obj(value: object) -> dict[str, Any] | None:
     return None if value is None else obj(value)
 
 
+def report(value: object) -> dict[str, Any]:
+    """A free-form object an agent reports and the authority shows: at most :data:`MAX_REPORT_CHARS` of JSON."""
+    facts = obj(value)
+    size = len(json.dumps(facts, separators=(",", ":")))
+    if size > MAX_REPORT_CHARS:
+        raise TypeError(f"{size} characters of JSON; at most {MAX_REPORT_CHARS}")
+    return facts
+
+
 def capacity(value: object) -> int:
     count = integer(value)
     if not 1 <= count <= MAX_CAPACITY:
@@ -110,7 +180,7 @@ _PLAN_FIELDS = {"computed_capacity": True, "effective_capacity": False, "configu
 
 def plan(value: object) -> dict[str, Any]:
     """A capacity plan as the agent's ``CapacityPlan.to_dict`` makes it: its counts are integers."""
-    facts = obj(value)
+    facts = report(value)
     missing = [name for name in (*_PLAN_FIELDS, "limiting_device") if name not in facts]
     if missing:
         raise TypeError(f"lacks {', '.join(missing)}")
@@ -133,7 +203,7 @@ def settings_taken(value: object) -> dict[str, Any] | None:
     shows (:data:`SESSION_SETTINGS`) must be numbers > 0."""
     if value is None:
         return None
-    taken = dict(obj(value))
+    taken = dict(report(value))
     for name in SESSION_SETTINGS:
         if name in taken:
             try:

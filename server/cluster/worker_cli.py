@@ -65,6 +65,18 @@ def _devices(text: str) -> tuple[int, ...]:
     return devices
 
 
+def _fits_the_wire(args: argparse.Namespace, devices: tuple[int, ...]) -> None:
+    """What the agent sends in its register is within the wire's bounds (else the authority refuses it)."""
+    from .wire_values import device_indexes, label, node_name, opt_label
+
+    for flag, value, check in (("--node", args.node, node_name), ("--launcher", args.launcher, label),
+                               ("--slot", args.slot, opt_label), ("--devices", list(devices), device_indexes)):
+        try:
+            check(value)
+        except TypeError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+
+
 def _max_sessions(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
@@ -87,6 +99,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         parse_authority(args.authority)
         devices = _devices(args.devices)
+        _fits_the_wire(args, devices)
         max_sessions = _max_sessions(args.max_sessions)
         if not Path(args.pipeline).exists():
             raise ValueError(f"PIPE {args.pipeline!r} does not exist")

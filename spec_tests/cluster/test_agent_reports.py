@@ -9,6 +9,7 @@ The peers here speak the wire themselves (``server.cluster.wire``), as a hostile
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,12 +18,15 @@ import httpx
 import pytest
 import trio
 
-from server.cluster import wire
+from server.cluster import proofs, wire
+from server.cluster.authority import HANDSHAKE_TIMEOUT
+from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
+from server.cluster.wire_values import MAX_DEVICES, MAX_LABEL, MAX_NODE, MAX_PARTICIPANTS, MAX_REPORT_CHARS
 from server.reasons import MAX_REASON
 from server.tokens import MAX_IDENTITY_LENGTH
 
-from .conftest import INTERVAL, Cluster, start_authority, until
-from .test_hostile_agents import losses, register, say_ready
+from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, chunkline, clean_env, start_authority, until
+from .test_hostile_agents import PLAN, closed_by_peer, dial, losses, register, say_ready
 
 #: more than any field a real agent sends, less than a frame (16 MiB)
 HUGE = 4 * 1024 * 1024
@@ -192,3 +196,98 @@ async def test_an_agent_that_could_not_check_options_is_answered_and_logged_cut(
                     "the log line", authority, deadline=30)
         nothing_repeated_whole(authority)
     assert "long-check-error" not in losses(authority)
+
+
+def _participants(count: int, length: int) -> list[str]:
+    return [f"p{index}-".ljust(length, "x") for index in range(count)]
+
+
+#: after a ready: (message type, field, the message as JSON) that no real agent sends
+OUT_OF_BOUNDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "participants-count": ("session_event.participants", {
+        "type": "session_event", "session_id": "s", "seq": 1, "event": "join_room",
+        "participants": _participants(MAX_PARTICIPANTS + 1, 8)}),
+    "participant-length": ("session_event.participants[1]", {
+        "type": "session_event", "session_id": "s", "seq": 1, "event": "join_room",
+        "participants": ["alice", "x" * HUGE]}),
+    "ready-kind": ("ready.kind", {"type": "ready", "capacity": 1, "kind": "x" * HUGE, "plan": PLAN}),
+    "ready-plan": ("ready.plan", {"type": "ready", "capacity": 1, "kind": "bidirectional",
+                                  "plan": {**PLAN, "devices": {"cuda:0": "x" * (MAX_REPORT_CHARS + 1)}}}),
+    "ready-startup-check": ("ready.startup_check", {"type": "ready", "capacity": 1, "kind": "bidirectional",
+                                                    "plan": PLAN, "startup_check": {"status": "x" * HUGE}}),
+    "ready-settings-taken": ("ready.settings_taken", {"type": "ready", "capacity": 1, "kind": "bidirectional",
+                                                      "plan": PLAN, "settings_taken": {"x": ["x"] * (HUGE // 8)}}),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_BOUNDS))
+async def test_a_report_past_what_any_agent_sends_is_a_protocol_error_naming_the_field(authority: Cluster,
+                                                                                      case: str) -> None:
+    """Participants (at most a room's 64, each at most an identity's 128 characters), a service kind (a name),
+    a capacity plan, a startup check and the settings a pipeline took (a few KiB of JSON each): past those, the
+    agent is lost with a protocol error naming the field; the authority kept each whole."""
+    field, body = OUT_OF_BOUNDS[case]
+    worker_id = f"oob-{case}"
+    channel, reply = await register(authority, worker_id)
+    assert isinstance(reply, wire.Welcome), reply
+    agent = FakeAgent(channel)
+    if body["type"] != "ready":
+        await say_ready(authority, channel, worker_id)
+    await agent.send_raw(body)
+    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+    await channel.aclose()
+    cause = await until(lambda: losses(authority).get(worker_id), f"{worker_id} to be lost", authority, deadline=30)
+    assert cause.startswith(f"protocol error: {field}"), cause[:300]
+    assert len(cause) < SHORT, len(cause)
+    nothing_repeated_whole(authority)
+    assert not any(w["worker_id"] == worker_id for w in authority.workers())
+
+
+#: a register (before any proof: its frame is at most 64 KiB) whose node, launcher, slot, devices or pid no agent
+#: sends: (the field, its value)
+REGISTER_OUT_OF_BOUNDS: dict[str, tuple[str, Any]] = {
+    "node": ("register.node", "x" * (MAX_NODE + 1)),
+    "launcher": ("register.launcher", "x" * (MAX_LABEL + 1)),
+    "slot": ("register.slot", "x" * 60_000),
+    "devices-count": ("register.devices", list(range(MAX_DEVICES + 1))),
+    "device-index": ("register.devices[0]", [10**4000]),  # JSON allows 4,300 digits
+    "pid": ("register.pid", 10**4000),
+}
+
+
+@pytest.mark.parametrize("case", list(REGISTER_OUT_OF_BOUNDS))
+async def test_a_registration_past_what_any_agent_sends_is_refused_naming_the_field(authority: Cluster,
+                                                                                    case: str) -> None:
+    """What a register says of its agent is shown in health, metadata and recent losses for as long as it lives:
+    a node name, a launcher and its slot, device indexes and a pid past any agent's are refused, cut."""
+    field, value = REGISTER_OUT_OF_BOUNDS[case]
+    worker_id = f"reg-{case}"
+    _, channel, hello = await dial(authority)
+    body = {"type": "register", "worker_id": worker_id, "agent_nonce": "agent-nonce",
+            "proof": proofs.proof_for(TOKEN, hello.nonce, worker_id), "version": chunkline_version(),
+            "pipeline": pipeline_name(TINY), "pipeline_digest": pipeline_digest(TINY), "node": "hostile",
+            "devices": [], "launcher": "external", "pid": 1, "slot": None}
+    body[field.split(".")[1].split("[")[0]] = value
+    await FakeAgent(channel).send_raw(body)
+    with trio.fail_after(HANDSHAKE_TIMEOUT):
+        refused = await channel.receive()
+    await channel.aclose()
+    assert isinstance(refused, wire.Refused), refused
+    assert refused.reason.startswith(field), refused.reason[:300]
+    assert len(refused.reason) < SHORT, len(refused.reason)
+    assert not any(w["worker_id"] == worker_id for w in authority.workers())
+    nothing_repeated_whole(authority)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--node", "x" * (MAX_NODE + 1)),
+    ("--launcher", "x" * (MAX_LABEL + 1)),
+    ("--slot", "x" * (MAX_LABEL + 1)),
+    ("--devices", ",".join(str(index) for index in range(MAX_DEVICES + 1))),
+])
+def test_the_worker_command_refuses_what_its_register_could_not_carry(flag: str, value: str) -> None:
+    """The authority would refuse such a register: the command says so before it loads anything."""
+    run = subprocess.run(chunkline("worker", TINY, "--authority", "tcp://127.0.0.1:1", flag, value), cwd=str(ROOT),
+                         env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"chunkline worker: error: {flag}: " in run.stderr and len(run.stderr) < SHORT, run.stderr[-2000:]
