@@ -181,7 +181,8 @@ class Agent:
                 # agent yet): dial again soon, not counted toward giving up
                 delay = patience.delay(ended, trio.current_time())
                 what = "is busy" if ended.kind is End.BUSY else "refused this worker for now"
-                # ended.why is the authority's own proven reason: it repeats an agent's text only echo()-ed
+                # ended.why is the authority's own proven reason, cut (dial_ends.MAX_PROVEN_REASON): it repeats an
+                # agent's text only echo()-ed
                 if delay is None:
                     log.error("agent at %s: the authority %s (%s) for more than %.0f s; giving up",
                               self.options.authority, what, ended.why, TRANSIENT_DEADLINE)

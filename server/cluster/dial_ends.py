@@ -22,12 +22,16 @@ import attrs
 
 from states.restart_policy import RestartPolicy
 
-from ..reasons import echo
+from ..reasons import cut, echo
 from . import proofs, wire
 
-__all__ = ["End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "WAIT_POLICY"]
+__all__ = ["End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON"]
 
 log = logging.getLogger("chunkline.agent")
+
+#: characters of a proven refusal's or busy's reason an agent keeps and logs: the authority's own reasons stay well
+#: within it (each piece of a peer's text in them is echoed, cut); a frame before the proofs may hold 64 KiB of it
+MAX_PROVEN_REASON = 1024
 
 #: seconds of unbroken transient refusals (no registration between) after which the agent gives up (exit 1)
 TRANSIENT_DEADLINE = 120.0
@@ -57,16 +61,17 @@ def answer(reply: wire.Message, *, token: str, at: str, nonce: str, agent_nonce:
     if isinstance(reply, wire.Refused):
         if proofs.refusal_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.transient,
                                         reply.proof):
+            reason = cut(reply.reason, MAX_PROVEN_REASON)  # logged here, or by the agent as it waits
             if reply.transient:
-                return Ended(End.TRANSIENT, reply.reason)
-            log.error("the authority refused this worker: %s", reply.reason)
-            return Ended(End.REFUSED, reply.reason)
+                return Ended(End.TRANSIENT, reason)
+            log.error("the authority refused this worker: %s", reason)
+            return Ended(End.REFUSED, reason)
         log.error("%s refused this worker without proving the cluster token (the token differs there, or it "
                   "is not the authority): %s", at, echo(reply.reason))
         return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {echo(reply.reason)}")
     if isinstance(reply, wire.Busy):
         if proofs.busy_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
-            return Ended(End.BUSY, reply.reason)
+            return Ended(End.BUSY, cut(reply.reason, MAX_PROVEN_REASON))
         return unproven_busy(at, reply)
     if not isinstance(reply, wire.Welcome):
         return Ended(End.LOST, f"protocol error: expected welcome, got {reply.TYPE}")

@@ -1,17 +1,19 @@
 """What a token holder reports over the cluster port, against a real ``--workers external`` authority: every field
 the authority keeps, shows or logs is bounded to what a real agent would send itself -- cut to one public line
 (``server.reasons``), or refused as a protocol error naming the field when it is a count or a size no agent
-reaches -- and the authority keeps serving.
+reaches -- and the authority keeps serving. And a real agent told a long proven refusal logs it cut.
 
 The peers here speak the wire themselves (``server.cluster.wire``), as a hostile or buggy agent would.
 """
 
 from __future__ import annotations
 
+
 import json
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,12 +22,13 @@ import trio
 
 from server.cluster import proofs, wire
 from server.cluster.authority import HANDSHAKE_TIMEOUT
+from server.cluster.dial_ends import MAX_PROVEN_REASON
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 from server.cluster.wire_values import MAX_DEVICES, MAX_LABEL, MAX_NODE, MAX_PARTICIPANTS, MAX_REPORT_CHARS
 from server.reasons import MAX_REASON
 from server.tokens import MAX_IDENTITY_LENGTH
 
-from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, chunkline, clean_env, start_authority, until
+from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
 from .test_hostile_agents import PLAN, closed_by_peer, dial, losses, register, say_ready
 
 #: more than any field a real agent sends, less than a frame (16 MiB)
@@ -291,3 +294,46 @@ def test_the_worker_command_refuses_what_its_register_could_not_carry(flag: str,
                          env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"chunkline worker: error: {flag}: " in run.stderr and len(run.stderr) < SHORT, run.stderr[-2000:]
+
+
+async def serve(handler: Any, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``handler`` on a fresh loopback port (started with the port)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(handler, listeners)
+
+
+async def test_an_agent_logs_a_long_proven_refusal_cut(tmp_path: Path) -> None:
+    """A real agent that an authority (proving the token) refuses, for now and then for good, with a reason as long
+    as a frame before the proofs allows: it waits, then exits 3, and logs each reason cut. It logged them whole."""
+    reason = "refused: " + "x" * 60_000
+    answered: list[bool] = []
+
+    async def refuse(stream: trio.SocketStream) -> None:
+        channel = wire.Channel(stream)
+        async with stream:
+            await channel.send(wire.Hello("n0nce", "any"))
+            register_message = await channel.receive()
+            assert isinstance(register_message, wire.Register)
+            transient = not answered  # the first dial is refused for now, the next for good
+            answered.append(transient)
+            proof = proofs.refusal_proof(TOKEN, "n0nce", register_message.agent_nonce, register_message.worker_id,
+                                         reason, transient)
+            await channel.send(wire.Refused(reason, proof, transient))
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve, refuse)
+        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}"),
+                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
+        try:
+            rc = await trio.to_thread.run_sync(agent.popen.wait, 240)
+        finally:
+            agent.stop()
+        nursery.cancel_scope.cancel()
+    log = agent.text(1_000_000)
+    assert rc == 3, log[-3000:]
+    assert answered == [True, False], answered
+    assert "refused this worker for now (refused: xxx" in log, log[-3000:]
+    assert "the authority refused this worker: refused: xxx" in log, log[-3000:]
+    assert "x" * (MAX_PROVEN_REASON + 1) not in log, len(log)
+    assert "(60009 characters in all)" in log, log[-3000:]
