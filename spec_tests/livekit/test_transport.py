@@ -49,6 +49,7 @@ async def test_a_long_chunk_of_audio_does_not_stall_the_next_video_and_leaving_i
     # 2 s of audio is queued, not played out first (the SDK's default 1 s queue would block about 1 s)
     assert seen["audio_seconds"] < 0.5, seen
     assert seen["next_frame_seconds"] < 0.2, seen
-    # leaving first, then closing the sources: one round trip, and the worker is gone from the room
+    # leaving first, then closing the sources: one round trip, and the worker is gone from the room (the room
+    # service is watched until it drops the worker, within LEAVE_SEEN_WITHIN of leaving: see the probe)
     assert seen["listed_before"] and not seen["listed_after"], seen
     assert seen["disconnect_seconds"] < 2.0, seen

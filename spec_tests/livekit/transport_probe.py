@@ -9,7 +9,9 @@ trio-asyncio loop, a worker token) and looks at the room through the server's Ro
   whether the worker identity was ever listed, and whether it still is once that join has ended.
 - ``publish_refused``: a token that may join but not publish; reports the error of each of two frames.
 - ``media``: a frame, 2 s of audio, the next frame, then leaving; reports how long each took and
-  whether the worker was listed in the room before and after leaving.
+  whether the worker was listed in the room before leaving, and still listed ``LEAVE_SEEN_WITHIN`` seconds
+  after it (the server handles a leave on its own schedule: its room service may list a participant that has
+  left for a moment, so the room is watched until the worker is gone, up to that bound).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from server.transport.livekit import LiveKitTransport
 
 ROOM = "probe-room"
 IDENTITY = "chunkline-probe-worker"
+#: how long the room service may still list a worker that has left: less than LiveKit's own wait for a
+#: participant whose connection went away without a leave (its ICE timeouts, then 5 s more before it closes it:
+#: disconnectCleanupDuration in pkg/rtc/participant.go), so a worker that did not leave still shows
+LEAVE_SEEN_WITHIN = 3.0
 
 
 async def participants(loop: Any, url: str, key: str, secret: str) -> list[str]:
@@ -161,7 +167,13 @@ async def media(url: str, key: str, secret: str) -> dict[str, Any]:
         started = time.monotonic()
         await connection.disconnect()
         disconnect_seconds = time.monotonic() - started
+        # the server drops the participant once it has handled the leave: watch the room until then, bounded
         listed_after = await participants(loop, url, key, secret)
+        with trio.move_on_after(LEAVE_SEEN_WITHIN):
+            while IDENTITY in listed_after:
+                await trio.sleep(0.1)  # bench-cost: LiveKit's room service updates on the server's own schedule
+                listed_after = await participants(loop, url, key, secret)
+        gone_after_seconds = time.monotonic() - started
         nursery.cancel_scope.cancel()
     return {
         "audio_seconds": audio_seconds,
@@ -169,6 +181,7 @@ async def media(url: str, key: str, secret: str) -> dict[str, Any]:
         "disconnect_seconds": disconnect_seconds,
         "listed_before": IDENTITY in listed_before,
         "listed_after": IDENTITY in listed_after,
+        "gone_after_seconds": gone_after_seconds,
     }
 
 
