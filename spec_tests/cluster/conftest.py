@@ -35,6 +35,8 @@ TOKEN = "cluster-test-token-0123456789"
 START_DEADLINE = 240.0  # wall seconds: an agent imports torch and builds its model (slow on a loaded 2-core host)
 INTERVAL, DEADLINE = 0.5, 4.0  # heartbeat interval and deadline of the test authority
 SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
+#: the authority's log line naming the port its agents dial (it binds any free one: --cluster-port 0)
+AGENTS_DIAL = re.compile(rb"cluster: agents dial tcp://\S+:(\d+) ")
 
 
 def free_port() -> int:
@@ -120,20 +122,20 @@ def start_cluster(*extra: str, workers: int = 2, launcher: str = "local", pipeli
 
 
 def start_authority(*extra: str, workers: int = 2, launcher: str = "local", pipeline: str = TINY) -> Cluster:
-    """The authority serving HTTP and its cluster port; its agents may still be on their way."""
-    cluster_port = free_port()
+    """The authority serving HTTP and its cluster port; its agents may still be on their way. Both ports are
+    the authority's own pick (0: no port chosen here can be taken by another process before it binds it)."""
     command = chunkline("stream-serve", pipeline, "--port", "0", "--workers", launcher, "--num-workers", str(workers),
-                        "--max-sessions-per-worker", "1", "--queue-size", "4", "--cluster-port", str(cluster_port),
+                        "--max-sessions-per-worker", "1", "--queue-size", "4", "--cluster-port", "0",
                         "--heartbeat-interval", str(INTERVAL), "--heartbeat-deadline", str(DEADLINE),
                         "--controller-timeout", "60", "--room-empty-timeout", "60", *extra)
     process = Process(command, clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
     give_up = time.monotonic() + START_DEADLINE
-    while not (match := SERVING.search(process.raw)):
+    while not ((serving := SERVING.search(process.raw)) and (dial := AGENTS_DIAL.search(process.raw))):
         if process.popen.poll() is not None or time.monotonic() > give_up:
             process.stop()
             raise AssertionError(f"the authority did not start:\n{process.text()}")
         time.sleep(0.05)  # bench-cost: real-time poll of another process, bounded by a deadline
-    return Cluster(process, match.group(1).decode(), cluster_port)
+    return Cluster(process, serving.group(1).decode(), int(dial.group(1)))
 
 
 def wait_for(predicate: Any, what: str, cluster: Cluster | None = None, deadline: float = START_DEADLINE) -> Any:
