@@ -15,12 +15,14 @@ from __future__ import annotations
 import base64
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -91,6 +93,17 @@ async def stream_serve(tmp: Path) -> AsyncIterator[Served]:
                 await process.wait()
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder for the server's TMPDIR, with a path short enough for the Unix socket it makes there (at most
+    107 bytes): pytest's tmp_path is longer under a parallel run (each process has a folder of its own in it)."""
+    path = Path(tempfile.mkdtemp(prefix="cl-exit-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def left_in(tmp: Path) -> list[str]:
     return sorted(path.name for path in tmp.iterdir())
 
@@ -112,16 +125,16 @@ def uid_of(pid: int) -> int:
 
 
 async def test_hypercorns_socket_is_in_a_folder_only_the_servers_user_may_enter_and_sigterm_leaves_nothing(
-    tmp_path: Path,
+    short_tmp: Path,
 ) -> None:
-    async with stream_serve(tmp_path) as served:
+    async with stream_serve(short_tmp) as served:
         await served.upload()
         pid = served.process.pid
-        assert folders_of(tmp_path, pid) == ["front", "uploads"], left_in(tmp_path)
-        for folder in tmp_path.iterdir():
+        assert folders_of(short_tmp, pid) == ["front", "uploads"], left_in(short_tmp)
+        for folder in short_tmp.iterdir():
             info = folder.stat()
             assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == uid_of(pid), (folder, oct(info.st_mode))
-        (front,) = tmp_path.glob(f"chunkline-front-{pid}-*")
+        (front,) = short_tmp.glob(f"chunkline-front-{pid}-*")
         assert [path.name for path in front.iterdir()] == ["http.sock"]
         assert stat.S_ISSOCK((front / "http.sock").stat().st_mode)
         with socket.socket(socket.AF_UNIX) as direct:  # the user's own processes still reach it (it is listening)
@@ -129,15 +142,15 @@ async def test_hypercorns_socket_is_in_a_folder_only_the_servers_user_may_enter_
         assert not [name for name in abstract_sockets() if f"-{pid}-" in name]
         served.process.send_signal(signal.SIGTERM)
         assert await served.exit_code() == 0, served.text()
-    assert left_in(tmp_path) == []
+    assert left_in(short_tmp) == []
 
 
 @pytest.mark.parametrize(("first", "second"), [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM),
                                                (signal.SIGTERM, signal.SIGINT)])
 async def test_a_second_signal_during_the_drain_exits_at_once_and_leaves_nothing(
-    tmp_path: Path, first: signal.Signals, second: signal.Signals
+    short_tmp: Path, first: signal.Signals, second: signal.Signals
 ) -> None:
-    async with stream_serve(tmp_path) as served:
+    async with stream_serve(short_tmp) as served:
         await served.upload()
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
         async with await trio.open_tcp_stream(host, int(port)):  # an idle connection: the drain waits for it
@@ -146,36 +159,36 @@ async def test_a_second_signal_during_the_drain_exits_at_once_and_leaves_nothing
             served.process.send_signal(second)
             assert await served.exit_code() == 128 + first, served.text()
         await served.read_until(b"during the drain: exiting now")
-    assert left_in(tmp_path) == []
+    assert left_in(short_tmp) == []
 
 
-async def test_the_folders_a_killed_server_left_go_as_the_next_server_starts(tmp_path: Path) -> None:
-    async with stream_serve(tmp_path) as killed:
+async def test_the_folders_a_killed_server_left_go_as_the_next_server_starts(short_tmp: Path) -> None:
+    async with stream_serve(short_tmp) as killed:
         await killed.upload()
         killed.process.kill()
         assert await killed.exit_code() == -signal.SIGKILL
-    assert folders_of(tmp_path, killed.process.pid) == ["front", "uploads"], left_in(tmp_path)
-    async with stream_serve(tmp_path) as served:
-        assert folders_of(tmp_path, killed.process.pid) == [], left_in(tmp_path)  # gone before it served
-        assert folders_of(tmp_path, served.process.pid) == ["front"], left_in(tmp_path)
+    assert folders_of(short_tmp, killed.process.pid) == ["front", "uploads"], left_in(short_tmp)
+    async with stream_serve(short_tmp) as served:
+        assert folders_of(short_tmp, killed.process.pid) == [], left_in(short_tmp)  # gone before it served
+        assert folders_of(short_tmp, served.process.pid) == ["front"], left_in(short_tmp)
         await served.upload()
         served.process.send_signal(signal.SIGTERM)
         assert await served.exit_code() == 0, served.text()
-    assert left_in(tmp_path) == []
+    assert left_in(short_tmp) == []
 
 
-async def test_a_server_starting_beside_a_running_one_leaves_that_ones_folders_alone(tmp_path: Path) -> None:
-    async with stream_serve(tmp_path) as first:
+async def test_a_server_starting_beside_a_running_one_leaves_that_ones_folders_alone(short_tmp: Path) -> None:
+    async with stream_serve(short_tmp) as first:
         await first.upload()
-        async with stream_serve(tmp_path) as second:
+        async with stream_serve(short_tmp) as second:
             await second.upload()
-            assert folders_of(tmp_path, first.process.pid) == ["front", "uploads"], left_in(tmp_path)
-            assert folders_of(tmp_path, second.process.pid) == ["front", "uploads"], left_in(tmp_path)
+            assert folders_of(short_tmp, first.process.pid) == ["front", "uploads"], left_in(short_tmp)
+            assert folders_of(short_tmp, second.process.pid) == ["front", "uploads"], left_in(short_tmp)
             async with httpx.AsyncClient(base_url=first.url, timeout=10) as client:  # its front still reaches hypercorn
                 assert (await client.get("/v1/stream/sessions")).json()["sessions"][0]["status"] != "failed"
             second.process.send_signal(signal.SIGTERM)
             assert await second.exit_code() == 0, second.text()
-        assert folders_of(tmp_path, first.process.pid) == ["front", "uploads"], left_in(tmp_path)
+        assert folders_of(short_tmp, first.process.pid) == ["front", "uploads"], left_in(short_tmp)
         first.process.send_signal(signal.SIGTERM)
         assert await first.exit_code() == 0, first.text()
-    assert left_in(tmp_path) == []
+    assert left_in(short_tmp) == []
