@@ -4,9 +4,9 @@ A plain ``pytest`` (and so ``make test``) runs in ``xdist_workers`` processes (`
 suite's wall time is spent waiting on other processes (agents importing torch, handshake and drain deadlines,
 a LiveKit server), not computing, so a few processes overlap those waits. Each test module is one unit of work
 (``--dist loadfile``), run whole by one process in its order, so a module-scoped fixture (an authority and its
-agents, a LiveKit server) starts once; the modules that run a LiveKit server or a browser are one unit together
-(:data:`ONE_AT_A_TIME`), so one such stack runs at a time. ``-n N`` chooses the number of processes; ``-n 0`` or
-``-p no:xdist`` runs everything in this process, as before (``--pdb`` too).
+agents, a LiveKit server) starts once; the modules that run a LiveKit server or a browser are one unit together,
+and so are the two that run Ray (:data:`ONE_AT_A_TIME`), so one such stack runs at a time. ``-n N`` chooses the
+number of processes; ``-n 0`` or ``-p no:xdist`` runs everything in this process, as before (``--pdb`` too).
 
 (xdist's own ``--dist loadgroup`` cannot do the grouping here: it renames test ids, which pytest 9 ignores.)
 """
@@ -17,9 +17,14 @@ from typing import Any
 
 import pytest
 
-#: test files (under spec_tests/) that must not run beside each other: each holds a LiveKit server in a network
-#: namespace, a stream server, SDK clients or a headless Chromium, and what they assert includes their timing
-ONE_AT_A_TIME = {"livekit-and-browser": ("spec_tests/livekit/", "spec_tests/e2e/test_browser.py")}
+#: test files that must not run beside each other, one unit each. LiveKit and the browser: each module holds a
+#: LiveKit server in a network namespace, a stream server, SDK clients or a headless Chromium, and what they assert
+#: includes their timing. Ray: a ray.cluster_utils.Cluster writes /tmp/ray/ray_current_cluster, and a plain
+#: ray.init() (the Ray launcher with no address) joins the cluster that file names instead of starting its own.
+ONE_AT_A_TIME = {
+    "livekit-and-browser": ("spec_tests/livekit/", "spec_tests/e2e/test_browser.py"),
+    "ray": ("spec_tests/cluster/test_ray.py", "spec_tests/cluster/test_launcher_order.py"),
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
