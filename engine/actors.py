@@ -28,7 +28,7 @@ from states import stage_actor as actor_table
 from states.pipeline_session import CloseReason
 
 from .errors import ActorBusyError, ActorFailedError, FatalStageError
-from .threads import NOTHING_LEFT, DedicatedThread, WaitQueue
+from .threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, WaitQueue
 
 __all__ = [
     "TaskKey",
@@ -227,6 +227,7 @@ class LocalStageActor:
                     del message  # the invocation's inputs and outputs die with the call
         finally:
             with trio.CancelScope(shield=True):
+                self._send_closed = True  # no more work: the thread is told to stop next
                 if self._thread is not None:
                     self._thread.request_stop()  # even when abandoned: it ends after the stuck call
                 if self._thread is not None and not self._abandon.is_set():
@@ -281,7 +282,11 @@ class LocalStageActor:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
             self._count(pending=1, undelivered=1)
-            self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
+            try:
+                self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
+            except ThreadStopped:  # the actor's task ended (its thread told to stop) after the check above
+                self._count(pending=-1, undelivered=-1)
+                raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
             return
         self._count(pending=1)
 
@@ -348,7 +353,10 @@ class LocalStageActor:
                 return outcome.Error(ActorFailedError(f"stage actor {self.name!r} closed while this call still ran"))
             return result
         assert self._thread is not None
-        return await outcome.acapture(self._thread.call, fn, *args)
+        result = await outcome.acapture(self._thread.call, fn, *args)
+        if isinstance(result, outcome.Error) and isinstance(result.error, ThreadStopped):
+            return outcome.Error(ActorFailedError(f"stage actor {self.name!r} is closed"))
+        return result
 
     async def close_session(self, context: SessionContext, reason: CloseReason) -> None:
         """Run the session hook through the mailbox, after everything submitted before it."""
@@ -400,7 +408,11 @@ class LocalStageActor:
             self._mark_done()
             done.set()
 
-        self._thread.submit(self._closer, (context, reason), deliver)
+        try:
+            self._thread.submit(self._closer, (context, reason), deliver)
+        except ThreadStopped:  # the actor's task ended: the hook would never run
+            self._closes -= 1
+            raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
         await done.wait()
         box[0].unwrap()
 

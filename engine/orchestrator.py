@@ -55,7 +55,11 @@ async def open_orchestrator(
     """
     check_actor_map(spec, actors)
     body_error: Exception | None = None
-    async with trio.open_nursery() as actors_nursery:
+    async with trio.open_nursery() as host:
+        # The actors run shielded from whatever cancels the body (an app's shutdown): the sessions' ordered
+        # shutdown below still runs every stage's hook through its live actor; then the actors are closed,
+        # and only then is their nursery cancelled.
+        actors_nursery, actors_scope = await host.start(_host_actors)
         orch = Orchestrator(spec, actors, actors_nursery)
         try:
             await orch.start_actors()
@@ -70,9 +74,17 @@ async def open_orchestrator(
                 except OrchestratorCloseError as exc:
                     if body_error is None:
                         body_error = exc
-            actors_nursery.cancel_scope.cancel(reason="the orchestrator closed its actors")
+            actors_scope.cancel(reason="the orchestrator closed its actors")
     if body_error is not None:
         raise body_error
+
+
+async def _host_actors(task_status: trio.TaskStatus[tuple[trio.Nursery, trio.CancelScope]]) -> None:
+    """The actors' nursery, under a shielded scope that only the orchestrator cancels (once it closed them)."""
+    with trio.CancelScope(shield=True) as actors_scope:
+        async with trio.open_nursery() as actors_nursery:
+            task_status.started((actors_nursery, actors_scope))
+            await trio.sleep_forever()
 
 
 def check_actor_map(spec: PipelineSpec, actors: Mapping[str, StageActor]) -> None:

@@ -17,11 +17,15 @@ from typing import Any
 import outcome
 import trio
 
-__all__ = ["DedicatedThread", "NOTHING_LEFT", "TrioInbox", "WaitQueue"]
+__all__ = ["DedicatedThread", "NOTHING_LEFT", "ThreadStopped", "TrioInbox", "WaitQueue"]
 
 _STOP = object()
 # what a delivery's ``on_thread`` returns when it handled the result entirely: nothing to post to trio
 NOTHING_LEFT = object()
+
+
+class ThreadStopped(RuntimeError):
+    """A call was handed to a dedicated thread that has been told to stop: it will never run there."""
 
 
 class WaitQueue:
@@ -131,6 +135,8 @@ class DedicatedThread:
         self._inbox: TrioInbox | None = None
         self._exited = trio.Event()
         self._stop_requested = False
+        # held to queue a call or the stop: no call is ever queued behind the stop, where it would never run
+        self._accepting = threading.Lock()
 
     @property
     def ident(self) -> int | None:
@@ -209,11 +215,15 @@ class DedicatedThread:
         failed call always goes to ``deliver`` in trio.
 
         The fast path of stage actors: no trio task wakes between the call and
-        its delivery.
+        its delivery. Raises :class:`ThreadStopped` once :meth:`request_stop` was called:
+        a call queued behind the stop would never run, and its waiter would wait for good.
         """
         if self._thread is None:
             raise RuntimeError(f"thread {self.name!r} was not started")
-        self._jobs.put((fn, args, deliver))
+        with self._accepting:
+            if self._stop_requested:
+                raise ThreadStopped(f"thread {self.name!r} was told to stop; it takes no more calls")
+            self._jobs.put((fn, args, deliver))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the thread and return its result.
@@ -222,8 +232,6 @@ class DedicatedThread:
         caller waits for the call to finish (the shield), because abandoning
         model code mid-call would leave its state undefined.
         """
-        if self._thread is None:
-            raise RuntimeError(f"thread {self.name!r} was not started")
         done = trio.Event()
         box: list[outcome.Outcome] = []
 
@@ -231,16 +239,19 @@ class DedicatedThread:
             box.append(result)
             done.set()
 
-        self._jobs.put((fn, args, deliver))
+        self.submit(fn, args, deliver)
         with trio.CancelScope(shield=True):
             await done.wait()
         return box[0].unwrap()
 
     def request_stop(self) -> None:
         """Tell the thread to end once its queued calls are done (never waits; idempotent)."""
-        if self._thread is not None and not self._stop_requested:
-            self._stop_requested = True
-            self._jobs.put(_STOP)
+        if self._thread is None:
+            return
+        with self._accepting:
+            if not self._stop_requested:
+                self._stop_requested = True
+                self._jobs.put(_STOP)
 
     async def stop(self) -> None:
         """Finish queued calls, then end the thread; waits without blocking trio."""

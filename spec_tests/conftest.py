@@ -55,6 +55,7 @@ def unit_of(nodeid: str) -> str:
     return path
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown when xdist is absent or disabled (-p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile``, with the files of :data:`ONE_AT_A_TIME` one unit (other modes: xdist's own)."""
     if config.option.dist != "loadfile":
