@@ -114,6 +114,12 @@ class Cluster:
     def eligible(self) -> list[dict[str, Any]]:
         return [w for w in self.workers() if w["state"] in ("idle", "busy")]
 
+    def stop(self) -> None:
+        """Stop the authority; it must exit cleanly (its log says why not)."""
+        self.http.close()
+        rc = self.process.stop()
+        assert rc == 0, f"the authority exited with {rc}:\n{self.process.text()}"
+
 
 def start_cluster(*extra: str, workers: int = 2, launcher: str = "local", pipeline: str = TINY) -> Cluster:
     cluster = start_authority(*extra, workers=workers, launcher=launcher, pipeline=pipeline)
@@ -173,9 +179,7 @@ def cluster() -> Iterator[Cluster]:
         yield found
     finally:
         pids = [w["pid"] for w in found.workers() if w.get("pid")] if found.process.popen.poll() is None else []
-        found.http.close()
-        rc = found.process.stop()
-        assert rc == 0, f"the authority exited with {rc}:\n{found.process.text()}"
+        found.stop()
         for pid in pids:
             wait_for(lambda pid=pid: not _alive(pid), f"agent pid {pid} to exit after the authority", deadline=30)
 

@@ -50,6 +50,4 @@ async def test_a_queued_sessions_image_deleted_before_promotion_fails_that_sessi
             await holder.ws.aclose()
             await nxt.ws.aclose()
     finally:
-        cluster.http.close()
-        rc = cluster.process.stop()
-    assert rc == 0, f"the authority exited with {rc}:\n{cluster.process.text()}"
+        cluster.stop()
