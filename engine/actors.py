@@ -353,10 +353,7 @@ class LocalStageActor:
                 return outcome.Error(ActorFailedError(f"stage actor {self.name!r} closed while this call still ran"))
             return result
         assert self._thread is not None
-        result = await outcome.acapture(self._thread.call, fn, *args)
-        if isinstance(result, outcome.Error) and isinstance(result.error, ThreadStopped):
-            return outcome.Error(ActorFailedError(f"stage actor {self.name!r} is closed"))
-        return result
+        return await outcome.acapture(self._thread.call, fn, *args)
 
     async def close_session(self, context: SessionContext, reason: CloseReason) -> None:
         """Run the session hook through the mailbox, after everything submitted before it."""
@@ -408,11 +405,7 @@ class LocalStageActor:
             self._mark_done()
             done.set()
 
-        try:
-            self._thread.submit(self._closer, (context, reason), deliver)
-        except ThreadStopped:  # the actor's task ended: the hook would never run
-            self._closes -= 1
-            raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
+        self._thread.submit(self._closer, (context, reason), deliver)  # close_session checked the actor takes work
         await done.wait()
         box[0].unwrap()
 

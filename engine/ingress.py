@@ -38,14 +38,14 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
         raise IngressRefused(
             f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
         )
-    ingress, slots, taken, targets = graph.ingress, rt.slots, rt.taken, graph.targets
+    ingress, slots, lanes, targets = graph.ingress, rt.slots, rt.lanes, graph.targets
     for artifact in artifacts:
         if artifact not in ingress:
             raise IngressRefused(f"{artifact!r} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
         if (seq, artifact) in slots:
             raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
         for stage_id in targets[artifact]:
-            if seq in taken[stage_id]:
+            if seq in lanes[stage_id].taken:
                 raise IngressRefused(
                     f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
                     f"so {artifact!r} for it would never be consumed"
@@ -84,7 +84,7 @@ def check_final_sequence(graph: StageGraph, rt: SessionRuntime, final_sequence_i
             f"sequence {seen}, which was already accepted"
         )
     for stage_id in graph.topological_order:
-        if final_sequence_id in rt.taken[stage_id]:
+        if final_sequence_id in rt.lanes[stage_id].taken:
             raise IngressRefused(
                 f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence "
                 f"{final_sequence_id} as not the last; declare the final sequence before its first stage runs it"

@@ -130,10 +130,8 @@ class SessionRuntime:
         self.slots: dict[tuple[int, str], Slot] = {}
         self.occupancy: Counter[tuple[str, str]] = Counter()  # (artifact, target) -> waiting slots
         self.present: dict[str, Counter[int]] = {s: Counter() for s in stage_ids}  # inputs present per seq
+        # per stage: the sequences ready (each with its timing record) and taken
         self.lanes: dict[str, Lane] = {stage.stage_id: Lane(self, stage) for stage in stages}
-        # by stage, the lanes' own records (admission stamps a ready seq's timing without a lookup)
-        self.ready: dict[str, dict[int, _Timing]] = {s: lane.ready for s, lane in self.lanes.items()}
-        self.taken: dict[str, SeqSet] = {s: lane.taken for s, lane in self.lanes.items()}
         self.highest_ingress = -1
 
         self.reservations = SessionReservations()  # changed only by the scheduler's UsageBook
@@ -226,14 +224,14 @@ class SessionRuntime:
                 del present[seq]
             timing = self.timing(stage_id, seq)
             timing.inputs_ready_at = now
-            self.ready[stage_id][seq] = timing
+            self.lanes[stage_id].ready[seq] = timing
 
     def take_inputs(self, stage_id: str, seq: int, consumes: frozenset[str]) -> tuple[dict[str, Any], _Timing]:
         """Remove ``stage_id`` from each input slot's consumers (freeing the slot when empty).
 
         Returns the inputs and the (stage, sequence) timing record.
         """
-        timing = self.ready[stage_id].pop(seq)
+        timing = self.lanes[stage_id].ready.pop(seq)
         inputs = {}
         slots, occupancy = self.slots, self.occupancy
         for artifact in consumes:
@@ -254,15 +252,15 @@ class SessionRuntime:
                 slot = self.slots[(seq, artifact)] = Slot(value, set())
             slot.consumers.add(stage_id)
             self.occupancy[(artifact, stage_id)] += 1
-        self.ready[stage_id][seq] = timing
+        self.lanes[stage_id].ready[seq] = timing
 
     def discard_buffers(self) -> int:
         """Drop every buffered artifact and not-yet-polled output; returns slots dropped."""
         dropped = len(self.slots)
         self.slots.clear()
         self.occupancy.clear()
-        for stage_id in self.ready:
-            self.ready[stage_id].clear()
+        for stage_id, lane in self.lanes.items():
+            lane.ready.clear()
             self.present[stage_id].clear()
         self.pending_outputs.clear()
         return dropped

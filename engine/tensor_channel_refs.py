@@ -73,16 +73,15 @@ def register_owner(channel: _OwnedChannel) -> None:
     _OWNED[channel.channel_id] = channel
 
 
-def discard_lost_transfers(transfers: Iterable[tuple[str, int]]) -> int:
+def discard_lost_transfers(transfers: Iterable[tuple[str, int]]) -> None:
     """Discard, for every consumer rank, the transfers (``(channel id, transfer id)``) of refs that were lost on
     their way to the scheduler -- in a value that did not load in this process, or that a call failing on another
     rank dropped -- so that their slots are free for the producer's next send (else it waits until its timeout).
-    Transfers of channels this process did not create, or has closed, are left alone. Returns how many were
-    discarded."""
-    discarded = 0
-    for channel_id, tid in sorted(set(transfers)):
+    Transfers of channels this process did not create, or has closed, are left alone."""
+    by_channel: dict[str, set[int]] = {}
+    for channel_id, tid in transfers:
+        by_channel.setdefault(channel_id, set()).add(tid)
+    for channel_id, tids in by_channel.items():
         channel = _OWNED.get(channel_id)
         if channel is not None and not channel.closed:
-            channel.discard_transfers([tid], sync=False)
-            discarded += 1
-    return discarded
+            channel.discard_transfers(sorted(tids), sync=False)

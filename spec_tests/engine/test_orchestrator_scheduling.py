@@ -306,7 +306,7 @@ async def test_sessions_sharing_denoise_are_served_round_robin(orch, rec):
     a.try_push(1, chunk(1))
     a.try_push(2, chunk(2))
     await settle()  # a's 1 and 2 are ready for denoise first
-    assert sorted(a._runtime.ready["denoise"]) == [1, 2]
+    assert sorted(a._runtime.lanes["denoise"].ready) == [1, 2]
     b.try_push(0, chunk(0))
     c.try_push(0, chunk(0))
     await settle()
