@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["control_idle_timeout_in_force", "health", "metadata", "publish_gauges", "worker_views"]
 
 
-
 def publish_gauges(runtime: StreamRuntime) -> None:
     """Session, queue, worker and capacity gauges from the book and the registry."""
     snapshot = runtime.book.snapshot()

@@ -10,8 +10,8 @@ from typing import Any
 from ..reasons import echo
 from ..tokens import MAX_IDENTITY_LENGTH
 
-__all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer", "integers",
-           "texts", "opt_texts", "obj", "opt_obj", "capacity", "plan", "positive", "settings_taken",
+__all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer",
+           "texts", "obj", "opt_obj", "capacity", "plan", "positive", "settings_taken",
            "SESSION_SETTINGS", "MAX_PARTICIPANTS", "MAX_REPORT_CHARS", "MAX_LABEL", "MAX_NODE", "MAX_DEVICES",
            "label", "opt_label", "node_name", "device_indexes", "process_id", "identities", "report"]
 
@@ -78,10 +78,13 @@ def integer(value: object) -> int:
     return value
 
 
-def _items(value: object, item: Any, name: str) -> tuple[Any, ...]:
-    """A list converted item by item; an error names the item (``[2]: expected int, got str``)."""
+def _items(value: object, item: Any, name: str, *, most: int | None = None) -> tuple[Any, ...]:
+    """A list converted item by item, of at most ``most`` items (counted before any is read); an error names the
+    item (``[2]: expected int, got str``)."""
     if not isinstance(value, list | tuple):
         raise TypeError(f"expected a list of {name}, got {kind_of(value)}")
+    if most is not None and len(value) > most:
+        raise TypeError(f"{len(value)} items; at most {most}")
     converted = []
     for index, one in enumerate(value):
         try:
@@ -89,10 +92,6 @@ def _items(value: object, item: Any, name: str) -> tuple[Any, ...]:
         except TypeError as exc:
             raise TypeError(f"[{index}]: {exc}") from None
     return tuple(converted)
-
-
-def integers(value: object) -> tuple[int, ...]:
-    return _items(value, integer, "int")
 
 
 def texts(value: object) -> tuple[str, ...]:
@@ -127,9 +126,7 @@ def _index(value: object) -> int:
 
 def device_indexes(value: object) -> tuple[int, ...]:
     """Device indexes: at most :data:`MAX_DEVICES` of them, each 0-2**31-1."""
-    if isinstance(value, list | tuple) and len(value) > MAX_DEVICES:
-        raise TypeError(f"{len(value)} devices; at most {MAX_DEVICES}")
-    return _items(value, _index, "int")
+    return _items(value, _index, "int", most=MAX_DEVICES)
 
 
 def process_id(value: object) -> int:
@@ -140,13 +137,7 @@ def process_id(value: object) -> int:
 def identities(value: object) -> tuple[str, ...]:
     """Participant identities in a room: at most :data:`MAX_PARTICIPANTS`, each at most ``MAX_IDENTITY_LENGTH``
     characters (what the authority's tokens name; the count checked before any is read)."""
-    if isinstance(value, list | tuple) and len(value) > MAX_PARTICIPANTS:
-        raise TypeError(f"{len(value)} identities; at most {MAX_PARTICIPANTS}")
-    return _items(value, lambda one: _bounded(text(one), MAX_IDENTITY_LENGTH), "str")
-
-
-def opt_texts(value: object) -> tuple[str, ...] | None:
-    return None if value is None else texts(value)
+    return _items(value, lambda one: _bounded(text(one), MAX_IDENTITY_LENGTH), "str", most=MAX_PARTICIPANTS)
 
 
 def obj(value: object) -> dict[str, Any]:
