@@ -19,6 +19,7 @@ edges, the driver pushing image and control for chunk k as soon as they are admi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -28,7 +29,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -383,19 +384,15 @@ def w1_one_core(peer: Any = None) -> dict:
     return line
 
 
-class _on_one_cpu:
+@contextlib.contextmanager
+def _on_one_cpu(cpu: int) -> Iterator[None]:
     """Pin the calling thread (and the threads it starts) to one CPU; restore its CPU set after."""
-
-    def __init__(self, cpu: int) -> None:
-        self._cpu = cpu
-        self._before: set[int] = set()
-
-    def __enter__(self) -> None:
-        self._before = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {self._cpu})
-
-    def __exit__(self, *exc_info: object) -> None:
-        os.sched_setaffinity(0, self._before)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def w1_work(peer: Any = None) -> dict:

@@ -106,24 +106,17 @@ def python_after_sleep_us(samples: int = 60) -> dict[str, list[float]]:
     back to back (caches and the virtual CPU's state after an idle spell), which no scheduler avoids.
     """
 
-    def measure() -> list[float]:
+    def measure(idle_s: float) -> list[float]:
         spans = []
         for _ in range(samples):
+            if idle_s:
+                time.sleep(idle_s)
             start = time.perf_counter()
             _reference_python()
             spans.append((time.perf_counter() - start) * 1e6)
         return spans
 
-    def measure_after_sleep() -> list[float]:
-        spans = []
-        for _ in range(samples):
-            time.sleep(0.008)
-            start = time.perf_counter()
-            _reference_python()
-            spans.append((time.perf_counter() - start) * 1e6)
-        return spans
-
-    return {"back_to_back": _on_thread(measure), "after_8ms_sleep": _on_thread(measure_after_sleep)}
+    return {"back_to_back": _on_thread(lambda: measure(0.0)), "after_8ms_sleep": _on_thread(lambda: measure(0.008))}
 
 
 def trio_hop_us(samples: int = 300) -> list[float]:
