@@ -11,6 +11,11 @@ loop before a thread hands it a result), and the bounds follow from them:
   an 8 ms sleep on a thread (``slowdown`` the ratio): the pace of a stage thread's scheduling work right
   after its call. ``w3_efficiency_bound_with_one_completion`` adds that much work, at that pace, to
   each denoise period.
+- ``wake_cost_to_waker_us``: what the handing thread itself pays to wake a blocked thread (``thread_put``:
+  the ``SimpleQueue.put``) or an idle trio loop (``trio_post``: the ``run_sync_soon``), a system call
+  that interrupts the other virtual CPU. Between two calls denoise's thread must wake decode's thread
+  (the latent is ready) and the caller that pushes the next chunk (its call freed that room);
+  ``w3_efficiency_bound_with_completion_and_wakes`` adds both to the bound with one completion.
 - ``w5_latency_bound_ms``: control to output is at least denoise's and decode's sleeps with their
   overshoots, one thread-to-thread hop (denoise's thread hands decode's thread the latent) and one
   thread-to-trio hop (decode's thread hands the output to the reader, a trio task in chunkline);
@@ -64,8 +69,12 @@ def sleep_overshoot_us(cost: float, samples: int = 60) -> list[float]:
     return _on_thread(measure)
 
 
-def thread_hop_us(samples: int = 300) -> list[float]:
-    """One hand-off to a thread blocked on a ``queue.SimpleQueue``: put until that thread runs, in us."""
+def thread_hop_us(samples: int = 300) -> tuple[list[float], list[float]]:
+    """One hand-off to a thread blocked on a ``queue.SimpleQueue``, in us: put until that thread runs, and the put itself.
+
+    The put is what the handing thread pays before it can go on (its next call): waking a
+    blocked thread is a system call, which in a VM sends an interrupt to the other virtual CPU.
+    """
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     woke: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -75,14 +84,16 @@ def thread_hop_us(samples: int = 300) -> list[float]:
 
     thread = threading.Thread(target=receiver)
     thread.start()
-    hops = []
+    hops, puts = [], []
     for _ in range(samples):
         time.sleep(IDLE_S)
-        inbox.put(time.perf_counter())
+        sent = time.perf_counter()
+        inbox.put(sent)
+        puts.append((time.perf_counter() - sent) * 1e6)
         hops.append(woke.get() * 1e6)
     inbox.put(None)
     thread.join()
-    return hops
+    return hops, puts
 
 
 REFERENCE_ROUNDS = 100  # about 1,500 bytecodes: one chunk's completion and the admissions it makes, in chunkline
@@ -119,13 +130,14 @@ def python_after_sleep_us(samples: int = 60) -> dict[str, list[float]]:
     return {"back_to_back": _on_thread(lambda: measure(0.0)), "after_8ms_sleep": _on_thread(lambda: measure(0.008))}
 
 
-def trio_hop_us(samples: int = 300) -> list[float]:
-    """One hand-off from a thread to a trio task waiting in an idle trio loop, in us."""
+def trio_hop_us(samples: int = 300) -> tuple[list[float], list[float]]:
+    """One hand-off from a thread to a trio task waiting in an idle trio loop, in us: until it runs, and the post itself."""
 
     async def main() -> list[float]:
         token = trio.lowlevel.current_trio_token()
         lot = trio.lowlevel.ParkingLot()
         sent: list[float] = []
+        posts: list[float] = []
         go: queue.SimpleQueue = queue.SimpleQueue()
 
         def sender() -> None:
@@ -133,6 +145,7 @@ def trio_hop_us(samples: int = 300) -> list[float]:
                 time.sleep(IDLE_S)
                 sent.append(time.perf_counter())
                 token.run_sync_soon(lot.unpark_all)
+                posts.append((time.perf_counter() - sent[-1]) * 1e6)
 
         thread = threading.Thread(target=sender)
         thread.start()
@@ -143,7 +156,7 @@ def trio_hop_us(samples: int = 300) -> list[float]:
             hops.append((time.perf_counter() - sent[-1]) * 1e6)
         go.put(None)
         thread.join()
-        return hops
+        return hops, posts
 
     return trio.run(main)
 
@@ -219,7 +232,8 @@ def w1_trio_floor_us(chunks: int = 3000) -> float:
 def host_figures(thread_floor_us: float | None = None) -> dict:
     """The primitives (p50, and p95 where a tail matters) and the bounds they put under the goals."""
     over8, over4 = sleep_overshoot_us(0.008), sleep_overshoot_us(0.004)
-    thread_hops, trio_hops = thread_hop_us(), trio_hop_us()
+    (thread_hops, thread_puts), (trio_hops, trio_posts) = thread_hop_us(), trio_hop_us()
+    wakes_us = _pct(thread_puts, 0.5) + _pct(trio_posts, 0.5)
 
     def bound(fraction: float, reader_hops: list[float]) -> float:
         sleeps = _pct(over8, fraction) + _pct(over4, fraction)
@@ -234,10 +248,13 @@ def host_figures(thread_floor_us: float | None = None) -> dict:
         "sleep_4ms_overshoot_us": {"p50": _pct(over4, 0.5), "p95": _pct(over4, 0.95)},
         "thread_hop_us": {"p50": _pct(thread_hops, 0.5), "p95": _pct(thread_hops, 0.95)},
         "thread_to_trio_hop_us": {"p50": _pct(trio_hops, 0.5), "p95": _pct(trio_hops, 0.95)},
+        "wake_cost_to_waker_us": {"thread_put": _pct(thread_puts, 0.5), "trio_post": _pct(trio_posts, 0.5)},
         "reference_python_us": {"back_to_back": hot, "after_8ms_sleep": cold, "slowdown": cold / hot},
         "w3_efficiency_bound": 8.0 / (8.0 + _pct(over8, 0.5) / 1e3),
         # denoise's thread also runs at least its completion's Python between two calls, at the after-sleep pace
         "w3_efficiency_bound_with_one_completion": 8.0 / (8.0 + (_pct(over8, 0.5) + cold) / 1e3),
+        # ... and, before its next call, wakes decode's thread and the caller that pushes the next chunk
+        "w3_efficiency_bound_with_completion_and_wakes": 8.0 / (8.0 + (_pct(over8, 0.5) + cold + wakes_us) / 1e3),
         "w5_latency_bound_ms": {"p50": bound(0.5, trio_hops), "p95": bound(0.95, trio_hops)},
         "w5_latency_bound_thread_reader_ms": {"p50": bound(0.5, thread_hops), "p95": bound(0.95, thread_hops)},
         "w1_trio_floor_us": trio_floor,
