@@ -53,44 +53,67 @@ class RunningSummary:
 
     Count, minimum, maximum and mean cover every sample; the percentiles cover
     the most recent ``window`` samples (all of them until the window fills).
+    A sample is only appended (a stage's thread adds one per output); once a quarter
+    window more than the window has gathered, the oldest are folded into the
+    whole-session figures in one go, so memory stays under 1.25 windows and
+    ``add`` stays cheap.
     """
 
-    __slots__ = ("count", "minimum", "maximum", "_total", "_compensation", "_recent")
+    __slots__ = ("_window", "_fold_at", "_recent", "_folded", "_minimum", "_maximum", "_total", "_compensation")
 
     def __init__(self, window: int) -> None:
-        self.count = 0
-        self.minimum = math.inf
-        self.maximum = -math.inf
+        self._window = window
+        self._fold_at = window + max(1, window // 4)
+        self._recent: list[float] = []  # the newest samples, fewer than ``_fold_at``
+        self._folded = 0  # samples already folded into the figures below
+        self._minimum = math.inf
+        self._maximum = -math.inf
         self._total = 0.0
         self._compensation = 0.0  # Neumaier summation: the mean stays exact over long sessions
-        self._recent: deque[float] = deque(maxlen=window)
 
     def add(self, sample: float) -> None:
-        self.count += 1
-        if sample < self.minimum:
-            self.minimum = sample
-        if sample > self.maximum:
-            self.maximum = sample
-        total = self._total + sample
-        if abs(self._total) >= abs(sample):
-            self._compensation += (self._total - total) + sample
-        else:
-            self._compensation += (sample - total) + self._total
-        self._total = total
-        self._recent.append(sample)
+        recent = self._recent
+        recent.append(sample)
+        if len(recent) >= self._fold_at:
+            self._fold(len(recent) - self._window)
+
+    def _fold(self, count: int) -> None:
+        """Fold the ``count`` oldest recent samples into the whole-session figures."""
+        old = self._recent[:count]
+        del self._recent[:count]
+        self._folded += count
+        self._minimum = min(self._minimum, *old)
+        self._maximum = max(self._maximum, *old)
+        self._total, self._compensation = _neumaier(self._total, self._compensation, math.fsum(old))
+
+    @property
+    def count(self) -> int:
+        return self._folded + len(self._recent)
 
     def summary(self) -> LatencySummary:
+        recent = self._recent
         if not self.count:
             return LatencySummary(count=0)
-        ordered = sorted(self._recent)
+        total, compensation = _neumaier(self._total, self._compensation, math.fsum(recent))
+        ordered = sorted(recent[-self._window:])
         return LatencySummary(
             count=self.count,
-            minimum_seconds=self.minimum,
+            minimum_seconds=min(self._minimum, *recent) if recent else self._minimum,
             p50_seconds=percentile(ordered, 0.50),
             p95_seconds=percentile(ordered, 0.95),
-            maximum_seconds=self.maximum,
-            mean_seconds=(self._total + self._compensation) / self.count,
+            maximum_seconds=max(self._maximum, *recent) if recent else self._maximum,
+            mean_seconds=(total + compensation) / self.count,
         )
+
+
+def _neumaier(total: float, compensation: float, value: float) -> tuple[float, float]:
+    """Add ``value`` to a compensated sum (the running total and its lost low-order part)."""
+    new_total = total + value
+    if abs(total) >= abs(value):
+        compensation += (total - new_total) + value
+    else:
+        compensation += (value - new_total) + total
+    return new_total, compensation
 
 
 def percentile(ordered: Sequence[float], fraction: float) -> float:
