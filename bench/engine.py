@@ -349,38 +349,52 @@ def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
     if "w1" in names:
         results.append(w1_work(peer))
         _print(results[-1])
-        results.append(w1_one_core(peer))
+        results.append(w1_rounds(peer))
+        _print(results[-1])
+        results.append(w1_rounds(peer, one_cpu=True))
         _print(results[-1])
     return results
 
 
-ONE_CORE_ROUNDS = 3
+ROUNDS = {"w1_rounds": 5, "w1_one_core": 3}
 
 
-def w1_one_core(peer: Any = None) -> dict:
-    """w1 with every thread of the run on one CPU, for chunkline and the peer, rounds alternated.
+def w1_rounds(peer: Any = None, *, one_cpu: bool = False) -> dict:
+    """w1 again in alternated rounds, chunkline then the peer (and the floor), reported by their medians.
 
-    On two cores each thread hand-off can be a wake-up across cores (in a VM, an interrupt between
-    virtual CPUs); on one core the hand-offs stay and only what a scheduler runs per chunk is left,
-    so the ratio measures the schedulers' own cost with far less of the host's noise.
+    A single w1 run lasts under a second and moves by a third from run to run on a shared two-core
+    host; alternating the two schedulers and taking medians keeps a drift of the host out of the
+    ratio (``w1_rounds``, with the floor of every round for ``floor_ratio``). ``one_cpu`` runs every
+    thread on one CPU (``w1_one_core``): on two cores each thread hand-off can be a wake-up across
+    cores (in a VM, an interrupt between virtual CPUs); on one core the hand-offs stay and only what
+    a scheduler runs per chunk is left, so the ratio measures the schedulers' own cost with far less
+    of the host's noise.
     """
+    name = "w1_one_core" if one_cpu else "w1_rounds"
     sessions, chunks, costs, pacing = WORKLOADS["w1"]
     cpu = min(os.sched_getaffinity(0))
     runs: dict[str, list[float]] = {"chunkline": []}
     if peer is not None:
         runs["peer"] = []
-    for _ in range(ONE_CORE_ROUNDS):
-        with _on_one_cpu(cpu):  # threads a run starts inherit the caller's CPU set
+    if not one_cpu:
+        runs["floor"] = []
+    for _ in range(ROUNDS[name]):
+        with _on_one_cpu(cpu) if one_cpu else contextlib.nullcontext():  # a run's threads inherit the CPU set
             runs["chunkline"].append(trio.run(_run_workload, sessions, chunks, costs, pacing)["us_per_chunk"])
             if peer is not None:
                 runs["peer"].append(_run_peer(peer, sessions, chunks, costs, pacing)["us_per_chunk"])
-    line: dict[str, Any] = {"workload": "w1_one_core", "cpu": cpu, "rounds": ONE_CORE_ROUNDS}
+            if not one_cpu:
+                runs["floor"].append(floor_us_per_chunk(chunks))
+    line: dict[str, Any] = {"workload": name, "rounds": ROUNDS[name]}
+    if one_cpu:
+        line["cpu"] = cpu
+    medians = {impl: statistics.median(values) for impl, values in runs.items()}
     for impl, values in runs.items():
-        line[f"{impl}_us_per_chunk"] = {"min": min(values), "median": statistics.median(values)}
+        line[f"{impl}_us_per_chunk"] = {"min": min(values), "median": medians[impl]}
     if peer is not None:
-        line["chunkline_over_peer_chunks_per_s"] = (
-            statistics.median(runs["peer"]) / statistics.median(runs["chunkline"])
-        )
+        line["chunkline_over_peer_chunks_per_s"] = medians["peer"] / medians["chunkline"]
+    if not one_cpu:
+        line["floor_ratio"] = medians["floor"] / medians["chunkline"]
     return line
 
 
