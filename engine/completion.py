@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import InvalidStageOutput
+from .errors import InvalidStageOutput, shown
 from .graph import StageGraph
 from .runtime import SessionRuntime
 from .spec import StageSpec
@@ -24,7 +24,11 @@ def check_result(stage: StageSpec, seq: int, artifacts: Any) -> InvalidStageOutp
     """The error for a result that is not exactly the stage's produced artifacts (else None)."""
     if isinstance(artifacts, Mapping) and artifacts.keys() == stage.produces:
         return None
-    got = sorted(artifacts) if isinstance(artifacts, Mapping) else type(artifacts).__name__
+    # a careless handler's keys need not be strings, nor comparable with each other, nor printable
+    if isinstance(artifacts, Mapping):
+        got = "[" + ", ".join(sorted(map(shown, artifacts))) + "]"
+    else:
+        got = type(artifacts).__name__
     return InvalidStageOutput(
         f"stage {stage.stage_id!r} returned {got} for sequence {seq}; it must return exactly {sorted(stage.produces)}"
     )

@@ -15,7 +15,26 @@ __all__ = [
     "ActorBusyError",
     "ActorFailedError",
     "FatalStageError",
+    "shown",
 ]
+
+SHOWN_LIMIT = 80  # characters of a caller's value that an error message quotes
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to ``SHOWN_LIMIT`` characters.
+
+    A careless caller's value may be anything: an int too long for ``repr`` (Python
+    refuses more than 4300 digits), a huge container, an object whose ``repr`` raises.
+    The message that names it must still be made, so that the error is the one meant.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}<an int of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<a {type(value).__name__} whose repr failed>"
+    return text if len(text) <= SHOWN_LIMIT else text[: SHOWN_LIMIT - 3] + "..."
 
 
 class EngineError(Exception):

@@ -50,8 +50,11 @@ async def join_thread(actor: LocalStageActor) -> None:
         (lambda inv: (_ for _ in ()).throw(RuntimeError("model exploded")), "RuntimeError: model exploded"),
         (lambda inv: [1, 2], "InvalidStageOutput: stage 'dynamics' returned list"),
         (lambda inv: {"latnt": 1}, "InvalidStageOutput: stage 'dynamics' returned ['latnt']"),
+        # keys that do not compare with each other, or are too long to print, once crashed the trio run
+        (lambda inv: {"latent": 1, 7: 2}, "InvalidStageOutput: stage 'dynamics' returned ['latent', 7]"),
+        (lambda inv: {10**5000: 1}, "InvalidStageOutput: stage 'dynamics' returned [<an int of 16610 bits>]"),
     ],
-    ids=["raises", "wrong_type", "misspelled_artifact"],
+    ids=["raises", "wrong_type", "misspelled_artifact", "mixed_key_types", "unprintable_key"],
 )
 async def test_pushing_to_a_session_a_stage_failed_names_the_stage_s_error(handler, named):
     actors = {"dynamics": LocalStageActor(handler), "render": LocalStageActor(render)}
@@ -69,6 +72,25 @@ async def test_pushing_to_a_session_a_stage_failed_names_the_stage_s_error(handl
             await s.wait_for_room(["control"])
         if "Invalid" in named:
             assert isinstance(s.error, InvalidStageOutput)
+
+
+@pytest.mark.parametrize("result", [{"latent": 1, 7: 2}, {10**5000: 1}], ids=["mixed_key_types", "unprintable_key"])
+async def test_an_async_stage_returning_odd_keys_fails_only_its_session(result):
+    async def dynamics(invocation):
+        return result
+
+    actors = {"dynamics": LocalStageActor(dynamics), "render": LocalStageActor(render)}
+    async with open_orchestrator(SPEC, actors) as orch:
+        s = orch.create_session("a")
+        await s.push(0, {"control": 1})
+        with trio.fail_after(5):
+            await s.wait_settled()
+        assert s.status is State.FAILED
+        assert isinstance(s.error, InvalidStageOutput)
+        assert "stage 'dynamics' returned [" in str(s.error)
+        assert orch.diagnostics().slot_leaks == 0
+        other = orch.create_session("b")  # the orchestrator keeps working
+        assert other.try_push(0, {"control": 1})
 
 
 async def test_a_session_hook_that_raises_is_named_by_its_stage_in_the_cleanup_error():
