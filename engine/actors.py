@@ -209,6 +209,12 @@ class LocalStageActor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The actor's one task: start the thread, then serve the mailbox until closed."""
+        if not self._machine.can(actor_table.Event.STARTED):
+            # e.g. the same actor object given to a second orchestrator: it has one owner, once
+            raise ValueError(
+                f"stage actor {self.name!r} is {self._machine.state.value} and cannot be started again; "
+                f"give each orchestrator actors of its own"
+            )
         if self._needs_thread():
             self._thread = DedicatedThread(self.name)
             self._thread.start()

@@ -36,10 +36,10 @@ from .actor_failures import ActorFailures
 from .actors import StageActor, StageInvocation, TaskKey
 from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import check_result, record_result
-from .errors import ActorBusyError, SessionExistsError
+from .errors import ActorBusyError, SessionExistsError, shown
 from .graph import StageGraph
 from .handoff import CoreCompletion, TrioHandoff
-from .ingress import check_final_sequence, check_ingress, has_room
+from .ingress import check_final_sequence, check_ingress, has_room, ingress_names
 from .metrics import Diagnostics
 from .reservations import UsageBook
 from .runtime import Lane, SessionRuntime
@@ -170,10 +170,10 @@ class SchedulerCore:
 
     @_locked
     def has_room(self, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
-        names = tuple(artifacts)
-        unknown = [a for a in names if a not in self.graph.ingress]
+        names = ingress_names(artifacts)
+        unknown = [shown(a) for a in names if a not in self.graph.ingress]
         if unknown:
-            raise ValueError(f"not ingress artifacts: {unknown}")
+            raise ValueError(f"not ingress artifacts: [{', '.join(unknown)}] (ingress: {sorted(self.graph.ingress)})")
         return rt.admitting and has_room(self.graph, rt, names)
 
     @_locked

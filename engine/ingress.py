@@ -11,11 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import IngressRefused, SessionStateError
+from .errors import IngressRefused, SessionStateError, shown
 from .graph import StageGraph
 from .runtime import SessionRuntime
 
-__all__ = ["check_ingress", "has_room", "check_final_sequence", "refused_input"]
+__all__ = [
+    "check_ingress", "has_room", "check_final_sequence", "check_final_sequence_id", "ingress_names",
+    "is_sequence_id", "refused_input", "MAX_SEQUENCE_ID",
+]
 
 
 def refused_input(rt: SessionRuntime) -> SessionStateError:
@@ -30,8 +33,10 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
     """Raise for ingress that can never run; capacity is checked separately."""
     if not rt.admitting:
         raise refused_input(rt)
-    if not isinstance(seq, int) or seq < 0:
-        raise IngressRefused(f"sequence id must be an int >= 0, got {seq!r}")
+    if not is_sequence_id(seq):
+        raise IngressRefused(f"sequence id must be an int in 0..2**63-1 (>= 0), got {shown(seq)}")
+    if not isinstance(artifacts, Mapping):
+        raise IngressRefused(f"ingress must be a mapping {{artifact: value}}, got {type(artifacts).__name__}")
     if not artifacts:
         raise IngressRefused("ingress needs at least one artifact")
     if rt.final_sequence_id is not None and seq > rt.final_sequence_id:
@@ -41,7 +46,7 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
     ingress, slots, lanes, targets = graph.ingress, rt.slots, rt.lanes, graph.targets
     for artifact in artifacts:
         if artifact not in ingress:
-            raise IngressRefused(f"{artifact!r} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
+            raise IngressRefused(f"{shown(artifact)} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
         if (seq, artifact) in slots:
             raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
         for stage_id in targets[artifact]:
@@ -50,6 +55,27 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
                     f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
                     f"so {artifact!r} for it would never be consumed"
                 )
+
+
+# The largest sequence id (a signed 64-bit int): far beyond any stream, and every message,
+# log line and wire format can still carry it (Python will not even print a 5000-digit int).
+MAX_SEQUENCE_ID = 2**63 - 1
+
+
+def is_sequence_id(value: object) -> bool:
+    """A sequence id is an int in 0..MAX_SEQUENCE_ID; a bool is not one (``True`` would silently be 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEQUENCE_ID
+
+
+def check_final_sequence_id(value: object) -> None:
+    """A final sequence id (given at open or to ``finish_inputs``) is a sequence id: a ValueError if not."""
+    if not is_sequence_id(value):
+        raise ValueError(f"final_sequence_id must be an int in 0..2**63-1, got {shown(value)}")
+
+
+def ingress_names(artifacts: Iterable[str]) -> tuple[str, ...]:
+    """The artifact names a room query asks about; a bare string is one name, not its characters."""
+    return (artifacts,) if isinstance(artifacts, str) else tuple(artifacts)
 
 
 def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
@@ -69,8 +95,7 @@ def check_final_sequence(graph: StageGraph, rt: SessionRuntime, final_sequence_i
     The final sequence must be known before any stage takes it: a stage that
     already ran it was told it is not the last, and the stages would disagree.
     """
-    if not isinstance(final_sequence_id, int) or final_sequence_id < 0:
-        raise ValueError(f"final_sequence_id must be an int >= 0, got {final_sequence_id!r}")
+    check_final_sequence_id(final_sequence_id)
     if rt.final_sequence_id is not None:
         if rt.final_sequence_id != final_sequence_id:
             raise SessionStateError(f"session {rt.session_id!r} already ends at sequence {rt.final_sequence_id}")

@@ -23,12 +23,13 @@ from states.pipeline_session import Event
 
 from .actors import ActorHealth, StageActor
 from .core import SchedulerCore
-from .errors import OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError
+from .errors import OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError, shown
 from .graph import StageGraph
+from .ingress import check_final_sequence_id
 from .metrics import Diagnostics
 from .runtime import SessionRuntime
 from .session import Session
-from .shutdown import SessionShutdown
+from .shutdown import SessionShutdown, check_timeout
 from .spec import PipelineSpec
 
 __all__ = ["Orchestrator", "open_orchestrator"]
@@ -54,7 +55,8 @@ async def open_orchestrator(
     ``close_timeout``. An exception from the body propagates as itself.
     """
     check_actor_map(spec, actors)
-    body_error: Exception | None = None
+    check_timeout("close_timeout", close_timeout)
+    body_error: Exception | None = None  # the body's, a start's or a close's error, re-raised unwrapped
     async with trio.open_nursery() as host:
         # The actors run shielded from whatever cancels the body (an app's shutdown): the sessions' ordered
         # shutdown below still runs every stage's hook through its live actor; then the actors are closed,
@@ -62,19 +64,25 @@ async def open_orchestrator(
         actors_nursery, actors_scope = await host.start(_host_actors)
         orch = Orchestrator(spec, actors, actors_nursery)
         try:
-            await orch.start_actors()
             try:
-                yield orch
-            except Exception as exc:  # re-raised below, outside the nursery, unwrapped
+                await orch.start_actors()
+            except Exception as exc:  # e.g. an actor that already runs in another orchestrator
                 body_error = exc
-        finally:
-            with trio.CancelScope(shield=True):
+            else:
                 try:
-                    await orch.aclose(timeout=close_timeout)
-                except OrchestratorCloseError as exc:
-                    if body_error is None:
-                        body_error = exc
-            actors_scope.cancel(reason="the orchestrator closed its actors")
+                    yield orch
+                except Exception as exc:  # re-raised below, outside the nursery, unwrapped
+                    body_error = exc
+        finally:
+            try:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await orch.aclose(timeout=close_timeout)
+                    except OrchestratorCloseError as exc:
+                        if body_error is None:
+                            body_error = exc
+            finally:  # whatever aclose raised: the actors' nursery sleeps until cancelled
+                actors_scope.cancel(reason="the orchestrator closed its actors")
     if body_error is not None:
         raise body_error
 
@@ -108,6 +116,9 @@ class Orchestrator:
         self._shutdown = SessionShutdown(self._core)
         self._closing = False
         self._closed = trio.Event()
+        # one close runs at a time; a close its caller cancelled leaves the rest to the next call
+        self._close_lock = trio.Lock()
+        self._started: dict[int, StageActor] = {}  # the actors this orchestrator started (it closes only those)
 
     async def start_actors(self) -> None:
         """Start each actor once, in topological order of its first stage.
@@ -116,15 +127,14 @@ class Orchestrator:
         worker group): it is started once and closed once; its failure is reported for each
         stage it serves, and its session hook runs once per stage.
         """
-        started: set[int] = set()
         for stage_id in self.spec.topological_order:
             actor = self.actors[stage_id]
             add_listener = getattr(actor, "add_failure_listener", None)
             if add_listener is not None:
                 add_listener(self._core.on_actor_failed(stage_id))
-            if id(actor) not in started:
-                started.add(id(actor))
+            if id(actor) not in self._started:
                 await self._nursery.start(actor.run)
+                self._started[id(actor)] = actor
 
     # -- sessions ------------------------------------------------------------
 
@@ -132,9 +142,9 @@ class Orchestrator:
         if self._closing:
             raise OrchestratorClosedError("the orchestrator is closing; no new sessions")
         if not isinstance(session_id, str) or not session_id:
-            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
-        if final_sequence_id is not None and final_sequence_id < 0:
-            raise ValueError(f"final_sequence_id must be >= 0, got {final_sequence_id}")
+            raise ValueError(f"session_id must be a non-empty string, got {shown(session_id)}")
+        if final_sequence_id is not None:
+            check_final_sequence_id(final_sequence_id)
         return self._core.open_session(session_id, final_sequence_id)
 
     def create_session(self, session_id: str, *, final_sequence_id: int | None = None) -> Session:
@@ -146,6 +156,7 @@ class Orchestrator:
         self, session_id: str, *, final_sequence_id: int | None = None, close_timeout: float = 60.0
     ) -> AsyncIterator[Session]:
         """A session that is drained and closed on exit (cancelled if the body raised)."""
+        check_timeout("close_timeout", close_timeout)  # now, not at the exit the body reached
         rt = self._open(session_id, final_sequence_id)
         try:
             yield Session(self._core, self._shutdown, rt)
@@ -215,10 +226,13 @@ class Orchestrator:
         Everything shares ``timeout``; an actor left to close after it passed still gets
         ``ACTOR_CLOSE_GRACE`` seconds, so only the ones that are really stuck are reported.
         """
-        if self._closing:
-            await self._closed.wait()
-            return
+        check_timeout("timeout", timeout)
         self._closing = True
+        async with self._close_lock:  # a concurrent call waits for this one; after a cancelled one, it closes
+            if not self._closed.is_set():
+                await self._close(timeout)
+
+    async def _close(self, timeout: float) -> None:
         deadline = trio.current_time() + timeout
         errors: list[BaseException] = []
 
@@ -233,8 +247,8 @@ class Orchestrator:
                 sessions_nursery.start_soon(shut, rt)
         closed: set[int] = set()
         for stage_id in reversed(self.spec.topological_order):
-            if id(self.actors[stage_id]) in closed:
-                continue  # an actor shared by several stages closes once
+            if id(self.actors[stage_id]) in closed or id(self.actors[stage_id]) not in self._started:
+                continue  # an actor shared by several stages closes once; one never started is not ours to close
             closed.add(id(self.actors[stage_id]))
             with trio.move_on_at(max(deadline, trio.current_time() + ACTOR_CLOSE_GRACE)) as actor_close_deadline:
                 try:

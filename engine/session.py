@@ -10,7 +10,7 @@ import trio
 from states.pipeline_session import EMITTING, Event, State
 
 from .blockers import Blocker
-from .ingress import refused_input
+from .ingress import ingress_names, refused_input
 from .metrics import (
     ArtifactStats,
     IdleInterval,
@@ -92,7 +92,7 @@ class Session:
 
     async def wait_for_room(self, artifacts: Iterable[str]) -> None:
         """Wait until every named ingress artifact has room (raises if the session stops admitting)."""
-        names = tuple(artifacts)
+        names = ingress_names(artifacts)
         rt = self._runtime
 
         def room() -> bool:

@@ -1,0 +1,227 @@
+"""A hostile or careless user of the engine's public API: each mistake is a clear typed error that
+changes nothing, and no close is lost or hangs (every wait here is bounded by ``trio.fail_after``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from engine import (
+    IngressRefused,
+    LocalStageActor,
+    SessionStateError,
+    open_orchestrator,
+)
+from states.pipeline_session import State
+from states.stage_actor import State as ActorState
+
+from .conftest import Recorder, canonical_spec, chunk, running
+
+BAD_TIMEOUTS = [math.nan, -1.0, "30", None, True]
+BAD_TIMEOUT_IDS = ["nan", "negative", "str", "none", "bool"]
+
+
+def plain_actors(spec):
+    def stage(produces):
+        return lambda inv: {a: f"{a}{inv.key.sequence_id}" for a in produces}
+
+    return {s.stage_id: LocalStageActor(stage(s.produces), name=s.stage_id) for s in spec.stages}
+
+
+# -- closing the orchestrator ---------------------------------------------------------------------
+
+
+async def test_an_orchestrator_close_its_caller_cancelled_is_finished_by_the_next_close(rec, autojump_clock):
+    """A cancelled ``aclose`` once left every later close (open_orchestrator's exit included) waiting forever."""
+    gate = rec.gate("denoise", 0)
+    with trio.fail_after(10):
+        async with running(rec) as orch:
+            s = orch.create_session("a")
+            await s.push(0, chunk(0))
+            await rec.wait_started("denoise", "a", 0)
+            with trio.move_on_after(1) as caller:  # the caller gives up while the running call holds the shutdown
+                await orch.aclose()
+            assert caller.cancelled_caught
+            assert s.status is State.SHUTTING_DOWN
+            gate.set()
+        assert s.status is State.CLOSED  # the exit finished the close the cancelled call began
+    assert rec.actor_closes == ["decode", "denoise", "encode"]
+    assert orch.diagnostics().slot_leaks == 0
+
+
+async def test_concurrent_orchestrator_closes_each_return_once_everything_closed(rec):
+    gate = rec.gate("denoise", 0)
+    with trio.fail_after(10):
+        async with running(rec) as orch:
+            s = orch.create_session("a")
+            await s.push(0, chunk(0))
+            await rec.wait_started("denoise", "a", 0)
+            returned = []
+
+            async def close(name: str) -> None:
+                await orch.aclose()
+                returned.append((name, s.status, [orch.actor_health(st).state for st in ("encode", "decode")]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close, "first")
+                nursery.start_soon(close, "second")
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+    closed = [State.CLOSED, [ActorState.CLOSED, ActorState.CLOSED]]
+    assert sorted(returned) == [("first", *closed), ("second", *closed)]
+    assert rec.actor_closes == ["decode", "denoise", "encode"]  # each actor closed once
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=BAD_TIMEOUT_IDS)
+async def test_a_bad_close_timeout_is_refused_before_anything_starts(timeout):
+    """A NaN or a string once failed the close halfway, and open_orchestrator's exit then never returned."""
+    spec = canonical_spec()
+    actors = plain_actors(spec)
+    with trio.fail_after(10):
+        with pytest.raises(ValueError, match="close_timeout must be a number of seconds >= 0"):
+            async with open_orchestrator(spec, actors, close_timeout=timeout):
+                pytest.fail("the body must not run")  # pragma: no cover
+        assert all(a.health().state is ActorState.STARTING for a in actors.values())  # none was started
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=BAD_TIMEOUT_IDS)
+async def test_bad_timeouts_of_closes_are_refused_and_change_nothing(rec, timeout):
+    with trio.fail_after(10):
+        async with running(rec) as orch:
+            s = orch.create_session("a")
+            await s.push(0, chunk(0))
+            with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+                await s.aclose(timeout=timeout)
+            if timeout is not None:  # None: the default drain (half of timeout)
+                with pytest.raises(ValueError, match="drain_timeout must be a number of seconds >= 0"):
+                    await s.aclose(drain_timeout=timeout)
+            with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+                await s.cancel(timeout=timeout)
+            with pytest.raises(ValueError, match="close_timeout must be a number of seconds >= 0"):
+                async with orch.session("b", close_timeout=timeout):
+                    pytest.fail("the body must not run")  # pragma: no cover
+            assert orch.session_ids == ("a",)
+            with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+                await orch.aclose(timeout=timeout)
+            # nothing changed: the session still runs and takes input, the orchestrator takes sessions
+            assert s.status is State.RUNNING
+            await s.push(1, chunk(1))
+            s.finish_inputs(1)
+            assert [seq async for seq, _ in s.outputs()] == [0, 1]
+            async with orch.session("c", final_sequence_id=0) as c:
+                await c.push(0, chunk(0))
+            assert c.status is State.CLOSED
+            await s.aclose(timeout=math.inf)
+            assert s.status is State.CLOSED
+
+
+# -- actors have one owner ---------------------------------------------------------------------------
+
+
+async def test_actors_already_running_elsewhere_are_refused_and_not_closed():
+    """A second orchestrator given the first one's actors once closed them while the first still ran."""
+    spec = canonical_spec()
+    actors = plain_actors(spec)
+    with trio.fail_after(10):
+        async with open_orchestrator(spec, actors) as first:
+            with pytest.raises(ValueError, match="is running and cannot be started again"):
+                async with open_orchestrator(spec, actors):
+                    pytest.fail("the body must not run")  # pragma: no cover
+            assert all(a.health().state is ActorState.RUNNING for a in actors.values())
+            s = first.create_session("a", final_sequence_id=1)
+            await s.push(0, chunk(0))
+            await s.push(1, chunk(1))
+            assert [seq async for seq, _ in s.outputs()] == [0, 1]
+            await s.aclose()
+            assert s.status is State.CLOSED
+        with pytest.raises(ValueError, match="is closed and cannot be started again"):
+            async with open_orchestrator(spec, actors):
+                pytest.fail("the body must not run")  # pragma: no cover
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+
+HUGE = 10**5000  # Python refuses to print an int this long: a message that quotes it must not try
+
+BAD_SEQUENCE_IDS = [True, False, -1, -HUGE, HUGE, 2**63, 1.0, "0", None]
+BAD_SEQUENCE_IDS_SHOWN = [
+    "True", "False", "-1", "-<an int of 16610 bits>", "<an int of 16610 bits>", "9223372036854775808",
+    "1.0", "'0'", "None",
+]
+
+
+@pytest.mark.parametrize(("seq", "named"), list(zip(BAD_SEQUENCE_IDS, BAD_SEQUENCE_IDS_SHOWN)), ids=BAD_SEQUENCE_IDS_SHOWN)
+async def test_a_bad_sequence_id_is_refused_by_name_and_changes_nothing(orch, seq, named):
+    s = orch.create_session("a")
+    with pytest.raises(IngressRefused, match=r"sequence id must be an int in 0\.\.2\*\*63-1") as refused:
+        s.try_push(seq, chunk(0))
+    assert str(refused.value).endswith(f"got {named}")
+    with pytest.raises(IngressRefused, match="sequence id must be"):
+        await s.push(seq, chunk(0))
+    assert s.artifact_stats().slot_count == 0
+    assert s.metrics().ingress_accepted_at == ()
+    s.finish_inputs(0)  # the session still works, from sequence 0
+    await s.push(0, chunk(0))
+    assert [q async for q, _ in s.outputs()] == [0]
+
+
+@pytest.mark.parametrize("artifacts", [{"image", "control"}, [("image", 1), ("control", 2)], "image", None])
+async def test_ingress_that_is_not_a_mapping_is_refused_and_changes_nothing(orch, artifacts):
+    s = orch.create_session("a")
+    with pytest.raises(IngressRefused, match=r"ingress must be a mapping \{artifact: value\}, got "):
+        s.try_push(0, artifacts)
+    assert s.artifact_stats().slot_count == 0
+    assert s.metrics().ingress_accepted_at == ()  # nothing recorded for the anchor ("control") either
+    s.finish_inputs(0)
+    await s.push(0, chunk(0))
+    assert [q async for q, _ in s.outputs()] == [0]
+
+
+async def test_a_non_string_artifact_name_too_long_to_print_is_refused_by_name(orch):
+    s = orch.create_session("a")
+    with pytest.raises(IngressRefused, match=r"<an int of 16610 bits> is not an ingress artifact"):
+        s.try_push(0, {HUGE: 1})
+    with pytest.raises(ValueError, match=r"not ingress artifacts: \[<an int of 16610 bits>\]"):
+        s.can_push([HUGE])
+
+
+async def test_a_room_query_with_a_bare_string_asks_about_that_one_artifact(orch):
+    s = orch.create_session("a")
+    assert s.can_push("image")  # once: "not ingress artifacts: ['i', 'm', 'a', 'g', 'e']"
+    with trio.fail_after(5):
+        await s.wait_for_room("control")
+    with pytest.raises(ValueError, match=r"not ingress artifacts: \['imag'\] \(ingress: \['control', 'image'\]\)"):
+        s.can_push("imag")
+
+
+@pytest.mark.parametrize("final", [True, 2.5, "3", -1, -HUGE, HUGE], ids=["bool", "float", "str", "negative", "-huge", "huge"])
+async def test_a_bad_final_sequence_id_is_refused_at_open_and_at_finish(orch, final):
+    with pytest.raises(ValueError, match=r"final_sequence_id must be an int in 0\.\.2\*\*63-1, got "):
+        orch.create_session("a", final_sequence_id=final)
+    with pytest.raises(ValueError, match="final_sequence_id must be"):
+        async with orch.session("a", final_sequence_id=final):
+            pytest.fail("the body must not run")  # pragma: no cover
+    assert orch.session_ids == ()
+    s = orch.create_session("a")
+    with pytest.raises(ValueError, match="final_sequence_id must be"):
+        s.finish_inputs(final)
+    assert s.final_sequence_id is None
+    s.finish_inputs(1)  # a good one still counts
+    await s.push(0, chunk(0))
+    await s.push(1, chunk(1))
+    assert [q async for q, _ in s.outputs()] == [0, 1]
+    assert orch.diagnostics().slot_leaks == 0
+
+
+async def test_a_sequence_id_true_is_not_sequence_one(rec):
+    """``True == 1``: accepted, it once made a later push of sequence 1 a duplicate."""
+    async with running(rec) as orch:
+        s = orch.create_session("a", final_sequence_id=1)
+        with pytest.raises(IngressRefused):
+            await s.push(True, chunk(1))
+        await s.push(0, chunk(0))
+        await s.push(1, chunk(1))
+        assert [q async for q, _ in s.outputs()] == [0, 1]
+        assert [inv.is_last for inv in rec.invocations if inv.key.stage_id == "decode"] == [False, True]
