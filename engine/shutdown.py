@@ -65,6 +65,8 @@ class SessionShutdown:
         now = trio.current_time()
         deadline = now + timeout
         drain_deadline = min(deadline, now + (timeout / 2 if drain_timeout is None else drain_timeout))
+        if stop in table.PREEMPTS_SHUTDOWN:  # now, not once a drain under way ended (the table decides)
+            self._core.stop(rt, stop)
         async with rt.lifecycle_lock:
             if rt.machine.is_terminal:
                 return
@@ -92,7 +94,10 @@ class SessionShutdown:
 
     async def _settle_work(self, rt: SessionRuntime, drain_deadline: float, deadline: float) -> None:
         if rt.machine.can(Event.DRAIN_TIMED_OUT):
-            if await self._wait_settled(rt, drain_deadline):
+            settled = await self._wait_settled(rt, drain_deadline)
+            if not rt.machine.can(Event.DRAIN_TIMED_OUT):  # a cancel (or a failure) cut the drain short
+                rt.phases.append(("drain", f"cut short: {rt.state.value}"))
+            elif settled:
                 rt.phases.append(("drain", "ok"))
             elif self._core.stop(rt, Event.DRAIN_TIMED_OUT):
                 rt.phases.append(("drain", "timed out; cancelling"))

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
+from .errors import shown
+
 __all__ = [
     "StageOrdering",
     "StageSpec",
@@ -33,11 +35,29 @@ class StageOrdering(enum.Enum):
     PER_SESSION_STRICT = "per_session_strict"
 
 
-def _names(value: Iterable[str]) -> frozenset[str]:
+def _names(value: Iterable[str], _instance: object, field: attrs.Attribute) -> frozenset[str]:
+    """A set of artifact names from one name or an iterable of them (each checked later, by name)."""
     if isinstance(value, str):
         # a bare string would silently become a set of characters
         return frozenset([value])
-    return frozenset(value)
+    try:
+        return frozenset(value)
+    except TypeError:  # not iterable (None, 5), or an unhashable item (a list in the list)
+        raise ValueError(
+            f"{field.name} must be an artifact name or an iterable of names, got {type(value).__name__} {shown(value)}"
+        ) from None
+
+
+def _items(value: Iterable[object], _instance: object, field: attrs.Attribute) -> tuple:
+    """A tuple of a spec's parts (each checked later, by kind)."""
+    try:
+        return tuple(value)
+    except TypeError:  # not iterable
+        raise ValueError(f"{field.name} must be an iterable, got {type(value).__name__} {shown(value)}") from None
+
+
+_NAMES = attrs.Converter(_names, takes_self=True, takes_field=True)
+_ITEMS = attrs.Converter(_items, takes_self=True, takes_field=True)
 
 
 def _require_count(what: str, value: object) -> None:
@@ -62,8 +82,8 @@ class StageSpec:
     """One logical stage: what it consumes, what it produces, and its limits."""
 
     stage_id: str
-    consumes: frozenset[str] = attrs.field(converter=_names)
-    produces: frozenset[str] = attrs.field(converter=_names)
+    consumes: frozenset[str] = attrs.field(converter=_NAMES)
+    produces: frozenset[str] = attrs.field(converter=_NAMES)
     ordering: StageOrdering = StageOrdering.PER_SESSION_STRICT
     max_in_flight_per_session: int = 1
     max_in_flight_global: int = 1
@@ -138,11 +158,11 @@ class ResourceGroupSpec:
 class PipelineSpec:
     """The whole graph. Derived views (producers, topological order) are computed once."""
 
-    stages: tuple[StageSpec, ...] = attrs.field(converter=tuple)
-    edges: tuple[EdgeSpec, ...] = attrs.field(converter=tuple)
-    output_artifacts: frozenset[str] = attrs.field(converter=_names, default=frozenset())
+    stages: tuple[StageSpec, ...] = attrs.field(converter=_ITEMS)
+    edges: tuple[EdgeSpec, ...] = attrs.field(converter=_ITEMS)
+    output_artifacts: frozenset[str] = attrs.field(converter=_NAMES, default=frozenset())
     output_capacity_per_session: int = 1
-    resource_groups: tuple[ResourceGroupSpec, ...] = attrs.field(converter=tuple, default=())
+    resource_groups: tuple[ResourceGroupSpec, ...] = attrs.field(converter=_ITEMS, default=())
     latency_anchor_artifact: str | None = None
 
     # derived, filled by validation

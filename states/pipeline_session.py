@@ -145,6 +145,11 @@ EMITTING = STARTING_ACCEPTED_WORK
 # States in which accepted work that waits is dropped.
 DROPPING_WORK = frozenset({State.CANCELLING, State.SHUTTING_DOWN, State.FAILING})
 
+# Stop events a caller applies at once, even while another shutdown of the session is under way
+# (which holds the session's lifecycle until it ends): a cancel cuts a running drain short, as
+# the DRAINING -> CANCELLING row allows. Any other stop waits for the shutdown under way.
+PREEMPTS_SHUTDOWN = frozenset({Event.CANCEL})
+
 
 class PipelineSessionMachine(StateMachine[State, Event]):
     NAME = "pipeline session"

@@ -225,3 +225,37 @@ async def test_a_sequence_id_true_is_not_sequence_one(rec):
         await s.push(1, chunk(1))
         assert [q async for q, _ in s.outputs()] == [0, 1]
         assert [inv.is_last for inv in rec.invocations if inv.key.stage_id == "decode"] == [False, True]
+
+
+# -- a cancel during a drain --------------------------------------------------------------------------
+
+
+async def test_a_cancel_cuts_a_running_drain_short(rec, autojump_clock):
+    """A cancel once waited for a drain under way to finish every buffered chunk, and the session ended CLOSED."""
+    gate = rec.gate("denoise", 0)
+    with trio.fail_after(10):
+        async with running(rec) as orch:
+            s = orch.create_session("a")
+            for seq in range(2):
+                await s.push(seq, chunk(seq))
+            await rec.wait_started("denoise", "a", 0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(s.aclose)
+                await trio.testing.wait_all_tasks_blocked()
+                assert s.status is State.DRAINING
+                cancelled = trio.Event()
+
+                async def cancel() -> None:
+                    await s.cancel()
+                    cancelled.set()
+
+                nursery.start_soon(cancel)
+                await trio.testing.wait_all_tasks_blocked()
+                assert s.status is State.CANCELLING  # at once, though the drain still holds the shutdown
+                assert not cancelled.is_set()  # the running call is never interrupted: both wait for it
+                gate.set()
+            assert s.status is State.CANCELLED
+            assert rec.calls_of("denoise", "a") == [0]  # chunk 1 was waiting: dropped, never run
+            assert ("drain", "cut short: cancelling") in s.shutdown_phases
+            assert [reason.value for _, reason in rec.closes_of("a")] == ["cancelled"] * 3
+        assert orch.diagnostics().slot_leaks == 0

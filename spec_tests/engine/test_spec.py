@@ -8,6 +8,7 @@ name, not just on the exception type.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import attrs
@@ -560,3 +561,26 @@ def test_specs_are_hashable_and_compare_by_value() -> None:
     assert valid_chain() == valid_chain()
     assert hash(valid_chain()) == hash(valid_chain())
     assert len({valid_chain(), valid_chain(), valid_chain(output_capacity_per_session=2)}) == 2
+
+
+# -- parts that are not collections at all ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [("consumes", None, "NoneType None"), ("consumes", [["frame"]], "list [['frame']]"), ("produces", 5, "int 5")],
+)
+def test_artifact_names_that_are_not_names_are_a_value_error_naming_the_field(field, value, named):
+    """Once a TypeError from inside the converter (``'NoneType' object is not iterable``), naming nothing."""
+    kwargs = {"consumes": {"frame"}, "produces": {"latent"}, field: value}
+    with pytest.raises(ValueError, match=rf"^{field} must be an artifact name or an iterable of names, got {re.escape(named)}$"):
+        StageSpec("encode", **kwargs)
+
+
+@pytest.mark.parametrize("field", ["stages", "edges", "resource_groups", "output_artifacts"])
+def test_pipeline_parts_that_are_not_iterable_are_a_value_error_naming_the_field(field):
+    encode, decode = chain_stages()
+    kwargs = {"stages": [encode, decode], "edges": [ingress("frame", "encode"), edge("latent", "encode", "decode")],
+              "output_artifacts": {"video"}, field: None}
+    with pytest.raises(ValueError, match=rf"^{field} must be .*iterable.*, got NoneType None"):
+        PipelineSpec(**kwargs)
