@@ -30,7 +30,8 @@ from typing import Any
 
 from .supervised_child import bind_to_parent
 from .worker_wire import (
-    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, remote_error,
+    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, load_value,
+    remote_error,
 )
 
 __all__ = ["child_main", "resolve_factory"]
@@ -81,10 +82,12 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
             case Shutdown():
                 _send(conn, Closed(rank, _close(worker)))
                 return
-            case Call(call_id=call_id, method=method, args=args, kwargs=kwargs):
+            case Call(call_id=call_id, method=method, arguments=arguments):
                 try:
-                    # pickled apart from the message: a value the parent cannot load fails only this call there;
-                    # nothing here keeps the value once it is pickled (its shared memory is the parent's to fetch)
+                    # the arguments are pickled apart from the message: ones that do not load here fail this call
+                    args, kwargs = load_value(arguments)
+                    # so is the value: one the parent cannot load fails only this call there; nothing here keeps
+                    # the value once it is pickled (its shared memory is the parent's to fetch)
                     reply: Result | Raised = Result(call_id, rank, *dump_value(getattr(worker, method)(*args, **kwargs)))
                 except BaseException as exc:
                     reply = Raised(call_id, rank, remote_error(exc))

@@ -47,6 +47,7 @@ __all__ = [
     "Shutdown",
     "UnknownWorkerMessage",
     "UnloadableValue",
+    "dump_arguments",
     "dump_value",
     "load_value",
     "release_shared",
@@ -67,6 +68,11 @@ class UnknownWorkerMessage(EngineError, TypeError):
 
 class UnloadableValue(EngineError, ValueError):
     """A value pickled in a child process does not load in this one; the message says what did not load."""
+
+
+def dump_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """``(args, kwargs)`` pickled for one rank's :class:`Call` (:func:`load_value` reads them in the rank)."""
+    return bytes(ForkingPickler.dumps((args, kwargs)))
 
 
 def dump_value(value: Any) -> tuple[bytes, bytes, tuple[tuple[str, int], ...]]:
@@ -180,12 +186,15 @@ def remote_error(exc: BaseException) -> RemoteError:
 
 @attrs.frozen
 class Call:
-    """Run ``method(*args, **kwargs)`` on the rank object; answered by a :class:`Result` or :class:`Raised`."""
+    """Run ``method(*args, **kwargs)`` on the rank object; answered by a :class:`Result` or :class:`Raised`.
+
+    ``arguments`` is ``(args, kwargs)`` pickled apart from the message, once per rank (a CPU tensor in it travels
+    as a shared-memory handle that only one process can fetch), so that arguments which do not load in the rank
+    fail only this call there (a :class:`Raised` naming what did not load), not the rank."""
 
     call_id: int
     method: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    arguments: bytes
 
 
 @attrs.frozen

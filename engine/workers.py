@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import pickle
 import threading
 from collections.abc import Callable, Iterable
@@ -40,8 +41,8 @@ from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Sup
 from .tensor_channel_refs import discard_lost_transfers
 from .worker_child import child_main
 from .worker_wire import (
-    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue, load_value,
-    release_shared,
+    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue,
+    dump_arguments, load_value, release_shared,
 )
 
 __all__ = [
@@ -56,6 +57,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
+
+
+def _seconds(name: str, value: object, *, allow_zero: bool) -> float:
+    """``value`` as a finite number of seconds (> 0, or >= 0 with ``allow_zero``), or a ValueError naming ``name``."""
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        or value < 0 or (value == 0 and not allow_zero)
+    ):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
+    return float(value)
 
 
 class WorkerGroupError(EngineError, RuntimeError):
@@ -125,7 +137,7 @@ class DeferredResult:
         for ever), always woken early by a group failure. A timeout fails the group.
         """
         call = self._call
-        timeout = self._group.call_timeout if timeout is None else timeout
+        timeout = self._group.call_timeout if timeout is None else _seconds("timeout", timeout, allow_zero=False)
         if not call.event.wait(timeout):
             missing = sorted(set(call.ranks) - set(call.results))
             self._group._fail(f"call {call.method!r} (#{call.call_id}) got no answer from ranks {missing} within {timeout}s")
@@ -204,8 +216,12 @@ class ProcessWorkerGroup:
         name: str = "workers",
         parent_death_signal: bool = True,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if call_timeout is not None:
+            call_timeout = _seconds("call_timeout", call_timeout, allow_zero=False)
+        close_timeout = _seconds("close_timeout", close_timeout, allow_zero=True)
+        kill_grace = _seconds("kill_grace", kill_grace, allow_zero=True)
         if isinstance(factory, str) and factory.count(":") != 1:
             raise ValueError(f"factory must be 'module:callable', got {factory!r}")
         if not isinstance(factory, str) and not callable(factory):
@@ -279,8 +295,11 @@ class ProcessWorkerGroup:
         """Spawn every rank and wait until each has built its rank object.
 
         Raises :class:`WorkerStartupError` (with the child's traceback when it has
-        one) after killing and joining every rank; the group is then closed.
+        one) after killing and joining every rank; the group is then closed. Anything
+        else that ends the wait early (a ``KeyboardInterrupt``, say) also kills and
+        joins every rank and closes the group before it propagates.
         """
+        timeout = _seconds("timeout", timeout, allow_zero=False)
         with self._lock:
             if not self._life.can(Event.START):
                 if self._life.state in TERMINAL:
@@ -288,18 +307,20 @@ class ProcessWorkerGroup:
                 raise RuntimeError("a worker group starts once")
             self._life.apply(Event.START)
             self._start_settled.clear()
+        ready = False
         try:
             self._supervisor.start(timeout, check_hello=self._check_hello)
+            ready = True
         except StartupFailed as exc:
-            with self._lock:
-                self._life.apply(Event.START_FAILED)
-            self._closed_event.set()
             raise self._startup_error(exc) from None
-        else:
-            with self._lock:
-                self._life.apply(Event.READY)
-                self._ran = True
         finally:
+            if not ready:  # a startup error, or the wait was interrupted: no rank may outlive the failed start
+                self._supervisor.close(None, timeout=0.0)  # a no-op once StartupFailed has reaped them
+            with self._lock:
+                self._life.apply(Event.READY if ready else Event.START_FAILED)
+                self._ran = ready
+            if not ready:
+                self._closed_event.set()
             self._start_settled.set()
         return self
 
@@ -392,19 +413,28 @@ class ProcessWorkerGroup:
         """Send ``method(*args, **kwargs)`` to every rank (rank 0 alone for ``rank0_only``)."""
         ranks = (0,) if method in self._rank0_only else tuple(range(self.world_size))
         call = _Call(next(_ids), method, ranks)
-        payload = ForkingPickler.dumps(Call(call.call_id, method, args, kwargs))
+        self._check_takes_calls()  # before pickling: a CPU tensor argument is shared while it is pickled
+        try:
+            # once per rank: a CPU tensor travels as a shared-memory handle that only one process can fetch
+            payloads = [ForkingPickler.dumps(Call(call.call_id, method, dump_arguments(args, kwargs))) for _ in ranks]
+        except Exception as exc:
+            raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
+                            f"{type(exc).__name__}: {exc}") from exc
         with self._lock:
-            if self.failure_reason is not None:
-                raise WorkerGroupFailed(f"{self.name} failed: {self.failure_reason}")
-            if self._life.state not in TAKES_CALLS:
-                if self._life.can(Event.START):
-                    raise RuntimeError(f"{self.name} is not started; call start() first")
-                raise WorkerGroupClosed(f"{self.name} is closed")
+            self._check_takes_calls()
             self._pending[call.call_id] = call
-        for rank in ranks:
+        for rank, payload in zip(ranks, payloads):
             if not self._supervisor.send(rank, payload):
                 break  # the rank is gone: its exit fails the group, and this call with it
         return DeferredResult(self, call, method in self._gather)
+
+    def _check_takes_calls(self) -> None:
+        if self.failure_reason is not None:
+            raise WorkerGroupFailed(f"{self.name} failed: {self.failure_reason}")
+        if self._life.state not in TAKES_CALLS:
+            if self._life.can(Event.START):
+                raise RuntimeError(f"{self.name} is not started; call start() first")
+            raise WorkerGroupClosed(f"{self.name} is closed")
 
     def close(self, timeout: float | None = None) -> None:
         """Shut every rank down and release everything; bounded and idempotent.

@@ -109,3 +109,26 @@ class TupleReplyRank(EchoRank):
     def reply_in_tuples(self) -> int:
         self._conn.send(("result", 0, self.rank, True, 1))
         return 1
+
+
+def hanging_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
+    """A rank that never finishes loading (it waits until it is killed)."""
+    threading.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def explode_on_load() -> None:
+    """Unpickling an :class:`ArgumentThatDoesNotLoad` calls this in the rank."""
+    raise RuntimeError("this argument cannot be rebuilt in a rank")
+
+
+class ArgumentThatDoesNotLoad:
+    """Pickles in the parent; loading it raises (as a class the rank cannot import would)."""
+
+    def __reduce__(self) -> Any:
+        return (explode_on_load, ())
+
+
+class TensorRank(EchoRank):
+    def total(self, t: Any, *, scale: int = 1) -> float:
+        return float(t.sum()) * scale + self.rank

@@ -1,0 +1,137 @@
+"""A careless or hostile user of ProcessWorkerGroup: bad values, interrupted starts, arguments that do not travel.
+
+Real spawned ranks (about half a second each), so groups are small and every test closes what it starts.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from engine.workers import ProcessWorkerGroup, WorkerCallError, WorkerStartupError
+from states.process_group import State
+
+from . import worker_ranks
+
+RANKS = "spec_tests.engine.worker_ranks"
+
+
+def assert_no_children(pids: tuple[int, ...]) -> None:
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture
+def groups() -> Iterator[Callable[..., ProcessWorkerGroup]]:
+    made: list[ProcessWorkerGroup] = []
+
+    def make(factory: Any = f"{RANKS}:EchoRank", **kwargs: Any) -> ProcessWorkerGroup:
+        kwargs.setdefault("close_timeout", 5.0)
+        kwargs.setdefault("kill_grace", 0.5)
+        made.append(ProcessWorkerGroup(factory, **kwargs))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.close()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("world_size", True), ("world_size", 2.0), ("world_size", "2"), ("call_timeout", -1.0),
+     ("call_timeout", math.nan), ("call_timeout", True), ("call_timeout", 0), ("close_timeout", math.nan),
+     ("close_timeout", math.inf), ("kill_grace", -1), ("kill_grace", "2")],
+)
+def test_bad_group_values_are_a_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        ProcessWorkerGroup(f"{RANKS}:EchoRank", **{field: value})
+
+
+@pytest.mark.parametrize("timeout", [None, "30", True, -1, 0, math.nan, math.inf])
+def test_a_bad_start_timeout_is_refused_before_anything_spawns(timeout):
+    group = ProcessWorkerGroup(f"{RANKS}:EchoRank", close_timeout=1.0, kill_grace=0.3)
+    with pytest.raises(ValueError, match="^timeout must be"):
+        group.start(timeout)  # was: a TypeError after the rank was spawned, the group stuck in STARTING,
+    assert group.state is State.NEW  # and close() waiting for ever with the rank left running
+    assert multiprocessing.active_children() == []
+    group.close()
+    assert group.closed
+
+
+class Interrupted(Exception):
+    """Stands in for the KeyboardInterrupt of a user who gives up on a slow start."""
+
+
+def test_an_interrupted_start_kills_the_ranks_and_close_returns(groups):
+    group = groups(f"{RANKS}:hanging_factory", world_size=2)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise Interrupted()
+
+    def interrupt_once_spawned() -> None:
+        deadline = time.monotonic() + 30
+        while len(group.pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # bench-cost: real-time poll for the ranks to be spawned, bounded by a deadline
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Thread(target=interrupt_once_spawned, daemon=True).start()
+        with pytest.raises(Interrupted):
+            group.start(timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(group.pids) == 2
+    assert group.state is State.CLOSED and not group.started  # every rank killed and reaped before it propagated
+    assert group.processes_released
+    assert_no_children(group.pids)
+    closer = threading.Thread(target=group.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive(), "close() hung after an interrupted start"
+
+
+def test_a_cpu_tensor_argument_reaches_every_rank(groups):
+    torch = pytest.importorskip("torch")
+    group = groups(f"{RANKS}:TensorRank", world_size=2, gather={"total"}, call_timeout=30).start()
+    # was: rank 1 could not fetch the tensor's shared memory (rank 0 had) and exited with code 0, failing the group
+    assert group.call("total", torch.arange(10.0), scale=2)() == [90.0, 91.0]
+    assert group.call("total", torch.ones(3, 4).t())() == [12.0, 13.0]
+    assert not group.failed
+
+
+def test_arguments_that_do_not_pickle_are_a_typed_error_naming_the_method(groups):
+    group = groups(world_size=1).start()
+    with pytest.raises(TypeError, match=r"the arguments of step\(\) cannot be sent to the ranks") as caught:
+        group.call("step", lambda: 1)
+    assert caught.value.__cause__ is not None
+    assert group.call("step", 2)() == 2 and not group.failed
+
+
+def test_arguments_that_do_not_load_in_a_rank_fail_only_that_call(groups):
+    group = groups(world_size=2).start()
+    with pytest.raises(WorkerCallError, match="cannot be rebuilt in a rank") as caught:
+        group.call("step", worker_ranks.ArgumentThatDoesNotLoad())()  # was: both ranks exited, the group failed
+    assert caught.value.remote_type == "engine.worker_wire.UnloadableValue"
+    assert not group.failed
+    assert group.call("step", 3, scale=2)() == 6
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, math.nan, True])
+def test_a_bad_result_timeout_is_refused_and_leaves_the_group_running(groups, timeout):
+    group = groups(world_size=1).start()
+    pending = group.call("step", 5)
+    with pytest.raises(ValueError, match="^timeout must be"):
+        pending(timeout)  # was: an immediate "timeout" that failed the whole group
+    assert pending() == 5 and not group.failed
