@@ -205,8 +205,14 @@ class WorkerTensorChannel(ConsumerSide):
         if self.closed:
             raise TensorChannelError(f"{self!r} is closed")
         if self._control is None:
-            self._control = Segment(self.prefix + "ctl")
-        return self._control.words
+            try:
+                self._control = Segment(self.prefix + "ctl")
+            except FileNotFoundError as exc:
+                raise TensorChannelError(f"{self!r} is closed (its owner unlinked it)") from exc
+        words = self._control.words
+        if words[ControlLayout.MAGIC] != MAGIC:  # the owner closed it after this process mapped it
+            raise TensorChannelError(f"{self!r} is closed (by its owner)")
+        return words
 
     # -- acks ------------------------------------------------------------------------
 

@@ -235,7 +235,12 @@ class ConsumerSide:
                     old.close()
                     del self._attached[name]
             own = self.own_segment(payload.name)
-            segment = own if own is not None else Segment(payload.name)
+            try:
+                segment = own if own is not None else Segment(payload.name)
+            except FileNotFoundError as exc:
+                raise TensorChannelError(
+                    f"{self!r}: the segment of transfer slot {payload.name} is gone (the channel was closed)"
+                ) from exc
             segment.epoch = payload.epoch
             if own is None:
                 self._attached[payload.name] = segment

@@ -150,6 +150,7 @@ def release_owned(control: Segment, prefix: str, state: dict) -> None:
         return
     state["closed"] = True
     if control.mm is not None:
+        control.words[ControlLayout.MAGIC] = 0  # before the epochs are read: a producer creating a segment sees it
         for entry in range(MAX_PROFILES):
             epoch = control.words[ControlLayout.EPOCHS + entry]
             for slot in range(CPU_SLOTS):
@@ -231,6 +232,13 @@ class CpuSlotPool:
                 Segment(data_name(self.prefix, entry, epoch, s), HDR_BYTES + (nbytes + 63) // 64 * 64, create=True)
                 for s in range(CPU_SLOTS)
             ]
+            try:
+                self._control()  # raises once the owner closed the channel: it may not have seen this epoch
+            except BaseException:
+                for segment in segments:
+                    segment.close()
+                    unlink(segment.name)
+                raise
             for segment in segments:  # the header never changes for a profile: written once
                 header = segment.words
                 header[0], header[1], header[2], header[3], header[4] = 0, 0, nbytes, DTYPE_CODE[t.dtype], t.dim()

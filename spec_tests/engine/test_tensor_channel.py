@@ -303,6 +303,32 @@ def test_close_unlinks_every_segment_and_refuses_use(open_channel):
         channel.discard(refs)
 
 
+def test_a_producer_or_consumer_still_at_work_after_close_gets_a_typed_error_and_leaks_nothing(open_channel, procs):
+    channel, producer, (consumer,) = open_channel(1, timeout=5)
+    cid = channel.channel_id
+    refs = producer.call("send", cid, ("T", (4,), "float32", 70))
+    late = procs["c1"]  # a consumer that maps the channel only after the owner closed it
+    late.call("adopt", channel)
+    try:
+        channel.close()
+        # the producer still maps the (unlinked) control segment: a new profile was created there and never
+        # unlinked by anyone (it leaked in /dev/shm), and a send into an old one "succeeded"
+        with pytest.raises(RemoteError, match="closed") as caught:
+            producer.call("send", cid, ("T", (3, 3), "int64", 71))
+        assert caught.value.kind == "TensorChannelError"
+        with pytest.raises(RemoteError, match="closed") as caught:
+            producer.call("send", cid, ("T", (4,), "float32", 72))
+        assert caught.value.kind == "TensorChannelError"
+        assert segments(channel) == []
+        for who in (consumer, late):  # was: a FileNotFoundError from shm_open for the late one
+            with pytest.raises(RemoteError, match="closed") as caught:
+                who.call("receive", cid, refs, 0)
+            assert caught.value.kind == "TensorChannelError"
+    finally:
+        late.call("detach", cid)
+    assert segments(channel) == []
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
