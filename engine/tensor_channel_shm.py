@@ -25,6 +25,8 @@ from typing import Any
 import attrs
 import torch
 
+from .tensor_channel_refs import TensorChannelError
+
 try:  # the primitive multiprocessing.shared_memory is built on
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX
@@ -102,6 +104,8 @@ class Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                if size:
+                    _reserve(fd, name, size)
             self.size = os.fstat(fd).st_size
             self.mm = mmap.mmap(fd, self.size)
         finally:
@@ -131,6 +135,22 @@ class Segment:
         except BufferError:  # a view is still alive somewhere (a zero-copy tensor); the mapping goes with it
             pass
         self.mm = None
+
+
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Take a new segment's pages from /dev/shm now, or unlink it and raise a TensorChannelError.
+
+    ``ftruncate`` alone only sets the size: a segment larger than what /dev/shm has free maps fine,
+    and the first write past the free space kills the process with SIGBUS.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        unlink(name)
+        raise TensorChannelError(
+            f"a shared-memory segment of {size} bytes does not fit in /dev/shm ({exc.strerror}); "
+            f"free some, or give the host (or the container: --shm-size) more"
+        ) from exc
 
 
 def unlink(name: str) -> None:
