@@ -77,6 +77,7 @@ from typing import Any, Self
 
 import torch
 
+from .errors import shown
 from .tensor_channel_consumer import ConsumerSide
 from .tensor_channel_refs import (
     TensorChannelDiscarded,
@@ -124,14 +125,17 @@ class WorkerTensorChannel(ConsumerSide):
     def __init__(
         self, consumer_world_size: int = 1, *, timeout: float = 600.0, shard_dim: int | None = None, cuda_ipc_slots: int = 2
     ) -> None:
-        if not isinstance(consumer_world_size, int) or consumer_world_size < 1:
-            raise ValueError(f"consumer_world_size must be an int >= 1, got {consumer_world_size!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if not isinstance(cuda_ipc_slots, int) or cuda_ipc_slots < 1:
-            raise ValueError(f"cuda_ipc_slots must be an int >= 1, got {cuda_ipc_slots!r}")
-        if shard_dim is not None and not isinstance(shard_dim, int):
-            raise ValueError(f"shard_dim must be an int or None, got {shard_dim!r}")
+        def an_int(value: object) -> bool:  # a bool is not one: True would silently be 1
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not an_int(consumer_world_size) or consumer_world_size < 1:
+            raise ValueError(f"consumer_world_size must be an int >= 1, got {shown(consumer_world_size)}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {shown(timeout)}")
+        if not an_int(cuda_ipc_slots) or cuda_ipc_slots < 1:
+            raise ValueError(f"cuda_ipc_slots must be an int >= 1, got {shown(cuda_ipc_slots)}")
+        if shard_dim is not None and not an_int(shard_dim):
+            raise ValueError(f"shard_dim must be an int or None, got {shown(shard_dim)}")
         if not SHARED_MEMORY:  # pragma: no cover
             raise RuntimeError("WorkerTensorChannel needs POSIX shared memory")
         self.channel_id = secrets.token_hex(5)

@@ -214,6 +214,17 @@ def test_invalid_shard_dim_is_refused_at_send():
         WorkerTensorChannel(0)
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("consumer_world_size", True), ("consumer_world_size", 2.0), ("timeout", True), ("timeout", "5"),
+    ("timeout", float("nan")), ("timeout", 0), ("cuda_ipc_slots", True), ("shard_dim", True), ("shard_dim", 1.0),
+])
+def test_bad_channel_settings_are_a_value_error_naming_the_field(field, value):
+    """``True`` was taken as 1 (a consumer world size, a timeout of one second, shard dimension 1), and a timeout
+    given as a string was a bare TypeError from the comparison."""
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        WorkerTensorChannel(**{field: value})
+
+
 def test_metadata_mismatch_raises_a_clear_error(open_channel):
     channel, producer, (consumer,) = open_channel(1, timeout=5)
     refs = producer.call("send", channel.channel_id, ("T", (4, 5), "float32", 15))
