@@ -67,12 +67,13 @@ class ChildSlot:
     """The record of one child slot, shared by the owner's calls and the monitor thread.
 
     The owner's calls read and change it under :attr:`ChildMonitor.lock` (``conn`` and
-    ``conn_open`` under :attr:`ChildMonitor.send_lock`); the monitor thread, which alone
+    ``conn_open`` under the slot's own ``send_lock``: a write blocked on one child's full pipe
+    holds up no other child's pipe, nor the monitor's reaping of another child); the monitor thread, which alone
     touches the process and its pipe, takes the lock for every change a waiter may need to see.
     """
 
     __slots__ = ("conn", "conn_open", "heard_at", "hello", "life", "pid", "pipe_closed_at", "proc", "spec",
-                 "spawn_due", "stop_at", "stop_timeout", "kill_cause", "exitcode")
+                 "spawn_due", "stop_at", "stop_timeout", "kill_cause", "exitcode", "send_lock")
 
     def __init__(self, spec: ChildSpec) -> None:
         self.spec = spec
@@ -81,6 +82,7 @@ class ChildSlot:
         self.proc: Any = None
         self.conn: Any = None
         self.conn_open = False
+        self.send_lock = threading.Lock()
         self.pid: int | None = None
         self.exitcode: int | None = None
         self.hello = False
@@ -114,7 +116,6 @@ class ChildMonitor:
         self.heartbeat_timeout = heartbeat_timeout
         self.slots = [ChildSlot(spec) for spec in children]
         self.lock = threading.Lock()
-        self.send_lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.spawn_requests: list[int] = []
         self.kill_requests: list[tuple[int, str | None]] = []
@@ -251,7 +252,7 @@ class ChildMonitor:
         try:
             data = slot.conn.recv_bytes()
         except (EOFError, OSError):
-            with self.send_lock:
+            with slot.send_lock:
                 slot.conn_open = False  # the child is exiting (its sentinel says how) or closed its end
             slot.pipe_closed_at = time.monotonic()
             return
@@ -277,7 +278,7 @@ class ChildMonitor:
         while slot.conn_open and slot.conn.poll():  # what it sent just before it exited
             self._read(index)
         slot.proc.join()  # its sentinel fired: this does not block
-        with self.send_lock:
+        with slot.send_lock:
             slot.conn_open = False
             slot.conn.close()
         exitcode = slot.proc.exitcode
@@ -335,7 +336,7 @@ class ChildMonitor:
                     slot.life.apply(Event.EXIT)
                 slot.exitcode = slot.proc.exitcode
                 self.changed.notify_all()
-            with self.send_lock:
+            with slot.send_lock:
                 slot.conn_open = False
                 slot.conn.close()
             self._report_exit(ChildExit(index, slot.pid, slot.exitcode, expected=slot.stop_at is not None, cause=cause))

@@ -129,7 +129,6 @@ class Supervisor:
         self._slots = self._monitor.slots
         self._lock = self._monitor.lock
         self._changed = self._monitor.changed
-        self._send_lock = self._monitor.send_lock
 
     # -- facts -----------------------------------------------------------------------------
 
@@ -253,8 +252,8 @@ class Supervisor:
 
     def send(self, index: int, data: bytes) -> bool:
         """Write one message to child ``index``; False when it is gone (``on_exit`` says how)."""
-        with self._send_lock:
-            slot = self._slots[index]
+        slot = self._slots[index]
+        with slot.send_lock:  # this child's pipe only: a full pipe here holds up no other child
             if not slot.conn_open or slot.conn is None:
                 return False
             try:
@@ -310,15 +309,14 @@ class Supervisor:
         self.wait_closed()
 
     def _send_goodbye(self, data: bytes) -> None:
-        for index in range(len(self._slots)):
-            if not self._send_lock.acquire(timeout=self.close_timeout):
-                return  # a send is stuck: SIGTERM and SIGKILL come next
+        for slot in self._slots:
+            if not slot.send_lock.acquire(timeout=self.close_timeout):
+                continue  # a send to this child is stuck: SIGTERM and SIGKILL come next
             try:
-                slot = self._slots[index]
                 if slot.conn_open and slot.conn is not None:
                     try:
                         slot.conn.send_bytes(data)
                     except OSError:
                         pass
             finally:
-                self._send_lock.release()
+                slot.send_lock.release()

@@ -135,3 +135,35 @@ def test_a_bad_result_timeout_is_refused_and_leaves_the_group_running(groups, ti
     with pytest.raises(ValueError, match="^timeout must be"):
         pending(timeout)  # was: an immediate "timeout" that failed the whole group
     assert pending() == 5 and not group.failed
+
+
+def test_a_send_stuck_on_a_stopped_rank_holds_up_neither_another_rank_s_death_nor_close(groups):
+    """One lock guarded every rank's pipe: a call whose argument filled a SIGSTOPped rank's pipe held it, and the
+    monitor, which takes it to reap a rank, never saw rank 1 die (the group never failed, close left ranks behind)."""
+    group = groups(world_size=2).start()
+    stopped, other = group.pids
+    os.kill(stopped, signal.SIGSTOP)
+    sent = threading.Event()
+
+    def call_with_a_big_argument() -> None:
+        try:
+            group.call("step", b"x" * 4_000_000)  # far more than a pipe holds: the write to rank 0 blocks
+        except Exception:
+            pass
+        sent.set()
+
+    try:
+        threading.Thread(target=call_with_a_big_argument, daemon=True).start()
+        assert not sent.wait(1.0)  # the stopped rank reads nothing: the caller waits in the write
+        os.kill(other, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not group.failed and time.monotonic() < deadline:
+            time.sleep(0.01)  # bench-cost: real-time poll for the monitor to see the kill, bounded by a deadline
+        assert group.failed and f"rank 1 (pid {other})" in group.failure_reason
+    finally:
+        closer = threading.Thread(target=group.close, daemon=True)
+        closer.start()
+        closer.join(30)
+    assert not closer.is_alive(), "close() hung behind the stuck write"
+    assert sent.wait(5)  # the stopped rank was killed: the write failed and the call returned
+    assert_no_children(group.pids)
