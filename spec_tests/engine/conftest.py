@@ -16,8 +16,10 @@ raise for one ``(stage, seq)`` (optionally one session). Closers log
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -346,3 +348,35 @@ def spec() -> PipelineSpec:
 async def orch(rec: Recorder, spec: PipelineSpec) -> AsyncIterator[Any]:
     async with running(rec, spec) as orchestrator:
         yield orchestrator
+
+
+# -- process worker groups (test_workers.py, test_hostile_workers.py) ---------------------------------
+
+RANKS = "spec_tests.engine.worker_ranks"
+
+
+def assert_no_children(pids: tuple[int, ...]) -> None:
+    """No child process is left, and none of ``pids`` exists any more."""
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture
+def groups() -> Iterator[Callable[..., Any]]:
+    """Builds (unstarted) ProcessWorkerGroups and closes every one of them at teardown."""
+    from engine.workers import ProcessWorkerGroup  # imported here: most engine tests never start a rank
+
+    made: list[ProcessWorkerGroup] = []
+
+    def make(factory: Any = f"{RANKS}:EchoRank", **kwargs: Any) -> ProcessWorkerGroup:
+        kwargs.setdefault("close_timeout", 5.0)
+        kwargs.setdefault("kill_grace", 0.5)
+        made.append(ProcessWorkerGroup(factory, **kwargs))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.close()
+    assert multiprocessing.active_children() == []

@@ -11,13 +11,12 @@ import trio
 from engine import (
     IngressRefused,
     LocalStageActor,
-    SessionStateError,
     open_orchestrator,
 )
 from states.pipeline_session import State
 from states.stage_actor import State as ActorState
 
-from .conftest import Recorder, canonical_spec, chunk, running
+from .conftest import canonical_spec, chunk, running
 
 BAD_TIMEOUTS = [math.nan, -1.0, "30", None, True]
 BAD_TIMEOUT_IDS = ["nan", "negative", "str", "none", "bool"]
@@ -30,6 +29,14 @@ def plain_actors(spec):
     return {s.stage_id: LocalStageActor(stage(s.produces), name=s.stage_id) for s in spec.stages}
 
 
+async def one_call_running(orch, rec):
+    """A session "a" whose chunk 0 is running at denoise (held there by the test's gate)."""
+    s = orch.create_session("a")
+    await s.push(0, chunk(0))
+    await rec.wait_started("denoise", "a", 0)
+    return s
+
+
 # -- closing the orchestrator ---------------------------------------------------------------------
 
 
@@ -38,9 +45,7 @@ async def test_an_orchestrator_close_its_caller_cancelled_is_finished_by_the_nex
     gate = rec.gate("denoise", 0)
     with trio.fail_after(10):
         async with running(rec) as orch:
-            s = orch.create_session("a")
-            await s.push(0, chunk(0))
-            await rec.wait_started("denoise", "a", 0)
+            s = await one_call_running(orch, rec)
             with trio.move_on_after(1) as caller:  # the caller gives up while the running call holds the shutdown
                 await orch.aclose()
             assert caller.cancelled_caught
@@ -55,9 +60,7 @@ async def test_concurrent_orchestrator_closes_each_return_once_everything_closed
     gate = rec.gate("denoise", 0)
     with trio.fail_after(10):
         async with running(rec) as orch:
-            s = orch.create_session("a")
-            await s.push(0, chunk(0))
-            await rec.wait_started("denoise", "a", 0)
+            s = await one_call_running(orch, rec)
             returned = []
 
             async def close(name: str) -> None:

@@ -11,40 +11,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from engine.workers import ProcessWorkerGroup, WorkerCallError, WorkerStartupError
+from engine.workers import ProcessWorkerGroup, WorkerCallError
 from states.process_group import State
 
 from . import worker_ranks
-
-RANKS = "spec_tests.engine.worker_ranks"
-
-
-def assert_no_children(pids: tuple[int, ...]) -> None:
-    assert multiprocessing.active_children() == []
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-
-
-@pytest.fixture
-def groups() -> Iterator[Callable[..., ProcessWorkerGroup]]:
-    made: list[ProcessWorkerGroup] = []
-
-    def make(factory: Any = f"{RANKS}:EchoRank", **kwargs: Any) -> ProcessWorkerGroup:
-        kwargs.setdefault("close_timeout", 5.0)
-        kwargs.setdefault("kill_grace", 0.5)
-        made.append(ProcessWorkerGroup(factory, **kwargs))
-        return made[-1]
-
-    yield make
-    for group in made:
-        group.close()
-    assert multiprocessing.active_children() == []
+from .conftest import RANKS, assert_no_children
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ and every test closes what it starts (the ``groups`` fixture is the safety net).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
 import signal
@@ -15,7 +14,6 @@ import textwrap
 from contextlib import aclosing
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +34,8 @@ from states.pipeline_session import State
 from states.stage_actor import State as ActorState
 
 from . import worker_ranks
+from .conftest import RANKS, assert_no_children
 
-RANKS = "spec_tests.engine.worker_ranks"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -52,30 +50,6 @@ def gone(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return True
     return state in ("Z", "X")
-
-
-def assert_no_children(pids: tuple[int, ...]) -> None:
-    assert multiprocessing.active_children() == []
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-
-
-@pytest.fixture
-def groups() -> Iterator[Callable[..., ProcessWorkerGroup]]:
-    """Builds (unstarted) groups and closes every one of them at teardown."""
-    made: list[ProcessWorkerGroup] = []
-
-    def make(factory: Any = f"{RANKS}:EchoRank", **kwargs: Any) -> ProcessWorkerGroup:
-        kwargs.setdefault("close_timeout", 5.0)
-        kwargs.setdefault("kill_grace", 0.5)
-        made.append(ProcessWorkerGroup(factory, **kwargs))
-        return made[-1]
-
-    yield make
-    for group in made:
-        group.close()
-    assert multiprocessing.active_children() == []
 
 
 # -- calls ---------------------------------------------------------------------------------
