@@ -88,7 +88,7 @@ class SessionShutdown:
                 ) from rt.cleanup_error
 
     async def _wait_settled(self, rt: SessionRuntime, deadline: float) -> bool:
-        with trio.move_on_at(deadline) as settle_deadline:  # stops the waiting, not the running calls
+        with trio.move_on_at(deadline):  # stops the waiting, not the running calls
             await self._core.wait_until(rt.changed, lambda: self._core.work_settled(rt))
         return self._core.work_settled(rt)
 
@@ -111,7 +111,7 @@ class SessionShutdown:
 
     async def _retry(self, rt: SessionRuntime, deadline: float) -> None:
         """Re-enter stage release, once no call from the timed-out attempt still runs."""
-        with trio.move_on_at(deadline) as retry_deadline:  # stops the wait for the timed-out calls
+        with trio.move_on_at(deadline):  # stops the wait for the timed-out calls
             await self._core.wait_until(rt.changed, lambda: not rt.reservations)
         if rt.reservations:
             self._poison(rt, TimeoutError("work still in flight; cleanup not retried"), "retry")
