@@ -97,6 +97,9 @@ __all__ = [
 VIDEO_NAME = "video.mp4"
 METRICS_NAME = "metrics.json"
 _CLOCK_TOLERANCE = 1e-6
+#: the session options a run sets itself on a service that applies the timeline (``supports_timeline``):
+#: chunks back to back, and as many as the run asks for; a caller's own value would be overwritten unseen
+RUN_OPTIONS = ("chunks", "continuous")
 
 @attrs.frozen
 class OfflineRunSummary:
@@ -426,7 +429,9 @@ async def run_offline(
 
     A bidirectional service gets one session with ``controls`` pushed on the media clock; a server-push
     service streams ``config`` (it takes no controls: passing any raises ``ValueError``). ``progress(done,
-    total)`` is called after each chunk. ``out_dir`` is created if missing. On any failure or cancellation
+    total)`` is called after each chunk. A service that applies the timeline itself gets the options
+    :data:`RUN_OPTIONS` from the run; a ``config`` that sets one of them is a ``ValueError`` (it would be
+    overwritten). ``out_dir`` is created if missing. On any failure or cancellation
     the temporary files are removed and nothing named ``video.mp4``/``metrics.json`` is written.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -440,6 +445,11 @@ async def run_offline(
     else:
         raise TypeError(f"service must be a BidirectionalService or a ServerPushService, got {type(service).__name__}")
     entries = controls.entries if controls is not None else ()
+    if isinstance(service, BidirectionalService) and service.supports_timeline:
+        taken = [name for name in RUN_OPTIONS if name in config.options]
+        if taken:  # the run would overwrite them without a word (a bad value, too, went unnoticed)
+            raise ValueError(f"option(s) {taken} are set by the offline run itself (continuous, and chunks from "
+                             f"the run's chunk count: --chunks); leave them out")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

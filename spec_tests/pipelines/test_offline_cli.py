@@ -123,3 +123,18 @@ def test_an_option_the_toy_world_does_not_know_exits_2_naming_it(tmp_path: Path,
     assert main(["run", toy_world, "--chunks", "1", "--option", "seeed=3", "--out", str(out)]) == 2
     assert "unknown option(s) ['seeed']" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("option", ["chunks=three", "chunks=5", "continuous=false"])
+def test_an_option_the_run_sets_itself_exits_2_naming_it(tmp_path: Path, option: str) -> None:
+    """The toy world applies the script itself, so the run sets its ``chunks`` and ``continuous``: a user's own
+    value (even a bad one, ``chunks=three``) was overwritten without a word and the run exited 0."""
+    out = tmp_path / "out"
+    toy_world = str(Path(pipelines.__file__).parent / "toy_world")
+    result = subprocess.run([sys.executable, "-m", "server.cli", "run", toy_world, "--chunks", "2", "--option", option,
+                             "--out", str(out)], capture_output=True, text=True, timeout=EXIT_DEADLINE)
+    assert result.returncode == 2, result.stderr[-2000:]
+    name = option.partition("=")[0]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"['{name}']" in lines[0] and "--chunks" in lines[0], result.stderr
+    assert not out.exists()
