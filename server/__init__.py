@@ -29,11 +29,14 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
 
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
+    from .setting_fields import require_existing_pipeline
     from .settings import ServerSettings
 
     env = dict(os.environ if environ is None else environ)
     env.setdefault("CHUNKLINE_PIPELINE", DEFAULT_PIPELINE)
     settings = ServerSettings.from_sources({}, env)
+    # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
+    require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
     return TrioASGIAnyWorker(create_app(settings))
 
 

@@ -184,16 +184,15 @@ def parse_stream_serve_args(argv: Sequence[str], env: Mapping[str, str]) -> Any:
 
 
 def _cmd_stream_serve(args: argparse.Namespace) -> int:
+    from server.setting_fields import require_existing_pipeline
     from server.settings import ServerSettings, SettingsError
 
     prefix = "chunkline stream-serve"
     try:
         settings = ServerSettings.from_sources(vars(args), os.environ)
+        require_existing_pipeline(settings.pipeline, None if args.pipeline else "CHUNKLINE_PIPELINE")
     except SettingsError as exc:
         print(f"{prefix}: error: {exc}", file=sys.stderr)
-        return 2
-    if not Path(settings.pipeline).exists():
-        print(f"{prefix}: error: PIPE {settings.pipeline!r} does not exist", file=sys.stderr)
         return 2
     serve = importlib.import_module("server.serve")  # lazily: `chunkline run` never loads the server stack
     try:

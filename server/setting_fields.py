@@ -25,6 +25,7 @@ __all__ = [
     "max_sessions",
     "pipeline_path",
     "placement",
+    "require_existing_pipeline",
     "public_url",
     "transport_name",
     "worker_mode",
@@ -40,6 +41,14 @@ def pipeline_path(value: Any) -> str:
             "PIPE", f"PIPE (the pipeline file) is required: pass it as an argument or set {env_var('pipeline')}"
         )
     return str(value)
+
+
+def require_existing_pipeline(path: str, variable: str | None = None) -> None:
+    """Raise :class:`SettingsError` naming PIPE (and ``variable``, the environment variable it came from)
+    when the pipeline file or package does not exist: checked at start, before any worker tries to load it."""
+    if not Path(path).exists():
+        where = f" (from environment variable {variable})" if variable else ""
+        raise SettingsError("PIPE", f"PIPE {path!r} does not exist{where}")
 
 
 def host_name(value: Any) -> str:

@@ -229,6 +229,22 @@ async def test_plain_hypercorn_with_a_bad_setting_prints_one_line_naming_it_and_
     assert done.returncode == BAD_SETTING_STATUS["in-process" if workers else "supervised"], (done.returncode, err)
 
 
+@pytest.mark.parametrize("workers", [[], ["--workers", "0"]], ids=["supervised", "in-process"])
+async def test_plain_hypercorn_with_a_missing_pipeline_prints_one_line_naming_it_and_fails(tmp_path: Path, workers):
+    """As ``chunkline stream-serve`` does: it served on, its worker crash-looping with a traceback each second."""
+    missing = str(tmp_path / "no_such_world.py")
+    command = [sys.executable, "-m", "hypercorn", *workers, "--bind", "127.0.0.1:0", APP_TARGET]
+    semaphores = set(os.listdir("/dev/shm"))
+    with trio.fail_after(START_DEADLINE):
+        done = await trio.run_process(command, cwd=str(ROOT), env=bare_env(CHUNKLINE_PIPELINE=missing),
+                                      stdin=subprocess.DEVNULL, capture_stdout=True, capture_stderr=True, check=False)
+    assert await semaphores_left_behind(semaphores) == []
+    err = done.stderr.decode(errors="replace")
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"chunkline: PIPE {missing!r} does not exist (from environment variable CHUNKLINE_PIPELINE)"], err
+    assert done.returncode == BAD_SETTING_STATUS["in-process" if workers else "supervised"], (done.returncode, err)
+
+
 async def test_hypercorn_supervisor_still_drops_its_workers_exit_status(tmp_path: Path):
     """Why a bad setting ends hypercorn's supervisor from the worker (server._end_hypercorn_supervisor).
 
