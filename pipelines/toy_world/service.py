@@ -77,8 +77,7 @@ __all__ = [
 ]
 
 #: the options a session may ask for (``SessionConfig.options``); anything else is refused naming it.
-#: ``preview`` is the startup check's own one-chunk session.
-SESSION_OPTIONS = frozenset({"continuous", "chunks", "resolution", "preview"})
+SESSION_OPTIONS = frozenset({"continuous", "chunks", "resolution"})
 
 
 class PipelineFailed(RuntimeError):
@@ -193,7 +192,7 @@ class ToyWorldService(BidirectionalService):
 
     async def _warm_up(self) -> None:
         """One chunk through every stage so that memory snapshots see steady-state peaks."""
-        session_id = await self.create_session(SessionConfig(options={"preview": True}))
+        session_id = await self.create_session(SessionConfig())  # every session makes one chunk
         async with contextlib.aclosing(self.chunks(session_id)) as chunks:
             async for _ in chunks:
                 break

@@ -39,6 +39,8 @@ BAD_OPTIONS: list[tuple[dict[str, Any], tuple[str, ...]]] = [
     ({"chunks": "three"}, ("'chunks'", "'three'")),
     ({"chunks": 0}, ("'chunks'",)),
     ({"continuous": "yes"}, ("'continuous'", "'yes'")),
+    # the startup check's own option once, read nowhere: a client's took any value and did nothing
+    ({"preview": "anything"}, ("unknown option", "'preview'")),
 ]
 
 
