@@ -24,7 +24,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .reasons import echo
 from .registry import UnknownStreamSession
-from .requests import BadRequest, parse_create_session, parse_drain_request, parse_token_request, resolve_image_path
+from .requests import (BadRequest, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
+                       resolve_image_path)
 from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
@@ -251,11 +252,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.get("/v1/stream/sessions")
     async def list_sessions() -> dict[str, Any]:
-        status = request.args.get("status")
+        status = parse_list_query(request.args, frozenset(state.value for state in SessionState))
         records = list(runtime.registry)
         if status is not None:
-            if status not in {state.value for state in SessionState}:
-                raise BadRequest("invalid_query", f"unknown status {echo(status)}")
             records = [r for r in records if r.status.value == status]
         return {"sessions": [session_view(r) for r in records]}
 

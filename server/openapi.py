@@ -203,7 +203,7 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "List sessions",
                 "parameters": [{"name": "status", "in": "query", "required": False,
                                 "schema": {"type": "string", "enum": STATUSES}}],
-                "responses": {"200": _json(_ref("SessionList"), "sessions"), "400": _error("unknown status"),
+                "responses": {"200": _json(_ref("SessionList"), "sessions"), "400": _error("unknown status or query parameter"),
                               **COMMON_ERRORS},
             },
         },

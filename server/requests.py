@@ -18,8 +18,8 @@ from pipelines.paths import PathRefused, resolve_inside
 
 from .reasons import echo, echo_each
 
-__all__ = ["CreateSession", "BadRequest", "OptionsRefused", "parse_create_session", "parse_drain_request", "parse_token_request",
-           "resolve_image_path"]
+__all__ = ["CreateSession", "BadRequest", "OptionsRefused", "parse_create_session", "parse_drain_request",
+           "parse_list_query", "parse_token_request", "resolve_image_path"]
 
 MAX_PROMPT = 2000
 MAX_CONFIG_BYTES = 16384
@@ -119,6 +119,22 @@ def parse_token_request(body: Any) -> str:
     if body.get("role", "viewer") != "viewer":
         raise BadRequest("invalid_field", "role must be 'viewer'")
     return identity
+
+
+def parse_list_query(args: Any, statuses: frozenset[str]) -> str | None:
+    """``?status=`` of the session list (a werkzeug ``MultiDict``) -> the status asked for, or None for all.
+
+    Any other parameter, or ``status`` twice, is refused: ``?stauts=running`` listed every session, and
+    ``?status=running&status=closed`` only the running ones, without a word."""
+    extra = sorted(set(args.keys()) - {"status"})
+    if extra:
+        raise BadRequest("invalid_query", f"unknown query parameter(s) {echo_each(extra)}; allowed: ['status']")
+    given = args.getlist("status")
+    if len(given) > 1:
+        raise BadRequest("invalid_query", f"status is given {len(given)} times; give it once (or not at all)")
+    if given and given[0] not in statuses:
+        raise BadRequest("invalid_query", f"unknown status {echo(given[0])}")
+    return given[0] if given else None
 
 
 def parse_drain_request(body: Any, default: float, limit: float) -> float:
