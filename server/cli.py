@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--image", metavar="FILE", help="reference image for the session (SessionConfig.image_path)")
     run.add_argument("--prompt", metavar="TEXT", help="text prompt for the session")
     run.add_argument(
-        "--controls", metavar="FILE", help="timed controls, a JSON list (see pipelines/offline.py for the format)"
+        "--controls", metavar="FILE", help="timed controls, a JSON list (see pipelines/timed_controls.py for the format)"
     )
     run.add_argument(
         "--chunks", metavar="N", type=int, default=DEFAULT_CHUNKS, help=f"chunks to generate (default {DEFAULT_CHUNKS})"
