@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 __all__ = [
     "EngineError",
     "IngressRefused",
@@ -15,6 +17,7 @@ __all__ = [
     "ActorBusyError",
     "ActorFailedError",
     "FatalStageError",
+    "seconds",
     "shown",
 ]
 
@@ -35,6 +38,21 @@ def shown(value: object) -> str:
     except Exception:
         return f"<a {type(value).__name__} whose repr failed>"
     return text if len(text) <= SHOWN_LIMIT else text[: SHOWN_LIMIT - 3] + "..."
+
+
+def seconds(name: str, value: object, *, zero_ok: bool = False, finite: bool = False) -> float:
+    """``value`` as a number of seconds, or a ValueError naming ``name``: a number (a bool is not one), not NaN,
+    > 0 (>= 0 with ``zero_ok``), and finite when ``finite`` (else ``math.inf`` means no limit)."""
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int too large for a float
+            pass
+    if not (number >= 0 if zero_ok else number > 0) or (finite and not math.isfinite(number)):
+        kind = "a finite number" if finite else "a number"
+        raise ValueError(f"{name} must be {kind} of seconds {'>= 0' if zero_ok else '> 0'}, got {shown(value)}")
+    return number
 
 
 class EngineError(Exception):

@@ -23,13 +23,15 @@ from states.pipeline_session import Event
 
 from .actors import ActorHealth, StageActor
 from .core import SchedulerCore
-from .errors import OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError, shown
+from .errors import (
+    OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError, seconds, shown,
+)
 from .graph import StageGraph
 from .ingress import check_final_sequence_id
 from .metrics import Diagnostics
 from .runtime import SessionRuntime
 from .session import Session
-from .shutdown import SessionShutdown, check_timeout
+from .shutdown import SessionShutdown
 from .spec import PipelineSpec
 
 __all__ = ["Orchestrator", "open_orchestrator"]
@@ -55,7 +57,7 @@ async def open_orchestrator(
     ``close_timeout``. An exception from the body propagates as itself.
     """
     check_actor_map(spec, actors)
-    check_timeout("close_timeout", close_timeout)
+    seconds("close_timeout", close_timeout, zero_ok=True)  # before anything starts: a bad one would hang the exit
     body_error: Exception | None = None  # the body's, a start's or a close's error, re-raised unwrapped
     async with trio.open_nursery() as host:
         # The actors run shielded from whatever cancels the body (an app's shutdown): the sessions' ordered
@@ -156,7 +158,7 @@ class Orchestrator:
         self, session_id: str, *, final_sequence_id: int | None = None, close_timeout: float = 60.0
     ) -> AsyncIterator[Session]:
         """A session that is drained and closed on exit (cancelled if the body raised)."""
-        check_timeout("close_timeout", close_timeout)  # now, not at the exit the body reached
+        seconds("close_timeout", close_timeout, zero_ok=True)  # now, not at the exit the body reached
         rt = self._open(session_id, final_sequence_id)
         try:
             yield Session(self._core, self._shutdown, rt)
@@ -226,7 +228,7 @@ class Orchestrator:
         Everything shares ``timeout``; an actor left to close after it passed still gets
         ``ACTOR_CLOSE_GRACE`` seconds, so only the ones that are really stuck are reported.
         """
-        check_timeout("timeout", timeout)
+        seconds("timeout", timeout, zero_ok=True)
         self._closing = True
         async with self._close_lock:  # a concurrent call waits for this one; after a cancelled one, it closes
             if not self._closed.is_set():

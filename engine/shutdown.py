@@ -21,22 +21,12 @@ from states.stage_actor import State as ActorState
 
 from .actors import SessionContext
 from .core import SchedulerCore
-from .errors import SessionCleanupError, shown
+from .errors import SessionCleanupError, seconds
 from .runtime import SessionRuntime
 
-__all__ = ["SessionShutdown", "check_timeout"]
+__all__ = ["SessionShutdown"]
 
 Event = table.Event
-
-
-def check_timeout(what: str, value: object) -> None:
-    """A timeout is a number of seconds >= 0 (``math.inf``: no limit); a ValueError names anything else.
-
-    Checked before anything changes: a NaN or a string found later would fail a shutdown
-    halfway (admission stopped, nothing released), or an orchestrator's close not at all.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{what} must be a number of seconds >= 0, got {shown(value)}")
 
 
 class SessionShutdown:
@@ -59,9 +49,10 @@ class SessionShutdown:
         e.g. it failed); a drain may use ``drain_timeout`` (default half of ``timeout``),
         so that an overrunning drain leaves time to release the stages.
         """
-        check_timeout("timeout", timeout)
+        # checked before anything changes: a NaN or a string found later would fail the shutdown halfway
+        seconds("timeout", timeout, zero_ok=True)
         if drain_timeout is not None:
-            check_timeout("drain_timeout", drain_timeout)
+            seconds("drain_timeout", drain_timeout, zero_ok=True)
         now = trio.current_time()
         deadline = now + timeout
         drain_deadline = min(deadline, now + (timeout / 2 if drain_timeout is None else drain_timeout))

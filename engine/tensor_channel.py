@@ -77,7 +77,7 @@ from typing import Any, Self
 
 import torch
 
-from .errors import shown
+from .errors import seconds, shown
 from .tensor_channel_consumer import ConsumerSide
 from .tensor_channel_refs import (
     TensorChannelDiscarded,
@@ -130,8 +130,7 @@ class WorkerTensorChannel(ConsumerSide):
 
         if not an_int(consumer_world_size) or consumer_world_size < 1:
             raise ValueError(f"consumer_world_size must be an int >= 1, got {shown(consumer_world_size)}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {shown(timeout)}")
+        seconds("timeout", timeout)
         if not an_int(cuda_ipc_slots) or cuda_ipc_slots < 1:
             raise ValueError(f"cuda_ipc_slots must be an int >= 1, got {shown(cuda_ipc_slots)}")
         if shard_dim is not None and not an_int(shard_dim):

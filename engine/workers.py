@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import pickle
 import threading
 from collections.abc import Callable, Iterable
@@ -36,7 +35,7 @@ from typing import Any
 
 from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachine, on_rank_exit
 
-from .errors import EngineError, FatalStageError
+from .errors import EngineError, FatalStageError, seconds
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 from .tensor_channel_refs import discard_lost_transfers
 from .worker_child import child_main
@@ -57,17 +56,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
-
-
-def _seconds(name: str, value: object, *, allow_zero: bool) -> float:
-    """``value`` as a finite number of seconds (> 0, or >= 0 with ``allow_zero``), or a ValueError naming ``name``."""
-    if (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-        or value < 0 or (value == 0 and not allow_zero)
-    ):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number of seconds {bound}, got {value!r}")
-    return float(value)
 
 
 class WorkerGroupError(EngineError, RuntimeError):
@@ -137,7 +125,7 @@ class DeferredResult:
         for ever), always woken early by a group failure. A timeout fails the group.
         """
         call = self._call
-        timeout = self._group.call_timeout if timeout is None else _seconds("timeout", timeout, allow_zero=False)
+        timeout = self._group.call_timeout if timeout is None else seconds("timeout", timeout, finite=True)
         if not call.event.wait(timeout):
             missing = sorted(set(call.ranks) - set(call.results))
             self._group._fail(f"call {call.method!r} (#{call.call_id}) got no answer from ranks {missing} within {timeout}s")
@@ -219,9 +207,9 @@ class ProcessWorkerGroup:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         if call_timeout is not None:
-            call_timeout = _seconds("call_timeout", call_timeout, allow_zero=False)
-        close_timeout = _seconds("close_timeout", close_timeout, allow_zero=True)
-        kill_grace = _seconds("kill_grace", kill_grace, allow_zero=True)
+            call_timeout = seconds("call_timeout", call_timeout, finite=True)
+        close_timeout = seconds("close_timeout", close_timeout, zero_ok=True, finite=True)
+        kill_grace = seconds("kill_grace", kill_grace, zero_ok=True, finite=True)
         if isinstance(factory, str) and factory.count(":") != 1:
             raise ValueError(f"factory must be 'module:callable', got {factory!r}")
         if not isinstance(factory, str) and not callable(factory):
@@ -299,7 +287,7 @@ class ProcessWorkerGroup:
         else that ends the wait early (a ``KeyboardInterrupt``, say) also kills and
         joins every rank and closes the group before it propagates.
         """
-        timeout = _seconds("timeout", timeout, allow_zero=False)
+        timeout = seconds("timeout", timeout, finite=True)
         with self._lock:
             if not self._life.can(Event.START):
                 if self._life.state in TERMINAL:
