@@ -153,6 +153,13 @@ def _reserve(fd: int, name: str, size: int) -> None:
         ) from exc
 
 
+def _remove(segments: list[Segment]) -> None:
+    """Unmap and unlink segments this process made (a profile evicted, or made after its channel closed)."""
+    for segment in segments:
+        segment.close()
+        unlink(segment.name)
+
+
 def unlink(name: str) -> None:
     try:
         _posixshmem.shm_unlink("/" + name)
@@ -240,9 +247,7 @@ class CpuSlotPool:
                 old = self.profiles.pop(old_key)
                 wait(old.last, f"evicting profile {old.entry}")
                 old.views.clear()
-                for segment in old.segments:
-                    segment.close()
-                    unlink(segment.name)
+                _remove(old.segments)
                 entry = old.entry
             words = self._control()
             epoch = words[ControlLayout.EPOCHS + entry] + 1
@@ -255,9 +260,7 @@ class CpuSlotPool:
             try:
                 self._control()  # raises once the owner closed the channel: it may not have seen this epoch
             except BaseException:
-                for segment in segments:
-                    segment.close()
-                    unlink(segment.name)
+                _remove(segments)
                 raise
             for segment in segments:  # the header never changes for a profile: written once
                 header = segment.words
