@@ -42,6 +42,7 @@ STATIC = Path(__file__).parent / "static"
 SHUTDOWN_GRACE = 20.0
 DRAIN_DEADLINE = 30.0
 MAX_DRAIN_DEADLINE = 3600.0
+SESSION_STATUSES = frozenset(state.value for state in SessionState)  # what ?status= of the session list may name
 RETRY_AFTER_SECONDS = 5
 MAX_STATIC_NAME = 255  # characters of a static file's path (longer names are a 404, not an OS error)
 REFUSALS = {
@@ -252,7 +253,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.get("/v1/stream/sessions")
     async def list_sessions() -> dict[str, Any]:
-        status = parse_list_query(request.args, frozenset(state.value for state in SessionState))
+        status = parse_list_query(request.args, SESSION_STATUSES)
         records = list(runtime.registry)
         if status is not None:
             records = [r for r in records if r.status.value == status]
