@@ -12,96 +12,18 @@ running beside it keeps its own. A port it cannot listen on is test_serve_startu
 
 from __future__ import annotations
 
-import base64
-import os
-import re
-import shutil
 import signal
 import socket
 import stat
-import subprocess
-import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
 
-from .conftest import png_bytes
+from .served_process import DRAINING, short_tmp, stream_serve
 
-ROOT = Path(__file__).resolve().parents[2]
-START_DEADLINE = 120.0  # wall seconds: a loaded 2-core host imports the server stack
-EXIT_DEADLINE = 30.0
-SERVING = re.compile(rb"chunkline: serving \S+ on (http://\S+)")
-DRAINING = b"shutting down: draining"
-
-
-class Served:
-    """One ``chunkline stream-serve`` process and what it has logged."""
-
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self.log = bytearray()
-        self.url = ""
-
-    async def read_until(self, pattern: re.Pattern[bytes] | bytes) -> None:
-        assert self.process.stderr is not None
-        with trio.fail_after(START_DEADLINE):
-            while not (pattern.search(self.log) if isinstance(pattern, re.Pattern) else pattern in self.log):
-                data = await self.process.stderr.receive_some()
-                assert data, f"the server exited:\n{self.text()}"
-                self.log += data
-
-    def text(self) -> str:
-        return self.log.decode(errors="replace")[-3000:]
-
-    async def upload(self) -> None:
-        """A session with an uploaded image: the server writes it to a file of its upload folder."""
-        body = {"identity": "ctl", "image_b64": base64.b64encode(png_bytes()).decode()}
-        async with httpx.AsyncClient(base_url=self.url, timeout=10) as client:
-            with trio.fail_after(START_DEADLINE):
-                while (await client.get("/v1/service/ready")).status_code != 200:
-                    await trio.sleep(0.05)  # bench-cost: the subprocess loads its pipeline
-            response = await client.post("/v1/stream/sessions", json=body)
-        assert response.status_code == 200, response.text
-
-    async def exit_code(self) -> int:
-        with trio.move_on_after(EXIT_DEADLINE):
-            return await self.process.wait()
-        raise AssertionError(f"no exit within {EXIT_DEADLINE:g} s:\n{self.text()}")
-
-
-@asynccontextmanager
-async def stream_serve(tmp: Path) -> AsyncIterator[Served]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    env.update(TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--port", "0"]
-    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    served = Served(process)
-    try:
-        await served.read_until(SERVING)
-        served.url = SERVING.search(served.log).group(1).decode()  # type: ignore[union-attr]
-        yield served
-    finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A fresh folder for the server's TMPDIR, with a path short enough for the Unix socket it makes there (at most
-    107 bytes): pytest's tmp_path is longer under a parallel run (each process has a folder of its own in it)."""
-    path = Path(tempfile.mkdtemp(prefix="cl-exit-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+__all__ = ["short_tmp"]  # the fixture, imported so that pytest finds it here
 
 
 def left_in(tmp: Path) -> list[str]:
