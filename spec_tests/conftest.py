@@ -6,13 +6,18 @@ a LiveKit server), not computing, so a few processes overlap those waits. Each t
 (``--dist loadfile``), run whole by one process in its order, so a module-scoped fixture (an authority and its
 agents, a LiveKit server) starts once; the modules that run a LiveKit server or a browser are one unit together,
 and so are the two that run Ray (:data:`ONE_AT_A_TIME`), so one such stack runs at a time. ``-n N`` chooses the
-number of processes; ``-n 0`` or ``-p no:xdist`` runs everything in this process, as before (``--pdb`` too).
+number of processes; ``-n 0`` or ``-p no:xdist`` runs everything in this process, as before (``--pdb`` too). A test past its deadline
+(``timeout`` in ``pyproject.toml``) prints every thread's stack and ends its process, which ends the run.
 
 (xdist's own ``--dist loadgroup`` cannot do the grouping here: it renames test ids, which pytest 9 ignores.)
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import traceback
 from typing import Any
 
 import pytest
@@ -45,6 +50,10 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     if option.numprocesses and option.dist == "no":  # `-n N` alone: by module too, not xdist's test by test
         option.dist = "loadfile"
         option.loadscopereorder = False  # collection order: the slow agent modules go first
+    if option.numprocesses and option.maxworkerrestart is None:
+        # a process ends only when a test overran its deadline (pytest-timeout); xdist would run that module again
+        # in a new process from its start, and wait on it when the test hangs again: report it and stop instead
+        option.maxworkerrestart = "0"
 
 
 def unit_of(nodeid: str) -> str:
@@ -67,3 +76,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return unit_of(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's deadline, on an xdist process: its own report goes to the process's terminal output, which
+    xdist discards, so a hang in CI showed nothing. This one writes the stacks to stderr, the run's own."""
+    if not hasattr(item.config, "workerinput") or settings.method != "thread":
+        return None
+    timer = threading.Timer(settings.timeout, report_overrun, (item, settings.timeout))
+    timer.name, timer.daemon = "test deadline", True
+    timer.start()
+    item.cancel_timeout = timer.cancel  # type: ignore[attr-defined]  # what pytest-timeout's cancel hook calls
+    return True
+
+
+def report_overrun(item: pytest.Item, timeout: float) -> None:
+    """Every thread's stack, to stderr, then end the process (xdist reports the test as crashed)."""
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(item)  # the test's output was captured: fd 2 is the run's stderr again
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    lines = [f"\n{'+' * 20} {item.nodeid}: past its {timeout:g} s deadline {'+' * 20}\n"]
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"--- thread {names.get(ident, ident)}\n")
+        lines.extend(traceback.format_stack(frame))
+    os.write(2, "".join(lines).encode(errors="replace"))
+    os._exit(1)
