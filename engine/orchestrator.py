@@ -63,7 +63,11 @@ async def open_orchestrator(
         # The actors run shielded from whatever cancels the body (an app's shutdown): the sessions' ordered
         # shutdown below still runs every stage's hook through its live actor; then the actors are closed,
         # and only then is their nursery cancelled.
-        actors_nursery, actors_scope = await host.start(_host_actors)
+        # The start itself is shielded too (it returns at once): a cancel already pending when _host_actors calls
+        # started() makes trio keep that task in start()'s own nursery, where, shielded and asleep, it would hold
+        # this exit for ever. The pending cancel lands at the next checkpoint instead, after the hand-over.
+        with trio.CancelScope(shield=True):
+            actors_nursery, actors_scope = await host.start(_host_actors)
         orch = Orchestrator(spec, actors, actors_nursery)
         try:
             try:

@@ -14,6 +14,8 @@ number of processes; ``-n 0`` or ``-p no:xdist`` runs everything in this process
 
 from __future__ import annotations
 
+import gc
+import inspect
 import os
 import sys
 import threading
@@ -101,5 +103,25 @@ def report_overrun(item: pytest.Item, timeout: float) -> None:
     for ident, frame in sys._current_frames().items():
         lines.append(f"--- thread {names.get(ident, ident)}\n")
         lines.extend(traceback.format_stack(frame))
+    lines.append("--- suspended coroutines (a trio test waits in one of these), outermost first\n")
+    lines.extend(f"  {chain}\n" for chain in suspended_coroutines())
     os.write(2, "".join(lines).encode(errors="replace"))
     os._exit(1)
+
+
+def suspended_coroutines() -> list[str]:
+    """Each chain of suspended coroutines, as ``file:line function -> ...``: a trio test that hangs shows its main
+    thread idle in trio's I/O wait, and what it waits for is only in these."""
+    coroutines = [found for found in gc.get_objects() if inspect.iscoroutine(found) and found.cr_frame is not None]
+    awaited = {id(coroutine.cr_await) for coroutine in coroutines}
+    chains = []
+    for root in coroutines:
+        if id(root) in awaited:
+            continue
+        steps, node = [], root
+        while node is not None and getattr(node, "cr_frame", None) is not None:
+            code = node.cr_frame.f_code
+            steps.append(f"{os.path.relpath(code.co_filename)}:{node.cr_frame.f_lineno} {code.co_qualname}")
+            node = node.cr_await
+        chains.append(" -> ".join(steps))
+    return chains

@@ -4,6 +4,7 @@ changes nothing, and no close is lost or hangs (every wait here is bounded by ``
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import trio
@@ -142,6 +143,24 @@ async def test_actors_already_running_elsewhere_are_refused_and_not_closed():
         with pytest.raises(ValueError, match="is closed and cannot be started again"):
             async with open_orchestrator(spec, actors):
                 pytest.fail("the body must not run")  # pragma: no cover
+
+
+async def test_an_orchestrator_cancelled_as_it_opens_ends_with_no_actor_left_running():
+    """A cancel that had reached ``open_orchestrator`` before its actors' nursery was handed over (an app shutting
+    down while a pipeline started, as a drained server does) made trio keep that nursery's host task where it was
+    started, shielded and asleep for ever: the exit hung, and a server's shutdown with it."""
+    spec = canonical_spec()
+    actors = plain_actors(spec)
+    threads = threading.active_count()
+    with trio.fail_after(10):  # a bound only where nothing is shielded: the hang was not one it could end
+        with trio.CancelScope() as caller:
+            caller.cancel()
+            async with open_orchestrator(spec, actors):
+                pytest.fail("the body of a cancelled open must not run")  # pragma: no cover
+    assert caller.cancelled_caught
+    assert all(a.health().state is not ActorState.RUNNING for a in actors.values()), {
+        name: a.health().state for name, a in actors.items()}
+    assert threading.active_count() == threads  # no actor thread left behind
 
 
 # -- bad input ----------------------------------------------------------------------------------------
