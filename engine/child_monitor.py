@@ -73,7 +73,8 @@ class ChildSlot:
     """
 
     __slots__ = ("conn", "conn_open", "heard_at", "hello", "life", "pid", "pipe_closed_at", "proc", "spec",
-                 "spawn_due", "stop_at", "stop_timeout", "kill_cause", "exitcode", "send_lock")
+                 "spawn_due", "stop_at", "stop_timeout", "kill_cause", "exitcode", "send_lock", "send_due",
+                 "send_timeout")
 
     def __init__(self, spec: ChildSpec) -> None:
         self.spec = spec
@@ -83,6 +84,8 @@ class ChildSlot:
         self.conn: Any = None
         self.conn_open = False
         self.send_lock = threading.Lock()
+        self.send_due: float | None = None  # when a write still blocked then kills the child (set by its sender)
+        self.send_timeout = 0.0
         self.pid: int | None = None
         self.exitcode: int | None = None
         self.hello = False
@@ -301,6 +304,9 @@ class ChildMonitor:
                     self._signal(index, due, None)
             elif slot.pipe_closed_at is not None and now - slot.pipe_closed_at > PIPE_CLOSED_GRACE:
                 self._signal(index, Event.KILL, "it closed its pipe but did not exit")
+            elif (send_due := slot.send_due) is not None and now > send_due:
+                self._signal(index, Event.KILL, f"it read none of a message sent to it for {slot.send_timeout:g}s "
+                                                "(stopped or stuck: its pipe stayed full)")
             elif (
                 self.heartbeat_timeout is not None and slot.life.state in HEARTBEAT_WATCHED
                 and now - slot.heard_at > self.heartbeat_timeout

@@ -30,6 +30,9 @@ child and easy to get subtly wrong, and leaves the wire format to its owner::
 - **Heartbeat deadline** (``heartbeat_timeout``): a running child that sends
   nothing for that long is killed, with that cause in its :class:`ChildExit`. The
   child side must then send something (a heartbeat) at least that often.
+- **Send deadline** (``send(..., timeout=)``): a write still blocked on a child's
+  full pipe after that long kills the child (a child that reads nothing, e.g.
+  one stopped with SIGSTOP, would otherwise hold the sender until the close).
 - **Replace on failure**: :meth:`Supervisor.respawn` spawns a fresh child into the
   slot of one that exited (from ``on_exit``'s caller's side, never on the monitor
   thread); a restart *policy* (backoff, crash-loop limit) belongs in ``states/``.
@@ -250,16 +253,24 @@ class Supervisor:
 
     # -- used by the owner (any thread) -------------------------------------------------------
 
-    def send(self, index: int, data: bytes) -> bool:
-        """Write one message to child ``index``; False when it is gone (``on_exit`` says how)."""
+    def send(self, index: int, data: bytes, *, timeout: float | None = None) -> bool:
+        """Write one message to child ``index``; False when it is gone (``on_exit`` says how).
+
+        A write still blocked after ``timeout`` seconds (the child reads nothing: its pipe is full) kills the child,
+        which ends the write: a child that takes in no message for that long is of no use, and the half-written
+        message would leave its pipe unreadable anyway."""
         slot = self._slots[index]
         with slot.send_lock:  # this child's pipe only: a full pipe here holds up no other child
             if not slot.conn_open or slot.conn is None:
                 return False
+            if timeout is not None:
+                slot.send_timeout, slot.send_due = timeout, time.monotonic() + timeout  # the monitor watches it
             try:
                 slot.conn.send_bytes(data)
             except OSError:
                 return False
+            finally:
+                slot.send_due = None
         return True
 
     def stop(self, goodbye: bytes | None, *, timeout: float | None = None) -> None:

@@ -185,7 +185,8 @@ class ProcessWorkerGroup:
 
     ``gather``: methods whose deferred result is every rank's value; ``rank0_only``:
     methods sent to rank 0 alone. Timeouts in seconds: ``call_timeout`` (None: wait,
-    but a failure always interrupts), ``close_timeout`` (graceful shutdown, after
+    but a failure always interrupts; it also bounds sending a call to a rank: one that
+    reads none of it for that long is killed, which fails the group), ``close_timeout`` (graceful shutdown, after
     which ranks are terminated, then killed, ``kill_grace`` apart). The ranks are
     daemonic processes, so they cannot spawn multiprocessing children of their own.
     """
@@ -412,7 +413,7 @@ class ProcessWorkerGroup:
             self._check_takes_calls()
             self._pending[call.call_id] = call
         for rank, payload in zip(ranks, payloads):
-            if not self._supervisor.send(rank, payload):
+            if not self._supervisor.send(rank, payload, timeout=self.call_timeout):
                 break  # the rank is gone: its exit fails the group, and this call with it
         return DeferredResult(self, call, method in self._gather)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine.workers import ProcessWorkerGroup, WorkerCallError
+from engine.workers import ProcessWorkerGroup, WorkerCallError, WorkerGroupFailed
 from states.process_group import State
 
 from . import worker_ranks
@@ -142,3 +142,28 @@ def test_a_send_stuck_on_a_stopped_rank_holds_up_neither_another_rank_s_death_no
     assert not closer.is_alive(), "close() hung behind the stuck write"
     assert sent.wait(5)  # the stopped rank was killed: the write failed and the call returned
     assert_no_children(group.pids)
+
+
+def test_a_call_that_a_stopped_rank_never_reads_fails_the_group_at_the_call_timeout(groups):
+    """The write of a call bigger than a pipe holds had no deadline: with a SIGSTOPped rank the caller waited in it
+    until someone closed the group, although call_timeout was set. Now the rank is killed at that deadline."""
+    group = groups(world_size=2, call_timeout=1.0).start()
+    stopped = group.pids[0]
+    os.kill(stopped, signal.SIGSTOP)
+    outcome: list[BaseException | None] = []
+
+    def call_with_a_big_argument() -> None:
+        try:
+            group.call("step", b"x" * 4_000_000)()  # far more than a pipe holds: the write to rank 0 blocks
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    caller = threading.Thread(target=call_with_a_big_argument, daemon=True)
+    caller.start()
+    caller.join(20)
+    assert not caller.is_alive(), "the call was still blocked in its write long past its call_timeout"
+    assert isinstance(outcome[0], WorkerGroupFailed), outcome
+    assert group.failed and f"rank 0 (pid {stopped})" in group.failure_reason
+    assert "read none of a message sent to it for 1s" in group.failure_reason, group.failure_reason
