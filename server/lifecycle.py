@@ -5,7 +5,8 @@ timeouts, the end) never move a record themselves: they ask
 :class:`SessionLifecycle`, which applies the event through the registry (and so
 through the stream-session table) and records what goes with it (the worker,
 the drain cause, the error). A drain's cause is recorded with its DRAIN, once:
-the first cause wins. A drain's outcome is the table's
+the first cause wins; a queued session, which never drains, keeps the cause it ended
+with. A drain's outcome is the table's
 (:func:`states.stream_session.settle_event`), never a string compared later.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import trio
 
-from states.stream_session import DrainCause, Event, settle_event
+from states.stream_session import QUEUED_ENDS_WITH, DrainCause, Event, settle_event
 
 from .registry import SessionRecord, SessionRegistry
 
@@ -47,16 +48,12 @@ class SessionLifecycle:
         record.worker_id = worker_id
         self._apply(record, Event.ASSIGN)
 
-    def withdraw(self, record: SessionRecord) -> None:
-        """A queued session deleted (or the server shutting down): closed, holding nothing."""
-        self._apply(record, Event.WITHDRAW)
-
-    def expire_queued(self, record: SessionRecord) -> None:
-        self._apply(record, Event.EXPIRE)
-
-    def fail_queued(self, record: SessionRecord, reason: str) -> None:
-        """A queued session nothing will ever run (every worker slot gave up): failed with the reason."""
-        self._apply(record, Event.FAIL, error=reason)
+    def end_queued(self, record: SessionRecord, cause: DrainCause, error: str | None = None) -> None:
+        """A queued session ends (DELETE, its timeout, the shutdown, no worker left): the table's event for
+        ``cause``, which the record keeps as its drain cause, as a live session's drain does."""
+        event = QUEUED_ENDS_WITH[cause]
+        record.drain_cause = cause
+        self._apply(record, event, error=error)
 
     # -- the runner's progress ---------------------------------------------------------------
 

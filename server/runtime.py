@@ -149,7 +149,7 @@ class StreamRuntime:
         live = len(self.runners)
         log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", live, grace)
         # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
-        self._fail_queued(SHUTDOWN_REASON)
+        self._fail_queued(DrainCause.SHUTDOWN, SHUTDOWN_REASON)
         for runner in list(self.runners.values()):
             self._drain(runner.record, DrainCause.SHUTDOWN)
         with trio.move_on_after(grace):
@@ -189,7 +189,7 @@ class StreamRuntime:
         slot = self.slots.holding(worker)
         if slot is not None and not self.closing and not self.in_process.failed(worker, reason, now):
             if not self.book.can_place():
-                self._fail_queued(f"no worker can take the session: {slot.tracker.describe(now)}")
+                self._fail_queued(DrainCause.WORKER_FAILED, f"no worker can take the session: {slot.tracker.describe(now)}")
         runtime_views.publish_gauges(self)
 
     def _notice_failing(self, now: float) -> None:
@@ -202,12 +202,12 @@ class StreamRuntime:
             if worker.failing and self.book.worker_state(worker_id) not in WORKER_TERMINAL:
                 self._follow(self.book.fail_worker(worker_id, now))
 
-    def _fail_queued(self, reason: str) -> None:
+    def _fail_queued(self, cause: DrainCause, reason: str) -> None:
         """Nothing will ever run the queued sessions (every slot gave up): they fail with the reason."""
         now = trio.current_time()
         for record in self.registry:
             if record.status is State.QUEUED:
-                self.lifecycle.fail_queued(record, reason)
+                self.lifecycle.end_queued(record, cause, reason)
                 self.uploads.discard(record)
                 self._follow(self.book.release(record.session_id, now))
                 self.metrics.record_session_finished(record.session_id, "failed")
@@ -349,7 +349,7 @@ class StreamRuntime:
     def _withdraw(self, record: SessionRecord) -> None:
         now = trio.current_time()
         self._notice_failing(now)
-        self.lifecycle.withdraw(record)
+        self.lifecycle.end_queued(record, DrainCause.DELETED)
         self.uploads.discard(record)
         self._follow(self.book.release(record.session_id, now))
         self.metrics.record_session_finished(record.session_id, "closed")
@@ -401,7 +401,7 @@ class StreamRuntime:
             now = trio.current_time()
             for record in self.registry.expired(now):
                 if record.status is State.QUEUED:
-                    self.lifecycle.expire_queued(record)
+                    self.lifecycle.end_queued(record, DrainCause.EXPIRED)
                     self.uploads.discard(record)
                     self._follow(self.book.release(record.session_id, now))
                     self.metrics.record_session_finished(record.session_id, "expired")

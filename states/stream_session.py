@@ -34,7 +34,8 @@ from __future__ import annotations
 from .machine import StateMachine, TableEnum
 
 __all__ = [
-    "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "FAILING_CAUSES",
+    "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "QUEUED_ENDS_WITH",
+    "FAILING_CAUSES",
     "StreamSessionMachine", "settle_event",
 ]
 
@@ -110,7 +111,7 @@ LIVE_MEDIA = frozenset({State.STARTING_PIPELINE, State.RUNNING, State.DRAINING})
 
 
 class DrainCause(TableEnum):
-    """Why a live session drains (recorded with its DRAIN, once)."""
+    """Why a session ends: recorded once, with a live session's DRAIN or with a queued session's end."""
 
     DELETED = "deleted"  # DELETE /v1/stream/sessions/{id}
     STOP = "stop"  # the controller's stop message
@@ -138,6 +139,16 @@ SETTLES_WITH: dict[DrainCause, Event] = {
     DrainCause.WORKER_FAILED: Event.FAIL,
     DrainCause.PIPELINE_STALLED: Event.FAIL,
     DrainCause.WORKER_DRAIN: Event.COMPLETE,
+}
+
+
+#: The event that ends a queued session, by why it ends. A queued session holds no worker, so it never drains; one
+#: the server will never run (it shuts down, or no worker can take it) fails with the reason, as it never ran.
+QUEUED_ENDS_WITH: dict[DrainCause, Event] = {
+    DrainCause.DELETED: Event.WITHDRAW,
+    DrainCause.EXPIRED: Event.EXPIRE,
+    DrainCause.SHUTDOWN: Event.FAIL,
+    DrainCause.WORKER_FAILED: Event.FAIL,
 }
 
 

@@ -121,7 +121,8 @@ async def test_a_crash_loop_stops_restarting_says_why_and_fails_the_queue() -> N
             await wait_until(lambda: s.runtime.get(session_id).is_terminal, "the session to end")
             record = await s.get(session_id)
             assert record["status"] == "failed" and record["error"], record
-        assert "crash loop" in (await s.get(queued["session_id"]))["error"]
+        failed_queued = await s.get(queued["session_id"])
+        assert "crash loop" in failed_queued["error"] and failed_queued["drain_cause"] == "worker_failed"
         status, body = await s.json("post", "/v1/stream/sessions", json={"identity": "late"})
         assert status == 503 and body["error"] == "no_worker" and "crash loop" in body["detail"]
 

@@ -225,6 +225,7 @@ async def test_a_session_queued_at_shutdown_fails_with_the_reason() -> None:
         status, record, _ = await s.json("get", f"/v1/stream/sessions/{queued['session_id']}")
         assert status == 200 and record["status"] == "failed", record
         assert record["error"] == "the server shut down before the session could start"
+        assert record["drain_cause"] == "shutdown"
 
 
 # -- principle 8: no 500 on any route, static files included -----------------------------------------------

@@ -40,7 +40,9 @@ async def test_deleting_the_first_queued_session_renumbers_the_rest(worker_kind)
         ids = [(await s.create(f"user-{i}"))[1]["session_id"] for i in range(4)]
         status, body, _ = await s.json("delete", f"{SESSIONS}/{ids[2]}")
         assert (status, body["status"]) == (200, "closed")
-        assert (await status_of(s, ids[2]))["queue_position"] is None
+        gone = await status_of(s, ids[2])
+        assert gone["queue_position"] is None
+        assert (gone["drain_cause"], gone["error"]) == ("deleted", None)  # as a deleted live session reads (was null)
         second = await status_of(s, ids[3])
         assert (second["status"], second["queue_position"]) == ("queued", 1)
         # the freed queue place is usable again, behind the remaining one

@@ -37,6 +37,7 @@ async def test_session_timeout_expires_queued_and_live_sessions(mock_clock):
         queued_now = (await get(s, queued["session_id"]))[1]
         assert queued_now["status"] == "expired" and queued_now["queue_position"] is None
         assert live_now["status"] == "expired"
+        assert queued_now["drain_cause"] == live_now["drain_cause"] == "expired"  # the queued one read null
         assert not s.runtime.runners
         health = (await s.json("get", "/v1/stream/health"))[1]
         assert (health["retained_sessions"], health["queued_sessions"], health["free_slots"]) == (0, 0, 1)

@@ -7,10 +7,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from states import explore_room_presence
+from states import explore_room_presence, stream_session
 from states.explore import explore
 from states.room_presence import TIMERS, RoomPresence, State, Timer
-from states.stream_session import FAILING_CAUSES, DrainCause, Event, settle_event
+from states.stream_session import FAILING_CAUSES, QUEUED_ENDS_WITH, DrainCause, Event, settle_event
 
 
 def book(**overrides: float) -> RoomPresence:
@@ -69,6 +69,12 @@ def test_each_drain_cause_settles_as_its_table_says():
     assert FAILING_CAUSES == {DrainCause.CONTROLLER_ABSENT, DrainCause.CONTROLLER_LEFT, DrainCause.WORKER_FAILED,
                               DrainCause.PIPELINE_STALLED}
     assert {timer.value for timer in Timer} <= {cause.value for cause in DrainCause}  # a timeout names its cause
+
+
+def test_each_way_a_queued_session_ends_is_a_move_its_table_allows():
+    for cause, event in QUEUED_ENDS_WITH.items():
+        assert (stream_session.State.QUEUED, event) in stream_session.TRANSITIONS, cause
+    assert QUEUED_ENDS_WITH[DrainCause.DELETED] is Event.WITHDRAW and QUEUED_ENDS_WITH[DrainCause.SHUTDOWN] is Event.FAIL
 
 
 # -- exhaustive exploration and a model test -------------------------------------------------------
