@@ -73,13 +73,14 @@ class InProcessWorkers:
         runtime.spawn(worker.run)
         return worker
 
-    def failed(self, worker: ModelWorker, reason: str, now: float) -> bool:
-        """A worker failed: its slot backs off and restarts it; False when the slot gave up."""
+    def failed(self, worker: ModelWorker, reason: str, now: float, *, permanent: bool = False) -> bool:
+        """A worker failed: its slot backs off and restarts it; False when the slot gave up (a crash loop, or at
+        once when the worker refused its configuration: ``permanent``)."""
         slot = self.runtime.slots.holding(worker)
         if slot is None:
             return True
-        decision = slot.tracker.failure(now, reason)
-        log.warning("worker slot %s: %s", slot.name, decision.reason)
+        decision = slot.tracker.failure(now, reason, permanent=permanent)
+        (log.error if decision.delay is None else log.warning)("worker slot %s: %s", slot.name, decision.reason)
         if decision.delay is None:
             return False
         self.runtime.spawn(self.restart_when_due, slot)

@@ -38,6 +38,11 @@ class ModelWorkerError(RuntimeError):
     """The pipeline could not be loaded or does not fit this configuration."""
 
 
+class ConfigurationRefused(ModelWorkerError):
+    """The pipeline cannot run with this server's settings: a replacement worker would refuse them the same way,
+    so its slot is not restarted (``on_failed`` is told ``permanent=True``)."""
+
+
 class ServiceEnded(RuntimeError):
     """The service left its ``running()`` block without being asked to: the worker failed."""
 
@@ -51,7 +56,7 @@ class ModelWorker:
         gpu_ids: tuple[int, ...],
         max_sessions: int | str,
         on_ready: Callable[[ModelWorker, int, CapacityPlan], None],
-        on_failed: Callable[[ModelWorker, str], None],
+        on_failed: Callable[..., None],  # (worker, reason, *, permanent): permanent when it refused its settings
         service_loader: Callable[..., Service] | None = None,
         policy: SessionCapacityPolicy = SessionCapacityPolicy(),
         worker_mode: str = "in-process",
@@ -155,7 +160,7 @@ class ModelWorker:
         reason = public_reason(exc)  # health and metadata show this line; the log has the detail
         self.failure = reason
         log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
-        self._on_failed(self, reason)
+        self._on_failed(self, reason, permanent=isinstance(exc, ConfigurationRefused))
         self.failed.set()
 
     async def _serve(self) -> None:
@@ -167,7 +172,7 @@ class ModelWorker:
             close = getattr(service, "close", None)  # a service in a child process: stop the child
             if close is not None:
                 await trio.to_thread.run_sync(close)
-            raise ModelWorkerError(
+            raise ConfigurationRefused(
                 f"a ServerPushService holds exactly one retained session; max_sessions_per_worker={limit} is refused"
             )
         if isinstance(service, BidirectionalService):

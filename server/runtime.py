@@ -178,8 +178,9 @@ class StreamRuntime:
         log.info("worker %s ready: capacity %d", worker.worker_id, capacity)
         self._follow(transitions)
 
-    def worker_failed(self, worker: ModelWorker, reason: str) -> None:
-        """A worker died: its sessions fail with its cause, and its slot backs off and restarts (or gives up)."""
+    def worker_failed(self, worker: ModelWorker, reason: str, *, permanent: bool = False) -> None:
+        """A worker died: its sessions fail with its cause, and its slot backs off and restarts (or gives up: on a
+        crash loop, or at once when it refused its configuration, ``permanent``)."""
         now = trio.current_time()
         if self.book.worker_state(worker.worker_id) not in WORKER_TERMINAL:
             self._follow(self.book.fail_worker(worker.worker_id, now))
@@ -187,7 +188,7 @@ class StreamRuntime:
             if runner.worker is worker:
                 runner.fail(f"worker {worker.worker_id} failed: {reason}")
         slot = self.slots.holding(worker)
-        if slot is not None and not self.closing and not self.in_process.failed(worker, reason, now):
+        if slot is not None and not self.closing and not self.in_process.failed(worker, reason, now, permanent=permanent):
             if not self.book.can_place():
                 self._fail_queued(DrainCause.WORKER_FAILED, f"no worker can take the session: {slot.tracker.describe(now)}")
         runtime_views.publish_gauges(self)

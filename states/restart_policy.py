@@ -10,7 +10,9 @@ doubling (``factor``) from ``base_delay`` up to ``max_delay`` with each failure
 still inside the window (failures older than the window are forgotten, so a
 worker that ran well for a while starts again from ``base_delay``). One failure
 more than ``max_failures`` inside the window is a crash loop: GAVE_UP, terminal,
-the slot stays failed and :meth:`RestartTracker.describe` says why. RESTARTED
+the slot stays failed and :meth:`RestartTracker.describe` says why. A failure
+that says the worker refused its configuration (``permanent``) gives up at once:
+every replacement would refuse it the same way. RESTARTED
 (the replacement was started) returns to RUNNING; STOP (the server stops)
 ends either live state in STOPPED.
 
@@ -45,6 +47,7 @@ class State(TableEnum):
 class Event(TableEnum):
     FAILED = "failed"  # the worker failed; a replacement is allowed after the backoff
     CRASH_LOOP = "crash_loop"  # the worker failed once too often inside the window
+    REFUSED = "refused"  # the worker refused its configuration: a replacement would refuse it the same way
     RESTARTED = "restarted"  # the replacement was started
     STOP = "stop"  # the server stops: no more restarts
 
@@ -52,6 +55,7 @@ class Event(TableEnum):
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.RUNNING, Event.FAILED): State.BACKING_OFF,
     (State.RUNNING, Event.CRASH_LOOP): State.GAVE_UP,
+    (State.RUNNING, Event.REFUSED): State.GAVE_UP,
     (State.RUNNING, Event.STOP): State.STOPPED,
     (State.BACKING_OFF, Event.RESTARTED): State.RUNNING,
     (State.BACKING_OFF, Event.STOP): State.STOPPED,
@@ -117,7 +121,7 @@ class Decision:
 class RestartTracker:
     """One worker slot: its failures inside the window, its restart machine, its restart count."""
 
-    __slots__ = ("policy", "machine", "restarts", "due_at", "last_cause", "_failures")
+    __slots__ = ("policy", "machine", "restarts", "due_at", "last_cause", "refusal", "_failures")
 
     def __init__(self, policy: RestartPolicy | None = None) -> None:
         self.policy = policy or RestartPolicy()
@@ -125,6 +129,7 @@ class RestartTracker:
         self.restarts = 0
         self.due_at: float | None = None
         self.last_cause: str | None = None
+        self.refusal: str | None = None  # why it gave up at once: the worker refused its configuration
         self._failures: deque[float] = deque()
 
     @property
@@ -140,17 +145,24 @@ class RestartTracker:
         while self._failures and now - self._failures[0] >= self.policy.window:
             self._failures.popleft()
 
-    def failure(self, now: float, cause: str) -> Decision:
-        """The running worker failed with ``cause``: back off, or give up on a crash loop."""
+    def failure(self, now: float, cause: str, *, permanent: bool = False) -> Decision:
+        """The running worker failed with ``cause``: back off, or give up on a crash loop or when ``permanent``
+        (the worker refused its configuration: a replacement would too)."""
         event = Event.FAILED
         self._forget(now)
         failures = len(self._failures) + 1
-        if failures > self.policy.max_failures:
+        if permanent:
+            event = Event.REFUSED
+        elif failures > self.policy.max_failures:
             event = Event.CRASH_LOOP
         self.machine.apply(event)  # raises IllegalTransition (changing nothing) unless RUNNING
         self._failures.append(now)
         self.last_cause = cause
         window = f"{self.policy.window:g} s"
+        if event is Event.REFUSED:
+            self.due_at = None
+            self.refusal = f"refused its configuration; not restarted ({cause})"
+            return Decision(event, failures, None, None, self.refusal)
         if event is Event.CRASH_LOOP:
             self.due_at = None
             reason = f"crash loop: {failures} failures within {window}; not restarted (last: {cause})"
@@ -185,11 +197,14 @@ class RestartTracker:
             self.due_at = None
 
     def describe(self, now: float) -> str | None:
-        """Why the slot is not running, for health: the backoff left or the crash loop; None when running."""
+        """Why the slot is not running, for health: the backoff left, the refusal or the crash loop; None when
+        running."""
         state = self.machine.state
         if state is State.BACKING_OFF:
             left = self.retry_after(now) or 0.0
             return f"restarting in {left:.1f} s after: {self.last_cause}"
+        if state is State.GAVE_UP and self.refusal is not None:
+            return self.refusal
         if state is State.GAVE_UP:
             return (
                 f"crash loop: more than {self.policy.max_failures} failures within {self.policy.window:g} s; "

@@ -47,7 +47,7 @@ from ..reasons import public_reason
 from ..requests import OptionsRefused
 from . import proofs, wire
 from .agent_sessions import AgentSessions
-from .backoff import back_off
+from .backoff import EXIT_REFUSED, back_off
 from .dial_ends import TRANSIENT_DEADLINE, End, Ended, Patience, answer, unproven_busy
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 
@@ -55,7 +55,6 @@ __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
 
 log = logging.getLogger("chunkline.agent")
 
-EXIT_REFUSED = 3
 CONNECT_TIMEOUT = 10.0
 OUTBOX = 1024
 # an agent cut off from the authority registers again quickly at first, and gives up on a crash loop
@@ -122,6 +121,7 @@ class Agent:
         self._nursery: trio.Nursery | None = None
         self._ready: wire.Ready | None = None
         self._model_failure: str | None = None
+        self._model_refused = False  # it refused this agent's settings: another agent would too
         self._model_settled = trio.Event()
         self._outbox: trio.MemorySendChannel[wire.Message] | None = None
         self._draining = False
@@ -143,7 +143,7 @@ class Agent:
             await self._model_settled.wait()
             if self._ready is None:
                 log.error("the model worker failed: %s", self._model_failure)
-                code = 1
+                code = EXIT_REFUSED if self._model_refused else 1
             else:
                 code = await self._registrations()
             await self.sessions.stop_all("agent exiting", hard=True)
@@ -390,8 +390,9 @@ class Agent:
                                  worker.settings_taken)
         self._model_settled.set()
 
-    def _model_failed(self, worker: ModelWorker, reason: str) -> None:
+    def _model_failed(self, worker: ModelWorker, reason: str, *, permanent: bool = False) -> None:
         self._model_failure = reason
+        self._model_refused = permanent
         self._model_settled.set()
 
     # -- drain --

@@ -13,17 +13,22 @@ import trio
 
 from states.restart_policy import RestartTracker
 
-__all__ = ["back_off", "await_goodbye", "GOODBYE_GRACE"]
+__all__ = ["back_off", "await_goodbye", "GOODBYE_GRACE", "EXIT_REFUSED"]
 
 log = logging.getLogger("chunkline.cluster")
+
+#: an agent's exit code when a replacement would be refused the same way (the authority refused it for good, or its
+#: model worker refused the settings): its launcher does not replace it
+EXIT_REFUSED = 3
 
 #: seconds a drained agent's goodbye may trail the launcher's notice that it exited (either may come first)
 GOODBYE_GRACE = 5.0
 
 
-async def back_off(tracker: RestartTracker, cause: str, what: str) -> bool:
-    """``what`` ended with ``cause``: wait out the backoff and return True to start again, False on a crash loop."""
-    decision = tracker.failure(trio.current_time(), cause)
+async def back_off(tracker: RestartTracker, cause: str, what: str, *, permanent: bool = False) -> bool:
+    """``what`` ended with ``cause``: wait out the backoff and return True to start again; False on a crash loop,
+    or at once when ``permanent`` (a replacement would end the same way)."""
+    decision = tracker.failure(trio.current_time(), cause, permanent=permanent)
     if decision.due_at is None:
         log.error("%s: %s", what, decision.reason)
         return False

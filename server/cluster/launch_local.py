@@ -24,7 +24,7 @@ import trio
 
 from states.restart_policy import RestartPolicy, RestartTracker
 
-from .backoff import await_goodbye, back_off
+from .backoff import EXIT_REFUSED, await_goodbye, back_off
 
 if TYPE_CHECKING:
     from .authority import ClusterAuthority
@@ -145,7 +145,7 @@ class LocalLauncher:
                 slot.restarts.stop()  # drained on purpose: its resources are back, nothing to replace
                 log.info("local slot %s: drained; it stays down", slot.name)
                 return
-            if not await back_off(slot.restarts, why, f"local slot {slot.name}"):
+            if not await back_off(slot.restarts, why, f"local slot {slot.name}", permanent=process.returncode == EXIT_REFUSED):
                 return
 
     async def _reap_if_silent(self, slot: _Slot, process: trio.Process) -> None:

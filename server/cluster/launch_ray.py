@@ -30,7 +30,7 @@ import trio
 
 from states.restart_policy import RestartPolicy, RestartTracker
 
-from .backoff import await_goodbye, back_off
+from .backoff import EXIT_REFUSED, await_goodbye, back_off
 
 from .launch_local import agent_command
 
@@ -224,7 +224,8 @@ class RayLauncher:
                 slot.restarts.stop()  # drained on purpose: its resources are back in Ray, nothing to replace
                 log.info("ray slot %s: drained; it stays down", slot.name)
                 return
-            if not await back_off(slot.restarts, why, f"ray slot {slot.name}"):
+            refused = why == f"process exited with code {EXIT_REFUSED}"  # a replacement would be refused too
+            if not await back_off(slot.restarts, why, f"ray slot {slot.name}", permanent=refused):
                 return
 
     # -- the authority's notices --

@@ -88,3 +88,18 @@ async def test_an_image_too_large_for_an_agent_is_a_400_and_takes_no_slot() -> N
     finally:
         cluster.http.close()
         assert cluster.process.stop() == 0, cluster.process.text()
+
+
+async def test_an_agent_whose_pipeline_refuses_the_settings_exits_3_and_its_slot_is_not_restarted() -> None:
+    """The replay pipeline pushes one session per worker: an agent given --max-sessions 2 refuses it as it loads.
+    It exited 1 and its local slot restarted it with backoff until the crash-loop limit, each refusing the same
+    way; it exits 3 now (a replacement would be refused too), and the launcher gives the slot up at once."""
+    cluster = start_authority("--max-sessions-per-worker", "2", launcher="local", workers=1, pipeline="pipelines/replay")
+    try:
+        await until(lambda: b"refused its configuration" in cluster.process.raw, "the slot to give up", cluster)
+        line = next(line for line in cluster.process.text().splitlines() if "refused its configuration" in line)
+        assert "local slot 0: refused its configuration; not restarted (process exited with code 3)" in line, line
+        assert "max_sessions_per_worker=2 is refused" in cluster.process.text()
+        assert "restart 1 of" not in cluster.process.text(), cluster.process.text()
+    finally:
+        cluster.stop()

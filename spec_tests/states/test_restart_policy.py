@@ -66,6 +66,20 @@ def test_a_crash_loop_gives_up_and_says_why() -> None:
         tracker.failure(40.0, "again")  # a slot that gave up stays so
 
 
+def test_a_refused_configuration_gives_up_at_once_whatever_failed_before() -> None:
+    """A worker that refused its settings would be refused again by every replacement: no backoff, no restarts."""
+    tracker = RestartTracker(POLICY)
+    decision = tracker.failure(1.0, "exit code 1")
+    assert decision.event is Event.FAILED
+    tracker.restarted(decision.due_at)
+    refused = tracker.failure(5.0, "max_sessions_per_worker=2 is refused", permanent=True)
+    assert (refused.event, refused.delay, refused.due_at) == (Event.REFUSED, None, None)
+    assert tracker.state is State.GAVE_UP and tracker.retry_after(5.0) is None and not tracker.due(10_000.0)
+    assert tracker.describe(6.0) == "refused its configuration; not restarted (max_sessions_per_worker=2 is refused)"
+    with pytest.raises(IllegalTransition):
+        tracker.failure(7.0, "again", permanent=True)
+
+
 def test_failures_older_than_the_window_are_forgotten() -> None:
     tracker = RestartTracker(POLICY)
     for at in (0.0, 10.0, 20.0):
