@@ -35,6 +35,8 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     env = dict(os.environ if environ is None else environ)
     env.setdefault("CHUNKLINE_PIPELINE", DEFAULT_PIPELINE)
     settings = ServerSettings.from_sources({}, env)
+    for warning in ServerSettings.ignored_variables(env):  # a line each, as a bad setting's error is
+        print(f"chunkline: warning: {warning}", file=sys.stderr, flush=True)
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
     return TrioASGIAnyWorker(create_app(settings))

@@ -194,6 +194,8 @@ def _cmd_stream_serve(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"{prefix}: error: {exc}", file=sys.stderr)
         return 2
+    for warning in ServerSettings.ignored_variables(os.environ):
+        print(f"{prefix}: warning: {warning}", file=sys.stderr)
     serve = importlib.import_module("server.serve")  # lazily: `chunkline run` never loads the server stack
     try:
         result = serve.run(settings)

@@ -84,6 +84,7 @@ Notes:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -118,6 +119,13 @@ __all__ = [
 ]
 
 REDACTED = "***"
+
+#: ``CHUNKLINE_*`` variables that are not server settings (the worker command's token, the LiveKit binary, the tests'
+#: and the benchmarks' own): any other is most likely a misspelt setting, which the server would ignore unseen.
+OTHER_VARIABLES = frozenset({
+    "CHUNKLINE_CLUSTER_TOKEN", "CHUNKLINE_LIVEKIT_SERVER", "CHUNKLINE_ARTIFACTS", "CHUNKLINE_CHROMIUM",
+    "CHUNKLINE_CHROMEDRIVER", "CHUNKLINE_PEER_ORCHESTRATOR", "CHUNKLINE_BENCH_SIZE", "CHUNKLINE_TEST_GPU_RECORD",
+})
 MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKit's data packets are far smaller
 MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
 MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies together may hold
@@ -422,6 +430,18 @@ class ServerSettings:
             raise SettingsError(exc.option, f"{exc} (from environment variable {variable})") from None
         settings._refuse_options_that_would_be_ignored(given=frozenset(n for n in SHELL_WIDE if cli.get(n) is not None))
         return settings
+
+    @classmethod
+    def ignored_variables(cls, env: Mapping[str, str]) -> list[str]:
+        """A warning for each ``CHUNKLINE_*`` variable in ``env`` that nothing reads, naming the setting it may
+        have meant (``CHUNKLINE_QUEUE_SIZ`` -> ``CHUNKLINE_QUEUE_SIZE``): a misspelt one changed nothing, silently."""
+        known = sorted({env_var(name) for name in cls.field_names()} | OTHER_VARIABLES)
+        warnings = []
+        for variable in sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known):
+            close = difflib.get_close_matches(variable, known, n=1, cutoff=0.8)
+            meant = f" (did you mean {close[0]}?)" if close else ""
+            warnings.append(f"{variable} is not a chunkline setting{meant}; it is ignored")
+        return warnings
 
     # --- views ----------------------------------------------------------------------------------------------
 

@@ -217,6 +217,22 @@ def test_bad_environment_value_exits_2_naming_option_and_variable(
     assert fake_serve == []
 
 
+def test_a_chunkline_variable_that_is_no_setting_is_named_in_a_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fake_serve: list[ServerSettings]
+) -> None:
+    """``CHUNKLINE_QUEUE_SIZ=5`` was ignored without a word: the server ran with no queue."""
+    monkeypatch.setenv("CHUNKLINE_QUEUE_SIZ", "5")
+    monkeypatch.setenv("CHUNKLINE_SOMETHING_ELSE", "x")
+    monkeypatch.setenv("CHUNKLINE_CLUSTER_TOKEN", "the worker command's own: no warning")
+    assert main(["stream-serve", REPLAY]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "chunkline stream-serve: warning: CHUNKLINE_QUEUE_SIZ is not a chunkline setting (did you mean "
+        "CHUNKLINE_QUEUE_SIZE?); it is ignored",
+        "chunkline stream-serve: warning: CHUNKLINE_SOMETHING_ELSE is not a chunkline setting; it is ignored",
+    ]
+    assert fake_serve[0].queue_size == 0  # what the warning says: the default, unchanged
+
+
 def test_duplicate_gpu_is_refused_at_startup(
     capsys: pytest.CaptureFixture[str], fake_serve: list[ServerSettings]
 ) -> None:

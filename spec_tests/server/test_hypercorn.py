@@ -143,9 +143,11 @@ def bare_env(**extra: str) -> dict[str, str]:
     return env
 
 
-async def test_plain_hypercorn_with_no_chunkline_variables_serves_the_embedded_default():
+async def test_plain_hypercorn_with_no_pipeline_variable_serves_the_embedded_default_and_names_a_misspelt_one():
+    """A misspelt ``CHUNKLINE_PIPELNE`` left the server on the embedded toy world without a word."""
     command = [sys.executable, "-m", "hypercorn", "--bind", "127.0.0.1:0", APP_TARGET]
-    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=bare_env(), stdin=subprocess.DEVNULL,
+    env = bare_env(CHUNKLINE_PIPELNE="pipelines/replay")
+    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = bytearray()
     try:
@@ -162,6 +164,12 @@ async def test_plain_hypercorn_with_no_chunkline_variables_serves_the_embedded_d
                     await trio.sleep(0.1)  # bench-cost: the toy world loads
                 assert (response.status_code, response.json()["status"]) == (200, "ready")
                 metadata = (await client.get("/v1/service/metadata")).json()
+            warning = b"chunkline: warning: CHUNKLINE_PIPELNE is not a chunkline setting (did you mean " \
+                      b"CHUNKLINE_PIPELINE?); it is ignored"
+            while warning not in log:  # written as the app was built, before it answered
+                data = await process.stderr.receive_some()
+                assert data, f"hypercorn exited:\n{log.decode(errors='replace')[-3000:]}"
+                log.extend(data)
         assert metadata["pipeline_file"].endswith(os.path.join("pipelines", "toy_world"))
         assert metadata["transport"] == "local" and metadata["pipeline_kind"] == "bidirectional"
     finally:
