@@ -14,7 +14,7 @@ from typing import Any
 from .contract import BidirectionalService, ServerPushService, Service
 
 __all__ = [
-    "FILE_MODULE_PREFIX", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
+    "FILE_MODULE_PREFIX", "OptionsNotAccepted", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
 ]
 
 #: the module name a pipeline file outside any package is imported under: only the process that loaded it has it
@@ -44,6 +44,10 @@ def record_offered_taken(service: object, names: frozenset[str]) -> None:
 
 class PipelineLoadError(ValueError):
     """The pipeline file is missing, does not import, or does not fit the contract."""
+
+
+class OptionsNotAccepted(PipelineLoadError):
+    """``get_service()`` takes none of these options: loading it again with them fails the same way."""
 
 
 def load_pipeline_module(path: str | Path) -> ModuleType:
@@ -115,7 +119,7 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     unknown = sorted(k for k in options if k not in accepted and not takes_any)
     if unknown:
-        raise PipelineLoadError(f"get_service() in {str(path)!r} does not accept {unknown}")
+        raise OptionsNotAccepted(f"get_service() in {str(path)!r} does not accept {unknown}")
     named = {name for name, p in accepted.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
     options = {**{k: v for k, v in (offered or {}).items() if k in named and k not in options}, **options}
     try:

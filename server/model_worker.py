@@ -19,7 +19,7 @@ import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
 from pipelines.contract import BidirectionalService, ServerPushService, Service
-from pipelines.loader import load_service, offered_taken
+from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.validation import validate_service
 
 from .process_service import start_process_service
@@ -160,7 +160,8 @@ class ModelWorker:
         reason = public_reason(exc)  # health and metadata show this line; the log has the detail
         self.failure = reason
         log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
-        self._on_failed(self, reason, permanent=isinstance(exc, ConfigurationRefused))
+        # a replacement would refuse these settings, or be refused them, the same way: not restarted
+        self._on_failed(self, reason, permanent=isinstance(exc, ConfigurationRefused | OptionsNotAccepted))
         self.failed.set()
 
     async def _serve(self) -> None:

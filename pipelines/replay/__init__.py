@@ -6,15 +6,14 @@ server-push pipeline. See :mod:`pipelines.replay.service` for the options.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .service import ANY_FILE, ReplayOptions, ReplayService
 
 __all__ = ["ReplayOptions", "ReplayService", "get_service"]
 
 
-def get_service(gpu_num: int = 0, *, served: bool = False, assets_dir: str | None = None, **_: Any) -> ReplayService:
-    """The replay service; it uses no accelerator, so ``gpu_num`` (and any other option) is ignored.
+def get_service(gpu_num: int = 0, *, served: bool = False, assets_dir: str | None = None) -> ReplayService:
+    """The replay service; it uses no accelerator, so ``gpu_num`` is ignored. It takes nothing else: a ``--seed``,
+    ``--device`` or placement given for it is refused (it has no randomness, no device and no stages to place).
 
     The stream server offers ``served`` and its ``assets_dir``: its clients are remote, so their
     ``video_path`` must name a file inside the assets directory (and none without one); a local run

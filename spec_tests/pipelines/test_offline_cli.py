@@ -125,6 +125,20 @@ def test_an_option_the_toy_world_does_not_know_exits_2_naming_it(tmp_path: Path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--seed", "3"), ("--device", "cpu")])
+def test_a_flag_the_replay_pipeline_has_no_use_for_exits_2_naming_it(tmp_path: Path, flag: str, value: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The replay pipeline has no randomness and no device: its get_service took any option and ignored it, so
+    ``--seed 3`` and ``--device cpu`` ran as if they were not given."""
+    from server.cli import main
+
+    out = tmp_path / "out"
+    replay = str(Path(pipelines.__file__).parent / "replay")
+    assert main(["run", replay, "--chunks", "1", flag, value, "--out", str(out)]) == 2
+    assert f"does not accept [{flag.removeprefix('--')!r}]" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("option", ["chunks=three", "chunks=5", "continuous=false"])
 def test_an_option_the_run_sets_itself_exits_2_naming_it(tmp_path: Path, option: str) -> None:
     """The toy world applies the script itself, so the run sets its ``chunks`` and ``continuous``: a user's own

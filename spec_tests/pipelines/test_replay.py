@@ -12,7 +12,7 @@ import pytest
 
 import pipelines
 from pipelines.contract import Chunk, ServerPushService, SessionConfig
-from pipelines.loader import load_service
+from pipelines.loader import PipelineLoadError, load_service
 from pipelines.replay import ReplayService, get_service
 from pipelines.replay.service import SAMPLE_RATE, render_test_pattern, tone_pcm
 
@@ -34,7 +34,9 @@ def test_get_service_fits_the_contract() -> None:
     service = load_service(REPLAY, gpu_num=0)
     assert isinstance(service, ServerPushService)
     assert service.kind == "server_push"
-    assert isinstance(get_service(gpu_num=1, device="cpu", seed=3), ReplayService)  # extra options are ignored
+    assert isinstance(get_service(gpu_num=1), ReplayService)  # it uses no accelerator: any gpu_num
+    with pytest.raises(PipelineLoadError, match=r"does not accept \['device', 'seed'\]"):
+        load_service(REPLAY, device="cpu", seed=3)  # it has neither: refused, not ignored
 
 
 async def test_chunks_are_well_formed_with_one_chunk_of_audio_each() -> None:

@@ -50,20 +50,28 @@ async def test_the_session_list_refuses_a_query_it_would_ignore(client: httpx.As
     assert [s["session_id"] for s in running.json()["sessions"]] == [created.json()["session_id"]]
 
 
-@pytest.mark.parametrize("worker_mode", ["in-process", "process"])
-async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash_loop(short_tmp: Path,
-                                                                                      worker_mode: str) -> None:
-    """The replay pipeline pushes one session per worker: ``--max-sessions-per-worker 2`` is refused when it loads.
-    The slot restarted the worker five times over about half a minute, a traceback each, although every
-    replacement refused the same settings; it gives up at once now, and health and a create say why."""
-    options = ("--max-sessions-per-worker", "2", "--worker-mode", worker_mode)
+REFUSED_SETTINGS = [
+    (("--max-sessions-per-worker", "2", "--worker-mode", "in-process"), "max_sessions_per_worker=2 is refused"),
+    (("--max-sessions-per-worker", "2", "--worker-mode", "process"), "max_sessions_per_worker=2 is refused"),
+    (("--placement", "{}"), "does not accept ['placement']"),  # a pipeline with no stages to place
+]
+
+
+@pytest.mark.parametrize(("options", "named"), REFUSED_SETTINGS, ids=["sessions", "sessions-process", "placement"])
+async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash_loop(
+    short_tmp: Path, options: tuple[str, ...], named: str
+) -> None:
+    """The replay pipeline pushes one session per worker and has no stages: ``--max-sessions-per-worker 2`` and a
+    placement are refused as it loads. The slot restarted the worker five times over about half a minute, a
+    traceback each, although every replacement refused the same settings; it gives up at once now, and health
+    and a create say why."""
     async with stream_serve(short_tmp, *options) as served:
         async with httpx.AsyncClient(base_url=served.url, timeout=10) as http:
             await served.read_until(b"refused its configuration")
             health = (await http.get("/v1/stream/health")).json()
             slot = health["worker_slots"]["worker-0"]
             assert (slot["state"], health["status"], health["worker_restarts"]) == ("gave_up", "unhealthy", 0), health
-            assert "max_sessions_per_worker=2 is refused" in slot["reason"], slot
+            assert named in slot["reason"], slot
             created = await http.post(SESSIONS, json={"identity": "ctl"})
             assert created.status_code == 503 and created.json()["error"] == "no_worker", created.text
             assert "refused its configuration" in created.json()["detail"], created.text
