@@ -145,6 +145,12 @@ async def _serve(
 
     config = _HandedSocket(backend)
     config.accesslog = None
+    # hypercorn's own lines go through the server's logging (one format, each line once: its own handler wrote them
+    # a second time), warnings and errors only: its "Running on" names the socket behind the front, and the server's
+    # "serving ... on" line says where clients connect
+    hypercorn_log = logging.getLogger("hypercorn.error")
+    hypercorn_log.setLevel(logging.WARNING)
+    config.errorlog = hypercorn_log
     config.graceful_timeout = FRONT_GRACE  # sessions are drained before hypercorn is told to stop
     config.read_timeout = 30  # a request body that stops arriving is dropped (the front bounds the head)
     # the front writes each head again with "\r\n" endings and ": " after each name, so one within MAX_HEAD

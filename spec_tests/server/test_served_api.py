@@ -50,6 +50,20 @@ async def test_the_session_list_refuses_a_query_it_would_ignore(client: httpx.As
     assert [s["session_id"] for s in running.json()["sessions"]] == [created.json()["session_id"]]
 
 
+async def test_the_log_says_once_where_clients_connect_and_nothing_of_the_socket_behind_the_front(
+    short_tmp: Path,
+) -> None:
+    """hypercorn's "Running on http://unix:..." came twice (its handler, then the server's), naming a socket no
+    client may use, beside the server's own "serving ... on http://127.0.0.1:PORT"."""
+    async with stream_serve(short_tmp) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=10) as http:
+            await served.wait_ready(http)
+        served.process.send_signal(signal.SIGTERM)
+        assert await served.exit_code() == 0, served.text()
+    assert "Running on" not in served.text() and "unix:" not in served.text(), served.text()
+    assert served.text().count(served.url) == 1, served.text()
+
+
 REFUSED_SETTINGS = [
     (("--max-sessions-per-worker", "2", "--worker-mode", "in-process"), "max_sessions_per_worker=2 is refused"),
     (("--max-sessions-per-worker", "2", "--worker-mode", "process"), "max_sessions_per_worker=2 is refused"),
