@@ -22,7 +22,7 @@ from pipelines.contract import BidirectionalService, ServerPushService, Service
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.validation import validate_service
 
-from .process_service import start_process_service
+from .process_service import ProcessServiceOptionsRefused, start_process_service
 from .reasons import public_reason
 from .requests import OptionsRefused
 
@@ -41,6 +41,10 @@ class ModelWorkerError(RuntimeError):
 class ConfigurationRefused(ModelWorkerError):
     """The pipeline cannot run with this server's settings: a replacement worker would refuse them the same way,
     so its slot is not restarted (``on_failed`` is told ``permanent=True``)."""
+
+
+#: the failures a replacement worker would meet the same way: the slot is not restarted
+REFUSALS = (ConfigurationRefused, OptionsNotAccepted, ProcessServiceOptionsRefused)
 
 
 class ServiceEnded(RuntimeError):
@@ -161,7 +165,7 @@ class ModelWorker:
         self.failure = reason
         log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
         # a replacement would refuse these settings, or be refused them, the same way: not restarted
-        self._on_failed(self, reason, permanent=isinstance(exc, ConfigurationRefused | OptionsNotAccepted))
+        self._on_failed(self, reason, permanent=isinstance(exc, REFUSALS))
         self.failed.set()
 
     async def _serve(self) -> None:

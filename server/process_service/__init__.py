@@ -86,6 +86,7 @@ from .errors import (
     ProcessServiceClosed,
     ProcessServiceError,
     ProcessServiceFailed,
+    ProcessServiceOptionsRefused,
     ProcessServiceStartError,
     RemoteServiceError,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "ProcessService",
     "ProcessServiceCallTimeout",
     "ProcessServiceClosed",
+    "ProcessServiceOptionsRefused",
     "ProcessServiceError",
     "ProcessServiceFailed",
     "ProcessServiceStartError",

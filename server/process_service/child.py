@@ -47,12 +47,12 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     bind_to_parent(config)
     os.environ.update(config.get("environment") or {})
-    try:
-        from pipelines.loader import load_service, offered_taken
+    from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 
+    try:
         service = load_service(config["pipeline"], offered=config.get("offered"), **config["options"])
-    except BaseException:
-        _send_now(conn, wire.LoadFailed(traceback.format_exc()))
+    except BaseException as exc:
+        _send_now(conn, wire.LoadFailed(traceback.format_exc(), isinstance(exc, OptionsNotAccepted)))
         raise SystemExit(1) from None
     taken = offered_taken(service)
     _send_now(conn, wire.Ready(service.kind, bool(getattr(service, "supports_timeline", False)), os.getpid(),

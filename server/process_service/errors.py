@@ -8,7 +8,7 @@ from .wire import ErrorInfo
 
 __all__ = [
     "ProcessServiceCallTimeout", "ProcessServiceClosed", "ProcessServiceError", "ProcessServiceFailed",
-    "ProcessServiceStartError", "RemoteServiceError", "remote_error",
+    "ProcessServiceStartError", "ProcessServiceOptionsRefused", "RemoteServiceError", "remote_error",
 ]
 
 
@@ -18,6 +18,10 @@ class ProcessServiceError(RuntimeError):
 
 class ProcessServiceStartError(ProcessServiceError):
     """The child could not load the pipeline (with its traceback), exited, or was not ready in time."""
+
+
+class ProcessServiceOptionsRefused(ProcessServiceStartError):
+    """The child's pipeline takes none of the options it was given: a new child would fail the same way."""
 
 
 class ProcessServiceFailed(ProcessServiceError):

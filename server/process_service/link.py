@@ -21,7 +21,7 @@ from engine.supervisor import ChildExit, ChildSpec, StartupFailed, StartupProble
 
 from . import wire
 from .child import child_main
-from .errors import ProcessServiceStartError
+from .errors import ProcessServiceOptionsRefused, ProcessServiceStartError
 
 __all__ = ["ServiceLink"]
 
@@ -29,9 +29,10 @@ __all__ = ["ServiceLink"]
 class _LoadFailed(Exception):
     """The child's hello said that loading the pipeline failed."""
 
-    def __init__(self, traceback_text: str) -> None:
+    def __init__(self, traceback_text: str, options_refused: bool) -> None:
         super().__init__("loading the pipeline failed")
         self.traceback_text = traceback_text
+        self.options_refused = options_refused
 
 
 class ServiceLink:
@@ -79,7 +80,7 @@ class ServiceLink:
     def _check_hello(self, index: int, data: bytes) -> None:
         message = wire.loads(data)
         if isinstance(message, wire.LoadFailed):
-            raise _LoadFailed(message.traceback)
+            raise _LoadFailed(message.traceback, message.options_refused)
         if not isinstance(message, wire.Ready):
             raise TypeError(f"the child's first message was {type(message).__name__}, not Ready")
         self.ready = message
@@ -87,8 +88,10 @@ class ServiceLink:
     def _start_error(self, failure: StartupFailed, timeout: float) -> ProcessServiceStartError:
         cause = failure.__cause__
         if isinstance(cause, _LoadFailed):
-            return ProcessServiceStartError(
-                f"{self.name}: loading {self.pipeline!r} in the child process failed:\n"
+            error = ProcessServiceOptionsRefused if cause.options_refused else ProcessServiceStartError
+            last = cause.traceback_text.strip().splitlines()[-1:] or ["(no traceback)"]
+            return error(  # the cause in the first line: health and the log's summary show that line alone
+                f"{self.name}: loading {self.pipeline!r} in the child process failed: {last[0]}\n"
                 f"--- child traceback ---\n{cause.traceback_text}"
             )
         if failure.problem == StartupProblem.TIMED_OUT:

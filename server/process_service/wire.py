@@ -166,9 +166,11 @@ class Ready:
 
 @attrs.frozen
 class LoadFailed:
-    """Hello: loading the pipeline failed; the child exits with code 1."""
+    """Hello: loading the pipeline failed; the child exits with code 1. ``options_refused``: its ``get_service``
+    takes none of the options it was given (a new child would fail the same way)."""
 
     traceback: str
+    options_refused: bool = False
 
 
 @attrs.frozen
