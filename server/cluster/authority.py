@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ..runtime import StreamRuntime
 
 __all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "Refusal", "HANDSHAKE_TIMEOUT", "MAX_PENDING_HANDSHAKES",
-           "MAX_BUSY_ANSWERS", "BUSY_WINDOW"]
+           "MAX_BUSY_ANSWERS", "BUSY_WINDOW", "MIN_REGISTERED", "REGISTERED_PER_EXPECTED"]
 
 log = logging.getLogger("chunkline.cluster")
 
@@ -52,6 +52,13 @@ MAX_PENDING_HANDSHAKES = 32
 MAX_BUSY_ANSWERS = 32
 BUSY_WINDOW = 1.0
 RECENT_LOSSES = 32
+#: registered workers the authority holds at most: this many per expected worker (``--num-workers``, or the
+#: launcher's slots), and never fewer than MIN_REGISTERED. Room for replacements and scale-out past the expected
+#: count, but a token holder cannot make it hold workers (records, connections, frame buffers) without end;
+#: past it a registration is refused for now (the agent dials again). Handshakes pending at once
+#: (MAX_PENDING_HANDSHAKES) may pass the count together, so it can be exceeded by that many at most.
+REGISTERED_PER_EXPECTED = 4
+MIN_REGISTERED = 16
 
 
 @attrs.frozen
@@ -110,6 +117,7 @@ class ClusterAuthority:
         self.launcher = launcher
         self.launcher_name = launcher.name if launcher is not None else "external"
         self.expected = launcher.expected if launcher is not None else settings.num_workers
+        self.max_registered = max(REGISTERED_PER_EXPECTED * self.expected, MIN_REGISTERED)
         self.token = token
         self.version = chunkline_version()
         self.pipeline = pipeline_name(settings.pipeline)
@@ -299,6 +307,9 @@ class ClusterAuthority:
         if message.pipeline_digest != self.digest:
             return Refusal(f"pipeline {echo(message.pipeline)} has other code (digest {echo(message.pipeline_digest)}, "
                            f"authority {self.digest!r})")
+        if len(self.handles) >= self.max_registered:
+            return Refusal(f"the authority holds {len(self.handles)} workers, its limit ({REGISTERED_PER_EXPECTED} per "
+                           f"expected worker, at least {MIN_REGISTERED}); try again once one has left", transient=True)
         if message.worker_id in self.liveness:  # the agent dials again under a fresh id
             return Refusal(f"worker id {echo(message.worker_id)} is taken; an agent takes a fresh id every dial",
                            transient=True)
@@ -468,6 +479,7 @@ class ClusterAuthority:
             "launcher": self.launcher_name,
             "authority_url": self.authority_url if self.port is not None else None,
             "workers_expected": self.expected,
+            "workers_limit": self.max_registered,
             "liveness": self.liveness.counts(),
             "stale_messages_dropped": self.liveness.stale_dropped + self.stale_of_gone
             + sum(w.stale_events for w in self.handles.values()),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from server.cluster import proofs, wire
-from server.cluster.authority import HANDSHAKE_TIMEOUT
+from server.cluster.authority import HANDSHAKE_TIMEOUT, MIN_REGISTERED
 from server.cluster.dial_ends import MAX_PROVEN_REASON
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 from server.cluster.wire_values import MAX_DEVICES, MAX_LABEL, MAX_NODE, MAX_PARTICIPANTS, MAX_REPORT_CHARS
@@ -335,3 +335,20 @@ async def test_an_agent_logs_a_long_proven_refusal_cut(tmp_path: Path) -> None:
     assert "the authority refused this worker: refused: xxx" in log, log[-3000:]
     assert "x" * (MAX_PROVEN_REASON + 1) not in log, len(log)
     assert "(60009 characters in all)" in log, log[-3000:]
+
+
+async def test_a_token_holder_cannot_make_the_authority_hold_workers_without_end(authority: Cluster) -> None:
+    """Any number of registrations were taken, each a record, a connection and up to a frame's buffer the authority
+    held. Past its limit (4 per expected worker, at least 16) a registration is refused for now, the agent told why
+    (transient: a real agent dials again), and taken again once a worker has left."""
+    limit = authority.get("/v1/service/metadata")["cluster"]["workers_limit"]
+    assert limit == MIN_REGISTERED  # 4 x the one expected worker is less
+    async with AsyncExitStack() as held:
+        for index in range(limit):
+            await held.enter_async_context(ready_agent(authority, f"many-{index}"))
+        channel, reply = await register(authority, "one-too-many")
+        await channel.aclose()
+        assert isinstance(reply, wire.Refused) and reply.transient, reply
+        assert f"the authority holds {limit} workers, its limit" in reply.reason, reply
+    async with ready_agent(authority, "after-they-left"):  # every one of them left: taken again
+        pass
