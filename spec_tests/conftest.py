@@ -80,7 +80,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ModuleScheduling(config, log)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook: unknown in a venv made before it
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     """pytest-timeout's deadline, on an xdist process: its own report goes to the process's terminal output, which
     xdist discards, so a hang in CI showed nothing. This one writes the stacks to stderr, the run's own."""
