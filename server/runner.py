@@ -351,11 +351,17 @@ class RoomRunner:
             return
         if isinstance(parsed, protocol.DeliveryAck):
             return
-        metrics.record_control(record.session_id)
         if parsed.type is ControlType.STOP:
+            metrics.record_control(record.session_id)
             self.drain(DrainCause.STOP)
             return
         service = self.worker.service
+        if not isinstance(service, BidirectionalService):  # a server-push pipeline streams on its own
+            metrics.record_control_rejection("no_controls")
+            await self._send(protocol.rejection_message(
+                record.session_id, "no_controls", "this pipeline pushes its stream and takes no controls but stop"))
+            return
+        metrics.record_control(record.session_id)
         if not self._pipeline_ready.is_set():
             if len(self._early_controls) >= EARLY_CONTROL_LIMIT:
                 metrics.record_control_rejection("not_ready")
@@ -365,8 +371,7 @@ class RoomRunner:
                 return
             self._early_controls.append(parsed)
             return
-        if isinstance(service, BidirectionalService):
-            await self._apply_control(service, parsed)
+        await self._apply_control(service, parsed)
 
     async def _apply_control(self, service: BidirectionalService, control: Control) -> None:
         assert self._pipeline_session is not None

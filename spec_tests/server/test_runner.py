@@ -23,6 +23,7 @@ from states.stream_session import DrainCause
 from trio.testing import wait_all_tasks_blocked
 
 from pipelines.contract import Control, ControlType
+from pipelines.replay import ReplayService
 from pipelines.toy_world import ToyWorldConfig, ToyWorldService
 from spec_tests.pipelines.toy_world_views import bottom_rows, ground_shift_px
 
@@ -256,6 +257,26 @@ async def test_invalid_control_is_answered_and_counted(autojump_clock: Any) -> N
             await ctl.control({"type": "control_state", "controls": ["d"]})
             await wait_all_tasks_blocked()
             assert session.controls == [Control(ControlType.CONTROL_STATE, keys={"d"})]
+
+
+async def test_a_control_to_a_server_push_pipeline_is_refused_and_stop_still_ends_it() -> None:
+    """A server-push pipeline streams on its own: a valid control was counted and dropped without an answer."""
+    async with serve(settings(max_sessions_per_worker=1), ReplayService()) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "running")
+            for control in ({"type": "control_state", "controls": ["w"]}, {"type": "prompt", "prompt": "a street"}):
+                await ctl.control(control)
+            rejected = await ctl.wait_for(lambda p: len(p.status("control_rejected")) == 2 and p.status("control_rejected"),
+                                          "both refusals")
+            assert [r["reason"] for r in rejected] == ["no_controls", "no_controls"], rejected
+            assert "takes no controls but stop" in rejected[0]["detail"]
+            text = await s.metrics_text()
+            assert 'chunkline_control_rejections_total{reason="no_controls"} 2.0' in text
+            await ctl.control({"type": "stop"})
+            (done,) = await ctl.wait_for(lambda p: p.status("done"), "done")
+            assert done["reason"] == "stop"
+        assert s.runtime.get(created["session_id"]).drain_cause is DrainCause.STOP
 
 
 @pytest.mark.usefixtures("no_threads")
