@@ -9,6 +9,7 @@ front with a :class:`JsonRefused` whose ``reason`` is stable:
 ``invalid_json``    not UTF-8, or not JSON (NaN and Infinity are not JSON)
 ``too_deep``        arrays/objects nested deeper than ``max_depth``
 ``unencodable_text`` a string or key holds a lone surrogate (not UTF-8 encodable)
+``duplicate_key``   one object names a key twice (``json.loads`` keeps the last one without a word)
 ==================  ==========================================================
 
 The depth is measured before parsing, on the raw bytes with string contents removed, so a
@@ -23,6 +24,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from .reasons import echo
+
 __all__ = ["MAX_JSON_DEPTH", "JsonRefused", "loads", "nesting_depth"]
 
 MAX_JSON_DEPTH: Final = 32
@@ -33,7 +36,8 @@ _NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class JsonRefused(ValueError):
-    """A client's JSON was refused; ``reason`` is ``invalid_json``, ``too_deep`` or ``unencodable_text``."""
+    """A client's JSON was refused; ``reason`` is ``invalid_json``, ``too_deep``, ``unencodable_text`` or
+    ``duplicate_key``."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -72,8 +76,24 @@ def _check_encodable(value: Any) -> None:
             pending.extend(item)
 
 
-def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, object_pairs_hook: Any = None) -> Any:
-    """Parse client JSON, refusing invalid, too deep or unencodable documents (:class:`JsonRefused`)."""
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse client JSON, refusing invalid, too deep or unencodable documents and objects that name a key twice
+    (:class:`JsonRefused`)."""
     if isinstance(raw, str):
         try:
             data = raw.encode("utf-8")
@@ -85,7 +105,9 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, object_pairs_hoo
     if depth > max_depth:
         raise JsonRefused("too_deep", f"JSON nested {depth} levels deep; at most {max_depth} allowed")
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=object_pairs_hook)
+        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise JsonRefused("duplicate_key", f"key {echo(exc.key)} appears twice in one object") from None
     except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise JsonRefused("invalid_json", "the body is not valid UTF-8 JSON") from None
     try:

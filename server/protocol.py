@@ -202,21 +202,12 @@ def normalize_key(name: object) -> str | None:
 # -- parsing ------------------------------------------------------------------
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {echo(key)}")
-        out[key] = value
-    return out
-
-
 def _decode(raw: bytes | str, max_bytes: int) -> Any:
     size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise InvalidControl("too_large", f"{size} bytes; at most {max_bytes} allowed")
     try:
-        return json_limits.loads(raw, object_pairs_hook=_unique_pairs)
+        return json_limits.loads(raw)  # an object naming a key twice is refused too
     except json_limits.JsonRefused as exc:
         detail = "the message is not valid UTF-8 JSON" if exc.reason == "invalid_json" else exc.detail
         raise InvalidControl("invalid_json", detail) from exc

@@ -88,12 +88,18 @@ async def test_create_rejected_returns_429_with_reason_and_retry_after(worker_ki
         (b"[1, 2]", "invalid_body"),
         (b'"identity"', "invalid_body"),
         (b"null", "invalid_body"),
+        # json.loads keeps the last of a repeated key without a word: the token was issued for "b"
+        (b'{"identity": "a", "identity": "b"}', "duplicate_key"),
+        (b'{"identity": "a", "config": {"chunks": 2, "chunks": 3}}', "duplicate_key"),
     ],
 )
 async def test_create_refuses_bodies_that_are_not_json_objects(served, raw, code):
     status, body, _ = await served.json("post", SESSIONS, data=raw, headers={"Content-Type": "application/json"})
     assert status == 400
     assert_error_body(status, body, code)
+    if code == "duplicate_key":
+        assert "appears twice in one object" in body["detail"] and ("'identity'" in body["detail"]
+                                                                    or "'chunks'" in body["detail"]), body
     assert len(list(served.runtime.registry)) == 0
 
 
