@@ -22,7 +22,7 @@ from werkzeug.exceptions import HTTPException
 from . import json_limits, option_check
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
-from .reasons import echo
+from .reasons import echo, echo_each
 from .registry import UnknownStreamSession
 from .requests import (BadRequest, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
                        resolve_image_path)
@@ -43,6 +43,7 @@ SHUTDOWN_GRACE = 20.0
 DRAIN_DEADLINE = 30.0
 MAX_DRAIN_DEADLINE = 3600.0
 SESSION_STATUSES = frozenset(state.value for state in SessionState)  # what ?status= of the session list may name
+API_PREFIXES = ("/v1/", "/metrics", "/openapi.json")  # the routes whose requests are checked whole
 RETRY_AFTER_SECONDS = 5
 MAX_STATIC_NAME = 255  # characters of a static file's path (longer names are a 404, not an OS error)
 REFUSALS = {
@@ -143,6 +144,20 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             return None
         if request.path.startswith("/v1/stream/"):
             return unauthorized()
+        return None
+
+    @app.before_request
+    async def refuse_what_would_be_ignored() -> Response | None:
+        """A query parameter or a body a route does not read is a 400 naming it: ``POST /v1/stream/sessions?foo=1``
+        created a session and ``DELETE`` with a body closed one, each ignoring what it was given. The session list
+        reads its own query (``parse_list_query``); the demo page and its files take none of the API's rules."""
+        if request.method == "OPTIONS" or not request.path.startswith(API_PREFIXES):
+            return None
+        if request.args and not (request.method == "GET" and request.path == "/v1/stream/sessions"):
+            names = echo_each(sorted(set(request.args.keys())))
+            return error(400, "invalid_query", f"this route takes no query parameters; got {names}")
+        if request.method in ("GET", "DELETE") and (request.content_length or await request.get_data(cache=True)):
+            return error(400, "invalid_body", f"a {request.method} request here takes no body")
         return None
 
     def unauthorized() -> Response | None:

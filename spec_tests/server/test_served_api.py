@@ -50,6 +50,35 @@ async def test_the_session_list_refuses_a_query_it_would_ignore(client: httpx.As
     assert [s["session_id"] for s in running.json()["sessions"]] == [created.json()["session_id"]]
 
 
+async def test_a_query_parameter_or_a_body_a_route_does_not_read_is_refused_and_changes_nothing(
+    client: httpx.AsyncClient,
+) -> None:
+    """Only the session list read its query: ``POST /v1/stream/sessions?foo=1`` created a session, ``POST
+    .../drain?x=1`` drained the worker for good, and a ``DELETE`` with a body closed the session, each ignoring
+    what it was given."""
+    created = await client.post(SESSIONS, json={"identity": "ctl"})
+    assert created.status_code == 200, created.text
+    session = f"{SESSIONS}/{created.json()['session_id']}"
+    refused = [
+        await client.post(f"{SESSIONS}?foo=1", json={"identity": "other"}),
+        await client.post("/v1/service/workers/worker-0/drain?x=1", json={"deadline_seconds": 1}),
+        await client.get("/v1/stream/health?verbose=1"),
+        await client.get(f"{session}?fields=status"),
+    ]
+    for response in refused:
+        body = response.json()
+        assert (response.status_code, body["error"]) == (400, "invalid_query"), response.text
+        assert "takes no query parameters" in body["detail"], body
+    with_body = await client.request("DELETE", session, json={"reason": "done"})
+    assert (with_body.status_code, with_body.json()["error"]) == (400, "invalid_body"), with_body.text
+    # nothing changed: one session, still live; the worker still takes sessions
+    listed = (await client.get(SESSIONS)).json()["sessions"]
+    assert [s["session_id"] for s in listed] == [created.json()["session_id"]] and listed[0]["status"] != "closed"
+    health = (await client.get("/v1/stream/health")).json()
+    assert health["worker_slots"]["worker-0"]["state"] == "running", health
+    assert (await client.delete(session)).json()["status"] == "closed"
+
+
 async def test_the_log_says_once_where_clients_connect_and_nothing_of_the_socket_behind_the_front(
     short_tmp: Path,
 ) -> None:
