@@ -205,13 +205,9 @@ class StreamRuntime:
 
     def _fail_queued(self, cause: DrainCause, reason: str) -> None:
         """Nothing will ever run the queued sessions (every slot gave up): they fail with the reason."""
-        now = trio.current_time()
         for record in self.registry:
             if record.status is State.QUEUED:
-                self.lifecycle.end_queued(record, cause, reason)
-                self.uploads.discard(record)
-                self._follow(self.book.release(record.session_id, now))
-                self.metrics.record_session_finished(record.session_id, "failed")
+                self._end_queued(record, cause, reason)
 
     def serving_at(self, url: str) -> None:
         """The HTTP server is bound at ``url``: agents join the local rooms there (or at --public-url)."""
@@ -348,12 +344,15 @@ class StreamRuntime:
     # -- internal moves ------------------------------------------------------------------
 
     def _withdraw(self, record: SessionRecord) -> None:
-        now = trio.current_time()
-        self._notice_failing(now)
-        self.lifecycle.end_queued(record, DrainCause.DELETED)
+        self._notice_failing(trio.current_time())
+        self._end_queued(record, DrainCause.DELETED)
+
+    def _end_queued(self, record: SessionRecord, cause: DrainCause, error: str | None = None) -> None:
+        """A queued session ends as the table says for ``cause``; its upload and its queue place go with it."""
+        self.lifecycle.end_queued(record, cause, error)
         self.uploads.discard(record)
-        self._follow(self.book.release(record.session_id, now))
-        self.metrics.record_session_finished(record.session_id, "closed")
+        self._follow(self.book.release(record.session_id, trio.current_time()))
+        self.metrics.record_session_finished(record.session_id, record.status.value)
 
     def _drain(self, record: SessionRecord, cause: DrainCause) -> RoomRunner | None:
         """Start the drain of a live session (the first cause wins); the runner finishes it."""
@@ -402,10 +401,7 @@ class StreamRuntime:
             now = trio.current_time()
             for record in self.registry.expired(now):
                 if record.status is State.QUEUED:
-                    self.lifecycle.end_queued(record, DrainCause.EXPIRED)
-                    self.uploads.discard(record)
-                    self._follow(self.book.release(record.session_id, now))
-                    self.metrics.record_session_finished(record.session_id, "expired")
+                    self._end_queued(record, DrainCause.EXPIRED)
                 elif record.status in RETAINING:
                     self._drain(record, DrainCause.EXPIRED)  # a no-op when an earlier cause drains it
             self.registry.prune(

@@ -168,17 +168,17 @@ class RayLauncher:
         return slot.actor.run.remote(command, env, os.getcwd())
 
     @staticmethod
-    def _outcome(reference: Any) -> str:
-        """Blocking (a thread): how the slot's actor ended."""
+    def _outcome(reference: Any) -> tuple[str, int | None]:
+        """Blocking (a thread): how the slot's actor ended, and its agent's exit code (None: the node went)."""
         import ray
 
         try:
             code = ray.get(reference)
         except ray.exceptions.RayActorError as exc:
-            return f"node removed: the actor died ({type(exc).__name__})"
+            return f"node removed: the actor died ({type(exc).__name__})", None
         except ray.exceptions.RayError as exc:
-            return f"node removed: {type(exc).__name__}"
-        return f"process exited with code {code}"
+            return f"node removed: {type(exc).__name__}", None
+        return f"process exited with code {code}", code
 
     def _release(self, slot: _RaySlot) -> None:
         import ray
@@ -209,23 +209,22 @@ class RayLauncher:
                     pass  # pending: waits for room, not a failure
                 reference = await trio.to_thread.run_sync(self._start, slot, abandon_on_cancel=True)
             except ray.exceptions.RayError as exc:
-                why = f"placement failed: {type(exc).__name__}: {exc}"
+                why, code = f"placement failed: {type(exc).__name__}: {exc}", None
             else:
-                why = await trio.to_thread.run_sync(self._outcome, reference, abandon_on_cancel=True)
+                why, code = await trio.to_thread.run_sync(self._outcome, reference, abandon_on_cancel=True)
             slot.ended = why
             if slot.worker_id is not None:
-                await await_goodbye(slot.settled, why == "process exited with code 0")
+                await await_goodbye(slot.settled, code == 0)
             if slot.worker_id is not None and self._authority is not None:
                 self._authority.lose(slot.worker_id, why)
             slot.worker_id = None
             await trio.to_thread.run_sync(self._release, slot)
             slot.node = None
-            if slot.drained and why == "process exited with code 0":
+            if slot.drained and code == 0:
                 slot.restarts.stop()  # drained on purpose: its resources are back in Ray, nothing to replace
                 log.info("ray slot %s: drained; it stays down", slot.name)
                 return
-            refused = why == f"process exited with code {EXIT_REFUSED}"  # a replacement would be refused too
-            if not await back_off(slot.restarts, why, f"ray slot {slot.name}", permanent=refused):
+            if not await back_off(slot.restarts, why, f"ray slot {slot.name}", permanent=code == EXIT_REFUSED):
                 return
 
     # -- the authority's notices --
