@@ -13,7 +13,9 @@ to agents says why with ``@pytest.mark.in_process_only(reason=...)`` and runs ``
 
 from __future__ import annotations
 
+import shutil
 import struct
+import tempfile
 import threading
 import time
 import zlib
@@ -279,3 +281,14 @@ def assert_error_body(status: int, body: Any, code: str | None = None) -> None:
     assert isinstance(body["detail"], str) and body["detail"]
     if code is not None:
         assert body["error"] == code, body
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A fresh folder for the server's TMPDIR, with a path short enough for the Unix socket it makes there (at most
+    107 bytes): pytest's tmp_path is longer under a parallel run (each process has a folder of its own in it)."""
+    path = Path(tempfile.mkdtemp(prefix="cl-exit-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,7 +1,7 @@
 """A real ``chunkline stream-serve`` process for the tests that meet the server as a user does (its exit, its API).
 
 It runs the replay pipeline on a free loopback port with ``TMPDIR`` set to a short folder of the test's own
-(``short_tmp``): the server keeps hypercorn's Unix socket there, whose path may be 107 bytes at most.
+(the ``short_tmp`` fixture of ``conftest.py``): the server keeps hypercorn's Unix socket there, whose path may be 107 bytes at most.
 """
 
 from __future__ import annotations
@@ -9,21 +9,18 @@ from __future__ import annotations
 import base64
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-import pytest
 import trio
 
 from .conftest import png_bytes
 
-__all__ = ["DRAINING", "EXIT_DEADLINE", "Served", "short_tmp", "stream_serve"]
+__all__ = ["DRAINING", "EXIT_DEADLINE", "Served", "stream_serve"]
 
 ROOT = Path(__file__).resolve().parents[2]
 START_DEADLINE = 120.0  # wall seconds: a loaded 2-core host imports the server stack
@@ -89,14 +86,3 @@ async def stream_serve(tmp: Path, *options: str) -> AsyncIterator[Served]:
             process.kill()
             with trio.CancelScope(shield=True):
                 await process.wait()
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A fresh folder for the server's TMPDIR, with a path short enough for the Unix socket it makes there (at most
-    107 bytes): pytest's tmp_path is longer under a parallel run (each process has a folder of its own in it)."""
-    path = Path(tempfile.mkdtemp(prefix="cl-exit-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)

@@ -21,9 +21,7 @@ import httpx
 import pytest
 import trio
 
-from .served_process import DRAINING, short_tmp, stream_serve
-
-__all__ = ["short_tmp"]  # the fixture, imported so that pytest finds it here
+from .served_process import DRAINING, stream_serve
 
 
 def left_in(tmp: Path) -> list[str]:

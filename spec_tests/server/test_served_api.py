@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .served_process import short_tmp, stream_serve
-
-__all__ = ["short_tmp"]  # the fixture, imported so that pytest finds it here
+from .served_process import stream_serve
 
 SESSIONS = "/v1/stream/sessions"
 
