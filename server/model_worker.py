@@ -22,7 +22,7 @@ from pipelines.contract import BidirectionalService, ServerPushService, Service
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.validation import validate_service
 
-from .process_service import ProcessServiceOptionsRefused, start_process_service
+from .process_service import start_process_service
 from .reasons import public_reason
 from .requests import OptionsRefused
 
@@ -44,7 +44,7 @@ class ConfigurationRefused(ModelWorkerError):
 
 
 #: the failures a replacement worker would meet the same way: the slot is not restarted
-REFUSALS = (ConfigurationRefused, OptionsNotAccepted, ProcessServiceOptionsRefused)
+REFUSALS = (ConfigurationRefused, OptionsNotAccepted)  # the latter raised here, or in a process worker's child
 
 
 class ServiceEnded(RuntimeError):

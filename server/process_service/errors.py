@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipelines.contract import ControlRejected, PipelineContractError
+from pipelines.loader import OptionsNotAccepted
 
 from .wire import ErrorInfo
 
@@ -20,8 +21,9 @@ class ProcessServiceStartError(ProcessServiceError):
     """The child could not load the pipeline (with its traceback), exited, or was not ready in time."""
 
 
-class ProcessServiceOptionsRefused(ProcessServiceStartError):
-    """The child's pipeline takes none of the options it was given: a new child would fail the same way."""
+class ProcessServiceOptionsRefused(ProcessServiceStartError, OptionsNotAccepted):
+    """The child's pipeline takes none of the options it was given (the loader's refusal, raised in the child):
+    a new child would fail the same way."""
 
 
 class ProcessServiceFailed(ProcessServiceError):
