@@ -114,7 +114,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             return record is not None and not record.is_terminal
 
         transport.room_open = room_open
-        runtime.lifecycle.on_terminal = lambda record: transport.close_room(record.room)
+        runtime.lifecycle.on_terminal = lambda record, last_word: transport.close_room(record.room, last_word)
     public_url = settings.livekit_url if settings.transport == "livekit" else None
 
     @app.before_serving

@@ -18,6 +18,7 @@ import trio
 
 from states.stream_session import QUEUED_ENDS_WITH, DrainCause, Event, settle_event
 
+from . import protocol
 from .registry import SessionRecord, SessionRegistry
 
 __all__ = ["SessionLifecycle"]
@@ -28,13 +29,15 @@ class SessionLifecycle:
 
     def __init__(self, registry: SessionRegistry) -> None:
         self.registry = registry
-        #: told of each record that has just become terminal (the app closes its room)
-        self.on_terminal: Callable[[SessionRecord], None] = lambda record: None
+        #: told of each record that has just become terminal (the app closes its room), with the room's last
+        #: ``tf.status`` message when no worker is there to send one (a session that ended queued), else None
+        self.on_terminal: Callable[[SessionRecord, bytes | None], None] = lambda record, last_word: None
 
-    def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None) -> None:
+    def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None,
+               last_word: bytes | None = None) -> None:
         self.registry.apply(record, event, now=trio.current_time(), error=error)
         if record.is_terminal:
-            self.on_terminal(record)
+            self.on_terminal(record, last_word)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -50,10 +53,18 @@ class SessionLifecycle:
 
     def end_queued(self, record: SessionRecord, cause: DrainCause, error: str | None = None) -> None:
         """A queued session ends (DELETE, its timeout, the shutdown, no worker left): the table's event for
-        ``cause``, which the record keeps as its drain cause, as a live session's drain does."""
+        ``cause``, which the record keeps as its drain cause, as a live session's drain does.
+
+        No worker ever joined its room, so the server says what a worker's runner says at its end: ``done``
+        with the cause, or ``error`` with the cause and the reason when the table fails the session.
+        """
         event = QUEUED_ENDS_WITH[cause]
         record.drain_cause = cause
-        self._apply(record, event, error=error)
+        if event is Event.FAIL:
+            last_word = protocol.error_message(record.session_id, cause.value, error or cause.value)
+        else:
+            last_word = protocol.done_message(record.session_id, 0, 0, reason=cause.value)
+        self._apply(record, event, error=error, last_word=last_word)
 
     # -- the runner's progress ---------------------------------------------------------------
 

@@ -55,6 +55,7 @@ __all__ = [
     "IdentityError",
     "ReservedIdentity",
     "SERVER_IDENTITY_PREFIX",
+    "SERVER_STATUS_IDENTITY",
     "Role",
     "TokenIssuer",
     "TokenRejected",
@@ -69,6 +70,8 @@ ROLES: Final[frozenset[str]] = frozenset({"controller", "viewer", "worker"})
 MAX_IDENTITY_LENGTH: Final = 128
 #: the server's own participants (room runners, workers) are named with this prefix; clients may not be
 SERVER_IDENTITY_PREFIX: Final = "chunkline-"
+#: who a room's ``tf.status`` message is from when the server itself sends it (no worker is in the room)
+SERVER_STATUS_IDENTITY: Final = SERVER_IDENTITY_PREFIX + "server"
 # PyJWT warns (an error under -W error) when an HS256 key is shorter than this.
 MIN_SECRET_BYTES: Final = 32
 

@@ -42,7 +42,8 @@ import trio
 from pipelines.contract import Audio
 
 from .. import json_limits
-from ..tokens import TokenIssuer, TokenRejected
+from ..protocol import STATUS_TOPIC
+from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
 
@@ -196,14 +197,20 @@ class LocalRooms:
             for subscriber in room.subscribers.values():
                 subscriber.presence.cancel()
 
-    def close_room(self, room: str) -> None:
+    def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended: once its worker has left too, its browsers get what is queued for them (the
         worker's ``done``, its leaving) and are sent away, so that no socket outlives its session (they stayed,
-        answering pings, for as long as they liked)."""
+        answering pings, for as long as they liked).
+
+        ``last_word`` is the session's last ``tf.status`` message when no worker was there to send it (a session
+        that ended queued): the server sends it, as ``chunkline-server``, before the clients are sent away.
+        """
         found = self._rooms.get(room)
         if found is not None:
             found.closed = True
             if found.worker is None:
+                if last_word is not None:
+                    found.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
                 found.send_clients_away()
 
     def room_names(self) -> tuple[str, ...]:
