@@ -85,7 +85,9 @@ def _make_transport(settings: ServerSettings, issuer: TokenIssuer) -> Any:
     if settings.transport == "livekit":
         from .transport.livekit import LiveKitTransport
 
-        return LiveKitTransport(settings.livekit_url or "")
+        return LiveKitTransport(
+            settings.livekit_url or "", api_key=settings.livekit_api_key, api_secret=settings.livekit_api_secret,
+        )
     return LocalRooms(issuer, max_data_message_bytes=settings.max_data_message_bytes)
 
 
@@ -114,7 +116,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             return record is not None and not record.is_terminal
 
         transport.room_open = room_open
-        runtime.lifecycle.on_terminal = lambda record, last_word: transport.close_room(record.room, last_word)
+    runtime.lifecycle.on_terminal = lambda record, last_word: transport.close_room(record.room, last_word)
     public_url = settings.livekit_url if settings.transport == "livekit" else None
 
     @app.before_serving

@@ -115,6 +115,10 @@ class RemoteRooms:
         self._port = parts.port
         self.encode_limiter = trio.CapacityLimiter(2)
 
+    def close_room(self, room: str, last_word: bytes | None = None) -> None:
+        """Nothing to do here: the rooms are the authority's, which closes them (and says a queued session's last
+        word) when its record of the session ends."""
+
     async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> RemoteRoomConnection:
         target = f"/v1/rooms/{quote(room, safe='')}/ws?token={quote(token, safe='')}"
         with trio.move_on_after(timeout) as scope:

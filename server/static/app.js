@@ -33,6 +33,7 @@ const SESSION_STATES = new Set([
 ]);
 // The server's own publisher in a room is `chunkline-<worker_id>` (server/runner.py): not a person.
 const SERVER_IDENTITY_PREFIX = "chunkline-";
+const SERVER_STATUS_IDENTITY = `${SERVER_IDENTITY_PREFIX}server`; // server/tokens.py: the server's own word
 
 // KeyboardEvent.code -> the normalized key the server expects (pipelines/contract.py KNOWN_KEYS).
 const KEY_CODES = {
@@ -653,7 +654,9 @@ class LiveKitLink {
       } catch {
         return;
       }
-      handleData(topic || "", text, participant ? participant.identity : null);
+      // LiveKit names no participant only for data its server API sent (a session that ended queued:
+      // the stream server's last word), and only a holder of the API secret can send that
+      handleData(topic || "", text, participant ? participant.identity : SERVER_STATUS_IDENTITY);
     });
     room.on(E.ParticipantConnected, (participant) => {
       state.participants.add(participant.identity);

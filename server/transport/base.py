@@ -83,3 +83,8 @@ class RoomTransport(Protocol):
     async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> RoomConnection:
         """Join ``room`` as ``identity`` with a worker token, or raise TransportError within ``timeout``."""
         ...
+
+    def close_room(self, room: str, last_word: bytes | None = None) -> None:
+        """The room's session ended (never waits). ``last_word`` is its last ``tf.status`` message when no
+        worker was there to send it (a session that ended queued); the transport sends it as the server's."""
+        ...

@@ -62,9 +62,11 @@ from typing import Any
 import numpy as np
 import trio
 import trio_asyncio
-from livekit import rtc
+from livekit import api, rtc
 
 from pipelines.contract import Audio
+
+from ..protocol import STATUS_TOPIC
 
 from .base import (
     DataReceived,
@@ -80,6 +82,14 @@ __all__ = ["AUDIO_TRACK_NAME", "MAX_VIDEO_BITRATE", "VIDEO_TRACK_NAME", "LiveKit
 log = logging.getLogger(__name__)
 
 EVENT_BACKLOG = 256  # data events kept for the runner (data beyond it is dropped; participant events never)
+
+
+def _http_url(url: str) -> str:
+    """The RoomService's address for a signalling url (``ws://`` and ``wss://`` become ``http://``, ``https://``)."""
+    for scheme, http in (("ws://", "http://"), ("wss://", "https://")):
+        if url.startswith(scheme):
+            return http + url[len(scheme):]
+    return url
 
 
 async def _wait_for(task: asyncio.Task[None]) -> None:
@@ -325,6 +335,8 @@ class LiveKitTransport:
         disconnect_timeout: float = 5.0,
         publish_timeout: float = 10.0,
         reconnect_timeout: float = 5.0,
+        api_key: str | None = None,
+        api_secret: str | None = None,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ValueError("the LiveKit url must be a non-empty string (ws://, wss://, http:// or https://)")
@@ -338,7 +350,11 @@ class LiveKitTransport:
         self.disconnect_timeout = float(disconnect_timeout)
         self.publish_timeout = float(publish_timeout)
         self.reconnect_timeout = float(reconnect_timeout)
+        # the RoomService (server API) credentials: the server's own word to a room no worker is in
+        self._api_key = api_key
+        self._api_secret = api_secret
         self._loop: Any = None
+        self._sends: trio.Nursery | None = None  # the server's sends to rooms, while running
         self._connections: set[_LiveKitConnection] = set()
         self._leaving: set[asyncio.Task[None]] = set()  # abandoned joins, leaving once they end
 
@@ -359,9 +375,12 @@ class LiveKitTransport:
         async with trio_asyncio.open_loop() as loop:
             self._loop = loop
             try:
-                task_status.started(loop)
-                await trio.sleep_forever()
+                async with trio.open_nursery() as sends:
+                    self._sends = sends
+                    task_status.started(loop)
+                    await trio.sleep_forever()
             finally:
+                self._sends = None
                 with trio.CancelScope(shield=True):
                     for connection in list(self._connections):
                         await connection.disconnect()
@@ -369,6 +388,37 @@ class LiveKitTransport:
                         for leaving in list(self._leaving):  # abandoned joins: wait for them to leave
                             await trio_asyncio.aio_as_trio(_wait_for, loop=loop)(leaving)
                 self._loop = None
+
+    def close_room(self, room: str, last_word: bytes | None = None) -> None:
+        """The room's session ended. ``last_word`` is its last ``tf.status`` message when no worker was there to
+        send it (a session that ended queued): the server sends it through the RoomService, in the background,
+        within ``disconnect_timeout``. LiveKit gives such data no participant; clients take status without
+        one as the server's, since only a holder of the API secret can send it. Clients stay in the room
+        (the browser page leaves on ``done`` or ``error``)."""
+        if last_word is None or self._sends is None or not (self._api_key and self._api_secret):
+            return
+        self._sends.start_soon(self._send_last_word, room, last_word)
+
+    async def _send_last_word(self, room: str, payload: bytes) -> None:
+        with trio.move_on_after(self.disconnect_timeout) as deadline:
+            try:
+                await trio_asyncio.aio_as_trio(self._aio_send_data, loop=self._loop)(room, payload)
+            except api.TwirpError as exc:
+                if exc.code != api.TwirpErrorCode.NOT_FOUND:  # not found: nobody ever entered the room
+                    log.warning("room %s: the session's last status was refused: %s", room, exc.message)
+            except Exception as exc:  # the server unreachable, or the SDK failing otherwise
+                log.warning("room %s: the session's last status could not be sent: %s: %s", room, type(exc).__name__, exc)
+        if deadline.cancelled_caught:
+            log.warning("room %s: the session's last status was not taken within %g s", room, self.disconnect_timeout)
+
+    async def _aio_send_data(self, room: str, payload: bytes) -> None:
+        service = api.LiveKitAPI(_http_url(self.url), self._api_key, self._api_secret)
+        try:
+            await service.room.send_data(api.SendDataRequest(
+                room=room, data=payload, kind=api.DataPacket.Kind.RELIABLE, topic=STATUS_TOPIC,
+            ))
+        finally:
+            await service.aclose()
 
     async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> _LiveKitConnection:
         """Join ``room`` as ``identity`` with a worker token, or raise TransportError within ``timeout``."""

@@ -184,6 +184,26 @@ async def test_the_controller_leaving_ends_the_session_and_admits_the_queue_head
     assert (await health(stream))["free_slots"] == 1
 
 
+async def test_a_queued_session_deleted_tells_its_livekit_room_done(stream: StreamServer, agent: Agent) -> None:
+    live = await create(stream, "gina")
+    await agent.join("gina", live["token"])
+    await agent.wait_message("gina", "status", stage="running")
+    queued = await create(stream, "hank")
+    assert queued["status"] == "queued", queued
+    await agent.join("hank", queued["token"])  # no worker ever joins a queued session's room
+    async with stream.http() as http:
+        response = await http.delete(f"{SESSIONS}/{queued['session_id']}")
+    assert response.status_code == 200 and response.json()["status"] == "closed", response.text
+    done = await agent.wait_message("hank", "done")
+    assert done["session_id"] == queued["session_id"] and done["reason"] == "deleted" and done["total_chunks"] == 0
+    # sent through the RoomService: LiveKit names no participant (browsers take that as the server's word)
+    (sent,) = [e for e in agent.events if e["event"] == "data" and e["client"] == "hank" and e["topic"] == "tf.status"]
+    assert sent["sender"] is None
+    await agent.request("leave", client="hank")
+    await agent.request("publish", client="gina", topic="tf.control", payload=json.dumps({"type": "stop"}))
+    assert (await wait_status(stream, live["session_id"], TERMINAL))["status"] == "closed"
+
+
 async def test_a_worker_removed_from_its_room_fails_the_session_with_the_transport_reason(stream: StreamServer, agent: Agent) -> None:
     created = await create(stream, "frank")
     await agent.join("frank", created["token"])
