@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import trio
 
-from states.stream_session import QUEUED_ENDS_WITH, DrainCause, Event, settle_event
+from states.stream_session import QUEUED_ENDS_WITH, RUNNER_PROGRESS, DrainCause, Event, settle_event
 
 from . import protocol
 from .registry import SessionRecord, SessionRegistry
@@ -69,8 +69,9 @@ class SessionLifecycle:
     # -- the runner's progress ---------------------------------------------------------------
 
     def step(self, record: SessionRecord, event: Event) -> bool:
-        """A runner's progress (JOIN_ROOM, START_PIPELINE, RUN); False, changing nothing, once it drains."""
-        if record.drain_cause is not None or not record.machine.can(event):
+        """A runner's progress (the table's ``RUNNER_PROGRESS``); False, changing nothing, once it drains, and for
+        any other event (a drain goes through :meth:`drain` with its cause, the end through :meth:`settle`)."""
+        if event not in RUNNER_PROGRESS or record.drain_cause is not None or not record.machine.can(event):
             return False
         self._apply(record, event)
         return True
@@ -82,9 +83,9 @@ class SessionLifecycle:
         """
         if not record.machine.can(Event.DRAIN):
             return False
-        self._apply(record, Event.DRAIN)
-        record.drain_cause = cause
+        record.drain_cause = cause  # before the event: whoever hears of the DRAIN (an agent's report) sees why
         record.drain_detail = detail
+        self._apply(record, Event.DRAIN)
         return True
 
     def settle(self, record: SessionRecord, error: str | None) -> None:

@@ -1,4 +1,5 @@
-"""The folders a server keeps on disk: private to its user, named by its process id, gone when it stops.
+"""The folders a server (or a worker agent) keeps on disk: private to its user, named by its process id, gone when
+it stops.
 
 Each is ``<temporary directory>/chunkline-<kind>-<pid>-<random>``, made mode 0700 (``tempfile.mkdtemp``), so
 no other user can read what is inside or connect to a socket there: the uploaded images
@@ -19,8 +20,9 @@ from typing import Final
 
 __all__ = ["KINDS", "ServerFolder", "folder_prefix", "remove_stale_folders"]
 
-#: what a server keeps on disk, one folder of each (made when first needed)
-KINDS: Final = ("uploads", "front")
+#: what a server keeps on disk, one folder of each (made when first needed); ``agent``: a worker agent's copies
+#: of its sessions' images
+KINDS: Final = ("uploads", "front", "agent")
 
 
 def folder_prefix(kind: str) -> str:

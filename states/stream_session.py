@@ -34,7 +34,7 @@ from __future__ import annotations
 from .machine import StateMachine, TableEnum
 
 __all__ = [
-    "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "QUEUED_ENDS_WITH",
+    "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RUNNER_PROGRESS", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "QUEUED_ENDS_WITH",
     "FAILING_CAUSES",
     "StreamSessionMachine", "settle_event",
 ]
@@ -99,6 +99,11 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 }
 
 TERMINAL = frozenset({State.CLOSED, State.FAILED, State.EXPIRED, State.REJECTED})
+
+#: The events a room runner reports as plain progress (``SessionLifecycle.step``, an agent's session events). A drain
+#: comes with its cause and the end with its outcome, each through its own call: never as bare progress, which
+#: would drain a record with no cause or settle it with no outcome.
+RUNNER_PROGRESS = frozenset({Event.JOIN_ROOM, Event.START_PIPELINE, Event.RUN})
 
 # States in which the session holds a retained slot on a worker.
 RETAINING = frozenset(

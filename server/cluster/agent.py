@@ -45,6 +45,7 @@ from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
 from ..reasons import public_reason
 from ..requests import OptionsRefused
+from ..server_folders import remove_stale_folders
 from . import proofs, wire
 from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
@@ -134,6 +135,7 @@ class Agent:
     # -- life --
 
     async def run(self) -> int:
+        remove_stale_folders()  # what an agent killed on this host left (its replacement starts here, now)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._signals)

@@ -28,6 +28,7 @@ from ..model_worker import ModelWorker
 from ..reasons import echo
 from ..registry import SessionRecord, SessionRegistry
 from ..runner import RoomRunner, RunnerDeps
+from ..server_folders import ServerFolder
 from . import wire
 from .rooms import RemoteRooms
 
@@ -98,7 +99,9 @@ class AgentSessions:
         self._send = send
         self._seq: dict[str, int] = {}
         self._images: dict[str, str] = {}
-        self._tmp: str | None = None  # made with the first uploaded image: a killed agent without one leaves nothing
+        # made with the first uploaded image (a killed agent without one leaves nothing); named by this process's
+        # id, so that what a killed agent left is removed by the next agent or server on this host
+        self._folder = ServerFolder("agent")
         self._issuer = _MintedTokens()
         self._deps: RunnerDeps | None = None
         self.transport: Any = None
@@ -137,10 +140,8 @@ class AgentSessions:
             return
         image_path = None
         if image is not None:
-            if self._tmp is None:
-                self._tmp = tempfile.mkdtemp(prefix="chunkline-agent-")
             # a name of the agent's own: the session id is the authority's text, never part of a path
-            handle, image_path = tempfile.mkstemp(dir=self._tmp, suffix=message.image_suffix or "")
+            handle, image_path = tempfile.mkstemp(dir=self._folder.make(), suffix=message.image_suffix or "")
             with os.fdopen(handle, "wb") as file:
                 file.write(image)
             self._images[message.session_id] = image_path
@@ -177,6 +178,8 @@ class AgentSessions:
                 error=error,
                 pipeline_session_id=record.pipeline_session_id,
                 participants=tuple(sorted(record.participants)),
+                drain_cause=None if record.drain_cause is None else record.drain_cause.value,
+                drain_detail=record.drain_detail,
             )
         )
 
@@ -210,7 +213,6 @@ class AgentSessions:
             await next(iter(self.runners.values())).finished.wait()
 
     def close(self) -> None:
-        """The agent exits: remove its scratch directory (every session's image went with its session)."""
-        if self._tmp is not None:
-            with contextlib.suppress(OSError):
-                os.rmdir(self._tmp)
+        """The agent exits: remove its folder (every session's image went with its session; a runner stopped past
+        its grace may have left one)."""
+        self._folder.remove()

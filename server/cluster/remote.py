@@ -205,8 +205,10 @@ class RemoteWorker:
         if message.pipeline_session_id is not None:  # a pipeline's id (a uuid, say): kept and shown, cut
             record.pipeline_session_id = cut(message.pipeline_session_id, MAX_IDENTITY_LENGTH)
         record.participants = set(message.participants)
-        # the agent's progress moves the authority's record through its lifecycle; a drain's cause and the end
-        # arrive with the finish (SessionFinished), and a drain the authority applied first stays
+        # the agent's progress moves the authority's record through its lifecycle, and its drain drains it with the
+        # agent's cause (a drain the authority applied first stays); the end arrives with the finish (SessionFinished)
+        if message.drain_cause:
+            run.runtime.lifecycle.drain(record, _drain_cause(message.drain_cause), _public(message.drain_detail))
         run.runtime.lifecycle.step(record, event)
 
     def on_session_finished(self, message: SessionFinished) -> None:
@@ -216,7 +218,7 @@ class RemoteWorker:
             return
         run.seq = message.seq
         # the session's error, kept with its record and shown to clients: one public line, as the agent's own is
-        error = None if message.error is None else public_reason(message.error, prefix_type=False)
+        error = _public(message.error)
         if message.drain_cause:
             # the agent's runner drained first (its controller left, its room emptied): its cause, once
             run.runtime.lifecycle.drain(run.record, _drain_cause(message.drain_cause), error)
@@ -230,6 +232,11 @@ class RemoteWorker:
         self._outbox_send.close()
         for check in self._checks.values():
             check.done.set()  # no answer will come
+
+
+def _public(reason: str | None) -> str | None:
+    """An agent's reason as the authority keeps and shows it: one public line."""
+    return None if reason is None else public_reason(reason, prefix_type=False)
 
 
 def _drain_cause(value: str) -> DrainCause:
@@ -291,6 +298,7 @@ class RemoteRun:
         if self.finished.is_set():
             return
         self.worker.runs.pop(self.record.session_id, None)
+        self.record.participants.clear()  # the worker left, and the room's clients are sent away with the session
         forget = getattr(self.runtime.transport, "forget_worker", None)
         if forget is not None:
             forget(self.record.room)

@@ -79,7 +79,7 @@ __all__ = [
 
 #: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
 #: (the offered settings the pipeline took with their values, in place of offered_taken's names)
-PROTOCOL = 4
+PROTOCOL = 5
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -238,7 +238,8 @@ class Drain(Message):
 
 @attrs.frozen
 class SessionEvent(Message):
-    """A stream-session table event the agent's runner applied; the authority applies the same."""
+    """A stream-session table event the agent's runner applied; the authority applies its progress the same, and a
+    drain with the cause (and the cause in words) it carries."""
 
     TYPE = "session_event"
     session_id: str = attrs.field(converter=text)
@@ -247,6 +248,8 @@ class SessionEvent(Message):
     error: str | None = attrs.field(default=None, converter=opt_text)
     pipeline_session_id: str | None = attrs.field(default=None, converter=opt_text)
     participants: tuple[str, ...] = attrs.field(default=(), converter=identities)
+    drain_cause: str | None = attrs.field(default=None, converter=opt_text)
+    drain_detail: str | None = attrs.field(default=None, converter=opt_text)
 
 
 @attrs.frozen
