@@ -36,6 +36,7 @@ from .errors import (
     SessionStateError,
     UnknownSessionError,
 )
+from .ingress import MAX_SEQUENCE_ID
 from .metrics import (
     ArtifactStats,
     Diagnostics,
@@ -62,7 +63,7 @@ __all__ = [
     "ActorBusyError", "ActorFailedError", "ActorHealth", "ArtifactStats", "Blocker", "BlockerKind", "Diagnostics",
     "EdgeSpec",
     "EngineError", "FatalStageError", "IdleInterval", "InProcessWorkerGroup", "IngressRefused",
-    "InvalidStageOutput", "LatencySummary", "LocalStageActor", "Orchestrator", "OrchestratorCloseError",
+    "InvalidStageOutput", "LatencySummary", "MAX_SEQUENCE_ID", "LocalStageActor", "Orchestrator", "OrchestratorCloseError",
     "OrchestratorClosedError", "ParallelWorkerStageActor", "PipelineSpec", "ResourceGroupSpec", "Session",
     "SessionCleanupError", "SessionContext", "SessionExistsError", "SessionMetrics", "SessionStateError",
     "StageActor", "StageInvocation", "StageOrdering", "StageSpec", "StageTiming", "TaskKey",

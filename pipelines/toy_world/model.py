@@ -170,13 +170,13 @@ class ToyWorldConfig:
         return (height, width)
 
 
-_RESOLUTION = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+_RESOLUTION = re.compile(r"\s*([0-9]{1,5})\s*[xX]\s*([0-9]{1,5})\s*")  # fullmatch: ASCII digits only
 
 
 def parse_resolution(value: object, config: ToyWorldConfig) -> tuple[int, int]:
     """``(height, width)`` of a session's ``resolution`` option: ``"WxH"`` (e.g. ``"832x480"``) or ``[W, H]``."""
     if isinstance(value, str):
-        match = _RESOLUTION.match(value)
+        match = _RESOLUTION.fullmatch(value)
         if match is None:
             raise ValueError(f"option 'resolution' must be 'WxH' (e.g. '320x192'), got {value!r}")
         width, height = int(match.group(1)), int(match.group(2))

@@ -45,6 +45,7 @@ import torch
 import trio
 
 from engine import (
+    MAX_SEQUENCE_ID,
     SessionCleanupError,
     SessionMemoryBudget,
     SessionStateError,
@@ -78,6 +79,7 @@ __all__ = [
 
 #: the options a session may ask for (``SessionConfig.options``); anything else is refused naming it.
 SESSION_OPTIONS = frozenset({"continuous", "chunks", "resolution"})
+MAX_CHUNKS = MAX_SEQUENCE_ID + 1  # chunk k is the engine's sequence k
 
 
 class PipelineFailed(RuntimeError):
@@ -264,9 +266,10 @@ class ToyWorldService(BidirectionalService):
         if not isinstance(continuous, bool):
             raise ValueError(f"option 'continuous' must be true or false, got {continuous!r}")
         chunk_count = options.get("chunks")
-        if chunk_count is not None and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
-                                        or chunk_count < 1):
-            raise ValueError(f"option 'chunks' must be an int >= 1, got {chunk_count!r}")
+        if "chunks" in options and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
+                                    or not 1 <= chunk_count <= MAX_CHUNKS):
+            # leave it out for a session without end; at most one chunk per sequence id the engine has
+            raise ValueError(f"option 'chunks' must be an int in 1..2**63, got {chunk_count!r}")
         resolution = options.get("resolution")
         if resolution is not None:
             resolution = parse_resolution(resolution, self.config)  # ValueError naming 'resolution'

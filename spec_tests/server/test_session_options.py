@@ -38,6 +38,11 @@ BAD_OPTIONS: list[tuple[dict[str, Any], tuple[str, ...]]] = [
     ({"resolutoin": "320x192"}, ("unknown option", "resolutoin")),
     ({"chunks": "three"}, ("'chunks'", "'three'")),
     ({"chunks": 0}, ("'chunks'",)),
+    # past the engine's sequence ids: taken once, and the session failed with the engine's words when it began
+    ({"chunks": 2**63 + 1}, ("'chunks'", "1..2**63", str(2**63 + 1))),
+    ({"chunks": 10**30}, ("'chunks'", "1..2**63")),
+    ({"chunks": None}, ("'chunks'", "None")),  # leave it out for no end, as `continuous` is left out for its default
+    ({"resolution": "\uff11\uff16\uff10x96"}, ("'resolution'",)),  # full-width digits are not digits here
     ({"continuous": "yes"}, ("'continuous'", "'yes'")),
     # the startup check's own option once, read nowhere: a client's took any value and did nothing
     ({"preview": "anything"}, ("unknown option", "'preview'")),
