@@ -11,6 +11,7 @@ model can use down to that size as it converts it, so no more pixels are kept th
 
 from __future__ import annotations
 
+import io
 import struct
 from pathlib import Path
 from typing import Final
@@ -25,6 +26,7 @@ __all__ = [
     "ImageInfo",
     "ImageRefused",
     "check_image",
+    "check_decodes",
     "check_image_file",
     "load_image",
 ]
@@ -35,7 +37,8 @@ HEADER_BYTES: Final = 1 << 20  # a JPEG's size may follow large metadata segment
 
 
 class ImageRefused(ValueError):
-    """An image that will not be decoded; ``reason`` is ``unsupported_image`` or ``image_too_large``."""
+    """An image that will not be decoded, or did not; ``reason`` is ``unsupported_image``, ``image_too_large`` or
+    ``unreadable_image``."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -145,20 +148,33 @@ def check_image_file(path: str | Path, **limits: int) -> ImageInfo:
 def load_image(path: str | Path, max_size: tuple[int, int]) -> np.ndarray:
     """An image file as ``H x W x 3`` uint8, no larger than ``max_size`` (height, width); ``ValueError``
     (naming the file by its name only) when it is missing, refused by its header or unreadable."""
-    import av
-
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"image {file.name!r} does not exist")
     try:
         check_image_file(file)
-        with av.open(str(file)) as container:
+        return _first_frame(str(file), max_size)
+    except ImageRefused as exc:
+        raise ValueError(f"image {file.name!r}: {exc.detail}") from exc
+
+
+def check_decodes(source: bytes | str | Path) -> None:
+    """Decode an image whose header :func:`check_image` took (its bytes, or its file) as :func:`load_image` will,
+    and drop the pixels: a header can be whole over pixel data that is not. :class:`ImageRefused`
+    (``unreadable_image``) when it does not decode."""
+    _first_frame(io.BytesIO(source) if isinstance(source, bytes) else str(source), (1, 1))
+
+
+def _first_frame(source: str | io.BytesIO, max_size: tuple[int, int]) -> np.ndarray:
+    """The first frame as RGB, scaled down to fit ``max_size`` (height, width); ImageRefused when it does not decode."""
+    import av
+
+    try:
+        with av.open(source) as container:
             frame = next(container.decode(video=0))
             height, width = max_size
             if frame.height > height or frame.width > width:
                 return frame.to_ndarray(width=min(width, frame.width), height=min(height, frame.height), format="rgb24")
             return frame.to_ndarray(format="rgb24")
-    except ImageRefused as exc:
-        raise ValueError(f"image {file.name!r}: {exc.detail}") from exc
     except (av.FFmpegError, StopIteration, OSError) as exc:
-        raise ValueError(f"image {file.name!r} is not a readable image") from exc
+        raise ImageRefused("unreadable_image", "the image does not decode (its pixel data is damaged or cut short)") from exc

@@ -24,14 +24,14 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .reasons import echo, echo_each
 from .registry import UnknownStreamSession
-from .requests import (BadRequest, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
+from .requests import (BadRequest, check_image_decodes, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
                        resolve_image_path)
 from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
 from .runtime import NoWorker, SessionConflict, StreamRuntime, ViewerLimit
 from .settings import ServerSettings
-from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected
+from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected, single_token
 from .transport.local import LocalRooms, RemoteWorkerPresence
 
 __all__ = ["create_app"]
@@ -246,6 +246,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             if size > MAX_IMAGE_BYTES:
                 raise BadRequest("image_too_large",
                                  f"the image has {size} bytes; worker agents take images of at most {MAX_IMAGE_BYTES}")
+        await check_image_decodes(body, image, runtime.image_decodes)
         await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
         created = runtime.create_session(body, image_bytes=image)
         admission = created.admission
@@ -352,12 +353,11 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if not isinstance(transport, LocalRooms):
             await websocket.close(1008, "this server uses LiveKit rooms")
             return
-        token = websocket.args.get("token", "")
         try:
-            subscriber = transport.admit_client(room, token)
+            subscriber = transport.admit_client(room, single_token(websocket.args.getlist("token")))
         except TokenRejected as exc:
             await websocket.accept()
-            await websocket.send(json.dumps({"type": "refused", "reason": exc.reason}))
+            await websocket.send(exc.refusal())
             await websocket.close(4401, exc.reason)
             return
         await websocket.accept()

@@ -12,8 +12,10 @@ import json
 from typing import Any
 
 import attrs
+import trio
 
-from pipelines.images import ImageRefused, check_image, check_image_file
+from pipelines.contract import prompt_problem
+from pipelines.images import ImageRefused, check_decodes, check_image, check_image_file
 from pipelines.paths import PathRefused, resolve_inside
 
 from .reasons import echo, echo_each
@@ -21,7 +23,6 @@ from .reasons import echo, echo_each
 __all__ = ["CreateSession", "BadRequest", "OptionsRefused", "parse_create_session", "parse_drain_request",
            "parse_list_query", "parse_token_request", "resolve_image_path"]
 
-MAX_PROMPT = 2000
 MAX_CONFIG_BYTES = 16384
 
 
@@ -87,7 +88,9 @@ def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
     role = body.get("role", "controller")
     if role != "controller":
         raise BadRequest("invalid_field", "role must be 'controller' (viewers use POST /v1/stream/sessions/{id}/tokens)")
-    prompt = _optional_str(body, "prompt", MAX_PROMPT)
+    prompt = body.get("prompt")
+    if prompt is not None and (problem := prompt_problem(prompt)) is not None:
+        raise BadRequest("invalid_field", f"prompt {problem}")  # the rule a prompt sent in the room follows too
     image_path = _optional_str(body, "image_path", 4096)
     image_b64 = _optional_str(body, "image_b64", 1 << 30)
     if image_path is not None and image_b64 is not None:
@@ -157,6 +160,19 @@ def resolve_image_path(image_path: str, assets_dir: str | None) -> str:
         raise BadRequest("invalid_image_path", f"image_path {echo(image_path)} {exc}") from None
     _check_image(lambda: check_image_file(resolved), "image_path")
     return str(resolved)
+
+
+async def check_image_decodes(request: CreateSession, image: bytes | None, limiter: trio.CapacityLimiter) -> None:
+    """The session's image decodes (a whole header can sit over damaged pixel data), checked in a thread before
+    anything is held: a 400 ``unreadable_image`` naming the field, not a session that fails once its controller
+    joins. ``limiter`` bounds the decodes at once (each up to MAX_IMAGE_PIXELS); the rest wait their turn."""
+    if image is None and request.image_path is None:
+        return
+    field, source = ("image_b64", image) if image is not None else ("image_path", request.image_path)
+    try:
+        await trio.to_thread.run_sync(check_decodes, source, limiter=limiter)
+    except ImageRefused as exc:
+        raise BadRequest(exc.reason, f"{field}: {exc.detail}") from None
 
 
 def _check_image(check: Any, field: str) -> None:

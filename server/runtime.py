@@ -47,6 +47,8 @@ log = logging.getLogger("chunkline.runtime")
 
 SWEEP_PERIOD = 1.0
 DELETE_WAIT = 15.0
+#: creates whose image is being decoded at once (each up to MAX_IMAGE_PIXELS, in a thread); the rest wait
+IMAGE_DECODES_AT_ONCE = 2
 
 
 class SessionConflict(RuntimeError):
@@ -113,6 +115,7 @@ class StreamRuntime:
         self.uploads = UploadFolder()
         #: option checks under way at once (each is a message to a worker: a burst of creates stays bounded)
         self.option_checks = trio.CapacityLimiter(option_check.MAX_CHECKS_AT_ONCE)
+        self.image_decodes = trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)  # creates' images checked at once
         self._shut_down = trio.Event()
         self.started = False
         self.closing = False

@@ -74,6 +74,31 @@ async def test_an_image_that_is_not_a_known_format_is_refused() -> None:
         assert_error_body(status, body, "unsupported_image")
 
 
+def damaged(png: bytes) -> bytes:
+    """The PNG with its header whole and its pixel data zeroed (IDAT's length and CRC kept)."""
+    start = png.index(b"IDAT") + 4
+    length = int.from_bytes(png[start - 8:start - 4], "big")
+    return png[:start] + b"\x00" * length + png[start + length:]
+
+
+@pytest.mark.parametrize("field", ["image_b64", "image_path"])
+async def test_an_image_whose_header_is_whole_but_pixels_do_not_decode_is_a_400(field: str, tmp_path: Path) -> None:
+    broken = damaged(png_bytes(16, 16))
+    check_image(broken)  # the header alone passes
+    (tmp_path / "broken.png").write_bytes(broken)
+    async with serve(make_settings(assets_dir=str(tmp_path), max_sessions_per_worker=1, queue_size=0)) as s:
+        given = {"image_b64": base64.b64encode(broken).decode()} if field == "image_b64" else {"image_path": "broken.png"}
+        status, body, _ = await s.create("ctl", **given)
+        assert status == 400
+        assert_error_body(status, body, "unreadable_image")
+        assert body["detail"].startswith(f"{field}: ") and "does not decode" in body["detail"], body
+        assert str(tmp_path) not in body["detail"] and "upload" not in body["detail"]
+        assert not list(s.runtime.registry) and not s.runtime.runners  # nothing was admitted or stored
+        assert s.runtime.uploads.path is None or not os.listdir(s.runtime.uploads.path)
+        status, body, _ = await s.create("ctl2", image_b64=base64.b64encode(png_bytes(16, 16)).decode())
+        assert status == 200, body  # the one slot was left free
+
+
 async def test_an_image_bomb_in_the_assets_dir_is_refused(tmp_path: Path) -> None:
     (tmp_path / "bomb.png").write_bytes(png_header(50000, 50000))
     (tmp_path / "fine.png").write_bytes(png_bytes(8, 8))
@@ -270,19 +295,20 @@ async def test_fuzzed_static_paths_answer_200_or_404() -> None:
 # -- principle 4: a public error is a short reason, never a traceback or a server path ---------------------
 
 
-async def test_a_failed_sessions_error_names_no_server_path() -> None:
+async def test_a_failed_sessions_error_names_no_server_path(tmp_path: Path) -> None:
     from ..server.runner_fixtures import Peer, join
 
-    corrupt = png_header(16, 16)  # a valid header over image data that does not decode
-    async with serve() as s:
-        status, created, _ = await s.create("ctl", image_b64=base64.b64encode(corrupt).decode())
+    (tmp_path / "street.png").write_bytes(png_bytes(16, 16))
+    async with serve(make_settings(assets_dir=str(tmp_path))) as s:
+        status, created, _ = await s.create("ctl", image_path="street.png")
         assert status == 200, created
+        (tmp_path / "street.png").unlink()  # gone before the session begins: it fails naming the image
         async with join(s, created["room"], created["token"]) as ctl:
             errors = await ctl.wait_for(lambda p: p.status("error"), "the session's error", timeout=20)
         status, body, _ = await s.json("get", f"{SESSIONS}/{created['session_id']}")
         assert body["status"] == "failed"
         for text in (body["error"], errors[0]["detail"]):
-            assert "not a readable image" in text, text
+            assert "'street.png' does not exist" in text, text
             assert "/" not in text and "Traceback" not in text and "\n" not in text, text
             assert len(text) <= 240
         assert isinstance(ctl, Peer)
