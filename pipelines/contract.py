@@ -39,6 +39,8 @@ __all__ = [
     "ServerPushService",
     "Service",
     "KNOWN_KEYS",
+    "MAX_PROMPT_CHARS",
+    "prompt_problem",
     "ChunkOrder",
     "InvalidChunk",
     "PipelineContractError",
@@ -125,6 +127,24 @@ class Chunk:
         return self.frame_count / self.fps
 
 
+#: the longest prompt a session takes, at its start or as a control (characters)
+MAX_PROMPT_CHARS = 2000
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with ``prompt`` as a prompt's text (None when nothing is): the one rule of every way a prompt
+    arrives (a create, a room message, a controls file), so none takes what another refuses."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        return "must be non-empty text"
+    if len(prompt) > MAX_PROMPT_CHARS:
+        return f"is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}"
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\ud800"): no text encoding can carry it
+        return f"is not valid text: {exc.reason} at character {exc.start}"
+    return None
+
+
 class ControlType(enum.Enum):
     CONTROL_STATE = "control_state"  # the set of keys held now
     CONTROL = "control"  # one key pressed or released
@@ -153,8 +173,8 @@ class Control:
                 raise ValueError(f"control key must be one of {sorted(KNOWN_KEYS)}, got {self.key!r}")
             if self.pressed is None:
                 raise ValueError("a control event needs pressed=True or False")
-        if self.type is ControlType.PROMPT and not (isinstance(self.prompt, str) and self.prompt.strip()):
-            raise ValueError("a prompt control needs non-empty prompt text")
+        if self.type is ControlType.PROMPT and (problem := prompt_problem(self.prompt)) is not None:
+            raise ValueError(f"a prompt control's prompt {problem}")
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type.value}

@@ -31,13 +31,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from .contract import KNOWN_KEYS, Control, ControlType
+from .contract import KNOWN_KEYS, Control, ControlType, prompt_problem
 
 __all__ = ["KEY_ALIASES", "TimedControl", "TimedControls", "load_timed_controls", "normalize_key", "parse_timed_controls"]
 
@@ -126,8 +126,9 @@ def _parse_entry(index: int, raw: Any) -> TimedControl:
             control = Control(ControlType.CONTROL_STATE, keys=frozenset(normalized))
         elif kind == "prompt":
             prompt = raw.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise bad(f"'prompt' must be a non-empty string, got {prompt!r}")
+            problem = prompt_problem(prompt)
+            if problem is not None:
+                raise bad(f"'prompt' {problem}")
             control = Control(ControlType.PROMPT, prompt=prompt)
         elif kind == "reset":
             control = Control(ControlType.RESET)
@@ -148,15 +149,17 @@ def parse_timed_controls(data: Any) -> TimedControls:
     return TimedControls(tuple(sorted(parsed, key=lambda e: (e.t, e.entry))))
 
 
-def load_timed_controls(path: str | os.PathLike[str]) -> TimedControls:
-    """Read and parse a timed controls file; every problem is a ``ValueError`` naming the file."""
+def load_timed_controls(path: str | os.PathLike[str], *, loads: Callable[[str], Any] = json.loads) -> TimedControls:
+    """Read and parse a timed controls file; every problem is a ``ValueError`` naming the file. ``loads`` parses
+    its text: ``chunkline run`` passes the server's parser of client JSON, which also refuses an object naming a
+    key twice (the last would silently win) and deep nesting, as a request body's are."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"controls file {str(path)!r} cannot be read: {exc}") from exc
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: plain json.loads on a file of nested lists
         raise ValueError(f"controls file {str(path)!r} is not valid JSON: {exc}") from exc
     try:
         return parse_timed_controls(data)

@@ -324,9 +324,10 @@ def _summary_lines(pipeline: str, metrics: Mapping[str, Any], out_dir: Path) -> 
 def _cmd_run(args: argparse.Namespace) -> int:
     import trio
 
-    from pipelines.contract import SessionConfig
+    from pipelines.contract import SessionConfig, prompt_problem
     from pipelines.loader import PipelineLoadError, load_service
     from pipelines.offline import load_timed_controls, remove_partial_files, run_offline
+    from server import json_limits
     from server.run_signals import run_until_signalled
 
     if args.chunks < 1:
@@ -334,6 +335,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     pipeline = Path(args.pipeline)
     if not pipeline.exists():
         raise _BadInput(f"pipeline {args.pipeline!r} does not exist")
+    if args.prompt is not None and (problem := prompt_problem(args.prompt)) is not None:
+        raise _BadInput(f"--prompt {problem}")  # the rule a create and a room's prompt follow
     image_path = None
     if args.image is not None:
         if not Path(args.image).is_file():
@@ -344,7 +347,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not Path(args.controls).is_file():
             raise _BadInput(f"--controls: no such file {args.controls!r}")
         try:
-            controls = load_timed_controls(args.controls)
+            controls = load_timed_controls(args.controls, loads=json_limits.loads)
         except ValueError as exc:
             raise _BadInput(str(exc)) from exc
     options = _parse_options(args.option)

@@ -47,7 +47,8 @@ unknown_control     a control name that is not a known key or alias
 duplicate_control   ``control_state`` naming one key twice (after aliasing)
 unknown_event       a ``control`` event that is not a string or not one of
                     press, release, keyup, end, reset, reset_pose
-bad_prompt          ``prompt`` not a string, blank, or over 2000 characters
+bad_prompt          ``prompt`` not a string, blank, over 2000 characters or not valid
+                    text (a lone surrogate): ``pipelines.contract.prompt_problem``
 ==================  ===========================================================
 
 Types: ``control_state`` (the set of held keys), ``control`` (one key:
@@ -84,7 +85,7 @@ from typing import Any, Final
 
 import attrs
 
-from pipelines.contract import KNOWN_KEYS, Control, ControlType
+from pipelines.contract import KNOWN_KEYS, MAX_PROMPT_CHARS, Control, ControlType, prompt_problem
 
 from . import json_limits
 from .reasons import echo
@@ -118,7 +119,6 @@ METRICS_TOPIC: Final = "tf.metrics"
 
 PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_BYTES: Final = 12288
-MAX_PROMPT_CHARS: Final = 2000
 
 REJECTION_REASONS: Final = frozenset(
     {
@@ -316,10 +316,9 @@ def _key_event(fields: Mapping[str, Any]) -> Control:
 
 def _prompt(fields: Mapping[str, Any]) -> str:
     prompt = fields.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise InvalidControl("bad_prompt", "a prompt message needs non-empty 'prompt' text")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise InvalidControl("bad_prompt", f"prompt is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    problem = prompt_problem(prompt)
+    if problem is not None:
+        raise InvalidControl("bad_prompt", f"a prompt message's 'prompt' {problem}")
     return prompt
 
 

@@ -443,6 +443,13 @@ def bad_controls(tmp_path: Path, content: str) -> str:
         ("seed_not_accepted", "does not accept ['seed']"),
         ("zero_chunks", "--chunks must be >= 1"),
         ("bad_option_syntax", "is not KEY=VALUE"),
+        # one prompt rule everywhere (a create and a room take at most 2000 characters of encodable text)
+        ("long_prompt", "--prompt is 2001 characters; at most 2000"),
+        ("long_prompt_in_controls", "controls entry 0: 'prompt' is 2001 characters; at most 2000"),
+        ("lone_surrogate_in_controls", "a string holds a lone surrogate"),
+        ("undecodable_prompt", "--prompt is not valid text"),  # argv bytes that are not UTF-8 (surrogateescape)
+        ("duplicate_key_in_controls", "key 't' appears twice in one object"),
+        ("deeply_nested_controls", "JSON nested 100000 levels deep; at most 32"),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(
@@ -462,6 +469,15 @@ def test_bad_input_exits_2_and_writes_nothing(
         "seed_not_accepted": ["run", write_counter_pipeline(tmp_path), "--seed", "3"],
         "zero_chunks": ["run", REPLAY, "--chunks", "0"],
         "bad_option_syntax": ["run", REPLAY, "--option", "fps"],
+        "long_prompt": ["run", REPLAY, "--prompt", "x" * 2001],
+        "undecodable_prompt": ["run", REPLAY, "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],
+        "long_prompt_in_controls": ["run", REPLAY, "--controls", bad_controls(tmp_path, json.dumps(
+            [{"t": 0, "type": "prompt", "prompt": "x" * 2001}]))],
+        "lone_surrogate_in_controls": ["run", REPLAY, "--controls", bad_controls(
+            tmp_path, '[{"t": 0, "type": "prompt", "prompt": "\\ud800"}]')],
+        "duplicate_key_in_controls": ["run", REPLAY, "--controls", bad_controls(
+            tmp_path, '[{"t": 0, "t": 1, "type": "reset"}]')],
+        "deeply_nested_controls": ["run", REPLAY, "--controls", bad_controls(tmp_path, "[" * 100_000 + "]" * 100_000)],
     }[case]
     if case == "cuda_unavailable":
         import torch
