@@ -42,7 +42,9 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from .tokens import TokenRejected
+from .http_framing import head_end, parse_head
+from .reasons import echo
+from .tokens import TokenRejected, single_token
 from .transport.local import LocalRooms, RemoteWorkerPresence
 
 __all__ = ["IDLE_DEADLINE", "PING_INTERVAL", "PONG_DEADLINE", "WRITE_DEADLINE", "Deadlines", "PeerGone", "RoomSocket", "room_of"]
@@ -117,18 +119,22 @@ class RoomSocket:
             if isinstance(request, RemoteProtocolError):
                 hint = request.event_hint
                 status, headers = (hint.status_code, hint.headers) if isinstance(hint, RejectConnection) else (400, [])
-                await self._reject(status, "bad_websocket_handshake", f"not a WebSocket handshake: {request}", headers)
+                why = f"not a WebSocket handshake: {request}"
+                if status == HTTPStatus.UPGRADE_REQUIRED:  # wsproto calls a version other than 13 a missing header
+                    why = (f"this server speaks WebSocket version 13 (Sec-WebSocket-Version: 13); the request asked "
+                           f"for {self._versions_asked()}")
+                await self._reject(status, "bad_websocket_handshake", why, headers)
                 return
             room = room_of(request.target)
-            token = parse_qs(urlsplit(request.target).query).get("token", [""])[0]
+            tokens = parse_qs(urlsplit(request.target).query, keep_blank_values=True).get("token", [])
             if room is None:
                 await self._reject(404, "not_found", "no room at this path (a room's WebSocket is /v1/rooms/{room}/ws)")
                 return
             await self._write(self._ws.send(AcceptConnection()))
             try:
-                subscriber = self._rooms.admit_client(room, token)
+                subscriber = self._rooms.admit_client(room, single_token(tokens))
             except TokenRejected as exc:
-                await self._send(json.dumps({"type": "refused", "reason": exc.reason}))
+                await self._send(exc.refusal())
                 await self._close(4401, exc.reason)
                 return
             try:
@@ -164,6 +170,14 @@ class RoomSocket:
         except RemoteProtocolError as exc:
             return exc
         return RemoteProtocolError("the request head is incomplete", event_hint=RejectConnection())
+
+    def _versions_asked(self) -> str:
+        """The ``Sec-WebSocket-Version`` values of the head, as a client can read them back."""
+        end = head_end(self._head, 0)
+        asked = parse_head(self._head[:end] if end >= 0 else self._head).values(b"sec-websocket-version")
+        if not asked:
+            return "no version (the Sec-WebSocket-Version field is missing)"
+        return "version " + ", ".join(echo(value.decode("latin-1")) for value in asked)
 
     async def _reject(self, status: int, error: str, detail: str, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Answer the handshake with ``status`` and the JSON error every refusal of the server has."""

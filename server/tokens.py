@@ -41,7 +41,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, Literal
 
 import attrs
@@ -59,6 +59,7 @@ __all__ = [
     "Role",
     "TokenIssuer",
     "TokenRejected",
+    "single_token",
     "VerifiedToken",
     "validate_client_identity",
     "validate_identity",
@@ -98,11 +99,35 @@ class ReservedIdentity(IdentityError):
 
 class TokenRejected(ValueError):
     """A token failed verification; ``reason`` is one of ``expired``,
-    ``bad signature`` (wrong secret or wrong API key), ``wrong room`` or ``malformed``."""
+    ``bad signature`` (wrong secret or wrong API key), ``wrong room`` or ``malformed``; ``detail`` says
+    what exactly, in words a client can act on (never the token itself)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, detail: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail or _REJECTED.get(reason, reason)
+
+    def refusal(self) -> str:
+        """The room's answer to a client it does not admit (then it closes the socket)."""
+        return json.dumps({"type": "refused", "reason": self.reason, "detail": self.detail})
+
+
+def single_token(given: Sequence[str]) -> str:
+    """The token of a room URL's ``?token=`` (``given``: every value), or TokenRejected when there is not one."""
+    if len(given) > 1:  # which one would be meant?
+        raise TokenRejected("malformed", f"the token is given {len(given)} times; give it once")
+    return given[0] if given else ""
+
+
+_REJECTED: Final = {
+    "expired": "the token has expired: ask for a new one",
+    "bad signature": "the token was not signed by this server's key",
+    "wrong room": "the token is for another room",
+    "wrong role": "the token's role may not join this way",
+    "session_closed": "the session has ended: its room is closed",
+    "identity in use": "a participant with this identity is already in the room",
+    "room full": "the room has as many participants as it takes",
+}
 
 
 def validate_identity(value: object) -> str:
@@ -239,7 +264,7 @@ class TokenIssuer:
     def verify(self, token: str, *, room: str | None = None) -> VerifiedToken:
         """Check signature, issuer, expiry (leeway 0) and, if given, the room."""
         if not isinstance(token, str) or not token:
-            raise TokenRejected("malformed")
+            raise TokenRejected("malformed", "no token: give the one a create or a viewer-token request returned")
         try:
             claims = self._verifier.verify(token)
             # Signature checked above; read what Claims does not expose.
@@ -251,27 +276,27 @@ class TokenIssuer:
         except (jwt.PyJWTError, ValueError, TypeError, AttributeError):
             # DecodeError, missing claims, an unsupported algorithm, grants of
             # the wrong shape (VideoGrants(**...) with odd values), ...
-            raise TokenRejected("malformed") from None
+            raise TokenRejected("malformed", "the token is not one this server issued (it does not decode)") from None
         exp = raw.get("exp")
         if isinstance(exp, bool) or not isinstance(exp, int | float):
-            raise TokenRejected("malformed")
+            raise TokenRejected("malformed", "the token has no expiry")
         if exp <= self._clock():
             raise TokenRejected("expired")
         video = claims.video
         if video is None or video.room_join is not True or not isinstance(video.room, str) or not video.room:
-            raise TokenRejected("malformed")
+            raise TokenRejected("malformed", "the token grants no room to join")
         if room is not None and video.room != room:
             raise TokenRejected("wrong room")
         role = _role_from_metadata(claims.metadata)
         try:
             identity = validate_identity(claims.identity)
         except IdentityError:
-            raise TokenRejected("malformed") from None
+            raise TokenRejected("malformed", "the token's identity is not a valid identity") from None
         # VideoGrants defaults absent permissions to True; demand them explicit.
         raw_video = raw.get("video")
         flags = [raw_video.get(name) if isinstance(raw_video, dict) else None for name in _GRANT_CLAIMS]
         if not all(isinstance(flag, bool) for flag in flags):
-            raise TokenRejected("malformed")
+            raise TokenRejected("malformed", "the token does not state each of its permissions")
         return VerifiedToken(
             identity=identity,
             room=video.room,
@@ -290,5 +315,5 @@ def _role_from_metadata(metadata: object) -> Role:
         decoded = None
     role = decoded.get("role") if isinstance(decoded, dict) else None
     if role not in ROLES:
-        raise TokenRejected("malformed")
+        raise TokenRejected("malformed", "the token names no role (controller, viewer or worker)")
     return role  # type: ignore[return-value]

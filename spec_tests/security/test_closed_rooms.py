@@ -66,7 +66,8 @@ async def test_a_closed_sessions_tokens_no_longer_open_its_room() -> None:
         assert (await server.request("DELETE", f"/v1/stream/sessions/{created['session_id']}"))[0] == 200
         for client in (await server.room(created), await server.room(created, token)):
             with trio.fail_after(WAIT):
-                assert await client.receive() == {"type": "refused", "reason": "session_closed"}
+                assert await client.receive() == {"type": "refused", "reason": "session_closed",
+                                                  "detail": "the session has ended: its room is closed"}
             await client.aclose()
 
 

@@ -58,3 +58,5 @@ async def test_a_handshake_that_is_not_one_is_answered_with_the_reason(request_h
     assert json.loads(body)["error"] == "bad_websocket_handshake" and named in body, answer
     if status == 426:
         assert b"\r\nSec-WebSocket-Version: 13" in head, answer  # the version this server speaks
+        # the version asked for is named (wsproto's own words called the field missing)
+        assert b"asked for version '8'" in body and b"Missing" not in body, answer

@@ -2,7 +2,7 @@
 
 The server is configured with known LiveKit credentials (they sign every token), so the tests mint
 forged, expired, other-room and wrong-role tokens themselves. For each bad token the socket gets one
-``{"type": "refused", "reason": ...}`` message and is closed, and the room is unchanged: same
+``{"type": "refused", "reason": ..., "detail": ...}`` message and is closed, and the room is unchanged: same
 participants, no new room, nothing delivered to the pipeline. Within a room, grants are enforced per
 message: a viewer's data and anyone's binary frames are refused *and answered* on the same socket,
 which stays open; a second connection with an identity already present is refused.
@@ -110,19 +110,26 @@ def bad_token(kind: str, served: Served, room: str, other_room: str) -> tuple[st
         return "", {"malformed"}
     if kind == "missing":
         return None, {"malformed"}
+    if kind == "duplicated":  # two ?token= in the room's URL, both valid: which is meant?
+        return f"{good}&token={good}", {"malformed"}
     raise AssertionError(kind)
 
 
 BAD_TOKENS = ["forged", "forged_other_key", "expired", "expired_by_a_second", "other_room", "tampered_room",
-              "tampered_identity", "alg_none", "worker_role", "garbage", "random_bytes", "empty", "missing"]
+              "tampered_identity", "alg_none", "worker_role", "garbage", "random_bytes", "empty", "missing",
+              "duplicated"]
+#: what the refusal's detail says, where one kind of token has one cause (a bare "malformed" said nothing)
+DETAILS = {"empty": "no token", "missing": "no token", "garbage": "does not decode", "random_bytes": "does not decode",
+           "duplicated": "given 2 times", "expired": "expired", "other_room": "another room"}
 
 
-async def assert_refused_and_closed(peer: Peer, reasons: set[str]) -> str:
+async def assert_refused_and_closed(peer: Peer, reasons: set[str], detail: str = "") -> str:
     with trio.fail_after(WAIT):
         await peer.reader_done.wait()
     texts = peer.texts()
     assert len(texts) == 1 and texts[0]["type"] == "refused", texts
     assert texts[0]["reason"] in reasons, texts
+    assert isinstance(texts[0]["detail"], str) and detail in texts[0]["detail"], texts
     assert isinstance(peer.closed_with, WebsocketDisconnectError), peer.closed_with
     return texts[0]["reason"]
 
@@ -138,7 +145,7 @@ async def test_bad_tokens_are_refused_and_the_room_is_unchanged(kind: str) -> No
                   set(served.runtime.get(created["session_id"]).participants))
         joined_before = len([m for m in ctl.texts() if m["type"] == "participant_joined"])
         async with join(served, room, token) as intruder:
-            await assert_refused_and_closed(intruder, reasons)
+            await assert_refused_and_closed(intruder, reasons, DETAILS.get(kind, ""))
             # whatever the intruder still writes on the closed socket reaches nobody (checked below)
             with contextlib.suppress(Exception):
                 await intruder.control({"type": "control_state", "controls": ["w"]})

@@ -23,6 +23,7 @@ from states.stream_session import DrainCause
 from trio.testing import wait_all_tasks_blocked
 
 from pipelines.contract import Control, ControlType
+from server.tokens import TokenRejected
 from pipelines.replay import ReplayService
 from pipelines.toy_world import ToyWorldConfig, ToyWorldService
 from spec_tests.pipelines.toy_world_views import bottom_rows, ground_shift_px
@@ -368,7 +369,7 @@ async def test_bad_tokens_are_refused_by_the_websocket(kind: str, autojump_clock
         }[kind]
         async with join(s, room, token) as peer:
             await peer.reader_done.wait()
-            assert peer.texts() == [{"type": "refused", "reason": reason}]
+            assert peer.texts() == [{"type": "refused", "reason": reason, "detail": TokenRejected(reason).detail}]
             assert peer.closed_with is not None
             assert getattr(peer.closed_with, "code", None) in (4401, None)
         await wait_all_tasks_blocked()

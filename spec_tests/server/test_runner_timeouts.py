@@ -324,4 +324,5 @@ async def test_a_closed_session_s_tokens_no_longer_join_its_room(autojump_clock:
         for token in (created["token"], viewer):  # both still within their TTL
             async with join(s, created["room"], token) as late:
                 await late.reader_done.wait()
-            assert [m for m in late.texts() if m.get("type") == "refused"] == [{"type": "refused", "reason": "session_closed"}]
+            assert [m for m in late.texts() if m.get("type") == "refused"] == [{"type": "refused", "reason": "session_closed",
+                                                                                  "detail": "the session has ended: its room is closed"}]
