@@ -6,7 +6,9 @@ hangs (an orchestrator waits up to its ``close_timeout`` for a stage's call). A 
 SIGTERM) during that stop does not wait for anything: the caller's ``abort`` removes what the run left and
 ends the process at once. The handlers are plain Python signal handlers, so the abort runs even while the
 trio loop is busy; the first signal only asks the loop to cancel (``TrioToken.run_sync_soon`` is safe to
-call from a signal handler).
+call from a signal handler). A run the first signal stopped keeps the handlers: the caller is about to exit
+with that signal's code, and a second signal on the way (after the stop finished) aborts as during the stop,
+rather than ending the process by the signal itself.
 """
 
 from __future__ import annotations
@@ -67,5 +69,6 @@ async def run_until_signalled(
                 raise
         raise StoppedBySignal(first[0])  # reached only when the first signal's cancel ended the run
     finally:
-        for number, old in previous.items():
-            signal.signal(number, old)
+        if not first:  # once stopped by a signal, the process exits with its code: a later signal aborts
+            for number, old in previous.items():  # (else it could kill the process on its way out by itself)
+                signal.signal(number, old)

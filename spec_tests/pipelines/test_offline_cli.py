@@ -152,3 +152,35 @@ def test_an_option_the_run_sets_itself_exits_2_naming_it(tmp_path: Path, option:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"['{name}']" in lines[0] and "--chunks" in lines[0], result.stderr
     assert not out.exists()
+
+
+def test_a_second_signal_after_the_stop_finished_still_aborts_with_the_first_signals_code() -> None:
+    """Between the orderly stop's end and the process's exit, a second signal must not end the process by
+    itself (it showed -2, not 130, and no line): the handlers stay, and it aborts as during the stop."""
+    import trio
+
+    from server.run_signals import StoppedBySignal, run_until_signalled
+
+    aborted: list[int] = []
+
+    class Aborted(Exception):
+        pass
+
+    def abort(first: int):  # the CLI's ends the process; here it says what it would have done
+        aborted.append(first)
+        raise Aborted
+
+    async def run() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        await trio.sleep_forever()
+
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(StoppedBySignal):
+            trio.run(lambda: run_until_signalled(run, on_stop=lambda number: None, abort=abort))
+        with pytest.raises(Aborted):
+            os.kill(os.getpid(), signal.SIGTERM)  # the stop is over; the process would now be on its way out
+        assert aborted == [signal.SIGINT]  # the first signal's code, as during the stop
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
