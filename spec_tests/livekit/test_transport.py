@@ -7,6 +7,7 @@ Each scenario of :mod:`spec_tests.livekit.transport_probe` runs in its own proce
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import pytest
@@ -17,12 +18,24 @@ from .conftest import ROOT, LiveKit
 pytestmark = pytest.mark.livekit
 
 
+#: how the LiveKit SDK's native core dies when one of its own tasks panics (seen once in many runs, on a loaded
+#: host, in the refused-publish scenario): the process aborts, which is the SDK's fault, not the transport's
+SDK_PANIC = b"panic in a function that cannot unwind"
+
+
 async def probe(livekit: LiveKit, scenario: str) -> dict:
+    """The scenario's report. A run the SDK's native core aborted is run once more (and fails the test if it
+    aborts again): the assertions are about the transport, which the SDK's own crash says nothing about."""
     config = livekit.config
     argv = [*livekit.network.prefix(), sys.executable, "-m", "spec_tests.livekit.transport_probe", scenario,
             config.url, config.api_key, config.api_secret]
-    with trio.fail_after(60):
-        done = await trio.run_process(argv, cwd=ROOT, capture_stdout=True, capture_stderr=True, check=False)
+    for attempt in range(2):
+        with trio.fail_after(60):
+            done = await trio.run_process(argv, cwd=ROOT, capture_stdout=True, capture_stderr=True, check=False)
+        if not (done.returncode == -signal.SIGABRT and SDK_PANIC in done.stderr and attempt == 0):
+            break
+        print(f"the LiveKit SDK aborted the {scenario!r} probe; running it once more:\n"
+              f"{done.stderr.decode(errors='replace')[-1500:]}", file=sys.stderr)
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
     return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
