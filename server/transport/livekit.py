@@ -56,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -77,9 +77,12 @@ from .base import (
 )
 from .livekit_media import AUDIO_TRACK_NAME, MAX_VIDEO_BITRATE, VIDEO_TRACK_NAME, MediaPublisher, check_frame
 
-__all__ = ["AUDIO_TRACK_NAME", "MAX_VIDEO_BITRATE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
+__all__ = ["AUDIO_TRACK_NAME", "MAX_VIDEO_BITRATE", "ROOM_CLOSE_GRACE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
 
 log = logging.getLogger(__name__)
+
+#: seconds an ended session's clients have to read its last messages before its room is deleted
+ROOM_CLOSE_GRACE = 2.0
 
 EVENT_BACKLOG = 256  # data events kept for the runner (data beyond it is dropped; participant events never)
 
@@ -390,33 +393,40 @@ class LiveKitTransport:
                 self._loop = None
 
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
-        """The room's session ended. ``last_word`` is its last ``tf.status`` message when no worker was there to
-        send it (a session that ended queued): the server sends it through the RoomService, in the background,
-        within ``disconnect_timeout``. LiveKit gives such data no participant; clients take status without
-        one as the server's, since only a holder of the API secret can send it. Clients stay in the room
-        (the browser page leaves on ``done`` or ``error``)."""
-        if last_word is None or self._sends is None or not (self._api_key and self._api_secret):
+        """The room's session ended. In the background, each step within ``disconnect_timeout``: ``last_word``,
+        its last ``tf.status`` message when no worker was there to send it (a session that ended queued), goes
+        through the RoomService, which names no participant (clients take status without one as the server's:
+        only a holder of the API secret can send it); ``ROOM_CLOSE_GRACE`` later the room is deleted, which sends
+        its clients away, as the local rooms do once the worker's last messages are out."""
+        if self._sends is None or not (self._api_key and self._api_secret):
             return
-        self._sends.start_soon(self._send_last_word, room, last_word)
+        self._sends.start_soon(self._close_room, room, last_word)
 
-    async def _send_last_word(self, room: str, payload: bytes) -> None:
+    async def _close_room(self, room: str, last_word: bytes | None) -> None:
+        if last_word is not None:
+            await self._room_service(room, "sending the session's last status", lambda rooms: rooms.send_data(
+                api.SendDataRequest(room=room, data=last_word, kind=api.DataPacket.Kind.RELIABLE, topic=STATUS_TOPIC)))
+        await trio.sleep(ROOM_CLOSE_GRACE)  # the last messages reach the clients before the room goes
+        await self._room_service(room, "deleting the room", lambda rooms: rooms.delete_room(
+            api.DeleteRoomRequest(room=room)))
+
+    async def _room_service(self, room: str, what: str, call: Callable[[Any], Awaitable[Any]]) -> None:
+        """One RoomService call, bounded; a room that is not there (nobody ever entered it) is no failure."""
         with trio.move_on_after(self.disconnect_timeout) as deadline:
             try:
-                await trio_asyncio.aio_as_trio(self._aio_send_data, loop=self._loop)(room, payload)
+                await trio_asyncio.aio_as_trio(self._aio_room_service, loop=self._loop)(call)
             except api.TwirpError as exc:
-                if exc.code != api.TwirpErrorCode.NOT_FOUND:  # not found: nobody ever entered the room
-                    log.warning("room %s: the session's last status was refused: %s", room, exc.message)
+                if exc.code != api.TwirpErrorCode.NOT_FOUND:
+                    log.warning("room %s: %s was refused: %s", room, what, exc.message)
             except Exception as exc:  # the server unreachable, or the SDK failing otherwise
-                log.warning("room %s: the session's last status could not be sent: %s: %s", room, type(exc).__name__, exc)
+                log.warning("room %s: %s failed: %s: %s", room, what, type(exc).__name__, exc)
         if deadline.cancelled_caught:
-            log.warning("room %s: the session's last status was not taken within %g s", room, self.disconnect_timeout)
+            log.warning("room %s: %s took longer than %g s", room, what, self.disconnect_timeout)
 
-    async def _aio_send_data(self, room: str, payload: bytes) -> None:
+    async def _aio_room_service(self, call: Callable[[Any], Awaitable[Any]]) -> None:
         service = api.LiveKitAPI(_http_url(self.url), self._api_key, self._api_secret)
         try:
-            await service.room.send_data(api.SendDataRequest(
-                room=room, data=payload, kind=api.DataPacket.Kind.RELIABLE, topic=STATUS_TOPIC,
-            ))
+            await call(service.room)
         finally:
             await service.aclose()
 

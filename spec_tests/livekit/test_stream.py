@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from livekit import rtc
 
 from spec_tests.frames import near_ground_shift
 
@@ -199,9 +200,19 @@ async def test_a_queued_session_deleted_tells_its_livekit_room_done(stream: Stre
     # sent through the RoomService: LiveKit names no participant (browsers take that as the server's word)
     (sent,) = [e for e in agent.events if e["event"] == "data" and e["client"] == "hank" and e["topic"] == "tf.status"]
     assert sent["sender"] is None
-    await agent.request("leave", client="hank")
+    # then the room goes, and its clients with it, as a local room sends them away
+    await agent.wait_for(lambda: disconnected(agent, "hank"), "hank to be sent away")
+    assert await agent.room_participants(queued["room"]) == []
     await agent.request("publish", client="gina", topic="tf.control", payload=json.dumps({"type": "stop"}))
+    await agent.wait_message("gina", "done")
     assert (await wait_status(stream, live["session_id"], TERMINAL))["status"] == "closed"
+    reason = await agent.wait_for(lambda: disconnected(agent, "gina"), "gina to be sent away")
+    assert reason == str(int(rtc.DisconnectReason.ROOM_DELETED)), reason  # the clients report the enum's number
+
+
+def disconnected(agent: Agent, client: str) -> str | None:
+    """Why ``client``'s room went away, once it did."""
+    return next((e["reason"] for e in agent.events if e["event"] == "disconnected" and e["client"] == client), None)
 
 
 async def test_a_worker_removed_from_its_room_fails_the_session_with_the_transport_reason(stream: StreamServer, agent: Agent) -> None:
