@@ -31,6 +31,7 @@ from typing import Any
 from .supervised_child import bind_to_parent
 from .worker_wire import (
     Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, load_value,
+    release_shared,
     remote_error,
 )
 
@@ -82,10 +83,10 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
             case Shutdown():
                 _send(conn, Closed(rank, _close(worker)))
                 return
-            case Call(call_id=call_id, method=method, arguments=arguments):
+            case Call(call_id=call_id, method=method, arguments=arguments, shared=shared):
                 try:
                     # the arguments are pickled apart from the message: ones that do not load here fail this call
-                    args, kwargs = load_value(arguments)
+                    args, kwargs = _load_arguments(arguments, shared)
                     # so is the value: one the parent cannot load fails only this call there; nothing here keeps
                     # the value once it is pickled (its shared memory is the parent's to fetch)
                     reply: Result | Raised = Result(call_id, rank, *dump_value(getattr(worker, method)(*args, **kwargs)))
@@ -99,6 +100,17 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
                     _send(conn, Raised(call_id, rank, remote_error(exc)))
             case _:
                 raise UnknownWorkerMessage(message, sender="the worker group", expected=(Call, Shutdown))
+
+
+def _load_arguments(arguments: bytes, shared: bytes) -> Any:
+    """A call's ``(args, kwargs)``; when they do not load, the shared-memory handles loading did not fetch are
+    fetched and closed here, so that the parent, which holds each until a rank fetches it, holds none for good."""
+    fetched: set[int] = set()
+    try:
+        return load_value(arguments, fetched)
+    except BaseException:
+        release_shared(shared, fetched)
+        raise
 
 
 def _close(worker: Any) -> str | None:

@@ -70,9 +70,12 @@ class UnloadableValue(EngineError, ValueError):
     """A value pickled in a child process does not load in this one; the message says what did not load."""
 
 
-def dump_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """``(args, kwargs)`` pickled for one rank's :class:`Call` (:func:`load_value` reads them in the rank)."""
-    return bytes(ForkingPickler.dumps((args, kwargs)))
+def dump_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bytes, bytes]:
+    """``(args, kwargs)`` pickled for one rank's :class:`Call` (:func:`load_value` reads them in the rank), and the
+    shared-memory handles in them (as :func:`dump_value` lists a value's), which this process holds until the rank
+    fetches them: a rank whose arguments do not load releases the rest itself (:func:`release_shared`)."""
+    data, shared, _ = dump_value((args, kwargs))
+    return data, shared
 
 
 def dump_value(value: Any) -> tuple[bytes, bytes, tuple[tuple[str, int], ...]]:
@@ -195,6 +198,7 @@ class Call:
     call_id: int
     method: str
     arguments: bytes
+    shared: bytes = b""  # the shared-memory handles in ``arguments`` (:func:`dump_arguments`)
 
 
 @attrs.frozen

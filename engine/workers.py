@@ -405,7 +405,7 @@ class ProcessWorkerGroup:
         self._check_takes_calls()  # before pickling: a CPU tensor argument is shared while it is pickled
         try:
             # once per rank: a CPU tensor travels as a shared-memory handle that only one process can fetch
-            payloads = [ForkingPickler.dumps(Call(call.call_id, method, dump_arguments(args, kwargs))) for _ in ranks]
+            payloads = [ForkingPickler.dumps(Call(call.call_id, method, *dump_arguments(args, kwargs))) for _ in ranks]
         except Exception as exc:
             raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
                             f"{type(exc).__name__}: {exc}") from exc

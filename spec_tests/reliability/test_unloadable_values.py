@@ -4,6 +4,8 @@ every message from that process never sees it, so the process group serves on. W
 
 from __future__ import annotations
 
+import gc
+import os
 import time
 from collections.abc import Iterator
 
@@ -81,3 +83,38 @@ def test_the_tensor_channel_transfers_of_a_value_that_is_lost_are_discarded() ->
         transfer = CPU_SLOTS + 2
         assert [channel.ack_of(rank, transfer) for rank in range(2)] == [-transfer, -transfer]
         assert not group.failed
+
+
+def shared_fds_here() -> int:
+    """This process's open descriptors of shared memory."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+        except OSError:  # the descriptor listdir itself used
+            continue
+    return held
+
+
+def test_the_shared_memory_of_arguments_that_do_not_load_is_not_left_with_this_process() -> None:
+    """A CPU tensor argument travels as a handle to shared memory that this process holds until its rank fetches it:
+    arguments that do not load in the rank (fetched half-way) have the rest fetched and closed there, so the
+    handles do not pile up here for the life of the server (each held a descriptor for good)."""
+    import torch
+
+    from .unloadable_ranks import FailsToLoad
+
+    with ProcessWorkerGroup(TENSOR_RANKS, world_size=2, call_timeout=60.0, name="unloadable-arguments") as group:
+        assert group.call("step", 1)() == 1
+        before = shared_fds_here()
+        for _ in range(4):
+            arguments = {"fetched": torch.ones(64), "latent": FailsToLoad(), "held": torch.ones(64)}
+            with pytest.raises(WorkerCallError, match="UnloadableValue"):
+                group.call("step", arguments)()
+            del arguments
+        gc.collect()
+        give_up = time.monotonic() + SETTLE_DEADLINE
+        while shared_fds_here() > before and time.monotonic() < give_up:
+            time.sleep(0.01)  # bench-cost: this process's resource-sharer thread closes what it handed over
+        assert shared_fds_here() <= before
+        assert group.call("step", 2)() == 2 and not group.failed
