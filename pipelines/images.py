@@ -12,12 +12,15 @@ model can use down to that size as it converts it, so no more pixels are kept th
 from __future__ import annotations
 
 import io
+import os
 import struct
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Final
 
 import attrs
 import numpy as np
+
+from .paths import open_regular_file
 
 __all__ = [
     "HEADER_BYTES",
@@ -141,7 +144,7 @@ def check_image(data: bytes, *, max_side: int = MAX_IMAGE_SIDE, max_pixels: int 
 
 def check_image_file(path: str | Path, **limits: int) -> ImageInfo:
     """:func:`check_image` on the first :data:`HEADER_BYTES` of a file."""
-    with open(path, "rb") as file:
+    with os.fdopen(open_regular_file(path), "rb") as file:
         return check_image(file.read(HEADER_BYTES), **limits)
 
 
@@ -149,23 +152,33 @@ def load_image(path: str | Path, max_size: tuple[int, int]) -> np.ndarray:
     """An image file as ``H x W x 3`` uint8, no larger than ``max_size`` (height, width); ``ValueError``
     (naming the file by its name only) when it is missing, refused by its header or unreadable."""
     file = Path(path)
-    if not file.is_file():
+    if not file.exists():
         raise ValueError(f"image {file.name!r} does not exist")
     try:
         check_image_file(file)
-        return _first_frame(str(file), max_size)
+        with os.fdopen(open_regular_file(file), "rb") as opened:
+            return _first_frame(opened, max_size)
     except ImageRefused as exc:
         raise ValueError(f"image {file.name!r}: {exc.detail}") from exc
+    except OSError as exc:  # swapped since it was named: a pipe, a link, gone
+        raise ValueError(f"image {file.name!r} cannot be read: {exc.strerror or exc}") from None
 
 
 def check_decodes(source: bytes | str | Path) -> None:
     """Decode an image whose header :func:`check_image` took (its bytes, or its file) as :func:`load_image` will,
     and drop the pixels: a header can be whole over pixel data that is not. :class:`ImageRefused`
     (``unreadable_image``) when it does not decode."""
-    _first_frame(io.BytesIO(source) if isinstance(source, bytes) else str(source), (1, 1))
+    if isinstance(source, bytes):
+        _first_frame(io.BytesIO(source), (1, 1))
+        return
+    try:
+        with os.fdopen(open_regular_file(source), "rb") as opened:
+            _first_frame(opened, (1, 1))
+    except OSError as exc:
+        raise ImageRefused("unreadable_image", f"the image cannot be read: {exc.strerror or exc}") from None
 
 
-def _first_frame(source: str | io.BytesIO, max_size: tuple[int, int]) -> np.ndarray:
+def _first_frame(source: BinaryIO, max_size: tuple[int, int]) -> np.ndarray:
     """The first frame as RGB, scaled down to fit ``max_size`` (height, width); ImageRefused when it does not decode."""
     import av
 

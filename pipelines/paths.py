@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
-__all__ = ["PathRefused", "resolve_inside"]
+__all__ = ["PathRefused", "open_regular_file", "resolve_inside"]
 
 
 class PathRefused(ValueError):
@@ -24,8 +26,35 @@ def resolve_inside(root: str | os.PathLike[str], name: str) -> Path:
         resolved = (base / name).resolve()
         if not resolved.is_relative_to(base):
             raise PathRefused("resolves outside the assets directory")
-        if not resolved.is_file():
+        if not resolved.exists():
             raise PathRefused("does not exist in the assets directory")
-    except OSError as exc:  # a name too long for the file system, a loop of links: not a file there either
+        if not resolved.is_file():
+            raise PathRefused("is not a regular file in the assets directory (a directory, a pipe or a device)")
+    except OSError as exc:  # a name too long for the file system: not a file there either
         raise PathRefused(f"cannot be looked up in the assets directory ({exc.strerror or 'not a file name'})") from None
+    except RuntimeError:  # Python 3.11's resolve() on a loop of symbolic links
+        raise PathRefused("is a loop of symbolic links in the assets directory") from None
     return resolved
+
+
+def open_regular_file(path: str | os.PathLike[str]) -> int:
+    """A descriptor of ``path`` for reading, only if it is a regular file and not itself a symbolic link.
+
+    A file checked when a session was created may be swapped before it is read: for a pipe, opening and reading
+    would wait for a writer for ever (in a server's event loop, every request with it); for a link, it would be
+    read wherever it points. Opened without waiting (``O_NONBLOCK``) and refused by its kind, ``OSError`` naming why.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, not the file it was") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -13,12 +13,14 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
+from pipelines.paths import open_regular_file
 from states.stream_session import DrainCause, Event
 
 from ..reasons import cut, public_reason
@@ -222,6 +224,7 @@ class RemoteWorker:
         if message.drain_cause:
             # the agent's runner drained first (its controller left, its room emptied): its cause, once
             run.runtime.lifecycle.drain(run.record, _drain_cause(message.drain_cause), error)
+        run.told_room = message.told_room
         run.settle(error)
 
     def lose(self, cause: str) -> None:
@@ -249,9 +252,14 @@ def _drain_cause(value: str) -> DrainCause:
 def _read_image(path: str | None) -> tuple[str | None, str | None]:
     if path is None:
         return None, None
-    data = Path(path).read_bytes()[: MAX_IMAGE_BYTES + 1]
+    name = Path(path).name  # the client named it; the server's folders are not the client's business
+    try:
+        with os.fdopen(open_regular_file(path), "rb") as file:  # a pipe swapped in would hold the event loop
+            data = file.read(MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"the reference image {name!r} cannot be read: {exc.strerror or exc}") from None
     if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"the reference image {path!r} is larger than {MAX_IMAGE_BYTES} bytes")
+        raise ValueError(f"the reference image {name!r} is larger than {MAX_IMAGE_BYTES} bytes")
     return base64.b64encode(data).decode(), Path(path).suffix or None
 
 
@@ -273,6 +281,9 @@ class RemoteRun:
         self.worker = worker
         self.finished = trio.Event()
         self.seq = 0
+        #: whether the agent's runner told the room how the session ended (its finish says so); a lost agent's
+        #: never did, and the authority tells the room itself
+        self.told_room = False
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""

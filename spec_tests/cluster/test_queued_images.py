@@ -1,4 +1,4 @@
-"""A queued session whose reference image is gone by the time a slot frees fails alone.
+"""A queued session whose reference image is gone (or swapped for a pipe) by the time a slot frees fails alone.
 
 The authority reads a queued session's image when it promotes it to an agent (the bytes
 travel in the start message). A file deleted meanwhile must fail that one session, naming
@@ -7,9 +7,11 @@ the image, and leave the authority serving and the slot free for the next sessio
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ..server.conftest import png_bytes
 from .conftest import Controller, start_cluster, until
@@ -19,7 +21,10 @@ async def _status(client: httpx.AsyncClient, session_id: str) -> dict:
     return (await client.get(f"/v1/stream/sessions/{session_id}")).json()
 
 
-async def test_a_queued_sessions_image_deleted_before_promotion_fails_that_session_only(tmp_path: Path) -> None:
+@pytest.mark.parametrize("swap", ["deleted", "pipe"])
+async def test_a_queued_sessions_image_deleted_before_promotion_fails_that_session_only(swap: str, tmp_path: Path) -> None:
+    """``pipe``: the file swapped for a named pipe, which reading would wait on for ever (it froze the whole
+    authority: every request, the agents' heartbeats) until someone wrote into it."""
     assets = tmp_path / "assets"
     assets.mkdir()
     (assets / "street.png").write_bytes(png_bytes())
@@ -32,6 +37,8 @@ async def test_a_queued_sessions_image_deleted_before_promotion_fails_that_sessi
             assert queued.status_code == 202, queued.text
             queued_id = queued.json()["session_id"]
             (assets / "street.png").unlink()
+            if swap == "pipe":
+                os.mkfifo(assets / "street.png")
             deleted = await client.delete(f"/v1/stream/sessions/{holder.session_id}")
             assert deleted.status_code in (200, 202, 204), deleted.text
 
@@ -41,7 +48,9 @@ async def test_a_queued_sessions_image_deleted_before_promotion_fails_that_sessi
 
             record = await until(failed, "the queued session to fail", cluster, deadline=30)
             assert record["status"] == "failed", record
-            assert "street.png" in record["error"], record
+            assert "street.png" in record["error"] and str(assets) not in record["error"], record  # its name only
+            if swap == "pipe":
+                assert "not a regular file" in record["error"], record
             # the authority still serves, and the slot is free for the next one
             assert (await client.get("/v1/stream/health")).status_code == 200
             nxt = await Controller.open(client, cluster, "carol")

@@ -111,6 +111,33 @@ async def test_an_image_bomb_in_the_assets_dir_is_refused(tmp_path: Path) -> Non
         assert status == 200, body
 
 
+async def test_an_image_path_that_is_a_loop_of_links_or_not_a_file_is_a_400_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "folder.png").mkdir()
+    async with serve(make_settings(assets_dir=str(tmp_path))) as s:
+        for name, words in (("loop1", "loop of symbolic links"), ("pipe.png", "not a regular file"),
+                            ("folder.png", "not a regular file")):
+            status, body, _ = await s.create("ctl", image_path=name)
+            assert status == 400, (name, body)  # a loop was a 500 with a traceback in the log
+            assert_error_body(status, body, "invalid_image_path")
+            assert words in body["detail"] and str(tmp_path) not in body["detail"], body
+        assert not list(s.runtime.registry)
+
+
+def test_an_image_swapped_for_a_pipe_or_a_link_after_it_was_named_is_not_read(tmp_path: Path) -> None:
+    """What a create checked may be swapped before the session reads it: a pipe would hold the reader for ever,
+    a link would be read wherever it points."""
+    (tmp_path / "outside.png").write_bytes(png_bytes(8, 8))
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "link.png").symlink_to(tmp_path / "outside.png")
+    for name in ("pipe.png", "link.png"):
+        with pytest.raises(ValueError, match=f"image '{name}' cannot be read"):
+            load_image(tmp_path / name, (64, 96))
+    assert load_image(tmp_path / "outside.png", (64, 96)).shape == (8, 8, 3)
+
+
 def test_a_decoded_image_is_never_larger_than_the_model_uses(tmp_path: Path) -> None:
     big, small = tmp_path / "big.png", tmp_path / "small.png"
     big.write_bytes(png_bytes(300, 200))
