@@ -33,11 +33,10 @@ class SessionLifecycle:
         #: ``tf.status`` message when no worker is there to send one (a session that ended queued), else None
         self.on_terminal: Callable[[SessionRecord, bytes | None], None] = lambda record, last_word: None
 
-    def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None,
-               last_word: bytes | None = None) -> None:
+    def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None, say_last_word: bool = False) -> None:
         self.registry.apply(record, event, now=trio.current_time(), error=error)
         if record.is_terminal:
-            self.on_terminal(record, last_word)
+            self.on_terminal(record, _last_word(record) if say_last_word else None)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -55,16 +54,12 @@ class SessionLifecycle:
         """A queued session ends (DELETE, its timeout, the shutdown, no worker left): the table's event for
         ``cause``, which the record keeps as its drain cause, as a live session's drain does.
 
-        No worker ever joined its room, so the server says what a worker's runner says at its end: ``done``
-        with the cause, or ``error`` with the cause and the reason when the table fails the session.
+        No worker ever joined its room, so the server says the session's last word itself (``done`` with the
+        cause, or ``error`` with the cause and the reason when the table fails the session).
         """
         event = QUEUED_ENDS_WITH[cause]
         record.drain_cause = cause
-        if event is Event.FAIL:
-            last_word = protocol.error_message(record.session_id, cause.value, error or cause.value)
-        else:
-            last_word = protocol.done_message(record.session_id, 0, 0, reason=cause.value)
-        self._apply(record, event, error=error, last_word=last_word)
+        self._apply(record, event, error=error, say_last_word=True)
 
     # -- the runner's progress ---------------------------------------------------------------
 
@@ -88,8 +83,12 @@ class SessionLifecycle:
         self._apply(record, Event.DRAIN)
         return True
 
-    def settle(self, record: SessionRecord, error: str | None) -> None:
-        """End a live session: its outcome from the table, by its drain cause (FAIL when ``error``)."""
+    def settle(self, record: SessionRecord, error: str | None, *, say_last_word: bool = False) -> None:
+        """End a live session: its outcome from the table, by its drain cause (FAIL when ``error``).
+
+        ``say_last_word``: its worker did not say it (a lost agent, one that never ran the session), so the
+        server tells the room how the session ended.
+        """
         if record.is_terminal:
             return
         if error is None and record.drain_cause is None:
@@ -97,4 +96,13 @@ class SessionLifecycle:
         event = settle_event(record.drain_cause, failed=error is not None)
         if event is Event.FAIL and error is None:
             error = record.drain_detail or (record.drain_cause.value if record.drain_cause else "failed")
-        self._apply(record, event, error=error)
+        self._apply(record, event, error=error, say_last_word=say_last_word)
+
+
+def _last_word(record: SessionRecord) -> bytes:
+    """What a room is told when a session ends with no worker to say it, as a runner says it: ``error`` with the
+    cause (``session_failed`` without one) and the reason when the session failed, else ``done`` with the cause."""
+    cause = None if record.drain_cause is None else record.drain_cause.value
+    if record.error is not None:
+        return protocol.error_message(record.session_id, cause or "session_failed", record.error)
+    return protocol.done_message(record.session_id, 0, 0, reason=cause)

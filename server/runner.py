@@ -119,6 +119,9 @@ class RoomRunner:
         self._presence_changed = trio.Event()
         self._outbox_in, self._outbox = trio.open_memory_channel[bytes](OUTBOX_LIMIT)
         self.dropped_service_events = 0
+        #: whether this runner told its room how the session ended (it was in the room at the end); if not,
+        #: the server does (``SessionLifecycle.settle``)
+        self.told_room = False
         self._session_scope = trio.CancelScope()  # cancels everything but the drain (abort)
 
     # -- control from the runtime ----------------------------------------------
@@ -429,6 +432,7 @@ class RoomRunner:
                 error = error or "closing the pipeline session timed out"
         failure = error or (record.drain_detail if record.drain_cause in FAILING_CAUSES else None)
         if self._connection is not None:
+            self.told_room = True
             if failure is None:
                 publisher = self._publisher
                 chunks, frames = (0, 0) if publisher is None else (publisher.published_chunks, publisher.published_frames)

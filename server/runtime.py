@@ -386,7 +386,7 @@ class StreamRuntime:
         """A runner is done: settle its record, release the slot, admit the queue head."""
         record = runner.record
         now = trio.current_time()
-        self.lifecycle.settle(record, error)
+        self.lifecycle.settle(record, error, say_last_word=not runner.told_room)
         self.runners.pop(record.session_id, None)
         self.uploads.discard(record)
         self.metrics.record_session_finished(record.session_id, record.status.value)

@@ -240,7 +240,8 @@ class Agent:
         except (OSError, trio.TooSlowError, wire.ConnectionClosed, wire.WireError) as exc:
             if channel is not None:
                 await channel.aclose()
-            return Ended(End.LOST, f"authority unreachable: {type(exc).__name__}: {exc}")
+            detail = str(exc)  # trio.TooSlowError says nothing: its name alone, not "TooSlowError: "
+            return Ended(End.LOST, f"authority unreachable: {type(exc).__name__}{': ' + detail if detail else ''}")
         ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
                        worker_id=worker_id)
         if ended is not None:

@@ -188,7 +188,8 @@ class AgentSessions:
         self.runners.pop(session_id, None)
         seq = self._seq.pop(session_id, 0) + 1
         cause = runner.record.drain_cause
-        self._send(wire.SessionFinished(session_id, seq, error, None if cause is None else cause.value))
+        self._send(wire.SessionFinished(session_id, seq, error, None if cause is None else cause.value,
+                                        told_room=runner.told_room))
         image = self._images.pop(session_id, None)
         if image is not None:
             with contextlib.suppress(OSError):

@@ -265,7 +265,7 @@ class ClusterAuthority:
         except wire.WireError as exc:
             first, refusal = None, Refusal(str(exc))
         except (trio.TooSlowError, wire.ConnectionClosed, OSError) as exc:
-            log.warning("cluster: a connection failed its handshake: %s", exc or type(exc).__name__)
+            log.warning("cluster: a connection failed its handshake: %s", str(exc) or type(exc).__name__)
             await channel.aclose()
             return None
         else:

@@ -259,6 +259,7 @@ class SessionFinished(Message):
     seq: int = attrs.field(converter=integer)
     error: str | None = attrs.field(converter=opt_text)
     drain_cause: str | None = attrs.field(converter=opt_text)
+    told_room: bool = attrs.field(default=False, converter=flag)  # the runner told its room how it ended
 
 
 @attrs.frozen

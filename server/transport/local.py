@@ -20,6 +20,9 @@ Wire format (WebSocket):
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
   as their write deadline let them stay);
+- data a client sends before the worker is in the room (a queued session's, an agent's a moment before it
+  joins) is held for it, 32 messages and 64 KiB at most, and delivered in order when it joins; past that it
+  is refused (``no_worker_yet``), never dropped without a word;
 - binary messages are media: ``b"V"`` + a JPEG frame, or ``b"A"`` + 4-byte
   little-endian sample rate + 2-byte channel count + PCM16 samples.
 
@@ -202,15 +205,16 @@ class LocalRooms:
         worker's ``done``, its leaving) and are sent away, so that no socket outlives its session (they stayed,
         answering pings, for as long as they liked).
 
-        ``last_word`` is the session's last ``tf.status`` message when no worker was there to send it (a session
-        that ended queued): the server sends it, as ``chunkline-server``, before the clients are sent away.
+        ``last_word`` is the session's last ``tf.status`` message when no worker said it (a session that ended
+        queued, a lost agent's): the server sends it, as ``chunkline-server``, and sends the clients away at once,
+        without waiting for a worker that may still be in the room (a frozen agent, until its socket times out).
         """
         found = self._rooms.get(room)
         if found is not None:
             found.closed = True
-            if found.worker is None:
-                if last_word is not None:
-                    found.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
+            if last_word is not None:
+                found.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
+            if found.worker is None or last_word is not None:
                 found.send_clients_away()
 
     def room_names(self) -> tuple[str, ...]:
@@ -243,7 +247,7 @@ class LocalRooms:
         if identity in target.identities():
             raise TransportError(f"local room {room!r}: identity {identity!r} is already present")
         connection = WorkerConnection(self, target, identity)
-        target.worker = connection
+        target.worker_joined(connection)
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": identity}))
         return connection
 
@@ -292,7 +296,7 @@ class LocalRooms:
         if target.worker is not None or worker.identity in target.identities():
             await send(json.dumps({"type": "refused", "reason": "identity_in_use"}))
             return
-        target.worker = worker
+        target.worker_joined(worker)
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": worker.identity}))
         await send(json.dumps({"type": "joined", "identity": worker.identity, "role": "worker",
                                "participants": sorted(target.subscribers)}))
@@ -427,6 +431,7 @@ class LocalRooms:
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "server_topic"}))
                 continue
             raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-            if room.worker is not None:
-                room.worker.deliver(DataReceived(topic, raw, subscriber.identity))
+            if not room.to_worker(DataReceived(topic, raw, subscriber.identity)):
+                subscriber.push_text(json.dumps({"type": "refused", "reason": "no_worker_yet"}))
+                continue
             room.broadcast_text(data_message(topic, raw, subscriber.identity), skip=subscriber.identity)

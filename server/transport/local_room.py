@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .local import WorkerConnection
 
 __all__ = [
-    "EVENT_BACKLOG", "FRAME_BACKLOG", "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES",
+    "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES", "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES",
     "RemoteWorkerPresence", "Room", "Subscriber", "data_message",
 ]
 
@@ -28,6 +28,8 @@ FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
 EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
 TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before it is sent away
 TEXT_BACKLOG_BYTES = 1024 * 1024  # ... and the characters of them (ASCII JSON: bytes) it may fall behind by
+HELD_FOR_WORKER = 32  # data messages a room holds for a worker that has not joined yet (controls are small)
+HELD_FOR_WORKER_BYTES = 64 * 1024  # ... and their bytes: a queued session's room holds this at most
 
 
 @attrs.define(eq=False)
@@ -118,6 +120,28 @@ class Room:
     worker: WorkerConnection | RemoteWorkerPresence | None = None
     last_frame: bytes | None = None
     closed: bool = False  # its session ended: its clients leave once the worker has
+    # data sent before the worker joined (an agent's comes a moment after the controller may), handed to it when it does
+    held: deque = attrs.Factory(deque)
+    held_size: int = 0
+
+    def to_worker(self, event: DataReceived) -> bool:
+        """Deliver a client's data to the worker, or hold it until the worker joins; False (nothing held) when
+        the room already holds as much as it may for a worker that has not come (the sender is told)."""
+        if self.worker is not None:
+            self.worker.deliver(event)
+            return True
+        if len(self.held) >= HELD_FOR_WORKER or self.held_size + len(event.payload) > HELD_FOR_WORKER_BYTES:
+            return False
+        self.held.append(event)
+        self.held_size += len(event.payload)
+        return True
+
+    def worker_joined(self, worker: WorkerConnection | RemoteWorkerPresence) -> None:
+        """The worker is in the room: what clients sent before it came is delivered first, in order."""
+        self.worker = worker
+        while self.held:
+            worker.deliver(self.held.popleft())
+        self.held_size = 0
 
     def send_clients_away(self) -> None:
         for subscriber in self.subscribers.values():

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import trio
 
+from server.tokens import SERVER_STATUS_IDENTITY
 from server.transport.client import RoomClient
 
 from ..server.conftest import png_bytes
@@ -117,9 +118,45 @@ async def test_the_image_folder_of_a_killed_agent_is_removed_by_its_replacement(
             os.kill(agent["pid"], signal.SIGKILL)
             failed = await ended(client, controller.session_id, cluster)
             assert failed["status"] == "failed" and failed["error"].startswith("worker lost"), failed
+            await told_and_sent_away(controller, failed)
             await until(lambda: [w for w in cluster.workers() if w["state"] == "idle" and w["pid"] != agent["pid"]],
                         "the replacement agent", cluster)
         finally:
             with trio.CancelScope(shield=True):
                 await ws.aclose()
     assert not list(scratch.glob(f"chunkline-agent-{agent['pid']}-*")), list(scratch.rglob("*"))
+
+
+async def told_and_sent_away(controller: Controller, record: dict[str, Any]) -> None:
+    """The agent could not say how the session ended: the authority told the room, then closed it."""
+    with trio.fail_after(END_BOUND):
+        while await controller.next() is not None:
+            pass
+    (error,) = controller.statuses("error")
+    assert error["detail"] == record["error"] and error["session_id"] == record["session_id"], error
+    assert controller.inbox[-1].get("from") == SERVER_STATUS_IDENTITY, controller.inbox[-1]
+
+
+async def test_a_frozen_agents_session_is_ended_for_its_room_at_once_when_the_agent_is_lost(
+    short_timeouts: Cluster,
+) -> None:
+    """SIGSTOP: the authority gives the agent up at its heartbeat deadline and fails the session; the room's
+    clients are told and sent away then, not when the frozen agent's room socket finally times out."""
+    cluster = short_timeouts
+    (agent,) = await until(lambda: [w for w in cluster.workers() if w["state"] == "idle"], "an idle agent", cluster)
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as client:
+        controller = await Controller.open(client, cluster, "freezer")
+        try:
+            await controller.stream(2)
+            os.kill(agent["pid"], signal.SIGSTOP)
+            try:
+                failed = await ended(client, controller.session_id, cluster)
+                assert failed["status"] == "failed" and failed["error"].startswith("worker lost"), failed
+                await told_and_sent_away(controller, failed)
+            finally:
+                os.kill(agent["pid"], signal.SIGKILL)  # its launcher replaces it
+        finally:
+            with trio.CancelScope(shield=True):
+                await controller.ws.aclose()
+        await until(lambda: [w for w in cluster.workers() if w["state"] == "idle" and w["pid"] != agent["pid"]],
+                    "the replacement agent", cluster)

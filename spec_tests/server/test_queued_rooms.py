@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from pipelines.contract import Control, ControlType
 from server.tokens import SERVER_STATUS_IDENTITY
+from server.transport.local_room import HELD_FOR_WORKER
 
 from .runner_fixtures import CounterService, Peer, join, serve, settings
 from .runner_fixtures import no_threads  # noqa: F401  (fixture)
@@ -68,3 +70,27 @@ async def test_a_queued_session_ended_by_the_shutdown_tells_its_room_the_error(a
         assert done["reason"] == "shutdown" and not last_words(live)  # its worker said it: the server did not
         record = await s.get(queued["session_id"])
         assert record["status"] == "failed" and record["error"] == error["detail"]
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_controls_sent_before_the_worker_joins_reach_it_when_it_does(autojump_clock: Any) -> None:
+    """A queued session's controller may press keys before any worker is in its room (so may an agent's, a
+    moment before the agent joins): they are held for the worker and delivered when it comes, not dropped."""
+    service = CounterService()
+    async with serve(settings(max_sessions_per_worker=1, queue_size=1), service) as s:
+        first = await s.create("ctl")
+        queued = await s.create("ctl2")
+        async with join(s, first["room"], first["token"]) as live, join(s, queued["room"], queued["token"]) as early:
+            await live.wait_for(lambda p: p.status("chunk"), "the first session's chunk")
+            await early.control({"type": "control_state", "controls": ["d"]})
+            for _ in range(40):  # past what a room holds for a worker that has not come: the rest are refused
+                await early.control({"type": "control_state", "controls": ["w"]})
+            beyond = 41 - HELD_FOR_WORKER
+            refused = await early.wait_for(
+                lambda p: len(found := [m for m in p.texts() if m.get("reason") == "no_worker_yet"]) >= beyond and found,
+                "the refusals")
+            await live.control({"type": "stop"})
+            await early.wait_for(lambda p: p.status("chunk"), "the promoted session's first chunk")
+        controls = service.sessions[(await s.get(queued["session_id"]))["pipeline_session_id"]].controls
+        assert controls[0] == Control(ControlType.CONTROL_STATE, keys={"d"})  # the first, in order
+        assert len(controls) == HELD_FOR_WORKER and len(refused) == beyond
