@@ -49,7 +49,7 @@ from ..server_folders import remove_stale_folders
 from . import proofs, wire
 from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
-from .dial_ends import TRANSIENT_DEADLINE, End, Ended, Patience, answer, unproven_busy
+from .dial_ends import DIAL_DEADLINES, End, Ended, Patience, answer, unproven_busy
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
@@ -178,16 +178,17 @@ class Agent:
                 return EXIT_REFUSED
             if ended.kind is End.DRAINED or self._draining:
                 return 0
-            if ended.kind in (End.BUSY, End.TRANSIENT):
+            if ended.kind in (End.BUSY, End.TRANSIENT, End.UNREACHABLE):
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
-                # agent yet): dial again soon, not counted toward giving up
+                # agent yet), or nothing answers at its address (it restarts): dial again soon, not counted
                 delay = patience.delay(ended, trio.current_time())
-                what = "is busy" if ended.kind is End.BUSY else "refused this worker for now"
+                what = {End.BUSY: "is busy", End.TRANSIENT: "refused this worker for now",
+                        End.UNREACHABLE: "is unreachable"}[ended.kind]
                 # ended.why is the authority's own proven reason, cut (dial_ends.MAX_PROVEN_REASON): it repeats an
                 # agent's text only echo()-ed
                 if delay is None:
                     log.error("agent at %s: the authority %s (%s) for more than %.0f s; giving up",
-                              self.options.authority, what, ended.why, TRANSIENT_DEADLINE)
+                              self.options.authority, what, ended.why, DIAL_DEADLINES[ended.kind])
                     return 1
                 log.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted toward "
                             "giving up)", self.options.authority, what, ended.why, delay)
@@ -238,10 +239,12 @@ class Agent:
             log.error("%s speaks another wire protocol: %s", options.authority, exc)
             return Ended(End.UNPROVEN_REFUSAL, f"another wire protocol: {exc}")
         except (OSError, trio.TooSlowError, wire.ConnectionClosed, wire.WireError) as exc:
-            if channel is not None:
-                await channel.aclose()
             detail = str(exc)  # trio.TooSlowError says nothing: its name alone, not "TooSlowError: "
-            return Ended(End.LOST, f"authority unreachable: {type(exc).__name__}{': ' + detail if detail else ''}")
+            why = f"authority unreachable: {type(exc).__name__}{': ' + detail if detail else ''}"
+            if channel is None:  # no connection at all (refused, no route, no answer): it may be restarting
+                return Ended(End.UNREACHABLE, why)
+            await channel.aclose()
+            return Ended(End.LOST, why)
         ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
                        worker_id=worker_id)
         if ended is not None:

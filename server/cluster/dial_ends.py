@@ -25,7 +25,8 @@ from states.restart_policy import RestartPolicy
 from ..reasons import cut, echo
 from . import proofs, wire
 
-__all__ = ["End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON"]
+__all__ = ["DIAL_DEADLINES", "End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "UNREACHABLE_DEADLINE", "WAIT_POLICY",
+           "MAX_PROVEN_REASON"]
 
 log = logging.getLogger("chunkline.agent")
 
@@ -35,6 +36,10 @@ MAX_PROVEN_REASON = 1024
 
 #: seconds of unbroken transient refusals (no registration between) after which the agent gives up (exit 1)
 TRANSIENT_DEADLINE = 120.0
+#: seconds of an unbroken run of dials that reach no authority at all (it restarts: its drain alone may take 55 s)
+#: after which an agent gives up (exit 1); before, such dials counted toward the crash-loop limit, and an external
+#: agent, which no launcher replaces, was gone for good some 20 s into an authority's restart
+UNREACHABLE_DEADLINE = 300.0
 #: the waits between dials the authority asked for (busy, a transient refusal): short, bounded, never counted
 WAIT_POLICY = RestartPolicy(base_delay=0.2, max_delay=2.0, max_failures=8, window=60.0)
 
@@ -43,6 +48,7 @@ class End(enum.Enum):
     """How one registration (or one attempt at it) ended: what the agent does next."""
 
     LOST = "lost"  # back off and register again (counted toward the crash-loop limit)
+    UNREACHABLE = "unreachable"  # no connection to the authority at all: dial again, not counted, up to a deadline
     BUSY = "busy"  # a proven busy: wait and dial again, not counted, however long it lasts
     TRANSIENT = "transient"  # a proven transient refusal: wait and dial again, not counted, up to a deadline
     REFUSED = "refused"  # a proven permanent refusal: exit 3
@@ -96,19 +102,23 @@ class Patience:
 
     def __init__(self) -> None:
         self.waits = 0
-        self.transient_since: float | None = None
+        self.since: dict[End, float] = {}  # when the unbroken run of each kind with a deadline began
 
     def reset(self) -> None:
-        """Anything else ended a dial (a registration, a failed connect): a fresh run of waits starts after it."""
+        """Anything else ended a dial (a registration, a lost connection): a fresh run of waits starts after it."""
         self.waits = 0
-        self.transient_since = None
+        self.since.clear()
 
     def delay(self, ended: Ended, now: float) -> float | None:
-        """Seconds to wait before dialing again, or None: transient refusals have lasted past their deadline."""
-        if ended.kind is End.TRANSIENT:
-            if self.transient_since is None:
-                self.transient_since = now
-            elif now - self.transient_since > TRANSIENT_DEADLINE:
+        """Seconds to wait before dialing again, or None: transient refusals, or dials that reach no authority,
+        have lasted past their deadline."""
+        deadline = DIAL_DEADLINES.get(ended.kind)
+        if deadline is not None:
+            began = self.since.setdefault(ended.kind, now)
+            if now - began > deadline:
                 return None
         self.waits += 1
         return WAIT_POLICY.delay(self.waits) * random.uniform(0.5, 1.0)
+
+
+DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABLE_DEADLINE}

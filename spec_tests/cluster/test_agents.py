@@ -14,7 +14,8 @@ import trio
 
 from server.cluster.agent import EXIT_REFUSED, Agent, AgentOptions
 
-from .conftest import DEADLINE, TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, free_port, until
+from .conftest import (DEADLINE, TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, free_port,
+                       start_authority, until)
 
 LOSS_BOUND = DEADLINE + 11.0  # a hang bound: heartbeat deadline, sweep and settle, with slack for a loaded host
 
@@ -273,6 +274,27 @@ async def test_an_agent_killed_before_any_image_leaves_no_folder_behind(tmp_path
         agent.stop()
     assert agent.popen.returncode == -signal.SIGKILL
     assert not list(tmp_path.glob("chunkline-agent-*")), agent.text()
+
+
+async def test_an_agent_keeps_dialing_an_authority_that_is_not_up_and_registers_once_it_is(tmp_path) -> None:
+    """Dials that reach no authority at all (it restarts: its drain alone may take 55 s) are not a crash loop: an
+    external agent, which no launcher replaces, gave up after 8 of them, some 20 s in, and was gone for good."""
+    port = free_port()
+    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}"),
+                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
+    cluster = None
+    try:
+        await until(lambda: agent.text(200_000).count("the authority is unreachable") >= 10,
+                    "ten dials to an authority that is not up")
+        assert agent.popen.poll() is None, agent.text()
+        assert "not counted toward giving up" in agent.text(), agent.text()
+        cluster = start_authority("--cluster-port", str(port), launcher="external", workers=1)
+        await until(lambda: any(w.get("pid") == agent.popen.pid for w in cluster.workers()),
+                    "the agent to register", cluster)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        agent.stop()
 
 
 async def _terminal(client: httpx.AsyncClient, session_id: str) -> dict[str, Any] | None:
