@@ -24,7 +24,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .reasons import echo, echo_each
 from .registry import UnknownStreamSession
-from .requests import (BadRequest, check_image_decodes, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
+from .requests import (BadRequest, Busy, check_image_decodes, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
                        resolve_image_path)
 from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
@@ -193,7 +193,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.errorhandler(BadRequest)
     async def bad_request(exc: BadRequest) -> Response:
-        return error(exc.status, exc.code, exc.detail)
+        return error(exc.status, exc.code, exc.detail,
+                     {"Retry-After": str(exc.retry_after)} if isinstance(exc, Busy) else None)
 
     @app.errorhandler(IdentityError)
     async def bad_identity(exc: IdentityError) -> Response:

@@ -47,6 +47,20 @@ class BadRequest(ValueError):
         self.status = status
 
 
+class Busy(BadRequest):
+    """Work of this kind is queued as deep as the server lets it: try again after ``retry_after`` s (HTTP 503)."""
+
+    def __init__(self, code: str, detail: str, retry_after: int) -> None:
+        super().__init__(code, detail, status=503)
+        self.retry_after = retry_after
+
+
+#: creates whose image waits for a decode (each holds its body, up to the upload limit, while it waits): past
+#: these a create is turned away, so what waiting decodes hold is bounded, not one body per open connection
+MAX_DECODES_WAITING = 8
+DECODES_RETRY_AFTER = 2
+
+
 class OptionsRefused(BadRequest):
     """The pipeline refused a session's options (``config``); ``reason`` is its own word, naming the option."""
 
@@ -169,6 +183,9 @@ async def check_image_decodes(request: CreateSession, image: bytes | None, limit
     if image is None and request.image_path is None:
         return
     field, source = ("image_b64", image) if image is not None else ("image_path", request.image_path)
+    if limiter.statistics().tasks_waiting >= MAX_DECODES_WAITING:
+        raise Busy("busy", f"{MAX_DECODES_WAITING} images already wait to be checked; try again shortly",
+                   DECODES_RETRY_AFTER)
     try:
         await trio.to_thread.run_sync(check_decodes, source, limiter=limiter)
     except ImageRefused as exc:

@@ -212,6 +212,8 @@ class LocalRooms:
         found = self._rooms.get(room)
         if found is not None:
             found.closed = True
+            found.drop_held()
+            self._forget_if_empty(found)
             if last_word is not None:
                 found.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
             if found.worker is None or last_word is not None:
@@ -231,7 +233,9 @@ class LocalRooms:
         return room
 
     def _forget_if_empty(self, room: Room) -> None:
-        if not room.subscribers and room.worker is None:
+        # data held for a worker that has not come stays with the room while its session lives (a controller
+        # reconnecting lost it without a word); the session's end drops it (``close_room``)
+        if not room.subscribers and room.worker is None and (room.closed or not room.held):
             self._rooms.pop(room.name, None)
 
     # -- the worker (room runner) ------------------------------------------------

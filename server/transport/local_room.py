@@ -136,6 +136,11 @@ class Room:
         self.held_size += len(event.payload)
         return True
 
+    def drop_held(self) -> None:
+        """No worker will come now (the session ended): what was held for one goes."""
+        self.held.clear()
+        self.held_size = 0
+
     def worker_joined(self, worker: WorkerConnection | RemoteWorkerPresence) -> None:
         """The worker is in the room: what clients sent before it came is delivered first, in order."""
         self.worker = worker

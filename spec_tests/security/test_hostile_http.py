@@ -111,6 +111,38 @@ async def test_an_image_bomb_in_the_assets_dir_is_refused(tmp_path: Path) -> Non
         assert status == 200, body
 
 
+async def test_creates_waiting_for_their_image_check_are_bounded_and_the_rest_told_to_retry() -> None:
+    """Each create waiting for its image's decode holds its body: past MAX_DECODES_WAITING of them a create is a
+    503 ``busy`` with Retry-After (they queued without bound, about 8 MiB each, one per open connection)."""
+    from server.requests import DECODES_RETRY_AFTER, MAX_DECODES_WAITING
+
+    image = base64.b64encode(png_bytes(16, 16)).decode()
+    async with serve(make_settings(max_sessions_per_worker=1, queue_size=MAX_DECODES_WAITING)) as s:
+        decodes = s.runtime.image_decodes
+        holders = [object() for _ in range(int(decodes.total_tokens))]
+        for holder in holders:  # every decode slot busy: the creates below wait for one
+            decodes.acquire_on_behalf_of_nowait(holder)
+        answers: list[int] = []
+
+        async def create(index: int) -> None:
+            status, body, _ = await s.create(f"waiting-{index}", image_b64=image)
+            answers.append(status)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(MAX_DECODES_WAITING):
+                nursery.start_soon(create, index)
+            with trio.fail_after(20):
+                while decodes.statistics().tasks_waiting < MAX_DECODES_WAITING:
+                    await trio.sleep(0.01)  # bench-cost: the requests reach the limiter through the test client
+            status, body, response = await s.create("one-too-many", image_b64=image)
+            assert status == 503, body
+            assert_error_body(status, body, "busy")
+            assert response.headers["Retry-After"] == str(DECODES_RETRY_AFTER)
+            for holder in holders:
+                decodes.release_on_behalf_of(holder)
+        assert sorted(answers) == [200] + [202] * (MAX_DECODES_WAITING - 1)  # the waiting ones were taken
+
+
 async def test_an_image_path_that_is_a_loop_of_links_or_not_a_file_is_a_400_naming_it(tmp_path: Path) -> None:
     (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
     (tmp_path / "loop2").symlink_to(tmp_path / "loop1")

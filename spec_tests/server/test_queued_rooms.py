@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from trio.testing import wait_all_tasks_blocked
 
 from pipelines.contract import Control, ControlType
 from server.tokens import SERVER_STATUS_IDENTITY
@@ -94,3 +95,23 @@ async def test_controls_sent_before_the_worker_joins_reach_it_when_it_does(autoj
         controls = service.sessions[(await s.get(queued["session_id"]))["pipeline_session_id"]].controls
         assert controls[0] == Control(ControlType.CONTROL_STATE, keys={"d"})  # the first, in order
         assert len(controls) == HELD_FOR_WORKER and len(refused) == beyond
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_controls_held_for_the_worker_survive_the_sender_reconnecting(autojump_clock: Any) -> None:
+    """The room emptied (its only client reconnecting) dropped what it held for the worker, without a word."""
+    service = CounterService()
+    async with serve(settings(max_sessions_per_worker=1, queue_size=1), service) as s:
+        first = await s.create("ctl")
+        queued = await s.create("ctl2")
+        async with join(s, first["room"], first["token"]) as live:
+            await live.wait_for(lambda p: p.status("chunk"), "the first session's chunk")
+            async with join(s, queued["room"], queued["token"]) as early:
+                await early.control({"type": "control_state", "controls": ["d"]})
+                await wait_all_tasks_blocked()  # the room took it (and holds it: no worker yet)
+            await wait_all_tasks_blocked()  # it left: the room is empty
+            async with join(s, queued["room"], queued["token"]) as back:
+                await live.control({"type": "stop"})
+                await back.wait_for(lambda p: p.status("chunk"), "the promoted session's first chunk")
+        controls = service.sessions[(await s.get(queued["session_id"]))["pipeline_session_id"]].controls
+        assert controls == [Control(ControlType.CONTROL_STATE, keys={"d"})]
