@@ -147,12 +147,15 @@ class _Delivery:
         from_thread = getattr(self.on_done, "from_thread", None)
         if from_thread is None or actor._machine.state is not ActorState.RUNNING:
             return None
-        actor._count(pending=-1)
+        with actor._counts:  # the call is over: its place in the mailbox is free for the next
+            actor._pending -= 1
         finish = from_thread(self.invocation, value)
         if finish is not None:
             return functools.partial(actor._after_thread_delivery, finish)
         # nothing for trio to do: the call is delivered here, and trio is woken only for a barrier
-        return actor._mark_done if actor._count(undelivered=-1) else NOTHING_LEFT
+        with actor._counts:
+            actor._undelivered -= 1
+            return actor._mark_done if actor._quiet.waiting else NOTHING_LEFT
 
 
 _names = itertools.count()
@@ -287,7 +290,9 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
-            self._count(pending=1, undelivered=1)
+            with self._counts:
+                self._pending += 1
+                self._undelivered += 1
             try:
                 self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
             except ThreadStopped:  # the actor's task ended (its thread told to stop) after the check above

@@ -190,7 +190,8 @@ class SchedulerCore:
                 return []
             items = list(outputs)
             outputs.clear()
-            self._wake(rt.changed)  # output room freed: a drain may proceed
+            if rt.changed.waiting:  # output room freed: a drain may proceed
+                self._handoff.wake(rt.changed)
             self._pump(self.graph.output_producers)
             return items
 
@@ -328,13 +329,15 @@ class SchedulerCore:
             if error is not None:
                 self._failures.call_failed(rt, stage_id, error)
             elif rt.machine.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
-                invalid = check_result(stage, seq, value)
+                # a plain dict of exactly the produced artifacts is the common case: checked inline
+                invalid = None if type(value) is dict and value.keys() == stage.produces else check_result(stage, seq, value)
                 if invalid is not None:
                     self._fail(rt, invalid)
-                elif record_result(self.graph, rt, stage, seq, value, now):
-                    self._wake(rt.emitted)
+                elif record_result(self.graph, rt, stage, seq, value, now) and rt.emitted.waiting:
+                    self._handoff.wake(rt.emitted)
         finally:
-            self._wake(rt.changed)
+            if rt.changed.waiting:
+                self._handoff.wake(rt.changed)
             self._pump(self.graph.after_completion[stage_id])
 
     def complete_from_thread(self, invocation: StageInvocation, value: Any) -> Callable[[], None] | None:
@@ -425,6 +428,12 @@ class SchedulerCore:
         stage_id = stage.stage_id
         turns = self._turns[stage_id]
         try_admit = self._try_admit
+        if len(turns) == 1:  # one session: no turns to take (most calls find nothing ready)
+            lane = turns[0]
+            if lane.ready and try_admit(lane) and stage.max_in_flight_per_session > 1:
+                while try_admit(lane):
+                    pass
+            return
         by_stage = self._usage.by_stage
         limit = stage.max_in_flight_global
         served: list[Lane] = []
@@ -489,8 +498,8 @@ class SchedulerCore:
                 self._fail(rt, exc)
             return False
         self._dirty |= self.graph.upstream[stage_id]  # edge room freed upstream
-        if stage_id in self.graph.ingress_consumers:
-            self._wake(rt.room, rt.changed)
-        else:
-            self._wake(rt.changed)
+        if stage_id in self.graph.ingress_consumers and rt.room.waiting:
+            self._handoff.wake(rt.room)
+        if rt.changed.waiting:
+            self._handoff.wake(rt.changed)
         return True

@@ -31,11 +31,12 @@ def refused_input(rt: SessionRuntime) -> SessionStateError:
 
 def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
     """Raise for ingress that can never run; capacity is checked separately."""
-    if not rt.admitting:
+    if not rt.machine.admitting:
         raise refused_input(rt)
-    if not is_sequence_id(seq):
+    # a plain int and a plain dict are the common case, checked first without a call
+    if not (type(seq) is int and 0 <= seq <= MAX_SEQUENCE_ID) and not is_sequence_id(seq):
         raise IngressRefused(f"sequence id must be an int in 0..2**63-1 (>= 0), got {shown(seq)}")
-    if not isinstance(artifacts, Mapping):
+    if type(artifacts) is not dict and not isinstance(artifacts, Mapping):
         raise IngressRefused(f"ingress must be a mapping {{artifact: value}}, got {type(artifacts).__name__}")
     if not artifacts:
         raise IngressRefused("ingress needs at least one artifact")
