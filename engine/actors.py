@@ -145,7 +145,7 @@ class _Delivery:
         """
         actor = self.actor
         from_thread = getattr(self.on_done, "from_thread", None)
-        if from_thread is None or actor._machine.state is not ActorState.RUNNING:
+        if from_thread is None or not actor._machine.takes_work:
             return None
         with actor._counts:  # the call is over: its place in the mailbox is free for the next
             actor._pending -= 1
@@ -273,7 +273,7 @@ class LocalStageActor:
     # -- work ------------------------------------------------------------------
 
     def submit(self, invocation: StageInvocation, on_done: Completion) -> None:
-        if self._machine.state is not ActorState.RUNNING:
+        if not self._machine.takes_work:
             self._check_usable()
         if self._handler_is_async:
             try:
@@ -315,7 +315,8 @@ class LocalStageActor:
 
     def _after_thread_delivery(self, finish: Callable[[], None]) -> None:
         """In trio, after a call completed on the thread: the scheduler's leftovers, then barrier waiters."""
-        self._count(undelivered=-1)
+        with self._counts:
+            self._undelivered -= 1
         finish()
         self._mark_done()
 
@@ -464,7 +465,7 @@ class LocalStageActor:
 
     def is_healthy(self) -> bool:
         """The cheap form of ``health().healthy`` the scheduler asks before every admission."""
-        return self._machine.state is ActorState.RUNNING
+        return self._machine.takes_work
 
     def _check_usable(self) -> None:
         state = self._machine.state

@@ -144,8 +144,7 @@ class SchedulerCore:
         """Admit all of ``artifacts`` for ``seq`` now, or nothing."""
         graph = self.graph
         with self.lock:
-            check_ingress(graph, rt, seq, artifacts)
-            if not has_room(graph, rt, artifacts):
+            if not check_ingress(graph, rt, seq, artifacts):  # raises for ingress that can never run
                 return False
             now = self._now()
             anchor = self._latency_anchor
@@ -370,7 +369,8 @@ class SchedulerCore:
             finally:
                 if rt is not None:
                     rt.handoffs_queued -= 1
-                    self._wake(rt.changed)
+                    if rt.changed.waiting:
+                        self._handoff.wake(rt.changed)
 
     def _wake(self, *queues: WaitQueue) -> None:
         """Wake the session wait queues that have waiters (off trio: once the thread is done)."""

@@ -29,8 +29,13 @@ def refused_input(rt: SessionRuntime) -> SessionStateError:
     return error
 
 
-def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
-    """Raise for ingress that can never run; capacity is checked separately."""
+def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> bool:
+    """Raise for ingress that can never run; else return whether every edge it feeds has room now.
+
+    One pass over the artifacts and their edges (asked on every push attempt): the rules
+    are checked for every artifact whether or not there is room, so a push that can never
+    run is refused at once rather than after a wait.
+    """
     if not rt.machine.admitting:
         raise refused_input(rt)
     # a plain int and a plain dict are the common case, checked first without a call
@@ -45,6 +50,8 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
             f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
         )
     ingress, slots, lanes, targets = graph.ingress, rt.slots, rt.lanes, graph.targets
+    occupancy, capacity = rt.occupancy, graph.capacity
+    fits = True
     for artifact in artifacts:
         if artifact not in ingress:
             raise IngressRefused(f"{shown(artifact)} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
@@ -56,6 +63,10 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
                     f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
                     f"so {artifact!r} for it would never be consumed"
                 )
+            edge = (artifact, stage_id)
+            if occupancy.get(edge, 0) >= capacity[edge]:  # a plain get: Counter's missing-key hook is Python
+                fits = False
+    return fits
 
 
 # The largest sequence id (a signed 64-bit int): far beyond any stream, and every message,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .machine import StateMachine, TableEnum
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "StageActorMachine"]
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_WORK", "StageActorMachine"]
 
 
 class State(TableEnum):
@@ -41,6 +41,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 }
 
 TERMINAL = frozenset({State.FAILED, State.CLOSED})
+TAKES_WORK = frozenset({State.RUNNING})  # the states whose actor accepts and runs invocations
 
 
 class StageActorMachine(StateMachine[State, Event]):
@@ -48,3 +49,16 @@ class StageActorMachine(StateMachine[State, Event]):
     TABLE = TRANSITIONS
     INITIAL = State.STARTING
     TERMINAL = TERMINAL
+
+    # ``takes_work``: the state's membership in TAKES_WORK, looked up once per transition
+    # (the actor asks on every submit and every completion)
+    __slots__ = ("takes_work",)
+
+    def __init__(self, state: State | None = None) -> None:
+        super().__init__(state)
+        self.takes_work = self.state in TAKES_WORK
+
+    def apply(self, event: Event) -> State:
+        new_state = super().apply(event)
+        self.takes_work = new_state in TAKES_WORK
+        return new_state
