@@ -10,7 +10,14 @@ front with a :class:`JsonRefused` whose ``reason`` is stable:
 ``too_deep``        arrays/objects nested deeper than ``max_depth``
 ``unencodable_text`` a string or key holds a lone surrogate (not UTF-8 encodable)
 ``duplicate_key``   one object names a key twice (``json.loads`` keeps the last one without a word)
+``out_of_range``    a number too large for a float (``1e400``: ``json.loads`` makes it infinity,
+                    which no JSON can carry on)
 ==================  ==========================================================
+
+:func:`payload_body` is how a room hub reads a data message's payload bytes for its fan-out: as
+JSON when :func:`loads` takes them, else as text (a client's payload is opaque to the hub; plain
+``json.loads`` there let one 2 KB string of nested brackets raise ``RecursionError`` and end the
+server).
 
 The depth is measured before parsing, on the raw bytes with string contents removed, so a
 deep document costs one linear scan and no Python objects.
@@ -19,6 +26,7 @@ deep document costs one linear scan and no Python objects.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Final
 
@@ -26,7 +34,7 @@ import numpy as np
 
 from .reasons import echo
 
-__all__ = ["MAX_JSON_DEPTH", "JsonRefused", "loads", "nesting_depth"]
+__all__ = ["MAX_JSON_DEPTH", "JsonRefused", "loads", "nesting_depth", "payload_body"]
 
 MAX_JSON_DEPTH: Final = 32
 
@@ -36,8 +44,8 @@ _NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class JsonRefused(ValueError):
-    """A client's JSON was refused; ``reason`` is ``invalid_json``, ``too_deep``, ``unencodable_text`` or
-    ``duplicate_key``."""
+    """A client's JSON was refused; ``reason`` is ``invalid_json``, ``too_deep``, ``unencodable_text``,
+    ``duplicate_key`` or ``out_of_range``."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -61,6 +69,19 @@ def nesting_depth(raw: bytes) -> int:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+class _OutOfRange(ValueError):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _OutOfRange(text)
+    return value
 
 
 def _check_encodable(value: Any) -> None:
@@ -105,9 +126,12 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if depth > max_depth:
         raise JsonRefused("too_deep", f"JSON nested {depth} levels deep; at most {max_depth} allowed")
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float,
+                           object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
         raise JsonRefused("duplicate_key", f"key {echo(exc.key)} appears twice in one object") from None
+    except _OutOfRange as exc:
+        raise JsonRefused("out_of_range", f"the number {echo(exc.text)} is too large for a float") from None
     except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise JsonRefused("invalid_json", "the body is not valid UTF-8 JSON") from None
     try:
@@ -115,3 +139,15 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     except UnicodeEncodeError:
         raise JsonRefused("unencodable_text", "a string holds a lone surrogate (\\ud800-\\udfff): not encodable text") from None
     return value
+
+
+def payload_body(payload: bytes) -> Any:
+    """A data message's payload for a hub's fan-out: its JSON when :func:`loads` takes it, else its text.
+
+    Never raises: whatever a client put in a payload, the hub passes on something every
+    participant can parse (too deep, duplicate keys, NaN or 1e400 travel as text).
+    """
+    try:
+        return loads(payload)
+    except JsonRefused:
+        return payload.decode("utf-8", "replace")

@@ -31,7 +31,8 @@ not_controller      the sender identity is missing, empty, or not the
 too_large           the raw bytes (UTF-8 for ``str``) exceed ``max_bytes``;
                     mappings skip this check
 invalid_json        not UTF-8, not JSON, NaN/Infinity, a duplicated object key,
-                    nested deeper than 32 levels, or a lone surrogate in a string
+                    nested deeper than 32 levels, a lone surrogate in a string,
+                    or a number too large for a float (1e400)
 not_an_object       the JSON value (or the argument) is not an object
 bad_version         an envelope whose ``version`` is not the integer 1
 wrong_session       a non-null ``session_id`` (envelope or flat) that is not the

@@ -19,6 +19,7 @@ import trio
 
 from pipelines.contract import Audio
 
+from ..json_limits import payload_body
 from ..transport.base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from ..transport.client import RoomClient
 from ..transport.local import encode_jpeg
@@ -87,11 +88,7 @@ class RemoteRoomConnection:
         await self._send(self._client.send_bytes, message)
 
     async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None:
-        try:
-            body: Any = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
-            body = payload.decode("utf-8", "replace")
-        await self._send(self._client.send_json, {"topic": topic, "payload": body})
+        await self._send(self._client.send_json, {"topic": topic, "payload": payload_body(payload)})
 
     async def disconnect(self) -> None:
         if self._closed:

@@ -316,9 +316,9 @@ class LocalRooms:
                             subscriber.push_media(message)
                         continue
                     try:
-                        envelope = json.loads(message)
+                        envelope = json_limits.loads(message, max_depth=json_limits.MAX_JSON_DEPTH + 1)
                         topic, payload = envelope["topic"], envelope["payload"]
-                    except (ValueError, KeyError, TypeError):
+                    except (json_limits.JsonRefused, KeyError, TypeError):
                         continue  # the agent is ours; a malformed envelope is dropped, not echoed
                     raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                     target.broadcast_text(data_message(str(topic), raw, worker.identity))

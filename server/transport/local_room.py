@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
+from ..json_limits import payload_body
 from .base import DataReceived, ParticipantJoined, RoomEvent
 
 if TYPE_CHECKING:
@@ -165,8 +166,5 @@ class Room:
 
 
 def data_message(topic: str, payload: bytes, sender: str) -> str:
-    try:
-        body: Any = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
-        body = payload.decode("utf-8", "replace")
-    return json.dumps({"type": "data", "topic": topic, "payload": body, "from": sender})
+    """The text a subscriber gets for a data message (its payload read by the bounded parser, never raising)."""
+    return json.dumps({"type": "data", "topic": topic, "payload": payload_body(payload), "from": sender})

@@ -91,6 +91,8 @@ async def test_create_rejected_returns_429_with_reason_and_retry_after(worker_ki
         # json.loads keeps the last of a repeated key without a word: the token was issued for "b"
         (b'{"identity": "a", "identity": "b"}', "duplicate_key"),
         (b'{"identity": "a", "config": {"chunks": 2, "chunks": 3}}', "duplicate_key"),
+        # json.loads makes 1e400 an infinity, which no JSON can carry on
+        (b'{"identity": "a", "config": {"fps": 1e400}}', "out_of_range"),
     ],
 )
 async def test_create_refuses_bodies_that_are_not_json_objects(served, raw, code):
@@ -100,6 +102,8 @@ async def test_create_refuses_bodies_that_are_not_json_objects(served, raw, code
     if code == "duplicate_key":
         assert "appears twice in one object" in body["detail"] and ("'identity'" in body["detail"]
                                                                     or "'chunks'" in body["detail"]), body
+    if code == "out_of_range":
+        assert "'1e400' is too large for a float" in body["detail"], body
     assert len(list(served.runtime.registry)) == 0
 
 
