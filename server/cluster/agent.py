@@ -51,6 +51,7 @@ from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
 from .dial_ends import DIAL_DEADLINES, End, Ended, Patience, answer, unproven_busy
 from .identity import chunkline_version, pipeline_digest, pipeline_name
+from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
 
@@ -88,6 +89,7 @@ class AgentOptions:
     node: str = attrs.Factory(socket.gethostname)
     launcher: str = "external"
     slot: str | None = None
+    launcher_pid: int | None = None  # the authority that started this agent: the agent ends with it
     tls_ca: str | None = None
     drain_deadline: float = 30.0
     control_idle_timeout: float = 10.0  # offered to the pipeline, as the authority offers its own workers
@@ -131,6 +133,8 @@ class Agent:
         self._sent_at: dict[int, float] = {}
         self._flushed = trio.Event()
         self._pump_scope = trio.CancelScope()
+        self._registering = trio.CancelScope()  # cancelled when the launching authority is gone
+        self._launcher_gone = False
 
     # -- life --
 
@@ -143,16 +147,36 @@ class Agent:
             # starve the heartbeats of a registered worker into a fence
             nursery.start_soon(self.worker.run)
             await self._model_settled.wait()
-            if self._ready is None:
+            if self.options.launcher_pid is not None:
+                nursery.start_soon(self._watch_launcher, self.options.launcher_pid)
+            code = LAUNCHER_GONE_EXIT_CODE
+            if self._launcher_gone:
+                pass
+            elif self._ready is None:
                 log.error("the model worker failed: %s", self._model_failure)
                 code = EXIT_REFUSED if self._model_refused else 1
             else:
-                code = await self._registrations()
+                with self._registering:
+                    code = await self._registrations()
+                if self._launcher_gone:
+                    code = LAUNCHER_GONE_EXIT_CODE
             await self.sessions.stop_all("agent exiting", hard=True)
             self.worker.stop()
             nursery.cancel_scope.cancel()
         self.sessions.close()
         return code
+
+    async def _watch_launcher(self, pid: int) -> None:
+        """The authority that started this agent died (kill -9 leaves its agents running): end with it.
+
+        Left running, an agent dialed the dead authority's port for minutes holding its model, and
+        registered with a restarted authority as one more worker of a slot that was already filled.
+        """
+        await launcher_gone(pid)
+        log.error("the authority that started this agent (pid %d) is gone; exiting", pid)
+        self._launcher_gone = True
+        self._registering.cancel()
+        self._model_settled.set()  # a model still loading is not waited for
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         if self._nursery is not None:

@@ -87,6 +87,10 @@ class Launcher(Protocol):
 
     async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None]) -> None: ...
 
+    def refusal(self, register: wire.Register) -> str | None:
+        """Why an agent naming this launcher is not one of its own (refused for good), or None."""
+        ...
+
     def worker_registered(self, worker: RemoteWorker) -> None: ...
 
     def worker_lost(self, worker: RemoteWorker, cause: str) -> None: ...
@@ -307,6 +311,10 @@ class ClusterAuthority:
         if message.pipeline_digest != self.digest:
             return Refusal(f"pipeline {echo(message.pipeline)} has other code (digest {echo(message.pipeline_digest)}, "
                            f"authority {self.digest!r})")
+        if self.launcher is not None:
+            stranger = self.launcher.refusal(message)
+            if stranger is not None:
+                return Refusal(stranger)
         if len(self.handles) >= self.max_registered:
             return Refusal(f"the authority holds {len(self.handles)} workers, its limit ({REGISTERED_PER_EXPECTED} per "
                            f"expected worker, at least {MIN_REGISTERED}); try again once one has left", transient=True)

@@ -24,6 +24,8 @@ import trio
 
 from states.restart_policy import RestartPolicy, RestartTracker
 
+from ..reasons import echo
+from . import wire
 from .backoff import EXIT_REFUSED, await_goodbye, back_off
 
 if TYPE_CHECKING:
@@ -51,8 +53,12 @@ def agent_command(
     control_idle_timeout: float,
     default_fps: float,
     skip_validation: bool,
+    launcher_pid: int | None = None,
 ) -> list[str]:
-    """The agent's command line: the authority's settings that its own workers would get, its slot's devices."""
+    """The agent's command line: the authority's settings that its own workers would get, its slot's devices.
+
+    ``launcher_pid``: the agent is this process's child and ends when it is gone (``--workers local``).
+    """
     command = [sys.executable, "-m", "server.cli", "worker", pipeline, "--authority", authority_url,
                "--launcher", launcher, "--slot", slot, "--max-sessions", str(max_sessions),
                "--worker-mode", worker_mode, "--control-idle-timeout", repr(control_idle_timeout),
@@ -63,6 +69,8 @@ def agent_command(
         command += ["--devices", ",".join(str(d) for d in devices)]
     if placement is not None:
         command += ["--placement", placement]
+    if launcher_pid is not None:
+        command += ["--launcher-pid", str(launcher_pid)]
     return command
 
 
@@ -110,7 +118,7 @@ class LocalLauncher:
             settings.pipeline, self._authority.authority_url, devices=slot.devices, launcher=self.name,
             slot=slot.name, max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
             placement=settings.placement, control_idle_timeout=settings.control_idle_timeout,
-            default_fps=settings.default_fps, skip_validation=settings.skip_validation,
+            default_fps=settings.default_fps, skip_validation=settings.skip_validation, launcher_pid=os.getpid(),
         )
 
     def _env(self, slot: _Slot) -> dict[str, str]:
@@ -164,6 +172,24 @@ class LocalLauncher:
             return
 
     # -- the authority's notices --
+
+    def refusal(self, register: wire.Register) -> str | None:
+        """Why an agent that names this launcher is not one of its agents (None: it is, or names another).
+
+        An agent of an earlier authority on this host (one killed with SIGKILL, whose agents lived on)
+        names the same launcher and slots; taken in, it claimed a slot this launcher had filled, and the
+        loss of the launcher's own agent then failed the stranger's sessions.
+        """
+        if register.launcher != self.name:
+            return None
+        slot = next((s for s in self.slots if s.name == register.slot), None)
+        if slot is None:
+            return f"this authority's local launcher has no slot {echo(register.slot)}"
+        started = slot.process.pid if slot.process is not None and slot.process.returncode is None else None
+        if register.pid != started:
+            return (f"pid {register.pid} is not the agent this authority started for local slot {slot.name} "
+                    f"(that is pid {started}); an agent of an earlier authority?")
+        return None
 
     def _slot_of(self, worker: RemoteWorker) -> _Slot | None:
         for slot in self.slots:

@@ -35,6 +35,7 @@ from .backoff import EXIT_REFUSED, await_goodbye, back_off
 from .launch_local import agent_command
 
 if TYPE_CHECKING:
+    from . import wire
     from .authority import ClusterAuthority
     from .remote import RemoteWorker
 
@@ -231,6 +232,10 @@ class RayLauncher:
 
     def _slot_of(self, worker: RemoteWorker) -> _RaySlot | None:
         return next((s for s in self.slots if s.name == worker.slot and worker.launcher == self.name), None)
+
+    def refusal(self, register: wire.Register) -> str | None:
+        """Ray's agents are told their actor, not a pid of this process: none is refused here."""
+        return None
 
     def worker_registered(self, worker: RemoteWorker) -> None:
         slot = self._slot_of(worker)

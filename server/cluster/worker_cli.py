@@ -39,6 +39,8 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
     worker.add_argument("--node", metavar="NAME", default=socket.gethostname(), help="node name shown in health")
     worker.add_argument("--launcher", metavar="NAME", default="external", help="who started this agent")
     worker.add_argument("--slot", metavar="NAME", default=None, help="the launcher's slot (set by launchers)")
+    worker.add_argument("--launcher-pid", metavar="PID", default=None,
+                        help="exit when this process (the authority that started this agent) is gone (set by launchers)")
     worker.add_argument("--cluster-token-file", metavar="FILE", default=None, help=f"read the token here, not {TOKEN_ENV}")
     worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle to verify a tls:// authority")
     worker.add_argument("--drain-deadline", metavar="SECONDS", default="30",
@@ -77,6 +79,17 @@ def _fits_the_wire(args: argparse.Namespace, devices: tuple[int, ...]) -> None:
             raise ValueError(f"{flag}: {exc}") from None
 
 
+def _launcher_pid(text: str | None) -> int | None:
+    if text is None:
+        return None
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 2**22:
+        raise ValueError(f"--launcher-pid must be a process id, got {text!r}")
+    pid = int(text)
+    if pid != os.getppid():
+        raise ValueError(f"--launcher-pid {pid} is not this agent's parent (pid {os.getppid()}): its launcher is gone")
+    return pid
+
+
 def _max_sessions(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
@@ -109,6 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             token = os.environ.get(TOKEN_ENV, "")
         if len(token.encode()) < 16:
             raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least 16 bytes")
+        launcher_pid = _launcher_pid(args.launcher_pid)
         drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, lo_open=True)
         control_idle_timeout = parse_float("--control-idle-timeout", args.control_idle_timeout, 0.0, lo_open=True)
         default_fps = parse_float("--default-fps", args.default_fps, 1.0, 120.0)
@@ -130,6 +144,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         node=args.node,
         launcher=args.launcher,
         slot=args.slot,
+        launcher_pid=launcher_pid,
         tls_ca=args.tls_ca,
         drain_deadline=drain_deadline,
         control_idle_timeout=control_idle_timeout,

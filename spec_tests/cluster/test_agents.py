@@ -193,6 +193,40 @@ async def test_registrations_with_another_pipeline_version_or_token_are_refused(
     assert all(w["node"] != "relayed" or w["state"] != "starting" for w in cluster.workers())
 
 
+async def test_an_agent_naming_the_local_launcher_that_it_did_not_start_is_refused(cluster: Cluster) -> None:
+    """An agent of an earlier authority on this host names the same launcher and slot: it is not taken in
+    (taken in, it claimed a filled slot, and the loss of the launcher's own agent failed its sessions)."""
+    await ready_fleet(cluster)
+    before = {w["pid"] for w in cluster.workers()}
+    stranger = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{cluster.cluster_port}",
+                                 "--launcher", "local", "--slot", "0", "--max-sessions", "1"),
+                       clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+    await trio.to_thread.run_sync(stranger.popen.wait, 240)
+    stranger.stop()
+    assert stranger.popen.returncode == EXIT_REFUSED, stranger.text()
+    assert f"pid {stranger.popen.pid} is not the agent this authority started for local slot 0" in stranger.text()
+    assert {w["pid"] for w in cluster.workers()} == before
+    assert all(slot["state"] != "gave_up" for slot in cluster.get("/v1/service/metadata")["cluster"]["slots"])
+
+
+async def test_the_agents_of_a_local_authority_killed_with_sigkill_end_with_it(tmp_path) -> None:
+    """kill -9 leaves the authority no way to stop its agents: each watches it and exits (they dialed its port
+    for minutes holding their models, and joined a restarted authority as extra workers of its slots)."""
+    cluster = start_authority(workers=1, tmpdir=tmp_path)
+    try:
+        (agent,) = await until(lambda: [w for w in cluster.workers() if w["state"] == "idle"], "a ready agent",
+                               cluster)
+        os.kill(cluster.process.popen.pid, signal.SIGKILL)
+        await until(lambda: not _alive(agent["pid"]), "the agent to exit after its authority", cluster,
+                    deadline=LOSS_BOUND)
+        await until(lambda: "the authority that started this agent" in cluster.process.text(),
+                    "the agent's last line", cluster, deadline=LOSS_BOUND)
+        assert f"(pid {cluster.process.popen.pid}) is gone; exiting" in cluster.process.text()
+    finally:
+        cluster.http.close()
+        cluster.process.stop()
+
+
 async def test_drain_through_the_api_finishes_the_live_session_at_a_chunk_boundary_then_the_agent_exits(
     cluster: Cluster,
 ) -> None:
