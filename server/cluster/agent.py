@@ -128,6 +128,7 @@ class Agent:
         self._model_settled = trio.Event()
         self._outbox: trio.MemorySendChannel[wire.Message] | None = None
         self._draining = False
+        self._cut_short: int | None = None  # the second signal that ended the drain early
         self._drained = trio.Event()
         self._acked_sent_at = 0.0
         self._sent_at: dict[int, float] = {}
@@ -186,8 +187,11 @@ class Agent:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 if self._draining:
-                    log.warning("second %s: exiting without waiting for sessions", signal.Signals(signum).name)
-                    self._drained.set()
+                    if self._cut_short is None:
+                        name = signal.Signals(signum).name
+                        log.warning("second %s: stopping the sessions now, without waiting for them", name)
+                        self._cut_short = signum
+                        self.spawn(self._stop_now, f"the worker was stopped before its sessions finished (a second {name})")
                     continue
                 log.info("%s: draining (deadline %.0f s)", signal.Signals(signum).name, self.options.drain_deadline)
                 self.begin_drain(self.options.drain_deadline)
@@ -201,7 +205,8 @@ class Agent:
             if ended.kind is End.REFUSED:
                 return EXIT_REFUSED
             if ended.kind is End.DRAINED or self._draining:
-                return 0
+                # a drain cut short by a second signal is not a clean one: 128 + the signal, as stream-serve exits
+                return 0 if self._cut_short is None else 128 + self._cut_short
             if ended.kind in (End.BUSY, End.TRANSIENT, End.UNREACHABLE):
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
                 # agent yet), or nothing answers at its address (it restarts): dial again soon, not counted
@@ -438,6 +443,15 @@ class Agent:
         with trio.move_on_after(deadline):
             await self.sessions.until_empty()
         await self.sessions.stop_all("worker_drain", hard=False)  # at a chunk boundary, never mid-chunk
+        self._drained.set()
+
+    async def _stop_now(self, cause: str) -> None:
+        """A second signal during the drain: each session ends now, failed with ``cause``, then the agent leaves.
+
+        The sessions are told before the goodbye: left to the goodbye, they failed as "worker lost: left after
+        draining", and the agent exited 0 as if it had drained.
+        """
+        await self.sessions.stop_all(cause, hard=True)
         self._drained.set()
 
     async def _until_drained(self) -> str:

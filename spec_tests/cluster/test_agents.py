@@ -292,6 +292,38 @@ async def test_sigterm_to_an_agent_drains_it(cluster: Cluster) -> None:
     assert health["status"] == ("unhealthy" if health["free_slots"] == 0 else "degraded"), (health, slots)
 
 
+async def test_a_second_sigterm_ends_the_agents_sessions_with_that_reason_and_exits_143(tmp_path) -> None:
+    """The first SIGTERM drains; a second one stops the sessions at once. They fail saying so (they failed as
+    "worker lost: left after draining") and the agent exits 128 + SIGTERM, not 0 as if it had drained."""
+    cluster = start_authority(launcher="external", workers=1, tmpdir=tmp_path)
+    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{cluster.cluster_port}",
+                              "--max-sessions", "1"), clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
+    try:
+        (worker,) = await until(lambda: [w for w in cluster.workers() if w["state"] == "idle"], "a ready agent",
+                                cluster)
+        assert worker["pid"] == agent.popen.pid
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as client:
+            a = await Controller.open(client, cluster, "alice")
+            await a.stream(2)
+            agent.popen.send_signal(signal.SIGTERM)
+            await until(lambda: by_id(cluster).get(worker["worker_id"], {}).get("state") == "draining",
+                        "the agent to drain", cluster, deadline=20)
+            agent.popen.send_signal(signal.SIGTERM)
+            code = await trio.to_thread.run_sync(agent.popen.wait, LOSS_BOUND)
+            assert code == 128 + signal.SIGTERM, agent.text()
+            final = await until(lambda: _terminal(client, a.session_id), "the session to end", cluster)
+            assert final["status"] == "failed", final
+            assert final["error"] == "the worker was stopped before its sessions finished (a second SIGTERM)", final
+            with trio.fail_after(LOSS_BOUND):
+                while not a.statuses("error") and await a.next() is not None:
+                    pass
+            assert "a second SIGTERM" in str(a.statuses("error")[-1]), a.inbox[-3:]
+            await a.ws.aclose()
+    finally:
+        agent.stop()
+        cluster.stop()
+
+
 # -- helpers -----------------------------------------------------------------------------------
 
 
