@@ -207,18 +207,21 @@ class Agent:
             if ended.kind is End.DRAINED or self._draining:
                 # a drain cut short by a second signal is not a clean one: 128 + the signal, as stream-serve exits
                 return 0 if self._cut_short is None else 128 + self._cut_short
-            if ended.kind in (End.BUSY, End.TRANSIENT, End.UNREACHABLE):
+            if ended.kind in (End.BUSY, End.TRANSIENT, End.UNREACHABLE, End.NOT_AN_AUTHORITY):
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
                 # agent yet), or nothing answers at its address (it restarts): dial again soon, not counted
                 delay = patience.delay(ended, trio.current_time())
                 what = {End.BUSY: "is busy", End.TRANSIENT: "refused this worker for now",
-                        End.UNREACHABLE: "is unreachable"}[ended.kind]
+                        End.UNREACHABLE: "is unreachable",
+                        End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority (is this the --cluster-port, "
+                                              "not the HTTP port?)"}[ended.kind]
                 # ended.why is the authority's own proven reason, cut (dial_ends.MAX_PROVEN_REASON): it repeats an
                 # agent's text only echo()-ed
                 if delay is None:
                     log.error("agent at %s: the authority %s (%s) for more than %.0f s; giving up",
                               self.options.authority, what, ended.why, DIAL_DEADLINES[ended.kind])
-                    return 1
+                    # nothing there speaks the protocol: another agent given this address would fail the same way
+                    return EXIT_REFUSED if ended.kind is End.NOT_AN_AUTHORITY else 1
                 log.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted toward "
                             "giving up)", self.options.authority, what, ended.why, delay)
                 with trio.move_on_after(delay):
@@ -232,6 +235,7 @@ class Agent:
         options = self.options
         agent_nonce = secrets.token_hex(16)
         channel: wire.Channel | None = None
+        hello: wire.Message | None = None
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
@@ -273,6 +277,10 @@ class Agent:
             if channel is None:  # no connection at all (refused, no route, no answer): it may be restarting
                 return Ended(End.UNREACHABLE, why)
             await channel.aclose()
+            if hello is None and isinstance(exc, (trio.TooSlowError, wire.WireError)):
+                # connected, and then no hello in time or bytes that are not a frame: not an authority at all
+                detail = f"no hello within {CONNECT_TIMEOUT:g} s" if isinstance(exc, trio.TooSlowError) else str(exc)
+                return Ended(End.NOT_AN_AUTHORITY, detail)
             return Ended(End.LOST, why)
         ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
                        worker_id=worker_id)

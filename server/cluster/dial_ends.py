@@ -25,8 +25,8 @@ from states.restart_policy import RestartPolicy
 from ..reasons import cut, echo
 from . import proofs, wire
 
-__all__ = ["DIAL_DEADLINES", "End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "UNREACHABLE_DEADLINE", "WAIT_POLICY",
-           "MAX_PROVEN_REASON"]
+__all__ = ["DIAL_DEADLINES", "End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "UNREACHABLE_DEADLINE",
+           "NOT_AN_AUTHORITY_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON"]
 
 log = logging.getLogger("chunkline.agent")
 
@@ -40,6 +40,10 @@ TRANSIENT_DEADLINE = 120.0
 #: after which an agent gives up (exit 1); before, such dials counted toward the crash-loop limit, and an external
 #: agent, which no launcher replaces, was gone for good some 20 s into an authority's restart
 UNREACHABLE_DEADLINE = 300.0
+#: seconds of an unbroken run of dials answered by something that is not an authority (no hello within the connect
+#: deadline, or bytes that are not a frame: the HTTP port given for the cluster port) after which an agent gives up
+#: (exit 3); counted toward the crash-loop limit, they never filled its window, each taking the 10 s deadline
+NOT_AN_AUTHORITY_DEADLINE = 60.0
 #: the waits between dials the authority asked for (busy, a transient refusal): short, bounded, never counted
 WAIT_POLICY = RestartPolicy(base_delay=0.2, max_delay=2.0, max_failures=8, window=60.0)
 
@@ -49,6 +53,7 @@ class End(enum.Enum):
 
     LOST = "lost"  # back off and register again (counted toward the crash-loop limit)
     UNREACHABLE = "unreachable"  # no connection to the authority at all: dial again, not counted, up to a deadline
+    NOT_AN_AUTHORITY = "not_an_authority"  # the address answered, not with a hello: as unreachable, a shorter deadline
     BUSY = "busy"  # a proven busy: wait and dial again, not counted, however long it lasts
     TRANSIENT = "transient"  # a proven transient refusal: wait and dial again, not counted, up to a deadline
     REFUSED = "refused"  # a proven permanent refusal: exit 3
@@ -121,4 +126,5 @@ class Patience:
         return WAIT_POLICY.delay(self.waits) * random.uniform(0.5, 1.0)
 
 
-DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABLE_DEADLINE}
+DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABLE_DEADLINE,
+                  End.NOT_AN_AUTHORITY: NOT_AN_AUTHORITY_DEADLINE}

@@ -399,7 +399,10 @@ class Channel:
         await self._fill(_HEADER.size)
         (size,) = _HEADER.unpack(self._buffer[: _HEADER.size])
         if size > self.max_frame + tag:
-            raise WireError(f"a frame of {size} bytes exceeds the {self.max_frame}-byte limit")
+            start = bytes(self._buffer[: _HEADER.size])
+            text = start.isascii() and start.decode("ascii").isprintable()  # b"HTTP": an HTTP server's answer
+            raise WireError(f"a frame of {size} bytes exceeds the {self.max_frame}-byte limit"
+                            + (f" (it begins {start.decode('ascii')!r}: another protocol's text, not a frame)" if text else ""))
         if size < tag:
             raise WireError(f"a frame of {size} bytes is too short to carry its authentication tag")
         await self._fill(_HEADER.size + size)

@@ -17,6 +17,7 @@ import trio
 
 from server.cluster import proofs, wire
 from server.cluster.agent import EXIT_REFUSED, REREGISTER_POLICY
+from server.cluster.dial_ends import NOT_AN_AUTHORITY_DEADLINE, End, Ended, Patience
 
 from .conftest import TINY, TOKEN, Process, chunkline, clean_env
 from .test_hostile_authority import START_DEADLINE, serve, welcome
@@ -156,3 +157,31 @@ async def test_an_authority_of_another_wire_protocol_ends_the_agent_with_exit_3_
         assert log.count("speaks another wire protocol: protocol version 99 is not supported "
                          f"(this side speaks {wire.PROTOCOL})") == REREGISTER_POLICY.max_failures + 1, log
         assert "crash loop" in log and "Traceback" not in log, log
+
+
+async def test_an_address_that_answers_but_not_as_an_authority_is_named_and_dialed_uncounted_up_to_a_deadline() -> None:
+    """The HTTP port given for the cluster port: each dial met an HTTP answer (or no hello in 10 s), was counted as
+    a failed connect, never filled the crash-loop window at 10 s a dial, and went on for ever as "unreachable"."""
+
+    async def http_server(stream: trio.SocketStream) -> None:
+        try:
+            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        except trio.BrokenResourceError:
+            pass
+        await stream.aclose()
+
+    dials = REREGISTER_POLICY.max_failures + 2  # past the crash-loop limit, had these counted
+    async with agent_dialing(http_server) as agent:
+        with trio.fail_after(START_DEADLINE):
+            while agent.text(200_000).count("answers, but not as a chunkline authority") < dials:
+                await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+        log = agent.text(200_000)
+        assert agent.popen.poll() is None, log
+        assert "(it begins 'HTTP': another protocol's text, not a frame)" in log, log
+        assert "not counted toward giving up" in log and "crash loop" not in log and "Traceback" not in log, log
+    # the run ends at its deadline, with exit 3 (another agent given this address would fail the same way)
+    patience = Patience()
+    ended = Ended(End.NOT_AN_AUTHORITY, "no hello within 10 s")
+    assert patience.delay(ended, 0.0) is not None
+    assert patience.delay(ended, NOT_AN_AUTHORITY_DEADLINE - 1) is not None
+    assert patience.delay(ended, NOT_AN_AUTHORITY_DEADLINE + 1) is None
