@@ -306,7 +306,7 @@ def capture_memory_snapshot(
     """
     text = f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else str(device)
     kind, _, index_text = text.partition(":")
-    if kind not in ("cpu", "cuda") or (index_text and not index_text.isdigit()):
+    if kind not in ("cpu", "cuda") or (index_text and not (index_text.isascii() and index_text.isdigit())):
         raise ValueError(f"capture_memory_snapshot: unsupported device {device!r} (use 'cpu' or 'cuda[:N]')")
     if rank is None:
         rank = _distributed_rank()

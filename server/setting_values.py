@@ -166,7 +166,7 @@ def parse_gpu_map(value: Any, option: str = "--worker-gpu-map") -> GpuMap | None
                     raise SettingsError(
                         option, f"{option} has an empty GPU id in worker group {index} of {value!r} ({expected})"
                     )
-                if not text.isdigit():
+                if not (text.isascii() and text.isdigit()):  # "²".isdigit() is true, and int() refuses it
                     raise SettingsError(
                         option, f"{option}: GPU id {item.strip()!r} in {value!r} is not a non-negative integer"
                     )

@@ -129,6 +129,8 @@ OTHER_VARIABLES = frozenset({
 MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKit's data packets are far smaller
 MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
 MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies together may hold
+MIN_TOKEN_TTL = 5.0  # seconds: the worker joins its room with a token of this TTL too
+MAX_TOKEN_TTL = 365 * 24 * 3600.0  # a year: far beyond any session, and well before expiries stop being writable
 
 #: the --workers that run worker agents
 AGENT_WORKERS = ("local", "ray", "external")
@@ -217,8 +219,10 @@ class ServerSettings:
     )
     token_ttl: float = attrs.field(
         default=3600.0,
-        converter=lambda v: parse_float("--token-ttl", v, 0.0, lo_open=True),
-        metadata=_help("seconds a room access token is valid"),
+        # past year 9999 an expiry cannot be written (every create was a 500); under a few seconds the
+        # worker's own token expired before it joined (every session failed)
+        converter=lambda v: parse_float("--token-ttl", v, MIN_TOKEN_TTL, MAX_TOKEN_TTL),
+        metadata=_help("seconds a room access token is valid (5 s to 365 days)"),
     )
     controller_timeout: float = attrs.field(
         default=60.0,

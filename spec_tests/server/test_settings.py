@@ -181,6 +181,10 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("session_timeout", "0", "--session-timeout"),
     ("session_timeout", "soon", "--session-timeout"),
     ("token_ttl", -5, "--token-ttl"),
+    ("token_ttl", "1e12", "--token-ttl"),  # past year 9999: every create was a 500 (OverflowError)
+    ("token_ttl", "1e-9", "--token-ttl"),  # the worker's own token expired before it joined
+    ("worker_gpu_map", "\u00b2", "--worker-gpu-map"),  # "²".isdigit() is true: a traceback, exit 1
+    ("worker_gpu_map", "0;\u00b9", "--worker-gpu-map"),
     ("controller_timeout", 0.0, "--controller-timeout"),
     ("room_empty_timeout", "-0.1", "--room-empty-timeout"),
     ("worker_mode", "process-nccl", "--worker-mode"),
