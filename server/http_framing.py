@@ -27,9 +27,14 @@ without the field the request is answered in HTTP/1.1, as the upgrade allows. On
 protocols (101) anyway, the connection is passed through as it is (:meth:`switched`).
 
 The bodies of all connections together are bounded too (:class:`BodyBudget`): the app holds a body in memory
-while it arrives, so a body's ``Content-Length`` (up to the largest body the app takes) is reserved when its
-head has arrived and given back once the body has passed, or its connection ended. A head whose body would
-take the total past the budget is answered 503 with ``Retry-After`` before any of it reaches the app.
+while it arrives, so each body byte takes its room in the budget as it arrives (up to the largest body the app
+takes), and the room goes back once the body has passed, or its connection ended. A head whose body would not
+fit in what is left now is answered 503 with ``Retry-After`` before any of it reaches the app; a body that
+outgrows the room left on its way (others arrived meanwhile) is cut with the same 503. Room is held for bytes
+that came, never for a length a head declares: 16 connections that each declared 8 MiB and then sent a byte
+now and then held the whole default budget, and every create was a 503. A body must also keep up
+``MIN_UPLOAD_RATE`` from the end of its head on (after ``head_seconds`` of grace), not only arrive whole in
+time: by the total alone, such a body could send nothing for minutes.
 """
 
 from __future__ import annotations
@@ -157,20 +162,26 @@ class BodyBudget:
         self.in_flight = 0
         self.refused = 0
 
-    def take(self, length: int) -> int:
-        """Reserve room for a body of ``length`` bytes; returns what was reserved. Raises FramingRefused (503)."""
-        held = min(length, self.max_body)
-        if self.in_flight + held > self.limit:
-            self.refused += 1
-            raise FramingRefused(
-                503,
-                f"the server is receiving too many request bodies at once ({self.in_flight} of {self.limit} bytes "
-                f"in flight; this one declares {length}); retry in {BODY_RETRY_AFTER} s",
-                error="bodies_in_flight",
-                retry_after=BODY_RETRY_AFTER,
-            )
-        self.in_flight += held
-        return held
+    def check(self, length: int) -> None:
+        """Whether a body of ``length`` bytes would fit now (nothing is reserved). Raises FramingRefused (503)."""
+        if self.in_flight + min(length, self.max_body) > self.limit:
+            raise self._refusal(f"this one declares {length}")
+
+    def take(self, arrived: int) -> None:
+        """Take room for ``arrived`` body bytes that came. Raises FramingRefused (503) when there is none."""
+        if self.in_flight + arrived > self.limit:
+            raise self._refusal("this one outgrew the room left on its way")
+        self.in_flight += arrived
+
+    def _refusal(self, which: str) -> FramingRefused:
+        self.refused += 1
+        return FramingRefused(
+            503,
+            f"the server is receiving too many request bodies at once ({self.in_flight} of {self.limit} bytes "
+            f"in flight; {which}); retry in {BODY_RETRY_AFTER} s",
+            error="bodies_in_flight",
+            retry_after=BODY_RETRY_AFTER,
+        )
 
     def give_back(self, held: int) -> None:
         self.in_flight -= held
@@ -183,9 +194,11 @@ class RequestFraming:
         self._head_seconds = head_seconds
         self._max_head = max_head
         self._budget = budget
-        self._held = 0  # what the body under way holds of the budget
+        self._held = 0  # what the body under way holds of the budget: the bytes of it that came (at most max_body)
         self._head = bytearray()  # the head under way
         self._body_left = 0
+        self._body_due_from = 0.0  # when the body under way would be late with nothing of it arrived
+        self._body_arrived = 0
         self._passthrough = False
         #: when the request under way must have arrived (``math.inf``: none is under way)
         self.due = math.inf
@@ -218,12 +231,19 @@ class RequestFraming:
                 break
             if self._body_left:
                 taken = min(self._body_left, len(view))
+                if self._budget is not None and self._held < self._budget.max_body:
+                    room = min(taken, self._budget.max_body - self._held)  # the app reads no more than max_body
+                    self._budget.take(room)
+                    self._held += room
                 self._body_left -= taken
+                self._body_arrived += taken
                 forward += view[:taken]
                 view = view[taken:]
                 if not self._body_left:
                     self.due = math.inf
                     self.release()
+                else:  # it keeps up the minimum rate: each byte buys time for the next
+                    self.due = self._body_due_from + self._body_arrived / MIN_UPLOAD_RATE
                 continue
             if not self._head:
                 self.due = now + self._head_seconds  # a new head: it must be whole in time
@@ -245,8 +265,10 @@ class RequestFraming:
             self._head.clear()
             self._body_left = length  # also what is still to come if the budget refuses it
             if length and self._budget is not None:
-                self._held = self._budget.take(length)
-            self.due = now + self._head_seconds + length / MIN_UPLOAD_RATE if length else math.inf
+                self._budget.check(length)
+            self._body_due_from = now + self._head_seconds
+            self._body_arrived = 0
+            self.due = self._body_due_from if length else math.inf
             view = memoryview(rest)
         return bytes(forward)
 

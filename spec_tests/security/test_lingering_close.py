@@ -20,6 +20,7 @@ import trio
 from server.front import LINGER_BYTES
 
 from .test_hostile_server import FAST, WAIT, running
+from .test_slow_requests import refused_for_the_budget
 
 BODY = 1024 * 1024  # a body far larger than what the front has read when it refuses: most of it is unread then
 
@@ -74,6 +75,8 @@ async def test_a_503_for_the_body_budget_sent_with_its_whole_body_is_read_by_the
                 while b"\r\n\r\n" not in received:
                     received += await holder.receive_some(65536)
             assert received.startswith(b"HTTP/1.1 100 "), received
+            await holder.send_all(b" " * (size - 1024))  # room is held by the bytes that came: most of its body
+            await refused_for_the_budget(server, size)  # the front has taken them
             for _ in range(3):  # every time, not once by luck
                 request = _head(size) + b" " * size
                 received = await trio.to_thread.run_sync(_send_and_read, server.host, server.port, request)

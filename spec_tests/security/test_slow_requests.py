@@ -11,7 +11,7 @@ import re
 import pytest
 import trio
 
-from server.http_framing import BodyBudget, FramingRefused, RequestFraming
+from server.http_framing import MIN_UPLOAD_RATE, BodyBudget, FramingRefused, RequestFraming
 
 from .test_hostile_server import FAST, WAIT, closed_by_server, json_answer, running
 
@@ -113,31 +113,48 @@ def _create_body(identity: str, length: int) -> bytes:
     return body + b" " * (length - len(body))  # padded to the declared length with JSON whitespace
 
 
+async def refused_for_the_budget(server: object, size: int) -> bytes:
+    """A create of ``size`` bytes sent until the front answers its head with a 503 (the bytes another body sent
+    have reached the front's budget by then: a bounded real-time poll); returns that answer."""
+    with trio.fail_after(WAIT):
+        while True:
+            async with await server.raw() as probe:  # type: ignore[attr-defined]
+                await probe.send_all(_create_head(size))
+                with trio.move_on_after(0.2):  # a head that fits waits for its body: not refused, try again
+                    answer = await closed_by_server(probe)
+                    if answer.startswith(b"HTTP/1.1 503 "):
+                        return answer
+            await trio.sleep(0.05)  # bench-cost: real-time poll of the front's reading of another socket
+
+
 async def test_bodies_past_the_fronts_budget_get_503_with_retry_after_and_change_nothing() -> None:
     """The bodies still arriving on all connections together are bounded: one that would take the total past
     ``--max-body-bytes-in-flight`` is refused before any of it reaches the app, and its room comes back as
-    soon as the body holding it has arrived."""
+    soon as the body holding it has arrived. Room is held by the bytes that came, not by a declared length."""
     size = 256 * 1024  # at the minimum rate the front waits 16 s for such a body: time for the rest of the test
     async with running(max_body_bytes=size, max_body_bytes_in_flight=size + size // 2) as server:
         async with await server.raw() as holder:
             await holder.send_all(_create_head(size, expect_continue=True))
-            with trio.fail_after(WAIT):  # hypercorn's 100 Continue: the front passed the head, holding its room
+            with trio.fail_after(WAIT):  # hypercorn's 100 Continue: the front passed the head
                 received = b""
                 while b"\r\n\r\n" not in received:
                     received += await holder.receive_some(65536)
             assert received.startswith(b"HTTP/1.1 100 "), received
-            async with await server.raw() as refused:
-                await refused.send_all(_create_head(size))
-                answer = await closed_by_server(refused)
-            head, _, body = answer.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 503 "), answer
+            async with await server.raw() as declared:  # a head alone holds no room: this one is not refused
+                await declared.send_all(_create_head(size))
+                with trio.move_on_after(0.5):
+                    assert await closed_by_server(declared) == b"", "a declared length held room"
+            body = _create_body("holder", size)
+            await holder.send_all(body[: size - 1024])  # most of it: now it holds that much of the budget
+            answer = await refused_for_the_budget(server, size)
+            head, _, error_body = answer.partition(b"\r\n\r\n")
             assert b"\r\nRetry-After: 5" in head, head
-            error = json.loads(body)
+            error = json.loads(error_body)
             assert error["error"] == "bodies_in_flight"
             assert "too many request bodies at once" in error["detail"], error
             status, listed = await server.request("GET", "/v1/stream/sessions")
             assert status == 200 and listed["sessions"] == []  # the refused request changed nothing
-            await holder.send_all(_create_body("holder", size))
+            await holder.send_all(body[size - 1024 :])
             head, body = await _response(holder, received.partition(b"\r\n\r\n")[2])
             assert head.startswith(b"HTTP/1.1 200 "), (head, body)
             assert (await server.request("DELETE", f"/v1/stream/sessions/{json.loads(body)['session_id']}"))[0] == 200
@@ -147,21 +164,38 @@ async def test_bodies_past_the_fronts_budget_get_503_with_retry_after_and_change
         assert head.startswith(b"HTTP/1.1 200 "), (head, body)
 
 
-def test_a_body_gives_its_share_of_the_budget_back_when_it_has_passed_or_its_connection_ends() -> None:
+def test_a_body_takes_room_as_it_arrives_and_gives_it_back_when_it_has_passed_or_its_connection_ends() -> None:
     budget = BodyBudget(3000, max_body=2000)
     first = RequestFraming(head_seconds=1.0, max_head=16384, budget=budget)
-    first.feed(_create_head(5000)[:-10], 0.0)
-    assert budget.in_flight == 0  # nothing is reserved before the head is whole
-    first.feed(_create_head(5000)[-10:] + b"x" * 100, 0.0)
+    first.feed(_create_head(5000), 0.0)
+    assert budget.in_flight == 0  # a declared length holds nothing: idle declarations filled the budget
+    first.feed(b"x" * 2500, 0.0)
     assert budget.in_flight == 2000  # no more than the app reads: a longer body is refused (413) unread
     second = RequestFraming(head_seconds=1.0, max_head=16384, budget=budget)
-    second.feed(_create_head(1000), 0.0)
-    assert budget.in_flight == 3000
-    with pytest.raises(FramingRefused) as refused:
-        RequestFraming(head_seconds=1.0, max_head=16384, budget=budget).feed(_create_head(1), 0.0)
-    assert (refused.value.status, refused.value.retry_after, budget.in_flight) == (503, 5, 3000)
-    second.feed(b"y" * 1000 + _create_head(10), 0.0)  # its body passed; the next request's is under way
-    assert budget.in_flight == 2010
+    second.feed(_create_head(1000) + b"y" * 400, 0.0)
+    assert budget.in_flight == 2400
+    with pytest.raises(FramingRefused) as refused:  # would not fit in what is left now
+        RequestFraming(head_seconds=1.0, max_head=16384, budget=budget).feed(_create_head(601), 0.0)
+    assert (refused.value.status, refused.value.retry_after, budget.in_flight) == (503, 5, 2400)
+    third = RequestFraming(head_seconds=1.0, max_head=16384, budget=budget)
+    third.feed(_create_head(600) + b"z" * 500, 0.0)  # fits as it starts
+    second.feed(b"y" * 100, 0.0)  # meanwhile the second one took room too: the third outgrows what is left
+    with pytest.raises(FramingRefused) as outgrown:
+        third.feed(b"z" * 100, 0.0)
+    assert outgrown.value.status == 503 and "outgrew the room left" in outgrown.value.detail
+    third.release()
+    second.feed(b"y" * 500 + _create_head(10), 0.0)  # its body passed; the next request's is under way
+    assert budget.in_flight == 2000
     first.release()  # its connection ended mid-body
     second.release()
     assert budget.in_flight == 0
+
+
+def test_a_body_must_keep_up_the_minimum_rate_not_only_arrive_whole_in_time() -> None:
+    framing = RequestFraming(head_seconds=10.0, max_head=16384)
+    framing.feed(_create_head(8 * 1024 * 1024), 0.0)
+    assert framing.due == 10.0  # nothing of it yet: its first bytes are due within the head's deadline
+    framing.feed(b" ", 9.0)
+    assert framing.due == pytest.approx(10.0 + 1 / MIN_UPLOAD_RATE)  # one byte buys 1/16384 s, not minutes
+    framing.feed(b" " * MIN_UPLOAD_RATE * 4, 12.0)
+    assert framing.due == pytest.approx(14.0 + 1 / MIN_UPLOAD_RATE)
