@@ -50,6 +50,7 @@ from .plain_head import scan_plain_head
 from .reasons import MAX_ECHO, cut
 
 __all__ = [
+    "longest_body_seconds",
     "BODY_RETRY_AFTER",
     "MIN_UPLOAD_RATE",
     "BodyBudget",
@@ -63,6 +64,12 @@ __all__ = [
 ]
 
 MIN_UPLOAD_RATE: Final = 16384  # bytes a second a request body must at least arrive at
+
+
+def longest_body_seconds(max_body: int, head_seconds: float = 10.0) -> float:
+    """How long the largest body the app takes may take at the minimum rate: no deadline behind the front
+    (Quart's own body timeout, 60 s by default) may cut a body that keeps it."""
+    return head_seconds + max_body / MIN_UPLOAD_RATE
 BODY_RETRY_AFTER: Final = 5  # seconds a client refused for the body budget is told to wait
 _BLANK_LINE: Final = re.compile(rb"\n\r?\n")  # h11's end of a head
 _TE_HINT: Final = 501  # h11's status hint for a Transfer-Encoding it does not take

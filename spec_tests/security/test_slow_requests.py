@@ -199,3 +199,13 @@ def test_a_body_must_keep_up_the_minimum_rate_not_only_arrive_whole_in_time() ->
     assert framing.due == pytest.approx(10.0 + 1 / MIN_UPLOAD_RATE)  # one byte buys 1/16384 s, not minutes
     framing.feed(b" " * MIN_UPLOAD_RATE * 4, 12.0)
     assert framing.due == pytest.approx(14.0 + 1 / MIN_UPLOAD_RATE)
+
+
+def test_quarts_own_body_timeout_never_cuts_a_body_that_keeps_the_minimum_rate() -> None:
+    """Quart cut every body at 60 s (a 408): a 1.25 MB create at 20 KiB/s, above the front's minimum rate, lost
+    it at 98 %. The app's timeout is now the time the largest body it takes may take at that rate."""
+    from server.app import create_app
+    from server.settings import ServerSettings
+
+    app = create_app(ServerSettings(pipeline="pipelines/replay", max_body_bytes=8 * 1024 * 1024))
+    assert app.config["BODY_TIMEOUT"] == 10.0 + 8 * 1024 * 1024 / MIN_UPLOAD_RATE  # 522 s
