@@ -63,5 +63,6 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
         raise
     except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken
         log.warning("worker %s could not check a session's options: %r", worker.worker_id, exc)
-        reason = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc)
+        # the failure's own words, never its type (a public 503 said "RuntimeError: worker lost: ...")
+        reason = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc, prefix_type=False)
         raise NoWorker(f"the session's options could not be checked: {reason}", NO_WORKER_RETRY_AFTER) from None

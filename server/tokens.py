@@ -99,7 +99,7 @@ class ReservedIdentity(IdentityError):
 
 class TokenRejected(ValueError):
     """A token failed verification; ``reason`` is one of ``expired``,
-    ``bad signature`` (wrong secret or wrong API key), ``wrong room`` or ``malformed``; ``detail`` says
+    ``bad_signature`` (wrong secret or wrong API key), ``wrong_room`` or ``malformed``; ``detail`` says
     what exactly, in words a client can act on (never the token itself)."""
 
     def __init__(self, reason: str, detail: str | None = None) -> None:
@@ -121,12 +121,12 @@ def single_token(given: Sequence[str]) -> str:
 
 _REJECTED: Final = {
     "expired": "the token has expired: ask for a new one",
-    "bad signature": "the token was not signed by this server's key",
-    "wrong room": "the token is for another room",
-    "wrong role": "the token's role may not join this way",
+    "bad_signature": "the token was not signed by this server's key",
+    "wrong_room": "the token is for another room",
+    "wrong_role": "the token's role may not join this way",
     "session_closed": "the session has ended: its room is closed",
-    "identity in use": "a participant with this identity is already in the room",
-    "room full": "the room has as many participants as it takes",
+    "identity_in_use": "a participant with this identity is already in the room",
+    "room_full": "the room has as many participants as it takes",
 }
 
 
@@ -272,7 +272,7 @@ class TokenIssuer:
         except jwt.ExpiredSignatureError:
             raise TokenRejected("expired") from None
         except (jwt.InvalidSignatureError, jwt.InvalidIssuerError):
-            raise TokenRejected("bad signature") from None
+            raise TokenRejected("bad_signature") from None
         except (jwt.PyJWTError, ValueError, TypeError, AttributeError):
             # DecodeError, missing claims, an unsupported algorithm, grants of
             # the wrong shape (VideoGrants(**...) with odd values), ...
@@ -286,7 +286,7 @@ class TokenIssuer:
         if video is None or video.room_join is not True or not isinstance(video.room, str) or not video.room:
             raise TokenRejected("malformed", "the token grants no room to join")
         if room is not None and video.room != room:
-            raise TokenRejected("wrong room")
+            raise TokenRejected("wrong_room")
         role = _role_from_metadata(claims.metadata)
         try:
             identity = validate_identity(claims.identity)

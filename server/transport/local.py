@@ -15,7 +15,7 @@ Wire format (WebSocket):
   ``{"type": "refused", "reason": ...}`` when a message is not allowed;
 - a client may not publish on the worker's topics (``tf.status``, ``tf.metrics``: refused with
   ``server_topic``), nor send JSON nested deeper than 33 levels (``too_deep``) or text that is not
-  encodable (``unencodable_text``); a room holds at most 64 client sockets (``room full``);
+  encodable (``unencodable_text``); a room holds at most 64 client sockets (``room_full``);
 - a client that falls more than 1024 data messages or 1 MiB of them behind is sent away
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
@@ -273,18 +273,18 @@ class LocalRooms:
         """
         verified = self._issuer.verify(token, room=room)
         if verified.role not in ("controller", "viewer", "worker"):
-            raise TokenRejected("wrong role")
+            raise TokenRejected("wrong_role")
         if not self.room_open(room):
             raise TokenRejected("session_closed")
         target = self._rooms.get(room)
         if target is not None and verified.identity in target.identities():
-            raise TokenRejected("identity in use")
+            raise TokenRejected("identity_in_use")
         if verified.role == "worker":
             if self._expected_workers.get(room) != verified.identity:
-                raise TokenRejected("wrong role")  # only the agent the runtime started for this room
+                raise TokenRejected("wrong_role")  # only the agent the runtime started for this room
             return RemoteWorkerPresence(verified.identity)
         if target is not None and len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
-            raise TokenRejected("room full")
+            raise TokenRejected("room_full")
         return Subscriber(verified.identity, verified.role, verified.can_publish_data)
 
     async def serve_worker(

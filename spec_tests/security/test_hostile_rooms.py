@@ -86,7 +86,7 @@ async def test_a_room_holds_a_bounded_number_of_sockets() -> None:
             async with join(served, created["room"], issuer.viewer_token(created["room"], "extra")) as extra:
                 with trio.fail_after(WAIT):
                     await extra.reader_done.wait()
-                assert [m for m in extra.texts()] == [{"type": "refused", "reason": "room full",
+                assert [m for m in extra.texts()] == [{"type": "refused", "reason": "room_full",
                                                      "detail": "the room has as many participants as it takes"}]
             assert len(room.subscribers) == MAX_CLIENTS_PER_ROOM
             done.set()

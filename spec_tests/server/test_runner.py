@@ -364,8 +364,8 @@ async def test_bad_tokens_are_refused_by_the_websocket(kind: str, autojump_clock
         room = created["room"]
         token, reason = {
             "expired": (make_issuer(clock=lambda: time.time() - 7200).controller_token(room, "ctl"), "expired"),
-            "forged": (make_issuer(secret="f" * 48).controller_token(room, "ctl"), "bad signature"),
-            "other_room": (other["token"], "wrong room"),
+            "forged": (make_issuer(secret="f" * 48).controller_token(room, "ctl"), "bad_signature"),
+            "other_room": (other["token"], "wrong_room"),
         }[kind]
         async with join(s, room, token) as peer:
             await peer.reader_done.wait()

@@ -138,15 +138,15 @@ def test_wrong_secret_is_bad_signature(issuer: TokenIssuer) -> None:
     other = TokenIssuer(KEY, "x" * 40, ttl_seconds=600)
     with pytest.raises(TokenRejected) as info:
         issuer.verify(other.controller_token(ROOM, "c"))
-    assert info.value.reason == "bad signature"
-    assert str(info.value) == "bad signature"
+    assert info.value.reason == "bad_signature"
+    assert str(info.value) == "bad_signature"
 
 
 def test_wrong_key_is_bad_signature(issuer: TokenIssuer) -> None:
     other = TokenIssuer("another-key", SECRET, ttl_seconds=600)
     with pytest.raises(TokenRejected) as info:
         issuer.verify(other.controller_token(ROOM, "c"))
-    assert info.value.reason == "bad signature"
+    assert info.value.reason == "bad_signature"
 
 
 def test_tampered_payload_is_bad_signature(issuer: TokenIssuer) -> None:
@@ -154,13 +154,13 @@ def test_tampered_payload_is_bad_signature(issuer: TokenIssuer) -> None:
     forged = jwt.encode({"sub": "v"}, "y" * 40, algorithm="HS256").split(".")[1]
     with pytest.raises(TokenRejected) as info:
         issuer.verify(f"{header}.{forged}.{signature}")
-    assert info.value.reason == "bad signature"
+    assert info.value.reason == "bad_signature"
 
 
 def test_wrong_room(issuer: TokenIssuer) -> None:
     with pytest.raises(TokenRejected) as info:
         issuer.verify(issuer.controller_token(ROOM, "c"), room="other-room")
-    assert info.value.reason == "wrong room"
+    assert info.value.reason == "wrong_room"
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,7 @@ def test_token_without_exp_is_malformed(issuer: TokenIssuer) -> None:
 def test_header_without_signature_is_bad_signature(issuer: TokenIssuer) -> None:
     with pytest.raises(TokenRejected) as info:
         issuer.verify("eyJhbGciOiJIUzI1NiJ9..")
-    assert info.value.reason == "bad signature"
+    assert info.value.reason == "bad_signature"
 
 
 @pytest.mark.parametrize("algorithm", ["HS512", "none"])
