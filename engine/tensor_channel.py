@@ -100,6 +100,8 @@ from .tensor_channel_shm import (
     Segment,
     SHARED_MEMORY,
     release_owned,
+    remove_stale_segments,
+    segment_prefix,
 )
 from .tensor_tree import map_leaves, unique_tensors
 
@@ -137,7 +139,8 @@ class WorkerTensorChannel(ConsumerSide):
             raise ValueError(f"shard_dim must be an int or None, got {shown(shard_dim)}")
         if not SHARED_MEMORY:  # pragma: no cover
             raise RuntimeError("WorkerTensorChannel needs POSIX shared memory")
-        self.channel_id = secrets.token_hex(5)
+        remove_stale_segments()  # what processes killed before they could unlink left in /dev/shm
+        self.channel_id = f"{os.getpid()}-{secrets.token_hex(5)}"  # the pid: a later process can tell it is stale
         self.world_size = consumer_world_size
         self.timeout = float(timeout)
         self.shard_dim = shard_dim
@@ -150,7 +153,7 @@ class WorkerTensorChannel(ConsumerSide):
         register_owner(self)  # a ref of it lost in this process (a value that does not load) is discarded here
 
     def _init_local(self) -> None:
-        self.prefix = f"cl_{self.channel_id}_"
+        self.prefix = segment_prefix(self.channel_id)
         self.layout = ControlLayout(self.world_size)
         self._control: Segment | None = None
         self._finalizer = None
@@ -190,6 +193,12 @@ class WorkerTensorChannel(ConsumerSide):
         if self._control is not None and not self.is_owner:
             self._control.close()
             self._control = None
+
+    def unlink_segments(self) -> None:
+        """In the parent: unlink every segment of the channel now, without detaching first (the process is about
+        to end at once; its mappings go with it). Idempotent; elsewhere nothing."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def close(self) -> None:
         """In the parent: detach and unlink every segment of the channel (idempotent). Elsewhere: detach."""

@@ -43,6 +43,17 @@ DEFAULT_CHUNKS = 8
 DEFAULT_OUT = "chunkline-run"
 
 
+def _seed(text: str) -> int:
+    """A seed torch takes (a signed 64-bit int that is not negative): said before the run, naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: a seed is 0 to 2**63-1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chunkline",
@@ -79,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE|JSON",
         help="where each stage runs: a JSON placement file or inline JSON (passed to get_service; not with --device)",
     )
-    run.add_argument("--seed", metavar="N", type=int, help="random seed (passed to get_service)")
+    run.add_argument("--seed", metavar="N", type=_seed, help="random seed, 0 to 2**63-1 (passed to get_service)")
     run.add_argument("--out", metavar="DIR", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     run.add_argument(
         "--option",
@@ -321,6 +332,17 @@ def _summary_lines(pipeline: str, metrics: Mapping[str, Any], out_dir: Path) -> 
     return [f"{name:<{width}}  {value}" for name, value in rows]
 
 
+def _regular_file(flag: str, path: str) -> None:
+    """A file the run reads must be a regular file: say which it is not (a FIFO or a directory was "no such file")."""
+    target = Path(path)
+    if not target.exists():
+        raise _BadInput(f"{flag}: no such file {path!r}")
+    if target.is_dir():
+        raise _BadInput(f"{flag}: {path!r} is a directory, not a file")
+    if not target.is_file():
+        raise _BadInput(f"{flag}: {path!r} is not a regular file (a pipe, a socket or a device)")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import trio
 
@@ -339,13 +361,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise _BadInput(f"--prompt {problem}")  # the rule a create and a room's prompt follow
     image_path = None
     if args.image is not None:
-        if not Path(args.image).is_file():
-            raise _BadInput(f"--image: no such file {args.image!r}")
+        _regular_file("--image", args.image)
         image_path = str(Path(args.image).resolve())
     controls = None
     if args.controls is not None:
-        if not Path(args.controls).is_file():
-            raise _BadInput(f"--controls: no such file {args.controls!r}")
+        _regular_file("--controls", args.controls)
         try:
             controls = load_timed_controls(args.controls, loads=json_limits.loads)
         except ValueError as exc:
@@ -386,7 +406,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"chunkline run: {signal.Signals(number).name} received, stopping the run "
               f"(press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
 
+    from engine.tensor_channel_refs import unlink_every_owned_segment
+
     def abort(first: int) -> NoReturn:  # in a signal handler: no buffered I/O, no waiting
+        unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
         remove_partial_files(out_dir)
         remove_empty_out_dir()
         line = b"chunkline run: aborted by a second signal; no output was written\n"

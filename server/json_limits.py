@@ -11,7 +11,7 @@ front with a :class:`JsonRefused` whose ``reason`` is stable:
 ``unencodable_text`` a string or key holds a lone surrogate (not UTF-8 encodable)
 ``duplicate_key``   one object names a key twice (``json.loads`` keeps the last one without a word)
 ``out_of_range``    a number too large for a float (``1e400``: ``json.loads`` makes it infinity,
-                    which no JSON can carry on)
+                    which no JSON can carry on), or an integer of more than 1000 digits
 ==================  ==========================================================
 
 :func:`payload_body` is how a room hub reads a data message's payload bytes for its fan-out: as
@@ -77,6 +77,15 @@ class _OutOfRange(ValueError):
         self.text = text
 
 
+MAX_INT_DIGITS: Final = 1000  # far past any count a client sends (Python itself refuses past 4300)
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > MAX_INT_DIGITS + 1:  # the sign may come first
+        raise _OutOfRange(text)
+    return int(text)
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -127,13 +136,19 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise JsonRefused("too_deep", f"JSON nested {depth} levels deep; at most {max_depth} allowed")
     try:
         value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float,
-                           object_pairs_hook=_unique_keys)
+                           parse_int=_bounded_int, object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
         raise JsonRefused("duplicate_key", f"key {echo(exc.key)} appears twice in one object") from None
     except _OutOfRange as exc:
-        raise JsonRefused("out_of_range", f"the number {echo(exc.text)} is too large for a float") from None
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise JsonRefused("invalid_json", "the body is not valid UTF-8 JSON") from None
+        what = "an integer" if exc.text.lstrip("-").isdigit() else "a float"
+        raise JsonRefused("out_of_range", f"the number {echo(exc.text)} is too large for {what}") from None
+    except UnicodeDecodeError:
+        raise JsonRefused("invalid_json", "not valid UTF-8") from None
+    except json.JSONDecodeError as exc:  # where, not what: the text around it may be anything
+        raise JsonRefused("invalid_json", f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # NaN or Infinity (the constant hook); nesting past Python's own limit
+        detail = str(exc) if isinstance(exc, ValueError) and str(exc).endswith(" is not JSON") else "nested too deep"
+        raise JsonRefused("invalid_json", f"not valid JSON ({detail})") from None
     try:
         _check_encodable(value)
     except UnicodeEncodeError:

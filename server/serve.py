@@ -28,6 +28,8 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
 
+from engine.tensor_channel_refs import unlink_every_owned_segment
+
 from .app import SHUTDOWN_GRACE, create_app
 from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
@@ -80,6 +82,7 @@ def _exit_now(code: int, why: str, remove: Callable[[], None]) -> NoReturn:
     log.error("%s: exiting now (exit %d)", why, code)
     logging.shutdown()
     remove()
+    unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
     os._exit(code)
 
 

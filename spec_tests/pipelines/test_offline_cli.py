@@ -106,6 +106,57 @@ def test_a_second_signal_aborts_a_stop_that_waits_for_a_hung_stage(tmp_path: Pat
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
+TOY_WORLD = str(Path(pipelines.__file__).parent / "toy_world")
+PROCESS_PLACEMENT = ('{"mode": "process", "encode": {"devices": ["cpu"]}, "denoise": {"devices": ["cpu"]}, '
+                     '"decode": {"devices": ["cpu"]}}')
+
+
+def _segments_of(pid: int) -> list[str]:
+    """The shared-memory segments of the channels process ``pid`` created (their names carry its pid)."""
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(f"cl_{pid}-"))
+
+
+def test_a_run_aborted_by_a_second_signal_leaves_no_shared_memory_behind(tmp_path: Path) -> None:
+    """With its stages in processes, a run's tensors travel through /dev/shm; the abort ends the process with
+    os._exit, which runs no finalizer: each left 6 segments there for good (a server some 70)."""
+    out = tmp_path / "out"
+    process = _start_long_run(out, TOY_WORLD, "--placement", PROCESS_PLACEMENT)
+    try:
+        seen = _wait_for_progress(process)
+        assert _segments_of(process.pid), "the run's stages share tensors through /dev/shm"
+        process.send_signal(signal.SIGINT)
+        seen = _read_stderr_until(process, lambda text: b"stopping the run" in text, "stop message", seen)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=EXIT_DEADLINE)
+        err = seen + err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err[-2000:]
+    assert _segments_of(process.pid) == [], err[-500:]
+
+
+def test_segments_a_killed_run_left_are_removed_by_the_next_one(tmp_path: Path) -> None:
+    """kill -9 leaves a process no way to unlink anything: the next process that makes a channel removes the
+    segments of channels whose process is gone (their names carry its pid)."""
+    process = _start_long_run(tmp_path / "out", TOY_WORLD, "--placement", PROCESS_PLACEMENT)
+    try:
+        _wait_for_progress(process)
+        process.kill()
+        process.communicate(timeout=EXIT_DEADLINE)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    left = _segments_of(process.pid)
+    assert left, "a SIGKILL leaves its segments"
+    result = subprocess.run([sys.executable, "-m", "server.cli", "run", TOY_WORLD, "--chunks", "2", "--placement",
+                             PROCESS_PLACEMENT, "--out", str(tmp_path / "next")], capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _segments_of(process.pid) == []
+
+
 def test_run_help_says_what_the_first_and_second_ctrl_c_do() -> None:
     result = subprocess.run([sys.executable, "-m", "server.cli", "run", "--help"], capture_output=True,
                             text=True, check=True)
