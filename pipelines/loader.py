@@ -14,7 +14,7 @@ from typing import Any
 from .contract import BidirectionalService, ServerPushService, Service
 
 __all__ = [
-    "FILE_MODULE_PREFIX", "OptionsNotAccepted", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
+    "FILE_MODULE_PREFIX", "OptionValuesRefused", "OptionsNotAccepted", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
 ]
 
 #: the module name a pipeline file outside any package is imported under: only the process that loaded it has it
@@ -48,6 +48,11 @@ class PipelineLoadError(ValueError):
 
 class OptionsNotAccepted(PipelineLoadError):
     """``get_service()`` takes none of these options: loading it again with them fails the same way."""
+
+
+class OptionValuesRefused(OptionsNotAccepted):
+    """``get_service()`` raised ValueError: it refuses these options' values (a placement that cannot run, a
+    resolution it does not make), and loading it again with them fails the same way."""
 
 
 def load_pipeline_module(path: str | Path) -> ModuleType:
@@ -124,6 +129,8 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     options = {**{k: v for k, v in (offered or {}).items() if k in named and k not in options}, **options}
     try:
         service = factory(**options)
+    except ValueError as exc:  # the values are refused: no replacement worker is started to be refused again
+        raise OptionValuesRefused(f"get_service() in {str(path)!r} refused its options: {exc}") from exc
     except Exception as exc:
         raise PipelineLoadError(f"get_service() in {str(path)!r} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(service, BidirectionalService | ServerPushService):

@@ -163,9 +163,10 @@ class ModelWorker:
     def _failed(self, exc: BaseException) -> None:
         reason = public_reason(exc)  # health and metadata show this line; the log has the detail
         self.failure = reason
-        log.error("worker %s failed: %s", self.worker_id, reason, exc_info=exc)
+        refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
+        log.error("worker %s failed: %s", self.worker_id, reason, exc_info=None if refused else exc)
         # a replacement would refuse these settings, or be refused them, the same way: not restarted
-        self._on_failed(self, reason, permanent=isinstance(exc, REFUSALS))
+        self._on_failed(self, reason, permanent=refused)
         self.failed.set()
 
     async def _serve(self) -> None:

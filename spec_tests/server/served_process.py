@@ -69,11 +69,11 @@ class Served:
 
 
 @asynccontextmanager
-async def stream_serve(tmp: Path, *options: str) -> AsyncIterator[Served]:
-    """The server with ``options`` added to its command line; killed on exit if it still runs."""
+async def stream_serve(tmp: Path, *options: str, pipeline: str = "pipelines/replay") -> AsyncIterator[Served]:
+    """The server of ``pipeline`` with ``options`` added to its command line; killed on exit if it still runs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
     env.update(TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--port", "0", *options]
+    command = [sys.executable, "-m", "server.cli", "stream-serve", pipeline, "--port", "0", *options]
     process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     served = Served(process)

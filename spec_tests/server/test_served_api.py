@@ -96,10 +96,15 @@ REFUSED_SETTINGS = [
     (("--max-sessions-per-worker", "2", "--worker-mode", "process"), "max_sessions_per_worker=2 is refused"),
     (("--placement", "{}"), "does not accept ['placement']"),  # a pipeline with no stages to place
     (("--placement", "{}", "--worker-mode", "process"), "does not accept ['placement']"),  # said in its child
+    # the toy world takes a placement and refuses one it cannot run (get_service raises ValueError): each was a
+    # worker restarted six times, a traceback each, although every replacement refused the same value
+    (("pipelines/toy_world", "--placement", "{"), "inline placement JSON is not valid JSON"),
+    (("pipelines/toy_world", "--placement", '{"mode": "bogus"}'), "stage 'encode': the placement gives no runtime"),
 ]
 
 
-@pytest.mark.parametrize(("options", "named"), REFUSED_SETTINGS, ids=["sessions", "sessions-process", "placement", "placement-process"])
+@pytest.mark.parametrize(("options", "named"), REFUSED_SETTINGS,
+                         ids=["sessions", "sessions-process", "placement", "placement-process", "toy-json", "toy-mode"])
 async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash_loop(
     short_tmp: Path, options: tuple[str, ...], named: str
 ) -> None:
@@ -107,7 +112,8 @@ async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash
     placement are refused as it loads. The slot restarted the worker five times over about half a minute, a
     traceback each, although every replacement refused the same settings; it gives up at once now, and health
     and a create say why."""
-    async with stream_serve(short_tmp, *options) as served:
+    pipeline, options = (options[0], options[1:]) if options[0].startswith("pipelines/") else ("pipelines/replay", options)
+    async with stream_serve(short_tmp, *options, pipeline=pipeline) as served:
         async with httpx.AsyncClient(base_url=served.url, timeout=10) as http:
             await served.read_until(b"refused its configuration")
             health = (await http.get("/v1/stream/health")).json()
@@ -120,3 +126,4 @@ async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash
         served.process.send_signal(signal.SIGTERM)
         assert await served.exit_code() == 0, served.text()
     assert "started worker-0.1" not in served.text() and "restart 1 of" not in served.text(), served.text()
+    assert "Traceback" not in served.text(), served.text()  # a refused setting is one line, not a traceback
