@@ -48,7 +48,7 @@ from .. import json_limits
 from ..protocol import STATUS_TOPIC
 from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
-from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
+from .local_room import EVENT_BACKLOG, DataPace, RemoteWorkerPresence, Room, Subscriber, data_message
 
 __all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
 
@@ -406,7 +406,9 @@ class LocalRooms:
         end.cancel()
 
     async def _pump_in(self, room: Room, subscriber: Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
+        pace = DataPace()
         while True:
+            await pace.take()  # a flood waits in its own socket, not in this server's event loop
             message = await receive()
             if isinstance(message, bytes):
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "clients_publish_no_media"}))
