@@ -24,6 +24,10 @@ _app: Any = None
 DEFAULT_PIPELINE = str(Path(__file__).resolve().parent.parent / "pipelines" / "toy_world")
 
 
+#: settings of where ``chunkline stream-serve`` listens: under ``hypercorn server:app`` hypercorn's ``--bind`` decides
+HYPERCORN_BINDS = frozenset({"CHUNKLINE_HOST", "CHUNKLINE_PORT"})
+
+
 def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     """The app from ``CHUNKLINE_*`` variables; raises SettingsError naming the variable at fault."""
 
@@ -37,6 +41,9 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     settings = ServerSettings.from_sources({}, env)
     for warning in ServerSettings.ignored_variables(env):  # a line each, as a bad setting's error is
         print(f"chunkline: warning: {warning}", file=sys.stderr, flush=True)
+    for variable in sorted(HYPERCORN_BINDS & env.keys()):  # hypercorn binds where its --bind says
+        print(f"chunkline: warning: {variable} is ignored under hypercorn, which listens where its --bind says "
+              f"(chunkline stream-serve reads it)", file=sys.stderr, flush=True)
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
     return TrioASGIAnyWorker(create_app(settings))
