@@ -28,7 +28,6 @@ A bad value is reported as ``chunkline stream-serve: error: <message naming the 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import json
 import os
@@ -344,13 +343,11 @@ def _regular_file(flag: str, path: str) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import trio
-
     from pipelines.contract import SessionConfig, prompt_problem
     from pipelines.loader import PipelineLoadError, load_service
     from pipelines.offline import load_timed_controls, remove_partial_files, run_offline
     from server import json_limits
-    from server.run_signals import run_until_signalled
+    from server.run_signals import trio_run_until_signalled
 
     if args.chunks < 1:
         raise _BadInput(f"--chunks must be >= 1, got {args.chunks}")
@@ -417,10 +414,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os._exit(128 + first)
 
     try:
-        summary = trio.run(
-            functools.partial(run_until_signalled, on_stop=on_stop, abort=abort),
-            run_offline, service, config, controls, args.chunks, out_dir, bar,
-        )
+        summary = trio_run_until_signalled(run_offline, service, config, controls, args.chunks, out_dir, bar,
+                                           on_stop=on_stop, abort=abort)
     except BaseException:
         bar.finish()
         remove_empty_out_dir()

@@ -13,13 +13,14 @@ rather than ending the process by the signal itself.
 
 from __future__ import annotations
 
+import functools
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import trio
 
-__all__ = ["StoppedBySignal", "run_until_signalled"]
+__all__ = ["StoppedBySignal", "run_until_signalled", "trio_run_until_signalled"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -72,3 +73,21 @@ async def run_until_signalled(
         if not first:  # once stopped by a signal, the process exits with its code: a later signal aborts
             for number, old in previous.items():  # (else it could kill the process on its way out by itself)
                 signal.signal(number, old)
+
+
+def _interrupt(number: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def trio_run_until_signalled(run: Callable[..., Awaitable[Any]], *args: Any, on_stop: Callable[[int], None],
+                             abort: Callable[[int], NoReturn]) -> Any:
+    """:func:`run_until_signalled` in a trio run of its own, whose end leaves SIGINT's handler to it.
+
+    trio takes SIGINT for its run when Python's default handler is in place, and puts that default back as the
+    run ends: a Ctrl-C after a SIGTERM's stop had finished then ended the process as a KeyboardInterrupt (130),
+    not as the abort with the first signal's code (143). With a handler of ours in place first, trio leaves
+    SIGINT alone.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)  # as the default does, until the run puts its own in
+    return trio.run(functools.partial(run_until_signalled, run, *args, on_stop=on_stop, abort=abort))

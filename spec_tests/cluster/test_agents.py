@@ -209,10 +209,10 @@ async def test_an_agent_naming_the_local_launcher_that_it_did_not_start_is_refus
     assert all(slot["state"] != "gave_up" for slot in cluster.get("/v1/service/metadata")["cluster"]["slots"])
 
 
-async def test_the_agents_of_a_local_authority_killed_with_sigkill_end_with_it(tmp_path) -> None:
+async def test_the_agents_of_a_local_authority_killed_with_sigkill_end_with_it() -> None:
     """kill -9 leaves the authority no way to stop its agents: each watches it and exits (they dialed its port
     for minutes holding their models, and joined a restarted authority as extra workers of its slots)."""
-    cluster = start_authority(workers=1, tmpdir=tmp_path)
+    cluster = start_authority(workers=1)
     try:
         (agent,) = await until(lambda: [w for w in cluster.workers() if w["state"] == "idle"], "a ready agent",
                                cluster)
@@ -295,7 +295,7 @@ async def test_sigterm_to_an_agent_drains_it(cluster: Cluster) -> None:
 async def test_a_second_sigterm_ends_the_agents_sessions_with_that_reason_and_exits_143(tmp_path) -> None:
     """The first SIGTERM drains; a second one stops the sessions at once. They fail saying so (they failed as
     "worker lost: left after draining") and the agent exits 128 + SIGTERM, not 0 as if it had drained."""
-    cluster = start_authority(launcher="external", workers=1, tmpdir=tmp_path)
+    cluster = start_authority(launcher="external", workers=1)
     agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{cluster.cluster_port}",
                               "--max-sessions", "1"), clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
     try:

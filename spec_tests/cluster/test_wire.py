@@ -67,7 +67,7 @@ def test_every_message_round_trips(message: wire.Message) -> None:
         (json.dumps({"v": wire.PROTOCOL, "type": "drain", "deadline": -1}).encode(),
          "drain.deadline: must be a number of seconds > 0, got -1.0"),
         (b'{"v": %d, "type": "drain", "deadline": 1e999}' % wire.PROTOCOL,
-         "drain.deadline: must be a number of seconds > 0, got inf"),
+         "the number '1e999' is too large for a float"),  # refused as it is parsed, before it is infinity
         (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 0, "kind": "x", "plan": {}}).encode(),
          "ready.capacity: must be 1-4096, got 0"),
         (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 1, "kind": "x", "plan": {}}).encode(),
