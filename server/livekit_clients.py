@@ -45,6 +45,9 @@ from livekit import api, rtc
 from .livekit_local import LiveKitConfig
 
 REQUEST_TIMEOUT = 20.0  # one request (a join includes ICE)
+#: how long a wait for what the clients see may take: a hang bound, not a measurement (a session that starts its
+#: pipeline on a 2-core host under load took past 20 s once)
+WAIT_TIMEOUT = 60.0
 
 CONTROL_TOPIC = "tf.control"
 
@@ -288,7 +291,7 @@ class Clients:
         reply = await self.request("participants", url=config.url, key=config.api_key, secret=config.api_secret, room=room)
         return reply["identities"]
 
-    async def wait_frames(self, client: str, at_least: int, timeout: float = 20.0) -> int:
+    async def wait_frames(self, client: str, at_least: int, timeout: float = WAIT_TIMEOUT) -> int:
         """Wait until ``client`` has decoded ``at_least`` video frames; returns the count."""
         with trio.move_on_after(timeout):
             while (count := (await self.request("frames", client=client))["frames"]) < at_least:
@@ -304,7 +307,7 @@ class Clients:
         """The JSON messages ``client`` received on ``topic`` so far."""
         return [json.loads(e["payload"]) for e in self.events if e["event"] == "data" and e["client"] == client and e["topic"] == topic]
 
-    async def wait_for(self, predicate: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    async def wait_for(self, predicate: Callable[[], Any], what: str, timeout: float = WAIT_TIMEOUT) -> Any:
         """Wait until ``predicate()`` is truthy (re-checked at each line the agent writes); returns its value."""
         with trio.move_on_after(timeout):
             while not (value := predicate()):
@@ -312,7 +315,7 @@ class Clients:
             return value
         raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
-    async def wait_message(self, client: str, kind: str, timeout: float = 20.0, topic: str = "tf.status", **match: Any) -> dict[str, Any]:
+    async def wait_message(self, client: str, kind: str, timeout: float = WAIT_TIMEOUT, topic: str = "tf.status", **match: Any) -> dict[str, Any]:
         def found() -> dict[str, Any] | None:
             for message in self.messages(client, topic):
                 if message.get("type") == kind and all(message.get(k) == v or message.get("data", {}).get(k) == v for k, v in match.items()):
