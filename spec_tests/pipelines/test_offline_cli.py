@@ -83,24 +83,30 @@ def test_a_signal_mid_run_leaves_no_partial_file(tmp_path: Path, signal_number: 
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
+def _stop_then_abort(process: subprocess.Popen[bytes], second: int, running: Callable[[], object]) -> bytes:
+    """Once the run makes progress (and ``running()`` shows what it holds), Ctrl-C, then ``second`` during the
+    stop; returns its stderr (the process is killed if it is still there)."""
+    try:
+        seen = _wait_for_progress(process)
+        assert running(), "the run holds what the test looks for"
+        process.send_signal(signal.SIGINT)
+        seen = _read_stderr_until(process, lambda text: b"stopping the run" in text, "stop message", seen)
+        process.send_signal(second)
+        _, err = process.communicate(timeout=EXIT_DEADLINE)
+        return seen + err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_aborts_a_stop_that_waits_for_a_hung_stage(tmp_path: Path, second: int) -> None:
     """The first Ctrl-C stops in order, which waits for the hung stage up to the pipeline's close deadline
     (300 s); a second signal ends the run at once, with its temporary file gone and exit code 130."""
     out = tmp_path / "out"
     process = _start_long_run(out, HUNG_STAGE)
-    try:
-        seen = _wait_for_progress(process)
-        assert [p.name for p in out.iterdir() if p.name.endswith(".partial")], "the run writes to a temporary file"
-        process.send_signal(signal.SIGINT)
-        seen = _read_stderr_until(process, lambda text: b"stopping the run" in text, "stop message", seen)
-        process.send_signal(second)
-        _, err = process.communicate(timeout=EXIT_DEADLINE)
-        err = seen + err
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    err = _stop_then_abort(process, second, lambda: [p.name for p in out.iterdir() if p.name.endswith(".partial")])
     assert process.returncode == 130, err[-2000:]
     assert b"press Ctrl-C again to abort" in err
     assert err.rstrip().endswith(b"chunkline run: aborted by a second signal; no output was written"), err[-500:]
@@ -122,18 +128,7 @@ def test_a_run_aborted_by_a_second_signal_leaves_no_shared_memory_behind(tmp_pat
     os._exit, which runs no finalizer: each left 6 segments there for good (a server some 70)."""
     out = tmp_path / "out"
     process = _start_long_run(out, TOY_WORLD, "--placement", PROCESS_PLACEMENT)
-    try:
-        seen = _wait_for_progress(process)
-        assert _segments_of(process.pid), "the run's stages share tensors through /dev/shm"
-        process.send_signal(signal.SIGINT)
-        seen = _read_stderr_until(process, lambda text: b"stopping the run" in text, "stop message", seen)
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=EXIT_DEADLINE)
-        err = seen + err
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    err = _stop_then_abort(process, signal.SIGINT, lambda: _segments_of(process.pid))
     assert process.returncode == 130, err[-2000:]
     assert _segments_of(process.pid) == [], err[-500:]
 
