@@ -358,6 +358,7 @@ class LiveKitTransport:
         self._api_secret = api_secret
         self._loop: Any = None
         self._sends: trio.Nursery | None = None  # the server's sends to rooms, while running
+        self._to_delete: set[str] = set()  # rooms of ended sessions not deleted yet (each waits out its grace)
         self._connections: set[_LiveKitConnection] = set()
         self._leaving: set[asyncio.Task[None]] = set()  # abandoned joins, leaving once they end
 
@@ -387,6 +388,10 @@ class LiveKitTransport:
                 with trio.CancelScope(shield=True):
                     for connection in list(self._connections):
                         await connection.disconnect()
+                    # a shutdown cancels the rooms' graces: each is deleted now, its clients sent away (they
+                    # stayed in rooms of ended sessions, which LiveKit keeps while anyone is in them)
+                    for room in sorted(self._to_delete):
+                        await self._delete_room(room)
                     with trio.move_on_after(self.disconnect_timeout):
                         for leaving in list(self._leaving):  # abandoned joins: wait for them to leave
                             await trio_asyncio.aio_as_trio(_wait_for, loop=loop)(leaving)
@@ -400,6 +405,7 @@ class LiveKitTransport:
         its clients away, as the local rooms do once the worker's last messages are out."""
         if self._sends is None or not (self._api_key and self._api_secret):
             return
+        self._to_delete.add(room)
         self._sends.start_soon(self._close_room, room, last_word)
 
     async def _close_room(self, room: str, last_word: bytes | None) -> None:
@@ -407,6 +413,10 @@ class LiveKitTransport:
             await self._room_service(room, "sending the session's last status", lambda rooms: rooms.send_data(
                 api.SendDataRequest(room=room, data=last_word, kind=api.DataPacket.Kind.RELIABLE, topic=STATUS_TOPIC)))
         await trio.sleep(ROOM_CLOSE_GRACE)  # the last messages reach the clients before the room goes
+        await self._delete_room(room)
+
+    async def _delete_room(self, room: str) -> None:
+        self._to_delete.discard(room)
         await self._room_service(room, "deleting the room", lambda rooms: rooms.delete_room(
             api.DeleteRoomRequest(room=room)))
 

@@ -7,6 +7,7 @@ session over HTTP and joins the room with the token it was given, as a user's cl
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -243,3 +244,22 @@ async def test_the_session_timeout_expires_a_live_livekit_session(stream_servers
     await agent.wait_message("gina", "done")  # drained: the stream ends cleanly for the controller
     assert (await health(short))["free_slots"] == 1
     assert WORKER not in await agent.room_participants(created["room"])
+
+
+async def test_a_server_stopped_by_sigterm_deletes_its_sessions_livekit_rooms(
+    stream_servers: Callable[..., StreamServer], agent: Agent
+) -> None:
+    """A shutdown ends every session, and each room is deleted once its grace has passed; the shutdown cancelled
+    those graces, so the rooms stayed, with their clients in them, for as long as anyone was there."""
+    stopping = stream_servers(controller_timeout=CONTROLLER_TIMEOUT, room_empty_timeout=30, max_sessions_per_worker=1)
+    live = await create(stopping, "ivan")
+    await agent.join("ivan", live["token"])
+    await agent.wait_message("ivan", "status", stage="running")
+    stopping.process.send_signal(signal.SIGTERM)
+    with trio.fail_after(60):
+        while stopping.process.poll() is None:
+            await trio.sleep(0.1)  # bench-cost: the server is another process
+    assert stopping.process.returncode == 0, stopping.log_tail()
+    reason = await agent.wait_for(lambda: disconnected(agent, "ivan"), "ivan to be sent away")
+    assert reason == str(int(rtc.DisconnectReason.ROOM_DELETED)), reason
+    assert await agent.room_participants(live["room"]) == []
