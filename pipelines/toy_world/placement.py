@@ -166,6 +166,10 @@ class ResourceGroupDecl:
                 raise ValueError(f"resource group {self.name!r}: unknown stage {stage!r} (stages: {list(STAGES)})")
 
 
+DEFAULT_CALL_TIMEOUT = 90.0  # far past any toy-world call (milliseconds) and past a tensor channel's wait
+MAX_CALL_TIMEOUT = 86400.0
+
+
 @attrs.frozen
 class Placement:
     """Mode, one :class:`StageRuntime` per stage and the declared resource groups (module docs)."""
@@ -175,10 +179,17 @@ class Placement:
     denoise: StageRuntime
     decode: StageRuntime
     resource_groups: tuple[ResourceGroupDecl, ...] = attrs.field(converter=tuple, default=())
+    # seconds a stage call of a worker group may go unanswered before the group (and the service) is failed:
+    # a rank frozen with SIGSTOP, or stuck, held its sessions without frames for ever (process mode only)
+    call_timeout: float = DEFAULT_CALL_TIMEOUT
 
     def __attrs_post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"placement mode must be one of {list(MODES)}, got {self.mode!r}")
+        timeout = self.call_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_CALL_TIMEOUT:
+            raise ValueError(f"placement: call_timeout must be a number of seconds in (0, {MAX_CALL_TIMEOUT:g}], "
+                             f"got {timeout!r}")
         for stage in STAGES:
             runtime = getattr(self, stage)
             if not isinstance(runtime, StageRuntime):
@@ -226,9 +237,10 @@ class Placement:
     def from_dict(cls, data: Mapping[str, Any]) -> Placement:
         if not isinstance(data, Mapping):
             raise ValueError(f"a placement must be a JSON object, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"mode", *STAGES, "resource_groups"})
+        unknown = sorted(set(data) - {"mode", *STAGES, "resource_groups", "call_timeout"})
         if unknown:
-            raise ValueError(f"placement: unknown key(s) {unknown} (allowed: mode, {', '.join(STAGES)}, resource_groups)")
+            raise ValueError(f"placement: unknown key(s) {unknown} (allowed: mode, {', '.join(STAGES)}, resource_groups, "
+                             f"call_timeout)")
         missing = [s for s in STAGES if s not in data]
         if missing:
             raise ValueError(
@@ -241,10 +253,12 @@ class Placement:
                 raise ValueError(f"resource group must be {{name, max_concurrency, stages}}, got {item!r}")
             groups.append(ResourceGroupDecl(item.get("name"), item.get("max_concurrency", 1), item.get("stages", ())))
         runtimes = [StageRuntime.from_dict(s, data[s]) for s in STAGES]
-        return cls(data.get("mode", "in-process"), *runtimes, resource_groups=groups)
+        return cls(data.get("mode", "in-process"), *runtimes, resource_groups=groups,
+                   call_timeout=data.get("call_timeout", DEFAULT_CALL_TIMEOUT))
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mode": self.mode, **{s: self.runtime(s).as_dict() for s in STAGES}}
+        out: dict[str, Any] = {"mode": self.mode, **{s: self.runtime(s).as_dict() for s in STAGES},
+                               "call_timeout": self.call_timeout}
         if self.resource_groups:
             out["resource_groups"] = [
                 {"name": g.name, "max_concurrency": g.max_concurrency, "stages": list(g.stages)} for g in self.resource_groups

@@ -214,7 +214,7 @@ class ProcessStages(_StageHost):
             )
             self.groups[stage] = ProcessWorkerGroup(
                 factory, world_size=runtime.world_size, device_ids=runtime.devices, gather=("snapshot",),
-                name=f"toy-world-{'+'.join(served)}", close_timeout=5.0, kill_grace=1.0,
+                name=f"toy-world-{'+'.join(served)}", close_timeout=5.0, kill_grace=1.0, call_timeout=p.call_timeout,
             )
         errors: list[BaseException] = []
         try:

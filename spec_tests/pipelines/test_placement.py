@@ -267,6 +267,35 @@ def _alive(pid: int) -> bool:
 # -- a killed worker --------------------------------------------------------------------------------
 
 
+async def test_a_frozen_worker_fails_its_service_once_a_call_goes_unanswered_past_the_call_timeout():
+    """A rank stopped with SIGSTOP never answers: its session ran without frames for ever, and every later one of
+    that service too. Past the placement's ``call_timeout`` the group fails, and the service with it, which its owner
+    replaces; a bad ``call_timeout`` is refused naming it."""
+    with pytest.raises(ValueError, match="call_timeout must be a number of seconds"):
+        load_placement(placement(call_timeout=0))
+    victim = get_service(seed=1, max_sessions=2, placement=placement(call_timeout=2.0), control_idle_timeout=60.0,
+                         **SIZE)
+    endless = SessionConfig(options={"continuous": True})
+    frozen = None
+    try:
+        with pytest.raises(ServiceFailedError, match="got no answer from ranks"):
+            async with victim.running():
+                doomed = await victim.create_session(endless)
+                async with aclosing(victim.chunks(doomed)) as doomed_chunks:
+                    await doomed_chunks.__anext__()
+                    frozen = victim._stages.groups["denoise"].pids[0]
+                    os.kill(frozen, signal.SIGSTOP)
+                    with trio.fail_after(30):  # cancelled by the service leaving running(), or the test fails
+                        with suppress(PipelineFailed):
+                            async for _ in doomed_chunks:
+                                pass
+                        await trio.sleep_forever()
+        assert victim.failure is not None and "stage 'denoise' failed" in victim.failure
+    finally:
+        if frozen is not None and _alive(frozen):
+            os.kill(frozen, signal.SIGCONT)
+
+
 async def test_a_killed_worker_fails_its_services_sessions_and_the_service_leaves_running():
     """Interpretation: every session of one service uses every stage, so a dead rank fails the sessions
     of that service instance, and the service fails as a whole: it leaves ``running()`` at once with
