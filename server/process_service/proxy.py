@@ -250,6 +250,9 @@ class ProcessService:
             case wire.ChildExited(code=code, expected=expected, cause=cause):
                 if expected and code != 0:
                     log.warning("%s: the service process (pid %s) was stopped with exit code %s", self.name, self.pid, code)
+                if self._stop_error is not None:  # the service left running() by itself, failing: that is why
+                    self._lost(f"the service failed in its process (pid {self.pid}): {_last_line(self._stop_error)}")
+                    return
                 why = f" ({cause})" if cause else ""
                 self._lost(f"the service process (pid {self.pid}) exited unexpectedly with code {code}{why}")
             case wire.ProtocolError(reason=reason):
@@ -426,3 +429,7 @@ class ProcessServerPushService(ProcessService, ServerPushService):
         return self._open_stream("stream", config)
 
 
+def _last_line(traceback_text: str) -> str:
+    """A child traceback's last line, ``Type: message``: what failed (a killed stage rank, named), in one line."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no reason given"

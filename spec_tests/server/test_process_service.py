@@ -171,6 +171,42 @@ async def test_a_killed_child_fails_pending_and_later_calls() -> None:
     assert_no_children()
 
 
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+async def test_a_service_that_fails_in_its_process_is_lost_naming_its_failure() -> None:
+    """A stage rank of a process-placed toy world killed: the service fails and its process ends (code 0, after
+    telling the parent how running() ended). The loss said "exited unexpectedly with code 0", and the stage was lost."""
+    placement = {"mode": "process", "encode": {"devices": ["cpu"]}, "denoise": {"devices": ["cpu"]},
+                 "decode": {"devices": ["cpu"]}}
+    service = await start(TOY, placement=json.dumps(placement), **TINY)
+    first_chunk = trio.Event()
+
+    async def consume(sid: str) -> None:
+        with pytest.raises(ProcessServiceFailed):
+            async for _ in service.chunks(sid):
+                first_chunk.set()
+
+    with pytest.raises(ProcessServiceFailed) as raised:
+        async with service.running():
+            sid = await service.create_session(SessionConfig())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, sid)
+                with trio.fail_after(60):
+                    await first_chunk.wait()
+                for rank in _children_of(service.pid):  # the stage ranks, and anything else the service runs
+                    os.kill(rank, signal.SIGKILL)
+                with trio.fail_after(30):  # the failure cancels the body of running()
+                    await trio.sleep_forever()
+    assert "the service failed in its process" in str(raised.value), raised.value
+    assert "stage '" in str(raised.value) and "exited unexpectedly with code 0" not in str(raised.value), raised.value
+    assert_no_children()
+
+
 async def test_startup_failures_carry_the_child_traceback(tmp_path: Path) -> None:
     with pytest.raises(ProcessServiceStartError) as missing:
         await start(str(tmp_path / "nope.py"))
