@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from contextlib import aclosing, suppress
 from typing import Any
 
@@ -267,6 +268,21 @@ def _alive(pid: int) -> bool:
 # -- a killed worker --------------------------------------------------------------------------------
 
 
+async def _until_the_service_fails(victim: Any, config: SessionConfig, hurt: Callable[[], None], within: float) -> None:
+    """Run one session of ``victim`` until its first chunk, ``hurt()`` a stage's rank, then wait (``within`` seconds
+    at most) for the service to leave ``running()`` with its failure, which this raises."""
+    async with victim.running():
+        doomed = await victim.create_session(config)
+        async with aclosing(victim.chunks(doomed)) as doomed_chunks:
+            await doomed_chunks.__anext__()
+            hurt()
+            with trio.fail_after(within):  # cancelled by the service leaving running(), or the test fails
+                with suppress(PipelineFailed):
+                    async for _ in doomed_chunks:
+                        pass
+                await trio.sleep_forever()
+
+
 async def test_a_frozen_worker_fails_its_service_once_a_call_goes_unanswered_past_the_call_timeout():
     """A rank stopped with SIGSTOP never answers: its session ran without frames for ever, and every later one of
     that service too. Past the placement's ``call_timeout`` the group fails, and the service with it, which its owner
@@ -277,19 +293,16 @@ async def test_a_frozen_worker_fails_its_service_once_a_call_goes_unanswered_pas
                          **SIZE)
     endless = SessionConfig(options={"continuous": True})
     frozen = None
+    frozen: int | None = None
+
+    def freeze() -> None:
+        nonlocal frozen
+        frozen = victim._stages.groups["denoise"].pids[0]
+        os.kill(frozen, signal.SIGSTOP)
+
     try:
         with pytest.raises(ServiceFailedError, match="got no answer from ranks"):
-            async with victim.running():
-                doomed = await victim.create_session(endless)
-                async with aclosing(victim.chunks(doomed)) as doomed_chunks:
-                    await doomed_chunks.__anext__()
-                    frozen = victim._stages.groups["denoise"].pids[0]
-                    os.kill(frozen, signal.SIGSTOP)
-                    with trio.fail_after(30):  # cancelled by the service leaving running(), or the test fails
-                        with suppress(PipelineFailed):
-                            async for _ in doomed_chunks:
-                                pass
-                        await trio.sleep_forever()
+            await _until_the_service_fails(victim, endless, freeze, within=30)
         assert victim.failure is not None and "stage 'denoise' failed" in victim.failure
     finally:
         if frozen is not None and _alive(frozen):
@@ -309,16 +322,8 @@ async def test_a_killed_worker_fails_its_services_sessions_and_the_service_leave
         async with aclosing(other.chunks(survivor)) as ok_chunks:
             await ok_chunks.__anext__()
             with pytest.raises(ServiceFailedError, match="stage 'denoise' failed"):
-                async with victim.running():
-                    doomed = await victim.create_session(endless)
-                    async with aclosing(victim.chunks(doomed)) as doomed_chunks:
-                        await doomed_chunks.__anext__()
-                        os.kill(victim._stages.groups["denoise"].pids[0], signal.SIGKILL)
-                        with trio.fail_after(20):  # cancelled by the service leaving running(), or the test fails
-                            with suppress(PipelineFailed):
-                                async for _ in doomed_chunks:
-                                    pass
-                            await trio.sleep_forever()
+                await _until_the_service_fails(
+                    victim, endless, lambda: os.kill(victim._stages.groups["denoise"].pids[0], signal.SIGKILL), within=20)
             assert victim.failure is not None and "stage 'denoise' failed" in victim.failure
             for _ in range(3):  # the other service's session goes on
                 await ok_chunks.__anext__()

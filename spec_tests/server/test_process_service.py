@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,8 +137,9 @@ if __name__ == "__main__":
     assert result == {"torch": False, "shape": [2, 32, 48, 3], "code": 0}
 
 
-async def test_a_killed_child_fails_pending_and_later_calls() -> None:
-    service = await start(TOY, **TINY)
+async def _until_lost(service: Any, hurt: Callable[[], None], within: float) -> tuple[Any, list[BaseException], str]:
+    """One session of ``service`` until its first chunk, then ``hurt()``; returns the failure ``running()`` raised
+    (within ``within`` seconds), the failures its chunk reader got, and the session's id."""
     failures: list[BaseException] = []
     first_chunk = trio.Event()
 
@@ -148,18 +150,29 @@ async def test_a_killed_child_fails_pending_and_later_calls() -> None:
         except ProcessServiceFailed as exc:
             failures.append(exc)
 
-    killed_at = 0.0
     with pytest.raises(ProcessServiceFailed) as raised:
         async with service.running():
             sid = await service.create_session(SessionConfig())
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(consume, sid)
-                with trio.fail_after(20):
+                with trio.fail_after(60):
                     await first_chunk.wait()
-                killed_at = time.monotonic()
-                os.kill(service.pid, signal.SIGKILL)
-                with trio.fail_after(5):  # the failure cancels the body of running()
+                hurt()
+                with trio.fail_after(within):  # the failure cancels the body of running()
                     await trio.sleep_forever()
+    return raised, failures, sid
+
+
+async def test_a_killed_child_fails_pending_and_later_calls() -> None:
+    service = await start(TOY, **TINY)
+    killed_at = 0.0
+
+    def kill() -> None:
+        nonlocal killed_at
+        killed_at = time.monotonic()
+        os.kill(service.pid, signal.SIGKILL)
+
+    raised, failures, sid = await _until_lost(service, kill, within=5)
     assert time.monotonic() - killed_at < 5
     assert "exited unexpectedly with code -9" in str(raised.value)
     assert len(failures) == 1 and "exited unexpectedly with code -9" in str(failures[0])
@@ -184,24 +197,13 @@ async def test_a_service_that_fails_in_its_process_is_lost_naming_its_failure() 
     placement = {"mode": "process", "encode": {"devices": ["cpu"]}, "denoise": {"devices": ["cpu"]},
                  "decode": {"devices": ["cpu"]}}
     service = await start(TOY, placement=json.dumps(placement), **TINY)
-    first_chunk = trio.Event()
 
-    async def consume(sid: str) -> None:
-        with pytest.raises(ProcessServiceFailed):
-            async for _ in service.chunks(sid):
-                first_chunk.set()
+    def kill_the_stages() -> None:
+        for rank in _children_of(service.pid):  # the stage ranks, and anything else the service runs
+            os.kill(rank, signal.SIGKILL)
 
-    with pytest.raises(ProcessServiceFailed) as raised:
-        async with service.running():
-            sid = await service.create_session(SessionConfig())
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(consume, sid)
-                with trio.fail_after(60):
-                    await first_chunk.wait()
-                for rank in _children_of(service.pid):  # the stage ranks, and anything else the service runs
-                    os.kill(rank, signal.SIGKILL)
-                with trio.fail_after(30):  # the failure cancels the body of running()
-                    await trio.sleep_forever()
+    raised, failures, _ = await _until_lost(service, kill_the_stages, within=30)
+    assert len(failures) == 1
     assert "the service failed in its process" in str(raised.value), raised.value
     assert "stage '" in str(raised.value) and "exited unexpectedly with code 0" not in str(raised.value), raised.value
     assert_no_children()
