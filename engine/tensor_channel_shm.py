@@ -27,6 +27,9 @@ import torch
 
 from .tensor_channel_refs import TensorChannelError
 
+from .shm_names import (SEGMENT_PREFIX, SHM_DIRECTORY, remove_segments_of, remove_stale_segments, segment_prefix,
+                        unlink)
+
 try:  # the primitive multiprocessing.shared_memory is built on
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX
@@ -38,7 +41,7 @@ __all__ = [
     "SHARED_MEMORY",
     "ACK_WINDOW", "CPU_SLOTS", "DTYPES", "DTYPE_CODE", "HDR_BYTES", "MAX_NDIM", "MAX_PROFILES",
     "ControlLayout", "CpuPayload", "CpuSlotPool", "Segment", "release_owned", "slot_view", "unlink",
-    "remove_stale_segments", "segment_prefix", "SEGMENT_PREFIX", "SHM_DIRECTORY",
+    "remove_segments_of", "remove_stale_segments", "segment_prefix", "SEGMENT_PREFIX", "SHM_DIRECTORY",
 ]
 
 MAX_PROFILES = 8  # pooled profiles per channel (CPU pool; CUDA pool separately)
@@ -159,47 +162,6 @@ def _remove(segments: list[Segment]) -> None:
     for segment in segments:
         segment.close()
         unlink(segment.name)
-
-
-def unlink(name: str) -> None:
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass
-
-
-SHM_DIRECTORY = "/dev/shm"
-SEGMENT_PREFIX = "cl_"  # then the creating process's pid, "-" and the channel's random id
-_swept: list[bool] = []  # whether this process has looked for stale segments already
-
-
-def segment_prefix(channel_id: str) -> str:
-    return f"{SEGMENT_PREFIX}{channel_id}_"
-
-
-def remove_stale_segments(directory: str = SHM_DIRECTORY) -> list[str]:
-    """Unlink the segments of channels whose creating process is gone and that belong to this user (once per
-    process: a process killed with SIGKILL, or one that ended with ``os._exit``, unlinked none of its own);
-    returns what was removed."""
-    if _swept:
-        return []
-    _swept.append(True)
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        owner = name.removeprefix(SEGMENT_PREFIX).split("-", 1)[0] if name.startswith(SEGMENT_PREFIX) else ""
-        if not (owner.isascii() and owner.isdigit()) or os.path.exists(f"/proc/{owner}"):
-            continue  # not ours to judge, or its process still runs (or its pid was taken again: left alone)
-        try:
-            if os.stat(os.path.join(directory, name)).st_uid == os.getuid():
-                unlink(name)
-                removed.append(name)
-        except OSError:
-            pass
-    return removed
 
 
 def data_name(prefix: str, entry: int, epoch: int, slot: int) -> str:

@@ -25,6 +25,7 @@ Checks, in this order (the first failure wins):
 ==================  ===========================================================
 reason              when
 ==================  ===========================================================
+server_topic        ``topic`` is ``tf.status`` or ``tf.metrics``: only the server speaks there
 wrong_topic         ``topic`` is not ``tf.control``
 not_controller      the sender identity is missing, empty, or not the
                     controller's (the reference accepted an empty identity, F.7)
@@ -123,6 +124,7 @@ DEFAULT_MAX_BYTES: Final = 12288
 
 REJECTION_REASONS: Final = frozenset(
     {
+        "server_topic",
         "wrong_topic",
         "not_controller",
         "too_large",
@@ -210,7 +212,8 @@ def _decode(raw: bytes | str, max_bytes: int) -> Any:
     try:
         return json_limits.loads(raw)  # an object naming a key twice is refused too
     except json_limits.JsonRefused as exc:
-        detail = "the message is not valid UTF-8 JSON" if exc.reason == "invalid_json" else exc.detail
+        # the parser's own words: "not valid JSON (NaN is not JSON)" said "not valid UTF-8 JSON" of valid UTF-8
+        detail = f"the message is {exc.detail}" if exc.reason == "invalid_json" else exc.detail
         raise InvalidControl("invalid_json", detail) from exc
 
 
@@ -228,6 +231,8 @@ def parse_control(
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> Control | DeliveryAck:
     """Validate and normalize one control packet; raises :class:`InvalidControl`."""
+    if topic in (STATUS_TOPIC, METRICS_TOPIC):  # as the local rooms refuse it (LiveKit passes it to the worker)
+        raise InvalidControl("server_topic", f"{topic!r} is the server's topic; clients may not publish on it")
     if topic != CONTROL_TOPIC:
         raise InvalidControl("wrong_topic", f"controls are accepted on {CONTROL_TOPIC!r} only")
     if not sender_identity or not isinstance(sender_identity, str) or sender_identity != controller_identity:

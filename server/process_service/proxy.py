@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from engine.shm_names import remove_segments_of
 from pipelines.contract import (
     BidirectionalService,
     Chunk,
@@ -248,6 +249,8 @@ class ProcessService:
             case wire.Stopped(traceback=text):
                 self._stop_error = text
             case wire.ChildExited(code=code, expected=expected, cause=cause):
+                if self.pid is not None:  # reaped: what a killed child's channels held in /dev/shm goes now
+                    remove_segments_of(self.pid)
                 if expected and code != 0:
                     log.warning("%s: the service process (pid %s) was stopped with exit code %s", self.name, self.pid, code)
                 if self._stop_error is not None:  # the service left running() by itself, failing: that is why

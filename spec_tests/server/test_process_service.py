@@ -209,6 +209,27 @@ async def test_a_service_that_fails_in_its_process_is_lost_naming_its_failure() 
     assert_no_children()
 
 
+async def test_a_killed_service_process_leaves_no_shared_memory_behind() -> None:
+    """The service's stages in processes share tensors through /dev/shm, in channels its process made: killed with
+    SIGKILL, it unlinked none, and they stayed until the next process that made a channel swept them."""
+    placement = {"mode": "process", "encode": {"devices": ["cpu"]}, "denoise": {"devices": ["cpu"]},
+                 "decode": {"devices": ["cpu"]}}
+    service = await start(TOY, placement=json.dumps(placement), **TINY)
+    pid = service.pid
+
+    def segments() -> list[str]:
+        return [name for name in os.listdir("/dev/shm") if name.startswith(f"cl_{pid}-")]
+
+    def kill() -> None:
+        assert segments(), "the service's channels hold shared memory"
+        os.kill(pid, signal.SIGKILL)
+
+    raised, _, _ = await _until_lost(service, kill, within=30)
+    assert "code -9" in str(raised.value)
+    assert segments() == []
+    assert_no_children()
+
+
 async def test_startup_failures_carry_the_child_traceback(tmp_path: Path) -> None:
     with pytest.raises(ProcessServiceStartError) as missing:
         await start(str(tmp_path / "nope.py"))

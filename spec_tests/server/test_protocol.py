@@ -165,8 +165,21 @@ def test_non_aliases(name: object) -> None:
 
 
 def test_wrong_topic() -> None:
-    for topic in (STATUS_TOPIC, METRICS_TOPIC, "tf.asset", "", None):
+    for topic in ("tf.asset", "", None):
         assert rejected({"type": "stop"}, topic=topic).reason == "wrong_topic"
+
+
+def test_the_servers_topics_are_refused_as_the_servers() -> None:
+    """On LiveKit a client's data on tf.status reaches the worker (the local rooms refuse it first): the same
+    reason as there, ``server_topic``, not ``wrong_topic``."""
+    for topic in (STATUS_TOPIC, METRICS_TOPIC):
+        refusal = rejected({"type": "stop"}, topic=topic)
+        assert refusal.reason == "server_topic" and "the server's topic" in refusal.detail
+
+
+def test_json_that_is_not_json_is_named_by_what_it_holds() -> None:
+    refusal = rejected(b'{"type": "control_state", "controls": [], "x": NaN}')
+    assert refusal.reason == "invalid_json" and refusal.detail == "the message is not valid JSON (NaN is not JSON)"
 
 
 @pytest.mark.parametrize("sender", ["", None, "viewer-1", "controller-1 ", "Controller-1"])
@@ -311,7 +324,8 @@ def test_missing_prompt() -> None:
 def test_validation_order() -> None:
     # Each earlier check wins over every later one.
     bad = b'{"version": 2, "type": "nope"}'
-    assert rejected(bad, topic="tf.status", sender_identity="").reason == "wrong_topic"
+    assert rejected(bad, topic="tf.status", sender_identity="").reason == "server_topic"
+    assert rejected(bad, topic="tf.other", sender_identity="").reason == "wrong_topic"
     assert rejected(b"x" * 20000, sender_identity="intruder").reason == "not_controller"
     assert rejected(b"{" * 20000).reason == "too_large"
     assert rejected(b"[1,").reason == "invalid_json"
@@ -335,7 +349,7 @@ def test_rejection_carries_reason_and_detail() -> None:
 def test_every_reason_is_reachable_by_these_tests() -> None:
     # Keeps the reason table and the tests above in step.
     assert REJECTION_REASONS == {
-        "wrong_topic", "not_controller", "too_large", "invalid_json", "not_an_object", "bad_version",
+        "server_topic", "wrong_topic", "not_controller", "too_large", "invalid_json", "not_an_object", "bad_version",
         "wrong_session", "bad_payload", "unknown_type", "bad_controls", "unknown_control",
         "duplicate_control", "unknown_event", "bad_prompt",
     }  # fmt: skip

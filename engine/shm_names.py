@@ -1,0 +1,73 @@
+"""Where tensor channels' shared memory lives and how it is named: for the processes that make channels and for
+those that only clean up after them (a server whose process workers it reaps), which must not import torch.
+
+A segment is ``/dev/shm/cl_<pid>-<channel id>_<part>``: the pid of the process that made the channel, so that
+a later process can tell the segments of one that is gone (killed before it could unlink them).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:  # the primitive multiprocessing.shared_memory is built on
+    import _posixshmem
+except ImportError:  # pragma: no cover - non-POSIX
+    _posixshmem = None
+
+__all__ = ["SEGMENT_PREFIX", "SHM_DIRECTORY", "remove_segments_of", "remove_stale_segments", "segment_prefix", "unlink"]
+
+
+def unlink(name: str) -> None:
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        pass
+
+
+SHM_DIRECTORY = "/dev/shm"
+SEGMENT_PREFIX = "cl_"  # then the creating process's pid, "-" and the channel's random id
+_swept: list[bool] = []  # whether this process has looked for stale segments already
+
+
+def segment_prefix(channel_id: str) -> str:
+    return f"{SEGMENT_PREFIX}{channel_id}_"
+
+
+def remove_stale_segments(directory: str = SHM_DIRECTORY) -> list[str]:
+    """Unlink the segments of channels whose creating process is gone and that belong to this user (once per
+    process: a process killed with SIGKILL, or one that ended with ``os._exit``, unlinked none of its own);
+    returns what was removed."""
+    if _swept:
+        return []
+    _swept.append(True)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        owner = name.removeprefix(SEGMENT_PREFIX).split("-", 1)[0] if name.startswith(SEGMENT_PREFIX) else ""
+        if not (owner.isascii() and owner.isdigit()) or os.path.exists(f"/proc/{owner}"):
+            continue  # not ours to judge, or its process still runs (or its pid was taken again: left alone)
+        try:
+            if os.stat(os.path.join(directory, name)).st_uid == os.getuid():
+                unlink(name)
+                removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def remove_segments_of(pid: int, directory: str = SHM_DIRECTORY) -> list[str]:
+    """Unlink every segment of the channels process ``pid`` created: for its parent, once it has reaped it (a
+    child killed with SIGKILL left them until the next process that made a channel swept them)."""
+    removed = []
+    prefix = f"{SEGMENT_PREFIX}{pid}-"
+    try:
+        names = [name for name in os.listdir(directory) if name.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        unlink(name)
+        removed.append(name)
+    return removed
