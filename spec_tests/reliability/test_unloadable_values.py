@@ -5,7 +5,6 @@ every message from that process never sees it, so the process group serves on. W
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections.abc import Iterator
 
@@ -13,6 +12,8 @@ import pytest
 
 from engine.tensor_channel import CPU_SLOTS, WorkerTensorChannel
 from engine.workers import ProcessWorkerGroup, WorkerCallError
+
+from .unloadable_ranks import shared_fds_here
 
 RANKS = "spec_tests.reliability.unloadable_ranks:UnloadableRank"
 TENSOR_RANKS = "spec_tests.reliability.unloadable_ranks:SharedTensorRank"
@@ -83,17 +84,6 @@ def test_the_tensor_channel_transfers_of_a_value_that_is_lost_are_discarded() ->
         transfer = CPU_SLOTS + 2
         assert [channel.ack_of(rank, transfer) for rank in range(2)] == [-transfer, -transfer]
         assert not group.failed
-
-
-def shared_fds_here() -> int:
-    """This process's open descriptors of shared memory."""
-    held = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            held += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
-        except OSError:  # the descriptor listdir itself used
-            continue
-    return held
 
 
 def test_the_shared_memory_of_arguments_that_do_not_load_is_not_left_with_this_process() -> None:

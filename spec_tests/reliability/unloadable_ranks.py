@@ -6,6 +6,7 @@ Runs in spawned rank processes, so it is importable as
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -64,12 +65,15 @@ class SharedTensorRank(UnloadableRank):
 
     def shared_fds(self) -> int:
         """This rank's open descriptors of shared memory (every tensor it sent and nobody fetched holds one)."""
-        import os
+        return shared_fds_here()
 
-        held = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                held += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
-            except OSError:  # the descriptor listdir itself used
-                continue
-        return held
+
+def shared_fds_here() -> int:
+    """This process's open descriptors of shared memory."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith("/dev/shm/")
+        except OSError:  # the descriptor listdir itself used
+            continue
+    return held
