@@ -45,7 +45,6 @@ import torch
 import trio
 
 from engine import (
-    MAX_SEQUENCE_ID,
     SessionCleanupError,
     SessionMemoryBudget,
     SessionStateError,
@@ -68,19 +67,14 @@ from ..contract import (
 from ..images import load_image
 from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
-from .model import SessionSlots, ToyWorldConfig, ToyWorldModel, parse_resolution
+from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
 from .placement import DTYPES, Placement, load_placement, pipeline_spec
-from .session_state import ToySession as _ToySession
+from .session_state import ToySession as _ToySession, session_options
 from .stages import ChunkControl, Condition, EncodeRequest, make_stages
 
 __all__ = [
     "SPEC", "ChunkControl", "Condition", "EncodeRequest", "PipelineFailed", "ServiceFailedError", "ToyWorldService",
 ]
-
-#: the options a session may ask for (``SessionConfig.options``); anything else is refused naming it.
-SESSION_OPTIONS = frozenset({"continuous", "chunks", "resolution"})
-MAX_CHUNKS = MAX_SEQUENCE_ID + 1  # chunk k is the engine's sequence k
-
 
 class PipelineFailed(RuntimeError):
     """A stage failed the session; the chunk stream ends with this error."""
@@ -214,7 +208,7 @@ class ToyWorldService(BidirectionalService):
             raise RuntimeError("create_session needs `async with service.running():`")
         if self._stages.failure is not None:
             raise ServiceFailedError(f"the toy world service failed and takes no new sessions: {self._stages.failure}")
-        continuous, chunk_count, resolution = self._session_options(config.options)
+        continuous, chunk_count, resolution = session_options(config.options, self.config)
         image = (
             await trio.to_thread.run_sync(load_image, config.image_path, self.config.world_size)
             if config.image_path
@@ -255,25 +249,7 @@ class ToyWorldService(BidirectionalService):
 
     async def check_options(self, options: Mapping[str, Any]) -> None:
         """The check :meth:`create_session` runs on a session's options (``ValueError`` naming the option)."""
-        self._session_options(options)
-
-    def _session_options(self, options: Mapping[str, Any]) -> tuple[bool, int | None, Any]:
-        """``(continuous, chunks, resolution)`` from a session's options, or a ``ValueError`` naming the bad one."""
-        unknown = sorted(str(name) for name in options if name not in SESSION_OPTIONS)
-        if unknown:  # a misspelt option would otherwise stream the default world without a word
-            raise ValueError(f"toy world: unknown option(s) {unknown} (known: {sorted(SESSION_OPTIONS)})")
-        continuous = options.get("continuous", False)
-        if not isinstance(continuous, bool):
-            raise ValueError(f"option 'continuous' must be true or false, got {continuous!r}")
-        chunk_count = options.get("chunks")
-        if "chunks" in options and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
-                                    or not 1 <= chunk_count <= MAX_CHUNKS):
-            # leave it out for a session without end; at most one chunk per sequence id the engine has
-            raise ValueError(f"option 'chunks' must be an int in 1..2**63, got {chunk_count!r}")
-        resolution = options.get("resolution")
-        if resolution is not None:
-            resolution = parse_resolution(resolution, self.config)  # ValueError naming 'resolution'
-        return continuous, chunk_count, resolution
+        session_options(options, self.config)
 
     def _encode_request(self, session: _ToySession, index: int) -> EncodeRequest:
         needs_world = index == 0

@@ -1,17 +1,45 @@
-"""What the toy world service keeps per session (in the trio thread): controls, cursors, channels."""
+"""What a toy world session asks for (its options) and what the service keeps per session (in the trio thread):
+controls, cursors, channels."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import numpy as np
 import trio
 
+from engine import MAX_SEQUENCE_ID
+
 from ..contract import Control, EventSink, SessionConfig
 from ..prefetch import ConditionPrefetch
+from .model import ToyWorldConfig, parse_resolution
 
-__all__ = ["ToySession"]
+__all__ = ["MAX_CHUNKS", "SESSION_OPTIONS", "ToySession", "session_options"]
+
+#: the options a session may ask for (``SessionConfig.options``); anything else is refused naming it.
+SESSION_OPTIONS = frozenset({"continuous", "chunks", "resolution"})
+MAX_CHUNKS = MAX_SEQUENCE_ID + 1  # chunk k is the engine's sequence k
+
+
+def session_options(options: Mapping[str, Any], config: ToyWorldConfig) -> tuple[bool, int | None, Any]:
+    """``(continuous, chunks, resolution)`` from a session's options, or a ``ValueError`` naming the bad one."""
+    unknown = sorted(str(name) for name in options if name not in SESSION_OPTIONS)
+    if unknown:  # a misspelt option would otherwise stream the default world without a word
+        raise ValueError(f"toy world: unknown option(s) {unknown} (known: {sorted(SESSION_OPTIONS)})")
+    continuous = options.get("continuous", False)
+    if not isinstance(continuous, bool):
+        raise ValueError(f"option 'continuous' must be true or false, got {continuous!r}")
+    chunk_count = options.get("chunks")
+    if "chunks" in options and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
+                                or not 1 <= chunk_count <= MAX_CHUNKS):
+        # leave it out for a session without end; at most one chunk per sequence id the engine has
+        raise ValueError(f"option 'chunks' must be an int in 1..2**63, got {chunk_count!r}")
+    resolution = options.get("resolution")
+    if resolution is not None:
+        resolution = parse_resolution(resolution, config)  # ValueError naming 'resolution'
+    return continuous, chunk_count, resolution
 
 
 @attrs.define
