@@ -147,15 +147,12 @@ class _Delivery:
         from_thread = getattr(self.on_done, "from_thread", None)
         if from_thread is None or not actor._machine.takes_work:
             return None
-        with actor._counts:  # the call is over: its place in the mailbox is free for the next
-            actor._pending -= 1
+        actor._count(pending=-1)  # the call is over: its place in the mailbox is free for the next
         finish = from_thread(self.invocation, value)
         if finish is not None:
             return functools.partial(actor._after_thread_delivery, finish)
         # nothing for trio to do: the call is delivered here, and trio is woken only for a barrier
-        with actor._counts:
-            actor._undelivered -= 1
-            return actor._mark_done if actor._quiet.waiting else NOTHING_LEFT
+        return actor._mark_done if actor._count(undelivered=-1) else NOTHING_LEFT
 
 
 _names = itertools.count()
@@ -290,9 +287,7 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
-            with self._counts:
-                self._pending += 1
-                self._undelivered += 1
+            self._count(pending=1, undelivered=1)
             try:
                 self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
             except ThreadStopped:  # the actor's task ended (its thread told to stop) after the check above
@@ -315,8 +310,7 @@ class LocalStageActor:
 
     def _after_thread_delivery(self, finish: Callable[[], None]) -> None:
         """In trio, after a call completed on the thread: the scheduler's leftovers, then barrier waiters."""
-        with self._counts:
-            self._undelivered -= 1
+        self._count(undelivered=-1)
         finish()
         self._mark_done()
 

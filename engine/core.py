@@ -189,8 +189,7 @@ class SchedulerCore:
                 return []
             items = list(outputs)
             outputs.clear()
-            if rt.changed.waiting:  # output room freed: a drain may proceed
-                self._handoff.wake(rt.changed)
+            self._wake(rt.changed)  # output room freed: a drain may proceed
             self._pump(self.graph.output_producers)
             return items
 
@@ -328,15 +327,13 @@ class SchedulerCore:
             if error is not None:
                 self._failures.call_failed(rt, stage_id, error)
             elif rt.machine.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
-                # a plain dict of exactly the produced artifacts is the common case: checked inline
-                invalid = None if type(value) is dict and value.keys() == stage.produces else check_result(stage, seq, value)
+                invalid = check_result(stage, seq, value)
                 if invalid is not None:
                     self._fail(rt, invalid)
-                elif record_result(self.graph, rt, stage, seq, value, now) and rt.emitted.waiting:
-                    self._handoff.wake(rt.emitted)
+                elif record_result(self.graph, rt, stage, seq, value, now):
+                    self._wake(rt.emitted)
         finally:
-            if rt.changed.waiting:
-                self._handoff.wake(rt.changed)
+            self._wake(rt.changed)
             self._pump(self.graph.after_completion[stage_id])
 
     def complete_from_thread(self, invocation: StageInvocation, value: Any) -> Callable[[], None] | None:
@@ -369,8 +366,7 @@ class SchedulerCore:
             finally:
                 if rt is not None:
                     rt.handoffs_queued -= 1
-                    if rt.changed.waiting:
-                        self._handoff.wake(rt.changed)
+                    self._wake(rt.changed)
 
     def _wake(self, *queues: WaitQueue) -> None:
         """Wake the session wait queues that have waiters (off trio: once the thread is done)."""
@@ -394,11 +390,6 @@ class SchedulerCore:
             self._handoff.clean_up(rt)
 
     # == scheduling ===============================================================================
-
-    @_locked
-    def pump(self) -> None:
-        """Admit every piece of ready work the limits allow (after an outside change)."""
-        self._pump(self.graph.all_stages)
 
     def _pump(self, stages: int) -> None:
         """Admit ready work, looking only at the stages an event may have made admissible (a bit mask).
@@ -498,8 +489,8 @@ class SchedulerCore:
                 self._fail(rt, exc)
             return False
         self._dirty |= self.graph.upstream[stage_id]  # edge room freed upstream
-        if stage_id in self.graph.ingress_consumers and rt.room.waiting:
-            self._handoff.wake(rt.room)
-        if rt.changed.waiting:
-            self._handoff.wake(rt.changed)
+        if stage_id in self.graph.ingress_consumers:
+            self._wake(rt.room, rt.changed)
+        else:
+            self._wake(rt.changed)
         return True

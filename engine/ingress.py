@@ -38,10 +38,9 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
     """
     if not rt.machine.admitting:
         raise refused_input(rt)
-    # a plain int and a plain dict are the common case, checked first without a call
-    if not (type(seq) is int and 0 <= seq <= MAX_SEQUENCE_ID) and not is_sequence_id(seq):
+    if not is_sequence_id(seq):
         raise IngressRefused(f"sequence id must be an int in 0..2**63-1 (>= 0), got {shown(seq)}")
-    if type(artifacts) is not dict and not isinstance(artifacts, Mapping):
+    if not isinstance(artifacts, Mapping):
         raise IngressRefused(f"ingress must be a mapping {{artifact: value}}, got {type(artifacts).__name__}")
     if not artifacts:
         raise IngressRefused("ingress needs at least one artifact")
