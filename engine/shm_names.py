@@ -8,6 +8,7 @@ a later process can tell the segments of one that is gone (killed before it coul
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 try:  # the primitive multiprocessing.shared_memory is built on
     import _posixshmem
@@ -40,6 +41,21 @@ def remove_stale_segments(directory: str = SHM_DIRECTORY) -> list[str]:
     if _swept:
         return []
     _swept.append(True)
+
+    def stale(name: str, owner: str) -> bool:  # its process is gone (a pid taken again is left alone)
+        return not os.path.exists(f"/proc/{owner}") and os.stat(os.path.join(directory, name)).st_uid == os.getuid()
+
+    return _unlink_where(directory, stale)
+
+
+def remove_segments_of(pid: int, directory: str = SHM_DIRECTORY) -> list[str]:
+    """Unlink every segment of the channels process ``pid`` created: for its parent, once it has reaped it (a
+    child killed with SIGKILL left them until the next process that made a channel swept them)."""
+    return _unlink_where(directory, lambda name, owner: owner == str(pid))
+
+
+def _unlink_where(directory: str, chosen: Callable[[str, str], bool]) -> list[str]:
+    """Unlink the channel segments in ``directory`` that ``chosen(name, owner pid)`` picks; returns their names."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -47,27 +63,12 @@ def remove_stale_segments(directory: str = SHM_DIRECTORY) -> list[str]:
         return removed
     for name in names:
         owner = name.removeprefix(SEGMENT_PREFIX).split("-", 1)[0] if name.startswith(SEGMENT_PREFIX) else ""
-        if not (owner.isascii() and owner.isdigit()) or os.path.exists(f"/proc/{owner}"):
-            continue  # not ours to judge, or its process still runs (or its pid was taken again: left alone)
+        if not (owner.isascii() and owner.isdigit()):
+            continue  # not a channel's segment named by its maker
         try:
-            if os.stat(os.path.join(directory, name)).st_uid == os.getuid():
+            if chosen(name, owner):
                 unlink(name)
                 removed.append(name)
-        except OSError:
-            pass
-    return removed
-
-
-def remove_segments_of(pid: int, directory: str = SHM_DIRECTORY) -> list[str]:
-    """Unlink every segment of the channels process ``pid`` created: for its parent, once it has reaped it (a
-    child killed with SIGKILL left them until the next process that made a channel swept them)."""
-    removed = []
-    prefix = f"{SEGMENT_PREFIX}{pid}-"
-    try:
-        names = [name for name in os.listdir(directory) if name.startswith(prefix)]
-    except OSError:
-        return removed
-    for name in names:
-        unlink(name)
-        removed.append(name)
+        except OSError:  # gone meanwhile
+            continue
     return removed

@@ -100,9 +100,8 @@ from .tensor_channel_shm import (
     Segment,
     SHARED_MEMORY,
     release_owned,
-    remove_stale_segments,
-    segment_prefix,
 )
+from .shm_names import remove_stale_segments, segment_prefix
 from .tensor_tree import map_leaves, unique_tensors
 
 SPIN_S = 0.002  # a waiting producer yields its core this long before sleeping (slot waits are usually short)

@@ -25,10 +25,8 @@ from typing import Any
 import attrs
 import torch
 
+from .shm_names import unlink
 from .tensor_channel_refs import TensorChannelError
-
-from .shm_names import (SEGMENT_PREFIX, SHM_DIRECTORY, remove_segments_of, remove_stale_segments, segment_prefix,
-                        unlink)
 
 try:  # the primitive multiprocessing.shared_memory is built on
     import _posixshmem
@@ -41,7 +39,6 @@ __all__ = [
     "SHARED_MEMORY",
     "ACK_WINDOW", "CPU_SLOTS", "DTYPES", "DTYPE_CODE", "HDR_BYTES", "MAX_NDIM", "MAX_PROFILES",
     "ControlLayout", "CpuPayload", "CpuSlotPool", "Segment", "release_owned", "slot_view", "unlink",
-    "remove_segments_of", "remove_stale_segments", "segment_prefix", "SEGMENT_PREFIX", "SHM_DIRECTORY",
 ]
 
 MAX_PROFILES = 8  # pooled profiles per channel (CPU pool; CUDA pool separately)
