@@ -27,6 +27,7 @@ from .reasons import echo, echo_each
 from .registry import UnknownStreamSession
 from .requests import (BadRequest, Busy, check_image_decodes, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
                        resolve_image_path)
+from .room_socket import Deadlines
 from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
@@ -101,7 +102,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # Quart cut any body at 60 s (a 408), under the rate the front holds bodies to: 1.25 MB at 20 KiB/s was
     # cut at 98 %; the body's own bound is that rate (the front's; under plain hypercorn this total)
-    app.config["BODY_TIMEOUT"] = longest_body_seconds(settings.max_body_bytes)
+    app.config["BODY_TIMEOUT"] = longest_body_seconds(settings.max_body_bytes, Deadlines().head)
     if settings.livekit_api_key and settings.livekit_api_secret:
         issuer = TokenIssuer(settings.livekit_api_key, settings.livekit_api_secret, settings.token_ttl)
     else:

@@ -64,12 +64,6 @@ __all__ = [
 ]
 
 MIN_UPLOAD_RATE: Final = 16384  # bytes a second a request body must at least arrive at
-
-
-def longest_body_seconds(max_body: int, head_seconds: float = 10.0) -> float:
-    """How long the largest body the app takes may take at the minimum rate: no deadline behind the front
-    (Quart's own body timeout, 60 s by default) may cut a body that keeps it."""
-    return head_seconds + max_body / MIN_UPLOAD_RATE
 BODY_RETRY_AFTER: Final = 5  # seconds a client refused for the body budget is told to wait
 _BLANK_LINE: Final = re.compile(rb"\n\r?\n")  # h11's end of a head
 _TE_HINT: Final = 501  # h11's status hint for a Transfer-Encoding it does not take
@@ -156,6 +150,13 @@ def parse_head_by_h11(raw: bytes) -> RequestHead:
     if head.values(b"transfer-encoding"):
         raise FramingRefused(411, _TRANSFER_ENCODING)
     return head
+
+
+def longest_body_seconds(max_body: int, head_seconds: float) -> float:
+    """How long the largest body the app takes may take at the minimum rate, after its head's ``head_seconds`` of
+    grace (:class:`RequestFraming`'s rule): no deadline behind the front (Quart's own body timeout, 60 s by
+    default) may cut a body that keeps it."""
+    return head_seconds + max_body / MIN_UPLOAD_RATE
 
 
 class BodyBudget:

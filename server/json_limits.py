@@ -67,14 +67,19 @@ def nesting_depth(raw: bytes) -> int:
     return deepest
 
 
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's parser takes them, JSON has no such values."""
+
+
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+    raise _NotJson(f"{name} is not JSON")
 
 
 class _OutOfRange(ValueError):
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, kind: str) -> None:
         super().__init__(text)
         self.text = text
+        self.kind = kind  # "an integer" or "a float"
 
 
 MAX_INT_DIGITS: Final = 1000  # far past any count a client sends (Python itself refuses past 4300)
@@ -82,14 +87,14 @@ MAX_INT_DIGITS: Final = 1000  # far past any count a client sends (Python itself
 
 def _bounded_int(text: str) -> int:
     if len(text) > MAX_INT_DIGITS + 1:  # the sign may come first
-        raise _OutOfRange(text)
+        raise _OutOfRange(text, "an integer")
     return int(text)
 
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise _OutOfRange(text)
+        raise _OutOfRange(text, "a float")
     return value
 
 
@@ -140,15 +145,15 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     except _DuplicateKey as exc:
         raise JsonRefused("duplicate_key", f"key {echo(exc.key)} appears twice in one object") from None
     except _OutOfRange as exc:
-        what = "an integer" if exc.text.lstrip("-").isdigit() else "a float"
-        raise JsonRefused("out_of_range", f"the number {echo(exc.text)} is too large for {what}") from None
+        raise JsonRefused("out_of_range", f"the number {echo(exc.text)} is too large for {exc.kind}") from None
+    except _NotJson as exc:
+        raise JsonRefused("invalid_json", f"not valid JSON ({exc})") from None
     except UnicodeDecodeError:
         raise JsonRefused("invalid_json", "not valid UTF-8") from None
     except json.JSONDecodeError as exc:  # where, not what: the text around it may be anything
         raise JsonRefused("invalid_json", f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    except (ValueError, RecursionError) as exc:  # NaN or Infinity (the constant hook); nesting past Python's own limit
-        detail = str(exc) if isinstance(exc, ValueError) and str(exc).endswith(" is not JSON") else "nested too deep"
-        raise JsonRefused("invalid_json", f"not valid JSON ({detail})") from None
+    except RecursionError:  # nesting past Python's own limit (the depth check above keeps to far less)
+        raise JsonRefused("invalid_json", "not valid JSON (nested too deep)") from None
     try:
         _check_encodable(value)
     except UnicodeEncodeError:
