@@ -135,7 +135,6 @@ class Agent:
         self._flushed = trio.Event()
         self._pump_scope = trio.CancelScope()
         self._registering = trio.CancelScope()  # cancelled when the launching authority is gone
-        self._launcher_gone = False
 
     # -- life --
 
@@ -147,20 +146,17 @@ class Agent:
             # load before dialing: a model import that holds the interpreter must not
             # starve the heartbeats of a registered worker into a fence
             nursery.start_soon(self.worker.run)
-            await self._model_settled.wait()
-            if self.options.launcher_pid is not None:
+            if self.options.launcher_pid is not None:  # watched from the start: a model may take minutes to load
                 nursery.start_soon(self._watch_launcher, self.options.launcher_pid)
-            code = LAUNCHER_GONE_EXIT_CODE
-            if self._launcher_gone:
-                pass
-            elif self._ready is None:
+            await self._model_settled.wait()
+            if self._ready is None and not self._registering.cancel_called:
                 log.error("the model worker failed: %s", self._model_failure)
                 code = EXIT_REFUSED if self._model_refused else 1
             else:
                 with self._registering:
                     code = await self._registrations()
-                if self._launcher_gone:
-                    code = LAUNCHER_GONE_EXIT_CODE
+            if self._registering.cancel_called:  # the launching authority is gone
+                code = LAUNCHER_GONE_EXIT_CODE
             await self.sessions.stop_all("agent exiting", hard=True)
             self.worker.stop()
             nursery.cancel_scope.cancel()
@@ -175,7 +171,6 @@ class Agent:
         """
         await launcher_gone(pid)
         log.error("the authority that started this agent (pid %d) is gone; exiting", pid)
-        self._launcher_gone = True
         self._registering.cancel()
         self._model_settled.set()  # a model still loading is not waited for
 
