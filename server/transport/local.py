@@ -321,7 +321,7 @@ class LocalRooms:
                     except (json_limits.JsonRefused, KeyError, TypeError):
                         continue  # the agent is ours; a malformed envelope is dropped, not echoed
                     raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-                    target.broadcast_text(data_message(str(topic), raw, worker.identity))
+                    target.broadcast_text(data_message(str(topic), raw, worker.identity, parsed=payload))
         finally:
             self._leave_worker(target, worker)
 
@@ -440,4 +440,4 @@ class LocalRooms:
             if not room.to_worker(DataReceived(topic, raw, subscriber.identity)):
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "no_worker_yet"}))
                 continue
-            room.broadcast_text(data_message(topic, raw, subscriber.identity), skip=subscriber.identity)
+            room.broadcast_text(data_message(topic, raw, subscriber.identity, parsed=payload), skip=subscriber.identity)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -191,6 +191,8 @@ class DataPace:
         self._tokens -= 1
 
 
-def data_message(topic: str, payload: bytes, sender: str) -> str:
-    """The text a subscriber gets for a data message (its payload read by the bounded parser, never raising)."""
-    return json.dumps({"type": "data", "topic": topic, "payload": payload_body(payload), "from": sender})
+def data_message(topic: str, payload: bytes, sender: str, *, parsed: Any = None) -> str:
+    """The text a subscriber gets for a data message: its payload read by the bounded parser (never raising), or,
+    when an envelope's ``parsed`` payload is given (that parser read it already), that one unless it is text."""
+    body = parsed if parsed is not None and not isinstance(parsed, str) else payload_body(payload)
+    return json.dumps({"type": "data", "topic": topic, "payload": body, "from": sender})
