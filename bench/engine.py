@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec, open_orchestrator
@@ -128,14 +129,16 @@ class StageClock:
         return _pct(spans, 0.5) * 1e6 if spans and cost > 0 else None
 
 
-async def _run_workload(sessions: int, chunks: int, costs: Sequence[float], pacing: float | None) -> dict:
+async def _run_workload(
+    sessions: int, chunks: int, costs: Sequence[float], pacing: float | None, spec: PipelineSpec = SPEC
+) -> dict:
     clock = StageClock()
     actors = {name: LocalStageActor(handler, name=name) for name, handler in clock.handlers(costs).items()}
     emitted: list[tuple[float, int, int]] = []  # (time, session index, seq)
     control_at: list[dict[int, float]] = [dict() for _ in range(sessions)]
     latencies: list[float] = []
     finish: list[float] = [0.0] * sessions
-    async with open_orchestrator(SPEC, actors) as orch:
+    async with open_orchestrator(spec, actors) as orch:
         handles = [orch.create_session(f"s{i}", final_sequence_id=chunks - 1) for i in range(sessions)]
         start = time.perf_counter()
         cpu_before = _thread_cpu_s()
@@ -219,9 +222,9 @@ def _counting_wakeups(chunks: int, run: Callable[[], dict]) -> dict:
     return figures
 
 
-def _run_peer(peer, sessions: int, chunks: int, costs: Sequence[float], pacing: float | None) -> dict:
+def _run_peer(peer, sessions: int, chunks: int, costs: Sequence[float], pacing: float | None, depth: int = 2) -> dict:
     clock = StageClock()
-    raw = run_peer_workload(peer, sessions, chunks, clock.handlers(costs), pacing)
+    raw = run_peer_workload(peer, sessions, chunks, clock.handlers(costs), pacing, depth)
     control_at = raw.pop("control_at")
     return _figures(clock, sessions, chunks, costs, raw["wall"], raw["emitted"], control_at, raw["latencies"], raw["finish"])
 
@@ -353,13 +356,22 @@ def run(names: Sequence[str], peer_path: str | None = None) -> list[dict]:
         _print(results[-1])
         results.append(w1_rounds(peer, one_cpu=True))
         _print(results[-1])
+        results.append(w1_rounds(peer, depth=DEEP))
+        _print(results[-1])
     return results
 
 
-ROUNDS = {"w1_rounds": 5, "w1_one_core": 3}
+ROUNDS = {"w1_rounds": 5, "w1_one_core": 3, "w1_deep": 3}
+DEEP = 8  # w1_deep: how many items every edge and the output buffer hold
 
 
-def w1_rounds(peer: Any = None, *, one_cpu: bool = False) -> dict:
+def deep_spec(depth: int) -> PipelineSpec:
+    """The workloads' graph with every edge and the output buffer ``depth`` items deep (``w1_deep``, not a workload)."""
+    edges = tuple(EdgeSpec(e.artifact, e.target_stage, e.source_stage, depth) for e in SPEC.edges)
+    return attrs.evolve(SPEC, edges=edges, output_capacity_per_session=depth)
+
+
+def w1_rounds(peer: Any = None, *, one_cpu: bool = False, depth: int = 2) -> dict:
     """w1 again in alternated rounds, chunkline then the peer (and the floor), reported by their medians.
 
     A single w1 run lasts under a second and moves by a third from run to run on a shared two-core
@@ -368,32 +380,38 @@ def w1_rounds(peer: Any = None, *, one_cpu: bool = False) -> dict:
     thread on one CPU (``w1_one_core``): on two cores each thread hand-off can be a wake-up across
     cores (in a VM, an interrupt between virtual CPUs); on one core the hand-offs stay and only what
     a scheduler runs per chunk is left, so the ratio measures the schedulers' own cost with far less
-    of the host's noise.
+    of the host's noise. ``depth`` (``w1_deep``, not a WORKLOADS.md workload) makes every edge and the
+    output buffer that deep: with two-deep edges each pair of chunks waits on the reader's trio wake-up
+    and on hand-offs across cores; deep enough, the threads run on without waiting, and what is left is
+    each scheduler's work per chunk at the pace of two cores.
     """
-    name = "w1_one_core" if one_cpu else "w1_rounds"
+    name = "w1_one_core" if one_cpu else "w1_deep" if depth != 2 else "w1_rounds"
+    spec = SPEC if depth == 2 else deep_spec(depth)
     sessions, chunks, costs, pacing = WORKLOADS["w1"]
     cpu = min(os.sched_getaffinity(0))
     runs: dict[str, list[float]] = {"chunkline": []}
     if peer is not None:
         runs["peer"] = []
-    if not one_cpu:
+    if name == "w1_rounds":
         runs["floor"] = []
     for _ in range(ROUNDS[name]):
         with _on_one_cpu(cpu) if one_cpu else contextlib.nullcontext():  # a run's threads inherit the CPU set
-            runs["chunkline"].append(trio.run(_run_workload, sessions, chunks, costs, pacing)["us_per_chunk"])
+            runs["chunkline"].append(trio.run(_run_workload, sessions, chunks, costs, pacing, spec)["us_per_chunk"])
             if peer is not None:
-                runs["peer"].append(_run_peer(peer, sessions, chunks, costs, pacing)["us_per_chunk"])
-            if not one_cpu:
+                runs["peer"].append(_run_peer(peer, sessions, chunks, costs, pacing, depth)["us_per_chunk"])
+            if name == "w1_rounds":
                 runs["floor"].append(floor_us_per_chunk(chunks))
     line: dict[str, Any] = {"workload": name, "rounds": ROUNDS[name]}
     if one_cpu:
         line["cpu"] = cpu
+    if depth != 2:
+        line["depth"] = depth
     medians = {impl: statistics.median(values) for impl, values in runs.items()}
     for impl, values in runs.items():
         line[f"{impl}_us_per_chunk"] = {"min": min(values), "median": medians[impl]}
     if peer is not None:
         line["chunkline_over_peer_chunks_per_s"] = medians["peer"] / medians["chunkline"]
-    if not one_cpu:
+    if "floor" in medians:
         line["floor_ratio"] = medians["floor"] / medians["chunkline"]
     return line
 

@@ -34,7 +34,7 @@ def load_peer(path: str) -> ModuleType:
     return module
 
 
-def _peer_spec(peer: ModuleType) -> Any:
+def _peer_spec(peer: ModuleType, depth: int = 2) -> Any:
     stage, edge = peer.StreamingStageSpec, peer.StreamingEdgeSpec
     return peer.StreamingPipelineSpec(
         stages=(
@@ -43,13 +43,13 @@ def _peer_spec(peer: ModuleType) -> Any:
             stage("decode", frozenset({"latent"}), frozenset({"frames"})),
         ),
         edges=(
-            edge("image", "encode", None, 2),
-            edge("condition", "denoise", "encode", 2),
-            edge("control", "denoise", None, 2),
-            edge("latent", "decode", "denoise", 2),
+            edge("image", "encode", None, depth),
+            edge("condition", "denoise", "encode", depth),
+            edge("control", "denoise", None, depth),
+            edge("latent", "decode", "denoise", depth),
         ),
         output_artifacts=frozenset({"frames"}),
-        output_capacity_per_session=2,
+        output_capacity_per_session=depth,
     )
 
 
@@ -59,10 +59,11 @@ def run_peer_workload(
     chunks: int,
     handlers: dict[str, Callable],
     pacing: float | None,
+    depth: int = 2,
 ) -> dict[str, Any]:
-    """Run one workload on the peer; returns the raw stamps the bench turns into figures."""
+    """Run one workload on the peer (every edge and the output buffer ``depth`` deep); returns the raw stamps."""
     actors = {name: peer.LocalStageActor(handler, name=name) for name, handler in handlers.items()}
-    orch = peer.StreamingPipelineOrchestrator(_peer_spec(peer), actors)
+    orch = peer.StreamingPipelineOrchestrator(_peer_spec(peer, depth), actors)
     ids = [f"s{i}" for i in range(sessions)]
     for sid in ids:
         orch.create_session(sid, final_sequence_id=chunks - 1)
