@@ -357,6 +357,13 @@ class ServerSettings:
             )
         if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
             raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")
+        if self.cluster_tls_cert is not None and self.cluster_tls_key is not None:
+            from .cluster.wire import server_tls_context  # the pair is checked here, not as the listener opens
+
+            try:
+                server_tls_context(self.cluster_tls_cert, self.cluster_tls_key)
+            except ValueError as exc:
+                raise SettingsError("--cluster-tls-cert", str(exc)) from None
         if self.workers == "external" and self.cluster_token is None:
             raise SettingsError(
                 "--cluster-token",

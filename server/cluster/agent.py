@@ -102,6 +102,7 @@ class Agent:
     def __init__(self, options: AgentOptions, *, service_loader: Callable[..., Any] | None = None) -> None:
         self.options = options
         self.scheme, self.host, self.port = parse_authority(options.authority)
+        self._tls = wire.client_tls_context(options.tls_ca) if self.scheme == "tls" else None
         self.metrics = ServerMetrics()
         extra = {} if service_loader is None else {"service_loader": service_loader}
         self.worker = ModelWorker(
@@ -234,8 +235,8 @@ class Agent:
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
-                if self.scheme == "tls":
-                    stream = wire.wrap_client_tls(stream, self.host, options.tls_ca)
+                if self._tls is not None:
+                    stream = wire.wrap_client_tls(stream, self.host, self._tls)
                 # small frames until the peer proved the token: an impostor cannot make this side buffer 16 MiB
                 channel = wire.Channel(stream, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
                 hello = await channel.receive()
@@ -272,10 +273,8 @@ class Agent:
             if channel is None:  # no connection at all (refused, no route, no answer): it may be restarting
                 return Ended(End.UNREACHABLE, why)
             await channel.aclose()
-            if hello is None and isinstance(exc, (trio.TooSlowError, wire.WireError)):
-                # connected, and then no hello in time or bytes that are not a frame: not an authority at all
-                detail = f"no hello within {CONNECT_TIMEOUT:g} s" if isinstance(exc, trio.TooSlowError) else str(exc)
-                return Ended(End.NOT_AN_AUTHORITY, detail)
+            if hello is None:
+                return self._no_hello(exc, why)
             return Ended(End.LOST, why)
         ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
                        worker_id=worker_id)
@@ -286,6 +285,22 @@ class Agent:
         channel.max_frame = wire.MAX_FRAME_BYTES
         channel.authenticate(proofs.frame_key(options.token, hello.nonce, agent_nonce, worker_id), authority=False)
         return channel, reply
+
+    def _no_hello(self, exc: Exception, why: str) -> Ended:
+        """How a dial ended that connected but never got the authority's hello."""
+        if isinstance(exc, wire.TlsFailed):  # no TLS there, or a certificate --tls-ca does not vouch for
+            trust = " (the authority's certificate is not one --tls-ca trusts)" if exc.untrusted else ""
+            return Ended(End.NOT_AN_AUTHORITY, f"{exc}{trust}")
+        if isinstance(exc, wire.ConnectionClosed):
+            # closed without a word: an authority turning connections away (a flood past its busy answers) or
+            # going down; counted, a flood by anyone at all made every dial count and the agent give up in 20 s
+            return Ended(End.UNREACHABLE, f"it closed the connection before its hello ({exc})")
+        if isinstance(exc, trio.TooSlowError):  # connected, and then nothing: not an authority at all
+            hint = "; a TLS port? dial tls://" if self.scheme == "tcp" else ""
+            return Ended(End.NOT_AN_AUTHORITY, f"no hello within {CONNECT_TIMEOUT:g} s{hint}")
+        if isinstance(exc, wire.WireError):  # bytes that are not a frame
+            return Ended(End.NOT_AN_AUTHORITY, str(exc))
+        return Ended(End.LOST, why)
 
     async def _one_registration(self) -> Ended:
         worker_id = f"{self.options.node}-{secrets.token_hex(4)}"

@@ -25,6 +25,7 @@ import trio
 from engine import CapacityPlan
 from states.liveness import DuplicateWorkerId, LivenessBook
 
+from ..log_pace import LogPace
 from ..reasons import echo, public_reason
 from ..tokens import IdentityError, validate_identity
 from . import proofs, wire
@@ -140,6 +141,8 @@ class ClusterAuthority:
         self.shed = 0  # connections told Busy (or closed unanswered) because MAX_PENDING_HANDSHAKES were pending
         self._handshakes = 0
         self._busy_answers = 0
+        # anyone who can connect can fail a handshake or be refused, thousands of times a second
+        self._failed_handshakes, self._refusals = LogPace(log), LogPace(log)
         self._tls = (wire.server_tls_context(settings.cluster_tls_cert, settings.cluster_tls_key or "")
                      if settings.cluster_tls_cert else None)
 
@@ -150,7 +153,7 @@ class ClusterAuthority:
         host = settings.cluster_host or settings.host
         listeners = await trio.open_tcp_listeners(settings.cluster_port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
-        log.info("cluster: agents dial tcp://%s:%d (launcher %s)", host, self.port, self.launcher_name)
+        log.info("cluster: agents dial %s (launcher %s)", self.authority_url, self.launcher_name)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, self._serve_connection, listeners)
             nursery.start_soon(self._sweep)
@@ -269,7 +272,7 @@ class ClusterAuthority:
         except wire.WireError as exc:
             first, refusal = None, Refusal(str(exc))
         except (trio.TooSlowError, wire.ConnectionClosed, OSError) as exc:
-            log.warning("cluster: a connection failed its handshake: %s", str(exc) or type(exc).__name__)
+            self._failed_handshakes.warning("cluster: a connection failed its handshake: %s", str(exc) or type(exc).__name__)
             await channel.aclose()
             return None
         else:
@@ -278,7 +281,7 @@ class ClusterAuthority:
             refusal = Refusal("the authority does not know its rooms URL yet; try again", transient=True)
         if refusal is not None:
             self.refused += 1
-            log.warning("cluster: refused a worker%s: %s", " for now" if refusal.transient else "", refusal.reason)
+            self._refusals.warning("cluster: refused a worker%s: %s", " for now" if refusal.transient else "", refusal.reason)
             proof = None
             if isinstance(first, wire.Register):  # the agent may check that the refusal comes from a token holder
                 proof = proofs.refusal_proof(self.token, nonce, first.agent_nonce, first.worker_id, refusal.reason,

@@ -54,10 +54,13 @@ def agent_command(
     default_fps: float,
     skip_validation: bool,
     launcher_pid: int | None = None,
+    tls_certificate: str | None = None,
 ) -> list[str]:
     """The agent's command line: the authority's settings that its own workers would get, its slot's devices.
 
     ``launcher_pid``: the agent is this process's child and ends when it is gone (``--workers local``).
+    ``tls_certificate``: the authority's own certificate (``--cluster-tls-cert``), which the agent trusts
+    (``--tls-ca``): a self-signed one, or one of a private CA, is in no system store.
     """
     command = [sys.executable, "-m", "server.cli", "worker", pipeline, "--authority", authority_url,
                "--launcher", launcher, "--slot", slot, "--max-sessions", str(max_sessions),
@@ -71,6 +74,8 @@ def agent_command(
         command += ["--placement", placement]
     if launcher_pid is not None:
         command += ["--launcher-pid", str(launcher_pid)]
+    if tls_certificate is not None:
+        command += ["--tls-ca", os.path.abspath(tls_certificate)]
     return command
 
 
@@ -119,6 +124,7 @@ class LocalLauncher:
             slot=slot.name, max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
             placement=settings.placement, control_idle_timeout=settings.control_idle_timeout,
             default_fps=settings.default_fps, skip_validation=settings.skip_validation, launcher_pid=os.getpid(),
+            tls_certificate=settings.cluster_tls_cert,
         )
 
     def _env(self, slot: _Slot) -> dict[str, str]:

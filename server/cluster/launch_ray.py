@@ -134,6 +134,7 @@ class RayLauncher:
             slot="", max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
             placement=settings.placement, control_idle_timeout=settings.control_idle_timeout,
             default_fps=settings.default_fps, skip_validation=settings.skip_validation,
+            tls_certificate=settings.cluster_tls_cert,
         )
 
     def _request(self, slot: _RaySlot) -> Any:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import ssl
 import struct
 from typing import Any, ClassVar
@@ -101,6 +102,27 @@ class ProtocolMismatch(WireError):
 
 class ConnectionClosed(ConnectionError):
     """The peer closed the connection (or it broke)."""
+
+
+class TlsFailed(ConnectionClosed):
+    """TLS failed on the connection: the peer speaks no TLS there (another port, another protocol), or its
+    certificate is not trusted (``untrusted``: another CA, expired, another name)."""
+
+    def __init__(self, message: str, *, untrusted: bool) -> None:
+        super().__init__(message)
+        self.untrusted = untrusted
+
+
+def _broken(what: str, exc: BaseException) -> ConnectionClosed:
+    """The error for a stream that broke while ``what``. trio's BrokenResourceError says nothing itself: what
+    broke it (an ssl or OS error) is its cause, and that is what the message names."""
+    cause = exc.__cause__ if not str(exc) and exc.__cause__ is not None else exc
+    detail = re.sub(r" \(_ssl\.c:\d+\)$", "", str(cause)) or type(cause).__name__
+    # an EOF in the handshake is a peer that closed (one turning connections away), not a TLS mismatch
+    if isinstance(cause, ssl.SSLError) and not isinstance(cause, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        untrusted = isinstance(cause, ssl.SSLCertVerificationError)
+        return TlsFailed(f"{what}: TLS failed: {detail}", untrusted=untrusted)
+    return ConnectionClosed(f"{what}: {detail}")
 
 
 _REGISTRY: dict[str, type[Message]] = {}
@@ -379,7 +401,7 @@ class Channel:
                 with trio.move_on_after(deadline) as sending:
                     await self.stream.send_all(_HEADER.pack(len(data)) + data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise ConnectionClosed(f"sending {what}: {exc}") from exc
+                raise _broken(f"sending {what}", exc) from exc
             if sending.cancelled_caught:
                 raise ConnectionClosed(f"sending {what}: the peer did not take its {len(data)} bytes within "
                                        f"{deadline:.0f} s (it stopped reading)")
@@ -389,7 +411,7 @@ class Channel:
             try:
                 data = await self.stream.receive_some(65536)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise ConnectionClosed(f"connection broke: {exc}") from exc
+                raise _broken("connection broke", exc) from exc
             if not data:
                 raise ConnectionClosed("the peer closed the connection")
             self._buffer += data
@@ -425,9 +447,15 @@ class Channel:
 
 
 def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """The authority's TLS context, made once (not per connection: a flood must not make it read its key again)."""
+    """The authority's TLS context, made once (not per connection: a flood must not make it read its key again);
+    a ValueError naming both files if they are no certificate and its key."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert_file, key_file)
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        detail = re.sub(r" \(_ssl\.c:\d+\)$", "", str(exc))
+        raise ValueError(f"--cluster-tls-cert {cert_file!r} and --cluster-tls-key {key_file!r} are not a certificate "
+                         f"and its private key: {detail}") from None
     return context
 
 
@@ -435,6 +463,17 @@ def wrap_server_tls(stream: trio.abc.Stream, context: ssl.SSLContext) -> trio.SS
     return trio.SSLStream(stream, context, server_side=True)
 
 
-def wrap_client_tls(stream: trio.abc.Stream, host: str, ca_file: str | None) -> trio.SSLStream:
-    context = ssl.create_default_context(cafile=ca_file)
+def client_tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """An agent's TLS context, made once as it starts: a CA file it cannot read is a ValueError naming it then,
+    not a failed dial every few seconds."""
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--tls-ca {ca_file!r} is not a readable CA bundle: {exc}") from None
+    # a certificate in the bundle is trusted as it is, a CA's or not: the authority's own (as its launchers pass it)
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return context
+
+
+def wrap_client_tls(stream: trio.abc.Stream, host: str, context: ssl.SSLContext) -> trio.SSLStream:
     return trio.SSLStream(stream, context, server_hostname=host)

@@ -42,7 +42,7 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
     worker.add_argument("--launcher-pid", metavar="PID", default=None,
                         help="exit when this process (the authority that started this agent) is gone (set by launchers)")
     worker.add_argument("--cluster-token-file", metavar="FILE", default=None, help=f"read the token here, not {TOKEN_ENV}")
-    worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle to verify a tls:// authority")
+    worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle (or the authority's own certificate) to verify a tls:// authority")
     worker.add_argument("--drain-deadline", metavar="SECONDS", default="30",
                         help="seconds live sessions get to finish on SIGTERM (default 30)")
     # what the authority's own workers get (its launchers pass its values; give them to external agents)
@@ -104,10 +104,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from ..setting_values import parse_float
     from .agent import Agent, AgentOptions, parse_authority
+    from .wire import client_tls_context
 
     prefix = "chunkline worker"
     try:
-        parse_authority(args.authority)
+        if parse_authority(args.authority)[0] == "tls":
+            client_tls_context(args.tls_ca)
         devices = _devices(args.devices)
         _fits_the_wire(args, devices)
         max_sessions = _max_sessions(args.max_sessions)

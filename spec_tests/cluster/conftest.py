@@ -36,7 +36,7 @@ START_DEADLINE = 240.0  # wall seconds: an agent imports torch and builds its mo
 INTERVAL, DEADLINE = 0.5, 4.0  # heartbeat interval and deadline of the test authority
 SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
 #: the authority's log line naming the port its agents dial (it binds any free one: --cluster-port 0)
-AGENTS_DIAL = re.compile(rb"cluster: agents dial tcp://\S+:(\d+) ")
+AGENTS_DIAL = re.compile(rb"cluster: agents dial (?:tcp|tls)://\S+:(\d+) ")
 
 
 def free_port() -> int:

@@ -2,7 +2,8 @@
 (``server/cluster/dial_ends.py``): a proven transient refusal is waited out, more often than the crash-loop limit
 allows, and not counted; a proven permanent one exits 3 with its reason; a Busy nobody proved (an impostor at the
 authority's address) counts as a failed connect, so it cannot keep the agent idle for ever; a crash loop of hellos
-of another wire protocol exits 3.
+of another wire protocol exits 3; dials that an authority (or an address) closes before its hello are dialed again
+uncounted, up to the unreachable deadline.
 
 The authority here is the test, speaking the wire (``server.cluster.wire``) with the real proofs."""
 
@@ -185,3 +186,22 @@ async def test_an_address_that_answers_but_not_as_an_authority_is_named_and_dial
     assert patience.delay(ended, 0.0) is not None
     assert patience.delay(ended, NOT_AN_AUTHORITY_DEADLINE - 1) is not None
     assert patience.delay(ended, NOT_AN_AUTHORITY_DEADLINE + 1) is None
+
+
+async def test_dials_closed_before_a_hello_are_dialed_again_uncounted() -> None:
+    """An authority flooded past its busy answers closes a connection unanswered: anyone who could open
+    connections (no token needed) made every dial of an agent then starting count as a failed connect, and the
+    agent gave up for good in some 20 s ("crash loop: 9 failures within 60 s")."""
+
+    async def shedding(stream: trio.SocketStream) -> None:
+        await stream.aclose()  # what a flooded authority does past its busy answers
+
+    dials = REREGISTER_POLICY.max_failures + 2  # past the crash-loop limit, had these counted
+    async with agent_dialing(shedding) as agent:
+        with trio.fail_after(START_DEADLINE):
+            while agent.text(200_000).count("closed the connection before its hello") < dials:
+                await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+        log = agent.text(200_000)
+        assert agent.popen.poll() is None, log
+        assert "is unreachable" in log and "not counted toward giving up" in log, log
+        assert "crash loop" not in log and "Traceback" not in log, log

@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 import pytest
+import trustme
 
 import server.settings as settings_module
 from server.settings import (
@@ -379,8 +380,9 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
         "CHUNKLINE_HEARTBEAT_DEADLINE": "9",
         "CHUNKLINE_RAY_ADDRESS": "auto",
     }
-    (tmp_path / "cert.pem").write_text("cert")
-    (tmp_path / "key.pem").write_text("key")
+    issued = trustme.CA().issue_cert("127.0.0.1")  # a real pair: the settings check that they are one
+    issued.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    issued.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
     assert set(env) == {env_var(name) for name in ServerSettings.field_names()}
     s = ServerSettings.from_sources({}, env)
     assert s.public_dict() == {

@@ -1,0 +1,92 @@
+"""The cluster port over TLS (``--cluster-tls-cert``/``--cluster-tls-key``; agents dial ``tls://`` with
+``--tls-ca``), through real processes: the authority, its local agent, and agents and peers the test starts.
+
+Before: local agents never registered with a certificate of a private CA (they were not told to trust it);
+an agent that did not trust the certificate logged "authority unreachable: ConnectionClosed: connection broke: "
+(the ssl error was lost) and gave up after a crash loop; a CA file it could not read was a failed dial every few
+seconds for five minutes; a certificate and a key that are not a pair ended stream-serve with a traceback; and
+each failed handshake of anyone at all was a warning line (3,000 a second from one peer)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import trio
+import trustme
+
+from .conftest import TINY, TOKEN, Process, chunkline, clean_env, start_cluster, until
+
+PATIENCE = 120.0  # wall seconds for an agent process to import torch, build its model and dial
+
+
+def write_pair(ca: trustme.CA, folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 issued by ``ca``, and its key, as PEM files."""
+    issued = ca.issue_cert("127.0.0.1")
+    cert, key = folder / "cluster.pem", folder / "cluster.key"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    return cert, key
+
+
+async def test_agents_dial_over_tls_and_what_fails_there_is_named(tmp_path: Path) -> None:
+    ca, stranger = trustme.CA(), trustme.CA()
+    cert, key = write_pair(ca, tmp_path)
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    stranger.cert_pem.write_to_path(str(tmp_path / "stranger.pem"))
+    # the local launcher's agent trusts the authority's own certificate (a private CA's: in no system store)
+    cluster = start_cluster("--cluster-tls-cert", str(cert), "--cluster-tls-key", str(key), workers=1)
+    untrusting = None
+    try:
+        assert cluster.get("/v1/service/metadata")["cluster"]["authority_url"].startswith("tls://")
+        authority = f"tls://127.0.0.1:{cluster.cluster_port}"
+
+        # an agent whose --tls-ca does not vouch for the certificate: named, dialed again uncounted
+        untrusting = Process(chunkline("worker", TINY, "--authority", authority, "--tls-ca",
+                                       str(tmp_path / "stranger.pem")), clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        await until(lambda: untrusting.text(200_000).count("certificate verify failed") >= 2,
+                    "the untrusting agent's second dial", deadline=PATIENCE)
+        log = untrusting.text(200_000)
+        assert "not one --tls-ca trusts" in log and "not counted toward giving up" in log, log
+        assert "crash loop" not in log and "Traceback" not in log, log
+        assert len(cluster.eligible()) == 1  # the agent that trusts it is served all along
+
+        # anyone can fail a handshake, as often as it can connect: the authority's log takes a burst, then one a second
+        before = cluster.process.text(1_000_000).count("failed its handshake")
+        for _ in range(60):
+            with trio.move_on_after(5):
+                stream = await trio.open_tcp_stream("127.0.0.1", cluster.cluster_port)
+                try:
+                    await stream.send_all(b"GET / HTTP/1.1\r\n\r\n")  # not TLS
+                    await stream.receive_some(100)  # until the authority drops it
+                except (trio.BrokenResourceError, OSError):
+                    pass
+                await stream.aclose()
+        await until(lambda: "more like it were not logged" in cluster.process.text(1_000_000) or None,
+                    "a line counting the handshake failures left out", cluster, deadline=30)
+        logged = cluster.process.text(1_000_000).count("failed its handshake") - before
+        assert 1 <= logged <= 30, cluster.process.text()
+        assert "TLS failed: " in cluster.process.text(1_000_000)
+    finally:
+        if untrusting is not None:
+            untrusting.stop()
+        cluster.stop()
+
+
+def test_tls_files_that_cannot_work_are_refused_as_the_processes_start(tmp_path: Path) -> None:
+    cert, _key = write_pair(trustme.CA(), tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    _other_cert, other_key = write_pair(trustme.CA(), other)
+    serve = subprocess.run(
+        chunkline("stream-serve", TINY, "--port", "0", "--workers", "external", "--cluster-port", "0",
+                  "--cluster-tls-cert", str(cert), "--cluster-tls-key", str(other_key)),
+        env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)
+    assert serve.returncode == 2, serve.stderr
+    assert "are not a certificate and its private key" in serve.stderr and "Traceback" not in serve.stderr, serve.stderr
+
+    worker = subprocess.run(
+        chunkline("worker", TINY, "--authority", "tls://127.0.0.1:9", "--tls-ca", str(tmp_path / "missing.pem")),
+        env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 2, worker.stderr
+    assert "--tls-ca" in worker.stderr and "missing.pem" in worker.stderr and "Traceback" not in worker.stderr
