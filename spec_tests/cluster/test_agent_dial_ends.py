@@ -52,6 +52,19 @@ async def agent_dialing(handler: Callable[[trio.SocketStream], Awaitable[None]])
             nursery.cancel_scope.cancel()
 
 
+async def dialed_uncounted_past_the_crash_loop_limit(agent: Process, why: str) -> str:
+    """Wait until the agent logged ``why`` for more dials than its crash-loop limit allows; it must still run, each
+    dial not counted. Returns its log."""
+    dials = REREGISTER_POLICY.max_failures + 2  # past the crash-loop limit, had these counted
+    with trio.fail_after(START_DEADLINE):
+        while agent.text(200_000).count(why) < dials:
+            await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+    log = agent.text(200_000)
+    assert agent.popen.poll() is None, log
+    assert "not counted toward giving up" in log and "crash loop" not in log and "Traceback" not in log, log
+    return log
+
+
 async def exit_code(agent: Process, deadline: float) -> int | None:
     """The agent's exit code within ``deadline`` seconds, or None if it still runs then (once it exited, its log is
     read to its end: the last lines may trail the exit)."""
@@ -171,15 +184,9 @@ async def test_an_address_that_answers_but_not_as_an_authority_is_named_and_dial
             pass
         await stream.aclose()
 
-    dials = REREGISTER_POLICY.max_failures + 2  # past the crash-loop limit, had these counted
     async with agent_dialing(http_server) as agent:
-        with trio.fail_after(START_DEADLINE):
-            while agent.text(200_000).count("answers, but not as a chunkline authority") < dials:
-                await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
-        log = agent.text(200_000)
-        assert agent.popen.poll() is None, log
+        log = await dialed_uncounted_past_the_crash_loop_limit(agent, "answers, but not as a chunkline authority")
         assert "(it begins 'HTTP': another protocol's text, not a frame)" in log, log
-        assert "not counted toward giving up" in log and "crash loop" not in log and "Traceback" not in log, log
     # the run ends at its deadline, with exit 3 (another agent given this address would fail the same way)
     patience = Patience()
     ended = Ended(End.NOT_AN_AUTHORITY, "no hello within 10 s")
@@ -196,12 +203,6 @@ async def test_dials_closed_before_a_hello_are_dialed_again_uncounted() -> None:
     async def shedding(stream: trio.SocketStream) -> None:
         await stream.aclose()  # what a flooded authority does past its busy answers
 
-    dials = REREGISTER_POLICY.max_failures + 2  # past the crash-loop limit, had these counted
     async with agent_dialing(shedding) as agent:
-        with trio.fail_after(START_DEADLINE):
-            while agent.text(200_000).count("closed the connection before its hello") < dials:
-                await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
-        log = agent.text(200_000)
-        assert agent.popen.poll() is None, log
-        assert "is unreachable" in log and "not counted toward giving up" in log, log
-        assert "crash loop" not in log and "Traceback" not in log, log
+        log = await dialed_uncounted_past_the_crash_loop_limit(agent, "closed the connection before its hello")
+        assert "is unreachable" in log, log
