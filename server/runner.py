@@ -62,7 +62,9 @@ CONNECT_TIMEOUT = 10.0
 DISCONNECT_TIMEOUT = 5.0
 CLOSE_PIPELINE_TIMEOUT = 30.0
 CREATE_PIPELINE_TIMEOUT = 60.0  # seconds the service may take to create a pipeline session
-CONTROL_TIMEOUT = 10.0  # seconds the service may take to take one control
+# seconds the service may take to take one control: past the heartbeat deadlines (a process worker's 10 s, an
+# agent's 5 s by default), so a frozen worker is named as the worker's failure, not as a stalled pipeline
+CONTROL_TIMEOUT = 15.0
 WORKER_CAUSE_WAIT = 10.0  # seconds a runner waits for a failing worker to say why, when its stream ended first
 EARLY_CONTROL_LIMIT = 64  # controls held before the pipeline session exists
 OUTBOX_LIMIT = 32  # service events (lease status) waiting to be sent; more are dropped and counted

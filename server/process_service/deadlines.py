@@ -40,8 +40,8 @@ class CallDeadlines:
     check_options: float = attrs.field(default=15.0, validator=_seconds)
     #: ``create_session``; the room runner's own ``CREATE_PIPELINE_TIMEOUT`` is 60 s
     create_session: float = attrs.field(default=90.0, validator=_seconds)
-    #: ``push_control``; the runner's ``CONTROL_TIMEOUT`` is 10 s
-    push_control: float = attrs.field(default=15.0, validator=_seconds)
+    #: ``push_control``; the runner's ``CONTROL_TIMEOUT`` is 15 s
+    push_control: float = attrs.field(default=20.0, validator=_seconds)
     #: ``close_session``; the runner's ``CLOSE_PIPELINE_TIMEOUT`` is 30 s
     close_session: float = attrs.field(default=45.0, validator=_seconds)
 

@@ -220,3 +220,27 @@ async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_
             assert record["status"] == "failed" and "worker worker-0 failed" in record["error"], record
         await wait_until(lambda: s.runtime.book.worker_of(queued["session_id"]) is not None, "the promotion", 120)
         assert (await s.get(queued["session_id"]))["worker_id"] == "worker-0.1"
+
+
+async def test_a_frozen_service_child_fails_a_session_sending_controls_as_the_workers_failure() -> None:
+    """With the default heartbeat deadline (10 s): a session whose controller kept sending controls failed as
+    ``pipeline_stalled`` ("the pipeline did not take a control within 10 s": the control deadline was as long
+    as the heartbeat's and fired first), while the same frozen child's other sessions failed ``worker_failed``."""
+    async with serve(start_process_service, pipeline="spec_tests/cluster/tiny_world.py", worker_mode="process") as s:
+        await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
+        created = await s.create("ctl")
+        service = s.runtime.workers["worker-0"].service
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=60)
+            os.kill(service.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            try:
+                with trio.fail_after(60):
+                    while not s.runtime.get(created["session_id"]).is_terminal:
+                        await ctl.control({"type": "control_state", "controls": ["w"]})
+                        await trio.sleep(0.2)  # bench-cost: a controller's pace, on the real clock (a real child)
+            finally:
+                if service.exitcode is None:  # type: ignore[union-attr]
+                    os.kill(service.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        record = await s.get(created["session_id"])
+        assert record["status"] == "failed" and record["drain_cause"] == "worker_failed", record
+        assert "heartbeat deadline" in record["error"], record
