@@ -56,6 +56,13 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
     )
     # agents: fewer eligible than the launcher expects is a degradation (a lost agent leaves the book)
     cluster = runtime.cluster
+    now = trio.current_time()
+    # a launcher's slots restart their agents as in-process slots restart their workers: counted alike
+    launched = cluster.launcher.view() if cluster is not None and cluster.launcher is not None else []
+    launched_slots = {
+        f"{cluster.launcher_name}-{s['slot']}": {key: s[key] for key in ("worker_id", "restarts", "state", "reason")}
+        for s in launched
+    } if cluster is not None else {}
     short = cluster is not None and snapshot.workers_idle + snapshot.workers_busy < cluster.expected
     if live == 0:
         status = "unhealthy"
@@ -75,8 +82,8 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
         "workers_starting": snapshot.workers_starting,
         "workers_failed": snapshot.workers_failed,
         "queued_sessions": snapshot.queued,
-        "worker_restarts": runtime.slots.restarts,
-        "worker_slots": runtime.slots.status(trio.current_time()),
+        "worker_restarts": runtime.slots.restarts + sum(s["restarts"] for s in launched),
+        "worker_slots": {**runtime.slots.status(now), **launched_slots},
         "retained_sessions": snapshot.retained,
         "free_slots": snapshot.free_slots,
         "workers": worker_views(runtime),

@@ -161,6 +161,8 @@ class LocalLauncher:
                 return
             if not await back_off(slot.restarts, why, f"local slot {slot.name}", permanent=process.returncode == EXIT_REFUSED):
                 return
+            if self._authority is not None:
+                self._authority.runtime.metrics.record_worker_restart()
 
     async def _reap_if_silent(self, slot: _Slot, process: trio.Process) -> None:
         """A lost worker whose process lives on gets one deadline to register again, then is killed."""

@@ -228,6 +228,8 @@ class RayLauncher:
                 return
             if not await back_off(slot.restarts, why, f"ray slot {slot.name}", permanent=code == EXIT_REFUSED):
                 return
+            if self._authority is not None:
+                self._authority.runtime.metrics.record_worker_restart()
 
     # -- the authority's notices --
 

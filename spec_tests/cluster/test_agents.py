@@ -4,6 +4,7 @@ refused registrations, drain through the API and SIGTERM (real processes, real s
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -95,6 +96,11 @@ async def test_kill_9_mid_chunk_fails_the_session_with_the_cause_and_the_queue_h
         text = (await client.get("/metrics")).text
         assert any(f'chunkline_worker_losses_total{{cause="{cause}"}}' in text for cause in
                    ("connection_closed", "process_exited")), text
+        # the launcher's replacement is a worker restart, as an in-process slot's is (health counted none of them)
+        assert re.search(r"^chunkline_worker_restarts_total [1-9]", text, re.M), text
+        health = (await client.get("/v1/stream/health")).json()
+        assert health["worker_restarts"] >= 1, health
+        assert any(slot["restarts"] >= 1 for name, slot in health["worker_slots"].items() if name.startswith("local-")), health
         assert (await record(client, b.session_id))["status"] == "running"  # the other agent never noticed
         for c in (b, waiting):
             await client.delete(f"/v1/stream/sessions/{c.session_id}")
