@@ -67,7 +67,9 @@ class InProcessWorkers:
             validate=not settings.skip_validation,
             **options,
         )
-        runtime.slots.fill(slot, worker)
+        forgotten = runtime.slots.fill(slot, worker)
+        if forgotten is not None:
+            runtime.forget_worker(forgotten)
         runtime.workers[worker_id] = worker
         runtime.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
         runtime.spawn(worker.run)

@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from engine import CapacityPlan
-from states.admission import Admission, AdmissionBook, AdmissionTransition, Transition, UnknownWorker
+from states.admission import Admission, AdmissionBook, AdmissionTransition, InvalidSetting, Transition, UnknownWorker
 from states.machine import IllegalTransition
 from states.restart_policy import RestartPolicy
 from states.stream_session import RETAINING, DrainCause, State
@@ -226,6 +226,14 @@ class StreamRuntime:
     def agent_ready(self, worker: Any, capacity: int, plan: CapacityPlan) -> None:
         """A worker agent loaded its pipeline: its capacity joins the book and the queue head may start."""
         self.worker_ready(worker, capacity, plan)
+
+    def forget_worker(self, worker: Any) -> None:
+        """Drop a failed worker from the book and the worker table, unless it still retains sessions."""
+        try:
+            self.book.remove_worker(worker.worker_id, trio.current_time())
+        except InvalidSetting:
+            return  # it still holds a session's place: it stays until that is settled
+        self.workers.pop(worker.worker_id, None)
 
     def retire_worker(self, worker: Any, reason: str) -> None:
         """A worker agent is gone (lost or left): fail its sessions with the reason, free its slots, forget it."""

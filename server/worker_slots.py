@@ -28,6 +28,7 @@ class WorkerSlot:
     gpu_ids: tuple[int, ...]
     tracker: RestartTracker
     worker: ModelWorker | None = None
+    replaced: ModelWorker | None = None  # the failed worker the current one replaced: still shown, as history
     generation: int = 0
 
     def next_worker_id(self) -> str:
@@ -49,10 +50,15 @@ class WorkerSlots:
         slot = self._by_name[name] = WorkerSlot(name, tuple(gpu_ids), RestartTracker(self.policy))
         return slot
 
-    def fill(self, slot: WorkerSlot, worker: ModelWorker) -> None:
-        """``worker`` now fills ``slot`` (replacing a failed one)."""
-        slot.worker = worker
+    def fill(self, slot: WorkerSlot, worker: ModelWorker) -> ModelWorker | None:
+        """``worker`` now fills ``slot`` (replacing a failed one). Returns the worker to forget: a slot keeps its
+        current worker and the last one it replaced, and no older one, so what the server holds and shows of
+        past workers stays bounded however often a slot restarts."""
+        forgotten, slot.replaced, slot.worker = slot.replaced, slot.worker, worker
         self._by_worker[worker.worker_id] = slot
+        if forgotten is not None:
+            self._by_worker.pop(forgotten.worker_id, None)
+        return forgotten
 
     def holding(self, worker: Any) -> WorkerSlot | None:
         """The slot ``worker`` fills now; None for a replaced worker or one no slot started (an agent)."""
