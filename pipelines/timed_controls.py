@@ -39,7 +39,12 @@ import attrs
 
 from .contract import KNOWN_KEYS, Control, ControlType, prompt_problem
 
-__all__ = ["KEY_ALIASES", "TimedControl", "TimedControls", "load_timed_controls", "normalize_key", "parse_timed_controls"]
+__all__ = ["KEY_ALIASES", "MAX_CONTROLS_FILE_BYTES", "TimedControl", "TimedControls", "load_timed_controls",
+           "normalize_key", "parse_timed_controls"]
+
+#: the largest controls file read (about 200,000 entries): parsed, a file takes some 20 times its size in memory,
+#: and a 60 MB one took 1.4 GB before the run began
+MAX_CONTROLS_FILE_BYTES = 16 << 20
 
 KEY_ALIASES: Mapping[str, str] = {
     **{k: k for k in KNOWN_KEYS},
@@ -154,7 +159,12 @@ def load_timed_controls(path: str | os.PathLike[str], *, loads: Callable[[str], 
     its text: ``chunkline run`` passes the server's parser of client JSON, which also refuses an object naming a
     key twice (the last would silently win) and deep nesting, as a request body's are."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            raw = file.read(MAX_CONTROLS_FILE_BYTES + 1)
+        if len(raw) > MAX_CONTROLS_FILE_BYTES:
+            raise ValueError(f"controls file {str(path)!r} is larger than {MAX_CONTROLS_FILE_BYTES >> 20} MiB, "
+                             f"the most a run reads")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"controls file {str(path)!r} cannot be read: {exc}") from exc
     try:

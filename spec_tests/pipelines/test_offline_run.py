@@ -27,6 +27,7 @@ from pipelines.contract import (
     SessionConfig,
 )
 from pipelines.offline import TimedControls, load_timed_controls, parse_timed_controls, run_offline
+from pipelines.timed_controls import MAX_CONTROLS_FILE_BYTES
 from server.cli import main
 
 REPLAY = str(Path(pipelines.__file__).parent / "replay")
@@ -423,6 +424,13 @@ def test_chunkline_run_with_controls(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "7 pushed, 1 rejected, 1 not reached" in capsys.readouterr().out
 
 
+def sparse_file(path: Path, size: int) -> str:
+    """A file of ``size`` bytes that takes no room on disk (a hole)."""
+    with path.open("wb") as file:
+        file.truncate(size)
+    return str(path)
+
+
 def bad_controls(tmp_path: Path, content: str) -> str:
     path = tmp_path / f"controls{len(list(tmp_path.glob('controls*.json')))}.json"
     path.write_text(content)
@@ -450,6 +458,7 @@ def bad_controls(tmp_path: Path, content: str) -> str:
         ("undecodable_prompt", "--prompt is not valid text"),  # argv bytes that are not UTF-8 (surrogateescape)
         ("duplicate_key_in_controls", "key 't' appears twice in one object"),
         ("deeply_nested_controls", "JSON nested 100000 levels deep; at most 32"),
+        ("huge_controls", "is larger than 16 MiB, the most a run reads"),  # read whole first: 20 x its size
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(
@@ -478,6 +487,7 @@ def test_bad_input_exits_2_and_writes_nothing(
         "duplicate_key_in_controls": ["run", REPLAY, "--controls", bad_controls(
             tmp_path, '[{"t": 0, "t": 1, "type": "reset"}]')],
         "deeply_nested_controls": ["run", REPLAY, "--controls", bad_controls(tmp_path, "[" * 100_000 + "]" * 100_000)],
+        "huge_controls": ["run", REPLAY, "--controls", sparse_file(tmp_path / "huge.json", MAX_CONTROLS_FILE_BYTES + 1)],
     }[case]
     if case == "cuda_unavailable":
         import torch
