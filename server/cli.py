@@ -223,19 +223,27 @@ class _BadInput(Exception):
 
 
 class ProgressBar:
-    """A ``\\r``-updated text progress bar: ``[#######.......]  3/8 chunks  1.2 s``."""
+    """A ``\\r``-updated text progress bar on a terminal: ``[#######.......]  3/8 chunks  1.2 s``; elsewhere (a log
+    file, a pipe) a plain line at every tenth of the run, since a bar redrawn per chunk filled logs with frames."""
 
     def __init__(self, stream: TextIO, width: int = 30) -> None:
         self._stream = stream
         self._width = width
         self._drawn = False
         self._started = time.perf_counter()
+        self._terminal = stream.isatty()
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
+        elapsed = time.perf_counter() - self._started
+        count = f"{done:>{len(str(total))}}/{total} chunks  {elapsed:6.1f} s"
+        if not self._terminal:
+            if done == total or done % max(1, total // 10) == 0:
+                self._stream.write(count + "\n")
+                self._stream.flush()
+            return
         filled = min(self._width, round(self._width * done / total)) if total else self._width
         bar = "#" * filled + "." * (self._width - filled)
-        self._stream.write(f"\r[{bar}] {done:>{len(str(total))}}/{total} chunks  {now - self._started:6.1f} s")
+        self._stream.write(f"\r[{bar}] {count}")
         self._stream.flush()
         self._drawn = True
 

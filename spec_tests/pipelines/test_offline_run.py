@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -375,7 +378,8 @@ def test_chunkline_run_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
     out = tmp_path / "out"
     assert main(["run", REPLAY, "--chunks", "3", "--out", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "\r[" in captured.err and "3/3 chunks" in captured.err  # the progress bar
+    # stderr is no terminal here: progress comes as plain lines (a bar redrawn per chunk filled logs)
+    assert "3/3 chunks" in captured.err and "\r" not in captured.err
     assert "real-time factor" in captured.out and str(out / "video.mp4") in captured.out
     assert files_in(out) == ["metrics.json", "video.mp4"]
 
@@ -407,6 +411,29 @@ def write_counter_pipeline(tmp_path: Path, signature: str = "gpu_num=0") -> str:
         "    return CounterWorld()\n"
     )
     return str(path)
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
+    """``chunkline run`` with its stderr on a terminal (a pty): the bar, redrawn in place."""
+    terminal, its_other_end = os.openpty()
+    try:
+        done = subprocess.run([sys.executable, "-m", "server.cli", "run", REPLAY, "--chunks", "3", "--out",
+                               str(tmp_path / "out")], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=its_other_end, timeout=300, cwd=Path(pipelines.__file__).parents[1])
+        os.close(its_other_end)
+        shown = b""
+        while True:
+            try:
+                piece = os.read(terminal, 65536)
+            except OSError:  # EIO: the writer's end is closed and everything was read
+                break
+            if not piece:
+                break
+            shown += piece
+    finally:
+        os.close(terminal)
+    assert done.returncode == 0, shown
+    assert b"\r[" in shown and b"3/3 chunks" in shown, shown
 
 
 def test_chunkline_run_with_controls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
