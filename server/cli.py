@@ -224,7 +224,8 @@ class _BadInput(Exception):
 
 class ProgressBar:
     """A ``\\r``-updated text progress bar on a terminal: ``[#######.......]  3/8 chunks  1.2 s``; elsewhere (a log
-    file, a pipe) a plain line at every tenth of the run, since a bar redrawn per chunk filled logs with frames."""
+    file, a pipe) a plain line for chunks 1-10, 20, 30... 100, 200...: a bar redrawn per chunk filled logs with
+    frames."""
 
     def __init__(self, stream: TextIO, width: int = 30) -> None:
         self._stream = stream
@@ -237,7 +238,8 @@ class ProgressBar:
         elapsed = time.perf_counter() - self._started
         count = f"{done:>{len(str(total))}}/{total} chunks  {elapsed:6.1f} s"
         if not self._terminal:
-            if done == total or done % max(1, total // 10) == 0:
+            # 1-10, then every 10 up to 100, every 100 up to 1,000...: some ten lines a tenfold, and the last
+            if done == total or done % 10 ** max(0, len(str(done)) - 1) == 0:
                 self._stream.write(count + "\n")
                 self._stream.flush()
             return
