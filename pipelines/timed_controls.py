@@ -32,7 +32,6 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs

@@ -130,11 +130,11 @@ async def test_a_crash_loop_stops_restarting_says_why_and_fails_the_queue() -> N
         assert status == 503 and body["error"] == "no_worker" and "crash loop" in body["detail"]
 
 
-async def test_a_frozen_service_child_is_declared_failed_and_replaced() -> None:
-    """A service child stopped with SIGSTOP answers nothing: its heartbeat deadline kills it, a DELETE of
-    its session finishes instead of hanging in draining, health says why, and a fresh child takes over."""
-    loader = functools.partial(start_process_service, heartbeat_timeout=2.0)
-    async with serve(loader, pipeline="pipelines/replay", worker_mode="process") as s:
+@asynccontextmanager
+async def a_session_whose_child_is_frozen(loader: Any, pipeline: str) -> AsyncIterator[tuple[Any, dict[str, Any], Any]]:
+    """A process worker's session running with its controller in the room, then its service child stopped with
+    SIGSTOP (continued at the end if it still lives): yields the server, the created session and the controller."""
+    async with serve(loader, pipeline=pipeline, worker_mode="process") as s:
         await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
         created = await s.create("ctl")
         service = s.runtime.workers["worker-0"].service
@@ -142,13 +142,21 @@ async def test_a_frozen_service_child_is_declared_failed_and_replaced() -> None:
             await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=60)
             os.kill(service.pid, signal.SIGSTOP)  # type: ignore[union-attr]
             try:
-                with trio.fail_after(30):
-                    status, body = await s.json("delete", f"/v1/stream/sessions/{created['session_id']}")
-                assert status == 200
-                await wait_until(lambda: s.runtime.get(created["session_id"]).is_terminal, "the session to end", 30)
+                yield s, created, ctl
             finally:
                 if service.exitcode is None:  # type: ignore[union-attr]
                     os.kill(service.pid, signal.SIGCONT)  # type: ignore[union-attr]
+
+
+async def test_a_frozen_service_child_is_declared_failed_and_replaced() -> None:
+    """A service child stopped with SIGSTOP answers nothing: its heartbeat deadline kills it, a DELETE of
+    its session finishes instead of hanging in draining, health says why, and a fresh child takes over."""
+    loader = functools.partial(start_process_service, heartbeat_timeout=2.0)
+    async with a_session_whose_child_is_frozen(loader, "pipelines/replay") as (s, created, _ctl):
+        with trio.fail_after(30):
+            status, body = await s.json("delete", f"/v1/stream/sessions/{created['session_id']}")
+        assert status == 200
+        await wait_until(lambda: s.runtime.get(created["session_id"]).is_terminal, "the session to end", 30)
         assert (await s.get(created["session_id"]))["status"] in ("closed", "failed")
         await wait_until(lambda: s.runtime.workers["worker-0"].failure, "the frozen child to be declared failed", 30)
         health = (await s.json("get", "/v1/stream/health"))[1]
@@ -229,21 +237,11 @@ async def test_a_frozen_service_child_fails_a_session_sending_controls_as_the_wo
     """With the default heartbeat deadline (10 s): a session whose controller kept sending controls failed as
     ``pipeline_stalled`` ("the pipeline did not take a control within 10 s": the control deadline was as long
     as the heartbeat's and fired first), while the same frozen child's other sessions failed ``worker_failed``."""
-    async with serve(start_process_service, pipeline="spec_tests/cluster/tiny_world.py", worker_mode="process") as s:
-        await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
-        created = await s.create("ctl")
-        service = s.runtime.workers["worker-0"].service
-        async with join(s, created["room"], created["token"]) as ctl:
-            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=60)
-            os.kill(service.pid, signal.SIGSTOP)  # type: ignore[union-attr]
-            try:
-                with trio.fail_after(60):
-                    while not s.runtime.get(created["session_id"]).is_terminal:
-                        await ctl.control({"type": "control_state", "controls": ["w"]})
-                        await trio.sleep(0.2)  # bench-cost: a controller's pace, on the real clock (a real child)
-            finally:
-                if service.exitcode is None:  # type: ignore[union-attr]
-                    os.kill(service.pid, signal.SIGCONT)  # type: ignore[union-attr]
+    async with a_session_whose_child_is_frozen(start_process_service, "spec_tests/cluster/tiny_world.py") as (s, created, ctl):
+        with trio.fail_after(60):
+            while not s.runtime.get(created["session_id"]).is_terminal:
+                await ctl.control({"type": "control_state", "controls": ["w"]})
+                await trio.sleep(0.2)  # bench-cost: a controller's pace, on the real clock (a real child)
         record = await s.get(created["session_id"])
         assert record["status"] == "failed" and record["drain_cause"] == "worker_failed", record
         assert "heartbeat deadline" in record["error"], record
