@@ -84,9 +84,11 @@ from .timed_controls import (
 
 __all__ = [
     "KEY_ALIASES",
+    "METRICS_NAME",
     "OfflineRunSummary",
     "TimedControl",
     "TimedControls",
+    "VIDEO_NAME",
     "load_timed_controls",
     "normalize_key",
     "parse_timed_controls",

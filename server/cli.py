@@ -341,6 +341,17 @@ def _summary_lines(pipeline: str, metrics: Mapping[str, Any], out_dir: Path) -> 
     return [f"{name:<{width}}  {value}" for name, value in rows]
 
 
+def _nothing_written(out: str) -> str:
+    """What a stopped run says it left: nothing, and whether ``--out`` still holds an earlier run's output (it stays
+    as it was; the folder looked like this run's success)."""
+    from pipelines.offline import METRICS_NAME, VIDEO_NAME
+
+    earlier = [name for name in (VIDEO_NAME, METRICS_NAME) if (Path(out) / name).is_file()]
+    if not earlier:
+        return "no output was written"
+    return f"no output was written (the earlier {' and '.join(earlier)} in {out} are an earlier run's, unchanged)"
+
+
 def _regular_file(flag: str, path: str) -> None:
     """A file the run reads must be a regular file: say which it is not (a FIFO or a directory was "no such file")."""
     target = Path(path)
@@ -415,11 +426,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from engine.tensor_channel_refs import unlink_every_owned_segment
 
+    nothing_written = _nothing_written(args.out)  # made now: the handler below may not do file system work
+
     def abort(first: int) -> NoReturn:  # in a signal handler: no buffered I/O, no waiting
         unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
         remove_partial_files(out_dir)
         remove_empty_out_dir()
-        line = b"chunkline run: aborted by a second signal; no output was written\n"
+        line = f"chunkline run: aborted by a second signal; {nothing_written}\n".encode()
         os.write(2, b"\n" + line if bar.drawn else line)
         os._exit(128 + first)
 
@@ -460,13 +473,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"chunkline run: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:  # Ctrl-C before the run had started
-            print("chunkline run: interrupted; no output was written", file=sys.stderr)
+            print(f"chunkline run: interrupted; {_nothing_written(args.out)}", file=sys.stderr)
             return 130
         except StoppedBySignal as stopped:
-            if stopped.signal_number == signal.SIGTERM:
-                print("chunkline run: terminated (SIGTERM); no output was written", file=sys.stderr)
-            else:
-                print("chunkline run: interrupted; no output was written", file=sys.stderr)
+            how = "terminated (SIGTERM)" if stopped.signal_number == signal.SIGTERM else "interrupted"
+            print(f"chunkline run: {how}; {_nothing_written(args.out)}", file=sys.stderr)
             return 128 + stopped.signal_number
         except Exception as exc:
             print(f"chunkline run: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -83,6 +83,29 @@ def test_a_signal_mid_run_leaves_no_partial_file(tmp_path: Path, signal_number: 
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
+def test_a_stopped_run_says_an_earlier_output_in_its_folder_is_not_its_own(tmp_path: Path) -> None:
+    """An interrupted run into a folder holding an earlier run's video and metrics said only "no output was
+    written" while the folder looked like a success; the earlier files stay as they were."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "video.mp4").write_bytes(b"an earlier run's video")
+    (out / "metrics.json").write_text("{}")
+    process = _start_long_run(out, REPLAY, "--option", "duration_seconds=86400")
+    try:
+        _wait_for_progress(process)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=EXIT_DEADLINE)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 130, err[-2000:]
+    assert f"no output was written (the earlier video.mp4 and metrics.json in {out} are an earlier run's, unchanged)" \
+        in err.decode(), err[-2000:]
+    assert (out / "video.mp4").read_bytes() == b"an earlier run's video" and sorted(os.listdir(out)) == [
+        "metrics.json", "video.mp4"]
+
+
 def _stop_then_abort(process: subprocess.Popen[bytes], second: int, running: Callable[[], object]) -> bytes:
     """Once the run makes progress (and ``running()`` shows what it holds), Ctrl-C, then ``second`` during the
     stop; returns its stderr (the process is killed if it is still there)."""
