@@ -158,6 +158,11 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+def dialed_host(host: str) -> str:
+    """The address a launcher's agents dial for a listener on ``host`` (any address: this host's loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """Every setting of the stream server, validated. Construct directly or with :meth:`from_sources`."""
@@ -358,12 +363,19 @@ class ServerSettings:
         if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
             raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")
         if self.cluster_tls_cert is not None and self.cluster_tls_key is not None:
-            from .cluster.wire import server_tls_context  # the pair is checked here, not as the listener opens
+            from .cluster.wire import certificate_problem, server_tls_context  # checked here, not as the port opens
 
             try:
-                server_tls_context(self.cluster_tls_cert, self.cluster_tls_key)
+                context = server_tls_context(self.cluster_tls_cert, self.cluster_tls_key)
             except ValueError as exc:
                 raise SettingsError("--cluster-tls-cert", str(exc)) from None
+            # the agents a launcher starts dial the cluster host; an external agent may know the authority by any name
+            dialed = None if self.workers == "external" else dialed_host(self.cluster_host or self.host)
+            problem = certificate_problem(context, self.cluster_tls_cert, dialed)
+            if problem is not None:
+                whose = f"the agents it starts dial tls://{dialed}" if dialed else "agents would refuse it"
+                raise SettingsError("--cluster-tls-cert", f"--cluster-tls-cert {self.cluster_tls_cert!r}: {problem} "
+                                                          f"({whose})")
         if self.workers == "external" and self.cluster_token is None:
             raise SettingsError(
                 "--cluster-token",

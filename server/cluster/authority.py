@@ -27,6 +27,7 @@ from states.liveness import DuplicateWorkerId, LivenessBook
 
 from ..log_pace import LogPace
 from ..reasons import echo, public_reason
+from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
 from . import proofs, wire
 from .identity import chunkline_version, pipeline_digest, pipeline_name
@@ -168,10 +169,9 @@ class ClusterAuthority:
 
     @property
     def authority_url(self) -> str:
-        host = self.runtime.settings.cluster_host or self.runtime.settings.host
-        if host in ("0.0.0.0", "::"):
-            host = "127.0.0.1"
-        return f"{'tls' if self.runtime.settings.cluster_tls_cert else 'tcp'}://{host}:{self.port}"
+        settings = self.runtime.settings
+        host = dialed_host(settings.cluster_host or settings.host)
+        return f"{'tls' if settings.cluster_tls_cert else 'tcp'}://{host}:{self.port}"
 
     async def _sweep(self) -> None:
         """Lose workers whose heartbeat deadline passed (the book says who)."""

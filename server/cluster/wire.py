@@ -459,6 +459,29 @@ def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     return context
 
 
+def certificate_problem(server: ssl.SSLContext, certificate_file: str, name: str | None) -> str | None:
+    """Why an agent that trusts the authority's own certificate (as its launchers' agents do) would still refuse
+    it: expired, not yet valid, or not naming ``name`` (the address they dial; None: not checked). One TLS
+    handshake in memory, the authority's context against such an agent's; None when it would pass."""
+    client = client_tls_context(certificate_file)
+    if name is None:
+        client.check_hostname = False
+    agent_out, agent_in, authority_out, authority_in = (ssl.MemoryBIO() for _ in range(4))
+    agent = client.wrap_bio(agent_in, agent_out, server_hostname=name)
+    authority = server.wrap_bio(authority_in, authority_out, server_side=True)
+    for _ in range(10):  # a handshake takes a few flights
+        for side in (agent, authority):
+            try:
+                side.do_handshake()
+            except ssl.SSLCertVerificationError as exc:
+                return exc.verify_message or str(exc)
+            except (ssl.SSLWantReadError, ssl.SSLError):
+                pass  # wants the other side's bytes (an alert the agent sent ends it on the next turn)
+        authority_in.write(agent_out.read())
+        agent_in.write(authority_out.read())
+    return None
+
+
 def wrap_server_tls(stream: trio.abc.Stream, context: ssl.SSLContext) -> trio.SSLStream:
     return trio.SSLStream(stream, context, server_side=True)
 

@@ -4,11 +4,14 @@
 Before: local agents never registered with a certificate of a private CA (they were not told to trust it);
 an agent that did not trust the certificate logged "authority unreachable: ConnectionClosed: connection broke: "
 (the ssl error was lost) and gave up after a crash loop; a CA file it could not read was a failed dial every few
-seconds for five minutes; a certificate and a key that are not a pair ended stream-serve with a traceback; and
-each failed handshake of anyone at all was a warning line (3,000 a second from one peer)."""
+seconds for five minutes; a certificate and a key that are not a pair ended stream-serve with a traceback;
+each failed handshake of anyone at all was a warning line (3,000 a second from one peer); and an authority
+started with a certificate its agents would refuse (expired, or not naming the address its launcher's agents
+dial) said nothing."""
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 from pathlib import Path
 
@@ -20,9 +23,9 @@ from .conftest import TINY, TOKEN, Process, chunkline, clean_env, start_cluster,
 PATIENCE = 120.0  # wall seconds for an agent process to import torch, build its model and dial
 
 
-def write_pair(ca: trustme.CA, folder: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 issued by ``ca``, and its key, as PEM files."""
-    issued = ca.issue_cert("127.0.0.1")
+def write_pair(ca: trustme.CA, folder: Path, name: str = "127.0.0.1", **valid: datetime.datetime) -> tuple[Path, Path]:
+    """A certificate for ``name`` issued by ``ca`` (``valid``: its not_before and not_after), and its key, as PEM files."""
+    issued = ca.issue_cert(name, **valid)
     cert, key = folder / "cluster.pem", folder / "cluster.key"
     issued.cert_chain_pems[0].write_to_path(str(cert))
     issued.private_key_pem.write_to_path(str(key))
@@ -84,6 +87,22 @@ def test_tls_files_that_cannot_work_are_refused_as_the_processes_start(tmp_path:
         env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)
     assert serve.returncode == 2, serve.stderr
     assert "are not a certificate and its private key" in serve.stderr and "Traceback" not in serve.stderr, serve.stderr
+
+    # a certificate the agents would refuse: the local launcher's dial 127.0.0.1; any agent refuses an expired one
+    named = tmp_path / "named"
+    named.mkdir()
+    elsewhere, elsewhere_key = write_pair(trustme.CA(), named, "example.org")
+    expired_at = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
+    expired, expired_key = write_pair(trustme.CA(), tmp_path, not_before=expired_at - datetime.timedelta(days=30),
+                                      not_after=expired_at)
+    for launcher, pair, words in (("local", (elsewhere, elsewhere_key), "not valid for '127.0.0.1'"),
+                                  ("external", (expired, expired_key), "certificate has expired")):
+        refused = subprocess.run(
+            chunkline("stream-serve", TINY, "--port", "0", "--workers", launcher, "--cluster-port", "0",
+                      "--cluster-tls-cert", str(pair[0]), "--cluster-tls-key", str(pair[1])),
+            env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr, refused.stderr
 
     worker = subprocess.run(
         chunkline("worker", TINY, "--authority", "tls://127.0.0.1:9", "--tls-ca", str(tmp_path / "missing.pem")),
