@@ -8,6 +8,7 @@ works too. It is built on first access, so importing the package stays cheap.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ HYPERCORN_BINDS = frozenset({"CHUNKLINE_HOST", "CHUNKLINE_PORT"})
 def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     """The app from ``CHUNKLINE_*`` variables; raises SettingsError naming the variable at fault."""
 
+    from . import hypercorn_drain
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
     from .setting_fields import require_existing_pipeline
@@ -46,7 +48,10 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
               f"(chunkline stream-serve reads it)", file=sys.stderr, flush=True)
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
-    return TrioASGIAnyWorker(create_app(settings))
+    app = TrioASGIAnyWorker(create_app(settings))
+    # in a hypercorn worker: when hypercorn is told to stop, the sessions drain before it closes connections
+    hypercorn_drain.install(functools.partial(app.run_in_app_loop, app.extensions["chunkline"].drain_for_stop))
+    return app
 
 
 def _end_hypercorn_supervisor() -> None:

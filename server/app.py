@@ -31,7 +31,7 @@ from .room_socket import Deadlines
 from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
-from .runtime import NoWorker, SessionConflict, StreamRuntime, ViewerLimit
+from .runtime import SHUTDOWN_GRACE, NoWorker, SessionConflict, StreamRuntime, ViewerLimit
 from .settings import ServerSettings
 from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected, single_token
 from .transport.local import LocalRooms, RemoteWorkerPresence
@@ -41,7 +41,6 @@ __all__ = ["create_app"]
 log = logging.getLogger("chunkline.server")
 
 STATIC = Path(__file__).parent / "static"
-SHUTDOWN_GRACE = 20.0
 DRAIN_DEADLINE = 30.0
 MAX_DRAIN_DEADLINE = 3600.0
 SESSION_STATUSES = frozenset(state.value for state in SessionState)  # what ?status= of the session list may name

@@ -10,6 +10,7 @@ thread and bridges each ASGI call's receive/send between the two loops.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -42,6 +43,17 @@ class TrioASGIAnyWorker:
             if self._token is None:
                 threading.Thread(target=trio.run, args=(self._trio_main,), name="chunkline-trio", daemon=True).start()
                 self._ready.wait()
+
+    async def run_in_app_loop(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Await ``fn()`` in the app's trio loop, from hypercorn's loop of either worker: the same loop under the
+        trio worker, this shim's trio thread under the asyncio one (the asyncio loop keeps serving meanwhile)."""
+        if sniffio.current_async_library() == "trio":
+            await fn()
+            return
+        self._ensure_trio_thread()
+        token = self._token
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(trio.from_thread.run, fn, trio_token=token))
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Callable[[dict], Awaitable[None]]) -> None:
         if sniffio.current_async_library() == "trio":

@@ -45,6 +45,9 @@ __all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created", "NoWo
 
 log = logging.getLogger("chunkline.runtime")
 
+#: seconds live sessions have to drain as the server stops (then the ones left are aborted, as long again)
+SHUTDOWN_GRACE = 20.0
+
 SWEEP_PERIOD = 1.0
 DELETE_WAIT = 15.0
 #: creates whose image is being decoded at once (each up to MAX_IMAGE_PIXELS, in a thread); the rest wait
@@ -142,6 +145,14 @@ class StreamRuntime:
         """Run a small task in the runtime's nursery (e.g. publishing an event)."""
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)
+
+    async def drain_for_stop(self) -> None:
+        """The server is about to stop serving: drain every session (within :data:`SHUTDOWN_GRACE`, twice), then
+        send the rooms' clients away, while their connections still carry the sessions' last words."""
+        await self.shutdown(SHUTDOWN_GRACE)
+        close_clients = getattr(self.transport, "close_clients", None)  # the local rooms' (LiveKit's are its own)
+        if close_clients is not None:
+            close_clients()
 
     async def shutdown(self, grace: float) -> None:
         """Drain every live session within ``grace`` seconds, then stop the workers (idempotent)."""

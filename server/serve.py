@@ -30,7 +30,8 @@ from hypercorn.trio import serve
 
 from engine.tensor_channel_refs import unlink_every_owned_segment
 
-from .app import SHUTDOWN_GRACE, create_app
+from .app import create_app
+from .runtime import SHUTDOWN_GRACE
 from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
 from .room_socket import Deadlines
@@ -196,9 +197,7 @@ async def _serve(
             watchdog = _exit_watchdog(SHUTDOWN_BOUND, remove)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
-            await runtime.shutdown(SHUTDOWN_GRACE)
-            if rooms is not None:
-                rooms.close_clients()
+            await runtime.drain_for_stop()
             hypercorn_stop.set()
             with trio.move_on_after(FRONT_GRACE):
                 while front.connections:

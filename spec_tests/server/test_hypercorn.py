@@ -10,6 +10,7 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from server.app import create_app
+from server.transport.client import RoomClient
 
 from .conftest import make_settings, toy_loader, wait_ready
 from .http_served import serve_http
@@ -111,21 +113,43 @@ async def run_hypercorn_subprocess(worker_args: list[str]) -> None:
                         await trio.sleep(0.05)  # bench-cost: the subprocess loads its pipeline
                 assert response.json()["status"] in {"ready", "healthy"}
                 await create_read_delete(client)
-                # one session stays live: SIGTERM drains it
+                # one session stays live, its controller in the room: SIGTERM drains it
                 response = await client.post(SESSIONS, json={"identity": "still-here"})
                 assert response.status_code == 200, response.text
-            process.send_signal(signal.SIGTERM)
+                live = response.json()
+            port = int(base_url[0].rsplit(":", 1)[1])
+            controller = await RoomClient.connect("127.0.0.1", port, f"{live['websocket_path']}?token={live['token']}")
+            heard: list[Any] = []
+            with trio.fail_after(START_DEADLINE):
+                while not any(status_of(m) == "chunk" for m in heard):
+                    heard.append(await controller.receive())
+            process.send_signal(signal.SIGTERM)  # to hypercorn's supervisor, as a service manager sends it
+            with trio.move_on_after(EXIT_DEADLINE):
+                while (message := await controller.receive()) is not None:
+                    heard.append(message)
+            await controller.aclose()
             with trio.move_on_after(EXIT_DEADLINE):
                 rc = await process.wait()
             assert process.returncode is not None, (
                 f"no exit within {EXIT_DEADLINE:g} s of SIGTERM:\n{log.decode(errors='replace')[-3000:]}")
             assert rc == 0, f"exit status {rc}:\n{log.decode(errors='replace')[-3000:]}"
+            # hypercorn closed every connection before the app heard of the stop: the controller got no "done"
+            done = [m["payload"] for m in heard if status_of(m) == "done"]
+            assert done and done[0]["reason"] == "shutdown", (
+                [m.get("payload", m) for m in heard[-3:] if isinstance(m, dict)], log.decode(errors="replace")[-3000:])
             nursery.cancel_scope.cancel()
     finally:
         if process.returncode is None:
             process.kill()
             with trio.CancelScope(shield=True):
                 await process.wait()
+
+
+def status_of(message: Any) -> str | None:
+    """The type of a tf.status message from the room, else None."""
+    if isinstance(message, dict) and message.get("topic") == "tf.status":
+        return message["payload"].get("type")
+    return None
 
 
 async def test_hypercorn_trio_worker_subprocess():
