@@ -22,7 +22,7 @@ from pipelines.contract import BidirectionalService, ServerPushService, Service
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.validation import validate_service
 
-from .process_service import start_process_service
+from .process_service import ProcessService, start_process_service
 from .reasons import public_reason
 from .requests import OptionsRefused
 
@@ -140,6 +140,12 @@ class ModelWorker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def end_service_process_now(self) -> None:
+        """For a server about to end at once (a second signal): a service in a process of its own goes now, with
+        its shared memory (its parent-death signal would end it and leave that in /dev/shm)."""
+        if isinstance(self.service, ProcessService):
+            self.service.kill_now()
 
     async def check_options(self, options: dict[str, Any]) -> None:
         """The service's own check of a session's options; its refusal is an :class:`OptionsRefused`.

@@ -146,6 +146,11 @@ class StreamRuntime:
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)
 
+    def end_service_processes_now(self) -> None:
+        """For a process about to end at once: its workers' service processes go, with their shared memory."""
+        for worker in self.workers.values():
+            worker.end_service_process_now()
+
     async def drain_for_stop(self) -> None:
         """The server is about to stop serving: drain every session (within :data:`SHUTDOWN_GRACE`, twice), then
         send the rooms' clients away, while their connections still carry the sessions' last words."""

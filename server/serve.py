@@ -147,6 +147,12 @@ async def _serve(
         runtime.uploads.remove()
         folder.remove()
 
+    def abandon() -> None:
+        """Before the process ends at once: what it holds on disk, and its service processes with what their
+        channels hold in /dev/shm (their parent-death signal would end them and leave that behind)."""
+        remove()
+        runtime.end_service_processes_now()
+
     config = _HandedSocket(backend)
     config.accesslog = None
     # hypercorn's own lines go through the server's logging (one format, each line once: its own handler wrote them
@@ -171,14 +177,24 @@ async def _serve(
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
 
     async def on_signals() -> None:
-        """The first signal starts the drain; a second one (the drain is taking too long) ends it now."""
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            first = None
-            async for number in signals:
-                if first is not None:
-                    _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", remove)
-                first = number
-                stop.set()
+        """The first signal starts the drain; a second one (the drain is taking too long) ends it now, and so does
+        one that comes after the drain while the process is still on its way out (the signal's own default
+        action ended it there, leaving the stages' shared memory and the front's folder behind)."""
+        first = None
+        try:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for number in signals:
+                    if first is not None:
+                        _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", abandon)
+                    first = number
+                    stop.set()
+        finally:
+            if first is not None:
+                def second(number: int, _frame: Any) -> None:
+                    _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the shutdown", abandon)
+
+                for number in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(number, second)
 
     watchdog: threading.Timer | None = None
     try:
@@ -194,7 +210,7 @@ async def _serve(
             for url in urls:
                 print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
             await stop.wait()
-            watchdog = _exit_watchdog(SHUTDOWN_BOUND, remove)
+            watchdog = _exit_watchdog(SHUTDOWN_BOUND, abandon)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.drain_for_stop()

@@ -8,8 +8,11 @@ turns calls and chunk streams into wire messages. Its lifecycle is the table in
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import signal
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -110,6 +113,16 @@ class ProcessService:
     def exitcode(self) -> int | None:
         """The child's exit code once it has been reaped."""
         return self._link.exitcode
+
+    def kill_now(self) -> None:
+        """For a server about to end at once (a second signal): SIGKILL the child unless it was reaped (then its pid
+        may be another process's), and take what its channels hold in /dev/shm, which its death leaves there."""
+        pid = self.pid
+        if pid is None or self.exitcode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        remove_segments_of(pid)
 
     @property
     def failure(self) -> ProcessServiceFailed | None:
