@@ -293,8 +293,16 @@ def _placement_option(pipeline: Path, placement: str, device: str | None) -> str
 
     if device is not None:
         raise _BadInput("--device and --placement: give one (the placement names every stage's devices)")
-    if not placement.strip().startswith("{") and not Path(placement).is_file():
-        raise _BadInput(f"--placement: no such file {placement!r}")
+    if not placement.strip().startswith("{"):  # else inline JSON, which the pipeline reads
+        target = Path(placement)
+        if target.exists() and not target.is_file():
+            raise _BadInput(f"--placement: {placement!r} is not a regular file (a directory, a pipe or a device)")
+        if not target.exists():
+            try:
+                given = json.loads(placement)
+            except (ValueError, RecursionError):
+                raise _BadInput(f"--placement: no such file {placement!r}") from None
+            raise _BadInput(f"--placement: inline placement JSON must be an object, got {type(given).__name__}")
     try:
         factory = getattr(load_pipeline_module(pipeline), "get_service", None)
     except PipelineLoadError as exc:

@@ -71,6 +71,9 @@ __all__ = [
     "pipeline_spec",
 ]
 
+#: the largest placement file read (a placement names a few stages: a few KiB)
+MAX_PLACEMENT_BYTES = 1 << 20
+
 STAGES = ("encode", "denoise", "decode")
 MODES = ("in-process", "process")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -279,14 +282,22 @@ def load_placement(source: Placement | Mapping[str, Any] | str | Path) -> Placem
         where = "inline placement JSON"
     else:
         path = Path(text).expanduser()
-        if not path.is_file():
+        if not path.exists():
             raise ValueError(f"placement file {text!r} does not exist")
+        if not path.is_file():  # a directory, a pipe, a device: reading one may never end
+            raise ValueError(f"placement file {text!r} is not a regular file")
         where = f"placement file {text!r}"
-        text = path.read_text()
+        with path.open("rb") as file:
+            raw = file.read(MAX_PLACEMENT_BYTES + 1)
+        if len(raw) > MAX_PLACEMENT_BYTES:
+            raise ValueError(f"{where} is larger than {MAX_PLACEMENT_BYTES >> 10} KiB")
+        text = raw.decode("utf-8", errors="replace")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    except RecursionError:  # a ValueError like any bad placement: a refused configuration, not a crash to restart
+        raise ValueError(f"{where} is nested too deep to be a placement") from None
     try:
         return Placement.from_dict(data)
     except ValueError as exc:

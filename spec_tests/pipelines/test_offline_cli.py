@@ -176,6 +176,26 @@ def test_segments_a_killed_run_left_are_removed_by_the_next_one(tmp_path: Path) 
     assert _segments_of(process.pid) == []
 
 
+@pytest.mark.parametrize(("given", "words"), [
+    ("deep", "is nested too deep to be a placement"),  # a RecursionError: a service restarted for ever under a server
+    ("/dev/zero", "is not a regular file"),  # it said "no such file"
+    ("large", "is larger than 1024 KiB"),
+    ("[1, 2, 3]", "inline placement JSON must be an object, got list"),  # valid JSON, no placement: "no such file"
+])
+def test_a_placement_that_cannot_be_one_exits_2_saying_why(tmp_path: Path, given: str, words: str) -> None:
+    if given == "deep":
+        (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+        given = str(tmp_path / "deep.json")
+    elif given == "large":
+        with (tmp_path / "large.json").open("wb") as file:
+            file.truncate((1 << 20) + 1)
+        given = str(tmp_path / "large.json")
+    result = subprocess.run([sys.executable, "-m", "server.cli", "run", TOY_WORLD, "--chunks", "1", "--placement",
+                             given, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and words in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
 def test_run_help_says_what_the_first_and_second_ctrl_c_do() -> None:
     result = subprocess.run([sys.executable, "-m", "server.cli", "run", "--help"], capture_output=True,
                             text=True, check=True)

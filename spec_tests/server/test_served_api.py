@@ -100,11 +100,13 @@ REFUSED_SETTINGS = [
     # worker restarted six times, a traceback each, although every replacement refused the same value
     (("pipelines/toy_world", "--placement", "{"), "inline placement JSON is not valid JSON"),
     (("pipelines/toy_world", "--placement", '{"mode": "bogus"}'), "stage 'encode': the placement gives no runtime"),
+    # a placement file nested too deep was a RecursionError, the worker restarted with a traceback each time
+    (("pipelines/toy_world", "--placement", "deep.json"), "is nested too deep to be a placement"),
 ]
 
 
 @pytest.mark.parametrize(("options", "named"), REFUSED_SETTINGS,
-                         ids=["sessions", "sessions-process", "placement", "placement-process", "toy-json", "toy-mode"])
+                         ids=["sessions", "sessions-process", "placement", "placement-process", "toy-json", "toy-mode", "toy-deep"])
 async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash_loop(
     short_tmp: Path, options: tuple[str, ...], named: str
 ) -> None:
@@ -113,6 +115,9 @@ async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash
     traceback each, although every replacement refused the same settings; it gives up at once now, and health
     and a create say why."""
     pipeline, options = (options[0], options[1:]) if options[0].startswith("pipelines/") else ("pipelines/replay", options)
+    if "deep.json" in options:
+        (short_tmp / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+        options = tuple(str(short_tmp / "deep.json") if option == "deep.json" else option for option in options)
     async with stream_serve(short_tmp, *options, pipeline=pipeline) as served:
         async with httpx.AsyncClient(base_url=served.url, timeout=10) as http:
             await served.read_until(b"refused its configuration")
