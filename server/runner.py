@@ -386,6 +386,8 @@ class RoomRunner:
             if deadline.cancelled_caught:
                 self.fail(f"the pipeline did not take a control within {CONTROL_TIMEOUT:g} s", DrainCause.PIPELINE_STALLED)
         except ControlRejected as exc:
+            if self.worker.failing:  # the service lost the session with its worker: that failure is the answer, on
+                return  # its way (the service's "unknown session" came first, naming its own session id)
             self.deps.metrics.record_control_rejection("service")
             await self._send(protocol.rejection_message(self.record.session_id, "service", exc.reason))
 

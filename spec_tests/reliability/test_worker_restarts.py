@@ -6,6 +6,7 @@ declared failed by its heartbeat deadline (principles 3, 4 and 6 of the hostile-
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -193,10 +194,21 @@ async def test_an_in_process_service_whose_stage_dies_is_rebuilt_and_the_queue_m
         queued = await s.create("ctl-next")
         assert running["worker_id"] == "worker-0" and queued["status"] == "queued"
         service = s.runtime.workers["worker-0"].service
-        async with join(s, running["room"], running["token"]) as ctl:
+        async with join(s, running["room"], running["token"]) as ctl, trio.open_nursery() as steering:
             await ctl.wait_for(lambda p: p.status("chunk"), "a chunk", timeout=60)
+
+            async def keep_steering() -> None:  # controls keep coming as the stage dies
+                with contextlib.suppress(Exception):  # until the server closes the socket
+                    while True:
+                        await ctl.control({"type": "control_state", "controls": ["w"]})
+                        await trio.sleep(0.05)  # bench-cost: a controller's pace, on the real clock (a real rank)
+
+            steering.start_soon(keep_steering)
             os.kill(service._stages.groups["denoise"].pids[0], signal.SIGKILL)  # type: ignore[union-attr]
             errors = await ctl.wait_for(lambda p: p.status("error"), "the session's error", timeout=60)
+            steering.cancel_scope.cancel()
+        # the service lost the session with its stage: controls were refused as "unknown session 'toy-1'" first
+        assert not ctl.status("control_rejected"), ctl.status("control_rejected")
         record = await s.get(running["session_id"])
         assert record["status"] == "failed" and "stage 'denoise' failed" in record["error"], record
         assert "stage 'denoise' failed" in errors[0]["detail"]
