@@ -108,6 +108,8 @@ def test_placement_file_inline_json_and_colocation(tmp_path):
         load_placement(str(bad))
     with pytest.raises(ValueError, match="does not exist"):
         load_placement(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"inline placement JSON names 'encode' twice in one object"):
+        load_placement('{"encode": {"devices": ["cpu"]}, "encode": {"devices": ["cpu"], "world_size": 1}}')
     with pytest.raises(ValueError, match="either device or placement"):
         get_service(device="cpu", placement=placement(), **SIZE)
 
