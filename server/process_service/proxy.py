@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import signal
+import time
 import weakref
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -51,6 +52,9 @@ __all__ = ["ProcessBidirectionalService", "ProcessServerPushService", "ProcessSe
 
 log = logging.getLogger("chunkline.process_service")
 
+
+#: seconds an abort waits for a killed service child to be gone before it takes the child's shared memory
+KILL_WAIT = 2.0
 
 class _Pending:
     __slots__ = ("error", "event", "method", "ok", "payload")
@@ -122,6 +126,11 @@ class ProcessService:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        # until it is gone: a segment it makes between the kill and its death would be left (it streamed on)
+        with contextlib.suppress(ChildProcessError):
+            gone_by = time.monotonic() + KILL_WAIT
+            while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < gone_by:
+                time.sleep(0.005)
         remove_segments_of(pid)
 
     @property
