@@ -244,6 +244,8 @@ class Placement:
         if unknown:
             raise ValueError(f"placement: unknown key(s) {unknown} (allowed: mode, {', '.join(STAGES)}, resource_groups, "
                              f"call_timeout)")
+        if data.get("mode", "in-process") not in MODES:  # before the stages: a bad mode alone blamed stage 'encode'
+            raise ValueError(f"placement mode must be one of {list(MODES)}, got {data['mode']!r}")
         missing = [s for s in STAGES if s not in data]
         if missing:
             raise ValueError(

@@ -99,7 +99,7 @@ REFUSED_SETTINGS = [
     # the toy world takes a placement and refuses one it cannot run (get_service raises ValueError): each was a
     # worker restarted six times, a traceback each, although every replacement refused the same value
     (("pipelines/toy_world", "--placement", "{"), "inline placement JSON is not valid JSON"),
-    (("pipelines/toy_world", "--placement", '{"mode": "bogus"}'), "stage 'encode': the placement gives no runtime"),
+    (("pipelines/toy_world", "--placement", '{"mode": "bogus"}'), "placement mode must be one of"),
     # a placement file nested too deep was a RecursionError, the worker restarted with a traceback each time
     (("pipelines/toy_world", "--placement", "deep.json"), "is nested too deep to be a placement"),
 ]
