@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from engine.shm_names import remove_segments_of
 from engine.supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 
 from . import wire
@@ -114,6 +115,10 @@ class ServiceLink:
         self._deliver(message)
 
     def _on_exit(self, exit: ChildExit) -> None:
+        # reaped: what a killed child's channels held in /dev/shm goes now, before anyone may see it gone (an abort
+        # that finds the child reaped takes nothing: the trio thread may never run ChildExited's handler)
+        if exit.pid is not None:
+            remove_segments_of(exit.pid)
         self.exitcode = exit.exitcode
         self._deliver(wire.ChildExited(exit.exitcode, exit.expected, exit.cause))
 

@@ -270,9 +270,7 @@ class ProcessService:
                 pass  # the supervisor's deadline saw it; nothing else to do
             case wire.Stopped(traceback=text):
                 self._stop_error = text
-            case wire.ChildExited(code=code, expected=expected, cause=cause):
-                if self.pid is not None:  # reaped: what a killed child's channels held in /dev/shm goes now
-                    remove_segments_of(self.pid)
+            case wire.ChildExited(code=code, expected=expected, cause=cause):  # its segments went as it was reaped
                 if expected and code != 0:
                     log.warning("%s: the service process (pid %s) was stopped with exit code %s", self.name, self.pid, code)
                 if self._stop_error is not None:  # the service left running() by itself, failing: that is why

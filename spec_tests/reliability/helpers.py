@@ -69,6 +69,22 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def process_tree(root: int) -> set[int]:
+    """``root`` and every process below it now (by each process's parent in /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    tree = {root}
+    while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return tree
+
+
 class Leaks:
     """A baseline of threads, child processes and open files; :meth:`check` compares against it."""
 

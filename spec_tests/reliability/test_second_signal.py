@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 
-from .helpers import RawWebSocket
+from .helpers import RawWebSocket, process_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
@@ -85,7 +85,8 @@ async def test_a_second_sigterm_after_the_drain_ends_the_server_and_leaves_no_sh
                     if isinstance(message, dict) and message.get("topic") == "tf.status" \
                             and message["payload"].get("type") == "chunk":
                         break
-            ours = {owner(name) for name in segments() - before}  # the server's, and its service process's
+            # the server's and its service process's (not those of other tests' processes running meanwhile)
+            ours = {owner(name) for name in segments() - before} & process_tree(process.pid)
             assert ours, "the session's channels hold segments in /dev/shm"
             process.send_signal(signal.SIGTERM)
             with trio.fail_after(EXIT_DEADLINE):
