@@ -32,6 +32,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from pipelines.json_objects import RepeatedKey, refuse_repeated_keys
+
 from .reasons import echo
 
 __all__ = ["MAX_JSON_DEPTH", "JsonRefused", "loads", "nesting_depth", "payload_body"]
@@ -111,21 +113,6 @@ def _check_encodable(value: Any) -> None:
             pending.extend(item)
 
 
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """Parse client JSON, refusing invalid, too deep or unencodable documents and objects that name a key twice
     (:class:`JsonRefused`)."""
@@ -141,8 +128,8 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise JsonRefused("too_deep", f"JSON nested {depth} levels deep; at most {max_depth} allowed")
     try:
         value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float,
-                           parse_int=_bounded_int, object_pairs_hook=_unique_keys)
-    except _DuplicateKey as exc:
+                           parse_int=_bounded_int, object_pairs_hook=refuse_repeated_keys)
+    except RepeatedKey as exc:
         raise JsonRefused("duplicate_key", f"key {echo(exc.key)} appears twice in one object") from None
     except _OutOfRange as exc:
         raise JsonRefused("out_of_range", f"the number {echo(exc.text)} is too large for {exc.kind}") from None

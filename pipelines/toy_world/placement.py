@@ -60,6 +60,8 @@ import torch
 
 from engine import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageSpec
 
+from ..json_objects import RepeatedKey, refuse_repeated_keys
+
 __all__ = [
     "DTYPES",
     "MODES",
@@ -271,19 +273,6 @@ class Placement:
         return out
 
 
-class _RepeatedKey(ValueError):
-    """A placement object naming a key twice: JSON would keep the last one without a word."""
-
-
-def _refusing_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in found:
-            raise _RepeatedKey(key)
-        found[key] = value
-    return found
-
-
 def load_placement(source: Placement | Mapping[str, Any] | str | Path) -> Placement:
     """A :class:`Placement` from itself, a dict, inline JSON text (starting with ``{``) or a JSON file path."""
     if isinstance(source, Placement):
@@ -308,11 +297,11 @@ def load_placement(source: Placement | Mapping[str, Any] | str | Path) -> Placem
             raise ValueError(f"{where} is larger than {MAX_PLACEMENT_BYTES >> 10} KiB")
         text = raw.decode("utf-8", errors="replace")
     try:
-        data = json.loads(text, object_pairs_hook=_refusing_repeated_keys)
+        data = json.loads(text, object_pairs_hook=refuse_repeated_keys)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{where} is not valid JSON: {exc}") from None
-    except _RepeatedKey as exc:
-        raise ValueError(f"{where} names {str(exc)!r} twice in one object (which one holds?)") from None
+    except RepeatedKey as exc:
+        raise ValueError(f"{where} names {exc.key!r} twice in one object (which one holds?)") from None
     except RecursionError:  # a ValueError like any bad placement: a refused configuration, not a crash to restart
         raise ValueError(f"{where} is nested too deep to be a placement") from None
     try:

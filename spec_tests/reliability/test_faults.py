@@ -50,6 +50,7 @@ from ..server.runner_fixtures import (
 )
 from .fault_pipelines import EngineService, HookExploded, process_denoise_actor
 from .helpers import Leaks, RawWebSocket, wait_until
+from ..processes import end_process
 from ..virtual_time import elapse
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -427,8 +428,5 @@ async def test_sigterm_drains_live_sessions_and_exits_0(workers: str) -> None:
                 f"the server logged nothing about draining its live session:\n{text()}")
             nursery.cancel_scope.cancel()
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        await end_process(process)
     await leaks.check((process.pid,))

@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from .helpers import RawWebSocket, process_tree
+from ..processes import end_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
@@ -104,7 +105,4 @@ async def test_a_second_sigterm_after_the_drain_ends_the_server_and_leaves_no_sh
             assert not left, f"{len(left)} segments left: {left[:5]}\n{text}"
             nursery.cancel_scope.cancel()
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        await end_process(process)

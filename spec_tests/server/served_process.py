@@ -19,6 +19,7 @@ import httpx
 import trio
 
 from .conftest import png_bytes
+from ..processes import end_process
 
 __all__ = ["DRAINING", "EXIT_DEADLINE", "Served", "stream_serve"]
 
@@ -82,7 +83,4 @@ async def stream_serve(tmp: Path, *options: str, pipeline: str = "pipelines/repl
         served.url = SERVING.search(served.log).group(1).decode()  # type: ignore[union-attr]
         yield served
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        await end_process(process)

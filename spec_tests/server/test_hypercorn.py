@@ -23,6 +23,7 @@ from server.transport.client import RoomClient
 
 from .conftest import make_settings, toy_loader, wait_ready
 from .http_served import serve_http
+from ..processes import end_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS = "/v1/stream/sessions"
@@ -139,10 +140,7 @@ async def run_hypercorn_subprocess(worker_args: list[str]) -> None:
                 [m.get("payload", m) for m in heard[-3:] if isinstance(m, dict)], log.decode(errors="replace")[-3000:])
             nursery.cancel_scope.cancel()
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        await end_process(process)
 
 
 def status_of(message: Any) -> str | None:
@@ -203,10 +201,7 @@ async def test_plain_hypercorn_with_no_pipeline_variable_serves_the_embedded_def
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(EXIT_DEADLINE):
             await process.wait()
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        await end_process(process)
 
 
 def unheld_semaphores(names: set[str]) -> set[str]:
