@@ -34,6 +34,7 @@ from states.stream_session import State as SessionState
 from .runtime import SHUTDOWN_GRACE, NoWorker, SessionConflict, StreamRuntime, ViewerLimit
 from .settings import ServerSettings
 from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected, single_token
+from .transport.base import TransportError
 from .transport.local import LocalRooms, RemoteWorkerPresence
 
 __all__ = ["create_app"]
@@ -253,7 +254,17 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
                                  f"the image has {size} bytes; worker agents take images of at most {MAX_IMAGE_BYTES}")
         await check_image_decodes(body, image, runtime.image_decodes)
         await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
-        created = runtime.create_session(body, image_bytes=image)
+        named = runtime.new_session()
+        try:  # LiveKit: the room is made before its first token is out, and only then can it be refused
+            await transport.open_room(named[1], lifetime=settings.session_timeout)
+        except TransportError as exc:
+            log.warning("POST /v1/stream/sessions: %s", exc)
+            return error(503, "transport_unavailable", str(exc), {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        try:
+            created = runtime.create_session(body, image_bytes=image, named=named)
+        except BaseException:  # no session holds the room (NoWorker, a bug): it goes now
+            transport.close_room(named[1])
+            raise
         admission = created.admission
         if admission.status == "rejected":
             reason = admission.reason or "no_capacity"

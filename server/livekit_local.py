@@ -110,6 +110,10 @@ class LiveKitConfig:
                 f'  stun_servers: ["{self.node_ip}:3478"]',  # nothing listens there: no public STUN host
                 "turn:",
                 "  enabled: false",
+                # rooms are made by the server as it creates a session (the RoomService), never by a join: the
+                # token of an ended session, whose room was deleted, opens nothing
+                "room:",
+                "  auto_create: false",
                 "logging:",
                 f"  level: {self.log_level}",
                 "  pion_level: error",

@@ -194,7 +194,8 @@ def openapi_document() -> dict[str, Any]:
                     "429": {**_error("no slot and no room in the queue, or the server is shutting down"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     "503": {**_error("no worker is running or starting, or none is ready to check the "
-                                     "options (the reason and when one may be back)"),
+                                     "options (the reason and when one may be back), or the LiveKit server did not "
+                                     "make the session's room (transport_unavailable)"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     **COMMON_ERRORS,
                 },

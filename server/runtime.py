@@ -283,8 +283,17 @@ class StreamRuntime:
 
     # -- sessions ------------------------------------------------------------------
 
-    def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None) -> Created:
-        """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits."""
+    @staticmethod
+    def new_session() -> tuple[str, str]:
+        """A new session's id and the name of its room."""
+        session_id = secrets.token_hex(8)
+        return session_id, f"chunkline-{session_id}"
+
+    def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None,
+                       named: tuple[str, str] | None = None) -> Created:
+        """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits.
+
+        ``named``: the session's id and room from :meth:`new_session` (a room the transport made already)."""
         identity = validate_client_identity(request.identity)
         if not self.closing and not self.book.can_place():
             now = trio.current_time()
@@ -294,8 +303,7 @@ class StreamRuntime:
                 "no worker is running or starting" + (f" ({reasons})" if reasons else ""),
                 NO_WORKER_RETRY_AFTER if retry is None else retry,
             )
-        session_id = secrets.token_hex(8)
-        room = f"chunkline-{session_id}"
+        session_id, room = named or self.new_session()
         now = trio.current_time()
         wall = time.time()
         timeout = self.settings.session_timeout

@@ -112,6 +112,9 @@ class RemoteRooms:
         self._port = parts.port
         self.encode_limiter = trio.CapacityLimiter(2)
 
+    async def open_room(self, room: str, *, lifetime: float) -> None:
+        """Nothing to do here: the rooms are the authority's, made with its record of the session."""
+
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """Nothing to do here: the rooms are the authority's, which closes them (and says a queued session's last
         word) when its record of the session ends."""

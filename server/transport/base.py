@@ -84,6 +84,12 @@ class RoomTransport(Protocol):
         """Join ``room`` as ``identity`` with a worker token, or raise TransportError within ``timeout``."""
         ...
 
+    async def open_room(self, room: str, *, lifetime: float) -> None:
+        """Make the room of a session about to be created, before any token for it is handed out; raise
+        TransportError when that cannot be done. ``lifetime`` bounds how long an empty room may stay: the
+        session's timeout (the server closes the room when the session ends, long before that)."""
+        ...
+
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended (never waits). ``last_word`` is its last ``tf.status`` message when no
         worker was there to send it (a session that ended queued); the transport sends it as the server's."""

@@ -77,12 +77,13 @@ from .base import (
 )
 from .livekit_media import AUDIO_TRACK_NAME, MAX_VIDEO_BITRATE, VIDEO_TRACK_NAME, MediaPublisher, check_frame
 
-__all__ = ["AUDIO_TRACK_NAME", "MAX_VIDEO_BITRATE", "ROOM_CLOSE_GRACE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
+__all__ = ["AUDIO_TRACK_NAME", "MAX_ROOM_TIMEOUT", "MAX_VIDEO_BITRATE", "ROOM_CLOSE_GRACE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
 
 log = logging.getLogger(__name__)
 
 #: seconds an ended session's clients have to read its last messages before its room is deleted
 ROOM_CLOSE_GRACE = 2.0
+MAX_ROOM_TIMEOUT = 2**31 - 1  # seconds: LiveKit keeps a room's empty and departure timeouts in 32 bits
 
 EVENT_BACKLOG = 256  # data events kept for the runner (data beyond it is dropped; participant events never)
 
@@ -396,6 +397,34 @@ class LiveKitTransport:
                         for leaving in list(self._leaving):  # abandoned joins: wait for them to leave
                             await trio_asyncio.aio_as_trio(_wait_for, loop=loop)(leaving)
                 self._loop = None
+
+    async def open_room(self, room: str, *, lifetime: float) -> None:
+        """Create the session's room through the RoomService before its first token is handed out, so that a
+        LiveKit server run with ``room.auto_create: false`` (as ``chunkline`` runs its own) refuses the tokens of
+        an ended session once its room is deleted: with rooms made on join, any such token made the room again,
+        empty, for as long as its holder liked. The room stays while empty for ``lifetime`` seconds (whole, at
+        least one, and at most :data:`MAX_ROOM_TIMEOUT`); the server deletes it when the session ends.
+        Raises :class:`TransportError`, naming the cause, when LiveKit refuses or does not answer within
+        ``disconnect_timeout``."""
+        if self._loop is None:
+            raise TransportError("the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`")
+        if not (self._api_key and self._api_secret):
+            raise TransportError("creating a LiveKit room needs the API key and secret (--livekit-api-key/-secret)")
+        seconds = min(MAX_ROOM_TIMEOUT, max(1, math.ceil(lifetime)))
+        request = api.CreateRoomRequest(name=room, empty_timeout=seconds, departure_timeout=seconds)
+        prefix = f"could not create the LiveKit room {room!r} at {self.url}"
+        with trio.move_on_after(self.disconnect_timeout) as deadline:
+            try:
+                await trio_asyncio.aio_as_trio(self._aio_room_service, loop=self._loop)(
+                    lambda rooms: rooms.create_room(request))
+            except api.TwirpError as exc:
+                why = exc.message or {401: "the API key or secret is wrong", 403: "the API key may not"}.get(exc.status, "")
+                code = "" if exc.code == "unknown" else f" {exc.code}"
+                raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}{code}{': ' + why if why else ''})") from None
+            except Exception as exc:  # the server unreachable, or the SDK failing otherwise
+                raise TransportError(f"{prefix}: {type(exc).__name__}: {exc}") from None
+        if deadline.cancelled_caught:
+            raise TransportError(f"{prefix}: no answer within {self.disconnect_timeout:g} s")
 
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended. In the background, each step within ``disconnect_timeout``: ``last_word``,

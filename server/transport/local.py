@@ -200,6 +200,10 @@ class LocalRooms:
             for subscriber in room.subscribers.values():
                 subscriber.presence.cancel()
 
+    async def open_room(self, room: str, *, lifetime: float) -> None:
+        """Nothing to make: a local room opens with its session's record (``room_open``) and refuses every
+        token once the session ended."""
+
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended: once its worker has left too, its browsers get what is queued for them (the
         worker's ``done``, its leaving) and are sent away, so that no socket outlives its session (they stayed,

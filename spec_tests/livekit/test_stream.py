@@ -18,7 +18,7 @@ from livekit import rtc
 
 from spec_tests.frames import near_ground_shift
 
-from server.livekit_clients import Clients as Agent
+from server.livekit_clients import Clients as Agent, ClientsError
 
 from .conftest import LiveKit, StreamServer
 
@@ -209,6 +209,11 @@ async def test_a_queued_session_deleted_tells_its_livekit_room_done(stream: Stre
     assert (await wait_status(stream, live["session_id"], TERMINAL))["status"] == "closed"
     reason = await agent.wait_for(lambda: disconnected(agent, "gina"), "gina to be sent away")
     assert reason == str(int(rtc.DisconnectReason.ROOM_DELETED)), reason  # the clients report the enum's number
+    # both sessions' tokens are good for token_ttl still, but their rooms are gone, and LiveKit (room.auto_create:
+    # false) makes none on a join: they made an empty room again, for as long as their holders liked
+    for client, token in (("gina-again", live["token"]), ("hank-again", queued["token"])):
+        with pytest.raises(ClientsError, match="requested room does not exist"):
+            await agent.join(client, token)
 
 
 def disconnected(agent: Agent, client: str) -> str | None:

@@ -66,3 +66,19 @@ async def test_a_long_chunk_of_audio_does_not_stall_the_next_video_and_leaving_i
     # service is watched until it drops the worker, within LEAVE_SEEN_WITHIN of leaving: see the probe)
     assert seen["listed_before"] and not seen["listed_after"], seen
     assert seen["disconnect_seconds"] < 2.0, seen
+
+
+async def test_a_sessions_room_is_made_by_the_server_and_its_token_opens_nothing_once_it_is_deleted(
+    livekit_server: LiveKit,
+) -> None:
+    seen = await probe(livekit_server, "rooms")
+    # the LiveKit server makes no room on a join (room.auto_create: false): a token opens only a room made for it
+    assert seen["join_before_open"] is not None and "does not exist" in seen["join_before_open"], seen
+    assert seen["listed_while_open"], seen
+    # the session ended, its room deleted: its tokens (valid for token_ttl) do not make it again
+    assert seen["join_after_close"] is not None and "does not exist" in seen["join_after_close"], seen
+    assert not seen["room_made_again"], seen
+    # a refusal names the room and LiveKit's reason
+    refused = seen["open_with_a_wrong_secret"]
+    assert refused is not None and "could not create the LiveKit room 'probe-impostor-room'" in refused, seen
+    assert "LiveKit refused (HTTP 401" in refused and "the API key or secret is wrong" in refused, seen

@@ -8,6 +8,8 @@ trio-asyncio loop, a worker token) and looks at the room through the server's Ro
   while the SDK's next attempt (through the relay, now passing bytes) joins the room later; reports
   whether the worker identity was ever listed, and whether it still is once that join has ended.
 - ``publish_refused``: a token that may join but not publish; reports the error of each of two frames.
+- ``rooms``: a session's room as the stream server handles it (made, joined, closed): whether a worker token
+  joins it before it is made and after it was deleted, and whether a wrong API secret makes a room.
 - ``media``: a frame, 2 s of audio, the next frame, then leaving; reports how long each took and
   whether the worker was listed in the room before leaving, and still listed ``LEAVE_SEEN_WITHIN`` seconds
   after it (the server handles a leave on its own schedule: its room service may list a participant that has
@@ -39,18 +41,32 @@ IDENTITY = "chunkline-probe-worker"
 LEAVE_SEEN_WITHIN = 3.0
 
 
-async def participants(loop: Any, url: str, key: str, secret: str) -> list[str]:
+async def participants(loop: Any, url: str, key: str, secret: str, room: str = ROOM) -> list[str]:
     """The room's identities, asked on the transport's own asyncio loop (livekit-api is asyncio code)."""
 
     async def listed() -> list[str]:
         lkapi = api.LiveKitAPI(url.replace("ws://", "http://"), key, secret)
         try:
-            response = await lkapi.room.list_participants(api.ListParticipantsRequest(room=ROOM))
+            response = await lkapi.room.list_participants(api.ListParticipantsRequest(room=room))
             return sorted(p.identity for p in response.participants)
         finally:
             await lkapi.aclose()
 
     return await trio_asyncio.aio_as_trio(listed, loop=loop)()
+
+
+async def create_room(loop: Any, url: str, key: str, secret: str) -> None:
+    """Make the room, as the stream server does before any token for it is out (the server runs with
+    ``room.auto_create: false``), straight through the RoomService (not through a relay)."""
+
+    async def created() -> None:
+        lkapi = api.LiveKitAPI(url.replace("ws://", "http://"), key, secret)
+        try:
+            await lkapi.room.create_room(api.CreateRoomRequest(name=ROOM, empty_timeout=60, departure_timeout=60))
+        finally:
+            await lkapi.aclose()
+
+    await trio_asyncio.aio_as_trio(created, loop=loop)()
 
 
 async def relay(listener: trio.SocketListener, upstream: tuple[str, int], held: list[trio.SocketStream], forwarded: trio.Event) -> None:
@@ -94,6 +110,7 @@ async def ghost(url: str, key: str, secret: str) -> dict[str, Any]:
         nursery.start_soon(relay, listeners[0], (host, int(port)), held, forwarded)
         transport = LiveKitTransport(f"ws://127.0.0.1:{relay_port}", connect_timeout=0.5)
         loop = await nursery.start(transport.run)
+        await create_room(loop, url, key, secret)
         started = time.monotonic()
         try:
             await transport.connect(ROOM, IDENTITY, token, timeout=0.5)
@@ -129,10 +146,11 @@ async def publish_refused(url: str, key: str, secret: str) -> dict[str, Any]:
         .with_grants(api.VideoGrants(room_join=True, room=ROOM, can_publish=False, can_subscribe=False))
         .to_jwt()
     )
-    transport = LiveKitTransport(url, publish_timeout=2.0)
+    transport = LiveKitTransport(url, publish_timeout=2.0, api_key=key, api_secret=secret)
     errors: list[str | None] = []
     async with trio.open_nursery() as nursery:
         await nursery.start(transport.run)
+        await transport.open_room(ROOM, lifetime=60)
         connection = await transport.connect(ROOM, IDENTITY, token, timeout=10)
         frame = np.zeros((48, 64, 3), dtype=np.uint8)
         for _ in range(2):
@@ -150,11 +168,12 @@ async def publish_refused(url: str, key: str, secret: str) -> dict[str, Any]:
 async def media(url: str, key: str, secret: str) -> dict[str, Any]:
     """A chunk of 2 s of audio between two chunks of video, then leaving: how long each step took."""
     token = TokenIssuer(key, secret, 600).worker_token(ROOM, IDENTITY)
-    transport = LiveKitTransport(url)
+    transport = LiveKitTransport(url, api_key=key, api_secret=secret)
     frame = np.full((96, 160, 3), 90, dtype=np.uint8)
     audio = Audio(bytes(2 * 48000 * 2), 48000, 1)  # 2 s of PCM16 mono: more than the SDK's default queue
     async with trio.open_nursery() as nursery:
         loop = await nursery.start(transport.run)
+        await transport.open_room(ROOM, lifetime=60)
         connection = await transport.connect(ROOM, IDENTITY, token, timeout=10)
         await connection.publish_frame(frame, 16.0)
         started = time.monotonic()
@@ -185,7 +204,53 @@ async def media(url: str, key: str, secret: str) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"ghost": ghost, "publish_refused": publish_refused, "media": media}
+async def rooms(url: str, key: str, secret: str) -> dict[str, Any]:
+    """The room of a session: a token joins it once the server made it; once the server closed it (deleted
+    after its grace), the same token is refused; a transport with a wrong secret cannot make a room."""
+    room = "probe-session-room"
+    token = TokenIssuer(key, secret, 600).worker_token(room, IDENTITY)
+    transport = LiveKitTransport(url, api_key=key, api_secret=secret)
+    impostor = LiveKitTransport(url, api_key=key, api_secret="not-" + secret)
+    errors: dict[str, str | None] = {}
+
+    async def attempt(label: str, step: Any) -> None:
+        try:
+            await step()
+            errors[label] = None
+        except TransportError as exc:
+            errors[label] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        loop = await nursery.start(transport.run)
+        await nursery.start(impostor.run)
+        await attempt("join_before_open", lambda: transport.connect(room, IDENTITY, token, timeout=10))
+        await attempt("open_with_a_wrong_secret", lambda: impostor.open_room("probe-impostor-room", lifetime=60))
+        await transport.open_room(room, lifetime=60)
+        connection = await transport.connect(room, IDENTITY, token, timeout=10)
+        listed_while_open = IDENTITY in await participants(loop, url, key, secret, room)
+        await connection.disconnect()
+        transport.close_room(room)
+        with trio.fail_after(30):
+            while await listed_rooms(loop, url, key, secret, room):
+                await trio.sleep(0.2)  # bench-cost: the deletion waits out ROOM_CLOSE_GRACE in the background
+        await attempt("join_after_close", lambda: transport.connect(room, IDENTITY, token, timeout=10))
+        room_made_again = bool(await listed_rooms(loop, url, key, secret, room))
+        nursery.cancel_scope.cancel()
+    return {**errors, "listed_while_open": listed_while_open, "room_made_again": room_made_again}
+
+
+async def listed_rooms(loop: Any, url: str, key: str, secret: str, room: str) -> list[str]:
+    async def listed() -> list[str]:
+        lkapi = api.LiveKitAPI(url.replace("ws://", "http://"), key, secret)
+        try:
+            return [r.name for r in (await lkapi.room.list_rooms(api.ListRoomsRequest(names=[room]))).rooms]
+        finally:
+            await lkapi.aclose()
+
+    return await trio_asyncio.aio_as_trio(listed, loop=loop)()
+
+
+SCENARIOS = {"ghost": ghost, "publish_refused": publish_refused, "media": media, "rooms": rooms}
 
 
 def main() -> None:
