@@ -202,7 +202,7 @@ class LocalStageActor:
         self._send_closed = False
         self._close_requested = trio.Event()
         self._abandon = trio.Event()  # set when aclose's caller stops waiting for a stuck thread
-        self._running: trio.CancelScope | None = None  # the async call running in the actor's task
+        self._running_call: trio.CancelScope | None = None  # the async call running in the actor's task
         self._failure_listeners: list[Callable[[str], None]] = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -238,10 +238,11 @@ class LocalStageActor:
                     self._thread.request_stop()  # even when abandoned: it ends after the stuck call
                 if self._thread is not None and not self._abandon.is_set():
                     # a call that never returns keeps the thread: aclose's caller may give up on it
-                    async with trio.open_nursery() as stopping:
-                        stopping.start_soon(_cancel_on, self._abandon, stopping.cancel_scope)
+                    async with trio.open_nursery() as thread_stop_wait:
+                        thread_stop_wait.start_soon(_cancel_on, self._abandon, thread_stop_wait.cancel_scope,
+                                                    "aclose's caller abandoned the actor's stuck call")
                         await self._thread.stop()
-                        stopping.cancel_scope.cancel()
+                        thread_stop_wait.cancel_scope.cancel(reason="the actor's thread stopped")
                 if self._machine.can(actor_table.Event.CLOSE):
                     self._machine.apply(actor_table.Event.CLOSE)
                 self._stopped.set()
@@ -261,8 +262,8 @@ class LocalStageActor:
                 # the caller's deadline passed with a call still running on the (daemon) thread:
                 # leave the thread to it, so the actor's task and the orchestrator can end
                 self._abandon.set()
-                if self._running is not None:
-                    self._running.cancel()  # an async call or hook in the actor's task that never returns
+                if self._running_call is not None:  # an async call or hook in the actor's task that never returns
+                    self._running_call.cancel(reason="aclose's caller gave up on the actor's running call")
                 raise
         elif self._machine.can(actor_table.Event.CLOSE):
             self._machine.apply(actor_table.Event.CLOSE)
@@ -350,11 +351,11 @@ class LocalStageActor:
     async def _call(self, fn: Callable[..., Any], is_async: bool, *args: Any) -> outcome.Outcome:
         if is_async:
             # a running call is never interrupted mid-chunk, unless aclose's caller gave up on it
-            with trio.CancelScope(shield=True) as self._running:
+            with trio.CancelScope(shield=True) as self._running_call:
                 if self._abandon.is_set():
-                    self._running.cancel()
+                    self._running_call.cancel(reason="aclose's caller gave up on the actor's calls")
                 result = await outcome.acapture(fn, *args)
-            self._running = None
+            self._running_call = None
             if isinstance(result, outcome.Error) and isinstance(result.error, trio.Cancelled):
                 return outcome.Error(ActorFailedError(f"stage actor {self.name!r} closed while this call still ran"))
             return result
@@ -474,6 +475,6 @@ class LocalStageActor:
         return None if self._thread is None else self._thread.ident
 
 
-async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
+async def _cancel_on(event: trio.Event, scope: trio.CancelScope, reason: str) -> None:
     await event.wait()
-    scope.cancel()
+    scope.cancel(reason=reason)
