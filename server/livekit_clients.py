@@ -18,6 +18,8 @@ Operations (one agent holds many named clients, e.g. sixteen viewers):
 - ``publish`` topic, payload, [reliable]: ``publish_data`` (the error is the SDK's, e.g. a grant);
 - ``hold`` keys, [period]: send ``control_state`` with ``keys`` on ``tf.control`` now and every
   ``period`` s (the heartbeat), replacing the previous hold; ``keys: []`` sends one empty state and stops;
+- ``flood`` key_sets, count, last: ``count`` ``control_state`` messages as fast as the SDK sends them (cycling
+  through ``key_sets``), then one holding ``last``; answers the seconds it took;
 - ``frames`` [grey]: frames received so far, the size, and with ``grey`` the last frame's grey levels;
 - ``first_change`` keys, [timeout], [threshold]: hold ``keys`` and answer the seconds from sending the
   first control until the first decoded frame that differs from the frame shown before it;
@@ -124,6 +126,15 @@ class Client:
 
             self._hold_task = asyncio.get_running_loop().create_task(heartbeat())
 
+    async def flood(self, key_sets: list[list[str]], count: int, last: list[str]) -> float:
+        """Send ``count`` ``control_state`` messages as fast as the SDK takes them (cycling through ``key_sets``),
+        then one holding ``last``; the seconds it took."""
+        started = time.perf_counter()
+        for index in range(count):
+            await self._send_state(key_sets[index % len(key_sets)])
+        await self._send_state(last)
+        return time.perf_counter() - started
+
     async def first_change(self, keys: list[str], timeout: float, threshold: float) -> float:
         before = None if self.grey is None else self.grey.copy()
         started = time.perf_counter()
@@ -199,6 +210,9 @@ class ClientsServer:
         if op == "hold":
             await client.hold(list(request["keys"]), float(request.get("period", 0.1)))
             return {}
+        if op == "flood":
+            return {"seconds": await client.flood([list(keys) for keys in request["key_sets"]], int(request["count"]),
+                                                 list(request["last"]))}
         if op == "frames":
             return client.frames_reply(bool(request.get("grey", False)))
         if op == "first_change":

@@ -28,8 +28,11 @@ error. Data goes through
 ``local_participant.publish_data(payload, reliable=..., topic=...)``.
 
 Events: a participant counts as joined when it is *active* (it can receive
-data then, so the first status messages reach it). Data events beyond
-``EVENT_BACKLOG`` unread ones are dropped; participant events never are. When
+data then, so the first status messages reach it). Each participant's data is
+taken at the local rooms' pace (:mod:`.data_pace`; nothing pushes back on a
+LiveKit sender, so over the pace, or while ``EVENT_BACKLOG`` data events are
+unread, its newest message waits in one slot and an older waiting one is
+dropped); participant events are never held or dropped. When
 the room is lost (worker removed, or the SDK still reconnecting after
 ``reconnect_timeout``, as when the server died), ``events()`` raises
 :class:`TransportError` with the reason instead of ending.
@@ -75,6 +78,7 @@ from .base import (
     RoomEvent,
     TransportError,
 )
+from .data_pace import LatestWins
 from .livekit_media import AUDIO_TRACK_NAME, MAX_VIDEO_BITRATE, VIDEO_TRACK_NAME, MediaPublisher, check_frame
 
 __all__ = ["AUDIO_TRACK_NAME", "MAX_ROOM_TIMEOUT", "MAX_VIDEO_BITRATE", "ROOM_CLOSE_GRACE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
@@ -109,10 +113,11 @@ class _LiveKitConnection:
         self._loop = loop
         self.room_name = room_name
         self._identity = identity
-        # unbounded, but data is counted: past EVENT_BACKLOG pending data events new data is dropped,
-        # while participant events (one per join or leave, bounded by the room) are always kept
+        # unbounded, but data is counted: at most EVENT_BACKLOG data events wait here (more wait paced, one per
+        # sender, newest wins), while participant events (one per join or leave, bounded by the room) always go in
         self._send, self._receive = trio.open_memory_channel[RoomEvent](math.inf)
         self._pending_data = 0
+        self._paced = LatestWins(self._accept_data, loop.time, loop.call_later)
         self.room: rtc.Room | None = None
         self.media: MediaPublisher | None = None
         self._closed = False  # disconnect() was called
@@ -120,7 +125,11 @@ class _LiveKitConnection:
         self._joining: asyncio.Task[None] | None = None
         self._reconnect_deadline: asyncio.TimerHandle | None = None
         self._broken: str | None = None  # a track could not be published: the connection is unusable
-        self.dropped_events = 0
+
+    @property
+    def dropped_events(self) -> int:
+        """Data messages a newer one from the same sender replaced while they waited their turn."""
+        return self._paced.dropped
 
     @property
     def identity(self) -> str:
@@ -142,24 +151,37 @@ class _LiveKitConnection:
     def _deliver(self, event: RoomEvent) -> None:
         if self._closed or self._lost is not None:
             return
-        if isinstance(event, DataReceived):
-            if self._pending_data >= EVENT_BACKLOG:
-                self.dropped_events += 1  # a flood of data messages: the runner reads what it can
-                return
-            self._pending_data += 1
         try:
             self._send.send_nowait(event)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
+    def _stop_events(self) -> None:
+        """The worker leaves (or gave up joining): no event reaches the runner any more."""
+        self._closed = True
+        self._paced.close()
+        self._send.close()
+
+    def _accept_data(self, event: DataReceived) -> bool:
+        """Hand a paced data message to the runner; False (it waits) while EVENT_BACKLOG of them are unread."""
+        if self._pending_data >= EVENT_BACKLOG and not (self._closed or self._lost is not None):
+            return False
+        self._pending_data += 1
+        self._deliver(event)
+        return True
+
     def _on_data(self, packet: rtc.DataPacket) -> None:
         sender = packet.participant.identity if packet.participant is not None else None
-        self._deliver(DataReceived(packet.topic or "", bytes(packet.data), sender))
+        self._paced.offer(DataReceived(packet.topic or "", bytes(packet.data), sender))
 
     def _on_joined(self, participant: rtc.RemoteParticipant) -> None:
         self._deliver(ParticipantJoined(participant.identity))
 
     def _on_left(self, participant: rtc.RemoteParticipant) -> None:
+        last_word = self._paced.forget(participant.identity)
+        if last_word is not None:  # its newest message waited its turn: it goes before the leaving, whatever waits
+            self._pending_data += 1
+            self._deliver(last_word)
         self._deliver(ParticipantLeft(participant.identity))
 
     def _on_disconnected(self, reason: Any = None) -> None:
@@ -189,6 +211,7 @@ class _LiveKitConnection:
             return
         self._on_reconnected()
         self._lost = why
+        self._paced.close()
         self._send.close()
 
     async def _aio_connect(self, url: str, token: str, attempt_timeout: float) -> None:
@@ -308,8 +331,7 @@ class _LiveKitConnection:
         """Unpublish, close the sources and leave the room; shielded and bounded by ``disconnect_timeout``."""
         if self._closed:
             return
-        self._closed = True
-        self._send.close()
+        self._stop_events()
         self._transport._connections.discard(self)
         if self._transport._loop is not self._loop:
             return  # the loop is gone, and the room with it
@@ -501,8 +523,7 @@ class LiveKitTransport:
 
     async def _abandon(self, connection: _LiveKitConnection) -> None:
         """Give up a connect: the worker leaves the room as soon as (and if ever) the native join succeeds."""
-        connection._closed = True
-        connection._send.close()
+        connection._stop_events()
         with trio.CancelScope(shield=True):
             leaving = await trio_asyncio.aio_as_trio(self._start_leaving, loop=self._loop)(connection)
         if leaving is not None:

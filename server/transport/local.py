@@ -48,7 +48,8 @@ from .. import json_limits
 from ..protocol import STATUS_TOPIC
 from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
-from .local_room import EVENT_BACKLOG, DataPace, RemoteWorkerPresence, Room, Subscriber, data_message
+from .data_pace import DataPace
+from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
 
 __all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES", "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES",
-    "RemoteWorkerPresence", "Room", "Subscriber", "data_message", "DataPace",
+    "RemoteWorkerPresence", "Room", "Subscriber", "data_message",
 ]
 
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
@@ -31,10 +31,6 @@ TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before i
 TEXT_BACKLOG_BYTES = 1024 * 1024  # ... and the characters of them (ASCII JSON: bytes) it may fall behind by
 HELD_FOR_WORKER = 32  # data messages a room holds for a worker that has not joined yet (controls are small)
 HELD_FOR_WORKER_BYTES = 64 * 1024  # ... and their bytes: a queued session's room holds this at most
-# messages a second a participant's socket is read at, past a burst: a person's controls and a page's frame acks
-# are tens a second; one controller writing 23,000 a second took a whole core and other sessions fell to 1 fps
-DATA_MESSAGES_PER_SECOND = 500
-DATA_BURST = 500
 
 
 @attrs.define(eq=False)
@@ -167,28 +163,6 @@ class Room:
         for identity, subscriber in self.subscribers.items():
             if identity != skip:
                 subscriber.push_text(message)
-
-
-class DataPace:
-    """How fast one participant's messages are read: a token bucket of :data:`DATA_BURST` messages refilled at
-    :data:`DATA_MESSAGES_PER_SECOND`. A participant that writes faster is read no faster: its messages wait in
-    its own socket (TCP pushes back on it), none is dropped, so the last ``control_state`` still wins."""
-
-    def __init__(self, rate: float = DATA_MESSAGES_PER_SECOND, burst: int = DATA_BURST) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._tokens = float(burst)
-        self._at = trio.current_time()
-
-    async def take(self) -> None:
-        """Wait until this participant may have its next message read."""
-        now = trio.current_time()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens < 1:
-            await trio.sleep((1 - self._tokens) / self.rate)
-            self._tokens, self._at = 1.0, trio.current_time()
-        self._tokens -= 1
 
 
 def data_message(topic: str, payload: bytes, sender: str, *, parsed: Any = None) -> str:

@@ -216,6 +216,30 @@ async def test_a_queued_session_deleted_tells_its_livekit_room_done(stream: Stre
             await agent.join(client, token)
 
 
+async def test_a_control_flood_over_livekit_is_taken_at_the_pace_and_the_last_state_wins(
+    stream: StreamServer, agent: Agent
+) -> None:
+    """LiveKit hands the worker every packet and nothing pushes back on the sender: the worker takes each sender's
+    data at the local rooms' pace (500 a second past a burst of 500), its newest message waiting its turn, so the
+    last state sent is the one the pipeline ends with, and the server keeps answering meanwhile."""
+    created = await create(stream, "ola")
+    await agent.join("ola", created["token"])
+    await agent.wait_message("ola", "status", stage="running")
+    flood = 3_000
+    sent = await agent.request("flood", client="ola", key_sets=[["w"], ["a"], ["s"], ["w", "a"], []], count=flood,
+                               last=["d"], timeout=60)
+    async with stream.http() as http:
+        assert (await http.get("/v1/service/health")).status_code == 200
+    # a chunk made under the last state: each chunk's status names the keys it applied
+    applied = await agent.wait_for(
+        lambda: next((m for m in reversed(agent.messages("ola", "tf.status")) if m.get("type") == "chunk"
+                      and m.get("data", {}).get("applied_controls", {}).get("keys") == ["d"]), None),
+        "a chunk made holding the last state, d", timeout=flood / 500 + 20)
+    assert applied["data"]["applied_controls"]["keys"] == ["d"], (applied, sent)
+    await agent.request("publish", client="ola", topic="tf.control", payload=json.dumps({"type": "stop"}))
+    assert (await wait_status(stream, created["session_id"], TERMINAL))["status"] == "closed"
+
+
 def disconnected(agent: Agent, client: str) -> str | None:
     """Why ``client``'s room went away, once it did."""
     return next((e["reason"] for e in agent.events if e["event"] == "disconnected" and e["client"] == client), None)

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from server.transport import local, local_room
+from server.transport import data_pace, local
 from spec_tests.server.runner_fixtures import CounterService, Peer, join, serve, settings
 
 FLOOD = 1_500
@@ -145,7 +145,7 @@ async def flood_and_check(service: CounterService) -> None:
             assert peaks["texts"] <= TEXT_BACKLOG_BOUND, report
             assert not ctl.status("control_rejected"), report
             assert session.held == set(LAST), f"latest-wins broken: the pipeline holds {sorted(session.held)}; {report}"
-            paced = (FLOOD - local_room.DATA_BURST) / local_room.DATA_MESSAGES_PER_SECOND
+            paced = (FLOOD - data_pace.DATA_BURST) / data_pace.DATA_MESSAGES_PER_SECOND
             assert settled_after >= paced, f"read faster than its pace ({settled_after:.2f} s < {paced:.2f} s); {report}"
             assert (await served.get(created["session_id"]))["status"] == "running"
 

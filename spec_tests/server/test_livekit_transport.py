@@ -13,6 +13,7 @@ import asyncio
 import functools
 import logging
 import socket
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from server.transport import (
     ParticipantLeft,
     TransportError,
 )
+from server.transport.data_pace import LatestWins
 from server.transport.livekit import (
     AUDIO_TRACK_NAME,
     EVENT_BACKLOG,
@@ -263,30 +265,107 @@ async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> 
         await connection.publish_frame(np.zeros((4, 4, 3), np.uint8), 16.0)
 
 
-async def test_a_data_flood_drops_data_but_never_a_departure(nursery: trio.Nursery) -> None:
+async def test_a_data_flood_keeps_each_senders_newest_and_never_a_departure(nursery: trio.Nursery) -> None:
+    """Past the unread backlog a sender's newest message waits in one slot (older ones are dropped); its leaving
+    hands that one on first, and participant events are never held or dropped."""
     transport, loop = await start(nursery, "ws://127.0.0.1:7880")
     connection = _LiveKitConnection(transport, loop, "stage", "worker-1")
-    flood = EVENT_BACKLOG + 50
+    flood = EVENT_BACKLOG + 50  # under the pace's burst: only the backlog holds it back
 
     async def emit_on_asyncio() -> None:
         room = rtc.Room(loop=loop)
         connection._attach(room)
         room.emit("participant_active", _FakeParticipant("ctrl-1"))
-        for _ in range(flood):
-            room.emit("data_received", rtc.DataPacket(data=b"{}", kind=rtc.DataPacketKind.KIND_RELIABLE,
+        for index in range(flood):
+            room.emit("data_received", rtc.DataPacket(data=b'{"n": %d}' % index, kind=rtc.DataPacketKind.KIND_RELIABLE,
                                                       participant=_FakeParticipant("ctrl-1"), topic="tf.control"))
         room.emit("participant_disconnected", _FakeParticipant("ctrl-1"))
         room.emit("participant_active", _FakeParticipant("viewer-1"))
 
     await trio_asyncio.aio_as_trio(emit_on_asyncio, loop=loop)()
     events = connection.events()
-    received = [await events.__anext__() for _ in range(1 + EVENT_BACKLOG + 2)]
+    received = [await events.__anext__() for _ in range(1 + EVENT_BACKLOG + 1 + 2)]
     assert received[0] == ParticipantJoined("ctrl-1")
-    assert all(isinstance(event, DataReceived) for event in received[1 : 1 + EVENT_BACKLOG])
+    data = received[1 : 2 + EVENT_BACKLOG]
+    assert [event.payload for event in data] == [b'{"n": %d}' % n for n in [*range(EVENT_BACKLOG), flood - 1]]
     assert received[-2:] == [ParticipantLeft("ctrl-1"), ParticipantJoined("viewer-1")]
-    assert connection.dropped_events == flood - EVENT_BACKLOG
+    assert connection.dropped_events == flood - EVENT_BACKLOG - 1
     await events.aclose()
     await connection.disconnect()
+
+
+class _ManualLoop:
+    """An event loop's clock and timers, advanced by hand: ``run_until(t)`` fires what is due by ``t`` in order."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[list] = []  # [when, fn, args, cancelled]
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, seconds: float, fn: Any, *args: Any) -> Any:
+        timer = [self.now + seconds, fn, args, False]
+        self.timers.append(timer)
+
+        class Handle:
+            def cancel(self) -> None:
+                timer[3] = True
+
+        return Handle()
+
+    def run_until(self, when: float) -> None:
+        while due := sorted((t for t in self.timers if not t[3] and t[0] <= when), key=lambda t: t[0]):
+            timer = due[0]
+            self.timers.remove(timer)
+            self.now = timer[0]
+            timer[1](*timer[2])
+        self.now = when
+
+
+def test_a_senders_data_past_the_burst_goes_at_the_pace_and_its_newest_wins() -> None:
+    """Nothing pushes back on a LiveKit sender, so its flood is taken at the local rooms' pace: the burst at once,
+    then one message every 1/rate s, each the newest the sender had sent by then; each sender has its own pace."""
+    loop = _ManualLoop()
+    taken: list[tuple[float, str, int]] = []
+
+    def accept(event: DataReceived) -> bool:
+        taken.append((loop.now, event.sender_identity, int(event.payload)))
+        return True
+
+    paced = LatestWins(accept, loop.time, loop.call_later, rate=100, burst=3)
+    for n in range(10):  # at t=0: three go at once, the rest coalesce into the newest
+        paced.offer(DataReceived("tf.control", b"%d" % n, "ctrl"))
+    paced.offer(DataReceived("tf.control", b"0", "viewer"))  # another sender's pace is its own
+    assert taken == [(0.0, "ctrl", 0), (0.0, "ctrl", 1), (0.0, "ctrl", 2), (0.0, "viewer", 0)]
+    loop.run_until(0.005)
+    paced.offer(DataReceived("tf.control", b"10", "ctrl"))  # newer than the one waiting: it takes its place
+    loop.run_until(0.0101)
+    assert taken[4:] == [(pytest.approx(0.01), "ctrl", 10)]
+    assert paced.dropped == 7
+    paced.offer(DataReceived("tf.control", b"11", "ctrl"))  # no token yet: waits for the next
+    loop.run_until(0.05)
+    assert taken[5:] == [(pytest.approx(0.02), "ctrl", 11)]
+    # a sender that leaves: its waiting message comes back for the caller to hand on, its timer goes
+    for n in (12, 13, 14, 15):  # the bucket refilled to its burst meanwhile
+        paced.offer(DataReceived("tf.control", b"%d" % n, "ctrl"))
+    assert taken[6:] == [(0.05, "ctrl", 12), (0.05, "ctrl", 13), (0.05, "ctrl", 14)]
+    assert paced.forget("ctrl") == DataReceived("tf.control", b"15", "ctrl")
+    loop.run_until(1.0)
+    assert len(taken) == 9
+    # a full backlog holds a message as the pace does: it waits, newest first, until accepted
+    full = [True]
+    paced = LatestWins(lambda event: not full[0] and accept(event), loop.time, loop.call_later, rate=100, burst=3)
+    paced.offer(DataReceived("tf.control", b"20", "ctrl"))
+    paced.offer(DataReceived("tf.control", b"21", "ctrl"))
+    loop.run_until(1.05)
+    full[0] = False
+    loop.run_until(1.1)
+    assert taken[9:] == [(pytest.approx(1.06), "ctrl", 21)] and paced.dropped == 1
+    paced.close()
+    paced.offer(DataReceived("tf.control", b"22", "ctrl"))
+    loop.run_until(2.0)
+    assert len(taken) == 10
 
 
 async def test_disconnect_of_an_unconnected_room_is_bounded(nursery: trio.Nursery) -> None:

@@ -1,0 +1,133 @@
+"""How fast one participant's data messages are taken in, for every transport.
+
+A person's controls and a page's frame acks are tens a second; one controller writing 23,000 a second took a whole
+core and other sessions fell to 1 fps. So each participant's messages are taken at :data:`DATA_MESSAGES_PER_SECOND`
+past a burst of :data:`DATA_BURST` (a token bucket, :class:`DataPace`):
+
+- the local rooms read a participant's socket no faster (:meth:`DataPace.take`): a faster writer's messages wait
+  in its own socket, TCP pushes back on it, none is dropped;
+- LiveKit delivers every packet, and nothing can push back on the sender, so :class:`LatestWins` keeps, per sender,
+  the newest message over the pace in one waiting slot (an older waiting one is dropped: each ``control_state``
+  is the whole set of held keys, so the last one sent is the one that counts) and hands it on when the pace, and the
+  worker's event backlog, allow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import trio
+
+from .base import DataReceived
+
+__all__ = ["DATA_BURST", "DATA_MESSAGES_PER_SECOND", "DataPace", "LatestWins"]
+
+DATA_MESSAGES_PER_SECOND = 500
+DATA_BURST = 500
+
+
+class DataPace:
+    """A token bucket of ``burst`` messages refilled at ``rate`` a second, on the clock whose ``now`` it is given."""
+
+    def __init__(self, rate: float = DATA_MESSAGES_PER_SECOND, burst: int = DATA_BURST, *, now: float | None = None) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._at = trio.current_time() if now is None else now
+
+    def wait(self, now: float) -> float:
+        """0.0, having taken a message's token, when one is there at ``now``; else the seconds until one will be
+        (nothing taken)."""
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1 - 1e-9:  # a wait of exactly the missing part refills to 1, less a rounding
+            self._tokens = max(0.0, self._tokens - 1)
+            return 0.0
+        return (1 - self._tokens) / self.rate
+
+    async def take(self) -> None:
+        """Wait until this participant may have its next message read (trio's clock); a wait's overshoot is not
+        made up for later."""
+        seconds = self.wait(trio.current_time())
+        if seconds > 0:
+            await trio.sleep(seconds)
+            self._tokens, self._at = 0.0, trio.current_time()  # the token it waited for, taken
+
+
+class _Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class LatestWins:
+    """Each sender's data handed to ``accept`` at the pace; over it, the sender's newest message waits in one slot.
+
+    ``accept(event)`` hands a message on, or returns False when the receiver's backlog is full (the message then
+    waits, as over the pace). ``now()`` and ``call_later(seconds, fn, *args)`` are the event loop's (callbacks run
+    there). ``dropped`` counts the messages a newer one replaced while they waited.
+    """
+
+    def __init__(
+        self,
+        accept: Callable[[DataReceived], bool],
+        now: Callable[[], float],
+        call_later: Callable[..., _Timer],
+        *,
+        rate: float = DATA_MESSAGES_PER_SECOND,
+        burst: int = DATA_BURST,
+    ) -> None:
+        self._accept = accept
+        self._now = now
+        self._call_later = call_later
+        self._rate = rate
+        self._burst = burst
+        self._paces: dict[Any, DataPace] = {}  # by sender: one per participant in the room
+        self._waiting: dict[Any, DataReceived] = {}
+        self._timers: dict[Any, _Timer] = {}
+        self.dropped = 0
+        self._closed = False
+
+    def offer(self, event: DataReceived) -> None:
+        """A message arrived: on now, or into its sender's slot (replacing the one there)."""
+        if self._closed:
+            return
+        sender = event.sender_identity
+        if sender in self._waiting:
+            self._waiting[sender] = event
+            self.dropped += 1
+            return
+        pace = self._paces.get(sender)
+        if pace is None:
+            pace = self._paces[sender] = DataPace(self._rate, self._burst, now=self._now())
+        seconds = pace.wait(self._now())
+        if seconds == 0 and self._accept(event):
+            return
+        self._waiting[sender] = event
+        self._timers[sender] = self._call_later(seconds or 1 / self._rate, self._hand_on, sender)
+
+    def forget(self, sender: Any) -> DataReceived | None:
+        """The sender left: its pace goes, and its waiting message is returned (for the caller to hand on before the
+        leaving, past the backlog: one message a participant that leaves)."""
+        timer = self._timers.pop(sender, None)
+        if timer is not None:
+            timer.cancel()
+        self._paces.pop(sender, None)
+        return self._waiting.pop(sender, None)
+
+    def close(self) -> None:
+        """Nothing more is handed on; the timers are cancelled."""
+        self._closed = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        self._waiting.clear()
+
+    def _hand_on(self, sender: Any) -> None:
+        self._timers.pop(sender, None)
+        if self._closed or sender not in self._waiting:
+            return
+        seconds = self._paces[sender].wait(self._now())
+        if seconds == 0 and self._accept(self._waiting[sender]):
+            del self._waiting[sender]
+            return
+        self._timers[sender] = self._call_later(seconds or 1 / self._rate, self._hand_on, sender)
