@@ -255,11 +255,15 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         await check_image_decodes(body, image, runtime.image_decodes)
         await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
         named = runtime.new_session()
-        try:  # LiveKit: the room is made before its first token is out, and only then can it be refused
-            await transport.open_room(named[1], lifetime=settings.session_timeout)
-        except TransportError as exc:
-            log.warning("POST /v1/stream/sessions: %s", exc)
-            return error(503, "transport_unavailable", str(exc), {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        # LiveKit: the room is made before its first token is out, and only then can it be refused; a create that
+        # is refused at once (no slot, no place in the queue, no worker) makes none: it is refused with no await
+        # between that look and the refusal
+        if runtime.would_take_session():
+            try:
+                await transport.open_room(named[1], lifetime=settings.session_timeout)
+            except TransportError as exc:
+                log.warning("POST /v1/stream/sessions: %s", exc)
+                return error(503, "transport_unavailable", str(exc), {"Retry-After": str(RETRY_AFTER_SECONDS)})
         try:
             created = runtime.create_session(body, image_bytes=image, named=named)
         except BaseException:  # no session holds the room (NoWorker, a bug): it goes now

@@ -289,6 +289,10 @@ class StreamRuntime:
         session_id = secrets.token_hex(8)
         return session_id, f"chunkline-{session_id}"
 
+    def would_take_session(self) -> bool:
+        """Whether :meth:`create_session` would admit or queue a session now, rather than refuse it."""
+        return not self.closing and self.book.can_place() and self.book.would_admit()
+
     def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None,
                        named: tuple[str, str] | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits.

@@ -181,6 +181,10 @@ class AdmissionBook:
         """
         return any(w.machine.state in PROSPECTIVE for w in self._workers.values())
 
+    def would_admit(self) -> bool:
+        """Whether :meth:`admit` would assign or queue a session now (a pure query: nothing changes)."""
+        return self._least_loaded() is not None or len(self._queue) < self._queue_size
+
     def snapshot(self) -> AdmissionSnapshot:
         counts = dict.fromkeys(WorkerState, 0)
         for w in self._workers.values():

@@ -381,6 +381,7 @@ class LiveKitTransport:
         self._api_secret = api_secret
         self._loop: Any = None
         self._sends: trio.Nursery | None = None  # the server's sends to rooms, while running
+        self._opened: set[str] = set()  # rooms made for sessions that have not ended
         self._to_delete: set[str] = set()  # rooms of ended sessions not deleted yet (each waits out its grace)
         self._connections: set[_LiveKitConnection] = set()
         self._leaving: set[asyncio.Task[None]] = set()  # abandoned joins, leaving once they end
@@ -447,6 +448,7 @@ class LiveKitTransport:
                 raise TransportError(f"{prefix}: {type(exc).__name__}: {exc}") from None
         if deadline.cancelled_caught:
             raise TransportError(f"{prefix}: no answer within {self.disconnect_timeout:g} s")
+        self._opened.add(room)
 
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended. In the background, each step within ``disconnect_timeout``: ``last_word``,
@@ -454,8 +456,9 @@ class LiveKitTransport:
         through the RoomService, which names no participant (clients take status without one as the server's:
         only a holder of the API secret can send it); ``ROOM_CLOSE_GRACE`` later the room is deleted, which sends
         its clients away, as the local rooms do once the worker's last messages are out."""
-        if self._sends is None or not (self._api_key and self._api_secret):
-            return
+        if self._sends is None or not (self._api_key and self._api_secret) or room not in self._opened:
+            return  # a session refused as it was asked for: no room was made for it
+        self._opened.discard(room)
         self._to_delete.add(room)
         self._sends.start_soon(self._close_room, room, last_word)
 

@@ -19,6 +19,7 @@ Terminal states, as the product defines them (server/runner.py ``RoomRunner.run`
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -239,9 +240,10 @@ async def test_cleanup_hook_raising_poisons_the_pipeline_session_and_a_retry_suc
 # -- (d) LiveKit unreachable -----------------------------------------------------------------------
 
 
-async def room_service_only(stream: trio.SocketStream) -> None:
+async def room_service_only(stream: trio.SocketStream, calls: list[str] | None = None, hold_joins: bool = False) -> None:
     """A LiveKit stand-in's connection: a RoomService call (room made, room deleted) is answered 200 with an empty
-    message; anything else (the signalling a worker's join opens) is dropped unanswered."""
+    message, and its method goes into ``calls``; anything else (the signalling a worker's join opens) is dropped
+    unanswered, or with ``hold_joins`` held open without a word until the stand-in stops."""
     async with stream:
         received = b""
         with trio.move_on_after(5):
@@ -252,7 +254,11 @@ async def room_service_only(stream: trio.SocketStream) -> None:
                 received += data
             head, _, body = received.partition(b"\r\n\r\n")
             if not head.startswith(b"POST /twirp/livekit.RoomService/"):
+                if hold_joins:
+                    await trio.sleep_forever()
                 return
+            if calls is not None:
+                calls.append(head.split(b" ")[1].rsplit(b"/", 1)[1].decode())
             length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
             while len(body) < length:
                 data = await stream.receive_some(65536)
@@ -311,6 +317,34 @@ async def test_a_worker_that_cannot_join_its_livekit_room_fails_the_session_with
             assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, 1)
         stand_in.cancel_scope.cancel()
     await leaks.check()
+
+
+@pytest.mark.in_process_only(reason="it reads the in-process admission book")
+async def test_a_session_refused_at_once_makes_no_livekit_room() -> None:
+    """A create refused as it is asked for (no slot, no place in the queue) costs LiveKit nothing: no room is made
+    for it, and none deleted; an admitted one's room is made before its answer."""
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    calls: list[str] = []
+    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
+                 "livekit_api_secret": LIVEKIT_SECRET, "max_sessions_per_worker": 1, "queue_size": 0}
+    stand_in = trio.CancelScope()
+
+    async def run_stand_in() -> None:
+        with stand_in:
+            await trio.serve_listeners(functools.partial(room_service_only, calls=calls, hold_joins=True), [listener])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_stand_in)
+        async with serve(settings(**overrides), CounterService()) as s:
+            first = await s.client.post("/v1/stream/sessions", json={"identity": "ctl"})
+            assert first.status_code == 200, await first.get_data()
+            assert calls == ["CreateRoom"]  # before the answer: the token is good only once the room exists
+            for _ in range(20):  # the worker's join is held: the slot stays taken
+                refused = await s.client.post("/v1/stream/sessions", json={"identity": "ctl-2"})
+                assert refused.status_code == 429, await refused.get_data()
+            assert calls == ["CreateRoom"]
+            stand_in.cancel(reason="the test is over")  # the held join fails now, and the session with it
 
 
 @pytest.mark.in_process_only(reason="it reads the in-process service and the admission book")

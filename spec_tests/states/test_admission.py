@@ -524,7 +524,11 @@ class AdmissionMachine(RuleBasedStateMachine):
         s = f"s{self.next_session}"
         self.next_session += 1
         self.seen.append(s)
+        before = self.book.canonical_key()
+        would = self.book.would_admit()  # the server's look before it makes a LiveKit room: a pure query
+        assert self.book.canonical_key() == before
         admission, transitions = self.book.admit(s, self.tick())
+        assert would == (admission.status != "rejected")
         expected_answer, expected_moves = self.model.admit(s)
         assert (admission.status, admission.worker_id, admission.queue_position, admission.reason) == expected_answer
         assert admission.session_id == s
