@@ -21,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from . import json_limits, option_check
 from .http_framing import longest_body_seconds
+from .log_pace import LogPace
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import openapi_document
 from .reasons import echo, echo_each
@@ -109,6 +110,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         issuer = TokenIssuer.dev(ttl_seconds=settings.token_ttl)
     metrics = ServerMetrics()
     transport = _make_transport(settings, issuer)
+    room_failures = LogPace(log)
     runtime = StreamRuntime(
         settings, issuer=issuer, transport=transport, metrics=metrics, service_loader=service_loader,
         restart_policy=restart_policy,
@@ -262,7 +264,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             try:
                 await transport.open_room(named[1], lifetime=settings.session_timeout)
             except TransportError as exc:
-                log.warning("POST /v1/stream/sessions: %s", exc)
+                room_failures.warning("POST /v1/stream/sessions: %s", exc)  # as often as clients ask: paced
                 return error(503, "transport_unavailable", str(exc), {"Retry-After": str(RETRY_AFTER_SECONDS)})
         try:
             created = runtime.create_session(body, image_bytes=image, named=named)
