@@ -7,16 +7,26 @@ earlier. Clients in the local rooms (WebSockets through hypercorn) were cut off 
 
 :func:`install` wraps that function of hypercorn's trio and asyncio workers, in the worker process, once the app
 is built: when hypercorn's stop arrives, the app drains its sessions first, as ``chunkline stream-serve`` does
-before it stops hypercorn, and then hypercorn goes on. Under ``hypercorn --workers 0`` there is no such stop (a
-SIGTERM ends the process at once); ``chunkline stream-serve`` drains there too.
+before it stops hypercorn, and then hypercorn goes on.
+
+Under ``hypercorn --workers 0`` no supervisor tells the one process to stop: its trio worker had no stop at all
+(SIGTERM ended the process at once, SIGINT was a KeyboardInterrupt through every task) and its asyncio worker
+stopped on its own signal handlers, both without a drain. So :func:`install` also wraps their ``worker_serve``:
+started without a stop trigger, it gets one that waits for SIGTERM or SIGINT, drains, and then lets hypercorn
+stop as it does on its supervisor's word.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import trio
 
 __all__ = ["install", "WORKER_MODULES"]
 
@@ -25,6 +35,7 @@ log = logging.getLogger(__name__)
 #: hypercorn's worker modules whose ``check_multiprocess_shutdown_event`` becomes their workers' stop trigger
 WORKER_MODULES = ("hypercorn.trio.run", "hypercorn.asyncio.run")
 _DRAINS_FIRST = "chunkline_drains_first"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def install(drain: Callable[[], Awaitable[None]]) -> list[str]:
@@ -46,4 +57,44 @@ def install(drain: Callable[[], Awaitable[None]]) -> list[str]:
         setattr(stop_trigger, _DRAINS_FIRST, True)
         setattr(module, "check_multiprocess_shutdown_event", stop_trigger)
         wrapped.append(name)
+        serve = getattr(module, "worker_serve", None)
+        if serve is not None and not getattr(serve, _DRAINS_FIRST, False):
+            signalled = _trio_stop_signal if name == "hypercorn.trio.run" else _asyncio_stop_signal
+            setattr(module, "worker_serve", _stopping_on_signals(serve, signalled, drain))
     return wrapped
+
+
+def _stopping_on_signals(serve: Callable[..., Awaitable[None]], signalled: Callable[[], Awaitable[None]],
+                         drain: Callable[[], Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """hypercorn's ``worker_serve``, given a stop trigger when it has none (``--workers 0``): a stop signal, then the
+    drain."""
+
+    async def stop_trigger() -> None:
+        await signalled()
+        log.info("a stop signal: draining the sessions before hypercorn closes connections")
+        await drain()
+
+    @functools.wraps(serve)
+    async def worker_serve(*args: Any, shutdown_trigger: Callable[..., Awaitable[None]] | None = None, **kwargs: Any) -> None:
+        await serve(*args, shutdown_trigger=shutdown_trigger or stop_trigger, **kwargs)
+
+    setattr(worker_serve, _DRAINS_FIRST, True)
+    return worker_serve
+
+
+async def _trio_stop_signal() -> None:
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        async for _ in signals:
+            return
+
+
+async def _asyncio_stop_signal() -> None:
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    for number in STOP_SIGNALS:
+        loop.add_signal_handler(number, signalled.set)
+    try:
+        await signalled.wait()
+    finally:
+        for number in STOP_SIGNALS:
+            loop.remove_signal_handler(number)

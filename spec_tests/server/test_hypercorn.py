@@ -150,12 +150,16 @@ def status_of(message: Any) -> str | None:
     return None
 
 
-async def test_hypercorn_trio_worker_subprocess():
-    await run_hypercorn_subprocess(["--worker-class", "trio"])
+@pytest.mark.parametrize("workers", [[], ["--workers", "0"]], ids=["supervised", "in-process"])
+async def test_hypercorn_trio_worker_subprocess(workers):
+    await run_hypercorn_subprocess(["--worker-class", "trio", *workers])
 
 
-async def test_plain_hypercorn_subprocess_uses_the_asyncio_shim():
-    await run_hypercorn_subprocess([])
+@pytest.mark.parametrize("workers", [[], ["--workers", "0"]], ids=["supervised", "in-process"])
+async def test_plain_hypercorn_subprocess_uses_the_asyncio_shim(workers):
+    """Also under ``--workers 0``, where no supervisor tells the process to stop: SIGTERM ended the trio worker at
+    once, and the asyncio worker stopped on its own handlers, each without a drain (the controller got no done)."""
+    await run_hypercorn_subprocess(workers)
 
 
 def bare_env(**extra: str) -> dict[str, str]:
