@@ -46,7 +46,9 @@ does not stop the SDK's native join, so the join runs on in its own asyncio
 task and, should it succeed after all, the worker leaves the room at once
 (``abandoned_joins`` counts those still running). ``disconnect`` leaves the
 room first (the server drops the tracks with the participant) and closes the
-sources afterwards, all within ``disconnect_timeout``.
+sources afterwards, all within ``disconnect_timeout``, and no sooner than
+``DATA_FLUSH_GRACE`` after the last data message it sent (leaving closes the data
+channel the message may still wait in).
 
 Logging: livekit logs each connection retry at WARNING (and the final failure
 at ERROR) on the ``livekit`` logger. This module does not change logging
@@ -89,6 +91,8 @@ log = logging.getLogger(__name__)
 ROOM_CLOSE_GRACE = 2.0
 MAX_ROOM_TIMEOUT = 2**31 - 1  # seconds: LiveKit keeps a room's empty and departure timeouts in 32 bits
 
+DATA_FLUSH_GRACE = 0.5  # seconds the worker stays after its last data message before it leaves
+ACTIVE = rtc.ParticipantState.PARTICIPANT_STATE_ACTIVE  # a participant that may receive data (the first statuses)
 EVENT_BACKLOG = 256  # data events kept for the runner (data beyond it is dropped; participant events never)
 
 
@@ -125,6 +129,7 @@ class _LiveKitConnection:
         self._joining: asyncio.Task[None] | None = None
         self._reconnect_deadline: asyncio.TimerHandle | None = None
         self._broken: str | None = None  # a track could not be published: the connection is unusable
+        self._data_sent_at: float | None = None  # trio time of the last data message sent
 
     @property
     def dropped_events(self) -> int:
@@ -143,6 +148,7 @@ class _LiveKitConnection:
         room.on("data_received", self._on_data)
         # active, not connected: only then can the participant receive data (the first status messages)
         room.on("participant_active", self._on_joined)
+        room.on("participant_connected", self._on_connected)
         room.on("participant_disconnected", self._on_left)
         room.on("disconnected", self._on_disconnected)
         room.on("reconnecting", self._on_reconnecting)
@@ -176,6 +182,12 @@ class _LiveKitConnection:
 
     def _on_joined(self, participant: rtc.RemoteParticipant) -> None:
         self._deliver(ParticipantJoined(participant.identity))
+
+    def _on_connected(self, participant: rtc.RemoteParticipant) -> None:
+        """A participant the worker first hears of already active may get no ``participant_active`` of its own (the
+        SDK reports a change of state it sees): it has joined now; a join counted twice is one join."""
+        if participant.state == ACTIVE:
+            self._deliver(ParticipantJoined(participant.identity))
 
     def _on_left(self, participant: rtc.RemoteParticipant) -> None:
         last_word = self._paced.forget(participant.identity)
@@ -318,6 +330,7 @@ class _LiveKitConnection:
             await participant.publish_data(bytes(payload), reliable=reliable, topic=topic)
 
         await self._wrap(f"sending data on {topic!r}", publish)
+        self._data_sent_at = trio.current_time()
 
     async def _wrap(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -336,6 +349,10 @@ class _LiveKitConnection:
         if self._transport._loop is not self._loop:
             return  # the loop is gone, and the room with it
         with trio.CancelScope(shield=True), trio.move_on_after(self._transport.disconnect_timeout) as scope:
+            # the SDK's send returns once the message is handed to the data channel, which leaving closes: the last
+            # word (a session's done) was lost under load, its room deleted before the clients heard it
+            if self._data_sent_at is not None:
+                await trio.sleep_until(self._data_sent_at + DATA_FLUSH_GRACE)
             try:
                 await self._on_aio(self._aio_close)
             except Exception as exc:  # noqa: BLE001 - leaving is best effort

@@ -223,8 +223,32 @@ def test_rgb_frames_and_publish_options() -> None:
 
 
 class _FakeParticipant:
-    def __init__(self, identity: str) -> None:
+    def __init__(self, identity: str, state: int = rtc.ParticipantState.PARTICIPANT_STATE_JOINED) -> None:
         self.identity = identity
+        self.state = state
+
+
+async def test_a_participant_first_heard_of_already_active_has_joined(nursery: trio.Nursery) -> None:
+    """The SDK reports ``participant_active`` for a change of state it sees: one first heard of already active may
+    come with ``participant_connected`` alone, and was never counted in."""
+    transport, loop = await start(nursery, "ws://127.0.0.1:7880")
+    connection = _LiveKitConnection(transport, loop, "stage", "worker-1")
+
+    async def emit_on_asyncio() -> None:
+        room = rtc.Room(loop=loop)
+        connection._attach(room)
+        room.emit("participant_connected", _FakeParticipant("ctrl-1", rtc.ParticipantState.PARTICIPANT_STATE_ACTIVE))
+        room.emit("participant_connected", _FakeParticipant("viewer-1"))  # joining: counted once active
+        room.emit("participant_active", _FakeParticipant("viewer-1", rtc.ParticipantState.PARTICIPANT_STATE_ACTIVE))
+        room.emit("disconnected", rtc.DisconnectReason.SERVER_SHUTDOWN)
+
+    await trio_asyncio.aio_as_trio(emit_on_asyncio, loop=loop)()
+    received = []
+    with trio.fail_after(2), pytest.raises(TransportError):
+        async for event in connection.events():
+            received.append(event)
+    assert received == [ParticipantJoined("ctrl-1"), ParticipantJoined("viewer-1")]
+    await connection.disconnect()
 
 
 async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> None:
