@@ -61,17 +61,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import trio
 import trio_asyncio
-from livekit import api, rtc
+from livekit import rtc
 
 from pipelines.contract import Audio
-
-from ..protocol import STATUS_TOPIC
 
 from .base import (
     DataReceived,
@@ -82,26 +80,17 @@ from .base import (
 )
 from .data_pace import LatestWins
 from .livekit_media import AUDIO_TRACK_NAME, MAX_VIDEO_BITRATE, VIDEO_TRACK_NAME, MediaPublisher, check_frame
+from .livekit_rooms import RoomService
 
-__all__ = ["AUDIO_TRACK_NAME", "MAX_ROOM_TIMEOUT", "MAX_VIDEO_BITRATE", "ROOM_CLOSE_GRACE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
+__all__ = ["AUDIO_TRACK_NAME", "MAX_VIDEO_BITRATE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
 
 log = logging.getLogger(__name__)
 
 #: seconds an ended session's clients have to read its last messages before its room is deleted
-ROOM_CLOSE_GRACE = 2.0
-MAX_ROOM_TIMEOUT = 2**31 - 1  # seconds: LiveKit keeps a room's empty and departure timeouts in 32 bits
 
 DATA_FLUSH_GRACE = 0.5  # seconds the worker stays after its last data message before it leaves
 ACTIVE = rtc.ParticipantState.PARTICIPANT_STATE_ACTIVE  # a participant that may receive data (the first statuses)
 EVENT_BACKLOG = 256  # data events kept for the runner (data beyond it is dropped; participant events never)
-
-
-def _http_url(url: str) -> str:
-    """The RoomService's address for a signalling url (``ws://`` and ``wss://`` become ``http://``, ``https://``)."""
-    for scheme, http in (("ws://", "http://"), ("wss://", "https://")):
-        if url.startswith(scheme):
-            return http + url[len(scheme):]
-    return url
 
 
 async def _wait_for(task: asyncio.Task[None]) -> None:
@@ -393,13 +382,10 @@ class LiveKitTransport:
         self.disconnect_timeout = float(disconnect_timeout)
         self.publish_timeout = float(publish_timeout)
         self.reconnect_timeout = float(reconnect_timeout)
-        # the RoomService (server API) credentials: the server's own word to a room no worker is in
-        self._api_key = api_key
-        self._api_secret = api_secret
+        # the server's own side of its rooms (the RoomService: the API key and secret)
+        self._rooms = RoomService(url, api_key, api_secret, self.disconnect_timeout)
         self._loop: Any = None
         self._sends: trio.Nursery | None = None  # the server's sends to rooms, while running
-        self._opened: set[str] = set()  # rooms made for sessions that have not ended
-        self._to_delete: set[str] = set()  # rooms of ended sessions not deleted yet (each waits out its grace)
         self._connections: set[_LiveKitConnection] = set()
         self._leaving: set[asyncio.Task[None]] = set()  # abandoned joins, leaving once they end
 
@@ -431,8 +417,8 @@ class LiveKitTransport:
                         await connection.disconnect()
                     # a shutdown cancels the rooms' graces: each is deleted now, its clients sent away (they
                     # stayed in rooms of ended sessions, which LiveKit keeps while anyone is in them)
-                    for room in sorted(self._to_delete):
-                        await self._delete_room(room)
+                    for room in sorted(self._rooms.to_delete):
+                        await self._rooms.delete(loop, room)
                     with trio.move_on_after(self.disconnect_timeout):
                         for leaving in list(self._leaving):  # abandoned joins: wait for them to leave
                             await trio_asyncio.aio_as_trio(_wait_for, loop=loop)(leaving)
@@ -442,30 +428,12 @@ class LiveKitTransport:
         """Create the session's room through the RoomService before its first token is handed out, so that a
         LiveKit server run with ``room.auto_create: false`` (as ``chunkline`` runs its own) refuses the tokens of
         an ended session once its room is deleted: with rooms made on join, any such token made the room again,
-        empty, for as long as its holder liked. The room stays while empty for ``lifetime`` seconds (whole, at
-        least one, and at most :data:`MAX_ROOM_TIMEOUT`); the server deletes it when the session ends.
-        Raises :class:`TransportError`, naming the cause, when LiveKit refuses or does not answer within
-        ``disconnect_timeout``."""
+        empty, for as long as its holder liked. The room stays while empty for ``lifetime`` seconds; the server
+        deletes it when the session ends. Raises :class:`TransportError`, naming the cause, when LiveKit refuses
+        or does not answer within ``disconnect_timeout``."""
         if self._loop is None:
             raise TransportError("the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`")
-        if not (self._api_key and self._api_secret):
-            raise TransportError("creating a LiveKit room needs the API key and secret (--livekit-api-key/-secret)")
-        seconds = min(MAX_ROOM_TIMEOUT, max(1, math.ceil(lifetime)))
-        request = api.CreateRoomRequest(name=room, empty_timeout=seconds, departure_timeout=seconds)
-        prefix = f"could not create the LiveKit room {room!r} at {self.url}"
-        with trio.move_on_after(self.disconnect_timeout) as deadline:
-            try:
-                await trio_asyncio.aio_as_trio(self._aio_room_service, loop=self._loop)(
-                    lambda rooms: rooms.create_room(request))
-            except api.TwirpError as exc:
-                why = exc.message or {401: "the API key or secret is wrong", 403: "the API key may not"}.get(exc.status, "")
-                code = "" if exc.code == "unknown" else f" {exc.code}"
-                raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}{code}{': ' + why if why else ''})") from None
-            except Exception as exc:  # the server unreachable, or the SDK failing otherwise
-                raise TransportError(f"{prefix}: {type(exc).__name__}: {exc}") from None
-        if deadline.cancelled_caught:
-            raise TransportError(f"{prefix}: no answer within {self.disconnect_timeout:g} s")
-        self._opened.add(room)
+        await self._rooms.open(self._loop, room, lifetime)
 
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended. In the background, each step within ``disconnect_timeout``: ``last_word``,
@@ -473,43 +441,8 @@ class LiveKitTransport:
         through the RoomService, which names no participant (clients take status without one as the server's:
         only a holder of the API secret can send it); ``ROOM_CLOSE_GRACE`` later the room is deleted, which sends
         its clients away, as the local rooms do once the worker's last messages are out."""
-        if self._sends is None or not (self._api_key and self._api_secret) or room not in self._opened:
-            return  # a session refused as it was asked for: no room was made for it
-        self._opened.discard(room)
-        self._to_delete.add(room)
-        self._sends.start_soon(self._close_room, room, last_word)
-
-    async def _close_room(self, room: str, last_word: bytes | None) -> None:
-        if last_word is not None:
-            await self._room_service(room, "sending the session's last status", lambda rooms: rooms.send_data(
-                api.SendDataRequest(room=room, data=last_word, kind=api.DataPacket.Kind.RELIABLE, topic=STATUS_TOPIC)))
-        await trio.sleep(ROOM_CLOSE_GRACE)  # the last messages reach the clients before the room goes
-        await self._delete_room(room)
-
-    async def _delete_room(self, room: str) -> None:
-        self._to_delete.discard(room)
-        await self._room_service(room, "deleting the room", lambda rooms: rooms.delete_room(
-            api.DeleteRoomRequest(room=room)))
-
-    async def _room_service(self, room: str, what: str, call: Callable[[Any], Awaitable[Any]]) -> None:
-        """One RoomService call, bounded; a room that is not there (nobody ever entered it) is no failure."""
-        with trio.move_on_after(self.disconnect_timeout) as deadline:
-            try:
-                await trio_asyncio.aio_as_trio(self._aio_room_service, loop=self._loop)(call)
-            except api.TwirpError as exc:
-                if exc.code != api.TwirpErrorCode.NOT_FOUND:
-                    log.warning("room %s: %s was refused: %s", room, what, exc.message)
-            except Exception as exc:  # the server unreachable, or the SDK failing otherwise
-                log.warning("room %s: %s failed: %s: %s", room, what, type(exc).__name__, exc)
-        if deadline.cancelled_caught:
-            log.warning("room %s: %s took longer than %g s", room, what, self.disconnect_timeout)
-
-    async def _aio_room_service(self, call: Callable[[Any], Awaitable[Any]]) -> None:
-        service = api.LiveKitAPI(_http_url(self.url), self._api_key, self._api_secret)
-        try:
-            await call(service.room)
-        finally:
-            await service.aclose()
+        if self._sends is not None:
+            self._rooms.close(self._loop, self._sends, room, last_word)
 
     async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> _LiveKitConnection:
         """Join ``room`` as ``identity`` with a worker token, or raise TransportError within ``timeout``."""
