@@ -51,6 +51,11 @@ class ServiceEnded(RuntimeError):
     """The service left its ``running()`` block without being asked to: the worker failed."""
 
 
+class WorkerFault(RuntimeError):
+    """Something the worker did went wrong in a way that leaves its service in doubt (a session's close that did
+    not end): the worker stops and fails, so that its slot starts a fresh one."""
+
+
 class ModelWorker:
     def __init__(
         self,
@@ -102,6 +107,7 @@ class ModelWorker:
         self.startup_check: dict[str, Any] | None = None
         self._runners: trio.Nursery | None = None
         self._stop = trio.Event()
+        self._fault: str | None = None  # why fail() stopped the worker
 
     @property
     def failing(self) -> bool:
@@ -141,6 +147,13 @@ class ModelWorker:
     def stop(self) -> None:
         self._stop.set()
 
+    def fail(self, reason: str) -> None:
+        """Leave the service and fail with ``reason`` (its slot replaces the worker, as after a crash): for what a
+        runner saw go wrong that may have left the service holding what it cannot give back."""
+        if self._fault is None and not self._stop.is_set():
+            self._fault = reason
+            self._stop.set()
+
     def end_service_process_now(self) -> None:
         """For a server about to end at once (a second signal): a service in a process of its own goes now, with
         its shared memory (its parent-death signal would end it and leave that in /dev/shm)."""
@@ -170,7 +183,8 @@ class ModelWorker:
         reason = public_reason(exc)  # health and metadata show this line; the log has the detail
         self.failure = reason
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
-        log.error("worker %s failed: %s", self.worker_id, reason, exc_info=None if refused else exc)
+        explained = refused or isinstance(exc, WorkerFault)  # and so does a fault a runner saw
+        log.error("worker %s failed: %s", self.worker_id, reason, exc_info=None if explained else exc)
         # a replacement would refuse these settings, or be refused them, the same way: not restarted
         self._on_failed(self, reason, permanent=refused)
         self.failed.set()
@@ -199,6 +213,8 @@ class ModelWorker:
                     self._runners = runners
                     self._on_ready(self, self.plan.effective_capacity, self.plan)
                     await self._stop.wait()
+                if self._fault is not None:
+                    raise WorkerFault(self._fault)
                 if not self._stop.is_set():
                     raise ServiceEnded("the service stopped by itself")
             except Exception as exc:

@@ -434,6 +434,10 @@ class RoomRunner:
                     error = error or f"closing the pipeline session failed: {public_reason(exc)}"
             if close_pipeline_scope.cancelled_caught:
                 error = error or "closing the pipeline session timed out"
+                # what that session holds in the service is in doubt: the worker is replaced, as after a crash
+                # (it stayed in service, its slot free, for the next session to be admitted onto)
+                self.worker.fail(f"closing session {record.session_id}'s pipeline session took over "
+                                 f"{CLOSE_PIPELINE_TIMEOUT:g} s")
         failure = error or (record.drain_detail if record.drain_cause in FAILING_CAUSES else None)
         if self._connection is not None:
             self.told_room = True

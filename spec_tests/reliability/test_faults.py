@@ -368,6 +368,35 @@ async def test_livekit_unreachable_refuses_a_new_session_and_holds_nothing() -> 
         assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, 1)
 
 
+@pytest.mark.in_process_only(reason="virtual time (autojump_clock, no threads); an agent process runs in real time")
+@pytest.mark.usefixtures("no_threads")
+async def test_a_pipeline_close_that_does_not_end_fails_the_session_and_replaces_its_worker(autojump_clock: Any) -> None:
+    """A session's pipeline close that outlasts CLOSE_PIPELINE_TIMEOUT leaves what it held in the service in doubt:
+    the session fails naming it, and the worker is replaced as after a crash. It stayed in service, its slot free,
+    and the next session was admitted onto it."""
+    from server.runner import CLOSE_PIPELINE_TIMEOUT
+
+    service = CounterService(close_delay=CLOSE_PIPELINE_TIMEOUT + 60)
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: len(p.frames()) >= 2, "frames streaming")
+            await s.json("delete", f"/v1/stream/sessions/{session_id}")
+            errors = await ctl.wait_for(lambda p: p.status("error"), "the session's error")
+        record = record_of(s, session_id)
+        assert record.status.value == "failed" and record.error == "closing the pipeline session timed out", record.error
+        assert "closing the pipeline session timed out" in errors[0]["detail"]
+        status, health = await s.json("get", "/v1/stream/health")
+        assert health["free_slots"] == 0, health  # out of service: nothing is admitted onto it
+        await wait_until(lambda: s.runtime.book.snapshot().free_slots == 1, "the replacement worker to be ready",
+                         deadline=60)
+        status, health = await s.json("get", "/v1/stream/health")
+        assert health["worker_restarts"] == 1, health
+        replacement = await s.create("ctl-after")
+        assert replacement["status"] == "assigned", replacement
+
+
 # -- (e), (f): the controller (virtual time, no threads) ---------------------------------------------
 
 
