@@ -363,7 +363,7 @@ class ServerSettings:
         if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
             raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")
         if self.cluster_tls_cert is not None and self.cluster_tls_key is not None:
-            from .cluster.wire import certificate_problem, server_tls_context  # checked here, not as the port opens
+            from .cluster.tls import certificate_problem, server_tls_context  # checked here, not as the port opens
 
             try:
                 context = server_tls_context(self.cluster_tls_cert, self.cluster_tls_key)

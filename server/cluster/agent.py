@@ -46,7 +46,7 @@ from ..option_check import CHECK_OPTIONS_TIMEOUT
 from ..reasons import public_reason
 from ..requests import OptionsRefused
 from ..server_folders import remove_stale_folders
-from . import proofs, wire
+from . import proofs, tls, wire
 from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
 from .dial_ends import DIAL_DEADLINES, End, Ended, Patience, answer, unproven_busy
@@ -102,7 +102,7 @@ class Agent:
     def __init__(self, options: AgentOptions, *, service_loader: Callable[..., Any] | None = None) -> None:
         self.options = options
         self.scheme, self.host, self.port = parse_authority(options.authority)
-        self._tls = wire.client_tls_context(options.tls_ca) if self.scheme == "tls" else None
+        self._tls = tls.client_tls_context(options.tls_ca) if self.scheme == "tls" else None
         self.metrics = ServerMetrics()
         extra = {} if service_loader is None else {"service_loader": service_loader}
         self.worker = ModelWorker(
@@ -236,7 +236,7 @@ class Agent:
             with trio.fail_after(CONNECT_TIMEOUT):
                 stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
                 if self._tls is not None:
-                    stream = wire.wrap_client_tls(stream, self.host, self._tls)
+                    stream = tls.wrap_client_tls(stream, self.host, self._tls)
                 # small frames until the peer proved the token: an impostor cannot make this side buffer 16 MiB
                 channel = wire.Channel(stream, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
                 hello = await channel.receive()

@@ -29,7 +29,7 @@ from ..log_pace import LogPace
 from ..reasons import echo, public_reason
 from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
-from . import proofs, wire
+from . import proofs, tls, wire
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 from .remote import PlanView, RemoteWorker
 
@@ -144,7 +144,7 @@ class ClusterAuthority:
         self._busy_answers = 0
         # anyone who can connect can fail a handshake or be refused, thousands of times a second
         self._failed_handshakes, self._refusals = LogPace(log), LogPace(log)
-        self._tls = (wire.server_tls_context(settings.cluster_tls_cert, settings.cluster_tls_key or "")
+        self._tls = (tls.server_tls_context(settings.cluster_tls_cert, settings.cluster_tls_key or "")
                      if settings.cluster_tls_cert else None)
 
     # -- life --
@@ -254,7 +254,7 @@ class ClusterAuthority:
             await channel.aclose()
 
     def _wrap(self, stream: trio.SocketStream) -> trio.abc.Stream:
-        return stream if self._tls is None else wire.wrap_server_tls(stream, self._tls)
+        return stream if self._tls is None else tls.wrap_server_tls(stream, self._tls)
 
     async def _handshake(self, stream: trio.SocketStream) -> tuple[wire.Register, wire.Channel, str] | None:
         """Hello, then the peer's Register within the deadline: the registration and the nonce it answered,

@@ -1,7 +1,7 @@
 """The authority <-> worker-agent wire: versioned attrs messages in length-prefixed JSON frames.
 
 One TCP connection per agent (plain, or TLS when the authority has a certificate:
-:func:`wrap_client_tls` / :func:`wrap_server_tls` put a ``trio.SSLStream`` under the
+:func:`server.cluster.tls.wrap_client_tls` / ``wrap_server_tls`` put a ``trio.SSLStream`` under the
 same framing). A frame is a 4-byte big-endian length and that many bytes of UTF-8
 JSON: ``{"v": PROTOCOL, "type": "<name>", ...fields}``. Frames above
 :data:`MAX_FRAME_BYTES` and unknown types, versions or fields are refused with a
@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 import ssl
 import struct
 from typing import Any, ClassVar
@@ -38,6 +37,7 @@ import trio
 
 from ..json_limits import JsonRefused, loads as json_loads
 from ..reasons import echo, echo_each
+from .tls import ssl_detail
 from .wire_values import (
     MAX_CAPACITY, capacity, device_indexes, flag, identities, integer, label, node_name, obj, opt_label, opt_text,
     plan, process_id, report, seconds, settings_taken, text, texts,
@@ -73,9 +73,6 @@ __all__ = [
     "body_of",
     "encode",
     "decode",
-    "wrap_client_tls",
-    "wrap_server_tls",
-    "server_tls_context",
 ]
 
 #: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
@@ -117,7 +114,7 @@ def _broken(what: str, exc: BaseException) -> ConnectionClosed:
     """The error for a stream that broke while ``what``. trio's BrokenResourceError says nothing itself: what
     broke it (an ssl or OS error) is its cause, and that is what the message names."""
     cause = exc.__cause__ if not str(exc) and exc.__cause__ is not None else exc
-    detail = re.sub(r" \(_ssl\.c:\d+\)$", "", str(cause)) or type(cause).__name__
+    detail = ssl_detail(cause)
     # an EOF in the handshake is a peer that closed (one turning connections away), not a TLS mismatch
     if isinstance(cause, ssl.SSLError) and not isinstance(cause, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
         untrusted = isinstance(cause, ssl.SSLCertVerificationError)
@@ -444,59 +441,3 @@ class Channel:
         with trio.move_on_after(1.0) as scope:
             scope.shield = True
             await self.stream.aclose()
-
-
-def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """The authority's TLS context, made once (not per connection: a flood must not make it read its key again);
-    a ValueError naming both files if they are no certificate and its key."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(cert_file, key_file)
-    except (OSError, ssl.SSLError) as exc:
-        detail = re.sub(r" \(_ssl\.c:\d+\)$", "", str(exc))
-        raise ValueError(f"--cluster-tls-cert {cert_file!r} and --cluster-tls-key {key_file!r} are not a certificate "
-                         f"and its private key: {detail}") from None
-    return context
-
-
-def certificate_problem(server: ssl.SSLContext, certificate_file: str, name: str | None) -> str | None:
-    """Why an agent that trusts the authority's own certificate (as its launchers' agents do) would still refuse
-    it: expired, not yet valid, or not naming ``name`` (the address they dial; None: not checked). One TLS
-    handshake in memory, the authority's context against such an agent's; None when it would pass."""
-    client = client_tls_context(certificate_file)
-    if name is None:
-        client.check_hostname = False
-    agent_out, agent_in, authority_out, authority_in = (ssl.MemoryBIO() for _ in range(4))
-    agent = client.wrap_bio(agent_in, agent_out, server_hostname=name)
-    authority = server.wrap_bio(authority_in, authority_out, server_side=True)
-    for _ in range(10):  # a handshake takes a few flights
-        for side in (agent, authority):
-            try:
-                side.do_handshake()
-            except ssl.SSLCertVerificationError as exc:
-                return exc.verify_message or str(exc)
-            except (ssl.SSLWantReadError, ssl.SSLError):
-                pass  # wants the other side's bytes (an alert the agent sent ends it on the next turn)
-        authority_in.write(agent_out.read())
-        agent_in.write(authority_out.read())
-    return None
-
-
-def wrap_server_tls(stream: trio.abc.Stream, context: ssl.SSLContext) -> trio.SSLStream:
-    return trio.SSLStream(stream, context, server_side=True)
-
-
-def client_tls_context(ca_file: str | None) -> ssl.SSLContext:
-    """An agent's TLS context, made once as it starts: a CA file it cannot read is a ValueError naming it then,
-    not a failed dial every few seconds."""
-    try:
-        context = ssl.create_default_context(cafile=ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"--tls-ca {ca_file!r} is not a readable CA bundle: {exc}") from None
-    # a certificate in the bundle is trusted as it is, a CA's or not: the authority's own (as its launchers pass it)
-    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
-    return context
-
-
-def wrap_client_tls(stream: trio.abc.Stream, host: str, context: ssl.SSLContext) -> trio.SSLStream:
-    return trio.SSLStream(stream, context, server_hostname=host)

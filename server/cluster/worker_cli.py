@@ -104,7 +104,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from ..setting_values import parse_float
     from .agent import Agent, AgentOptions, parse_authority
-    from .wire import client_tls_context
+    from .tls import client_tls_context
 
     prefix = "chunkline worker"
     try:
