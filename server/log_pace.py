@@ -13,6 +13,8 @@ from typing import Any
 
 import trio
 
+from .token_bucket import TokenBucket
+
 __all__ = ["LogPace", "LOG_BURST", "LOG_LINES_PER_SECOND"]
 
 LOG_BURST = 20  # lines of one kind logged back to back before the pace holds
@@ -24,21 +26,13 @@ class LogPace:
 
     def __init__(self, logger: logging.Logger, *, burst: int = LOG_BURST, per_second: float = LOG_LINES_PER_SECOND) -> None:
         self._logger = logger
-        self._burst = burst
-        self._per_second = per_second
-        self._tokens = float(burst)
-        self._at: float | None = None
+        self._bucket = TokenBucket(per_second, burst)
         self.left_out = 0  # lines of this kind not logged since the last one that was
 
     def warning(self, message: str, *args: Any) -> None:
-        now = trio.current_time()
-        if self._at is not None:
-            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._per_second)
-        self._at = now
-        if self._tokens < 1:
+        if self._bucket.wait(trio.current_time()) > 0:
             self.left_out += 1
             return
-        self._tokens -= 1
         if self.left_out:
             message += f" ({self.left_out} more like it were not logged)"
             self.left_out = 0

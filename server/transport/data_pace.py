@@ -2,7 +2,7 @@
 
 A person's controls and a page's frame acks are tens a second; one controller writing 23,000 a second took a whole
 core and other sessions fell to 1 fps. So each participant's messages are taken at :data:`DATA_MESSAGES_PER_SECOND`
-past a burst of :data:`DATA_BURST` (a token bucket, :class:`DataPace`):
+past a burst of :data:`DATA_BURST` (a :class:`~server.token_bucket.TokenBucket` each):
 
 - the local rooms read a participant's socket no faster (:meth:`DataPace.take`): a faster writer's messages wait
   in its own socket, TCP pushes back on it, none is dropped;
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import trio
 
+from ..token_bucket import TokenBucket
 from .base import DataReceived
 
 __all__ = ["DATA_BURST", "DATA_MESSAGES_PER_SECOND", "DataPace", "LatestWins"]
@@ -27,32 +28,18 @@ DATA_MESSAGES_PER_SECOND = 500
 DATA_BURST = 500
 
 
-class DataPace:
-    """A token bucket of ``burst`` messages refilled at ``rate`` a second, on the clock whose ``now`` it is given."""
+class DataPace(TokenBucket):
+    """One participant's data: :data:`DATA_BURST` messages, then :data:`DATA_MESSAGES_PER_SECOND`."""
 
-    def __init__(self, rate: float = DATA_MESSAGES_PER_SECOND, burst: int = DATA_BURST, *, now: float | None = None) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._tokens = float(burst)
-        self._at = trio.current_time() if now is None else now
-
-    def wait(self, now: float) -> float:
-        """0.0, having taken a message's token, when one is there at ``now``; else the seconds until one will be
-        (nothing taken)."""
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens >= 1 - 1e-9:  # a wait of exactly the missing part refills to 1, less a rounding
-            self._tokens = max(0.0, self._tokens - 1)
-            return 0.0
-        return (1 - self._tokens) / self.rate
+    def __init__(self, rate: float = DATA_MESSAGES_PER_SECOND, burst: int = DATA_BURST) -> None:
+        super().__init__(rate, burst)
 
     async def take(self) -> None:
-        """Wait until this participant may have its next message read (trio's clock); a wait's overshoot is not
-        made up for later."""
+        """Wait until this participant may have its next message read (trio's clock)."""
         seconds = self.wait(trio.current_time())
         if seconds > 0:
             await trio.sleep(seconds)
-            self._tokens, self._at = 0.0, trio.current_time()  # the token it waited for, taken
+            self.took_at(trio.current_time())
 
 
 class _Timer(Protocol):
@@ -81,7 +68,7 @@ class LatestWins:
         self._call_later = call_later
         self._rate = rate
         self._burst = burst
-        self._paces: dict[Any, DataPace] = {}  # by sender: one per participant in the room
+        self._paces: dict[Any, TokenBucket] = {}  # by sender: one per participant in the room
         self._waiting: dict[Any, DataReceived] = {}
         self._timers: dict[Any, _Timer] = {}
         self.dropped = 0
@@ -96,14 +83,10 @@ class LatestWins:
             self._waiting[sender] = event
             self.dropped += 1
             return
-        pace = self._paces.get(sender)
-        if pace is None:
-            pace = self._paces[sender] = DataPace(self._rate, self._burst, now=self._now())
-        seconds = pace.wait(self._now())
-        if seconds == 0 and self._accept(event):
-            return
+        if sender not in self._paces:
+            self._paces[sender] = TokenBucket(self._rate, self._burst)
         self._waiting[sender] = event
-        self._timers[sender] = self._call_later(seconds or 1 / self._rate, self._hand_on, sender)
+        self._hand_on(sender)
 
     def forget(self, sender: Any) -> DataReceived | None:
         """The sender left: its pace goes, and its waiting message is returned (for the caller to hand on before the
@@ -123,6 +106,7 @@ class LatestWins:
         self._waiting.clear()
 
     def _hand_on(self, sender: Any) -> None:
+        """The sender's waiting message goes on if the pace and the receiver take it now; else it waits its turn."""
         self._timers.pop(sender, None)
         if self._closed or sender not in self._waiting:
             return

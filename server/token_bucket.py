@@ -1,0 +1,33 @@
+"""A token bucket on the caller's clock: how the server paces what others can make it do as often as they like
+(a participant's data messages, warnings a connection can cause)."""
+
+from __future__ import annotations
+
+__all__ = ["TokenBucket"]
+
+
+class TokenBucket:
+    """``burst`` tokens refilled at ``rate`` a second; full until its first use. ``now`` is whatever clock the
+    caller reads (trio's, an asyncio loop's), the same one every time."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._at: float | None = None
+
+    def wait(self, now: float) -> float:
+        """0.0, having taken a token, when one is there at ``now``; else the seconds until one will be (nothing
+        taken)."""
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1 - 1e-9:  # a wait of exactly the missing part refills to 1, less a rounding
+            self._tokens = max(0.0, self._tokens - 1)
+            return 0.0
+        return (1 - self._tokens) / self.rate
+
+    def took_at(self, now: float) -> None:
+        """A token was taken at ``now`` by one who waited for it: the bucket is empty from then (a wait's overshoot
+        is not made up for later)."""
+        self._tokens, self._at = 0.0, now
