@@ -50,9 +50,8 @@ def install(drain: Callable[[], Awaitable[None]]) -> list[str]:
 
         async def stop_trigger(shutdown_event: Any, sleep: Callable[[float], Awaitable[Any]],
                                _original: Callable[..., Awaitable[None]] = original) -> None:
-            await _original(shutdown_event, sleep)  # hypercorn's supervisor was told to stop
-            log.info("hypercorn is stopping: draining the sessions before it closes connections")
-            await drain()
+            # hypercorn's supervisor was told to stop
+            await _draining_after(_original(shutdown_event, sleep), drain, "hypercorn is stopping")
 
         setattr(stop_trigger, _DRAINS_FIRST, True)
         setattr(module, "check_multiprocess_shutdown_event", stop_trigger)
@@ -70,9 +69,7 @@ def _stopping_on_signals(serve: Callable[..., Awaitable[None]], signalled: Calla
     drain."""
 
     async def stop_trigger() -> None:
-        await signalled()
-        log.info("a stop signal: draining the sessions before hypercorn closes connections")
-        await drain()
+        await _draining_after(signalled(), drain, "a stop signal")
 
     @functools.wraps(serve)
     async def worker_serve(*args: Any, shutdown_trigger: Callable[..., Awaitable[None]] | None = None, **kwargs: Any) -> None:
@@ -80,6 +77,13 @@ def _stopping_on_signals(serve: Callable[..., Awaitable[None]], signalled: Calla
 
     setattr(worker_serve, _DRAINS_FIRST, True)
     return worker_serve
+
+
+async def _draining_after(stop: Awaitable[None], drain: Callable[[], Awaitable[None]], what: str) -> None:
+    """Once ``stop`` is over, the sessions drain; then hypercorn closes its connections."""
+    await stop
+    log.info("%s: draining the sessions before hypercorn closes connections", what)
+    await drain()
 
 
 async def _trio_stop_signal() -> None:

@@ -59,10 +59,10 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
     now = trio.current_time()
     # a launcher's slots restart their agents as in-process slots restart their workers: counted alike
     launched = cluster.launcher.view() if cluster is not None and cluster.launcher is not None else []
-    launched_slots = {
+    launched_slots = {  # (none without a cluster: launched is empty then)
         f"{cluster.launcher_name}-{s['slot']}": {key: s[key] for key in ("worker_id", "restarts", "state", "reason")}
         for s in launched
-    } if cluster is not None else {}
+    }
     short = cluster is not None and snapshot.workers_idle + snapshot.workers_busy < cluster.expected
     if live == 0:
         status = "unhealthy"
