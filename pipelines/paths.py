@@ -1,4 +1,5 @@
-"""Files a remote client may name: only inside a directory the operator chose, never outside it."""
+"""Files a remote client may name (only inside a directory the operator chose, never outside it), and reading any
+file no further than a bound."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["PathRefused", "open_regular_file", "resolve_inside"]
+__all__ = ["PathRefused", "open_regular_file", "read_at_most", "resolve_inside"]
 
 
 class PathRefused(ValueError):
@@ -58,3 +59,11 @@ def open_regular_file(path: str | os.PathLike[str]) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_at_most(file: str | os.PathLike[str] | int, limit: int) -> bytes | None:
+    """The bytes of ``file`` (a path, or a descriptor it then closes), or None when it holds more than ``limit``:
+    read no further than that, so a huge file is not loaded to find it out. ``OSError`` as ``open`` raises it."""
+    with open(file, "rb") as opened:
+        data = opened.read(limit + 1)
+    return None if len(data) > limit else data

@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from .contract import KNOWN_KEYS, Control, ControlType, prompt_problem
+from .paths import read_at_most
 
 __all__ = ["KEY_ALIASES", "MAX_CONTROLS_FILE_BYTES", "TimedControl", "TimedControls", "load_timed_controls",
            "normalize_key", "parse_timed_controls"]
@@ -158,9 +159,8 @@ def load_timed_controls(path: str | os.PathLike[str], *, loads: Callable[[str], 
     its text: ``chunkline run`` passes the server's parser of client JSON, which also refuses an object naming a
     key twice (the last would silently win) and deep nesting, as a request body's are."""
     try:
-        with open(path, "rb") as file:
-            raw = file.read(MAX_CONTROLS_FILE_BYTES + 1)
-        if len(raw) > MAX_CONTROLS_FILE_BYTES:
+        raw = read_at_most(path, MAX_CONTROLS_FILE_BYTES)
+        if raw is None:
             raise ValueError(f"controls file {str(path)!r} is larger than {MAX_CONTROLS_FILE_BYTES >> 20} MiB, "
                              f"the most a run reads")
         text = raw.decode("utf-8")

@@ -61,6 +61,7 @@ import torch
 from engine import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageSpec
 
 from ..json_objects import RepeatedKey, refuse_repeated_keys
+from ..paths import read_at_most
 
 __all__ = [
     "DTYPES",
@@ -291,9 +292,8 @@ def load_placement(source: Placement | Mapping[str, Any] | str | Path) -> Placem
         if not path.is_file():  # a directory, a pipe, a device: reading one may never end
             raise ValueError(f"placement file {text!r} is not a regular file")
         where = f"placement file {text!r}"
-        with path.open("rb") as file:
-            raw = file.read(MAX_PLACEMENT_BYTES + 1)
-        if len(raw) > MAX_PLACEMENT_BYTES:
+        raw = read_at_most(path, MAX_PLACEMENT_BYTES)
+        if raw is None:
             raise ValueError(f"{where} is larger than {MAX_PLACEMENT_BYTES >> 10} KiB")
         text = raw.decode("utf-8", errors="replace")
     try:

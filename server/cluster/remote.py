@@ -13,14 +13,13 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from pipelines.paths import open_regular_file
+from pipelines.paths import open_regular_file, read_at_most
 from states.stream_session import DrainCause, Event
 
 from ..reasons import cut, public_reason
@@ -253,12 +252,11 @@ def _read_image(path: str | None) -> tuple[str | None, str | None]:
     if path is None:
         return None, None
     name = Path(path).name  # the client named it; the server's folders are not the client's business
-    try:
-        with os.fdopen(open_regular_file(path), "rb") as file:  # a pipe swapped in would hold the event loop
-            data = file.read(MAX_IMAGE_BYTES + 1)
+    try:  # a pipe swapped in would hold the event loop: a regular file only
+        data = read_at_most(open_regular_file(path), MAX_IMAGE_BYTES)
     except OSError as exc:
         raise ValueError(f"the reference image {name!r} cannot be read: {exc.strerror or exc}") from None
-    if len(data) > MAX_IMAGE_BYTES:
+    if data is None:
         raise ValueError(f"the reference image {name!r} is larger than {MAX_IMAGE_BYTES} bytes")
     return base64.b64encode(data).decode(), Path(path).suffix or None
 
