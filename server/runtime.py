@@ -293,8 +293,7 @@ class StreamRuntime:
         """Whether :meth:`create_session` would admit or queue a session now, rather than refuse it."""
         return not self.closing and self.book.can_place() and self.book.would_admit()
 
-    def create_session(self, request: CreateSession, *, image_bytes: bytes | None = None,
-                       named: tuple[str, str] | None = None) -> Created:
+    def create_session(self, request: CreateSession, *, named: tuple[str, str], image_bytes: bytes | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits.
 
         ``named``: the session's id and room from :meth:`new_session` (a room the transport made already)."""
@@ -307,7 +306,7 @@ class StreamRuntime:
                 "no worker is running or starting" + (f" ({reasons})" if reasons else ""),
                 NO_WORKER_RETRY_AFTER if retry is None else retry,
             )
-        session_id, room = named or self.new_session()
+        session_id, room = named
         now = trio.current_time()
         wall = time.time()
         timeout = self.settings.session_timeout
