@@ -258,11 +258,12 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
         named = runtime.new_session()
         # LiveKit: the room is made before its first token is out, and only then can it be refused; a create that
-        # is refused at once (no slot, no place in the queue, no worker) makes none: it is refused with no await
-        # between that look and the refusal
+        # is refused at once (no slot, no place in the queue, no worker; or every place promised to the creates
+        # whose rooms are being made) makes none: it is refused with no await between that look and the refusal
         if runtime.would_take_session():
             try:
-                await transport.open_room(named[1], lifetime=settings.session_timeout)
+                with runtime.opening_room():
+                    await transport.open_room(named[1], lifetime=settings.session_timeout)
             except TransportError as exc:
                 room_failures.warning("POST /v1/stream/sessions: %s", exc)  # as often as clients ask: paced
                 return error(503, "transport_unavailable", str(exc), {"Retry-After": str(RETRY_AFTER_SECONDS)})

@@ -9,10 +9,11 @@ pipeline sessions in theirs, and the API calls below return at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -123,6 +124,8 @@ class StreamRuntime:
         self.started = False
         self.closing = False
         self.started_at = time.time()
+        #: creates whose rooms the transport is making: each was promised a place, which it takes on landing
+        self.rooms_opening = 0
 
     # -- life ------------------------------------------------------------------
 
@@ -290,8 +293,19 @@ class StreamRuntime:
         return session_id, f"chunkline-{session_id}"
 
     def would_take_session(self) -> bool:
-        """Whether :meth:`create_session` would admit or queue a session now, rather than refuse it."""
-        return not self.closing and self.book.can_place() and self.book.would_admit()
+        """Whether :meth:`create_session` would admit or queue a session now, rather than refuse it (the creates
+        whose rooms are being made count as having taken their places)."""
+        return not self.closing and self.book.can_place() and self.book.would_admit(self.rooms_opening)
+
+    @contextlib.contextmanager
+    def opening_room(self) -> Iterator[None]:
+        """Count a create as promised a place while its room is made, so that a burst of creates makes rooms
+        for at most as many sessions as the server would take (the rest are refused before any room)."""
+        self.rooms_opening += 1
+        try:
+            yield
+        finally:
+            self.rooms_opening -= 1
 
     def create_session(self, request: CreateSession, *, named: tuple[str, str], image_bytes: bytes | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits.
@@ -329,7 +343,7 @@ class StreamRuntime:
             transitions: list[Transition] = []
         else:
             self._notice_failing(now)
-            admission, transitions = self.book.admit(session_id, now)
+            admission, transitions = self.book.admit(session_id, now, ahead=self.rooms_opening)
         self.metrics.record_admission(admission.status)
         if admission.status == "rejected":
             self.lifecycle.reject(record, admission.reason or "rejected")

@@ -181,9 +181,15 @@ class AdmissionBook:
         """
         return any(w.machine.state in PROSPECTIVE for w in self._workers.values())
 
-    def would_admit(self) -> bool:
-        """Whether :meth:`admit` would assign or queue a session now (a pure query: nothing changes)."""
-        return self._least_loaded() is not None or len(self._queue) < self._queue_size
+    def would_admit(self, ahead: int = 0) -> bool:
+        """Whether :meth:`admit` would assign or queue a session now, with ``ahead`` sessions still to come
+        before it (a pure query: nothing changes)."""
+        return self._places() > ahead
+
+    def _places(self) -> int:
+        """Sessions the book would take now: free slots of eligible workers, then free places in the queue."""
+        free = sum(w.capacity - len(w.sessions) for w in self._workers.values() if self._eligible(w))
+        return free + max(0, self._queue_size - len(self._queue))
 
     def snapshot(self) -> AdmissionSnapshot:
         counts = dict.fromkeys(WorkerState, 0)
@@ -263,9 +269,11 @@ class AdmissionBook:
 
     # -- sessions --
 
-    def admit(self, session_id: str, now: float) -> tuple[Admission, list[Transition]]:
+    def admit(self, session_id: str, now: float, ahead: int = 0) -> tuple[Admission, list[Transition]]:
         """Assign to the least-loaded eligible worker, else queue, else reject.
 
+        ``ahead``: sessions promised a place already that have not come for it yet (a server making their
+        rooms); they count as taking places first, so this one is refused when they would fill them.
         Returns the admission answer and the transitions made.
         """
         _check_id("session_id", session_id)
@@ -273,11 +281,13 @@ class AdmissionBook:
             raise DuplicateAdmissionSession(session_id, f"assigned to {self._assigned[session_id]!r}")
         if session_id in self._queue:
             raise DuplicateAdmissionSession(session_id, "queued")
-        worker_id = self._least_loaded()
+        if ahead < 0:
+            raise InvalidSetting("ahead", ahead, "must be >= 0")
+        worker_id = self._least_loaded() if self._places() > ahead else None
         if worker_id is not None:
             assigned = self._assign(session_id, worker_id, "assigned", now, None, None)
             return Admission("assigned", session_id, worker_id=worker_id), assigned
-        if self._queue_size == 0 or len(self._queue) >= self._queue_size:
+        if self._queue_size == 0 or len(self._queue) >= self._queue_size or self._places() <= ahead:
             reason = "no_capacity" if self._queue_size == 0 else "queue_full"
             rejected = AdmissionTransition(session_id, "rejected", None, None, now)
             return Admission("rejected", session_id, reason=reason), [rejected]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +55,13 @@ def extra_threads(baseline: set[threading.Thread], *, foreign_ok: bool = False) 
         and not t.name.startswith(IDLE_CACHE_THREAD)
         and not (foreign_ok and isinstance(t, threading._DummyThread))  # type: ignore[attr-defined]
     ]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def pid_alive(pid: int) -> bool:

@@ -19,13 +19,10 @@ Terminal states, as the product defines them (server/runner.py ``RoomRunner.run`
 
 from __future__ import annotations
 
-import functools
-import json
 import multiprocessing
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,8 +38,6 @@ from trio.testing import wait_all_tasks_blocked
 from states.pipeline_session import State as PipelineState
 
 from ..server.runner_fixtures import (
-    LIVEKIT_KEY,
-    LIVEKIT_SECRET,
     CounterService,
     Served,
     join,
@@ -56,13 +51,6 @@ from ..processes import end_process
 from ..virtual_time import elapse
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on (bound, then closed)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def record_of(s: Served, session_id: str) -> Any:
@@ -235,137 +223,6 @@ async def test_cleanup_hook_raising_poisons_the_pipeline_session_and_a_retry_suc
         assert ("retry", "started") in handle.shutdown_phases and service.orch.diagnostics().cleanup_failures == 1
         await delete_and_settle(s, queued["session_id"])
     await leaks.check()
-
-
-# -- (d) LiveKit unreachable -----------------------------------------------------------------------
-
-
-async def room_service_only(stream: trio.SocketStream, calls: list[str] | None = None, hold_joins: bool = False) -> None:
-    """A LiveKit stand-in's connection: a RoomService call (room made, room deleted) is answered 200 with an empty
-    message, and its method goes into ``calls``; anything else (the signalling a worker's join opens) is dropped
-    unanswered, or with ``hold_joins`` held open without a word until the stand-in stops."""
-    async with stream:
-        received = b""
-        with trio.move_on_after(5):
-            while b"\r\n\r\n" not in received:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                received += data
-            head, _, body = received.partition(b"\r\n\r\n")
-            if not head.startswith(b"POST /twirp/livekit.RoomService/"):
-                if hold_joins:
-                    await trio.sleep_forever()
-                return
-            if calls is not None:
-                calls.append(head.split(b" ")[1].rsplit(b"/", 1)[1].decode())
-            length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
-            while len(body) < length:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                body += data
-            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/protobuf\r\nContent-Length: 0\r\n"
-                                  b"Connection: close\r\n\r\n")
-
-
-@pytest.mark.in_process_only(reason=(
-    "it reads the in-process service (no pipeline session was made) and checks this process's threads; an"
-    " agent's LiveKit connection is its own"
-))
-async def test_a_worker_that_cannot_join_its_livekit_room_fails_the_session_within_the_connect_timeout() -> None:
-    """LiveKit makes the rooms but no worker gets in (its signalling goes unanswered): each session fails within
-    the connect timeout, naming LiveKit, and its slot goes to the queue head."""
-    from server.runner import CONNECT_TIMEOUT
-
-    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listener.socket.getsockname()[1]
-    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
-                 "livekit_api_secret": LIVEKIT_SECRET}
-
-    async def one_round(s: Served) -> tuple[Any, Any, float]:
-        started = time.monotonic()
-        created = await s.create("ctl")
-        queued = await s.create("ctl-next")
-        await wait_until(lambda: record_of(s, created["session_id"]).is_terminal, "the session to fail",
-                         deadline=CONNECT_TIMEOUT + 5)
-        return created, queued, time.monotonic() - started
-
-    async with trio.open_nursery() as stand_in:
-        stand_in.start_soon(trio.serve_listeners, room_service_only, [listener])
-        # the first LiveKit connect in a process starts the SDK's native runtime, which stays: warm it up first
-        async with serve(settings(**overrides), CounterService()) as s:
-            assert s.runtime.transport.name == "livekit" and s.runtime.transport.running  # started by the app
-            await one_round(s)
-        leaks = Leaks(foreign_threads_ok=True)  # native SDK threads may register late (see helpers.Leaks)
-        service = CounterService()
-        async with serve(settings(**overrides), service) as s:
-            assert s.runtime.transport.running, "the app did not start the LiveKit transport"
-            created, queued, took = await one_round(s)
-            record = record_of(s, created["session_id"])
-            assert record.status.value == "failed"
-            assert took < CONNECT_TIMEOUT
-            assert "LiveKit" in record.error and f"127.0.0.1:{port}" in record.error, record.error
-            assert not service.sessions  # no pipeline session was created
-            # the queue head got the slot (its own connect then fails the same way)
-            assert record_of(s, queued["session_id"]).worker_id == "worker-0"
-            assert not s.runtime.book.holds(created["session_id"])
-            await wait_until(lambda: record_of(s, queued["session_id"]).is_terminal, "the queue head to end",
-                             deadline=CONNECT_TIMEOUT + 5)
-            assert "LiveKit" in record_of(s, queued["session_id"]).error
-            snapshot = s.runtime.book.snapshot()
-            assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, 1)
-        stand_in.cancel_scope.cancel()
-    await leaks.check()
-
-
-@pytest.mark.in_process_only(reason="it reads the in-process admission book")
-async def test_a_session_refused_at_once_makes_no_livekit_room() -> None:
-    """A create refused as it is asked for (no slot, no place in the queue) costs LiveKit nothing: no room is made
-    for it, and none deleted; an admitted one's room is made before its answer."""
-    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listener.socket.getsockname()[1]
-    calls: list[str] = []
-    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
-                 "livekit_api_secret": LIVEKIT_SECRET, "max_sessions_per_worker": 1, "queue_size": 0}
-    stand_in = trio.CancelScope()
-
-    async def run_stand_in() -> None:
-        with stand_in:
-            await trio.serve_listeners(functools.partial(room_service_only, calls=calls, hold_joins=True), [listener])
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_stand_in)
-        async with serve(settings(**overrides), CounterService()) as s:
-            first = await s.client.post("/v1/stream/sessions", json={"identity": "ctl"})
-            assert first.status_code == 200, await first.get_data()
-            assert calls == ["CreateRoom"]  # before the answer: the token is good only once the room exists
-            for _ in range(20):  # the worker's join is held: the slot stays taken
-                refused = await s.client.post("/v1/stream/sessions", json={"identity": "ctl-2"})
-                assert refused.status_code == 429, await refused.get_data()
-            assert calls == ["CreateRoom"]
-            stand_in.cancel(reason="the test is over")  # the held join fails now, and the session with it
-
-
-@pytest.mark.in_process_only(reason="it reads the in-process service and the admission book")
-async def test_livekit_unreachable_refuses_a_new_session_and_holds_nothing() -> None:
-    """No LiveKit server answers: the session's room cannot be made, so the create is refused (503, naming the
-    LiveKit server) at once, before anything is admitted; it was admitted, then failed in its runner."""
-    port = free_port()
-    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
-                 "livekit_api_secret": LIVEKIT_SECRET}
-    service = CounterService()
-    async with serve(settings(**overrides), service) as s:
-        started = time.monotonic()
-        response = await s.client.post("/v1/stream/sessions", json={"identity": "ctl"})
-        body, headers = json.loads(await response.get_data()), response.headers
-        assert response.status_code == 503 and body["error"] == "transport_unavailable", body
-        assert "could not create the LiveKit room" in body["detail"] and f"127.0.0.1:{port}" in body["detail"], body
-        assert headers["Retry-After"].isdigit()
-        assert time.monotonic() - started < s.runtime.transport.disconnect_timeout + 1
-        assert list(s.runtime.registry) == [] and not service.sessions
-        snapshot = s.runtime.book.snapshot()
-        assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, 1)
 
 
 @pytest.mark.in_process_only(reason="virtual time (autojump_clock, no threads); an agent process runs in real time")

@@ -80,15 +80,15 @@ class Watch:
         self.problems: list[str] = []
         admit, release, position = self.book.admit, self.book.release, runtime.queue_position
 
-        def watched_admit(session_id: str, now: float) -> Any:
+        def watched_admit(session_id: str, now: float, ahead: int = 0) -> Any:
             before = self.book.snapshot()
-            admission, transitions = admit(session_id, now)
+            admission, transitions = admit(session_id, now, ahead=ahead)
             self.decisions[admission.status] += 1
             if admission.status == "assigned" and before.retained >= CAPACITY:
                 self.problem(f"{session_id} assigned with {before.retained} retained")
             if admission.status == "queued" and (before.free_slots or before.retained < CAPACITY):
                 self.problem(f"{session_id} queued while a slot was free: {before}")
-            if admission.status == "rejected" and (before.queued < QUEUE or before.free_slots):
+            if admission.status == "rejected" and before.free_slots + QUEUE - before.queued > ahead:
                 self.problem(f"{session_id} rejected with room: {before}")
             self.follow(transitions)
             return admission, transitions

@@ -534,6 +534,26 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert admission.session_id == s
         assert as_tuples(transitions) == expected_moves
 
+    @rule(ahead=st.integers(0, 4))
+    def admit_behind_promised_places(self, ahead):
+        """Sessions promised a place (their rooms being made) take places first: admitting behind ``ahead`` of
+        them answers as admitting after ``ahead`` others would, and a look behind them changes nothing."""
+        before = self.book.canonical_key()
+        would = self.book.would_admit(ahead)
+        assert self.book.canonical_key() == before
+        promised = self.book.copy()
+        for index in range(ahead):
+            promised.admit(f"promised-{index}", self.tick())
+        assert would == promised.would_admit()
+        behind = self.book.copy()
+        admission, _ = behind.admit("behind", self.tick(), ahead=ahead)
+        assert (admission.status != "rejected") == would
+        if not would:
+            assert admission.reason == ("no_capacity" if self.book.queue_size == 0 else "queue_full")
+        with pytest.raises(InvalidSetting):
+            self.book.admit("negative", self.tick(), ahead=-1)
+        assert self.book.canonical_key() == before
+
     @precondition(lambda self: self.seen)
     @rule(data=st.data())
     def admit_again(self, data):
