@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
+import unicodedata
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from types import MappingProxyType
@@ -134,7 +135,7 @@ MAX_PROMPT_CHARS = 2000
 def prompt_problem(prompt: Any) -> str | None:
     """What is wrong with ``prompt`` as a prompt's text (None when nothing is): the one rule of every way a prompt
     arrives (a create, a room message, a controls file), so none takes what another refuses."""
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str):
         return "must be non-empty text"
     if len(prompt) > MAX_PROMPT_CHARS:
         return f"is {len(prompt)} characters; at most {MAX_PROMPT_CHARS}"
@@ -142,6 +143,11 @@ def prompt_problem(prompt: Any) -> str | None:
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\ud800"): no text encoding can carry it
         return f"is not valid text: {exc.reason} at character {exc.start}"
+    if not any(c.isprintable() and not c.isspace() for c in prompt):
+        return "must be non-empty text (something other than spaces and invisible characters)"
+    control = next((i for i, c in enumerate(prompt) if unicodedata.category(c) == "Cc" and c not in "\t\n\r"), None)
+    if control is not None:  # NUL and the like end strings early in C code and mean nothing to a text encoder
+        return f"holds a control character ({ord(prompt[control]):#04x}) at character {control}"
     return None
 
 

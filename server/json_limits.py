@@ -88,7 +88,7 @@ MAX_INT_DIGITS: Final = 1000  # far past any count a client sends (Python itself
 
 
 def _bounded_int(text: str) -> int:
-    if len(text) > MAX_INT_DIGITS + 1:  # the sign may come first
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:  # digits only: a JSON integer's one sign is "-"
         raise _OutOfRange(text, "an integer")
     return int(text)
 

@@ -9,7 +9,12 @@
 - **every write has a deadline** (:data:`WRITE_DEADLINE`): a peer that stops reading is sent away
   once a write waits that long; no write is shielded from cancellation;
 - **a peer must answer pings**: a ping every :data:`PING_INTERVAL`, and a peer that answers nothing
-  for :data:`PONG_DEADLINE` (a frozen process whose kernel still accepts bytes) is sent away.
+  for :data:`PONG_DEADLINE` (a frozen process whose kernel still accepts bytes) is sent away;
+- **frames are paced, whatever they carry**: a participant's socket is read at :data:`FRAMES_PER_SECOND`
+  frames past a burst of :data:`FRAME_BURST` (pings, pongs and a message's pieces as much as whole
+  messages, which the rooms pace again as messages), and one message comes in at most
+  :data:`MAX_MESSAGE_PIECES` pieces: a ping flood took a whole core and another session fell to 2 fps,
+  and endless empty fragments, which count no bytes, grew the server's memory without end.
 
 Everything else — tokens, roles, topics, fan-out — is :meth:`LocalRooms.serve_client`'s, the same
 code the ASGI route runs.
@@ -44,10 +49,14 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from .http_framing import head_end, parse_head
 from .reasons import echo
+from .token_bucket import TokenBucket
 from .tokens import TokenRejected, single_token
 from .transport.local import LocalRooms, RemoteWorkerPresence
 
-__all__ = ["IDLE_DEADLINE", "PING_INTERVAL", "PONG_DEADLINE", "WRITE_DEADLINE", "Deadlines", "PeerGone", "RoomSocket", "room_of"]
+__all__ = [
+    "FRAME_BURST", "FRAMES_PER_SECOND", "IDLE_DEADLINE", "MAX_MESSAGE_PIECES", "PING_INTERVAL", "PONG_DEADLINE",
+    "WRITE_DEADLINE", "Deadlines", "PeerGone", "RoomSocket", "room_of",
+]
 
 log = logging.getLogger("chunkline.rooms")
 
@@ -58,6 +67,9 @@ IDLE_DEADLINE: Final = 30.0  # seconds an HTTP connection may be silent both way
 CLOSE_DEADLINE: Final = 1.0  # seconds the closing handshake may take before the connection is dropped
 READ_SIZE: Final = 65536
 WORKER_MESSAGE_BYTES: Final = 16 * 1024 * 1024  # a worker agent's media message (one encoded frame) may be this big
+FRAMES_PER_SECOND: Final = 1000  # a participant's frames read a second past the burst (its messages: 500, DataPace)
+FRAME_BURST: Final = 1000
+MAX_MESSAGE_PIECES: Final = 256  # pieces (fragments, or parts of one read) a participant's message may come in
 ROOM_PREFIX: Final = "/v1/rooms/"
 
 
@@ -107,6 +119,9 @@ class RoomSocket:
         self._messages: deque[str | bytes] = deque()
         self._fragments: list[str | bytes] = []
         self._fragment_bytes = 0
+        self._pieces = 0  # of the message arriving now, empty ones included
+        self._max_pieces = MAX_MESSAGE_PIECES
+        self._frame_pace: TokenBucket | None = TokenBucket(FRAMES_PER_SECOND, FRAME_BURST)
         self._heard = trio.current_time()
         self._pending_pong = b""
         self.close_reason: str | None = None
@@ -142,6 +157,8 @@ class RoomSocket:
                     nursery.start_soon(self._keep_alive, nursery.cancel_scope)
                     if isinstance(subscriber, RemoteWorkerPresence):  # a worker agent publishing from its process
                         self._limit = max(self._limit, WORKER_MESSAGE_BYTES)
+                        self._max_pieces = max(MAX_MESSAGE_PIECES, WORKER_MESSAGE_BYTES // 1024)
+                        self._frame_pace = None  # the server's own agent, holding a worker token: its media is not paced
                         await self._rooms.serve_worker(room, subscriber, self._send, self._receive)
                     else:
                         await self._rooms.serve_client(room, subscriber, self._send, self._receive)
@@ -187,23 +204,28 @@ class RoomSocket:
         head += [name + b": " + value for name, value in headers if name.lower() != b"content-length"]
         await self._write(b"\r\n".join(head) + b"\r\n\r\n" + body)
 
-    def _absorb(self) -> None:
-        """Turn every event wsproto has into messages, pongs and closes (raises PeerGone)."""
+    def _absorb(self) -> int:
+        """Turn every event wsproto has into messages, pongs and closes (raises PeerGone); returns how many."""
+        events = 0
         for event in self._ws.events():
+            events += 1
             if isinstance(event, TextMessage | BytesMessage):
                 data = event.data
                 self._fragment_bytes += len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
-                if self._fragment_bytes > self._limit:
-                    self.close_reason = f"message larger than {self._limit} bytes"
+                self._pieces += 1
+                if self._fragment_bytes > self._limit or self._pieces > self._max_pieces:
+                    self.close_reason = (f"message larger than {self._limit} bytes" if self._fragment_bytes > self._limit
+                                         else f"message in more than {self._max_pieces} pieces")
                     self.close_code = 1009  # message too big
                     self._fragments.clear()
                     raise PeerGone(self.close_reason)
-                self._fragments.append(data)
+                if data:
+                    self._fragments.append(data)
                 if event.message_finished:
-                    joined = "".join(self._fragments) if isinstance(data, str) else b"".join(self._fragments)  # type: ignore[arg-type]
-                    self._messages.append(joined)
+                    joiner = "" if isinstance(data, str) else b""
+                    self._messages.append(joiner.join(self._fragments))  # type: ignore[arg-type]
                     self._fragments.clear()
-                    self._fragment_bytes = 0
+                    self._fragment_bytes = self._pieces = 0
             elif isinstance(event, Ping):
                 self._pending_pong += self._ws.send(event.response())
             elif isinstance(event, CloseConnection):
@@ -211,6 +233,7 @@ class RoomSocket:
             elif isinstance(event, Pong):
                 pass  # any frame counts as being alive (below)
         self._heard = trio.current_time()
+        return events
 
     async def _receive(self) -> str | bytes:
         while not self._messages:
@@ -219,13 +242,17 @@ class RoomSocket:
                 raise PeerGone("the connection closed")
             try:
                 self._ws.receive_data(data)
-                self._absorb()
+                frames = self._absorb()
             except RemoteProtocolError as exc:
                 self.close_reason = f"protocol error: {exc}"
                 raise PeerGone(self.close_reason) from None
             if self._pending_pong:
                 pongs, self._pending_pong = self._pending_pong, b""
                 await self._write(pongs)
+            if self._frame_pace is not None:  # a flood of frames waits in its own socket: TCP pushes back on it
+                wait = self._frame_pace.charge(trio.current_time(), frames)
+                if wait > 0:
+                    await trio.sleep(wait)
         return self._messages.popleft()
 
     async def _send(self, message: str | bytes) -> None:

@@ -31,3 +31,13 @@ class TokenBucket:
         """A token was taken at ``now`` by one who waited for it: the bucket is empty from then (a wait's overshoot
         is not made up for later)."""
         self._tokens, self._at = 0.0, now
+
+    def charge(self, now: float, count: int) -> float:
+        """Take ``count`` tokens at ``now`` for what was already taken in, going into debt past the burst; returns
+        the seconds to wait before taking more (0.0 when the bucket covered it). Paying after suits a reader that
+        learns how much it took only by reading it (the frames of one read)."""
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= count
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate

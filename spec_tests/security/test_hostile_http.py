@@ -19,7 +19,7 @@ import trio
 from hypothesis import given, strategies as st
 
 from pipelines.images import MAX_IMAGE_SIDE, ImageRefused, check_image, load_image
-from server.json_limits import MAX_JSON_DEPTH
+from server.json_limits import MAX_INT_DIGITS, MAX_JSON_DEPTH
 from server.runtime import MAX_VIEWERS_PER_SESSION
 
 from ..server.conftest import assert_error_body, make_settings, png_bytes, serve
@@ -213,6 +213,18 @@ async def test_deep_json_bodies_are_a_400_on_every_json_route(depth: int) -> Non
         # within the depth limit the body is read: the toy world itself then refuses the option it does not know
         status, body, _ = await s.create("ctl3", config=nested(MAX_JSON_DEPTH - 2))
         assert status == 400 and body["error"] == "invalid_option" and "'k'" in body["detail"], body
+
+
+@pytest.mark.parametrize("sign", ["", "-"])
+async def test_an_integer_of_more_than_the_digit_limit_is_out_of_range_with_or_without_a_sign(sign: str) -> None:
+    """MAX_INT_DIGITS digits are read (the toy world then refuses the number it cannot use); one more is a 400
+    ``out_of_range`` before any parsing of it, a sign or none (an unsigned one got a digit more)."""
+    async with serve() as s:
+        for digits, error in ((MAX_INT_DIGITS, "invalid_option"), (MAX_INT_DIGITS + 1, "out_of_range")):
+            raw = b'{"identity": "ctl", "config": {"chunks": %s%s}}' % (sign.encode(), b"9" * digits)
+            status, body, _ = await s.json("post", SESSIONS, data=raw, headers={"Content-Type": "application/json"})
+            assert status == 400 and body["error"] == error, (digits, body)
+        assert list(s.runtime.registry) == []
 
 
 # -- principle 7: identities and text ---------------------------------------------------------------

@@ -26,9 +26,9 @@ from typing import Any
 
 import trio
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, Request
+from wsproto.events import AcceptConnection, Ping, Pong, Request
 
-from server.room_socket import Deadlines
+from server.room_socket import FRAME_BURST, FRAMES_PER_SECOND, MAX_MESSAGE_PIECES, Deadlines
 from server.serve import SHUTDOWN_BOUND, serve_app
 from server.settings import ServerSettings
 from server.transport.client import RoomClient
@@ -160,6 +160,51 @@ async def test_an_endless_room_message_is_cut_at_the_limit_and_costs_no_memory()
         sent = await send_endless_message(stream)
         assert sent < 4 * 1024 * 1024, f"the server kept reading {sent} bytes of one message"
         assert vm_rss() - before < 16 * 1024 * 1024
+        await stream.aclose()
+
+
+async def test_a_message_of_endless_empty_fragments_is_cut_at_the_piece_limit() -> None:
+    """Empty fragments count no bytes, so the byte limit never cut such a message, and each one grew the server's
+    memory (5 M of them: 67 MB): one message comes in at most MAX_MESSAGE_PIECES pieces, then 1009."""
+    async with running() as server:
+        created = await server.session()
+        stream = await server.raw()
+        await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
+        masked_empty = b"\x80\x00\x00\x00\x00"  # length 0, masked (a client's frames are), key 0
+        opening, continuation = b"\x01" + masked_empty, b"\x00" + masked_empty  # text, not final; more, not final
+        await stream.send_all(opening + continuation * (2 * MAX_MESSAGE_PIECES))
+        received = await closed_by_server(stream)
+        reason = f"message in more than {MAX_MESSAGE_PIECES} pieces".encode()
+        assert received.startswith(b"\x88") and received[2:4] == (1009).to_bytes(2, "big") and reason in received, received
+        await stream.aclose()
+
+
+async def test_a_ping_flood_is_read_at_the_frame_pace_and_every_ping_answered() -> None:
+    """Pings are frames, paced as every frame is: past FRAME_BURST the socket is read at FRAMES_PER_SECOND (a flood
+    of them took a whole core and another session fell to 2 fps). A second FRAMES_PER_SECOND pings past the burst
+    make the next ping wait a second for its answer; every ping is answered and the peer stays."""
+    async with running(Deadlines(write=1.0, ping_interval=0.2, pong=5.0, head=1.0, idle=3.0)) as server:
+        created = await server.session()
+        stream = await server.raw()
+        ws = await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
+        flood = FRAME_BURST + FRAMES_PER_SECOND
+        started = trio.current_time()
+        await stream.send_all(ws.send(Ping(b"f")) * flood)
+        pongs = 0
+
+        async def read_pongs(until: int) -> None:
+            nonlocal pongs
+            with trio.fail_after(WAIT):
+                while pongs < until:
+                    data = await stream.receive_some(65536)
+                    assert data, "the server closed the socket"
+                    ws.receive_data(data)
+                    pongs += sum(isinstance(event, Pong) for event in ws.events())
+
+        await read_pongs(flood)
+        await stream.send_all(ws.send(Ping(b"late")))
+        await read_pongs(flood + 1)
+        assert trio.current_time() - started >= (flood - FRAME_BURST) / FRAMES_PER_SECOND
         await stream.aclose()
 
 

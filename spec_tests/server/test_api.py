@@ -123,6 +123,8 @@ async def test_create_refuses_bodies_that_are_not_json_objects(served, raw, code
         ({"identity": "a", "prompt": 3}, "invalid_field", "prompt"),
         # the rule a prompt sent in the room follows: a blank one was taken here and refused there
         ({"identity": "a", "prompt": "   "}, "invalid_field", "prompt must be non-empty text"),
+        ({"identity": "a", "prompt": "\u200b\u200b\n"}, "invalid_field", "prompt must be non-empty text"),  # invisible only
+        ({"identity": "a", "prompt": "a\u0000b"}, "invalid_field", "prompt holds a control character (0x00) at character 1"),
         ({"identity": "a", "prompt": "p" * 2001}, "invalid_field", "prompt is 2001 characters; at most 2000"),
         ({"identity": "a", "config": [1]}, "invalid_field", "config"),
         ({"identity": "a", "image_b64": "not base64!"}, "invalid_field", "image_b64"),

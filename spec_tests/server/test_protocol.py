@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.contract import KNOWN_KEYS, Control, ControlType
+from pipelines.contract import KNOWN_KEYS, Control, ControlType, prompt_problem
 from server.protocol import (
     CONTROL_TOPIC,
     KEY_ALIASES,
@@ -443,7 +443,9 @@ def test_fuzz_text(raw: str) -> None:
     check_outcome(raw)
 
 
-prompts = st.text(min_size=1, max_size=2000).filter(lambda p: bool(p.strip()))
+# text with no control characters or lone surrogates, and something visible in it: what a prompt may be
+prompts = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=2000).filter(
+    lambda p: prompt_problem(p) is None)
 controls = st.one_of(
     st.builds(
         lambda keys: Control(ControlType.CONTROL_STATE, keys=keys),
