@@ -20,6 +20,9 @@ import trio
 
 __all__ = ["TrioASGIAnyWorker"]
 
+#: seconds a cancelled call waits to learn whether hypercorn's loop cancelled it or had already done it
+BRIDGE_CANCEL_DEADLINE = 1.0
+
 
 class TrioASGIAnyWorker:
     def __init__(self, app: Any) -> None:
@@ -74,13 +77,31 @@ class TrioASGIAnyWorker:
 
         def bridge(aio_fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def call(*args: Any) -> Any:
-                event, box = trio.Event(), []
+                """``aio_fn(*args)`` in hypercorn's loop, with trio's promise: cancelled, it took no effect, else
+                it returns (a message hypercorn sent while the caller was being cancelled went out; told it did
+                not, the caller sent it again: every client got the shutdown's ``done`` twice)."""
+                event, box, tasks = trio.Event(), [], []
 
                 def on_done(future: asyncio.Future) -> None:
                     token.run_sync_soon(lambda: (box.append(future), event.set()))
 
-                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(aio_fn(*args)).add_done_callback(on_done))
-                await event.wait()
+                def start() -> None:
+                    tasks.append(asyncio.ensure_future(aio_fn(*args)))
+                    tasks[0].add_done_callback(on_done)
+
+                loop.call_soon_threadsafe(start)
+                try:
+                    await event.wait()
+                except trio.Cancelled:
+                    try:
+                        loop.call_soon_threadsafe(lambda: tasks[0].cancel())  # after start: the loop keeps the order
+                    except RuntimeError:
+                        raise  # hypercorn's loop is closed: nothing more runs there
+                    with trio.move_on_after(BRIDGE_CANCEL_DEADLINE) as waited:
+                        waited.shield = True
+                        await event.wait()  # whether the call was cancelled, or had already done its work
+                    if waited.cancelled_caught or box[0].cancelled():
+                        raise
                 return box[0].result()
 
             return call

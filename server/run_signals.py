@@ -13,6 +13,7 @@ rather than ending the process by the signal itself.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import signal
 from collections.abc import Awaitable, Callable
@@ -20,9 +21,27 @@ from typing import Any, NoReturn
 
 import trio
 
-__all__ = ["StoppedBySignal", "run_until_signalled", "trio_run_until_signalled"]
+__all__ = ["StoppedBySignal", "note_stop_signal", "run_until_signalled", "trio_run_until_signalled"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopped_by_signal = False
+
+
+def note_stop_signal() -> None:
+    """A stop signal ends this process: its last teardown ignores SIGINT and SIGTERM (see :func:`_teardown`)."""
+    global _stopped_by_signal
+    _stopped_by_signal = True
+
+
+@atexit.register  # at import, so it runs after the exit calls registered later (atexit runs them last first)
+def _teardown() -> None:
+    """Once the exit calls ran, Python puts the default action back on every signal it had a handler of its own
+    for, then tears the interpreter down: a second signal in that last moment ended a process a signal had
+    stopped by the signal itself (killed by SIGTERM, not exit 130, and nothing said). Ignored there instead, the
+    process ends with the first signal's status."""
+    if _stopped_by_signal:
+        for number in STOP_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
 
 
 class StoppedBySignal(Exception):
@@ -57,6 +76,7 @@ async def run_until_signalled(
         if first:
             abort(first[0])
         first.append(number)
+        note_stop_signal()
         token.run_sync_soon(stop_now, number)
 
     previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}

@@ -35,6 +35,7 @@ from .runtime import SHUTDOWN_GRACE
 from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
 from .room_socket import Deadlines
+from .run_signals import note_stop_signal
 from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
@@ -187,6 +188,7 @@ async def _serve(
                     if first is not None:
                         _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", abandon)
                     first = number
+                    note_stop_signal()
                     stop.set()
         finally:
             if first is not None:

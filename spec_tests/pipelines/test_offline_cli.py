@@ -277,3 +277,29 @@ def test_a_second_signal_after_the_stop_finished_still_aborts_with_the_first_sig
     finally:
         for number, handler in before.items():
             signal.signal(number, handler)
+
+
+@pytest.mark.parametrize("stopped_by_a_signal", [True, False])
+def test_a_signal_in_the_interpreters_last_teardown_keeps_the_first_signals_status(stopped_by_a_signal: bool) -> None:
+    """Python puts the default action back on every signal it had a handler for, then tears the interpreter down:
+    a second signal then (here sent by an object that goes with the last module) killed a process a signal had
+    stopped (-15 from both `chunkline run` and `chunkline stream-serve`, nothing said) instead of letting it end
+    with its status. Once a stop signal was noted the teardown ignores it; a process no signal stopped keeps the
+    default (a signal still ends it)."""
+    program = f"""
+import os, signal, sys
+from server import run_signals
+
+class GoesLast:
+    def __del__(self):  # runs as the interpreter tears __main__ down, after the exit calls
+        os.kill(os.getpid(), signal.SIGTERM)
+
+going_last = GoesLast()
+signal.signal(signal.SIGTERM, lambda number, frame: None)  # a handler of Python's own, as both commands have
+if {stopped_by_a_signal}:
+    run_signals.note_stop_signal()
+sys.exit(130)
+"""
+    root = Path(pipelines.__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", program], cwd=root, capture_output=True, timeout=60)
+    assert result.returncode == (130 if stopped_by_a_signal else -signal.SIGTERM), result.stderr.decode()[-2000:]

@@ -136,7 +136,7 @@ async def run_hypercorn_subprocess(worker_args: list[str]) -> None:
             assert rc == 0, f"exit status {rc}:\n{log.decode(errors='replace')[-3000:]}"
             # hypercorn closed every connection before the app heard of the stop: the controller got no "done"
             done = [m["payload"] for m in heard if status_of(m) == "done"]
-            assert done and done[0]["reason"] == "shutdown", (
+            assert len(done) == 1 and done[0]["reason"] == "shutdown", (
                 [m.get("payload", m) for m in heard[-3:] if isinstance(m, dict)], log.decode(errors="replace")[-3000:])
             nursery.cancel_scope.cancel()
     finally:
