@@ -195,7 +195,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if exc.code == 413:
             # answered before the body was read: the connection closes rather than read the rest
             # of an over-large body (or hang a keep-alive client waiting behind it)
-            return error(413, code, exc.description or code, {"Connection": "close"})
+            detail = (f"the request body is larger than this server takes ({settings.max_body_bytes} bytes: "
+                      f"--max-body-bytes)")
+            return error(413, code, detail, {"Connection": "close"})
         return error(exc.code or 500, code, exc.description or code)
 
     @app.errorhandler(BadRequest)

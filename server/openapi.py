@@ -48,7 +48,7 @@ SCHEMAS: dict[str, Any] = {
             "role": {"type": "string", "enum": ["controller"]},
             "prompt": {"type": ["string", "null"], "maxLength": 2000},
             "image_path": {"type": ["string", "null"], "description": "relative to the server's --assets-dir"},
-            "image_b64": {"type": ["string", "null"], "description": "an uploaded image (PNG or JPEG), base64"},
+            "image_b64": {"type": ["string", "null"], "description": "an uploaded image (PNG, JPEG, GIF, BMP or WebP), base64"},
             "config": {"type": "object", "description": "pipeline options (e.g. continuous, chunks), checked by the "
                        "pipeline before anything is held: a refused one is a 400 invalid_option naming it"},
         },

@@ -15,6 +15,7 @@ signal's included, and the ones a killed server left are removed by the next ser
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -211,6 +212,9 @@ async def _serve(
             task_status.started(urls)
             for url in urls:
                 print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
+            if not settings.api_key and any(not _loopback(listener) for listener in listeners):
+                print("chunkline: warning: no --api-key, and the server listens beyond this host: whoever reaches it may "
+                      "create and delete sessions and drain its workers", file=sys.stderr, flush=True)
             await stop.wait()
             watchdog = _exit_watchdog(SHUTDOWN_BOUND, abandon)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
@@ -241,6 +245,10 @@ async def _check_cluster_address(settings: ServerSettings) -> None:
 
 async def _accept(listeners: list[trio.SocketListener], front: Front) -> None:
     await trio.serve_listeners(front.handle, listeners)
+
+
+def _loopback(listener: trio.SocketListener) -> bool:
+    return ipaddress.ip_address(listener.socket.getsockname()[0]).is_loopback
 
 
 def _url(listener: trio.SocketListener) -> str:

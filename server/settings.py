@@ -76,7 +76,8 @@ Notes:
   ``cluster_tls_cert``/``cluster_tls_key``, ``public_url``, ``cluster_token``, ``heartbeat_interval``,
   ``heartbeat_deadline``) are refused with ``workers=in-process`` and ``ray_address`` with any ``workers`` but
   ``ray``: there they would be ignored (one table, ``WORKERS_ONLY``). ``cluster_token`` only when given on the
-  command line: it is often exported for a whole shell.
+  command line: it is often exported for a whole shell. So are LiveKit's URL and keys given on the command line
+  with the local transport (``--livekit-api-key`` alone, or any of them with ``--transport local``).
 * ``session_timeout`` expires sessions, ``controller_timeout`` / ``room_empty_timeout`` bound how long a room
   waits for its controller / sits empty, and ``terminal_retention_seconds`` / ``terminal_retention_count`` bound
   how long and how many finished session records are kept (the reference kept them forever).
@@ -144,6 +145,8 @@ WORKERS_ONLY: dict[str, tuple[str, ...]] = {
 #: of those, the ones often exported for a whole shell: refused only when given on the command line
 SHELL_WIDE = frozenset({"cluster_token"})
 SECRETS = frozenset({"livekit_api_secret", "api_key", "cluster_token"})
+#: LiveKit's address and keys: given on the command line with the local transport, they are refused
+LIVEKIT = ("livekit_url", "livekit_api_key", "livekit_api_secret")
 
 Transport = Literal["local", "livekit"]
 WorkerMode = Literal["in-process", "process"]
@@ -253,7 +256,7 @@ class ServerSettings:
         metadata=_help("skip the startup check of the pipeline (one warm-up chunk checked against the contract)"),
     )
     assets_dir: str | None = attrs.field(
-        default=None, converter=fields.assets_dir, metadata=_help("directory of static assets to serve")
+        default=None, converter=fields.assets_dir, metadata=_help("folder a create's image_path is looked up in")
     )
     api_key: str | None = attrs.field(
         default=None,
@@ -384,9 +387,7 @@ class ServerSettings:
         if self.transport is None:
             object.__setattr__(self, "transport", "livekit" if self.livekit_url is not None else "local")
         if self.transport == "livekit":
-            missing = [
-                name for name in ("livekit_url", "livekit_api_key", "livekit_api_secret") if getattr(self, name) is None
-            ]
+            missing = [name for name in LIVEKIT if getattr(self, name) is None]
             if missing:
                 flags = ", ".join(option_for(name) for name in missing)
                 envs = ", ".join(env_var(name) for name in missing)
@@ -452,7 +453,15 @@ class ServerSettings:
                 raise
             raise SettingsError(exc.option, f"{exc} (from environment variable {variable})") from None
         settings._refuse_options_that_would_be_ignored(given=frozenset(n for n in SHELL_WIDE if cli.get(n) is not None))
+        settings._refuse_livekit_options_on_the_local_transport(given=frozenset(n for n in LIVEKIT if cli.get(n) is not None))
         return settings
+
+    def _refuse_livekit_options_on_the_local_transport(self, given: frozenset[str]) -> None:
+        """LiveKit's address and keys on the command line would do nothing on the local transport (exported for a
+        whole shell, they may be there: ``--transport local`` is how to run without them)."""
+        if self.transport == "local" and given:
+            option = option_for(min(given, key=LIVEKIT.index))
+            raise SettingsError(option, f"{option} applies to --transport livekit; with --transport local it would be ignored")
 
     @classmethod
     def ignored_variables(cls, env: Mapping[str, str]) -> list[str]:

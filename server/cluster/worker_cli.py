@@ -119,6 +119,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             token = Path(args.cluster_token_file).read_text().strip()
         else:
             token = os.environ.get(TOKEN_ENV, "")
+        if not token:
+            raise ValueError(f"no cluster token: set {TOKEN_ENV} or give --cluster-token-file (the authority's token)")
         if len(token.encode()) < 16:
             raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least 16 bytes")
         launcher_pid = _launcher_pid(args.launcher_pid)

@@ -294,6 +294,18 @@ def test_the_worker_command_refuses_what_its_register_could_not_carry(flag: str,
     assert f"chunkline worker: error: {flag}: " in run.stderr and len(run.stderr) < SHORT, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize(("token", "words"), [
+    (None, "no cluster token: set CHUNKLINE_CLUSTER_TOKEN or give --cluster-token-file"),
+    ("short", "must be at least 16 bytes"),
+])
+def test_the_worker_command_says_whether_its_token_is_missing_or_too_short(token: str | None, words: str) -> None:
+    """With no token at all it said the token must be at least 16 bytes, as if one had been given."""
+    env = clean_env() if token is None else clean_env(CHUNKLINE_CLUSTER_TOKEN=token)
+    run = subprocess.run(chunkline("worker", TINY, "--authority", "tcp://127.0.0.1:1"), cwd=str(ROOT), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and words in run.stderr and len(run.stderr) < SHORT, run.stderr[-2000:]
+
+
 async def serve(handler: Any, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``handler`` on a fresh loopback port (started with the port)."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")

@@ -220,6 +220,7 @@ async def test_body_above_max_body_bytes_gets_413(worker_kind):
         status, body, _ = await s.json("post", SESSIONS, data=payload, headers={"Content-Type": "application/json"})
         assert status == 413
         assert_error_body(status, body)
+        assert "2048 bytes" in body["detail"] and "--max-body-bytes" in body["detail"], body  # the limit, by name
         assert len(list(s.runtime.registry)) == 0
         # just under the limit is fine
         status, body, _ = await s.create("a", prompt="p" * 1000)

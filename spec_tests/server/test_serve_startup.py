@@ -4,12 +4,15 @@ naming the options, exit 2, nothing left behind."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from server.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 START_DEADLINE = 120.0  # wall seconds for the command to import and give up
@@ -59,6 +62,30 @@ def test_an_agents_option_with_in_process_workers_exits_2_naming_it(option: str,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("options", [
+    ["--livekit-api-key", "a-key"], ["--transport", "local", "--livekit-url", "ws://127.0.0.1:7880"],
+    ["--transport", "local", "--livekit-api-secret", "s" * 32],
+], ids=["key-alone", "url-with-local", "secret-with-local"])
+def test_livekit_options_on_the_local_transport_exit_2_naming_them(options: list[str], tmp_path: Path) -> None:
+    """LiveKit's URL and keys given on the command line with the local transport did nothing, without a word;
+    exported in the environment they are taken (a shell may export them for another server)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env["TMPDIR"] = str(tmp_path)
+    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--port", "0", *options]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
+    assert done.returncode == 2, done.stderr[-2000:]
+    option = next(o for o in options if o.startswith("--livekit"))
+    line = f"chunkline stream-serve: error: {option} applies to --transport livekit; with --transport local it would be ignored"
+    assert done.stderr.strip().splitlines() == [line], done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_livekit_keys_exported_in_the_environment_are_taken_with_the_local_transport() -> None:
+    settings = ServerSettings.from_sources({"pipeline": "pipelines/replay", "transport": "local"},
+                                           {"CHUNKLINE_LIVEKIT_API_KEY": "a-key", "CHUNKLINE_LIVEKIT_URL": "ws://127.0.0.1:7880"})
+    assert settings.transport == "local"
+
+
 def test_a_temporary_directory_too_long_for_the_fronts_socket_exits_2_naming_tmpdir(tmp_path: Path) -> None:
     """hypercorn's socket is a file in the server's folder under TMPDIR; a Unix socket's path has at most 107 bytes."""
     deep = tmp_path / ("d" * 120)
@@ -72,3 +99,31 @@ def test_a_temporary_directory_too_long_for_the_fronts_socket_exits_2_naming_tmp
     assert last.startswith(f"chunkline stream-serve: error: TMPDIR: cannot make the front's Unix socket {deep}/"), last
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert list(deep.iterdir()) == []
+
+
+@pytest.mark.parametrize("api_key", [None, "an-api-key"], ids=["open", "keyed"])
+def test_listening_beyond_this_host_without_an_api_key_is_warned_about(api_key: str | None, tmp_path: Path) -> None:
+    """Without --api-key every route is open: harmless on the default 127.0.0.1, not on --host 0.0.0.0, where one
+    request could drain the only worker for good. The server says so as it starts (no traffic leaves this host)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env["TMPDIR"] = str(tmp_path)
+    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--host", "0.0.0.0", "--port", "0"]
+    command += [] if api_key is None else ["--api-key", api_key]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        lines = []
+        for line in process.stderr:  # ends at EOF: a failed start is seen, not waited for
+            lines.append(line)
+            if "chunkline: serving" in line:
+                break
+        process.send_signal(signal.SIGTERM)
+        _, rest = process.communicate(timeout=START_DEADLINE)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = "".join(lines) + rest
+    assert process.returncode == 0, log[-2000:]
+    warned = "warning: no --api-key, and the server listens beyond this host" in log
+    assert warned == (api_key is None), log[-2000:]
