@@ -14,6 +14,8 @@ the table (``machine.can``), never decided beside it.
 
 from __future__ import annotations
 
+import contextlib
+
 import trio
 
 from states import pipeline_session as table
@@ -27,6 +29,11 @@ from .runtime import SessionRuntime
 __all__ = ["SessionShutdown"]
 
 Event = table.Event
+# Stops a session's holder asks for (aclose, cancel, a session block's exit): cut short by the holder's own
+# cancellation, nothing else would finish them before the orchestrator closes. (An orchestrator's close is finished
+# by its next close or its exit; a failed session's cleanup runs in the orchestrator's nursery.) A lifecycle lock
+# held by another call means that call drives the shutdown.
+_ASKED_BY_THE_HOLDER = frozenset({Event.CLOSE, Event.CANCEL})
 
 
 class SessionShutdown:
@@ -58,6 +65,22 @@ class SessionShutdown:
         drain_deadline = min(deadline, now + (timeout / 2 if drain_timeout is None else drain_timeout))
         if stop in table.PREEMPTS_SHUTDOWN:  # now, not once a drain under way ended (the table decides)
             self._core.stop(rt, stop)
+        try:
+            await self._run_locked(rt, stop, drain_deadline, deadline)
+        except trio.Cancelled:
+            # the caller's cancellation: nobody else drives this shutdown (a drain cut here stayed DRAINING, its
+            # buffers held and its id taken until the orchestrator closed), so it ends here as a cancel, shielded,
+            # within the same deadline; then the cancellation goes on
+            if stop in _ASKED_BY_THE_HOLDER and not rt.machine.is_terminal and not rt.lifecycle_lock.locked():
+                if rt.machine.can(Event.DRAIN_TIMED_OUT):  # a drain was under way
+                    rt.phases.append(("drain", "cut short: its caller was cancelled"))
+                finish = Event.CANCEL if rt.machine.can(Event.CANCEL) else None  # None: a cancel already under way
+                with trio.CancelScope(shield=True):
+                    with contextlib.suppress(SessionCleanupError):  # poisoned: its status says so, a retry is open
+                        await self.run(rt, finish, timeout=max(0.0, deadline - trio.current_time()))
+            raise
+
+    async def _run_locked(self, rt: SessionRuntime, stop: table.Event | None, drain_deadline: float, deadline: float) -> None:
         async with rt.lifecycle_lock:
             if rt.machine.is_terminal:
                 return

@@ -281,3 +281,39 @@ async def test_a_cancel_cuts_a_running_drain_short(rec, autojump_clock):
             assert ("drain", "cut short: cancelling") in s.shutdown_phases
             assert [reason.value for _, reason in rec.closes_of("a")] == ["cancelled"] * 3
         assert orch.diagnostics().slot_leaks == 0
+
+
+@pytest.mark.parametrize("how", ["aclose", "session_exit"])
+async def test_a_caller_cancelled_while_its_session_drains_leaves_it_cancelled_not_stranded(rec, autojump_clock, how):
+    """The caller of ``aclose`` (or of ``async with orch.session(...)``'s exit) cancelled by its own deadline mid-drain
+    left the session DRAINING with nobody driving its shutdown: its buffers held, its id taken until the orchestrator
+    closed. The shutdown now ends as a cancel (the running call finishes, the waiting chunk is dropped), shielded,
+    and then the caller's cancellation goes on."""
+    gate = rec.gate("denoise", 0)
+    with trio.fail_after(10):
+        async with running(rec) as orch:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_open_after, gate, 2.0)  # the running call ends after the caller gave up
+                with trio.move_on_after(1.0) as caller:
+                    if how == "aclose":
+                        s = orch.create_session("a")
+                        for seq in range(2):
+                            await s.push(seq, chunk(seq))
+                        await rec.wait_started("denoise", "a", 0)
+                        await s.aclose()
+                    else:
+                        async with orch.session("a") as s:
+                            for seq in range(2):
+                                await s.push(seq, chunk(seq))
+                            await rec.wait_started("denoise", "a", 0)
+                assert caller.cancelled_caught
+                assert trio.current_time() >= 2.0  # the shielded cancel waited for the running call, never cut it
+            assert s.status is State.CANCELLED, s.shutdown_phases
+            assert s.shutdown_phases[0] == ("drain", "cut short: its caller was cancelled"), s.shutdown_phases
+            assert rec.calls_of("denoise", "a") == [0]  # chunk 1 was waiting: dropped, never run
+            assert orch.create_session("a").status is State.RUNNING  # the id is free again
+
+
+async def _open_after(gate: trio.Event, seconds: float) -> None:
+    await trio.sleep(seconds)
+    gate.set()

@@ -152,8 +152,13 @@ def test_a_livekit_url_selects_the_livekit_transport() -> None:
     env = {"CHUNKLINE_LIVEKIT_API_KEY": "key", "CHUNKLINE_LIVEKIT_API_SECRET": SECRET}
     assert parse_stream_serve_args(["p.py"], env).transport == "local"
     assert parse_stream_serve_args(["p.py", "--livekit-url", "ws://localhost:7880"], env).transport == "livekit"
-    forced = parse_stream_serve_args(["p.py", "--livekit-url", "ws://x:7880", "--transport", "local"], env)
+    # LiveKit exported for the shell, --transport local: the way to run without it
+    forced = parse_stream_serve_args(["p.py", "--transport", "local"], {**env, "CHUNKLINE_LIVEKIT_URL": "ws://x:7880"})
     assert forced.transport == "local"
+    # given on the command line with --transport local, the URL would do nothing: refused, naming it
+    with pytest.raises(SettingsError) as info:
+        parse_stream_serve_args(["p.py", "--livekit-url", "ws://x:7880", "--transport", "local"], env)
+    assert info.value.option == "--livekit-url"
 
 
 def test_parse_raises_settings_error_for_bad_values() -> None:
