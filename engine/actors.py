@@ -67,8 +67,8 @@ class StageInvocation(NamedTuple):
 
     key: TaskKey
     inputs: Mapping[str, Any]
-    is_first: bool
-    is_last: bool
+    is_first: bool  # the session's first call at this stage (where per-session state is set up)
+    is_last: bool  # the call for the session's final sequence
 
 
 @attrs.frozen
@@ -177,6 +177,13 @@ class LocalStageActor:
     ) -> None:
         if isinstance(mailbox_capacity, bool) or not isinstance(mailbox_capacity, int) or mailbox_capacity < 1:
             raise ValueError(f"mailbox_capacity must be an int >= 1, got {mailbox_capacity!r}")
+        # now, not as a TypeError failing the first session that calls it (or poisoning its close)
+        if not callable(handler):
+            raise ValueError(f"handler must be callable, got {type(handler).__name__}")
+        if session_closer is not None and not callable(session_closer):
+            raise ValueError(f"session_closer must be callable or None, got {type(session_closer).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"name must be a string or None, got {type(name).__name__}")
         self.name = name or f"stage-actor-{next(_names)}"
         self._handler = handler
         self._handler_is_async = inspect.iscoroutinefunction(handler)

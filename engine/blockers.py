@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from .spec import StageOrdering
+
 if TYPE_CHECKING:
     from .graph import StageGraph
     from .reservations import UsageBook
@@ -81,7 +83,12 @@ def first_blocker(
     """The first limit that keeps ``stage`` from admitting the session's next item now (None: none does).
 
     In-flight work reserves room downstream: an edge or the output queue counts
-    the results still being made for it.
+    the results still being made for it. A stage that may take sequences out of
+    order (``NONE``) takes one ahead of its lowest untaken sequence only while a
+    place stays free on every edge and the output queue: the lower one, when it
+    comes, always has room. (Taking the last place, a later sequence's result
+    could wait there for good for an earlier one that a strict stage, or the
+    in-order output queue, needs first.)
     """
     stage_id = stage.stage_id
     in_flight = rt.reservations.by_stage.get(stage_id, 0)  # also the room it reserves on its edges
@@ -92,14 +99,19 @@ def first_blocker(
     group = stage.resource_group
     if group is not None and usage.by_group[group] >= group_limit[group]:
         return Blocker.group(group)
+    taken = in_flight
+    if stage.ordering is StageOrdering.NONE:
+        lane = rt.lanes[stage_id]
+        if lane.ready and min(lane.ready) > lane.taken.below:  # ahead: one place stays for the lower sequence
+            taken += 1
     occupancy = rt.occupancy
     for artifact, edge, limit, blocker in graph.room_limits[stage_id]:
         if edge is not None:
-            if occupancy.get(edge, 0) + in_flight >= limit:  # a plain get: Counter's missing-key hook is Python
+            if occupancy.get(edge, 0) + taken >= limit:  # a plain get: Counter's missing-key hook is Python
                 return blocker
         else:
             pending = rt.pending_outputs  # outputs made, waiting for an earlier sequence's
             queued = len(rt.outputs) + (sum(1 for v in pending.values() if artifact in v) if pending else 0)
-            if queued + in_flight >= limit:
+            if queued + taken >= limit:
                 return blocker
     return None

@@ -473,9 +473,10 @@ class SchedulerCore:
         inputs, timing = rt.take_inputs(stage_id, seq, stage.consumes)
         timing.admitted_at = self._now()
         reservation = self._usage.take(rt.reservations, stage, key, timing)
+        first = not lane.taken  # the session's first call here (seq 0 at a strict stage; any at a NONE one)
         lane.taken.add(seq)
         try:
-            actor.submit(StageInvocation(key, inputs, seq == 0, seq == rt.final_sequence_id), self.completion)
+            actor.submit(StageInvocation(key, inputs, first, seq == rt.final_sequence_id), self.completion)
         except Exception as exc:
             if rt.reservations.get(stage_id, seq) is reservation:
                 self._usage.release(rt.reservations, reservation)

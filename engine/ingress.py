@@ -86,7 +86,12 @@ def check_final_sequence_id(value: object) -> None:
 
 def ingress_names(artifacts: Iterable[str]) -> tuple[str, ...]:
     """The artifact names a room query asks about; a bare string is one name, not its characters."""
-    return (artifacts,) if isinstance(artifacts, str) else tuple(artifacts)
+    if isinstance(artifacts, str):
+        return (artifacts,)
+    try:
+        return tuple(artifacts)  # each one not an ingress artifact is named by the caller's check
+    except TypeError:
+        raise ValueError(f"artifacts must be an artifact name or names, got {type(artifacts).__name__}") from None
 
 
 def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:

@@ -102,12 +102,25 @@ async def _host_actors(task_status: trio.TaskStatus[tuple[trio.Nursery, trio.Can
 
 
 def check_actor_map(spec: PipelineSpec, actors: Mapping[str, StageActor]) -> None:
-    """Exactly one actor per stage: a ValueError naming what is missing or unknown."""
+    """A spec, and exactly one actor per stage: a ValueError naming what is wrong, missing or unknown (before
+    anything starts: a plain function given for an actor failed deep inside the start)."""
+    if not isinstance(spec, PipelineSpec):
+        raise ValueError(f"spec must be a PipelineSpec, got {type(spec).__name__}")
+    if not isinstance(actors, Mapping):
+        raise ValueError(f"actors must be a mapping of stage id to stage actor, got {type(actors).__name__}")
+    for stage_id, actor in actors.items():
+        missing_methods = [m for m in _ACTOR_METHODS if not callable(getattr(actor, m, None))]
+        if missing_methods:
+            raise ValueError(f"actors[{shown(stage_id)}] is a {type(actor).__name__}, not a stage actor (no "
+                             f"{', '.join(missing_methods)}); wrap a handler in LocalStageActor")
     stage_ids = {s.stage_id for s in spec.stages}
     if set(actors) != stage_ids:
         missing = sorted(stage_ids - set(actors))
         extra = sorted(set(actors) - stage_ids)
         raise ValueError(f"actors must match the spec's stages exactly: missing {missing}, unknown {extra}")
+
+
+_ACTOR_METHODS = ("run", "submit", "health", "is_healthy", "close_session", "barrier", "aclose")
 
 
 class Orchestrator:

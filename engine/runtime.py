@@ -66,6 +66,9 @@ class SeqSet:
     def __contains__(self, seq: int) -> bool:
         return seq < self.below or seq in self._extra
 
+    def __bool__(self) -> bool:
+        return self.below > 0 or bool(self._extra)
+
     def highest(self) -> int:
         return max(self._extra, default=self.below - 1)
 

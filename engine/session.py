@@ -231,6 +231,8 @@ class Session:
 
     def buffered(self, artifact: str, target_stage: str) -> int:
         """Items of ``artifact`` waiting for ``target_stage`` (bounded by the edge's capacity)."""
+        if (artifact, target_stage) not in self._core.graph.capacity:
+            raise KeyError(f"no edge carries {artifact!r} to {target_stage!r}")
         with self._core.lock:  # a stage's thread may be completing work of this session
             return self._runtime.occupancy[(artifact, target_stage)]
 

@@ -198,13 +198,38 @@ def _edges() -> list[EdgeSpec]:
         (lambda: PipelineSpec(["dynamics"], _edges(), {"frames"}), "stages[0] must be a StageSpec value, got str 'dynamics'"),
         (lambda: PipelineSpec(_stages(), {"control": "dynamics"}, {"frames"}), "edges[0] must be a EdgeSpec value, got str"),
         (lambda: LocalStageActor(render, mailbox_capacity=1.5), "mailbox_capacity must be an int >= 1, got 1.5"),
+        # each of these was taken, then failed the first session (or poisoned its close) with a bare TypeError
+        (lambda: LocalStageActor(None), "handler must be callable, got NoneType"),
+        (lambda: LocalStageActor(render, session_closer=5), "session_closer must be callable or None, got int"),
+        (lambda: LocalStageActor(render, name=5), "name must be a string or None, got int"),
     ],
     ids=["edge_float", "edge_str", "edge_bool", "edge_nan", "in_flight_str", "in_flight_float", "group_float",
-         "output_capacity_float", "misspelled_output", "stage_names", "edges_dict", "mailbox_float"],
+         "output_capacity_float", "misspelled_output", "stage_names", "edges_dict", "mailbox_float",
+         "handler_none", "closer_int", "name_int"],
 )
 def test_a_bad_spec_value_is_a_value_error_naming_the_field(build, named):
     with pytest.raises(ValueError) as refused:
         build()
+    assert named in str(refused.value)
+
+
+
+@pytest.mark.parametrize(("spec", "actors", "named"), [
+    (None, None, "spec must be a PipelineSpec, got NoneType"),
+    ("spec", None, "actors must be a mapping of stage id to stage actor, got list"),
+    ("spec", "function", "actors['dynamics'] is a function, not a stage actor (no run, submit"),
+], ids=["spec_none", "actors_list", "plain_function"])
+async def test_open_orchestrator_names_a_wrong_kind_of_spec_or_actor(spec, actors, named):
+    """An AttributeError or a TypeError came from deep inside the start instead (the actor map's keys and
+    ``close_timeout`` were already checked by name)."""
+    good = PipelineSpec(_stages(), _edges(), {"frames"})
+    actor_map = {stage.stage_id: LocalStageActor(render) for stage in good.stages}
+    if actors == "function":
+        actor_map["dynamics"] = render
+    given = list(actor_map.values()) if actors is None and spec == "spec" else actor_map
+    with pytest.raises(ValueError) as refused:
+        async with open_orchestrator(None if spec is None else good, given):
+            pass
     assert named in str(refused.value)
 
 

@@ -20,6 +20,7 @@ from engine import (
     LocalStageActor,
     ParallelWorkerStageActor,
     PipelineSpec,
+    StageOrdering,
     StageSpec,
     open_orchestrator,
 )
@@ -307,3 +308,53 @@ async def test_a_finished_stage_hands_the_next_stage_its_work_from_its_own_threa
         assert submitters["denoise"] == actors["encode"].thread_ident
         assert submitters["decode"] == actors["denoise"].thread_ident
         await s.aclose()
+
+
+# -- a stage that takes sequences out of order never strands an earlier one -------------------------------------
+
+
+async def _copy_x(inv):
+    return {"y": inv.inputs["x"]}
+
+
+async def _copy_y(inv):
+    return {"z": inv.inputs["y"]}
+
+
+def _out_of_order_spec(shape: str) -> tuple[PipelineSpec, dict[str, LocalStageActor]]:
+    """``a`` (ordering NONE, two calls at once) alone before a one-place output queue, or before a strict ``b``
+    over a one-place edge; in ``join`` it waits for a second ingress artifact ``c``."""
+    free = {"ordering": StageOrdering.NONE, "max_in_flight_per_session": 2, "max_in_flight_global": 2}
+    a_inputs = {"x", "c"} if shape == "join" else {"x"}
+    ingress = [EdgeSpec("x", "a", None, 2)] + ([EdgeSpec("c", "a", None, 2)] if shape == "join" else [])
+    if shape == "output":
+        spec = PipelineSpec(stages=[StageSpec("a", a_inputs, {"y"}, **free)], edges=ingress,
+                            output_artifacts={"y"}, output_capacity_per_session=1)
+        return spec, {"a": LocalStageActor(_copy_x, mailbox_capacity=2)}
+    spec = PipelineSpec(stages=[StageSpec("a", a_inputs, {"y"}, **free), StageSpec("b", {"y"}, {"z"})],
+                        edges=[*ingress, EdgeSpec("y", "b", "a", 1)], output_artifacts={"z"}, output_capacity_per_session=4)
+    return spec, {"a": LocalStageActor(_copy_x, mailbox_capacity=2), "b": LocalStageActor(_copy_y)}
+
+
+@pytest.mark.parametrize("shape", ["output", "edge", "join"])
+async def test_a_later_sequence_ready_first_never_takes_the_place_an_earlier_one_needs(shape, autojump_clock):
+    """Sequence 1 became ready at a NONE-ordered stage before 0 (pushed first, or its join complete first) and its
+    result took the only place downstream, where it waited for 0 for good: nothing came out, and a drain then
+    reported ``ok``, CLOSED, with both chunks lost. A stage now takes a later sequence only while a place stays for
+    the lower one: 1 waits, 0 runs, then 1; both come out, in order, and the drain is a real one."""
+    spec, actors = _out_of_order_spec(shape)
+    with trio.fail_after(10):
+        async with open_orchestrator(spec, actors) as orch:
+            s = orch.create_session("s", final_sequence_id=1)
+            if shape == "join":
+                await s.push(0, {"x": 0})
+                await s.push(1, {"x": 1, "c": 1})
+            else:
+                await s.push(1, {"x": 1})
+            await orch.barrier()
+            assert s.blocker("a", 1) is not None  # 1 waits for 0: the last place downstream is 0's
+            await s.push(0, {"c": 0} if shape == "join" else {"x": 0})
+            got = [seq async for seq, _ in s.outputs()]
+            assert got == [0, 1]
+            await s.aclose()
+            assert s.status is State.CLOSED and ("drain", "ok") in s.shutdown_phases

@@ -317,3 +317,22 @@ async def test_a_caller_cancelled_while_its_session_drains_leaves_it_cancelled_n
 async def _open_after(gate: trio.Event, seconds: float) -> None:
     await trio.sleep(seconds)
     gate.set()
+
+
+@pytest.mark.parametrize("names", [5, None], ids=["int", "none"])
+async def test_a_room_query_that_names_no_artifacts_is_a_value_error(orch, names):
+    """It was ``TypeError: 'int' object is not iterable`` from deep inside."""
+    s = orch.create_session("a")
+    with pytest.raises(ValueError, match="artifacts must be an artifact name or names, got "):
+        s.can_push(names)
+    with pytest.raises(ValueError, match="artifacts must be an artifact name or names, got "):
+        await s.wait_for_room(names)
+
+
+async def test_buffered_on_an_edge_that_does_not_exist_is_refused(orch):
+    """It answered 0, as for an empty edge; the other per-stage queries refuse an unknown stage."""
+    s = orch.create_session("a")
+    assert s.buffered("image", "encode") == 0
+    for artifact, target in (("bogus", "encode"), ("image", "decode")):
+        with pytest.raises(KeyError, match="no edge carries"):
+            s.buffered(artifact, target)

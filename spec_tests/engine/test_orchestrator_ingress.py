@@ -12,6 +12,7 @@ from engine import (
     Orchestrator,
     PipelineSpec,
     SessionStateError,
+    StageOrdering,
     StageSpec,
     open_orchestrator,
 )
@@ -254,6 +255,30 @@ async def test_is_first_and_is_last_follow_the_final_sequence(orch, rec):
     for stage in ("encode", "denoise", "decode"):
         assert flags[(stage, 0)] == (True, False)
         assert flags[(stage, 1)] == (False, True)
+
+
+
+async def test_is_first_marks_the_first_call_of_a_stage_that_takes_sequences_out_of_order(autojump_clock):
+    """``is_first`` is where per-session state is set up (README): at a NONE-ordered stage that took sequence 1
+    before 0 it came on the second call (it meant ``sequence == 0``), after the state was needed."""
+    calls: list[tuple[int, bool]] = []
+
+    async def any_order(inv):
+        calls.append((inv.key.sequence_id, inv.is_first))
+        return {"y": inv.inputs["x"]}
+
+    spec = PipelineSpec(
+        stages=[StageSpec("a", {"x"}, {"y"}, ordering=StageOrdering.NONE, max_in_flight_per_session=2,
+                          max_in_flight_global=2)],
+        edges=[EdgeSpec("x", "a", None, 4)], output_artifacts={"y"}, output_capacity_per_session=4)
+    with trio.fail_after(10):
+        async with open_orchestrator(spec, {"a": LocalStageActor(any_order, mailbox_capacity=2)}) as orch:
+            s = orch.create_session("s", final_sequence_id=1)
+            await s.push(1, {"x": 1})
+            await orch.barrier()
+            await s.push(0, {"x": 0})
+            assert [seq async for seq, _ in s.outputs()] == [0, 1]
+    assert calls == [(1, True), (0, False)]
 
 
 # -- an ingress artifact shared by two stages ------------------------------------------
