@@ -18,6 +18,7 @@ from states.pipeline_session import State
 from states.stage_actor import State as ActorState
 
 from .conftest import canonical_spec, chunk, running
+from ..virtual_time import elapse
 
 BAD_TIMEOUTS = [math.nan, -1.0, "30", None, True]
 BAD_TIMEOUT_IDS = ["nan", "negative", "str", "none", "bool"]
@@ -315,7 +316,7 @@ async def test_a_caller_cancelled_while_its_session_drains_leaves_it_cancelled_n
 
 
 async def _open_after(gate: trio.Event, seconds: float) -> None:
-    await trio.sleep(seconds)
+    await elapse(seconds)
     gate.set()
 
 

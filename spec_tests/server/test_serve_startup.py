@@ -102,11 +102,10 @@ def test_a_temporary_directory_too_long_for_the_fronts_socket_exits_2_naming_tmp
 
 
 @pytest.mark.parametrize("api_key", [None, "an-api-key"], ids=["open", "keyed"])
-def test_listening_beyond_this_host_without_an_api_key_is_warned_about(api_key: str | None, tmp_path: Path) -> None:
+def test_listening_beyond_this_host_without_an_api_key_is_warned_about(api_key: str | None) -> None:
     """Without --api-key every route is open: harmless on the default 127.0.0.1, not on --host 0.0.0.0, where one
     request could drain the only worker for good. The server says so as it starts (no traffic leaves this host)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    env["TMPDIR"] = str(tmp_path)
     command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--host", "0.0.0.0", "--port", "0"]
     command += [] if api_key is None else ["--api-key", api_key]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
