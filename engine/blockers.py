@@ -75,6 +75,7 @@ class Blocker:
 STAGE_CAPACITY = Blocker(BlockerKind.STAGE_CAPACITY)
 GLOBAL_CAPACITY = Blocker(BlockerKind.GLOBAL_CAPACITY)
 ACTOR_BUSY = Blocker(BlockerKind.ACTOR_BUSY)
+_ANY_ORDER = StageOrdering.NONE
 
 
 def first_blocker(
@@ -100,7 +101,7 @@ def first_blocker(
     if group is not None and usage.by_group[group] >= group_limit[group]:
         return Blocker.group(group)
     taken = in_flight
-    if stage.ordering is StageOrdering.NONE:
+    if stage.ordering is _ANY_ORDER:
         lane = rt.lanes[stage_id]
         if lane.ready and min(lane.ready) > lane.taken.below:  # ahead: one place stays for the lower sequence
             taken += 1

@@ -473,7 +473,7 @@ class SchedulerCore:
         inputs, timing = rt.take_inputs(stage_id, seq, stage.consumes)
         timing.admitted_at = self._now()
         reservation = self._usage.take(rt.reservations, stage, key, timing)
-        first = not lane.taken  # the session's first call here (seq 0 at a strict stage; any at a NONE one)
+        first = seq == 0 if lane.strict else not lane.taken  # the session's first call at this stage
         lane.taken.add(seq)
         try:
             actor.submit(StageInvocation(key, inputs, first, seq == rt.final_sequence_id), self.completion)

@@ -100,19 +100,19 @@ class _Timing:
 class Lane:
     """One session at one stage: what admission asks of it, resolved once rather than looked up by key."""
 
-    __slots__ = ("rt", "stage", "ready", "taken", "_strict")
+    __slots__ = ("rt", "stage", "ready", "taken", "strict")
 
     def __init__(self, rt: SessionRuntime, stage: StageSpec) -> None:
         self.rt = rt
         self.stage = stage
         self.ready: dict[int, _Timing] = {}  # seqs with every input present, each with its timing record
         self.taken = SeqSet()  # admitted (running or done)
-        self._strict = stage.ordering is StageOrdering.PER_SESSION_STRICT
+        self.strict = stage.ordering is StageOrdering.PER_SESSION_STRICT  # takes sequence 0, 1, 2... in turn
 
     def next_ready(self) -> int | None:
         """The sequence the stage would take next for this session, if its inputs are all here."""
         ready = self.ready
-        if self._strict:
+        if self.strict:
             frontier = self.taken.below
             return frontier if frontier in ready else None
         return min(ready) if ready else None
