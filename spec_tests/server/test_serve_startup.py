@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -117,11 +118,18 @@ def test_listening_beyond_this_host_without_an_api_key_is_warned_about(api_key: 
             if "chunkline: serving" in line:
                 break
         process.send_signal(signal.SIGTERM)
-        _, rest = process.communicate(timeout=START_DEADLINE)
+        deadline = threading.Timer(START_DEADLINE, process.kill)  # bounds the read below: EOF comes at the exit
+        deadline.start()
+        try:
+            rest = process.stderr.read()  # the same reader: communicate() would skip what it has buffered
+        finally:
+            deadline.cancel()
+        process.wait(timeout=START_DEADLINE)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+        process.stderr.close()
     log = "".join(lines) + rest
     assert process.returncode == 0, log[-2000:]
     warned = "warning: no --api-key, and the server listens beyond this host" in log
