@@ -51,6 +51,9 @@ unknown_event       a ``control`` event that is not a string or not one of
                     press, release, keyup, end, reset, reset_pose
 bad_prompt          ``prompt`` not a string, blank, over 2000 characters or not valid
                     text (a lone surrogate): ``pipelines.contract.prompt_problem``
+misspelt_field      a field the message does not read that is a near miss of one it
+                    does (``evnt`` for ``event``, ``sesion_id``): taken as it stands,
+                    the message would do something else than its sender meant
 ==================  ===========================================================
 
 Types: ``control_state`` (the set of held keys), ``control`` (one key:
@@ -59,7 +62,7 @@ Types: ``control_state`` (the set of held keys), ``control`` (one key:
 the RESET/RESET_POSE controls), ``prompt``, ``reset``, ``reset_pose``,
 ``stop``, and ``delivery_ack`` (F.9: the controller confirms it received the
 stream; optional ``received_frames`` >= 0) which yields a :class:`DeliveryAck`.
-Unknown extra fields are ignored.
+Other unknown extra fields are ignored (clients add their own: ``timestamp``, ``seq``...).
 
 Key aliases, normalized to ``w a s d i j k l`` (exact spelling, case matters):
 ``ArrowUp``/``up``/``forward`` -> w, ``ArrowDown``/``down``/``backward`` -> s,
@@ -78,6 +81,7 @@ cannot carry (numpy scalars aside, which become numbers) are stringified.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import numbers
@@ -139,6 +143,7 @@ REJECTION_REASONS: Final = frozenset(
         "duplicate_control",
         "unknown_event",
         "bad_prompt",
+        "misspelt_field",
     }
 )
 
@@ -257,6 +262,9 @@ def parse_control(
     kind = fields.get("type")
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise InvalidControl("unknown_type", f"type {echo(kind)} is not one of {sorted(MESSAGE_TYPES)}")
+    if fields is not message:
+        _refuse_near_misses(message, _ENVELOPE_FIELDS)
+    _refuse_near_misses(fields, _FIELDS_READ.get(kind, frozenset()) | _COMMON_FIELDS)
 
     if kind == ControlType.CONTROL_STATE.value:
         return Control(ControlType.CONTROL_STATE, keys=_held_keys(fields))
@@ -267,6 +275,28 @@ def parse_control(
     if kind == DELIVERY_ACK:
         return _delivery_ack(fields, session_id)
     return Control(_SIMPLE_TYPES[kind])
+
+
+# the fields each message type reads, beside the common ones
+_FIELDS_READ: Final[Mapping[str, frozenset[str]]] = {
+    ControlType.CONTROL_STATE.value: frozenset({"controls"}),
+    ControlType.CONTROL.value: frozenset({"control", "key", "event", "action"}),
+    ControlType.PROMPT.value: frozenset({"prompt"}),
+    DELIVERY_ACK: frozenset({"received_frames"}),
+}
+_COMMON_FIELDS: Final = frozenset({"type", "session_id"})
+_ENVELOPE_FIELDS: Final = frozenset({"version", "type", "session_id", "payload"})
+
+
+def _refuse_near_misses(fields: Mapping[str, Any], read: frozenset[str]) -> None:
+    """A field not read that is a near miss of one that is (``evnt``): the sender meant that one, and the message
+    taken without it would do something else (a release read as a press)."""
+    for name in fields:
+        if isinstance(name, str) and name not in read:
+            near = difflib.get_close_matches(name, read, n=1, cutoff=0.8)
+            if near:
+                raise InvalidControl("misspelt_field", f"field {echo(name)} is not one this message reads; "
+                                                       f"did you mean {near[0]!r}?")
 
 
 def _check_session(message: Mapping[str, Any], session_id: str) -> None:

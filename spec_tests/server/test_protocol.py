@@ -306,6 +306,29 @@ def test_duplicate_control(controls: list[str]) -> None:
     assert rejected({"type": "control_state", "controls": controls}).reason == "duplicate_control"
 
 
+@pytest.mark.parametrize(("message", "meant"), [
+    ({"type": "control", "key": "w", "evnt": "release"}, "event"),  # read as it stands: a press
+    ({"type": "control", "keys": "w", "event": "press"}, "key"),
+    ({"type": "control_state", "control": ["w"], "controls": []}, "controls"),  # read as it stands: nothing held
+    ({"type": "prompt", "promt": "night", "prompt": "day"}, "prompt"),
+    ({"type": "delivery_ack", "received_frame": 3}, "received_frames"),
+    ({"type": "stop", "sesion_id": "s1"}, "session_id"),
+    ({"version": 1, "type": "control", "payload": {"key": "w"}, "sesion_id": "s1"}, "session_id"),
+])
+def test_a_near_miss_of_a_field_the_message_reads_is_refused_naming_it(message: dict[str, Any], meant: str) -> None:
+    """Unknown fields are ignored, but one a letter away from a field the message reads was read as the message
+    without it: a misspelt ``event`` turned a release into a press."""
+    failure = rejected(message)
+    assert failure.reason == "misspelt_field" and f"did you mean {meant!r}" in failure.detail, failure
+
+
+def test_other_unknown_fields_are_ignored() -> None:
+    """Clients add their own (timestamps, counters, ids): those are not near misses and change nothing."""
+    extras = {"timestamp": 1.5, "seq": 7, "id": "abc", "client": "web", "ts": 3}
+    assert parse({"type": "control", "key": "w", "event": "release", **extras}).pressed is False
+    assert parse({"type": "control_state", "controls": ["w"], **extras}).keys == frozenset({"w"})
+
+
 @pytest.mark.parametrize("event", ["keydown", "hold", "", None, 1, ["press"], "reset pose"])
 def test_unknown_event(event: Any) -> None:
     assert rejected({"type": "control", "control": "w", "event": event}).reason == "unknown_event"
@@ -351,7 +374,7 @@ def test_every_reason_is_reachable_by_these_tests() -> None:
     assert REJECTION_REASONS == {
         "server_topic", "wrong_topic", "not_controller", "too_large", "invalid_json", "not_an_object", "bad_version",
         "wrong_session", "bad_payload", "unknown_type", "bad_controls", "unknown_control",
-        "duplicate_control", "unknown_event", "bad_prompt",
+        "duplicate_control", "unknown_event", "bad_prompt", "misspelt_field",
     }  # fmt: skip
 
 
