@@ -36,6 +36,7 @@ __all__ = [
     "StageInvocation",
     "ActorHealth",
     "StageActor",
+    "STAGE_ACTOR_METHODS",
     "LocalStageActor",
 ]
 
@@ -105,6 +106,10 @@ class StageActor(Protocol):
     async def barrier(self) -> None: ...
 
     async def aclose(self) -> None: ...
+
+
+#: the methods a stage actor has (read off the protocol, so the two never differ)
+STAGE_ACTOR_METHODS = tuple(name for name, member in vars(StageActor).items() if callable(member) and not name.startswith("_"))
 
 
 @attrs.define

@@ -21,7 +21,7 @@ import trio
 
 from states.pipeline_session import Event
 
-from .actors import ActorHealth, StageActor
+from .actors import STAGE_ACTOR_METHODS, ActorHealth, StageActor
 from .core import SchedulerCore
 from .errors import (
     OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError, seconds, shown,
@@ -109,7 +109,7 @@ def check_actor_map(spec: PipelineSpec, actors: Mapping[str, StageActor]) -> Non
     if not isinstance(actors, Mapping):
         raise ValueError(f"actors must be a mapping of stage id to stage actor, got {type(actors).__name__}")
     for stage_id, actor in actors.items():
-        missing_methods = [m for m in _ACTOR_METHODS if not callable(getattr(actor, m, None))]
+        missing_methods = [m for m in STAGE_ACTOR_METHODS if not callable(getattr(actor, m, None))]
         if missing_methods:
             raise ValueError(f"actors[{shown(stage_id)}] is a {type(actor).__name__}, not a stage actor (no "
                              f"{', '.join(missing_methods)}); wrap a handler in LocalStageActor")
@@ -118,9 +118,6 @@ def check_actor_map(spec: PipelineSpec, actors: Mapping[str, StageActor]) -> Non
         missing = sorted(stage_ids - set(actors))
         extra = sorted(set(actors) - stage_ids)
         raise ValueError(f"actors must match the spec's stages exactly: missing {missing}, unknown {extra}")
-
-
-_ACTOR_METHODS = ("run", "submit", "health", "is_healthy", "close_session", "barrier", "aclose")
 
 
 class Orchestrator:

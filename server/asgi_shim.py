@@ -93,10 +93,8 @@ class TrioASGIAnyWorker:
                 try:
                     await event.wait()
                 except trio.Cancelled:
-                    try:
-                        loop.call_soon_threadsafe(lambda: tasks[0].cancel())  # after start: the loop keeps the order
-                    except RuntimeError:
-                        raise  # hypercorn's loop is closed: nothing more runs there
+                    if not _ask_to_cancel(loop, tasks):  # hypercorn's loop is closed: nothing runs there any more
+                        raise
                     with trio.move_on_after(BRIDGE_CANCEL_DEADLINE) as waited:
                         waited.shield = True
                         await event.wait()  # whether the call was cancelled, or had already done its work
@@ -130,3 +128,13 @@ class TrioASGIAnyWorker:
             token.run_sync_soon(cancel_scope.cancel)
             if scope["type"] != "lifespan" or not done.done():
                 raise
+
+
+def _ask_to_cancel(loop: asyncio.AbstractEventLoop, tasks: list[asyncio.Future]) -> bool:
+    """Ask hypercorn's loop to cancel the call's task (queued after the call's start: the loop keeps the order);
+    False when that loop is closed."""
+    try:
+        loop.call_soon_threadsafe(lambda: tasks[0].cancel())
+    except RuntimeError:
+        return False
+    return True

@@ -264,7 +264,7 @@ def parse_control(
         raise InvalidControl("unknown_type", f"type {echo(kind)} is not one of {sorted(MESSAGE_TYPES)}")
     if fields is not message:
         _refuse_near_misses(message, _ENVELOPE_FIELDS)
-    _refuse_near_misses(fields, _FIELDS_READ.get(kind, frozenset()) | _COMMON_FIELDS)
+    _refuse_near_misses(fields, _FIELDS_READ[kind])
 
     if kind == ControlType.CONTROL_STATE.value:
         return Control(ControlType.CONTROL_STATE, keys=_held_keys(fields))
@@ -277,14 +277,14 @@ def parse_control(
     return Control(_SIMPLE_TYPES[kind])
 
 
-# the fields each message type reads, beside the common ones
-_FIELDS_READ: Final[Mapping[str, frozenset[str]]] = {
+# the fields each message type reads (its own, and the type and session id every one may carry)
+_OWN_FIELDS: Final[Mapping[str, frozenset[str]]] = {
     ControlType.CONTROL_STATE.value: frozenset({"controls"}),
     ControlType.CONTROL.value: frozenset({"control", "key", "event", "action"}),
     ControlType.PROMPT.value: frozenset({"prompt"}),
     DELIVERY_ACK: frozenset({"received_frames"}),
 }
-_COMMON_FIELDS: Final = frozenset({"type", "session_id"})
+_FIELDS_READ: Final = {kind: _OWN_FIELDS.get(kind, frozenset()) | {"type", "session_id"} for kind in MESSAGE_TYPES}
 _ENVELOPE_FIELDS: Final = frozenset({"version", "type", "session_id", "payload"})
 
 

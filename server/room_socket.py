@@ -29,7 +29,7 @@ import re
 from collections import deque
 from collections.abc import Sequence
 from http import HTTPStatus
-from typing import Final
+from typing import Final, NoReturn
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import attrs
@@ -213,12 +213,10 @@ class RoomSocket:
                 data = event.data
                 self._fragment_bytes += len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
                 self._pieces += 1
-                if self._fragment_bytes > self._limit or self._pieces > self._max_pieces:
-                    self.close_reason = (f"message larger than {self._limit} bytes" if self._fragment_bytes > self._limit
-                                         else f"message in more than {self._max_pieces} pieces")
-                    self.close_code = 1009  # message too big
-                    self._fragments.clear()
-                    raise PeerGone(self.close_reason)
+                if self._fragment_bytes > self._limit:
+                    self._too_big(f"message larger than {self._limit} bytes")
+                if self._pieces > self._max_pieces:
+                    self._too_big(f"message in more than {self._max_pieces} pieces")
                 if data:
                     self._fragments.append(data)
                 if event.message_finished:
@@ -234,6 +232,13 @@ class RoomSocket:
                 pass  # any frame counts as being alive (below)
         self._heard = trio.current_time()
         return events
+
+    def _too_big(self, reason: str) -> NoReturn:
+        """Cut the message arriving now: 1009, and nothing more of it is read or held."""
+        self.close_reason = reason
+        self.close_code = 1009  # message too big
+        self._fragments.clear()
+        raise PeerGone(reason)
 
     async def _receive(self) -> str | bytes:
         while not self._messages:

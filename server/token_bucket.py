@@ -16,12 +16,15 @@ class TokenBucket:
         self._tokens = float(burst)
         self._at: float | None = None
 
-    def wait(self, now: float) -> float:
-        """0.0, having taken a token, when one is there at ``now``; else the seconds until one will be (nothing
-        taken)."""
+    def _refill(self, now: float) -> None:
         if self._at is not None:
             self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
+
+    def wait(self, now: float) -> float:
+        """0.0, having taken a token, when one is there at ``now``; else the seconds until one will be (nothing
+        taken)."""
+        self._refill(now)
         if self._tokens >= 1 - 1e-9:  # a wait of exactly the missing part refills to 1, less a rounding
             self._tokens = max(0.0, self._tokens - 1)
             return 0.0
@@ -36,8 +39,6 @@ class TokenBucket:
         """Take ``count`` tokens at ``now`` for what was already taken in, going into debt past the burst; returns
         the seconds to wait before taking more (0.0 when the bucket covered it). Paying after suits a reader that
         learns how much it took only by reading it (the frames of one read)."""
-        if self._at is not None:
-            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
+        self._refill(now)
         self._tokens -= count
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate

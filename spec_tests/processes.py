@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import trio
 
-__all__ = ["end_process"]
+__all__ = ["end_popen", "end_process"]
 
 
 async def end_process(process: trio.Process) -> None:
@@ -13,3 +15,10 @@ async def end_process(process: trio.Process) -> None:
         process.kill()
         with trio.CancelScope(shield=True):
             await process.wait()
+
+
+def end_popen(process: subprocess.Popen) -> None:
+    """The same for a ``subprocess.Popen``: kill it unless it already ended, reap it, close its pipes."""
+    if process.poll() is None:
+        process.kill()
+    process.communicate()

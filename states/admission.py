@@ -283,11 +283,12 @@ class AdmissionBook:
             raise DuplicateAdmissionSession(session_id, "queued")
         if ahead < 0:
             raise InvalidSetting("ahead", ahead, "must be >= 0")
-        worker_id = self._least_loaded() if self._places() > ahead else None
+        has_place = self._places() > ahead  # with no free slot, the places are the queue's
+        worker_id = self._least_loaded() if has_place else None
         if worker_id is not None:
             assigned = self._assign(session_id, worker_id, "assigned", now, None, None)
             return Admission("assigned", session_id, worker_id=worker_id), assigned
-        if self._queue_size == 0 or len(self._queue) >= self._queue_size or self._places() <= ahead:
+        if not has_place:
             reason = "no_capacity" if self._queue_size == 0 else "queue_full"
             rejected = AdmissionTransition(session_id, "rejected", None, None, now)
             return Admission("rejected", session_id, reason=reason), [rejected]

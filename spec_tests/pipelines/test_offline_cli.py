@@ -18,6 +18,8 @@ import trio
 
 import pipelines
 
+from ..processes import end_popen
+
 REPLAY = str(Path(pipelines.__file__).parent / "replay")
 HUNG_STAGE = str(Path(__file__).parent / "hung_stage_world.py")
 PROGRESS_DEADLINE = 60.0  # seconds for the child to import its pipeline and write its first chunk
@@ -75,9 +77,7 @@ def test_a_signal_mid_run_leaves_no_partial_file(tmp_path: Path, signal_number: 
         process.send_signal(signal_number)
         _, err = process.communicate(timeout=EXIT_DEADLINE)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        end_popen(process)
     assert process.returncode == code, err[-2000:]
     assert message in err
     assert not out.exists(), sorted(p.name for p in out.iterdir())
@@ -96,9 +96,7 @@ def test_a_stopped_run_says_an_earlier_output_in_its_folder_is_not_its_own(tmp_p
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=EXIT_DEADLINE)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        end_popen(process)
     assert process.returncode == 130, err[-2000:]
     assert f"no output was written (the earlier video.mp4 and metrics.json in {out} are an earlier run's, unchanged)" \
         in err.decode(), err[-2000:]
@@ -118,9 +116,7 @@ def _stop_then_abort(process: subprocess.Popen[bytes], second: int, running: Cal
         _, err = process.communicate(timeout=EXIT_DEADLINE)
         return seen + err
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        end_popen(process)
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
@@ -165,9 +161,7 @@ def test_segments_a_killed_run_left_are_removed_by_the_next_one(tmp_path: Path) 
         process.kill()
         process.communicate(timeout=EXIT_DEADLINE)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+        end_popen(process)
     left = _segments_of(process.pid)
     assert left, "a SIGKILL leaves its segments"
     result = subprocess.run([sys.executable, "-m", "server.cli", "run", TOY_WORLD, "--chunks", "2", "--placement",

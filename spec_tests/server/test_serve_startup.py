@@ -15,6 +15,8 @@ import pytest
 
 from server.settings import ServerSettings
 
+from ..processes import end_popen
+
 ROOT = Path(__file__).resolve().parents[2]
 START_DEADLINE = 120.0  # wall seconds for the command to import and give up
 
@@ -126,10 +128,7 @@ def test_listening_beyond_this_host_without_an_api_key_is_warned_about(api_key: 
             deadline.cancel()
         process.wait(timeout=START_DEADLINE)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stderr.close()
+        end_popen(process)
     log = "".join(lines) + rest
     assert process.returncode == 0, log[-2000:]
     warned = "warning: no --api-key, and the server listens beyond this host" in log
