@@ -35,6 +35,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     from . import hypercorn_drain
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
+    from .open_access import WarnsOnceIfOpen
     from .setting_fields import require_existing_pipeline
     from .settings import ServerSettings
 
@@ -51,7 +52,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     app = TrioASGIAnyWorker(create_app(settings))
     # in a hypercorn worker: when hypercorn is told to stop, the sessions drain before it closes connections
     hypercorn_drain.install(functools.partial(app.run_in_app_loop, app.extensions["chunkline"].drain_for_stop))
-    return app
+    return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
 
 
 def _end_hypercorn_supervisor() -> None:

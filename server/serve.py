@@ -15,7 +15,6 @@ signal's included, and the ones a killed server left are removed by the next ser
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ from .app import create_app
 from .runtime import SHUTDOWN_GRACE
 from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
+from .open_access import UNGUARDED, is_loopback
 from .room_socket import Deadlines
 from .run_signals import note_stop_signal
 from .server_folders import ServerFolder
@@ -212,9 +212,9 @@ async def _serve(
             task_status.started(urls)
             for url in urls:
                 print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
-            if not settings.api_key and any(not _loopback(listener) for listener in listeners):
-                print("chunkline: warning: no --api-key, and the server listens beyond this host: whoever reaches it may "
-                      "create and delete sessions and drain its workers", file=sys.stderr, flush=True)
+            if not settings.api_key and any(not is_loopback(listener.socket.getsockname()[0]) for listener in listeners):
+                print(f"chunkline: warning: no --api-key, and the server listens beyond this host: {UNGUARDED}",
+                      file=sys.stderr, flush=True)
             await stop.wait()
             watchdog = _exit_watchdog(SHUTDOWN_BOUND, abandon)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
@@ -245,10 +245,6 @@ async def _check_cluster_address(settings: ServerSettings) -> None:
 
 async def _accept(listeners: list[trio.SocketListener], front: Front) -> None:
     await trio.serve_listeners(front.handle, listeners)
-
-
-def _loopback(listener: trio.SocketListener) -> bool:
-    return ipaddress.ip_address(listener.socket.getsockname()[0]).is_loopback
 
 
 def _url(listener: trio.SocketListener) -> str:

@@ -315,3 +315,44 @@ async def test_a_body_above_the_limit_gets_413_and_the_connection_closes_so_the_
                     assert response.headers["connection"] == "close"
                     response = await client.get("/v1/service/ready")
                     assert response.status_code == 200
+
+
+OPEN_WARNING = b"chunkline: warning: no CHUNKLINE_API_KEY, and the server answers beyond this host (0.0.0.0:"
+
+
+@pytest.mark.parametrize(("workers", "bind", "api_key", "warned"), [
+    ([], "0.0.0.0", None, True),
+    (["--workers", "0"], "0.0.0.0", None, True),  # hypercorn makes its sockets only after the app started here
+    (["--workers", "0"], "0.0.0.0", "an-api-key", False),
+    (["--workers", "0"], "127.0.0.1", None, False),
+], ids=["supervised-open", "in-process-open", "keyed", "loopback"])
+async def test_hypercorn_answering_beyond_this_host_without_an_api_key_is_warned_about(workers, bind, api_key, warned):
+    """``chunkline stream-serve`` warned of an open API on a public bind; under ``hypercorn server:app --bind 0.0.0.0``
+    nothing did. The app says so at its first request (asked over loopback here: no traffic leaves this host)."""
+    env = server_env() | ({} if api_key is None else {"CHUNKLINE_API_KEY": api_key})
+    command = [sys.executable, "-m", "hypercorn", *workers, "--bind", f"{bind}:0", APP_TARGET]
+    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    running = re.compile(rb"Running on http://[0-9.]+:(\d+)")
+    log = bytearray()
+    assert process.stderr is not None
+    try:
+        with trio.fail_after(START_DEADLINE):
+            while not running.search(log):
+                data = await process.stderr.receive_some()
+                assert data, f"hypercorn exited:\n{log.decode(errors='replace')[-3000:]}"
+                log.extend(data)
+            port = running.search(log).group(1).decode()  # type: ignore[union-attr]
+            headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=headers) as client:
+                assert (await client.get("/v1/service/health")).status_code == 200
+                assert (await client.get("/v1/service/health")).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(EXIT_DEADLINE):
+            async for data in process.stderr:  # the rest of the log, to its end at the exit
+                log.extend(data)
+            await process.wait()
+    finally:
+        await end_process(process)
+    assert log.count(OPEN_WARNING) == (1 if warned else 0), log.decode(errors="replace")[-3000:]
+    assert b"Traceback" not in log, log.decode(errors="replace")[-3000:]

@@ -1,0 +1,72 @@
+"""Whether the API answers beyond this host with no API key, said once: any client could then drain every worker.
+
+``chunkline stream-serve`` knows its listeners and says so as it starts. Under ``hypercorn server:app`` the bind is
+hypercorn's, and in some of its modes the sockets are made after the app starts, so the app looks at its first
+request: the address it came in on, and the sockets of this process listening on that port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import sys
+from typing import Any
+
+__all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "listening_hosts"]
+
+#: what an open API lets anyone who reaches it do (both warnings end with it)
+UNGUARDED = "whoever reaches it may create and delete sessions and drain its workers"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address) is reachable from this host only; a name or a Unix path counts as local."""
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return True
+
+
+def listening_hosts(port: int) -> list[str]:
+    """The addresses this process's listening TCP sockets on ``port`` are bound to (read from its open files)."""
+    hosts: list[str] = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                fd = int(name)
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                        continue
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getsockname()[1] == port:
+                        hosts.append(sock.getsockname()[0])
+    return hosts
+
+
+class WarnsOnceIfOpen:
+    """The app hypercorn serves when no API key is set: at its first request, a warning if it answers beyond this host."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+        self._checked = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if not self._checked and scope["type"] in ("http", "websocket"):
+            self._checked = True
+            warn_if_open(scope.get("server"))
+        await self._app(scope, receive, send)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)
+
+
+def warn_if_open(server: tuple[str, int | None] | None) -> None:
+    """Warn when the request's own address, or a socket listening on its port, is reachable from other hosts."""
+    if server is None or server[1] is None:
+        return  # a Unix socket: local by nature
+    host, port = server
+    beyond = sorted({h for h in [host, *listening_hosts(port)] if not is_loopback(h)})
+    if beyond:
+        where = ", ".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in beyond)
+        print(f"chunkline: warning: no CHUNKLINE_API_KEY, and the server answers beyond this host ({where}): "
+              f"{UNGUARDED}", file=sys.stderr, flush=True)
