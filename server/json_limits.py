@@ -8,6 +8,8 @@ front with a :class:`JsonRefused` whose ``reason`` is stable:
 ==================  ==========================================================
 ``invalid_json``    not UTF-8, or not JSON (NaN and Infinity are not JSON)
 ``too_deep``        arrays/objects nested deeper than ``max_depth``
+``too_many_values`` more than ``max_values`` values (``[1,1,...]`` of 8 MiB took 2-3 s of the event loop to
+                    parse, only to be refused for its size afterwards)
 ``unencodable_text`` a string or key holds a lone surrogate (not UTF-8 encodable)
 ``duplicate_key``   one object names a key twice (``json.loads`` keeps the last one without a word)
 ``out_of_range``    a number too large for a float (``1e400``: ``json.loads`` makes it infinity,
@@ -19,8 +21,8 @@ JSON when :func:`loads` takes them, else as text (a client's payload is opaque t
 ``json.loads`` there let one 2 KB string of nested brackets raise ``RecursionError`` and end the
 server).
 
-The depth is measured before parsing, on the raw bytes with string contents removed, so a
-deep document costs one linear scan and no Python objects.
+The depth and the number of values are measured before parsing, on the raw bytes with string contents
+removed, so a deep or a huge document costs one linear scan and no Python objects.
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ from pipelines.json_objects import RepeatedKey, refuse_repeated_keys
 
 from .reasons import echo
 
-__all__ = ["MAX_JSON_DEPTH", "JsonRefused", "loads", "nesting_depth", "payload_body"]
+__all__ = ["MAX_JSON_DEPTH", "MAX_JSON_VALUES", "JsonRefused", "loads", "nesting_depth", "payload_body"]
 
 MAX_JSON_DEPTH: Final = 32
+#: values a client's document may hold: far more than any API body (a session's config is at most 16 KiB) or
+#: control message has; an image travels as one string, one value
+MAX_JSON_VALUES: Final = 20_000
 
 _STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _BLOCK: Final = 1 << 18
@@ -46,8 +51,8 @@ _NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class JsonRefused(ValueError):
-    """A client's JSON was refused; ``reason`` is ``invalid_json``, ``too_deep``, ``unencodable_text``,
-    ``duplicate_key`` or ``out_of_range``."""
+    """A client's JSON was refused; ``reason`` is ``invalid_json``, ``too_deep``, ``too_many_values``,
+    ``unencodable_text``, ``duplicate_key`` or ``out_of_range``."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -57,7 +62,16 @@ class JsonRefused(ValueError):
 
 def nesting_depth(raw: bytes) -> int:
     """The deepest array/object nesting of ``raw`` (brackets inside strings do not count)."""
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return _depth(_STRING.sub(b"", raw))
+
+
+def _values(structure: bytes) -> int:
+    """How many values a document holds at most, from its bytes outside strings: one more than its separators."""
+    return structure.count(b",") + structure.count(b":") + 1
+
+
+def _depth(structure: bytes) -> int:
+    brackets = structure.translate(None, _NOT_BRACKETS)
     if not brackets:
         return 0
     deepest = level = 0
@@ -113,9 +127,9 @@ def _check_encodable(value: Any) -> None:
             pending.extend(item)
 
 
-def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse client JSON, refusing invalid, too deep or unencodable documents and objects that name a key twice
-    (:class:`JsonRefused`)."""
+def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, max_values: int = MAX_JSON_VALUES) -> Any:
+    """Parse client JSON, refusing invalid, too deep, too large or unencodable documents and objects that name a
+    key twice (:class:`JsonRefused`)."""
     if isinstance(raw, str):
         try:
             data = raw.encode("utf-8")
@@ -123,9 +137,13 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
             raise JsonRefused("unencodable_text", "the message holds text that is not valid Unicode") from None
     else:
         data = bytes(raw)
-    depth = nesting_depth(data)
+    structure = _STRING.sub(b"", data)
+    depth = _depth(structure)
     if depth > max_depth:
         raise JsonRefused("too_deep", f"JSON nested {depth} levels deep; at most {max_depth} allowed")
+    values = _values(structure)
+    if values > max_values:
+        raise JsonRefused("too_many_values", f"JSON of {values} values; at most {max_values} allowed")
     try:
         value = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float,
                            parse_int=_bounded_int, object_pairs_hook=refuse_repeated_keys)

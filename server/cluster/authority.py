@@ -197,7 +197,7 @@ class ClusterAuthority:
         if shaken is None:
             return
         first, channel, nonce = shaken
-        channel.max_frame = wire.MAX_FRAME_BYTES  # the peer proved the token
+        channel.max_frame = wire.MAX_AGENT_FRAME_BYTES  # the peer proved the token
         worker = self._admit(first, channel)
         if worker is None:
             await channel.aclose()

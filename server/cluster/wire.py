@@ -45,6 +45,7 @@ from .wire_values import (
 
 __all__ = [
     "PROTOCOL",
+    "MAX_AGENT_FRAME_BYTES",
     "MAX_FRAME_BYTES",
     "MAX_HANDSHAKE_FRAME_BYTES",
     "MAX_CAPACITY",
@@ -81,7 +82,13 @@ PROTOCOL = 5
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
+#: the largest frame an agent may send once it proved the token: what it sends (heartbeats, session events, a Ready's
+#: three reports of at most 64 KiB each) is far smaller than a Start's image; 16 MiB frames from one agent took the
+#: authority's event loop 2-3 s each to parse, and its other agents were cut off for late heartbeat answers
+MAX_AGENT_FRAME_BYTES = 1024 * 1024
 MAX_JSON_DEPTH = 64  # a Start's config is at most the API's depth (32) inside the message
+#: values a frame may hold: a Ready's three 64 KiB reports could hold about 100,000; a Start's image is one string
+MAX_JSON_VALUES = 150_000
 _HEADER = struct.Struct(">I")
 TAG_BYTES = 32  # an HMAC-SHA256 tag after the body of every frame past the handshake
 #: seconds a peer has to take a frame, by default, plus one second per :data:`MIN_SEND_RATE` bytes of it
@@ -324,7 +331,7 @@ def encode(message: Message) -> bytes:
 def decode(data: bytes) -> Message:
     """One frame body to its message; :class:`WireError` names what is wrong."""
     try:
-        body = json_loads(data, max_depth=MAX_JSON_DEPTH)
+        body = json_loads(data, max_depth=MAX_JSON_DEPTH, max_values=MAX_JSON_VALUES)
     except JsonRefused as exc:
         raise WireError(f"a frame is not valid JSON: {exc.detail}") from None
     if not isinstance(body, dict):

@@ -7,6 +7,7 @@ The peers here speak the wire themselves (``server.cluster.wire``), as a hostile
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import struct
@@ -158,6 +159,18 @@ async def test_a_token_holder_whose_registration_or_ready_breaks_the_protocol_is
     cause = await until(lambda: losses(authority).get("untagged"), "the untagged agent to be lost", authority,
                         deadline=10)
     assert cause.startswith("protocol error: frame 0 does not carry its authentication tag"), cause
+    # a frame past anything an agent sends, after the proof: lost at its header (16 MiB frames, each parsed, held
+    # the authority's loop 2-3 s and its other agents were cut off for late heartbeat answers)
+    channel, reply = await register(authority, "oversized")
+    assert isinstance(reply, wire.Welcome), reply
+    heartbeat = {"v": wire.PROTOCOL, "type": "heartbeat", "seq": 1, "sessions": ["s"] * wire.MAX_AGENT_FRAME_BYTES}
+    with contextlib.suppress(wire.ConnectionClosed):  # the authority may close before it all went out
+        await channel.send_body(wire.json.dumps(heartbeat).encode())
+    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+    await channel.aclose()
+    cause = await until(lambda: losses(authority).get("oversized"), "the oversized agent to be lost", authority,
+                        deadline=10)
+    assert f"exceeds the {wire.MAX_AGENT_FRAME_BYTES}-byte limit" in cause, cause
     await still_serving(authority, "after-bad-ready")
     health = authority.get("/v1/stream/health")
     assert not any(w["worker_id"] in bad_ready for w in health["workers"])

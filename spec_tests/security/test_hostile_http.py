@@ -19,7 +19,7 @@ import trio
 from hypothesis import given, strategies as st
 
 from pipelines.images import MAX_IMAGE_SIDE, ImageRefused, check_image, load_image
-from server.json_limits import MAX_INT_DIGITS, MAX_JSON_DEPTH
+from server.json_limits import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_JSON_VALUES
 from server.runtime import MAX_VIEWERS_PER_SESSION
 
 from ..server.conftest import assert_error_body, make_settings, png_bytes, serve
@@ -213,6 +213,25 @@ async def test_deep_json_bodies_are_a_400_on_every_json_route(depth: int) -> Non
         # within the depth limit the body is read: the toy world itself then refuses the option it does not know
         status, body, _ = await s.create("ctl3", config=nested(MAX_JSON_DEPTH - 2))
         assert status == 400 and body["error"] == "invalid_option" and "'k'" in body["detail"], body
+
+
+@pytest.mark.parametrize("shape", ["array", "object"])
+async def test_a_body_of_more_json_values_than_any_request_holds_is_refused_before_it_is_parsed(shape: str) -> None:
+    """8 MiB of ``[1,1,...]`` (or of keys) in a session's config took the server 2-3 s to parse, every session's
+    stream stalling meanwhile, only to be refused for the config's size afterwards: it is refused on its count of
+    values, read off its bytes; a body as large that holds an image (one string) is still read."""
+    count = 4 * 1024 * 1024 // 4
+    values = ",".join(["1"] * count) if shape == "array" else ",".join(f'"k{i}":0' for i in range(count // 8))
+    config = f"[{values}]" if shape == "array" else f"{{{values}}}"
+    raw = f'{{"identity": "ctl", "config": {{"x": {config}}}}}'.encode()
+    async with serve() as s:
+        status, body, _ = await s.json("post", SESSIONS, data=raw, headers={"Content-Type": "application/json"})
+        assert_error_body(status, body, "too_many_values")
+        assert f"at most {MAX_JSON_VALUES}" in body["detail"], body
+        # as many bytes in one string (an image's place) parse: the pipeline then refuses what it is
+        raw = b'{"identity": "ctl", "image": "data:image/png;base64,' + b"A" * len(raw) + b'"}'
+        status, body, _ = await s.json("post", SESSIONS, data=raw, headers={"Content-Type": "application/json"})
+        assert status == 400 and body["error"] != "too_many_values", body
 
 
 @pytest.mark.parametrize("sign", ["", "-"])
