@@ -1,4 +1,9 @@
-"""Whether the API answers beyond this host with no API key, said once: any client could then drain every worker.
+"""Who may use the API: web pages of other origins may not make a browser change anything here, and an API that
+answers beyond this host with no API key is said to be open, once (any client could then drain every worker).
+
+A page elsewhere can make its visitor's browser send a POST without asking this server first (a form, or a
+``text/plain`` body: a "simple" request, no preflight), and with no API key that drained the workers; such a
+request names its page in ``Origin``, which must be this server itself or one of ``--cors-allow-origins``.
 
 ``chunkline stream-serve`` knows its listeners and says so as it starts. Under ``hypercorn server:app`` the bind is
 hypercorn's, and in some of its modes the sockets are made after the app starts, so the app looks at its first
@@ -13,8 +18,9 @@ import os
 import socket
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
-__all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "listening_hosts"]
+__all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "listening_hosts", "page_may_call"]
 
 #: what an open API lets anyone who reaches it do (both warnings end with it)
 UNGUARDED = "whoever reaches it may create and delete sessions and drain its workers"
@@ -26,6 +32,32 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
     except ValueError:
         return True
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _split_host(netloc: str) -> tuple[str, int | None]:
+    """``host[:port]`` (a bracketed IPv6 address too) as its lower-cased host and its port, None when not given."""
+    parts = urlsplit(f"//{netloc}")
+    try:
+        return (parts.hostname or ""), parts.port
+    except ValueError:  # a port that is not a number
+        return netloc.lower(), None
+
+
+def page_may_call(origin: str, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Whether a browser request from a page at ``origin`` may change state here: the page is this server's own (its
+    host, and port where the request's ``Host`` names one) or ``allowed`` names it (``*``: any)."""
+    if origin in allowed or "*" in allowed:
+        return True
+    page = urlsplit(origin)
+    if page.scheme not in _DEFAULT_PORTS or not page.netloc or not host:
+        return False  # "null" (a sandboxed page, a file), or no Host to compare with
+    page_host, page_port = _split_host(page.netloc)
+    own_host, own_port = _split_host(host)
+    # behind a TLS proxy the page is https and this request http: a Host without a port leaves the port unsaid
+    return page_host == own_host and (own_port is None or own_port == (page_port or _DEFAULT_PORTS[page.scheme]))
 
 
 def listening_hosts(port: int) -> list[str]:

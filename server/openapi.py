@@ -178,6 +178,8 @@ SCHEMAS: dict[str, Any] = {
 
 SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
 COMMON_ERRORS = {"401": _error("missing or wrong API key (when one is configured)"),
+                 "403": _error("forbidden_origin: a POST or DELETE from a web page of another origin, not in "
+                               "--cors-allow-origins"),
                  "413": _error("request body too large")}
 
 

@@ -402,3 +402,28 @@ async def test_a_failed_sessions_error_names_no_server_path(tmp_path: Path) -> N
             assert "/" not in text and "Traceback" not in text and "\n" not in text, text
             assert len(text) <= 240
         assert isinstance(ctl, Peer)
+
+
+async def test_a_web_page_of_another_origin_cannot_make_a_visitors_browser_change_anything() -> None:
+    """A page anywhere could make its visitor's browser POST here without asking first (a form, a ``text/plain``
+    body): with no API key, it created sessions and drained the only worker. Such a request names its page in
+    ``Origin``: a 403 unless the page is this server's own or one ``--cors-allow-origins`` names; nothing changes."""
+    page_elsewhere = {"Origin": "http://pages.example", "Content-Type": "text/plain", "Host": "127.0.0.1:8088"}
+    own_page = {"Origin": "http://127.0.0.1:8088", "Host": "127.0.0.1:8088"}
+    async with serve() as s:
+        drain = f"/v1/service/workers/{s.worker_id}/drain"
+        for path, data in ((SESSIONS, b'{"identity": "ctl"}'), (drain, b'{"deadline_seconds": 1}')):
+            status, body, _ = await s.json("post", path, data=data, headers=page_elsewhere)
+            assert_error_body(status, body, "forbidden_origin")
+            assert status == 403 and "'http://pages.example'" in body["detail"], body
+        assert list(s.runtime.registry) == []
+        assert s.runtime.ready  # the worker was not drained
+        status, created, _ = await s.json("post", SESSIONS, json={"identity": "ctl"}, headers=own_page)
+        assert status == 200, created
+        path = f"{SESSIONS}/{created['session_id']}"
+        assert (await s.json("delete", path, headers=page_elsewhere))[0] == 403
+        assert (await s.json("get", path))[1]["status"] != "closed"
+        assert (await s.json("delete", path, headers=own_page))[0] == 200  # a script or curl sends no Origin at all
+    async with serve(make_settings(cors_allow_origins=("http://pages.example",))) as s:
+        status, created, _ = await s.json("post", SESSIONS, data=b'{"identity": "ctl"}', headers=page_elsewhere)
+        assert status == 200, created
