@@ -5,7 +5,10 @@ worker agents), so it asks a ready worker: the service's ``check_options`` (the 
 ``create_session`` or ``stream`` runs) in the worker's process, through the process proxy or the
 agent's connection. Its refusal is an HTTP 400 ``invalid_option`` with the pipeline's own words;
 no slot, queue place, room or token is taken. Every worker runs the same pipeline, so one's word
-holds for all.
+holds for all: the ready workers take turns, and one that does not answer (a hung check, an agent
+that stopped answering but still heartbeats) gives its turn to the next within the create's
+deadline, and is asked after the others until it answers again. The first ready worker used to be
+asked every time, so one mute agent made every create in the cluster a 503.
 """
 
 from __future__ import annotations
@@ -23,14 +26,38 @@ from .requests import OptionsRefused
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["CHECK_OPTIONS_TIMEOUT", "MAX_CHECKS_AT_ONCE", "check_options"]
+__all__ = ["CHECK_OPTIONS_TIMEOUT", "MAX_CHECKS_AT_ONCE", "WORKER_CHECK_TIMEOUT", "OptionCheckers", "check_options"]
 
 log = logging.getLogger("chunkline.runtime")
 
 #: seconds a create waits for a worker's check of its options (a process child's own deadline is longer)
 CHECK_OPTIONS_TIMEOUT = 10.0
+#: seconds one worker has to answer before the next ready one is asked (within CHECK_OPTIONS_TIMEOUT)
+WORKER_CHECK_TIMEOUT = CHECK_OPTIONS_TIMEOUT / 2
 #: checks under way at once; more wait their turn within their deadline (an agent's outbox holds 256 messages)
 MAX_CHECKS_AT_ONCE = 16
+
+
+class OptionCheckers:
+    """Which ready worker checks the next create's options: each in turn, one whose last check failed last."""
+
+    def __init__(self) -> None:
+        self.limiter = trio.CapacityLimiter(MAX_CHECKS_AT_ONCE)
+        self._turn = 0
+        self._failed: set[str] = set()  # workers whose last check failed; only ids of ready workers are kept
+
+    def order(self, ready: list[Any]) -> list[Any]:
+        """``ready`` starting at the next worker's turn, those whose last check failed moved to the end."""
+        self._turn += 1
+        self._failed &= {worker.worker_id for worker in ready}
+        start = self._turn % len(ready)
+        return sorted(ready[start:] + ready[:start], key=lambda worker: worker.worker_id in self._failed)
+
+    def answered(self, worker_id: str) -> None:
+        self._failed.discard(worker_id)
+
+    def failed(self, worker_id: str) -> None:
+        self._failed.add(worker_id)
 
 
 async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None:
@@ -54,15 +81,25 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
             return
         raise NoWorker("no worker is ready to check the session's options yet (every worker is starting)",
                        NO_WORKER_RETRY_AFTER)
-    worker = ready[0]
-    try:
-        with trio.fail_after(CHECK_OPTIONS_TIMEOUT):
-            async with runtime.option_checks:
-                await worker.check_options(options)
-    except OptionsRefused:
-        raise
-    except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken
-        log.warning("worker %s could not check a session's options: %r", worker.worker_id, exc)
-        # the failure's own words, never its type (a public 503 said "RuntimeError: worker lost: ...")
-        reason = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc, prefix_type=False)
-        raise NoWorker(f"the session's options could not be checked: {reason}", NO_WORKER_RETRY_AFTER) from None
+    checkers = runtime.option_checks
+    give_up = trio.current_time() + CHECK_OPTIONS_TIMEOUT
+    reason = "no answer in time"
+    for worker in checkers.order(ready):
+        try:
+            with trio.fail_at(min(give_up, trio.current_time() + WORKER_CHECK_TIMEOUT)):
+                async with checkers.limiter:
+                    await worker.check_options(options)
+        except OptionsRefused:
+            checkers.answered(worker.worker_id)
+            raise
+        except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken
+            checkers.failed(worker.worker_id)
+            log.warning("worker %s could not check a session's options: %r", worker.worker_id, exc)
+            # the failure's own words, never its type (a public 503 said "RuntimeError: worker lost: ...")
+            reason = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc, prefix_type=False)
+            if trio.current_time() >= give_up:
+                break
+        else:
+            checkers.answered(worker.worker_id)
+            return
+    raise NoWorker(f"the session's options could not be checked: {reason}", NO_WORKER_RETRY_AFTER) from None

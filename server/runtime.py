@@ -118,7 +118,7 @@ class StreamRuntime:
         self._nursery: trio.Nursery | None = None
         self.uploads = UploadFolder()
         #: option checks under way at once (each is a message to a worker: a burst of creates stays bounded)
-        self.option_checks = trio.CapacityLimiter(option_check.MAX_CHECKS_AT_ONCE)
+        self.option_checks = option_check.OptionCheckers()
         self.image_decodes = trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)  # creates' images checked at once
         self._shut_down = trio.Event()
         self.started = False

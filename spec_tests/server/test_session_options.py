@@ -144,7 +144,7 @@ async def test_a_check_that_never_answers_is_a_503_at_its_deadline(monkeypatch: 
         assert status == 503 and body["error"] == "no_worker", body
         assert "could not be checked: no answer in time" in body["detail"]
         assert not list(s.runtime.registry) and s.free_slots() == 1
-        assert s.runtime.option_checks.borrowed_tokens == 0
+        assert s.runtime.option_checks.limiter.borrowed_tokens == 0
 
 
 #: a pipeline that requires an option: its check (the one its create_session runs) refuses a config without it

@@ -1,0 +1,62 @@
+"""A create's options are checked by a ready agent's pipeline; an agent that never answers the check (a hung
+check, or a token holder that heartbeats but stays mute) gives its turn to the next, so creates keep working."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from server.cluster import wire
+from server.option_check import CHECK_OPTIONS_TIMEOUT
+
+from .conftest import INTERVAL, TINY, TOKEN, Process, chunkline, clean_env, start_authority, until
+from .test_hostile_agents import register, say_ready
+
+REFUSED_OPTIONS = {"identity": "ctl", "config": {"k": 1}}  # the tiny world's check refuses an option it does not know
+
+
+async def mute_agent(channel: wire.Channel, asked: list[wire.Message]) -> None:
+    """Heartbeat as a live agent does; take every message and answer none (a check among them)."""
+    async with trio.open_nursery() as nursery:
+        async def heartbeat() -> None:
+            seq = 0
+            while True:
+                seq += 1
+                await channel.send(wire.Heartbeat(seq, ()))
+                await trio.sleep(INTERVAL)  # bench-cost: the liveness interval a real agent keeps (real time)
+
+        nursery.start_soon(heartbeat)
+        while True:
+            message = await channel.receive()
+            if isinstance(message, wire.CheckOptions):
+                asked.append(message)
+
+
+async def test_an_agent_that_never_answers_option_checks_does_not_hold_every_create() -> None:
+    """The first ready agent was asked every time: one mute agent made every create a 503 after 10 s, while health
+    said healthy. The ready agents take turns; a mute one gives its turn away at its deadline and is asked last."""
+    authority = start_authority(launcher="external", workers=2)
+    agent: Process | None = None
+    try:
+        channel, reply = await register(authority, "mute")
+        assert isinstance(reply, wire.Welcome), reply
+        asked: list[wire.Message] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mute_agent, channel, asked)
+            await say_ready(authority, channel, "mute")
+            agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
+                                      "--node", "honest"), clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+            await until(lambda: any(w["node"] == "honest" and w["state"] == "idle" for w in authority.workers()),
+                        "the real agent to be ready", authority)
+            async with httpx.AsyncClient(base_url=authority.base_url, timeout=CHECK_OPTIONS_TIMEOUT * 2) as http:
+                for _ in range(4):
+                    response = await http.post("/v1/stream/sessions", json=REFUSED_OPTIONS)
+                    assert response.status_code == 400, response.text
+                    assert response.json()["error"] == "invalid_option" and "'k'" in response.json()["detail"]
+            assert len(asked) == 1, asked  # asked once, then after the answering agent
+            nursery.cancel_scope.cancel()
+        await channel.aclose()
+    finally:
+        if agent is not None:
+            agent.stop()
+        authority.stop()
