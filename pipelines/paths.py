@@ -8,7 +8,11 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["PathRefused", "open_regular_file", "read_at_most", "resolve_inside"]
+__all__ = ["NO_SUCH_FILE", "PathRefused", "open_regular_file", "read_at_most", "regular_file_problem", "resolve_inside",
+           "lookup_problem"]
+
+#: what :func:`regular_file_problem` says of a path with nothing there
+NO_SUCH_FILE = "does not exist"
 
 
 class PathRefused(ValueError):
@@ -67,3 +71,34 @@ def read_at_most(file: str | os.PathLike[str] | int, limit: int) -> bytes | None
     with open(file, "rb") as opened:
         data = opened.read(limit + 1)
     return None if len(data) > limit else data
+
+
+def lookup_problem(path: str | os.PathLike[str], error: OSError) -> str:
+    """Why looking ``path`` up failed with ``error``, in words that follow its quoted name: a symbolic link that leads
+    nowhere or round in a loop was "no such file", a name too long repeated the whole name."""
+    if error.errno == errno.ELOOP:
+        return "is a loop of symbolic links"
+    if error.errno == errno.ENAMETOOLONG:
+        return "has a name too long for the file system"
+    if error.errno == errno.ENOTDIR:
+        return "does not exist (a part of its path is a file, not a directory)"
+    if error.errno == errno.ENOENT:
+        return "is a symbolic link to nothing (its target does not exist)" if os.path.islink(path) else NO_SUCH_FILE
+    return f"cannot be looked up ({error.strerror or error})"
+
+
+def regular_file_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is not a regular file (symbolic links followed), in words that follow its quoted name, or None
+    when it is one: a directory, a pipe or a device is not "no such file", and is never opened to be read (a pipe
+    waits for a writer for ever, ``/dev/zero`` never ends)."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        return lookup_problem(path, exc)
+    except ValueError:  # a NUL in the name
+        return "is not a file name (it holds a NUL character)"
+    if stat.S_ISDIR(info.st_mode):
+        return "is a directory, not a file"
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file (a pipe, a socket or a device)"
+    return None

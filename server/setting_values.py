@@ -6,13 +6,16 @@ Every failure is a :class:`SettingsError` naming the option (its CLI flag) and t
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "ENV_PREFIX",
     "GpuMap",
+    "MAX_SECRET_FILE_BYTES",
     "SettingsError",
     "bad_value",
     "blank_to_none",
@@ -24,9 +27,12 @@ __all__ = [
     "parse_float",
     "parse_gpu_map",
     "parse_int",
+    "read_secret_file",
 ]
 
 ENV_PREFIX = "CHUNKLINE_"
+#: the most a secret's file (``--cluster-token-file``) may hold: a token is a line, not a file's worth
+MAX_SECRET_FILE_BYTES = 4096
 GpuMap = tuple[tuple[int, ...], ...]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -225,3 +231,37 @@ def parse_cors_origins(value: Any, option: str = "--cors-allow-origins") -> tupl
     return origins
 
 
+
+
+def read_secret_file(option: str, path: str, limit: int = MAX_SECRET_FILE_BYTES) -> str:
+    """The text of the file ``option`` names (a token), white space around it stripped: a regular file only
+    (symbolic links followed, as a mounted secret is one), read no further than ``limit`` bytes, UTF-8. Every
+    problem is a :class:`SettingsError` naming ``option`` and the path (cut when long): it read without bound
+    (``/dev/zero`` grew without end, a pipe waited for ever) and named neither when the file was not UTF-8."""
+    from pipelines.paths import NO_SUCH_FILE, regular_file_problem
+
+    from .reasons import echo
+
+    shown = echo(path, 80)
+    problem = regular_file_problem(path)
+    if problem == NO_SUCH_FILE:
+        raise SettingsError(option, f"{option}: no such file {shown}")
+    if problem is not None:
+        raise SettingsError(option, f"{option}: {shown} {problem}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # swapped for a pipe since: no wait
+        with open(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SettingsError(option, f"{option}: {shown} is not a regular file")
+            data = file.read(limit + 1)
+    except OSError as exc:
+        raise SettingsError(option, f"{option}: {shown} cannot be read ({exc.strerror or exc})") from None
+    if len(data) > limit:
+        raise SettingsError(option, f"{option}: {shown} holds more than {limit} bytes; a token is at most {limit}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SettingsError(option, f"{option}: {shown} is not UTF-8 text (byte {exc.start} of it)") from None
+    if not text.strip():
+        raise SettingsError(option, f"{option}: {shown} is empty")
+    return text.strip()

@@ -41,7 +41,8 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
     worker.add_argument("--slot", metavar="NAME", default=None, help="the launcher's slot (set by launchers)")
     worker.add_argument("--launcher-pid", metavar="PID", default=None,
                         help="exit when this process (the authority that started this agent) is gone (set by launchers)")
-    worker.add_argument("--cluster-token-file", metavar="FILE", default=None, help=f"read the token here, not {TOKEN_ENV}")
+    worker.add_argument("--cluster-token-file", metavar="FILE", default=None,
+                        help=f"read the token here, not {TOKEN_ENV} (a regular file of UTF-8 text, at most 4 KiB)")
     worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle (or the authority's own certificate) to verify a tls:// authority")
     worker.add_argument("--drain-deadline", metavar="SECONDS", default="30",
                         help="seconds live sessions get to finish on SIGTERM (default 30)")
@@ -102,7 +103,7 @@ def _max_sessions(text: str) -> int | str:
 def cmd_worker(args: argparse.Namespace) -> int:
     import trio
 
-    from ..setting_values import parse_float
+    from ..setting_values import parse_float, read_secret_file
     from .agent import Agent, AgentOptions, parse_authority
     from .tls import client_tls_context
 
@@ -116,7 +117,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if not Path(args.pipeline).exists():
             raise ValueError(f"PIPE {args.pipeline!r} does not exist")
         if args.cluster_token_file is not None:
-            token = Path(args.cluster_token_file).read_text().strip()
+            token = read_secret_file("--cluster-token-file", args.cluster_token_file)
         else:
             token = os.environ.get(TOKEN_ENV, "")
         if not token:
