@@ -23,7 +23,10 @@ A worker that registers must also say READY within ``ready_within`` seconds (whe
 has one): heartbeats alone keep a CONNECTED worker alive, and one that never becomes ready
 would hold its place in admission (sessions queued for it) for ever. :meth:`expire` loses it.
 Likewise a draining worker given a deadline (``drain(..., within=)``) that has not said
-goodbye by then is lost: its sessions cannot outlive the drain.
+goodbye by then is lost: its sessions cannot outlive the drain. And a worker asked to stop a
+session (:meth:`owe_stop`) must report it finished (:meth:`stop_answered`) within the time it
+was given: heartbeats alone kept a worker that never stopped its session (its slot taken, its
+DELETE answered ``draining`` for ever) alive for as long as it stayed connected.
 
 The book is pure: no clock (every method that needs time takes ``now``), no
 I/O. Terminal entries are kept up to ``retain_terminal`` (oldest forgotten);
@@ -163,6 +166,7 @@ class _Entry:
     last_heard: float
     cause: str | None = None
     leave_by: float | None = None  # a draining worker's deadline to say goodbye (None: no limit)
+    stops_owed: dict[str, float] = attrs.Factory(dict)  # session id -> when its stop's deadline passes
 
 
 class LivenessBook:
@@ -198,7 +202,8 @@ class LivenessBook:
         other._ready_within = self._ready_within
         other._retain = self._retain
         other._entries = {
-            wid: _Entry(LivenessMachine(e.machine.state), e.registered_at, e.last_heard, e.cause, e.leave_by)
+            wid: _Entry(LivenessMachine(e.machine.state), e.registered_at, e.last_heard, e.cause, e.leave_by,
+                        dict(e.stops_owed))
             for wid, e in self._entries.items()
         }
         other._gone = list(self._gone)
@@ -290,6 +295,21 @@ class LivenessBook:
             self._entries[worker_id].leave_by = now + within
         return moved
 
+    def owe_stop(self, worker_id: str, session_id: str, now: float, within: float) -> bool:
+        """The worker was asked to stop ``session_id``: it must report it finished within ``within`` seconds, or
+        :meth:`expire` loses it (heartbeats do not help). False: not live, or that stop is owed already."""
+        entry = self._entries.get(worker_id)
+        if entry is None or entry.machine.is_terminal or session_id in entry.stops_owed:
+            return False
+        entry.stops_owed[session_id] = now + within
+        return True
+
+    def stop_answered(self, worker_id: str, session_id: str) -> None:
+        """The worker reported ``session_id`` finished (or it ended otherwise): no stop of it is owed any more."""
+        entry = self._entries.get(worker_id)
+        if entry is not None:
+            entry.stops_owed.pop(session_id, None)
+
     def leave(self, worker_id: str, now: float) -> list[LivenessTransition]:
         """A drained worker said goodbye."""
         return self._move(worker_id, Event.LEAVE, now)
@@ -299,13 +319,18 @@ class LivenessBook:
         return self._move(worker_id, Event.LOSE, now, cause)
 
     def expire(self, now: float) -> list[LivenessTransition]:
-        """Lose every live worker whose heartbeat deadline (or, still connected, its ready deadline) has passed."""
+        """Lose every live worker whose heartbeat deadline, ready deadline (still connected), drain deadline or a
+        stop's deadline has passed."""
         out: list[LivenessTransition] = []
         for wid, entry in sorted(self._entries.items()):
             if entry.machine.is_terminal or now < self._due(entry):
                 continue
+            overdue = sorted((due, sid) for sid, due in entry.stops_owed.items() if now >= due)
             if now >= entry.last_heard + self._deadline:
                 cause = f"heartbeat missed (nothing heard for {now - entry.last_heard:.1f} s)"
+            elif overdue:
+                due, session_id = overdue[0]
+                cause = f"protocol error: session {session_id} not finished {now - due:.1f} s past its stop deadline"
             elif entry.machine.state in DRAINING_STATES:
                 cause = f"protocol error: still draining {now - entry.leave_by:.1f} s past its drain deadline"  # type: ignore[operator]
             else:
@@ -320,6 +345,8 @@ class LivenessBook:
             due = min(due, entry.registered_at + self._ready_within)
         if entry.leave_by is not None and entry.machine.state in DRAINING_STATES:
             due = min(due, entry.leave_by)
+        if entry.stops_owed:
+            due = min(due, *entry.stops_owed.values())
         return due
 
     # -- internals --

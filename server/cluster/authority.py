@@ -340,6 +340,7 @@ class ClusterAuthority:
             launcher=message.launcher,
             pid=message.pid,
             slot=message.slot,
+            liveness=self.liveness, deadlines_changed=lambda: self._wake.set(),  # stop deadlines: a sweep looks
         )
         self.handles[worker.worker_id] = worker
         self.runtime.add_worker(worker)

@@ -14,12 +14,14 @@ import base64
 import itertools
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from pipelines.paths import open_regular_file, read_at_most
+from states.liveness import LivenessBook
 from states.stream_session import DrainCause, Event
 
 from ..reasons import cut, public_reason
@@ -33,12 +35,17 @@ if TYPE_CHECKING:
     from ..registry import SessionRecord
     from ..runtime import StreamRuntime
 
-__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES"]
+__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEADLINE"]
 
 log = logging.getLogger("chunkline.cluster")
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 OUTBOX = 256  # messages waiting for an agent's connection; one more means it stopped reading
+#: seconds an agent has from a session's stop to reporting it finished: its runner's own bounds (a chunk's
+#: control 15 s, closing the pipeline session 30 s, leaving the room 5 s) and a margin. Past it the agent is lost:
+#: one that never stopped a session kept its slot and left its DELETE answered "draining" for as long as it
+#: stayed connected.
+STOP_DEADLINE = 90.0
 
 
 @attrs.frozen
@@ -64,8 +71,13 @@ class RemoteWorker:
         launcher: str,
         pid: int,
         slot: str | None,
+        liveness: LivenessBook | None = None,
+        deadlines_changed: Callable[[], None] = lambda: None,
     ) -> None:
         self.worker_id = worker_id
+        self._liveness = liveness  # the authority's: where a stop owed by this agent gets its deadline
+        self._deadlines_changed = deadlines_changed  # the authority's sweep then looks at the new deadline
+        self._stops_sent: dict[str, set[bool]] = {}  # session id -> the kinds of Stop sent (now=False/True)
         self.channel = channel
         self.node = node
         self.gpu_ids = devices
@@ -161,6 +173,26 @@ class RemoteWorker:
         check.done.set()
 
     # -- sessions --
+
+    def send_stop(self, session_id: str, cause: DrainCause, *, now: bool = False) -> None:
+        """Ask the agent to stop a session at a chunk boundary, or at once (``now``): each once (a drain asked again
+        sent a Stop every second for as long as the session lasted). The first starts the agent's
+        :data:`STOP_DEADLINE`."""
+        sent = self._stops_sent.setdefault(session_id, set())
+        if now in sent or True in sent:
+            return
+        sent.add(now)
+        self.send(Stop(session_id, cause.value, now=now))
+        if self._liveness is not None and self._liveness.owe_stop(self.worker_id, session_id, trio.current_time(),
+                                                                  STOP_DEADLINE):
+            self._deadlines_changed()
+
+    def run_ended(self, session_id: str) -> None:
+        """A session of this agent settled: it is not the agent's any more, and no stop of it is owed."""
+        self.runs.pop(session_id, None)
+        self._stops_sent.pop(session_id, None)
+        if self._liveness is not None:
+            self._liveness.stop_answered(self.worker_id, session_id)
 
     def open_runner(self, runtime: StreamRuntime, record: SessionRecord) -> RemoteRun:
         run = RemoteRun(runtime, record, self)
@@ -286,7 +318,7 @@ class RemoteRun:
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""
         self.runtime.lifecycle.drain(self.record, cause, detail)
-        self.worker.send(Stop(self.record.session_id, cause.value))
+        self.worker.send_stop(self.record.session_id, cause)
 
     def abort(self, cause: DrainCause = DrainCause.SHUTDOWN) -> None:
         """Stop at once; a lost worker's sessions are settled here, failed with the cause."""
@@ -294,19 +326,19 @@ class RemoteRun:
             self.settle(f"worker lost: {self.worker.lost_cause}")
             return
         self.runtime.lifecycle.drain(self.record, cause)
-        self.worker.send(Stop(self.record.session_id, cause.value, now=True))
+        self.worker.send_stop(self.record.session_id, cause, now=True)
 
     def fail(self, reason: str, cause: DrainCause = DrainCause.WORKER_FAILED) -> None:
         """The worker under the session is gone: settle it failed, naming the loss when there is one."""
         self.runtime.lifecycle.drain(self.record, cause, self.worker.failure or reason)
         if self.worker.lost_cause is None:
-            self.worker.send(Stop(self.record.session_id, cause.value, now=True))
+            self.worker.send_stop(self.record.session_id, cause, now=True)
         self.settle(self.worker.failure or reason)
 
     def settle(self, error: str | None) -> None:
         if self.finished.is_set():
             return
-        self.worker.runs.pop(self.record.session_id, None)
+        self.worker.run_ended(self.record.session_id)
         self.record.participants.clear()  # the worker left, and the room's clients are sent away with the session
         forget = getattr(self.runtime.transport, "forget_worker", None)
         if forget is not None:

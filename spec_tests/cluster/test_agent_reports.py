@@ -31,8 +31,8 @@ from server.tokens import MAX_IDENTITY_LENGTH
 from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
 from .test_hostile_agents import PLAN, closed_by_peer, dial, losses, register, say_ready
 
-#: more than any field a real agent sends, less than a frame (16 MiB)
-HUGE = 4 * 1024 * 1024
+#: more than any field a real agent sends; two of them less than an agent's frame (wire.MAX_AGENT_FRAME_BYTES)
+HUGE = 256 * 1024
 #: a cut field, a refusal or a loss cause that names a field: well under this
 SHORT = 1024
 #: what a log or a view would hold had it repeated any field whole

@@ -75,6 +75,28 @@ def test_a_draining_worker_that_never_says_goodbye_is_lost_at_its_drain_deadline
     assert book.state("free") is State.DRAINING and book.copy().next_deadline() == 7.0
 
 
+def test_a_worker_that_never_finishes_a_session_it_was_asked_to_stop_is_lost_at_the_stop_deadline() -> None:
+    """Heartbeats alone kept an agent that never stopped its session alive (its slot taken) for as long as it
+    stayed connected."""
+    book = LivenessBook(3.0)
+    for wid in ("mute", "prompt"):
+        book.register(wid, 0.0)
+        book.ready(wid, 0.0)
+    assert book.owe_stop("mute", "s1", 1.0, 5.0)
+    assert not book.owe_stop("mute", "s1", 2.0, 100.0)  # asked again: the first deadline stands
+    assert book.owe_stop("prompt", "s2", 1.0, 5.0)
+    book.stop_answered("prompt", "s2")
+    book.stop_answered("prompt", "never-owed")  # a session that ended on its own: nothing to forget
+    for now in (2.0, 3.0, 4.0, 5.0):
+        assert book.heard("mute", now) and book.heard("prompt", now)
+    assert book.next_deadline() == 6.0 and book.expire(5.9) == []
+    [lost] = book.expire(6.5)
+    assert (lost.worker_id, lost.state) == ("mute", State.LOST)
+    assert lost.cause == "protocol error: session s1 not finished 0.5 s past its stop deadline"
+    assert book.state("prompt") is State.READY and book.copy().next_deadline() == 8.0
+    assert not book.owe_stop("mute", "s3", 7.0, 1.0)  # lost: it owes nothing more
+
+
 def test_messages_from_a_dead_id_are_dropped_and_counted() -> None:
     book = LivenessBook(3.0)
     book.register("a", 0.0)
@@ -133,6 +155,7 @@ def test_bad_worker_id_is_refused() -> None:
 
 DEADLINE = 2.0
 IDS = ["a", "b", "c", "d"]
+SESSIONS = ["s1", "s2"]
 
 
 class LivenessModel(RuleBasedStateMachine):
@@ -153,7 +176,7 @@ class LivenessModel(RuleBasedStateMachine):
     def register(self) -> None:
         wid = IDS[len(self.model)]
         self.book.register(wid, self.now)
-        self.model[wid] = ["connected", self.now, None]
+        self.model[wid] = ["connected", self.now, None, {}]
 
     @rule(wid=st.sampled_from(IDS + ["ghost"]))
     def heard(self, wid: str) -> None:
@@ -196,27 +219,45 @@ class LivenessModel(RuleBasedStateMachine):
             self.model[wid][0] = "lost"
             self.model[wid][2] = cause
 
+    @rule(wid=st.sampled_from(IDS + ["ghost"]), session=st.sampled_from(SESSIONS), within=st.sampled_from([1.0, 2.5]))
+    def owe_stop(self, wid: str, session: str, within: float) -> None:
+        owed = self.book.owe_stop(wid, session, self.now, within)
+        expected = self._live(wid) and session not in self.model[wid][3]
+        assert owed == expected
+        if expected:
+            self.model[wid][3][session] = self.now + within
+
+    @rule(wid=st.sampled_from(IDS + ["ghost"]), session=st.sampled_from(SESSIONS))
+    def stop_answered(self, wid: str, session: str) -> None:
+        self.book.stop_answered(wid, session)
+        if wid in self.model:
+            self.model[wid][3].pop(session, None)
+
+    def _due(self, wid: str) -> float:
+        return min([self.model[wid][1] + DEADLINE, *self.model[wid][3].values()])
+
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 1.9, 2.0, 3.5]))
     def tick(self, dt: float) -> None:
         self.now += dt
         lost = {t.worker_id for t in self.book.expire(self.now)}
-        overdue = {w for w in self.model if self._live(w) and self.now >= self.model[w][1] + DEADLINE}
+        overdue = {w for w in self.model if self._live(w) and self.now >= self._due(w)}
         assert lost == overdue
         for w in overdue:
+            heartbeat = self.now >= self.model[w][1] + DEADLINE
             self.model[w][0] = "lost"
-            self.model[w][2] = "heartbeat"
+            self.model[w][2] = "heartbeat" if heartbeat else "protocol error: session"
 
     @invariant()
     def agrees(self) -> None:
         assert self.book.stale_dropped == self.stale
-        for wid, (state, last_heard, cause) in self.model.items():
+        for wid, (state, last_heard, cause, _) in self.model.items():
             view = self.book.view(wid)
             assert view is not None and view.state.value == state
             if state == "lost":
                 assert view.cause is not None and view.cause.startswith(cause)
             if self._live(wid):
-                assert view.last_heard == last_heard and view.deadline_at == last_heard + DEADLINE
-        live = [m[1] + DEADLINE for w, m in self.model.items() if self._live(w)]
+                assert view.last_heard == last_heard and view.deadline_at == self._due(wid)
+        live = [self._due(w) for w in self.model if self._live(w)]
         assert self.book.next_deadline() == (min(live) if live else None)
 
 
