@@ -14,7 +14,7 @@ from typing import Any
 from .contract import BidirectionalService, ServerPushService, Service
 
 __all__ = [
-    "FILE_MODULE_PREFIX", "OptionValuesRefused", "OptionsNotAccepted", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
+    "FILE_MODULE_PREFIX", "OptionValuesRefused", "PipelineExited", "OptionsNotAccepted", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
 ]
 
 #: the module name a pipeline file outside any package is imported under: only the process that loaded it has it
@@ -46,6 +46,15 @@ class PipelineLoadError(ValueError):
     """The pipeline file is missing, does not import, or does not fit the contract."""
 
 
+class PipelineExited(PipelineLoadError):
+    """The pipeline called ``sys.exit()`` (raised ``SystemExit``) while it was imported or its ``get_service()``
+    ran: a pipeline bug. It ended the loading process with that code, ``sys.exit(0)`` as a success, saying nothing."""
+
+    @classmethod
+    def of(cls, path: str | Path, exc: SystemExit, when: str) -> PipelineExited:
+        return cls(f"pipeline {str(path)!r} called sys.exit({exc.code!r}) {when}")
+
+
 class OptionsNotAccepted(PipelineLoadError):
     """``get_service()`` takes none of these options: loading it again with them fails the same way."""
 
@@ -69,6 +78,8 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
         # its relative imports work and it is loaded once
         try:
             return importlib.import_module(importable)
+        except SystemExit as exc:
+            raise PipelineExited.of(path, exc, "while being imported") from None
         except Exception as exc:
             raise PipelineLoadError(
                 f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}"
@@ -83,6 +94,9 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        del sys.modules[name]
+        raise PipelineExited.of(path, exc, "while being imported") from None
     except Exception as exc:
         del sys.modules[name]
         raise PipelineLoadError(f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
@@ -129,6 +143,8 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     options = {**{k: v for k, v in (offered or {}).items() if k in named and k not in options}, **options}
     try:
         service = factory(**options)
+    except SystemExit as exc:
+        raise PipelineExited.of(path, exc, "in get_service()") from None
     except ValueError as exc:  # the values are refused: no replacement worker is started to be refused again
         raise OptionValuesRefused(f"get_service() in {str(path)!r} refused its options: {exc}") from exc
     except Exception as exc:

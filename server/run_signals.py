@@ -1,9 +1,11 @@
-"""How ``chunkline run`` answers SIGINT and SIGTERM: the first starts an orderly stop, a second aborts.
+"""How ``chunkline run`` answers SIGINT, SIGTERM and SIGHUP: the first starts an orderly stop, a second aborts.
 
 The orderly stop cancels the run, so the pipeline closes its session and its stages as it would on any
 error, and its temporary files go; that can take as long as the pipeline's own close deadline when a stage
-hangs (an orchestrator waits up to its ``close_timeout`` for a stage's call). A second signal (SIGINT or
-SIGTERM) during that stop does not wait for anything: the caller's ``abort`` removes what the run left and
+hangs (an orchestrator waits up to its ``close_timeout`` for a stage's call). SIGHUP (the terminal was closed) is
+a stop signal too: its default action ended the run at once, leaving its temporary file and the stages' shared
+memory behind (ignored when the process started, as under ``nohup``, it stays ignored). A second signal during
+that stop does not wait for anything: the caller's ``abort`` removes what the run left and
 ends the process at once. The handlers are plain Python signal handlers, so the abort runs even while the
 trio loop is busy; the first signal only asks the loop to cancel (``TrioToken.run_sync_soon`` is safe to
 call from a signal handler). A run the first signal stopped keeps the handlers: the caller is about to exit
@@ -21,14 +23,16 @@ from typing import Any, NoReturn
 
 import trio
 
+from . import early_signals
+from .early_signals import STOP_SIGNALS, stop_signals
+
 __all__ = ["StoppedBySignal", "note_stop_signal", "run_until_signalled", "trio_run_until_signalled"]
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _stopped_by_signal = False
 
 
 def note_stop_signal() -> None:
-    """A stop signal ends this process: its last teardown ignores SIGINT and SIGTERM (see :func:`_teardown`)."""
+    """A stop signal ends this process: its last teardown ignores the stop signals (see :func:`_teardown`)."""
     global _stopped_by_signal
     _stopped_by_signal = True
 
@@ -58,7 +62,7 @@ async def run_until_signalled(
     on_stop: Callable[[int], None],
     abort: Callable[[int], NoReturn],
 ) -> Any:
-    """``await run(*args)`` with SIGINT and SIGTERM handled as the module says.
+    """``await run(*args)`` with the stop signals handled as the module says.
 
     ``on_stop(first)`` runs in the trio loop when the first signal arrives (to tell the user); ``abort(first)``
     runs in the signal handler on a second one and must not return. Raises :class:`StoppedBySignal` when the
@@ -79,7 +83,8 @@ async def run_until_signalled(
         note_stop_signal()
         token.run_sync_soon(stop_now, number)
 
-    previous = {number: signal.signal(number, handler) for number in STOP_SIGNALS}
+    previous = {number: signal.signal(number, handler) for number in stop_signals()}
+    early_signals.replay()  # one that came as the run started (the command deferred it): the stop begins now
     try:
         with scope:
             try:

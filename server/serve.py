@@ -1,10 +1,11 @@
-"""Run the stream server: the front on the public port, hypercorn behind it, a bounded drain on SIGTERM/SIGINT.
+"""Run the stream server: the front on the public port, hypercorn behind it, a bounded drain on a stop signal.
 
 The front (:mod:`server.front`) owns every client connection: it serves the local rooms' WebSockets
-itself and splices HTTP to hypercorn on a Unix socket, each with its deadlines. SIGTERM or
-SIGINT drains live sessions (they get ``done``), sends room clients away and exits 0 within
+itself and splices HTTP to hypercorn on a Unix socket, each with its deadlines. SIGTERM, SIGINT or SIGHUP (its
+terminal closed: the default action ended it at once, leaving its folders behind; ignored as under ``nohup``, it
+stays ignored) drains live sessions (they get ``done``), sends room clients away and exits 0 within
 :data:`SHUTDOWN_BOUND` seconds whatever any client does; past it a watchdog ends the process (exit 1).
-A second SIGTERM or SIGINT during that drain ends the process at once (exit 128 + the first signal).
+A second stop signal during that drain ends the process at once (exit 128 + the first signal).
 
 Only this server's user can reach hypercorn past the front: its socket is a file in a folder of the server's
 own (mode 0700, see :mod:`server.server_folders`), not in the abstract namespace, where any local process of
@@ -36,6 +37,8 @@ from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
 from .open_access import UNGUARDED, is_loopback
 from .room_socket import Deadlines
+from . import early_signals
+from .early_signals import stop_signals
 from .run_signals import note_stop_signal
 from .server_folders import ServerFolder
 from .setting_values import ListenError
@@ -104,7 +107,7 @@ async def serve_app(
     stop: trio.Event | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until SIGTERM or SIGINT; live sessions drain (bounded) before the process exits.
+    """Serve until SIGTERM, SIGINT or SIGHUP; live sessions drain (bounded) before the process exits.
 
     ``deadlines`` bounds what each client connection may take (the defaults of :class:`Deadlines`);
     setting ``stop`` shuts the server down as a signal would."""
@@ -184,7 +187,8 @@ async def _serve(
         action ended it there, leaving the stages' shared memory and the front's folder behind)."""
         first = None
         try:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with trio.open_signal_receiver(*stop_signals()) as signals:
+                early_signals.replay()  # one that came as the trio run started (the command deferred it)
                 async for number in signals:
                     if first is not None:
                         _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", abandon)
@@ -196,7 +200,7 @@ async def _serve(
                 def second(number: int, _frame: Any) -> None:
                     _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the shutdown", abandon)
 
-                for number in (signal.SIGTERM, signal.SIGINT):
+                for number in stop_signals():
                     signal.signal(number, second)
 
     watchdog: threading.Timer | None = None

@@ -153,4 +153,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         default_fps=default_fps,
         validate=not args.skip_validation,
     )
+    from ..early_signals import hand_over
+
+    hand_over()  # the command's first line made stop signals end it in a line; the agent's run takes them now
     return trio.run(Agent(options).run)

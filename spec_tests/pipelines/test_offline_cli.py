@@ -31,7 +31,7 @@ def _start_long_run(out: Path, pipeline: str = REPLAY, *options: str) -> subproc
     command = [sys.executable, "-m", "server.cli", "run", pipeline, "--chunks", "100000", *options, "--out", str(out)]
 
     def default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
-        for number in (signal.SIGINT, signal.SIGTERM):
+        for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(number, signal.SIG_DFL)
 
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_signals)
@@ -150,6 +150,49 @@ def test_a_run_aborted_by_a_second_signal_leaves_no_shared_memory_behind(tmp_pat
     err = _stop_then_abort(process, signal.SIGINT, lambda: _segments_of(process.pid))
     assert process.returncode == 130, err[-2000:]
     assert _segments_of(process.pid) == [], err[-500:]
+
+
+def test_sighup_stops_a_run_in_order_leaving_no_partial_file_nor_shared_memory(tmp_path: Path) -> None:
+    """A closed terminal (SIGHUP) ended the run by the default action: its temporary video and its stages'
+    /dev/shm segments stayed for good, exit -1. It stops the run as Ctrl-C does, exit 128 + 1."""
+    out = tmp_path / "out"
+    process = _start_long_run(out, TOY_WORLD, "--placement", PROCESS_PLACEMENT)
+    try:
+        _wait_for_progress(process)
+        assert [p.name for p in out.iterdir() if p.name.endswith(".partial")], "the run writes to a temporary file"
+        assert _segments_of(process.pid), "the run's stages share memory"
+        process.send_signal(signal.SIGHUP)
+        _, err = process.communicate(timeout=EXIT_DEADLINE)
+    finally:
+        end_popen(process)
+    assert process.returncode == 129, err[-2000:]
+    assert err.rstrip().endswith(b"chunkline run: hung up (SIGHUP); no output was written"), err[-500:]
+    assert _segments_of(process.pid) == [] and not out.exists()
+
+
+@pytest.mark.parametrize(("signal_number", "words"), [
+    (signal.SIGINT, "interrupted"),
+    (signal.SIGTERM, "terminated (SIGTERM)"),  # -15, nothing said
+    (signal.SIGHUP, "hung up (SIGHUP)"),  # -1, nothing said
+])
+def test_a_stop_signal_before_the_run_started_ends_it_in_one_line_with_its_code(tmp_path: Path, signal_number: int,
+                                                                              words: str) -> None:
+    """A signal while the command still imports what it needs (here: while the pipeline is imported, which
+    sends it to its own process) came before any handler of the command: SIGTERM and SIGHUP ended the process by
+    the signal itself, and a Ctrl-C earlier still was a KeyboardInterrupt traceback. The command handles them from
+    its first line: one line, exit code 128 + the signal, and the --out folder it had made is gone."""
+    pipeline = tmp_path / "signalling_pipeline.py"
+    pipeline.write_text(f"import os\nos.kill(os.getpid(), {int(signal_number)})\n\ndef get_service(gpu_num=0):\n"
+                        f"    raise RuntimeError('not to be reached')\n")
+    out = tmp_path / "out"
+    process = _start_long_run(out, str(pipeline))
+    try:
+        _, err = process.communicate(timeout=EXIT_DEADLINE)
+    finally:
+        end_popen(process)
+    assert process.returncode == 128 + signal_number, err[-2000:]
+    assert err.decode().strip().splitlines() == [f"chunkline run: {words}; no output was written"], err[-2000:]
+    assert not out.exists()
 
 
 def test_segments_a_killed_run_left_are_removed_by_the_next_one(tmp_path: Path) -> None:

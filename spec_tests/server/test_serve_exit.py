@@ -82,6 +82,22 @@ async def test_a_second_signal_during_the_drain_exits_at_once_and_leaves_nothing
     assert left_in(short_tmp) == []
 
 
+async def test_sighup_drains_the_server_as_sigterm_does_and_leaves_nothing(short_tmp: Path) -> None:
+    """A closed terminal (SIGHUP) ended the server by the default action (exit -1), leaving its folders behind.
+    (A server started with SIGHUP ignored, as under nohup, keeps ignoring it: the test's own is not passed on.)"""
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        async with stream_serve(short_tmp) as served:
+            signal.signal(signal.SIGHUP, inherited)
+            await served.upload()
+            served.process.send_signal(signal.SIGHUP)
+            await served.read_until(DRAINING)
+            assert await served.exit_code() == 0, served.text()
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
+    assert left_in(short_tmp) == []
+
+
 async def test_the_folders_a_killed_server_left_go_as_the_next_server_starts(short_tmp: Path) -> None:
     async with stream_serve(short_tmp) as killed:
         await killed.upload()

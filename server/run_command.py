@@ -1,0 +1,251 @@
+"""``chunkline run PIPE ...``: one session of a pipeline offline (:mod:`pipelines.offline`), as :mod:`server.cli`
+describes it; the flags are checked first (:mod:`server.run_inputs`), the stop signals handled by
+:mod:`server.run_signals`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+from . import early_signals
+from .early_signals import StopSignalled, describe
+from .run_inputs import BadInput, shown
+
+__all__ = ["ProgressBar", "run_command"]
+
+PREFIX = "chunkline run"
+
+
+def say(line: str) -> None:
+    """One line on stderr, never an error: a closed terminal (SIGHUP) fails every write with EIO, and the
+    exit code must still say how the run ended."""
+    try:
+        print(f"{PREFIX}: {line}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+class ProgressBar:
+    """A ``\\r``-updated text progress bar on a terminal: ``[#######.......]  3/8 chunks  1.2 s``; elsewhere (a log
+    file, a pipe) a plain line for chunks 1-10, 20, 30... 100, 200...: a bar redrawn per chunk filled logs with
+    frames. A write that fails (the terminal is gone) fails nothing else."""
+
+    def __init__(self, stream: TextIO, width: int = 30) -> None:
+        self._stream = stream
+        self._width = width
+        self._drawn = False
+        self._started = time.perf_counter()
+        self._terminal = stream.isatty()
+
+    def _write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = time.perf_counter() - self._started
+        count = f"{done:>{len(str(total))}}/{total} chunks  {elapsed:6.1f} s"
+        if not self._terminal:
+            # 1-10, then every 10 up to 100, every 100 up to 1,000...: some ten lines a tenfold, and the last
+            if done == total or done % 10 ** max(0, len(str(done)) - 1) == 0:
+                self._write(count + "\n")
+            return
+        filled = min(self._width, round(self._width * done / total)) if total else self._width
+        bar = "#" * filled + "." * (self._width - filled)
+        self._write(f"\r[{bar}] {count}")
+        self._drawn = True
+
+    @property
+    def drawn(self) -> bool:
+        """A bar line is on the screen, not yet ended by a newline."""
+        return self._drawn
+
+    def finish(self) -> None:
+        if self._drawn:
+            self._write("\n")
+            self._drawn = False
+
+
+def _fmt_seconds(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def _summary_lines(pipeline: str, metrics: Mapping[str, Any], out_dir: Path) -> list[str]:
+    period = metrics.get("chunk_period", {})
+    c2o = metrics.get("control_to_output_latency", {})
+    controls = metrics.get("controls", {})
+    rtf = metrics.get("real_time_factor")
+    rows = [
+        ("pipeline", f"{pipeline} ({metrics.get('kind')})"),
+        (
+            "output",
+            f"{metrics.get('chunks')} chunks, {metrics.get('frames')} frames "
+            f"{metrics.get('width')}x{metrics.get('height')} @ {metrics.get('fps')} fps, "
+            f"{metrics.get('media_seconds', 0.0):.2f} s media"
+            + (" (stream ended early)" if metrics.get("ended_early") else ""),
+        ),
+        ("wall time", _fmt_seconds(metrics.get("wall_seconds"))),
+        ("first output", _fmt_seconds(metrics.get("first_output_latency_seconds"))),
+        ("chunk period", f"p50 {_fmt_seconds(period.get('p50_seconds'))}, p95 {_fmt_seconds(period.get('p95_seconds'))}"),
+        ("real-time factor", "-" if rtf is None else f"{rtf:.3f}"),
+        (
+            "control->output",
+            f"p50 {_fmt_seconds(c2o.get('p50_seconds'))}, p95 {_fmt_seconds(c2o.get('p95_seconds'))} "
+            f"({controls.get('pushed', 0)} pushed, {controls.get('rejected', 0)} rejected, "
+            f"{controls.get('not_reached', 0)} not reached)",
+        ),
+        ("audio", "none" if not metrics.get("audio") else f"{metrics['audio']['sample_rate']} Hz AAC"),
+    ]
+    for stage, timing in metrics.get("stage_times", {}).items():
+        rows.append((f"stage {stage}", f"mean {_fmt_seconds(timing.get('mean_seconds'))}"))
+    rows += [("video", str(out_dir / "video.mp4")), ("metrics", str(out_dir / "metrics.json"))]
+    width = max(len(name) for name, _ in rows)
+    return [f"{name:<{width}}  {value}" for name, value in rows]
+
+
+def _nothing_written(out: str) -> str:
+    """What a stopped run says it left: nothing, and whether ``--out`` still holds an earlier run's output (it stays
+    as it was; the folder looked like this run's success)."""
+    from pipelines.offline import METRICS_NAME, VIDEO_NAME
+
+    earlier = [name for name in (VIDEO_NAME, METRICS_NAME) if out and (Path(out) / name).is_file()]
+    if not earlier:
+        return "no output was written"
+    return f"no output was written (the earlier {' and '.join(earlier)} in {out} are an earlier run's, unchanged)"
+
+
+class _PipelineExitedDuringRun(Exception):
+    """The pipeline called ``sys.exit()`` during the run (a pipeline bug: exit code 1)."""
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pipelines.contract import SessionConfig, prompt_problem
+    from pipelines.offline import load_timed_controls
+
+    from . import json_limits, run_inputs
+
+    run_inputs.check_chunks(args.chunks)
+    pipeline = run_inputs.pipeline_path(args.pipeline)
+    if args.prompt is not None and (problem := prompt_problem(args.prompt)) is not None:
+        raise BadInput(f"--prompt {problem}")  # the rule a create and a room's prompt follow
+    image_path = None if args.image is None else run_inputs.check_image(args.image)
+    controls = None
+    if args.controls is not None:
+        run_inputs.regular_input("--controls", args.controls)
+        try:
+            controls = load_timed_controls(args.controls, loads=json_limits.loads)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from exc
+    options = run_inputs.parse_options(args.option)
+    run_inputs.check_device(args.device)
+    if args.placement is not None:
+        run_inputs.check_placement(args.placement, args.device)
+    out = run_inputs.prepare_out(args.out)  # the last check: it makes the folder, taken back on any failure
+    try:
+        return _load_and_run(args, pipeline, SessionConfig(prompt=args.prompt, image_path=image_path, options=options),
+                             controls, out)
+    except BaseException:
+        out.remove_made()
+        raise
+
+
+def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any) -> int:
+    from pipelines.loader import PipelineExited, PipelineLoadError, load_service
+    from pipelines.offline import remove_partial_files, run_offline
+
+    from . import run_inputs
+    from .run_signals import trio_run_until_signalled
+
+    service_options: dict[str, Any] = {"gpu_num": 0}
+    if args.device is not None:
+        service_options["device"] = args.device
+    if args.placement is not None:
+        service_options["placement"] = run_inputs.placement_option(pipeline, args.placement)
+    if args.seed is not None:
+        service_options["seed"] = args.seed
+    try:
+        service = load_service(pipeline, **service_options)
+    except PipelineExited:
+        raise
+    except PipelineLoadError as exc:
+        raise BadInput(str(exc)) from exc
+    if controls is not None and len(controls) and service.kind == "server_push":
+        raise BadInput(f"{shown(args.pipeline)} is a server-push pipeline; it takes no --controls")
+
+    bar = ProgressBar(sys.stderr)
+
+    def on_stop(number: int) -> None:
+        bar.finish()
+        say(f"{signal.Signals(number).name} received, stopping the run (press Ctrl-C again to abort at once)")
+
+    from engine.tensor_channel_refs import unlink_every_owned_segment
+
+    nothing_written = _nothing_written(args.out)  # made now: the handler below may not do file system work
+
+    def abort(first: int) -> NoReturn:  # in a signal handler: no buffered I/O, no waiting
+        unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
+        remove_partial_files(out.path)
+        out.remove_made()
+        line = f"{PREFIX}: aborted by a second signal; {nothing_written}\n".encode()
+        try:
+            os.write(2, b"\n" + line if bar.drawn else line)
+        except OSError:
+            pass
+        os._exit(128 + first)
+
+    early_signals.defer()  # a signal as the trio run starts is noted, and replayed once its handlers are in
+    try:
+        summary = trio_run_until_signalled(run_offline, service, config, controls, args.chunks, out.path, bar,
+                                           on_stop=on_stop, abort=abort)
+    except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)
+        raise _PipelineExitedDuringRun(f"pipeline {str(args.pipeline)!r} called sys.exit({exc.code!r}) during the "
+                                       f"run") from None
+    finally:
+        bar.finish()
+        early_signals.install()  # where the run's handlers are gone again (not where a signal stopped it)
+        early_signals.replay()  # one noted that the run never took
+    try:
+        for line in _summary_lines(args.pipeline, summary.metrics, out.path):
+            print(line)
+    except StopSignalled as stopped:  # the output is there: the run is not undone by a late signal
+        say(f"{describe(stopped.signal_number)} after the run; its output is in {out.path}")
+        return 128 + stopped.signal_number
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run it; every way it ends is one line on stderr and an exit code (0 done, 1 the run or the pipeline failed,
+    2 bad input, 128 + the signal that stopped it)."""
+    from pipelines.contract import PipelineContractError
+    from pipelines.loader import PipelineExited
+
+    from .run_signals import StoppedBySignal
+
+    try:
+        return _run(args)
+    except BadInput as exc:
+        say(str(exc))
+        return 2
+    except (PipelineContractError, PipelineExited, _PipelineExitedDuringRun) as exc:  # a pipeline bug, not input
+        say(f"the run failed: {exc}")
+        return 1
+    except ValueError as exc:  # the pipeline refused the request (e.g. an option)
+        say(str(exc))
+        return 2
+    except KeyboardInterrupt:  # raised by the pipeline itself (a Ctrl-C is a StopSignalled before the run)
+        say(f"interrupted; {_nothing_written(args.out)}")
+        return 130
+    except (StopSignalled, StoppedBySignal) as stopped:
+        say(f"{describe(stopped.signal_number)}; {_nothing_written(args.out)}")
+        return 128 + stopped.signal_number
+    except Exception as exc:
+        say(f"the run failed: {type(exc).__name__}: {exc}")
+        return 1

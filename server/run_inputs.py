@@ -1,0 +1,215 @@
+"""What ``chunkline run`` checks before it loads the pipeline: each flag's value, refused in one line naming the flag
+(:class:`BadInput`, exit code 2), a value too long to repeat shown cut (its first 80 characters and its length)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipelines.paths import NO_SUCH_FILE, lookup_problem, regular_file_problem
+
+from .reasons import echo
+
+__all__ = ["BadInput", "OutDir", "check_chunks", "check_device", "check_image", "check_placement",
+           "parse_options", "pipeline_path",
+           "placement_option", "prepare_out", "regular_input", "shown"]
+
+SHOWN = 80  # characters of a value a message repeats
+MAX_CHUNKS = 2**63  # one chunk per sequence id of the engine (0..2**63-1)
+
+
+class BadInput(Exception):
+    """Input the user can fix: reported on stderr with exit code 2."""
+
+
+def shown(value: str) -> str:
+    """``value`` quoted for a message, cut to its first 80 characters and its length when longer."""
+    return echo(value, SHOWN)
+
+
+def check_chunks(chunks: int) -> None:
+    if chunks < 1:
+        raise BadInput(f"--chunks must be >= 1, got {chunks}")
+    if chunks > MAX_CHUNKS:  # the pipeline said "option 'chunks'", and only once it was loaded
+        raise BadInput(f"--chunks must be at most 2**63 (one chunk per sequence id), got {echo(str(chunks), 40)}")
+
+
+def pipeline_path(text: str) -> Path:
+    """The pipeline's path, if it can be one: a file or a package directory (a directory, a pipe or a loop of
+    symbolic links was "does not exist")."""
+    path = Path(text)
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise BadInput(f"pipeline {shown(text)} {lookup_problem(path, exc)}") from None
+    if stat.S_ISDIR(info.st_mode):
+        if not (path / "__init__.py").is_file():
+            raise BadInput(f"pipeline {shown(text)} is a directory without an __init__.py, not a pipeline package")
+    elif not stat.S_ISREG(info.st_mode):
+        raise BadInput(f"pipeline {shown(text)} is not a regular file (a pipe, a socket or a device)")
+    return path
+
+
+def regular_input(flag: str, path: str) -> None:
+    """A file the run reads must be a regular file: say which it is not."""
+    problem = regular_file_problem(path)
+    if problem == NO_SUCH_FILE:
+        raise BadInput(f"{flag}: no such file {shown(path)}")
+    if problem is not None:
+        raise BadInput(f"{flag}: {shown(path)} {problem}")
+
+
+def check_image(path: str) -> str:
+    """``--image``: a regular file of at most the server's reference image limit, said before it is read."""
+    from server.cluster.remote import MAX_IMAGE_BYTES  # the server's own limit on a reference image
+
+    regular_input("--image", path)
+    size = os.stat(path).st_size
+    if size > MAX_IMAGE_BYTES:
+        raise BadInput(f"--image: {shown(path)} has {size} bytes; a reference image is at most {MAX_IMAGE_BYTES} "
+                       f"bytes ({MAX_IMAGE_BYTES >> 20} MiB), as the server takes them")
+    return str(Path(path).resolve())
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE``: VALUE as JSON when it is JSON (with the server's limits on client JSON), else text."""
+    from server import json_limits
+
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInput(f"--option {shown(item)} is not KEY=VALUE")
+        if key in options:  # the last one won without a word
+            raise BadInput(f"--option {shown(key)} is given twice; give each option once")
+        try:
+            value: Any = json_limits.loads(raw)
+        except json_limits.JsonRefused as exc:
+            if exc.reason == "too_deep":
+                raise BadInput(f"--option {shown(key)}: its JSON value is nested too deep ({exc.detail})") from None
+            if exc.reason != "invalid_json":
+                raise BadInput(f"--option {shown(key)}: its JSON value is refused: {exc.detail}") from None
+            value = raw  # not JSON: text
+        options[key] = value
+    return options
+
+
+def check_device(device: str | None) -> None:
+    if device == "cuda":
+        try:
+            import torch
+        except ImportError as exc:  # pragma: no cover - torch is a dependency
+            raise BadInput(f"--device cuda: torch is not importable ({exc})") from exc
+        if not torch.cuda.is_available():
+            raise BadInput("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+
+
+def check_placement(placement: str, device: str | None) -> None:
+    """``--placement`` names a regular file or is inline JSON starting with ``{`` (the pipeline reads either)."""
+    from server import json_limits
+
+    if device is not None:
+        raise BadInput("--device and --placement: give one (the placement names every stage's devices)")
+    if placement.strip().startswith("{"):
+        return
+    problem = regular_file_problem(placement)
+    if problem is None:
+        return
+    if problem in (NO_SUCH_FILE, "has a name too long for the file system"):  # JSON meant inline?
+        try:
+            given = json_limits.loads(placement)
+        except json_limits.JsonRefused as exc:
+            if exc.reason != "invalid_json":
+                raise BadInput(f"--placement: inline placement JSON is refused: {exc.detail}") from None
+        else:
+            raise BadInput(f"--placement: inline placement JSON must be an object, got {type(given).__name__}")
+    if problem == NO_SUCH_FILE:
+        raise BadInput(f"--placement: no such file {shown(placement)}")
+    raise BadInput(f"--placement: {shown(placement)} {problem}")
+
+
+def placement_option(pipeline: Path, placement: str) -> str:
+    """The placement, once the pipeline's ``get_service`` is seen to take one (the pipeline validates it)."""
+    import inspect
+
+    from pipelines.loader import PipelineExited, PipelineLoadError, load_pipeline_module
+
+    try:
+        factory = getattr(load_pipeline_module(pipeline), "get_service", None)
+    except PipelineExited:
+        raise
+    except PipelineLoadError as exc:
+        raise BadInput(str(exc)) from exc
+    if factory is None or "placement" not in inspect.signature(factory).parameters:
+        raise BadInput(f"--placement: pipeline {shown(str(pipeline))} takes no placement (get_service has no "
+                       f"'placement')")
+    return placement
+
+
+class OutDir:
+    """``--out``, made before the pipeline loads (so that it cannot fail after the run); :meth:`remove_made` takes
+    back the folders it made, if they are still empty (a failed or stopped run leaves nothing)."""
+
+    def __init__(self, path: Path, made: list[Path]) -> None:
+        self.path = path
+        self._made = made
+
+    def remove_made(self) -> None:
+        """Safe in a signal handler: ``rmdir`` calls only."""
+        for folder in reversed(self._made):
+            try:
+                os.rmdir(folder)
+            except OSError:
+                return  # not empty (the run's output, or someone else's): it and its parents stay
+        self._made = []
+
+
+def _cannot_make(text: str, exc: OSError) -> BadInput:
+    why = {
+        errno.ENOTDIR: "a part of its path is a file, not a directory",
+        errno.ENAMETOOLONG: "a name in it is too long for the file system",
+        errno.ELOOP: "a part of its path is a loop of symbolic links",
+        errno.EEXIST: "a part of its path is a symbolic link to nothing",
+    }.get(exc.errno or 0, exc.strerror or str(exc))
+    return BadInput(f"--out {shown(text)} cannot be made: {why}")
+
+
+def prepare_out(text: str) -> OutDir:
+    """``--out``: an existing directory (a symbolic link to one included), or one made now with its missing
+    parents. A path under a file, a link to nothing or round in a loop, a name too long were a raw exception once
+    the pipeline had loaded (exit 1); ``--out ""`` wrote into the current directory."""
+    if not text:
+        raise BadInput("--out is empty: give a directory (--out . for the current one)")
+    path = Path(text)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise BadInput(f"--out {shown(text)} is a symbolic link to nothing (its target does not exist)") from None
+        info = None
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:
+            raise _cannot_make(text, exc) from None
+        raise BadInput(f"--out {shown(text)} {lookup_problem(path, exc)}") from None
+    if info is not None:
+        if not stat.S_ISDIR(info.st_mode):
+            raise BadInput(f"--out {shown(text)} exists and is not a directory")
+        return OutDir(path, [])
+    missing = [path]
+    while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:
+        missing.append(missing[-1].parent)
+    made: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except OSError as exc:
+            OutDir(path, made).remove_made()
+            raise _cannot_make(text, exc) from None
+        made.append(folder)
+    return OutDir(path, made)
+

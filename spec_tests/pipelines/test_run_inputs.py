@@ -1,0 +1,160 @@
+"""``chunkline run``'s flags as a user meets them: each bad value is one line naming its flag and saying what is
+wrong, exit code 2, before the pipeline loads (the pipelines here note that they were loaded), with a long value
+shown cut; a pipeline that calls ``sys.exit()`` is a pipeline failure (exit 1), never a silent success."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipelines
+
+ROOT = Path(pipelines.__file__).resolve().parents[1]
+TOY_WORLD = str(ROOT / "pipelines" / "toy_world")
+RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import what it needs and end (a loaded 2-core host)
+PNG_HEAD = bytes.fromhex("89504e470d0a1a0a0000000d49484452000000400000004008020000002512e3f7")  # 64x64 RGB
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.run([sys.executable, "-m", "server.cli", "run", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
+
+
+def noting_pipeline(tmp_path: Path) -> tuple[str, Path]:
+    """A pipeline file that notes it was imported (a file ``loaded`` beside it), and its note."""
+    path = tmp_path / "noting_pipeline.py"
+    note = tmp_path / "loaded"
+    path.write_text(f"from pathlib import Path\nPath({str(note)!r}).touch()\n\ndef get_service(gpu_num=0):\n"
+                    f"    raise RuntimeError('not to be reached')\n")
+    return str(path), note
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("chunkline run: "), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    ("under a file", "cannot be made: a part of its path is a file, not a directory"),  # NotADirectoryError, exit 1
+    ("dangling link", "is a symbolic link to nothing"),  # FileExistsError, exit 1
+    ("loop of links", "is a loop of symbolic links"),  # FileExistsError, exit 1
+    ("long name", "has a name too long for the file system"),  # the whole name repeated, exit 1
+    ("empty", "--out is empty"),  # it wrote into the current directory
+])
+def test_an_out_that_cannot_be_a_folder_is_refused_naming_it_before_the_pipeline_loads(tmp_path: Path, given: str,
+                                                                                     words: str) -> None:
+    pipeline, loaded = noting_pipeline(tmp_path)
+    (tmp_path / "file").write_text("a file")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    os.symlink(tmp_path / "loop-b", tmp_path / "loop-a")
+    os.symlink(tmp_path / "loop-a", tmp_path / "loop-b")
+    out = {"under a file": str(tmp_path / "file" / "out"), "dangling link": str(tmp_path / "dangling"),
+           "loop of links": str(tmp_path / "loop-a"), "long name": str(tmp_path / ("o" * 300)), "empty": ""}[given]
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run(pipeline, "--chunks", "1", "--out", out, cwd=work)
+    line = one_line(result)
+    assert result.returncode == 2 and line.startswith("chunkline run: --out ") and words in line, line
+    assert "o" * 81 not in line and len(line) < 300, line
+    assert not loaded.exists(), "the pipeline was loaded before --out was checked"
+    assert os.listdir(work) == [] and not os.path.lexists(tmp_path / "nowhere")
+
+
+def test_run_help_says_an_earlier_output_in_out_is_replaced() -> None:
+    result = subprocess.run([sys.executable, "-m", "server.cli", "run", "--help"], capture_output=True, text=True,
+                            check=True, timeout=RUN_DEADLINE)
+    assert "a video.mp4 and a metrics.json already in it are replaced" in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize(("flag", "given", "words"), [
+    ("--option", "deep", "--option 'x': its JSON value is nested too deep"),  # a RecursionError, exit 1
+    ("--option", "twice", "--option 'resolution' is given twice"),  # the last one won without a word
+    ("--controls", "long", "--controls: 'xxxx"),  # the 5,000 characters repeated whole
+    ("--placement", "long", "--placement: 'xxxx"),
+    ("--controls", "loop", "is a loop of symbolic links"),  # "no such file"
+    ("--image", "loop", "is a loop of symbolic links"),
+    ("--chunks", str(2**64), "--chunks must be at most 2**63"),  # "option 'chunks'", once the pipeline had loaded
+    ("--image", "large", "has 9437184 bytes; a reference image is at most 8388608 bytes"),  # 300 MB were taken
+])
+def test_a_bad_flag_value_is_one_line_naming_the_flag_before_the_pipeline_loads(tmp_path: Path, flag: str,
+                                                                                given: str, words: str) -> None:
+    pipeline, loaded = noting_pipeline(tmp_path)
+    os.symlink(tmp_path / "loop-b", tmp_path / "loop-a")
+    os.symlink(tmp_path / "loop-a", tmp_path / "loop-b")
+    large = tmp_path / "large.png"
+    with large.open("wb") as file:  # a valid PNG's start, 9 MiB in all
+        file.write(PNG_HEAD)
+        file.truncate(9 << 20)
+    values = {"deep": ["x=" + "[" * 30_000 + "]" * 30_000], "twice": ["resolution=160x96", "resolution=320x192"],
+              "long": ["x" * 5000], "loop": [str(tmp_path / "loop-a")], "large": [str(large)]}.get(given, [given])
+    args = [word for value in values for word in (flag, value)]
+    result = run(pipeline, *args, "--out", str(tmp_path / "out"))
+    line = one_line(result)
+    assert result.returncode == 2 and words in line, line
+    assert len(line) < 400 and ("(5000 characters in all)" in line) == (given == "long"), line
+    assert not loaded.exists(), "the pipeline was loaded before the flag was checked"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    ("directory", "is a directory without an __init__.py, not a pipeline package"),  # "does not exist"
+    ("pipe", "is not a regular file (a pipe, a socket or a device)"),
+    ("/dev/zero", "is not a regular file (a pipe, a socket or a device)"),
+    ("loop", "is a loop of symbolic links"),
+])
+def test_a_pipeline_path_that_cannot_be_a_pipeline_says_what_it_is(tmp_path: Path, given: str, words: str) -> None:
+    path = tmp_path / "pipeline"
+    if given == "directory":
+        path.mkdir()
+    elif given == "pipe":
+        os.mkfifo(path)
+    elif given == "loop":
+        os.symlink(tmp_path / "other", path)
+        os.symlink(path, tmp_path / "other")
+    result = run("/dev/zero" if given == "/dev/zero" else str(path), "--out", str(tmp_path / "out"))
+    line = one_line(result)
+    assert result.returncode == 2 and line.startswith("chunkline run: pipeline '") and words in line, line
+
+
+EXITS_AT_IMPORT = "import sys\nsys.exit(0)\n"
+EXITS_IN_GET_SERVICE = "def get_service(gpu_num=0):\n    raise SystemExit(0)\n"
+EXITS_DURING_THE_RUN = """
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+class Exits(MinimalService):
+    async def chunks(self, session_id):
+        import sys
+        import numpy as np
+        from pipelines.contract import Chunk
+        yield Chunk(0, np.zeros((2, 8, 8, 3), np.uint8), 8.0)
+        sys.exit(0)
+
+
+def get_service(gpu_num=0):
+    return Exits()
+"""
+
+
+@pytest.mark.parametrize(("body", "when"), [
+    (EXITS_AT_IMPORT, "while being imported"),
+    (EXITS_IN_GET_SERVICE, "in get_service()"),
+    (EXITS_DURING_THE_RUN, "during the run"),
+], ids=["import", "get_service", "run"])
+def test_a_pipeline_that_calls_sys_exit_fails_the_run_naming_it(tmp_path: Path, body: str, when: str) -> None:
+    """``sys.exit(0)`` in a pipeline ended the run with exit code 0, no output and no word: CI read a success."""
+    path = tmp_path / "exiting_pipeline.py"
+    path.write_text(body)
+    out = tmp_path / "out"
+    result = run(str(path), "--chunks", "3", "--out", str(out))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"chunkline run: the run failed: pipeline {str(path)!r} called sys.exit(0) {when}"), result.stderr[-2000:]
+    assert not out.exists()
