@@ -23,7 +23,7 @@ from . import json_limits, option_check
 from .http_framing import longest_body_seconds
 from .log_pace import LogPace
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .open_access import page_may_call
+from .open_access import own_names, page_refusal
 from .openapi import openapi_document
 from .reasons import echo, echo_each
 from .registry import UnknownStreamSession
@@ -148,6 +148,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if request.method in ("POST", "PUT", "PATCH", "DELETE"):
             await request.get_data(cache=True)
 
+    page_names = None if settings.api_key else own_names(settings.host, settings.public_url)
+
     @app.before_request
     async def refuse_other_pages() -> Response | None:
         """A browser sends a page's POST here without asking first when it looks like a form: with no API key, a
@@ -155,10 +157,11 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         origin = request.headers.get("Origin")
         if request.method in ("GET", "HEAD", "OPTIONS") or origin is None:
             return None
-        if page_may_call(origin, request.headers.get("Host"), settings.cors_allow_origins):
+        why = page_refusal(origin, request.headers.get("Host"), settings.cors_allow_origins, page_names)
+        if why is None:
             return None
         return error(403, "forbidden_origin", f"a web page at {echo(origin)} may not call this server from a browser "
-                                              f"(--cors-allow-origins names the pages that may)")
+                                              f"({why})")
 
     @app.before_request
     async def require_api_key() -> Response | None:

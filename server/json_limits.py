@@ -45,7 +45,11 @@ MAX_JSON_DEPTH: Final = 32
 #: control message has; an image travels as one string, one value
 MAX_JSON_VALUES: Final = 20_000
 
-_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+#: a string, or an unterminated one to the end: a document that never closes a string was matched again from each
+#: later quote, quadratic (64 KB of \" pairs held the event loop 12 s)
+_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+#: quotes a document may hold before its strings are looked at: two a value, and escaped ones inside text
+_QUOTES_PER_VALUE: Final = 4
 _BLOCK: Final = 1 << 18
 _NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
 
@@ -137,6 +141,8 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, max_values: int 
             raise JsonRefused("unencodable_text", "the message holds text that is not valid Unicode") from None
     else:
         data = bytes(raw)
+    if data.count(b'"') > _QUOTES_PER_VALUE * max_values:  # millions of "" cost the string scan a second
+        raise JsonRefused("too_many_values", f"JSON of more than {max_values} values; at most {max_values} allowed")
     structure = _STRING.sub(b"", data)
     depth = _depth(structure)
     if depth > max_depth:

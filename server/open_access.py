@@ -20,7 +20,9 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "listening_hosts", "page_may_call"]
+from .reasons import echo
+
+__all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "listening_hosts", "own_names", "page_refusal"]
 
 #: what an open API lets anyone who reaches it do (both warnings end with it)
 UNGUARDED = "whoever reaches it may create and delete sessions and drain its workers"
@@ -46,18 +48,42 @@ def _split_host(netloc: str) -> tuple[str, int | None]:
         return netloc.lower(), None
 
 
-def page_may_call(origin: str, host: str | None, allowed: tuple[str, ...]) -> bool:
-    """Whether a browser request from a page at ``origin`` may change state here: the page is this server's own (its
-    host, and port where the request's ``Host`` names one) or ``allowed`` names it (``*``: any)."""
+def own_names(host: str, public_url: str | None) -> frozenset[str]:
+    """The names an open server (no API key) answers pages under: ``localhost``, ``--host`` and ``--public-url``'s
+    (an IP address always). A page at a name of its own that the attacker points at this host (DNS rebinding) is
+    then the server's own origin to the browser, with its Host header naming it."""
+    names = {"localhost", host.lower()}
+    if public_url:
+        names.add((urlsplit(public_url).hostname or "").lower())
+    return frozenset(names)
+
+
+def page_refusal(origin: str, host: str | None, allowed: tuple[str, ...], names: frozenset[str] | None) -> str | None:
+    """Why a browser request from a page at ``origin`` may not change state here, or None: the page must be this
+    server's own (same host; same port, or the default port of its scheme where ``Host`` names none) or be named in
+    ``allowed`` (``*``: any); with ``names`` (an open server), this server's own name must be one of them."""
     if origin in allowed or "*" in allowed:
-        return True
+        return None
     page = urlsplit(origin)
-    if page.scheme not in _DEFAULT_PORTS or not page.netloc or not host:
-        return False  # "null" (a sandboxed page, a file), or no Host to compare with
-    page_host, page_port = _split_host(page.netloc)
-    own_host, own_port = _split_host(host)
-    # behind a TLS proxy the page is https and this request http: a Host without a port leaves the port unsaid
-    return page_host == own_host and (own_port is None or own_port == (page_port or _DEFAULT_PORTS[page.scheme]))
+    if page.scheme in _DEFAULT_PORTS and page.netloc and host:
+        page_host, page_port = _split_host(page.netloc)
+        own_host, own_port = _split_host(host)
+        default = _DEFAULT_PORTS[page.scheme]
+        # a Host without a port names the default one of the page's scheme (behind a TLS proxy: https, 443)
+        if page_host == own_host and (own_port or default) == (page_port or default):
+            if names is None or own_host in names or _is_address(own_host):
+                return None
+            return (f"this server answers pages under its own name only at localhost, an IP address, --host or "
+                    f"--public-url while no API key is set, not {echo(own_host)}")
+    return "--cors-allow-origins names the pages that may"
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def listening_hosts(port: int) -> list[str]:

@@ -34,17 +34,20 @@ log = logging.getLogger("chunkline.runtime")
 CHECK_OPTIONS_TIMEOUT = 10.0
 #: seconds one worker has to answer before the next ready one is asked (within CHECK_OPTIONS_TIMEOUT)
 WORKER_CHECK_TIMEOUT = CHECK_OPTIONS_TIMEOUT / 2
+#: seconds past which a worker's answer, though taken, puts it after the others for the next checks
+SLOW_ANSWER = 1.0
 #: checks under way at once; more wait their turn within their deadline (an agent's outbox holds 256 messages)
 MAX_CHECKS_AT_ONCE = 16
 
 
 class OptionCheckers:
-    """Which ready worker checks the next create's options: each in turn, one whose last check failed last."""
+    """Which ready worker checks the next create's options: each in turn, one whose last check failed or was slow
+    last."""
 
     def __init__(self) -> None:
         self.limiter = trio.CapacityLimiter(MAX_CHECKS_AT_ONCE)
         self._turn = 0
-        self._failed: set[str] = set()  # workers whose last check failed; only ids of ready workers are kept
+        self._failed: set[str] = set()  # workers whose last check failed or was slow; ids of ready workers only
 
     def order(self, ready: list[Any]) -> list[Any]:
         """``ready`` starting at the next worker's turn, those whose last check failed moved to the end."""
@@ -53,8 +56,13 @@ class OptionCheckers:
         start = self._turn % len(ready)
         return sorted(ready[start:] + ready[:start], key=lambda worker: worker.worker_id in self._failed)
 
-    def answered(self, worker_id: str) -> None:
-        self._failed.discard(worker_id)
+    def answered(self, worker_id: str, seconds: float) -> None:
+        """The worker answered a check in ``seconds``: one that took past :data:`SLOW_ANSWER` is asked last too (one
+        answering just inside its 5 s held every create it was asked first for those 5 s)."""
+        if seconds > SLOW_ANSWER:
+            self._failed.add(worker_id)
+        else:
+            self._failed.discard(worker_id)
 
     def failed(self, worker_id: str) -> None:
         self._failed.add(worker_id)
@@ -85,21 +93,25 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
     give_up = trio.current_time() + CHECK_OPTIONS_TIMEOUT
     reason = "no answer in time"
     for worker in checkers.order(ready):
+        asked_at: float | None = None
         try:
-            with trio.fail_at(min(give_up, trio.current_time() + WORKER_CHECK_TIMEOUT)):
-                async with checkers.limiter:
-                    await worker.check_options(options)
+            with trio.fail_at(give_up):
+                async with checkers.limiter:  # a turn here is not the worker's time to answer
+                    asked_at = trio.current_time()
+                    with trio.fail_at(min(give_up, asked_at + WORKER_CHECK_TIMEOUT)):
+                        await worker.check_options(options)
         except OptionsRefused:
-            checkers.answered(worker.worker_id)
+            checkers.answered(worker.worker_id, trio.current_time() - asked_at)  # type: ignore[operator]
             raise
         except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken
-            checkers.failed(worker.worker_id)
+            if asked_at is not None:  # not one whose deadline passed while others' checks held every turn
+                checkers.failed(worker.worker_id)
             log.warning("worker %s could not check a session's options: %r", worker.worker_id, exc)
             # the failure's own words, never its type (a public 503 said "RuntimeError: worker lost: ...")
             reason = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc, prefix_type=False)
             if trio.current_time() >= give_up:
                 break
         else:
-            checkers.answered(worker.worker_id)
+            checkers.answered(worker.worker_id, trio.current_time() - asked_at)  # type: ignore[operator]
             return
     raise NoWorker(f"the session's options could not be checked: {reason}", NO_WORKER_RETRY_AFTER) from None

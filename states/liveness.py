@@ -329,8 +329,7 @@ class LivenessBook:
             if now >= entry.last_heard + self._deadline:
                 cause = f"heartbeat missed (nothing heard for {now - entry.last_heard:.1f} s)"
             elif overdue:
-                due, session_id = overdue[0]
-                cause = f"protocol error: session {session_id} not finished {now - due:.1f} s past its stop deadline"
+                cause = f"protocol error: session {overdue[0][1]} still running past its stop deadline"
             elif entry.machine.state in DRAINING_STATES:
                 cause = f"protocol error: still draining {now - entry.leave_by:.1f} s past its drain deadline"  # type: ignore[operator]
             else:

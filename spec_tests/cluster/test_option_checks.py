@@ -4,6 +4,7 @@ check, or a token holder that heartbeats but stays mute) gives its turn to the n
 from __future__ import annotations
 
 import httpx
+import pytest
 import trio
 
 from server.cluster import wire
@@ -15,9 +16,13 @@ from .test_hostile_agents import register, say_ready
 REFUSED_OPTIONS = {"identity": "ctl", "config": {"k": 1}}  # the tiny world's check refuses an option it does not know
 
 
-async def mute_agent(channel: wire.Channel, asked: list[wire.Message]) -> None:
-    """Heartbeat as a live agent does; take every message and answer none (a check among them)."""
+async def mute_agent(channel: wire.Channel, asked: list[wire.Message], answer_after: float | None) -> None:
+    """Heartbeat as a live agent does; take every message and answer none, or a check only ``answer_after`` s late."""
     async with trio.open_nursery() as nursery:
+        async def answer_late(check_id: int) -> None:
+            await trio.sleep(answer_after)  # bench-cost: the slow agent's own delay (real time)
+            await channel.send(wire.OptionsChecked(check_id, refused="option 'k' is not one the tiny world takes"))
+
         async def heartbeat() -> None:
             seq = 0
             while True:
@@ -30,11 +35,16 @@ async def mute_agent(channel: wire.Channel, asked: list[wire.Message]) -> None:
             message = await channel.receive()
             if isinstance(message, wire.CheckOptions):
                 asked.append(message)
+                if answer_after is not None:
+                    nursery.start_soon(answer_late, message.check_id)
 
 
-async def test_an_agent_that_never_answers_option_checks_does_not_hold_every_create() -> None:
+@pytest.mark.parametrize("answer_after", [None, 2.0], ids=["mute", "slow"])
+async def test_an_agent_that_never_answers_option_checks_does_not_hold_every_create(answer_after: float | None) -> None:
     """The first ready agent was asked every time: one mute agent made every create a 503 after 10 s, while health
-    said healthy. The ready agents take turns; a mute one gives its turn away at its deadline and is asked last."""
+    said healthy. The ready agents take turns; a mute one gives its turn away at its deadline and is asked last,
+    and so is one that answers, but slowly (one answering just inside the deadline held every create it was
+    asked first for)."""
     authority = start_authority(launcher="external", workers=2)
     agent: Process | None = None
     try:
@@ -42,7 +52,7 @@ async def test_an_agent_that_never_answers_option_checks_does_not_hold_every_cre
         assert isinstance(reply, wire.Welcome), reply
         asked: list[wire.Message] = []
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(mute_agent, channel, asked)
+            nursery.start_soon(mute_agent, channel, asked, answer_after)
             await say_ready(authority, channel, "mute")
             agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
                                       "--node", "honest"), clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
@@ -53,7 +63,7 @@ async def test_an_agent_that_never_answers_option_checks_does_not_hold_every_cre
                     response = await http.post("/v1/stream/sessions", json=REFUSED_OPTIONS)
                     assert response.status_code == 400, response.text
                     assert response.json()["error"] == "invalid_option" and "'k'" in response.json()["detail"]
-            assert len(asked) == 1, asked  # asked once, then after the answering agent
+            assert len(asked) == 1, asked  # asked once, then after the prompt agent
             nursery.cancel_scope.cancel()
         await channel.aclose()
     finally:

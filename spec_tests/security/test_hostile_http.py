@@ -234,6 +234,21 @@ async def test_a_body_of_more_json_values_than_any_request_holds_is_refused_befo
         assert status == 400 and body["error"] != "too_many_values", body
 
 
+@pytest.mark.parametrize(("shape", "refused_as"), [("unterminated", "invalid_json"), ("empty_strings", "too_many_values")])
+async def test_a_body_of_strings_is_refused_in_one_scan(shape: str, refused_as: str) -> None:
+    """The scan that steps over strings matched an unterminated one again from each later quote: 64 KB of ``\\"``
+    pairs after an opening quote held the event loop 12 s, 1 MiB some 50 minutes. Now one scan: answered well within
+    the deadline here (the loop is held while it runs, so a slow scan ends this test as soon as it returns). And 6 MiB
+    of ``""`` (one value by the separators' count) cost a second of scanning: more quotes than its values could
+    have refuses a document before its strings are looked at."""
+    pairs = MAX_JSON_VALUES * 2 - 1000  # as many as the quote count lets through
+    raw = b'{"identity": "' + b'\\"' * pairs if shape == "unterminated" else b"[" + b'""' * (3 * 1024 * 1024) + b"]"
+    async with serve() as s:
+        with trio.fail_after(5):
+            status, body, _ = await s.json("post", SESSIONS, data=raw, headers={"Content-Type": "application/json"})
+        assert_error_body(status, body, refused_as)
+
+
 @pytest.mark.parametrize("sign", ["", "-"])
 async def test_an_integer_of_more_than_the_digit_limit_is_out_of_range_with_or_without_a_sign(sign: str) -> None:
     """MAX_INT_DIGITS digits are read (the toy world then refuses the number it cannot use); one more is a 400
@@ -424,6 +439,16 @@ async def test_a_web_page_of_another_origin_cannot_make_a_visitors_browser_chang
         assert (await s.json("delete", path, headers=page_elsewhere))[0] == 403
         assert (await s.json("get", path))[1]["status"] != "closed"
         assert (await s.json("delete", path, headers=own_page))[0] == 200  # a script or curl sends no Origin at all
+        # a page at another port of this host (a Host without a port is the scheme's own), and a page at a name of
+        # its own that its author points at this host (DNS rebinding: Host then names it too, as the page's own)
+        for origin, host in (("http://127.0.0.1:3000", "127.0.0.1"), ("http://rebound.example:8088", "rebound.example:8088")):
+            status, body, _ = await s.json("post", SESSIONS, json={"identity": "ctl"}, headers={"Origin": origin, "Host": host})
+            assert status == 403 and body["error"] == "forbidden_origin", (origin, body)
+        assert "not 'rebound.example'" in body["detail"], body
     async with serve(make_settings(cors_allow_origins=("http://pages.example",))) as s:
         status, created, _ = await s.json("post", SESSIONS, data=b'{"identity": "ctl"}', headers=page_elsewhere)
         assert status == 200, created
+    async with serve(make_settings(api_key="a-key")) as s:
+        # with an API key a rebound page cannot use the API anyway, so a server's own name is any name
+        headers = {"Origin": "http://rebound.example:8088", "Host": "rebound.example:8088", "Authorization": "Bearer a-key"}
+        assert (await s.json("post", SESSIONS, json={"identity": "ctl"}, headers=headers))[0] == 200
