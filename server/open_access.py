@@ -3,7 +3,8 @@ answers beyond this host with no API key is said to be open, once (any client co
 
 A page elsewhere can make its visitor's browser send a POST without asking this server first (a form, or a
 ``text/plain`` body: a "simple" request, no preflight), and with no API key that drained the workers; such a
-request names its page in ``Origin``, which must be this server itself or one of ``--cors-allow-origins``.
+request names its page in ``Origin``, which must be this server itself or one of ``--cors-allow-origins``; with no
+API key, "this server itself" also means a name it knows (:func:`own_names`), against DNS rebinding.
 
 ``chunkline stream-serve`` knows its listeners and says so as it starts. Under ``hypercorn server:app`` the bind is
 hypercorn's, and in some of its modes the sockets are made after the app starts, so the app looks at its first
