@@ -316,7 +316,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         records = list(runtime.registry)
         if status is not None:
             records = [r for r in records if r.status.value == status]
-        return {"sessions": [session_view(r) for r in records]}
+        places = runtime.queue_positions()
+        return {"sessions": [r.public(queue_position=places.get(r.session_id) if r.status is SessionState.QUEUED
+                                      else None) for r in records]}
 
     @app.get("/v1/stream/sessions/<session_id>")
     async def get_session(session_id: str) -> dict[str, Any]:

@@ -45,9 +45,9 @@ MAX_JSON_DEPTH: Final = 32
 #: control message has; an image travels as one string, one value
 MAX_JSON_VALUES: Final = 20_000
 
-#: a string, or an unterminated one to the end: a document that never closes a string was matched again from each
-#: later quote, quadratic (64 KB of \" pairs held the event loop 12 s)
-_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+#: a string (its escapes taken out first: :func:`_structure`), or an unterminated one to the end: a document that never
+#: closes a string was matched again from each later quote, quadratic (64 KB of \" pairs held the event loop 12 s)
+_STRING: Final = re.compile(rb'"[^"]*(?:"|\Z)')
 #: quotes a document may hold before its strings are looked at: two a value, and escaped ones inside text
 _QUOTES_PER_VALUE: Final = 4
 _BLOCK: Final = 1 << 18
@@ -66,7 +66,13 @@ class JsonRefused(ValueError):
 
 def nesting_depth(raw: bytes) -> int:
     """The deepest array/object nesting of ``raw`` (brackets inside strings do not count)."""
-    return _depth(_STRING.sub(b"", raw))
+    return _depth(_structure(raw))
+
+
+def _structure(raw: bytes) -> bytes:
+    """``raw`` without its strings' contents. Escaped backslashes, then escaped quotes, go first (in C): a pattern
+    that steps over each escape took a regex step per escape (8 MiB of \\\\ pairs: 0.3 s of the event loop)."""
+    return _STRING.sub(b"", raw.replace(b"\\\\", b"").replace(b'\\"', b""))
 
 
 def _values(structure: bytes) -> int:
@@ -143,7 +149,7 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, max_values: int 
         data = bytes(raw)
     if data.count(b'"') > _QUOTES_PER_VALUE * max_values:  # millions of "" cost the string scan a second
         raise JsonRefused("too_many_values", f"JSON of more than {max_values} values; at most {max_values} allowed")
-    structure = _STRING.sub(b"", data)
+    structure = _structure(data)
     depth = _depth(structure)
     if depth > max_depth:
         raise JsonRefused("too_deep", f"JSON nested {depth} levels deep; at most {max_depth} allowed")

@@ -360,6 +360,10 @@ class StreamRuntime:
     def queue_position(self, record: SessionRecord) -> int | None:
         return self.book.queue_position(record.session_id) if record.status is State.QUEUED else None
 
+    def queue_positions(self) -> dict[str, int]:
+        """Every queued session's place, for a view of many sessions (one pass, not one each)."""
+        return self.book.queue_positions()
+
     def get(self, session_id: str) -> SessionRecord:
         return self.registry.get(session_id)
 

@@ -587,6 +587,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert book.queued_ids() == tuple(model.queue)
         for i, s in enumerate(model.queue, start=1):
             assert book.queue_position(s) == i
+        assert book.queue_positions() == {s: i for i, s in enumerate(model.queue, start=1)}
         views = {v.worker_id: v for v in book.workers()}
         assert sorted(views) == sorted(model.workers)
         for wid, w in model.workers.items():
