@@ -257,8 +257,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     # -- sessions -------------------------------------------------------------------
 
-    def session_view(record: Any) -> dict[str, Any]:
-        return record.public(queue_position=runtime.queue_position(record))
+    def session_view(record: Any, places: dict[str, int] | None = None) -> dict[str, Any]:
+        return record.public(queue_position=runtime.queue_position(record, places))
 
     @app.post("/v1/stream/sessions")
     async def create_session() -> Response:
@@ -317,8 +317,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if status is not None:
             records = [r for r in records if r.status.value == status]
         places = runtime.queue_positions()
-        return {"sessions": [r.public(queue_position=places.get(r.session_id) if r.status is SessionState.QUEUED
-                                      else None) for r in records]}
+        return {"sessions": [session_view(r, places) for r in records]}
 
     @app.get("/v1/stream/sessions/<session_id>")
     async def get_session(session_id: str) -> dict[str, Any]:

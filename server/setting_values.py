@@ -238,7 +238,7 @@ def read_secret_file(option: str, path: str, limit: int = MAX_SECRET_FILE_BYTES)
     (symbolic links followed, as a mounted secret is one), read no further than ``limit`` bytes, UTF-8. Every
     problem is a :class:`SettingsError` naming ``option`` and the path (cut when long): it read without bound
     (``/dev/zero`` grew without end, a pipe waited for ever) and named neither when the file was not UTF-8."""
-    from pipelines.paths import NO_SUCH_FILE, regular_file_problem
+    from pipelines.paths import NO_SUCH_FILE, read_at_most, regular_file_problem
 
     from .reasons import echo
 
@@ -250,13 +250,13 @@ def read_secret_file(option: str, path: str, limit: int = MAX_SECRET_FILE_BYTES)
         raise SettingsError(option, f"{option}: {shown} {problem}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # swapped for a pipe since: no wait
-        with open(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SettingsError(option, f"{option}: {shown} is not a regular file")
-            data = file.read(limit + 1)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SettingsError(option, f"{option}: {shown} is not a regular file")
+        data = read_at_most(fd, limit)  # closes it
     except OSError as exc:
         raise SettingsError(option, f"{option}: {shown} cannot be read ({exc.strerror or exc})") from None
-    if len(data) > limit:
+    if data is None:
         raise SettingsError(option, f"{option}: {shown} holds more than {limit} bytes; a token is at most {limit}")
     try:
         text = data.decode("utf-8")

@@ -58,6 +58,7 @@ __all__ = [
     "DuplicateWorkerId",
     "InvalidLiveness",
     "fence_at",
+    "loss_kind",
 ]
 
 FENCE_FRACTION = 0.5
@@ -167,6 +168,20 @@ class _Entry:
     cause: str | None = None
     leave_by: float | None = None  # a draining worker's deadline to say goodbye (None: no limit)
     stops_owed: dict[str, float] = attrs.Factory(dict)  # session id -> when its stop's deadline passes
+
+
+def loss_kind(cause: str) -> str:
+    """The bounded Prometheus label of a loss cause (this book's own, and the launchers' notices)."""
+    for prefix, kind in (
+        ("heartbeat missed", "heartbeat_missed"),
+        ("connection", "connection_closed"),
+        ("process exited", "process_exited"),
+        ("node removed", "node_removed"),
+        ("actor died", "node_removed"),
+    ):
+        if cause.startswith(prefix):
+            return kind
+    return "protocol_error"
 
 
 class LivenessBook:

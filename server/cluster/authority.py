@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from engine import CapacityPlan
-from states.liveness import DuplicateWorkerId, LivenessBook
+from states.liveness import DuplicateWorkerId, LivenessBook, loss_kind
 
 from ..log_pace import LogPace
 from ..reasons import echo, public_reason
@@ -100,20 +100,6 @@ class Launcher(Protocol):
     def worker_left(self, worker: RemoteWorker) -> None: ...
 
     def view(self) -> list[dict[str, Any]]: ...
-
-
-def loss_kind(cause: str) -> str:
-    """The bounded Prometheus label of a loss cause."""
-    for prefix, kind in (
-        ("heartbeat missed", "heartbeat_missed"),
-        ("connection", "connection_closed"),
-        ("process exited", "process_exited"),
-        ("node removed", "node_removed"),
-        ("actor died", "node_removed"),
-    ):
-        if cause.startswith(prefix):
-            return kind
-    return "protocol_error"
 
 
 class ClusterAuthority:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -77,7 +77,7 @@ class RemoteWorker:
         self.worker_id = worker_id
         self._liveness = liveness  # the authority's: where a stop owed by this agent gets its deadline
         self._deadlines_changed = deadlines_changed  # the authority's sweep then looks at the new deadline
-        self._stops_sent: dict[str, set[bool]] = {}  # session id -> the kinds of Stop sent (now=False/True)
+        self._stops_sent: dict[str, bool] = {}  # session id -> the Stop sent: at once (True) or at a chunk boundary
         self.channel = channel
         self.node = node
         self.gpu_ids = devices
@@ -178,10 +178,9 @@ class RemoteWorker:
         """Ask the agent to stop a session at a chunk boundary, or at once (``now``): each once (a drain asked again
         sent a Stop every second for as long as the session lasted). The first starts the agent's
         :data:`STOP_DEADLINE`."""
-        sent = self._stops_sent.setdefault(session_id, set())
-        if now in sent or True in sent:
-            return
-        sent.add(now)
+        if session_id in self._stops_sent and (self._stops_sent[session_id] or not now):
+            return  # that stop, or a stronger one, was sent
+        self._stops_sent[session_id] = now
         self.send(Stop(session_id, cause.value, now=now))
         if self._liveness is not None and self._liveness.owe_stop(self.worker_id, session_id, trio.current_time(),
                                                                   STOP_DEADLINE):
