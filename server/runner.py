@@ -150,6 +150,7 @@ class RoomRunner:
 
     async def run(self) -> None:
         error: str | None = None
+        failed_by = DrainCause.PIPELINE_FAILED  # what a failure of the run itself is, unless the room or worker
         try:
             with self._session_scope:
                 async with trio.open_nursery() as side_tasks:
@@ -161,6 +162,8 @@ class RoomRunner:
             # the record and the room hear one short line; the log keeps the traceback of what nobody expected
             # (a room that went away, or anything after fail() ended the session, is one plain line)
             expected = isinstance(cause, TransportError) or self._failure is not None
+            if isinstance(cause, TransportError):
+                failed_by = DrainCause.TRANSPORT_FAILED
             error = public_reason(
                 cause, prefix_type=not isinstance(cause, RunnerError | TransportError | PipelineContractError)
             )
@@ -173,7 +176,10 @@ class RoomRunner:
                     with trio.move_on_after(WORKER_CAUSE_WAIT):
                         await self.worker.failed.wait()
                     error = self._failure or error or f"worker {self.worker.worker_id} stopped"
+                    failed_by = DrainCause.WORKER_FAILED
                 error = self._failure or error  # a failure told by fail() wins, however the run ended
+                if error is not None:  # the record says why it ends (a no-op when a cause came first)
+                    self.deps.lifecycle.drain(self.record, failed_by, error)
                 await self._finish(error)
 
     async def _run(self, side_tasks: trio.Nursery) -> None:
@@ -449,7 +455,7 @@ class RoomRunner:
                                           reason=None if record.drain_cause is None else record.drain_cause.value)
                 )
             else:
-                reason = "session_failed" if error is not None or record.drain_cause is None else record.drain_cause.value
+                reason = record.drain_cause.value if record.drain_cause in FAILING_CAUSES else "session_failed"
                 await self._send(protocol.error_message(record.session_id, reason, failure))
             with trio.move_on_after(DISCONNECT_TIMEOUT):
                 await self._connection.disconnect()

@@ -12,14 +12,17 @@ progress with JOIN_ROOM -> START_PIPELINE -> RUN. Whatever ends a live session
 first moves it to DRAINING with DRAIN, and the DRAIN carries its
 :class:`DrainCause` (DELETE, the controller's ``stop``, the session timeout, a
 controller that never joined or left for good, an empty room, the pipeline
-finishing, shutdown). DRAIN happens once, so the cause is set once: the first
+finishing, shutdown, or the session failing on its own: its pipeline, its
+room or its worker). DRAIN happens once, so the cause is set once: the first
 cause wins, and a later one (a timeout just after a DELETE) changes nothing. The
 runner stops taking controls, closes the pipeline session through its owner and
 disconnects; then the record settles with the event :func:`settle_event` names
 for its cause: EXPIRE for the session timeout, FAIL for the controller's
 causes (the session did not get the controller it was for), COMPLETE for the
 rest -- or FAIL whatever the cause when the drain itself failed. An error before
-the drain fails the session directly.
+any drain drains with the cause of that failure first, so that a failed session
+says why it ended (it said nothing: a null cause); FAIL straight from a live
+state stays in the table for a record that settles without one.
 
 A queued session holds nothing: WITHDRAW (deleted while waiting) closes it and
 EXPIRE expires it without a drain.
@@ -129,6 +132,9 @@ class DrainCause(TableEnum):
     WORKER_FAILED = "worker_failed"  # the model worker hosting it failed
     PIPELINE_STALLED = "pipeline_stalled"  # the pipeline did not take a control within its deadline
     WORKER_DRAIN = "worker_drain"  # its worker drains (POST /v1/service/workers/{id}/drain, SIGTERM to an agent)
+    PIPELINE_FAILED = "pipeline_failed"  # the pipeline raised, broke its contract or did not create the session in time
+    TRANSPORT_FAILED = "transport_failed"  # the worker could not join its room, or lost it
+    START_FAILED = "start_failed"  # the worker could not start the session (its agent refused it, its image was not sent)
 
 
 #: The event that settles a drain that itself went well, by its cause.
@@ -144,6 +150,9 @@ SETTLES_WITH: dict[DrainCause, Event] = {
     DrainCause.WORKER_FAILED: Event.FAIL,
     DrainCause.PIPELINE_STALLED: Event.FAIL,
     DrainCause.WORKER_DRAIN: Event.COMPLETE,
+    DrainCause.PIPELINE_FAILED: Event.FAIL,
+    DrainCause.TRANSPORT_FAILED: Event.FAIL,
+    DrainCause.START_FAILED: Event.FAIL,
 }
 
 

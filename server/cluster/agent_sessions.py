@@ -136,7 +136,7 @@ class AgentSessions:
             seq = self._seq.get(message.session_id, 0) + 1
             if message.session_id in self.runners:
                 self._seq[message.session_id] = seq
-            self._send(wire.SessionFinished(message.session_id, seq, why, None))
+            self._send(wire.SessionFinished(message.session_id, seq, why, DrainCause.START_FAILED.value))
             return
         image_path = None
         if image is not None:

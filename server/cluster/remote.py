@@ -205,7 +205,7 @@ class RemoteWorker:
             # a queued session's file may be gone or grown by its turn: that session fails, alone,
             # once the runtime has recorded this run (it is mid-way through its own book-keeping now)
             reason = f"the reference image could not be sent to the worker: {exc}"
-            trio.lowlevel.current_trio_token().run_sync_soon(run.settle, reason)
+            trio.lowlevel.current_trio_token().run_sync_soon(run.settle, reason, DrainCause.START_FAILED)
             return run
         self.send(
             Start(
@@ -334,9 +334,14 @@ class RemoteRun:
             self.worker.send_stop(self.record.session_id, cause, now=True)
         self.settle(self.worker.failure or reason)
 
-    def settle(self, error: str | None) -> None:
+    def settle(self, error: str | None, cause: DrainCause = DrainCause.WORKER_FAILED) -> None:
+        """The session ended; failed with ``error``, it drains first with ``cause`` unless a cause came before
+        (an agent's, the authority's), so that its record says why it failed. An agent of this version names the
+        cause of every failure it reports: one that does not is taken as its worker's failure."""
         if self.finished.is_set():
             return
+        if error is not None:
+            self.runtime.lifecycle.drain(self.record, cause, error)
         self.worker.run_ended(self.record.session_id)
         self.record.participants.clear()  # the worker left, and the room's clients are sent away with the session
         forget = getattr(self.runtime.transport, "forget_worker", None)

@@ -154,6 +154,8 @@ async def test_a_megabytes_long_finish_error_is_kept_as_one_public_line(authorit
                              "the session to fail", authority, deadline=30)
         assert record["error"].startswith("RuntimeError: the pipeline broke: xxx"), record["error"][:100]
         assert len(record["error"]) <= MAX_REASON, len(record["error"])
+        # a failure reported with no cause is its worker's (the record read null: no word on why it ended)
+        assert record["drain_cause"] == (drain_cause or "worker_failed"), record["drain_cause"]
         assert listed(authority, start.session_id)["error"] == record["error"]
         nothing_repeated_whole(authority)
         # the authority keeps serving, this agent too: the next session is placed on it, and ends well

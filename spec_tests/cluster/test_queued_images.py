@@ -47,7 +47,7 @@ async def test_a_queued_sessions_image_deleted_before_promotion_fails_that_sessi
                 return record if record["status"] in ("failed", "closed") else None
 
             record = await until(failed, "the queued session to fail", cluster, deadline=30)
-            assert record["status"] == "failed", record
+            assert (record["status"], record["drain_cause"]) == ("failed", "start_failed"), record  # the cause was null
             assert "street.png" in record["error"] and str(assets) not in record["error"], record  # its name only
             if swap == "pipe":
                 assert "not a regular file" in record["error"], record

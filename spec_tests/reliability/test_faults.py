@@ -96,7 +96,8 @@ async def test_stage_handler_raising_mid_stream_fails_the_session() -> None:
         record = record_of(s, session_id)
         assert record.status.value == "failed"
         assert "StageExploded" in record.error and "denoise exploded on chunk 3" in record.error, record.error
-        assert errors[0]["reason"] == "session_failed" and "denoise exploded on chunk 3" in errors[0]["detail"]
+        assert errors[0]["reason"] == "pipeline_failed" and "denoise exploded on chunk 3" in errors[0]["detail"]
+        assert record.drain_cause is DrainCause.PIPELINE_FAILED  # it was None: the record did not say why
         assert [c["index"] for c in chunks] == [0, 1, 2]  # mid-stream: the chunks before the fault went out
         handle = service.handles[record.pipeline_session_id]
         assert handle.status is PipelineState.FAILED  # settled after the background cleanup
@@ -140,6 +141,7 @@ async def test_toy_world_stage_raising_mid_stream_fails_the_session(monkeypatch:
                 f"5 s after the fault, with chunks {[c['index'] for c in ctl.status('chunk')]}"
             )
         assert "toy denoise exploded on chunk 3" in record.error, record.error
+        assert record.drain_cause is DrainCause.PIPELINE_FAILED
         assert_released_and_promoted(s, session_id, queued["session_id"])
         await delete_and_settle(s, queued["session_id"])
     await leaks.check()
@@ -172,6 +174,7 @@ async def test_worker_process_killed_mid_chunk_fails_the_session() -> None:
         assert record.status.value == "failed"
         assert "exited unexpectedly with code -9" in record.error, record.error
         assert "exited unexpectedly with code -9" in errors[0]["detail"]
+        assert record.drain_cause is DrainCause.PIPELINE_FAILED == DrainCause(errors[0]["reason"])  # its own stage
         assert group.failed and multiprocessing.active_children() == []
         assert_released_and_promoted(s, session_id, queued["session_id"])
         await delete_and_settle(s, queued["session_id"])

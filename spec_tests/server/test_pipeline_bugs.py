@@ -107,8 +107,8 @@ async def test_a_pipeline_that_breaks_the_contract_fails_the_session_naming_its_
                 lambda p: any(m.get("type") == "participant_left" and m.get("identity") == WORKER_IDENTITY
                               for m in p.texts()), "the worker to leave")
         view = await s.get(created["session_id"])
-        assert view["status"] == "failed"
-        assert (error["reason"], error["detail"], view["error"]) == ("session_failed", reason, reason)
+        assert (view["status"], view["drain_cause"]) == ("failed", "pipeline_failed")  # the cause was null
+        assert (error["reason"], error["detail"], view["error"]) == ("pipeline_failed", reason, reason)
         assert [m["index"] for m in ctl.status("chunk")] == list(range(published))  # the good chunks went out
         assert s.free_slots() == 1 and not s.runtime.runners
     if isinstance(service, IntSessionIds):
@@ -214,6 +214,7 @@ async def each_session_fails_alone(path: Path, reason: str, published: int) -> N
                 (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message", timeout=60.0)
             view = await s.get(created["session_id"])
             assert (view["status"], view["error"], error["detail"]) == ("failed", reason, reason)
+            assert view["drain_cause"] == error["reason"] == "pipeline_failed", (view, error)  # the cause was null
             assert [m["index"] for m in ctl.status("chunk")] == list(range(published))  # the good chunks went out
             await wait_until(lambda: s.free_slots() == 1, "the slot to be free")
         assert [worker.failure for worker in s.runtime.workers.values()] == [None]
@@ -355,6 +356,7 @@ async def test_a_session_whose_id_the_server_cannot_take_is_closed_in_the_worker
                 (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message", timeout=60.0)
             view = await s.get(created["session_id"])
             assert (view["status"], view["error"], error["detail"]) == ("failed", reason, reason)
+            assert view["drain_cause"] == error["reason"] == "pipeline_failed", (view, error)  # the cause was null
             await wait_until(lambda: s.free_slots() == 1, "the slot to be free")
         created = await s.create("ctl")
         async with join(s, created["room"], created["token"]) as ctl:

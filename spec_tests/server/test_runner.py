@@ -24,6 +24,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from pipelines.contract import Control, ControlType
 from server.tokens import TokenRejected
+from server.transport import TransportError
 from pipelines.replay import ReplayService
 from pipelines.toy_world import ToyWorldConfig, ToyWorldService
 from spec_tests.pipelines.toy_world_views import bottom_rows, ground_shift_px
@@ -451,6 +452,24 @@ async def test_a_pipeline_session_error_fails_the_session_with_its_reason(
         view = await s.get(created["session_id"])
         assert view["status"] == "failed"
         assert s.free_slots() == 1 and not s.runtime.runners
-        assert error["reason"] == "session_failed"
+        assert error["reason"] == view["drain_cause"] == "pipeline_failed"  # the cause was null
         assert "option 'size' must be an int" in error["detail"], error["detail"]
         assert "option 'size' must be an int" in view["error"], view["error"]
+
+
+async def test_a_session_whose_worker_cannot_join_its_room_fails_saying_so(
+    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room transport refuses the worker (a LiveKit server that is down, say): the session fails with the
+    transport's reason, and its record says why it ended (its drain cause read null)."""
+    service = CounterService()
+    async with serve(settings(), service) as s:
+        async def refused(room: str, identity: str, token: str, *, timeout: float) -> Any:
+            raise TransportError(f"room {room!r} refused {identity!r}: the transport is down")
+
+        monkeypatch.setattr(s.runtime.transport, "connect", refused)
+        created = await s.create("ctl")
+        await wait_all_tasks_blocked()
+        view = await s.get(created["session_id"])
+        assert (view["status"], view["drain_cause"]) == ("failed", "transport_failed"), view
+        assert "the transport is down" in view["error"] and s.free_slots() == 1 and service.sessions == {}

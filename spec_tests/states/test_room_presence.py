@@ -67,7 +67,8 @@ def test_each_drain_cause_settles_as_its_table_says():
     assert settle_event(DrainCause.ROOM_EMPTY, failed=False) is Event.COMPLETE
     assert settle_event(DrainCause.DELETED, failed=True) is Event.FAIL
     assert FAILING_CAUSES == {DrainCause.CONTROLLER_ABSENT, DrainCause.CONTROLLER_LEFT, DrainCause.WORKER_FAILED,
-                              DrainCause.PIPELINE_STALLED}
+                              DrainCause.PIPELINE_STALLED, DrainCause.PIPELINE_FAILED, DrainCause.TRANSPORT_FAILED,
+                              DrainCause.START_FAILED}
     assert {timer.value for timer in Timer} <= {cause.value for cause in DrainCause}  # a timeout names its cause
 
 
