@@ -20,13 +20,13 @@ import trio
 
 from states.worker import ELIGIBLE
 
-from .reasons import public_reason
+from .reasons import public_reason, without_prefix
 from .requests import OptionsRefused
 
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["CHECK_OPTIONS_TIMEOUT", "MAX_CHECKS_AT_ONCE", "WORKER_CHECK_TIMEOUT", "OptionCheckers", "check_options"]
+__all__ = ["CHECK_OPTIONS_TIMEOUT", "MAX_CHECKS_AT_ONCE", "NOT_CHECKED", "WORKER_CHECK_TIMEOUT", "OptionCheckers", "check_options"]
 
 log = logging.getLogger("chunkline.runtime")
 
@@ -36,6 +36,8 @@ CHECK_OPTIONS_TIMEOUT = 10.0
 WORKER_CHECK_TIMEOUT = CHECK_OPTIONS_TIMEOUT / 2
 #: seconds past which a worker's answer, though taken, puts it after the others for the next checks
 SLOW_ANSWER = 1.0
+#: what a 503 says before the last worker's reason (which is not to say it again)
+NOT_CHECKED = "the session's options could not be checked:"
 #: checks under way at once; more wait their turn within their deadline (an agent's outbox holds 256 messages)
 MAX_CHECKS_AT_ONCE = 16
 
@@ -114,4 +116,4 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
         else:
             checkers.answered(worker.worker_id, trio.current_time() - asked_at)  # type: ignore[operator]
             return
-    raise NoWorker(f"the session's options could not be checked: {reason}", NO_WORKER_RETRY_AFTER) from None
+    raise NoWorker(f"{NOT_CHECKED} {without_prefix(reason, NOT_CHECKED)}", NO_WORKER_RETRY_AFTER) from None

@@ -16,7 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["MAX_ECHO", "MAX_REASON", "cut", "echo", "echo_each", "public_reason"]
+__all__ = ["MAX_ECHO", "MAX_REASON", "cut", "echo", "echo_each", "public_reason", "without_prefix"]
 
 MAX_REASON: Final = 240
 MAX_ECHO: Final = 64  # characters of one piece of client text an error message repeats
@@ -75,3 +75,11 @@ def echo_each(values: Sequence[object]) -> str:
     shown = ", ".join(echo(value) for value in values[:MAX_ECHOED])
     more = len(values) - MAX_ECHOED
     return f"{shown} and {more} more" if more > 0 else shown
+
+
+def without_prefix(text: str, prefix: str) -> str:
+    """``text`` without ``prefix`` (however often it repeats) at its start, letter case and spaces aside: a reason
+    relayed from a pipeline or an agent that already says what the server puts before it is not said twice (a
+    refusal read ``config: config: ...``)."""
+    words = re.escape(prefix.strip()).replace(r"\ ", r"\s+")
+    return re.sub(rf"^(?:\s*{words})+\s*", "", text, flags=re.IGNORECASE)

@@ -18,7 +18,7 @@ from pipelines.contract import prompt_problem
 from pipelines.images import ImageRefused, check_decodes, check_image, check_image_file
 from pipelines.paths import PathRefused, resolve_inside
 
-from .reasons import echo, echo_each
+from .reasons import echo, echo_each, without_prefix
 
 __all__ = ["CreateSession", "BadRequest", "OptionsRefused", "parse_create_session", "parse_drain_request",
            "parse_list_query", "parse_token_request", "resolve_image_path"]
@@ -62,11 +62,19 @@ DECODES_RETRY_AFTER = 2
 
 
 class OptionsRefused(BadRequest):
-    """The pipeline refused a session's options (``config``); ``reason`` is its own word, naming the option."""
+    """The pipeline refused a session's options (``config``); ``reason`` is its own word, naming the option.
 
-    def __init__(self, reason: str) -> None:
-        super().__init__("invalid_option", f"config: {reason}")
+    ``worker_id``: the worker agent that relayed the refusal; the detail names it, since its words are the
+    agent's (a token holder's), not this server's pipeline's. A reason that already starts with ``config:`` is
+    not prefixed again.
+    """
+
+    def __init__(self, reason: str, *, worker_id: str | None = None) -> None:
+        reason = without_prefix(reason, "config:") or "the options were refused, with no reason given"
+        said = reason if worker_id is None else f"worker {echo(worker_id)} refused them: {reason}"
+        super().__init__("invalid_option", f"config: {said}")
         self.reason = reason
+        self.worker_id = worker_id
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from pipelines.paths import open_regular_file, read_at_most
 from states.liveness import LivenessBook
 from states.stream_session import DrainCause, Event
 
-from ..reasons import cut, public_reason
+from ..option_check import NOT_CHECKED
+from ..reasons import cut, echo, public_reason, without_prefix
 from ..requests import OptionsRefused
 from ..tokens import MAX_IDENTITY_LENGTH
 from .wire import (
@@ -159,10 +160,11 @@ class RemoteWorker:
             self._checks.pop(check.check_id, None)
         if check.answer is None:
             raise RuntimeError(f"worker lost: {self.lost_cause}")
-        if check.answer.refused is not None:
-            raise OptionsRefused(public_reason(check.answer.refused, prefix_type=False))
+        if check.answer.refused is not None:  # the agent's word on its pipeline's check: answered as the agent's
+            raise OptionsRefused(public_reason(check.answer.refused, prefix_type=False), worker_id=self.worker_id)
         if check.answer.error is not None:  # one public line, as the agent's own would be (logged and answered)
-            raise RuntimeError(public_reason(check.answer.error, prefix_type=False))
+            said = without_prefix(public_reason(check.answer.error, prefix_type=False), NOT_CHECKED)
+            raise RuntimeError(f"worker {echo(self.worker_id)}: {said}")
 
     def on_options_checked(self, message: OptionsChecked) -> None:
         check = self._checks.get(message.check_id)

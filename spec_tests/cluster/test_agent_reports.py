@@ -201,6 +201,23 @@ async def test_an_agent_that_could_not_check_options_is_answered_and_logged_cut(
     assert "long-check-error" not in losses(authority)
 
 
+async def test_an_agent_s_answer_to_an_option_check_is_told_as_the_agent_s_and_prefixed_once(authority: Cluster) -> None:
+    """A token holder's refusal is the create's 400 naming the agent whose words it is (it read as this server's
+    pipeline's own), and a reason that already says ``config:`` is not prefixed again (it read ``config: config:
+    ...``); the same for its error, the create's 503."""
+    async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, \
+            ready_agent(authority, "says-config") as agent:
+        created = await agent.create(client, refused="config: Config: option 'k' is not one this world takes")
+        assert created.status_code == 400 and created.json()["error"] == "invalid_option", created.text
+        assert created.json()["detail"] == "config: worker 'says-config' refused them: option 'k' is not one this " \
+                                           "world takes", created.text
+        created = await agent.create(client, error="the session's options could not be checked: the model is busy")
+        assert created.status_code == 503, created.text
+        assert created.json()["detail"] == "the session's options could not be checked: worker 'says-config': the " \
+                                           "model is busy", created.text
+    assert "says-config" not in losses(authority)
+
+
 def _participants(count: int, length: int) -> list[str]:
     return [f"p{index}-".ljust(length, "x") for index in range(count)]
 

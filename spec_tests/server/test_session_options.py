@@ -182,11 +182,13 @@ def get_service(gpu_num=0, **_):
 """
 
 
-async def creates_refuse_no_options_naming_the_required_one(post: Any) -> None:
-    """``post(config)`` -> (status, body): no config is a 400 naming the option; with it, the slot is taken."""
+async def creates_refuse_no_options_naming_the_required_one(post: Any, agent: str | None = None) -> None:
+    """``post(config)`` -> (status, body): no config is a 400 naming the option (and the ``agent`` whose word it
+    is); with it, the slot is taken."""
     status, body = await post({})
     assert status == 400 and body["error"] == "invalid_option", body
-    assert body["detail"] == "config: the option 'scene' is required (the name of the world to open)", body
+    said_by = "" if agent is None else f"worker {agent!r} refused them: "
+    assert body["detail"] == f"config: {said_by}the option 'scene' is required (the name of the world to open)", body
     status, body = await post({"scene": "meadow"})
     assert status == 200 and body["status"] == "assigned", body
 
@@ -219,7 +221,8 @@ async def test_a_required_option_missing_from_an_empty_config_is_a_400_at_create
                 response = await http.post(SESSIONS, json={"identity": "ctl", "config": config})
                 return response.status_code, response.json()
 
-            await creates_refuse_no_options_naming_the_required_one(post)
+            (agent,) = [worker["worker_id"] for worker in (await http.get("/v1/stream/health")).json()["workers"]]
+            await creates_refuse_no_options_naming_the_required_one(post, agent)
         await app.reset()
     finally:
         await trio.to_thread.run_sync(app.stop)
