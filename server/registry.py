@@ -77,11 +77,16 @@ class SessionRecord:
 
 
 class SessionRegistry:
-    """All records of one server, by id; single owner: the runtime (trio thread)."""
+    """All records of one server, by id; single owner: the runtime (trio thread).
+
+    The records per status are counted as they move (:meth:`counts` is read after every create and every end
+    for the gauges: counting them then cost a pass over every record each time).
+    """
 
     def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
         self._records: dict[str, SessionRecord] = {}
         self._by_room: dict[str, SessionRecord] = {}
+        self._by_status: dict[State, int] = dict.fromkeys(State, 0)
         self._wall = wall_clock
 
     def __len__(self) -> int:
@@ -96,6 +101,7 @@ class SessionRegistry:
         record.updated_at = self._wall()
         self._records[record.session_id] = record
         self._by_room[record.room] = record
+        self._by_status[record.status] += 1
 
     def get(self, session_id: str) -> SessionRecord:
         try:
@@ -114,17 +120,19 @@ class SessionRegistry:
         return [r for r in self._records.values() if status is None or r.status is status]
 
     def counts(self) -> dict[str, int]:
-        counts = {state.value: 0 for state in State}
-        for record in self._records.values():
-            counts[record.status.value] += 1
-        return counts
+        """Records per status (every status named, 0 where none is)."""
+        return {state.value: count for state, count in self._by_status.items()}
 
     def apply(self, record: SessionRecord, event: Event, *, now: float, error: str | None = None) -> State:
         """Move a record through the stream-session table (raises IllegalTransition, changing nothing).
 
         Only :class:`server.lifecycle.SessionLifecycle` calls this.
         """
+        before = record.status
         state = record.machine.apply(event)
+        if self._records.get(record.session_id) is record:  # a record not (or no longer) here is counted nowhere
+            self._by_status[before] -= 1
+            self._by_status[state] += 1
         record.updated_at = self._wall()
         if error is not None and record.error is None:
             record.error = error
@@ -136,6 +144,7 @@ class SessionRegistry:
         record = self._records.pop(session_id, None)
         if record is not None:
             self._by_room.pop(record.room, None)
+            self._by_status[record.status] -= 1
 
     def expired(self, now: float) -> list[SessionRecord]:
         """Live records whose session timeout has passed (by the trio clock)."""
@@ -151,9 +160,10 @@ class SessionRegistry:
             key=lambda r: r.terminal_since,  # type: ignore[arg-type, return-value]
         )
         removed = [r.session_id for r in terminal if now - r.terminal_since >= retention_seconds]  # type: ignore[operator]
-        keep = [r for r in terminal if r.session_id not in set(removed)]
+        gone = set(removed)  # once: made for each record kept, it cost n x n steps when many aged out together
+        keep = [r for r in terminal if r.session_id not in gone]
         if len(keep) > retention_count:
             removed += [r.session_id for r in keep[: len(keep) - retention_count]]
         for session_id in removed:
-            self._by_room.pop(self._records.pop(session_id).room, None)
+            self.remove(session_id)
         return removed

@@ -34,6 +34,7 @@ from .lifecycle import SessionLifecycle
 from .reasons import echo
 from .registry import SessionRecord, SessionRegistry
 from . import option_check, runtime_views
+from .queued_ends import QueuedEnds
 from .requests import CreateSession
 from .runner import RoomRunner, RunnerDeps
 from .settings import ServerSettings
@@ -109,6 +110,9 @@ class StreamRuntime:
             max_data_message_bytes=settings.max_data_message_bytes, on_finished=self.session_finished,
         )
         self.book = AdmissionBook(settings.queue_size)
+        self.queued_ends = QueuedEnds(
+            self.book, end_one=self._end_queued, follow=self._follow, publish=lambda: runtime_views.publish_gauges(self)
+        )
         self.workers: dict[str, ModelWorker] = {}
         self.runners: dict[str, RoomRunner] = {}
         self.restart_policy = restart_policy or RestartPolicy()
@@ -171,7 +175,7 @@ class StreamRuntime:
         live = len(self.runners)
         log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", live, grace)
         # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
-        self._fail_queued(DrainCause.SHUTDOWN, SHUTDOWN_REASON)
+        await self.queued_ends.end(self._queued_records(), DrainCause.SHUTDOWN, SHUTDOWN_REASON)
         for runner in list(self.runners.values()):
             self._drain(runner.record, DrainCause.SHUTDOWN)
         with trio.move_on_after(grace):
@@ -211,8 +215,9 @@ class StreamRuntime:
                 runner.fail(f"worker {worker.worker_id} failed: {reason}")
         slot = self.slots.holding(worker)
         if slot is not None and not self.closing and not self.in_process.failed(worker, reason, now, permanent=permanent):
-            if not self.book.can_place():
-                self._fail_queued(DrainCause.WORKER_FAILED, f"no worker can take the session: {slot.tracker.describe(now)}")
+            if not self.book.can_place():  # nothing will ever run the queued sessions: they fail with the reason
+                reason = f"no worker can take the session: {slot.tracker.describe(now)}"
+                self.spawn(self.queued_ends.end, self._queued_records(), DrainCause.WORKER_FAILED, reason)
         runtime_views.publish_gauges(self)
 
     def _notice_failing(self, now: float) -> None:
@@ -225,11 +230,9 @@ class StreamRuntime:
             if worker.failing and self.book.worker_state(worker_id) not in WORKER_TERMINAL:
                 self._follow(self.book.fail_worker(worker_id, now))
 
-    def _fail_queued(self, cause: DrainCause, reason: str) -> None:
-        """Nothing will ever run the queued sessions (every slot gave up): they fail with the reason."""
-        for record in self.registry:
-            if record.status is State.QUEUED:
-                self._end_queued(record, cause, reason)
+    def _queued_records(self) -> list[SessionRecord]:
+        """The queued sessions' records, head first (from the book's queue, not a pass over every record)."""
+        return [record for record in map(self.registry.find, self.book.queued_ids()) if record is not None]
 
     def serving_at(self, url: str) -> None:
         """The HTTP server is bound at ``url``: agents join the local rooms there (or at --public-url)."""
@@ -405,12 +408,14 @@ class StreamRuntime:
     def _withdraw(self, record: SessionRecord) -> None:
         self._notice_failing(trio.current_time())
         self._end_queued(record, DrainCause.DELETED)
+        runtime_views.publish_gauges(self)
 
     def _end_queued(self, record: SessionRecord, cause: DrainCause, error: str | None = None) -> None:
-        """A queued session ends as the table says for ``cause``; its upload and its queue place go with it."""
+        """A queued session ends as the table says for ``cause``; its upload and its queue place go with it (the
+        caller publishes the gauges: a pass over many, once a batch)."""
         self.lifecycle.end_queued(record, cause, error)
         self.uploads.discard(record)
-        self._follow(self.book.release(record.session_id, trio.current_time()))
+        self.book.release(record.session_id, trio.current_time())  # a queued place: no one moves up onto a slot
         self.metrics.record_session_finished(record.session_id, record.status.value)
 
     def _drain(self, record: SessionRecord, cause: DrainCause) -> RoomRunner | None:
@@ -458,11 +463,13 @@ class StreamRuntime:
         while True:
             await trio.sleep(SWEEP_PERIOD)
             now = trio.current_time()
-            for record in self.registry.expired(now):
-                if record.status is State.QUEUED:
-                    self._end_queued(record, DrainCause.EXPIRED)
-                elif record.status in RETAINING:
+            expired = self.registry.expired(now)
+            for record in expired:
+                if record.status in RETAINING:
                     self._drain(record, DrainCause.EXPIRED)  # a no-op when an earlier cause drains it
+            queued = [record for record in expired if record.status is State.QUEUED]
+            if queued:
+                await self.queued_ends.end(queued, DrainCause.EXPIRED, None)
             self.registry.prune(
                 now,
                 retention_seconds=self.settings.terminal_retention_seconds,

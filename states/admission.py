@@ -17,7 +17,15 @@ any eligible worker has room. So the book is work-conserving: a non-empty
 queue implies no eligible worker has room.
 
 Queue positions are derived from the queue (1..n) each time they are asked
-for, so they never go stale when someone ahead leaves.
+for, so they never go stale when someone ahead leaves; each is a prefix sum
+(:class:`~states.ranked_queue.RankedQueue`), so no per-session call walks the
+queue.
+
+While the server ends many queued sessions a batch at a time
+(:meth:`AdmissionBook.hold_promotions`), no queued head is promoted and a new
+session queues behind the others even if a slot is free; the held promotions
+happen at :meth:`AdmissionBook.resume_promotions`. Outside a hold the book is
+work-conserving, as above.
 
 A worker's state lives only in its :class:`~states.worker.WorkerMachine` and
 changes only through ``apply``; the book decides which event to apply. A
@@ -55,6 +63,7 @@ from .admission_values import (
     WorkerView,
     admitted_ids,
 )
+from .ranked_queue import RankedQueue
 from .worker import ELIGIBLE, PROSPECTIVE, Event as WorkerEvent, State as WorkerState, WorkerMachine
 
 __all__ = ["AdmissionBook", *admission_values.__all__]
@@ -87,17 +96,19 @@ def _check_id(field: str, value: object) -> str:
 class AdmissionBook:
     """Workers, their retained sessions and the bounded FIFO of waiting sessions."""
 
-    __slots__ = ("_queue_size", "_workers", "_queue", "_assigned")
+    __slots__ = ("_queue_size", "_workers", "_queue", "_assigned", "_holds")
 
     def __init__(self, queue_size: int = 0) -> None:
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
             raise InvalidSetting("queue_size", queue_size, "must be an integer >= 0")
         self._queue_size = queue_size
         self._workers: dict[str, _Worker] = {}
-        # session id -> queued_at; dict order is the FIFO order
-        self._queue: dict[str, float] = {}
+        # session id -> queued_at, in FIFO order
+        self._queue = RankedQueue()
         # session id -> worker id
         self._assigned: dict[str, str] = {}
+        # holds on promotion under way (hold_promotions .. resume_promotions)
+        self._holds = 0
 
     # -- copying (the explorer copies worlds) --
 
@@ -109,8 +120,9 @@ class AdmissionBook:
             wid: _Worker(w.capacity, WorkerMachine(w.machine.state), list(w.sessions))
             for wid, w in self._workers.items()
         }
-        other._queue = dict(self._queue)
+        other._queue = self._queue.copy()
         other._assigned = dict(self._assigned)
+        other._holds = self._holds
         return other
 
     def __deepcopy__(self, memo: dict) -> AdmissionBook:
@@ -125,6 +137,7 @@ class AdmissionBook:
                 for wid, w in sorted(self._workers.items())
             ),
             tuple(self._queue),
+            self._holds,
         )
 
     # -- queries --
@@ -134,13 +147,8 @@ class AdmissionBook:
         return self._queue_size
 
     def queue_position(self, session_id: str) -> int | None:
-        """Current 1-based place in the FIFO, or None when not queued."""
-        if session_id not in self._queue:
-            return None
-        for position, sid in enumerate(self._queue, start=1):
-            if sid == session_id:
-                return position
-        raise AssertionError("unreachable")  # pragma: no cover
+        """Current 1-based place in the FIFO, or None when not queued (O(log n): no walk of the queue)."""
+        return self._queue.position(session_id)
 
     def queue_positions(self) -> dict[str, int]:
         """Every queued session's 1-based place, in one pass (a list of n sessions looked each up: n x n steps, 1.5 s
@@ -192,8 +200,9 @@ class AdmissionBook:
         return self._places() > ahead
 
     def _places(self) -> int:
-        """Sessions the book would take now: free slots of eligible workers, then free places in the queue."""
-        free = sum(w.capacity - len(w.sessions) for w in self._workers.values() if self._eligible(w))
+        """Sessions the book would take now: free slots of eligible workers (none while sessions wait: a new one
+        queues behind them), then free places in the queue."""
+        free = 0 if self._queue else sum(w.capacity - len(w.sessions) for w in self._workers.values() if self._eligible(w))
         return free + max(0, self._queue_size - len(self._queue))
 
     def snapshot(self) -> AdmissionSnapshot:
@@ -214,6 +223,29 @@ class AdmissionBook:
                 w.capacity - len(w.sessions) for w in self._workers.values() if self._eligible(w)
             ),
         )
+
+    @property
+    def promotions_held(self) -> bool:
+        """Whether a hold keeps queued heads from being promoted (see :meth:`hold_promotions`)."""
+        return self._holds > 0
+
+    # -- holding promotions --
+
+    def hold_promotions(self) -> None:
+        """Promote no queued head until :meth:`resume_promotions` (holds nest).
+
+        For a server ending many queued sessions a batch at a time, serving others in between: a head promoted
+        between two batches would start instead of ending as it was told. Meanwhile a new session queues
+        behind the waiting ones even if a slot is free (first come, first served).
+        """
+        self._holds += 1
+
+    def resume_promotions(self, now: float) -> list[Transition]:
+        """End one hold; with none left, promote the queue's heads onto the room that appeared meanwhile."""
+        if self._holds == 0:
+            raise InvalidSetting("holds", 0, "no hold on promotions to resume")
+        self._holds -= 1
+        return self._promote(now)
 
     # -- workers --
 
@@ -288,8 +320,8 @@ class AdmissionBook:
             raise DuplicateAdmissionSession(session_id, "queued")
         if ahead < 0:
             raise InvalidSetting("ahead", ahead, "must be >= 0")
-        has_place = self._places() > ahead  # with no free slot, the places are the queue's
-        worker_id = self._least_loaded() if has_place else None
+        has_place = self._places() > ahead  # with no free slot, or sessions waiting, the places are the queue's
+        worker_id = self._least_loaded() if has_place and not self._queue else None
         if worker_id is not None:
             assigned = self._assign(session_id, worker_id, "assigned", now, None, None)
             return Admission("assigned", session_id, worker_id=worker_id), assigned
@@ -297,8 +329,7 @@ class AdmissionBook:
             reason = "no_capacity" if self._queue_size == 0 else "queue_full"
             rejected = AdmissionTransition(session_id, "rejected", None, None, now)
             return Admission("rejected", session_id, reason=reason), [rejected]
-        self._queue[session_id] = now
-        position = len(self._queue)
+        position = self._queue.append(session_id, now)
         queued = AdmissionTransition(session_id, "queued", None, position, now, now)
         return Admission("queued", session_id, queue_position=position), [queued]
 
@@ -371,13 +402,13 @@ class AdmissionBook:
         ]
 
     def _promote(self, now: float) -> list[Transition]:
-        """Move queued heads onto the least-loaded eligible worker while one has room."""
+        """Move queued heads onto the least-loaded eligible worker while one has room (none while held)."""
         out: list[Transition] = []
-        while self._queue:
+        while self._queue and not self._holds:
             worker_id = self._least_loaded()
             if worker_id is None:
                 break
-            session_id = next(iter(self._queue))
+            session_id = self._queue.head()
             queued_at = self._queue.pop(session_id)
             out += self._assign(session_id, worker_id, "promoted", now, 1, queued_at)
         return out
