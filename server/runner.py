@@ -124,6 +124,9 @@ class RoomRunner:
         #: whether this runner told its room how the session ended (it was in the room at the end); if not,
         #: the server does (``SessionLifecycle.settle``)
         self.told_room = False
+        #: whether its worker is in its room with media (health's ``transport_connected``): from the pipeline's
+        #: start, which comes after the join, until it left
+        self.in_room_with_media = False
         self._session_scope = trio.CancelScope()  # cancels everything but the drain (abort)
 
     # -- control from the runtime ----------------------------------------------
@@ -198,6 +201,7 @@ class RoomRunner:
         await self._wait_for_controller()
         if self._stop.is_set() or not self._step(Event.START_PIPELINE):
             return
+        self.in_room_with_media = True
         await self._send_status("starting_pipeline")
         service = self.worker.service
         if isinstance(service, BidirectionalService):
@@ -459,6 +463,7 @@ class RoomRunner:
                 await self._send(protocol.error_message(record.session_id, reason, failure))
             with trio.move_on_after(DISCONNECT_TIMEOUT):
                 await self._connection.disconnect()
+        self.in_room_with_media = False
         record.participants.clear()  # the worker left: nobody is in the session's room any more
         self.deps.on_finished(self, error)
         self.finished.set()

@@ -48,7 +48,9 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
     book = runtime.book
     snapshot = book.snapshot()
     live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
-    connected = any(r.record.status in LIVE_MEDIA for r in runtime.runners.values())
+    # the seed's definition, made true: a runner whose worker is in its room with media (the state alone counted a
+    # session draining whose worker never joined, and an agent that never joined its room)
+    connected = any(r.record.status in LIVE_MEDIA and r.in_room_with_media for r in runtime.runners.values())
     # a failed worker that its slot has replaced is history (counted in workers_failed), not a degradation
     failed_now = sum(
         1 for slot in runtime.slots
@@ -73,7 +75,6 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
     return {
         "status": status,
         "transport": runtime.transport.name,
-        # the seed's definition: a runner whose worker is in its room with media
         "transport_connected": connected,
         "livekit_connected": connected,  # the seed's name, kept as an alias of transport_connected
         "workers_total": snapshot.workers_total,

@@ -22,7 +22,7 @@ import trio
 
 from pipelines.paths import open_regular_file, read_at_most
 from states.liveness import LivenessBook
-from states.stream_session import DrainCause, Event
+from states.stream_session import LIVE_MEDIA, DrainCause, Event
 
 from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
@@ -243,7 +243,8 @@ class RemoteWorker:
         # agent's cause (a drain the authority applied first stays); the end arrives with the finish (SessionFinished)
         if message.drain_cause:
             run.runtime.lifecycle.drain(record, _drain_cause(message.drain_cause), _public(message.drain_detail))
-        run.runtime.lifecycle.step(record, event)
+        if run.runtime.lifecycle.step(record, event) and record.status in LIVE_MEDIA:
+            run.media_reported = True  # the agent's runner joined its room and started its media
 
     def on_session_finished(self, message: SessionFinished) -> None:
         run = self.runs.get(message.session_id)
@@ -315,6 +316,18 @@ class RemoteRun:
         #: whether the agent's runner told the room how the session ended (its finish says so); a lost agent's
         #: never did, and the authority tells the room itself
         self.told_room = False
+        self.media_reported = False  # the agent's progress took the session into LIVE_MEDIA (it joined its room)
+
+    @property
+    def in_room_with_media(self) -> bool:
+        """Whether the agent's worker is in the session's room with media, as far as the authority can tell: the
+        agent said so (its runner started the pipeline, after joining) and, where the rooms are this server's own
+        (local rooms), its identity is in the room. An agent that never joined (a mute one, one that only says it
+        did) is not counted; on LiveKit the agent's word is all there is."""
+        if not self.media_reported or self.finished.is_set():
+            return False
+        present = getattr(self.runtime.transport, "participants", None)
+        return present is None or self.worker.identity in present(self.record.room)
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""

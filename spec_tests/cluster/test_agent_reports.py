@@ -24,6 +24,7 @@ from server.cluster import proofs, wire
 from server.cluster.authority import HANDSHAKE_TIMEOUT, MIN_REGISTERED
 from server.cluster.dial_ends import MAX_PROVEN_REASON
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
+from server.cluster.rooms import RemoteRooms
 from server.cluster.wire_values import MAX_DEVICES, MAX_LABEL, MAX_NODE, MAX_PARTICIPANTS, MAX_REPORT_CHARS
 from server.reasons import MAX_REASON
 from server.tokens import MAX_IDENTITY_LENGTH
@@ -216,6 +217,44 @@ async def test_an_agent_s_answer_to_an_option_check_is_told_as_the_agent_s_and_p
         assert created.json()["detail"] == "the session's options could not be checked: worker 'says-config': the " \
                                            "model is busy", created.text
     assert "says-config" not in losses(authority)
+
+
+def transport_connected(authority: Cluster) -> tuple[bool, bool]:
+    health = authority.get("/v1/stream/health")
+    return health["transport_connected"], health["livekit_connected"]
+
+
+async def test_health_counts_an_agent_in_its_room_only_when_it_is_there(authority: Cluster) -> None:
+    """``transport_connected`` (and ``livekit_connected``) said true for a session whose agent never joined its room:
+    a mute agent's session draining after its DELETE, and an agent that says it joined and runs without joining.
+    An agent that joins the room (the local rooms are the authority's own) is counted, until its session ends."""
+    async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, \
+            ready_agent(authority, "never-joins") as agent, trio.open_nursery() as nursery:
+        start = await agent.start_session(client)
+        nursery.start_soon(client.delete, f"/v1/stream/sessions/{start.session_id}")  # answered once it ends
+        await agent.expect(wire.Stop)  # the agent says nothing: its session drains until the stop deadline
+        assert session(authority, start.session_id)["status"] == "draining"
+        assert transport_connected(authority) == (False, False)
+        await agent.channel.send(wire.SessionFinished(start.session_id, 1, None, "deleted"))
+
+        start = await agent.start_session(client)
+        for seq, event in enumerate(("join_room", "start_pipeline", "run"), 1):  # no join behind the words
+            await agent.channel.send(wire.SessionEvent(start.session_id, seq, event))
+        await until(lambda: session(authority, start.session_id)["status"] == "running", "the session to run",
+                    authority, deadline=30)
+        assert transport_connected(authority) == (False, False)
+        room = await RemoteRooms(authority.base_url).connect(start.room, start.identity, start.token, timeout=30)
+        try:
+            assert transport_connected(authority) == (True, True)  # now it is there
+        finally:
+            await room.disconnect()
+        await until(lambda: transport_connected(authority) == (False, False), "its leaving to be counted", authority,
+                    deadline=30)
+        await agent.channel.send(wire.SessionFinished(start.session_id, 4, None, None))
+        await until(lambda: session(authority, start.session_id)["status"] == "closed", "the session to close",
+                    authority, deadline=30)
+        assert transport_connected(authority) == (False, False)
+    assert "never-joins" not in losses(authority)
 
 
 def _participants(count: int, length: int) -> list[str]:

@@ -12,6 +12,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from server.runner import CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
 from server.runtime import DELETE_WAIT
+from server.transport import TransportError
 from states.stream_session import DrainCause
 
 from .runner_fixtures import (
@@ -298,6 +299,26 @@ async def test_health_transport_connected_and_its_livekit_alias_follow_the_seed(
                 assert status_of(s, created["session_id"]) == "draining" and await connected() == (True, True)
         await wait_all_tasks_blocked()
         assert await connected() == (False, False)
+
+
+async def test_health_does_not_count_a_draining_session_whose_worker_never_joined_its_room(
+    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's join hangs (a LiveKit server that does not answer) and the session is deleted: it drains with no
+    worker in its room, and health said ``transport_connected`` for it (a draining state was counted as media)."""
+    async with serve(settings(), CounterService()) as s:
+        async def hangs(room: str, identity: str, token: str, *, timeout: float) -> Any:
+            await trio.sleep(timeout)
+            raise TransportError(f"room {room!r}: no answer within {timeout:g} s")
+
+        monkeypatch.setattr(s.runtime.transport, "connect", hangs)
+        created = await s.create("ctl")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.json, "delete", f"/v1/stream/sessions/{created['session_id']}")
+            await elapse(1.0)
+            assert status_of(s, created["session_id"]) == "draining"
+            status, body = await s.json("get", "/v1/stream/health")
+            assert (body["transport_connected"], body["livekit_connected"]) == (False, False), body
 
 
 async def test_data_on_a_wrong_topic_is_answered_with_a_refusal_like_other_refused_data(autojump_clock: Any) -> None:
