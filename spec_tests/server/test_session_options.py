@@ -226,3 +226,16 @@ async def test_a_required_option_missing_from_an_empty_config_is_a_400_at_create
         await app.reset()
     finally:
         await trio.to_thread.run_sync(app.stop)
+
+
+class SaysConfig(CounterService):
+    async def check_options(self, options: Any) -> None:
+        raise ValueError("config: option 'k' is not one this pipeline takes")
+
+
+async def test_a_pipeline_reason_that_already_says_config_is_not_prefixed_again():
+    """It read ``config: config: option 'k' ...``."""
+    async with runner_fixtures.serve(runner_fixtures.settings(), SaysConfig()) as s:
+        status, body = await s.json("post", SESSIONS, json={"identity": "ctl", "config": {"k": 1}})
+        assert (status, body["error"]) == (400, "invalid_option"), body
+        assert body["detail"] == "config: option 'k' is not one this pipeline takes", body
