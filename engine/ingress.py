@@ -3,7 +3,8 @@
 Ingress that can never run is refused with a clear error (never stranded):
 a non-ingress artifact, a duplicate, a sequence a strict stage already took,
 one past the final sequence. Whether ingress fits *now* is a pure question of
-edge room. The scheduler core (which owns the session) applies both.
+edge room, where the last place on an edge is kept for the lowest sequence still
+missing there, so no order of pushes can leave a session waiting for good. The scheduler core (which owns the session) applies both.
 """
 
 from __future__ import annotations
@@ -63,9 +64,25 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
                     f"so {artifact!r} for it would never be consumed"
                 )
             edge = (artifact, stage_id)
-            if occupancy.get(edge, 0) >= capacity[edge]:  # a plain get: Counter's missing-key hook is Python
+            held, limit = occupancy.get(edge, 0), capacity[edge]  # a plain get: Counter's missing-key hook is Python
+            if held >= limit or (held + 1 == limit and seq != lowest_missing(rt, artifact, stage_id)):
                 fits = False
     return fits
+
+
+def lowest_missing(rt: SessionRuntime, artifact: str, stage_id: str) -> int:
+    """The lowest sequence that ``stage_id`` has not taken and whose ``artifact`` is not buffered yet.
+
+    The last place on an ingress edge is kept for it: a push ahead of it fits only while
+    another place stays free. (Sequences 1 and 2 pushed before 0 would otherwise fill a
+    two-place edge, and 0, which the stage needs first, could never be pushed.) The same
+    rule as a stage taking sequences out of order (``engine.blockers.first_blocker``).
+    """
+    taken, slots = rt.lanes[stage_id].taken, rt.slots
+    seq = taken.below
+    while seq in taken or (seq, artifact) in slots:  # at most the edge's places and the calls in flight
+        seq += 1
+    return seq
 
 
 # The largest sequence id (a signed 64-bit int): far beyond any stream, and every message,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import (
     EdgeSpec,
@@ -318,6 +321,44 @@ async def test_shared_ingress_artifact_feeds_both_stages():
         ]
         assert s.artifact_stats().slot_count == 0  # freed once both stages took it
         assert s.can_push(["x"]) is True
+
+
+# -- pushes out of order -------------------------------------------------------------------
+
+
+async def test_a_push_ahead_of_a_missing_sequence_leaves_the_last_place_to_it(orch, rec):
+    s = orch.create_session("a", final_sequence_id=3)
+    assert s.try_push(1, chunk(1))
+    # sequence 2 would take the last place on each two-place edge, where 0 (which every stage needs first)
+    # could then never come in: it waits instead
+    assert s.try_push(2, chunk(2)) is False
+    assert s.buffered("image", "encode") == 1
+    assert s.try_push(0, chunk(0))
+    for seq in (2, 3):
+        await s.push(seq, chunk(seq))
+    assert [seq async for seq, _ in s.outputs()] == [0, 1, 2, 3]
+
+
+async def _push_in_order_given(order: list[int], capacity: int) -> list[int]:
+    """Each push in its own task, started in ``order``; the sequences output, or TooSlowError on a deadlock."""
+    async with running(Recorder(), canonical_spec(capacity=capacity, output_capacity=capacity)) as orch:
+        s = orch.create_session("a", final_sequence_id=len(order) - 1)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for seq in order:
+                    nursery.start_soon(s.push, seq, chunk(seq))
+                    await settle()  # the push either went in or waits for room before the next one starts
+                outputs = [seq async for seq, _ in s.outputs()]
+        await s.aclose()
+    return outputs
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(range(6)), st.integers(1, 3))
+def test_pushes_in_any_order_all_come_out_in_order(order, capacity):
+    """However a caller orders its pushes (each in its own task), no edge fills with later sequences for good."""
+    outputs = trio.run(_push_in_order_given, list(order), capacity, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert outputs == list(range(6))
 
 
 # -- the actor map ------------------------------------------------------------------------
