@@ -7,13 +7,16 @@ instead of "any one" removes symmetric worlds without losing behaviour.
 
 Events: create the next session, delete any live session, make a starting
 worker ready, fail a worker, set a worker's capacity to any legal value in
-``1..max_capacity``. Illegal actions (shrinking below what a worker retains,
-capacity 0, deleting a rejected session, admitting a held session twice) are
-attempted in every world too: each must raise its typed error and change
-nothing, otherwise the world gets a note and the explorer reports it.
+``1..max_capacity``, hold promotions (the server ending queued sessions a batch
+at a time; one hold at most) and resume them. Illegal actions (shrinking below
+what a worker retains, capacity 0, deleting a rejected session, admitting a
+held session twice, resuming with no hold) are attempted in every world too:
+each must raise its typed error and change nothing, otherwise the world gets a
+note and the explorer reports it.
 
 Rules that can only be judged while an event happens (promotion takes queue
-heads in order; nobody lands on a failed worker) are also recorded as notes.
+heads in order, and none happens while held; nobody lands on a failed worker)
+are also recorded as notes.
 """
 
 from __future__ import annotations
@@ -80,11 +83,19 @@ def _initial(workers: int, capacity: int, queue_size: int, sessions: int, capaci
     return initial
 
 
-def _step_notes(before: AdmissionBook, transitions: list[Transition], failed: frozenset[str]) -> list[str]:
-    """Rules judged on the event itself: FIFO promotion and no landing on a failed worker."""
+def _step_notes(
+    before: AdmissionBook, transitions: list[Transition], failed: frozenset[str], *, resuming: bool = False
+) -> list[str]:
+    """Rules judged on the event itself: FIFO promotion (none while held, but for the resume), no new session
+    ahead of queued ones, no landing on a failed worker."""
     notes = []
     queue = list(before.queued_ids())
     promoted = [t.session_id for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "promoted"]
+    if promoted and before.promotions_held and not resuming:
+        notes.append(f"promoted {promoted} while promotions were held")
+    assigned = [t.session_id for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "assigned"]
+    if assigned and queue:
+        notes.append(f"{assigned} assigned ahead of the queued {queue}")
     dequeued = {t.session_id for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "dequeued"}
     heads = [s for s in queue if s not in dequeued][: len(promoted)]
     if promoted != heads:
@@ -171,6 +182,17 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
             notes = _step_notes(book, transitions, world.failed)
             yield label, attrs.evolve(world, book=nxt, notes=(*world.notes, *notes))
 
+    # hold promotions (one hold at most: nested holds are a count, and a second adds no behaviour) and resume them
+    if not book.promotions_held:
+        nxt = book.copy()
+        nxt.hold_promotions()
+        yield "hold promotions", attrs.evolve(world, book=nxt)
+    else:
+        nxt = book.copy()
+        transitions = nxt.resume_promotions(NOW)
+        notes = _step_notes(book, transitions, world.failed, resuming=True)
+        yield "resume promotions", attrs.evolve(world, book=nxt, notes=(*world.notes, *notes))
+
     # refused actions must change nothing (one representative each: the book
     # does not tell gone sessions, or live ones, apart by anything but id)
     for i in sorted(world.rejected | world.deleted)[-1:]:
@@ -182,6 +204,15 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
                 yield noted(f"delete {sid(i)} again", "refused release changed the book")
         else:
             yield noted(f"delete {sid(i)} again", f"release of gone session {sid(i)} was accepted")
+    if not book.promotions_held:
+        nxt = book.copy()
+        try:
+            nxt.resume_promotions(NOW)
+        except InvalidSetting:
+            if nxt.canonical_key() != before_key:
+                yield noted("resume unheld", "refused resume changed the book")
+        else:
+            yield noted("resume unheld", "a resume with no hold was accepted")
     for i in live[:1]:
         nxt = book.copy()
         try:
@@ -222,7 +253,7 @@ def _check(world: World) -> list[str]:
         problems.append(f"queue positions {positions} are not 1..{len(queue)}")
     if len(queue) > book.queue_size:
         problems.append(f"queue length {len(queue)} > queue_size {book.queue_size}")
-    if queue:
+    if queue and not book.promotions_held:  # while held, room may wait for the resume
         for view in views:
             if view.state in ELIGIBLE and view.retained < view.capacity:
                 problems.append(f"{view.worker_id} has room while {len(queue)} wait")

@@ -55,6 +55,11 @@ class RankedQueue:
         """Ids head first (a pass over the queue: for views of all of it, not for one entry)."""
         return (item for item in self._by_ticket[self._head:] if item is not None)
 
+    @property
+    def tickets_held(self) -> int:
+        """Tickets kept, of present and departed entries: at most twice the entries and :data:`SPARE_TICKETS`."""
+        return len(self._by_ticket) - self._head
+
     def get(self, item: str) -> float | None:
         """The value ``item`` came with, or None when it is not queued."""
         return self._values.get(item)

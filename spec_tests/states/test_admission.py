@@ -371,6 +371,7 @@ class Model:
         self.queue_size = queue_size
         self.workers: dict[str, dict] = {}  # id -> {"state", "capacity", "sessions"}
         self.queue: list[str] = []
+        self.holds = 0  # promotions held (the server ending queued sessions a batch at a time)
 
     def where(self, s: str) -> str | None:
         for wid, w in self.workers.items():
@@ -394,12 +395,12 @@ class Model:
 
     def promote(self) -> list:
         out = []
-        while self.queue and (wid := self.pick()) is not None:
+        while self.queue and not self.holds and (wid := self.pick()) is not None:
             out += self.put(self.queue.pop(0), wid, "promoted", 1)
         return out
 
     def admit(self, s: str):
-        wid = self.pick()
+        wid = None if self.queue else self.pick()  # first come, first served: never ahead of a queued session
         if wid is not None:
             return ("assigned", wid, None, None), self.put(s, wid, "assigned", None)
         if self.queue_size == 0:
@@ -581,6 +582,25 @@ class AdmissionMachine(RuleBasedStateMachine):
             return
         assert as_tuples(self.book.release(s, self.tick())) == self.model.release(s)
 
+    @precondition(lambda self: self.model.holds < 2)
+    @rule()
+    def hold_promotions(self):
+        assert self.book.hold_promotions() is None
+        self.model.holds += 1
+        assert self.book.promotions_held
+
+    @rule()
+    def resume_promotions(self):
+        before = self.book.canonical_key()
+        if not self.model.holds:
+            with pytest.raises(InvalidSetting):
+                self.book.resume_promotions(self.tick())
+            assert self.book.canonical_key() == before
+            return
+        self.model.holds -= 1
+        assert as_tuples(self.book.resume_promotions(self.tick())) == self.model.promote()
+        assert self.book.promotions_held == bool(self.model.holds)
+
     @invariant()
     def agrees_with_model(self):
         model, book = self.model, self.book
@@ -606,7 +626,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         views = self.book.workers()
         assert all(v.retained <= v.capacity for v in views)
         assert len(self.book.queued_ids()) <= self.book.queue_size
-        if self.book.queued_ids():
+        if self.book.queued_ids() and not self.model.holds:  # held: room may wait for the resume
             assert not any(v.state in (WS.IDLE, WS.BUSY) and v.retained < v.capacity for v in views)
             assert self.book.snapshot().free_slots == 0
 
