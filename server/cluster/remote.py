@@ -27,6 +27,9 @@ from states.stream_session import LIVE_MEDIA, DrainCause, Event
 from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
 from ..requests import OptionsRefused
+from ..runner import (
+    CLOSE_PIPELINE_TIMEOUT, CONNECT_TIMEOUT, CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT, DISCONNECT_TIMEOUT, WORKER_CAUSE_WAIT,
+)
 from ..tokens import MAX_IDENTITY_LENGTH
 from .wire import (
     Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, SessionEvent, SessionFinished, Start, Stop,
@@ -42,11 +45,17 @@ log = logging.getLogger("chunkline.cluster")
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 OUTBOX = 256  # messages waiting for an agent's connection; one more means it stopped reading
-#: seconds an agent has from a session's stop to reporting it finished: its runner's own bounds (a chunk's
-#: control 15 s, closing the pipeline session 30 s, leaving the room 5 s) and a margin. Past it the agent is lost:
-#: one that never stopped a session kept its slot and left its DELETE answered "draining" for as long as it
-#: stayed connected.
-STOP_DEADLINE = 90.0
+#: seconds an agent has from a session's stop to reporting it finished: every bound its runner may still wait out,
+#: one after another (joining the room, then creating the pipeline session, which a stop does not cut short, or
+#: taking a chunk's control; closing the pipeline session; a failing worker's cause; leaving the room: 115 s) and a
+#: margin for the messages. Past it the agent is lost: one that never stopped a session kept its slot and left its
+#: DELETE answered "draining" for as long as it stayed connected. (It was 90 s, under an honest runner's 105 s when
+#: the stop came while its pipeline took its full 60 s to create the session: the agent, and every session it
+#: hosted, would have been lost.)
+STOP_DEADLINE = (
+    CONNECT_TIMEOUT + max(CREATE_PIPELINE_TIMEOUT, CONTROL_TIMEOUT) + CLOSE_PIPELINE_TIMEOUT + WORKER_CAUSE_WAIT
+    + DISCONNECT_TIMEOUT + 10.0
+)
 
 
 @attrs.frozen

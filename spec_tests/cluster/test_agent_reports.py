@@ -24,9 +24,11 @@ from server.cluster import proofs, wire
 from server.cluster.authority import HANDSHAKE_TIMEOUT, MIN_REGISTERED
 from server.cluster.dial_ends import MAX_PROVEN_REASON
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
+from server.cluster.remote import STOP_DEADLINE
 from server.cluster.rooms import RemoteRooms
 from server.cluster.wire_values import MAX_DEVICES, MAX_LABEL, MAX_NODE, MAX_PARTICIPANTS, MAX_REPORT_CHARS
 from server.reasons import MAX_REASON
+from server import runner
 from server.tokens import MAX_IDENTITY_LENGTH
 
 from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
@@ -255,6 +257,16 @@ async def test_health_counts_an_agent_in_its_room_only_when_it_is_there(authorit
                     authority, deadline=30)
         assert transport_connected(authority) == (False, False)
     assert "never-joins" not in losses(authority)
+
+
+def test_the_stop_deadline_outlasts_every_bound_an_honest_runner_may_wait_out_after_a_stop() -> None:
+    """An agent is lost (and every session it hosts fails) when it has not finished a stopped session within
+    ``STOP_DEADLINE``. A stop does not cut a pipeline's session creation short, so an honest agent's runner may wait
+    out joining its room, the creation, closing the pipeline session, a failing worker's cause and leaving the
+    room, one after another: the deadline was 90 s, under those bounds' 115 s."""
+    honest_worst = (runner.CONNECT_TIMEOUT + max(runner.CREATE_PIPELINE_TIMEOUT, runner.CONTROL_TIMEOUT)
+                    + runner.CLOSE_PIPELINE_TIMEOUT + runner.WORKER_CAUSE_WAIT + runner.DISCONNECT_TIMEOUT)
+    assert STOP_DEADLINE > honest_worst
 
 
 def _participants(count: int, length: int) -> list[str]:
