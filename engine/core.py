@@ -39,7 +39,7 @@ from .completion import check_result, record_result
 from .errors import ActorBusyError, SessionExistsError, shown
 from .graph import StageGraph
 from .handoff import CoreCompletion, TrioHandoff
-from .ingress import check_final_sequence, check_ingress, has_room, ingress_names
+from .ingress import check_final_sequence, check_ingress, has_room, ingress_names, is_sequence_id
 from .metrics import Diagnostics
 from .reservations import UsageBook
 from .runtime import Lane, SessionRuntime
@@ -168,12 +168,14 @@ class SchedulerCore:
         await queue.wait_until(self.lock, done)
 
     @_locked
-    def has_room(self, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
+    def has_room(self, rt: SessionRuntime, artifacts: Iterable[str], seq: int | None = None) -> bool:
         names = ingress_names(artifacts)
         unknown = [shown(a) for a in names if a not in self.graph.ingress]
         if unknown:
             raise ValueError(f"not ingress artifacts: [{', '.join(unknown)}] (ingress: {sorted(self.graph.ingress)})")
-        return rt.admitting and has_room(self.graph, rt, names)
+        if seq is not None and not is_sequence_id(seq):
+            raise ValueError(f"sequence_id must be an int in 0..2**63-1, got {shown(seq)}")
+        return rt.admitting and has_room(self.graph, rt, names, seq)
 
     @_locked
     def finish_inputs(self, rt: SessionRuntime, final_sequence_id: int) -> None:

@@ -111,13 +111,17 @@ def ingress_names(artifacts: Iterable[str]) -> tuple[str, ...]:
         raise ValueError(f"artifacts must be an artifact name or names, got {type(artifacts).__name__}") from None
 
 
-def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str]) -> bool:
-    """Whether every edge the named artifacts feed has room for one more item."""
+def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str], seq: int | None = None) -> bool:
+    """Whether every edge the named artifacts feed has room for one more item (for sequence ``seq``, if given:
+    a sequence ahead of the lowest one missing on an edge may not take its last place)."""
     occupancy, capacity, targets = rt.occupancy, graph.capacity, graph.targets
     for artifact in artifacts:
         for stage_id in targets.get(artifact, ()):
             edge = (artifact, stage_id)
-            if occupancy.get(edge, 0) >= capacity[edge]:  # a plain get: Counter's missing-key hook is Python
+            held, limit = occupancy.get(edge, 0), capacity[edge]  # a plain get: Counter's missing-key hook is Python
+            if held >= limit:
+                return False
+            if seq is not None and held + 1 == limit and seq != lowest_missing(rt, artifact, stage_id):
                 return False
     return True
 

@@ -86,17 +86,19 @@ class Session:
         """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""
         return self._core.try_push(self._runtime, sequence_id, artifacts)
 
-    def can_push(self, artifacts: Iterable[str]) -> bool:
-        """Whether every named ingress artifact has room now (a pure query)."""
-        return self._core.has_room(self._runtime, artifacts)
+    def can_push(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> bool:
+        """Whether every named ingress artifact has room now (a pure query); with ``sequence_id``, room for that
+        sequence: one ahead of the lowest sequence missing on an edge may not take the edge's last place."""
+        return self._core.has_room(self._runtime, artifacts, sequence_id)
 
-    async def wait_for_room(self, artifacts: Iterable[str]) -> None:
-        """Wait until every named ingress artifact has room (raises if the session stops admitting)."""
+    async def wait_for_room(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> None:
+        """Wait until every named ingress artifact has room, for ``sequence_id`` if given (as :meth:`can_push`);
+        raises if the session stops admitting."""
         names = ingress_names(artifacts)
         rt = self._runtime
 
         def room() -> bool:
-            if self.can_push(names):
+            if self.can_push(names, sequence_id=sequence_id):
                 return True
             if not rt.admitting:
                 raise refused_input(rt)

@@ -95,7 +95,7 @@ class ConditionPrefetch:
         names = [self._control]
         if index >= self.next_condition_index:
             names.append(self._condition)
-        return self._session.can_push(names)
+        return self._session.can_push(names, sequence_id=index)
 
     def try_submit(self, index: int, control: Any) -> bool:
         """Admit the control for ``index`` (with its condition if that is still missing)."""
@@ -118,7 +118,7 @@ class ConditionPrefetch:
             names = [self._control]
             if index >= self.next_condition_index:
                 names.append(self._condition)
-            await self._session.wait_for_room(names)
+            await self._session.wait_for_room(names, sequence_id=index)
 
     def check_invariant(self) -> None:
         gap = self.next_condition_index - self.next_control_index

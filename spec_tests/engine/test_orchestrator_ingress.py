@@ -333,9 +333,25 @@ async def test_a_push_ahead_of_a_missing_sequence_leaves_the_last_place_to_it(or
     # could then never come in: it waits instead
     assert s.try_push(2, chunk(2)) is False
     assert s.buffered("image", "encode") == 1
-    assert s.try_push(0, chunk(0))
-    for seq in (2, 3):
-        await s.push(seq, chunk(seq))
+    # the room queries say the same when asked for that sequence (else a caller looping on wait_for_room and
+    # try_push would spin): a place is free, but not for 2
+    assert s.can_push(["image", "control"]) and s.can_push(["image", "control"], sequence_id=0)
+    assert not s.can_push(["image", "control"], sequence_id=2)
+    with pytest.raises(ValueError, match="sequence_id"):
+        s.can_push(["image"], sequence_id=-1)
+    roomed = trio.Event()
+
+    async def wait_then_push() -> None:
+        await s.wait_for_room(["image", "control"], sequence_id=2)
+        roomed.set()
+        assert s.try_push(2, chunk(2))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_then_push)
+        await settle()
+        assert not roomed.is_set()
+        assert s.try_push(0, chunk(0))
+    await s.push(3, chunk(3))
     assert [seq async for seq, _ in s.outputs()] == [0, 1, 2, 3]
 
 
