@@ -80,7 +80,7 @@ def lowest_missing(rt: SessionRuntime, artifact: str, stage_id: str) -> int:
     """
     taken, slots = rt.lanes[stage_id].taken, rt.slots
     seq = taken.below
-    while seq in taken or (seq, artifact) in slots:  # at most the edge's places and the calls in flight
+    while (seq, artifact) in slots or seq in taken:  # at most the edge's places and the calls in flight
         seq += 1
     return seq
 
