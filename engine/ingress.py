@@ -4,7 +4,8 @@ Ingress that can never run is refused with a clear error (never stranded):
 a non-ingress artifact, a duplicate, a sequence a strict stage already took,
 one past the final sequence. Whether ingress fits *now* is a pure question of
 edge room, where the last place on an edge is kept for the lowest sequence still
-missing there, so no order of pushes can leave a session waiting for good. The scheduler core (which owns the session) applies both.
+missing there, so no order of pushes can leave a session waiting for good. The
+scheduler core (which owns the session) applies both.
 """
 
 from __future__ import annotations

@@ -28,7 +28,12 @@ from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
 from ..requests import OptionsRefused
 from ..runner import (
-    CLOSE_PIPELINE_TIMEOUT, CONNECT_TIMEOUT, CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT, DISCONNECT_TIMEOUT, WORKER_CAUSE_WAIT,
+    CLOSE_PIPELINE_TIMEOUT,
+    CONNECT_TIMEOUT,
+    CONTROL_TIMEOUT,
+    CREATE_PIPELINE_TIMEOUT,
+    DISCONNECT_TIMEOUT,
+    WORKER_CAUSE_WAIT,
 )
 from ..tokens import MAX_IDENTITY_LENGTH
 from .wire import (

@@ -355,9 +355,12 @@ async def test_a_push_ahead_of_a_missing_sequence_leaves_the_last_place_to_it(or
     assert [seq async for seq, _ in s.outputs()] == [0, 1, 2, 3]
 
 
-async def _push_in_order_given(order: list[int], capacity: int) -> list[int]:
+async def _push_in_order_given(order: list[int], capacity: int, any_order_encode: bool) -> list[int]:
     """Each push in its own task, started in ``order``; the sequences output, or TooSlowError on a deadlock."""
-    async with running(Recorder(), canonical_spec(capacity=capacity, output_capacity=capacity)) as orch:
+    encode = {}
+    if any_order_encode:
+        encode = dict(ordering=StageOrdering.NONE, max_in_flight_per_session=2, max_in_flight_global=2)
+    async with running(Recorder(), canonical_spec(capacity=capacity, output_capacity=capacity, encode=encode)) as orch:
         s = orch.create_session("a", final_sequence_id=len(order) - 1)
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
@@ -370,10 +373,12 @@ async def _push_in_order_given(order: list[int], capacity: int) -> list[int]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.permutations(range(6)), st.integers(1, 3))
-def test_pushes_in_any_order_all_come_out_in_order(order, capacity):
-    """However a caller orders its pushes (each in its own task), no edge fills with later sequences for good."""
-    outputs = trio.run(_push_in_order_given, list(order), capacity, clock=trio.testing.MockClock(autojump_threshold=0))
+@given(st.permutations(range(6)), st.integers(1, 3), st.booleans())
+def test_pushes_in_any_order_all_come_out_in_order(order, capacity, any_order_encode):
+    """However a caller orders its pushes (each in its own task), no edge fills with later sequences for good,
+    also where the first stage takes sequences in any order."""
+    outputs = trio.run(_push_in_order_given, list(order), capacity, any_order_encode,
+                       clock=trio.testing.MockClock(autojump_threshold=0))
     assert outputs == list(range(6))
 
 
