@@ -1,4 +1,5 @@
-"""A stage actor whose task has ended takes no more work: what reaches it then fails at once.
+"""Closing a stage actor, and a stage actor whose task has ended, which takes no more work: what reaches it
+then fails at once.
 
 When the actor's task ends (its nursery is cancelled, as an app's shutdown does), its thread is told to
 stop behind the call it is running. A session hook or an invocation handed to the actor after that would
@@ -11,18 +12,21 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import outcome
+
 import pytest
 import trio
 import trio.testing
 
 from engine import open_orchestrator
-from engine.actors import LocalStageActor, SessionContext
+from engine.actors import ActorHealth, LocalStageActor, SessionContext, StageInvocation
 from engine.errors import ActorFailedError
 from engine.threads import DedicatedThread, ThreadStopped
 from states.pipeline_session import CloseReason, State
+from states.stage_actor import State as ActorState
 
 from .conftest import canonical_spec, chunk
-from .test_actors import GATE_TIMEOUT, Completions, make_invocation
+from .actor_helpers import GATE_TIMEOUT, Completions, Gates, make_invocation, thread_names
 
 PROMPTLY = 5.0  # a refusal is immediate; this only turns the old wait into a failure
 
@@ -101,3 +105,75 @@ async def test_a_cancelled_orchestrator_still_releases_its_sessions_through_live
     assert around.cancelled_caught
     assert released == [(stage_id, CloseReason.SHUTDOWN) for stage_id in ("decode", "denoise", "encode")]
     assert session.status is State.CLOSED and session.cleanup_error is None
+
+
+# -- LocalStageActor: close ---------------------------------------------------------------
+
+
+async def test_aclose_finishes_queued_work_stops_the_thread_and_is_idempotent(
+    nursery: trio.Nursery,
+) -> None:
+    gates = Gates()
+    ran: list[int] = []
+
+    def handler(invocation: StageInvocation) -> dict[str, Any]:
+        gates.wait(invocation)
+        ran.append(invocation.key.sequence_id)
+        return {"y": invocation.key.sequence_id}
+
+    done = Completions()
+    actor = LocalStageActor(handler, name="closing-actor-under-test", mailbox_capacity=3)
+    closed = trio.Event()
+
+    async def close() -> None:
+        await actor.aclose()
+        closed.set()
+
+    try:
+        await nursery.start(actor.run)
+        ident = actor.thread_ident
+        assert "closing-actor-under-test" in thread_names()
+        invocations = [make_invocation("s1", i) for i in range(3)]
+        for inv in invocations:
+            actor.submit(inv, done)
+        nursery.start_soon(close)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not closed.is_set()  # queued work is still running
+        with pytest.raises(ActorFailedError, match="closed"):
+            actor.submit(make_invocation("s2", 0), done)  # no new work once closing
+        for inv in invocations:
+            gates.open(inv.key.session_id, inv.key.sequence_id)
+        await closed.wait()
+    finally:
+        gates.open_all()
+
+    assert ran == [0, 1, 2]
+    assert done.order == [inv.key for inv in invocations]
+    assert all(isinstance(done.results[inv.key], outcome.Value) for inv in invocations)
+    assert actor.health() == ActorHealth(ActorState.CLOSED, 0)
+    assert "closing-actor-under-test" not in thread_names()
+    assert ident not in {t.ident for t in threading.enumerate() if t.name == "closing-actor-under-test"}
+    await actor.aclose()  # idempotent
+    await actor.aclose()
+    assert actor.health().state is ActorState.CLOSED
+    with pytest.raises(ActorFailedError, match="closed"):
+        actor.submit(make_invocation("s3", 0), done)
+
+
+async def test_concurrent_aclose_calls_all_return(nursery: trio.Nursery) -> None:
+    actor = LocalStageActor(lambda inv: {"y": 0}, name="concurrent-close-actor")
+    await nursery.start(actor.run)
+    async with trio.open_nursery() as closers:
+        for _ in range(3):
+            closers.start_soon(actor.aclose)
+    assert actor.health().state is ActorState.CLOSED
+    assert "concurrent-close-actor" not in thread_names()
+
+
+async def test_aclose_before_run_closes_without_a_thread() -> None:
+    actor = LocalStageActor(lambda inv: {"y": 0})
+    await actor.aclose()
+    assert actor.health() == ActorHealth(ActorState.CLOSED, 0)
+    assert actor.thread_ident is None
+    with pytest.raises(ActorFailedError):
+        actor.submit(make_invocation(), Completions())

@@ -1,0 +1,214 @@
+"""The parallel worker stage actor: a worker group's ranks run one invocation, built by input and output builders."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import outcome
+import pytest
+import trio
+
+from engine.actors import ActorHealth, SessionContext, StageInvocation
+from engine.errors import ActorFailedError
+from engine.parallel_actor import InProcessWorkerGroup, ParallelWorkerStageActor
+from states.pipeline_session import CloseReason
+from states.stage_actor import State
+
+from .actor_helpers import Completions, make_invocation, started, thread_names
+
+# -- ParallelWorkerStageActor ---------------------------------------------------------------
+
+
+class Rank:
+    """One in-process worker rank: scales its input and adds its rank."""
+
+    def __init__(self, rank: int, log: list) -> None:
+        self.rank = rank
+        self.log = log
+        self.closed = False
+
+    def step(self, x: int, *, scale: int = 1) -> int:
+        self.log.append(("step", self.rank, x, scale, threading.get_ident()))
+        return x * scale + self.rank
+
+    def close(self) -> None:
+        self.closed = True
+        self.log.append(("close", self.rank))
+
+
+def rank_group(log: list, **kwargs: Any) -> tuple[InProcessWorkerGroup, list[Rank]]:
+    ranks: list[Rank] = []
+
+    def factory(rank: int) -> Rank:
+        ranks.append(Rank(rank, log))
+        return ranks[-1]
+
+    return InProcessWorkerGroup(factory, **kwargs), ranks
+
+
+def builders(seen: list) -> tuple[Callable, Callable]:
+    def input_builder(invocation: StageInvocation) -> tuple[tuple, dict]:
+        seen.append(("in", invocation.key.sequence_id))
+        return (invocation.inputs["x"],), {"scale": 10}
+
+    def output_builder(result: Any, invocation: StageInvocation) -> dict[str, Any]:
+        seen.append(("out", invocation.key.sequence_id, result))
+        return {"latent": result}
+
+    return input_builder, output_builder
+
+
+async def test_parallel_actor_uses_builders_and_resolves_deferred_result(nursery: trio.Nursery) -> None:
+    log: list = []
+    seen: list = []
+    worker, _ = rank_group(log, world_size=2)
+    input_builder, output_builder = builders(seen)
+    actor = ParallelWorkerStageActor(
+        worker, "step", input_builder=input_builder, output_builder=output_builder, mailbox_capacity=2
+    )
+    done = Completions()
+    async with started(actor, nursery):
+        first, second = make_invocation("s1", 3), make_invocation("s2", 4)
+        actor.submit(first, done)
+        actor.submit(second, done)
+        await actor.barrier()
+        # rank 0's value, not the deferred callable
+        assert done.results[first.key] == outcome.Value({"latent": 30})
+        assert done.results[second.key] == outcome.Value({"latent": 40})
+        assert seen == [("in", 3), ("out", 3, 30), ("in", 4), ("out", 4, 40)]
+        # every rank got the call, on the actor's one thread
+        assert [(e[1], e[2], e[3]) for e in log] == [(0, 3, 10), (1, 3, 10), (0, 4, 10), (1, 4, 10)]
+        assert {e[4] for e in log} == {actor.thread_ident}
+        assert actor.health() == ActorHealth(State.RUNNING, 0)
+
+
+async def test_parallel_actor_resolves_deferred_result_on_its_thread(nursery: trio.Nursery) -> None:
+    resolved_on: list[int] = []
+
+    class DeferredWorker:
+        failed = False
+        closed = False
+
+        def forward(self, x: int) -> Callable[[], int]:
+            def result() -> int:
+                resolved_on.append(threading.get_ident())
+                return x + 1
+
+            return result
+
+        def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self, method)(*args, **kwargs)
+
+        def close(self) -> None:
+            self.closed = True
+
+    actor = ParallelWorkerStageActor(
+        DeferredWorker(),
+        "forward",
+        input_builder=lambda inv: ((inv.inputs["x"],), {}),
+        output_builder=lambda result, inv: {"y": result},
+    )
+    done = Completions()
+    async with started(actor, nursery):
+        inv = make_invocation("s1", 41)
+        actor.submit(inv, done)
+        assert await done.wait(inv) == outcome.Value({"y": 42})
+        assert resolved_on == [actor.thread_ident]
+
+
+async def test_parallel_actor_gather_returns_every_rank(nursery: trio.Nursery) -> None:
+    log: list = []
+    seen: list = []
+    worker, _ = rank_group(log, world_size=3, gather=frozenset({"step"}))
+    input_builder, output_builder = builders(seen)
+    actor = ParallelWorkerStageActor(worker, "step", input_builder=input_builder, output_builder=output_builder)
+    done = Completions()
+    async with started(actor, nursery):
+        inv = make_invocation("s1", 2)
+        actor.submit(inv, done)
+        assert await done.wait(inv) == outcome.Value({"latent": [20, 21, 22]})
+        assert seen[-1] == ("out", 2, [20, 21, 22])
+
+
+async def test_parallel_actor_health_fails_with_the_workers_reason(nursery: trio.Nursery) -> None:
+    log: list = []
+    worker, _ = rank_group(log, world_size=2)
+    input_builder, output_builder = builders([])
+    actor = ParallelWorkerStageActor(worker, "step", input_builder=input_builder, output_builder=output_builder)
+    done = Completions()
+    async with started(actor, nursery):
+        assert actor.health().state is State.RUNNING
+        worker.fail("rank 1 ran out of memory")
+        health = actor.health()
+        assert health.state is State.FAILED
+        assert health.failure_reason == "rank 1 ran out of memory"
+        with pytest.raises(ActorFailedError, match="rank 1 ran out of memory"):
+            actor.submit(make_invocation("s1", 0), done)
+        assert log == []  # the failed worker was never called
+    assert actor.health().state is State.FAILED
+    assert actor.health().failure_reason == "rank 1 ran out of memory"
+
+
+async def test_parallel_actor_close_closes_the_worker(nursery: trio.Nursery) -> None:
+    log: list = []
+    worker, ranks = rank_group(log, world_size=2)
+    input_builder, output_builder = builders([])
+    actor = ParallelWorkerStageActor(
+        worker, "step", input_builder=input_builder, output_builder=output_builder, name="parallel-closing"
+    )
+    done = Completions()
+    async with started(actor, nursery):
+        inv = make_invocation("s1", 1)
+        actor.submit(inv, done)
+        await actor.barrier()
+        assert not worker.closed
+    assert worker.closed
+    assert all(rank.closed for rank in ranks)
+    assert log[-2:] == [("close", 0), ("close", 1)]
+    assert actor.health().state is State.CLOSED
+    assert "parallel-closing" not in thread_names()
+    await actor.aclose()  # idempotent: the worker is not closed twice
+    assert [e for e in log if e[0] == "close"] == [("close", 0), ("close", 1)]
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.call("step", 1)
+
+
+async def test_parallel_actor_leaves_a_shared_worker_open(nursery: trio.Nursery) -> None:
+    log: list = []
+    worker, ranks = rank_group(log, world_size=2)
+    input_builder, output_builder = builders([])
+    actor = ParallelWorkerStageActor(
+        worker, "step", input_builder=input_builder, output_builder=output_builder, close_worker=False
+    )
+    done = Completions()
+    async with started(actor, nursery):
+        inv = make_invocation("s1", 1)
+        actor.submit(inv, done)
+        await done.wait(inv)
+    assert not worker.closed
+    assert not any(rank.closed for rank in ranks)
+    assert actor.health().state is State.CLOSED
+    assert worker.call("step", 2, scale=1)() == 2  # still usable by its real owner
+
+
+async def test_parallel_actor_session_closer_runs_on_its_thread(nursery: trio.Nursery) -> None:
+    closed: list[tuple[str, CloseReason, int]] = []
+
+    def closer(context: SessionContext, reason: CloseReason) -> None:
+        closed.append((context.session_id, reason, threading.get_ident()))
+
+    worker, _ = rank_group([], world_size=1)
+    input_builder, output_builder = builders([])
+    actor = ParallelWorkerStageActor(
+        worker, "step", input_builder=input_builder, output_builder=output_builder, session_closer=closer
+    )
+    async with started(actor, nursery):
+        await actor.close_session(SessionContext("s1", 2), CloseReason.SHUTDOWN)
+        assert closed == [("s1", CloseReason.SHUTDOWN, actor.thread_ident)]
+
+
+def test_worker_group_rejects_world_size_below_one() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        InProcessWorkerGroup(lambda rank: object(), world_size=0)
