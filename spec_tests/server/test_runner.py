@@ -71,7 +71,7 @@ def chunk_indices(peer: Peer) -> list[int]:
     return [m["index"] for m in peer.status("chunk")]
 
 
-# -- picture measurements (as in spec_tests/pipelines/test_toy_world_model.py) ------------------
+# -- picture measurements (as in spec_tests/pipelines/test_toy_world_motion.py) -----------------
 
 
 def column_profile(frame: np.ndarray) -> np.ndarray:
