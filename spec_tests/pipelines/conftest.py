@@ -3,6 +3,9 @@
 The toy world model tests (``test_toy_world_model.py``, ``test_toy_world_motion.py``): ``model``, ``small`` and
 ``bare``, one model each per module, and ``one_intra_op_thread``, which each of those modules holds for all its
 tests (``pytestmark``). torch is imported when one of them is first used, not by every pipelines test.
+
+The lease driver tests (``test_lease_driver.py``, ``test_lease_rotation_and_idle.py``): ``log``, a fresh log of
+the lease's transitions.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
+
+from .lease_helpers import Log
 
 if TYPE_CHECKING:
     from pipelines.toy_world.model import ToyWorldModel
@@ -49,3 +54,8 @@ def bare() -> ToyWorldModel:
     from pipelines.toy_world.model import ToyWorldConfig, ToyWorldModel
 
     return ToyWorldModel(ToyWorldConfig(object_density=0.0))
+
+
+@pytest.fixture
+def log() -> Log:
+    return Log()
