@@ -1,70 +1,29 @@
-"""The control data protocol and status messages (server.protocol)."""
+"""The control data protocol (server.protocol): the topics, every message shape and key alias accepted, and every
+refusal with its reason, checked in order. (Random messages: ``test_protocol_fuzz.py``; the status messages the
+server sends: ``test_protocol_status_messages.py``.)"""
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from pipelines.contract import KNOWN_KEYS, Control, ControlType, prompt_problem
+from pipelines.contract import KNOWN_KEYS, Control, ControlType
 from server.protocol import (
     CONTROL_TOPIC,
     KEY_ALIASES,
-    MESSAGE_TYPES,
     METRICS_TOPIC,
     REJECTION_REASONS,
     STATUS_TOPIC,
     InvalidControl,
     DeliveryAck,
-    chunk_message,
-    done_message,
-    error_message,
-    lease_message,
-    metrics_message,
     normalize_key,
-    parse_control,
-    rejection_message,
-    status_message,
 )
 from server.reasons import MAX_ECHO
 
-CONTROLLER = "controller-1"
-SESSION = "sess-1"
-
-
-def parse(raw: Any, **overrides: Any) -> Control | DeliveryAck:
-    kwargs: dict[str, Any] = {
-        "topic": CONTROL_TOPIC,
-        "sender_identity": CONTROLLER,
-        "controller_identity": CONTROLLER,
-        "session_id": SESSION,
-        **overrides,
-    }
-    return parse_control(raw, **kwargs)
-
-
-def rejected(raw: Any, **overrides: Any) -> InvalidControl:
-    with pytest.raises(InvalidControl) as info:
-        parse(raw, **overrides)
-    return info.value
-
-
-def as_json(message: Any) -> bytes:
-    return json.dumps(message).encode()
-
-
-def envelope(kind: str, payload: Any = None, **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"version": 1, "type": kind, **extra}
-    if payload is not None:
-        out["payload"] = payload
-    return out
+from .protocol_helpers import SESSION, as_json, envelope, parse, rejected
 
 
 def test_topics() -> None:
@@ -376,229 +335,3 @@ def test_every_reason_is_reachable_by_these_tests() -> None:
         "wrong_session", "bad_payload", "unknown_type", "bad_controls", "unknown_control",
         "duplicate_control", "unknown_event", "bad_prompt", "misspelt_field",
     }  # fmt: skip
-
-
-# -- property tests -----------------------------------------------------------
-
-json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
-# Strings and values the parser cares about, so random trees reach deep branches.
-interesting = st.sampled_from(
-    ["type", "version", "payload", "session_id", "controls", "control", "key", "event", "action", "prompt",
-     "received_frames", "control_state", "control", "prompt", "reset", "reset_pose", "stop", "delivery_ack",
-     "press", "release", "keyup", "end", "w", "ArrowUp", "KeyJ", "left", SESSION, 1]
-)  # fmt: skip
-json_values = st.recursive(
-    json_scalars | interesting,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=8) | interesting.filter(lambda v: isinstance(v, str)), children, max_size=5),
-    max_leaves=25,
-)
-
-names = st.sampled_from(sorted(KEY_ALIASES)) | st.sampled_from(["W", "z", "", "KeyQ"]) | json_scalars
-events = st.sampled_from(["press", "release", "keyup", "end", "reset", "reset_pose", "PRESS", "hold"]) | json_scalars
-# Near-valid messages, so the fuzz also reaches every type's own checks and acceptance.
-structured = st.fixed_dictionaries(
-    {"type": st.sampled_from(sorted(MESSAGE_TYPES)) | json_scalars},
-    optional={
-        "controls": st.lists(names, max_size=4) | json_values,
-        "control": names,
-        "key": names,
-        "event": events,
-        "action": events,
-        "prompt": st.text(max_size=30) | json_scalars,
-        "received_frames": st.integers(-2, 5) | json_scalars,
-        "session_id": st.sampled_from([SESSION, "other", None]),
-    },
-)
-
-
-def split_envelope(fields: dict[str, Any]) -> dict[str, Any]:
-    payload = {k: v for k, v in fields.items() if k != "type"}
-    return {"version": 1, "type": fields.get("type"), "payload": payload}
-
-
-near_valid = (
-    structured
-    | structured.map(lambda fields: {"version": 1, "payload": fields})
-    | structured.map(split_envelope)
-)
-
-
-def check_outcome(raw: Any) -> None:
-    try:
-        result = parse(raw)
-    except InvalidControl as failure:
-        assert failure.reason in REJECTION_REASONS
-        assert isinstance(failure.detail, str)
-    else:
-        assert isinstance(result, Control | DeliveryAck)
-        if isinstance(result, Control):
-            assert result.keys <= KNOWN_KEYS
-
-
-@settings(max_examples=400)
-@given(json_values)
-def test_fuzz_json_values(value: Any) -> None:
-    check_outcome(value)
-    check_outcome(json.dumps(value))
-    check_outcome(json.dumps(value).encode())
-    if isinstance(value, dict):
-        check_outcome(envelope("control", value))
-        check_outcome({"version": 1, "payload": value})
-
-
-@settings(max_examples=500)
-@given(near_valid)
-def test_fuzz_near_valid_messages(message: dict[str, Any]) -> None:
-    check_outcome(message)
-    check_outcome(json.dumps(message).encode())
-
-
-@settings(max_examples=300)
-@given(st.binary(max_size=200))
-def test_fuzz_bytes(raw: bytes) -> None:
-    check_outcome(raw)
-
-
-@settings(max_examples=200)
-@given(st.text(max_size=200))
-def test_fuzz_text(raw: str) -> None:
-    check_outcome(raw)
-
-
-# text with no control characters or lone surrogates, and something visible in it: what a prompt may be
-prompts = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=2000).filter(
-    lambda p: prompt_problem(p) is None)
-controls = st.one_of(
-    st.builds(
-        lambda keys: Control(ControlType.CONTROL_STATE, keys=keys),
-        st.frozensets(st.sampled_from(sorted(KNOWN_KEYS))),
-    ),
-    st.builds(
-        lambda key, pressed: Control(ControlType.CONTROL, key=key, pressed=pressed),
-        st.sampled_from(sorted(KNOWN_KEYS)),
-        st.booleans(),
-    ),
-    st.builds(lambda prompt: Control(ControlType.PROMPT, prompt=prompt), prompts),
-    st.sampled_from([Control(ControlType.RESET), Control(ControlType.RESET_POSE), Control(ControlType.STOP)]),
-)
-
-
-@settings(max_examples=300)
-@given(controls)
-def test_round_trip(control: Control) -> None:
-    flat = control.as_dict()
-    assert parse(flat) == control
-    assert parse(json.dumps(flat).encode(), max_bytes=1 << 20) == control
-    payload = {k: v for k, v in flat.items() if k != "type"}
-    assert parse(envelope(flat["type"], payload, session_id=SESSION)) == control
-
-
-# -- status messages ----------------------------------------------------------
-
-
-def decode(message: bytes) -> dict[str, Any]:
-    assert isinstance(message, bytes)
-    return json.loads(message)
-
-
-def test_status_message() -> None:
-    out = decode(status_message(SESSION, "generating", timestamp=12.5, chunk=3, fps=16.0))
-    assert out == {
-        "type": "status",
-        "session_id": SESSION,
-        "stage": "generating",
-        "data": {"chunk": 3, "fps": 16.0},
-        "timestamp": 12.5,
-    }
-
-
-def test_builders_put_the_real_type_on_top() -> None:
-    assert decode(chunk_message(SESSION, 4, {"frames": 8}, timestamp=1.0)) == {
-        "type": "chunk", "session_id": SESSION, "index": 4, "data": {"frames": 8}, "timestamp": 1.0,
-    }  # fmt: skip
-    assert decode(done_message(SESSION, 10, 160, reason="stop", timestamp=2)) == {
-        "type": "done", "session_id": SESSION, "total_chunks": 10, "published_frames": 160, "reason": "stop",
-        "timestamp": 2.0,
-    }  # fmt: skip
-    assert decode(error_message(SESSION, "pipeline_failed", "boom", timestamp=3)) == {
-        "type": "error", "session_id": SESSION, "reason": "pipeline_failed", "detail": "boom", "timestamp": 3.0,
-    }  # fmt: skip
-    assert decode(rejection_message(SESSION, "unknown_control", "unknown control 'z'", timestamp=4)) == {
-        "type": "control_rejected", "session_id": SESSION, "reason": "unknown_control",
-        "detail": "unknown control 'z'", "timestamp": 4.0,
-    }  # fmt: skip
-    assert decode(lease_message(SESSION, "lease_queued", 2, timestamp=5)) == {
-        "type": "lease_queued", "session_id": SESSION, "queue_position": 2, "timestamp": 5.0,
-    }  # fmt: skip
-    assert decode(lease_message(SESSION, "lease_granted", None, timestamp=5))["queue_position"] is None
-    with pytest.raises(ValueError, match="unknown lease event"):
-        lease_message(SESSION, "granted", None)
-    assert decode(metrics_message(SESSION, timestamp=6, real_time_factor=0.5, period=None)) == {
-        "type": "metrics", "session_id": SESSION, "data": {"real_time_factor": 0.5, "period": None}, "timestamp": 6.0,
-    }  # fmt: skip
-
-
-def test_extras_cannot_shadow_the_envelope_fields() -> None:
-    out = decode(status_message(SESSION, "x", timestamp=1, type="chunk", stage="y", session_id="z"))
-    assert (out["type"], out["stage"], out["session_id"]) == ("status", "x", SESSION)
-    assert out["data"] == {"type": "chunk", "stage": "y", "session_id": "z"}
-    out = decode(metrics_message(SESSION, timestamp=1, type="status", session_id="z"))
-    assert (out["type"], out["session_id"], out["data"]) == ("metrics", SESSION, {"type": "status", "session_id": "z"})
-
-
-def test_default_timestamp_is_now() -> None:
-    import time
-
-    before = time.time()
-    stamp = decode(done_message(SESSION, 0, 0))["timestamp"]
-    assert before <= stamp <= time.time()
-
-
-def test_non_json_values_are_stringified() -> None:
-    class Opaque:
-        def __str__(self) -> str:
-            return "opaque!"
-
-    data: Mapping[str, Any] = MappingProxyType(
-        {
-            "obj": Opaque(),
-            "np_int": np.int64(7),
-            "np_float": np.float32(0.5),
-            "nan": math.nan,
-            "inf": float("inf"),
-            "keys": frozenset({"w", "a"}),
-            "tuple": (1, "x"),
-            "enum": ControlType.STOP,
-            "bytes": b"\x00",
-            3: "int key",
-            "nested": {"deeper": [Opaque()]},
-        }
-    )
-    out = decode(chunk_message(SESSION, 0, data, timestamp=0))["data"]
-    assert out == {
-        "obj": "opaque!",
-        "np_int": 7,
-        "np_float": 0.5,
-        "nan": "nan",
-        "inf": "inf",
-        "keys": ["a", "w"],
-        "tuple": [1, "x"],
-        "enum": str(ControlType.STOP),
-        "bytes": str(b"\x00"),
-        "3": "int key",
-        "nested": {"deeper": ["opaque!"]},
-    }
-
-
-def test_cyclic_data_does_not_recurse_forever() -> None:
-    loop: dict[str, Any] = {}
-    loop["self"] = loop
-    out = decode(status_message(SESSION, "x", timestamp=0, loop=loop))
-    assert out["type"] == "status"
-
-
-def test_rejection_round_trip_to_a_message() -> None:
-    failure = rejected({"type": "prompt", "prompt": ""})
-    out = decode(rejection_message(SESSION, failure.reason, failure.detail, timestamp=0))
-    assert (out["type"], out["reason"]) == ("control_rejected", "bad_prompt")
