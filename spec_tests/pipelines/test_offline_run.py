@@ -1,5 +1,6 @@
 """Offline runs (``run_offline``): the timed controls file, controls applied on the media clock, video.mp4 +
-metrics.json, and a failed or interrupted run that leaves no output (``chunkline run`` itself: test_chunkline_run.py)."""
+metrics.json, and a failed or interrupted run that leaves no output (``chunkline run`` itself:
+test_chunkline_run.py)."""
 
 from __future__ import annotations
 
