@@ -93,6 +93,8 @@ class RunnerDeps:
     room_empty_timeout: float
     max_data_message_bytes: int
     on_finished: Callable[[RoomRunner, str | None], None]  # settles the record and frees the slot
+    #: told each time someone joins or leaves the room (an agent reports it to its authority)
+    on_participants: Callable[[SessionRecord], None] = lambda record: None
 
 
 def _single_cause(exc: BaseException) -> BaseException:
@@ -345,6 +347,7 @@ class RoomRunner:
     def _presence_moved(self) -> None:
         self._presence_changed.set()
         self._presence_changed = trio.Event()
+        self.deps.on_participants(self.record)
 
     async def _on_data(self, event: DataReceived) -> None:
         record = self.record

@@ -8,7 +8,7 @@ Every message it sends counts as a HEARTBEAT: it moves the worker's deadline to
 ``now + deadline``. DRAIN takes it out of admission while its sessions finish;
 LEAVE ends a drained worker that said goodbye. LOSE ends a worker at once, with
 a cause: its socket closed, its heartbeat deadline passed (:meth:`expire`), or
-the launcher reported its process or node dead. LOST and LEFT are terminal:
+the launcher reported its process exited or its Ray actor died. LOST and LEFT are terminal:
 the id is never live again, and whatever it still sends — a late session event,
 a heartbeat that was in flight — is a *stale* message, dropped and counted.
 
@@ -59,6 +59,8 @@ __all__ = [
     "InvalidLiveness",
     "fence_at",
     "loss_kind",
+    "LOSS_KINDS",
+    "PROCESS_GONE",
 ]
 
 FENCE_FRACTION = 0.5
@@ -170,15 +172,26 @@ class _Entry:
     stops_owed: dict[str, float] = attrs.Factory(dict)  # session id -> when its stop's deadline passes
 
 
+#: a loss cause's first words and the bounded Prometheus label it is counted under. Each cause says only what the
+#: authority knows: its own observations (the socket, the heartbeat clock, the protocol), an agent's word on itself
+#: (said so, as its word), and a launcher's notices (it saw the process exit, with its code or signal; Ray said the
+#: actor died, or raised something else, which says nothing of the actor).
+LOSS_KINDS = (
+    ("heartbeat missed", "heartbeat_missed"),
+    ("connection", "connection_closed"),
+    ("process exited", "process_exited"),
+    ("the agent said it failed to start", "failed_to_start"),
+    ("actor died", "actor_died"),
+    ("actor unreachable", "actor_unreachable"),
+)
+
+#: losses whose agent process is known to be gone: a launcher has nothing left to end
+PROCESS_GONE = frozenset({"process_exited", "actor_died"})
+
+
 def loss_kind(cause: str) -> str:
-    """The bounded Prometheus label of a loss cause (this book's own, and the launchers' notices)."""
-    for prefix, kind in (
-        ("heartbeat missed", "heartbeat_missed"),
-        ("connection", "connection_closed"),
-        ("process exited", "process_exited"),
-        ("node removed", "node_removed"),
-        ("actor died", "node_removed"),
-    ):
+    """The bounded Prometheus label of a loss cause (this book's own, an agent's word, the launchers' notices)."""
+    for prefix, kind in LOSS_KINDS:
         if cause.startswith(prefix):
             return kind
     return "protocol_error"
@@ -344,7 +357,7 @@ class LivenessBook:
             if now >= entry.last_heard + self._deadline:
                 cause = f"heartbeat missed (nothing heard for {now - entry.last_heard:.1f} s)"
             elif overdue:
-                cause = f"protocol error: session {overdue[0][1]} still running past its stop deadline"
+                cause = f"protocol error: session {overdue[0][1]} not reported finished by its stop deadline"
             elif entry.machine.state in DRAINING_STATES:
                 cause = f"protocol error: still draining {now - entry.leave_by:.1f} s past its drain deadline"  # type: ignore[operator]
             else:

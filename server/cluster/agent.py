@@ -333,6 +333,7 @@ class Agent:
                 nursery.start_soon(until, lambda: self._heartbeat(welcome.heartbeat_interval))
                 nursery.start_soon(until, lambda: self._fence(welcome.deadline))
                 nursery.start_soon(until, self._until_drained)
+                nursery.start_soon(self.sessions.report_participants)
                 self.send(self._ready)  # type: ignore[arg-type]
                 if self._draining:
                     self.send(wire.Drain(self.options.drain_deadline))

@@ -3,7 +3,8 @@
 The agent's connection (:mod:`server.cluster.agent`) hands each Start and Stop here; this
 side makes a :class:`~server.runner.RoomRunner` for the session on the agent's model worker,
 mirrors its record, and sends every table event and the finish back through the one ``send``
-the connection gives it (in order, with a per-session sequence number the authority checks).
+the connection gives it (in order, with a per-session sequence number the authority checks), and who is
+in each room as that changes (:meth:`AgentSessions.report_participants`, bounded in rate).
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from ..runner import RoomRunner, RunnerDeps
 from ..server_folders import ServerFolder
 from . import wire
 from .rooms import RemoteRooms
+from .wire_values import MAX_PARTICIPANTS
 
-__all__ = ["AgentSessions", "RUNNER_STOP_GRACE"]
+__all__ = ["AgentSessions", "RUNNER_STOP_GRACE", "PARTICIPANTS_EVERY"]
 
 RUNNER_STOP_GRACE = 10.0  # how long fenced or drained runners may take to finish their cleanup
+#: seconds between two participants reports of one agent: a room whose people come and go faster is reported as
+#: it stands after each pause (at most one message a session each time)
+PARTICIPANTS_EVERY = 0.5
 
 _IMAGE_SUFFIX = re.compile(r"\.[A-Za-z0-9]{1,10}")
 
@@ -105,6 +110,9 @@ class AgentSessions:
         self._issuer = _MintedTokens()
         self._deps: RunnerDeps | None = None
         self.transport: Any = None
+        self._reported: dict[str, tuple[str, ...]] = {}  # session id -> the participants the authority was told
+        self._moved: set[str] = set()  # sessions whose room changed since the last report
+        self._room_moved = trio.Event()
 
     def attach(self, welcome: wire.Welcome) -> None:
         """A registration began: runners from now on use its transport and the authority's timeouts."""
@@ -118,6 +126,7 @@ class AgentSessions:
             room_empty_timeout=welcome.room_empty_timeout,
             max_data_message_bytes=welcome.max_data_message_bytes,
             on_finished=self._finished,
+            on_participants=self._participants_moved,
         )
 
     def start(self, message: wire.Start, *, refusal: str | None) -> None:
@@ -168,8 +177,43 @@ class AgentSessions:
         if runner is not None:
             runner.abort(_cause(message.cause)) if message.now else runner.drain(_cause(message.cause))
 
+    def _next_seq(self, session_id: str) -> int:
+        seq = self._seq[session_id] = self._seq.get(session_id, 0) + 1
+        return seq
+
+    @staticmethod
+    def _shown(record: SessionRecord) -> tuple[str, ...]:
+        """The participants as the authority is told them: at most what the wire carries (a LiveKit room may hold
+        people whose tokens this cluster did not mint; past the limit the agent was lost for a protocol error)."""
+        return tuple(sorted(record.participants)[:MAX_PARTICIPANTS])
+
+    def _told(self, record: SessionRecord) -> tuple[str, ...]:
+        shown = self._reported[record.session_id] = self._shown(record)
+        return shown
+
+    def _participants_moved(self, record: SessionRecord) -> None:
+        self._moved.add(record.session_id)
+        self._room_moved.set()
+
+    async def report_participants(self) -> None:
+        """For the life of a registration: each running session's participants once they changed, the room as it
+        stands, at most once every :data:`PARTICIPANTS_EVERY` seconds (a crowd coming and going costs the
+        authority one message a session per pause, each at most ``MAX_PARTICIPANTS`` names)."""
+        while True:
+            await self._room_moved.wait()
+            self._room_moved = trio.Event()
+            moved, self._moved = self._moved, set()
+            for session_id in sorted(moved):
+                runner = self.runners.get(session_id)
+                shown = None if runner is None else self._shown(runner.record)
+                if shown is None or shown == self._reported.get(session_id):
+                    continue  # ended (its finish says the room is left), or back as the authority knows it
+                self._reported[session_id] = shown
+                self._send(wire.Participants(session_id, self._next_seq(session_id), shown))
+            await trio.sleep(PARTICIPANTS_EVERY)
+
     def _forward_event(self, record: SessionRecord, event: Event, error: str | None) -> None:
-        seq = self._seq[record.session_id] = self._seq.get(record.session_id, 0) + 1
+        seq = self._next_seq(record.session_id)
         self._send(
             wire.SessionEvent(
                 record.session_id,
@@ -177,7 +221,7 @@ class AgentSessions:
                 event.value,
                 error=error,
                 pipeline_session_id=record.pipeline_session_id,
-                participants=tuple(sorted(record.participants)),
+                participants=self._told(record),
                 drain_cause=None if record.drain_cause is None else record.drain_cause.value,
                 drain_detail=record.drain_detail,
             )
@@ -186,6 +230,7 @@ class AgentSessions:
     def _finished(self, runner: RoomRunner, error: str | None) -> None:
         session_id = runner.record.session_id
         self.runners.pop(session_id, None)
+        self._reported.pop(session_id, None)
         seq = self._seq.pop(session_id, 0) + 1
         cause = runner.record.drain_cause
         self._send(wire.SessionFinished(session_id, seq, error, None if cause is None else cause.value,

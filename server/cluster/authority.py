@@ -31,7 +31,7 @@ from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
 from . import proofs, tls, wire
 from .identity import chunkline_version, pipeline_digest, pipeline_name
-from .remote import PlanView, RemoteWorker
+from .remote import PlanView, RemoteWorker, follow_rooms
 
 if TYPE_CHECKING:
     from ..runtime import StreamRuntime
@@ -144,6 +144,7 @@ class ClusterAuthority:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, self._serve_connection, listeners)
             nursery.start_soon(self._sweep)
+            nursery.start_soon(follow_rooms, self.runtime.transport, self.handles)
             if self.launcher is not None:
                 await nursery.start(self.launcher.run, self)
             task_status.started(self.port)
@@ -374,14 +375,16 @@ class ClusterAuthority:
                 worker.send(wire.HeartbeatAck(message.seq))
             elif isinstance(message, wire.SessionEvent):
                 worker.on_session_event(message, now)
+            elif isinstance(message, wire.Participants):
+                worker.on_participants(message)
             elif isinstance(message, wire.SessionFinished):
                 worker.on_session_finished(message)
             elif isinstance(message, wire.OptionsChecked):
                 worker.on_options_checked(message)
             elif isinstance(message, wire.Ready):
                 self._ready(worker, message)
-            elif isinstance(message, wire.Failed):
-                return f"process exited: the agent failed to start: {public_reason(message.reason)}"
+            elif isinstance(message, wire.Failed):  # its word: whether its process is gone nobody has seen
+                return f"the agent said it failed to start: {public_reason(message.reason)}"
             elif isinstance(message, wire.Drain):
                 self.drain(worker.worker_id, message.deadline, tell_agent=False)
             elif isinstance(message, wire.Goodbye):
@@ -406,7 +409,7 @@ class ClusterAuthority:
     # -- losses and departures --
 
     def lose(self, worker_id: str, cause: str) -> None:
-        """A launcher's notice (process exited, node removed)."""
+        """A launcher's notice (its process exited, its Ray actor died)."""
         self._lost(worker_id, cause)
 
     def _lost(self, worker_id: str, cause: str) -> None:

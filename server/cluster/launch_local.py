@@ -32,12 +32,24 @@ if TYPE_CHECKING:
     from .authority import ClusterAuthority
     from .remote import RemoteWorker
 
-__all__ = ["LocalLauncher", "agent_command"]
+__all__ = ["LocalLauncher", "agent_command", "exit_cause"]
 
 log = logging.getLogger("chunkline.cluster")
 
 TERMINATE_GRACE = 5.0
 REREGISTER_WINDOW = 10.0  # a lost agent whose process lives may register again (fresh id) within this
+
+
+def exit_cause(returncode: int) -> str:
+    """How a launcher saw its agent's process end: its exit code, or the signal that ended it (a negative
+    return code is no exit code: it read "exited with code -9" for a SIGKILL)."""
+    if returncode >= 0:
+        return f"process exited with code {returncode}"
+    try:
+        name = f" ({signal.Signals(-returncode).name})"
+    except ValueError:
+        name = ""
+    return f"process exited: killed by signal {-returncode}{name}"
 
 
 def agent_command(
@@ -149,7 +161,7 @@ class LocalLauncher:
                 nursery.start_soon(self._reap_if_silent, slot, process)
                 await process.wait()
                 nursery.cancel_scope.cancel()  # the reaper has nothing left to watch
-            why = f"process exited with code {process.returncode}"
+            why = exit_cause(process.returncode)
             if slot.worker_id is not None:
                 await await_goodbye(slot.settled, process.returncode == 0)
             if slot.worker_id is not None and self._authority is not None:

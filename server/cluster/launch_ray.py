@@ -6,7 +6,7 @@ die with the authority). The actor starts the agent process with the devices Ray
 (``CUDA_VISIBLE_DEVICES`` and ``--devices``) and the node's id as its node name; the agent
 process dies with the actor (``PR_SET_PDEATHSIG``). A thread waits on each actor's ``run``
 result and posts its end into trio: a clean exit, an agent's exit code, or Ray's death notice
-(node removed) — the authority loses the slot's worker with that cause, the placement group
+(the actor died) — the authority loses the slot's worker with that cause, the placement group
 is removed, and the slot starts again after the shared restart policy's backoff
 (:mod:`states.restart_policy`), giving up after a crash loop. A placement group that waits for
 resources (every node full, a node gone) is not a failure: the slot waits, placing, until Ray
@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from states.liveness import PROCESS_GONE, loss_kind
 from states.restart_policy import RestartPolicy, RestartTracker
 
 from .backoff import EXIT_REFUSED, await_goodbye, back_off
 
-from .launch_local import agent_command
+from .launch_local import agent_command, exit_cause
 
 if TYPE_CHECKING:
     from . import wire
@@ -176,11 +177,11 @@ class RayLauncher:
 
         try:
             code = ray.get(reference)
-        except ray.exceptions.RayActorError as exc:
-            return f"node removed: the actor died ({type(exc).__name__})", None
-        except ray.exceptions.RayError as exc:
-            return f"node removed: {type(exc).__name__}", None
-        return f"process exited with code {code}", code
+        except ray.exceptions.RayActorError as exc:  # Ray's word: the actor died (its node may live on)
+            return f"actor died ({type(exc).__name__})", None
+        except ray.exceptions.RayError as exc:  # the result is lost: that says nothing of the actor or its node
+            return f"actor unreachable: Ray raised {type(exc).__name__}", None
+        return exit_cause(code), code
 
     def _release(self, slot: _RaySlot) -> None:
         import ray
@@ -251,7 +252,7 @@ class RayLauncher:
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
             slot.settled.set()
-            if slot.actor is not None and not cause.startswith(("node removed", "process exited")):
+            if slot.actor is not None and loss_kind(cause) not in PROCESS_GONE:
                 # lost while its process may live on (frozen, cut off): end the actor, the slot is replaced
                 actor, slot.actor = slot.actor, None
                 trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, partial(_kill, actor))

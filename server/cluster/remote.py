@@ -6,6 +6,8 @@ stands where a :class:`~server.runner.RoomRunner` stands (``runtime.runners``): 
 asks it to stop, abort or settle, and it forwards to the agent. The agent's own runner
 drives the session; its table events come back over the wire and are applied here to the
 authoritative record, in sequence order (duplicates and late events are dropped and counted).
+Who is in a session's room is read from the room where the rooms are the authority's own (local
+rooms, :func:`follow_rooms`), and taken from the agent's reports elsewhere (LiveKit).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,19 +39,23 @@ from ..runner import (
 )
 from ..tokens import MAX_IDENTITY_LENGTH
 from .wire import (
-    Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, SessionEvent, SessionFinished, Start, Stop,
+    Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, Participants, SessionEvent, SessionFinished,
+    Start, Stop,
 )
 
 if TYPE_CHECKING:
     from ..registry import SessionRecord
     from ..runtime import StreamRuntime
 
-__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEADLINE"]
+__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEADLINE", "FOLLOW_ROOMS_EVERY",
+           "follow_rooms"]
 
 log = logging.getLogger("chunkline.cluster")
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 OUTBOX = 256  # messages waiting for an agent's connection; one more means it stopped reading
+#: seconds between two reads of the authority's own rooms for the participants of the sessions its agents run
+FOLLOW_ROOMS_EVERY = 0.25
 #: seconds an agent has from a session's stop to reporting it finished: every bound its runner may still wait out,
 #: one after another (joining the room, then creating the pipeline session, which a stop does not cut short, or
 #: taking a chunk's control; closing the pipeline session; a failing worker's cause; leaving the room: 115 s) and a
@@ -252,13 +258,22 @@ class RemoteWorker:
             return
         if message.pipeline_session_id is not None:  # a pipeline's id (a uuid, say): kept and shown, cut
             record.pipeline_session_id = cut(message.pipeline_session_id, MAX_IDENTITY_LENGTH)
-        record.participants = set(message.participants)
+        run.take_participants(message.participants)
         # the agent's progress moves the authority's record through its lifecycle, and its drain drains it with the
         # agent's cause (a drain the authority applied first stays); the end arrives with the finish (SessionFinished)
         if message.drain_cause:
             run.runtime.lifecycle.drain(record, _drain_cause(message.drain_cause), _public(message.drain_detail))
         if run.runtime.lifecycle.step(record, event) and record.status in LIVE_MEDIA:
             run.media_reported = True  # the agent's runner joined its room and started its media
+
+    def on_participants(self, message: Participants) -> None:
+        """Who is in a running session's room now, as the agent sees it (in sequence with its events)."""
+        run = self.runs.get(message.session_id)
+        if run is None or message.seq <= run.seq:
+            self.stale_events += 1
+            return
+        run.seq = message.seq
+        run.take_participants(message.participants)
 
     def on_session_finished(self, message: SessionFinished) -> None:
         run = self.runs.get(message.session_id)
@@ -309,6 +324,19 @@ def _read_image(path: str | None) -> tuple[str | None, str | None]:
     return base64.b64encode(data).decode(), Path(path).suffix or None
 
 
+async def follow_rooms(transport: Any, workers: Mapping[str, RemoteWorker]) -> None:
+    """Where the rooms are the authority's own (local rooms), the participants of each session its agents run
+    follow the room, every :data:`FOLLOW_ROOMS_EVERY` seconds, as an in-process runner's follow its room (they
+    were the agent's word at its session's last change of state). Elsewhere (LiveKit) the agents report them."""
+    if getattr(transport, "participants", None) is None:
+        return
+    while True:
+        for worker in list(workers.values()):
+            for run in list(worker.runs.values()):
+                run.follow_room()
+        await trio.sleep(FOLLOW_ROOMS_EVERY)
+
+
 @attrs.define
 class _Check:
     """One option check awaiting its agent's answer."""
@@ -342,6 +370,24 @@ class RemoteRun:
             return False
         present = getattr(self.runtime.transport, "participants", None)
         return present is None or self.worker.identity in present(self.record.room)
+
+    def _room_participants(self) -> set[str] | None:
+        """Who is in the session's room, the agent's worker left out, where the rooms are the authority's own
+        (local rooms); None where they are not (LiveKit: the agent reports them)."""
+        present = getattr(self.runtime.transport, "participants", None)
+        return None if present is None else set(present(self.record.room)) - {self.worker.identity}
+
+    def take_participants(self, reported: tuple[str, ...]) -> None:
+        """The agent's word on who is in the room, taken where the authority cannot see the room itself."""
+        seen = self._room_participants()
+        if not self.finished.is_set():
+            self.record.participants = set(reported) if seen is None else seen
+
+    def follow_room(self) -> None:
+        """Read who is in the room now, where the rooms are the authority's own (as its own runner sees them)."""
+        seen = self._room_participants()
+        if seen is not None and not self.finished.is_set():
+            self.record.participants = seen
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""

@@ -19,7 +19,7 @@ tag (:meth:`Channel.authenticate`): an HMAC under a key both derive from the tok
 nonces, over the frame's direction, its number and its bytes, so that nobody between the
 two can send, change, replay, reorder or drop a frame unnoticed, TLS or not. After that the agent sends
 :class:`Ready`, :class:`Heartbeat`, :class:`SessionEvent`, :class:`SessionFinished`,
-:class:`Failed`, :class:`OptionsChecked` and :class:`Goodbye`; the authority sends :class:`HeartbeatAck`,
+:class:`Participants`, :class:`Failed`, :class:`OptionsChecked` and :class:`Goodbye`; the authority sends :class:`HeartbeatAck`,
 :class:`Start`, :class:`Stop`, :class:`Drain` and :class:`CheckOptions`.
 """
 
@@ -68,6 +68,7 @@ __all__ = [
     "Drain",
     "SessionEvent",
     "SessionFinished",
+    "Participants",
     "CheckOptions",
     "OptionsChecked",
     "Goodbye",
@@ -77,8 +78,8 @@ __all__ = [
 ]
 
 #: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
-#: (the offered settings the pipeline took with their values, in place of offered_taken's names)
-PROTOCOL = 5
+#: (the offered settings the pipeline took with their values, in place of offered_taken's names); 6: participants
+PROTOCOL = 6
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -286,6 +287,18 @@ class SessionFinished(Message):
     error: str | None = attrs.field(converter=opt_text)
     drain_cause: str | None = attrs.field(converter=opt_text)
     told_room: bool = attrs.field(default=False, converter=flag)  # the runner told its room how it ended
+
+
+@attrs.frozen
+class Participants(Message):
+    """Who is in a running session's room now (the agent's worker left out), sent when that changes: at most one
+    a session every ``agent_sessions.PARTICIPANTS_EVERY`` seconds, the room as it stands then. Numbered with the
+    session's events (a late one is dropped); where the rooms are the authority's own it reads them itself."""
+
+    TYPE = "participants"
+    session_id: str = attrs.field(converter=text)
+    seq: int = attrs.field(converter=integer)
+    participants: tuple[str, ...] = attrs.field(converter=identities)
 
 
 @attrs.frozen

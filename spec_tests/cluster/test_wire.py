@@ -38,6 +38,7 @@ SAMPLES: list[wire.Message] = [
     wire.Drain(30.0),
     wire.SessionEvent("s1", 3, "run", pipeline_session_id="p1", participants=("me",)),
     wire.SessionFinished("s1", 4, None, "deleted"),
+    wire.Participants("s1", 5, ("me", "viewer-1")),
     wire.CheckOptions(5, {"resolution": "abc"}),
     wire.OptionsChecked(5, refused="option 'resolution' must be 'WxH'"),
     wire.OptionsChecked(6, error="no answer in time"),

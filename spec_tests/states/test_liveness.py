@@ -92,7 +92,7 @@ def test_a_worker_that_never_finishes_a_session_it_was_asked_to_stop_is_lost_at_
     assert book.next_deadline() == 6.0 and book.expire(5.9) == []
     [lost] = book.expire(6.5)
     assert (lost.worker_id, lost.state) == ("mute", State.LOST)
-    assert lost.cause == "protocol error: session s1 still running past its stop deadline"
+    assert lost.cause == "protocol error: session s1 not reported finished by its stop deadline"
     assert book.state("prompt") is State.READY and book.copy().next_deadline() == 8.0
     assert not book.owe_stop("mute", "s3", 7.0, 1.0)  # lost: it owes nothing more
 
