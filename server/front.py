@@ -39,6 +39,7 @@ from typing import Final
 
 import trio
 
+from .frame_budget import FrameBudget
 from .http_framing import (
     BodyBudget,
     FramingRefused,
@@ -89,6 +90,7 @@ class Front:
         self._backend = backend
         self._max_message_bytes = max_message_bytes
         self.body_budget = body_budget
+        self.frame_budget = FrameBudget()  # every room socket's frames together (equal shares)
         self._open: set[trio.CancelScope] = set()
         self.refused = 0
 
@@ -121,7 +123,8 @@ class Front:
                                                                    "WebSocket is served here", error="not_found"))
                 else:
                     await RoomSocket(
-                        stream, raw, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines
+                        stream, raw, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines,
+                        frames=self.frame_budget,
                     ).serve()
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass

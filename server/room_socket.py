@@ -10,11 +10,13 @@
   once a write waits that long; no write is shielded from cancellation;
 - **a peer must answer pings**: a ping every :data:`PING_INTERVAL`, and a peer that answers nothing
   for :data:`PONG_DEADLINE` (a frozen process whose kernel still accepts bytes) is sent away;
-- **frames are paced, whatever they carry**: a participant's socket is read at :data:`FRAMES_PER_SECOND`
-  frames past a burst of :data:`FRAME_BURST` (pings, pongs and a message's pieces as much as whole
-  messages, which the rooms pace again as messages), and one message comes in at most
-  :data:`MAX_MESSAGE_PIECES` pieces: a ping flood took a whole core and another session fell to 2 fps,
-  and endless empty fragments, which count no bytes, grew the server's memory without end.
+- **frames are paced, whatever they carry**: a participant's socket is read at its share of the server's
+  frame budget (:mod:`server.frame_budget`: all sockets together, in equal shares; at most
+  :data:`FRAMES_PER_SECOND` frames past a burst of :data:`FRAME_BURST` for one) -- pings, pongs and a
+  message's pieces as much as whole messages, which the rooms pace again as messages -- parsed a few at a
+  time, as the share allows, and one message comes in at most :data:`MAX_MESSAGE_PIECES` pieces: a ping flood
+  took a whole core and another session fell to 2 fps, 64 sockets each at its own pace took a session from
+  16 to 6 fps, and endless empty fragments, which count no bytes, grew the server's memory without end.
 
 Everything else — tokens, roles, topics, fan-out — is :meth:`LocalRooms.serve_client`'s, the same
 code the ASGI route runs.
@@ -47,9 +49,9 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
+from .frame_budget import FRAME_BURST, FRAMES_PER_SECOND, FrameBudget, FrameShare
 from .http_framing import head_end, parse_head
 from .reasons import echo
-from .token_bucket import TokenBucket
 from .tokens import TokenRejected, single_token
 from .transport.local import LocalRooms, RemoteWorkerPresence
 
@@ -67,8 +69,6 @@ IDLE_DEADLINE: Final = 30.0  # seconds an HTTP connection may be silent both way
 CLOSE_DEADLINE: Final = 1.0  # seconds the closing handshake may take before the connection is dropped
 READ_SIZE: Final = 65536
 WORKER_MESSAGE_BYTES: Final = 16 * 1024 * 1024  # a worker agent's media message (one encoded frame) may be this big
-FRAMES_PER_SECOND: Final = 1000  # a participant's frames read a second past the burst (its messages: 500, DataPace)
-FRAME_BURST: Final = 1000
 MAX_MESSAGE_PIECES: Final = 256  # pieces (fragments, or parts of one read) a participant's message may come in
 ROOM_PREFIX: Final = "/v1/rooms/"
 
@@ -107,9 +107,11 @@ class RoomSocket:
     """One peer's WebSocket on a raw stream, after the front read its request head (``head``)."""
 
     def __init__(
-        self, stream: trio.abc.Stream, head: bytes, rooms: LocalRooms, *, max_message_bytes: int, deadlines: Deadlines
+        self, stream: trio.abc.Stream, head: bytes, rooms: LocalRooms, *, max_message_bytes: int, deadlines: Deadlines,
+        frames: FrameBudget,
     ) -> None:
         self._deadlines = deadlines
+        self._frames = frames
         self._stream = stream
         self._head = head
         self._rooms = rooms
@@ -121,7 +123,7 @@ class RoomSocket:
         self._fragment_bytes = 0
         self._pieces = 0  # of the message arriving now, empty ones included
         self._max_pieces = MAX_MESSAGE_PIECES
-        self._frame_pace: TokenBucket | None = TokenBucket(FRAMES_PER_SECOND, FRAME_BURST)
+        self._frame_pace: FrameShare | None = None  # a participant's share of the server's frame budget
         self._heard = trio.current_time()
         self._pending_pong = b""
         self.close_reason: str | None = None
@@ -158,10 +160,11 @@ class RoomSocket:
                     if isinstance(subscriber, RemoteWorkerPresence):  # a worker agent publishing from its process
                         self._limit = max(self._limit, WORKER_MESSAGE_BYTES)
                         self._max_pieces = max(MAX_MESSAGE_PIECES, WORKER_MESSAGE_BYTES // 1024)
-                        self._frame_pace = None  # the server's own agent, holding a worker token: its media is not paced
+                        # the server's own agent, holding a worker token: its media (the stream) is not paced
                         await self._rooms.serve_worker(room, subscriber, self._send, self._receive)
                     else:
-                        await self._rooms.serve_client(room, subscriber, self._send, self._receive)
+                        with self._frames.share() as self._frame_pace:
+                            await self._rooms.serve_client(room, subscriber, self._send, self._receive)
                     nursery.cancel_scope.cancel()
             except* (PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
@@ -182,8 +185,7 @@ class RoomSocket:
             self._ws.receive_data(self._head)
             for event in self._ws.events():
                 if isinstance(event, Request):
-                    self._absorb()  # frames that came with the head
-                    return event
+                    return event  # frames that came with the head are parsed as the socket's pace allows
         except RemoteProtocolError as exc:
             return exc
         return RemoteProtocolError("the request head is incomplete", event_hint=RejectConnection())
@@ -204,8 +206,9 @@ class RoomSocket:
         head += [name + b": " + value for name, value in headers if name.lower() != b"content-length"]
         await self._write(b"\r\n".join(head) + b"\r\n\r\n" + body)
 
-    def _absorb(self) -> int:
-        """Turn every event wsproto has into messages, pongs and closes (raises PeerGone); returns how many."""
+    def _absorb(self, most: int | None = None) -> int:
+        """Turn the events wsproto has, ``most`` at most (all when None), into messages, pongs and closes (raises
+        PeerGone); returns how many. Those past ``most`` wait in wsproto, not yet parsed."""
         events = 0
         for event in self._ws.events():
             events += 1
@@ -230,7 +233,10 @@ class RoomSocket:
                 raise PeerGone("closed by the peer")
             elif isinstance(event, Pong):
                 pass  # any frame counts as being alive (below)
-        self._heard = trio.current_time()
+            if most is not None and events >= most:
+                break  # wsproto keeps the rest of what was read, and parses it when asked again
+        if events:
+            self._heard = trio.current_time()
         return events
 
     def _too_big(self, reason: str) -> NoReturn:
@@ -241,23 +247,28 @@ class RoomSocket:
         raise PeerGone(reason)
 
     async def _receive(self) -> str | bytes:
+        pace = self._frame_pace
         while not self._messages:
-            data = await self._stream.receive_some(READ_SIZE)
-            if not data:
-                raise PeerGone("the connection closed")
             try:
-                self._ws.receive_data(data)
-                frames = self._absorb()
+                frames = self._absorb(None if pace is None else pace.allowance(trio.current_time()))
+                if not frames:  # all that was read is parsed: read more
+                    data = await self._stream.receive_some(READ_SIZE)
+                    if not data:
+                        raise PeerGone("the connection closed")
+                    self._heard = trio.current_time()  # any byte counts as being alive
+                    if pace is not None:
+                        pace.read(len(data))
+                    self._ws.receive_data(data)
+                    continue
             except RemoteProtocolError as exc:
                 self.close_reason = f"protocol error: {exc}"
                 raise PeerGone(self.close_reason) from None
             if self._pending_pong:
                 pongs, self._pending_pong = self._pending_pong, b""
                 await self._write(pongs)
-            if self._frame_pace is not None:  # a flood of frames waits in its own socket: TCP pushes back on it
-                wait = self._frame_pace.charge(trio.current_time(), frames)
-                if wait > 0:
-                    await trio.sleep(wait)
+            if pace is not None:  # a flood of frames waits in its own socket: TCP pushes back on it
+                wait = pace.charge(trio.current_time(), frames)
+                await (trio.sleep(wait) if wait > 0 else trio.lowlevel.checkpoint())
         return self._messages.popleft()
 
     async def _send(self, message: str | bytes) -> None:

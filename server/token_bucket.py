@@ -21,6 +21,11 @@ class TokenBucket:
             self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
 
+    def available(self, now: float) -> float:
+        """The tokens there at ``now`` (less than zero while a charge's debt is being paid)."""
+        self._refill(now)
+        return self._tokens
+
     def wait(self, now: float) -> float:
         """0.0, having taken a token, when one is there at ``now``; else the seconds until one will be (nothing
         taken)."""

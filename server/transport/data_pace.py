@@ -10,6 +10,16 @@ past a burst of :data:`DATA_BURST` (a :class:`~server.token_bucket.TokenBucket` 
   the newest message over the pace in one waiting slot (an older waiting one is dropped: each ``control_state``
   is the whole set of held keys, so the last one sent is the one that counts) and hands it on when the pace, and the
   worker's event backlog, allow.
+
+In the local rooms a message is also paid for by what it makes the room send each other participant
+(:meth:`DataPace.sent`): its text as fanned out, and :data:`ANSWER_BYTES` for the worker's answer it may draw
+(a refused control's ``control_rejected`` goes to the whole room), :data:`DATA_BYTES_PER_SECOND` past a burst of
+:data:`DATA_BYTE_BURST`. By count alone a controller's legal burst of 12 KiB messages was 6 MiB (24 MiB once
+re-encoded), over the 1 MiB a viewer may fall behind before it is sent away ``too_slow``: its own honest viewers
+were sent away. Now a burst, and one message past it, fits in a viewer's backlog with room to spare, and a viewer
+that reads :data:`DATA_BYTES_PER_SECOND` keeps up with whatever a participant may send
+(``TEXT_BACKLOG_BYTES``/``TEXT_BACKLOG`` in :mod:`.local_room`; the room keeps each participant's pace while it
+lives, so leaving and coming back buys no fresh burst).
 """
 
 from __future__ import annotations
@@ -22,24 +32,42 @@ import trio
 from ..token_bucket import TokenBucket
 from .base import DataReceived
 
-__all__ = ["DATA_BURST", "DATA_MESSAGES_PER_SECOND", "DataPace", "LatestWins"]
+__all__ = [
+    "ANSWER_BYTES", "DATA_BURST", "DATA_BYTE_BURST", "DATA_BYTES_PER_SECOND", "DATA_MESSAGES_PER_SECOND", "DataPace",
+    "LatestWins",
+]
 
 DATA_MESSAGES_PER_SECOND = 500
 DATA_BURST = 500
+DATA_BYTES_PER_SECOND = 256 * 1024  # characters a participant's data may make the room send each other one, a second
+DATA_BYTE_BURST = 256 * 1024  # ... past this burst (a quarter of a viewer's backlog, TEXT_BACKLOG_BYTES)
+ANSWER_BYTES = 512  # the worker's answer a message may draw (a control_rejected repeats at most 64 characters of it)
 
 
-class DataPace(TokenBucket):
-    """One participant's data: :data:`DATA_BURST` messages, then :data:`DATA_MESSAGES_PER_SECOND`."""
+class DataPace:
+    """One participant's data: :data:`DATA_BURST` messages, then :data:`DATA_MESSAGES_PER_SECOND`; and what they make
+    the room send, :data:`DATA_BYTE_BURST` characters, then :data:`DATA_BYTES_PER_SECOND` (the constants are read
+    when a pace is made)."""
 
-    def __init__(self, rate: float = DATA_MESSAGES_PER_SECOND, burst: int = DATA_BURST) -> None:
-        super().__init__(rate, burst)
+    def __init__(self, rate: float | None = None, burst: int | None = None) -> None:
+        self._messages = TokenBucket(rate or DATA_MESSAGES_PER_SECOND, burst or DATA_BURST)
+        self._text = TokenBucket(DATA_BYTES_PER_SECOND, DATA_BYTE_BURST)
 
     async def take(self) -> None:
-        """Wait until this participant may have its next message read (trio's clock)."""
-        seconds = self.wait(trio.current_time())
+        """Wait until this participant may have its next message read (trio's clock): the text its last one made
+        the room send is paid for first."""
+        debt = -self._text.available(trio.current_time())
+        if debt > 0:
+            await trio.sleep(debt / self._text.rate)
+        seconds = self._messages.wait(trio.current_time())
         if seconds > 0:
             await trio.sleep(seconds)
-            self.took_at(trio.current_time())
+            self._messages.took_at(trio.current_time())
+
+    def sent(self, characters: int) -> None:
+        """The message just read made the room send ``characters`` to each other participant (and may draw the
+        worker's answer): paid for before the next one is read."""
+        self._text.charge(trio.current_time(), characters + ANSWER_BYTES)
 
 
 class _Timer(Protocol):

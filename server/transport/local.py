@@ -16,10 +16,11 @@ Wire format (WebSocket):
 - a client may not publish on the worker's topics (``tf.status``, ``tf.metrics``: refused with
   ``server_topic``), nor send JSON nested deeper than 33 levels (``too_deep``) or text that is not
   encodable (``unencodable_text``); a room holds at most 64 client sockets (``room_full``);
-- a client that falls more than 1024 data messages or 1 MiB of them behind is sent away
+- a client that falls more than 2048 data messages or 1 MiB of them behind is sent away
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
-  as their write deadline let them stay);
+  as their write deadline let them stay); a participant's data is paced by what it makes the room send
+  (:mod:`.data_pace`), so that its legal burst fits in that backlog and a viewer reading 256 KiB a second keeps up;
 - data a client sends before the worker is in the room (a queued session's, an agent's a moment before it
   joins) is held for it, 32 messages and 64 KiB at most, and delivered in order when it joins; past that it
   is refused (``no_worker_yet``), never dropped without a word;
@@ -411,7 +412,8 @@ class LocalRooms:
         end.cancel()
 
     async def _pump_in(self, room: Room, subscriber: Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
-        pace = DataPace()
+        # kept with the room: a participant that leaves and comes back buys no fresh burst
+        pace = room.paces.setdefault(subscriber.identity, DataPace())
         while True:
             await pace.take()  # a flood waits in its own socket, not in this server's event loop
             message = await receive()
@@ -445,4 +447,6 @@ class LocalRooms:
             if not room.to_worker(DataReceived(topic, raw, subscriber.identity)):
                 subscriber.push_text(json.dumps({"type": "refused", "reason": "no_worker_yet"}))
                 continue
-            room.broadcast_text(data_message(topic, raw, subscriber.identity, parsed=payload), skip=subscriber.identity)
+            text = data_message(topic, raw, subscriber.identity, parsed=payload)
+            room.broadcast_text(text, skip=subscriber.identity)
+            pace.sent(len(text))  # what every other participant is sent: a viewer's backlog is counted the same way

@@ -27,8 +27,12 @@ __all__ = [
 
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
 EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
-TEXT_BACKLOG = 1024  # unsent data messages a client may fall behind by before it is sent away
-TEXT_BACKLOG_BYTES = 1024 * 1024  # ... and the characters of them (ASCII JSON: bytes) it may fall behind by
+#: unsent data messages a client may fall behind by before it is sent away: twice what a participant's burst
+#: (DATA_BURST, 500) and the worker's answer to each make the room send at once
+TEXT_BACKLOG = 2048
+#: ... and the characters of them (ASCII JSON: bytes) it may fall behind by: four times a participant's burst of
+#: text (DATA_BYTE_BURST), so that what one may legally send never sends an honest viewer away
+TEXT_BACKLOG_BYTES = 1024 * 1024
 HELD_FOR_WORKER = 32  # data messages a room holds for a worker that has not joined yet (controls are small)
 HELD_FOR_WORKER_BYTES = 64 * 1024  # ... and their bytes: a queued session's room holds this at most
 
@@ -124,6 +128,8 @@ class Room:
     # data sent before the worker joined (an agent's comes a moment after the controller may), handed to it when it does
     held: deque = attrs.Factory(deque)
     held_size: int = 0
+    #: each participant's DataPace while the room lives (its identities: a controller and at most 32 viewers)
+    paces: dict[str, Any] = attrs.Factory(dict)
 
     def to_worker(self, event: DataReceived) -> bool:
         """Deliver a client's data to the worker, or hold it until the worker joins; False (nothing held) when

@@ -27,7 +27,7 @@ from typing import Any
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from server.transport import data_pace, local
+from server.transport import data_pace, local, local_room
 from spec_tests.server.runner_fixtures import CounterService, Peer, join, serve, settings
 
 FLOOD = 1_500
@@ -156,7 +156,7 @@ async def flood_and_check(service: CounterService) -> None:
             assert living <= baseline, f"{living} tasks living after the flood, {baseline} before ({report})"
 
 
-STALLED_VIEWER_BOUND = 1024  # messages queued for one subscriber that does not read
+STALLED_VIEWER_BOUND = local_room.TEXT_BACKLOG  # messages queued for one subscriber that does not read
 
 
 def seen_in_room(peer: Peer) -> set[str]:
