@@ -99,6 +99,10 @@ class FrameShare:
 
     def charge(self, now: float, frames: int) -> float:
         """``frames`` were parsed at ``now``: take them, and a frame for every FRAME_BYTES read, from the share;
-        returns the seconds to wait before reading more (0.0 when the share covered it)."""
+        returns the seconds to wait before reading more: 0.0 when the share covered them, else until it holds a
+        whole step (:data:`FRAME_BATCH`, or its burst), so that a flood is parsed a step per wake-up, not a frame."""
         extra, self._unpaid_bytes = divmod(self._unpaid_bytes, FRAME_BYTES)
-        return self._follow().charge(now, frames + extra)
+        bucket = self._follow()
+        if bucket.charge(now, frames + extra) == 0.0:
+            return 0.0
+        return (min(FRAME_BATCH, bucket.burst) - bucket.available(now)) / bucket.rate

@@ -14,12 +14,14 @@ past a burst of :data:`DATA_BURST` (a :class:`~server.token_bucket.TokenBucket` 
 In the local rooms a message is also paid for by what it makes the room send each other participant
 (:meth:`DataPace.sent`): its text as fanned out, and :data:`ANSWER_BYTES` for the worker's answer it may draw
 (a refused control's ``control_rejected`` goes to the whole room), :data:`DATA_BYTES_PER_SECOND` past a burst of
-:data:`DATA_BYTE_BURST`. By count alone a controller's legal burst of 12 KiB messages was 6 MiB (24 MiB once
-re-encoded), over the 1 MiB a viewer may fall behind before it is sent away ``too_slow``: its own honest viewers
-were sent away. Now a burst, and one message past it, fits in a viewer's backlog with room to spare, and a viewer
-that reads :data:`DATA_BYTES_PER_SECOND` keeps up with whatever a participant may send
-(``TEXT_BACKLOG_BYTES``/``TEXT_BACKLOG`` in :mod:`.local_room`; the room keeps each participant's pace while it
-lives, so leaving and coming back buys no fresh burst).
+:data:`DATA_BYTE_BURST`. By count alone a controller's legal burst of 12 KiB messages was 6 MiB (up to three
+times that once re-encoded), over the 1 MiB a viewer may fall behind before it is sent away ``too_slow``: its own
+honest viewers were sent away. Now a burst, and one message past it, fits in a viewer's backlog with room to spare
+(``TEXT_BACKLOG_BYTES``/``TEXT_BACKLOG`` in :mod:`.local_room`), and a viewer that reads a little more than
+:data:`DATA_BYTES_PER_SECOND` keeps up with whatever a participant may send. A message sent to several
+participants counts as a message for each (the room writes it to each), so that one sender costs the room no more
+than DATA_MESSAGES_PER_SECOND writes however many read it. The room keeps each participant's pace while it lives:
+leaving and coming back buys no fresh burst.
 """
 
 from __future__ import annotations
@@ -64,10 +66,14 @@ class DataPace:
             await trio.sleep(seconds)
             self._messages.took_at(trio.current_time())
 
-    def sent(self, characters: int) -> None:
-        """The message just read made the room send ``characters`` to each other participant (and may draw the
-        worker's answer): paid for before the next one is read."""
-        self._text.charge(trio.current_time(), characters + ANSWER_BYTES)
+    def sent(self, characters: int, recipients: int) -> None:
+        """The message just read made the room send ``characters`` to each of ``recipients`` other participants
+        (and may draw the worker's answer): paid for before the next one is read. It counts as a message for each
+        recipient past the first, so that the room writes no more than DATA_MESSAGES_PER_SECOND for one sender."""
+        now = trio.current_time()
+        self._text.charge(now, characters + ANSWER_BYTES)
+        if recipients > 1:
+            self._messages.charge(now, recipients - 1)
 
 
 class _Timer(Protocol):

@@ -449,4 +449,5 @@ class LocalRooms:
                 continue
             text = data_message(topic, raw, subscriber.identity, parsed=payload)
             room.broadcast_text(text, skip=subscriber.identity)
-            pace.sent(len(text))  # what every other participant is sent: a viewer's backlog is counted the same way
+            # what every other participant is sent (a viewer's backlog is counted the same way), and to how many
+            pace.sent(len(text), len(room.subscribers) - 1)

@@ -21,14 +21,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
+import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
 from server.transport import data_pace, local, local_room
 from spec_tests.server.runner_fixtures import CounterService, Peer, join, serve, settings
+from spec_tests.server.runner_fixtures import no_threads  # noqa: F401  (fixture)
 
 FLOOD = 1_500
 HEALTH_WITHIN = 5.0  # seconds, wall clock: a starved event loop, not a slow one (latency is bench.server's job)
@@ -197,3 +200,34 @@ async def test_a_flood_with_a_stalled_viewer_keeps_the_viewer_queue_bounded() ->
             assert peak <= STALLED_VIEWER_BOUND, (
                 f"{peak} messages queued for a viewer that does not read ({FLOOD} sent by the controller)"
             )
+
+
+FAN_OUT_VIEWERS = 10
+CHATTER = 200  # messages, each written to FAN_OUT_VIEWERS viewers: 2,000 writes, past the burst of 500
+
+
+@pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
+async def test_a_message_counts_once_for_each_participant_the_room_writes_it_to(autojump_clock: Any) -> None:
+    """A controller's message is written to every other participant: with FAN_OUT_VIEWERS reading, CHATTER messages
+    are FAN_OUT_VIEWERS times as many writes, and the room takes them no faster than DATA_MESSAGES_PER_SECOND writes
+    past the burst (counted by messages read, one controller made the room write its 500 a second to each of up to
+    63 others). Virtual time: the worker's answer to the last message (chat is no control) comes no sooner."""
+    service = CounterService(fps=2, frames_per_chunk=1, size=(8, 8))
+    async with serve(settings(), service) as served:
+        created = await served.create("ctl")
+        async with contextlib.AsyncExitStack() as stack:
+            ctl = await stack.enter_async_context(join(served, created["room"], created["token"]))
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run")
+            for index in range(FAN_OUT_VIEWERS):
+                token = await served.viewer_token(created["session_id"], f"v{index}")
+                viewer = await stack.enter_async_context(join(served, created["room"], token))
+                await viewer.wait_for(lambda p: any(m["type"] == "joined" for m in p.texts()), "joined")
+            started = trio.current_time()
+            for _ in range(CHATTER):
+                await ctl.send("chat", {"n": 1})
+            await ctl.wait_for(lambda p: len(p.status("control_rejected")) == CHATTER, "the answers", timeout=600)
+            taken = trio.current_time() - started
+    writes = CHATTER * FAN_OUT_VIEWERS
+    # past the burst, every write but the last message's own is paid for before that message is read
+    paced = (writes - FAN_OUT_VIEWERS - data_pace.DATA_BURST) / data_pace.DATA_MESSAGES_PER_SECOND
+    assert taken >= paced, f"{writes} writes taken in {taken:.2f} s (virtual), under their pace ({paced:.2f} s)"
