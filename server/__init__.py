@@ -50,9 +50,22 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
     app = TrioASGIAnyWorker(create_app(settings))
+    # in a hypercorn worker: one server is one process (a second worker process was a second server on the port)
+    hypercorn_drain.refuse_several_workers(_refuse_several_workers)
     # in a hypercorn worker: when hypercorn is told to stop, the sessions drain before it closes connections
     hypercorn_drain.install(functools.partial(app.run_in_app_loop, app.extensions["chunkline"].drain_for_stop))
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
+
+
+def _refuse_several_workers(workers: int) -> None:
+    """``hypercorn --workers N`` (N > 1): one line, and the command fails as for a bad setting, before anything is
+    served. Each worker process was a server of its own on the one port (its own sessions, tokens, rooms and model
+    workers): a session made through one was a 404 through another, and its token was refused there."""
+    print(f"chunkline: hypercorn --workers {workers} would run {workers} separate servers on one port (each its own "
+          f"sessions, tokens and model workers); run one worker process (--workers 1, the default) and scale with "
+          f"CHUNKLINE_NUM_WORKERS or worker agents", file=sys.stderr, flush=True)
+    _end_hypercorn_supervisor()
+    os._exit(2)
 
 
 def _end_hypercorn_supervisor() -> None:

@@ -14,6 +14,10 @@ Under ``hypercorn --workers 0`` no supervisor tells the one process to stop: its
 stopped on its own signal handlers, both without a drain. So :func:`install` also wraps their ``worker_serve``:
 started without a stop trigger, it gets one that waits for SIGTERM or SIGINT, drains, and then lets hypercorn
 stop as it does on its supervisor's word.
+
+:func:`refuse_several_workers` wraps ``worker_serve`` once more: under ``hypercorn --workers N`` with N > 1 each of the
+N processes was a server of its own behind the one port (its own sessions, tokens, rooms and model workers), so a
+session made through one was a 404 through the others and its token was refused by them, without a word.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from typing import Any
 
 import trio
 
-__all__ = ["install", "WORKER_MODULES"]
+__all__ = ["install", "refuse_several_workers", "WORKER_MODULES"]
 
 log = logging.getLogger(__name__)
 
 #: hypercorn's worker modules whose ``check_multiprocess_shutdown_event`` becomes their workers' stop trigger
 WORKER_MODULES = ("hypercorn.trio.run", "hypercorn.asyncio.run")
 _DRAINS_FIRST = "chunkline_drains_first"
+_ONE_PROCESS = "chunkline_one_process"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -60,6 +65,30 @@ def install(drain: Callable[[], Awaitable[None]]) -> list[str]:
         if serve is not None and not getattr(serve, _DRAINS_FIRST, False):
             signalled = _trio_stop_signal if name == "hypercorn.trio.run" else _asyncio_stop_signal
             setattr(module, "worker_serve", _stopping_on_signals(serve, signalled, drain))
+    return wrapped
+
+
+def refuse_several_workers(refuse: Callable[[int], None]) -> list[str]:
+    """Make hypercorn's ``worker_serve`` call ``refuse(workers)`` before it serves anything when hypercorn runs more
+    than one worker process (``--workers N``, N > 1): ``refuse`` ends the process. Returns the modules wrapped."""
+    wrapped = []
+    for name in WORKER_MODULES:
+        module = sys.modules.get(name)
+        serve = getattr(module, "worker_serve", None)
+        if serve is None or getattr(serve, _ONE_PROCESS, False):
+            continue
+
+        @functools.wraps(serve)
+        async def worker_serve(app: Any, config: Any, *args: Any, _serve: Callable[..., Awaitable[None]] = serve,
+                               **kwargs: Any) -> None:
+            workers = getattr(config, "workers", 1)
+            if isinstance(workers, int) and workers > 1:
+                refuse(workers)
+            await _serve(app, config, *args, **kwargs)
+
+        setattr(worker_serve, _ONE_PROCESS, True)
+        setattr(module, "worker_serve", worker_serve)
+        wrapped.append(name)
     return wrapped
 
 

@@ -356,3 +356,41 @@ async def test_hypercorn_answering_beyond_this_host_without_an_api_key_is_warned
         await end_process(process)
     assert log.count(OPEN_WARNING) == (1 if warned else 0), log.decode(errors="replace")[-3000:]
     assert b"Traceback" not in log, log.decode(errors="replace")[-3000:]
+
+
+def processes_with(marker: str) -> list[int]:
+    """The live processes whose environment holds ``marker`` (hypercorn's supervisor and the workers it spawned)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes().split(b"\0") and b"State:\tZ" not in (
+                    environ.parent / "status").read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # it ended meanwhile, or is not ours
+            continue
+    return found
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+async def test_hypercorn_with_several_worker_processes_refuses_to_start_in_one_line(worker_class):
+    """``hypercorn --workers 2 server:app`` ran two servers of their own behind the one port, without a word: each
+    its own sessions, tokens, rooms and model worker, so a session made through one was a 404 through the other at
+    random and its token was refused there. Now every worker process says why in one line, before serving anything,
+    and the command fails as for a bad setting; no process is left."""
+    marker = f"HOSTILE_HYPERCORN_MARK={os.getpid()}-{worker_class}"
+    command = [sys.executable, "-m", "hypercorn", "--workers", "2", "--worker-class", worker_class,
+               "--bind", "127.0.0.1:0", APP_TARGET]
+    semaphores = set(os.listdir("/dev/shm"))
+    env = server_env() | dict([marker.split("=", 1)])
+    with trio.fail_after(START_DEADLINE):
+        done = await trio.run_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
+                                      capture_stdout=True, capture_stderr=True, check=False)
+        while left := processes_with(marker):  # the other worker says it too, on its own, a moment later
+            await trio.sleep(0.05)  # bench-cost: real-time poll of processes that are not ours to wait on
+    assert left == []
+    assert await semaphores_left_behind(semaphores) == []
+    err = done.stderr.decode(errors="replace")
+    assert "Traceback" not in err and "Running on" not in err, err
+    lines = {line for line in err.splitlines() if line.startswith("chunkline:")}
+    assert len(lines) == 1 and "--workers 2" in lines.pop(), err
+    assert done.returncode == BAD_SETTING_STATUS["supervised"], (done.returncode, err)
