@@ -97,6 +97,7 @@ def parse_int(option: str, value: Any, lo: int, hi: int | None) -> int:
 def parse_float(option: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
     if lo_open:
         expected = "a number of seconds > 0" if lo == 0 else f"a number > {lo:g}"
+        expected += "" if hi is None else f", at most {hi:g}"
     elif hi is not None:
         expected = f"a number between {lo:g} and {hi:g}"
     else:

@@ -45,7 +45,7 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
                         help=f"read the token here, not {TOKEN_ENV} (a regular file of UTF-8 text, at most 4 KiB)")
     worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle (or the authority's own certificate) to verify a tls:// authority")
     worker.add_argument("--drain-deadline", metavar="SECONDS", default="30",
-                        help="seconds live sessions get to finish on SIGTERM (default 30)")
+                        help="seconds live sessions get to finish on SIGTERM (default 30, at most 3600)")
     # what the authority's own workers get (its launchers pass its values; give them to external agents)
     worker.add_argument("--control-idle-timeout", metavar="SECONDS", default="10",
                         help="offered to a pipeline that takes control_idle_timeout (default 10)")
@@ -80,6 +80,33 @@ def _fits_the_wire(args: argparse.Namespace, devices: tuple[int, ...]) -> None:
             raise ValueError(f"{flag}: {exc}") from None
 
 
+#: what the agent adds to its ``--node`` for its worker id (``-`` and 8 hex digits: ``agent.py``), and the prefix
+#: of the participant it joins its rooms as (``chunkline-<worker id>``)
+WORKER_ID_SUFFIX = "-" + "0" * 8
+ROOM_PREFIX = "chunkline-"
+
+
+def _node_names_a_participant(node: str) -> None:
+    """The worker id ``<node>-<8 hex digits>`` must name a room participant (as ``chunkline-<worker id>``): the
+    authority refused any other for good (exit 3), once the pipeline had loaded and the startup check had run."""
+    from ..reasons import echo
+    from ..tokens import MAX_IDENTITY_LENGTH, IdentityError, validate_identity
+
+    try:
+        validate_identity(f"{ROOM_PREFIX}{node}{WORKER_ID_SUFFIX}")
+    except IdentityError:
+        most = MAX_IDENTITY_LENGTH - len(ROOM_PREFIX) - len(WORKER_ID_SUFFIX)
+        raise ValueError(f"--node: {echo(node)} cannot name this agent in its rooms: at most {most} characters, "
+                         f"letters, digits and _ . : @ - only") from None
+
+
+def _authority(url: str) -> None:
+    from .agent import parse_authority
+
+    if parse_authority(url)[2] == 0:
+        raise ValueError(f"--authority {url!r} needs a port 1-65535 (port 0 is no authority's)")
+
+
 def _launcher_pid(text: str | None) -> int | None:
     if text is None:
         return None
@@ -103,6 +130,7 @@ def _max_sessions(text: str) -> int | str:
 def cmd_worker(args: argparse.Namespace) -> int:
     import trio
 
+    from ..app import MAX_DRAIN_DEADLINE
     from ..setting_values import parse_float, read_secret_file
     from .agent import Agent, AgentOptions, parse_authority
     from .tls import client_tls_context
@@ -111,8 +139,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         if parse_authority(args.authority)[0] == "tls":
             client_tls_context(args.tls_ca)
+        _authority(args.authority)
         devices = _devices(args.devices)
         _fits_the_wire(args, devices)
+        _node_names_a_participant(args.node)
         max_sessions = _max_sessions(args.max_sessions)
         if not Path(args.pipeline).exists():
             raise ValueError(f"PIPE {args.pipeline!r} does not exist")
@@ -125,7 +155,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if len(token.encode()) < 16:
             raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least 16 bytes")
         launcher_pid = _launcher_pid(args.launcher_pid)
-        drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, lo_open=True)
+        # at most what a drain through the API may take: a SIGTERM with 1e300 drained for ever
+        drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, MAX_DRAIN_DEADLINE, lo_open=True)
         control_idle_timeout = parse_float("--control-idle-timeout", args.control_idle_timeout, 0.0, lo_open=True)
         default_fps = parse_float("--default-fps", args.default_fps, 1.0, 120.0)
     except (ValueError, OSError) as exc:
