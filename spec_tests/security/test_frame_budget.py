@@ -31,12 +31,14 @@ async def test_a_sockets_ping_flood_is_read_at_its_share_of_the_servers_budget()
     each is answered, and the flooder stays."""
     async with running(Deadlines(write=1.0, ping_interval=0.2, pong=5.0, head=1.0, idle=3.0)) as server:
         created = await server.session()
+        viewers: list[RoomClient] = []
         async with trio.open_nursery() as nursery:
             for index in range(VIEWERS):
                 status, body = await server.request(
                     "POST", f"/v1/stream/sessions/{created['session_id']}/tokens", {"identity": f"v{index}"})
                 assert status == 200, body
                 viewer = await server.room(created, body["token"])
+                viewers.append(viewer)
                 with trio.fail_after(WAIT):
                     joined = await viewer.receive()  # sent once the room holds the socket, its share taken
                 assert joined["type"] == "joined", joined
@@ -56,6 +58,8 @@ async def test_a_sockets_ping_flood_is_read_at_its_share_of_the_servers_budget()
             assert elapsed >= (FLOOD - SHARE_BURST) / SHARE, f"{FLOOD} pings answered in {elapsed:.2f} s"
             await stream.aclose()
             nursery.cancel_scope.cancel()
+        for viewer in viewers:
+            await viewer.aclose()
 
 
 async def read_all(room: RoomClient) -> None:
