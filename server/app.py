@@ -18,6 +18,7 @@ import trio
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
+from werkzeug.routing import WebsocketMismatch
 
 from . import json_limits, option_check
 from .http_framing import longest_body_seconds
@@ -178,6 +179,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         reads its own query (``parse_list_query``); the demo page and its files take none of the API's rules."""
         if request.method == "OPTIONS" or not request.path.startswith(API_PREFIXES):
             return None
+        if request.routing_exception is not None:  # no route takes it (a 404, a 405, a room's path over plain HTTP)
+            return None
         if request.args and not (request.method == "GET" and request.path == "/v1/stream/sessions"):
             names = echo_each(sorted(set(request.args.keys())))
             return error(400, "invalid_query", f"this route takes no query parameters; got {names}")
@@ -214,6 +217,11 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             detail = (f"the request body is larger than this server takes ({settings.max_body_bytes} bytes: "
                       f"--max-body-bytes)")
             return error(413, code, detail, {"Connection": "close"})
+        if isinstance(exc, WebsocketMismatch):  # werkzeug's words were "the browser (or proxy) sent a request that
+            # this server could not understand", naming nothing
+            return error(400, "bad_websocket_handshake", f"{echo(request.path)} is a room's WebSocket: open it with a "
+                                                         "WebSocket handshake (GET, Upgrade: websocket), the room's "
+                                                         "token in ?token=")
         return error(exc.code or 500, code, exc.description or code)
 
     @app.errorhandler(BadRequest)
