@@ -20,6 +20,7 @@ import trio
 
 from states.worker import ELIGIBLE
 
+from .log_pace import LogPace
 from .reasons import public_reason, without_prefix
 from .requests import OptionsRefused
 
@@ -50,6 +51,7 @@ class OptionCheckers:
         self.limiter = trio.CapacityLimiter(MAX_CHECKS_AT_ONCE)
         self._turn = 0
         self._failed: set[str] = set()  # workers whose last check failed or was slow; ids of ready workers only
+        self.failures = LogPace(log)  # one line for each create a mute worker failed flooded the log
 
     def order(self, ready: list[Any]) -> list[Any]:
         """``ready`` starting at the next worker's turn, those whose last check failed moved to the end."""
@@ -108,7 +110,7 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
         except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken
             if asked_at is not None:  # not one whose deadline passed while others' checks held every turn
                 checkers.failed(worker.worker_id)
-            log.warning("worker %s could not check a session's options: %r", worker.worker_id, exc)
+            checkers.failures.warning("worker %s could not check a session's options: %r", worker.worker_id, exc)
             # the failure's own words, never its type (a public 503 said "RuntimeError: worker lost: ...")
             reason = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc, prefix_type=False)
             if trio.current_time() >= give_up:
@@ -116,4 +118,6 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
         else:
             checkers.answered(worker.worker_id, trio.current_time() - asked_at)  # type: ignore[operator]
             return
+    if not options:  # taken unchecked, as with no worker ready (it was a 503 here: a mute worker refused every create)
+        return
     raise NoWorker(f"{NOT_CHECKED} {without_prefix(reason, NOT_CHECKED)}", NO_WORKER_RETRY_AFTER) from None

@@ -9,6 +9,8 @@ is held: a one-slot server with no queue takes the next valid create at once.
 from __future__ import annotations
 
 import functools
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from pipelines.contract import SessionConfig
 from pipelines.loader import load_service
 from pipelines.replay import ReplayService
 from server import option_check
+from server.log_pace import LOG_BURST
 from server.process_service import start_process_service
 
 from . import runner_fixtures
@@ -145,6 +148,38 @@ async def test_a_check_that_never_answers_is_a_503_at_its_deadline(monkeypatch: 
         assert "could not be checked: no answer in time" in body["detail"]
         assert not list(s.runtime.registry) and s.free_slots() == 1
         assert s.runtime.option_checks.limiter.borrowed_tokens == 0
+
+
+async def test_a_create_with_no_options_is_taken_unchecked_when_no_worker_answers(autojump_clock: Any) -> None:
+    """When the check gets no answer, a create with options is a 503 and one without is taken, as with every worker
+    loading (the README's word, and check_options' own): it was a 503 as well, so one mute worker turned away every
+    create, options or not."""
+    async with runner_fixtures.serve(runner_fixtures.settings(), SilentCheck()) as s:
+        asked = trio.current_time()
+        status, body = await s.json("post", SESSIONS, json={"identity": "ctl"})
+        assert status == 200 and body["status"] == "assigned", body
+        assert trio.current_time() - asked >= option_check.WORKER_CHECK_TIMEOUT  # it did wait for the answer
+        status, body = await s.json("post", SESSIONS, json={"identity": "ctl-2", "config": {"continuous": True}})
+        assert status == 503 and "could not be checked: no answer in time" in body["detail"], body
+        assert s.runtime.option_checks.limiter.borrowed_tokens == 0
+
+
+async def test_checks_that_get_no_answer_are_logged_at_a_pace(autojump_clock: Any, caplog: pytest.LogCaptureFixture):
+    """One warning for every create that a mute worker failed to check: a flood of creates flooded the log."""
+    caplog.set_level(logging.WARNING, logger="chunkline.runtime")
+    creates = 3 * LOG_BURST
+    async with runner_fixtures.serve(runner_fixtures.settings(), SilentCheck()) as s:
+        async with trio.open_nursery() as nursery:
+            for index in range(creates):
+                nursery.start_soon(functools.partial(s.json, "post", SESSIONS,
+                                                     json={"identity": f"c{index}", "config": {"continuous": True}}))
+        await trio.sleep(60)  # the pace allows a line again
+        status, _ = await s.json("post", SESSIONS, json={"identity": "late", "config": {"continuous": True}})
+        assert status == 503
+    lines = [r.getMessage() for r in caplog.records if "could not check a session's options" in r.getMessage()]
+    assert LOG_BURST <= len(lines) < creates, len(lines)
+    left_out = re.search(r"\((\d+) more like it were not logged\)", lines[-1])
+    assert left_out is not None and len(lines) + int(left_out.group(1)) == creates + 1, lines[-1]
 
 
 #: a pipeline that requires an option: its check (the one its create_session runs) refuses a config without it
