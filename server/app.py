@@ -192,8 +192,10 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         """A 401 unless the request carries the API key (compared in constant time), or none is set."""
         if not settings.api_key:
             return None
-        header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if hmac.compare_digest(header, f"Bearer {settings.api_key}".encode()):
+        # the scheme is case-insensitive (RFC 9110 11.1): "bearer <key>" was a 401
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.encode("utf-8", "surrogateescape"),
+                                                                settings.api_key.encode()):
             return None
         return error(401, "unauthorized", "this route needs 'Authorization: Bearer <api key>'",
                      {"WWW-Authenticate": "Bearer"})
