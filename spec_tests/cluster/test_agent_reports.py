@@ -81,14 +81,17 @@ class FakeAgent:
         """A message as JSON: this side's own classes refuse to build one out of bounds."""
         await self.channel.send_body(json.dumps({"v": wire.PROTOCOL, **body}).encode())
 
-    async def create(self, client: httpx.AsyncClient, **answer: Any) -> httpx.Response:
-        """POST a session; the authority asks this agent to check its options first: answered with ``answer``'s
-        fields (none: accepted)."""
+    async def create(
+        self, client: httpx.AsyncClient, config: dict[str, Any] | None = None, **answer: Any
+    ) -> httpx.Response:
+        """POST a session (with ``config``, its options); the authority asks this agent to check its options first:
+        answered with ``answer``'s fields (none: accepted)."""
         created: list[httpx.Response] = []
         async with trio.open_nursery() as nursery:
 
             async def post() -> None:
-                created.append(await client.post("/v1/stream/sessions", json={"identity": "alice"}))
+                body = {"identity": "alice"} if config is None else {"identity": "alice", "config": config}
+                created.append(await client.post("/v1/stream/sessions", json=body))
 
             nursery.start_soon(post)
             check = await self.expect(wire.CheckOptions)
@@ -197,7 +200,8 @@ async def test_an_agent_that_could_not_check_options_is_answered_and_logged_cut(
     """OptionsChecked's error (the agent could not check) is the create's 503 and a log line: both cut."""
     async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, \
             ready_agent(authority, "long-check-error") as agent:
-        created = await agent.create(client, error="ValueError: " + "x" * HUGE)
+        # with options: a create without them is taken unchecked when its check fails
+        created = await agent.create(client, {"k": 1}, error="ValueError: " + "x" * HUGE)
         assert created.status_code == 503, created.text[:300]
         assert "xxx" in created.json()["detail"] and len(created.text) < SHORT, created.text[:300]
         await until(lambda: "could not check a session's options" in authority.process.text(1_000_000),
@@ -216,7 +220,8 @@ async def test_an_agent_s_answer_to_an_option_check_is_told_as_the_agent_s_and_p
         assert created.status_code == 400 and created.json()["error"] == "invalid_option", created.text
         assert created.json()["detail"] == "config: worker 'says-config' refused them: option 'k' is not one this " \
                                            "world takes", created.text
-        created = await agent.create(client, error="the session's options could not be checked: the model is busy")
+        created = await agent.create(client, {"k": 1},
+                                     error="the session's options could not be checked: the model is busy")
         assert created.status_code == 503, created.text
         assert created.json()["detail"] == "the session's options could not be checked: worker 'says-config': the " \
                                            "model is busy", created.text

@@ -52,7 +52,10 @@ async def test_sessions_run_on_agents_spread_over_workers_and_health_lists_them(
             assert entry["state"] == "busy" and entry["retained"] == 1 and entry["capacity"] == 1
             assert entry["launcher"] == "local" and entry["liveness"] == "ready" and entry["pid"] > 0
             assert 0 <= entry["heartbeat_age"] < DEADLINE
-        assert any(m.get("identity") == f"chunkline-{ra['worker_id']}" for m in a.inbox if isinstance(m, dict))
+        # the controller sees its agent in the room: joined after it, or there when it joined (whichever came first)
+        agent = f"chunkline-{ra['worker_id']}"
+        assert any(m.get("identity") == agent or agent in m.get("participants", ())
+                   for m in a.inbox if isinstance(m, dict) and m.get("type") in ("joined", "participant_joined"))
         metadata = (await client.get("/v1/service/metadata")).json()
         assert metadata["workers_launcher"] == "local"
         assert metadata["cluster"]["workers_expected"] == 2

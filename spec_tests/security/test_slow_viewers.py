@@ -123,7 +123,7 @@ class Reader:
         try:
             while True:
                 raw = await self.ws.receive()  # type: ignore[attr-defined]
-                await trio.sleep(len(raw) / READ_RATE)  # the link's speed, not a synchronization
+                await trio.sleep(len(raw) / READ_RATE)  # bench-cost: the link's speed (virtual on the autojump clock)
                 message = json.loads(raw) if isinstance(raw, str) else {}
                 if message.get("type") == "refused":
                     self.refused.append(message["reason"])
