@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,35 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@asynccontextmanager
+async def served_process(pipeline: str, *flags: str) -> AsyncIterator[tuple[subprocess.Popen, int]]:
+    """A real ``chunkline stream-serve`` of ``pipeline`` on a free loopback port, ready (or a TooSlowError after
+    180 s): yields the process and its port, and stops it with SIGTERM afterwards (killed if it takes 70 s)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "stream-serve", pipeline, "--port", str(port), *flags],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            with trio.fail_after(180):
+                while True:
+                    try:
+                        if (await http.get("/v1/service/ready")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await trio.sleep(0.2)
+        yield process, port
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=70)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def process_figures(pid: int) -> dict[str, Any]:
@@ -295,25 +326,12 @@ async def raw_attacks(host: str, port: int, tally: Tally) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "stream-serve", args.pipeline, "--port", str(port),
-         "--max-sessions-per-worker", str(args.honest + 2), "--controller-timeout", "30"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    flags = ("--max-sessions-per-worker", str(args.honest + 2), "--controller-timeout", "30")
     host = "127.0.0.1"
-    base = f"http://{host}:{port}"
     tally = Tally()
-    try:
+    async with served_process(args.pipeline, *flags) as (process, port):
+        base = f"http://{host}:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-            with trio.fail_after(180):
-                while True:
-                    try:
-                        if (await http.get("/v1/service/ready")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await trio.sleep(0.2)
             honest = [Honest() for _ in range(args.honest)]
             async with trio.open_nursery() as nursery:
                 for index, stats in enumerate(honest):
@@ -355,13 +373,6 @@ async def main(args: argparse.Namespace) -> None:
             emit({"figure": "summary", "attack_p95_ratio": ratio, "goal_ratio": 1.5, "http_5xx": tally.server_errors,
                   "resources_back_to_baseline": back, "answers": dict(sorted(tally.answers.items())),
                   "load_1m": os.getloadavg()[0], "note": "shared 2-core machine; ratios within one run"})
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=70)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def cli() -> None:

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import socket
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -36,7 +33,7 @@ from wsproto.events import AcceptConnection, CloseConnection, Ping, Request, Tex
 from server.transport.client import RoomClient
 
 from .clients import control_state
-from .hostile import ROOT, SESSIONS, emit, free_port
+from .hostile import SESSIONS, emit, served_process
 
 BIG = {"topic": "chat", "payload": "a" * 12000}  # a data message near the 12 KiB limit
 
@@ -134,24 +131,12 @@ async def slow_viewer(host: str, port: int, target: str, rate: float, outcome: d
 
 
 async def main(args: argparse.Namespace) -> None:
-    port = free_port()
     attacker_sessions = (args.sockets + 31) // 32
-    process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "stream-serve", args.pipeline, "--port", str(port),
-         "--max-sessions-per-worker", "1", "--queue-size", str(attacker_sessions + 1), "--controller-timeout", "600"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    flags = ("--max-sessions-per-worker", "1", "--queue-size", str(attacker_sessions + 1),
+             "--controller-timeout", "600")
     host = "127.0.0.1"
-    try:
+    async with served_process(args.pipeline, *flags) as (_process, port):
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=30) as http:
-            with trio.fail_after(180):
-                while True:
-                    try:
-                        if (await http.get("/v1/service/ready")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await trio.sleep(0.2)
             created = (await http.post(SESSIONS, json={"identity": "honest", "config": {"continuous": True}})).json()
             room = await RoomClient.connect(host, port, f"{created['websocket_path']}?token={created['token']}")
             stats = Honest()
@@ -207,13 +192,6 @@ async def main(args: argparse.Namespace) -> None:
                     record.update(viewers=len(viewer_targets), viewer_rate=args.viewer_rate,
                                   messages_sent=sent, **outcome)
                 emit(record)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=70)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def cli() -> None:
