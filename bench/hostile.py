@@ -218,7 +218,9 @@ async def http_attacks(http: httpx.AsyncClient, tally: Tally) -> None:
         await trio.sleep(0.05)
 
 
-async def handshake(host: str, port: int, target: str, *, rcvbuf: int | None = None) -> tuple[trio.SocketStream, WSConnection]:
+async def ask_upgrade(host: str, port: int, target: str, *, rcvbuf: int | None = None) -> tuple[trio.SocketStream, WSConnection]:
+    """A raw socket (its receive buffer ``rcvbuf`` bytes, to play a slow reader) that has sent a WebSocket upgrade
+    for ``target``; the answer is the caller's to read."""
     sock = socket.socket()
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -227,6 +229,11 @@ async def handshake(host: str, port: int, target: str, *, rcvbuf: int | None = N
     await stream.socket.connect((host, port))
     ws = WSConnection(ConnectionType.CLIENT)
     await stream.send_all(ws.send(Request(host="x", target=target)))
+    return stream, ws
+
+
+async def handshake(host: str, port: int, target: str, *, rcvbuf: int | None = None) -> tuple[trio.SocketStream, WSConnection]:
+    stream, ws = await ask_upgrade(host, port, target, rcvbuf=rcvbuf)
     await stream.receive_some(65536)
     return stream, ws
 

@@ -21,32 +21,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import time
 from typing import Any
 
 import httpx
 import trio
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, CloseConnection, Ping, Request, TextMessage
+from wsproto import WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Ping, TextMessage
 
 from server.transport.client import RoomClient
 
 from .clients import control_state
-from .hostile import SESSIONS, emit, served_process
+from .hostile import SESSIONS, ask_upgrade, emit, served_process
 
 BIG = {"topic": "chat", "payload": "a" * 12000}  # a data message near the 12 KiB limit
 
 
 async def open_socket(host: str, port: int, target: str, rcvbuf: int | None = None) -> tuple[trio.SocketStream, WSConnection]:
-    sock = socket.socket()
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.setblocking(False)
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
-    await stream.socket.connect((host, port))
-    ws = WSConnection(ConnectionType.CLIENT)
-    await stream.send_all(ws.send(Request(host="x", target=target)))
+    """A raw WebSocket the room accepted (a refusal raises)."""
+    stream, ws = await ask_upgrade(host, port, target, rcvbuf=rcvbuf)
     while True:
         data = await stream.receive_some(65536)
         if not data:
