@@ -39,7 +39,7 @@ from ..json_limits import JsonRefused, loads as json_loads
 from ..reasons import echo, echo_each
 from .tls import ssl_detail
 from .wire_values import (
-    MAX_CAPACITY, capacity, device_indexes, flag, identities, integer, label, node_name, obj, opt_label, opt_text,
+    MAX_CAPACITY, capacity, device_indexes, drain_seconds, flag, identities, integer, label, node_name, obj, opt_label, opt_text,
     plan, process_id, report, seconds, settings_taken, text, texts,
 )
 
@@ -260,7 +260,7 @@ class Stop(Message):
 @attrs.frozen
 class Drain(Message):
     TYPE = "drain"
-    deadline: float = attrs.field(converter=seconds)  # seconds live sessions may take to finish
+    deadline: float = attrs.field(converter=drain_seconds)  # seconds live sessions may take to finish (an hour at most)
 
 
 @attrs.frozen

@@ -11,7 +11,7 @@ from ..reasons import echo
 from ..tokens import MAX_IDENTITY_LENGTH
 
 __all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer",
-           "texts", "obj", "opt_obj", "capacity", "plan", "positive", "settings_taken",
+           "texts", "obj", "opt_obj", "capacity", "plan", "positive", "settings_taken", "drain_seconds", "MAX_DRAIN_SECONDS",
            "SESSION_SETTINGS", "MAX_PARTICIPANTS", "MAX_REPORT_CHARS", "MAX_LABEL", "MAX_NODE", "MAX_DEVICES",
            "label", "opt_label", "node_name", "device_indexes", "process_id", "identities", "report"]
 
@@ -29,6 +29,10 @@ MAX_LABEL = 64
 MAX_NODE = 255
 #: device indexes one agent may report (a node with eight GPUs of seven MIG instances each has 56)
 MAX_DEVICES = 256
+#: seconds a drain may give live sessions, either way on the wire: what a drain through the API takes at most
+#: (``server.app.MAX_DRAIN_DEADLINE``) and ``chunkline worker --drain-deadline``; taken unbounded, an agent's own
+#: drain held its worker draining, heartbeating, for as long as it liked
+MAX_DRAIN_SECONDS = 3600.0
 
 
 def kind_of(value: object) -> str:
@@ -62,6 +66,14 @@ def seconds(value: object) -> float:
     count = number(value)
     if not 0 < count < math.inf:
         raise TypeError(f"must be a number of seconds > 0, got {count!r}")
+    return count
+
+
+def drain_seconds(value: object) -> float:
+    """A drain's deadline: seconds > 0, at most :data:`MAX_DRAIN_SECONDS`."""
+    count = seconds(value)
+    if count > MAX_DRAIN_SECONDS:
+        raise TypeError(f"must be at most {MAX_DRAIN_SECONDS:g} seconds, got {count!r}")
     return count
 
 

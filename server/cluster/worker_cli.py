@@ -130,10 +130,10 @@ def _max_sessions(text: str) -> int | str:
 def cmd_worker(args: argparse.Namespace) -> int:
     import trio
 
-    from ..app import MAX_DRAIN_DEADLINE
     from ..setting_values import parse_float, read_secret_file
     from .agent import Agent, AgentOptions, parse_authority
     from .tls import client_tls_context
+    from .wire_values import MAX_DRAIN_SECONDS
 
     prefix = "chunkline worker"
     try:
@@ -155,8 +155,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         if len(token.encode()) < 16:
             raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least 16 bytes")
         launcher_pid = _launcher_pid(args.launcher_pid)
-        # at most what a drain through the API may take: a SIGTERM with 1e300 drained for ever
-        drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, MAX_DRAIN_DEADLINE, lo_open=True)
+        # at most what a drain through the API may take, and what the wire carries: a SIGTERM with 1e300 drained for ever
+        drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, MAX_DRAIN_SECONDS, lo_open=True)
         control_idle_timeout = parse_float("--control-idle-timeout", args.control_idle_timeout, 0.0, lo_open=True)
         default_fps = parse_float("--default-fps", args.default_fps, 1.0, 120.0)
     except (ValueError, OSError) as exc:

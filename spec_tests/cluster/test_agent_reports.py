@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,14 @@ from server.cluster.dial_ends import MAX_PROVEN_REASON
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 from server.cluster.remote import STOP_DEADLINE
 from server.cluster.rooms import RemoteRooms
-from server.cluster.wire_values import MAX_DEVICES, MAX_LABEL, MAX_NODE, MAX_PARTICIPANTS, MAX_REPORT_CHARS
+from server.cluster.wire_values import (
+    MAX_DEVICES, MAX_DRAIN_SECONDS, MAX_LABEL, MAX_NODE, MAX_PARTICIPANTS, MAX_REPORT_CHARS,
+)
 from server.reasons import MAX_REASON
 from server import runner
 from server.tokens import MAX_IDENTITY_LENGTH
 
-from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
+from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, Process, chunkline, clean_env, until
 from .test_hostile_agents import PLAN, closed_by_peer, dial, losses, register, say_ready
 
 #: more than any field a real agent sends; two of them less than an agent's frame (wire.MAX_AGENT_FRAME_BYTES)
@@ -43,12 +45,8 @@ REPEATED = "x" * 300
 
 
 @pytest.fixture(scope="module")
-def authority() -> Iterator[Cluster]:
-    found = start_authority(launcher="external", workers=1)
-    try:
-        yield found
-    finally:
-        found.stop()
+def authority(external_authority: Cluster) -> Cluster:
+    return external_authority
 
 
 class FakeAgent:
@@ -295,6 +293,10 @@ OUT_OF_BOUNDS: dict[str, tuple[str, dict[str, Any]]] = {
                                                     "plan": PLAN, "startup_check": {"status": "x" * HUGE}}),
     "ready-settings-taken": ("ready.settings_taken", {"type": "ready", "capacity": 1, "kind": "bidirectional",
                                                       "plan": PLAN, "settings_taken": {"x": ["x"] * (HUGE // 8)}}),
+    # an hour at most, as a drain through the API and `chunkline worker --drain-deadline`: taken whole, a draining
+    # agent that heartbeats was never lost for not saying goodbye
+    "drain-deadline": ("drain.deadline", {"type": "drain", "deadline": MAX_DRAIN_SECONDS + 1}),
+    "drain-deadline-huge": ("drain.deadline", {"type": "drain", "deadline": 1e300}),
 }
 
 
@@ -302,8 +304,9 @@ OUT_OF_BOUNDS: dict[str, tuple[str, dict[str, Any]]] = {
 async def test_a_report_past_what_any_agent_sends_is_a_protocol_error_naming_the_field(authority: Cluster,
                                                                                       case: str) -> None:
     """Participants (at most a room's 64, each at most an identity's 128 characters), a service kind (a name),
-    a capacity plan, a startup check and the settings a pipeline took (a few KiB of JSON each): past those, the
-    agent is lost with a protocol error naming the field; the authority kept each whole."""
+    a capacity plan, a startup check and the settings a pipeline took (a few KiB of JSON each), a drain's deadline
+    (an hour): past those, the agent is lost with a protocol error naming the field; the authority kept each whole
+    (and held a drain open past the deadline plus its grace)."""
     field, body = OUT_OF_BOUNDS[case]
     worker_id = f"oob-{case}"
     channel, reply = await register(authority, worker_id)

@@ -67,6 +67,8 @@ def test_every_message_round_trips(message: wire.Message) -> None:
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat_ack"}).encode(), "heartbeat_ack: missing field(s) seq"),
         (json.dumps({"v": wire.PROTOCOL, "type": "drain", "deadline": -1}).encode(),
          "drain.deadline: must be a number of seconds > 0, got -1.0"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "drain", "deadline": 3601}).encode(),
+         "drain.deadline: must be at most 3600 seconds, got 3601.0"),  # what a drain through the API takes at most
         (b'{"v": %d, "type": "drain", "deadline": 1e999}' % wire.PROTOCOL,
          "the number '1e999' is too large for a float"),  # refused as it is parsed, before it is infinity
         (json.dumps({"v": wire.PROTOCOL, "type": "ready", "capacity": 0, "kind": "x", "plan": {}}).encode(),

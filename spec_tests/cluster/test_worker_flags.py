@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from server.app import MAX_DRAIN_DEADLINE
+from server.cluster.wire_values import MAX_DRAIN_SECONDS
 from server.cluster.worker_cli import ROOM_PREFIX, WORKER_ID_SUFFIX
 from server.tokens import MAX_IDENTITY_LENGTH
 
@@ -32,6 +33,12 @@ def test_the_worker_command_refuses_a_flag_that_could_only_fail_later(flags: lis
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.startswith("chunkline worker: error: ") and named in run.stderr, run.stderr[-2000:]
     assert len(run.stderr.splitlines()) == 1, run.stderr[-2000:]
+
+
+def test_the_wire_carries_the_longest_drain_an_api_drain_or_the_worker_command_takes() -> None:
+    """One bound for a drain's deadline: what the API takes, what ``--drain-deadline`` takes and what the authority
+    takes from an agent (past it a drain is a protocol error, ``test_agent_reports.py``)."""
+    assert MAX_DRAIN_SECONDS == MAX_DRAIN_DEADLINE
 
 
 async def test_the_longest_node_the_worker_command_takes_is_one_the_authority_registers() -> None:
