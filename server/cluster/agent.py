@@ -49,7 +49,7 @@ from ..server_folders import remove_stale_folders
 from . import proofs, tls, wire
 from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
-from .dial_ends import DIAL_DEADLINES, End, Ended, Patience, answer, unproven_busy
+from .dial_ends import DIAL_DEADLINES, WAITED, DialLog, End, Ended, Patience, answer, unproven_busy
 from .identity import chunkline_version, pipeline_digest, pipeline_name
 from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
 
@@ -121,6 +121,7 @@ class Agent:
             **extra,
         )
         self.worker_id: str | None = None
+        self.dial_log = DialLog(options.authority)
         self.sessions = AgentSessions(self.worker, self.metrics, self.send)
         self._nursery: trio.Nursery | None = None
         self._ready: wire.Ready | None = None
@@ -207,19 +208,14 @@ class Agent:
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
                 # agent yet), or nothing answers at its address (it restarts): dial again soon, not counted
                 delay = patience.delay(ended, trio.current_time())
-                what = {End.BUSY: "is busy", End.TRANSIENT: "refused this worker for now",
-                        End.UNREACHABLE: "is unreachable",
-                        End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority (is this the --cluster-port, "
-                                              "not the HTTP port?)"}[ended.kind]
                 # ended.why is the authority's own proven reason, cut (dial_ends.MAX_PROVEN_REASON): it repeats an
                 # agent's text only echo()-ed
                 if delay is None:
                     log.error("agent at %s: the authority %s (%s) for more than %.0f s; giving up",
-                              self.options.authority, what, ended.why, DIAL_DEADLINES[ended.kind])
+                              self.options.authority, WAITED[ended.kind], ended.why, DIAL_DEADLINES[ended.kind])
                     # nothing there speaks the protocol: another agent given this address would fail the same way
                     return EXIT_REFUSED if ended.kind is End.NOT_AN_AUTHORITY else 1
-                log.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted toward "
-                            "giving up)", self.options.authority, what, ended.why, delay)
+                self.dial_log.waiting(ended, delay, trio.current_time())
                 with trio.move_on_after(delay):
                     await self._drained.wait()
                 continue
@@ -311,7 +307,8 @@ class Agent:
         self.worker_id = worker_id
         self.worker.worker_id = worker_id  # runners join rooms as chunkline-<worker id>
         self.sessions.attach(welcome)
-        log.info("registered as %s with %s", worker_id, self.options.authority)
+        log.info("registered as %s with %s%s", worker_id, self.options.authority,
+                 self.dial_log.registered(trio.current_time()))
         outbox_send, outbox = trio.open_memory_channel[wire.Message](OUTBOX)
         self._outbox = outbox_send
         self._flushed = trio.Event()

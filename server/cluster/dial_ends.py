@@ -9,7 +9,8 @@ the agent waits and dials again without counting it, for :data:`TRANSIENT_DEADLI
 permanent refusal (another version or pipeline) ends the agent with exit code 3; so does a crash loop of
 unproven ones, frames of another wire protocol version among them. A proven Busy (the
 authority has as many handshakes pending as it allows: someone may be flooding it) is waited out,
-however long it lasts: only a holder of the token can say it.
+however long it lasts: only a holder of the token can say it. Such waits are logged at a pace
+(:class:`DialLog`): an authority down for its 300 s made an agent log a line for each dial, one a second.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import attrs
 
 from states.restart_policy import RestartPolicy
 
+from ..log_pace import LogPace
 from ..reasons import cut, echo
 from . import proofs, wire
 
-__all__ = ["DIAL_DEADLINES", "End", "Ended", "answer", "Patience", "TRANSIENT_DEADLINE", "UNREACHABLE_DEADLINE",
-           "NOT_AN_AUTHORITY_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON"]
+__all__ = ["DIAL_DEADLINES", "End", "Ended", "answer", "Patience", "DialLog", "TRANSIENT_DEADLINE",
+           "UNREACHABLE_DEADLINE", "NOT_AN_AUTHORITY_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON", "DIAL_LOG_EVERY", "WAITED"]
 
 log = logging.getLogger("chunkline.agent")
 
@@ -44,6 +46,9 @@ UNREACHABLE_DEADLINE = 300.0
 #: deadline, or bytes that are not a frame: the HTTP port given for the cluster port) after which an agent gives up
 #: (exit 3); counted toward the crash-loop limit, they never filled its window, each taking the 10 s deadline
 NOT_AN_AUTHORITY_DEADLINE = 60.0
+#: seconds between an agent's lines while one kind of dial keeps waiting (unreachable, busy, refused for now, not an
+#: authority): the first is logged at once, then one with the count at most this often
+DIAL_LOG_EVERY = 30.0
 #: the waits between dials the authority asked for (busy, a transient refusal): short, bounded, never counted
 WAIT_POLICY = RestartPolicy(base_delay=0.2, max_delay=2.0, max_failures=8, window=60.0)
 
@@ -128,3 +133,39 @@ class Patience:
 
 DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABLE_DEADLINE,
                   End.NOT_AN_AUTHORITY: NOT_AN_AUTHORITY_DEADLINE}
+
+
+#: what each kind of waited dial says the authority did
+WAITED = {End.BUSY: "is busy", End.TRANSIENT: "refused this worker for now", End.UNREACHABLE: "is unreachable",
+          End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority (is this the --cluster-port, not the HTTP "
+                                "port?)"}
+
+
+class DialLog:
+    """An agent's lines about its waited dials: the first of each kind at once, then one line with the count at most
+    every :data:`DIAL_LOG_EVERY` seconds (:class:`~server.log_pace.LogPace`), and the count once it registers."""
+
+    def __init__(self, at: str) -> None:
+        self.at = at
+        self.paces: dict[End, LogPace] = {}
+        self.dials = 0  # waited dials since the last registration
+        self.since = 0.0  # when the first of them ended
+
+    def waiting(self, ended: Ended, delay: float, now: float) -> None:
+        """A waited dial ended (``ended.why`` is the authority's own proven reason, cut, or this side's words)."""
+        if not self.dials:
+            self.since = now
+        self.dials += 1
+        pace = self.paces.setdefault(ended.kind, LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY))
+        pace.warning("agent at %s: the authority %s (%s); %d dials in %.0f s have not registered; dialing again in "
+                     "%.1f s (not counted toward giving up)", self.at, WAITED[ended.kind], ended.why, self.dials,
+                     now - self.since, delay)
+
+    def registered(self, now: float) -> str:
+        """What a registration line adds of the waited dials before it (and a fresh count starts)."""
+        if not self.dials:
+            return ""
+        said = f" after {self.dials} dials over {now - self.since:.0f} s that did not register"
+        self.dials = 0
+        self.paces.clear()
+        return said

@@ -3,13 +3,16 @@
 allows, and not counted; a proven permanent one exits 3 with its reason; a Busy nobody proved (an impostor at the
 authority's address) counts as a failed connect, so it cannot keep the agent idle for ever; a crash loop of hellos
 of another wire protocol exits 3; dials that an authority (or an address) closes before its hello are dialed again
-uncounted, up to the unreachable deadline.
+uncounted, up to the unreachable deadline. Those waited dials are logged at a pace: the first, then a line with the
+count every ``DIAL_LOG_EVERY`` seconds at most, and the count once the agent registers.
 
 The authority here is the test, speaking the wire (``server.cluster.wire``) with the real proofs."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,7 +21,7 @@ import trio
 
 from server.cluster import proofs, wire
 from server.cluster.agent import EXIT_REFUSED, REREGISTER_POLICY
-from server.cluster.dial_ends import NOT_AN_AUTHORITY_DEADLINE, End, Ended, Patience
+from server.cluster.dial_ends import DIAL_LOG_EVERY, NOT_AN_AUTHORITY_DEADLINE, End, Ended, Patience
 
 from .conftest import TINY, TOKEN, Process, chunkline, clean_env
 from .test_hostile_authority import START_DEADLINE, serve, welcome
@@ -52,16 +55,46 @@ async def agent_dialing(handler: Callable[[trio.SocketStream], Awaitable[None]])
             nursery.cancel_scope.cancel()
 
 
-async def dialed_uncounted_past_the_crash_loop_limit(agent: Process, why: str) -> str:
-    """Wait until the agent logged ``why`` for more dials than its crash-loop limit allows; it must still run, each
-    dial not counted. Returns its log."""
-    dials = REREGISTER_POLICY.max_failures + 2  # past the crash-loop limit, had these counted
+#: the count a waited dial's line carries (dial_ends.DialLog)
+WAITED_DIALS = re.compile(r"(\d+) dials in \d+ s have not registered")
+
+
+def waited_dials(log: str) -> int:
+    """The most waited dials the agent's paced lines counted so far."""
+    return max((int(count) for count in WAITED_DIALS.findall(log)), default=0)
+
+
+def paced(log: str, why: str, seconds: float) -> bool:
+    """At most the first line saying ``why`` and one each DIAL_LOG_EVERY since (one a dial, it flooded the log)."""
+    return 1 <= log.count(why) <= 2 + seconds // DIAL_LOG_EVERY
+
+
+def counting(handler: Callable[[trio.SocketStream], Awaitable[None]]) -> tuple[list[int], Callable[..., Any]]:
+    """``handler`` with a count of the connections it answered."""
+    dials = [0]
+
+    async def counted(stream: trio.SocketStream) -> None:
+        dials[0] += 1
+        await handler(stream)
+
+    return dials, counted
+
+
+async def dialed_uncounted_past_the_crash_loop_limit(agent: Process, why: str, dials: list[int]) -> str:
+    """Wait until the agent dialed (``dials``: the answering side's count) more often than its crash-loop limit
+    allows, each ending with ``why``; it must still run, each dial not counted, and have logged them paced. Returns
+    its log."""
+    times = REREGISTER_POLICY.max_failures + 2  # past the crash-loop limit, had these counted
     with trio.fail_after(START_DEADLINE):
-        while agent.text(200_000).count(why) < dials:
+        while why not in agent.text(200_000):
+            await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+        began = time.monotonic()
+        while dials[0] < times + 1:
             await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
     log = agent.text(200_000)
     assert agent.popen.poll() is None, log
     assert "not counted toward giving up" in log and "crash loop" not in log and "Traceback" not in log, log
+    assert paced(log, why, time.monotonic() - began), log
     return log
 
 
@@ -102,14 +135,20 @@ async def test_a_proven_transient_refusal_is_waited_out_uncounted_and_a_permanen
 
     async with agent_dialing(authority) as agent:
         with trio.move_on_after(START_DEADLINE):
+            while not dials and agent.popen.poll() is None:
+                await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+            began = time.monotonic()
             while not registered.is_set() and agent.popen.poll() is None:
                 await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
         assert registered.is_set(), f"the agent never registered (exit code {agent.popen.poll()}):\n{agent.text()}"
+        refused_for = time.monotonic() - began
         code = await exit_code(agent, 60)
         log = agent.text(200_000)
         assert code == EXIT_REFUSED, log
-        # each transient refusal: a line saying why it waits, and it was not counted toward giving up
-        assert log.count("refused this worker for now") == times, log
+        # the transient refusals: not counted toward giving up, logged at a pace (it logged each one), counted once
+        # it registered
+        assert paced(log, "refused this worker for now", refused_for), log
+        assert f"after {times} dials over" in log, log
         assert "the authority refused this worker: pipeline 'x' differs" in log, log
         assert "crash loop" not in log and "Traceback" not in log, log
 
@@ -184,8 +223,9 @@ async def test_an_address_that_answers_but_not_as_an_authority_is_named_and_dial
             pass
         await stream.aclose()
 
-    async with agent_dialing(http_server) as agent:
-        log = await dialed_uncounted_past_the_crash_loop_limit(agent, "answers, but not as a chunkline authority")
+    dials, counted = counting(http_server)
+    async with agent_dialing(counted) as agent:
+        log = await dialed_uncounted_past_the_crash_loop_limit(agent, "answers, but not as a chunkline authority", dials)
         assert "(it begins 'HTTP': another protocol's text, not a frame)" in log, log
     # the run ends at its deadline, with exit 3 (another agent given this address would fail the same way)
     patience = Patience()
@@ -203,6 +243,7 @@ async def test_dials_closed_before_a_hello_are_dialed_again_uncounted() -> None:
     async def shedding(stream: trio.SocketStream) -> None:
         await stream.aclose()  # what a flooded authority does past its busy answers
 
-    async with agent_dialing(shedding) as agent:
-        log = await dialed_uncounted_past_the_crash_loop_limit(agent, "closed the connection before its hello")
+    dials, counted = counting(shedding)
+    async with agent_dialing(counted) as agent:
+        log = await dialed_uncounted_past_the_crash_loop_limit(agent, "closed the connection before its hello", dials)
         assert "is unreachable" in log, log

@@ -17,6 +17,7 @@ from server.cluster.agent import EXIT_REFUSED, Agent, AgentOptions
 
 from .conftest import (DEADLINE, TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, free_port,
                        start_authority, until)
+from .test_agent_dial_ends import waited_dials
 
 LOSS_BOUND = DEADLINE + 11.0  # a hang bound: heartbeat deadline, sweep and settle, with slack for a loaded host
 
@@ -359,13 +360,15 @@ async def test_an_agent_keeps_dialing_an_authority_that_is_not_up_and_registers_
                     clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
     cluster = None
     try:
-        await until(lambda: agent.text(200_000).count("the authority is unreachable") >= 10,
-                    "ten dials to an authority that is not up")
-        assert agent.popen.poll() is None, agent.text()
-        assert "not counted toward giving up" in agent.text(), agent.text()
+        # one line for the first dial, then one with the count every DIAL_LOG_EVERY (it logged each, one a second)
+        await until(lambda: waited_dials(agent.text(200_000)) >= 10, "ten dials to an authority that is not up")
+        log = agent.text(200_000)
+        assert agent.popen.poll() is None, log
+        assert "not counted toward giving up" in log and log.count("the authority is unreachable") == 2, log
         cluster = start_authority("--cluster-port", str(port), launcher="external", workers=1)
         await until(lambda: any(w.get("pid") == agent.popen.pid for w in cluster.workers()),
                     "the agent to register", cluster)
+        assert re.search(r"registered as \S+ with \S+ after \d+ dials over \d+ s", agent.text(200_000)), agent.text()
     finally:
         if cluster is not None:
             cluster.stop()

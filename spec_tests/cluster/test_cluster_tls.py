@@ -47,7 +47,8 @@ async def test_agents_dial_over_tls_and_what_fails_there_is_named(tmp_path: Path
         # an agent whose --tls-ca does not vouch for the certificate: named, dialed again uncounted
         untrusting = Process(chunkline("worker", TINY, "--authority", authority, "--tls-ca",
                                        str(tmp_path / "stranger.pem")), clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
-        await until(lambda: untrusting.text(200_000).count("certificate verify failed") >= 2,
+        await until(lambda: "certificate verify failed" in untrusting.text(200_000)
+                    and cluster.process.text(1_000_000).count("failed its handshake") >= 2,
                     "the untrusting agent's second dial", deadline=PATIENCE)
         log = untrusting.text(200_000)
         assert "not one --tls-ca trusts" in log and "not counted toward giving up" in log, log

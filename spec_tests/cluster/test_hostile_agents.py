@@ -28,6 +28,7 @@ from server.cluster.identity import chunkline_version, pipeline_digest, pipeline
 
 from ..server.conftest import png_bytes
 from .conftest import DEADLINE, INTERVAL, TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
+from .test_agent_dial_ends import waited_dials
 
 BIG_IMAGE_BYTES = 15 * 2**19
 PLAN = {"computed_capacity": None, "effective_capacity": 1, "configured_limit": 1, "limiting_device": None}
@@ -406,7 +407,7 @@ async def test_a_real_agent_dialing_through_a_flood_of_unauthenticated_connectio
 
             # a place may come free between a deadline and the flood's next dial: then the agent is in early
             await until(lambda: agent.popen.poll() is not None or registered()
-                        or agent.text(200_000).count("the authority is busy") >= enough,
+                        or waited_dials(agent.text(200_000)) >= enough,  # a paced line counts them
                         f"the agent to be turned away busy {enough} times", authority)
             assert agent.popen.poll() is None, f"the agent gave up during the flood:\n{agent.text()}"
             flood_scope.cancel()
