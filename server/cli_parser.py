@@ -109,6 +109,7 @@ _SERVE_METAVARS: dict[str, str] = {
     "cluster_host": "HOST",
     "cluster_port": "N",
     "cluster_token": "TOKEN",
+    "cluster_token_file": "FILE",
     "cluster_tls_cert": "FILE",
     "cluster_tls_key": "FILE",
     "public_url": "URL",

@@ -27,6 +27,7 @@ __all__ = [
     "placement",
     "require_existing_pipeline",
     "public_url",
+    "secret_file",
     "transport_name",
     "worker_mode",
 ]
@@ -151,6 +152,21 @@ def cluster_token(value: Any) -> str | None:
     if not isinstance(value, str) or len(value.encode()) < 16:
         raise SettingsError("--cluster-token", "--cluster-token must be at least 16 bytes of text")
     return value
+
+
+def secret_file(option: str) -> Any:
+    """The converter of a setting naming a secret's file: its path as given (blank: not set). The file is read
+    only once the settings that would ignore it have been refused (:mod:`server.cluster_settings`)."""
+
+    def convert(value: Any) -> str | None:
+        value = blank_to_none(value)
+        if value is None:
+            return None
+        if not isinstance(value, (str, Path)):
+            raise bad_value(option, "the path of a file", value)
+        return str(value)
+
+    return convert
 
 
 def assets_dir(value: Any) -> str | None:

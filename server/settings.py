@@ -50,6 +50,7 @@ CHUNKLINE_WORKERS                     --workers                     ``in-process
 CHUNKLINE_CLUSTER_HOST                --cluster-host                unset: ``--host``; the agents' listener
 CHUNKLINE_CLUSTER_PORT                --cluster-port                ``0`` (any free port); 0–65535
 CHUNKLINE_CLUSTER_TOKEN               --cluster-token               unset (local/ray make one); >= 16 bytes
+CHUNKLINE_CLUSTER_TOKEN_FILE          --cluster-token-file          unset; a file holding the token (not with the token)
 CHUNKLINE_CLUSTER_TLS_CERT            --cluster-tls-cert            unset; a PEM file (with the key: TLS to agents)
 CHUNKLINE_CLUSTER_TLS_KEY             --cluster-tls-key             unset; a PEM file
 CHUNKLINE_PUBLIC_URL                  --public-url                  unset: the bound address; ``http://HOST:PORT``
@@ -72,12 +73,11 @@ Notes:
 * ``cors_allow_origins`` defaults to no origin (same origin only), not ``*``; ``max_body_bytes`` bounds request
   bodies (larger ones get HTTP 413), and ``max_body_bytes_in_flight`` the bodies of all connections still
   arriving at once (the front answers one more 503 with ``Retry-After``); it must be at least ``max_body_bytes``.
-* The agents' listener, addresses, token and heartbeats (``cluster_host``, ``cluster_port``,
-  ``cluster_tls_cert``/``cluster_tls_key``, ``public_url``, ``cluster_token``, ``heartbeat_interval``,
-  ``heartbeat_deadline``) are refused with ``workers=in-process`` and ``ray_address`` with any ``workers`` but
-  ``ray``: there they would be ignored (one table, ``WORKERS_ONLY``). ``cluster_token`` only when given on the
-  command line: it is often exported for a whole shell. So are LiveKit's URL and keys given on the command line
-  with the local transport (``--livekit-api-key`` alone, or any of them with ``--transport local``).
+* The agents' listener, addresses, token (or token file) and heartbeats are refused with ``workers=in-process``,
+  ``ray_address`` with any ``workers`` but ``ray``: there they would be ignored (one table, ``WORKERS_ONLY``); a flag
+  of the two token sources wins over the other's variable. See :mod:`server.cluster_settings`. So are LiveKit's URL
+  and keys given on the command line with the local transport (``--livekit-api-key`` alone, or any of them with
+  ``--transport local``).
 * ``session_timeout`` expires sessions, ``controller_timeout`` / ``room_empty_timeout`` bound how long a room
   waits for its controller / sits empty, and ``terminal_retention_seconds`` / ``terminal_retention_count`` bound
   how long and how many finished session records are kept (the reference kept them forever).
@@ -92,6 +92,15 @@ from typing import Any, Literal
 import attrs
 
 from . import setting_fields as fields
+from .cluster_settings import (
+    AGENT_WORKERS,
+    SHELL_WIDE,
+    WORKERS_ONLY,
+    check_cluster,
+    dialed_host,
+    one_token_source,
+    refuse_options_that_would_be_ignored,
+)
 from .setting_fields import MIN_LIVEKIT_SECRET_BYTES
 from .setting_values import (
     ENV_PREFIX,
@@ -109,10 +118,14 @@ from .setting_values import (
 )
 
 __all__ = [
+    "AGENT_WORKERS",
     "ENV_PREFIX",
     "MIN_LIVEKIT_SECRET_BYTES",
     "ServerSettings",
+    "SHELL_WIDE",
     "SettingsError",
+    "WORKERS_ONLY",
+    "dialed_host",
     "env_var",
     "option_for",
     "parse_cors_origins",
@@ -133,18 +146,7 @@ MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies
 MIN_TOKEN_TTL = 5.0  # seconds: the worker joins its room with a token of this TTL too
 MAX_TOKEN_TTL = 365 * 24 * 3600.0  # a year: far beyond any session, and well before expiries stop being writable
 
-#: the --workers that run worker agents
-AGENT_WORKERS = ("local", "ray", "external")
-#: settings that apply only to some --workers (agents' addresses, token and heartbeats; the Ray cluster): given
-#: with any other they would silently do nothing, so they are refused there, all by this one table
-WORKERS_ONLY: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("cluster_host", "cluster_port", "cluster_tls_cert", "cluster_tls_key", "public_url",
-                     "cluster_token", "heartbeat_interval", "heartbeat_deadline"), AGENT_WORKERS),
-    "ray_address": ("ray",),
-}
-#: of those, the ones often exported for a whole shell: refused only when given on the command line
-SHELL_WIDE = frozenset({"cluster_token"})
-SECRETS = frozenset({"livekit_api_secret", "api_key", "cluster_token"})
+SECRETS = frozenset({"livekit_api_secret", "api_key", "cluster_token"})  # a token file's path is not one
 #: LiveKit's address and keys: given on the command line with the local transport, they are refused
 LIVEKIT = ("livekit_url", "livekit_api_key", "livekit_api_secret")
 
@@ -159,11 +161,6 @@ def _secret_repr(value: str | None) -> str:
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
-
-
-def dialed_host(host: str) -> str:
-    """The address a launcher's agents dial for a listener on ``host`` (any address: this host's loopback)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 @attrs.frozen(kw_only=True)
@@ -322,6 +319,12 @@ class ServerSettings:
         metadata=_help("shared secret agents prove at registration, >= 16 bytes (local and ray make one when unset)"),
         repr=_secret_repr,
     )
+    cluster_token_file: str | None = attrs.field(
+        default=None,
+        converter=fields.secret_file("--cluster-token-file"),
+        metadata=_help("read the cluster token from this file, not --cluster-token (a regular file of UTF-8 text, "
+                       "at most 4 KiB)"),
+    )
     cluster_tls_cert: str | None = attrs.field(
         default=None, converter=fields.existing_file("--cluster-tls-cert"), metadata=_help("TLS certificate of the agents' listener")
     )
@@ -351,39 +354,13 @@ class ServerSettings:
 
     def __attrs_post_init__(self) -> None:
         self._refuse_options_that_would_be_ignored(given=frozenset(WORKERS_ONLY) - SHELL_WIDE)
-        if self.heartbeat_deadline <= 2 * self.heartbeat_interval:
-            raise SettingsError(
-                "--heartbeat-deadline",
-                f"--heartbeat-deadline ({self.heartbeat_deadline:g} s) must exceed twice --heartbeat-interval "
-                f"({self.heartbeat_interval:g} s), or one late heartbeat loses a healthy worker",
-            )
         if self.max_body_bytes_in_flight < self.max_body_bytes:
             raise SettingsError(
                 "--max-body-bytes-in-flight",
                 f"--max-body-bytes-in-flight ({self.max_body_bytes_in_flight}) must be at least --max-body-bytes "
                 f"({self.max_body_bytes}), or a body of the largest size could never be taken",
             )
-        if (self.cluster_tls_cert is None) != (self.cluster_tls_key is None):
-            raise SettingsError("--cluster-tls-cert", "--cluster-tls-cert and --cluster-tls-key go together")
-        if self.cluster_tls_cert is not None and self.cluster_tls_key is not None:
-            from .cluster.tls import certificate_problem, server_tls_context  # checked here, not as the port opens
-
-            try:
-                context = server_tls_context(self.cluster_tls_cert, self.cluster_tls_key)
-            except ValueError as exc:
-                raise SettingsError("--cluster-tls-cert", str(exc)) from None
-            # the agents a launcher starts dial the cluster host; an external agent may know the authority by any name
-            dialed = None if self.workers == "external" else dialed_host(self.cluster_host or self.host)
-            problem = certificate_problem(context, self.cluster_tls_cert, dialed)
-            if problem is not None:
-                whose = f"the agents it starts dial tls://{dialed}" if dialed else "agents would refuse it"
-                raise SettingsError("--cluster-tls-cert", f"--cluster-tls-cert {self.cluster_tls_cert!r}: {problem} "
-                                                          f"({whose})")
-        if self.workers == "external" and self.cluster_token is None:
-            raise SettingsError(
-                "--cluster-token",
-                f"--workers external needs --cluster-token (or {env_var('cluster_token')}): the agents prove it",
-            )
+        object.__setattr__(self, "cluster_token", check_cluster(self))  # read from its file when one is named
         if self.transport is None:
             object.__setattr__(self, "transport", "livekit" if self.livekit_url is not None else "local")
         if self.transport == "livekit":
@@ -406,15 +383,7 @@ class ServerSettings:
         """A setting of :data:`WORKERS_ONLY` (among ``given``) set for --workers it does not apply to would silently
         do nothing: refused, naming the option and what it applies to."""
         defaults = {field.name: field.default for field in attrs.fields(type(self))}
-        for name in sorted(given, key=list(WORKERS_ONLY).index):
-            applies = WORKERS_ONLY[name]
-            if self.workers in applies or getattr(self, name) == defaults[name]:
-                continue
-            option = option_for(name)
-            shown = "" if name in SECRETS else f" ({getattr(self, name)})"
-            where = "worker agents (--workers local, ray or external)" if applies == AGENT_WORKERS else (
-                "--workers " + " or ".join(applies))
-            raise SettingsError(option, f"{option}{shown} applies to {where}; with --workers {self.workers} it would be ignored")
+        refuse_options_that_would_be_ignored(self, given, defaults, SECRETS)
 
     # --- sources --------------------------------------------------------------------------------------------
 
@@ -443,6 +412,7 @@ class ServerSettings:
             elif env_var(name) in env:
                 values[name] = env[env_var(name)]
                 from_env[option_for(name)] = env_var(name)
+        one_token_source(values, from_env, frozenset(name for name in names if cli.get(name) is not None))
         if "pipeline" not in values:
             fields.pipeline_path(None)  # raises, naming PIPE and CHUNKLINE_PIPELINE
         try:

@@ -111,7 +111,8 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
     issued = trustme.CA().issue_cert("127.0.0.1")  # a real pair: the settings check that they are one
     issued.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
     issued.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
-    assert set(env) == {env_var(name) for name in ServerSettings.field_names()}
+    # the token's file is the token's other source, one at a time: read below, in the token's place
+    assert set(env) | {"CHUNKLINE_CLUSTER_TOKEN_FILE"} == {env_var(name) for name in ServerSettings.field_names()}
     s = ServerSettings.from_sources({}, env)
     assert s.public_dict() == {
         "pipeline": "env.py",
@@ -146,6 +147,7 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
         "cluster_host": "0.0.0.0",
         "cluster_port": 7070,
         "cluster_token": "***",
+        "cluster_token_file": None,
         "cluster_tls_cert": str(tmp_path / "cert.pem"),
         "cluster_tls_key": str(tmp_path / "key.pem"),
         "public_url": "http://10.0.0.5:8088",
@@ -153,6 +155,12 @@ def test_every_field_reads_its_environment_variable(tmp_path: Path) -> None:
         "heartbeat_deadline": 9.0,
         "ray_address": "auto",
     }
+    (tmp_path / "token").write_text("a-token-from-its-file\n")
+    env["CHUNKLINE_CLUSTER_TOKEN_FILE"] = str(tmp_path / "token")
+    del env["CHUNKLINE_CLUSTER_TOKEN"]
+    s = ServerSettings.from_sources({}, env)
+    assert (s.cluster_token, s.cluster_token_file) == ("a-token-from-its-file", str(tmp_path / "token"))
+    assert s.public_dict()["cluster_token"] == "***"
 
 
 # --- transport ---------------------------------------------------------------------------------------------
