@@ -177,6 +177,16 @@ async def until(predicate: Any, what: str, cluster: Cluster | None = None, deadl
 
 
 @pytest.fixture(scope="module")
+def external_authority() -> Iterator[Cluster]:
+    """An authority that launches no agents (``--workers external``, one expected): a module's tests dial it."""
+    found = start_authority(launcher="external", workers=1)
+    try:
+        yield found
+    finally:
+        found.stop()
+
+
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     found = start_cluster()
     try:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -28,7 +27,7 @@ from server.cluster.remote import RemoteWorker
 from server.cluster.wire_values import MAX_PARTICIPANTS
 from server.transport.client import RoomClient
 
-from .conftest import TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, start_authority, until
+from .conftest import TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, until
 from .test_agent_reports import ready_agent, session
 from .test_hostile_agents import closed_by_peer, losses, register
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve, welcome
@@ -36,12 +35,8 @@ from .test_launcher_order import Authority
 
 
 @pytest.fixture(scope="module")
-def authority() -> Iterator[Cluster]:
-    found = start_authority(launcher="external", workers=1)
-    try:
-        yield found
-    finally:
-        found.stop()
+def authority(external_authority: Cluster) -> Cluster:
+    return external_authority
 
 
 async def join(authority: Cluster, created: dict[str, Any], token: str) -> Controller:
@@ -155,7 +150,8 @@ async def test_an_agent_reports_who_comes_and_goes_bounded_in_rate_and_size() ->
                                                   image=None))
                 elif isinstance(message, wire.Heartbeat):
                     await channel.send(wire.HeartbeatAck(message.seq))
-                elif isinstance(message, wire.Participants):
+                elif isinstance(message, wire.Participants | wire.SessionEvent):
+                    # a change the agent saw just before a state change of its session travels with that event
                     reports.append(message.participants)
                     arrived.set()
         except AGENT_ENDED:
