@@ -282,8 +282,12 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             if size > MAX_IMAGE_BYTES:
                 raise BadRequest("image_too_large",
                                  f"the image has {size} bytes; worker agents take images of at most {MAX_IMAGE_BYTES}")
-        await check_image_decodes(body, image, runtime.image_decodes)
-        await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
+        # the book says now whether a session could be taken or queued: a create it would refuse (the queue full,
+        # the server shutting down, no worker at all) gets that answer at once, with no decode of its image (up to
+        # ~0.5 s of CPU) and no check of its options spent on it; no await until create_session gives the refusal
+        if runtime.would_take_session():
+            await check_image_decodes(body, image, runtime.image_decodes)
+            await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
         named = runtime.new_session()
         # LiveKit: the room is made before its first token is out, and only then can it be refused; a create that
         # is refused at once (no slot, no place in the queue, no worker; or every place promised to the creates
