@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from .agent import AgentMachine
 from .child_process import ChildProcessMachine
 from .lease import LeaseMachine
 from .liveness import LivenessMachine
@@ -49,6 +50,7 @@ MACHINES: tuple[type[StateMachine], ...] = (
     ChildProcessMachine,
     RestartMachine,
     LivenessMachine,
+    AgentMachine,
 )
 
 #: Where the rendering is committed (repository root / docs).

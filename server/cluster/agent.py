@@ -19,17 +19,19 @@ counting it toward giving up; a proven permanent refusal (another version or pip
 with code 3; anything unproven counts as a failed connect (a crash loop of unproven refusals
 exits with code 3 too). SIGTERM (or a
 drain from the authority) drains: no new sessions, live ones finish or are stopped at the
-drain deadline at a chunk boundary, then it says goodbye and exits 0.
+drain deadline at a chunk boundary, then it says goodbye and exits 0. A stop signal before it
+served (loading, its startup check, dialing) ends it without saying ready: it exits 128 +
+the signal. What each signal and drain does is :mod:`states.agent`'s table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import secrets
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,27 +39,29 @@ import attrs
 import trio
 
 from engine import CapacityPlan
+from states.agent import LEAVING, SIGNALLED_EXIT, TAKES_SESSIONS, AgentMachine, Event, State
 from states.liveness import fence_at
 from states.restart_policy import RestartPolicy, RestartTracker
 
+from .. import early_signals
 from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
 from ..reasons import public_reason
 from ..requests import OptionsRefused
 from ..server_folders import remove_stale_folders
-from . import proofs, tls, wire
+from . import tls, wire
+from .agent_handshake import Shaken, handshake
 from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
-from .dial_ends import DIAL_DEADLINES, WAITED, DialLog, End, Ended, Patience, answer, unproven_busy
-from .identity import chunkline_version, pipeline_digest, pipeline_name
+from .dial_ends import DIAL_DEADLINES, WAITED, DialLog, End, Ended, Patience
+from .identity import chunkline_version
 from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
 
 log = logging.getLogger("chunkline.agent")
 
-CONNECT_TIMEOUT = 10.0
 OUTBOX = 1024
 # an agent cut off from the authority registers again quickly at first, and gives up on a crash loop
 REREGISTER_POLICY = RestartPolicy(base_delay=0.2, max_delay=5.0, max_failures=8, window=60.0)
@@ -129,8 +133,9 @@ class Agent:
         self._model_refused = False  # it refused this agent's settings: another agent would too
         self._model_settled = trio.Event()
         self._outbox: trio.MemorySendChannel[wire.Message] | None = None
-        self._draining = False
-        self._cut_short: int | None = None  # the second signal that ended the drain early
+        self.life = AgentMachine()  # what a stop signal or a drain does: states.agent's table
+        self._exit_signal: int | None = None  # the stop signal that makes the exit code 128 + it
+        self._stop_scopes: set[trio.CancelScope] = set()  # waits a stop before serving ends
         self._drained = trio.Event()
         self._acked_sent_at = 0.0
         self._sent_at: dict[int, float] = {}
@@ -150,8 +155,10 @@ class Agent:
             nursery.start_soon(self.worker.run)
             if self.options.launcher_pid is not None:  # watched from the start: a model may take minutes to load
                 nursery.start_soon(self._watch_launcher, self.options.launcher_pid)
-            await self._model_settled.wait()
-            if self._ready is None and not self._registering.cancel_called:
+            await self._model_settled.wait()  # or a stop signal: then it never dials
+            if self.life.state in LEAVING:
+                code = self._exit_code()
+            elif self._ready is None and not self._registering.cancel_called:
                 log.error("the model worker failed: %s", self._model_failure)
                 code = EXIT_REFUSED if self._model_refused else 1
             else:
@@ -163,7 +170,15 @@ class Agent:
             self.worker.stop()
             nursery.cancel_scope.cancel()
         self.sessions.close()
+        self.life.apply(Event.END)
         return code
+
+    def _exit_code(self) -> int:
+        """A drain that ran its course exits 0; one cut short, or a stop before serving, 128 + the signal (as
+        stream-serve exits)."""
+        if self.life.state in SIGNALLED_EXIT and self._exit_signal is not None:
+            return 128 + self._exit_signal
+        return 0
 
     async def _watch_launcher(self, pid: int) -> None:
         """The authority that started this agent died (kill -9 leaves its agents running): end with it.
@@ -181,17 +196,46 @@ class Agent:
             self._nursery.start_soon(fn, *args)
 
     async def _signals(self) -> None:
+        early_signals.hand_over()  # the command deferred the stop signals until now (SIGHUP gets its own back)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            early_signals.replay()  # one that came while the agent started: it stops the start too
             async for signum in signals:
-                if self._draining:
-                    if self._cut_short is None:
-                        name = signal.Signals(signum).name
-                        log.warning("second %s: stopping the sessions now, without waiting for them", name)
-                        self._cut_short = signum
-                        self.spawn(self._stop_now, f"the worker was stopped before its sessions finished (a second {name})")
-                    continue
-                log.info("%s: draining (deadline %.0f s)", signal.Signals(signum).name, self.options.drain_deadline)
-                self.begin_drain(self.options.drain_deadline)
+                self._stop_signal(signum)
+
+    def _stop_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        before = self.life.state
+        after = self.life.apply(Event.STOP_SIGNAL)
+        if after is before:
+            log.info("%s: already leaving", name)
+        elif after is State.DRAINING:
+            log.info("%s: draining (deadline %.0f s)", name, self.options.drain_deadline)
+            self._drain_now(self.options.drain_deadline)
+        elif after is State.CUT_SHORT:
+            log.warning("second %s: stopping the sessions now, without waiting for them", name)
+            self._exit_signal = signum
+            self.spawn(self._stop_now, f"the worker was stopped before its sessions finished (a second {name})")
+        else:  # STOPPING or RETIRING: not serving; it never says ready (a create then was placed on an agent leaving)
+            if after is State.STOPPING:
+                log.info("%s before this agent served: it leaves without registering as ready", name)
+            else:
+                log.info("%s while cut off from the authority: it leaves without registering again", name)
+            self._exit_signal = signum
+            for scope in self._stop_scopes:
+                scope.cancel()
+            self._model_settled.set()  # no registration follows (the exit still waits for a load under way)
+
+    @contextlib.contextmanager
+    def _stoppable(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope a stop signal before serving cancels (at once, when one came already)."""
+        with trio.CancelScope() as scope:
+            if self.life.state in LEAVING:
+                scope.cancel()
+            self._stop_scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._stop_scopes.discard(scope)
 
     async def _registrations(self) -> int:
         """Register, serve, and register again (a fresh id) after a loss, on the shared restart policy."""
@@ -201,9 +245,10 @@ class Agent:
             ended = await self._one_registration()
             if ended.kind is End.REFUSED:
                 return EXIT_REFUSED
-            if ended.kind is End.DRAINED or self._draining:
-                # a drain cut short by a second signal is not a clean one: 128 + the signal, as stream-serve exits
-                return 0 if self._cut_short is None else 128 + self._cut_short
+            if self.life.state in LEAVING:  # drained, cut short, or stopped before it served
+                return self._exit_code()
+            if self.life.can(Event.CUT_OFF):
+                self.life.apply(Event.CUT_OFF)  # it dials again under a fresh id
             if ended.kind in (End.BUSY, End.TRANSIENT, End.UNREACHABLE, End.NOT_AN_AUTHORITY):
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
                 # agent yet), or nothing answers at its address (it restarts): dial again soon, not counted
@@ -216,94 +261,25 @@ class Agent:
                     # nothing there speaks the protocol: another agent given this address would fail the same way
                     return EXIT_REFUSED if ended.kind is End.NOT_AN_AUTHORITY else 1
                 self.dial_log.waiting(ended, delay, trio.current_time())
-                with trio.move_on_after(delay):
-                    await self._drained.wait()
+                with self._stoppable(), trio.move_on_after(delay):
+                    await trio.sleep_forever()
                 continue
             patience.reset()
-            if not await back_off(restarts, f"authority connection ended ({ended.why})", f"agent at {self.options.authority}"):
-                return EXIT_REFUSED if ended.kind is End.UNPROVEN_REFUSAL else 1
-
-    async def _handshake(self, worker_id: str) -> tuple[wire.Channel, wire.Welcome] | Ended:
-        options = self.options
-        agent_nonce = secrets.token_hex(16)
-        channel: wire.Channel | None = None
-        hello: wire.Message | None = None
-        try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
-                if self._tls is not None:
-                    stream = tls.wrap_client_tls(stream, self.host, self._tls)
-                # small frames until the peer proved the token: an impostor cannot make this side buffer 16 MiB
-                channel = wire.Channel(stream, max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
-                hello = await channel.receive()
-                if isinstance(hello, wire.Busy):  # in place of the hello: over no nonce of ours, it proves nothing
-                    await channel.aclose()
-                    return unproven_busy(options.authority, hello)
-                if not isinstance(hello, wire.Hello):
-                    raise wire.WireError(f"expected hello, got {hello.TYPE}")
-                self._acked_sent_at = trio.current_time()  # the authority's deadline starts when register arrives
-                await channel.send(
-                    wire.Register(
-                        worker_id=worker_id,
-                        agent_nonce=agent_nonce,
-                        proof=proofs.proof_for(options.token, hello.nonce, worker_id),
-                        version=options.version,
-                        pipeline=pipeline_name(options.pipeline),
-                        pipeline_digest=pipeline_digest(options.pipeline),
-                        node=options.node,
-                        devices=options.devices,
-                        launcher=options.launcher,
-                        pid=os.getpid(),
-                        slot=options.slot,
-                    )
-                )
-                reply = await channel.receive()
-        except wire.ProtocolMismatch as exc:  # unproven, as every frame before the proofs: a crash loop of them exits 3
-            if channel is not None:
-                await channel.aclose()
-            log.error("%s speaks another wire protocol: %s", options.authority, exc)
-            return Ended(End.UNPROVEN_REFUSAL, f"another wire protocol: {exc}")
-        except (OSError, trio.TooSlowError, wire.ConnectionClosed, wire.WireError) as exc:
-            detail = str(exc)  # trio.TooSlowError says nothing: its name alone, not "TooSlowError: "
-            why = f"authority unreachable: {type(exc).__name__}{': ' + detail if detail else ''}"
-            if channel is None:  # no connection at all (refused, no route, no answer): it may be restarting
-                return Ended(End.UNREACHABLE, why)
-            await channel.aclose()
-            if hello is None:
-                return self._no_hello(exc, why)
-            return Ended(End.LOST, why)
-        ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
-                       worker_id=worker_id)
-        if ended is not None:
-            await channel.aclose()
-            return ended
-        assert isinstance(reply, wire.Welcome)
-        channel.max_frame = wire.MAX_FRAME_BYTES
-        channel.authenticate(proofs.frame_key(options.token, hello.nonce, agent_nonce, worker_id), authority=False)
-        return channel, reply
-
-    def _no_hello(self, exc: Exception, why: str) -> Ended:
-        """How a dial ended that connected but never got the authority's hello."""
-        if isinstance(exc, wire.TlsFailed):  # no TLS there, or a certificate --tls-ca does not vouch for
-            trust = " (the authority's certificate is not one --tls-ca trusts)" if exc.untrusted else ""
-            return Ended(End.NOT_AN_AUTHORITY, f"{exc}{trust}")
-        if isinstance(exc, wire.ConnectionClosed):
-            # closed without a word: an authority turning connections away (a flood past its busy answers) or
-            # going down; counted, a flood by anyone at all made every dial count and the agent give up in 20 s
-            return Ended(End.UNREACHABLE, f"it closed the connection before its hello ({exc})")
-        if isinstance(exc, trio.TooSlowError):  # connected, and then nothing: not an authority at all
-            hint = "; a TLS port? dial tls://" if self.scheme == "tcp" else ""
-            return Ended(End.NOT_AN_AUTHORITY, f"no hello within {CONNECT_TIMEOUT:g} s{hint}")
-        if isinstance(exc, wire.WireError):  # bytes that are not a frame
-            return Ended(End.NOT_AN_AUTHORITY, str(exc))
-        return Ended(End.LOST, why)
+            with self._stoppable():
+                if not await back_off(restarts, f"authority connection ended ({ended.why})",
+                                      f"agent at {self.options.authority}"):
+                    return EXIT_REFUSED if ended.kind is End.UNPROVEN_REFUSAL else 1
 
     async def _one_registration(self) -> Ended:
+        if self.life.state in LEAVING:  # a stop signal came as it waited to dial
+            return Ended(End.STOPPED, "a stop signal came before the dial")
         worker_id = f"{self.options.node}-{secrets.token_hex(4)}"
-        shaken = await self._handshake(worker_id)
-        if isinstance(shaken, Ended):
+        shaken = await handshake(self.options, (self.scheme, self.host, self.port), self._tls, worker_id,
+                                 self._stoppable)
+        if not isinstance(shaken, Shaken):
             return shaken
-        channel, welcome = shaken
+        channel, welcome = shaken.channel, shaken.welcome
+        self._acked_sent_at = shaken.sent_at  # the authority's deadline starts when the register arrived
         self.worker_id = worker_id
         self.worker.worker_id = worker_id  # runners join rooms as chunkline-<worker id>
         self.sessions.attach(welcome)
@@ -331,9 +307,12 @@ class Agent:
                 nursery.start_soon(until, lambda: self._fence(welcome.deadline))
                 nursery.start_soon(until, self._until_drained)
                 nursery.start_soon(self.sessions.report_participants)
-                self.send(self._ready)  # type: ignore[arg-type]
-                if self._draining:
+                if self.life.can(Event.SERVE):
+                    self.life.apply(Event.SERVE)
+                    self.send(self._ready)  # type: ignore[arg-type]
+                else:  # a stop signal since the register went out: never ready, it leaves as a drained agent does
                     self.send(wire.Drain(self.options.drain_deadline))
+                    self._drained.set()
         finally:
             self._outbox = None
             if outcome != "drained":
@@ -395,7 +374,7 @@ class Agent:
                 for seq in [s for s in self._sent_at if s < message.seq]:
                     del self._sent_at[seq]
             elif isinstance(message, wire.Start):
-                self.sessions.start(message, refusal="the worker is draining" if self._draining else None)
+                self.sessions.start(message, refusal=None if self.life.state in TAKES_SESSIONS else "the worker is draining")
             elif isinstance(message, wire.Stop):
                 self.sessions.stop(message)
             elif isinstance(message, wire.CheckOptions):
@@ -449,9 +428,14 @@ class Agent:
     # -- drain --
 
     def begin_drain(self, deadline: float) -> None:
-        if self._draining:
+        """The authority's drain (a signal's comes through :meth:`_stop_signal`)."""
+        if not self.life.can(Event.DRAIN):
             return
-        self._draining = True
+        before = self.life.state
+        if self.life.apply(Event.DRAIN) is not before:
+            self._drain_now(deadline)
+
+    def _drain_now(self, deadline: float) -> None:
         self.send(wire.Drain(deadline))
         self.spawn(self._drain, deadline)
 

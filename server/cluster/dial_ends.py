@@ -64,6 +64,7 @@ class End(enum.Enum):
     REFUSED = "refused"  # a proven permanent refusal: exit 3
     UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved, another protocol: as lost; a crash loop exits 3
     DRAINED = "drained"  # exit 0
+    STOPPED = "stopped"  # a stop signal before the register went out: exit 128 + the signal (states.agent)
 
 
 @attrs.frozen

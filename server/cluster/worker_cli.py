@@ -184,7 +184,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         default_fps=default_fps,
         validate=not args.skip_validation,
     )
-    from ..early_signals import hand_over
+    from ..early_signals import defer
 
-    hand_over()  # the command's first line made stop signals end it in a line; the agent's run takes them now
+    defer()  # a stop signal as the run starts is noted, and replayed once the agent's receiver is open
     return trio.run(Agent(options).run)

@@ -17,6 +17,7 @@ import pytest
 
 import states
 from states import (
+    agent,
     child_process,
     lease,
     liveness,
@@ -43,6 +44,7 @@ MODULES: dict[ModuleType, type[StateMachine]] = {
     restart_policy: restart_policy.RestartMachine,
     room_presence: room_presence.RoomPresenceMachine,
     liveness: liveness.LivenessMachine,
+    agent: agent.AgentMachine,
 }
 
 # Self-loops on a terminal state that a module's docstring documents on purpose:
