@@ -133,6 +133,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if hasattr(transport, "run"):  # LiveKit: its trio-asyncio loop lives for the app's lifetime
             await app.nursery.start(transport.run)
         await app.nursery.start(runtime.run)
+        if settings.public_url:  # agents may join the local rooms before any request comes in
+            runtime.serving_at(settings.public_url)
 
     @app.after_serving
     async def stop() -> None:
@@ -163,6 +165,15 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             return None
         return error(403, "forbidden_origin", f"a web page at {echo(origin)} may not call this server from a browser "
                                               f"({why})")
+
+    @app.before_request
+    async def learn_where_it_serves() -> None:
+        """Under plain hypercorn the app is never told where it listens, and the agents of a cluster were refused
+        for good ("does not know its rooms URL"): the first request's own address (the socket it came in on, never
+        its Host header, which the client writes) is where they join the local rooms, unless --public-url says."""
+        if request.scheme == "http" and request.server is not None and request.server[1] is not None:
+            host, port = request.server
+            runtime.first_served_at(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
 
     @app.before_request
     async def require_api_key() -> Response | None:

@@ -239,6 +239,11 @@ class StreamRuntime:
         if self.cluster is not None:
             self.cluster.set_rooms_url(self.settings.public_url or url)
 
+    def first_served_at(self, url: str) -> None:
+        """A request came in at ``url`` before anything said where the server listens (plain hypercorn): there."""
+        if self.cluster is not None and self.cluster.rooms_url is None:
+            self.serving_at(url)
+
     def add_worker(self, worker: Any) -> None:
         """A worker agent registered: it joins the one admission book (STARTING until it is ready)."""
         self.workers[worker.worker_id] = worker

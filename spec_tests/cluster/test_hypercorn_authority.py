@@ -1,0 +1,47 @@
+"""An authority deployed as ``hypercorn server:app`` (no ``chunkline stream-serve`` to tell it where it listens):
+its agents must still join. They were refused for good ("the authority does not know its rooms URL yet"): only
+stream-serve said where the server was bound, so under hypercorn every registration was refused while health
+said the workers were starting. With ``CHUNKLINE_PUBLIC_URL`` the agents join before any request; without it,
+the first request's own address (its socket's, not its Host header) is where they join the local rooms."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import pytest
+
+from .conftest import DEADLINE, INTERVAL, TINY, TOKEN, Process, clean_env, free_port, until
+
+
+@pytest.mark.parametrize("public_url", [False, True], ids=["first-request", "public-url"])
+async def test_a_hypercorn_authority_takes_its_local_agents(public_url: bool) -> None:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = clean_env(CHUNKLINE_PIPELINE=TINY, CHUNKLINE_WORKERS="local", CHUNKLINE_NUM_WORKERS="1",
+                    CHUNKLINE_CLUSTER_PORT=str(free_port()), CHUNKLINE_CLUSTER_TOKEN=TOKEN,
+                    CHUNKLINE_HEARTBEAT_INTERVAL=str(INTERVAL), CHUNKLINE_HEARTBEAT_DEADLINE=str(DEADLINE))
+    if public_url:
+        env["CHUNKLINE_PUBLIC_URL"] = base_url
+    authority = Process([sys.executable, "-m", "hypercorn", "--worker-class", "trio", "--bind", f"127.0.0.1:{port}",
+                         "server:app"], env)
+    try:
+        if public_url:  # registered before any request came in
+            await until(lambda: b"registered" in authority.raw, "the agent's registration", None)
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+
+            async def an_idle_agent() -> bool:
+                try:
+                    health = (await client.get("/v1/stream/health")).json()
+                except httpx.TransportError:  # hypercorn is still starting
+                    return False
+                return any(worker["state"] == "idle" for worker in health["workers"])
+
+            try:
+                await until(an_idle_agent, "an idle agent")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{authority.text()}") from None
+            created = await client.post("/v1/stream/sessions", json={"identity": "alice"})
+            assert created.status_code == 200 and created.json()["status"] == "assigned", created.text
+    finally:
+        assert authority.stop() == 0, authority.text()
