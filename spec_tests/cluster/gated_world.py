@@ -13,5 +13,5 @@ def get_service(gpu_num: int = 0, **_: object) -> ToyWorldService:
     (gate / "loading").touch()
     give_up = time.monotonic() + 60.0
     while not (gate / "open").exists() and time.monotonic() < give_up:
-        time.sleep(0.05)  # the pipeline's own load, held by the test (another process)
+        time.sleep(0.05)  # bench-cost: the pipeline's own load, held by the test (another process)
     return ToyWorldService(ToyWorldConfig(height=32, width=48, frames_per_chunk=2), max_sessions=4)
