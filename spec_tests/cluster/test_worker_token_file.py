@@ -5,13 +5,13 @@ end, a file of 100 MB was taken as the token; a file that was not UTF-8 named ne
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from .conftest import ROOT, TINY, chunkline, clean_env
+from .token_files import token_file
 
 OPTION = "--cluster-token-file"
 EXIT_DEADLINE = 120.0  # seconds for the command to import what it checks with (a loaded 2-core host)
@@ -35,19 +35,7 @@ def _worker_with_token_file(path: Path | str) -> subprocess.CompletedProcess[str
 def test_a_token_file_that_cannot_hold_a_token_is_one_line_naming_the_option_and_the_file(
     tmp_path: Path, kind: str, words: str
 ) -> None:
-    path = tmp_path / "token"
-    if kind == "pipe":
-        os.mkfifo(path)
-    elif kind == "/dev/null":
-        path = Path("/dev/null")
-    elif kind == "large":
-        path.write_text("t" * 4097)
-    elif kind == "latin-1":
-        path.write_bytes("cluster-token-caf\xe9-0123456789".encode("latin-1"))
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "blank":
-        path.write_text(" \n")
+    path = token_file(tmp_path, kind)
     result = _worker_with_token_file(path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]

@@ -6,7 +6,6 @@ file with no agents to prove it is refused before it is read. Every refusal is o
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from server.cluster import proofs, wire
 from server.cluster.identity import chunkline_version, pipeline_digest, pipeline_name
 
 from ..cluster.conftest import AGENTS_DIAL, ROOT, SERVING, TINY, Process, chunkline, clean_env
+from ..cluster.token_files import token_file
 
 OPTION = "--cluster-token-file"
 VARIABLE = "CHUNKLINE_CLUSTER_TOKEN_FILE"
@@ -57,21 +57,7 @@ def _one_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_a_token_file_that_cannot_hold_a_token_is_one_line_naming_the_option_and_the_file(
     tmp_path: Path, kind: str, words: str, source: str
 ) -> None:
-    path = tmp_path / "token"
-    if kind == "pipe":
-        os.mkfifo(path)
-    elif kind == "/dev/null":
-        path = Path("/dev/null")
-    elif kind == "large":
-        path.write_text("t" * 4097)
-    elif kind == "latin-1":
-        path.write_bytes("cluster-token-caf\xe9-0123456789".encode("latin-1"))
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "blank":
-        path.write_text(" \n")
-    elif kind == "short":
-        path.write_text("fifteen-bytes!!\n")
+    path = token_file(tmp_path, kind)
     given = ((OPTION, str(path)), {}) if source == "flag" else ((), {VARIABLE: str(path)})
     line = _one_line(_serve("--workers", "external", *given[0], **given[1]))
     assert line.startswith(f"{OPTION}: ") and repr(str(path)) in line and words in line, line
