@@ -8,6 +8,7 @@ works too. It is built on first access, so importing the package stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -84,10 +85,13 @@ def _end_hypercorn_supervisor() -> None:
     if parent is None or parent.pid is None or b"hypercorn" not in _command_line(parent.pid):
         return
     _unlink_inherited_semaphores()  # the tracker that would have (noisily) is ended with the supervisor
+    # another worker process of the same start may have ended them first
     for child in _children(parent.pid):
         if b"resource_tracker" in _command_line(child):
-            os.kill(child, signal.SIGKILL)
-    os.kill(parent.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(parent.pid, signal.SIGKILL)
 
 
 def _unlink_inherited_semaphores() -> None:

@@ -42,6 +42,9 @@ __all__ = ["ClusterAuthority", "Launcher", "UnknownWorkerId", "Refusal", "HANDSH
 log = logging.getLogger("chunkline.cluster")
 
 HANDSHAKE_TIMEOUT = 10.0
+#: seconds a dial waits for the rooms URL before it is refused for now: well under an agent's own wait for the hello
+#: (under hypercorn without a public URL it is known only at the first request, and the agent's dials timed out)
+ROOMS_URL_WAIT = 2.0
 #: seconds a draining agent has past its drain deadline to say goodbye (it gives runners 10 s to stop, then flushes)
 DRAIN_GRACE = 15.0
 #: connections that have not registered yet, at most (each ends by its deadline); more are told Busy
@@ -249,7 +252,7 @@ class ClusterAuthority:
         settings = self.runtime.settings
         channel = wire.Channel(self._wrap(stream), max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
         nonce = secrets.token_hex(16)
-        with trio.move_on_after(HANDSHAKE_TIMEOUT):
+        with trio.move_on_after(ROOMS_URL_WAIT):
             await self._rooms_known.wait()  # before the handshake: the worker's deadline starts at its register
         refusal: Refusal | None
         try:

@@ -2,7 +2,8 @@
 its agents must still join. They were refused for good ("the authority does not know its rooms URL yet"): only
 stream-serve said where the server was bound, so under hypercorn every registration was refused while health
 said the workers were starting. With ``CHUNKLINE_PUBLIC_URL`` the agents join before any request; without it,
-the first request's own address (its socket's, not its Host header) is where they join the local rooms."""
+the first request's own address (its socket's, not its Host header) is where they join the local rooms, and a dial
+before it is refused for now, in words (it waited for the URL past the agent's own deadline for the hello)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ async def test_a_hypercorn_authority_takes_its_local_agents(public_url: bool) ->
     try:
         if public_url:  # registered before any request came in
             await until(lambda: b"registered" in authority.raw, "the agent's registration", None)
+        else:  # before any request its dials are refused for now, in words (they waited out the agent's hello deadline)
+            await until(lambda: b"does not know its rooms URL yet" in authority.raw, "a refusal for now", None)
         async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
 
             async def an_idle_agent() -> bool:
