@@ -41,8 +41,8 @@ AGENT_PIPELINE = "spec_tests/cluster/tiny_world.py"  # the toy world at 32x48, 2
 AGENT_START = 240.0  # wall seconds: an agent imports torch and builds its model (slow on a loaded 2-core host)
 SETTLE_DEADLINE = 30.0  # wall seconds the agent's progress may take to reach the authority
 STOP_DEADLINE = 30.0
-KEEP_APPS = 6  # agent apps a module keeps running at once (each holds an agent process, ~0.6 GB); test_api
-# goes back to its default app after each test with settings of its own: 3 evicted it twice more
+KEEP_APPS = 6  # agent apps a module keeps running at once (each holds an agent process, ~0.6 GB); the API
+# tests go back to their default app after each test with settings of its own: 3 evicted it twice more
 
 
 @asynccontextmanager
