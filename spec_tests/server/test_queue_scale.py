@@ -25,6 +25,7 @@ from states.stream_session import Event, State
 
 from ..reliability.test_worker_restarts import DyingService, Loader
 from ..reliability.test_worker_restarts import serve as restarts_serve
+from ..virtual_time import elapse
 from .runner_fixtures import CounterService, Served, serve, settings, wait_until
 from .runner_fixtures import no_threads  # noqa: F401  (fixture)
 
@@ -203,7 +204,7 @@ async def test_many_queued_sessions_expiring_together_end_expired_in_batches(
     monkeypatch.setattr(queued_ends, "BATCH", batch)
     queued = 6 * batch + 3
     async with queued_behind_one(queued, session_timeout=60.0) as (s, live, ids):
-        await trio.sleep(61.5)
+        await elapse(61.5)
         await wait_all_tasks_blocked()
         assert s.runtime.get(live["session_id"]).status is State.EXPIRED
         for session_id in ids:

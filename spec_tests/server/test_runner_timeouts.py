@@ -308,7 +308,7 @@ async def test_health_does_not_count_a_draining_session_whose_worker_never_joine
     worker in its room, and health said ``transport_connected`` for it (a draining state was counted as media)."""
     async with serve(settings(), CounterService()) as s:
         async def hangs(room: str, identity: str, token: str, *, timeout: float) -> Any:
-            await trio.sleep(timeout)
+            await elapse(timeout)
             raise TransportError(f"room {room!r}: no answer within {timeout:g} s")
 
         monkeypatch.setattr(s.runtime.transport, "connect", hangs)

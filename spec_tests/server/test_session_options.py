@@ -26,6 +26,7 @@ from server import option_check
 from server.log_pace import LOG_BURST
 from server.process_service import start_process_service
 
+from ..virtual_time import elapse
 from . import runner_fixtures
 from .conftest import GatedLoader, assert_error_body, make_settings, serve
 from .http_served import AgentApp
@@ -173,7 +174,7 @@ async def test_checks_that_get_no_answer_are_logged_at_a_pace(autojump_clock: An
             for index in range(creates):
                 nursery.start_soon(functools.partial(s.json, "post", SESSIONS,
                                                      json={"identity": f"c{index}", "config": {"continuous": True}}))
-        await trio.sleep(60)  # the pace allows a line again
+        await elapse(60)  # the pace allows a line again
         status, _ = await s.json("post", SESSIONS, json={"identity": "late", "config": {"continuous": True}})
         assert status == 503
     lines = [r.getMessage() for r in caplog.records if "could not check a session's options" in r.getMessage()]
