@@ -172,8 +172,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         for good ("does not know its rooms URL"): the first request's own address (the socket it came in on, never
         its Host header, which the client writes) is where they join the local rooms, unless --public-url says."""
         if request.scheme == "http" and request.server is not None and request.server[1] is not None:
-            host, port = request.server
-            runtime.first_served_at(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
+            runtime.first_served_at(*request.server)
 
     @app.before_request
     async def require_api_key() -> Response | None:

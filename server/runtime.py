@@ -239,10 +239,10 @@ class StreamRuntime:
         if self.cluster is not None:
             self.cluster.set_rooms_url(self.settings.public_url or url)
 
-    def first_served_at(self, url: str) -> None:
-        """A request came in at ``url`` before anything said where the server listens (plain hypercorn): there."""
-        if self.cluster is not None and self.cluster.rooms_url is None:
-            self.serving_at(url)
+    def first_served_at(self, host: str, port: int) -> None:
+        """A request came in at ``host:port`` before anything said where the server listens (plain hypercorn)."""
+        if self.cluster is not None and self.cluster.rooms_url is None:  # asked on every request: the look first
+            self.serving_at(f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}")
 
     def add_worker(self, worker: Any) -> None:
         """A worker agent registered: it joins the one admission book (STARTING until it is ready)."""
