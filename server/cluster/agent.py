@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -55,7 +54,7 @@ from .agent_handshake import Shaken, handshake
 from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
 from .dial_ends import DIAL_DEADLINES, WAITED, DialLog, End, Ended, Patience
-from .identity import chunkline_version
+from .identity import chunkline_version, new_worker_id
 from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
@@ -78,6 +77,8 @@ def parse_authority(url: str) -> tuple[str, str, int]:
         port = None
     if not parts.hostname or port is None:
         raise ValueError(f"--authority {url!r} needs a host and a port")
+    if port == 0:
+        raise ValueError(f"--authority {url!r} needs a port 1-65535 (port 0 is no authority's)")
     return parts.scheme, parts.hostname, port
 
 
@@ -273,7 +274,7 @@ class Agent:
     async def _one_registration(self) -> Ended:
         if self.life.state in LEAVING:  # a stop signal came as it waited to dial
             return Ended(End.STOPPED, "a stop signal came before the dial")
-        worker_id = f"{self.options.node}-{secrets.token_hex(4)}"
+        worker_id = new_worker_id(self.options.node)
         shaken = await handshake(self.options, (self.scheme, self.host, self.port), self._tls, worker_id,
                                  self._stoppable)
         if not isinstance(shaken, Shaken):

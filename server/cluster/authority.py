@@ -30,7 +30,7 @@ from ..reasons import echo, public_reason
 from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
 from . import proofs, tls, wire
-from .identity import chunkline_version, pipeline_digest, pipeline_name
+from .identity import chunkline_version, pipeline_digest, pipeline_name, worker_participant
 from .remote import PlanView, RemoteWorker, follow_rooms
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ class ClusterAuthority:
             return Refusal("the cluster token does not match")
         try:
             validate_identity(message.worker_id)
-            validate_identity(f"chunkline-{message.worker_id}")  # the worker joins its rooms as chunkline-<id>
+            validate_identity(worker_participant(message.worker_id))  # the identity it joins its rooms as
         except IdentityError as exc:
             return Refusal(f"worker id {echo(message.worker_id)} cannot name a room participant: {exc}")
         if message.version != self.version:

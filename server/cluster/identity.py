@@ -1,13 +1,29 @@
-"""What an agent and the authority compare at registration: chunkline's version and the pipeline's code."""
+"""What an agent and the authority compare at registration: chunkline's version and the pipeline's code; and how
+an agent is named: its worker id, and the participant it joins its rooms as."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import secrets
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["chunkline_version", "pipeline_name", "pipeline_digest"]
+__all__ = ["chunkline_version", "pipeline_name", "pipeline_digest", "WORKER_ID_DIGITS", "new_worker_id",
+           "worker_participant"]
+
+#: hex digits an agent adds to its ``--node`` for the worker id of each registration
+WORKER_ID_DIGITS = 8
+
+
+def new_worker_id(node: str) -> str:
+    """A fresh worker id for an agent on ``node``: ``<node>-<WORKER_ID_DIGITS hex digits>``."""
+    return f"{node}-{secrets.token_hex(WORKER_ID_DIGITS // 2)}"
+
+
+def worker_participant(worker_id: str) -> str:
+    """The identity a worker agent joins its sessions' rooms as."""
+    return f"chunkline-{worker_id}"
 
 
 def chunkline_version() -> str:

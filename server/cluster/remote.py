@@ -38,6 +38,7 @@ from ..runner import (
     WORKER_CAUSE_WAIT,
 )
 from ..tokens import MAX_IDENTITY_LENGTH
+from .identity import worker_participant
 from .wire import (
     Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, Participants, SessionEvent, SessionFinished,
     Start, Stop,
@@ -127,7 +128,7 @@ class RemoteWorker:
 
     @property
     def identity(self) -> str:
-        return f"chunkline-{self.worker_id}"
+        return worker_participant(self.worker_id)
 
     def send(self, message: Message) -> None:
         """Queue a message for the agent (in order); a full outbox means the agent stopped reading."""
@@ -368,24 +369,24 @@ class RemoteRun:
         did) is not counted; on LiveKit the agent's word is all there is."""
         if not self.media_reported or self.finished.is_set():
             return False
-        present = getattr(self.runtime.transport, "participants", None)
-        return present is None or self.worker.identity in present(self.record.room)
+        present = self._in_room()
+        return present is None or self.worker.identity in present
 
-    def _room_participants(self) -> set[str] | None:
-        """Who is in the session's room, the agent's worker left out, where the rooms are the authority's own
-        (local rooms); None where they are not (LiveKit: the agent reports them)."""
+    def _in_room(self) -> set[str] | None:
+        """Who is in the session's room where the rooms are the authority's own (local rooms); None where they are
+        not (LiveKit: the agent reports them)."""
         present = getattr(self.runtime.transport, "participants", None)
-        return None if present is None else set(present(self.record.room)) - {self.worker.identity}
+        return None if present is None else set(present(self.record.room))
 
     def take_participants(self, reported: tuple[str, ...]) -> None:
         """The agent's word on who is in the room, taken where the authority cannot see the room itself."""
-        seen = self._room_participants()
-        if not self.finished.is_set():
-            self.record.participants = set(reported) if seen is None else seen
+        self.follow_room(set(reported))
 
-    def follow_room(self) -> None:
-        """Read who is in the room now, where the rooms are the authority's own (as its own runner sees them)."""
-        seen = self._room_participants()
+    def follow_room(self, reported: set[str] | None = None) -> None:
+        """Who is in the room now, the agent's worker left out: read where the rooms are the authority's own (as
+        its own runner sees them), else ``reported`` (the agent's word), if any."""
+        present = self._in_room()
+        seen = reported if present is None else present - {self.worker.identity}
         if seen is not None and not self.finished.is_set():
             self.record.participants = seen
 

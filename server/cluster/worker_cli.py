@@ -80,31 +80,20 @@ def _fits_the_wire(args: argparse.Namespace, devices: tuple[int, ...]) -> None:
             raise ValueError(f"{flag}: {exc}") from None
 
 
-#: what the agent adds to its ``--node`` for its worker id (``-`` and 8 hex digits: ``agent.py``), and the prefix
-#: of the participant it joins its rooms as (``chunkline-<worker id>``)
-WORKER_ID_SUFFIX = "-" + "0" * 8
-ROOM_PREFIX = "chunkline-"
-
-
 def _node_names_a_participant(node: str) -> None:
-    """The worker id ``<node>-<8 hex digits>`` must name a room participant (as ``chunkline-<worker id>``): the
+    """The node's worker ids (``identity.new_worker_id``) must name a room participant (``worker_participant``): the
     authority refused any other for good (exit 3), once the pipeline had loaded and the startup check had run."""
     from ..reasons import echo
     from ..tokens import MAX_IDENTITY_LENGTH, IdentityError, validate_identity
+    from .identity import WORKER_ID_DIGITS, worker_participant
 
+    suffix = "-" + "0" * WORKER_ID_DIGITS  # the longest id a node gets: any digits have its length
     try:
-        validate_identity(f"{ROOM_PREFIX}{node}{WORKER_ID_SUFFIX}")
+        validate_identity(worker_participant(node + suffix))
     except IdentityError:
-        most = MAX_IDENTITY_LENGTH - len(ROOM_PREFIX) - len(WORKER_ID_SUFFIX)
+        most = MAX_IDENTITY_LENGTH - len(worker_participant(suffix))
         raise ValueError(f"--node: {echo(node)} cannot name this agent in its rooms: at most {most} characters, "
                          f"letters, digits and _ . : @ - only") from None
-
-
-def _authority(url: str) -> None:
-    from .agent import parse_authority
-
-    if parse_authority(url)[2] == 0:
-        raise ValueError(f"--authority {url!r} needs a port 1-65535 (port 0 is no authority's)")
 
 
 def _launcher_pid(text: str | None) -> int | None:
@@ -139,7 +128,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         if parse_authority(args.authority)[0] == "tls":
             client_tls_context(args.tls_ca)
-        _authority(args.authority)
         devices = _devices(args.devices)
         _fits_the_wire(args, devices)
         _node_names_a_participant(args.node)

@@ -10,14 +10,14 @@ import subprocess
 import pytest
 
 from server.app import MAX_DRAIN_DEADLINE
+from server.cluster.identity import WORKER_ID_DIGITS, worker_participant
 from server.cluster.wire_values import MAX_DRAIN_SECONDS
-from server.cluster.worker_cli import ROOM_PREFIX, WORKER_ID_SUFFIX
 from server.tokens import MAX_IDENTITY_LENGTH
 
 from .conftest import ROOT, TINY, TOKEN, Process, chunkline, clean_env, start_authority, until
 
 #: the longest node whose worker id names a room participant (``chunkline-<node>-<8 hex digits>``)
-LONGEST_NODE = MAX_IDENTITY_LENGTH - len(ROOM_PREFIX) - len(WORKER_ID_SUFFIX)
+LONGEST_NODE = MAX_IDENTITY_LENGTH - len(worker_participant("-" + "0" * WORKER_ID_DIGITS))
 
 
 @pytest.mark.parametrize(("flags", "named"), [
