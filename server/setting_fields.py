@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+from .cluster_settings import MIN_CLUSTER_TOKEN_BYTES
 from .setting_values import SettingsError, bad_value, blank_to_none, env_var, parse_choice, parse_int
 
 __all__ = [
@@ -149,8 +150,8 @@ def cluster_token(value: Any) -> str | None:
     value = blank_to_none(value)
     if value is None:
         return None
-    if not isinstance(value, str) or len(value.encode()) < 16:
-        raise SettingsError("--cluster-token", "--cluster-token must be at least 16 bytes of text")
+    if not isinstance(value, str) or len(value.encode()) < MIN_CLUSTER_TOKEN_BYTES:
+        raise SettingsError("--cluster-token", f"--cluster-token must be at least {MIN_CLUSTER_TOKEN_BYTES} bytes of text")
     return value
 
 

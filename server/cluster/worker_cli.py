@@ -119,6 +119,7 @@ def _max_sessions(text: str) -> int | str:
 def cmd_worker(args: argparse.Namespace) -> int:
     import trio
 
+    from ..cluster_settings import MIN_CLUSTER_TOKEN_BYTES
     from ..setting_values import parse_float, read_secret_file
     from .agent import Agent, AgentOptions, parse_authority
     from .tls import client_tls_context
@@ -140,8 +141,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             token = os.environ.get(TOKEN_ENV, "")
         if not token:
             raise ValueError(f"no cluster token: set {TOKEN_ENV} or give --cluster-token-file (the authority's token)")
-        if len(token.encode()) < 16:
-            raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least 16 bytes")
+        if len(token.encode()) < MIN_CLUSTER_TOKEN_BYTES:
+            raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least "
+                             f"{MIN_CLUSTER_TOKEN_BYTES} bytes")
         launcher_pid = _launcher_pid(args.launcher_pid)
         # at most what a drain through the API may take, and what the wire carries: a SIGTERM with 1e300 drained for ever
         drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, MAX_DRAIN_SECONDS, lo_open=True)
