@@ -11,7 +11,7 @@ JSON line per size (``"figure": "queued"``):
   queued creates (``POST /v1/stream/sessions``, HTTP 202); with a create that does not depend on the queue's
   length the two are alike;
 - ``get_last_ms``: ``GET`` of the last queued session (its place is N); ``delete_middle_ms``: ``DELETE`` of the
-  session queued in the middle; ``list_ms``: ``GET /v1/stream/sessions`` (a list is one pass over all);
+  session queued in the middle; ``list_ms``: ``GET /v1/stream/sessions`` (its first page: 100 sessions);
 - ``shutdown_queued_s``: from the start of the runtime's shutdown until every queued session has failed with
   the shutdown's reason; ``longest_hold_ms``: the longest the event loop went without running a task that asks
   to run every millisecond, over the shutdown (how long health checks and live sessions would wait);

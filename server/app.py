@@ -277,8 +277,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     # -- sessions -------------------------------------------------------------------
 
-    def session_view(record: Any, places: dict[str, int] | None = None) -> dict[str, Any]:
-        return record.public(queue_position=runtime.queue_position(record, places))
+    def session_view(record: Any) -> dict[str, Any]:
+        return record.public(queue_position=runtime.queue_position(record))
 
     @app.post("/v1/stream/sessions")
     async def create_session() -> Response:
@@ -336,12 +336,11 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.get("/v1/stream/sessions")
     async def list_sessions() -> dict[str, Any]:
-        status = parse_list_query(request.args, SESSION_STATUSES)
-        records = list(runtime.registry)
-        if status is not None:
-            records = [r for r in records if r.status.value == status]
-        places = runtime.queue_positions()
-        return {"sessions": [session_view(r, places) for r in records]}
+        query = parse_list_query(request.args, SESSION_STATUSES)
+        status = None if query.status is None else SessionState(query.status)
+        records, more = runtime.registry.page(after=query.after, limit=query.limit, status=status)
+        # the cursor of the next page, while one follows: the serial of this page's last session
+        return {"sessions": [session_view(r) for r in records], "next": str(records[-1].serial) if more else None}
 
     @app.get("/v1/stream/sessions/<session_id>")
     async def get_session(session_id: str) -> dict[str, Any]:

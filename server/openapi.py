@@ -10,6 +10,8 @@ from typing import Any
 
 from states.stream_session import DrainCause, State
 
+from .requests import LIST_LIMIT, MAX_LIST_LIMIT
+
 __all__ = ["openapi_document"]
 
 # generated from the enums, so the document cannot drift from the table
@@ -88,8 +90,10 @@ SCHEMAS: dict[str, Any] = {
                             "description": "why the session ended (or is ending); set once, the first cause wins"},
         },
     },
-    "SessionList": {"type": "object", "required": ["sessions"],
-                    "properties": {"sessions": {"type": "array", "items": _ref("SessionStatus")}}},
+    "SessionList": {"type": "object", "required": ["sessions", "next"],
+                    "properties": {"sessions": {"type": "array", "items": _ref("SessionStatus")},
+                                   "next": {"type": ["string", "null"],
+                                            "description": "the cursor of the next page (its `after`); null on the last"}}},
     "SessionDeleteResponse": {
         "type": "object",
         "required": ["session_id", "status"],
@@ -204,9 +208,17 @@ def openapi_document() -> dict[str, Any]:
             },
             "get": {
                 "summary": "List sessions",
+                "description": "Sessions oldest first, a page at a time: while more follow, `next` is the cursor "
+                               "to pass as `after` for the next page.",
                 "parameters": [{"name": "status", "in": "query", "required": False,
-                                "schema": {"type": "string", "enum": STATUSES}}],
-                "responses": {"200": _json(_ref("SessionList"), "sessions"), "400": _error("unknown status or query parameter"),
+                                "schema": {"type": "string", "enum": STATUSES}},
+                               {"name": "limit", "in": "query", "required": False,
+                                "schema": {"type": "integer", "minimum": 1, "maximum": MAX_LIST_LIMIT, "default": LIST_LIMIT}},
+                               {"name": "after", "in": "query", "required": False,
+                                "schema": {"type": "string", "pattern": "^[0-9]{1,19}$"},
+                                "description": "the `next` of the page before"}],
+                "responses": {"200": _json(_ref("SessionList"), "sessions"),
+                              "400": _error("unknown status or query parameter, a limit out of range, a bad cursor"),
                               **COMMON_ERRORS},
             },
         },

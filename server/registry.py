@@ -45,6 +45,7 @@ class SessionRecord:
     drain_cause: DrainCause | None = None  # why it drains: set once, with its DRAIN (server.lifecycle)
     drain_detail: str | None = None  # the cause in words (the error, should the cause fail the session)
     upload_path: str | None = None  # a server-owned copy of an uploaded image, deleted when terminal
+    serial: int = 0  # its place in creation order (set by the registry): the session list's page cursor
 
     @property
     def status(self) -> State:
@@ -88,6 +89,7 @@ class SessionRegistry:
         self._by_room: dict[str, SessionRecord] = {}
         self._by_status: dict[State, int] = dict.fromkeys(State, 0)
         self._wall = wall_clock
+        self._serials = 0  # records ever added: each new one gets the next serial
 
     def __len__(self) -> int:
         return len(self._records)
@@ -99,6 +101,8 @@ class SessionRegistry:
         if record.session_id in self._records:
             raise ValueError(f"session {record.session_id!r} already exists")
         record.updated_at = self._wall()
+        self._serials += 1
+        record.serial = self._serials
         self._records[record.session_id] = record
         self._by_room[record.room] = record
         self._by_status[record.status] += 1
@@ -118,6 +122,19 @@ class SessionRegistry:
 
     def list(self, status: State | None = None) -> list[SessionRecord]:
         return [r for r in self._records.values() if status is None or r.status is status]
+
+    def page(self, *, after: int, limit: int, status: State | None = None) -> tuple[list[SessionRecord], bool]:
+        """Up to ``limit`` records created after serial ``after``, oldest first (of one status, if given), and
+        whether more follow. Records are kept in creation order, so a page is one pass that stops at its end;
+        a record pruned or created between two pages moves no other record across the cursor."""
+        page: list[SessionRecord] = []
+        for record in self._records.values():
+            if record.serial <= after or (status is not None and record.status is not status):
+                continue
+            if len(page) == limit:
+                return page, True
+            page.append(record)
+        return page, False
 
     def counts(self) -> dict[str, int]:
         """Records per status (every status named, 0 where none is)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import trio
@@ -20,8 +20,8 @@ from pipelines.paths import PathRefused, resolve_inside
 
 from .reasons import echo, echo_each, without_prefix
 
-__all__ = ["CreateSession", "BadRequest", "OptionsRefused", "parse_create_session", "parse_drain_request",
-           "parse_list_query", "parse_token_request", "resolve_image_path"]
+__all__ = ["CreateSession", "BadRequest", "LIST_LIMIT", "ListQuery", "MAX_LIST_LIMIT", "OptionsRefused", "parse_create_session",
+           "parse_drain_request", "parse_list_query", "parse_token_request", "resolve_image_path"]
 
 MAX_CONFIG_BYTES = 16384
 
@@ -146,20 +146,48 @@ def parse_token_request(body: Any) -> str:
     return identity
 
 
-def parse_list_query(args: Any, statuses: frozenset[str]) -> str | None:
-    """``?status=`` of the session list (a werkzeug ``MultiDict``) -> the status asked for, or None for all.
+class ListQuery(NamedTuple):
+    """What ``GET /v1/stream/sessions`` asks for: one status or all, one page after a cursor."""
 
-    Any other parameter, or ``status`` twice, is refused: ``?stauts=running`` listed every session, and
+    status: str | None
+    limit: int
+    after: int  # the cursor: the serial of the last session of the page before (0: from the first)
+
+
+LIST_LIMIT = 100  # sessions on a page unless ``limit`` says otherwise
+MAX_LIST_LIMIT = 1000  # ... and at most: a page is made in one step of the event loop
+_LIST_PARAMETERS = ("after", "limit", "status")
+
+
+def parse_list_query(args: Any, statuses: frozenset[str]) -> ListQuery:
+    """``?status=&limit=&after=`` of the session list (a werkzeug ``MultiDict``) -> what it asks for.
+
+    Any other parameter, or one given twice, is refused: ``?stauts=running`` listed every session, and
     ``?status=running&status=closed`` only the running ones, without a word."""
-    extra = sorted(set(args.keys()) - {"status"})
+    extra = sorted(set(args.keys()) - set(_LIST_PARAMETERS))
     if extra:
-        raise BadRequest("invalid_query", f"unknown query parameter(s) {echo_each(extra)}; allowed: ['status']")
-    given = args.getlist("status")
-    if len(given) > 1:
-        raise BadRequest("invalid_query", f"status is given {len(given)} times; give it once (or not at all)")
-    if given and given[0] not in statuses:
-        raise BadRequest("invalid_query", f"unknown status {echo(given[0])}")
-    return given[0] if given else None
+        raise BadRequest("invalid_query", f"unknown query parameter(s) {echo_each(extra)}; allowed: {list(_LIST_PARAMETERS)}")
+    for name in _LIST_PARAMETERS:
+        given = args.getlist(name)
+        if len(given) > 1:
+            raise BadRequest("invalid_query", f"{name} is given {len(given)} times; give it once (or not at all)")
+    status = args.get("status")
+    if status is not None and status not in statuses:
+        raise BadRequest("invalid_query", f"unknown status {echo(status)}")
+    limit = _query_int(args, "limit", LIST_LIMIT, 1, MAX_LIST_LIMIT)
+    after = _query_int(args, "after", 0, 0, 2**63 - 1, what="a cursor: the 'next' of the page before")
+    return ListQuery(status, limit, after)
+
+
+def _query_int(args: Any, name: str, default: int, low: int, high: int, *, what: str | None = None) -> int:
+    text = args.get(name)
+    if text is None:
+        return default
+    # digits only, and few: int() would take ' 7', '+7', '7_000' and a 100,000-digit number
+    if not (text.isascii() and text.isdigit() and len(text) <= 19) or not low <= int(text) <= high:
+        kind = what or f"an integer in {low}..{high}"
+        raise BadRequest("invalid_query", f"{name} must be {kind}, got {echo(text)}")
+    return int(text)
 
 
 def parse_drain_request(body: Any, default: float, limit: float) -> float:

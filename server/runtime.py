@@ -13,7 +13,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -365,15 +365,11 @@ class StreamRuntime:
         self._follow(transitions)
         return Created(record, admission, token)
 
-    def queue_position(self, record: SessionRecord, places: Mapping[str, int] | None = None) -> int | None:
-        """The session's place in the queue; ``places`` (from :meth:`queue_positions`) for a view of many sessions."""
+    def queue_position(self, record: SessionRecord) -> int | None:
+        """The session's place in the queue (O(log n): a page of many sessions costs its own length)."""
         if record.status is not State.QUEUED:
             return None
-        return self.book.queue_position(record.session_id) if places is None else places.get(record.session_id)
-
-    def queue_positions(self) -> dict[str, int]:
-        """Every queued session's place, in one pass (each looked up alone, a list of many cost n x n)."""
-        return self.book.queue_positions()
+        return self.book.queue_position(record.session_id)
 
     def get(self, session_id: str) -> SessionRecord:
         return self.registry.get(session_id)
