@@ -31,7 +31,7 @@ from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
 from . import proofs, tls, wire
 from .identity import chunkline_version, pipeline_digest, pipeline_name, worker_participant
-from .remote import PlanView, RemoteWorker, follow_rooms
+from .remote import PlanView, RemoteWorker
 
 if TYPE_CHECKING:
     from ..runtime import StreamRuntime
@@ -147,7 +147,6 @@ class ClusterAuthority:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, self._serve_connection, listeners)
             nursery.start_soon(self._sweep)
-            nursery.start_soon(follow_rooms, self.runtime.transport, self.handles)
             if self.launcher is not None:
                 await nursery.start(self.launcher.run, self)
             task_status.started(self.port)

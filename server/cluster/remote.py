@@ -6,8 +6,8 @@ stands where a :class:`~server.runner.RoomRunner` stands (``runtime.runners``): 
 asks it to stop, abort or settle, and it forwards to the agent. The agent's own runner
 drives the session; its table events come back over the wire and are applied here to the
 authoritative record, in sequence order (duplicates and late events are dropped and counted).
-Who is in a session's room is read from the room where the rooms are the authority's own (local
-rooms, :func:`follow_rooms`), and taken from the agent's reports elsewhere (LiveKit).
+Who is in a session's room is told by the room at each join and leave where the rooms are the authority's
+own (local rooms: :meth:`RemoteRun.room_moved`), and taken from the agent's reports elsewhere (LiveKit).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,15 +48,12 @@ if TYPE_CHECKING:
     from ..registry import SessionRecord
     from ..runtime import StreamRuntime
 
-__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEADLINE", "FOLLOW_ROOMS_EVERY",
-           "follow_rooms"]
+__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEADLINE"]
 
 log = logging.getLogger("chunkline.cluster")
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 OUTBOX = 256  # messages waiting for an agent's connection; one more means it stopped reading
-#: seconds between two reads of the authority's own rooms for the participants of the sessions its agents run
-FOLLOW_ROOMS_EVERY = 0.25
 #: seconds an agent has from a session's stop to reporting it finished: every bound its runner may still wait out,
 #: one after another (joining the room, then creating the pipeline session, which a stop does not cut short, or
 #: taking a chunk's control; closing the pipeline session; a failing worker's cause; leaving the room: 115 s) and a
@@ -222,6 +219,9 @@ class RemoteWorker:
         expect = getattr(runtime.transport, "expect_worker", None)
         if expect is not None:  # local rooms admit this agent's worker token, and no other
             expect(record.room, self.identity)
+        watch = getattr(runtime.transport, "watch_participants", None)
+        if watch is not None:  # local rooms tell who is in the room at each join and leave, until the run settles
+            watch(record.room, run.room_moved)
         try:
             image, suffix = _read_image(record.image_path)
         except (OSError, ValueError) as exc:
@@ -325,19 +325,6 @@ def _read_image(path: str | None) -> tuple[str | None, str | None]:
     return base64.b64encode(data).decode(), Path(path).suffix or None
 
 
-async def follow_rooms(transport: Any, workers: Mapping[str, RemoteWorker]) -> None:
-    """Where the rooms are the authority's own (local rooms), the participants of each session its agents run
-    follow the room, every :data:`FOLLOW_ROOMS_EVERY` seconds, as an in-process runner's follow its room (they
-    were the agent's word at its session's last change of state). Elsewhere (LiveKit) the agents report them."""
-    if getattr(transport, "participants", None) is None:
-        return
-    while True:
-        for worker in list(workers.values()):
-            for run in list(worker.runs.values()):
-                run.follow_room()
-        await trio.sleep(FOLLOW_ROOMS_EVERY)
-
-
 @attrs.define
 class _Check:
     """One option check awaiting its agent's answer."""
@@ -379,16 +366,16 @@ class RemoteRun:
         return None if present is None else set(present(self.record.room))
 
     def take_participants(self, reported: tuple[str, ...]) -> None:
-        """The agent's word on who is in the room, taken where the authority cannot see the room itself."""
-        self.follow_room(set(reported))
+        """The agent's word on who is in the room, taken where the authority cannot see the room itself (LiveKit);
+        where the rooms are its own, the room tells it (:meth:`room_moved`) and the agent's word is not taken."""
+        if self._in_room() is None and not self.finished.is_set():
+            self.record.participants = set(reported)
 
-    def follow_room(self, reported: set[str] | None = None) -> None:
-        """Who is in the room now, the agent's worker left out: read where the rooms are the authority's own (as
-        its own runner sees them), else ``reported`` (the agent's word), if any."""
-        present = self._in_room()
-        seen = reported if present is None else present - {self.worker.identity}
-        if seen is not None and not self.finished.is_set():
-            self.record.participants = seen
+    def room_moved(self, present: frozenset[str]) -> None:
+        """The authority's own room says who is in it now (someone joined or left): the record counts them at
+        once, the agent's worker left out, as an in-process runner's record does."""
+        if not self.finished.is_set():
+            self.record.participants = set(present - {self.worker.identity})
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""
@@ -423,5 +410,8 @@ class RemoteRun:
         forget = getattr(self.runtime.transport, "forget_worker", None)
         if forget is not None:
             forget(self.record.room)
+        unwatch = getattr(self.runtime.transport, "unwatch_participants", None)
+        if unwatch is not None:
+            unwatch(self.record.room)
         self.runtime.session_finished(self, error)  # type: ignore[arg-type]
         self.finished.set()

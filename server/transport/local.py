@@ -185,6 +185,9 @@ class LocalRooms:
         self.max_data_message_bytes = max_data_message_bytes
         self.encode_limiter = trio.CapacityLimiter(2)
         self._expected_workers: dict[str, str] = {}  # room -> the agent identity the runtime started there
+        #: room -> the one listener told who is in it at each join and leave (the runtime's, for a session an agent
+        #: hosts): at most one a live session, and its end removes it (``unwatch_participants``)
+        self._watchers: dict[str, Callable[[frozenset[str]], None]] = {}
         #: whether ``room`` is a live session's (the app answers from its registry): a token of a session
         #: that ended no longer opens its room
         self.room_open: Callable[[str], bool] = lambda room: True
@@ -195,6 +198,23 @@ class LocalRooms:
 
     def forget_worker(self, room: str) -> None:
         self._expected_workers.pop(room, None)
+
+    def watch_participants(self, room: str, listener: Callable[[frozenset[str]], None]) -> None:
+        """Call ``listener`` with who is in ``room`` (its worker included) now, and again at once whenever someone
+        joins or leaves, until :meth:`unwatch_participants`: the authority knows an agent's room as it changes
+        (it read it on a clock, so a viewer that left and came back at once was still counted). One listener a
+        room: a second replaces the first. The listener is called on this task and must not raise."""
+        self._watchers[room] = listener
+        listener(self.participants(room))
+
+    def unwatch_participants(self, room: str) -> None:
+        self._watchers.pop(room, None)
+
+    def _moved(self, room: Room) -> None:
+        """Someone joined or left ``room``: its listener, if any, is told who is there now."""
+        listener = self._watchers.get(room.name)
+        if listener is not None:
+            listener(frozenset(room.identities()))
 
     def close_clients(self) -> None:
         """Send every browser away (server shutdown): their sockets close after a last flush."""
@@ -258,6 +278,7 @@ class LocalRooms:
             raise TransportError(f"local room {room!r}: identity {identity!r} is already present")
         connection = WorkerConnection(self, target, identity)
         target.worker_joined(connection)
+        self._moved(target)
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": identity}))
         return connection
 
@@ -265,6 +286,7 @@ class LocalRooms:
         if room.worker is connection:
             room.worker = None
             room.last_frame = None
+            self._moved(room)
             room.broadcast_text(json.dumps({"type": "participant_left", "identity": connection.identity}))
             if room.closed:
                 room.send_clients_away()
@@ -307,6 +329,7 @@ class LocalRooms:
             await send(json.dumps({"type": "refused", "reason": "identity_in_use"}))
             return
         target.worker_joined(worker)
+        self._moved(target)
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": worker.identity}))
         await send(json.dumps({"type": "joined", "identity": worker.identity, "role": "worker",
                                "participants": sorted(target.subscribers)}))
@@ -360,6 +383,7 @@ class LocalRooms:
             await send(json.dumps({"type": "refused", "reason": reason}))
             return
         target.subscribers[subscriber.identity] = subscriber
+        self._moved(target)  # before anyone is told: who hears of the join finds it counted
         subscriber.push_text(
             json.dumps(
                 {
@@ -389,6 +413,7 @@ class LocalRooms:
                         subscriber.sent_text()
         finally:
             target.subscribers.pop(subscriber.identity, None)
+            self._moved(target)  # before anyone is told: who hears of the leave finds it counted
             target.broadcast_text(json.dumps({"type": "participant_left", "identity": subscriber.identity}))
             if target.worker is not None:
                 target.worker.deliver(ParticipantLeft(subscriber.identity))
