@@ -77,6 +77,13 @@ top level (``status``, ``chunk``, ``done``, ``error``, ``control_rejected``,
 ``timestamp``. Free-form extras (status, chunk and metrics data) are nested
 under ``data`` so they can never shadow those fields. Values that JSON
 cannot carry (numpy scalars aside, which become numbers) are stringified.
+
+Addressing: ``control_rejected`` answers one participant's message and goes to
+that participant alone (LiveKit: ``destination_identities``; local rooms: its
+socket alone); a sender the transport cannot name gets no answer. The rest is
+the room's news and goes to every participant. Until this was so, every
+participant received every rejection (message shapes are unchanged: clients
+need no change, and ``PROTOCOL_VERSION`` stays 1).
 """
 
 from __future__ import annotations
@@ -435,7 +442,8 @@ def error_message(session_id: str, reason: str, detail: str, *, timestamp: float
 
 
 def rejection_message(session_id: str, reason: str, detail: str, *, timestamp: float | None = None) -> bytes:
-    """The answer to a refused control (a :class:`InvalidControl` or a service's ControlRejected)."""
+    """The answer to a refused control (a :class:`InvalidControl` or a service's ControlRejected), for its
+    sender alone."""
     return _message("control_rejected", session_id, timestamp, {"reason": reason, "detail": detail})
 
 

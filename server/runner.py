@@ -5,7 +5,7 @@
 
 It joins the room as the worker, waits for the controller, creates the
 pipeline session, forwards validated controls (held, bounded, until the
-pipeline session exists; every refusal is answered on ``tf.status``), hands its
+pipeline session exists; every refusal is answered on ``tf.status``, to its sender alone), hands its
 chunks to a :class:`~server.chunk_publisher.ChunkPublisher` (paced media, chunk
 messages, ``tf.metrics``), and reports lifecycle and lease status. Who is
 in the room, and which timeout runs, is the :class:`states.room_presence.RoomPresence`
@@ -42,7 +42,7 @@ from states.stream_session import FAILING_CAUSES, DrainCause, Event
 from . import protocol
 from .chunk_publisher import ChunkPublisher, checked_metadata
 from .reasons import public_reason
-from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
+from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError, can_address
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -363,9 +363,9 @@ class RoomRunner:
                 session_id=record.session_id,
                 max_bytes=self.deps.max_data_message_bytes,
             )
-        except protocol.InvalidControl as exc:  # a wrong topic too: every refusal is answered
+        except protocol.InvalidControl as exc:  # a wrong topic too: every refusal is answered, to its sender
             metrics.record_control_rejection(exc.reason)
-            await self._send(protocol.rejection_message(record.session_id, exc.reason, exc.detail))
+            await self._answer(event.sender_identity, protocol.rejection_message(record.session_id, exc.reason, exc.detail))
             return
         if isinstance(parsed, protocol.DeliveryAck):
             return
@@ -376,16 +376,15 @@ class RoomRunner:
         service = self.worker.service
         if not isinstance(service, BidirectionalService):  # a server-push pipeline streams on its own
             metrics.record_control_rejection("no_controls")
-            await self._send(protocol.rejection_message(
+            await self._answer(event.sender_identity, protocol.rejection_message(
                 record.session_id, "no_controls", "this pipeline pushes its stream and takes no controls but stop"))
             return
         metrics.record_control(record.session_id)
         if not self._pipeline_ready.is_set():
             if len(self._early_controls) >= EARLY_CONTROL_LIMIT:
                 metrics.record_control_rejection("not_ready")
-                await self._send(
-                    protocol.rejection_message(record.session_id, "not_ready", "too many controls before the stream started")
-                )
+                await self._answer(event.sender_identity, protocol.rejection_message(
+                    record.session_id, "not_ready", "too many controls before the stream started"))
                 return
             self._early_controls.append(parsed)
             return
@@ -402,7 +401,9 @@ class RoomRunner:
             if self.worker.failing:  # the service lost the session with its worker: that failure is the answer, on
                 return  # its way (the service's "unknown session" came first, naming its own session id)
             self.deps.metrics.record_control_rejection("service")
-            await self._send(protocol.rejection_message(self.record.session_id, "service", exc.reason))
+            # every control taken came from the controller (parse_control refuses anyone else's)
+            await self._answer(self.record.controller_identity,
+                               protocol.rejection_message(self.record.session_id, "service", exc.reason))
 
     def _on_service_event(self, event: ServiceEvent) -> None:
         """From the service (any moment, synchronously): queued for the runner's own sender task."""
@@ -422,10 +423,24 @@ class RoomRunner:
         await self._send(protocol.status_message(self.record.session_id, stage, **data))
 
     async def _send(self, payload: bytes) -> None:
+        """The room's news (status, chunks, the end): to every participant."""
         if self._connection is None:
             return
         try:
             await self._connection.send_data(protocol.STATUS_TOPIC, payload)
+        except TransportError:
+            pass
+
+    async def _answer(self, sender: str | None, payload: bytes) -> None:
+        """The answer to one participant's message goes to it alone: the others' data budgets and attention are not
+        spent on it, nor do they learn what it sent. A sender the transport could not name gets none."""
+        if self._connection is None or sender is None:
+            return
+        if not can_address(self._connection):
+            await self._send(payload)  # a connection that cannot address (an agent's hub connection): as before
+            return
+        try:
+            await self._connection.send_data(protocol.STATUS_TOPIC, payload, to=sender)
         except TransportError:
             pass
 

@@ -8,6 +8,7 @@ from .base import (
     RoomEvent,
     RoomTransport,
     TransportError,
+    can_address,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "RoomEvent",
     "RoomTransport",
     "TransportError",
+    "can_address",
 ]

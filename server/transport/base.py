@@ -2,7 +2,8 @@
 
 A runner joins a room as the worker participant, publishes video frames (RGB
 ``H x W x 3`` uint8) and PCM audio, sends and receives data on topics, and
-hears participants join and leave. Two transports implement it: LiveKit
+hears participants join and leave. Data goes to the whole room (the room's news: status, chunks, the end) or
+to one participant (the answer to its own message, such as a refused control). Two transports implement it: LiveKit
 (production, through trio-asyncio) and the local rooms embedded in the server
 (the default: WebSocket clients with the same tokens, roles and topics).
 """
@@ -25,6 +26,7 @@ __all__ = [
     "RoomEvent",
     "RoomConnection",
     "RoomTransport",
+    "can_address",
 ]
 
 
@@ -70,7 +72,11 @@ class RoomConnection(Protocol):
 
     async def publish_audio(self, audio: Audio) -> None: ...
 
-    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None: ...
+    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True, to: str | None = None) -> None:
+        """Send to the whole room, or with ``to`` to that participant alone (an answer to its own message: the
+        others hear nothing of it; dropped when it has left). Only a connection whose ``addressed`` is True takes
+        ``to`` (:func:`can_address`)."""
+        ...
 
     async def disconnect(self) -> None:
         """Leave the room; bounded in time; idempotent."""
@@ -94,3 +100,9 @@ class RoomTransport(Protocol):
         """The room's session ended (never waits). ``last_word`` is its last ``tf.status`` message when no
         worker was there to send it (a session that ended queued); the transport sends it as the server's."""
         ...
+
+
+def can_address(connection: object) -> bool:
+    """Whether ``connection.send_data`` takes ``to``: a connection made outside this package (a worker agent's room
+    hub connection) may not, and its answers then go to the whole room as before."""
+    return getattr(connection, "addressed", False) is True

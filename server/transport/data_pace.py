@@ -11,17 +11,19 @@ past a burst of :data:`DATA_BURST` (a :class:`~server.token_bucket.TokenBucket` 
   is the whole set of held keys, so the last one sent is the one that counts) and hands it on when the pace, and the
   worker's event backlog, allow.
 
-In the local rooms a message is also paid for by what it makes the room send each other participant
-(:meth:`DataPace.sent`): its text as fanned out, and :data:`ANSWER_BYTES` for the worker's answer it may draw
-(a refused control's ``control_rejected`` goes to the whole room), :data:`DATA_BYTES_PER_SECOND` past a burst of
-:data:`DATA_BYTE_BURST`. By count alone a controller's legal burst of 12 KiB messages was 6 MiB (up to three
-times that once re-encoded), over the 1 MiB a viewer may fall behind before it is sent away ``too_slow``: its own
-honest viewers were sent away. Now a burst, and one message past it, fits in a viewer's backlog with room to spare
-(``TEXT_BACKLOG_BYTES``/``TEXT_BACKLOG`` in :mod:`.local_room`), and a viewer that reads a little more than
-:data:`DATA_BYTES_PER_SECOND` keeps up with whatever a participant may send. A message sent to several
-participants counts as a message for each (the room writes it to each), so that one sender costs the room no more
-than DATA_MESSAGES_PER_SECOND writes however many read it. The room keeps each participant's pace while it lives:
-leaving and coming back buys no fresh burst.
+In the local rooms a message is also paid for by what it makes the room send any one participant
+(:meth:`DataPace.sent`): its text as fanned out to each other one, or the worker's answer it may draw, which goes to
+its sender alone (a refused control's ``control_rejected``; at most :data:`ANSWER_BYTES`), whichever is more,
+:data:`DATA_BYTES_PER_SECOND` past a burst of :data:`DATA_BYTE_BURST`. By count alone a controller's legal burst of
+12 KiB messages was 6 MiB (up to three times that once re-encoded), over the 1 MiB a viewer may fall behind before
+it is sent away ``too_slow``: its own honest viewers were sent away. Now a burst, and one message past it, fits in a
+viewer's backlog with room to spare (``TEXT_BACKLOG_BYTES``/``TEXT_BACKLOG`` in :mod:`.local_room`), and a viewer
+that reads a little more than :data:`DATA_BYTES_PER_SECOND` keeps up with whatever a participant may send. A message
+sent to several participants counts as a message for each (the room writes it to each), so that one sender costs the
+room no more than DATA_MESSAGES_PER_SECOND writes however many read it; the answer is one write, to the sender, at
+most one for each message read, so the sender's own pace bounds it (when it went to the whole room, each message
+could draw a write to every participant that nothing counted). The room keeps each participant's pace while it
+lives: leaving and coming back buys no fresh burst.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ DATA_MESSAGES_PER_SECOND = 500
 DATA_BURST = 500
 DATA_BYTES_PER_SECOND = 256 * 1024  # characters a participant's data may make the room send each other one, a second
 DATA_BYTE_BURST = 256 * 1024  # ... past this burst (a quarter of a viewer's backlog, TEXT_BACKLOG_BYTES)
-ANSWER_BYTES = 512  # the worker's answer a message may draw (a control_rejected repeats at most 64 characters of it)
+ANSWER_BYTES = 512  # the worker's answer a message may draw, to its sender (a control_rejected echoes <= 64 characters)
 
 
 class DataPace:
@@ -68,10 +70,11 @@ class DataPace:
 
     def sent(self, characters: int, recipients: int) -> None:
         """The message just read made the room send ``characters`` to each of ``recipients`` other participants
-        (and may draw the worker's answer): paid for before the next one is read. It counts as a message for each
-        recipient past the first, so that the room writes no more than DATA_MESSAGES_PER_SECOND for one sender."""
+        (and may draw the worker's answer, to its sender alone): the most any one of them is sent is paid for before
+        the next one is read. It counts as a message for each recipient past the first, so that the room writes no
+        more than DATA_MESSAGES_PER_SECOND for one sender."""
         now = trio.current_time()
-        self._text.charge(now, characters + ANSWER_BYTES)
+        self._text.charge(now, max(characters, ANSWER_BYTES))
         if recipients > 1:
             self._messages.charge(now, recipients - 1)
 

@@ -25,7 +25,8 @@ thread inside the loop's trio task, so they hand events to the runner with
 Media (reference B.11) is :mod:`.livekit_media`: one VP8 video track, one PCM audio track. A track that
 cannot be published (refused, or no answer within ``publish_timeout``) makes every later call raise that
 error. Data goes through
-``local_participant.publish_data(payload, reliable=..., topic=...)``.
+``local_participant.publish_data(payload, reliable=..., topic=..., destination_identities=...)``: to the whole
+room, or to one participant alone (an answer to its own message; LiveKit then forwards it to nobody else).
 
 Events: a participant counts as joined when it is *active* (it can receive
 data then, so the first status messages reach it). Each participant's data is
@@ -100,6 +101,8 @@ async def _wait_for(task: asyncio.Task[None]) -> None:
 
 class _LiveKitConnection:
     """The worker's presence in one LiveKit room (implements the RoomConnection port)."""
+
+    addressed = True  # send_data takes ``to`` (LiveKit's destination_identities)
 
     def __init__(self, transport: LiveKitTransport, loop: Any, room_name: str, identity: str) -> None:
         self._transport = transport
@@ -311,12 +314,13 @@ class _LiveKitConnection:
             self._broken = str(exc)
             raise
 
-    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None:
+    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True, to: str | None = None) -> None:
         self._check_usable()
         participant = self.room.local_participant  # type: ignore[union-attr]
+        destination = [] if to is None else [to]  # empty: the whole room
 
         async def publish() -> None:
-            await participant.publish_data(bytes(payload), reliable=reliable, topic=topic)
+            await participant.publish_data(bytes(payload), reliable=reliable, topic=topic, destination_identities=destination)
 
         await self._wrap(f"sending data on {topic!r}", publish)
         self._data_sent_at = trio.current_time()

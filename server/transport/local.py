@@ -21,6 +21,9 @@ Wire format (WebSocket):
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
   as their write deadline let them stay); a participant's data is paced by what it makes the room send
   (:mod:`.data_pace`), so that its legal burst fits in that backlog and a viewer reading 256 KiB a second keeps up;
+- the worker's answer to one participant's message (a refused control's ``control_rejected``) goes to that
+  participant alone, as LiveKit's ``destination_identities`` does; the room's news (status, chunks, the end) to
+  every client; a worker agent addresses an answer by adding ``"to": identity`` to its envelope;
 - data a client sends before the worker is in the room (a queued session's, an agent's a moment before it
   joins) is held for it, 32 messages and 64 KiB at most, and delivered in order when it joins; past that it
   is refused (``no_worker_yet``), never dropped without a word;
@@ -78,6 +81,7 @@ def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
 class WorkerConnection:
     """The room runner's side of a local room (implements the RoomConnection port)."""
 
+    addressed = True  # send_data takes ``to``
     def __init__(self, rooms: LocalRooms, room: Room, identity: str) -> None:
         self._rooms = rooms
         self._room = room
@@ -150,10 +154,10 @@ class WorkerConnection:
         for subscriber in self._room.subscribers.values():
             subscriber.push_media(message)
 
-    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None:
+    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True, to: str | None = None) -> None:
         if self._closed:
             raise TransportError("the worker left the room")
-        self._room.broadcast_text(data_message(topic, payload, self._identity))
+        self._room.send_text(data_message(topic, payload, self._identity), to)
 
     async def disconnect(self) -> None:
         if self._closed:
@@ -346,11 +350,12 @@ class LocalRooms:
                         continue
                     try:
                         envelope = json_limits.loads(message, max_depth=json_limits.MAX_JSON_DEPTH + 1)
-                        topic, payload = envelope["topic"], envelope["payload"]
+                        topic, payload, to = envelope["topic"], envelope["payload"], envelope.get("to")
                     except (json_limits.JsonRefused, KeyError, TypeError):
                         continue  # the agent is ours; a malformed envelope is dropped, not echoed
                     raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-                    target.broadcast_text(data_message(str(topic), raw, worker.identity, parsed=payload))
+                    if to is None or isinstance(to, str):  # with "to", an answer to that participant alone
+                        target.send_text(data_message(str(topic), raw, worker.identity, parsed=payload), to)
         finally:
             self._leave_worker(target, worker)
 

@@ -170,6 +170,14 @@ class Room:
             if identity != skip:
                 subscriber.push_text(message)
 
+    def send_text(self, message: str, to: str | None = None) -> None:
+        """To every client, or with ``to`` to that one alone (the answer to its own message; the others are sent
+        nothing of it, and nothing is sent when it has left)."""
+        if to is None:
+            self.broadcast_text(message)
+        elif (subscriber := self.subscribers.get(to)) is not None:
+            subscriber.push_text(message)
+
 
 def data_message(topic: str, payload: bytes, sender: str, *, parsed: Any = None) -> str:
     """The text a subscriber gets for a data message: its payload read by the bounded parser (never raising), or,

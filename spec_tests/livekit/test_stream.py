@@ -142,8 +142,9 @@ async def test_a_viewer_sees_the_same_frames_takes_no_slot_and_may_not_send(stre
     assert [m for m in agent.messages("viewer-1") if m["type"] == "chunk"], "the viewer hears the chunk status too"
 
     # The viewer's grant has no data publishing, so LiveKit itself drops what it sends: the worker never
-    # sees it (else it would answer not_controller to the room). The controller's bad control, sent after,
-    # is answered: the worker read its data past the moment the viewer's would have arrived.
+    # sees it (else it would answer not_controller). The controller's bad control, sent after, is answered
+    # to the controller alone (destination_identities): the worker read its data past the moment the
+    # viewer's would have arrived.
     await agent.request("publish", client="viewer-1", topic="tf.control", payload=json.dumps({"type": "stop"}))
     await agent.request("publish", client="carol", topic="tf.control", payload=json.dumps({"type": "control_state", "controls": ["q"]}))
     await agent.wait_message("carol", "control_rejected", reason="unknown_control")
@@ -151,10 +152,13 @@ async def test_a_viewer_sees_the_same_frames_takes_no_slot_and_may_not_send(stre
     assert rejections == ["unknown_control"], rejections
     assert (await session(stream, created["session_id"]))["status"] == "running"
 
-    await agent.request("leave", client="viewer-1")
     async with stream.http() as http:
         assert (await http.delete(f"{SESSIONS}/{created['session_id']}")).status_code == 200
     await agent.wait_message("carol", "done")  # DELETE mid-stream drains the session: done, then closed
+    # the room's news reaches the viewer, in the worker's order: had the answer gone to the room, it came first
+    await agent.wait_message("viewer-1", "done")
+    assert not [m for m in agent.messages("viewer-1") if m["type"] == "control_rejected"], agent.messages("viewer-1")
+    await agent.request("leave", client="viewer-1")
     assert (await wait_status(stream, created["session_id"], TERMINAL))["status"] == "closed"
     assert WORKER not in await agent.room_participants(created["room"])
 
