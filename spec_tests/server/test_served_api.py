@@ -38,7 +38,7 @@ async def test_the_session_list_refuses_a_query_it_would_ignore(client: httpx.As
     for query, words in [("stauts=running", ("unknown query parameter", "'stauts'", "'status'")),
                          ("status=running&status=closed", ("status is given 2 times",)),
                          ("status=bogus", ("unknown status", "'bogus'")),
-                         ("status=closed&limit=5", ("'limit'",))]:
+                         ("status=closed&offset=5", ("'offset'",))]:
         response = await client.get(f"{SESSIONS}?{query}")
         assert response.status_code == 400, (query, response.text)
         body = response.json()
