@@ -1,9 +1,16 @@
-"""The first thing a child of :class:`engine.supervisor.Supervisor` does: bind its life to its parent's.
+"""A supervised child's life bound to its parent's, from both ends.
 
-Linux's parent-death signal (SIGKILL when the thread that spawned the child
-ends) plus a watchdog thread that notices ``os.getppid()`` changing, for where
-the signal is not available or was not asked for. Standard library only: it
-runs in the child before anything else is imported.
+The child's end, the first thing a child of :class:`engine.supervisor.Supervisor` does
+(:func:`bind_to_parent`): Linux's parent-death signal (SIGKILL when the thread that spawned the
+child ends) plus a watchdog thread that notices ``os.getppid()`` changing, for where the signal
+is not available or was not asked for. Standard library only: it runs in the child before
+anything else is imported.
+
+The parent's end, for a process about to end at once with ``os._exit`` (a second stop signal)
+(:func:`end_descendants_now`): the parent-death signal alone left work behind. It kills only the
+spawner's direct children, and the shared memory they made stayed in /dev/shm; their own
+children (a service child's ranks) were reparented and lived on until they reached their own
+:func:`bind_to_parent`, seconds later while they still imported torch.
 """
 
 from __future__ import annotations
@@ -12,12 +19,15 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
-__all__ = ["PARENT_GONE_EXIT_CODE", "bind_to_parent"]
+__all__ = ["PARENT_GONE_EXIT_CODE", "bind_to_parent", "descendants", "end_descendants_now"]
 
 PARENT_GONE_EXIT_CODE = 70  # a child's exit code when its parent died first
 WATCHDOG_INTERVAL = 0.2  # seconds between the child's checks that its parent lives
+#: seconds :func:`end_descendants_now` waits for the processes it killed to be gone (SIGKILL takes milliseconds)
+KILLED_WAIT = 2.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -52,3 +62,79 @@ def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         pause.wait(WATCHDOG_INTERVAL)
     os._exit(PARENT_GONE_EXIT_CODE)
+
+
+def _parents(proc: str = "/proc") -> dict[int, int]:
+    """Every process's parent, from ``/proc/<pid>/stat`` (its 4th field, after the command name in parentheses)."""
+    found = {}
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):  # it ended meanwhile
+            continue
+        found[int(entry)] = int(fields[1])
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first); empty where there is no ``/proc``."""
+    try:
+        parents = _parents()
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(0), [])
+        found += below
+        todo += below
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no longer in ``/proc``, or a zombie (it can make nothing more; its parent reaps it, or init)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def end_descendants_now(wait: float = KILLED_WAIT) -> list[int]:
+    """Kill every process below this one and remove the shared memory they made; returns their pids.
+
+    Each is stopped first (SIGSTOP), the tree walked again until no new one appears, then all are killed at
+    once: killed top-down, a grandchild was reparented away before the walk reached it, and a child still
+    spawning added one the walk never saw. Waits (at most ``wait`` seconds) until they are gone, so that no
+    segment is made after its maker's segments were removed. For a process about to end with ``os._exit``."""
+    from .shm_names import remove_segments_of  # standard library only too; not needed by a child that binds
+
+    me, stopped = os.getpid(), []
+    for _ in range(16):  # a tree deeper than this is not one the project spawns
+        new = [pid for pid in descendants(me) if pid not in stopped]
+        if not new:
+            break
+        for pid in new:
+            _send(pid, signal.SIGSTOP)
+        stopped += new
+    for pid in stopped:
+        _send(pid, signal.SIGKILL)
+    give_up = time.monotonic() + wait
+    pause = threading.Event()  # never set: the wait is just the poll interval
+    while not all(_gone(pid) for pid in stopped) and time.monotonic() < give_up:
+        pause.wait(0.005)
+    for pid in stopped:
+        remove_segments_of(pid)
+    return stopped
+
+
+def _send(pid: int, number: int) -> None:
+    try:
+        os.kill(pid, number)
+    except OSError:  # it ended meanwhile (or is not ours to signal)
+        pass

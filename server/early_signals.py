@@ -6,7 +6,9 @@ closed terminal) ended the process by the signal itself (-15, -1), nothing said.
 each stop signal that raises :class:`StopSignalled` instead; the entry point catches it, says so in one line and
 exits ``128 + signal``. The first one sets the stop signals to be ignored, so a second cannot break off the way
 out. A command that takes the signals over in a trio run of its own calls :func:`defer` first: a signal then is
-noted, and :func:`replay` sends the noted ones again once the run's own receiver is open.
+noted, and :func:`replay` sends the noted ones again once the run's own receiver is open. The receiver puts the
+noting handler back as it closes (``chunkline worker``): a signal after the run, its exit status decided and the
+process on its way out, is noted and changes nothing (Python's default action ended the process by itself).
 
 SIGHUP ignored when the process started (``nohup chunkline ...``) stays ignored, here and in the commands
 (:func:`stop_signals`).

@@ -17,16 +17,22 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 import trio
 
+from engine.supervised_child import end_descendants_now
+from engine.tensor_channel_refs import unlink_every_owned_segment
+
 from . import early_signals
 from .early_signals import STOP_SIGNALS, stop_signals
 
-__all__ = ["StoppedBySignal", "note_stop_signal", "run_until_signalled", "trio_run_until_signalled"]
+__all__ = ["StoppedBySignal", "exit_now", "exit_on_stop_signals", "note_stop_signal", "run_until_signalled",
+           "trio_run_until_signalled"]
 
 _stopped_by_signal = False
 
@@ -46,6 +52,36 @@ def _teardown() -> None:
     if _stopped_by_signal:
         for number in STOP_SIGNALS:
             signal.signal(number, signal.SIG_IGN)
+
+
+def exit_now(code: int, why: str, remove: Callable[[], None], log: logging.Logger) -> NoReturn:
+    """End the process without waiting for anything (a second stop signal, a watchdog), leaving nothing behind.
+
+    ``os._exit`` skips every ``finally`` and finalizer: its child processes go first, with the shared memory they
+    made (:func:`~engine.supervised_child.end_descendants_now`: their parent-death signal alone left that in
+    /dev/shm, and their own children running), then ``remove`` takes what the process holds on disk, then the
+    shared memory of the channels it made itself goes."""
+    log.error("%s: exiting now (exit %d)", why, code)
+    logging.shutdown()
+    end_descendants_now()
+    remove()
+    unlink_every_owned_segment()
+    os._exit(code)
+
+
+def exit_on_stop_signals(code: int, why: str, remove: Callable[[], None], log: logging.Logger) -> None:
+    """From now until the process ends, a stop signal ends it at once with ``code`` (:func:`exit_now`).
+
+    For a process whose trio run took the signals and is over, or ending: trio put back the handlers it found
+    (Python's defaults), and a signal on the way out ended the process by its default action (-15, or a
+    KeyboardInterrupt traceback), skipping every cleanup. Plain handlers run even while the loop is busy."""
+
+    def handler(number: int, _frame: Any) -> None:
+        exit_now(code, f"a stop signal ({signal.Signals(number).name}) {why}", remove, log)
+
+    note_stop_signal()  # the interpreter's very last teardown ignores them instead (see _teardown)
+    for number in stop_signals():
+        signal.signal(number, handler)
 
 
 class StoppedBySignal(Exception):

@@ -23,13 +23,11 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
-
-from engine.tensor_channel_refs import unlink_every_owned_segment
 
 from .app import create_app
 from .runtime import SHUTDOWN_GRACE
@@ -39,7 +37,7 @@ from .open_access import UNGUARDED, is_loopback
 from .room_socket import Deadlines
 from . import early_signals
 from .early_signals import stop_signals
-from .run_signals import note_stop_signal
+from .run_signals import exit_now, exit_on_stop_signals, note_stop_signal
 from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
@@ -82,19 +80,9 @@ def _backend_socket(folder: ServerFolder) -> socket.socket:
     return listener
 
 
-def _exit_now(code: int, why: str, remove: Callable[[], None]) -> NoReturn:
-    """End the process without waiting for anything; ``remove`` takes what it has on disk first (os._exit
-    skips every ``finally`` that would)."""
-    log.error("%s: exiting now (exit %d)", why, code)
-    logging.shutdown()
-    remove()
-    unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
-    os._exit(code)
-
-
 def _exit_watchdog(bound: float, remove: Callable[[], None]) -> threading.Timer:
     """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after)."""
-    timer = threading.Timer(bound, _exit_now, (1, f"shutdown exceeded its bound of {bound:g} s", remove))
+    timer = threading.Timer(bound, exit_now, (1, f"shutdown exceeded its bound of {bound:g} s", remove, log))
     timer.daemon = True
     timer.start()
     return timer
@@ -191,17 +179,14 @@ async def _serve(
                 early_signals.replay()  # one that came as the trio run started (the command deferred it)
                 async for number in signals:
                     if first is not None:
-                        _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", abandon)
+                        exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", abandon,
+                                 log)
                     first = number
                     note_stop_signal()
                     stop.set()
         finally:
             if first is not None:
-                def second(number: int, _frame: Any) -> None:
-                    _exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the shutdown", abandon)
-
-                for number in stop_signals():
-                    signal.signal(number, second)
+                exit_on_stop_signals(128 + first, "during the shutdown", abandon, log)
 
     watchdog: threading.Timer | None = None
     try:

@@ -6,34 +6,45 @@ An agent is STARTING while it loads its pipeline, runs its startup check, dials 
 shakes hands, and again after a registration was cut off (it dials anew). SERVE
 (its Ready went out on a live registration) makes it SERVING, the only state that
 takes sessions. CUT_OFF (the registration ended without a goodbye: its sessions are
-stopped) makes it REDIALING, dialing again; SERVE there serves again. A stop signal (SIGTERM, SIGINT) or the authority's DRAIN while
-SERVING makes it DRAINING: no new sessions, live ones finish by the deadline, then
-a goodbye and exit 0. A second stop signal while DRAINING cuts the drain short
-(CUT_SHORT: sessions stop now, exit 128 + signal). A stop signal while STARTING
-makes it STOPPING: it never says Ready (a create landing then would have been
-placed on an agent already leaving), leaves at once and exits 128 + signal. One
-while REDIALING makes it RETIRING: it does not register again either, and exits 0
-(it served, and has nothing left to drain). END
-(the agent's run is over, whatever the reason) makes it ENDED, the only terminal
-state. Signals and drains that change nothing loop on the state they arrive in.
+stopped) makes it REDIALING, dialing again; SERVE there serves again. A stop signal
+(SIGTERM, SIGINT) or the authority's DRAIN while SERVING makes it DRAINING: no new
+sessions, live ones finish by the deadline; GOODBYE (its goodbye went out once the
+drain ran its course) makes it DRAINED. A second stop signal while DRAINING cuts the
+drain short (CUT_SHORT: sessions stop now, then a goodbye). A stop signal while
+STARTING makes it STOPPING: it never says Ready (a create landing then would have been
+placed on an agent already leaving) and leaves at once. One while REDIALING makes it
+RETIRING: it does not register again either. A stop signal while the agent is already
+on its way out (STOPPING, CUT_SHORT, RETIRING, DRAINED) ABORTS it: the process ends now,
+without waiting for what is under way (a pipeline still loading, a dial, a close),
+taking its child processes and their shared memory with it. END (the agent's run is
+over, whatever the reason) makes it ENDED, the only terminal state. Signals, drains and
+goodbyes that change nothing loop on the state they arrive in.
+
+How it exits is :func:`exit_status`, one rule for every phase: 0 once a drain ran its
+course (DRAINED), and after a drain the authority asked for without any signal; 128 + the
+first stop signal when a signal led it out before a drain ran its course (STOPPING,
+CUT_SHORT, RETIRING, ABORTED, or DRAINING cut off from the authority). A supervisor
+reads 0 as "it finished as asked", never as "a signal ended it".
 """
 
 from __future__ import annotations
 
 from .machine import StateMachine, TableEnum
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "SIGNALLED_EXIT",
-           "AgentMachine"]
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "ABORTS",
+           "AgentMachine", "exit_status"]
 
 
 class State(TableEnum):
     STARTING = "starting"
     SERVING = "serving"
     DRAINING = "draining"
+    DRAINED = "drained"
     CUT_SHORT = "cut_short"
     STOPPING = "stopping"
     REDIALING = "redialing"
     RETIRING = "retiring"
+    ABORTED = "aborted"
     ENDED = "ended"
 
 
@@ -42,6 +53,7 @@ class Event(TableEnum):
     CUT_OFF = "cut_off"
     STOP_SIGNAL = "stop_signal"
     DRAIN = "drain"
+    GOODBYE = "goodbye"
     END = "end"
 
 
@@ -55,19 +67,31 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.SERVING, Event.END): State.ENDED,
     (State.DRAINING, Event.STOP_SIGNAL): State.CUT_SHORT,
     (State.DRAINING, Event.DRAIN): State.DRAINING,
+    (State.DRAINING, Event.GOODBYE): State.DRAINED,
     (State.DRAINING, Event.END): State.ENDED,
-    (State.CUT_SHORT, Event.STOP_SIGNAL): State.CUT_SHORT,
+    (State.DRAINED, Event.STOP_SIGNAL): State.ABORTED,
+    (State.DRAINED, Event.DRAIN): State.DRAINED,
+    (State.DRAINED, Event.GOODBYE): State.DRAINED,
+    (State.DRAINED, Event.END): State.ENDED,
+    (State.CUT_SHORT, Event.STOP_SIGNAL): State.ABORTED,
     (State.CUT_SHORT, Event.DRAIN): State.CUT_SHORT,
+    (State.CUT_SHORT, Event.GOODBYE): State.CUT_SHORT,
     (State.CUT_SHORT, Event.END): State.ENDED,
-    (State.STOPPING, Event.STOP_SIGNAL): State.STOPPING,
+    (State.STOPPING, Event.STOP_SIGNAL): State.ABORTED,
     (State.STOPPING, Event.DRAIN): State.STOPPING,
+    (State.STOPPING, Event.GOODBYE): State.STOPPING,
     (State.STOPPING, Event.END): State.ENDED,
     (State.REDIALING, Event.SERVE): State.SERVING,
     (State.REDIALING, Event.STOP_SIGNAL): State.RETIRING,
     (State.REDIALING, Event.END): State.ENDED,
-    (State.RETIRING, Event.STOP_SIGNAL): State.RETIRING,
+    (State.RETIRING, Event.STOP_SIGNAL): State.ABORTED,
     (State.RETIRING, Event.DRAIN): State.RETIRING,
+    (State.RETIRING, Event.GOODBYE): State.RETIRING,
     (State.RETIRING, Event.END): State.ENDED,
+    (State.ABORTED, Event.STOP_SIGNAL): State.ABORTED,
+    (State.ABORTED, Event.DRAIN): State.ABORTED,
+    (State.ABORTED, Event.GOODBYE): State.ABORTED,
+    (State.ABORTED, Event.END): State.ENDED,
 }
 
 TERMINAL = frozenset({State.ENDED})
@@ -77,9 +101,21 @@ TAKES_SESSIONS = frozenset({State.SERVING})
 #: States in which a registration that ended leads to another dial (derived from the table: SERVE leaves them).
 DIALS = frozenset(source for (source, event) in TRANSITIONS if event is Event.SERVE)
 #: States in which the agent is on its way out: a registration that ends ends the agent.
-LEAVING = frozenset({State.DRAINING, State.CUT_SHORT, State.STOPPING, State.RETIRING})
-#: States whose exit is 128 + the stop signal that led there (a drain that ran its course exits 0).
-SIGNALLED_EXIT = frozenset({State.CUT_SHORT, State.STOPPING})
+LEAVING = frozenset({State.DRAINING, State.DRAINED, State.CUT_SHORT, State.STOPPING, State.RETIRING, State.ABORTED})
+#: The state in which the process ends at once, without waiting for what is under way.
+ABORTS = frozenset({State.ABORTED})
+#: States in which the agent finished what it was asked to do: its exit is 0 whatever signal began it.
+_FINISHED = frozenset({State.DRAINED})
+
+
+def exit_status(state: State, first_signal: int | None) -> int:
+    """The exit status of an agent leaving in ``state``; ``first_signal`` is the first stop signal it got (None: none).
+
+    0 once its drain ran its course, or when no signal led it out (a drain the authority asked for); else 128 + the
+    first stop signal, as ``chunkline stream-serve`` and ``chunkline run`` exit when a signal stopped them."""
+    if state in _FINISHED or first_signal is None:
+        return 0
+    return 128 + first_signal
 
 
 class AgentMachine(StateMachine[State, Event]):

@@ -20,8 +20,9 @@ with code 3; anything unproven counts as a failed connect (a crash loop of unpro
 exits with code 3 too). SIGTERM (or a
 drain from the authority) drains: no new sessions, live ones finish or are stopped at the
 drain deadline at a chunk boundary, then it says goodbye and exits 0. A stop signal before it
-served (loading, its startup check, dialing) ends it without saying ready: it exits 128 +
-the signal. What each signal and drain does is :mod:`states.agent`'s table.
+served (loading, its startup check, dialing) or while cut off ends it without saying ready; one
+while it is already leaving (a pipeline still loading included) ends it at once. What each
+signal and drain does, and the exit status, is :mod:`states.agent`'s table.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ import logging
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import attrs
 import trio
 
 from engine import CapacityPlan
-from states.agent import LEAVING, SIGNALLED_EXIT, TAKES_SESSIONS, AgentMachine, Event, State
+from states.agent import ABORTS, LEAVING, TAKES_SESSIONS, AgentMachine, Event, State, exit_status
 from states.liveness import fence_at
 from states.restart_policy import RestartPolicy, RestartTracker
 
@@ -48,6 +49,7 @@ from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
 from ..reasons import public_reason
 from ..requests import OptionsRefused
+from ..run_signals import exit_now, note_stop_signal
 from ..server_folders import remove_stale_folders
 from . import tls, wire
 from .agent_handshake import Shaken, handshake
@@ -135,7 +137,7 @@ class Agent:
         self._model_settled = trio.Event()
         self._outbox: trio.MemorySendChannel[wire.Message] | None = None
         self.life = AgentMachine()  # what a stop signal or a drain does: states.agent's table
-        self._exit_signal: int | None = None  # the stop signal that makes the exit code 128 + it
+        self._first_signal: int | None = None  # the first stop signal: the exit code may be 128 + it
         self._stop_scopes: set[trio.CancelScope] = set()  # waits a stop before serving ends
         self._drained = trio.Event()
         self._acked_sent_at = 0.0
@@ -148,9 +150,25 @@ class Agent:
 
     async def run(self) -> int:
         remove_stale_folders()  # what an agent killed on this host left (its replacement starts here, now)
+        # open for the whole run, the wait for a pipeline still loading included: a second signal then ends the agent
+        # (states.agent); closed before that wait, it put Python's default actions back, and the second signal
+        # ended the process by itself (-15, or a KeyboardInterrupt traceback), leaving its children behind
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            early_signals.hand_over()  # SIGHUP gets its own back (the command deferred the stop signals until now)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._signals, signals)
+                code = await self._run()
+                nursery.cancel_scope.cancel()
+        # the receiver put back what it found: under `chunkline worker` the command's noting handlers
+        # (early_signals.defer), so a signal from here on, the exit status decided, changes nothing
+        note_stop_signal()  # nor in the interpreter's very last teardown (run_signals._teardown)
+        self.sessions.close()
+        self.life.apply(Event.END)
+        return code
+
+    async def _run(self) -> int:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._signals)
             # load before dialing: a model import that holds the interpreter must not
             # starve the heartbeats of a registered worker into a fence
             nursery.start_soon(self.worker.run)
@@ -169,17 +187,12 @@ class Agent:
                 code = LAUNCHER_GONE_EXIT_CODE
             await self.sessions.stop_all("agent exiting", hard=True)
             self.worker.stop()
-            nursery.cancel_scope.cancel()
-        self.sessions.close()
-        self.life.apply(Event.END)
+            nursery.cancel_scope.cancel()  # a load under way is waited for (a second stop signal ends it now)
         return code
 
     def _exit_code(self) -> int:
-        """A drain that ran its course exits 0; one cut short, or a stop before serving, 128 + the signal (as
-        stream-serve exits)."""
-        if self.life.state in SIGNALLED_EXIT and self._exit_signal is not None:
-            return 128 + self._exit_signal
-        return 0
+        """How an agent that is leaving exits: states.agent's one rule for every phase."""
+        return exit_status(self.life.state, self._first_signal)
 
     async def _watch_launcher(self, pid: int) -> None:
         """The authority that started this agent died (kill -9 leaves its agents running): end with it.
@@ -196,35 +209,44 @@ class Agent:
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)
 
-    async def _signals(self) -> None:
-        early_signals.hand_over()  # the command deferred the stop signals until now (SIGHUP gets its own back)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            early_signals.replay()  # one that came while the agent started: it stops the start too
-            async for signum in signals:
-                self._stop_signal(signum)
+    async def _signals(self, signals: Any) -> None:
+        early_signals.replay()  # one that came while the agent started: it stops the start too
+        async for signum in signals:
+            self._stop_signal(signum)
 
     def _stop_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         before = self.life.state
         after = self.life.apply(Event.STOP_SIGNAL)
-        if after is before:
+        if self._first_signal is None:
+            self._first_signal = signum
+        if after in ABORTS:
+            self._abort(name, before)
+        elif after is before:
             log.info("%s: already leaving", name)
         elif after is State.DRAINING:
             log.info("%s: draining (deadline %.0f s)", name, self.options.drain_deadline)
             self._drain_now(self.options.drain_deadline)
         elif after is State.CUT_SHORT:
-            log.warning("second %s: stopping the sessions now, without waiting for them", name)
-            self._exit_signal = signum
+            log.warning("second %s: stopping the sessions now, without waiting for them (another signal ends the "
+                        "agent at once)", name)
             self.spawn(self._stop_now, f"the worker was stopped before its sessions finished (a second {name})")
         else:  # STOPPING or RETIRING: not serving; it never says ready (a create then was placed on an agent leaving)
             if after is State.STOPPING:
-                log.info("%s before this agent served: it leaves without registering as ready", name)
+                log.info("%s before this agent served: it leaves without registering as ready (another signal "
+                         "ends it at once)", name)
             else:
                 log.info("%s while cut off from the authority: it leaves without registering again", name)
-            self._exit_signal = signum
             for scope in self._stop_scopes:
                 scope.cancel()
             self._model_settled.set()  # no registration follows (the exit still waits for a load under way)
+
+    def _abort(self, name: str, leaving: State) -> NoReturn:
+        """A stop signal while the agent was already on its way out: it ends now, not once what is under way (a
+        pipeline still loading, a dial, the service's close) returns; its child processes and their shared memory
+        go with it, and its folder."""
+        exit_now(self._exit_code(), f"another stop signal ({name}) while {leaving.value.replace('_', ' ')}",
+                 self.sessions.close, log)
 
     @contextlib.contextmanager
     def _stoppable(self) -> Iterator[trio.CancelScope]:
@@ -275,8 +297,9 @@ class Agent:
         if self.life.state in LEAVING:  # a stop signal came as it waited to dial
             return Ended(End.STOPPED, "a stop signal came before the dial")
         worker_id = new_worker_id(self.options.node)
+        # an agent that registered here before knows an authority is there: one that is silent has stalled
         shaken = await handshake(self.options, (self.scheme, self.host, self.port), self._tls, worker_id,
-                                 self._stoppable)
+                                 self._stoppable, proven=self.worker_id is not None)
         if not isinstance(shaken, Shaken):
             return shaken
         channel, welcome = shaken.channel, shaken.welcome
@@ -291,12 +314,13 @@ class Agent:
         self._flushed = trio.Event()
         self._pump_scope = trio.CancelScope()
         channel.send_timeout = welcome.deadline  # an authority that takes no frame for that long is gone
-        outcome = "connection lost"
+        outcome: str | None = None  # the first end wins: the authority closes as the goodbye reaches it
         try:
             async with trio.open_nursery() as nursery:
                 async def until(make: Callable[[], Awaitable[str]]) -> None:
                     nonlocal outcome
-                    outcome = await make()
+                    ended = await make()
+                    outcome = outcome or ended
                     nursery.cancel_scope.cancel()
 
                 transport_run = getattr(self.sessions.transport, "run", None)
@@ -316,9 +340,14 @@ class Agent:
                     self._drained.set()
         finally:
             self._outbox = None
+            outcome = outcome or "connection lost"
             if outcome != "drained":
-                log.warning("worker %s: %s; stopping its sessions", worker_id, outcome)
+                running = len(self.sessions.runners)
                 await self.sessions.stop_all(f"worker fenced: {outcome}", hard=True)
+                if running:
+                    outcome += f"; worker {worker_id} stopped its {running} session(s)"
+                if self.life.state in LEAVING:  # else the line that says what the agent does next names it
+                    log.warning("worker %s: %s", worker_id, outcome)
             await channel.aclose()
         return Ended(End.DRAINED if outcome == "drained" else End.LOST, outcome)
 
@@ -338,7 +367,8 @@ class Agent:
 
     async def _pump(self, channel: wire.Channel, outbox: trio.MemoryReceiveChannel[wire.Message]) -> str:
         """Send the outbox in order; returns why the connection broke on this side (a send failed or took past
-        its deadline, or the outbox overflowed). A closed outbox (the goodbye was flushed) ends nothing."""
+        its deadline, or the outbox overflowed), or "drained" once the goodbye went out (first: the authority closes
+        the connection as it reads it, and the agent's exit status tells a drain that ran its course)."""
         try:
             with self._pump_scope:
                 async with outbox:
@@ -347,6 +377,9 @@ class Agent:
                             await channel.send(message)
                         except wire.ConnectionClosed as exc:
                             return f"connection lost: {exc}"
+                        if isinstance(message, wire.Goodbye):  # it went out: the registration ended as asked
+                            self.life.apply(Event.GOODBYE)
+                            return "drained"
         finally:
             self._flushed.set()
         if self._pump_scope.cancelled_caught:

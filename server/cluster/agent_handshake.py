@@ -45,9 +45,11 @@ class Shaken:
 
 
 async def handshake(options: AgentOptions, address: tuple[str, str, int], client_tls: ssl.SSLContext | None,
-                    worker_id: str, stoppable: Callable[[], AbstractContextManager[trio.CancelScope]]) -> Shaken | Ended:
+                    worker_id: str, stoppable: Callable[[], AbstractContextManager[trio.CancelScope]], *,
+                    proven: bool = False) -> Shaken | Ended:
     """One dial of ``address`` (scheme, host, port) registering ``worker_id``. ``stoppable()`` is a cancel scope that
-    a stop signal cancels: it covers everything before the register."""
+    a stop signal cancels: it covers everything before the register. ``proven``: this agent registered at this
+    address before, so an authority is there (one that says nothing has stalled, it is no other service)."""
     scheme, host, port = address
     agent_nonce = secrets.token_hex(16)
     channel: wire.Channel | None = None
@@ -100,7 +102,7 @@ async def handshake(options: AgentOptions, address: tuple[str, str, int], client
             return Ended(End.UNREACHABLE, why)
         await channel.aclose()
         if hello is None:
-            return _no_hello(exc, why, scheme)
+            return _no_hello(exc, why, scheme, proven)
         return Ended(End.LOST, why)
     ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
                    worker_id=worker_id)
@@ -113,7 +115,7 @@ async def handshake(options: AgentOptions, address: tuple[str, str, int], client
     return Shaken(channel, reply, sent_at)
 
 
-def _no_hello(exc: Exception, why: str, scheme: str) -> Ended:
+def _no_hello(exc: Exception, why: str, scheme: str, proven: bool) -> Ended:
     """How a dial ended that connected but never got the authority's hello."""
     if isinstance(exc, wire.TlsFailed):  # no TLS there, or a certificate --tls-ca does not vouch for
         trust = " (the authority's certificate is not one --tls-ca trusts)" if exc.untrusted else ""
@@ -122,6 +124,12 @@ def _no_hello(exc: Exception, why: str, scheme: str) -> Ended:
         # closed without a word: an authority turning connections away (a flood past its busy answers) or
         # going down; counted, a flood by anyone at all made every dial count and the agent give up in 20 s
         return Ended(End.UNREACHABLE, f"it closed the connection before its hello ({exc})")
+    if isinstance(exc, trio.TooSlowError) and proven:  # its kernel still takes connections: stopped (SIGSTOP), its
+        # event loop held: dialed again as an unreachable one is, uncounted; it was named "not a chunkline authority
+        # (is this the --cluster-port?)", and after 60 s the agent gave up for good (exit 3: not replaced)
+        return Ended(End.UNREACHABLE, f"it took the connection but sent no hello within {CONNECT_TIMEOUT:g} s: the "
+                                      "authority this agent registered with has stalled (stopped, or its event loop "
+                                      "held)")
     if isinstance(exc, trio.TooSlowError):  # connected, and then nothing: not an authority at all
         hint = "; a TLS port? dial tls://" if scheme == "tcp" else ""
         return Ended(End.NOT_AN_AUTHORITY, f"no hello within {CONNECT_TIMEOUT:g} s{hint}")

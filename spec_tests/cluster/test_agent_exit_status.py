@@ -1,0 +1,119 @@
+"""How a real agent ends when it is cut off from its authority: a stop signal while it dials again exits 128 + the
+signal, as in every other phase a signal ends before a drain ran its course (``states.agent.exit_status``); a
+frozen authority (SIGSTOP) is one line naming the cause, and a silent dial to it is named a stalled authority.
+
+Before: an agent stopped while it redialed exited 0, which a supervisor reads as "finished as asked" (one stopped
+before it first served exited 143). A frozen authority's fence was logged twice (the fence, then the backoff
+naming it again), and the next dial, connected but unanswered, said the address was "not a chunkline authority (is
+this the --cluster-port?)": after 60 s of that the agent gave up with exit 3, which no launcher replaces.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import trio
+
+from server.cluster import wire
+
+from .conftest import INTERVAL, TINY, TOKEN, Process, chunkline, clean_env, start_authority
+from .test_agent_start_signals import exit_code, logged
+from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve, welcome
+
+CUT_OFF = "authority connection ended"  # the line of an agent that dials again after its registration ended
+STALLED = "the authority this agent registered with has stalled"
+#: seconds from a frozen authority to the agent's line about its silent dial: the fence (half the deadline), the
+#: backoff, and the dial's own 10 s wait for a hello (agent_handshake.CONNECT_TIMEOUT), with a margin
+SILENT_DIAL_BOUND = 40.0
+
+
+class CuttingAuthority:
+    """Welcomes the agent's first dial, then closes the connection once ``cut`` is set; closes every later dial
+    before its hello (as an authority turning connections away does), so the agent keeps dialing."""
+
+    def __init__(self) -> None:
+        self.dials = 0
+        self.registered = trio.Event()
+        self.cut = trio.Event()
+
+    async def answer(self, stream: trio.SocketStream) -> None:
+        self.dials += 1
+        channel = wire.Channel(stream)
+        try:
+            if self.dials == 1:
+                await welcome(channel, TOKEN)
+                self.registered.set()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._acknowledge, channel)
+                    await self.cut.wait()
+                    nursery.cancel_scope.cancel()
+        except AGENT_ENDED:
+            pass
+        finally:
+            await channel.aclose()
+
+
+    @staticmethod
+    async def _acknowledge(channel: wire.Channel) -> None:
+        while True:
+            message = await channel.receive()
+            if isinstance(message, wire.Heartbeat):
+                await channel.send(wire.HeartbeatAck(message.seq))
+
+
+async def test_an_agent_stopped_while_it_dials_again_exits_128_plus_the_signal() -> None:
+    authority = CuttingAuthority()
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve, authority.answer)
+        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}"),
+                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        try:
+            with trio.fail_after(START_DEADLINE):
+                await authority.registered.wait()
+            authority.cut.set()
+            await logged(agent, CUT_OFF, 30)  # registered no more: it dials again
+            agent.popen.send_signal(signal.SIGTERM)
+            code = await exit_code(agent)
+        finally:
+            agent.stop()
+            nursery.cancel_scope.cancel()
+    log = agent.text(200_000)
+    assert code == 128 + signal.SIGTERM, log
+    assert "while cut off from the authority" in log and "Traceback" not in log, log
+
+
+async def test_a_frozen_authority_is_one_line_naming_the_fence_and_its_silent_dial_a_stalled_authority() -> None:
+    authority = await trio.to_thread.run_sync(lambda: start_authority(launcher="external", workers=1))
+    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}"),
+                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+    frozen = False
+    try:
+        await logged(agent, "registered as", START_DEADLINE)
+        await trio.sleep(4 * INTERVAL)  # bench-cost: a few heartbeats acknowledged, real time
+        os.kill(authority.process.popen.pid, signal.SIGSTOP)
+        frozen = True
+        await logged(agent, STALLED, SILENT_DIAL_BOUND)
+        agent.popen.send_signal(signal.SIGTERM)  # cut off, dialing again: it leaves without registering
+        code = await exit_code(agent)
+    finally:
+        if frozen:
+            os.kill(authority.process.popen.pid, signal.SIGCONT)
+        agent.stop()
+        await trio.to_thread.run_sync(authority.stop)
+    log = agent.text(200_000)
+    assert code == 128 + signal.SIGTERM, log
+    fence = "no heartbeat acknowledged: fenced before the authority's deadline"
+    assert log.count(fence) == 1 and log.count(CUT_OFF) == 1, log
+    assert "not as a chunkline authority" not in log and "Traceback" not in log, log
+
+
+def test_one_rule_gives_every_way_out_its_exit_status() -> None:
+    """0 only once a drain ran its course (or for the authority's own drain, with no signal); 128 + the first signal
+    in every other way a signal led the agent out."""
+    from states.agent import LEAVING, State, exit_status
+
+    assert exit_status(State.DRAINED, signal.SIGTERM) == 0
+    assert exit_status(State.DRAINING, None) == 0
+    for state in LEAVING - {State.DRAINED}:
+        assert exit_status(state, signal.SIGINT) == 128 + signal.SIGINT, state
