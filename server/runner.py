@@ -42,7 +42,7 @@ from states.stream_session import FAILING_CAUSES, DrainCause, Event
 from . import protocol
 from .chunk_publisher import ChunkPublisher, checked_metadata
 from .reasons import public_reason
-from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError, can_address
+from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -435,9 +435,6 @@ class RoomRunner:
         """The answer to one participant's message goes to it alone: the others' data budgets and attention are not
         spent on it, nor do they learn what it sent. A sender the transport could not name gets none."""
         if self._connection is None or sender is None:
-            return
-        if not can_address(self._connection):
-            await self._send(payload)  # a connection that cannot address (an agent's hub connection): as before
             return
         try:
             await self._connection.send_data(protocol.STATUS_TOPIC, payload, to=sender)

@@ -87,8 +87,11 @@ class RemoteRoomConnection:
         message = b"A" + struct.pack("<IH", audio.sample_rate, audio.channels) + audio.pcm
         await self._send(self._client.send_bytes, message)
 
-    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True) -> None:
-        await self._send(self._client.send_json, {"topic": topic, "payload": payload_body(payload)})
+    async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True, to: str | None = None) -> None:
+        envelope = {"topic": topic, "payload": payload_body(payload)}
+        if to is not None:
+            envelope["to"] = to  # the hub delivers it to that participant alone
+        await self._send(self._client.send_json, envelope)
 
     async def disconnect(self) -> None:
         if self._closed:

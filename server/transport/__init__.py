@@ -8,7 +8,6 @@ from .base import (
     RoomEvent,
     RoomTransport,
     TransportError,
-    can_address,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "RoomEvent",
     "RoomTransport",
     "TransportError",
-    "can_address",
 ]

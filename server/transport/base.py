@@ -26,7 +26,6 @@ __all__ = [
     "RoomEvent",
     "RoomConnection",
     "RoomTransport",
-    "can_address",
 ]
 
 
@@ -74,8 +73,7 @@ class RoomConnection(Protocol):
 
     async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True, to: str | None = None) -> None:
         """Send to the whole room, or with ``to`` to that participant alone (an answer to its own message: the
-        others hear nothing of it; dropped when it has left). Only a connection whose ``addressed`` is True takes
-        ``to`` (:func:`can_address`)."""
+        others hear nothing of it; dropped when it has left)."""
         ...
 
     async def disconnect(self) -> None:
@@ -100,9 +98,3 @@ class RoomTransport(Protocol):
         """The room's session ended (never waits). ``last_word`` is its last ``tf.status`` message when no
         worker was there to send it (a session that ended queued); the transport sends it as the server's."""
         ...
-
-
-def can_address(connection: object) -> bool:
-    """Whether ``connection.send_data`` takes ``to``: a connection made outside this package (a worker agent's room
-    hub connection) may not, and its answers then go to the whole room as before."""
-    return getattr(connection, "addressed", False) is True

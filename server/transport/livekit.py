@@ -102,7 +102,6 @@ async def _wait_for(task: asyncio.Task[None]) -> None:
 class _LiveKitConnection:
     """The worker's presence in one LiveKit room (implements the RoomConnection port)."""
 
-    addressed = True  # send_data takes ``to`` (LiveKit's destination_identities)
 
     def __init__(self, transport: LiveKitTransport, loop: Any, room_name: str, identity: str) -> None:
         self._transport = transport

@@ -81,7 +81,6 @@ def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
 class WorkerConnection:
     """The room runner's side of a local room (implements the RoomConnection port)."""
 
-    addressed = True  # send_data takes ``to``
     def __init__(self, rooms: LocalRooms, room: Room, identity: str) -> None:
         self._rooms = rooms
         self._room = room
