@@ -98,8 +98,8 @@ class Watch:
             self.follow(transitions)
             return transitions
 
-        def watched_position(record: Any, places: Any = None) -> Any:
-            got = position(record, places)
+        def watched_position(record: Any) -> Any:
+            got = position(record)
             if got is not None:
                 expected = self.queue.index(record.session_id) + 1 if record.session_id in self.queue else None
                 if got != expected:
