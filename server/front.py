@@ -90,7 +90,7 @@ class Front:
         self._backend = backend
         self._max_message_bytes = max_message_bytes
         self.body_budget = body_budget
-        self.frame_budget = FrameBudget()  # every room socket's frames together (equal shares)
+        self.frame_budget = FrameBudget()  # every room socket's frames together (lent where wanted)
         self._open: set[trio.CancelScope] = set()
         self.refused = 0
 

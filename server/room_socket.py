@@ -10,9 +10,10 @@
   once a write waits that long; no write is shielded from cancellation;
 - **a peer must answer pings**: a ping every :data:`PING_INTERVAL`, and a peer that answers nothing
   for :data:`PONG_DEADLINE` (a frozen process whose kernel still accepts bytes) is sent away;
-- **frames are paced, whatever they carry**: a participant's socket is read at its share of the server's
-  frame budget (:mod:`server.frame_budget`: all sockets together, in equal shares; at most
-  :data:`FRAMES_PER_SECOND` frames past a burst of :data:`FRAME_BURST` for one) -- pings, pongs and a
+- **frames are paced, whatever they carry**: a participant's socket is read from the server's frame budget
+  (:mod:`server.frame_budget`: all sockets together at most the budget, what idle sockets leave unused lent to
+  those that want it, each socket its equal share at least; at most :data:`FRAMES_PER_SECOND` frames past a
+  burst of :data:`FRAME_BURST` for one participant, kept across its reconnects) -- pings, pongs and a
   message's pieces as much as whole messages, which the rooms pace again as messages -- parsed a few at a
   time, as the share allows, and one message comes in at most :data:`MAX_MESSAGE_PIECES` pieces: a ping flood
   took a whole core and another session fell to 2 fps, 64 sockets each at its own pace took a session from
@@ -163,7 +164,10 @@ class RoomSocket:
                         # the server's own agent, holding a worker token: its media (the stream) is not paced
                         await self._rooms.serve_worker(room, subscriber, self._send, self._receive)
                     else:
-                        with self._frames.share() as self._frame_pace:
+                        with self._frames.share((room, subscriber.identity)) as self._frame_pace:
+                            wait = self._frame_pace.join_wait(trio.current_time())
+                            if wait > 0:  # a participant reconnecting over and over joins at its pace
+                                await trio.sleep(wait)
                             await self._rooms.serve_client(room, subscriber, self._send, self._receive)
                     nursery.cancel_scope.cancel()
             except* (PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -249,8 +253,14 @@ class RoomSocket:
     async def _receive(self) -> str | bytes:
         pace = self._frame_pace
         while not self._messages:
+            most = None
+            if pace is not None:
+                most = pace.allowance(trio.current_time())
+                if most == 0:  # the budget holds nothing for this socket now: wait for a step of it
+                    await pace.wait_for_step()
+                    continue
             try:
-                frames = self._absorb(None if pace is None else pace.allowance(trio.current_time()))
+                frames = self._absorb(most)
                 if not frames:  # all that was read is parsed: read more
                     data = await self._stream.receive_some(READ_SIZE)
                     if not data:
@@ -267,8 +277,10 @@ class RoomSocket:
                 pongs, self._pending_pong = self._pending_pong, b""
                 await self._write(pongs)
             if pace is not None:  # a flood of frames waits in its own socket: TCP pushes back on it
-                wait = pace.charge(trio.current_time(), frames)
-                await (trio.sleep(wait) if wait > 0 else trio.lowlevel.checkpoint())
+                if pace.charge(trio.current_time(), frames):
+                    await trio.lowlevel.checkpoint()
+                else:
+                    await pace.wait_for_step()
         return self._messages.popleft()
 
     async def _send(self, message: str | bytes) -> None:

@@ -1,9 +1,13 @@
 """A token bucket on the caller's clock: how the server paces what others can make it do as often as they like
-(a participant's data messages, warnings a connection can cause)."""
+(a participant's data messages, warnings a connection can cause), and buckets kept per participant across its
+reconnects (:class:`KeptBuckets`)."""
 
 from __future__ import annotations
 
-__all__ = ["TokenBucket"]
+import heapq
+from collections.abc import Hashable
+
+__all__ = ["KeptBuckets", "TokenBucket"]
 
 
 class TokenBucket:
@@ -35,6 +39,10 @@ class TokenBucket:
             return 0.0
         return (1 - self._tokens) / self.rate
 
+    def full_at(self, now: float) -> float:
+        """When the bucket will be full again if nothing more is taken (``now`` when it is full)."""
+        return now + (self.burst - self.available(now)) / self.rate
+
     def took_at(self, now: float) -> None:
         """A token was taken at ``now`` by one who waited for it: the bucket is empty from then (a wait's overshoot
         is not made up for later)."""
@@ -47,3 +55,60 @@ class TokenBucket:
         self._refill(now)
         self._tokens -= count
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+
+class _Kept:
+    def __init__(self, bucket: TokenBucket) -> None:
+        self.bucket = bucket
+        self.holders = 0
+        self.left = 0  # how many times the last holder left: a due entry is for this leaving only
+
+
+class KeptBuckets:
+    """One bucket per key (a participant), the same one however often its holders leave and come back, so that
+    coming back buys no fresh burst.
+
+    A key's bucket is kept while a holder has it and, once none has, until it is full again: a full bucket is what
+    a new one is, so forgetting it then gives nothing away, and what is kept is bounded by the keys that left in the
+    last ``burst / rate`` seconds (and by ``most``: past it the buckets nearest to full are forgotten first).
+    """
+
+    def __init__(self, rate: float, burst: int, *, most: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.most = most
+        self._kept: dict[Hashable, _Kept] = {}
+        self._due: list[tuple[float, int, Hashable]] = []  # (full at, leaving, key) of the keys none holds
+        self._resting = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def hold(self, key: Hashable, now: float) -> TokenBucket:
+        """``key``'s bucket, for a holder until :meth:`release`: the kept one, or a new (full) one."""
+        self._forget_full(now)
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = self._kept[key] = _Kept(TokenBucket(self.rate, self.burst))
+        elif kept.holders == 0:
+            self._resting -= 1
+        kept.holders += 1
+        return kept.bucket
+
+    def release(self, key: Hashable, now: float) -> None:
+        """A holder of ``key``'s bucket is done with it; the last one leaves it kept until it is full again."""
+        kept = self._kept[key]
+        kept.holders -= 1
+        if kept.holders == 0:
+            kept.left += 1
+            self._resting += 1
+            heapq.heappush(self._due, (kept.bucket.full_at(now), kept.left, key))
+        self._forget_full(now)
+
+    def _forget_full(self, now: float) -> None:
+        while self._due and (self._due[0][0] <= now or self._resting > self.most):
+            _, left, key = heapq.heappop(self._due)
+            kept = self._kept.get(key)
+            if kept is not None and kept.holders == 0 and kept.left == left:
+                del self._kept[key]
+                self._resting -= 1
