@@ -19,10 +19,11 @@ for the whole server, work-conserving:
   and the pool is dry, each is still read at its equal share at least: a flood never makes an honest socket wait
   behind the flooders' frames (a pool the sockets drew from in turn, with no share, would have);
 - **a participant's cap**: at most :data:`FRAMES_PER_SECOND` past a burst of :data:`FRAME_BURST`, whatever the pool
-  holds. This bucket is the participant's, not the socket's (keyed by room and identity, as the rooms keep each
-  participant's data pace): it is kept while the participant has a socket and after it leaves, until it is full
-  again (:class:`~server.token_bucket.KeptBuckets`; then it is what a new one would be), so reconnecting buys no
-  fresh burst. Each socket's joining costs :data:`JOIN_FRAMES` of it first (joining makes the room tell every
+  holds. This bucket is the participant's, not the socket's (keyed by room and identity, the rule by which the
+  rooms keep each participant's data pace): it is kept while the participant has a socket and after it leaves,
+  until it is full again (:class:`~server.token_bucket.KeptBuckets`; then it is what a new one would be, so
+  forgetting it gives nothing away, and the front need not know when a room ends), so reconnecting buys no fresh
+  burst. Each socket's joining costs :data:`JOIN_FRAMES` of it first (joining makes the room tell every
   participant), so a participant that reconnects over and over is paced too: past its burst it joins at most
   ``FRAMES_PER_SECOND / JOIN_FRAMES`` times a second, and its socket waits, not yet in the room, for the rest;
 - a new socket's guaranteed share starts empty: what a socket may read at once comes from the pool (other sockets'
@@ -116,7 +117,8 @@ class FrameShare:
         self._own = TokenBucket(budget.rate(), budget.share_burst())
         self._own.took_at(now)  # empty: a new socket brings no burst of its own
         self._unpaid_bytes = 0
-        self._step = 1  # frames parsed at the last charge: what the next wait is for
+        self._offered = FRAME_BATCH  # the last allowance
+        self._step = 1  # what the next wait is for: a whole batch after the budget, not the peer, ran out
 
     def _follow(self) -> TokenBucket:
         self._own.rate, self._own.burst = self._budget.rate(), self._budget.share_burst()
@@ -131,12 +133,14 @@ class FrameShare:
         """Frames the socket may have parsed now before the pace is asked again, at most :data:`FRAME_BATCH`: what
         the participant's cap allows of what the pool and the socket's share hold (0: :meth:`wait_for_step` first)."""
         lent = max(0.0, self._budget.pool.available(now)) + max(0.0, self._follow().available(now))
-        return max(0, min(FRAME_BATCH, int(min(self._cap.available(now), lent))))
+        self._offered = max(0, min(FRAME_BATCH, int(min(self._cap.available(now), lent))))
+        return self._offered
 
     async def wait_for_step(self) -> None:
-        """Sleep until the socket may parse its next step: as many frames as it parsed last time (a flood's whole
-        :data:`FRAME_BATCH`, so that it is parsed a step per wake-up, not a frame; one for a socket that sends a
-        frame at a time). Its cap must hold them, and its share or the pool too. Sockets waiting for the pool take
+        """Sleep until the socket may parse its next step: a whole :data:`FRAME_BATCH` when it parsed all it was
+        offered last time (a flood, parsed a step per wake-up, not a frame, however little the budget had), else
+        as many frames as it had (one for a socket that sends a frame at a time). Its cap must hold them, and its
+        share or the pool too. Sockets waiting for the pool take
         turns: each waits for a batch more than those already waiting, so they do not all wake for the same one."""
         now = self._budget.clock()
         cap, pool, own = self._cap, self._budget.pool, self._follow()
@@ -162,7 +166,8 @@ class FrameShare:
         participant's cap; False when they were not covered: :meth:`wait_for_step` before reading more."""
         extra, self._unpaid_bytes = divmod(self._unpaid_bytes, FRAME_BYTES)
         count = frames + extra
-        self._step = max(1, min(FRAME_BATCH, frames))
+        # parsing all it was offered, the socket wants more: a flood, parsed a whole step per wake-up
+        self._step = FRAME_BATCH if frames >= self._offered else max(1, frames)
         pool, own = self._budget.pool, self._follow()
         lent = min(count, max(0, int(pool.available(now))))
         pool.charge(now, count)

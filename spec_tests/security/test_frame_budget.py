@@ -23,7 +23,9 @@ import trio.testing
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Ping, Pong, Request, TextMessage
 
-from server.frame_budget import FRAME_BATCH, FRAME_BURST, FRAMES_PER_SECOND, SERVER_FRAME_BURST, SERVER_FRAMES_PER_SECOND
+from server.frame_budget import (
+    FRAME_BATCH, FRAME_BURST, FRAMES_PER_SECOND, SERVER_FRAME_BURST, SERVER_FRAMES_PER_SECOND,
+)
 from server.front import Front
 from server.room_socket import Deadlines
 from spec_tests import virtual_time
@@ -92,7 +94,8 @@ class Rooms:
         client_end, server_end = trio.testing.memory_stream_pair()
         self.nursery.start_soon(self.front.handle, server_end)
         ws = WSConnection(ConnectionType.CLIENT)
-        await client_end.send_all(ws.send(Request(host="localhost", target=f"{created['websocket_path']}?token={token}")))
+        target = f"{created['websocket_path']}?token={token}"
+        await client_end.send_all(ws.send(Request(host="localhost", target=target)))
         while not any(isinstance(event, AcceptConnection) for event in ws.events()):
             ws.receive_data(await client_end.receive_some(65536))
         client = Client(client_end, ws)
@@ -139,7 +142,8 @@ async def controls_at(ctl: Client, session: Any, hertz: float, seconds: float) -
     for index in range(int(hertz * seconds)):
         sent = trio.current_time()
         count = len(session.controls)
-        await ctl.send_json({"topic": "tf.control", "payload": {"type": "control_state", "controls": ["wasd"[index % 4]]}})
+        keys = ["wasd"[index % 4]]
+        await ctl.send_json({"topic": "tf.control", "payload": {"type": "control_state", "controls": keys}})
         with trio.move_on_after(1.0) as waited:
             await session.wait_for(lambda s: len(s.controls) > count)
         assert not waited.cancelled_caught, f"control {index} (of {hertz:g} a second) was not read within 1 s"
@@ -149,7 +153,9 @@ async def controls_at(ctl: Client, session: Any, hertz: float, seconds: float) -
 
 
 @pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
-async def test_a_controller_among_idle_sockets_is_read_at_60_hz_without_waiting(rooms: Any, autojump_clock: Any) -> None:
+async def test_a_controller_among_idle_sockets_is_read_at_60_hz_without_waiting(
+    rooms: Any, autojump_clock: Any
+) -> None:
     """With 256 viewers' sockets open and silent, a controller's 60 controls a second reach the pipeline as they
     are sent, for three seconds (in strict equal shares its socket was read at 31 frames a second, and its
     controls fell further behind with each one)."""
@@ -161,7 +167,9 @@ async def test_a_controller_among_idle_sockets_is_read_at_60_hz_without_waiting(
 
 
 @pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
-async def test_flooders_are_read_at_the_servers_budget_and_an_honest_socket_at_its_share(rooms: Any, autojump_clock: Any) -> None:
+async def test_flooders_are_read_at_the_servers_budget_and_an_honest_socket_at_its_share(
+    rooms: Any, autojump_clock: Any
+) -> None:
     """16 sockets flood pings among 256 idle ones and a controller: together they are read at the server's budget
     (lent what the idle sockets leave), never faster than its rate past its burst; each flooder at least its
     equal share; and the controller, sending within its equal share, has every control read as it is sent."""
