@@ -160,6 +160,11 @@ class RemoteWorker:
         """The runtime is done with this worker (shutdown): close the connection."""
         self._outbox_send.close()
 
+    def end_service_process_now(self) -> None:
+        """Nothing to end here when the authority aborts (a second signal): the agent's service runs in the agent's
+        own process, which a local launcher's abort ends as this process's descendant and any other agent outlives
+        (it is cut off and stops its sessions). Without it the abort raised AttributeError: a traceback, exit 1."""
+
     # -- option checks --
 
     async def check_options(self, options: dict[str, Any]) -> None:
