@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from states.stream_session import DrainCause
+from states.worker import LOADING
 
 from . import runtime_views
 from .model_worker import ModelWorker
@@ -74,6 +75,13 @@ class InProcessWorkers:
         runtime.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
         runtime.spawn(worker.run)
         return worker
+
+    def loading(self) -> bool:
+        """Whether one of this server's own workers still loads its pipeline (the book has it in a loading state):
+        no session is on it, and its load, in a thread or a child process, cannot be cancelled, only abandoned."""
+        if self.runtime.settings.workers != "in-process":  # agents load in processes of their own
+            return False
+        return any(view.state in LOADING for view in self.runtime.book.workers())
 
     def failed(self, worker: ModelWorker, reason: str, now: float, *, permanent: bool = False) -> bool:
         """A worker failed: its slot backs off and restarts it; False when the slot gave up (a crash loop, or at

@@ -4,8 +4,10 @@ The front (:mod:`server.front`) owns every client connection: it serves the loca
 itself and splices HTTP to hypercorn on a Unix socket, each with its deadlines. SIGTERM, SIGINT or SIGHUP (its
 terminal closed: the default action ended it at once, leaving its folders behind; ignored as under ``nohup``, it
 stays ignored) drains live sessions (they get ``done``), sends room clients away and exits 0 within
-:data:`SHUTDOWN_BOUND` seconds whatever any client does; past it a watchdog ends the process (exit 1).
-A second stop signal during that drain ends the process at once (exit 128 + the first signal).
+:data:`SHUTDOWN_BOUND` seconds whatever any client does; past it a watchdog ends the process (exit 128 + the
+signal: see :func:`exit_watchdog`). A second stop signal during that drain ends the process at once (exit 128 +
+the first signal), and so does the first one's drain when a worker still loads its pipeline: nothing of it was
+there to drain, and its load (minutes, or hung) is not waited for.
 
 Only this server's user can reach hypercorn past the front: its socket is a file in a folder of the server's
 own (mode 0700, see :mod:`server.server_folders`), not in the abstract namespace, where any local process of
@@ -43,7 +45,7 @@ from .setting_values import ListenError
 from .settings import ServerSettings
 from .transport.local import LocalRooms
 
-__all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "run", "serve_app"]
+__all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "exit_watchdog", "run", "serve_app"]
 
 log = logging.getLogger("chunkline.serve")
 
@@ -80,9 +82,19 @@ def _backend_socket(folder: ServerFolder) -> socket.socket:
     return listener
 
 
-def _exit_watchdog(bound: float, remove: Callable[[], None]) -> threading.Timer:
-    """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after)."""
-    timer = threading.Timer(bound, exit_now, (1, f"shutdown exceeded its bound of {bound:g} s", remove, log))
+def exit_watchdog(bound: float, remove: Callable[[], None], signalled: list[int]) -> threading.Timer:
+    """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after).
+
+    Its exit status is 128 + the stop signal that began the shutdown, as a second signal's abort, not 1: the process
+    was asked to stop and it stopped, within its bound, taking what it holds with it; only its drain was cut short.
+    A supervisor reads a stop the same way from an agent (``states.agent.exit_status``: 0 once a drain ran its
+    course, else 128 + the first stop signal) and from ``chunkline run``; 1 ("failed") would have it count a
+    requested stop as a crash (55 s is also past Kubernetes' default 30 s grace: SIGKILL, 137, comes first there).
+    1 is left for a shutdown no signal began (``serve_app``'s ``stop``), where nothing else says why it ended."""
+    def fire() -> None:
+        exit_now(128 + signalled[0] if signalled else 1, f"shutdown exceeded its bound of {bound:g} s", remove, log)
+
+    timer = threading.Timer(bound, fire)
     timer.daemon = True
     timer.start()
     return timer
@@ -168,25 +180,25 @@ async def _serve(
     )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
+    signalled: list[int] = []  # the first stop signal, once one came: an abort exits 128 + it
 
     async def on_signals() -> None:
         """The first signal starts the drain; a second one (the drain is taking too long) ends it now, and so does
         one that comes after the drain while the process is still on its way out (the signal's own default
         action ended it there, leaving the stages' shared memory and the front's folder behind)."""
-        first = None
         try:
             with trio.open_signal_receiver(*stop_signals()) as signals:
                 early_signals.replay()  # one that came as the trio run started (the command deferred it)
                 async for number in signals:
-                    if first is not None:
-                        exit_now(128 + first, f"a second signal ({signal.Signals(number).name}) during the drain", abandon,
-                                 log)
-                    first = number
+                    if signalled:
+                        exit_now(128 + signalled[0], f"a second signal ({signal.Signals(number).name}) during the drain",
+                                 abandon, log)
+                    signalled.append(number)
                     note_stop_signal()
                     stop.set()
         finally:
-            if first is not None:
-                exit_on_stop_signals(128 + first, "during the shutdown", abandon, log)
+            if signalled:
+                exit_on_stop_signals(128 + signalled[0], "during the shutdown", abandon, log)
 
     watchdog: threading.Timer | None = None
     try:
@@ -205,7 +217,7 @@ async def _serve(
                 print(f"chunkline: warning: no --api-key, and the server listens beyond this host: {UNGUARDED}",
                       file=sys.stderr, flush=True)
             await stop.wait()
-            watchdog = _exit_watchdog(SHUTDOWN_BOUND, abandon)
+            watchdog = exit_watchdog(SHUTDOWN_BOUND, abandon, signalled)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.drain_for_stop()
@@ -214,6 +226,12 @@ async def _serve(
                 while front.connections:
                     await trio.sleep(0.05)
             front.close()
+            if signalled and runtime.in_process.loading():
+                # what is left to wait for is a load: no session was on it, and a thread or child loading cannot be
+                # cancelled (it held the exit until the watchdog); it goes with its processes and shared memory, and
+                # the exit is 128 + the signal (not 0, even after a drain of other workers' sessions: a load was cut)
+                exit_now(128 + signalled[0], "a worker still loads its pipeline (nothing of it to drain)", abandon,
+                         log)
             nursery.cancel_scope.cancel()
     finally:
         if watchdog is not None:

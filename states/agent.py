@@ -2,23 +2,26 @@
 
 Theory of operation
 -------------------
-An agent is STARTING while it loads its pipeline, runs its startup check, dials and
-shakes hands, and again after a registration was cut off (it dials anew). SERVE
-(its Ready went out on a live registration) makes it SERVING, the only state that
-takes sessions. CUT_OFF (the registration ended without a goodbye: its sessions are
-stopped) makes it REDIALING, dialing again; SERVE there serves again. A stop signal
-(SIGTERM, SIGINT) or the authority's DRAIN while SERVING makes it DRAINING: no new
-sessions, live ones finish by the deadline; GOODBYE (its goodbye went out once the
-drain ran its course) makes it DRAINED. A second stop signal while DRAINING cuts the
-drain short (CUT_SHORT: sessions stop now, then a goodbye). A stop signal while
-STARTING makes it STOPPING: it never says Ready (a create landing then would have been
-placed on an agent already leaving) and leaves at once. One while REDIALING makes it
-RETIRING: it does not register again either. A stop signal while the agent is already
-on its way out (STOPPING, CUT_SHORT, RETIRING, DRAINED) ABORTS it: the process ends now,
-without waiting for what is under way (a pipeline still loading, a dial, a close),
-taking its child processes and their shared memory with it. END (the agent's run is
-over, whatever the reason) makes it ENDED, the only terminal state. Signals, drains and
-goodbyes that change nothing loop on the state they arrive in.
+An agent is LOADING while it loads its pipeline and runs its startup check; LOADED (its
+service is up) makes it STARTING while it dials and shakes hands, and it is STARTING again
+after a registration was cut off (it dials anew). SERVE (its Ready went out on a live
+registration) makes it SERVING, the only state that takes sessions. CUT_OFF (the
+registration ended without a goodbye: its sessions are stopped) makes it REDIALING,
+dialing again; SERVE there serves again. A stop signal (SIGTERM, SIGINT) or the
+authority's DRAIN while SERVING makes it DRAINING: no new sessions, live ones finish by
+the deadline; GOODBYE (its goodbye went out once the drain ran its course) makes it
+DRAINED. A second stop signal while DRAINING cuts the drain short (CUT_SHORT: sessions
+stop now, then a goodbye). A stop signal while STARTING makes it STOPPING: it never says
+Ready (a create landing then would have been placed on an agent already leaving) and
+leaves at once. One while REDIALING makes it RETIRING: it does not register again either.
+A stop signal while LOADING, or while the agent is already on its way out (STOPPING,
+CUT_SHORT, RETIRING, DRAINED), ABORTS it: the process ends now, without waiting for what
+is under way (a pipeline still loading, a dial, a close), taking its child processes and
+their shared memory with it. While LOADING that is the first signal's due: no session can
+be on a service that is not up and no authority has heard of the agent, so there is
+nothing to drain or tell, and a load cannot be cancelled (it may take minutes, or hang).
+END (the agent's run is over, whatever the reason) makes it ENDED, the only terminal
+state. Signals, drains and goodbyes that change nothing loop on the state they arrive in.
 
 How it exits is :func:`exit_status`, one rule for every phase: 0 once a drain ran its
 course (DRAINED), and after a drain the authority asked for without any signal; 128 + the
@@ -36,6 +39,7 @@ __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS
 
 
 class State(TableEnum):
+    LOADING = "loading"
     STARTING = "starting"
     SERVING = "serving"
     DRAINING = "draining"
@@ -49,6 +53,7 @@ class State(TableEnum):
 
 
 class Event(TableEnum):
+    LOADED = "loaded"
     SERVE = "serve"
     CUT_OFF = "cut_off"
     STOP_SIGNAL = "stop_signal"
@@ -58,6 +63,9 @@ class Event(TableEnum):
 
 
 TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.LOADING, Event.LOADED): State.STARTING,
+    (State.LOADING, Event.STOP_SIGNAL): State.ABORTED,
+    (State.LOADING, Event.END): State.ENDED,
     (State.STARTING, Event.SERVE): State.SERVING,
     (State.STARTING, Event.STOP_SIGNAL): State.STOPPING,
     (State.STARTING, Event.END): State.ENDED,
@@ -121,5 +129,5 @@ def exit_status(state: State, first_signal: int | None) -> int:
 class AgentMachine(StateMachine[State, Event]):
     NAME = "agent"
     TABLE = TRANSITIONS
-    INITIAL = State.STARTING
+    INITIAL = State.LOADING
     TERMINAL = TERMINAL

@@ -19,10 +19,11 @@ counting it toward giving up; a proven permanent refusal (another version or pip
 with code 3; anything unproven counts as a failed connect (a crash loop of unproven refusals
 exits with code 3 too). SIGTERM (or a
 drain from the authority) drains: no new sessions, live ones finish or are stopped at the
-drain deadline at a chunk boundary, then it says goodbye and exits 0. A stop signal before it
-served (loading, its startup check, dialing) or while cut off ends it without saying ready; one
-while it is already leaving (a pipeline still loading included) ends it at once. What each
-signal and drain does, and the exit status, is :mod:`states.agent`'s table.
+drain deadline at a chunk boundary, then it says goodbye and exits 0. A stop signal while it loads
+its pipeline (or runs its startup check) ends it at once, its child processes and their shared
+memory with it: nothing is there to drain, and a load cannot be cancelled. One before it served
+(dialing) or while cut off ends it without saying ready; one while it is already leaving ends it
+at once. What each signal and drain does, and the exit status, is :mod:`states.agent`'s table.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class Agent:
             nursery.start_soon(self.worker.run)
             if self.options.launcher_pid is not None:  # watched from the start: a model may take minutes to load
                 nursery.start_soon(self._watch_launcher, self.options.launcher_pid)
-            await self._model_settled.wait()  # or a stop signal: then it never dials
+            await self._model_settled.wait()  # (a stop signal before then ends the agent at once: states.agent)
             if self.life.state in LEAVING:
                 code = self._exit_code()
             elif self._ready is None and not self._registering.cancel_called:
@@ -187,7 +188,7 @@ class Agent:
                 code = LAUNCHER_GONE_EXIT_CODE
             await self.sessions.stop_all("agent exiting", hard=True)
             self.worker.stop()
-            nursery.cancel_scope.cancel()  # a load under way is waited for (a second stop signal ends it now)
+            nursery.cancel_scope.cancel()  # a load under way is waited for (a stop signal ends it now: still LOADING)
         return code
 
     def _exit_code(self) -> int:
@@ -239,13 +240,13 @@ class Agent:
                 log.info("%s while cut off from the authority: it leaves without registering again", name)
             for scope in self._stop_scopes:
                 scope.cancel()
-            self._model_settled.set()  # no registration follows (the exit still waits for a load under way)
+            self._model_settled.set()  # no registration follows
 
     def _abort(self, name: str, leaving: State) -> NoReturn:
-        """A stop signal while the agent was already on its way out: it ends now, not once what is under way (a
-        pipeline still loading, a dial, the service's close) returns; its child processes and their shared memory
-        go with it, and its folder."""
-        exit_now(self._exit_code(), f"another stop signal ({name}) while {leaving.value.replace('_', ' ')}",
+        """A stop signal while the pipeline loads (nothing to drain), or while the agent was already on its way out:
+        it ends now, not once what is under way (a pipeline still loading, a dial, the service's close) returns;
+        its child processes and their shared memory go with it, and its folder."""
+        exit_now(self._exit_code(), f"a stop signal ({name}) while {leaving.value.replace('_', ' ')}",
                  self.sessions.close, log)
 
     @contextlib.contextmanager
@@ -450,6 +451,7 @@ class Agent:
         self.send(wire.OptionsChecked(message.check_id, refused, error))
 
     def _model_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
+        self.life.apply(Event.LOADED)  # from here a stop signal lets it leave in order (states.agent)
         self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}),
                                  worker.settings_taken)
         self._model_settled.set()

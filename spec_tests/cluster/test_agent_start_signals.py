@@ -1,6 +1,6 @@
 """A stop signal to a real agent before it served (loading its pipeline, dialing, waiting for the authority's
-answer to its register) ends it without saying ready: it exits 128 + the signal, and an authority that took its
-register hears it leave as a drained agent does, never ready. It registered anyway, ready, and drained at once:
+answer to its register) ends it without saying ready: it exits 128 + the signal (while it loads, at once: the load is
+not waited for), and an authority that took its register hears it leave as a drained agent does, never ready. It registered anyway, ready, and drained at once:
 a create landing in between was placed on an agent already leaving (``states/agent.py``).
 
 The authority here is the test, speaking the wire (``server.cluster.wire``) with the real proofs."""
@@ -115,12 +115,14 @@ async def test_a_stop_signal_while_the_agent_loads_its_pipeline_ends_it_without_
                 assert agent.popen.poll() is None, agent.text()
                 await trio.sleep(0.05)  # bench-cost: real-time poll of the agent process, bounded
         agent.popen.send_signal(signum)  # as it loads (before its signal handlers are in, too: the command defers it)
-        await logged(agent, STOPPED_BEFORE_SERVING, 30)
-        (tmp_path / "open").touch()
-        code = await exit_code(agent)
+        try:
+            code = await exit_code(agent)  # at once, the gate still shut: nothing to drain, the load not waited for
+        finally:
+            (tmp_path / "open").touch()
     log = agent.text(200_000)
     assert code == 128 + signum, log
     assert authority.dials == 0, (authority.said(), log)
+    assert "while loading: exiting now" in log, log
     assert "registered as" not in log and "Traceback" not in log, log
 
 
