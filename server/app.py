@@ -27,7 +27,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .open_access import own_names, page_refusal
 from .openapi import openapi_document
 from .reasons import echo, echo_each
-from .registry import UnknownStreamSession
+from .registry import UnknownCursor, UnknownStreamSession
 from .requests import (BadRequest, Busy, check_image_decodes, parse_create_session, parse_drain_request, parse_list_query, parse_token_request,
                        resolve_image_path)
 from .room_socket import Deadlines
@@ -338,9 +338,11 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     async def list_sessions() -> dict[str, Any]:
         query = parse_list_query(request.args, SESSION_STATUSES)
         status = None if query.status is None else SessionState(query.status)
-        records, more = runtime.registry.page(after=query.after, limit=query.limit, status=status)
-        # the cursor of the next page, while one follows: the serial of this page's last session
-        return {"sessions": [session_view(r) for r in records], "next": str(records[-1].serial) if more else None}
+        try:
+            records, following = runtime.registry.page(after=query.after, limit=query.limit, status=status)
+        except UnknownCursor as exc:
+            raise BadRequest("invalid_query", str(exc)) from None
+        return {"sessions": [session_view(r) for r in records], "next": following}
 
     @app.get("/v1/stream/sessions/<session_id>")
     async def get_session(session_id: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ kept for a bounded time and count so clients can read the outcome, then pruned.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,11 +17,17 @@ import attrs
 from states import stream_session as table
 from states.stream_session import DrainCause, Event, State, StreamSessionMachine
 
-__all__ = ["SessionRecord", "SessionRegistry", "UnknownStreamSession"]
+from .reasons import echo
+
+__all__ = ["SessionRecord", "SessionRegistry", "UnknownCursor", "UnknownStreamSession"]
 
 
 class UnknownStreamSession(KeyError):
     """No record with this id (it never existed or was pruned)."""
+
+
+class UnknownCursor(ValueError):
+    """A session-list cursor no page of this server run gave (malformed, from another run, or past the last)."""
 
 
 @attrs.define(eq=False)
@@ -90,6 +97,8 @@ class SessionRegistry:
         self._by_status: dict[State, int] = dict.fromkeys(State, 0)
         self._wall = wall_clock
         self._serials = 0  # records ever added: each new one gets the next serial
+        # a cursor names this run: a serial from before a restart would skip as many of the new run's sessions
+        self._run = secrets.token_hex(4)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -123,18 +132,30 @@ class SessionRegistry:
     def list(self, status: State | None = None) -> list[SessionRecord]:
         return [r for r in self._records.values() if status is None or r.status is status]
 
-    def page(self, *, after: int, limit: int, status: State | None = None) -> tuple[list[SessionRecord], bool]:
-        """Up to ``limit`` records created after serial ``after``, oldest first (of one status, if given), and
-        whether more follow. Records are kept in creation order, so a page is one pass that stops at its end;
-        a record pruned or created between two pages moves no other record across the cursor."""
+    def page(self, *, after: str | None, limit: int, status: State | None = None) -> tuple[list[SessionRecord], str | None]:
+        """Up to ``limit`` records created after the cursor ``after`` (from the first when None), oldest first (of one
+        status, if given), and the cursor of the page after, while more follow. Records are kept in creation order,
+        so a page is one pass that stops at its end; a record pruned or created between two pages moves no other
+        record across the cursor. Raises :class:`UnknownCursor` for one no page of this run gave."""
+        start = 0 if after is None else self._serial_of(after)
         page: list[SessionRecord] = []
         for record in self._records.values():
-            if record.serial <= after or (status is not None and record.status is not status):
+            if record.serial <= start or (status is not None and record.status is not status):
                 continue
             if len(page) == limit:
-                return page, True
+                return page, f"{self._run}-{page[-1].serial}"
             page.append(record)
-        return page, False
+        return page, None
+
+    def _serial_of(self, cursor: str) -> int:
+        run, _, serial = cursor.partition("-")
+        if not (len(run) == len(self._run) and serial.isascii() and serial.isdigit() and len(serial) <= 19):
+            raise UnknownCursor(f"after must be a cursor (the 'next' of the page before), got {echo(cursor)}")
+        if run != self._run:
+            raise UnknownCursor("after is a cursor of another server run (they end with it); list from the first page")
+        if int(serial) > self._serials:
+            raise UnknownCursor(f"after is a cursor no page gave ({echo(cursor)}); list from the first page")
+        return int(serial)
 
     def counts(self) -> dict[str, int]:
         """Records per status (every status named, 0 where none is)."""

@@ -151,11 +151,12 @@ class ListQuery(NamedTuple):
 
     status: str | None
     limit: int
-    after: int  # the cursor: the serial of the last session of the page before (0: from the first)
+    after: str | None  # the cursor: the ``next`` of the page before (None: from the first)
 
 
 LIST_LIMIT = 100  # sessions on a page unless ``limit`` says otherwise
 MAX_LIST_LIMIT = 1000  # ... and at most: a page is made in one step of the event loop
+MAX_CURSOR_CHARS = 64  # a cursor is a run's tag and a serial (``next``): longer is none
 _LIST_PARAMETERS = ("after", "limit", "status")
 
 
@@ -174,20 +175,14 @@ def parse_list_query(args: Any, statuses: frozenset[str]) -> ListQuery:
     status = args.get("status")
     if status is not None and status not in statuses:
         raise BadRequest("invalid_query", f"unknown status {echo(status)}")
-    limit = _query_int(args, "limit", LIST_LIMIT, 1, MAX_LIST_LIMIT)
-    after = _query_int(args, "after", 0, 0, 2**63 - 1, what="a cursor: the 'next' of the page before")
-    return ListQuery(status, limit, after)
-
-
-def _query_int(args: Any, name: str, default: int, low: int, high: int, *, what: str | None = None) -> int:
-    text = args.get(name)
-    if text is None:
-        return default
+    text = args.get("limit")
     # digits only, and few: int() would take ' 7', '+7', '7_000' and a 100,000-digit number
-    if not (text.isascii() and text.isdigit() and len(text) <= 19) or not low <= int(text) <= high:
-        kind = what or f"an integer in {low}..{high}"
-        raise BadRequest("invalid_query", f"{name} must be {kind}, got {echo(text)}")
-    return int(text)
+    if text is not None and not (text.isascii() and text.isdigit() and len(text) <= 4 and 1 <= int(text) <= MAX_LIST_LIMIT):
+        raise BadRequest("invalid_query", f"limit must be an integer in 1..{MAX_LIST_LIMIT}, got {echo(text)}")
+    after = args.get("after")
+    if after is not None and len(after) > MAX_CURSOR_CHARS:
+        raise BadRequest("invalid_query", f"after must be a cursor (the 'next' of the page before), got {echo(after)}")
+    return ListQuery(status, LIST_LIMIT if text is None else int(text), after)
 
 
 def parse_drain_request(body: Any, default: float, limit: float) -> float:

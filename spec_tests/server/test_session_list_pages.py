@@ -88,12 +88,28 @@ async def test_a_page_costs_its_own_length_not_the_lists(visits: Visits, autojum
     ("limit=%2B5", "limit must be an integer in 1..1000, got '+5'"),
     ("limit=5_0", "limit must be an integer in 1..1000, got '5_0'"),
     ("limit=1&limit=2", "limit is given 2 times"),
-    ("after=-1", "after must be a cursor: the 'next' of the page before, got '-1'"),
-    ("after=" + "9" * 30, "after must be a cursor"),
-    ("page=2", "unknown query parameter(s) 'page'; allowed: ['after', 'limit', 'status']"),
+    ("after=-1", "after must be a cursor (the 'next' of the page before), got '-1'"),
+    ("after=12", "after must be a cursor (the 'next' of the page before), got '12'"),
+    ("after=" + "9" * 70, "after must be a cursor (the 'next' of the page before)"),
+    ("after=0123abcd-1", "after is a cursor of another server run (they end with it)"),
+    ("page=2", "unknown query parameter(s) 'page'; allowed"),
 ])
 @pytest.mark.usefixtures("no_threads")
 async def test_a_bad_page_query_is_a_400_naming_it(query: str, named: str, autojump_clock: Any) -> None:
     async with queued_behind_one(2) as (s, _, _ids):
         status, body = await s.json("get", f"{SESSIONS}?{query}")
         assert status == 400 and body["error"] == "invalid_query" and named in body["detail"], body
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_a_cursor_no_page_gave_is_refused_not_taken_as_a_place(autojump_clock: Any) -> None:
+    """A cursor was a bare creation number: one past the last session listed an empty page as if it were the end,
+    and one kept across a restart skipped as many of the new run's sessions."""
+    async with queued_behind_one(5) as (s, _, _ids):
+        status, first = await s.json("get", f"{SESSIONS}?limit=2")
+        run, _, serial = first["next"].partition("-")
+        status, body = await s.json("get", f"{SESSIONS}?after={run}-{int(serial) + 100}")
+        assert status == 400 and "a cursor no page gave" in body["detail"], body
+        async with queued_behind_one(5) as (other, _, _):  # another server run: its cursors are its own
+            status, body = await other.json("get", f"{SESSIONS}?after={first['next']}")
+            assert status == 400 and "another server run" in body["detail"], body
