@@ -187,6 +187,16 @@ def external_authority() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
+def one_agent_cluster() -> Iterator[Cluster]:
+    """A ``--workers local`` authority with one agent: a module's tests share it."""
+    found = start_cluster(workers=1)
+    try:
+        yield found
+    finally:
+        found.stop()
+
+
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     found = start_cluster()
     try:

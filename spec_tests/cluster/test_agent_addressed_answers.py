@@ -9,27 +9,17 @@ in the worker's order, so an answer sent to it would come first).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 import trio
 
 from server.transport.client import RoomClient
 
-from .conftest import Cluster, Controller, start_cluster, until
+from .conftest import Cluster, Controller, until
 
 DEADLINE = 60.0  # wall seconds for the messages to arrive on a loaded host (a hang bound, not a timing)
 
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    found = start_cluster(workers=1)
-    try:
-        yield found
-    finally:
-        found.stop()
 
 
 def chunks(member: Controller) -> list[int]:
@@ -42,7 +32,8 @@ async def read_until(member: Controller, done: Any, what: str) -> None:
             assert await member.next() is not None, f"the room closed before {what}: {member.inbox[-3:]}"
 
 
-async def test_an_agent_run_sessions_refusal_goes_to_the_controller_alone(cluster: Cluster) -> None:
+async def test_an_agent_run_sessions_refusal_goes_to_the_controller_alone(one_agent_cluster: Cluster) -> None:
+    cluster = one_agent_cluster
     await until(lambda: any(w["state"] == "idle" for w in cluster.workers()), "an idle agent", cluster)
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as client:
         controller = await Controller.open(client, cluster, "alice")

@@ -11,7 +11,6 @@ Then the local rooms' side in-process: a room's listener is told each move, and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,18 +23,10 @@ from server.transport.base import TransportError
 from server.transport.client import RoomClient
 from server.transport.local import LocalRooms
 
-from .conftest import Cluster, Controller, start_cluster, until
+from .conftest import Cluster, Controller, until
 
 MOVE_DEADLINE = 30.0  # wall seconds for a room message to arrive on a loaded host (a hang bound, not a timing)
 
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    found = start_cluster(workers=1)
-    try:
-        yield found
-    finally:
-        found.stop()
 
 
 async def heard(member: Controller, kind: str, identity: str) -> None:
@@ -65,7 +56,8 @@ async def viewer_joins(client: httpx.AsyncClient, cluster: Cluster, controller: 
     return viewer
 
 
-async def test_a_viewer_that_leaves_may_come_back_at_once_and_the_count_follows_each_move(cluster: Cluster) -> None:
+async def test_a_viewer_that_leaves_may_come_back_at_once_and_the_count_follows_each_move(one_agent_cluster: Cluster) -> None:
+    cluster = one_agent_cluster
     await until(lambda: any(w["state"] == "idle" for w in cluster.workers()), "an idle agent", cluster)
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as client:
         controller = await Controller.open(client, cluster, "alice")
