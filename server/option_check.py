@@ -23,6 +23,7 @@ from states.worker import ELIGIBLE
 from .log_pace import LogPace
 from .reasons import public_reason, without_prefix
 from .requests import OptionsRefused
+from .runtime_errors import NO_WORKER_RETRY_AFTER, NoWorker
 
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
@@ -82,8 +83,6 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
     when it starts the session). With no worker at all, or while the server stops,
     ``create_session`` answers as it always does.
     """
-    from .runtime import NO_WORKER_RETRY_AFTER, NoWorker
-
     if runtime.closing or not runtime.book.can_place():
         return
     ready = [worker for worker_id, worker in runtime.workers.items()

@@ -95,6 +95,8 @@ class RunnerDeps:
     on_finished: Callable[[RoomRunner, str | None], None]  # settles the record and frees the slot
     #: told each time someone joins or leaves the room (an agent reports it to its authority)
     on_participants: Callable[[SessionRecord], None] = lambda record: None
+    #: the runtime keeps the record's participants itself, from the session's creation (local rooms: RoomFollow)
+    room_followed: bool = False
 
 
 def _single_cause(exc: BaseException) -> BaseException:
@@ -331,7 +333,8 @@ class RoomRunner:
                 self._joined(event.identity)
             elif isinstance(event, ParticipantLeft):
                 presence.left(event.identity, trio.current_time())
-                record.participants.discard(event.identity)
+                if not self.deps.room_followed:
+                    record.participants.discard(event.identity)
                 self._presence_moved()
             elif isinstance(event, DataReceived):
                 await self._on_data(event)
@@ -339,7 +342,8 @@ class RoomRunner:
     def _joined(self, identity: str) -> None:
         assert self._presence is not None
         self._presence.joined(identity, trio.current_time())
-        self.record.participants.add(identity)
+        if not self.deps.room_followed:
+            self.record.participants.add(identity)
         if identity == self.record.controller_identity:
             self._controller_here.set()
         self._presence_moved()

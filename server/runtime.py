@@ -36,14 +36,17 @@ from .registry import SessionRecord, SessionRegistry
 from . import option_check, runtime_views
 from .queued_ends import QueuedEnds
 from .requests import CreateSession
+from .room_follow import RoomFollow
 from .runner import RoomRunner, RunnerDeps
+from .runtime_errors import NO_WORKER_RETRY_AFTER, NoWorker, SessionConflict, ViewerLimit
 from .settings import ServerSettings
 from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
 from .uploads import UploadFolder
 from .worker_slots import WorkerSlots
 
-__all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created", "NoWorker", "ViewerLimit"]
+__all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created", "NoWorker", "ViewerLimit",
+           "NO_WORKER_RETRY_AFTER"]
 
 log = logging.getLogger("chunkline.runtime")
 
@@ -56,26 +59,8 @@ DELETE_WAIT = 15.0
 IMAGE_DECODES_AT_ONCE = 2
 
 
-class SessionConflict(RuntimeError):
-    """The request conflicts with the session's state (e.g. a token for a terminal session)."""
-
-
-class NoWorker(RuntimeError):
-    """No worker is running or starting: a new session would wait for nothing (HTTP 503)."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ViewerLimit(RuntimeError):
-    """The session's room already has as many viewer identities as it may hold."""
-
-
 #: viewer identities one session may mint tokens for (each can hold one room socket)
 MAX_VIEWERS_PER_SESSION = 32
-#: seconds a client is told to wait (Retry-After) when no worker is live
-NO_WORKER_RETRY_AFTER = 10.0
 #: the error of a session still queued when the server stops
 SHUTDOWN_REASON = "the server shut down before the session could start"
 
@@ -104,10 +89,12 @@ class StreamRuntime:
         self.metrics = metrics
         self.registry = SessionRegistry()
         self.lifecycle = SessionLifecycle(self.registry)
+        self.room_follow = RoomFollow(transport)  # each session's room, queued or running, until the session ends
         self.runner_deps = RunnerDeps(
             issuer=issuer, transport=transport, metrics=metrics, lifecycle=self.lifecycle,
             controller_timeout=settings.controller_timeout, room_empty_timeout=settings.room_empty_timeout,
             max_data_message_bytes=settings.max_data_message_bytes, on_finished=self.session_finished,
+            room_followed=self.room_follow.active,
         )
         self.book = AdmissionBook(settings.queue_size)
         self.queued_ends = QueuedEnds(
@@ -360,6 +347,7 @@ class StreamRuntime:
             runtime_views.publish_gauges(self)
             return Created(record, admission, None)
         token = self.issuer.controller_token(room, identity)
+        self.room_follow.start(record)  # before a runner starts: it reads the record, and subscribes to nothing
         if admission.status == "queued":
             self.lifecycle.queue(record)
         self._follow(transitions)
@@ -415,6 +403,7 @@ class StreamRuntime:
         """A queued session ends as the table says for ``cause``; its upload and its queue place go with it (the
         caller publishes the gauges: a pass over many, once a batch)."""
         self.lifecycle.end_queued(record, cause, error)
+        self.room_follow.stop(record)
         self.uploads.discard(record)
         self.book.release(record.session_id, trio.current_time())  # a queued place: no one moves up onto a slot
         self.metrics.record_session_finished(record.session_id, record.status.value)
@@ -449,6 +438,7 @@ class StreamRuntime:
         record = runner.record
         now = trio.current_time()
         self.lifecycle.settle(record, error, say_last_word=not runner.told_room)
+        self.room_follow.stop(record)
         self.runners.pop(record.session_id, None)
         self.uploads.discard(record)
         self.metrics.record_session_finished(record.session_id, record.status.value)

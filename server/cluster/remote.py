@@ -6,8 +6,8 @@ stands where a :class:`~server.runner.RoomRunner` stands (``runtime.runners``): 
 asks it to stop, abort or settle, and it forwards to the agent. The agent's own runner
 drives the session; its table events come back over the wire and are applied here to the
 authoritative record, in sequence order (duplicates and late events are dropped and counted).
-Who is in a session's room is told by the room at each join and leave where the rooms are the authority's
-own (local rooms: :meth:`RemoteRun.room_moved`), and taken from the agent's reports elsewhere (LiveKit).
+Who is in a session's room is kept by the runtime where the rooms are the authority's own (local rooms:
+:mod:`server.room_follow`, from the session's creation), and taken from the agent's reports elsewhere (LiveKit).
 """
 
 from __future__ import annotations
@@ -224,9 +224,6 @@ class RemoteWorker:
         expect = getattr(runtime.transport, "expect_worker", None)
         if expect is not None:  # local rooms admit this agent's worker token, and no other
             expect(record.room, self.identity)
-        watch = getattr(runtime.transport, "watch_participants", None)
-        if watch is not None:  # local rooms tell who is in the room at each join and leave, until the run settles
-            watch(record.room, run.room_moved)
         try:
             image, suffix = _read_image(record.image_path)
         except (OSError, ValueError) as exc:
@@ -372,15 +369,9 @@ class RemoteRun:
 
     def take_participants(self, reported: tuple[str, ...]) -> None:
         """The agent's word on who is in the room, taken where the authority cannot see the room itself (LiveKit);
-        where the rooms are its own, the room tells it (:meth:`room_moved`) and the agent's word is not taken."""
+        where the rooms are its own, the runtime follows the room itself and the agent's word is not taken."""
         if self._in_room() is None and not self.finished.is_set():
             self.record.participants = set(reported)
-
-    def room_moved(self, present: frozenset[str]) -> None:
-        """The authority's own room says who is in it now (someone joined or left): the record counts them at
-        once, the agent's worker left out, as an in-process runner's record does."""
-        if not self.finished.is_set():
-            self.record.participants = set(present - {self.worker.identity})
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""
@@ -415,8 +406,5 @@ class RemoteRun:
         forget = getattr(self.runtime.transport, "forget_worker", None)
         if forget is not None:
             forget(self.record.room)
-        unwatch = getattr(self.runtime.transport, "unwatch_participants", None)
-        if unwatch is not None:
-            unwatch(self.record.room)
         self.runtime.session_finished(self, error)  # type: ignore[arg-type]
         self.finished.set()

@@ -80,6 +80,42 @@ async def test_a_viewer_that_leaves_may_come_back_at_once_and_the_count_follows_
         assert ended["status"] == "closed" and ended["participant_count"] == 0, ended
 
 
+async def test_a_queued_sessions_room_is_counted_before_an_agent_runs_it(cluster: Cluster) -> None:
+    """A session queued behind running ones (one a slot): its controller and a viewer in its room are counted, and
+    the viewer's identity gets no second token (409), before any agent runs it (it counted nobody and granted the
+    token); once promoted onto an agent, the count stays right (the agent's worker left out)."""
+    await until(lambda: any(w["state"] == "idle" for w in cluster.workers()), "an idle agent", cluster)
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=10) as client:
+        holders: list[Controller] = []  # one session a slot, however many agents there are: the next one queues
+        while (queued := await Controller.open(client, cluster, f"c{len(holders)}")).session["status"] != "queued":
+            holders.append(queued)
+            assert len(holders) <= 4, "no session queued"
+        try:
+            await heard(queued, "joined", f"c{len(holders)}")
+            assert await counted(client, queued.session_id) == (1, 1)
+            viewer = await viewer_joins(client, cluster, queued)
+            assert await counted(client, queued.session_id) == (2, 2)
+            again = await client.post(f"/v1/stream/sessions/{queued.session_id}/tokens", json={"identity": "v1"})
+            assert again.status_code == 409, again.text
+            await viewer.ws.aclose()
+            await heard(queued, "participant_left", "v1")
+            assert await counted(client, queued.session_id) == (1, 1)
+            await client.delete(f"/v1/stream/sessions/{holders[0].session_id}")
+            await queued.stream(1)  # promoted: the session runs on an agent, whose worker is in the room
+            assert await counted(client, queued.session_id) == (1, 1)
+            viewer = await viewer_joins(client, cluster, queued)
+            assert await counted(client, queued.session_id) == (2, 2)
+            await viewer.ws.aclose()
+            await heard(queued, "participant_left", "v1")
+            assert await counted(client, queued.session_id) == (1, 1)
+        finally:
+            for member in (*holders, queued):
+                await client.delete(f"/v1/stream/sessions/{member.session_id}")
+                await member.ws.aclose()
+        ended: dict[str, Any] = (await client.get(f"/v1/stream/sessions/{queued.session_id}")).json()
+        assert ended["status"] == "closed" and ended["participant_count"] == 0, ended
+
+
 async def test_a_watched_local_room_tells_its_one_listener_each_move_until_it_is_removed() -> None:
     """The listener hears who is in the room at once and at each join and leave (the worker too); a client refused
     at the door moves nothing; a second listener replaces the first; once removed, the room tells nobody."""
