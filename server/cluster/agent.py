@@ -53,6 +53,7 @@ from ..requests import OptionsRefused
 from ..run_signals import exit_now, note_stop_signal
 from ..server_folders import remove_stale_folders
 from . import tls, wire
+from .agent_drain import AgentDrain
 from .agent_handshake import Shaken, handshake
 from .agent_sessions import AgentSessions
 from .backoff import EXIT_REFUSED, back_off
@@ -140,7 +141,7 @@ class Agent:
         self.life = AgentMachine()  # what a stop signal or a drain does: states.agent's table
         self._first_signal: int | None = None  # the first stop signal: the exit code may be 128 + it
         self._stop_scopes: set[trio.CancelScope] = set()  # waits a stop before serving ends
-        self._drained = trio.Event()
+        self.drain = AgentDrain(self.sessions)  # its line in the log says who asked, and how it ended
         self._acked_sent_at = 0.0
         self._sent_at: dict[int, float] = {}
         self._flushed = trio.Event()
@@ -165,6 +166,7 @@ class Agent:
         note_stop_signal()  # nor in the interpreter's very last teardown (run_signals._teardown)
         self.sessions.close()
         self.life.apply(Event.END)
+        self.drain.log_end(code)
         return code
 
     async def _run(self) -> int:
@@ -226,12 +228,12 @@ class Agent:
         elif after is before:
             log.info("%s: already leaving", name)
         elif after is State.DRAINING:
-            log.info("%s: draining (deadline %.0f s)", name, self.options.drain_deadline)
-            self._drain_now(self.options.drain_deadline)
+            self._drain_now(self.options.drain_deadline, name)
         elif after is State.CUT_SHORT:
             log.warning("second %s: stopping the sessions now, without waiting for them (another signal ends the "
                         "agent at once)", name)
-            self.spawn(self._stop_now, f"the worker was stopped before its sessions finished (a second {name})")
+            self.spawn(self.drain.stop_now, f"the worker was stopped before its sessions finished (a second {name})",
+                       name)
         else:  # STOPPING or RETIRING: not serving; it never says ready (a create then was placed on an agent leaving)
             if after is State.STOPPING:
                 log.info("%s before this agent served: it leaves without registering as ready (another signal "
@@ -338,7 +340,7 @@ class Agent:
                     self.send(self._ready)  # type: ignore[arg-type]
                 else:  # a stop signal since the register went out: never ready, it leaves as a drained agent does
                     self.send(wire.Drain(self.options.drain_deadline))
-                    self._drained.set()
+                    self.drain.done.set()
         finally:
             self._outbox = None
             outcome = outcome or "connection lost"
@@ -469,29 +471,16 @@ class Agent:
             return
         before = self.life.state
         if self.life.apply(Event.DRAIN) is not before:
-            self._drain_now(deadline)
+            self._drain_now(deadline, f"the authority (POST /v1/service/workers/{self.worker_id}/drain)")
 
-    def _drain_now(self, deadline: float) -> None:
+    def _drain_now(self, deadline: float, asked_by: str) -> None:
+        """A second signal then stops the sessions at once, before the goodbye (:meth:`AgentDrain.stop_now`): left to
+        the goodbye, they failed as "worker lost: left after draining", and the agent exited 0 as if it had drained."""
         self.send(wire.Drain(deadline))
-        self.spawn(self._drain, deadline)
-
-    async def _drain(self, deadline: float) -> None:
-        with trio.move_on_after(deadline):
-            await self.sessions.until_empty()
-        await self.sessions.stop_all("worker_drain", hard=False)  # at a chunk boundary, never mid-chunk
-        self._drained.set()
-
-    async def _stop_now(self, cause: str) -> None:
-        """A second signal during the drain: each session ends now, failed with ``cause``, then the agent leaves.
-
-        The sessions are told before the goodbye: left to the goodbye, they failed as "worker lost: left after
-        draining", and the agent exited 0 as if it had drained.
-        """
-        await self.sessions.stop_all(cause, hard=True)
-        self._drained.set()
+        self.spawn(self.drain.run, asked_by, deadline)
 
     async def _until_drained(self) -> str:
-        await self._drained.wait()
+        await self.drain.done.wait()
         self.send(wire.Goodbye("drained"))
         await self._flush_and_close()
         return "drained"

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import signal
 
+import httpx
 import trio
 
 from server.cluster import wire
 
-from .conftest import INTERVAL, TINY, TOKEN, Process, chunkline, clean_env, start_authority
+from .conftest import INTERVAL, TINY, TOKEN, Controller, Process, chunkline, clean_env, start_authority, until
 from .test_agent_start_signals import exit_code, logged
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve, welcome
 
@@ -106,6 +107,34 @@ async def test_a_frozen_authority_is_one_line_naming_the_fence_and_its_silent_di
     fence = "no heartbeat acknowledged: fenced before the authority's deadline"
     assert log.count(fence) == 1 and log.count(CUT_OFF) == 1, log
     assert "not as a chunkline authority" not in log and "Traceback" not in log, log
+
+
+async def test_an_agent_drained_through_the_api_says_so_in_its_log_and_how_it_ended() -> None:
+    """One line as the drain begins (who asked, the deadline), one as the agent leaves (sessions finished and
+    stopped, the exit status): its log ended at "registered as ..." and it exited 0 without a word."""
+    authority = await trio.to_thread.run_sync(lambda: start_authority(launcher="external", workers=1))
+    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}"),
+                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+    try:
+        await logged(agent, "registered as", START_DEADLINE)
+        await until(lambda: authority.eligible(), "the agent to be ready", authority)
+        async with httpx.AsyncClient(base_url=authority.base_url, timeout=10) as client:
+            streaming = await Controller.open(client, authority, "alice")
+            await streaming.stream(2)  # the session outlives the drain's deadline: it is stopped there
+            worker_id = (await client.get(f"/v1/stream/sessions/{streaming.session_id}")).json()["worker_id"]
+            drained = await client.post(f"/v1/service/workers/{worker_id}/drain", json={"deadline_seconds": 1.0})
+            assert drained.status_code == 202, drained.text
+            code = await exit_code(agent)
+            await streaming.ws.aclose()
+    finally:
+        agent.stop()
+        await trio.to_thread.run_sync(authority.stop)
+    log = agent.text(200_000)
+    assert code == 0, log
+    asked = f"the authority (POST /v1/service/workers/{worker_id}/drain)"
+    assert f"draining, asked by {asked}: no new sessions; 1 live session(s) have 1 s to finish" in log, log
+    assert f"drained (asked by {asked}): 0 session(s) finished, 1 stopped; exiting with status 0" in log, log
+    assert "Traceback" not in log, log
 
 
 def test_one_rule_gives_every_way_out_its_exit_status() -> None:
