@@ -49,6 +49,7 @@ from .http_framing import (
     not_a_request_line,
     parse_head,
 )
+from .lingering import LINGER_BYTES, linger
 from .room_socket import Deadlines, RoomSocket
 from .transport.local import LocalRooms
 
@@ -59,7 +60,6 @@ log = logging.getLogger("chunkline.front")
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024
 READ_SIZE: Final = 65536
-LINGER_BYTES: Final = 4 * 1024 * 1024  # the most a lingering close reads of what a refused client still sends
 
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _REFUSALS: Final = {
@@ -177,11 +177,7 @@ class Front:
     async def _linger(self, stream: trio.SocketStream, most: int) -> None:
         """Shut the write side (the answer is complete), then read and drop what the client still sends -- at
         most ``most`` bytes, within ``Deadlines.linger`` -- so that closing does not reset the connection."""
-        most = min(most, LINGER_BYTES)
-        with contextlib.suppress(*_GONE), trio.move_on_after(self._deadlines.linger):
-            await stream.send_eof()
-            while most > 0 and (data := await stream.receive_some(min(READ_SIZE, most))):
-                most -= len(data)
+        await linger(stream, self._deadlines.linger, most)
 
     async def _splice(self, client: trio.SocketStream, head: bytes) -> None:
         framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD, budget=self.body_budget)

@@ -52,6 +52,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from .frame_budget import FRAME_BURST, FRAMES_PER_SECOND, FrameBudget, FrameShare
 from .http_framing import head_end, parse_head
+from .lingering import linger
 from .reasons import echo
 from .tokens import TokenRejected, single_token
 from .transport.local import LocalRooms, RemoteWorkerPresence
@@ -78,7 +79,8 @@ ROOM_PREFIX: Final = "/v1/rooms/"
 class Deadlines:
     """How long a peer may take (seconds): one write, between pings, to answer, to send its request head,
     how long an HTTP connection may move no byte either way (an idle keep-alive) before it is closed, and
-    how long the front reads what a client still sends after it was answered and is being closed."""
+    how long what a client still sends is read after it was answered (or sent its close frame) and is being
+    closed (a lingering close, :mod:`server.lingering`)."""
 
     write: float = WRITE_DEADLINE
     ping_interval: float = PING_INTERVAL
@@ -108,8 +110,8 @@ class RoomSocket:
     """One peer's WebSocket on a raw stream, after the front read its request head (``head``)."""
 
     def __init__(
-        self, stream: trio.abc.Stream, head: bytes, rooms: LocalRooms, *, max_message_bytes: int, deadlines: Deadlines,
-        frames: FrameBudget,
+        self, stream: trio.abc.HalfCloseableStream, head: bytes, rooms: LocalRooms, *, max_message_bytes: int,
+        deadlines: Deadlines, frames: FrameBudget,
     ) -> None:
         self._deadlines = deadlines
         self._frames = frames
@@ -129,6 +131,7 @@ class RoomSocket:
         self._pending_pong = b""
         self.close_reason: str | None = None
         self.close_code = 1008  # policy violation, unless a bound says otherwise
+        self._said_all = False  # the last word (a refusal, a close frame) went out whole: close lingering
 
     async def serve(self) -> None:
         """Handshake, then the peer's presence in its room until it leaves or is sent away."""
@@ -178,8 +181,14 @@ class RoomSocket:
         finally:
             if self.close_reason is not None:
                 log.info("room socket sent away: %s", self.close_reason)
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                await self._stream.aclose()
+            try:
+                if self._said_all and self.close_code != 1009:  # past a message too big nothing more is read
+                    # the peer may still be sending (controls, pongs): closing now would reset the connection,
+                    # and its kernel would drop the close frame and the `done` before it, not read yet
+                    await linger(self._stream, self._deadlines.linger)
+            finally:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await self._stream.aclose()
 
     # -- the protocol ---------------------------------------------------------------
 
@@ -209,6 +218,7 @@ class RoomSocket:
                 b"Connection: close", b"Content-Length: %d" % len(body)]
         head += [name + b": " + value for name, value in headers if name.lower() != b"content-length"]
         await self._write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        self._said_all = True
 
     def _absorb(self, most: int | None = None) -> int:
         """Turn the events wsproto has, ``most`` at most (all when None), into messages, pongs and closes (raises
@@ -319,3 +329,4 @@ class RoomSocket:
                 data = self._ws.send(CloseConnection(code=code, reason=reason[:120]))
                 async with self._send_lock:
                     await self._stream.send_all(data)
+                self._said_all = True
