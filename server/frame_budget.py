@@ -82,7 +82,7 @@ class FrameBudget:
         self.sockets = 0
         self.waiting = 0  # sockets asleep until the pool holds a step for them (each waits its turn)
         self.pool = TokenBucket(per_second, burst)
-        self.caps = KeptBuckets(socket_per_second, socket_burst, most=KEPT_PARTICIPANTS)
+        self.caps = KeptBuckets(lambda: TokenBucket(socket_per_second, socket_burst), most=KEPT_PARTICIPANTS)
 
     def rate(self) -> float:
         """One socket's guaranteed frames a second now (its equal share)."""

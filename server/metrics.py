@@ -196,6 +196,11 @@ class ServerMetrics:
             "Messages from worker agents dropped as stale (a dead id, a late or duplicate session event)",
             registry=registry,
         )
+        self._room_queued = Gauge(
+            "chunkline_room_queued_bytes",
+            "Text queued for the local rooms' sockets, all together (at most the server-wide backlog budget)",
+            registry=registry,
+        )
         self._capacity = Gauge(
             "chunkline_session_capacity",
             "Total retained-session capacity across workers",
@@ -297,6 +302,10 @@ class ServerMetrics:
     def record_stale_messages(self, count: int = 1) -> None:
         self._stale_messages.inc(count)
 
+    def watch_room_backlog(self, read: Callable[[], float]) -> None:
+        """Read ``chunkline_room_queued_bytes`` from ``read`` at each scrape (the local rooms' budget count)."""
+        self._room_queued.set_function(read)
+
     def set_capacity(self, capacity: int) -> None:
         self._capacity.set(capacity)
 
@@ -355,6 +364,7 @@ class ServerMetrics:
                 for state in sorted(self._worker_states)
             },
             "capacity": count("chunkline_session_capacity"),
+            "room_queued_bytes": count("chunkline_room_queued_bytes"),
             "controls": {
                 "accepted": count("chunkline_controls_total"),
                 "rejected": dict(sorted(rejections.items())),

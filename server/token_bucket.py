@@ -1,13 +1,14 @@
 """A token bucket on the caller's clock: how the server paces what others can make it do as often as they like
 (a participant's data messages, warnings a connection can cause), and buckets kept per participant across its
-reconnects (:class:`KeptBuckets`)."""
+reconnects (:class:`KeptBuckets`: the front's frame caps and the rooms' data paces alike)."""
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["KeptBuckets", "TokenBucket"]
+__all__ = ["KeptBuckets", "Refilling", "TokenBucket"]
 
 
 class TokenBucket:
@@ -57,52 +58,62 @@ class TokenBucket:
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
 
 
-class _Kept:
-    def __init__(self, bucket: TokenBucket) -> None:
-        self.bucket = bucket
+class Refilling(Protocol):
+    """What :class:`KeptBuckets` keeps: a pace that says when it is full again."""
+
+    def full_at(self, now: float) -> float:
+        """When it will be full again if nothing more is taken (``now`` when it is full)."""
+
+
+Kept = TypeVar("Kept", bound=Refilling)
+
+
+class _Entry(Generic[Kept]):
+    def __init__(self, pace: Kept) -> None:
+        self.pace = pace
         self.holders = 0
         self.left = 0  # how many times the last holder left: a due entry is for this leaving only
 
 
-class KeptBuckets:
-    """One bucket per key (a participant), the same one however often its holders leave and come back, so that
-    coming back buys no fresh burst.
+class KeptBuckets(Generic[Kept]):
+    """One pace per key (a participant), the same one however often its holders leave and come back, so that coming
+    back buys no fresh burst: a :class:`TokenBucket` (the front's frame cap) or anything that says when it is full
+    again (the rooms' :class:`~server.transport.data_pace.DataPace`, two buckets), made by ``make`` when a key has none.
 
-    A key's bucket is kept while a holder has it and, once none has, until it is full again: a full bucket is what
-    a new one is, so forgetting it then gives nothing away, and what is kept is bounded by the keys that left in the
-    last ``burst / rate`` seconds (and by ``most``: past it the buckets nearest to full are forgotten first).
+    A key's pace is kept while a holder has it and, once none has, until it is full again: a full pace is what a new
+    one is, so forgetting it then gives nothing away, and what is kept is bounded by the keys that left since their
+    paces last were full (a second or so) and by ``most``: past it the paces nearest to full are forgotten first.
     """
 
-    def __init__(self, rate: float, burst: int, *, most: int) -> None:
-        self.rate = rate
-        self.burst = burst
+    def __init__(self, make: Callable[[], Kept], *, most: int) -> None:
+        self.make = make
         self.most = most
-        self._kept: dict[Hashable, _Kept] = {}
+        self._kept: dict[Hashable, _Entry[Kept]] = {}
         self._due: list[tuple[float, int, Hashable]] = []  # (full at, leaving, key) of the keys none holds
         self._resting = 0
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def hold(self, key: Hashable, now: float) -> TokenBucket:
-        """``key``'s bucket, for a holder until :meth:`release`: the kept one, or a new (full) one."""
+    def hold(self, key: Hashable, now: float) -> Kept:
+        """``key``'s pace, for a holder until :meth:`release`: the kept one, or a new (full) one."""
         self._forget_full(now)
         kept = self._kept.get(key)
         if kept is None:
-            kept = self._kept[key] = _Kept(TokenBucket(self.rate, self.burst))
+            kept = self._kept[key] = _Entry(self.make())
         elif kept.holders == 0:
             self._resting -= 1
         kept.holders += 1
-        return kept.bucket
+        return kept.pace
 
     def release(self, key: Hashable, now: float) -> None:
-        """A holder of ``key``'s bucket is done with it; the last one leaves it kept until it is full again."""
+        """A holder of ``key``'s pace is done with it; the last one leaves it kept until it is full again."""
         kept = self._kept[key]
         kept.holders -= 1
         if kept.holders == 0:
             kept.left += 1
             self._resting += 1
-            heapq.heappush(self._due, (kept.bucket.full_at(now), kept.left, key))
+            heapq.heappush(self._due, (kept.pace.full_at(now), kept.left, key))
         self._forget_full(now)
 
     def _forget_full(self, now: float) -> None:

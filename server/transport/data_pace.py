@@ -22,8 +22,10 @@ that reads a little more than :data:`DATA_BYTES_PER_SECOND` keeps up with whatev
 sent to several participants counts as a message for each (the room writes it to each), so that one sender costs the
 room no more than DATA_MESSAGES_PER_SECOND writes however many read it; the answer is one write, to the sender, at
 most one for each message read, so the sender's own pace bounds it (when it went to the whole room, each message
-could draw a write to every participant that nothing counted). The room keeps each participant's pace while it
-lives: leaving and coming back buys no fresh burst.
+could draw a write to every participant that nothing counted). The local rooms keep each participant's pace (by room
+and identity) while it has a socket and after it leaves until the pace is full again (a
+:class:`~server.token_bucket.KeptBuckets`, as the front keeps its frame cap): leaving and coming back buys no fresh
+burst.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class DataPace:
         if seconds > 0:
             await trio.sleep(seconds)
             self._messages.took_at(trio.current_time())
+
+    def full_at(self, now: float) -> float:
+        """When both its buckets are full again (then it is what a new pace is, and may be forgotten)."""
+        return max(self._messages.full_at(now), self._text.full_at(now))
 
     def sent(self, characters: int, recipients: int) -> None:
         """The message just read made the room send ``characters`` to each of ``recipients`` other participants

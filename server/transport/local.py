@@ -19,7 +19,8 @@ Wire format (WebSocket):
 - a client that falls more than 2048 data messages or 1 MiB of them behind is sent away
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
-  as their write deadline let them stay); a participant's data is paced by what it makes the room send
+  as their write deadline let them stay), and so are those furthest behind when all clients' queues together pass
+  the server's budget (:mod:`.backlog_budget`, 64 MiB); a participant's data is paced by what it makes the room send
   (:mod:`.data_pace`), so that its legal burst fits in that backlog and a viewer reading 256 KiB a second keeps up;
 - the worker's answer to one participant's message (a refused control's ``control_rejected``) goes to that
   participant alone, as LiveKit's ``destination_identities`` does; the room's news (status, chunks, the end) to
@@ -50,7 +51,9 @@ from pipelines.contract import Audio
 
 from .. import json_limits
 from ..protocol import STATUS_TOPIC
+from ..token_bucket import KeptBuckets
 from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected
+from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import DataPace
 from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
@@ -58,6 +61,7 @@ from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, d
 __all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
 
 MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and its viewers)
+KEPT_PACES = 4096  # participants' data paces kept after they left, at most (each until it is full, a second or so)
 #: topics only the worker publishes on: a client's message on them is refused, so nobody poses as the server
 SERVER_TOPICS = frozenset({"tf.status", "tf.metrics"})
 
@@ -187,6 +191,9 @@ class LocalRooms:
         self._rooms: dict[str, Room] = {}
         self.max_data_message_bytes = max_data_message_bytes
         self.encode_limiter = trio.CapacityLimiter(2)
+        self.backlog = BacklogBudget()  # every client socket's queued text together (``backlog.queued``: bytes)
+        #: each participant's DataPace by (room, identity), kept across its reconnects until it is full again
+        self.paces: KeptBuckets[DataPace] = KeptBuckets(DataPace, most=KEPT_PACES)
         self._expected_workers: dict[str, str] = {}  # room -> the agent identity the runtime started there
         #: room -> the one listener told who is in it at each join and leave (the runtime's, for a session an agent
         #: hosts): at most one a live session, and its end removes it (``unwatch_participants``)
@@ -316,7 +323,7 @@ class LocalRooms:
             return RemoteWorkerPresence(verified.identity)
         if target is not None and len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
             raise TokenRejected("room_full")
-        return Subscriber(verified.identity, verified.role, verified.can_publish_data)
+        return Subscriber(verified.identity, verified.role, verified.can_publish_data, backlog=self.backlog)
 
     async def serve_worker(
         self,
@@ -416,6 +423,7 @@ class LocalRooms:
                         await send(subscriber.texts[0])
                         subscriber.sent_text()
         finally:
+            subscriber.gone()
             target.subscribers.pop(subscriber.identity, None)
             self._moved(target)  # before anyone is told: who hears of the leave finds it counted
             target.broadcast_text(json.dumps({"type": "participant_left", "identity": subscriber.identity}))
@@ -441,8 +449,17 @@ class LocalRooms:
         end.cancel()
 
     async def _pump_in(self, room: Room, subscriber: Subscriber, receive: Callable[[], Awaitable[str | bytes]]) -> None:
-        # kept with the room: a participant that leaves and comes back buys no fresh burst
-        pace = room.paces.setdefault(subscriber.identity, DataPace())
+        # kept across its reconnects: a participant that leaves and comes back buys no fresh burst
+        key = (room.name, subscriber.identity)
+        pace = self.paces.hold(key, trio.current_time())
+        try:
+            await self._read_paced(room, subscriber, receive, pace)
+        finally:
+            self.paces.release(key, trio.current_time())
+
+    async def _read_paced(
+        self, room: Room, subscriber: Subscriber, receive: Callable[[], Awaitable[str | bytes]], pace: DataPace
+    ) -> None:
         while True:
             await pace.take()  # a flood waits in its own socket, not in this server's event loop
             message = await receive()

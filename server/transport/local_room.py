@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from ..json_limits import payload_body
+from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, RoomEvent
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class Subscriber:
     media: deque = attrs.Factory(lambda: deque(maxlen=FRAME_BACKLOG))
     ready: trio.Event = attrs.Factory(trio.Event)
     presence: trio.CancelScope = attrs.Factory(trio.CancelScope)  # cancelled to send the client away
+    #: the server's budget for every socket's queued text together (the LocalRooms'); past it the furthest behind go
+    backlog: BacklogBudget = attrs.field(factory=BacklogBudget, kw_only=True)
     too_slow: bool = False
     dropped_frames: int = 0
     text_size: int = 0  # characters queued in ``texts``
@@ -59,14 +62,31 @@ class Subscriber:
         if len(self.texts) >= TEXT_BACKLOG or self.text_size + len(message) > TEXT_BACKLOG_BYTES:
             # a client that does not read its reliable messages is sent away rather than
             # letting its queue grow without bound (LiveKit drops such subscribers too)
-            self.too_slow = True
-            self.texts.clear()
-            self.text_size = 0
-            message = json.dumps({"type": "refused", "reason": "too_slow"})
-            self.presence.cancel()
+            self.send_away()
+            return
         self.texts.append(message)
         self.text_size += len(message)
         self.ready.set()
+        self.backlog.add(self, len(message))  # past the server's budget, whoever is furthest behind is sent away
+
+    def send_away(self) -> None:
+        """Too slow: what is queued goes, the client is told ``too_slow`` and sent away."""
+        if self.too_slow:
+            return
+        self.too_slow = True
+        self.backlog.release(self)
+        self.texts.clear()
+        message = json.dumps({"type": "refused", "reason": "too_slow"})
+        self.texts.append(message)
+        self.text_size = len(message)
+        self.presence.cancel()
+        self.ready.set()
+
+    def gone(self) -> None:
+        """The client left: nothing it still has queued is sent or counted."""
+        self.backlog.release(self)
+        self.texts.clear()
+        self.text_size = 0
 
     def leave(self) -> None:
         """Send what is queued, then leave (the session ended): no send is cut short, so the socket closes
@@ -76,7 +96,10 @@ class Subscriber:
 
     def sent_text(self) -> None:
         """The oldest queued text message has been sent."""
-        self.text_size -= len(self.texts.popleft())
+        size = len(self.texts.popleft())
+        self.text_size -= size
+        if not self.too_slow:  # a refusal is not counted (sending away released the rest)
+            self.backlog.sent(self, size)
 
     def push_media(self, message: bytes) -> None:
         if len(self.media) == self.media.maxlen:
@@ -128,8 +151,6 @@ class Room:
     # data sent before the worker joined (an agent's comes a moment after the controller may), handed to it when it does
     held: deque = attrs.Factory(deque)
     held_size: int = 0
-    #: each participant's DataPace while the room lives (its identities: a controller and at most 32 viewers)
-    paces: dict[str, Any] = attrs.Factory(dict)
 
     def to_worker(self, event: DataReceived) -> bool:
         """Deliver a client's data to the worker, or hold it until the worker joins; False (nothing held) when

@@ -1,0 +1,286 @@
+"""The text queued for every room socket together is bounded: frozen viewers are sent away, an honest one stays.
+
+Each socket's queue was bounded on its own (1 MiB), nothing bounded them together: 1,024 frozen viewers could make
+the server hold 1 GiB. Now all sockets' queued text is at most ``SERVER_BACKLOG_BYTES`` (64 MiB), read through the
+``chunkline_room_queued_bytes`` gauge, and past it the sockets furthest behind are sent away ``too_slow`` first.
+
+The app runs in-process on trio's autojump clock; each room socket is a client speaking HTTP and WebSocket (wsproto)
+to the server's front (``Front.handle``) over an in-memory connection that, like a kernel's buffers, holds at most
+:data:`WINDOW` bytes on their way: a reader that stops reading makes the server's writes wait, and its queue grows.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Request, TextMessage
+
+from server.front import Front
+from server.room_socket import Deadlines
+from server.transport.backlog_budget import SERVER_BACKLOG_BYTES
+from server.transport.data_pace import DATA_BYTE_BURST
+from server.transport.local_room import TEXT_BACKLOG_BYTES
+from spec_tests import virtual_time
+from spec_tests.server.runner_fixtures import CounterService, serve, settings
+from spec_tests.server.runner_fixtures import no_threads  # noqa: F401  (fixture)
+
+#: no ping, pong or write deadline falls within a test: what sends a socket away here is a backlog bound alone
+PATIENT = Deadlines(write=600.0, ping_interval=600.0, pong=1200.0, head=600.0, idle=600.0)
+WINDOW = 65536  # bytes a connection holds on their way in each direction (a kernel's socket buffers)
+SESSIONS = 4  # running sessions, each with a controller sending large messages and 32 viewers
+PAD = "a" * 12000  # a data message near the 12 KiB limit
+
+
+class Pipe:
+    """One direction of a connection: at most ``window`` bytes on their way; a write waits for room."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.buffer = bytearray()
+        self.writer_closed = self.reader_closed = False
+        self.changed = trio.Event()
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(bytes(data))
+        while True:
+            if self.writer_closed:
+                raise trio.ClosedResourceError
+            if self.reader_closed:
+                raise trio.BrokenResourceError
+            if not view:
+                break
+            room = self.window - len(self.buffer)
+            if room <= 0:
+                await self.changed.wait()
+                continue
+            self.buffer += view[:room]
+            view = view[room:]
+            self.wake()
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        while not self.buffer and not self.writer_closed and not self.reader_closed:
+            await self.changed.wait()
+        if self.reader_closed:
+            raise trio.ClosedResourceError
+        size = len(self.buffer) if max_bytes is None else max_bytes
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        self.wake()
+        await trio.lowlevel.checkpoint()
+        return data
+
+
+class End(trio.abc.HalfCloseableStream):
+    """One end of a connection of two pipes."""
+
+    def __init__(self, outgoing: Pipe, incoming: Pipe) -> None:
+        self.outgoing, self.incoming = outgoing, incoming
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.outgoing.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def send_eof(self) -> None:
+        self.outgoing.writer_closed = True
+        self.outgoing.wake()
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.incoming.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        for pipe in (self.outgoing, self.incoming):
+            pipe.writer_closed = pipe is self.outgoing or pipe.writer_closed
+            pipe.reader_closed = pipe is self.incoming or pipe.reader_closed
+            pipe.wake()
+        await trio.lowlevel.checkpoint()
+
+
+class Client:
+    """A room socket through the front; when it reads, a task notes every text message as it arrives."""
+
+    def __init__(self, end: End, ws: WSConnection) -> None:
+        self.end, self.ws = end, ws
+        self.texts: list[dict[str, Any]] = []
+        self.arrived = trio.Event()
+
+    async def send_json(self, message: Any) -> None:
+        await self.end.send_all(self.ws.send(TextMessage(json.dumps(message))))
+
+    async def read(self) -> None:
+        parts: list[str] = []
+        try:
+            while data := await self.end.receive_some(1 << 20):
+                self.ws.receive_data(data)
+                for event in self.ws.events():
+                    if isinstance(event, TextMessage):
+                        parts.append(event.data)
+                        if event.message_finished:
+                            self.texts.append(json.loads("".join(parts)))
+                            parts.clear()
+                self.arrived.set()
+                self.arrived = trio.Event()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def chats(self) -> list[int]:
+        return [m["payload"]["n"] for m in self.texts if m.get("type") == "data" and m.get("topic") == "chat"]
+
+    def refused(self) -> list[str]:
+        return [m["reason"] for m in self.texts if m.get("type") == "refused"]
+
+    async def wait_for(self, predicate: Any, within: float) -> None:
+        with trio.fail_after(within):
+            while not predicate(self):
+                await self.arrived.wait()
+
+
+async def open_socket(
+    front: Front, nursery: trio.Nursery, created: dict[str, Any], token: str, *, read: bool
+) -> Client:
+    """A socket that joined ``created``'s room with ``token``; it reads all that comes when ``read``, else nothing
+    after the handshake (frozen)."""
+    to_server, to_client = Pipe(WINDOW), Pipe(WINDOW)
+    nursery.start_soon(front.handle, End(to_client, to_server))
+    client = Client(End(to_server, to_client), WSConnection(ConnectionType.CLIENT))
+    target = f"{created['websocket_path']}?token={token}"
+    await client.end.send_all(client.ws.send(Request(host="localhost", target=target)))
+    while not any(isinstance(event, AcceptConnection) for event in client.ws.events()):
+        client.ws.receive_data(await client.end.receive_some(len(b"HTTP/1.1 101 ")))  # the handshake, no more
+    if read:
+        nursery.start_soon(client.read)
+    return client
+
+
+def queued_gauge(metrics: str) -> float:
+    (line,) = [line for line in metrics.splitlines() if line.startswith("chunkline_room_queued_bytes ")]
+    return float(line.split()[1])
+
+
+async def flood(ctl: Client, sent: list[int], stop: trio.Event) -> None:
+    """Large data messages as fast as the server reads them, each numbered, until ``stop``."""
+    while not stop.is_set():
+        await ctl.send_json({"topic": "chat", "payload": {"n": len(sent), "pad": PAD}})
+        sent.append(len(sent))
+
+
+@pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
+async def test_frozen_viewers_are_sent_away_within_the_servers_budget_and_an_honest_one_keeps_receiving(
+    autojump_clock: Any,
+) -> None:
+    """Four sessions, each a controller sending 12 KiB messages as fast as it may to 32 viewers of which all but one
+    never read: 127 frozen sockets, whose queues each grow to 1 MiB before their own bound sends them away, would
+    make the server hold 127 MiB. The queued text of all sockets together stays within the budget, read through
+    the metrics gauge; the frozen go ``too_slow``, and the honest viewer receives every message of its room, in
+    order, and is still there to receive the next."""
+    service = CounterService(fps=2, frames_per_chunk=1, size=(8, 8))
+    async with serve(settings(max_sessions_per_worker=SESSIONS, queue_size=1), service) as served:
+        rooms = served.runtime.transport
+        front = Front(rooms, "unused", max_message_bytes=16384, deadlines=PATIENT)
+        async with trio.open_nursery() as nursery:
+            controllers, frozen, names, honest = [], [], [], None
+            for session in range(SESSIONS):
+                created = await served.create(f"ctl-{session}")
+                assert created["status"] != "queued", created
+                names.append(created["room"])
+                ctl = await open_socket(front, nursery, created, created["token"], read=True)
+                await ctl.wait_for(lambda c: any(m.get("topic") == "tf.status" and m["payload"].get("stage") ==
+                                                 "running" for m in c.texts), within=30)
+                controllers.append(ctl)
+                for index in range(32):
+                    token = await served.viewer_token(created["session_id"], f"v{index}")
+                    if session == 0 and index == 0:
+                        honest = await open_socket(front, nursery, created, token, read=True)
+                    else:
+                        frozen.append(await open_socket(front, nursery, created, token, read=False))
+            assert honest is not None and len(frozen) == SESSIONS * 32 - 1
+            await trio.testing.wait_all_tasks_blocked()
+            assert TEXT_BACKLOG_BYTES * len(frozen) > 1.5 * SERVER_BACKLOG_BYTES  # what their own bounds allowed
+
+            peak, gauges = 0, []
+            sent: list[list[int]] = [[] for _ in controllers]
+            stop = trio.Event()
+            async with trio.open_nursery() as flooding:
+                for ctl, numbers in zip(controllers, sent, strict=True):
+                    flooding.start_soon(flood, ctl, numbers, stop)
+                for step in range(600):
+                    await virtual_time.elapse(0.01)
+                    peak = max(peak, rooms.backlog.queued)
+                    if step % 50 == 0:  # what an operator sees
+                        gauges.append(queued_gauge(await served.metrics_text()))
+                stop.set()  # each controller's last message goes whole
+            assert max(gauges) <= SERVER_BACKLOG_BYTES, f"the gauge read {max(gauges) / 2**20:.1f} MiB"
+            assert max(gauges) > SERVER_BACKLOG_BYTES / 2, f"the gauge read {max(gauges) / 2**20:.1f} MiB at most"
+            assert peak <= SERVER_BACKLOG_BYTES, f"{peak / 2**20:.1f} MiB queued: past the server's budget"
+            assert peak > SERVER_BACKLOG_BYTES * 0.9, f"only {peak / 2**20:.1f} MiB queued: the budget was not tested"
+            assert rooms.backlog.sent_away > 0, "the budget sent nobody away"
+            # each room holds its controller and its worker, and the first one the honest viewer too
+            staying = sum(len(rooms.participants(room)) - 2 for room in names) - 1
+            assert staying < len(frozen) // 2, f"{staying} of {len(frozen)} frozen viewers are still there"
+            assert "v0" in rooms.participants(names[0]), "the honest viewer was sent away"
+            assert honest.refused() == [], f"the honest viewer was refused: {honest.refused()}"
+            await honest.wait_for(lambda c: len(c.chats()) == len(sent[0]), within=5)
+            assert honest.chats() == sent[0], "the honest viewer missed messages"
+            assert len(sent[0]) > 100
+            await controllers[0].send_json({"topic": "chat", "payload": {"n": len(sent[0]), "pad": ""}})
+            await honest.wait_for(lambda c: len(c.chats()) > len(sent[0]), within=5)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
+async def test_a_participants_data_pace_is_kept_across_reconnects_until_it_is_full_again(autojump_clock: Any) -> None:
+    """The rooms keep each participant's data pace as the front keeps its frame cap (one ``KeptBuckets``): while it
+    is spent, leaving and coming back finds it spent (the reconnected controller's burst is what was left of it);
+    once it is full again it is forgotten, so what is kept is bounded by the participants that left lately."""
+    service = CounterService(fps=2, frames_per_chunk=1, size=(8, 8))
+    async with serve(settings(), service) as served:
+        rooms = served.runtime.transport
+        front = Front(rooms, "unused", max_message_bytes=16384, deadlines=PATIENT)
+        async with trio.open_nursery() as nursery:
+            created = await served.create("ctl")
+            viewers = [await open_socket(front, nursery, created, await served.viewer_token(created["session_id"],
+                                                                                            f"v{index}"), read=True)
+                       for index in range(8)]
+            ctl = await open_socket(front, nursery, created, created["token"], read=True)
+            await ctl.wait_for(lambda c: any(m.get("type") == "joined" for m in c.texts), within=5)
+            assert len(rooms.paces) == 9  # one a participant with a socket
+            sent: list[int] = []
+            stop = trio.Event()
+            nursery.start_soon(flood, ctl, sent, stop)
+            await viewers[0].wait_for(lambda c: len(c.chats()) >= 20, within=5)  # its burst (256 KiB) is spent
+            stop.set()
+            await viewers[0].wait_for(lambda c: len(c.chats()) == len(sent), within=5)
+            for client in [ctl, *viewers]:
+                await client.end.aclose()
+            await virtual_time.elapse(0.01)
+            assert not {"ctl", *(f"v{index}" for index in range(8))} & rooms.participants(created["room"])
+            assert 1 <= len(rooms.paces) <= 9, "the paces that left were not kept while spent"
+            again = await open_socket(front, nursery, created, created["token"], read=True)
+            await again.wait_for(lambda c: any(m.get("type") == "joined" for m in c.texts), within=5)
+            began, before = trio.current_time(), len(sent)
+            stop = trio.Event()
+            nursery.start_soon(flood, again, sent, stop)
+            await virtual_time.elapse(0.05)
+            stop.set()
+            fresh = DATA_BYTE_BURST // len(PAD)  # the messages a fresh pace reads at once
+            assert len(sent) - before < fresh, f"reconnecting bought the controller a fresh burst: {len(sent) - before}"
+            await virtual_time.elapse(5.0 - (trio.current_time() - began))  # every pace is full again
+            await again.end.aclose()
+            await virtual_time.elapse(5.0)
+            viewer = await open_socket(front, nursery, created, await served.viewer_token(created["session_id"], "w"),
+                                       read=True)
+            await viewer.wait_for(lambda c: any(m.get("type") == "joined" for m in c.texts), within=5)
+            assert len(rooms.paces) == 1, f"{len(rooms.paces)} paces kept: the full ones were not forgotten"
+            nursery.cancel_scope.cancel()
