@@ -130,6 +130,7 @@ def test_listening_beyond_this_host_without_an_api_key_is_warned_about(api_key: 
     finally:
         end_popen(process)
     log = "".join(lines) + rest
-    assert process.returncode == 0, log[-2000:]
+    # 0 once the pipeline was up; 143 while it still loaded (the load is abandoned: test_signals_while_loading.py)
+    assert process.returncode in (0, 128 + signal.SIGTERM), log[-2000:]
     warned = "warning: no --api-key, and the server listens beyond this host" in log
     assert warned == (api_key is None), log[-2000:]
