@@ -41,6 +41,7 @@ from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
 from . import protocol
 from .chunk_publisher import ChunkPublisher, checked_metadata
+from .cluster.identity import worker_participant
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
 
@@ -111,7 +112,7 @@ class RoomRunner:
         self.deps = deps
         self.record = record
         self.worker = worker
-        self.identity = f"chunkline-{worker.worker_id}"
+        self.identity = worker_participant(worker.worker_id)
         self.finished = trio.Event()
         self._failure: str | None = None  # set by fail(): the session ends failed with this reason
         self._stop = trio.Event()

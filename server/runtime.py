@@ -28,6 +28,7 @@ from states.worker import TERMINAL as WORKER_TERMINAL
 from states.worker import DRAINABLE as WORKER_DRAINABLE, LOADING as WORKER_LOADING
 
 from .metrics import ServerMetrics
+from .cluster.identity import worker_participant
 from .in_process_workers import InProcessWorkers
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle
@@ -384,7 +385,7 @@ class StreamRuntime:
         limit = MAX_VIEWERS_PER_SESSION
         if identity not in record.viewer_identities and len(record.viewer_identities) >= limit:
             raise ViewerLimit(f"session {session_id} already has {limit} viewer identities, the most one room holds")
-        taken = {record.controller_identity, *(f"chunkline-{w}" for w in self.workers)}
+        taken = {record.controller_identity, *(worker_participant(w) for w in self.workers)}
         if identity in taken or identity in record.participants and identity not in record.viewer_identities:
             raise SessionConflict(f"identity {echo(identity)} is already used in this room")
         if identity in record.viewer_identities and identity in record.participants:
