@@ -25,7 +25,11 @@ for the whole server, work-conserving:
   forgetting it gives nothing away, and the front need not know when a room ends), so reconnecting buys no fresh
   burst. Each socket's joining costs :data:`JOIN_FRAMES` of it first (joining makes the room tell every
   participant), so a participant that reconnects over and over is paced too: past its burst it joins at most
-  ``FRAMES_PER_SECOND / JOIN_FRAMES`` times a second, and its socket waits, not yet in the room, for the rest;
+  ``FRAMES_PER_SECOND / JOIN_FRAMES`` times a second, and its socket waits, not yet in the room, for the rest --
+  at most :data:`JOIN_WAIT_MOST`: a socket that would wait longer is refused (:class:`JoiningTooOften`), charged
+  nothing. Sockets of one participant opened together, none in the room yet, were each charged and each waited:
+  300 at once put its cap 30 s in debt, its later sockets (reading nothing while they waited) were sent away as
+  peers that answer no ping, and the debt, and how long the front kept the cap, had no bound;
 - a new socket's guaranteed share starts empty: what a socket may read at once comes from the pool (other sockets'
   unused frames) or from its participant's kept cap, never from a fresh burst of its own;
 - a frame counts once more for every :data:`FRAME_BYTES` it carries, so that large frames cost what they take;
@@ -46,8 +50,9 @@ import trio
 from .token_bucket import KeptBuckets, TokenBucket
 
 __all__ = [
-    "FRAME_BATCH", "FRAME_BURST", "FRAME_BYTES", "FRAMES_PER_SECOND", "JOIN_FRAMES", "KEPT_PARTICIPANTS",
-    "SERVER_FRAME_BURST", "SERVER_FRAMES_PER_SECOND", "FrameBudget", "FrameShare",
+    "FRAME_BATCH", "FRAME_BURST", "FRAME_BYTES", "FRAMES_PER_SECOND", "JOIN_FRAMES", "JOIN_WAIT_MOST",
+    "KEPT_PARTICIPANTS", "SERVER_FRAME_BURST", "SERVER_FRAMES_PER_SECOND", "FrameBudget", "FrameShare",
+    "JoiningTooOften",
 ]
 
 FRAMES_PER_SECOND: Final = 1000  # one participant's frames a second at most, however idle the others are
@@ -58,6 +63,16 @@ FRAME_BYTES: Final = 8192  # a frame counts once more for every this many bytes 
 FRAME_BATCH: Final = 64  # frames parsed at most before the pace is asked again (what one step can cost the loop)
 JOIN_FRAMES: Final = 100  # what joining a room costs a participant's cap: past its burst, 10 joins a second
 KEPT_PARTICIPANTS: Final = 4096  # participants' caps kept after they left, at most (each for a second or so)
+JOIN_WAIT_MOST: Final = 2.0  # seconds a socket may wait to join (well within the pong deadline: it reads nothing)
+
+
+class JoiningTooOften(Exception):
+    """A participant's socket would wait more than :data:`JOIN_WAIT_MOST` to join: it is refused, charged nothing."""
+
+    def __init__(self, wait: float) -> None:
+        super().__init__(f"this participant joins too often: this socket would wait {wait:.1f} s to join, more than "
+                         f"{JOIN_WAIT_MOST:g} s (past a burst, {FRAMES_PER_SECOND // JOIN_FRAMES} joins a second)")
+        self.wait = wait
 
 
 class FrameBudget:
@@ -95,15 +110,21 @@ class FrameBudget:
     @contextlib.contextmanager
     def share(self, participant: Hashable) -> Iterator[FrameShare]:
         """A share for one socket of ``participant`` (its room and identity), for as long as it is open. Its joining
-        is charged to the participant's cap first: :meth:`FrameShare.join_wait` says how long to wait for it."""
+        is charged to the participant's cap first: :meth:`FrameShare.join_wait` says how long to wait for it, and a
+        join that would wait more than :data:`JOIN_WAIT_MOST` raises :class:`JoiningTooOften` (nothing charged)."""
         now = self.clock()
         cap = self.caps.hold(participant, now)
-        self.sockets += 1
         try:
+            wait = max(0.0, JOIN_FRAMES - cap.available(now)) / cap.rate
+            if wait > JOIN_WAIT_MOST:
+                raise JoiningTooOften(wait)
             cap.charge(now, JOIN_FRAMES)
-            yield FrameShare(self, cap, now)
+            self.sockets += 1
+            try:
+                yield FrameShare(self, cap, now)
+            finally:
+                self.sockets -= 1
         finally:
-            self.sockets -= 1
             self.caps.release(participant, self.clock())
 
 

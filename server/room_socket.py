@@ -50,12 +50,13 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from .frame_budget import FRAME_BURST, FRAMES_PER_SECOND, FrameBudget, FrameShare
+from .frame_budget import FRAME_BURST, FRAMES_PER_SECOND, FrameBudget, FrameShare, JoiningTooOften
 from .http_framing import head_end, parse_head
 from .lingering import linger
 from .reasons import echo
 from .tokens import TokenRejected, single_token
 from .transport.local import LocalRooms, RemoteWorkerPresence
+from .transport.local_room import Subscriber
 
 __all__ = [
     "FRAME_BURST", "FRAMES_PER_SECOND", "IDLE_DEADLINE", "MAX_MESSAGE_PIECES", "PING_INTERVAL", "PONG_DEADLINE",
@@ -167,11 +168,7 @@ class RoomSocket:
                         # the server's own agent, holding a worker token: its media (the stream) is not paced
                         await self._rooms.serve_worker(room, subscriber, self._send, self._receive)
                     else:
-                        with self._frames.share((room, subscriber.identity)) as self._frame_pace:
-                            wait = self._frame_pace.join_wait(trio.current_time())
-                            if wait > 0:  # a participant reconnecting over and over joins at its pace
-                                await trio.sleep(wait)
-                            await self._rooms.serve_client(room, subscriber, self._send, self._receive)
+                        await self._join(room, subscriber)
                     nursery.cancel_scope.cancel()
             except* (PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
@@ -189,6 +186,19 @@ class RoomSocket:
             finally:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     await self._stream.aclose()
+
+    async def _join(self, room: str, subscriber: Subscriber) -> None:
+        """A participant's presence, paced by the frame budget: one reconnecting over and over joins at its pace,
+        and a socket that would wait too long for it is refused ``joining_too_often``."""
+        try:
+            with self._frames.share((room, subscriber.identity)) as self._frame_pace:
+                wait = self._frame_pace.join_wait(trio.current_time())
+                if wait > 0:
+                    await trio.sleep(wait)
+                await self._rooms.serve_client(room, subscriber, self._send, self._receive)
+        except JoiningTooOften as exc:
+            self.close_reason, self.close_code = "joining_too_often", 4429
+            await self._send(json.dumps({"type": "refused", "reason": self.close_reason, "detail": str(exc)}))
 
     # -- the protocol ---------------------------------------------------------------
 

@@ -24,7 +24,8 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Ping, Pong, Request, TextMessage
 
 from server.frame_budget import (
-    FRAME_BATCH, FRAME_BURST, FRAMES_PER_SECOND, SERVER_FRAME_BURST, SERVER_FRAMES_PER_SECOND,
+    FRAME_BATCH, FRAME_BURST, FRAMES_PER_SECOND, JOIN_FRAMES, JOIN_WAIT_MOST, SERVER_FRAME_BURST,
+    SERVER_FRAMES_PER_SECOND,
 )
 from server.front import Front
 from server.room_socket import Deadlines
@@ -229,3 +230,47 @@ async def test_reconnecting_over_and_over_earns_no_fresh_burst(rooms: Any, autoj
     elapsed = trio.current_time() - started
     most = FRAME_BURST + FRAMES_PER_SECOND * elapsed + FRAME_BATCH  # one burst, then the rate (a step over)
     assert read <= most, f"{read} pings read on 10 sockets in {elapsed:.2f} s: each socket had a fresh burst"
+
+
+def answered(client: Client) -> bool:
+    return any(m.get("type") in ("joined", "refused") for m in client.texts)
+
+
+@pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
+async def test_sockets_opened_together_wait_no_longer_than_join_wait_most(rooms: Any, autojump_clock: Any) -> None:
+    """A viewer past its burst of joins opens 100 sockets at once (none in the room yet): each is answered -- joined,
+    or refused ``identity_in_use`` or ``joining_too_often`` -- within JOIN_WAIT_MOST, and the viewer's next socket
+    joins within it too. Each was charged and waited: the last waited 9 s unanswered (past the pong deadline it
+    would have been sent away, having read nothing), and the cap's debt, and so the next join's wait, had no bound."""
+    room_sockets, _ = rooms
+    created = await room_sockets.served.create("ctl")
+    token = await room_sockets.served.viewer_token(created["session_id"], "storm")
+    participants = room_sockets.served.runtime.transport.participants
+
+    async def gone() -> None:
+        with trio.fail_after(5):
+            while "storm" in participants(created["room"]):
+                await virtual_time.elapse(0.01)
+
+    for _ in range(FRAME_BURST // JOIN_FRAMES + 1):  # its burst of joins spent: its next socket waits to join
+        viewer = await room_sockets.open(created, token)
+        await viewer.wait_for(answered, within=5)
+        await viewer.stream.aclose()
+        await gone()
+    storm = [await room_sockets.open(created, token) for _ in range(100)]
+    opened = trio.current_time()
+    with trio.move_on_after(30):
+        for viewer in storm:
+            await viewer.wait_for(answered, within=30)
+    slowest = trio.current_time() - opened
+    assert slowest <= JOIN_WAIT_MOST + PROMPT, f"a socket waited {slowest:.2f} s for an answer"
+    reasons = {m.get("reason") for viewer in storm for m in viewer.texts if m.get("type") == "refused"}
+    assert reasons <= {"identity_in_use", "joining_too_often"}, reasons
+    for viewer in storm:
+        await viewer.stream.aclose()
+    await gone()
+    started = trio.current_time()
+    viewer = await room_sockets.open(created, token)
+    await viewer.wait_for(lambda c: any(m.get("type") == "joined" for m in c.texts), within=30)
+    waited = trio.current_time() - started
+    assert waited <= JOIN_WAIT_MOST + PROMPT, f"the next join waited {waited:.2f} s"
