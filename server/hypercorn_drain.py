@@ -15,6 +15,12 @@ stopped on its own signal handlers, both without a drain. So :func:`install` als
 started without a stop trigger, it gets one that waits for SIGTERM or SIGINT, drains, and then lets hypercorn
 stop as it does on its supervisor's word.
 
+Each stop trigger passes its stop signal on to the drain: :func:`drain_then_end_a_load` ends the worker at once
+after the drain when one of the app's workers still loads its pipeline, as ``chunkline stream-serve`` does (exit
+128 + the signal; the load cannot be cancelled and held the worker until it returned). hypercorn's supervisor says
+only that it stops, not which signal told it to: :data:`SUPERVISOR_SIGNAL` stands for it (the supervisor drops its
+worker's exit status anyway, see README's Known limits).
+
 :func:`refuse_several_workers` wraps ``worker_serve`` once more: under ``hypercorn --workers N`` with N > 1 each of the
 N processes was a server of its own behind the one port (its own sessions, tokens, rooms and model workers), so a
 session made through one was a 404 through the others and its token was refused by them, without a word.
@@ -32,7 +38,9 @@ from typing import Any
 
 import trio
 
-__all__ = ["install", "refuse_several_workers", "WORKER_MODULES"]
+from .run_signals import exit_now
+
+__all__ = ["SUPERVISOR_SIGNAL", "WORKER_MODULES", "drain_then_end_a_load", "install", "refuse_several_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +49,14 @@ WORKER_MODULES = ("hypercorn.trio.run", "hypercorn.asyncio.run")
 _DRAINS_FIRST = "chunkline_drains_first"
 _ONE_PROCESS = "chunkline_one_process"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: the stop signal a stop from hypercorn's supervisor is taken for (its shutdown event says no more than "stop")
+SUPERVISOR_SIGNAL = signal.SIGTERM
 
 
-def install(drain: Callable[[], Awaitable[None]]) -> list[str]:
-    """Make hypercorn's stop trigger await ``drain()`` (which runs from either worker's loop) once the stop has come;
-    returns the modules wrapped (those of hypercorn's workers loaded in this process, each wrapped once)."""
+def install(drain: Callable[[int], Awaitable[None]]) -> list[str]:
+    """Make hypercorn's stop trigger await ``drain(signal_number)`` (which runs from either worker's loop) once the
+    stop has come; returns the modules wrapped (those of hypercorn's workers loaded in this process, each wrapped
+    once)."""
     wrapped = []
     for name in WORKER_MODULES:
         module = sys.modules.get(name)
@@ -56,7 +67,8 @@ def install(drain: Callable[[], Awaitable[None]]) -> list[str]:
         async def stop_trigger(shutdown_event: Any, sleep: Callable[[float], Awaitable[Any]],
                                _original: Callable[..., Awaitable[None]] = original) -> None:
             # hypercorn's supervisor was told to stop
-            await _draining_after(_original(shutdown_event, sleep), drain, "hypercorn is stopping")
+            await _original(shutdown_event, sleep)
+            await _draining_after(SUPERVISOR_SIGNAL, drain, "hypercorn is stopping")
 
         setattr(stop_trigger, _DRAINS_FIRST, True)
         setattr(module, "check_multiprocess_shutdown_event", stop_trigger)
@@ -92,13 +104,14 @@ def refuse_several_workers(refuse: Callable[[int], None]) -> list[str]:
     return wrapped
 
 
-def _stopping_on_signals(serve: Callable[..., Awaitable[None]], signalled: Callable[[], Awaitable[None]],
-                         drain: Callable[[], Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+def _stopping_on_signals(serve: Callable[..., Awaitable[None]], signalled: Callable[[], Awaitable[int]],
+                         drain: Callable[[int], Awaitable[None]]) -> Callable[..., Awaitable[None]]:
     """hypercorn's ``worker_serve``, given a stop trigger when it has none (``--workers 0``): a stop signal, then the
     drain."""
 
     async def stop_trigger() -> None:
-        await _draining_after(signalled(), drain, "a stop signal")
+        number = await signalled()
+        await _draining_after(number, drain, f"a stop signal ({signal.Signals(number).name})")
 
     @functools.wraps(serve)
     async def worker_serve(*args: Any, shutdown_trigger: Callable[..., Awaitable[None]] | None = None, **kwargs: Any) -> None:
@@ -108,26 +121,43 @@ def _stopping_on_signals(serve: Callable[..., Awaitable[None]], signalled: Calla
     return worker_serve
 
 
-async def _draining_after(stop: Awaitable[None], drain: Callable[[], Awaitable[None]], what: str) -> None:
-    """Once ``stop`` is over, the sessions drain; then hypercorn closes its connections."""
-    await stop
+async def _draining_after(number: int, drain: Callable[[int], Awaitable[None]], what: str) -> None:
+    """Once the stop has come (by signal ``number``), the sessions drain; then hypercorn closes its connections."""
     log.info("%s: draining the sessions before hypercorn closes connections", what)
-    await drain()
+    await drain(number)
 
 
-async def _trio_stop_signal() -> None:
+async def drain_then_end_a_load(runtime: Any, number: int) -> None:
+    """In the app's loop: ``runtime``'s drain, then, if one of its workers still loads its pipeline, the worker
+    process's end at once (exit 128 + ``number``) with its child processes and their /dev/shm segments, as
+    ``chunkline stream-serve`` ends: nothing of the load was there to drain, and a load in a thread or a child
+    cannot be cancelled (the app's shutdown waited for it to return: minutes, or for good)."""
+    await runtime.drain_for_stop()
+    if runtime.in_process.loading():
+        def abandon() -> None:
+            runtime.uploads.remove()
+            runtime.end_service_processes_now()
+
+        exit_now(128 + number, "a worker still loads its pipeline (nothing of it to drain)", abandon, log)
+
+
+async def _trio_stop_signal() -> int:
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-        async for _ in signals:
-            return
+        return await anext(signals)
 
 
-async def _asyncio_stop_signal() -> None:
+async def _asyncio_stop_signal() -> int:
     loop = asyncio.get_running_loop()
-    signalled = asyncio.Event()
+    signalled: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(number: int) -> None:
+        if not signalled.done():
+            signalled.set_result(number)
+
     for number in STOP_SIGNALS:
-        loop.add_signal_handler(number, signalled.set)
+        loop.add_signal_handler(number, on_signal, number)
     try:
-        await signalled.wait()
+        return await signalled
     finally:
         for number in STOP_SIGNALS:
             loop.remove_signal_handler(number)

@@ -90,6 +90,55 @@ def test_a_stop_signal_while_the_pipeline_loads_ends_the_process_now_leaving_not
         process.stop()
 
 
+HYPERCORN_CASES = [  # (hypercorn's options, worker mode, signal, exit status or None, port in 18100-18199)
+    # the supervisor drops its worker's exit status (README, Known limits): the worker's end is read in its log;
+    # its worker is a daemonic process, which may not start a service child (--worker-mode process)
+    pytest.param([], "in-process", signal.SIGTERM, None, 18141, id="supervised-asyncio-in-process"),
+    pytest.param(["--worker-class", "trio"], "in-process", signal.SIGTERM, None, 18142,
+                 id="supervised-trio-in-process"),
+    pytest.param(["--workers", "0"], "in-process", signal.SIGTERM, 143, 18143, id="one-process-asyncio-in-process"),
+    pytest.param(["--workers", "0", "--worker-class", "trio"], "process", signal.SIGTERM, 143, 18144,
+                 id="one-process-trio-process"),
+    pytest.param(["--workers", "0", "--worker-class", "trio"], "in-process", signal.SIGINT, 130, 18145,
+                 id="one-process-trio-in-process-SIGINT"),
+]
+
+
+@pytest.mark.parametrize(("options", "worker_mode", "signum", "status", "port"), HYPERCORN_CASES)
+def test_a_stop_signal_while_the_pipeline_loads_ends_hypercorn_now_leaving_nothing(
+        tmp_path: Path, options: list[str], worker_mode: str, signum: int, status: int | None, port: int) -> None:
+    """Under ``hypercorn server:app`` as under stream-serve: after the (empty) drain the worker ends at once, its
+    load abandoned with its children and their segments. Before, the app's shutdown waited for the load to return
+    (the gate's 60 s here), and the exit was 0."""
+    before = segments()
+    command = [sys.executable, "-m", "hypercorn", *options, "--bind", f"127.0.0.1:{port}", "server:app"]
+    process = Process(command, clean_env(CHUNKLINE_PIPELINE=PIPE, CHUNKLINE_WORKER_MODE=worker_mode,
+                                         GATED_WORLD=str(tmp_path)))
+    try:
+        until(lambda: (tmp_path / "loading").exists() or process.popen.poll() is not None, "the load",
+              START_DEADLINE, process)
+        assert process.popen.poll() is None, process.text()
+        tree = process_tree(process.popen.pid)
+        ours = {owner(name) for name in segments() - before} & tree
+        assert ours, f"the load holds a tensor channel in /dev/shm:\n{process.text()}"
+        process.popen.send_signal(signum)  # to hypercorn's supervisor (or its one process), as a service manager does
+        try:
+            code = process.popen.wait(EXIT_DEADLINE)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {EXIT_DEADLINE:g} s after the signal:\n{process.text()}")
+        process.stop()
+        log = process.text(200_000)
+        assert status is None or code == status, log
+        assert f"exiting now (exit {128 + signum})" in log and "Traceback" not in log, log
+        children = tree - {process.popen.pid}
+        until(lambda: not any(pid_alive(pid) for pid in children), "its children to be gone", GONE_DEADLINE, process)
+        left = sorted(name for name in segments() - before if owner(name) in tree)
+        assert not left, f"{len(left)} segments left: {left[:5]}\n{log}"
+    finally:
+        (tmp_path / "open").touch()
+        process.stop()
+
+
 WATCHDOG = """
 import sys, threading
 from server.serve import exit_watchdog
