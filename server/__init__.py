@@ -50,6 +50,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
               f"(chunkline stream-serve reads it)", file=sys.stderr, flush=True)
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
+    allow_service_children()
     app = TrioASGIAnyWorker(create_app(settings))
     # in a hypercorn worker: one server is one process (a second worker process was a second server on the port)
     hypercorn_drain.refuse_several_workers(_refuse_several_workers)
@@ -62,6 +63,23 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
 
     hypercorn_drain.install(drain)
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
+
+
+def allow_service_children() -> None:
+    """Let this process start service children (``--worker-mode process``) when it is hypercorn's worker.
+
+    hypercorn's supervisor starts its worker as a daemonic multiprocessing process, and multiprocessing refuses a
+    daemonic process any child ("daemonic processes are not allowed to have children"): every service child failed
+    to start and the worker slot restarted until it gave up. In this process the flag does nothing else: the
+    supervisor's exit hook reads its own copy of it, and this process's exit hook reads its children's flags. What
+    the flag stands for, children that do not outlive their parent, chunkline does itself: a service child dies
+    with the thread that spawned it (Linux's parent-death signal, SIGKILL) and watches its parent; a drain stops it
+    and removes its /dev/shm segments; an abort ends it and its segments first (``engine.supervised_child``)."""
+    import multiprocessing
+
+    me = multiprocessing.current_process()
+    if me.daemon and multiprocessing.parent_process() is not None:
+        me.daemon = False  # public setter; it refuses only a process object that was started from this one
 
 
 def _refuse_several_workers(workers: int) -> None:

@@ -3,7 +3,9 @@
 hypercorn's worker process hears of a stop (its supervisor got SIGTERM or SIGINT) through
 ``check_multiprocess_shutdown_event``; from then it closes its listeners, gives connections
 ``--graceful-timeout`` (3 s) and cuts them, and only then runs the app's shutdown: ASGI tells an app nothing
-earlier. Clients in the local rooms (WebSockets through hypercorn) were cut off without their ``done``.
+earlier. Clients in the local rooms (WebSockets through hypercorn) were cut off without their ``done``. A supervisor
+killed with SIGKILL never sets that event: its worker takes the supervisor's end for the same stop
+(:class:`SupervisorStop`) rather than serving on as an orphan with its model workers' child processes.
 
 :func:`install` wraps that function of hypercorn's trio and asyncio workers, in the worker process, once the app
 is built: when hypercorn's stop arrives, the app drains its sessions first, as ``chunkline stream-serve`` does
@@ -31,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -40,7 +44,8 @@ import trio
 
 from .run_signals import exit_now
 
-__all__ = ["SUPERVISOR_SIGNAL", "WORKER_MODULES", "drain_then_end_a_load", "install", "refuse_several_workers"]
+__all__ = ["SUPERVISOR_SIGNAL", "SupervisorStop", "WORKER_MODULES", "drain_then_end_a_load", "install",
+           "refuse_several_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +71,8 @@ def install(drain: Callable[[int], Awaitable[None]]) -> list[str]:
 
         async def stop_trigger(shutdown_event: Any, sleep: Callable[[float], Awaitable[Any]],
                                _original: Callable[..., Awaitable[None]] = original) -> None:
-            # hypercorn's supervisor was told to stop
-            await _original(shutdown_event, sleep)
+            # hypercorn's supervisor was told to stop, or is gone
+            await _original(SupervisorStop(shutdown_event), sleep)
             await _draining_after(SUPERVISOR_SIGNAL, drain, "hypercorn is stopping")
 
         setattr(stop_trigger, _DRAINS_FIRST, True)
@@ -78,6 +83,20 @@ def install(drain: Callable[[int], Awaitable[None]]) -> list[str]:
             signalled = _trio_stop_signal if name == "hypercorn.trio.run" else _asyncio_stop_signal
             setattr(module, "worker_serve", _stopping_on_signals(serve, signalled, drain))
     return wrapped
+
+
+class SupervisorStop:
+    """hypercorn's shutdown event as its worker's stop trigger reads it (``is_set``), set also once the supervisor
+    that spawned this worker is gone: killed with SIGKILL, it never set the event, and its worker served on as an
+    orphan on the port, with its model workers and their child processes, until something killed it."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        parent = multiprocessing.parent_process()
+        self.supervisor = parent.pid if parent is not None else None
+
+    def is_set(self) -> bool:
+        return bool(self.event.is_set()) or (self.supervisor is not None and os.getppid() != self.supervisor)
 
 
 def refuse_several_workers(refuse: Callable[[int], None]) -> list[str]:

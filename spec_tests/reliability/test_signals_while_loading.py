@@ -91,9 +91,9 @@ def test_a_stop_signal_while_the_pipeline_loads_ends_the_process_now_leaving_not
 
 
 HYPERCORN_CASES = [  # (hypercorn's options, worker mode, signal, exit status or None, port in 18100-18199)
-    # the supervisor drops its worker's exit status (README, Known limits): the worker's end is read in its log;
-    # its worker is a daemonic process, which may not start a service child (--worker-mode process)
+    # the supervisor drops its worker's exit status (README, Known limits): the worker's end is read in its log
     pytest.param([], "in-process", signal.SIGTERM, None, 18141, id="supervised-asyncio-in-process"),
+    pytest.param(["--worker-class", "trio"], "process", signal.SIGTERM, None, 18156, id="supervised-trio-process"),
     pytest.param(["--worker-class", "trio"], "in-process", signal.SIGTERM, None, 18142,
                  id="supervised-trio-in-process"),
     pytest.param(["--workers", "0"], "in-process", signal.SIGTERM, 143, 18143, id="one-process-asyncio-in-process"),
