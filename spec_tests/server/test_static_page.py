@@ -18,6 +18,7 @@ from pipelines.contract import KNOWN_KEYS
 from server import protocol
 from server import runner as server_runner
 from server.app import STATIC, create_app
+from server.cluster.identity import worker_participant
 from server.settings import ServerSettings
 from states.stream_session import TERMINAL as STREAM_TERMINAL
 from states.stream_session import State as StreamState
@@ -182,7 +183,8 @@ def test_app_js_counts_people_not_the_server_publisher() -> None:
     script = APP_JS.read_text()
     assert 'const SERVER_IDENTITY_PREFIX = "chunkline-";' in script
     runner = (Path(server_runner.__file__)).read_text()
-    assert 'self.identity = f"chunkline-{worker.worker_id}"' in runner
+    assert "self.identity = worker_participant(worker.worker_id)" in runner  # in-process workers join as agents do
+    assert worker_participant("node-1a2b3c4d").startswith("chunkline-")
 
 
 def test_app_js_refreshes_the_session_at_once_and_ends_cleanly() -> None:
