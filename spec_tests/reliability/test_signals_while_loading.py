@@ -56,6 +56,35 @@ def until(done: object, what: str, deadline: float, process: Process) -> None:
         time.sleep(0.05)  # bench-cost: real-time poll of another process, bounded by a deadline
 
 
+def loading_tree(process: Process, gate: Path, before: set[str]) -> set[int]:
+    """Wait until the pipeline loads, holding a tensor channel of the process's tree in /dev/shm; the tree's pids."""
+    until(lambda: (gate / "loading").exists() or process.popen.poll() is not None, "the load", START_DEADLINE, process)
+    assert process.popen.poll() is None, process.text()
+    tree = process_tree(process.popen.pid)
+    # the process's or its service child's (not those of other tests' processes made meanwhile)
+    ours = {owner(name) for name in segments() - before} & tree
+    assert ours, f"the load holds a tensor channel in /dev/shm:\n{process.text()}"
+    return tree
+
+
+def ended(process: Process) -> tuple[int, str]:
+    """The exit status once the process ends (within EXIT_DEADLINE of the signal), and its whole log."""
+    try:
+        code = process.popen.wait(EXIT_DEADLINE)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {EXIT_DEADLINE:g} s after the signal:\n{process.text()}")
+    process.stop()  # its log read to its end
+    return code, process.text(200_000)
+
+
+def nothing_left(process: Process, tree: set[int], before: set[str], log: str) -> None:
+    """No process of the tree alive, no /dev/shm segment of it left."""
+    children = tree - {process.popen.pid}
+    until(lambda: not any(pid_alive(pid) for pid in children), "its children to be gone", GONE_DEADLINE, process)
+    left = sorted(name for name in segments() - before if owner(name) in tree)
+    assert not left, f"{len(left)} segments left: {left[:5]}\n{log}"
+
+
 @pytest.mark.parametrize(("command", "worker_mode", "signum", "times", "port"), CASES)
 def test_a_stop_signal_while_the_pipeline_loads_ends_the_process_now_leaving_nothing(
         tmp_path: Path, command: str, worker_mode: str, signum: int, times: int, port: int) -> None:
@@ -64,27 +93,13 @@ def test_a_stop_signal_while_the_pipeline_loads_ends_the_process_now_leaving_not
     process = Process(chunkline(command, PIPE, *where, "--worker-mode", worker_mode),
                       clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, GATED_WORLD=str(tmp_path)))
     try:
-        until(lambda: (tmp_path / "loading").exists() or process.popen.poll() is not None, "the load",
-              START_DEADLINE, process)
-        assert process.popen.poll() is None, process.text()
-        tree = process_tree(process.popen.pid)
-        # the process's or its service child's (not those of other tests' processes made meanwhile)
-        ours = {owner(name) for name in segments() - before} & tree
-        assert ours, f"the load holds a tensor channel in /dev/shm:\n{process.text()}"
+        tree = loading_tree(process, tmp_path, before)
         for _ in range(times):  # Ctrl-C twice at once: the same end
             process.popen.send_signal(signum)
-        try:
-            code = process.popen.wait(EXIT_DEADLINE)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running {EXIT_DEADLINE:g} s after the signal:\n{process.text()}")
-        process.stop()  # its log read to its end
-        log = process.text(200_000)
+        code, log = ended(process)
         assert code == 128 + signum, log
         assert "exiting now" in log and "Traceback" not in log, log
-        children = tree - {process.popen.pid}
-        until(lambda: not any(pid_alive(pid) for pid in children), "its children to be gone", GONE_DEADLINE, process)
-        left = sorted(name for name in segments() - before if owner(name) in tree)
-        assert not left, f"{len(left)} segments left: {left[:5]}\n{log}"
+        nothing_left(process, tree, before, log)
     finally:
         (tmp_path / "open").touch()
         process.stop()
@@ -115,25 +130,12 @@ def test_a_stop_signal_while_the_pipeline_loads_ends_hypercorn_now_leaving_nothi
     process = Process(command, clean_env(CHUNKLINE_PIPELINE=PIPE, CHUNKLINE_WORKER_MODE=worker_mode,
                                          GATED_WORLD=str(tmp_path)))
     try:
-        until(lambda: (tmp_path / "loading").exists() or process.popen.poll() is not None, "the load",
-              START_DEADLINE, process)
-        assert process.popen.poll() is None, process.text()
-        tree = process_tree(process.popen.pid)
-        ours = {owner(name) for name in segments() - before} & tree
-        assert ours, f"the load holds a tensor channel in /dev/shm:\n{process.text()}"
+        tree = loading_tree(process, tmp_path, before)
         process.popen.send_signal(signum)  # to hypercorn's supervisor (or its one process), as a service manager does
-        try:
-            code = process.popen.wait(EXIT_DEADLINE)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running {EXIT_DEADLINE:g} s after the signal:\n{process.text()}")
-        process.stop()
-        log = process.text(200_000)
+        code, log = ended(process)
         assert status is None or code == status, log
         assert f"exiting now (exit {128 + signum})" in log and "Traceback" not in log, log
-        children = tree - {process.popen.pid}
-        until(lambda: not any(pid_alive(pid) for pid in children), "its children to be gone", GONE_DEADLINE, process)
-        left = sorted(name for name in segments() - before if owner(name) in tree)
-        assert not left, f"{len(left)} segments left: {left[:5]}\n{log}"
+        nothing_left(process, tree, before, log)
     finally:
         (tmp_path / "open").touch()
         process.stop()

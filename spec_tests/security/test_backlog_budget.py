@@ -11,14 +11,13 @@ to the server's front (``Front.handle``) over an in-memory connection that, like
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, Request, TextMessage
+from wsproto.events import AcceptConnection, Request
 
 from server.front import Front
 from server.room_socket import Deadlines
@@ -26,6 +25,7 @@ from server.transport.backlog_budget import SERVER_BACKLOG_BYTES
 from server.transport.data_pace import DATA_BYTE_BURST
 from server.transport.local_room import TEXT_BACKLOG_BYTES
 from spec_tests import virtual_time
+from spec_tests.security.room_clients import Client as RoomClient
 from spec_tests.server.runner_fixtures import CounterService, serve, settings
 from spec_tests.server.runner_fixtures import no_threads  # noqa: F401  (fixture)
 
@@ -108,43 +108,14 @@ class End(trio.abc.HalfCloseableStream):
         await trio.lowlevel.checkpoint()
 
 
-class Client:
+class Client(RoomClient):
     """A room socket through the front; when it reads, a task notes every text message as it arrives."""
-
-    def __init__(self, end: End, ws: WSConnection) -> None:
-        self.end, self.ws = end, ws
-        self.texts: list[dict[str, Any]] = []
-        self.arrived = trio.Event()
-
-    async def send_json(self, message: Any) -> None:
-        await self.end.send_all(self.ws.send(TextMessage(json.dumps(message))))
-
-    async def read(self) -> None:
-        parts: list[str] = []
-        try:
-            while data := await self.end.receive_some(1 << 20):
-                self.ws.receive_data(data)
-                for event in self.ws.events():
-                    if isinstance(event, TextMessage):
-                        parts.append(event.data)
-                        if event.message_finished:
-                            self.texts.append(json.loads("".join(parts)))
-                            parts.clear()
-                self.arrived.set()
-                self.arrived = trio.Event()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
     def chats(self) -> list[int]:
         return [m["payload"]["n"] for m in self.texts if m.get("type") == "data" and m.get("topic") == "chat"]
 
     def refused(self) -> list[str]:
         return [m["reason"] for m in self.texts if m.get("type") == "refused"]
-
-    async def wait_for(self, predicate: Any, within: float) -> None:
-        with trio.fail_after(within):
-            while not predicate(self):
-                await self.arrived.wait()
 
 
 async def open_socket(
@@ -156,9 +127,9 @@ async def open_socket(
     nursery.start_soon(front.handle, End(to_client, to_server))
     client = Client(End(to_server, to_client), WSConnection(ConnectionType.CLIENT))
     target = f"{created['websocket_path']}?token={token}"
-    await client.end.send_all(client.ws.send(Request(host="localhost", target=target)))
+    await client.stream.send_all(client.ws.send(Request(host="localhost", target=target)))
     while not any(isinstance(event, AcceptConnection) for event in client.ws.events()):
-        client.ws.receive_data(await client.end.receive_some(len(b"HTTP/1.1 101 ")))  # the handshake, no more
+        client.ws.receive_data(await client.stream.receive_some(len(b"HTTP/1.1 101 ")))  # the handshake, no more
     if read:
         nursery.start_soon(client.read)
     return client
@@ -263,7 +234,7 @@ async def test_a_participants_data_pace_is_kept_across_reconnects_until_it_is_fu
             stop.set()
             await viewers[0].wait_for(lambda c: len(c.chats()) == len(sent), within=5)
             for client in [ctl, *viewers]:
-                await client.end.aclose()
+                await client.stream.aclose()
             await virtual_time.elapse(0.01)
             assert not {"ctl", *(f"v{index}" for index in range(8))} & rooms.participants(created["room"])
             assert 1 <= len(rooms.paces) <= 9, "the paces that left were not kept while spent"
@@ -277,7 +248,7 @@ async def test_a_participants_data_pace_is_kept_across_reconnects_until_it_is_fu
             fresh = DATA_BYTE_BURST // len(PAD)  # the messages a fresh pace reads at once
             assert len(sent) - before < fresh, f"reconnecting bought the controller a fresh burst: {len(sent) - before}"
             await virtual_time.elapse(5.0 - (trio.current_time() - began))  # every pace is full again
-            await again.end.aclose()
+            await again.stream.aclose()
             await virtual_time.elapse(5.0)
             viewer = await open_socket(front, nursery, created, await served.viewer_token(created["session_id"], "w"),
                                        read=True)

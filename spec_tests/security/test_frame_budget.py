@@ -13,7 +13,6 @@ so the budget's waits are virtual time and the figures are exact.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import attrs
@@ -21,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, Ping, Pong, Request, TextMessage
+from wsproto.events import AcceptConnection, Ping, Request
 
 from server.frame_budget import (
     FRAME_BATCH, FRAME_BURST, FRAMES_PER_SECOND, JOIN_FRAMES, JOIN_WAIT_MOST, SERVER_FRAME_BURST,
@@ -30,6 +29,7 @@ from server.frame_budget import (
 from server.front import Front
 from server.room_socket import Deadlines
 from spec_tests import virtual_time
+from spec_tests.security.room_clients import Client
 from spec_tests.server.runner_fixtures import CounterService, Served, serve, settings
 from spec_tests.server.runner_fixtures import no_threads  # noqa: F401  (fixture)
 
@@ -38,48 +38,6 @@ PATIENT = Deadlines(write=600.0, ping_interval=600.0, pong=1200.0, head=600.0, i
 IDLE = 256  # viewers' sockets open and silent (in queued sessions' rooms, 32 to a room: a session's most)
 ROOMS = IDLE // 32
 PROMPT = 0.002  # seconds (virtual): a frame the budget lets through at once is read within this
-
-
-class Client:
-    """One room socket through the front; a reader task notes every pong and text message as it arrives."""
-
-    def __init__(self, stream: trio.abc.Stream, ws: WSConnection) -> None:
-        self.stream, self.ws = stream, ws
-        self.pongs = 0
-        self.texts: list[dict[str, Any]] = []
-        self.arrived = trio.Event()
-
-    async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def send_json(self, message: Any) -> None:
-        await self.send(self.ws.send(TextMessage(json.dumps(message))))
-
-    async def read(self) -> None:
-        try:
-            await self._read()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the test closed it
-
-    async def _read(self) -> None:
-        parts: list[str] = []
-        while data := await self.stream.receive_some(1 << 20):
-            self.ws.receive_data(data)
-            for event in self.ws.events():
-                if isinstance(event, Pong):
-                    self.pongs += 1
-                elif isinstance(event, TextMessage):
-                    parts.append(event.data)
-                    if event.message_finished:
-                        self.texts.append(json.loads("".join(parts)))
-                        parts.clear()
-            self.arrived.set()
-            self.arrived = trio.Event()
-
-    async def wait_for(self, predicate: Any, within: float) -> None:
-        with trio.fail_after(within):
-            while not predicate(self):
-                await self.arrived.wait()
 
 
 @attrs.define

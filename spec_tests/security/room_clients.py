@@ -1,0 +1,54 @@
+"""A room socket client for the front's in-memory tests: wsproto over any trio stream, every pong and text noted."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+from wsproto import WSConnection
+from wsproto.events import Pong, TextMessage
+
+__all__ = ["Client"]
+
+
+class Client:
+    """One room socket through the front; a reader task notes every pong and text message as it arrives."""
+
+    def __init__(self, stream: trio.abc.Stream, ws: WSConnection) -> None:
+        self.stream, self.ws = stream, ws
+        self.pongs = 0
+        self.texts: list[dict[str, Any]] = []
+        self.arrived = trio.Event()
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def send_json(self, message: Any) -> None:
+        await self.send(self.ws.send(TextMessage(json.dumps(message))))
+
+    async def read(self) -> None:
+        try:
+            await self._read()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the test closed it
+
+    async def _read(self) -> None:
+        parts: list[str] = []
+        while data := await self.stream.receive_some(1 << 20):
+            self.ws.receive_data(data)
+            for event in self.ws.events():
+                if isinstance(event, Pong):
+                    self.pongs += 1
+                elif isinstance(event, TextMessage):
+                    parts.append(event.data)
+                    if event.message_finished:
+                        self.texts.append(json.loads("".join(parts)))
+                        parts.clear()
+            self.arrived.set()
+            self.arrived = trio.Event()
+
+    async def wait_for(self, predicate: Any, within: float) -> None:
+        with trio.fail_after(within):
+            while not predicate(self):
+                await self.arrived.wait()
