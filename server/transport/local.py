@@ -227,10 +227,12 @@ class LocalRooms:
             listener(frozenset(room.identities()))
 
     def close_clients(self) -> None:
-        """Send every browser away (server shutdown): their sockets close after a last flush."""
+        """Send every browser away (server shutdown), as a room whose session ended does: each gets what is queued
+        for it, then its socket closes. Cancelling their presence cut a frame under way, and the close frame after
+        it was garbage to the client (its WebSocket failed, 1007, before the ``done``); the front's grace bounds
+        the sockets that do not read."""
         for room in self._rooms.values():
-            for subscriber in room.subscribers.values():
-                subscriber.presence.cancel()
+            room.send_clients_away()
 
     async def open_room(self, room: str, *, lifetime: float) -> None:
         """Nothing to make: a local room opens with its session's record (``room_open``) and refuses every
