@@ -133,7 +133,6 @@ class RoomSocket:
         self.close_reason: str | None = None
         self.close_code = 1008  # policy violation, unless a bound says otherwise
         self._said_all = False  # the last word (a refusal, a close frame) went out whole: close lingering
-        self._torn = False  # a write was cut off mid-frame (a deadline, a cancellation): nothing more may follow it
 
     async def serve(self) -> None:
         """Handshake, then the peer's presence in its room until it leaves or is sent away."""
@@ -314,12 +313,8 @@ class RoomSocket:
 
     async def _write(self, data: bytes) -> None:
         async with self._send_lock:
-            if self._torn:  # frames after a cut one would be garbage to the peer
-                raise PeerGone("a frame was cut off: nothing more can be written")
-            self._torn = True  # until the whole frame is out
             with trio.move_on_after(self._deadlines.write) as deadline:
                 await self._stream.send_all(data)
-                self._torn = False
         if deadline.cancelled_caught:
             self.close_reason = f"a write waited more than {self._deadlines.write:g} s (the peer does not read)"
             raise PeerGone(self.close_reason)
@@ -343,7 +338,5 @@ class RoomSocket:
             with contextlib.suppress(LocalProtocolError, PeerGone, trio.BrokenResourceError, trio.ClosedResourceError):
                 data = self._ws.send(CloseConnection(code=code, reason=reason[:120]))
                 async with self._send_lock:
-                    if self._torn:
-                        return  # after a frame cut off, a close frame would be garbage to the peer
                     await self._stream.send_all(data)
                 self._said_all = True
