@@ -227,10 +227,8 @@ class LocalRooms:
             listener(frozenset(room.identities()))
 
     def close_clients(self) -> None:
-        """Send every browser away (server shutdown), as a room whose session ended does: each gets what is queued
-        for it, then its socket closes. Cancelling their presence cut a frame under way, and the close frame after
-        it was garbage to the client (its WebSocket failed, 1007, before the ``done``); the front's grace bounds
-        the sockets that do not read."""
+        """Send every browser away (server shutdown) as a session's end does, its queue sent first (cancelling their
+        presence cut a frame under way: 1007 before the ``done``); the front's grace bounds those that do not read."""
         for room in self._rooms.values():
             room.send_clients_away()
 
