@@ -42,8 +42,6 @@ from typing import Any
 
 import trio
 
-from .run_signals import exit_now
-
 __all__ = ["SUPERVISOR_SIGNAL", "SupervisorStop", "WORKER_MODULES", "drain_then_end_a_load", "install",
            "refuse_several_workers"]
 
@@ -152,12 +150,12 @@ async def drain_then_end_a_load(runtime: Any, number: int) -> None:
     ``chunkline stream-serve`` ends: nothing of the load was there to drain, and a load in a thread or a child
     cannot be cancelled (the app's shutdown waited for it to return: minutes, or for good)."""
     await runtime.drain_for_stop()
-    if runtime.in_process.loading():
-        def abandon() -> None:
-            runtime.uploads.remove()
-            runtime.end_service_processes_now()
 
-        exit_now(128 + number, "a worker still loads its pipeline (nothing of it to drain)", abandon, log)
+    def abandon() -> None:
+        runtime.uploads.remove()
+        runtime.end_service_processes_now()
+
+    runtime.in_process.abandon_a_load(number, abandon, log)
 
 
 async def _trio_stop_signal() -> int:

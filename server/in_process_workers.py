@@ -19,6 +19,7 @@ from states.worker import LOADING
 
 from . import runtime_views
 from .model_worker import ModelWorker
+from .run_signals import exit_now
 from .worker_slots import WorkerSlot
 
 if TYPE_CHECKING:
@@ -82,6 +83,13 @@ class InProcessWorkers:
         if self.runtime.settings.workers != "in-process":  # agents load in processes of their own
             return False
         return any(view.state in LOADING for view in self.runtime.book.workers())
+
+    def abandon_a_load(self, number: int, abandon: Callable[[], None], logger: logging.Logger) -> None:
+        """After a stop's drain (by signal ``number``): a worker still loading its pipeline ends the process now,
+        exit 128 + the signal, ``abandon`` first (what the process holds on disk, its service processes). No session
+        was on the load, and it cannot be cancelled: waited for, it held the exit until it returned."""
+        if self.loading():
+            exit_now(128 + number, "a worker still loads its pipeline (nothing of it to drain)", abandon, logger)
 
     def failed(self, worker: ModelWorker, reason: str, now: float, *, permanent: bool = False) -> bool:
         """A worker failed: its slot backs off and restarts it; False when the slot gave up (a crash loop, or at

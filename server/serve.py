@@ -226,12 +226,9 @@ async def _serve(
                 while front.connections:
                     await trio.sleep(0.05)
             front.close()
-            if signalled and runtime.in_process.loading():
-                # what is left to wait for is a load: no session was on it, and a thread or child loading cannot be
-                # cancelled (it held the exit until the watchdog); it goes with its processes and shared memory, and
-                # the exit is 128 + the signal (not 0, even after a drain of other workers' sessions: a load was cut)
-                exit_now(128 + signalled[0], "a worker still loads its pipeline (nothing of it to drain)", abandon,
-                         log)
+            if signalled:  # a load left to wait for is abandoned (it held the exit until the watchdog): 128 + the
+                # signal, even after a drain of other workers' sessions (a load was cut)
+                runtime.in_process.abandon_a_load(signalled[0], abandon, log)
             nursery.cancel_scope.cancel()
     finally:
         if watchdog is not None:
