@@ -195,8 +195,8 @@ class LocalRooms:
         #: each participant's DataPace by (room, identity), kept across its reconnects until it is full again
         self.paces: KeptBuckets[DataPace] = KeptBuckets(DataPace, most=KEPT_PACES)
         self._expected_workers: dict[str, str] = {}  # room -> the agent identity the runtime started there
-        #: room -> the one listener told who is in it at each join and leave (the runtime's, for a session an agent
-        #: hosts): at most one a live session, and its end removes it (``unwatch_participants``)
+        #: room -> the one listener told who is in it at each join and leave (the runtime's ``RoomFollow``, from a
+        #: session's creation): at most one a live session, and its end removes it (``unwatch_participants``)
         self._watchers: dict[str, Callable[[frozenset[str]], None]] = {}
         #: whether ``room`` is a live session's (the app answers from its registry): a token of a session
         #: that ended no longer opens its room
@@ -211,8 +211,8 @@ class LocalRooms:
 
     def watch_participants(self, room: str, listener: Callable[[frozenset[str]], None]) -> None:
         """Call ``listener`` with who is in ``room`` (its worker included) now, and again at once whenever someone
-        joins or leaves, until :meth:`unwatch_participants`: the authority knows an agent's room as it changes
-        (it read it on a clock, so a viewer that left and came back at once was still counted). One listener a
+        joins or leaves, until :meth:`unwatch_participants`: the server knows each session's room as it changes
+        (it read an agent's room on a clock, so a viewer that left and came back at once was still counted). One listener a
         room: a second replaces the first. The listener is called on this task and must not raise."""
         self._watchers[room] = listener
         listener(self.participants(room))
