@@ -370,7 +370,7 @@ class RemoteRun:
     def take_participants(self, reported: tuple[str, ...]) -> None:
         """The agent's word on who is in the room, taken where the authority cannot see the room itself (LiveKit);
         where the rooms are its own, the runtime follows the room itself and the agent's word is not taken."""
-        if self._in_room() is None and not self.finished.is_set():
+        if not self.runtime.room_follow.active and not self.finished.is_set():
             self.record.participants = set(reported)
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
