@@ -6,7 +6,10 @@ blocked on its queue for milliseconds before it is handed work, the trio thread 
 loop before a thread hands it a result), and the bounds follow from them:
 
 - ``w3_efficiency_bound``: denoise runs back to back on its thread, so a period is at least its
-  8 ms ``time.sleep`` plus that sleep's own overshoot on this host.
+  8 ms ``time.sleep`` plus that sleep's own overshoot on this host. The sleeps are timed on threads
+  with the stage threads' timer slack (``engine.timer_slack``), as chunkline's handlers run;
+  ``sleep_8ms_overshoot_default_slack_us`` is the same sleep with the host's default slack, as the
+  peer's threads (and any thread that does not ask) have it.
 - ``reference_python_us``: a fixed ~1,500 bytecodes of plain Python timed back to back and right after
   an 8 ms sleep on a thread (``slowdown`` the ratio): the pace of a stage thread's scheduling work right
   after its call. ``w3_efficiency_bound_with_one_completion`` adds that much work, at that pace, to
@@ -36,6 +39,8 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from engine.timer_slack import STAGE_TIMER_SLACK_NS, set_thread_timer_slack
+
 __all__ = ["host_figures"]
 
 IDLE_S = 0.002  # how long the receiving thread sits blocked before each hand-off (as a stage between chunks)
@@ -46,17 +51,27 @@ def _pct(values: Sequence[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
 
 
-def _on_thread(fn: Callable[[], list[float]]) -> list[float]:
-    """Run ``fn`` on a fresh thread (stage handlers never run on the main thread)."""
+def _on_thread(fn: Callable[[], list[float]], timer_slack_ns: int | None = None) -> list[float]:
+    """Run ``fn`` on a fresh thread (stage handlers never run on the main thread), with that timer slack."""
     box: list[list[float]] = []
-    thread = threading.Thread(target=lambda: box.append(fn()))
+
+    def run() -> None:
+        if timer_slack_ns is not None:
+            set_thread_timer_slack(timer_slack_ns)
+        box.append(fn())
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     return box[0]
 
 
-def sleep_overshoot_us(cost: float, samples: int = 60) -> list[float]:
-    """How much longer than ``cost`` a ``time.sleep(cost)`` takes on a thread, in us."""
+def sleep_overshoot_us(cost: float, samples: int = 60, timer_slack_ns: int | None = STAGE_TIMER_SLACK_NS) -> list[float]:
+    """How much longer than ``cost`` a ``time.sleep(cost)`` takes on a thread, in us.
+
+    On a thread with the stage threads' timer slack by default; ``None`` keeps the slack a new thread
+    inherits (the host's default, 50 us on Linux), as the peer's threads have it.
+    """
 
     def measure() -> list[float]:
         spans = []
@@ -66,7 +81,7 @@ def sleep_overshoot_us(cost: float, samples: int = 60) -> list[float]:
             spans.append((time.perf_counter() - start - cost) * 1e6)
         return spans
 
-    return _on_thread(measure)
+    return _on_thread(measure, timer_slack_ns)
 
 
 def thread_hop_us(samples: int = 300) -> tuple[list[float], list[float]]:
@@ -232,6 +247,7 @@ def w1_trio_floor_us(chunks: int = 3000) -> float:
 def host_figures(thread_floor_us: float | None = None) -> dict:
     """The primitives (p50, and p95 where a tail matters) and the bounds they put under the goals."""
     over8, over4 = sleep_overshoot_us(0.008), sleep_overshoot_us(0.004)
+    over8_default_slack = sleep_overshoot_us(0.008, timer_slack_ns=None)
     (thread_hops, thread_puts), (trio_hops, trio_posts) = thread_hop_us(), trio_hop_us()
     wakes_us = _pct(thread_puts, 0.5) + _pct(trio_posts, 0.5)
 
@@ -246,6 +262,8 @@ def host_figures(thread_floor_us: float | None = None) -> dict:
         "workload": "host",
         "sleep_8ms_overshoot_us": {"p50": _pct(over8, 0.5), "p95": _pct(over8, 0.95)},
         "sleep_4ms_overshoot_us": {"p50": _pct(over4, 0.5), "p95": _pct(over4, 0.95)},
+        "sleep_8ms_overshoot_default_slack_us": {"p50": _pct(over8_default_slack, 0.5),
+                                                 "p95": _pct(over8_default_slack, 0.95)},
         "thread_hop_us": {"p50": _pct(thread_hops, 0.5), "p95": _pct(thread_hops, 0.95)},
         "thread_to_trio_hop_us": {"p50": _pct(trio_hops, 0.5), "p95": _pct(trio_hops, 0.95)},
         "wake_cost_to_waker_us": {"thread_put": _pct(thread_puts, 0.5), "trio_post": _pct(trio_posts, 0.5)},

@@ -3,7 +3,7 @@
 trio's thread pool may run consecutive calls on different threads; model code
 is often thread-affine (CUDA's current device, cuDNN handles, many C
 libraries), so each synchronous stage actor gets exactly one thread for its
-whole life.
+whole life. The thread asks for the least timer slack (:mod:`engine.timer_slack`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import outcome
 import trio
+
+from .timer_slack import STAGE_TIMER_SLACK_NS, set_thread_timer_slack
 
 __all__ = ["DedicatedThread", "NOTHING_LEFT", "ThreadStopped", "TrioInbox", "WaitQueue"]
 
@@ -155,6 +157,7 @@ class DedicatedThread:
     def _loop(self) -> None:
         token = self._token
         assert token is not None
+        set_thread_timer_slack(STAGE_TIMER_SLACK_NS)  # the handler's timed waits end on time: engine.timer_slack
         try:
             while self._serve_one(token):
                 pass

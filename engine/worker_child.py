@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .supervised_child import bind_to_parent
+from .timer_slack import STAGE_TIMER_SLACK_NS, set_thread_timer_slack
 from .worker_wire import (
     Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, load_value,
     release_shared,
@@ -57,6 +58,7 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
     """Entry point of one rank process (the target of a spawn-context Process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
     bind_to_parent(config)
+    set_thread_timer_slack(STAGE_TIMER_SLACK_NS)  # a rank runs model code on this thread, as a stage thread does
 
     rank = config["rank"]
     try:

@@ -13,6 +13,15 @@ import threading
 from typing import Any
 
 
+def thread_timer_slack_ns() -> int | None:
+    """The calling thread's timer slack as the kernel reports it (Linux ``PR_GET_TIMERSLACK``), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes  # imported here: only this probe needs it
+
+    return ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK; /proc shows only the process's
+
+
 class EchoRank:
     """A rank that computes, raises, blocks or dies on request."""
 
@@ -32,7 +41,7 @@ class EchoRank:
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "device": self.device, "pid": os.getpid(),
-                "calls": self.calls}
+                "calls": self.calls, "timer_slack_ns": thread_timer_slack_ns()}
 
     def boom(self, message: str) -> None:
         if self.rank == 1 or self.world_size == 1:
