@@ -1,4 +1,8 @@
-"""A room socket client for the front's in-memory tests: wsproto over any trio stream, every pong and text noted."""
+"""A room socket client for the front's in-memory tests: wsproto over any trio stream, every pong and text noted.
+
+A reader may be given a bandwidth (``read(bytes_per_second=...)``): it then reads as a client on a link of that
+speed does, on trio's autojump MockClock (:func:`spec_tests.virtual_time.elapse` refuses a real clock).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from typing import Any
 import trio
 from wsproto import WSConnection
 from wsproto.events import Pong, TextMessage
+
+from spec_tests import virtual_time
 
 __all__ = ["Client"]
 
@@ -27,15 +33,16 @@ class Client:
     async def send_json(self, message: Any) -> None:
         await self.send(self.ws.send(TextMessage(json.dumps(message))))
 
-    async def read(self) -> None:
+    async def read(self, bytes_per_second: float | None = None) -> None:
+        """Note all that comes; with ``bytes_per_second``, no faster than that (16 KiB at a time)."""
         try:
-            await self._read()
+            await self._read(bytes_per_second)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the test closed it
 
-    async def _read(self) -> None:
+    async def _read(self, bytes_per_second: float | None) -> None:
         parts: list[str] = []
-        while data := await self.stream.receive_some(1 << 20):
+        while data := await self.stream.receive_some(1 << 20 if bytes_per_second is None else 1 << 14):
             self.ws.receive_data(data)
             for event in self.ws.events():
                 if isinstance(event, Pong):
@@ -47,6 +54,8 @@ class Client:
                         parts.clear()
             self.arrived.set()
             self.arrived = trio.Event()
+            if bytes_per_second is not None:
+                await virtual_time.elapse(len(data) / bytes_per_second)  # the link's time to carry what was read
 
     async def wait_for(self, predicate: Any, within: float) -> None:
         with trio.fail_after(within):

@@ -2,7 +2,8 @@
 
 Each socket's queue was bounded on its own (1 MiB), nothing bounded them together: 1,024 frozen viewers could make
 the server hold 1 GiB. Now all sockets' queued text is at most ``SERVER_BACKLOG_BYTES`` (64 MiB), read through the
-``chunkline_room_queued_bytes`` gauge, and past it the sockets furthest behind are sent away ``too_slow`` first.
+``chunkline_room_queued_bytes`` gauge, and past it the sockets behind the longest (whose oldest unsent text has waited
+longest) are sent away ``too_slow`` first: frozen ones, not a reader that holds a legal burst for a moment.
 
 The app runs in-process on trio's autojump clock; each room socket is a client speaking HTTP and WebSocket (wsproto)
 to the server's front (``Front.handle``) over an in-memory connection that, like a kernel's buffers, holds at most
@@ -21,6 +22,7 @@ from wsproto.events import AcceptConnection, Request
 
 from server.front import Front
 from server.room_socket import Deadlines
+from server.runtime import MAX_VIEWERS_PER_SESSION
 from server.transport.backlog_budget import SERVER_BACKLOG_BYTES
 from server.transport.data_pace import DATA_BYTE_BURST
 from server.transport.local_room import TEXT_BACKLOG_BYTES
@@ -34,6 +36,10 @@ PATIENT = Deadlines(write=600.0, ping_interval=600.0, pong=1200.0, head=600.0, i
 WINDOW = 65536  # bytes a connection holds on their way in each direction (a kernel's socket buffers)
 SESSIONS = 4  # running sessions, each with a controller sending large messages and 32 viewers
 PAD = "a" * 12000  # a data message near the 12 KiB limit
+FROZEN_ROOMS = 18  # sessions whose 32 viewers never read: 576 frozen sockets, more than the budget holds at FILL each
+FILL = 14  # 12 KiB messages each of their controllers sends at once: ~115 KiB past what a frozen socket's window holds
+TRICKLE = "a" * 1000  # ... then small ones at their pace (16 a second to 32 viewers): the budget stays full
+HONEST_READ = 512 * 1024  # bytes a second the honest viewer reads (4 Mbit/s): twice what one participant may send
 
 
 class Pipe:
@@ -135,6 +141,16 @@ async def open_socket(
     return client
 
 
+async def running_session(served: Any, front: Front, nursery: trio.Nursery, identity: str) -> tuple[dict, Client]:
+    """A session created for ``identity``, and its controller's socket (reading all), once the session runs."""
+    created = await served.create(identity)
+    assert created["status"] != "queued", created
+    ctl = await open_socket(front, nursery, created, created["token"], read=True)
+    await ctl.wait_for(lambda c: any(m.get("topic") == "tf.status" and m["payload"].get("stage") == "running"
+                                     for m in c.texts), within=30)
+    return created, ctl
+
+
 def queued_gauge(metrics: str) -> float:
     (line,) = [line for line in metrics.splitlines() if line.startswith("chunkline_room_queued_bytes ")]
     return float(line.split()[1])
@@ -163,12 +179,8 @@ async def test_frozen_viewers_are_sent_away_within_the_servers_budget_and_an_hon
         async with trio.open_nursery() as nursery:
             controllers, frozen, names, honest = [], [], [], None
             for session in range(SESSIONS):
-                created = await served.create(f"ctl-{session}")
-                assert created["status"] != "queued", created
+                created, ctl = await running_session(served, front, nursery, f"ctl-{session}")
                 names.append(created["room"])
-                ctl = await open_socket(front, nursery, created, created["token"], read=True)
-                await ctl.wait_for(lambda c: any(m.get("topic") == "tf.status" and m["payload"].get("stage") ==
-                                                 "running" for m in c.texts), within=30)
                 controllers.append(ctl)
                 for index in range(32):
                     token = await served.viewer_token(created["session_id"], f"v{index}")
@@ -207,6 +219,80 @@ async def test_frozen_viewers_are_sent_away_within_the_servers_budget_and_an_hon
             assert len(sent[0]) > 100
             await controllers[0].send_json({"topic": "chat", "payload": {"n": len(sent[0]), "pad": ""}})
             await honest.wait_for(lambda c: len(c.chats()) > len(sent[0]), within=5)
+            nursery.cancel_scope.cancel()
+
+
+async def send_numbered(ctl: Client, count: int) -> None:
+    """``count`` large data messages, numbered from 0, as fast as the server reads them."""
+    for n in range(count):
+        await ctl.send_json({"topic": "chat", "payload": {"n": n, "pad": PAD}})
+
+
+async def fill_then_trickle(ctl: Client, stop: trio.Event) -> None:
+    """:data:`FILL` large messages at once, then small ones as fast as the server reads them, until ``stop``."""
+    await send_numbered(ctl, FILL)
+    while not stop.is_set():
+        await ctl.send_json({"topic": "chat", "payload": {"pad": TRICKLE}})
+
+
+@pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
+async def test_a_viewer_that_reads_a_legal_burst_stays_while_frozen_viewers_that_hold_less_fill_the_budget(
+    autojump_clock: Any,
+) -> None:
+    """576 frozen viewers in 18 busy sessions each hold ~115 KiB and a little more each moment, together more than
+    the server's budget, which stays full. A controller sends its legal burst (256 KiB) to a viewer that reads
+    512 KiB a second: for a moment that viewer holds ~190 KiB, more than any frozen one. Sending away the largest
+    backlog first sent it away ``too_slow`` while the frozen stayed; now only frozen ones go (every socket sent away
+    leaves a frozen one fewer; the honest viewer and the controllers stay), the honest viewer receives the whole
+    burst, and the queued text stays within the budget."""
+    service = CounterService(fps=2, frames_per_chunk=1, size=(8, 8))
+    async with serve(settings(max_sessions_per_worker=FROZEN_ROOMS + 1, queue_size=1), service) as served:
+        rooms = served.runtime.transport
+        front = Front(rooms, "unused", max_message_bytes=16384, deadlines=PATIENT)
+        async with trio.open_nursery() as nursery:
+            created, bursting = await running_session(served, front, nursery, "ctl-honest")
+            token = await served.viewer_token(created["session_id"], "v0")
+            honest = await open_socket(front, nursery, created, token, read=False)
+            nursery.start_soon(honest.read, HONEST_READ)
+            busy, frozen_rooms = [], []
+            for session in range(FROZEN_ROOMS):
+                frozen_room, ctl = await running_session(served, front, nursery, f"ctl-{session}")
+                busy.append(ctl)
+                frozen_rooms.append(frozen_room["room"])
+                for index in range(MAX_VIEWERS_PER_SESSION):
+                    token = await served.viewer_token(frozen_room["session_id"], f"v{index}")
+                    await open_socket(front, nursery, frozen_room, token, read=False)
+            frozen = FROZEN_ROOMS * MAX_VIEWERS_PER_SESSION
+            assert TEXT_BACKLOG_BYTES * frozen > 8 * SERVER_BACKLOG_BYTES  # what their own bounds allowed
+
+            stop = trio.Event()
+            for ctl in busy:
+                nursery.start_soon(fill_then_trickle, ctl, stop)
+            await virtual_time.elapse(0.5)  # FILL fits in each controller's burst, the trickle fills up the rest
+            each = rooms.backlog.queued / len(rooms.backlog)
+            assert rooms.backlog.sent_away > 0, "the frozen did not fill the budget"
+            assert each < 0.75 * (DATA_BYTE_BURST - WINDOW), f"the frozen hold {each / 1024:.0f} KiB each"
+            shed = rooms.backlog.sent_away
+
+            burst = DATA_BYTE_BURST // len(PAD) + 1  # what the controller's fresh pace reads at once
+            nursery.start_soon(send_numbered, bursting, burst)
+            peak = 0
+            for _ in range(100):
+                await virtual_time.elapse(0.01)
+                peak = max(peak, rooms.backlog.queued)
+            stop.set()
+            assert "v0" in rooms.participants(created["room"]), "the honest viewer was sent away"
+            assert honest.refused() == [], f"the honest viewer was refused: {honest.refused()}"
+            await honest.wait_for(lambda c: len(c.chats()) == burst, within=5)
+            assert honest.chats() == list(range(burst)), "the honest viewer missed messages"
+            assert peak <= SERVER_BACKLOG_BYTES, f"{peak / 2**20:.1f} MiB queued: past the server's budget"
+            assert peak > SERVER_BACKLOG_BYTES * 0.95, f"only {peak / 2**20:.1f} MiB queued: the budget was not full"
+            away = rooms.backlog.sent_away
+            assert away > shed, "no frozen viewer was sent away while the burst was read"
+            await virtual_time.elapse(1.5)  # each socket sent away leaves once its refusal's 1 s flush is over
+            staying = sum(len(rooms.participants(room)) - 2 for room in frozen_rooms)  # less its controller, worker
+            assert staying <= frozen - away, f"{staying} of {frozen} frozen stayed: {away} others were sent away"
+            assert all(f"ctl-{session}" in rooms.participants(room) for session, room in enumerate(frozen_rooms))
             nursery.cancel_scope.cancel()
 
 
