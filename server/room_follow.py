@@ -1,57 +1,137 @@
-"""Who is in each session's local room, kept on its record from the session's creation to its end.
+"""Who is in each session's room before a worker of the session is in it, kept on its record from its creation.
 
-A queued session's room takes joins (the controller's controls are held for its worker), so its record must
-count them before any worker runs it: its ``participant_count``, and the token check that refuses an identity
-already in the room, read the record. The local rooms tell one listener a room of each join and leave
-(``LocalRooms.watch_participants``; a second listener would replace the first), so that listener has one owner:
-the runtime, through this table, for the session's whole life. Runners (in-process or an agent's) subscribe to
-nothing and leave the record's participants to it.
+A queued session's room takes joins (a local room holds the controller's controls for its worker; a LiveKit room
+is made at the create), so its record must count them before any worker runs it: its ``participant_count``, and
+the token check that refuses an identity already in the room, read the record. On LiveKit a second token for an
+identity in the room is worse than a wrong count: LiveKit drops the older participant of that identity, so whoever
+asked for the token kicked the user out.
 
-On LiveKit the server sees no room: nothing is followed here, and a session counts who its worker reports once
-one runs it (a queued session counts nobody).
+- Local rooms tell one listener a room of each join and leave (``LocalRooms.watch_participants``; a second
+  listener would replace the first), so that listener has one owner: the runtime, through this table, for the
+  session's whole life. Runners (in-process or an agent's) subscribe to nothing and leave the record's
+  participants to it (:attr:`RoomFollow.active`).
+- On LiveKit the server is in no room of its own: until the session's worker is in the room and says who is
+  there (the runner's events, or an agent's reports: :meth:`RoomFollow.handed_over`), the runtime looks into it
+  through the RoomService (``LiveKitTransport.list_participants``). One task looks into the followed rooms one at
+  a time, at most :data:`LOOKS_PER_SECOND` looks a second over all of them and each room at most once every
+  :data:`LOOK_PERIOD` seconds: with up to ``LOOKS_PER_SECOND * LOOK_PERIOD`` rooms waiting each is seen every
+  second, with more (the queue holds at most ``--queue-size``) each less often, never more work. A token asked
+  for looks again first (:meth:`RoomFollow.look_now`, paced likewise), so a holder's identity is refused however
+  long the queue.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from .cluster.identity import worker_participant
+from .log_pace import LogPace
+from .token_bucket import TokenBucket
+from .transport.base import TransportError
 
 if TYPE_CHECKING:
     from .registry import SessionRecord
 
-__all__ = ["RoomFollow"]
+__all__ = ["LOOK_PERIOD", "LOOKS_PER_SECOND", "RoomFollow"]
+
+log = logging.getLogger("chunkline.rooms")
+
+LOOKS_PER_SECOND = 20.0  # RoomService lists of the poll a second, over every room it follows together
+LOOK_PERIOD = 1.0  # seconds between two looks of the poll into one room, at least
+TOKEN_LOOKS_PER_SECOND = 20.0  # fresh looks for token checks a second (beyond them, the poll's last look decides)
 
 
 class RoomFollow:
-    """The runtime's one subscription to each live session's room (local rooms only)."""
+    """The runtime's own view of each session's room until a worker of the session sees it (local rooms: always)."""
 
     def __init__(self, transport: Any) -> None:
         self._watch: Callable[[str, Callable[[frozenset[str]], None]], None] | None = getattr(
             transport, "watch_participants", None)
         self._unwatch: Callable[[str], None] | None = getattr(transport, "unwatch_participants", None)
-        self.followed: set[str] = set()  # the session ids whose rooms are watched now
+        #: LiveKit: who is in a room, as the RoomService lists it (None where the rooms are watched, or not seen)
+        self._list: Callable[[str], Awaitable[frozenset[str]]] | None = (
+            None if self._watch is not None else getattr(transport, "list_participants", None))
+        self.followed: set[str] = set()  # the session ids whose rooms are watched or looked into now
+        self._looked: dict[str, SessionRecord] = {}  # LiveKit: the followed sessions' records, in the poll's order
+        self._more = trio.Event()  # set when a room joins the poll
+        self._token_looks = TokenBucket(TOKEN_LOOKS_PER_SECOND, int(TOKEN_LOOKS_PER_SECOND))
+        self._failures = LogPace(log)
 
     @property
     def active(self) -> bool:
-        """Whether rooms are followed here (local rooms): runners then leave the records' participants alone."""
+        """Whether rooms are followed here for the sessions' whole lives (local rooms): runners then leave the
+        records' participants alone."""
         return self._watch is not None
 
     def start(self, record: SessionRecord) -> None:
-        """Follow the room of a session just admitted or queued, until :meth:`stop`."""
-        if self._watch is None:
-            return
-        self.followed.add(record.session_id)
-        self._watch(record.room, lambda present: moved(record, present))
+        """Follow the room of a session just admitted or queued, until :meth:`stop` (or, on LiveKit, until
+        :meth:`handed_over`)."""
+        if self._watch is not None:
+            self.followed.add(record.session_id)
+            self._watch(record.room, lambda present: moved(record, present))
+        elif self._list is not None:
+            self.followed.add(record.session_id)
+            self._looked[record.session_id] = record
+            self._more.set()
+
+    def handed_over(self, record: SessionRecord) -> None:
+        """The session's worker is in its room and says who is there from now on (LiveKit): the runtime stops
+        looking (a look under way is dropped), and the record's participants are the worker's to keep."""
+        if self._looked.pop(record.session_id, None) is not None:
+            self.followed.discard(record.session_id)
 
     def stop(self, record: SessionRecord) -> None:
         """The session ended: its room is not followed any more, and it counts nobody (its room's clients are sent
         away with it; a session that ended queued had no runner to clear them). Idempotent."""
-        if record.session_id in self.followed and self._unwatch is not None:
-            self.followed.discard(record.session_id)
+        if record.session_id not in self.followed:
+            return
+        self.followed.discard(record.session_id)
+        self._looked.pop(record.session_id, None)
+        if self._unwatch is not None:
             self._unwatch(record.room)
-            record.participants.clear()
+        record.participants.clear()
+
+    async def look_now(self, record: SessionRecord) -> None:
+        """A token is asked for (LiveKit): where the runtime looks into the session's room, it looks now, so that an
+        identity in the room is refused even before the poll comes round to it (paced: beyond
+        :data:`TOKEN_LOOKS_PER_SECOND`, the poll's last look decides)."""
+        if record.session_id in self._looked and self._token_looks.wait(trio.current_time()) == 0:
+            await self._look(record)
+
+    async def run(self) -> None:
+        """The poll (LiveKit; where rooms are watched, or not seen at all, it returns at once): each followed room in
+        turn, paced by :data:`LOOKS_PER_SECOND` and :data:`LOOK_PERIOD`, until cancelled."""
+        if self._list is None:
+            return
+        while True:
+            if not self._looked:
+                self._more = trio.Event()
+                await self._more.wait()
+                continue
+            round_at = trio.current_time()
+            for record in list(self._looked.values()):
+                look_at = trio.current_time()
+                await self._look(record)
+                await trio.sleep_until(look_at + 1 / LOOKS_PER_SECOND)
+            await trio.sleep_until(round_at + LOOK_PERIOD)
+
+    async def _look(self, record: SessionRecord) -> None:
+        """One RoomService list (bounded by the transport's timeout) into the record, unless the session was handed
+        over or ended meanwhile; a failure is logged (paced) and leaves the record as it was."""
+        assert self._list is not None
+        if self._looked.get(record.session_id) is not record:
+            return
+        try:
+            present = await self._list(record.room)
+        except TransportError as exc:
+            self._failures.warning("session %s: %s", record.session_id, exc)
+            return
+        if self._looked.get(record.session_id) is record:
+            moved(record, present)
 
 
 def moved(record: SessionRecord, present: frozenset[str]) -> None:

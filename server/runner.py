@@ -98,6 +98,9 @@ class RunnerDeps:
     on_participants: Callable[[SessionRecord], None] = lambda record: None
     #: the runtime keeps the record's participants itself, from the session's creation (local rooms: RoomFollow)
     room_followed: bool = False
+    #: told once the worker is in the room and keeps the record's participants (LiveKit: until then the runtime
+    #: looked into the room itself)
+    on_room_seen: Callable[[SessionRecord], None] = lambda record: None
 
 
 def _single_cause(exc: BaseException) -> BaseException:
@@ -327,6 +330,9 @@ class RoomRunner:
         """Participants, departures and controls, for the life of the connection (into the presence book)."""
         assert self._connection is not None and self._presence is not None
         presence, record = self._presence, self.record
+        if not self.deps.room_followed:  # who is in the room is the worker's word from now on, what it sees now first
+            self.deps.on_room_seen(record)
+            record.participants.clear()
         for identity in self._connection.participants():
             self._joined(identity)
         async for event in self._connection.events():

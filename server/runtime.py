@@ -90,12 +90,13 @@ class StreamRuntime:
         self.metrics = metrics
         self.registry = SessionRegistry()
         self.lifecycle = SessionLifecycle(self.registry)
-        self.room_follow = RoomFollow(transport)  # each session's room, queued or running, until the session ends
+        #: each session's room from its creation: until it ends (local rooms), or until its worker sees it (LiveKit)
+        self.room_follow = RoomFollow(transport)
         self.runner_deps = RunnerDeps(
             issuer=issuer, transport=transport, metrics=metrics, lifecycle=self.lifecycle,
             controller_timeout=settings.controller_timeout, room_empty_timeout=settings.room_empty_timeout,
             max_data_message_bytes=settings.max_data_message_bytes, on_finished=self.session_finished,
-            room_followed=self.room_follow.active,
+            room_followed=self.room_follow.active, on_room_seen=self.room_follow.handed_over,
         )
         self.book = AdmissionBook(settings.queue_size)
         self.queued_ends = QueuedEnds(
@@ -132,6 +133,7 @@ class StreamRuntime:
                 self.cluster = make_authority(self)
                 await nursery.start(self.cluster.run)
             nursery.start_soon(self._sweep)
+            nursery.start_soon(self.room_follow.run)  # LiveKit: looks into the rooms no worker of ours is in yet
             self.started = True
             runtime_views.publish_gauges(self)
             task_status.started()

@@ -7,7 +7,8 @@ asks it to stop, abort or settle, and it forwards to the agent. The agent's own 
 drives the session; its table events come back over the wire and are applied here to the
 authoritative record, in sequence order (duplicates and late events are dropped and counted).
 Who is in a session's room is kept by the runtime where the rooms are the authority's own (local rooms:
-:mod:`server.room_follow`, from the session's creation), and taken from the agent's reports elsewhere (LiveKit).
+:mod:`server.room_follow`, from the session's creation); on LiveKit the runtime looks into the room until the agent's
+worker is in it, and takes the agent's reports from then on.
 """
 
 from __future__ import annotations
@@ -261,13 +262,14 @@ class RemoteWorker:
             return
         if message.pipeline_session_id is not None:  # a pipeline's id (a uuid, say): kept and shown, cut
             record.pipeline_session_id = cut(message.pipeline_session_id, MAX_IDENTITY_LENGTH)
-        run.take_participants(message.participants)
         # the agent's progress moves the authority's record through its lifecycle, and its drain drains it with the
         # agent's cause (a drain the authority applied first stays); the end arrives with the finish (SessionFinished)
         if message.drain_cause:
             run.runtime.lifecycle.drain(record, _drain_cause(message.drain_cause), _public(message.drain_detail))
         if run.runtime.lifecycle.step(record, event) and record.status in LIVE_MEDIA:
             run.media_reported = True  # the agent's runner joined its room and started its media
+        if run.media_reported:  # an event from before its worker joined the room names nobody: not the room's word
+            run.take_participants(message.participants)
 
     def on_participants(self, message: Participants) -> None:
         """Who is in a running session's room now, as the agent sees it (in sequence with its events)."""
@@ -368,9 +370,10 @@ class RemoteRun:
         return None if present is None else set(present(self.record.room))
 
     def take_participants(self, reported: tuple[str, ...]) -> None:
-        """The agent's word on who is in the room, taken where the authority cannot see the room itself (LiveKit);
-        where the rooms are its own, the runtime follows the room itself and the agent's word is not taken."""
+        """The agent's word on who is in the room, from its worker in the room (LiveKit: the runtime stops looking
+        into the room itself); where the rooms are the authority's own, it follows them and the word is not taken."""
         if not self.runtime.room_follow.active and not self.finished.is_set():
+            self.runtime.room_follow.handed_over(self.record)
             self.record.participants = set(reported)
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:

@@ -438,6 +438,14 @@ class LiveKitTransport:
             raise TransportError("the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`")
         await self._rooms.open(self._loop, room, lifetime)
 
+    async def list_participants(self, room: str) -> frozenset[str]:
+        """Who is in ``room`` now, through the RoomService: how the server sees a room none of its workers is in (a
+        queued session's). Raises :class:`TransportError`, naming the cause, when LiveKit refuses or does not answer
+        within ``disconnect_timeout``."""
+        if self._loop is None:
+            raise TransportError("the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`")
+        return await self._rooms.participants(self._loop, room)
+
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended. In the background, each step within ``disconnect_timeout``: ``last_word``,
         its last ``tf.status`` message when no worker was there to send it (a session that ended queued), goes

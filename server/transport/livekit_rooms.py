@@ -1,6 +1,6 @@
 """The server's own side of LiveKit rooms, through the RoomService (the API secret's holder): it makes a session's
-room before the session's token is out, says a queued session's last word, and deletes the room when the session
-ends. The worker's side (joining, media, data) is :mod:`.livekit`, which owns the asyncio loop these calls run on.
+room before the session's token is out, lists who is in a room no worker of its own is in yet (a queued session's),
+says a queued session's last word, and deletes the room when the session ends. The worker's side (joining, media, data) is :mod:`.livekit`, which owns the asyncio loop these calls run on.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 ROOM_CLOSE_GRACE = 2.0  # seconds from a session's end to its room's deletion: its last messages reach the clients
 MAX_ROOM_TIMEOUT = 2**31 - 1  # seconds: LiveKit keeps a room's empty and departure timeouts in 32 bits
+LEFT = api.ParticipantInfo.State.DISCONNECTED  # a participant listed on its way out: no longer in the room
 
 
 def http_url(url: str) -> str:
@@ -66,6 +67,23 @@ class RoomService:
             raise TransportError(f"{prefix}: no answer within {self.timeout:g} s")
         self._opened.add(room)
 
+    async def participants(self, loop: Any, room: str) -> frozenset[str]:
+        """Who is in ``room`` now, as LiveKit lists it (one that left is not); raises :class:`TransportError` naming
+        the cause when LiveKit refuses or does not answer within ``timeout``."""
+        prefix = f"could not list who is in the LiveKit room {room!r} at {self.url}"
+        with trio.move_on_after(self.timeout):
+            try:
+                listed = await trio_asyncio.aio_as_trio(self._call, loop=loop)(
+                    lambda rooms: rooms.list_participants(api.ListParticipantsRequest(room=room)))
+            except api.TwirpError as exc:
+                if exc.code == api.TwirpErrorCode.NOT_FOUND:
+                    return frozenset()  # the room is gone, and everyone with it
+                raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}): {exc.message}") from None
+            except Exception as exc:  # the server unreachable, or the SDK failing otherwise
+                raise TransportError(f"{prefix}: {type(exc).__name__}: {exc}") from None
+            return frozenset(p.identity for p in listed.participants if p.state != LEFT)
+        raise TransportError(f"{prefix}: no answer within {self.timeout:g} s")
+
     def close(self, loop: Any, sends: trio.Nursery, room: str, last_word: bytes | None) -> None:
         """The room's session ended: in ``sends``, ``last_word`` goes to the room, and ``ROOM_CLOSE_GRACE`` later the
         room is deleted. A room this server did not make (a session refused as it was asked for) is left alone."""
@@ -100,10 +118,10 @@ class RoomService:
         if deadline.cancelled_caught:
             log.warning("room %s: %s took longer than %g s", room, what, self.timeout)
 
-    async def _call(self, call: Callable[[Any], Awaitable[Any]]) -> None:
-        """Asyncio side: one call on a RoomService client of its own."""
+    async def _call(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """Asyncio side: one call on a RoomService client of its own; its answer."""
         service = api.LiveKitAPI(http_url(self.url), self._api_key, self._api_secret)
         try:
-            await call(service.room)
+            return await call(service.room)
         finally:
             await service.aclose()

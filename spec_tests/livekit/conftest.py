@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import httpx
 import pytest
+import trio
 
 from server.livekit_clients import Clients, open_clients
 from server.livekit_local import (
@@ -44,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 CHUNKLINE = Path(sys.executable).with_name("chunkline")
 STREAM_READY_TIMEOUT = 60.0  # a cold torch import on a loaded machine
+REPORT_DEADLINE = 15.0  # wall seconds for who is in a room to reach a session's record (a hang bound on a loaded host)
+SESSIONS = "/v1/stream/sessions"
 
 
 def _unavailable(reason: str) -> None:
@@ -106,6 +109,18 @@ class StreamServer:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+async def counted(stream: StreamServer, session_id: str, count: int) -> dict[str, Any]:
+    """The session's record once it counts ``count`` participants (HTTP polls of a real server: who is in a LiveKit
+    room reaches the record from another process, over the network)."""
+    async with stream.http() as http:
+        with trio.move_on_after(REPORT_DEADLINE):
+            while (record := (await http.get(f"{SESSIONS}/{session_id}")).json())["participant_count"] != count:
+                await trio.sleep(0.1)  # bench-cost: the room is seen from another process over the network
+            return record
+    raise AssertionError(f"session {session_id} counts {record['participant_count']}, not {count}: {record}\n"
+                         f"{stream.log_tail()}")
 
 
 @pytest.fixture(scope="module")

@@ -10,36 +10,20 @@ over a real network: the count is polled, bounded by a deadline.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-import trio
 
 from server.livekit_clients import Clients as Agent
 
-from .conftest import StreamServer
+from .conftest import SESSIONS, StreamServer, counted
 
 pytestmark = pytest.mark.livekit
-
-SESSIONS = "/v1/stream/sessions"
-REPORT_DEADLINE = 15.0  # wall seconds for the agent's report to reach the authority (a hang bound on a loaded host)
 
 
 @pytest.fixture(scope="module")
 def stream(stream_servers: Callable[..., StreamServer]) -> StreamServer:
     return stream_servers(workers="local", num_workers=1, cluster_port=0, max_sessions_per_worker=1, queue_size=1,
                           controller_timeout=30, room_empty_timeout=30)
-
-
-async def counted(stream: StreamServer, session_id: str, count: int) -> dict[str, Any]:
-    """The session's record once it counts ``count`` participants (HTTP polls of a real server)."""
-    async with stream.http() as http:
-        with trio.move_on_after(REPORT_DEADLINE):
-            while (record := (await http.get(f"{SESSIONS}/{session_id}")).json())["participant_count"] != count:
-                await trio.sleep(0.1)  # bench-cost: the agent's report comes from another process over the network
-            return record
-    raise AssertionError(f"session {session_id} counts {record['participant_count']}, not {count}: {record}\n"
-                         f"{stream.log_tail()}")
 
 
 async def test_an_agent_hosted_sessions_participants_follow_its_livekit_room(stream: StreamServer, agent: Agent) -> None:
