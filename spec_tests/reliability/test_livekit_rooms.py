@@ -16,17 +16,20 @@ from typing import Any
 
 import pytest
 import trio
+from livekit import api
 
 from ..server.runner_fixtures import LIVEKIT_KEY, LIVEKIT_SECRET, CounterService, Served, serve, settings
 from .helpers import Leaks, free_port, wait_until
 
 async def room_service_only(
-    stream: trio.SocketStream, calls: list[str] | None = None, hold_joins: bool = False, answer_when: trio.Event | None = None
+    stream: trio.SocketStream, calls: list[str] | None = None, hold_joins: bool = False, answer_when: trio.Event | None = None,
+    listed: list[str] | None = None,
 ) -> None:
-    """A LiveKit stand-in's connection: a RoomService call (room made, room deleted) is answered 200 with an empty
-    message, and its method goes into ``calls``; anything else (the signalling a worker's join opens) is dropped
-    unanswered, or with ``hold_joins`` held open without a word until the stand-in stops. With ``answer_when``, a
-    RoomService call is answered only once that event is set (LiveKit slow to make rooms)."""
+    """A LiveKit stand-in's connection: a RoomService call (room made, room deleted, participants listed) is answered
+    200 with an empty message, and its method goes into ``calls`` (and the room a list asks for into ``listed``);
+    anything else (the signalling a worker's join opens) is dropped unanswered, or with ``hold_joins`` held open
+    without a word until the stand-in stops. With ``answer_when``, a RoomService call is answered only once that
+    event is set (LiveKit slow to make rooms)."""
     async with stream:
         received = b""
         with trio.move_on_after(5 if answer_when is None else 30):
@@ -40,14 +43,17 @@ async def room_service_only(
                 if hold_joins:
                     await trio.sleep_forever()
                 return
+            method = head.split(b" ")[1].rsplit(b"/", 1)[1].decode()
             if calls is not None:
-                calls.append(head.split(b" ")[1].rsplit(b"/", 1)[1].decode())
+                calls.append(method)
             length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
             while len(body) < length:
                 data = await stream.receive_some(65536)
                 if not data:
                     return
                 body += data
+            if listed is not None and method == "ListParticipants":
+                listed.append(api.ListParticipantsRequest.FromString(body).room)
             if answer_when is not None:
                 await answer_when.wait()
             await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/protobuf\r\nContent-Length: 0\r\n"
@@ -104,6 +110,12 @@ async def test_a_worker_that_cannot_join_its_livekit_room_fails_the_session_with
     await leaks.check()
 
 
+def rooms_made(calls: list[str]) -> list[str]:
+    """The RoomService calls that made or deleted a room (the server also lists who is in a room none of its workers
+    is in yet: ``ListParticipants``)."""
+    return [call for call in calls if call != "ListParticipants"]
+
+
 @pytest.mark.in_process_only(reason="it reads the in-process admission book")
 async def test_a_session_refused_at_once_makes_no_livekit_room() -> None:
     """A create refused as it is asked for (no slot, no place in the queue) costs LiveKit nothing: no room is made
@@ -124,11 +136,11 @@ async def test_a_session_refused_at_once_makes_no_livekit_room() -> None:
         async with serve(settings(**overrides), CounterService()) as s:
             first = await s.client.post("/v1/stream/sessions", json={"identity": "ctl"})
             assert first.status_code == 200, await first.get_data()
-            assert calls == ["CreateRoom"]  # before the answer: the token is good only once the room exists
+            assert rooms_made(calls) == ["CreateRoom"]  # before the answer: the token is good only once the room exists
             for _ in range(20):  # the worker's join is held: the slot stays taken
                 refused = await s.client.post("/v1/stream/sessions", json={"identity": "ctl-2"})
                 assert refused.status_code == 429, await refused.get_data()
-            assert calls == ["CreateRoom"]
+            assert rooms_made(calls) == ["CreateRoom"]
             stand_in.cancel(reason="the test is over")  # the held join fails now, and the session with it
 
 
@@ -183,12 +195,47 @@ async def test_a_burst_of_creates_makes_rooms_only_for_the_places_the_server_has
             async with trio.open_nursery() as burst:
                 for index in range(20):
                     burst.start_soon(create, s, index)
-                await wait_until(lambda: len(answered) == 18 and len(calls) == 2, "18 refusals and 2 rooms asked for")
+                await wait_until(lambda: len(answered) == 18 and len(rooms_made(calls)) == 2, "18 refusals and 2 rooms asked for")
                 assert answered == [(429, "queue_full")] * 18, answered
                 assert s.runtime.rooms_opening == 2 and list(s.runtime.registry) == []
                 rooms_answered.set()
             assert sorted(status for status, _ in answered) == [200, 202] + [429] * 18, answered
-            assert calls == ["CreateRoom", "CreateRoom"] and s.runtime.rooms_opening == 0
+            assert rooms_made(calls) == ["CreateRoom", "CreateRoom"] and s.runtime.rooms_opening == 0
             snapshot = s.runtime.book.snapshot()
             assert (snapshot.retained, snapshot.queued) == (1, 1)
+            stand_in.cancel(reason="the test is over")  # the held join fails now, and its session with it
+
+
+@pytest.mark.in_process_only(reason="it reads the in-process runtime's followed rooms")
+async def test_the_rooms_of_many_queued_sessions_are_looked_into_at_a_bounded_pace() -> None:
+    """Who is in a room no worker of the server is in yet (its session queued, or its worker still joining) is
+    listed through the RoomService: every such room in turn, each again once the others had their turn, never more
+    than ``LOOKS_PER_SECOND`` lists a second over all of them, however many sessions wait (here 30 queued behind a
+    session whose worker's join is held: 31 rooms, more than one second's looks)."""
+    from server.room_follow import LOOKS_PER_SECOND
+
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    listed: list[str] = []
+    queued = 30
+    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
+                 "livekit_api_secret": LIVEKIT_SECRET, "max_sessions_per_worker": 1, "queue_size": queued}
+    stand_in = trio.CancelScope()
+
+    async def run_stand_in() -> None:
+        with stand_in:
+            await trio.serve_listeners(functools.partial(room_service_only, hold_joins=True, listed=listed), [listener])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_stand_in)
+        async with serve(settings(**overrides), CounterService()) as s:
+            rooms, started = [], time.monotonic()
+            for index in range(queued + 1):
+                response = await s.client.post("/v1/stream/sessions", json={"identity": f"ctl-{index}"})
+                assert response.status_code == (200 if index == 0 else 202), await response.get_data()
+                rooms.append(json.loads(await response.get_data())["room"])
+            await wait_until(lambda: all(listed.count(room) >= 2 for room in rooms), "every room listed twice")
+            took = time.monotonic() - started
+            assert len(listed) <= LOOKS_PER_SECOND * took + 2, (len(listed), took)  # the pace, over all the rooms
+            assert set(listed) == set(rooms) and len(s.runtime.room_follow.followed) == queued + 1
             stand_in.cancel(reason="the test is over")  # the held join fails now, and its session with it
