@@ -12,19 +12,25 @@ for half a second, while 576 frozen viewers holding ~115 KiB each kept the budge
 largest backlog was the reader's. Bytes cannot tell a reader holding a burst from a socket that reads nothing; how
 long its oldest unsent text has waited can: a reader catches up within a second, a frozen socket never does.
 
-- **the longest behind first**: each socket has a mark, the time ``since`` which it has not caught up: text queued
-  by then is still unsent, so its oldest unsent text has waited at least that long. When it has sent all it held at
-  the mark, the mark moves to now and covers what it holds now; a socket with nothing queued has no mark, and its
-  next text sets one. A frozen socket's mark never moves; a reader's moves each time it drains what it held, so it
-  is at most one drain (a burst at the reader's pace: ~0.5 s) old. So a socket that reads is sent away for the
-  budget only after every socket that stopped reading before its mark, however much or little each holds;
+- **the longest behind first**: each socket has a mark, the time ``since`` which it has not caught up: all text
+  queued before it is sent, text queued since may not be. A socket with nothing queued has no mark, and its next
+  text sets one at now, with a count (at now) of what it holds. Once it has sent all the count covers, the mark moves
+  to the count's time (everything queued before then is sent), and a new count, at now, covers what it holds now.
+  The mark moves to the count's time, not to now: what it holds now may have been queued just after that count, so
+  now would say it caught up when it did not. A socket that fell behind and then read the few messages it held when
+  it did (a window's worth) looked caught up a moment ago with ~600 KiB still held, later than an honest reader
+  holding a legal burst, which was sent away in its place. A frozen socket's mark never moves; a reader's moves
+  each time it drains what it held, so it is at most two drains (a burst at the reader's pace: ~0.5 s each) old. So
+  a socket that reads is sent away for the budget only after every socket that stopped reading before its mark,
+  however much or little each holds; one that reads a little now and then stays marked by when it fell behind
+  until it has sent all it held then;
 - **bounded**: sending away stops only when the total fits, as before, so the server holds at most the budget
   (each send-away frees all a socket held; the order decides only who goes);
 - **O(log n) a write, O(1) memory a socket**: a heap of (mark, socket), updated lazily. A mark only moves forward,
   so an entry is never later than its socket's mark: a socket given its first text pushes an entry, a moved mark
   leaves its old, earlier entry, which is put back at the real mark when it comes to the top; the heap is rebuilt
   once it holds twice as many entries as backlogs (amortised O(1)). No write passes over all the sockets, and the
-  mark is two numbers a socket (no time kept per message).
+  mark is three numbers a socket (no time kept per message).
 
 A message fanned out to a room is one string that each socket's queue refers to, so the server holds at most what
 this counts. What a socket sends away with (its ``too_slow`` refusal, a few dozen bytes) is not counted.
@@ -56,9 +62,11 @@ class Backlogged(Protocol):
 
 @attrs.define
 class _Backlog:
-    """What one socket holds, and its mark: text queued by ``since`` is still unsent (``to_mark`` bytes of it)."""
+    """What one socket holds, and its mark: all text queued before ``since`` is sent; of what it held at ``counted``,
+    ``to_mark`` bytes are still unsent."""
 
     since: float
+    counted: float
     held: int = 0
     to_mark: int = 0
 
@@ -86,7 +94,8 @@ class BacklogBudget:
         sent away (``holder`` itself when it is)."""
         backlog = self._held.get(holder)
         if backlog is None:  # it had caught up: it is behind from now, by this text
-            backlog = self._held[holder] = _Backlog(since=self._clock(), to_mark=size)
+            now = self._clock()
+            backlog = self._held[holder] = _Backlog(since=now, counted=now, to_mark=size)
             heapq.heappush(self._heap, (backlog.since, next(self._order), holder))
             if len(self._heap) > 2 * len(self._held) + 64:
                 self._rebuild()
@@ -96,8 +105,9 @@ class BacklogBudget:
             self._shed()
 
     def sent(self, holder: Backlogged, size: int) -> None:
-        """``size`` bytes of ``holder``'s queue (its oldest) were sent; once all it held at its mark are, the mark
-        moves to now (its heap entry stays until it comes to the top)."""
+        """``size`` bytes of ``holder``'s queue (its oldest) were sent; once all it held at its count are, the mark
+        moves to the count's time and what it holds now is counted (its heap entry stays until it comes to the
+        top)."""
         backlog = self._held.get(holder)
         if backlog is None:
             return  # sent away already: nothing it held is counted
@@ -107,8 +117,8 @@ class BacklogBudget:
         backlog.to_mark -= size
         if backlog.held == 0:
             del self._held[holder]
-        elif backlog.to_mark <= 0:
-            backlog.since, backlog.to_mark = self._clock(), backlog.held
+        elif backlog.to_mark <= 0:  # caught up with the count's time, not with now (see the module docstring)
+            backlog.since, backlog.counted, backlog.to_mark = backlog.counted, self._clock(), backlog.held
 
     def release(self, holder: Backlogged) -> None:
         """``holder`` left or was sent away: nothing it holds is counted any more."""

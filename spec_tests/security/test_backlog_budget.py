@@ -296,6 +296,67 @@ async def test_a_viewer_that_reads_a_legal_burst_stays_while_frozen_viewers_that
             nursery.cancel_scope.cancel()
 
 
+ATTACK_ROOMS = 3  # sessions of one attacker: 96 viewers that hold ~650 KiB each, ~61 MiB together
+ATTACK_FILL = 60  # 12 KiB messages each attacker controller sends its viewers before they read a few
+
+
+@pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
+async def test_reading_a_few_messages_does_not_make_a_frozen_viewer_look_caught_up_to_an_honest_reader(
+    autojump_clock: Any,
+) -> None:
+    """An attacker's 96 viewers stop reading and hold ~61 MiB between them. While an honest viewer (reading 512 KiB
+    a second) holds its controller's legal burst, each of them reads a window's worth (the few messages it held when
+    it fell behind), then the attacker's controllers send more, past the server's budget. The attacker's viewers
+    have been behind since long before the burst and still hold ~600 KiB each, so they go ``too_slow``; the honest
+    viewer stays and receives the whole burst. (When a socket's mark moved to the time the text it held at the mark
+    was sent, those few messages made each attacker's ~600 KiB look caught up a moment ago, later than the honest
+    viewer's mark, and the honest viewer was sent away first.)"""
+    service = CounterService(fps=2, frames_per_chunk=1, size=(8, 8))
+    async with serve(settings(max_sessions_per_worker=ATTACK_ROOMS + 1, queue_size=1), service) as served:
+        rooms = served.runtime.transport
+        front = Front(rooms, "unused", max_message_bytes=16384, deadlines=PATIENT)
+        async with trio.open_nursery() as nursery:
+            created, bursting = await running_session(served, front, nursery, "ctl-honest")
+            token = await served.viewer_token(created["session_id"], "v0")
+            honest = await open_socket(front, nursery, created, token, read=False)
+            nursery.start_soon(honest.read, HONEST_READ)
+            attackers, viewers = [], []
+            for session in range(ATTACK_ROOMS):
+                attack_room, ctl = await running_session(served, front, nursery, f"ctl-{session}")
+                attackers.append(ctl)
+                for index in range(MAX_VIEWERS_PER_SESSION):
+                    token = await served.viewer_token(attack_room["session_id"], f"v{index}")
+                    viewers.append(await open_socket(front, nursery, attack_room, token, read=False))
+            async with trio.open_nursery() as filling:
+                for ctl in attackers:
+                    filling.start_soon(send_numbered, ctl, ATTACK_FILL)
+            await virtual_time.elapse(1.0)  # the attacker's paces are full again
+            held = rooms.backlog.queued
+            assert rooms.backlog.sent_away == 0 and 0.9 * SERVER_BACKLOG_BYTES < held < SERVER_BACKLOG_BYTES - 2**20
+
+            burst = DATA_BYTE_BURST // len(PAD) + 1  # what the honest controller's fresh pace reads at once
+            nursery.start_soon(send_numbered, bursting, burst)
+            await virtual_time.elapse(0.05)  # the honest viewer holds most of its burst
+            for viewer in viewers:  # a window's worth: the few messages queued when it fell behind are sent
+                read = 0
+                while read < WINDOW:
+                    read += len(await viewer.stream.receive_some(WINDOW - read))
+            async with trio.open_nursery() as overflowing:
+                for ctl in attackers:
+                    overflowing.start_soon(send_numbered, ctl, 12)  # ~13 MiB more to the attacker's 96 viewers
+            for _ in range(10):  # the server reads them within the attacker's paces, while the honest viewer reads
+                await virtual_time.elapse(0.01)
+                if rooms.backlog.sent_away:
+                    break
+            assert rooms.backlog.sent_away > 0, "the attacker's viewers did not fill the budget"
+            assert rooms.backlog.queued <= SERVER_BACKLOG_BYTES
+            assert honest.refused() == [], f"the honest viewer was refused: {honest.refused()}"
+            assert "v0" in rooms.participants(created["room"]), "the honest viewer was sent away"
+            await honest.wait_for(lambda c: len(c.chats()) == burst, within=5)
+            assert honest.chats() == list(range(burst)), "the honest viewer missed messages"
+            nursery.cancel_scope.cancel()
+
+
 @pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
 async def test_a_participants_data_pace_is_kept_across_reconnects_until_it_is_full_again(autojump_clock: Any) -> None:
     """The rooms keep each participant's data pace as the front keeps its frame cap (one ``KeptBuckets``): while it
