@@ -22,6 +22,7 @@ asked for the token kicked the user out.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,8 @@ class RoomFollow:
         self._looked: dict[str, SessionRecord] = {}  # LiveKit: the followed sessions' records, in the poll's order
         self._more = trio.Event()  # set when a room joins the poll
         self._token_looks = TokenBucket(TOKEN_LOOKS_PER_SECOND, int(TOKEN_LOOKS_PER_SECOND))
+        self._tickets = itertools.count()  # each look's place in the order the looks were asked for
+        self._under_way: dict[str, _Looks] = {}  # LiveKit: the sessions with a look under way, and their answers
         self._failures = LogPace(log)
 
     @property
@@ -125,13 +128,36 @@ class RoomFollow:
         assert self._list is not None
         if self._looked.get(record.session_id) is not record:
             return
+        ticket = next(self._tickets)
+        looks = self._under_way.setdefault(record.session_id, _Looks())
+        looks.under_way += 1
         try:
             present = await self._list(record.room)
         except TransportError as exc:
             self._failures.warning("session %s: %s", record.session_id, exc)
             return
+        finally:
+            looks.under_way -= 1
+            if not looks.under_way:  # a later look is later than every ticket before it: nothing to keep
+                del self._under_way[record.session_id]
+        if ticket < looks.newest:
+            return  # a look asked for after this one answered first: this answer is older than the record's
+        looks.newest = ticket
         if self._looked.get(record.session_id) is record:
             moved(record, present)
+
+
+class _Looks:
+    """The looks under way into one session's room (a token's and the poll's may overlap), and the newest of them
+    whose answer was taken. Answers come in any order when LiveKit is slow: the last to come used to win, so a
+    token's look that asked before the controller joined, answering after the poll had seen it, counted nobody, and a
+    token for an identity in the room was granted on that view (LiveKit then drops the holder). An answer older than
+    the one taken is dropped. Kept only while a look is under way: a new look's ticket is later than any before."""
+
+    __slots__ = ("newest", "under_way")
+
+    def __init__(self) -> None:
+        self.under_way, self.newest = 0, -1
 
 
 def moved(record: SessionRecord, present: frozenset[str]) -> None:

@@ -12,6 +12,7 @@ import functools
 import json
 import re
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -23,13 +24,14 @@ from .helpers import Leaks, free_port, wait_until
 
 async def room_service_only(
     stream: trio.SocketStream, calls: list[str] | None = None, hold_joins: bool = False, answer_when: trio.Event | None = None,
-    listed: list[str] | None = None,
+    listed: list[str] | None = None, answer: Callable[[str, bytes], Awaitable[bytes]] | None = None,
 ) -> None:
     """A LiveKit stand-in's connection: a RoomService call (room made, room deleted, participants listed) is answered
-    200 with an empty message, and its method goes into ``calls`` (and the room a list asks for into ``listed``);
-    anything else (the signalling a worker's join opens) is dropped unanswered, or with ``hold_joins`` held open
-    without a word until the stand-in stops. With ``answer_when``, a RoomService call is answered only once that
-    event is set (LiveKit slow to make rooms)."""
+    200 with an empty message (or with ``answer``'s, given the method and the request's body, once it returns), and
+    its method goes into ``calls`` (and the room a list asks for into ``listed``); anything else (the signalling a
+    worker's join opens) is dropped unanswered, or with ``hold_joins`` held open without a word until the stand-in
+    stops. With ``answer_when``, a RoomService call is answered only once that event is set (LiveKit slow to make
+    rooms)."""
     async with stream:
         received = b""
         with trio.move_on_after(5 if answer_when is None else 30):
@@ -56,8 +58,9 @@ async def room_service_only(
                 listed.append(api.ListParticipantsRequest.FromString(body).room)
             if answer_when is not None:
                 await answer_when.wait()
-            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/protobuf\r\nContent-Length: 0\r\n"
-                                  b"Connection: close\r\n\r\n")
+            message = b"" if answer is None else await answer(method, body)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/protobuf\r\nContent-Length: "
+                                  + str(len(message)).encode() + b"\r\nConnection: close\r\n\r\n" + message)
 
 
 @pytest.mark.in_process_only(reason=(
@@ -238,4 +241,63 @@ async def test_the_rooms_of_many_queued_sessions_are_looked_into_at_a_bounded_pa
             took = time.monotonic() - started
             assert len(listed) <= LOOKS_PER_SECOND * took + 2, (len(listed), took)  # the pace, over all the rooms
             assert set(listed) == set(rooms) and len(s.runtime.room_follow.followed) == queued + 1
+            stand_in.cancel(reason="the test is over")  # the held join fails now, and its session with it
+
+
+@pytest.mark.in_process_only(reason="it reads the in-process runtime's record while it waits for the poll")
+async def test_a_look_into_a_queued_room_that_answers_late_does_not_undo_a_newer_one() -> None:
+    """A token asked for a queued session looks into its room, and LiveKit is slow to answer that look (with who was
+    in the room when it asked: nobody). Meanwhile the session's controller joins, and the poll's next look sees it:
+    the session counts one. When the older look's answer comes at last, it is older than what the record holds, and
+    is dropped: the session still counts its controller (the last answer to come used to win, and an empty room
+    counted nobody until the poll came round again; a token asked for then was granted on that view)."""
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    present: dict[str, list[str]] = {}  # who is in each room now, as the stand-in lists it
+    listed: list[str] = []
+    hold: dict[str, str] = {}  # the room whose next list is held, and answered with who was in it when it came
+    held, release = trio.Event(), trio.Event()
+    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
+                 "livekit_api_secret": LIVEKIT_SECRET, "max_sessions_per_worker": 1, "queue_size": 1}
+
+    async def answer(method: str, body: bytes) -> bytes:
+        if method != "ListParticipants":
+            return b""
+        room = api.ListParticipantsRequest.FromString(body).room
+        there = list(present.get(room, []))  # as the call came
+        if hold.get("room") == room:
+            del hold["room"]
+            held.set()
+            await release.wait()
+        return api.ListParticipantsResponse(participants=[
+            api.ParticipantInfo(identity=identity, state=api.ParticipantInfo.State.ACTIVE) for identity in there
+        ]).SerializeToString()
+
+    stand_in = trio.CancelScope()
+
+    async def run_stand_in() -> None:
+        with stand_in:
+            handler = functools.partial(room_service_only, hold_joins=True, listed=listed, answer=answer)
+            await trio.serve_listeners(handler, [listener])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_stand_in)
+        async with serve(settings(**overrides), CounterService()) as s:
+            await s.create("ctl-0")  # its worker's join is held: it keeps the slot
+            queued = await s.create("ctl-1")
+            assert queued["status"] == "queued", queued
+            session, room = queued["session_id"], queued["room"]
+            seen = len(listed)
+            await wait_until(lambda: listed.count(room) > seen, "the poll to look into the queued room")
+            hold["room"] = room  # the poll looked just now: the next look is the token's
+            async with trio.open_nursery() as asking:
+                asking.start_soon(s.viewer_token, session, "bob")
+                with trio.fail_after(5):
+                    await held.wait()
+                present[room] = ["ctl-1"]  # the controller joins while that look waits for its answer
+                # bench-cost: the poll looks into each room once a second (real time: the stand-in is a socket)
+                await wait_until(lambda: s.runtime.get(session).participant_count == 1, "the poll to see ctl-1",
+                                 deadline=4)
+                release.set()  # the token's look answers now: nobody, as the room was when it asked
+            assert (await s.get(session))["participant_count"] == 1, "an older look's answer undid a newer one's"
             stand_in.cancel(reason="the test is over")  # the held join fails now, and its session with it
