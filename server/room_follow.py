@@ -18,6 +18,10 @@ asked for the token kicked the user out.
   second, with more (the queue holds at most ``--queue-size``) each less often, never more work. A token asked
   for looks again first (:meth:`RoomFollow.look_now`, paced likewise), so a holder's identity is refused however
   long the queue.
+
+Whether a session's room is followed, and by whom, is its machine's state in the table of
+:mod:`states.room_follow` (``RoomFollowBook``): this module drives it, and does the watching, the looking and the
+clearing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
+
+from states.room_follow import Event as FollowEvent
+from states.room_follow import RoomFollowBook
 
 from .cluster.identity import worker_participant
 from .log_pace import LogPace
@@ -56,13 +63,21 @@ class RoomFollow:
         #: LiveKit: who is in a room, as the RoomService lists it (None where the rooms are watched, or not seen)
         self._list: Callable[[str], Awaitable[frozenset[str]]] | None = (
             None if self._watch is not None else getattr(transport, "list_participants", None))
-        self.followed: set[str] = set()  # the session ids whose rooms are watched or looked into now
-        self._looked: dict[str, SessionRecord] = {}  # LiveKit: the followed sessions' records, in the poll's order
+        self._book = RoomFollowBook(
+            FollowEvent.WATCH if self._watch is not None
+            else FollowEvent.LOOK_INTO if self._list is not None
+            else FollowEvent.LEAVE_TO_WORKER)
+        self._records: dict[str, SessionRecord] = {}  # the records of the sessions the book holds (for the poll)
         self._more = trio.Event()  # set when a room joins the poll
         self._token_looks = TokenBucket(TOKEN_LOOKS_PER_SECOND, int(TOKEN_LOOKS_PER_SECOND))
         self._tickets = itertools.count()  # each look's place in the order the looks were asked for
         self._under_way: dict[str, _Looks] = {}  # LiveKit: the sessions with a look under way, and their answers
         self._failures = LogPace(log)
+
+    @property
+    def followed(self) -> frozenset[str]:
+        """The session ids whose rooms are watched or looked into now."""
+        return self._book.followed()  # type: ignore[return-value]
 
     @property
     def active(self) -> bool:
@@ -73,27 +88,24 @@ class RoomFollow:
     def start(self, record: SessionRecord) -> None:
         """Follow the room of a session just admitted or queued, until :meth:`stop` (or, on LiveKit, until
         :meth:`handed_over`)."""
+        self._book.start(record.session_id)
+        self._records[record.session_id] = record
         if self._watch is not None:
-            self.followed.add(record.session_id)
             self._watch(record.room, lambda present: moved(record, present))
-        elif self._list is not None:
-            self.followed.add(record.session_id)
-            self._looked[record.session_id] = record
+        if self._book.looks_into(record.session_id):
             self._more.set()
 
     def handed_over(self, record: SessionRecord) -> None:
         """The session's worker is in its room and says who is there from now on (LiveKit): the runtime stops
         looking (a look under way is dropped), and the record's participants are the worker's to keep."""
-        if self._looked.pop(record.session_id, None) is not None:
-            self.followed.discard(record.session_id)
+        self._book.hand_over(record.session_id)
 
     def stop(self, record: SessionRecord) -> None:
         """The session ended: its room is not followed any more, and it counts nobody (its room's clients are sent
         away with it; a session that ended queued had no runner to clear them). Idempotent."""
-        if record.session_id not in self.followed:
+        self._records.pop(record.session_id, None)
+        if not self._book.stop(record.session_id):  # the count was not the runtime's (or it stopped already)
             return
-        self.followed.discard(record.session_id)
-        self._looked.pop(record.session_id, None)
         if self._unwatch is not None:
             self._unwatch(record.room)
         record.participants.clear()
@@ -102,7 +114,7 @@ class RoomFollow:
         """A token is asked for (LiveKit): where the runtime looks into the session's room, it looks now, so that an
         identity in the room is refused even before the poll comes round to it (paced: beyond
         :data:`TOKEN_LOOKS_PER_SECOND`, the poll's last look decides)."""
-        if record.session_id in self._looked and self._token_looks.wait(trio.current_time()) == 0:
+        if self._book.looks_into(record.session_id) and self._token_looks.wait(trio.current_time()) == 0:
             await self._look(record)
 
     async def run(self) -> None:
@@ -111,12 +123,13 @@ class RoomFollow:
         if self._list is None:
             return
         while True:
-            if not self._looked:
+            looked = [self._records[session_id] for session_id in self._book.looked_into()]
+            if not looked:
                 self._more = trio.Event()
                 await self._more.wait()
                 continue
             round_at = trio.current_time()
-            for record in list(self._looked.values()):
+            for record in looked:
                 look_at = trio.current_time()
                 await self._look(record)
                 await trio.sleep_until(look_at + 1 / LOOKS_PER_SECOND)
@@ -126,7 +139,7 @@ class RoomFollow:
         """One RoomService list (bounded by the transport's timeout) into the record, unless the session was handed
         over or ended meanwhile; a failure is logged (paced) and leaves the record as it was."""
         assert self._list is not None
-        if self._looked.get(record.session_id) is not record:
+        if not self._looks_into(record):
             return
         ticket = next(self._tickets)
         looks = self._under_way.setdefault(record.session_id, _Looks())
@@ -143,8 +156,12 @@ class RoomFollow:
         if ticket < looks.newest:
             return  # a look asked for after this one answered first: this answer is older than the record's
         looks.newest = ticket
-        if self._looked.get(record.session_id) is record:
+        if self._looks_into(record) and self._book.take_look(record.session_id):
             moved(record, present)
+
+    def _looks_into(self, record: SessionRecord) -> bool:
+        """Whether this record's room is looked into now (not handed over or ended; the record is the session's)."""
+        return self._records.get(record.session_id) is record and self._book.looks_into(record.session_id)
 
 
 class _Looks:

@@ -29,6 +29,7 @@ from .machine import StateMachine
 from .pipeline_session import PipelineSessionMachine
 from .process_group import ProcessGroupMachine
 from .restart_policy import RestartMachine
+from .room_follow import RoomFollowMachine
 from .room_presence import RoomPresenceMachine
 from .service_child import ServiceChildMachine
 from .stage_actor import StageActorMachine
@@ -41,6 +42,7 @@ __all__ = ["MACHINES", "DOCUMENT", "render_machine", "render_document", "main"]
 MACHINES: tuple[type[StateMachine], ...] = (
     StreamSessionMachine,
     RoomPresenceMachine,
+    RoomFollowMachine,
     LeaseMachine,
     PipelineSessionMachine,
     StageActorMachine,

@@ -101,13 +101,21 @@ def explore(config: Configuration, *, max_violations: int = 5) -> Report:
 
 
 def configurations(small: bool) -> list[Configuration]:
-    from . import explore_admission, explore_lease, explore_liveness, explore_room_presence, explore_supervision
+    from . import (
+        explore_admission,
+        explore_lease,
+        explore_liveness,
+        explore_room_follow,
+        explore_room_presence,
+        explore_supervision,
+    )
 
     return [
         *explore_admission.configurations(small),
         *explore_lease.configurations(small),
         *explore_supervision.configurations(small),
         *explore_room_presence.configurations(small),
+        *explore_room_follow.configurations(small),
         *explore_liveness.configurations(small),
     ]
 

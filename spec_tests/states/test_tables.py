@@ -24,6 +24,7 @@ from states import (
     pipeline_session,
     process_group,
     restart_policy,
+    room_follow,
     room_presence,
     service_child,
     stage_actor,
@@ -43,6 +44,7 @@ MODULES: dict[ModuleType, type[StateMachine]] = {
     service_child: service_child.ServiceChildMachine,
     restart_policy: restart_policy.RestartMachine,
     room_presence: room_presence.RoomPresenceMachine,
+    room_follow: room_follow.RoomFollowMachine,
     liveness: liveness.LivenessMachine,
     agent: agent.AgentMachine,
 }
