@@ -28,6 +28,9 @@ At most :data:`MAX_CONNECTIONS` connections are served at once (more are answere
 request bodies of them all under way at once are bounded by a :class:`~server.http_framing.BodyBudget`
 (``--max-body-bytes-in-flight``: a request past it is answered 503 with ``Retry-After`` and reaches nothing),
 and :meth:`Front.close` ends every connection that is still open, so shutdown does not wait on any client.
+
+Every accepted connection's kernel send buffer is fixed at :data:`SEND_BUFFER_BYTES` (``SO_SNDBUF``, which turns the
+kernel's autotuning off for it), so what a client can make the server's kernel hold for it is bounded too.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 from typing import Final
 
 import trio
@@ -53,13 +57,31 @@ from .lingering import LINGER_BYTES, linger
 from .room_socket import Deadlines, RoomSocket
 from .transport.local import LocalRooms
 
-__all__ = ["LINGER_BYTES", "MAX_CONNECTIONS", "MAX_HEAD", "Front"]
+__all__ = ["LINGER_BYTES", "MAX_CONNECTIONS", "MAX_HEAD", "SEND_BUFFER_BYTES", "Front"]
 
 log = logging.getLogger("chunkline.front")
 
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024
 READ_SIZE: Final = 65536
+SEND_BUFFER_BYTES: Final = 256 * 1024
+"""``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike).
+
+Left to itself Linux grows a socket's send buffer with its congestion window, up to ``net.ipv4.tcp_wmem``'s
+maximum (4 MiB by default): a client that read fast for a while (its window and the server's grew), then went
+silent (stopped acknowledging: a peer gone, or one that drops what it is sent), left up to that much of the
+server's data in the server host's kernel, unacknowledged, for as long as the connection and then its orphan
+retransmit it: 4 GiB with :data:`MAX_CONNECTIONS` of them, outside every bound of the server's own. (Trio's
+``TCP_NOTSENT_LOWAT`` of 16 KiB already keeps the *unsent* part small: a client that stops reading but still
+acknowledges, a zero window, held 26-65 KB of server data in the kernel when measured; what is sent and not
+acknowledged is bounded by the send buffer alone.)
+
+Fixed at 256 KiB, the kernel doubles it for its bookkeeping: at most 512 KiB per connection (512 MiB for all
+1,024), and at least 256 KiB of data in flight -- the bandwidth-delay product it keeps: a 640 x 360 stream at
+24 fps of camera-like JPEG frames (~50 KB each at the rooms' quality, 1.2 MB/s, ~10 Mbit/s) across a 200 ms
+round trip, or the default 320 x 192 at 16 fps (~15 KB frames, 240 KB/s) across a full second. A larger stream
+over a longer link is held to ~256 KiB per round trip (at 300 ms, ~850 KB/s).
+"""
 
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _REFUSALS: Final = {
@@ -105,6 +127,9 @@ class Front:
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """One client connection, from its first byte to its close."""
+        if isinstance(stream, trio.SocketStream):  # in-memory streams (the tests') have no kernel buffer
+            with contextlib.suppress(OSError):
+                stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         with trio.CancelScope() as scope:
             self._open.add(scope)
             try:
