@@ -104,6 +104,7 @@ _SERVE_METAVARS: dict[str, str] = {
     "max_data_message_bytes": "BYTES",
     "max_body_bytes": "BYTES",
     "max_body_bytes_in_flight": "BYTES",
+    "socket_send_buffer": "BYTES",
     "terminal_retention_count": "N",
     "workers": "in-process|local|ray|external",
     "cluster_host": "HOST",

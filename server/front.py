@@ -29,8 +29,9 @@ request bodies of them all under way at once are bounded by a :class:`~server.ht
 (``--max-body-bytes-in-flight``: a request past it is answered 503 with ``Retry-After`` and reaches nothing),
 and :meth:`Front.close` ends every connection that is still open, so shutdown does not wait on any client.
 
-Every accepted connection's kernel send buffer is fixed at :data:`SEND_BUFFER_BYTES` (``SO_SNDBUF``, which turns the
-kernel's autotuning off for it), so what a client can make the server's kernel hold for it is bounded too.
+Every accepted connection's kernel send buffer is fixed at :data:`SEND_BUFFER_BYTES` or ``--socket-send-buffer``
+(``SO_SNDBUF``, which turns the kernel's autotuning off for it), so what a client can make the server's kernel hold
+for it is bounded too.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024
 READ_SIZE: Final = 65536
 SEND_BUFFER_BYTES: Final = 256 * 1024
-"""``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike).
+"""``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike), unless
+``--socket-send-buffer`` says otherwise.
 
 Left to itself Linux grows a socket's send buffer with its congestion window, up to ``net.ipv4.tcp_wmem``'s
 maximum (4 MiB by default): a client that read fast for a while (its window and the server's grew), then went
@@ -80,7 +82,9 @@ Fixed at 256 KiB, the kernel doubles it for its bookkeeping: at most 512 KiB per
 1,024), and at least 256 KiB of data in flight -- the bandwidth-delay product it keeps: a 640 x 360 stream at
 24 fps of camera-like JPEG frames (~50 KB each at the rooms' quality, 1.2 MB/s, ~10 Mbit/s) across a 200 ms
 round trip, or the default 320 x 192 at 16 fps (~15 KB frames, 240 KB/s) across a full second. A larger stream
-over a longer link is held to ~256 KiB per round trip (at 300 ms, ~850 KB/s).
+over a longer link is held to ~256 KiB per round trip (at 300 ms, ~850 KB/s): raise ``--socket-send-buffer`` to
+its bandwidth-delay product there (each connection may then hold twice that in the kernel). The kernel caps
+``SO_SNDBUF`` at ``net.core.wmem_max`` (212992 on a stock kernel, where this gives 416 KiB): raise that too.
 """
 
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -106,12 +110,14 @@ class Front:
         max_message_bytes: int,
         deadlines: Deadlines | None = None,
         body_budget: BodyBudget | None = None,
+        send_buffer: int = SEND_BUFFER_BYTES,
     ) -> None:
         self._deadlines = deadlines or Deadlines()
         self._rooms = rooms
         self._backend = backend
         self._max_message_bytes = max_message_bytes
         self.body_budget = body_budget
+        self._send_buffer = send_buffer  # SO_SNDBUF of each accepted connection (--socket-send-buffer)
         self.frame_budget = FrameBudget()  # every room socket's frames together (lent where wanted)
         self._open: set[trio.CancelScope] = set()
         self.refused = 0
@@ -129,7 +135,7 @@ class Front:
         """One client connection, from its first byte to its close."""
         if isinstance(stream, trio.SocketStream):  # in-memory streams (the tests') have no kernel buffer
             with contextlib.suppress(OSError):
-                stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._send_buffer)
         with trio.CancelScope() as scope:
             self._open.add(scope)
             try:

@@ -176,7 +176,7 @@ async def _serve(
     budget = BodyBudget(settings.max_body_bytes_in_flight, max_body=settings.max_body_bytes)
     front = Front(
         rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines,
-        body_budget=budget,
+        body_budget=budget, send_buffer=settings.socket_send_buffer,
     )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop

@@ -44,6 +44,7 @@ CHUNKLINE_DEFAULT_FPS                 --default-fps                 ``16``; 1–
 CHUNKLINE_MAX_DATA_MESSAGE_BYTES      --max-data-message-bytes      ``12288``; 1024–1048576
 CHUNKLINE_MAX_BODY_BYTES              --max-body-bytes              ``8388608`` (8 MiB); 1024–64 MiB
 CHUNKLINE_MAX_BODY_BYTES_IN_FLIGHT    --max-body-bytes-in-flight    ``134217728`` (128 MiB); max body–16 GiB
+CHUNKLINE_SOCKET_SEND_BUFFER         --socket-send-buffer          ``262144`` (256 KiB); 16 KiB–4 MiB
 CHUNKLINE_TERMINAL_RETENTION_SECONDS  --terminal-retention-seconds  ``3600`` s; > 0
 CHUNKLINE_TERMINAL_RETENTION_COUNT    --terminal-retention-count    ``1000``; >= 0
 CHUNKLINE_WORKERS                     --workers                     ``in-process``; or ``local``, ``ray``, ``external``
@@ -73,6 +74,9 @@ Notes:
 * ``cors_allow_origins`` defaults to no origin (same origin only), not ``*``; ``max_body_bytes`` bounds request
   bodies (larger ones get HTTP 413), and ``max_body_bytes_in_flight`` the bodies of all connections still
   arriving at once (the front answers one more 503 with ``Retry-After``); it must be at least ``max_body_bytes``.
+* ``socket_send_buffer`` is each client connection's kernel send buffer (``SO_SNDBUF``; the kernel doubles it, and
+  caps it at ``net.core.wmem_max``, 212992 on a stock kernel): what the server's kernel may hold for one client, and per round trip the most a
+  connection carries. Raise it for large streams over long links (see :data:`server.front.SEND_BUFFER_BYTES`).
 * The agents' listener, addresses, token (or token file) and heartbeats are refused with ``workers=in-process``,
   ``ray_address`` with any ``workers`` but ``ray``: there they would be ignored (one table, ``WORKERS_ONLY``); a flag
   of the two token sources wins over the other's variable. See :mod:`server.cluster_settings`. So are LiveKit's URL
@@ -143,6 +147,7 @@ OTHER_VARIABLES = frozenset({
 MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKit's data packets are far smaller
 MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
 MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies together may hold
+MAX_SEND_BUFFER = 4 * 1024 * 1024  # Linux's default net.core.wmem_max, and what its autotuning grew a buffer to
 MIN_TOKEN_TTL = 5.0  # seconds: the worker joins its room with a token of this TTL too
 MAX_TOKEN_TTL = 365 * 24 * 3600.0  # a year: far beyond any session, and well before expiries stop being writable
 
@@ -285,6 +290,14 @@ class ServerSettings:
         metadata=_help(
             "request body bytes all connections together may have arriving at once (by their Content-Length); "
             f"one more gets 503 with Retry-After (--max-body-bytes to {MAX_BODIES_IN_FLIGHT_LIMIT})"
+        ),
+    )
+    socket_send_buffer: int = attrs.field(
+        default=256 * 1024,
+        converter=lambda v: parse_int("--socket-send-buffer", v, 16 * 1024, MAX_SEND_BUFFER),
+        metadata=_help(
+            "each client connection's kernel send buffer (SO_SNDBUF): what the kernel holds for one client; raise it "
+            f"for large streams over long links ({16 * 1024}-{MAX_SEND_BUFFER})"
         ),
     )
     terminal_retention_seconds: float = attrs.field(

@@ -132,7 +132,8 @@ async def test_the_kernel_holds_at_most_the_send_buffer_for_each_connection_and_
             await wait_for(windows_closed, "the frozen viewers' windows to close")
             frames = honest.frames
             for number in range(CHATS):
-                await ctl_stream.send_all(ctl_ws.send(TextMessage(json.dumps({"topic": "chat", "payload": str(number)}))))
+                chat = json.dumps({"topic": "chat", "payload": str(number)})
+                await ctl_stream.send_all(ctl_ws.send(TextMessage(chat)))
 
             async def honest_has_all() -> bool:
                 return len(honest.chats) == CHATS and honest.frames >= frames + 2 * CONFIG["fps"]
@@ -149,3 +150,15 @@ async def test_the_kernel_holds_at_most_the_send_buffer_for_each_connection_and_
             assert 0 < queues[viewer.port] <= BOUND, (viewer.port, queues)
         for stream in (http, honest.stream, ctl_stream, *(viewer.stream for viewer in frozen)):
             await stream.aclose()
+
+
+async def test_the_send_buffer_is_a_setting() -> None:
+    """``--socket-send-buffer``: a larger stream over a longer link may be given more (the kernel doubles it)."""
+    async with running(socket_send_buffer=1024 * 1024) as server:
+        http = await server.raw()
+        await http.send_all(b"GET /v1/service/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await http.receive_some(65536)
+        figures = server_side(server.port)[http.socket.getsockname()[1]]
+        with open("/proc/sys/net/core/wmem_max") as most:  # the kernel caps SO_SNDBUF there (212992 when stock)
+            assert figures[0] == 2 * min(1024 * 1024, int(most.read())), figures
+        await http.aclose()
