@@ -56,6 +56,7 @@ from .http_framing import (
 )
 from .lingering import LINGER_BYTES, linger
 from .room_socket import Deadlines, RoomSocket
+from .settings import DEFAULT_SEND_BUFFER
 from .transport.local import LocalRooms
 
 __all__ = ["LINGER_BYTES", "MAX_CONNECTIONS", "MAX_HEAD", "SEND_BUFFER_BYTES", "Front"]
@@ -65,7 +66,7 @@ log = logging.getLogger("chunkline.front")
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024
 READ_SIZE: Final = 65536
-SEND_BUFFER_BYTES: Final = 256 * 1024
+SEND_BUFFER_BYTES: Final = DEFAULT_SEND_BUFFER
 """``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike), unless
 ``--socket-send-buffer`` says otherwise.
 

@@ -44,7 +44,7 @@ CHUNKLINE_DEFAULT_FPS                 --default-fps                 ``16``; 1–
 CHUNKLINE_MAX_DATA_MESSAGE_BYTES      --max-data-message-bytes      ``12288``; 1024–1048576
 CHUNKLINE_MAX_BODY_BYTES              --max-body-bytes              ``8388608`` (8 MiB); 1024–64 MiB
 CHUNKLINE_MAX_BODY_BYTES_IN_FLIGHT    --max-body-bytes-in-flight    ``134217728`` (128 MiB); max body–16 GiB
-CHUNKLINE_SOCKET_SEND_BUFFER         --socket-send-buffer          ``262144`` (256 KiB); 16 KiB–4 MiB
+CHUNKLINE_SOCKET_SEND_BUFFER          --socket-send-buffer          ``262144`` (256 KiB); 16 KiB–4 MiB
 CHUNKLINE_TERMINAL_RETENTION_SECONDS  --terminal-retention-seconds  ``3600`` s; > 0
 CHUNKLINE_TERMINAL_RETENTION_COUNT    --terminal-retention-count    ``1000``; >= 0
 CHUNKLINE_WORKERS                     --workers                     ``in-process``; or ``local``, ``ray``, ``external``
@@ -148,6 +148,7 @@ MAX_DATA_MESSAGE_LIMIT = 1024 * 1024  # a control is a few hundred bytes; LiveKi
 MAX_BODY_LIMIT = 64 * 1024 * 1024  # every body is read into memory before it is answered
 MAX_BODIES_IN_FLIGHT_LIMIT = 16 * 1024 * 1024 * 1024  # what all arriving bodies together may hold
 MAX_SEND_BUFFER = 4 * 1024 * 1024  # Linux's default net.core.wmem_max, and what its autotuning grew a buffer to
+DEFAULT_SEND_BUFFER = 256 * 1024  # why this much: server.front.SEND_BUFFER_BYTES
 MIN_TOKEN_TTL = 5.0  # seconds: the worker joins its room with a token of this TTL too
 MAX_TOKEN_TTL = 365 * 24 * 3600.0  # a year: far beyond any session, and well before expiries stop being writable
 
@@ -293,7 +294,7 @@ class ServerSettings:
         ),
     )
     socket_send_buffer: int = attrs.field(
-        default=256 * 1024,
+        default=DEFAULT_SEND_BUFFER,
         converter=lambda v: parse_int("--socket-send-buffer", v, 16 * 1024, MAX_SEND_BUFFER),
         metadata=_help(
             "each client connection's kernel send buffer (SO_SNDBUF): what the kernel holds for one client; raise it "
