@@ -43,6 +43,10 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
                         help="exit when this process (the authority that started this agent) is gone (set by launchers)")
     worker.add_argument("--cluster-token-file", metavar="FILE", default=None,
                         help=f"read the token here, not {TOKEN_ENV} (a regular file of UTF-8 text, at most 4 KiB)")
+    # refused, never read: without it ``--cluster-token SECRET`` (stream-serve's flag) was taken as an abbreviation of
+    # --cluster-token-file, and the secret was printed as a missing file's name
+    worker.add_argument("--cluster-token", dest="cluster_token_given", metavar="TOKEN", default=None,
+                        help=argparse.SUPPRESS)
     worker.add_argument("--tls-ca", metavar="FILE", default=None, help="CA bundle (or the authority's own certificate) to verify a tls:// authority")
     worker.add_argument("--drain-deadline", metavar="SECONDS", default="30",
                         help="seconds live sessions get to finish on SIGTERM (default 30, at most 3600)")
@@ -127,6 +131,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     prefix = "chunkline worker"
     try:
+        if args.cluster_token_given is not None:
+            raise ValueError(f"--cluster-token is not taken here (other users of this host can read a command line): "
+                             f"set {TOKEN_ENV} or give --cluster-token-file")
         if parse_authority(args.authority)[0] == "tls":
             client_tls_context(args.tls_ca)
         devices = _devices(args.devices)

@@ -48,3 +48,19 @@ def test_a_long_token_file_name_is_shown_cut(tmp_path: Path) -> None:
     result = _worker_with_token_file(name)
     assert result.returncode == 2 and "no such file" in result.stderr, result.stderr[-2000:]
     assert "n" * 200 not in result.stderr and "characters in all" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("form", ["separate", "equals"])
+def test_a_token_on_the_worker_command_line_is_refused_without_repeating_it(form: str) -> None:
+    """``chunkline worker --cluster-token SECRET`` (as one gives it to ``stream-serve``) was taken as an abbreviation
+    of ``--cluster-token-file``: "no such file 'SECRET'", the secret printed in a line that named another option."""
+    secret = "s3cret-token-of-the-cluster-0123456789"
+    given = ["--cluster-token", secret] if form == "separate" else [f"--cluster-token={secret}"]
+    command = chunkline("worker", TINY, "--authority", "tcp://127.0.0.1:1", *given)
+    result = subprocess.run(command, cwd=str(ROOT), env=clean_env(), capture_output=True, text=True,
+                            timeout=EXIT_DEADLINE, stdin=subprocess.DEVNULL)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("chunkline worker: error: --cluster-token "), result.stderr[-2000:]
+    assert "CHUNKLINE_CLUSTER_TOKEN" in lines[0] and "--cluster-token-file" in lines[0], lines[0]
+    assert secret not in result.stderr + result.stdout, result.stderr
