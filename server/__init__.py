@@ -54,14 +54,15 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     app = TrioASGIAnyWorker(create_app(settings))
     # in a hypercorn worker: one server is one process (a second worker process was a second server on the port)
     hypercorn_drain.refuse_several_workers(_refuse_several_workers)
-    # in a hypercorn worker: when hypercorn is told to stop, the sessions drain before it closes connections, and a
-    # worker still loading its pipeline then ends the process at once (stream-serve's end: the load is abandoned)
+    # in a hypercorn worker: when hypercorn is told to stop (or its worker got a stop signal itself), the sessions
+    # drain before it closes connections, and a worker still loading its pipeline then ends the process at once
+    # (stream-serve's end: the load is abandoned); a second stop signal ends it at once too
     runtime = app.extensions["chunkline"]
 
     async def drain(number: int) -> None:
         await app.run_in_app_loop(functools.partial(hypercorn_drain.drain_then_end_a_load, runtime, number))
 
-    hypercorn_drain.install(drain)
+    hypercorn_drain.install(drain, functools.partial(hypercorn_drain.abandon, runtime))
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
 
 

@@ -17,11 +17,19 @@ stopped on its own signal handlers, both without a drain. So :func:`install` als
 started without a stop trigger, it gets one that waits for SIGTERM or SIGINT, drains, and then lets hypercorn
 stop as it does on its supervisor's word.
 
+hypercorn's worker process takes SIGTERM and SIGINT itself too, for as long as it serves and then on its way out
+(:class:`WorkerSignals`): under its supervisor they reached it when a service manager signalled the whole process group
+(systemd's default ``KillMode=control-group``, ``kill -TERM -PGID``) and ended it by the default action, with no
+drain. The first one stops the worker as its supervisor's word does (and tells the supervisor, which else started a
+new worker once this one had drained and exited 0); a second one, the drain under way or over, ends the process at once
+with 128 + the first signal and leaves nothing behind, as under ``chunkline stream-serve`` (:mod:`server.run_signals`):
+under ``--workers 0`` it met Python's default action (death by SIGTERM, or a KeyboardInterrupt traceback).
+
 Each stop trigger passes its stop signal on to the drain: :func:`drain_then_end_a_load` ends the worker at once
 after the drain when one of the app's workers still loads its pipeline, as ``chunkline stream-serve`` does (exit
 128 + the signal; the load cannot be cancelled and held the worker until it returned). hypercorn's supervisor says
-only that it stops, not which signal told it to: :data:`SUPERVISOR_SIGNAL` stands for it (the supervisor drops its
-worker's exit status anyway, see README's Known limits).
+only that it stops, not which signal told it to: :data:`SUPERVISOR_SIGNAL` stands for it where the worker did not get
+the signal itself (the supervisor drops its worker's exit status anyway, see README's Known limits).
 
 :func:`refuse_several_workers` wraps ``worker_serve`` once more: under ``hypercorn --workers N`` with N > 1 each of the
 N processes was a server of its own behind the one port (its own sessions, tokens, rooms and model workers), so a
@@ -40,10 +48,13 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import sniffio
 import trio
 
-__all__ = ["SUPERVISOR_SIGNAL", "SupervisorStop", "WORKER_MODULES", "drain_then_end_a_load", "install",
-           "refuse_several_workers"]
+from .run_signals import exit_now, note_stop_signal
+
+__all__ = ["SUPERVISOR_SIGNAL", "SupervisorStop", "WORKER_MODULES", "WorkerSignals", "abandon", "drain_then_end_a_load",
+           "install", "refuse_several_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +62,19 @@ log = logging.getLogger(__name__)
 WORKER_MODULES = ("hypercorn.trio.run", "hypercorn.asyncio.run")
 _DRAINS_FIRST = "chunkline_drains_first"
 _ONE_PROCESS = "chunkline_one_process"
+#: the signals that stop hypercorn (its supervisor's, and its one process's under ``--workers 0``); SIGHUP is its
+#: supervisor's word to start its workers again
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: the stop signal a stop from hypercorn's supervisor is taken for (its shutdown event says no more than "stop")
 SUPERVISOR_SIGNAL = signal.SIGTERM
 
 
-def install(drain: Callable[[int], Awaitable[None]]) -> list[str]:
+def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None]) -> list[str]:
     """Make hypercorn's stop trigger await ``drain(signal_number)`` (which runs from either worker's loop) once the
-    stop has come; returns the modules wrapped (those of hypercorn's workers loaded in this process, each wrapped
-    once)."""
+    stop has come, and its worker process take the stop signals (:class:`WorkerSignals`; a second one ends the process
+    now, ``abandon`` first); returns the modules wrapped (those of hypercorn's workers loaded in this process, each
+    wrapped once)."""
+    signals = WorkerSignals(abandon)
     wrapped = []
     for name in WORKER_MODULES:
         module = sys.modules.get(name)
@@ -69,32 +84,120 @@ def install(drain: Callable[[int], Awaitable[None]]) -> list[str]:
 
         async def stop_trigger(shutdown_event: Any, sleep: Callable[[float], Awaitable[Any]],
                                _original: Callable[..., Awaitable[None]] = original) -> None:
-            # hypercorn's supervisor was told to stop, or is gone
-            await _original(SupervisorStop(shutdown_event), sleep)
-            await _draining_after(SUPERVISOR_SIGNAL, drain, "hypercorn is stopping")
+            # hypercorn's supervisor was told to stop, or is gone, or this worker got a stop signal itself
+            await _original(SupervisorStop(shutdown_event, signals), sleep)
+            if signals.first is None:
+                await _draining_after(SUPERVISOR_SIGNAL, drain, "hypercorn is stopping")
+            else:
+                await _draining_after(signals.first, drain, f"a stop signal ({signal.Signals(signals.first).name})")
+                signals.pass_on(shutdown_event)
 
         setattr(stop_trigger, _DRAINS_FIRST, True)
         setattr(module, "check_multiprocess_shutdown_event", stop_trigger)
         wrapped.append(name)
         serve = getattr(module, "worker_serve", None)
         if serve is not None and not getattr(serve, _DRAINS_FIRST, False):
-            signalled = _trio_stop_signal if name == "hypercorn.trio.run" else _asyncio_stop_signal
-            setattr(module, "worker_serve", _stopping_on_signals(serve, signalled, drain))
+            setattr(module, "worker_serve", _taking_stop_signals(serve, signals, drain))
     return wrapped
+
+
+class WorkerSignals:
+    """The stop signals (SIGTERM, SIGINT) of hypercorn's worker process, taken as it begins to serve (:meth:`take`) and
+    kept on its way out once one came (:meth:`release`).
+
+    The first one is :attr:`first`: it stops the worker as its supervisor's word does (:class:`SupervisorStop`), and is
+    passed on to the supervisor once the sessions drained (:meth:`pass_on`). Any later one ends the process at once
+    with 128 + the first (:func:`~server.run_signals.exit_now`, ``abandon`` first): the drain is taking too long, or the
+    process is on its way out, where the signal's default action ended it, leaving its service children's shared
+    memory behind.
+
+    Under trio they are plain handlers (trio wakes on any signal; they run even while the loop is busy); under asyncio
+    the loop's own (a plain handler might wait for the loop's next wake-up), and plain ones once the worker is done
+    (the loop put the default actions back as it closed)."""
+
+    def __init__(self, abandon: Callable[[], None]) -> None:
+        self.abandon = abandon
+        self.first: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: Callable[[], None] | None = None
+
+    def take(self) -> Callable[[], Awaitable[int]]:
+        """In the main thread, in hypercorn's loop: take the stop signals; returns what waits for the first."""
+        self._previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+        woken: trio.Event | asyncio.Event
+        if sniffio.current_async_library() == "trio":
+            token, woken = trio.lowlevel.current_trio_token(), trio.Event()
+            self._wake = functools.partial(token.run_sync_soon, woken.set, idempotent=True)  # safe in a signal handler
+            for number in STOP_SIGNALS:
+                signal.signal(number, self._plain)
+        else:
+            loop, woken = asyncio.get_running_loop(), asyncio.Event()
+            self._loop, self._wake = loop, woken.set  # its handlers run in the loop
+            for number in STOP_SIGNALS:
+                loop.add_signal_handler(number, self.signalled, number)
+
+        async def first() -> int:
+            if self.first is None:
+                await woken.wait()
+            assert self.first is not None
+            return self.first
+
+        return first
+
+    def release(self) -> None:
+        """As the worker ends, in its loop: with no stop signal, the handlers it had; after one, plain handlers that
+        end the process at once on another."""
+        self._wake = None
+        if self._loop is not None:
+            for number in STOP_SIGNALS:
+                self._loop.remove_signal_handler(number)  # else the loop puts the default actions back as it closes
+            self._loop = None
+        for number, previous in self._previous.items():
+            if self.first is not None:
+                signal.signal(number, self._plain)
+            else:  # (None: a handler set outside Python, taken for the default)
+                signal.signal(number, signal.SIG_DFL if previous is None else previous)
+
+    def _plain(self, number: int, _frame: Any) -> None:
+        self.signalled(number)
+
+    def signalled(self, number: int) -> None:
+        if self.first is not None:
+            exit_now(128 + self.first, f"a second stop signal ({signal.Signals(number).name}) as hypercorn stops",
+                     self.abandon, log)
+        self.first = number
+        note_stop_signal()  # the interpreter's very last teardown ignores them (run_signals._teardown)
+        if self._wake is not None:
+            self._wake()
+
+    def pass_on(self, shutdown_event: Any) -> None:
+        """Once the sessions drained after this worker's own first signal: the same signal to hypercorn's supervisor,
+        unless it was told to stop already (the signal came to the whole process group), so that it stops too rather
+        than start a new worker once this one exits 0. Not as the signal comes: two at once could each run the
+        supervisor's handler, the second inside the first, waiting for the lock the first holds (its shutdown
+        event's), for good."""
+        supervisor = multiprocessing.parent_process()
+        if (self.first is not None and supervisor is not None and supervisor.pid == os.getppid()
+                and not shutdown_event.is_set()):
+            os.kill(supervisor.pid, self.first)
 
 
 class SupervisorStop:
     """hypercorn's shutdown event as its worker's stop trigger reads it (``is_set``), set also once the supervisor
-    that spawned this worker is gone: killed with SIGKILL, it never set the event, and its worker served on as an
-    orphan on the port, with its model workers and their child processes, until something killed it."""
+    that spawned this worker is gone, or once the worker got a stop signal itself (``signals``). Killed with SIGKILL,
+    the supervisor never set the event, and its worker served on as an orphan on the port, with its model workers and
+    their child processes, until something killed it."""
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, signals: WorkerSignals | None = None) -> None:
         self.event = event
+        self.signals = signals
         parent = multiprocessing.parent_process()
         self.supervisor = parent.pid if parent is not None else None
 
     def is_set(self) -> bool:
-        return bool(self.event.is_set()) or (self.supervisor is not None and os.getppid() != self.supervisor)
+        return (bool(self.event.is_set()) or (self.supervisor is not None and os.getppid() != self.supervisor)
+                or (self.signals is not None and self.signals.first is not None))
 
 
 def refuse_several_workers(refuse: Callable[[int], None]) -> list[str]:
@@ -121,18 +224,24 @@ def refuse_several_workers(refuse: Callable[[int], None]) -> list[str]:
     return wrapped
 
 
-def _stopping_on_signals(serve: Callable[..., Awaitable[None]], signalled: Callable[[], Awaitable[int]],
+def _taking_stop_signals(serve: Callable[..., Awaitable[None]], signals: WorkerSignals,
                          drain: Callable[[int], Awaitable[None]]) -> Callable[..., Awaitable[None]]:
-    """hypercorn's ``worker_serve``, given a stop trigger when it has none (``--workers 0``): a stop signal, then the
-    drain."""
-
-    async def stop_trigger() -> None:
-        number = await signalled()
-        await _draining_after(number, drain, f"a stop signal ({signal.Signals(number).name})")
+    """hypercorn's ``worker_serve`` with the process's stop signals taken while it serves (:class:`WorkerSignals`),
+    and given a stop trigger when it has none (``--workers 0``): the first stop signal, then the drain."""
 
     @functools.wraps(serve)
-    async def worker_serve(*args: Any, shutdown_trigger: Callable[..., Awaitable[None]] | None = None, **kwargs: Any) -> None:
-        await serve(*args, shutdown_trigger=shutdown_trigger or stop_trigger, **kwargs)
+    async def worker_serve(*args: Any, shutdown_trigger: Callable[..., Awaitable[None]] | None = None,
+                           **kwargs: Any) -> None:
+        first = signals.take()
+
+        async def stop_trigger() -> None:
+            number = await first()
+            await _draining_after(number, drain, f"a stop signal ({signal.Signals(number).name})")
+
+        try:
+            await serve(*args, shutdown_trigger=shutdown_trigger or stop_trigger, **kwargs)
+        finally:
+            signals.release()
 
     setattr(worker_serve, _DRAINS_FIRST, True)
     return worker_serve
@@ -144,37 +253,17 @@ async def _draining_after(number: int, drain: Callable[[int], Awaitable[None]], 
     await drain(number)
 
 
+def abandon(runtime: Any) -> None:
+    """Before the worker process ends at once: what ``runtime`` holds on disk, and its service processes with what
+    their channels hold in /dev/shm (their parent-death signal would end them and leave that behind)."""
+    runtime.uploads.remove()
+    runtime.end_service_processes_now()
+
+
 async def drain_then_end_a_load(runtime: Any, number: int) -> None:
     """In the app's loop: ``runtime``'s drain, then, if one of its workers still loads its pipeline, the worker
     process's end at once (exit 128 + ``number``) with its child processes and their /dev/shm segments, as
     ``chunkline stream-serve`` ends: nothing of the load was there to drain, and a load in a thread or a child
     cannot be cancelled (the app's shutdown waited for it to return: minutes, or for good)."""
     await runtime.drain_for_stop()
-
-    def abandon() -> None:
-        runtime.uploads.remove()
-        runtime.end_service_processes_now()
-
-    runtime.in_process.abandon_a_load(number, abandon, log)
-
-
-async def _trio_stop_signal() -> int:
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-        return await anext(signals)
-
-
-async def _asyncio_stop_signal() -> int:
-    loop = asyncio.get_running_loop()
-    signalled: asyncio.Future[int] = loop.create_future()
-
-    def on_signal(number: int) -> None:
-        if not signalled.done():
-            signalled.set_result(number)
-
-    for number in STOP_SIGNALS:
-        loop.add_signal_handler(number, on_signal, number)
-    try:
-        return await signalled
-    finally:
-        for number in STOP_SIGNALS:
-            loop.remove_signal_handler(number)
+    runtime.in_process.abandon_a_load(number, functools.partial(abandon, runtime), log)

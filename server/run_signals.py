@@ -57,11 +57,14 @@ def _teardown() -> None:
 def exit_now(code: int, why: str, remove: Callable[[], None], log: logging.Logger) -> NoReturn:
     """End the process without waiting for anything (a second stop signal, a watchdog), leaving nothing behind.
 
-    ``os._exit`` skips every ``finally`` and finalizer: its child processes go first, with the shared memory they
-    made (:func:`~engine.supervised_child.end_descendants_now`: their parent-death signal alone left that in
-    /dev/shm, and their own children running), then ``remove`` takes what the process holds on disk, then the
-    shared memory of the channels it made itself goes."""
+    ``os._exit`` skips every ``finally`` and finalizer, and nothing is logged after its one line: its child processes
+    go first, with the shared memory they made (:func:`~engine.supervised_child.end_descendants_now`: their
+    parent-death signal alone left that in /dev/shm, and their own children running), then ``remove`` takes what the
+    process holds on disk, then the shared memory of the channels it made itself goes."""
     log.error("%s: exiting now (exit %d)", why, code)
+    # nothing more is said: a thread of its own (the trio loop of hypercorn's asyncio worker, the loop a watchdog
+    # thread ends) logged the failures of the children killed next as errors, with their tracebacks
+    logging.disable(logging.CRITICAL)
     logging.shutdown()
     end_descendants_now()
     remove()

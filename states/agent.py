@@ -7,9 +7,10 @@ service is up) makes it STARTING while it dials and shakes hands, and it is STAR
 after a registration was cut off (it dials anew). SERVE (its Ready went out on a live
 registration) makes it SERVING, the only state that takes sessions. CUT_OFF (the
 registration ended without a goodbye: its sessions are stopped) makes it REDIALING,
-dialing again; SERVE there serves again. A stop signal (SIGTERM, SIGINT) or the
-authority's DRAIN while SERVING makes it DRAINING: no new sessions, live ones finish by
-the deadline; GOODBYE (its goodbye went out once the drain ran its course) makes it
+dialing again; SERVE there serves again. A stop signal (SIGTERM, SIGINT, or SIGHUP
+unless it was ignored as the agent started, as under ``nohup``) or the authority's
+DRAIN while SERVING makes it DRAINING: no new sessions, live ones finish by the
+deadline; GOODBYE (its goodbye went out once the drain ran its course) makes it
 DRAINED. A second stop signal while DRAINING cuts the drain short (CUT_SHORT: sessions
 stop now, then a goodbye). A stop signal while STARTING makes it STOPPING: it never says
 Ready (a create landing then would have been placed on an agent already leaving) and

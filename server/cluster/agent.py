@@ -17,7 +17,7 @@ What the authority's answers make it do is :mod:`server.cluster.dial_ends`: a pr
 flood fills the authority's handshakes) or a proven transient refusal is waited out without
 counting it toward giving up; a proven permanent refusal (another version or pipeline) exits
 with code 3; anything unproven counts as a failed connect (a crash loop of unproven refusals
-exits with code 3 too). SIGTERM (or a
+exits with code 3 too). SIGTERM, SIGINT or SIGHUP (or a
 drain from the authority) drains: no new sessions, live ones finish or are stopped at the
 drain deadline at a chunk boundary, then it says goodbye and exits 0. A stop signal while it loads
 its pipeline (or runs its startup check) ends it at once, its child processes and their shared
@@ -154,9 +154,12 @@ class Agent:
         remove_stale_folders()  # what an agent killed on this host left (its replacement starts here, now)
         # open for the whole run, the wait for a pipeline still loading included: a second signal then ends the agent
         # (states.agent); closed before that wait, it put Python's default actions back, and the second signal
-        # ended the process by itself (-15, or a KeyboardInterrupt traceback), leaving its children behind
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            early_signals.hand_over()  # SIGHUP gets its own back (the command deferred the stop signals until now)
+        # ended the process by itself (-15, or a KeyboardInterrupt traceback), leaving its children behind. SIGHUP (its
+        # terminal closed) is a stop signal too, as under stream-serve and `chunkline run`: its default action ended
+        # the agent at once, with no drain and its children left to their parent-death signal (ignored as the agent
+        # started, as under nohup, it stays ignored: early_signals.stop_signals)
+        with trio.open_signal_receiver(*early_signals.stop_signals()) as signals:
+            early_signals.hand_over()  # the command's noting handlers (early_signals.defer) stay once this closes
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._signals, signals)
                 code = await self._run()

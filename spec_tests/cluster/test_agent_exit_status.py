@@ -14,12 +14,13 @@ import os
 import signal
 
 import httpx
+import pytest
 import trio
 
 from server.cluster import wire
 
 from .conftest import INTERVAL, TINY, TOKEN, Controller, Process, chunkline, clean_env, start_authority, until
-from .test_agent_start_signals import exit_code, logged
+from .test_agent_start_signals import HeldAuthority, exit_code, logged
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve, welcome
 
 CUT_OFF = "authority connection ended"  # the line of an agent that dials again after its registration ended
@@ -146,3 +147,43 @@ def test_one_rule_gives_every_way_out_its_exit_status() -> None:
     assert exit_status(State.DRAINING, None) == 0
     for state in LEAVING - {State.DRAINED}:
         assert exit_status(state, signal.SIGINT) == 128 + signal.SIGINT, state
+
+
+#: ``chunkline worker`` started with SIGHUP ignored, as ``nohup`` starts a command
+NOHUP = ["import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+         "from server.cli import main; sys.exit(main())"]
+
+
+@pytest.mark.parametrize("nohup", [False, True], ids=["SIGHUP", "SIGHUP under nohup, then SIGTERM"])
+async def test_sighup_drains_a_serving_agent_as_sigterm_does_unless_it_was_ignored_as_the_agent_started(
+        nohup: bool) -> None:
+    """SIGHUP (the agent's terminal closed) is a stop signal, as under ``chunkline stream-serve`` and ``chunkline run``:
+    a serving agent drains, says goodbye and exits 0 (its drain ran its course: ``states.agent.exit_status``; one that
+    does not exits 129). Before, its default action ended the agent at once: no drain, no goodbye, killed by SIGHUP.
+    Ignored as the agent started (``nohup``), it stays ignored."""
+    authority = HeldAuthority(hold=None)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve, authority.answer)
+        command = chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}")
+        if nohup:
+            command[2:3] = NOHUP
+        agent = Process(command, clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        try:
+            with trio.fail_after(START_DEADLINE):
+                while "ready" not in authority.said():
+                    assert agent.popen.poll() is None, agent.text()
+                    await trio.sleep(0.05)  # bench-cost: real-time poll of the agent's start, bounded
+            agent.popen.send_signal(signal.SIGHUP)
+            if nohup:
+                await trio.sleep(1.0)  # bench-cost: time for a SIGHUP that was not ignored to show (a drain, an end)
+                assert agent.popen.poll() is None and "drain" not in authority.said(), (authority.said(), agent.text())
+                agent.popen.send_signal(signal.SIGTERM)
+            code = await exit_code(agent)
+        finally:
+            agent.stop()
+            nursery.cancel_scope.cancel()
+    log = agent.text(200_000)
+    assert code == 0, log
+    said = authority.said()
+    assert said.index("ready") < said.index("drain") < said.index("goodbye"), (said, log)
+    assert ("SIGHUP" in log) is not nohup and "Traceback" not in log, log

@@ -105,7 +105,8 @@ async def exit_code(agent: Process) -> int:
     return code
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=["SIGTERM", "SIGINT", "SIGHUP (a closed terminal)"])
 async def test_a_stop_signal_while_the_agent_loads_its_pipeline_ends_it_without_a_dial(tmp_path: Path,
                                                                                        signum: int) -> None:
     authority = HeldAuthority(hold=None)

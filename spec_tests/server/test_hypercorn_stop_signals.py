@@ -1,0 +1,212 @@
+"""Stop signals to every process of ``hypercorn server:app``, as a service manager or a terminal sends them.
+
+A stop signal to hypercorn's whole process group (systemd's default ``KillMode=control-group``, ``kill -TERM
+-PGID``, Ctrl-C in a terminal) reaches its worker process too, and one to the worker alone stops the server as one to
+the supervisor does: the sessions drain (their room clients get ``done``), hypercorn exits 0 and nothing is left
+running or in /dev/shm. A second stop signal while the drain is under way ends it now, as under ``chunkline
+stream-serve``: exit 128 + the first signal (hypercorn's supervisor drops its worker's status and exits 0), one line,
+no traceback, nothing left.
+
+Before: a group SIGTERM ended the worker by the signal's default action (no drain, no ``done``; README said to use
+``KillMode=mixed``), and so did one to the worker alone; a second signal under ``hypercorn --workers 0`` met Python's
+default action (death by SIGTERM, or a KeyboardInterrupt traceback after Ctrl-C), and a second Ctrl-C under the
+supervisor did nothing (its worker ignored SIGINT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from server.transport.client import RoomClient
+
+from ..pipelines.hung_stage_world import HANG_FROM
+from ..processes import end_process
+from ..reliability.helpers import pid_alive, process_tree
+from .test_hypercorn import APP_TARGET, ROOT, RUNNING, SESSIONS, semaphores_left_behind, server_env, status_of
+from .test_hypercorn_process_mode import parent_of
+
+START_DEADLINE = 120.0  # wall seconds: hypercorn spawns its worker, which imports torch and loads the toy world
+EXIT_DEADLINE = 30.0  # from the signal to hypercorn's exit (a drain of one session: a chunk or two)
+GONE_DEADLINE = 5.0  # for every process of the tree to be gone once hypercorn has exited
+HUNG = "spec_tests/pipelines/hung_stage_world.py"  # its model stage hangs from chunk HANG_FROM on: a drain never ends
+
+
+def segments() -> set[str]:
+    """The channels' segments and multiprocessing's semaphores in /dev/shm."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(("cl_", "sem.mp-"))}
+
+
+class Hypercorn:
+    """``hypercorn server:app`` in a process group of its own (``start_new_session``), its log kept."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.log = bytearray()
+        self.url = ""
+
+    def text(self) -> str:
+        return self.log.decode(errors="replace")[-4000:]
+
+    async def read_log(self) -> None:
+        assert self.process.stderr is not None
+        async for data in self.process.stderr:
+            self.log.extend(data)
+
+    async def serving(self) -> None:
+        with trio.fail_after(START_DEADLINE):
+            while not RUNNING.search(self.log):
+                assert self.process.returncode is None, self.text()
+                await trio.sleep(0.05)  # bench-cost: hypercorn spawns its worker, which imports the app
+            self.url = RUNNING.search(self.log).group(1).decode()  # type: ignore[union-attr]
+            async with httpx.AsyncClient(base_url=self.url, timeout=10) as client:
+                while (response := await client.get("/v1/service/ready")).status_code != 200:
+                    assert response.status_code == 503, response.text
+                    await trio.sleep(0.1)  # bench-cost: the worker loads its pipeline
+
+    async def streaming_controller(self, chunks: int = 1) -> tuple[RoomClient, str, list[Any]]:
+        """A session's controller in its room once ``chunks`` chunks came; the session's id and what the room said."""
+        async with httpx.AsyncClient(base_url=self.url, timeout=10) as client:
+            response = await client.post(SESSIONS, json={"identity": "ctl"})
+            assert response.status_code == 200, response.text
+            live = response.json()
+        port = int(self.url.rsplit(":", 1)[1])
+        controller = await RoomClient.connect("127.0.0.1", port, f"{live['websocket_path']}?token={live['token']}")
+        heard: list[Any] = []
+        with trio.fail_after(START_DEADLINE):
+            while sum(status_of(m) == "chunk" for m in heard) < chunks:
+                heard.append(await controller.receive())
+        return controller, live["session_id"], heard
+
+    def worker(self) -> int:
+        """hypercorn's worker process: the child its supervisor spawned (not the supervisor's resource tracker)."""
+        children = [pid for pid in process_tree(self.process.pid) if parent_of(pid) == self.process.pid]
+        workers = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1, (children, workers)
+        return workers[0]
+
+    async def ended(self) -> int:
+        with trio.move_on_after(EXIT_DEADLINE):
+            await self.process.wait()
+        assert self.process.returncode is not None, f"still running {EXIT_DEADLINE:g} s after a signal:\n{self.text()}"
+        return self.process.returncode
+
+
+async def start(options: list[str], **env: str) -> Hypercorn:
+    command = [sys.executable, "-m", "hypercorn", *options, "--bind", "127.0.0.1:0", APP_TARGET]
+    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=server_env() | env,
+                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, start_new_session=True)
+    return Hypercorn(process)
+
+
+async def nothing_left(tree: set[int], before: set[str], hypercorn: Hypercorn) -> None:
+    with trio.move_on_after(GONE_DEADLINE):
+        while left := [pid for pid in tree if pid_alive(pid)]:
+            await trio.sleep(0.05)  # bench-cost: real-time poll of processes that are not ours to wait on
+    assert left == [], f"still running: {left}\n{hypercorn.text()}"
+    ours = sorted(name for name in segments() - before
+                  if name.startswith("cl_") and int(name[len("cl_"):].split("-", 1)[0]) in tree)
+    assert ours == [], ours
+    assert await semaphores_left_behind(before) == []  # the supervisor's shutdown event's
+
+
+def kill_what_is_left(tree: set[int]) -> None:
+    for pid in tree:
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+GROUP_CASES = [  # (hypercorn's options, worker mode, who gets the signal, the signal)
+    pytest.param(["--worker-class", "trio"], "in-process", "group", signal.SIGTERM, id="trio-group-SIGTERM"),
+    pytest.param([], "in-process", "group", signal.SIGTERM, id="asyncio-group-SIGTERM"),
+    pytest.param(["--worker-class", "trio"], "process", "group", signal.SIGTERM, id="trio-process-group-SIGTERM"),
+    pytest.param(["--worker-class", "trio"], "in-process", "group", signal.SIGINT, id="trio-group-SIGINT"),
+    pytest.param([], "in-process", "worker", signal.SIGTERM, id="asyncio-worker-SIGTERM"),
+]
+
+
+@pytest.mark.parametrize(("options", "worker_mode", "whom", "signum"), GROUP_CASES)
+async def test_a_stop_signal_to_hypercorns_process_group_or_its_worker_drains_as_one_to_the_supervisor(
+        options: list[str], worker_mode: str, whom: str, signum: int) -> None:
+    before = segments()
+    hypercorn = await start(options, CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE=worker_mode)
+    tree: set[int] = set()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hypercorn.read_log)
+            await hypercorn.serving()
+            controller, _, heard = await hypercorn.streaming_controller()
+            tree = process_tree(hypercorn.process.pid)
+            if whom == "group":
+                os.killpg(hypercorn.process.pid, signum)
+            else:  # the worker alone: the server stops as a whole (hypercorn would start a new worker after a 0)
+                os.kill(hypercorn.worker(), signum)
+            with trio.move_on_after(EXIT_DEADLINE):
+                while (message := await controller.receive()) is not None:
+                    heard.append(message)
+            await controller.aclose()
+            assert await hypercorn.ended() == 0, hypercorn.text()
+            done = [m["payload"] for m in heard if status_of(m) == "done"]
+            assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
+            await nothing_left(tree, before, hypercorn)
+            nursery.cancel_scope.cancel()
+    finally:
+        await end_process(hypercorn.process)
+        kill_what_is_left(tree)
+    assert b"Traceback" not in hypercorn.log and b"exiting now" not in hypercorn.log, hypercorn.text()
+
+
+SECOND_CASES = [  # (hypercorn's options, worker mode, the signal (sent twice), to the group?, hypercorn's exit status)
+    pytest.param(["--workers", "0", "--worker-class", "trio"], "in-process", signal.SIGTERM, False, 143,
+                 id="one-process-trio-SIGTERM"),
+    pytest.param(["--workers", "0"], "process", signal.SIGINT, True, 130, id="one-process-asyncio-process-Ctrl-C"),
+    # the supervisor drops its worker's status (README, Known limits): the worker's end is read in its log
+    pytest.param(["--worker-class", "trio"], "in-process", signal.SIGTERM, True, 0, id="supervised-trio-group-SIGTERM"),
+]
+
+
+@pytest.mark.parametrize(("options", "worker_mode", "signum", "group", "status"), SECOND_CASES)
+async def test_a_second_stop_signal_while_hypercorn_drains_ends_it_now_leaving_nothing(
+        options: list[str], worker_mode: str, signum: int, group: bool, status: int) -> None:
+    before = segments()
+    hypercorn = await start(options, CHUNKLINE_PIPELINE=HUNG, CHUNKLINE_WORKER_MODE=worker_mode)
+    tree: set[int] = set()
+
+    def send() -> None:
+        if group:
+            os.killpg(hypercorn.process.pid, signum)
+        else:
+            hypercorn.process.send_signal(signum)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hypercorn.read_log)
+            await hypercorn.serving()
+            controller, session_id, _ = await hypercorn.streaming_controller(HANG_FROM)  # the next chunk never comes
+            tree = process_tree(hypercorn.process.pid)
+            send()
+            async with httpx.AsyncClient(base_url=hypercorn.url, timeout=10) as client:
+                with trio.fail_after(EXIT_DEADLINE):  # the drain waits for a chunk that never comes
+                    while (await client.get(f"{SESSIONS}/{session_id}")).json()["status"] != "draining":
+                        await trio.sleep(0.05)  # bench-cost: real-time poll of the server's drain
+            send()
+            assert await hypercorn.ended() == status, hypercorn.text()
+            await controller.aclose()
+            await nothing_left(tree, before, hypercorn)
+            nursery.cancel_scope.cancel()
+    finally:
+        await end_process(hypercorn.process)
+        kill_what_is_left(tree)
+    assert f"exiting now (exit {128 + signum})".encode() in hypercorn.log, hypercorn.text()
+    assert b"Traceback" not in hypercorn.log, hypercorn.text()
