@@ -215,6 +215,11 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
     try:
         for line in _summary_lines(args.pipeline, summary.metrics, out.path):
             print(line)
+        sys.stdout.flush()  # a pipe's buffer: its EPIPE comes here, not at the interpreter's exit
+    except BrokenPipeError:  # its reader left (`| head -1`): the output is written, the summary goes nowhere
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered is dropped there, not reported at exit
+        os.close(devnull)
     except StopSignalled as stopped:  # the output is there: the run is not undone by a late signal
         say(f"{describe(stopped.signal_number)} after the run; its output is in {out.path}")
         return 128 + stopped.signal_number

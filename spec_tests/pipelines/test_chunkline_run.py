@@ -88,6 +88,21 @@ def test_the_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
     assert b"\r[" in shown and b"3/3 chunks" in shown, shown
 
 
+def test_a_summary_nobody_reads_does_not_fail_a_run_that_wrote_its_output(tmp_path: Path) -> None:
+    """``chunkline run ... | head -1``: the reader closed stdout before the summary. The run had written its output,
+    and it said ``the run failed: BrokenPipeError`` and exited 1, the files left in place."""
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "server.cli", "run", REPLAY, "--chunks", "2", "--out", str(out)],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           cwd=Path(pipelines.__file__).parents[1])
+    assert run.stdout is not None
+    run.stdout.close()  # no reader: the summary's first write gets EPIPE
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-2000:]
+    assert b"failed" not in err and b"Traceback" not in err and b"Exception ignored" not in err, err[-2000:]
+    assert files_in(out) == ["metrics.json", "video.mp4"]
+
+
 def test_chunkline_run_with_controls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     controls = tmp_path / "controls.json"
     controls.write_text(json.dumps(TIMED))
