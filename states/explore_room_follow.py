@@ -8,12 +8,14 @@ room), stopped, and how many of the runtime's looks into its room are under way
 Events, in any interleaving: a session starts (in index order: sessions differ
 only in when they were created, which orders the poll); a look begins (only where the
 book says the room is looked into, as the server does) and later its result
-arrives; the worker hands over (again and again, as an agent's reports do, and
-late, after the stop); the session stops (twice: stop is idempotent).
+arrives; a token is asked for (its check lists the room, or not); the worker
+hands over (again and again, as an agent's reports do, and late, after the stop);
+the session stops (twice: stop is idempotent).
 
 Invariants checked in every reachable world, against the definitions: a look's
 result is taken exactly while the room is looked into, so never after a
-hand-over or a stop; the followed rooms are those watched, or looked into and
+hand-over or a stop; a token's check lists the room exactly where it can be listed
+(LiveKit) and the session has not stopped, handed over or not; the followed rooms are those watched, or looked into and
 not handed over, of sessions not stopped; a stop clears the record's count
 exactly where it was the runtime's to keep, and only the first stop; every
 session the book holds can still stop, and none it holds has ended (ENDED is
@@ -67,6 +69,12 @@ def looked_into(start_with: Event, session: Session) -> bool:
     return start_with is Event.LOOK_INTO and runtime_keeps(start_with, session)
 
 
+def token_checks(start_with: Event, session: Session) -> bool:
+    """The definition: a token's check lists the room wherever rooms are listed (LiveKit), from the session's
+    creation to its stop, whoever keeps the count (the worker's word comes a moment after a join returns)."""
+    return start_with is Event.LOOK_INTO and session.started and not session.stopped
+
+
 def successors(world: FollowWorld) -> Iterable[tuple[str, FollowWorld]]:
     start_with = world.book.start_with
     for index, session in enumerate(world.sessions):
@@ -90,6 +98,11 @@ def successors(world: FollowWorld) -> Iterable[tuple[str, FollowWorld]]:
             expected = looked_into(start_with, session)
             problems = () if taken is expected else (f"s{index}: a look's result taken {taken}, expected {expected}",)
             yield after("look arrives", book, problems, looks=session.looks - 1)
+        book = copy.deepcopy(world.book)
+        checked = book.check(index)
+        expected = token_checks(start_with, session)
+        problems = () if checked is expected else (f"s{index}: a token's check listed {checked}, expected {expected}",)
+        yield after("token asked", book, problems)
         book = copy.deepcopy(world.book)
         book.hand_over(index)
         yield after("hand-over", book, handed_over=not session.stopped or session.handed_over)
