@@ -358,8 +358,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     async def viewer_token(session_id: str) -> dict[str, Any]:
         record = runtime.get(session_id)  # 404 before body errors
         identity = parse_token_request(await json_body())
-        await runtime.room_follow.look_now(record)  # LiveKit: who is in a room no worker of ours is in yet, now
-        token = runtime.viewer_token(session_id, identity)
+        present = await runtime.room_follow.look_now(record)  # LiveKit: who is in the room now, for this check
+        token = runtime.viewer_token(session_id, identity, present)
         record = runtime.get(session_id)
         return {"session_id": session_id, "room": record.room, "livekit_url": public_url, "token": token, "role": "viewer",
                 "identity": identity}

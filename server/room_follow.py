@@ -17,7 +17,10 @@ asked for the token kicked the user out.
   :data:`LOOK_PERIOD` seconds: with up to ``LOOKS_PER_SECOND * LOOK_PERIOD`` rooms waiting each is seen every
   second, with more (the queue holds at most ``--queue-size``) each less often, never more work. A token asked
   for looks again first (:meth:`RoomFollow.look_now`, paced likewise), so a holder's identity is refused however
-  long the queue.
+  long the queue. Once the worker keeps the count a token asked for still lists the room (same pace): the worker's
+  word comes a moment after a join returns (its room events; an agent's reports, one a session every 0.5 s), and a
+  token for the identity that just joined would be granted in that moment. That list's answer is for the one
+  request's refusal check only; the record's count stays the worker's.
 
 Whether a session's room is followed, and by whom, is its machine's state in the table of
 :mod:`states.room_follow` (``RoomFollowBook``): this module drives it, and does the watching, the looking and the
@@ -110,12 +113,20 @@ class RoomFollow:
             self._unwatch(record.room)
         record.participants.clear()
 
-    async def look_now(self, record: SessionRecord) -> None:
-        """A token is asked for (LiveKit): where the runtime looks into the session's room, it looks now, so that an
-        identity in the room is refused even before the poll comes round to it (paced: beyond
-        :data:`TOKEN_LOOKS_PER_SECOND`, the poll's last look decides)."""
-        if self._book.looks_into(record.session_id) and self._token_looks.wait(trio.current_time()) == 0:
-            await self._look(record)
+    async def look_now(self, record: SessionRecord) -> frozenset[str]:
+        """A token is asked for (LiveKit): where the session's room can be listed (the table's CHECK: looked into,
+        or handed over to its worker), it is listed now, and who that list saw is returned for the request's
+        refusal check, so that an identity in the room is refused even before the poll comes round to it or the
+        worker's word comes (paced: beyond :data:`TOKEN_LOOKS_PER_SECOND`, or where the list fails, nobody is
+        returned and the record decides). Looked into, the answer is a look like the poll's, taken into the record;
+        handed over, the record's count is the worker's and the answer goes nowhere else (it has no place in the
+        order of the worker's joins and leaves: one asked before a leave and answered after it would put the
+        departed back). Bounded by the transport's timeout."""
+        if not self._book.check(record.session_id) or self._token_looks.wait(trio.current_time()) != 0:
+            return frozenset()
+        if self._book.looks_into(record.session_id):
+            return await self._look(record)
+        return await self._listed(record) or frozenset()
 
     async def run(self) -> None:
         """The poll (LiveKit; where rooms are watched, or not seen at all, it returns at once): each followed room in
@@ -135,29 +146,39 @@ class RoomFollow:
                 await trio.sleep_until(look_at + 1 / LOOKS_PER_SECOND)
             await trio.sleep_until(round_at + LOOK_PERIOD)
 
-    async def _look(self, record: SessionRecord) -> None:
+    async def _look(self, record: SessionRecord) -> frozenset[str]:
         """One RoomService list (bounded by the transport's timeout) into the record, unless the session was handed
-        over or ended meanwhile; a failure is logged (paced) and leaves the record as it was."""
-        assert self._list is not None
+        over or ended meanwhile (or a newer look's answer was taken); who it saw is returned either way (nobody
+        where it failed: logged, paced, the record left as it was)."""
         if not self._looks_into(record):
-            return
+            return frozenset()
         ticket = next(self._tickets)
         looks = self._under_way.setdefault(record.session_id, _Looks())
         looks.under_way += 1
         try:
-            present = await self._list(record.room)
-        except TransportError as exc:
-            self._failures.warning("session %s: %s", record.session_id, exc)
-            return
+            present = await self._listed(record)
         finally:
             looks.under_way -= 1
             if not looks.under_way:  # a later look is later than every ticket before it: nothing to keep
                 del self._under_way[record.session_id]
+        if present is None:
+            return frozenset()
         if ticket < looks.newest:
-            return  # a look asked for after this one answered first: this answer is older than the record's
+            return present  # a look asked for after this one answered first: this answer is older than the record's
         looks.newest = ticket
         if self._looks_into(record) and self._book.take_look(record.session_id):
             moved(record, present)
+        return present
+
+    async def _listed(self, record: SessionRecord) -> frozenset[str] | None:
+        """Who the RoomService lists in the session's room (bounded by the transport's timeout), or None where the
+        list failed (logged, paced)."""
+        assert self._list is not None
+        try:
+            return await self._list(record.room)
+        except TransportError as exc:
+            self._failures.warning("session %s: %s", record.session_id, exc)
+            return None
 
     def _looks_into(self, record: SessionRecord) -> bool:
         """Whether this record's room is looked into now (not handed over or ended; the record is the session's)."""

@@ -379,7 +379,9 @@ class StreamRuntime:
                 await runner.finished.wait()
         return record
 
-    def viewer_token(self, session_id: str, identity: str) -> str:
+    def viewer_token(self, session_id: str, identity: str, present: frozenset[str] = frozenset()) -> str:
+        """A viewer token for the session's room; ``present``: who a list of the room made for this request saw,
+        refused like the record's participants (LiveKit: :meth:`RoomFollow.look_now`; the count stays the record's)."""
         record = self.registry.get(session_id)
         identity = validate_client_identity(identity)
         if record.is_terminal:
@@ -388,9 +390,10 @@ class StreamRuntime:
         if identity not in record.viewer_identities and len(record.viewer_identities) >= limit:
             raise ViewerLimit(f"session {session_id} already has {limit} viewer identities, the most one room holds")
         taken = {record.controller_identity, *(worker_participant(w) for w in self.workers)}
-        if identity in taken or identity in record.participants and identity not in record.viewer_identities:
+        in_room = identity in record.participants or identity in present
+        if identity in taken or in_room and identity not in record.viewer_identities:
             raise SessionConflict(f"identity {echo(identity)} is already used in this room")
-        if identity in record.viewer_identities and identity in record.participants:
+        if identity in record.viewer_identities and in_room:
             raise SessionConflict(f"viewer {echo(identity)} is already in the room")
         record.viewer_identities.add(identity)
         return self.issuer.viewer_token(record.room, identity)
