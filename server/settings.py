@@ -185,7 +185,9 @@ class ServerSettings:
         metadata=_help("TCP port to listen on (0: any free port)"),
     )
     livekit_url: str | None = attrs.field(
-        default=None, converter=fields.livekit_url, metadata=_help("LiveKit server URL (ws:// or wss://)")
+        default=None,
+        converter=fields.livekit_url,
+        metadata=_help("LiveKit server URL (ws://, wss://, http:// or https://)"),
     )
     livekit_api_key: str | None = attrs.field(
         default=None, converter=fields.livekit_api_key, metadata=_help("LiveKit API key")

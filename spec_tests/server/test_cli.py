@@ -55,6 +55,19 @@ def test_every_setting_has_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
         assert env_var(name) in help_text
 
 
+@pytest.mark.parametrize("url", ["ws://lk.example:7880", "wss://lk.example", "http://lk.example:7880",
+                                 "https://lk.example"])
+def test_the_help_names_every_livekit_url_scheme_it_takes(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--help said ``(ws:// or wss://)`` while http:// and https:// URLs were taken as well."""
+    keys = ["--livekit-api-key", "key", "--livekit-api-secret", "s" * 32]
+    assert parse_stream_serve_args(["pipe.py", "--livekit-url", url, *keys], {}).livekit_url == url
+    with pytest.raises(SystemExit):
+        main(["stream-serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    described = help_text.split("--livekit-url URL ", 1)[1].split("--livekit-api-key", 1)[0]
+    assert url.split("//")[0] + "//" in described, described
+
+
 def test_no_flags_gives_the_defaults() -> None:
     assert parse_stream_serve_args(["pipe.py"], {}) == ServerSettings(pipeline="pipe.py")
 
