@@ -94,14 +94,19 @@ def parse_int(option: str, value: Any, lo: int, hi: int | None) -> int:
     return parsed
 
 
+def _bound(number: float) -> str:
+    """A bound as one would type it: 31536000, not ``:g``'s 3.1536e+07."""
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
+
+
 def parse_float(option: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
     if lo_open:
-        expected = "a number of seconds > 0" if lo == 0 else f"a number > {lo:g}"
-        expected += "" if hi is None else f", at most {hi:g}"
+        expected = "a number of seconds > 0" if lo == 0 else f"a number > {_bound(lo)}"
+        expected += "" if hi is None else f", at most {_bound(hi)}"
     elif hi is not None:
-        expected = f"a number between {lo:g} and {hi:g}"
+        expected = f"a number between {_bound(lo)} and {_bound(hi)}"
     else:
-        expected = f"a number >= {lo:g}"
+        expected = f"a number >= {_bound(lo)}"
     if isinstance(value, bool):
         raise bad_value(option, expected, value)
     if isinstance(value, str):

@@ -225,6 +225,16 @@ def test_bad_flags_exit_2_naming_the_option(
     assert fake_serve == []
 
 
+def test_a_bound_in_a_refusal_is_a_number_one_can_type(
+    capsys: pytest.CaptureFixture[str], fake_serve: list[ServerSettings]
+) -> None:
+    """``--token-ttl 1`` was told "between 5 and 3.1536e+07" (--help: 5 s to 365 days)."""
+    assert main(["stream-serve", REPLAY, "--token-ttl", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "between 5 and 31536000" in err and "e+" not in err, err
+    assert fake_serve == []
+
+
 def test_bad_environment_value_exits_2_naming_option_and_variable(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fake_serve: list[ServerSettings]
 ) -> None:
