@@ -204,11 +204,19 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if not settings.api_key:
             return None
         # the scheme is case-insensitive (RFC 9110 11.1): "bearer <key>" was a 401
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        header = request.headers.get("Authorization")
+        scheme, _, key = (header or "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(key.encode("utf-8", "surrogateescape"),
                                                                 settings.api_key.encode()):
             return None
-        return error(401, "unauthorized", "this route needs 'Authorization: Bearer <api key>'",
+        # what was wrong, never what was sent (a key, or a key given as the scheme): one detail said only the form
+        if header is None:
+            fault = "no Authorization header"
+        elif scheme.lower() != "bearer" or not key:
+            fault = "the Authorization header is not 'Bearer <api key>'"
+        else:
+            fault = "the key sent is not this server's API key (--api-key)"
+        return error(401, "unauthorized", f"{fault}: this route needs 'Authorization: Bearer <api key>'",
                      {"WWW-Authenticate": "Bearer"})
 
     @app.after_request
