@@ -28,6 +28,8 @@ DEFAULT_PIPELINE = str(Path(__file__).resolve().parent.parent / "pipelines" / "t
 
 #: settings of where ``chunkline stream-serve`` listens: under ``hypercorn server:app`` hypercorn's ``--bind`` decides
 HYPERCORN_BINDS = frozenset({"CHUNKLINE_HOST", "CHUNKLINE_PORT"})
+#: settings of ``chunkline stream-serve``'s front (``server.front``), which plain hypercorn does not run
+FRONT_ONLY = frozenset({"CHUNKLINE_MAX_BODY_BYTES_IN_FLIGHT", "CHUNKLINE_SOCKET_SEND_BUFFER"})
 
 
 def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
@@ -48,6 +50,9 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     for variable in sorted(HYPERCORN_BINDS & env.keys()):  # hypercorn binds where its --bind says
         print(f"chunkline: warning: {variable} is ignored under hypercorn, which listens where its --bind says "
               f"(chunkline stream-serve reads it)", file=sys.stderr, flush=True)
+    for variable in sorted(FRONT_ONLY & env.keys()):  # hypercorn serves its connections itself
+        print(f"chunkline: warning: {variable} is ignored under hypercorn, which serves the connections itself "
+              f"(chunkline stream-serve's front reads it)", file=sys.stderr, flush=True)
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
     allow_service_children()
