@@ -223,7 +223,8 @@ class ServerSettings:
     control_idle_timeout: float = attrs.field(
         default=10.0,
         converter=lambda v: parse_float("--control-idle-timeout", v, 0.0, lo_open=True),
-        metadata=_help("seconds without controls after which a held control is released"),
+        metadata=_help("seconds without controls after which a session is idle and steps aside for a session waiting "
+                       "for the execution lease (offered to a pipeline that takes control_idle_timeout)"),
     )
     session_timeout: float = attrs.field(
         default=1800.0,

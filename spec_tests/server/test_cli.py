@@ -68,6 +68,16 @@ def test_the_help_names_every_livekit_url_scheme_it_takes(url: str, capsys: pyte
     assert url.split("//")[0] + "//" in described, described
 
 
+def test_the_help_says_what_the_control_idle_timeout_governs(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help said a held control was released after it; it is when an idle session gives up the execution lease
+    (README, "The execution lease"; the metadata's ``control_idle_timeout``), and held keys stay held."""
+    with pytest.raises(SystemExit):
+        main(["stream-serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    described = help_text.split("--control-idle-timeout SECONDS ", 1)[1].split("--session-timeout", 1)[0]
+    assert "execution lease" in described and "released" not in described, described
+
+
 def test_no_flags_gives_the_defaults() -> None:
     assert parse_stream_serve_args(["pipe.py"], {}) == ServerSettings(pipeline="pipe.py")
 
