@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -151,6 +152,35 @@ async def running_session(served: Any, front: Front, nursery: trio.Nursery, iden
     return created, ctl
 
 
+@attrs.define
+class HonestAmongFrozen:
+    """A running session whose viewer reads at an honest pace, beside sessions full of viewers that read nothing."""
+
+    created: dict[str, Any]  # the honest viewer's session
+    bursting: Client  # its controller
+    honest: Client  # its viewer, reading at HONEST_READ
+    controllers: list[Client]  # the frozen sessions' controllers
+    frozen_rooms: list[str]
+    frozen: list[Client]
+
+
+async def honest_among_frozen(served: Any, front: Front, nursery: trio.Nursery, sessions: int) -> HonestAmongFrozen:
+    """The honest session and viewer, then ``sessions`` more, each with as many frozen viewers as a session takes."""
+    created, bursting = await running_session(served, front, nursery, "ctl-honest")
+    honest = await open_socket(front, nursery, created, await served.viewer_token(created["session_id"], "v0"),
+                               read=False)
+    nursery.start_soon(honest.read, HONEST_READ)
+    scene = HonestAmongFrozen(created, bursting, honest, [], [], [])
+    for session in range(sessions):
+        frozen_room, ctl = await running_session(served, front, nursery, f"ctl-{session}")
+        scene.controllers.append(ctl)
+        scene.frozen_rooms.append(frozen_room["room"])
+        for index in range(MAX_VIEWERS_PER_SESSION):
+            token = await served.viewer_token(frozen_room["session_id"], f"v{index}")
+            scene.frozen.append(await open_socket(front, nursery, frozen_room, token, read=False))
+    return scene
+
+
 def queued_gauge(metrics: str) -> float:
     (line,) = [line for line in metrics.splitlines() if line.startswith("chunkline_room_queued_bytes ")]
     return float(line.split()[1])
@@ -250,19 +280,9 @@ async def test_a_viewer_that_reads_a_legal_burst_stays_while_frozen_viewers_that
         rooms = served.runtime.transport
         front = Front(rooms, "unused", max_message_bytes=16384, deadlines=PATIENT)
         async with trio.open_nursery() as nursery:
-            created, bursting = await running_session(served, front, nursery, "ctl-honest")
-            token = await served.viewer_token(created["session_id"], "v0")
-            honest = await open_socket(front, nursery, created, token, read=False)
-            nursery.start_soon(honest.read, HONEST_READ)
-            busy, frozen_rooms = [], []
-            for session in range(FROZEN_ROOMS):
-                frozen_room, ctl = await running_session(served, front, nursery, f"ctl-{session}")
-                busy.append(ctl)
-                frozen_rooms.append(frozen_room["room"])
-                for index in range(MAX_VIEWERS_PER_SESSION):
-                    token = await served.viewer_token(frozen_room["session_id"], f"v{index}")
-                    await open_socket(front, nursery, frozen_room, token, read=False)
-            frozen = FROZEN_ROOMS * MAX_VIEWERS_PER_SESSION
+            scene = await honest_among_frozen(served, front, nursery, FROZEN_ROOMS)
+            created, bursting, honest, busy = scene.created, scene.bursting, scene.honest, scene.controllers
+            frozen_rooms, frozen = scene.frozen_rooms, len(scene.frozen)
             assert TEXT_BACKLOG_BYTES * frozen > 8 * SERVER_BACKLOG_BYTES  # what their own bounds allowed
 
             stop = trio.Event()
@@ -316,17 +336,9 @@ async def test_reading_a_few_messages_does_not_make_a_frozen_viewer_look_caught_
         rooms = served.runtime.transport
         front = Front(rooms, "unused", max_message_bytes=16384, deadlines=PATIENT)
         async with trio.open_nursery() as nursery:
-            created, bursting = await running_session(served, front, nursery, "ctl-honest")
-            token = await served.viewer_token(created["session_id"], "v0")
-            honest = await open_socket(front, nursery, created, token, read=False)
-            nursery.start_soon(honest.read, HONEST_READ)
-            attackers, viewers = [], []
-            for session in range(ATTACK_ROOMS):
-                attack_room, ctl = await running_session(served, front, nursery, f"ctl-{session}")
-                attackers.append(ctl)
-                for index in range(MAX_VIEWERS_PER_SESSION):
-                    token = await served.viewer_token(attack_room["session_id"], f"v{index}")
-                    viewers.append(await open_socket(front, nursery, attack_room, token, read=False))
+            scene = await honest_among_frozen(served, front, nursery, ATTACK_ROOMS)
+            created, bursting, honest = scene.created, scene.bursting, scene.honest
+            attackers, viewers = scene.controllers, scene.frozen
             async with trio.open_nursery() as filling:
                 for ctl in attackers:
                     filling.start_soon(send_numbered, ctl, ATTACK_FILL)
