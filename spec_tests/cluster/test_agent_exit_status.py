@@ -174,9 +174,7 @@ async def test_sighup_drains_a_serving_agent_as_sigterm_does_unless_it_was_ignor
                     assert agent.popen.poll() is None, agent.text()
                     await trio.sleep(0.05)  # bench-cost: real-time poll of the agent's start, bounded
             agent.popen.send_signal(signal.SIGHUP)
-            if nohup:
-                await trio.sleep(1.0)  # bench-cost: time for a SIGHUP that was not ignored to show (a drain, an end)
-                assert agent.popen.poll() is None and "drain" not in authority.said(), (authority.said(), agent.text())
+            if nohup:  # an ignored SIGHUP is discarded; one that was not would end the agent (-1) or drain it first
                 agent.popen.send_signal(signal.SIGTERM)
             code = await exit_code(agent)
         finally:
