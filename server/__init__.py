@@ -38,6 +38,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     from . import hypercorn_drain
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
+    from .log_setup import log_under_hypercorn
     from .open_access import WarnsOnceIfOpen
     from .setting_fields import require_existing_pipeline
     from .settings import ServerSettings
@@ -45,6 +46,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     env = dict(os.environ if environ is None else environ)
     env.setdefault("CHUNKLINE_PIPELINE", DEFAULT_PIPELINE)
     settings = ServerSettings.from_sources({}, env)
+    log_under_hypercorn()  # hypercorn configures its own loggers only: chunkline's INFO lines were dropped
     for warning in ServerSettings.ignored_variables(env):  # a line each, as a bad setting's error is
         print(f"chunkline: warning: {warning}", file=sys.stderr, flush=True)
     for variable in sorted(HYPERCORN_BINDS & env.keys()):  # hypercorn binds where its --bind says

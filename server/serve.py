@@ -35,6 +35,7 @@ from .app import create_app
 from .runtime import SHUTDOWN_GRACE
 from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
+from .log_setup import log_to_stderr
 from .open_access import UNGUARDED, is_loopback
 from .room_socket import Deadlines
 from . import early_signals
@@ -257,7 +258,6 @@ def _url(listener: trio.SocketListener) -> str:
 
 
 def run(settings: ServerSettings) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("livekit").setLevel(logging.ERROR)
+    log_to_stderr()
     trio.run(serve_app, settings)
     return 0

@@ -9,7 +9,6 @@ from the command line, where other users of the host could read it. Exit codes: 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -124,6 +123,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import trio
 
     from ..cluster_settings import MIN_CLUSTER_TOKEN_BYTES
+    from ..log_setup import log_to_stderr
     from ..setting_values import parse_float, read_secret_file
     from .agent import Agent, AgentOptions, parse_authority
     from .tls import client_tls_context
@@ -161,8 +161,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     if devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("livekit").setLevel(logging.ERROR)
+    log_to_stderr()
     options = AgentOptions(
         pipeline=args.pipeline,
         authority=args.authority,

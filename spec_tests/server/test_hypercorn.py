@@ -172,7 +172,8 @@ def bare_env(**extra: str) -> dict[str, str]:
 async def test_plain_hypercorn_with_no_pipeline_variable_serves_the_embedded_default_and_names_a_misspelt_one():
     """A misspelt ``CHUNKLINE_PIPELNE`` left the server on the embedded toy world without a word; so did a
     ``CHUNKLINE_PORT``, which hypercorn (listening where its ``--bind`` says) never reads, and a
-    ``CHUNKLINE_SOCKET_SEND_BUFFER``, which only stream-serve's front sets."""
+    ``CHUNKLINE_SOCKET_SEND_BUFFER``, which only stream-serve's front sets. And chunkline logged nothing of its own
+    under hypercorn (it configures only its loggers): the worker's ready line is on stderr as under stream-serve."""
     command = [sys.executable, "-m", "hypercorn", "--bind", "127.0.0.1:0", APP_TARGET]
     env = bare_env(CHUNKLINE_PIPELNE="pipelines/replay", CHUNKLINE_PORT="28615",
                    CHUNKLINE_SOCKET_SEND_BUFFER="1048576")
@@ -199,8 +200,9 @@ async def test_plain_hypercorn_with_no_pipeline_variable_serves_the_embedded_def
                            b"its --bind says"
             front_warning = b"chunkline: warning: CHUNKLINE_SOCKET_SEND_BUFFER is ignored under hypercorn, which " \
                             b"serves the connections itself"
-            # written as the app was built, before it answered
-            while warning not in log or port_warning not in log or front_warning not in log:
+            ready = b"chunkline.runtime INFO worker worker-0 ready"  # chunkline's INFO lines: they were dropped
+            # written as the app was built and its worker loaded, before it answered
+            while not all(line in log for line in (warning, port_warning, front_warning, ready)):
                 data = await process.stderr.receive_some()
                 assert data, f"hypercorn exited:\n{log.decode(errors='replace')[-3000:]}"
                 log.extend(data)
