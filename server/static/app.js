@@ -588,10 +588,13 @@ class LocalLink {
         renderParticipants();
         log(`${message.identity} left`);
         break;
-      case "refused":
-        setNotice(`Refused: ${message.reason}`, "warn");
-        log(`refused: ${message.reason}`, "warn");
+      case "refused": {
+        // every refusal names what was wrong in its detail (its reason is the code for programs)
+        const why = message.detail ? `${message.reason}: ${message.detail}` : message.reason;
+        setNotice(`Refused: ${why}`, "warn");
+        log(`refused: ${why}`, "warn");
         break;
+      }
       default:
         break;
     }

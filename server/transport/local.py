@@ -57,13 +57,12 @@ from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import DataPace
 from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
+from .refusals import SERVER_TOPICS, refused
 
 __all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
 
 MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and its viewers)
 KEPT_PACES = 4096  # participants' data paces kept after they left, at most (each until it is full, a second or so)
-#: topics only the worker publishes on: a client's message on them is refused, so nobody poses as the server
-SERVER_TOPICS = frozenset({"tf.status", "tf.metrics"})
 
 
 def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
@@ -336,7 +335,7 @@ class LocalRooms:
         to the room as an in-process worker's do; room events go back to it."""
         target = self._room(room)
         if target.worker is not None or worker.identity in target.identities():
-            await send(json.dumps({"type": "refused", "reason": "identity_in_use"}))
+            await send(TokenRejected("identity_in_use").refusal())
             return
         target.worker_joined(worker)
         self._moved(target)
@@ -391,7 +390,7 @@ class LocalRooms:
                   else "room_full" if len(target.subscribers) >= MAX_CLIENTS_PER_ROOM else None)
         if reason is not None:
             self._forget_if_empty(target)
-            await send(json.dumps({"type": "refused", "reason": reason}))
+            await send(TokenRejected(reason).refusal())
             return
         target.subscribers[subscriber.identity] = subscriber
         self._moved(target)  # before anyone is told: who hears of the join finds it counted
@@ -464,13 +463,14 @@ class LocalRooms:
             await pace.take()  # a flood waits in its own socket, not in this server's event loop
             message = await receive()
             if isinstance(message, bytes):
-                subscriber.push_text(json.dumps({"type": "refused", "reason": "clients_publish_no_media"}))
+                subscriber.push_text(refused("clients_publish_no_media"))
                 continue
             if len(message.encode("utf-8", "surrogatepass")) > self.max_data_message_bytes + 256:
-                subscriber.push_text(json.dumps({"type": "refused", "reason": "too_large"}))
+                subscriber.push_text(refused("too_large", f"a data message's payload is at most {self.max_data_message_bytes} "
+                                                         f"bytes (--max-data-message-bytes)"))
                 continue
             if not subscriber.can_publish_data:
-                subscriber.push_text(json.dumps({"type": "refused", "reason": "publish_data_not_allowed"}))
+                subscriber.push_text(refused("publish_data_not_allowed"))
                 continue
             try:
                 # the envelope adds one level around the payload
@@ -481,17 +481,17 @@ class LocalRooms:
                     raise TypeError("topic must be a string")
             except json_limits.JsonRefused as exc:
                 reason = "malformed_envelope" if exc.reason == "invalid_json" else exc.reason
-                subscriber.push_text(json.dumps({"type": "refused", "reason": reason}))
+                subscriber.push_text(refused(reason, exc.detail))
                 continue
             except (KeyError, TypeError):
-                subscriber.push_text(json.dumps({"type": "refused", "reason": "malformed_envelope"}))
+                subscriber.push_text(refused("malformed_envelope"))
                 continue
             if topic in SERVER_TOPICS:
-                subscriber.push_text(json.dumps({"type": "refused", "reason": "server_topic"}))
+                subscriber.push_text(refused("server_topic"))
                 continue
             raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
             if not room.to_worker(DataReceived(topic, raw, subscriber.identity)):
-                subscriber.push_text(json.dumps({"type": "refused", "reason": "no_worker_yet"}))
+                subscriber.push_text(refused("no_worker_yet"))
                 continue
             text = data_message(topic, raw, subscriber.identity, parsed=payload)
             room.broadcast_text(text, skip=subscriber.identity)

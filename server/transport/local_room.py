@@ -17,6 +17,7 @@ import trio
 from ..json_limits import payload_body
 from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, RoomEvent
+from .refusals import refused
 
 if TYPE_CHECKING:
     from .local import WorkerConnection
@@ -76,7 +77,7 @@ class Subscriber:
         self.too_slow = True
         self.backlog.release(self)
         self.texts.clear()
-        message = json.dumps({"type": "refused", "reason": "too_slow"})
+        message = refused("too_slow")
         self.texts.append(message)
         self.text_size = len(message)
         self.presence.cancel()

@@ -20,6 +20,11 @@ def refusals(peer: object) -> list[str]:
     return [m["reason"] for m in peer.texts() if m["type"] == "refused"]  # type: ignore[attr-defined]
 
 
+def refusal_details(peer: object) -> list[str]:
+    """What each refusal said beyond its code (every refusal names what was wrong: it once said only the code)."""
+    return [m["detail"] for m in peer.texts() if m["type"] == "refused"]  # type: ignore[attr-defined]
+
+
 async def test_a_controller_cannot_speak_as_the_worker_on_its_topics() -> None:
     async with running_room() as (served, service, created, ctl):
         token = await served.viewer_token(created["session_id"], "watcher")
@@ -29,6 +34,7 @@ async def test_a_controller_cannot_speak_as_the_worker_on_its_topics() -> None:
             await ctl.send("tf.metrics", {"type": "metrics", "data": {"real_time_factor": 0.0}})
             await ctl.wait_for(lambda p: len(refusals(p)) >= 2, "two refusals", timeout=WAIT)
             assert refusals(ctl) == ["server_topic", "server_topic"]
+            assert all("tf.metrics, tf.status are the server's" in detail for detail in refusal_details(ctl))
             # the viewer still sees the stream, and only the worker's status
             frames = len(viewer.frames())
             await viewer.wait_for(lambda p: len(p.frames()) > frames, "more frames", timeout=WAIT)
@@ -47,8 +53,13 @@ async def test_deep_json_on_the_room_socket_is_refused_and_the_controller_keeps_
             buried = [buried]
         await ctl.ws.send(json.dumps({"topic": "tf.control", "payload": {"type": "control_state", "controls": ["w"], "x": buried}}))
         await ctl.ws.send('{"topic": "tf.control", "payload": "\\ud800"}')
-        await ctl.wait_for(lambda p: len(refusals(p)) >= 3, "three refusals", timeout=WAIT)
-        assert refusals(ctl) == ["too_deep", "too_deep", "unencodable_text"]
+        await ctl.ws.send('{"topic": "tf.control", "payload": ')
+        await ctl.ws.send('{"payload": {"type": "stop"}}')
+        await ctl.wait_for(lambda p: len(refusals(p)) >= 5, "five refusals", timeout=WAIT)
+        assert refusals(ctl) == ["too_deep", "too_deep", "unencodable_text", "malformed_envelope", "malformed_envelope"]
+        details = refusal_details(ctl)
+        assert "levels deep" in details[0] and "levels deep" in details[1] and "lone surrogate" in details[2]
+        assert details[3].startswith("not valid JSON") and '{"topic": "<string>", "payload": <any JSON>}' in details[4]
         assert pipeline_controls(service) == []
         await ctl.control({"type": "control_state", "controls": ["a"]})  # the socket is still up and in control
         await wait_for_a_control(service)

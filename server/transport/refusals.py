@@ -1,0 +1,33 @@
+"""What a local room answers a client's message it does not pass on: a reason code, and a detail naming what was wrong.
+
+Every refusal a room client meets is ``{"type": "refused", "reason": CODE, "detail": TEXT}``: a join refused for its
+token or the room's state already said why (:class:`server.tokens.TokenRejected`); a message refused once joined
+said only its code (``server_topic``, ``no_worker_yet``, ...), and a client had to read the server's code to learn
+what to change. The codes stay as they were, for programs; the detail is for the person writing one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final
+
+__all__ = ["SERVER_TOPICS", "refused"]
+
+#: topics only the worker publishes on: a client's message on them is refused, so nobody poses as the server
+SERVER_TOPICS: Final = frozenset({"tf.status", "tf.metrics"})
+
+_DETAILS: Final = {
+    "clients_publish_no_media": "a client sends data messages as text frames; binary frames (media) are the server's",
+    "publish_data_not_allowed": "this participant's token does not allow sending data (a viewer's token subscribes only)",
+    "malformed_envelope": 'a data message is a JSON object {"topic": "<string>", "payload": <any JSON>}',
+    "server_topic": f"the topics {', '.join(sorted(SERVER_TOPICS))} are the server's: a client may not send on them",
+    "no_worker_yet": "the session's worker is not in the room yet, so the message has nobody to go to: send it again "
+                     "once the worker has joined",
+    "too_slow": "this socket fell too far behind what the room sent it (its unsent messages passed the room's bound, "
+                "or the server's) and is sent away: reconnect, and read as fast as the room sends",
+}
+
+
+def refused(reason: str, detail: str | None = None) -> str:
+    """The refusal's text frame; ``detail`` where the refusal knows more than its code (a limit, a parser's words)."""
+    return json.dumps({"type": "refused", "reason": reason, "detail": detail or _DETAILS[reason]})
