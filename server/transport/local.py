@@ -226,10 +226,11 @@ class LocalRooms:
             listener(frozenset(room.identities()))
 
     def close_clients(self) -> None:
-        """Send every browser away (server shutdown) as a session's end does, its queue sent first (cancelling their
-        presence cut a frame under way: 1007 before the ``done``); the front's grace bounds those that do not read."""
+        """Server shutdown: browsers go as at a session's end, queue first (the front's grace bounds them); a closed
+        room's worker still in it (an agent leaves just after its finish) sends its own away as it leaves."""
         for room in self._rooms.values():
-            room.send_clients_away()
+            if not (room.closed and room.worker is not None):
+                room.send_clients_away()
 
     async def open_room(self, room: str, *, lifetime: float) -> None:
         """Nothing to make: a local room opens with its session's record (``room_open``) and refuses every
