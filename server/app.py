@@ -21,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.routing import WebsocketMismatch
 
 from . import json_limits, option_check
+from .cluster.wire_values import MAX_DRAIN_SECONDS
 from .http_framing import longest_body_seconds
 from .log_pace import LogPace
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -46,7 +47,7 @@ log = logging.getLogger("chunkline.server")
 
 STATIC = Path(__file__).parent / "static"
 DRAIN_DEADLINE = 30.0
-MAX_DRAIN_DEADLINE = 3600.0
+MAX_DRAIN_DEADLINE = MAX_DRAIN_SECONDS  # one bound for a drain, through the API, the wire and the worker command
 SESSION_STATUSES = frozenset(state.value for state in SessionState)  # what ?status= of the session list may name
 API_PREFIXES = ("/v1/", "/metrics", "/openapi.json")  # the routes whose requests are checked whole
 RETRY_AFTER_SECONDS = 5

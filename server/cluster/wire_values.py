@@ -29,9 +29,9 @@ MAX_LABEL = 64
 MAX_NODE = 255
 #: device indexes one agent may report (a node with eight GPUs of seven MIG instances each has 56)
 MAX_DEVICES = 256
-#: seconds a drain may give live sessions, either way on the wire: what a drain through the API takes at most
-#: (``server.app.MAX_DRAIN_DEADLINE``) and ``chunkline worker --drain-deadline``; taken unbounded, an agent's own
-#: drain held its worker draining, heartbeating, for as long as it liked
+#: seconds a drain may give live sessions, either way on the wire, and what a drain through the API
+#: (``server.app.MAX_DRAIN_DEADLINE`` is this) and ``chunkline worker --drain-deadline`` take at most; taken unbounded,
+#: an agent's own drain held its worker draining, heartbeating, for as long as it liked
 MAX_DRAIN_SECONDS = 3600.0
 
 

@@ -11,7 +11,6 @@ import pytest
 
 from server.app import MAX_DRAIN_DEADLINE
 from server.cluster.identity import WORKER_ID_DIGITS, worker_participant
-from server.cluster.wire_values import MAX_DRAIN_SECONDS
 from server.tokens import MAX_IDENTITY_LENGTH
 
 from .conftest import ROOT, TINY, TOKEN, Process, chunkline, clean_env, start_authority, until
@@ -33,12 +32,6 @@ def test_the_worker_command_refuses_a_flag_that_could_only_fail_later(flags: lis
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.startswith("chunkline worker: error: ") and named in run.stderr, run.stderr[-2000:]
     assert len(run.stderr.splitlines()) == 1, run.stderr[-2000:]
-
-
-def test_the_wire_carries_the_longest_drain_an_api_drain_or_the_worker_command_takes() -> None:
-    """One bound for a drain's deadline: what the API takes, what ``--drain-deadline`` takes and what the authority
-    takes from an agent (past it a drain is a protocol error, ``test_agent_reports.py``)."""
-    assert MAX_DRAIN_SECONDS == MAX_DRAIN_DEADLINE
 
 
 async def test_the_longest_node_the_worker_command_takes_is_one_the_authority_registers() -> None:
