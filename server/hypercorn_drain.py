@@ -25,6 +25,17 @@ new worker once this one had drained and exited 0); a second one, the drain unde
 with 128 + the first signal and leaves nothing behind, as under ``chunkline stream-serve`` (:mod:`server.run_signals`):
 under ``--workers 0`` it met Python's default action (death by SIGTERM, or a KeyboardInterrupt traceback).
 
+SIGHUP is hypercorn's too: its supervisor takes it for a reload (its worker drains through the shutdown event, exits
+0, and a new one starts), but it reached the worker itself as well (a closed terminal sends it to its foreground process
+group; ``kill -HUP -PGID``) and ended it by the default action, with no drain: the supervisor then saw a worker killed,
+and stopped. Under ``--workers 0`` it ended the one process the same way. Now under the supervisor the worker takes its
+own SIGHUP for the reload it is (:meth:`WorkerSignals.reloads`): it drains and exits 0 as on its supervisor's word,
+which comes too after a group SIGHUP, and tells the supervisor nothing: after one to the worker alone, the supervisor
+starts a new worker once this one exited 0, as its reload would. Under ``--workers 0`` there is no reload: SIGHUP is a
+stop signal as SIGTERM is, and as under ``chunkline stream-serve``, unless it was ignored when the process started
+(``nohup``: :func:`~server.early_signals.stop_signals`). Under the supervisor it is always taken: hypercorn's
+supervisor reloads on SIGHUP under ``nohup`` too.
+
 Each stop trigger passes its stop signal on to the drain: :func:`drain_then_end_a_load` ends the worker at once
 after the drain when one of the app's workers still loads its pipeline, as ``chunkline stream-serve`` does (exit
 128 + the signal; the load cannot be cancelled and held the worker until it returned). hypercorn's supervisor says
@@ -51,10 +62,11 @@ from typing import Any
 import sniffio
 import trio
 
+from .early_signals import stop_signals
 from .run_signals import exit_now, note_stop_signal
 
 __all__ = ["SUPERVISOR_SIGNAL", "SupervisorStop", "WORKER_MODULES", "WorkerSignals", "abandon", "drain_then_end_a_load",
-           "install", "refuse_several_workers"]
+           "install", "refuse_several_workers", "taken"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +75,7 @@ WORKER_MODULES = ("hypercorn.trio.run", "hypercorn.asyncio.run")
 _DRAINS_FIRST = "chunkline_drains_first"
 _ONE_PROCESS = "chunkline_one_process"
 #: the signals that stop hypercorn (its supervisor's, and its one process's under ``--workers 0``); SIGHUP is its
-#: supervisor's word to start its workers again
+#: supervisor's word to start its workers again, and stops its one process under ``--workers 0`` (:func:`taken`)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: the stop signal a stop from hypercorn's supervisor is taken for (its shutdown event says no more than "stop")
 SUPERVISOR_SIGNAL = signal.SIGTERM
@@ -88,6 +100,8 @@ def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None]
             await _original(SupervisorStop(shutdown_event, signals), sleep)
             if signals.first is None:
                 await _draining_after(SUPERVISOR_SIGNAL, drain, "hypercorn is stopping")
+            elif signals.reloads():
+                await _draining_after(signals.first, drain, "SIGHUP, hypercorn's reload (a new worker starts next)")
             else:
                 await _draining_after(signals.first, drain, f"a stop signal ({signal.Signals(signals.first).name})")
                 signals.pass_on(shutdown_event)
@@ -101,15 +115,23 @@ def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None]
     return wrapped
 
 
+def taken(supervised: bool) -> tuple[int, ...]:
+    """The signals hypercorn's worker process takes: SIGTERM and SIGINT, and SIGHUP under its supervisor (a reload)
+    or, under ``--workers 0``, unless it was ignored as the process started (``nohup``)."""
+    if supervised:
+        return (*STOP_SIGNALS, signal.SIGHUP)
+    return STOP_SIGNALS + tuple(number for number in stop_signals() if number == signal.SIGHUP)
+
+
 class WorkerSignals:
-    """The stop signals (SIGTERM, SIGINT) of hypercorn's worker process, taken as it begins to serve (:meth:`take`) and
-    kept on its way out once one came (:meth:`release`).
+    """The stop signals (SIGTERM, SIGINT, SIGHUP: :func:`taken`) of hypercorn's worker process, taken as it begins to
+    serve (:meth:`take`) and kept on its way out once one came (:meth:`release`).
 
     The first one is :attr:`first`: it stops the worker as its supervisor's word does (:class:`SupervisorStop`), and is
-    passed on to the supervisor once the sessions drained (:meth:`pass_on`). Any later one ends the process at once
-    with 128 + the first (:func:`~server.run_signals.exit_now`, ``abandon`` first): the drain is taking too long, or the
-    process is on its way out, where the signal's default action ended it, leaving its service children's shared
-    memory behind.
+    passed on to the supervisor once the sessions drained (:meth:`pass_on`), unless it is SIGHUP under the supervisor,
+    which is the supervisor's reload (:meth:`reloads`). Any later one ends the process at once with 128 + the first
+    (:func:`~server.run_signals.exit_now`, ``abandon`` first): the drain is taking too long, or the process is on its
+    way out, where the signal's default action ended it, leaving its service children's shared memory behind.
 
     Under trio they are plain handlers (trio wakes on any signal; they run even while the loop is busy); under asyncio
     the loop's own (a plain handler might wait for the loop's next wake-up), and plain ones once the worker is done
@@ -118,23 +140,26 @@ class WorkerSignals:
     def __init__(self, abandon: Callable[[], None]) -> None:
         self.abandon = abandon
         self.first: int | None = None
+        self.supervised = False
         self._previous: dict[int, Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: Callable[[], None] | None = None
 
-    def take(self) -> Callable[[], Awaitable[int]]:
-        """In the main thread, in hypercorn's loop: take the stop signals; returns what waits for the first."""
-        self._previous = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    def take(self, supervised: bool) -> Callable[[], Awaitable[int]]:
+        """In the main thread, in hypercorn's loop: take the stop signals (``supervised``: under hypercorn's
+        supervisor, not ``--workers 0``); returns what waits for the first."""
+        self.supervised = supervised
+        self._previous = {number: signal.getsignal(number) for number in taken(supervised)}
         woken: trio.Event | asyncio.Event
         if sniffio.current_async_library() == "trio":
             token, woken = trio.lowlevel.current_trio_token(), trio.Event()
             self._wake = functools.partial(token.run_sync_soon, woken.set, idempotent=True)  # safe in a signal handler
-            for number in STOP_SIGNALS:
+            for number in self._previous:
                 signal.signal(number, self._plain)
         else:
             loop, woken = asyncio.get_running_loop(), asyncio.Event()
             self._loop, self._wake = loop, woken.set  # its handlers run in the loop
-            for number in STOP_SIGNALS:
+            for number in self._previous:
                 loop.add_signal_handler(number, self.signalled, number)
 
         async def first() -> int:
@@ -150,7 +175,7 @@ class WorkerSignals:
         end the process at once on another."""
         self._wake = None
         if self._loop is not None:
-            for number in STOP_SIGNALS:
+            for number in self._previous:
                 self._loop.remove_signal_handler(number)  # else the loop puts the default actions back as it closes
             self._loop = None
         for number, previous in self._previous.items():
@@ -171,6 +196,12 @@ class WorkerSignals:
         if self._wake is not None:
             self._wake()
 
+    def reloads(self) -> bool:
+        """Whether the first signal is SIGHUP under hypercorn's supervisor: its reload, whose word (the shutdown event)
+        comes too after a SIGHUP to the process group; after one to this worker alone, the supervisor starts a new
+        worker once this one exited 0, as its reload does."""
+        return self.supervised and self.first == signal.SIGHUP
+
     def pass_on(self, shutdown_event: Any) -> None:
         """Once the sessions drained after this worker's own first signal: the same signal to hypercorn's supervisor,
         unless it was told to stop already (the signal came to the whole process group), so that it stops too rather
@@ -178,7 +209,7 @@ class WorkerSignals:
         supervisor's handler, the second inside the first, waiting for the lock the first holds (its shutdown
         event's), for good."""
         supervisor = multiprocessing.parent_process()
-        if (self.first is not None and supervisor is not None and supervisor.pid == os.getppid()
+        if (self.first is not None and not self.reloads() and supervisor is not None and supervisor.pid == os.getppid()
                 and not shutdown_event.is_set()):
             os.kill(supervisor.pid, self.first)
 
@@ -232,7 +263,7 @@ def _taking_stop_signals(serve: Callable[..., Awaitable[None]], signals: WorkerS
     @functools.wraps(serve)
     async def worker_serve(*args: Any, shutdown_trigger: Callable[..., Awaitable[None]] | None = None,
                            **kwargs: Any) -> None:
-        first = signals.take()
+        first = signals.take(supervised=shutdown_trigger is not None)
 
         async def stop_trigger() -> None:
             number = await first()

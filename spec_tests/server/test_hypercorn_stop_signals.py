@@ -7,16 +7,22 @@ running or in /dev/shm. A second stop signal while the drain is under way ends i
 stream-serve``: exit 128 + the first signal (hypercorn's supervisor drops its worker's status and exits 0), one line,
 no traceback, nothing left.
 
+SIGHUP is hypercorn's word for a reload: under its supervisor the worker that gets it (from the process group, as a
+closed terminal sends it, or alone) drains its sessions, and a new worker serves; under ``hypercorn --workers 0`` (no
+supervisor, no reload) it stops the server as SIGTERM does, unless it was ignored as hypercorn started (``nohup``).
+
 Before: a group SIGTERM ended the worker by the signal's default action (no drain, no ``done``; README said to use
 ``KillMode=mixed``), and so did one to the worker alone; a second signal under ``hypercorn --workers 0`` met Python's
 default action (death by SIGTERM, or a KeyboardInterrupt traceback after Ctrl-C), and a second Ctrl-C under the
-supervisor did nothing (its worker ignored SIGINT).
+supervisor did nothing (its worker ignored SIGINT). SIGHUP ended the worker, or ``--workers 0``'s one process, by
+its default action: no drain, no ``done``, and the supervisor stopped rather than reload (its worker was killed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +52,13 @@ def segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith(("cl_", "sem.mp-"))}
 
 
+def command_line(pid: int) -> bytes:
+    """A process's command line; empty once it ended."""
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
+
+
 class Hypercorn:
     """``hypercorn server:app`` in a process group of its own (``start_new_session``), its log kept."""
 
@@ -62,9 +75,10 @@ class Hypercorn:
         async for data in self.process.stderr:
             self.log.extend(data)
 
-    async def serving(self) -> None:
+    async def serving(self, workers: int = 1) -> None:
+        """Once the ``workers``-th worker process hypercorn started serves, its pipeline loaded."""
         with trio.fail_after(START_DEADLINE):
-            while not RUNNING.search(self.log):
+            while len(RUNNING.findall(self.log)) < workers:
                 assert self.process.returncode is None, self.text()
                 await trio.sleep(0.05)  # bench-cost: hypercorn spawns its worker, which imports the app
             self.url = RUNNING.search(self.log).group(1).decode()  # type: ignore[union-attr]
@@ -87,11 +101,15 @@ class Hypercorn:
                 heard.append(await controller.receive())
         return controller, live["session_id"], heard
 
-    def worker(self) -> int:
-        """hypercorn's worker process: the child its supervisor spawned (not the supervisor's resource tracker)."""
+    def workers(self) -> list[int]:
+        """hypercorn's worker processes: the children its supervisor spawned (not the supervisor's resource tracker)."""
         children = [pid for pid in process_tree(self.process.pid) if parent_of(pid) == self.process.pid]
-        workers = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(workers) == 1, (children, workers)
+        return [pid for pid in children if b"spawn_main" in command_line(pid)]
+
+    def worker(self) -> int:
+        """hypercorn's one worker process."""
+        workers = self.workers()
+        assert len(workers) == 1, workers
         return workers[0]
 
     async def ended(self) -> int:
@@ -101,8 +119,9 @@ class Hypercorn:
         return self.process.returncode
 
 
-async def start(options: list[str], **env: str) -> Hypercorn:
-    command = [sys.executable, "-m", "hypercorn", *options, "--bind", "127.0.0.1:0", APP_TARGET]
+async def start(options: list[str], prefix: tuple[str, ...] = (), **env: str) -> Hypercorn:
+    """hypercorn started with ``options``, through ``prefix`` (``nohup``) if any."""
+    command = [*prefix, sys.executable, "-m", "hypercorn", *options, "--bind", "127.0.0.1:0", APP_TARGET]
     process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=server_env() | env,
                                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.PIPE, start_new_session=True)
@@ -171,6 +190,8 @@ SECOND_CASES = [  # (hypercorn's options, worker mode, the signal (sent twice), 
     pytest.param(["--workers", "0", "--worker-class", "trio"], "in-process", signal.SIGTERM, False, 143,
                  id="one-process-trio-SIGTERM"),
     pytest.param(["--workers", "0"], "process", signal.SIGINT, True, 130, id="one-process-asyncio-process-Ctrl-C"),
+    pytest.param(["--workers", "0", "--worker-class", "trio"], "in-process", signal.SIGHUP, False, 129,
+                 id="one-process-trio-SIGHUP"),
     # the supervisor drops its worker's status (README, Known limits): the worker's end is read in its log
     pytest.param(["--worker-class", "trio"], "in-process", signal.SIGTERM, True, 0, id="supervised-trio-group-SIGTERM"),
 ]
@@ -210,3 +231,114 @@ async def test_a_second_stop_signal_while_hypercorn_drains_ends_it_now_leaving_n
         kill_what_is_left(tree)
     assert f"exiting now (exit {128 + signum})".encode() in hypercorn.log, hypercorn.text()
     assert b"Traceback" not in hypercorn.log, hypercorn.text()
+
+
+async def heard_to_the_end(controller: RoomClient, heard: list[Any]) -> list[Any]:
+    """What the room said until it closed (or EXIT_DEADLINE passed); the ``done`` messages' payloads."""
+    with trio.move_on_after(EXIT_DEADLINE):
+        while (message := await controller.receive()) is not None:
+            heard.append(message)
+    await controller.aclose()
+    return [m["payload"] for m in heard if status_of(m) == "done"]
+
+
+#: a SIGHUP to the process group kills multiprocessing's resource tracker in it (it ignores SIGINT and SIGTERM only):
+#: hypercorn's supervisor starts another as it spawns the new worker, which does not know the shutdown event's
+#: semaphores when the supervisor unlinks them as it exits
+TRACKER_RELAUNCHED = re.compile(rb"[^\n]*resource_tracker\.py:\d+: UserWarning: resource_tracker: process died "
+                                rb"unexpectedly, relaunching\.  Some resources might leak\.\n"
+                                rb"  warnings\.warn\([^\n]*\n")
+TRACKER_FORGOT = re.compile(rb"Traceback \(most recent call last\):\n  File \"[^\"]*resource_tracker\.py\", line \d+, "
+                            rb"in main\n    cache\[rtype\]\.remove\(name\)\nKeyError: '/mp-[^']*'\n")
+RELOAD_CASES = [  # (hypercorn's options, who gets the SIGHUP)
+    pytest.param(["--worker-class", "trio"], "group", id="trio-group-SIGHUP"),
+    pytest.param([], "worker", id="asyncio-worker-SIGHUP"),
+]
+
+
+@pytest.mark.parametrize(("options", "whom"), RELOAD_CASES)
+async def test_sighup_under_hypercorns_supervisor_drains_its_worker_and_a_new_one_serves(
+        options: list[str], whom: str) -> None:
+    """hypercorn's supervisor takes SIGHUP for a reload: its worker drains (through the shutdown event), exits 0, and a
+    new worker starts. A SIGHUP to the process group (a closed terminal) reaches the worker too, and one may reach the
+    worker alone: either way the worker drains (its client gets ``done``) and a new worker serves, as the reload
+    does; nothing is passed on to the supervisor, which then stops on SIGTERM as ever, leaving nothing behind."""
+    before = segments()
+    hypercorn = await start(options, CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE="in-process")
+    tree: set[int] = set()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hypercorn.read_log)
+            await hypercorn.serving()
+            controller, _, heard = await hypercorn.streaming_controller()
+            first = hypercorn.worker()
+            tree = process_tree(hypercorn.process.pid)
+            if whom == "group":
+                os.killpg(hypercorn.process.pid, signal.SIGHUP)
+            else:
+                os.kill(first, signal.SIGHUP)
+            done = await heard_to_the_end(controller, heard)
+            assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
+            await hypercorn.serving(workers=2)  # the reload's new worker
+            assert hypercorn.worker() != first and not pid_alive(first), hypercorn.text()
+            again, _, _ = await hypercorn.streaming_controller()
+            await again.aclose()
+            tree |= process_tree(hypercorn.process.pid)
+            hypercorn.process.send_signal(signal.SIGTERM)
+            assert await hypercorn.ended() == 0, hypercorn.text()
+            await nothing_left(tree, before, hypercorn)
+            nursery.cancel_scope.cancel()
+    finally:
+        await end_process(hypercorn.process)
+        kill_what_is_left(tree)
+    assert b"hypercorn's reload" in hypercorn.log, hypercorn.text()
+    log = bytes(hypercorn.log)
+    if whom == "group":  # the supervisor's resource tracker (README, Known limits), not chunkline's
+        log = TRACKER_RELAUNCHED.sub(b"", TRACKER_FORGOT.sub(b"", log))
+    assert b"Traceback" not in log and b"exiting now" not in log and b"Warning" not in log, hypercorn.text()
+
+
+ONE_PROCESS_CASES = [  # (hypercorn's options, worker mode, started under nohup?)
+    pytest.param(["--worker-class", "trio"], "process", False, id="trio-process-SIGHUP"),
+    pytest.param([], "in-process", True, id="asyncio-SIGHUP-under-nohup-then-SIGTERM"),
+]
+
+
+@pytest.mark.parametrize(("options", "worker_mode", "nohup"), ONE_PROCESS_CASES)
+async def test_sighup_stops_hypercorn_workers_0_as_sigterm_does_unless_ignored_as_it_started(
+        options: list[str], worker_mode: str, nohup: bool) -> None:
+    """Under ``hypercorn --workers 0`` no supervisor reloads anything: SIGHUP (a closed terminal) is a stop signal, as
+    under ``chunkline stream-serve``: the sessions drain (``done``), exit 0 as after SIGTERM's drain, nothing left.
+    Ignored as hypercorn started (``nohup``), it stays ignored: the session streams on, and SIGTERM stops it."""
+    before = segments()
+    hypercorn = await start(["--workers", "0", *options], ("nohup",) if nohup else (),
+                            CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE=worker_mode)
+    tree: set[int] = set()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hypercorn.read_log)
+            await hypercorn.serving()
+            controller, _, heard = await hypercorn.streaming_controller()
+            tree = process_tree(hypercorn.process.pid)
+            hypercorn.process.send_signal(signal.SIGHUP)
+            if nohup:  # two more chunks (a key held: the toy world streams on), no drain
+                await controller.send_json({"topic": "tf.control", "payload": {"type": "control_state",
+                                                                              "controls": ["w"]}})
+                chunks = sum(status_of(m) == "chunk" for m in heard) + 2
+                with trio.move_on_after(EXIT_DEADLINE):
+                    while sum(status_of(m) == "chunk" for m in heard) < chunks:
+                        heard.append(message := await controller.receive())
+                        assert message is not None and status_of(message) != "done", (heard[-3:], hypercorn.text())
+                assert sum(status_of(m) == "chunk" for m in heard) == chunks, ([status_of(m) for m in heard],
+                                                                                 hypercorn.text())
+                hypercorn.process.send_signal(signal.SIGTERM)
+            done = await heard_to_the_end(controller, heard)
+            assert await hypercorn.ended() == 0, hypercorn.text()
+            assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
+            await nothing_left(tree, before, hypercorn)
+            nursery.cancel_scope.cancel()
+    finally:
+        await end_process(hypercorn.process)
+        kill_what_is_left(tree)
+    assert (b"(SIGHUP)" in hypercorn.log) is not nohup, hypercorn.text()
+    assert b"Traceback" not in hypercorn.log and b"exiting now" not in hypercorn.log, hypercorn.text()
