@@ -36,6 +36,7 @@ log = logging.getLogger("chunkline.supervisor")
 
 MONITOR_POLL = 0.1  # seconds between the monitor's checks of its deadlines
 PIPE_CLOSED_GRACE = 1.0  # seconds a child that closed its pipe gets to exit before it is killed
+REAPED_ELSEWHERE_WAIT = 1.0  # seconds another thread that reaped a child has to record its exit code
 
 
 @attrs.frozen
@@ -284,8 +285,9 @@ class ChildMonitor:
         with slot.send_lock:
             slot.conn_open = False
             slot.conn.close()
-        exitcode = slot.proc.exitcode
-        slot.proc.close()
+        exitcode = _exit_code_once_recorded(slot.proc)
+        if exitcode is not None:
+            slot.proc.close()
         with self.changed:
             slot.exitcode = exitcode
             slot.life.apply(Event.EXIT)
@@ -352,3 +354,19 @@ class ChildMonitor:
             self._on_exit(record)
         except Exception:
             log.exception("%s: on_exit raised for child %s", self.name, record.index)
+
+
+def _exit_code_once_recorded(proc: Any) -> int | None:
+    """The exit code of a child whose sentinel fired.
+
+    Every ``Process.start`` and ``active_children`` in this process polls all its children (multiprocessing's
+    ``_cleanup``), on whatever thread calls it: one that reaps this child between its exit and ``join`` here leaves
+    ``join`` an ECHILD, and it returns with no code, which that thread records a moment later (``close`` raised
+    "Cannot close a process while it is still running" meanwhile, once, under a group Ctrl-C). None if it never
+    comes: the child is gone all the same.
+    """
+    deadline = time.monotonic() + REAPED_ELSEWHERE_WAIT
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.001)  # bench-cost: only when another thread reaped the child first, for its recording
+    return proc.exitcode
+
