@@ -6,6 +6,13 @@ child ends) plus a watchdog thread that notices ``os.getppid()`` changing, for w
 is not available or was not asked for. Standard library only: it runs in the child before
 anything else is imported.
 
+A child whose parent decides when it stops (a rank, a service child) also ignores the stop signals
+that reach a whole process group (:data:`GROUP_STOP_SIGNALS`, :func:`ignore_group_stop_signals`):
+systemd's default ``KillMode=control-group``, ``kill -TERM -PGID``, Ctrl-C and a closed terminal's
+SIGHUP signal every process of the server, and a rank that died of it failed the session its
+server was draining. Such a child still ends by its parent's goodbye, by SIGKILL from the
+supervisor's escalation, or by the parent-death signal.
+
 The parent's end, for a process about to end at once with ``os._exit`` (a second stop signal)
 (:func:`end_descendants_now`): the parent-death signal alone left work behind. It kills only the
 spawner's direct children, and the shared memory they made stayed in /dev/shm; their own
@@ -22,13 +29,30 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["PARENT_GONE_EXIT_CODE", "bind_to_parent", "descendants", "end_descendants_now"]
+__all__ = [
+    "GROUP_STOP_SIGNALS",
+    "PARENT_GONE_EXIT_CODE",
+    "bind_to_parent",
+    "descendants",
+    "end_descendants_now",
+    "ignore_group_stop_signals",
+]
 
 PARENT_GONE_EXIT_CODE = 70  # a child's exit code when its parent died first
 WATCHDOG_INTERVAL = 0.2  # seconds between the child's checks that its parent lives
 #: seconds :func:`end_descendants_now` waits for the processes it killed to be gone (SIGKILL takes milliseconds)
 KILLED_WAIT = 2.0
 _PR_SET_PDEATHSIG = 1
+#: the stop signals a service manager or a terminal sends to every process of a group; a child whose parent decides
+#: when it stops ignores them (its parent drains its sessions first, then says goodbye)
+GROUP_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def ignore_group_stop_signals() -> None:
+    """Ignore :data:`GROUP_STOP_SIGNALS` in this process (and in what it spawns: an ignored signal stays ignored
+    across ``exec``). Its end is then its parent's goodbye, SIGKILL, or the parent-death signal."""
+    for number in GROUP_STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
 
 
 def bind_to_parent(config: dict[str, Any]) -> None:

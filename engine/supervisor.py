@@ -26,7 +26,10 @@ child and easy to get subtly wrong, and leaves the wire format to its owner::
   ``on_exit(ChildExit)`` says how (``expected`` when a stop had been asked for).
 - **Stop** is bounded: the owner's goodbye message, then SIGTERM after
   ``close_timeout``, then SIGKILL ``kill_grace`` later (the escalation is the
-  table in :mod:`states.child_process`).
+  table in :mod:`states.child_process`). chunkline's own children (ranks, service
+  children) ignore SIGTERM, as a signal to the whole process group must not end
+  them (:func:`engine.supervised_child.ignore_group_stop_signals`): for them the
+  SIGTERM step is only a wait, and SIGKILL ends what the goodbye did not.
 - **Heartbeat deadline** (``heartbeat_timeout``): a running child that sends
   nothing for that long is killed, with that cause in its :class:`ChildExit`. The
   child side must then send something (a heartbeat) at least that often.

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from .supervised_child import bind_to_parent
+from .supervised_child import bind_to_parent, ignore_group_stop_signals
 from .timer_slack import STAGE_TIMER_SLACK_NS, set_thread_timer_slack
 from .worker_wire import (
     Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, load_value,
@@ -56,7 +55,7 @@ def resolve_factory(factory: str | Callable[..., Any]) -> Callable[..., Any]:
 
 def child_main(conn: Any, config: dict[str, Any]) -> None:
     """Entry point of one rank process (the target of a spawn-context Process)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when ranks stop
+    ignore_group_stop_signals()  # the parent decides when ranks stop: not a signal to the whole process group
     bind_to_parent(config)
     set_thread_timer_slack(STAGE_TIMER_SLACK_NS)  # a rank runs model code on this thread, as a stage thread does
 

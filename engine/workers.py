@@ -14,7 +14,8 @@ Same interface as :class:`engine.parallel_actor.InProcessWorkerGroup`, so a
 ``start`` is separate from the constructor, so building a group never blocks
 or spawns. The ranks are children of one :class:`engine.supervisor.Supervisor`
 (spawned from its monitor thread, bound to this process's life, stopped
-politely, then with SIGTERM, then SIGKILL, and reaped), which hands every reply
+politely, then with SIGKILL, and reaped: a rank ignores SIGTERM, SIGINT and SIGHUP, which a stop signal to the
+whole process group brings it, so the supervisor's SIGTERM only starts ``kill_grace``), which hands every reply
 to the group and tells it of every exit: a rank that dies fails the group
 within milliseconds. The group's lifecycle is the table in
 :mod:`states.process_group`. A failed group fails every pending and
@@ -187,7 +188,7 @@ class ProcessWorkerGroup:
     methods sent to rank 0 alone. Timeouts in seconds: ``call_timeout`` (None: wait,
     but a failure always interrupts; it also bounds sending a call to a rank: one that
     reads none of it for that long is killed, which fails the group), ``close_timeout`` (graceful shutdown, after
-    which ranks are terminated, then killed, ``kill_grace`` apart). The ranks are
+    which ranks are killed, ``kill_grace`` later: they ignore the SIGTERM sent between). The ranks are
     daemonic processes, so they cannot spawn multiprocessing children of their own.
     """
 
@@ -430,7 +431,7 @@ class ProcessWorkerGroup:
 
         Ranks get a shutdown message (each runs its rank object's ``close()``) and
         ``timeout`` seconds (default ``close_timeout``; at most ``kill_grace`` once the
-        group has failed) to exit; then SIGTERM, then SIGKILL, ``kill_grace`` apart.
+        group has failed) to exit; then SIGTERM (which a rank ignores), then SIGKILL, ``kill_grace`` apart.
         Returns once every rank is joined and every pipe closed: within about
         ``timeout + 3 * kill_grace``. Pending calls fail with :class:`WorkerGroupClosed`.
         """

@@ -57,8 +57,9 @@ the service back instead of letting chunks pile up.
 
 Closing is bounded: leaving ``running()`` (or :meth:`ProcessService.close`)
 asks the child to leave the service's ``running()`` and exit, then after
-``close_timeout`` seconds terminates it, then kills it ``kill_grace`` later;
-it returns once the child is reaped and every pipe is closed.
+``close_timeout`` seconds terminates it, then kills it ``kill_grace`` later
+(the child ignores SIGTERM, as it does a stop signal to the whole process
+group: SIGKILL ends it); it returns once the child is reaped and every pipe is closed.
 
 Every call waits for the child's answer for at most its own deadline (:class:`CallDeadlines`: entering
 ``running()``, ``create_session``, ``push_control``, ``close_session``; ``call_deadlines=`` of

@@ -19,14 +19,13 @@ import logging
 import math
 import os
 import queue
-import signal
 import threading
 import traceback
 from typing import Any
 
 import trio
 
-from engine.supervised_child import bind_to_parent
+from engine.supervised_child import bind_to_parent, ignore_group_stop_signals
 
 from . import wire
 
@@ -40,11 +39,10 @@ HEARTBEAT_PERIOD = 1.0  # seconds between the child's heartbeats while its trio 
 
 def child_main(conn: Any, config: dict[str, Any]) -> None:
     """Entry point of the service process (the target of a spawn-context Process)."""
-    # the parent decides when the service stops: Ctrl-C or a SIGTERM sent to the whole process
-    # group (a terminal, `timeout`, a container runtime) must not kill the model under live sessions;
-    # the parent drains them and then stops this process (and SIGKILL on parent death still applies)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # the parent decides when the service stops: Ctrl-C, a SIGTERM or a closed terminal's SIGHUP sent to the whole
+    # process group (a terminal, `timeout`, systemd, a container runtime) must not kill the model under live
+    # sessions; the parent drains them and then stops this process (and SIGKILL on parent death still applies)
+    ignore_group_stop_signals()
     bind_to_parent(config)
     os.environ.update(config.get("environment") or {})
     from pipelines.loader import OptionsNotAccepted, load_service, offered_taken

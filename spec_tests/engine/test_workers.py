@@ -171,6 +171,20 @@ def test_close_is_bounded_when_a_rank_ignores_shutdown_and_sigterm(groups):
     assert_no_children(group.pids)
 
 
+def test_a_stop_signal_to_the_whole_process_group_leaves_the_ranks_to_their_group(groups):
+    """systemd's ``KillMode=control-group``, ``kill -TERM -PGID``, Ctrl-C or a closed terminal signal every rank too:
+    the parent decides when they stop (it drains first). A rank ignored only SIGINT: SIGTERM or SIGHUP killed it,
+    and the group failed under the session being drained."""
+    group = groups(f"{RANKS}:FailingCloseRank", world_size=1).start()
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        os.kill(group.pids[0], number)
+    assert group.call("step", 2)() == 2  # the pipe is in order: each signal came before this call was read
+    group.close()
+    assert not group.failed and group.exit_codes == {0: 0}, group.failure_reason
+    assert "could not release its cache" in group.close_errors[0]  # its close() ran: it left by the goodbye
+    assert_no_children(group.pids)
+
+
 def test_close_fails_calls_still_pending(groups):
     group = groups(world_size=1, close_timeout=0.2, kill_grace=0.3).start()
     pending = group.call("block")
