@@ -20,18 +20,24 @@ trio run:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import trio
 
 from server.transport.client import RoomClient
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 IDLE_CACHE_THREAD = "Trio thread "
 
@@ -91,6 +97,52 @@ def process_tree(root: int) -> set[int]:
     while grown := {pid for pid, parent in parents.items() if parent in tree} - tree:
         tree |= grown
     return tree
+
+
+STREAM_SERVE = ["-c", "import sys; from server.cli import main; sys.exit(main())", "stream-serve"]
+#: every stage of the toy world in a rank process of its own, on the CPU
+CPU_PLACEMENT = ('{"mode": "process", "encode": {"devices": ["cpu"]}, "denoise": {"devices": ["cpu"]}, '
+                 '"decode": {"devices": ["cpu"]}}')
+
+
+def stream_serve_command(*arguments: str) -> list[str]:
+    """``chunkline stream-serve ARGUMENTS`` through this interpreter (the checkout's code first on its path)."""
+    return [sys.executable, *STREAM_SERVE, *arguments]
+
+
+def stream_serve_env() -> dict[str, str]:
+    """This environment without ``CHUNKLINE_*``, with the checkout first on the path and timeouts long enough that no
+    session ends on its own while a test signals the server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env.update(CHUNKLINE_CONTROLLER_TIMEOUT="3600", CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600",
+               PYTHONPATH=str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def channel_segments() -> set[str]:
+    """The tensor channels' shared-memory segments now in /dev/shm (``cl_<owner pid>-...``)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("cl_")}
+
+
+def segment_owner(segment: str) -> int:
+    """The pid of the process that made a channel segment."""
+    return int(segment[len("cl_"):].split("-", 1)[0])
+
+
+def kill_what_is_left(tree: set[int]) -> None:
+    """SIGKILL every process of ``tree`` still alive (a test's cleanup after a failure)."""
+    for pid in tree:
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def processes_left(tree: set[int], deadline: float) -> list[int]:
+    """The processes of ``tree`` still alive once ``deadline`` wall seconds passed (or at once when none is)."""
+    with trio.move_on_after(deadline):
+        while any(pid_alive(pid) for pid in tree):
+            await trio.sleep(0.05)  # bench-cost: real-time poll of processes that are not ours to wait on
+    return [pid for pid in tree if pid_alive(pid)]
 
 
 class Leaks:

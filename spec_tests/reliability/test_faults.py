@@ -24,7 +24,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from ..server.runner_fixtures import (
     settings,
 )
 from .fault_pipelines import EngineService, HookExploded, process_denoise_actor
-from .helpers import Leaks, RawWebSocket, wait_until
+from .helpers import Leaks, RawWebSocket, stream_serve_command, stream_serve_env, wait_until
 from ..processes import end_process
 from ..virtual_time import elapse
 
@@ -328,13 +327,9 @@ async def test_sigterm_drains_live_sessions_and_exits_0(workers: str) -> None:
     """``local``: the worker is a ``chunkline worker`` agent process; the authority drains it the same way."""
     import httpx
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    env.update(CHUNKLINE_CONTROLLER_TIMEOUT="3600", CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600",
-               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    command = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
-               "stream-serve", "pipelines/replay", "--port", "0", "--workers", workers]
+    command = stream_serve_command("pipelines/replay", "--port", "0", "--workers", workers)
     leaks = Leaks()
-    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
+    process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=stream_serve_env(), stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = bytearray()
     found = trio.Event()

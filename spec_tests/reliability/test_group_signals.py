@@ -12,12 +12,10 @@ ran); ``spec_tests/engine/test_workers.py`` shows the rank's side.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -25,26 +23,15 @@ import httpx
 import pytest
 import trio
 
-from .helpers import RawWebSocket, pid_alive, process_tree
+from .helpers import (CPU_PLACEMENT, REPO_ROOT, RawWebSocket, channel_segments, kill_what_is_left, process_tree,
+                      processes_left, segment_owner, stream_serve_command, stream_serve_env)
 from ..processes import end_process
+from ..server.test_hypercorn import status_of
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
-PLACEMENT = ('{"mode": "process", "encode": {"devices": ["cpu"]}, "denoise": {"devices": ["cpu"]}, '
-             '"decode": {"devices": ["cpu"]}}')
 START_DEADLINE = 180.0  # wall seconds: the ranks (and the service child) import torch and build the model
 EXIT_DEADLINE = 30.0  # from the signal to the server's exit: a drain of one session (a chunk or two)
 GONE_DEADLINE = 5.0  # for every process of the tree to be gone once the server has exited
-
-
-def segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("cl_")}
-
-
-def status_of(message: Any) -> str | None:
-    if isinstance(message, dict) and message.get("topic") == "tf.status":
-        return message["payload"].get("type")
-    return None
 
 
 CASES = [  # (worker mode, the signal to the group); every case's stages run in rank processes
@@ -55,13 +42,11 @@ CASES = [  # (worker mode, the signal to the group); every case's stages run in 
 
 @pytest.mark.parametrize(("worker_mode", "signum"), CASES)
 async def test_a_stop_signal_to_the_servers_process_group_drains_its_sessions(worker_mode: str, signum: int) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    env.update(CHUNKLINE_CONTROLLER_TIMEOUT="3600", CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600",
-               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    command = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())", "stream-serve",
-               "pipelines/toy_world", "--port", "0", "--placement", PLACEMENT, "--worker-mode", worker_mode]
-    before = segments()
-    process = await trio.lowlevel.open_process(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+    command = stream_serve_command("pipelines/toy_world", "--port", "0", "--placement", CPU_PLACEMENT,
+                                   "--worker-mode", worker_mode)
+    before = channel_segments()
+    process = await trio.lowlevel.open_process(command, cwd=REPO_ROOT, env=stream_serve_env(),
+                                               stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                start_new_session=True)  # its own process group, as under systemd
     log = bytearray()
@@ -112,17 +97,12 @@ async def test_a_stop_signal_to_the_servers_process_group_drains_its_sessions(wo
             assert process.returncode == 0, summary
             done = [m["payload"] for m in heard if status_of(m) == "done"]
             assert len(done) == 1 and done[0]["reason"] == "shutdown" and "error" not in statuses, summary
-            with trio.move_on_after(GONE_DEADLINE):
-                while left := [pid for pid in tree if pid_alive(pid)]:
-                    await trio.sleep(0.05)  # bench-cost: real-time poll of processes that are not ours to wait on
+            left = await processes_left(tree, GONE_DEADLINE)
             assert left == [], f"still running: {left}\n{text()}"
-            ours = sorted(name for name in segments() - before if int(name[3:].split("-", 1)[0]) in tree)
+            ours = sorted(name for name in channel_segments() - before if segment_owner(name) in tree)
             assert ours == [], ours
             nursery.cancel_scope.cancel()
     finally:
         await end_process(process)
-        for pid in tree:
-            if pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        kill_what_is_left(tree)
     assert b"Traceback" not in log, text()

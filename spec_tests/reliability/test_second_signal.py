@@ -9,44 +9,29 @@ process`` the abort ended the server but the service process died by its parent-
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 
 import httpx
 import pytest
 import trio
 
-from .helpers import RawWebSocket, process_tree
+from .helpers import (CPU_PLACEMENT, REPO_ROOT, RawWebSocket, channel_segments, process_tree, segment_owner,
+                      stream_serve_command, stream_serve_env)
 from ..processes import end_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SERVING = re.compile(rb"chunkline: serving \S+ on (http://127\.0\.0\.1:(\d+))")
-PLACEMENT = ('{"mode": "process", "encode": {"devices": ["cpu"]}, "denoise": {"devices": ["cpu"]}, '
-             '"decode": {"devices": ["cpu"]}}')
 START_DEADLINE = 180.0  # wall seconds: the service and its ranks import torch and build the model (a loaded host)
 EXIT_DEADLINE = 60.0
 
 
-def segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("cl_")}
-
-
-def owner(segment: str) -> int:
-    return int(segment[len("cl_"):].split("-", 1)[0])
-
-
 @pytest.mark.parametrize("worker_mode", ["in-process", "process"])
 async def test_a_second_sigterm_after_the_drain_ends_the_server_and_leaves_no_shared_memory(worker_mode: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    env.update(CHUNKLINE_CONTROLLER_TIMEOUT="3600", CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600",
-               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    command = [sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())", "stream-serve",
-               "pipelines/toy_world", "--port", "0", "--placement", PLACEMENT, "--worker-mode", worker_mode]
-    before = segments()
-    process = await trio.lowlevel.open_process(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+    command = stream_serve_command("pipelines/toy_world", "--port", "0", "--placement", CPU_PLACEMENT,
+                                   "--worker-mode", worker_mode)
+    before = channel_segments()
+    process = await trio.lowlevel.open_process(command, cwd=REPO_ROOT, env=stream_serve_env(), stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     log = bytearray()
     changed = trio.Event()
@@ -87,7 +72,7 @@ async def test_a_second_sigterm_after_the_drain_ends_the_server_and_leaves_no_sh
                             and message["payload"].get("type") == "chunk":
                         break
             # the server's and its service process's (not those of other tests' processes running meanwhile)
-            ours = {owner(name) for name in segments() - before} & process_tree(process.pid)
+            ours = {segment_owner(name) for name in channel_segments() - before} & process_tree(process.pid)
             assert ours, "the session's channels hold segments in /dev/shm"
             process.send_signal(signal.SIGTERM)
             with trio.fail_after(EXIT_DEADLINE):
@@ -101,7 +86,7 @@ async def test_a_second_sigterm_after_the_drain_ends_the_server_and_leaves_no_sh
             # signal's default action (-15), and either way nothing is left
             assert rc in (0, 143), text
             assert rc == 0 or "exiting now" in text, text
-            left = sorted(name for name in segments() - before if owner(name) in ours)
+            left = sorted(name for name in channel_segments() - before if segment_owner(name) in ours)
             assert not left, f"{len(left)} segments left: {left[:5]}\n{text}"
             nursery.cancel_scope.cancel()
     finally:

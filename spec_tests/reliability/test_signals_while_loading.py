@@ -13,7 +13,6 @@ service child, still loading, died by its parent-death signal and left its segme
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ..cluster.conftest import ROOT, TOKEN, Process, chunkline, clean_env
-from .helpers import pid_alive, process_tree
+from .helpers import channel_segments, pid_alive, process_tree, segment_owner
 
 PIPE = "spec_tests/reliability/gated_segments_world.py"
 START_DEADLINE = 180.0  # wall seconds: a service child imports torch before it loads (a loaded host)
@@ -41,14 +40,6 @@ CASES = [  # (command, worker mode, signal, signals sent, port): each case its o
 ]
 
 
-def segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("cl_")}
-
-
-def owner(segment: str) -> int:
-    return int(segment[len("cl_"):].split("-", 1)[0])
-
-
 def until(done: object, what: str, deadline: float, process: Process) -> None:
     give_up = time.monotonic() + deadline
     while not done():  # type: ignore[operator]
@@ -62,7 +53,7 @@ def loading_tree(process: Process, gate: Path, before: set[str]) -> set[int]:
     assert process.popen.poll() is None, process.text()
     tree = process_tree(process.popen.pid)
     # the process's or its service child's (not those of other tests' processes made meanwhile)
-    ours = {owner(name) for name in segments() - before} & tree
+    ours = {segment_owner(name) for name in channel_segments() - before} & tree
     assert ours, f"the load holds a tensor channel in /dev/shm:\n{process.text()}"
     return tree
 
@@ -81,7 +72,7 @@ def nothing_left(process: Process, tree: set[int], before: set[str], log: str) -
     """No process of the tree alive, no /dev/shm segment of it left."""
     children = tree - {process.popen.pid}
     until(lambda: not any(pid_alive(pid) for pid in children), "its children to be gone", GONE_DEADLINE, process)
-    left = sorted(name for name in segments() - before if owner(name) in tree)
+    left = sorted(name for name in channel_segments() - before if segment_owner(name) in tree)
     assert not left, f"{len(left)} segments left: {left[:5]}\n{log}"
 
 
@@ -89,7 +80,7 @@ def nothing_left(process: Process, tree: set[int], before: set[str], log: str) -
 def test_a_stop_signal_while_the_pipeline_loads_ends_the_process_now_leaving_nothing(
         tmp_path: Path, command: str, worker_mode: str, signum: int, times: int, port: int) -> None:
     where = ["--authority", f"tcp://127.0.0.1:{port}"] if command == "worker" else ["--port", str(port)]
-    before = segments()
+    before = channel_segments()
     process = Process(chunkline(command, PIPE, *where, "--worker-mode", worker_mode),
                       clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, GATED_WORLD=str(tmp_path)))
     try:
@@ -125,7 +116,7 @@ def test_a_stop_signal_while_the_pipeline_loads_ends_hypercorn_now_leaving_nothi
     """Under ``hypercorn server:app`` as under stream-serve: after the (empty) drain the worker ends at once, its
     load abandoned with its children and their segments. Before, the app's shutdown waited for the load to return
     (the gate's 60 s here), and the exit was 0."""
-    before = segments()
+    before = channel_segments()
     command = [sys.executable, "-m", "hypercorn", *options, "--bind", f"127.0.0.1:{port}", "server:app"]
     process = Process(command, clean_env(CHUNKLINE_PIPELINE=PIPE, CHUNKLINE_WORKER_MODE=worker_mode,
                                          GATED_WORLD=str(tmp_path)))

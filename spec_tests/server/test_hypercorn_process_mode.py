@@ -23,16 +23,12 @@ import trio
 from server.transport.client import RoomClient
 
 from ..processes import end_process
-from ..reliability.helpers import pid_alive, process_tree
+from ..reliability.helpers import channel_segments, pid_alive, process_tree, segment_owner
 from .test_hypercorn import APP_TARGET, ROOT, RUNNING, SESSIONS, semaphores_left_behind, server_env, status_of
 
 START_DEADLINE = 120.0  # wall seconds: the service child imports torch and loads the toy world (a loaded host)
 EXIT_DEADLINE = 15.0  # from the signal to the supervisor's exit, and to the orphaned worker's drained end
 GONE_DEADLINE = 5.0  # for the worker and its service child to be gone once the supervisor has exited
-
-
-def segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("cl_")}
 
 
 def below_the_worker(supervisor: int) -> list[int]:
@@ -71,7 +67,7 @@ def stop(process: trio.Process, how: str) -> None:
     ("trio", "SIGTERM", 0), ("asyncio", "Ctrl-C", 0), ("trio", "supervisor SIGKILL", -signal.SIGKILL)])
 async def test_supervised_hypercorn_runs_process_workers_and_every_stop_leaves_nothing(
         worker_class: str, how: str, status: int) -> None:
-    before, semaphores = segments(), set(os.listdir("/dev/shm"))
+    before, semaphores = channel_segments(), set(os.listdir("/dev/shm"))
     command = [sys.executable, "-m", "hypercorn", "--worker-class", worker_class, "--bind", "127.0.0.1:0", APP_TARGET]
     env = server_env() | {"CHUNKLINE_PIPELINE": "pipelines/toy_world", "CHUNKLINE_WORKER_MODE": "process"}
     process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
@@ -127,7 +123,7 @@ async def test_supervised_hypercorn_runs_process_workers_and_every_stop_leaves_n
             if pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    ours = sorted(name for name in segments() - before if int(name[len("cl_"):].split("-", 1)[0]) in tree)
+    ours = sorted(name for name in channel_segments() - before if segment_owner(name) in tree)
     assert ours == [], ours
     assert await semaphores_left_behind(semaphores) == []
     assert b"Traceback" not in log and b"daemonic" not in log, log.decode(errors="replace")[-3000:]

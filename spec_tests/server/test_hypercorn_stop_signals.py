@@ -26,9 +26,11 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -37,7 +39,7 @@ from server.transport.client import RoomClient
 
 from ..pipelines.hung_stage_world import HANG_FROM
 from ..processes import end_process
-from ..reliability.helpers import pid_alive, process_tree
+from ..reliability.helpers import kill_what_is_left, pid_alive, process_tree, processes_left, segment_owner
 from .test_hypercorn import APP_TARGET, ROOT, RUNNING, SESSIONS, semaphores_left_behind, server_env, status_of
 from .test_hypercorn_process_mode import parent_of
 
@@ -128,22 +130,56 @@ async def start(options: list[str], prefix: tuple[str, ...] = (), **env: str) ->
     return Hypercorn(process)
 
 
-async def nothing_left(tree: set[int], before: set[str], hypercorn: Hypercorn) -> None:
-    with trio.move_on_after(GONE_DEADLINE):
-        while left := [pid for pid in tree if pid_alive(pid)]:
-            await trio.sleep(0.05)  # bench-cost: real-time poll of processes that are not ours to wait on
-    assert left == [], f"still running: {left}\n{hypercorn.text()}"
-    ours = sorted(name for name in segments() - before
-                  if name.startswith("cl_") and int(name[len("cl_"):].split("-", 1)[0]) in tree)
-    assert ours == [], ours
-    assert await semaphores_left_behind(before) == []  # the supervisor's shutdown event's
+async def heard_to_the_end(controller: RoomClient, heard: list[Any]) -> list[Any]:
+    """What the room said until it closed (or EXIT_DEADLINE passed); the ``done`` messages' payloads."""
+    with trio.move_on_after(EXIT_DEADLINE):
+        while (message := await controller.receive()) is not None:
+            heard.append(message)
+    await controller.aclose()
+    return [m["payload"] for m in heard if status_of(m) == "done"]
 
 
-def kill_what_is_left(tree: set[int]) -> None:
-    for pid in tree:
-        if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+@attrs.define
+class Streaming:
+    """hypercorn serving, a session's controller in its room (what the room said so far), the process tree it had
+    then (``tree``; a test that starts more processes adds them) and /dev/shm before it started."""
+
+    hypercorn: Hypercorn
+    controller: RoomClient
+    session_id: str
+    heard: list[Any]
+    tree: set[int]
+    before: set[str]
+
+    async def nothing_left(self) -> None:
+        """Every process of the tree gone, and nothing of theirs in /dev/shm."""
+        left = await processes_left(self.tree, GONE_DEADLINE)
+        assert left == [], f"still running: {left}\n{self.hypercorn.text()}"
+        ours = sorted(name for name in segments() - self.before
+                      if name.startswith("cl_") and segment_owner(name) in self.tree)
+        assert ours == [], ours
+        assert await semaphores_left_behind(self.before) == []  # the supervisor's shutdown event's
+
+
+@contextlib.asynccontextmanager
+async def streaming(options: list[str], prefix: tuple[str, ...] = (), chunks: int = 1,
+                    **env: str) -> AsyncIterator[Streaming]:
+    """hypercorn started (:func:`start`), serving, and a session streaming until ``chunks`` chunks came; on the way
+    out hypercorn and every process of the tree are ended, whatever happened."""
+    before = segments()
+    hypercorn = await start(options, prefix, **env)
+    tree: set[int] = set()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hypercorn.read_log)
+            await hypercorn.serving()
+            controller, session_id, heard = await hypercorn.streaming_controller(chunks)
+            tree = process_tree(hypercorn.process.pid)
+            yield Streaming(hypercorn, controller, session_id, heard, tree, before)
+            nursery.cancel_scope.cancel()
+    finally:
+        await end_process(hypercorn.process)
+        kill_what_is_left(tree)
 
 
 GROUP_CASES = [  # (hypercorn's options, worker mode, who gets the signal, the signal)
@@ -158,31 +194,16 @@ GROUP_CASES = [  # (hypercorn's options, worker mode, who gets the signal, the s
 @pytest.mark.parametrize(("options", "worker_mode", "whom", "signum"), GROUP_CASES)
 async def test_a_stop_signal_to_hypercorns_process_group_or_its_worker_drains_as_one_to_the_supervisor(
         options: list[str], worker_mode: str, whom: str, signum: int) -> None:
-    before = segments()
-    hypercorn = await start(options, CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE=worker_mode)
-    tree: set[int] = set()
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hypercorn.read_log)
-            await hypercorn.serving()
-            controller, _, heard = await hypercorn.streaming_controller()
-            tree = process_tree(hypercorn.process.pid)
-            if whom == "group":
-                os.killpg(hypercorn.process.pid, signum)
-            else:  # the worker alone: the server stops as a whole (hypercorn would start a new worker after a 0)
-                os.kill(hypercorn.worker(), signum)
-            with trio.move_on_after(EXIT_DEADLINE):
-                while (message := await controller.receive()) is not None:
-                    heard.append(message)
-            await controller.aclose()
-            assert await hypercorn.ended() == 0, hypercorn.text()
-            done = [m["payload"] for m in heard if status_of(m) == "done"]
-            assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
-            await nothing_left(tree, before, hypercorn)
-            nursery.cancel_scope.cancel()
-    finally:
-        await end_process(hypercorn.process)
-        kill_what_is_left(tree)
+    async with streaming(options, CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE=worker_mode) as run:
+        hypercorn, heard = run.hypercorn, run.heard
+        if whom == "group":
+            os.killpg(hypercorn.process.pid, signum)
+        else:  # the worker alone: the server stops as a whole (hypercorn would start a new worker after a 0)
+            os.kill(hypercorn.worker(), signum)
+        done = await heard_to_the_end(run.controller, heard)
+        assert await hypercorn.ended() == 0, hypercorn.text()
+        assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
+        await run.nothing_left()
     assert b"Traceback" not in hypercorn.log and b"exiting now" not in hypercorn.log, hypercorn.text()
 
 
@@ -200,46 +221,27 @@ SECOND_CASES = [  # (hypercorn's options, worker mode, the signal (sent twice), 
 @pytest.mark.parametrize(("options", "worker_mode", "signum", "group", "status"), SECOND_CASES)
 async def test_a_second_stop_signal_while_hypercorn_drains_ends_it_now_leaving_nothing(
         options: list[str], worker_mode: str, signum: int, group: bool, status: int) -> None:
-    before = segments()
-    hypercorn = await start(options, CHUNKLINE_PIPELINE=HUNG, CHUNKLINE_WORKER_MODE=worker_mode)
-    tree: set[int] = set()
+    # the next chunk never comes: the drain waits for it
+    async with streaming(options, chunks=HANG_FROM, CHUNKLINE_PIPELINE=HUNG, CHUNKLINE_WORKER_MODE=worker_mode) as run:
+        hypercorn = run.hypercorn
 
-    def send() -> None:
-        if group:
-            os.killpg(hypercorn.process.pid, signum)
-        else:
-            hypercorn.process.send_signal(signum)
+        def send() -> None:
+            if group:
+                os.killpg(hypercorn.process.pid, signum)
+            else:
+                hypercorn.process.send_signal(signum)
 
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hypercorn.read_log)
-            await hypercorn.serving()
-            controller, session_id, _ = await hypercorn.streaming_controller(HANG_FROM)  # the next chunk never comes
-            tree = process_tree(hypercorn.process.pid)
-            send()
-            async with httpx.AsyncClient(base_url=hypercorn.url, timeout=10) as client:
-                with trio.fail_after(EXIT_DEADLINE):  # the drain waits for a chunk that never comes
-                    while (await client.get(f"{SESSIONS}/{session_id}")).json()["status"] != "draining":
-                        await trio.sleep(0.05)  # bench-cost: real-time poll of the server's drain
-            send()
-            assert await hypercorn.ended() == status, hypercorn.text()
-            await controller.aclose()
-            await nothing_left(tree, before, hypercorn)
-            nursery.cancel_scope.cancel()
-    finally:
-        await end_process(hypercorn.process)
-        kill_what_is_left(tree)
+        send()
+        async with httpx.AsyncClient(base_url=hypercorn.url, timeout=10) as client:
+            with trio.fail_after(EXIT_DEADLINE):  # the drain waits for a chunk that never comes
+                while (await client.get(f"{SESSIONS}/{run.session_id}")).json()["status"] != "draining":
+                    await trio.sleep(0.05)  # bench-cost: real-time poll of the server's drain
+        send()
+        assert await hypercorn.ended() == status, hypercorn.text()
+        await run.controller.aclose()
+        await run.nothing_left()
     assert f"exiting now (exit {128 + signum})".encode() in hypercorn.log, hypercorn.text()
     assert b"Traceback" not in hypercorn.log, hypercorn.text()
-
-
-async def heard_to_the_end(controller: RoomClient, heard: list[Any]) -> list[Any]:
-    """What the room said until it closed (or EXIT_DEADLINE passed); the ``done`` messages' payloads."""
-    with trio.move_on_after(EXIT_DEADLINE):
-        while (message := await controller.receive()) is not None:
-            heard.append(message)
-    await controller.aclose()
-    return [m["payload"] for m in heard if status_of(m) == "done"]
 
 
 #: a SIGHUP to the process group kills multiprocessing's resource tracker in it (it ignores SIGINT and SIGTERM only):
@@ -263,34 +265,23 @@ async def test_sighup_under_hypercorns_supervisor_drains_its_worker_and_a_new_on
     new worker starts. A SIGHUP to the process group (a closed terminal) reaches the worker too, and one may reach the
     worker alone: either way the worker drains (its client gets ``done``) and a new worker serves, as the reload
     does; nothing is passed on to the supervisor, which then stops on SIGTERM as ever, leaving nothing behind."""
-    before = segments()
-    hypercorn = await start(options, CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE="in-process")
-    tree: set[int] = set()
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hypercorn.read_log)
-            await hypercorn.serving()
-            controller, _, heard = await hypercorn.streaming_controller()
-            first = hypercorn.worker()
-            tree = process_tree(hypercorn.process.pid)
-            if whom == "group":
-                os.killpg(hypercorn.process.pid, signal.SIGHUP)
-            else:
-                os.kill(first, signal.SIGHUP)
-            done = await heard_to_the_end(controller, heard)
-            assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
-            await hypercorn.serving(workers=2)  # the reload's new worker
-            assert hypercorn.worker() != first and not pid_alive(first), hypercorn.text()
-            again, _, _ = await hypercorn.streaming_controller()
-            await again.aclose()
-            tree |= process_tree(hypercorn.process.pid)
-            hypercorn.process.send_signal(signal.SIGTERM)
-            assert await hypercorn.ended() == 0, hypercorn.text()
-            await nothing_left(tree, before, hypercorn)
-            nursery.cancel_scope.cancel()
-    finally:
-        await end_process(hypercorn.process)
-        kill_what_is_left(tree)
+    async with streaming(options, CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE="in-process") as run:
+        hypercorn, heard = run.hypercorn, run.heard
+        first = hypercorn.worker()
+        if whom == "group":
+            os.killpg(hypercorn.process.pid, signal.SIGHUP)
+        else:
+            os.kill(first, signal.SIGHUP)
+        done = await heard_to_the_end(run.controller, heard)
+        assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
+        await hypercorn.serving(workers=2)  # the reload's new worker
+        assert hypercorn.worker() != first and not pid_alive(first), hypercorn.text()
+        again, _, _ = await hypercorn.streaming_controller()
+        await again.aclose()
+        run.tree |= process_tree(hypercorn.process.pid)
+        hypercorn.process.send_signal(signal.SIGTERM)
+        assert await hypercorn.ended() == 0, hypercorn.text()
+        await run.nothing_left()
     assert b"hypercorn's reload" in hypercorn.log, hypercorn.text()
     log = bytes(hypercorn.log)
     if whom == "group":  # the supervisor's resource tracker (README, Known limits), not chunkline's
@@ -310,35 +301,24 @@ async def test_sighup_stops_hypercorn_workers_0_as_sigterm_does_unless_ignored_a
     """Under ``hypercorn --workers 0`` no supervisor reloads anything: SIGHUP (a closed terminal) is a stop signal, as
     under ``chunkline stream-serve``: the sessions drain (``done``), exit 0 as after SIGTERM's drain, nothing left.
     Ignored as hypercorn started (``nohup``), it stays ignored: the session streams on, and SIGTERM stops it."""
-    before = segments()
-    hypercorn = await start(["--workers", "0", *options], ("nohup",) if nohup else (),
-                            CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE=worker_mode)
-    tree: set[int] = set()
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hypercorn.read_log)
-            await hypercorn.serving()
-            controller, _, heard = await hypercorn.streaming_controller()
-            tree = process_tree(hypercorn.process.pid)
-            hypercorn.process.send_signal(signal.SIGHUP)
-            if nohup:  # two more chunks (a key held: the toy world streams on), no drain
-                await controller.send_json({"topic": "tf.control", "payload": {"type": "control_state",
-                                                                              "controls": ["w"]}})
-                chunks = sum(status_of(m) == "chunk" for m in heard) + 2
-                with trio.move_on_after(EXIT_DEADLINE):
-                    while sum(status_of(m) == "chunk" for m in heard) < chunks:
-                        heard.append(message := await controller.receive())
-                        assert message is not None and status_of(message) != "done", (heard[-3:], hypercorn.text())
-                assert sum(status_of(m) == "chunk" for m in heard) == chunks, ([status_of(m) for m in heard],
-                                                                                 hypercorn.text())
-                hypercorn.process.send_signal(signal.SIGTERM)
-            done = await heard_to_the_end(controller, heard)
-            assert await hypercorn.ended() == 0, hypercorn.text()
-            assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
-            await nothing_left(tree, before, hypercorn)
-            nursery.cancel_scope.cancel()
-    finally:
-        await end_process(hypercorn.process)
-        kill_what_is_left(tree)
+    async with streaming(["--workers", "0", *options], ("nohup",) if nohup else (),
+                         CHUNKLINE_PIPELINE="pipelines/toy_world", CHUNKLINE_WORKER_MODE=worker_mode) as run:
+        hypercorn, controller, heard = run.hypercorn, run.controller, run.heard
+        hypercorn.process.send_signal(signal.SIGHUP)
+        if nohup:  # two more chunks (a key held: the toy world streams on), no drain
+            await controller.send_json({"topic": "tf.control", "payload": {"type": "control_state",
+                                                                          "controls": ["w"]}})
+            chunks = sum(status_of(m) == "chunk" for m in heard) + 2
+            with trio.move_on_after(EXIT_DEADLINE):
+                while sum(status_of(m) == "chunk" for m in heard) < chunks:
+                    heard.append(message := await controller.receive())
+                    assert message is not None and status_of(message) != "done", (heard[-3:], hypercorn.text())
+            assert sum(status_of(m) == "chunk" for m in heard) == chunks, ([status_of(m) for m in heard],
+                                                                             hypercorn.text())
+            hypercorn.process.send_signal(signal.SIGTERM)
+        done = await heard_to_the_end(controller, heard)
+        assert await hypercorn.ended() == 0, hypercorn.text()
+        assert len(done) == 1 and done[0]["reason"] == "shutdown", (heard[-3:], hypercorn.text())
+        await run.nothing_left()
     assert (b"(SIGHUP)" in hypercorn.log) is not nohup, hypercorn.text()
     assert b"Traceback" not in hypercorn.log and b"exiting now" not in hypercorn.log, hypercorn.text()
