@@ -54,34 +54,37 @@ class RoomService:
         seconds = min(MAX_ROOM_TIMEOUT, max(1, math.ceil(lifetime)))
         request = api.CreateRoomRequest(name=room, empty_timeout=seconds, departure_timeout=seconds)
         prefix = f"could not create the LiveKit room {room!r} at {self.url}"
-        with trio.move_on_after(self.timeout) as deadline:
-            try:
-                await trio_asyncio.aio_as_trio(self._call, loop=loop)(lambda rooms: rooms.create_room(request))
-            except api.TwirpError as exc:
-                why = exc.message or {401: "the API key or secret is wrong", 403: "the API key may not"}.get(exc.status, "")
-                code = "" if exc.code == "unknown" else f" {exc.code}"
-                raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}{code}{': ' + why if why else ''})") from None
-            except Exception as exc:  # the server unreachable, or the SDK failing otherwise
-                raise TransportError(f"{prefix}: {type(exc).__name__}: {exc}") from None
-        if deadline.cancelled_caught:
-            raise TransportError(f"{prefix}: no answer within {self.timeout:g} s")
+        try:
+            await self._answer(loop, prefix, lambda rooms: rooms.create_room(request))
+        except api.TwirpError as exc:
+            why = exc.message or {401: "the API key or secret is wrong", 403: "the API key may not"}.get(exc.status, "")
+            code = "" if exc.code == "unknown" else f" {exc.code}"
+            raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}{code}{': ' + why if why else ''})") from None
         self._opened.add(room)
 
     async def participants(self, loop: Any, room: str) -> frozenset[str]:
         """Who is in ``room`` now, as LiveKit lists it (one that left is not); raises :class:`TransportError` naming
         the cause when LiveKit refuses or does not answer within ``timeout``."""
         prefix = f"could not list who is in the LiveKit room {room!r} at {self.url}"
+        try:
+            listed = await self._answer(
+                loop, prefix, lambda rooms: rooms.list_participants(api.ListParticipantsRequest(room=room)))
+        except api.TwirpError as exc:
+            if exc.code == api.TwirpErrorCode.NOT_FOUND:
+                return frozenset()  # the room is gone, and everyone with it
+            raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}): {exc.message}") from None
+        return frozenset(p.identity for p in listed.participants if p.state != LEFT)
+
+    async def _answer(self, loop: Any, prefix: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """One RoomService call's answer within ``timeout``, or :class:`TransportError` (``prefix``, then why) when
+        LiveKit is unreachable or silent; its refusals (``api.TwirpError``) are the caller's to read."""
         with trio.move_on_after(self.timeout):
             try:
-                listed = await trio_asyncio.aio_as_trio(self._call, loop=loop)(
-                    lambda rooms: rooms.list_participants(api.ListParticipantsRequest(room=room)))
-            except api.TwirpError as exc:
-                if exc.code == api.TwirpErrorCode.NOT_FOUND:
-                    return frozenset()  # the room is gone, and everyone with it
-                raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}): {exc.message}") from None
+                return await trio_asyncio.aio_as_trio(self._call, loop=loop)(call)
+            except api.TwirpError:
+                raise
             except Exception as exc:  # the server unreachable, or the SDK failing otherwise
                 raise TransportError(f"{prefix}: {type(exc).__name__}: {exc}") from None
-            return frozenset(p.identity for p in listed.participants if p.state != LEFT)
         raise TransportError(f"{prefix}: no answer within {self.timeout:g} s")
 
     def close(self, loop: Any, sends: trio.Nursery, room: str, last_word: bytes | None) -> None:
