@@ -28,6 +28,10 @@ loop before a thread hands it a result), and the bounds follow from them:
   to the first thread, the last thread hands it back through ``run_sync_soon`` (one trio wake-up for
   every batch, as chunkline's inbox does). ``floor_ratio_bound`` = the thread floor over it: the best
   ``floor_ratio`` a scheduler with trio callers can show here, with no bookkeeping at all.
+- ``w5_no_scheduler_ms``: w5 itself, end to end, with no scheduler: the three stage threads (stage timer slack)
+  linked by ``SimpleQueue``s, images handed ahead, control k handed at t0 + k x 20 ms by a trio task, and the
+  frames handed back to a trio reader through ``run_sync_soon`` (one wake-up a batch): control to output as the
+  workload measures it. What is left of a goal over it is all a scheduler may spend on a chunk's critical path.
 """
 
 from __future__ import annotations
@@ -244,6 +248,77 @@ def w1_trio_floor_us(chunks: int = 3000) -> float:
     return trio.run(main)
 
 
+W5_CHUNKS = 100
+W5_PACING_S = 0.020
+W5_COSTS_S = (0.002, 0.008, 0.004)  # encode, denoise, decode
+
+
+def w5_no_scheduler_ms(chunks: int = W5_CHUNKS) -> list[float]:
+    """w5 with no scheduler: control-to-output latencies in ms (a trio pacer and reader, three linked threads)."""
+
+    async def main() -> list[float]:
+        token = trio.lowlevel.current_trio_token()
+        images, conditions, controls, latents = (queue.SimpleQueue() for _ in range(4))
+        lock = threading.Lock()
+        arrived: list[int] = []  # chunks decode finished, for the reader to take
+        ready = trio.lowlevel.ParkingLot()
+        control_at: dict[int, float] = {}
+        latencies: list[float] = []
+
+        def stage(cost: float, inputs: tuple[queue.SimpleQueue, ...], hand_on: Callable[[int], None]) -> None:
+            set_thread_timer_slack(STAGE_TIMER_SLACK_NS)
+            for _ in range(chunks):
+                for inbox in inputs:
+                    k = inbox.get()
+                time.sleep(cost)
+                hand_on(k)
+
+        def hand_back(k: int) -> None:
+            with lock:
+                arrived.append(k)
+                first_of_batch = len(arrived) == 1
+            if first_of_batch:
+                token.run_sync_soon(ready.unpark_all)
+
+        encode, denoise, decode = W5_COSTS_S
+        threads = [
+            threading.Thread(target=stage, args=(encode, (images,), conditions.put)),
+            threading.Thread(target=stage, args=(denoise, (conditions, controls), latents.put)),
+            threading.Thread(target=stage, args=(decode, (latents,), hand_back)),
+        ]
+        for thread in threads:
+            thread.start()
+        for k in range(chunks):
+            images.put(k)
+        start = trio.current_time()
+
+        async def pace_controls() -> None:
+            for k in range(chunks):
+                await trio.sleep_until(start + k * W5_PACING_S)
+                controls.put(k)
+                control_at[k] = time.perf_counter()
+
+        async def read() -> None:
+            while len(latencies) < chunks:
+                with lock:
+                    batch = arrived[:]
+                    arrived.clear()
+                if not batch:
+                    await ready.park()
+                    continue
+                now = time.perf_counter()
+                latencies.extend((now - control_at[k]) * 1e3 for k in batch)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pace_controls)
+            nursery.start_soon(read)
+        for thread in threads:
+            thread.join()
+        return latencies
+
+    return trio.run(main)
+
+
 def host_figures(thread_floor_us: float | None = None) -> dict:
     """The primitives (p50, and p95 where a tail matters) and the bounds they put under the goals."""
     over8, over4 = sleep_overshoot_us(0.008), sleep_overshoot_us(0.004)
@@ -256,6 +331,7 @@ def host_figures(thread_floor_us: float | None = None) -> dict:
         return 12.0 + (sleeps + _pct(thread_hops, fraction) + _pct(reader_hops, fraction)) / 1e3
 
     trio_floor = w1_trio_floor_us()
+    bare_w5 = w5_no_scheduler_ms()
     python = python_after_sleep_us()
     cold, hot = _pct(python["after_8ms_sleep"], 0.5), _pct(python["back_to_back"], 0.5)
     figures = {
@@ -275,6 +351,7 @@ def host_figures(thread_floor_us: float | None = None) -> dict:
         "w3_efficiency_bound_with_completion_and_wakes": 8.0 / (8.0 + (_pct(over8, 0.5) + cold + wakes_us) / 1e3),
         "w5_latency_bound_ms": {"p50": bound(0.5, trio_hops), "p95": bound(0.95, trio_hops)},
         "w5_latency_bound_thread_reader_ms": {"p50": bound(0.5, thread_hops), "p95": bound(0.95, thread_hops)},
+        "w5_no_scheduler_ms": {"p50": _pct(bare_w5, 0.5), "p95": _pct(bare_w5, 0.95)},
         "w1_trio_floor_us": trio_floor,
         "goals": {"w3_efficiency": 0.98, "w5_latency_p50_ms": 12.3, "w5_latency_p95_ms": 12.6, "w1_floor_ratio": 0.25},
     }

@@ -12,7 +12,6 @@ latency, never changes behaviour.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 __all__ = ["STAGE_TIMER_SLACK_NS", "set_thread_timer_slack"]
@@ -26,8 +25,10 @@ _libc: ctypes.CDLL | None = None
 def _prctl() -> ctypes.CDLL | None:
     global _libc
     if _libc is None and sys.platform.startswith("linux"):
+        # the process's own symbols, libc's among them: ``ctypes.util.find_library`` would run
+        # ``ldconfig -p`` in a child process, forked from a process whose threads already run
         try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            _libc = ctypes.CDLL(None, use_errno=True)
         except OSError:
             return None
     return _libc
