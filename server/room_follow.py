@@ -17,7 +17,10 @@ asked for the token kicked the user out.
   :data:`LOOK_PERIOD` seconds: with up to ``LOOKS_PER_SECOND * LOOK_PERIOD`` rooms waiting each is seen every
   second, with more (the queue holds at most ``--queue-size``) each less often, never more work. A token asked
   for looks again first (:meth:`RoomFollow.look_now`, paced likewise), so a holder's identity is refused however
-  long the queue. Once the worker keeps the count a token asked for still lists the room (same pace): the worker's
+  long the queue: one list a room at a time for the checks asked together, at most :data:`TOKEN_LOOKS_PER_SECOND`
+  over the server, shared among the rooms (:class:`~server.look_shares.LookShares`: the room listed longest ago
+  first, so a flood of token requests for some sessions leaves every other session's checks their lists). Once the
+  worker keeps the count a token asked for still lists the room (same pace): the worker's
   word comes a moment after a join returns (its room events; an agent's reports, one a session every 0.5 s), and a
   token for the identity that just joined would be granted in that moment. That list's answer is for the one
   request's refusal check only; the record's count stays the worker's.
@@ -41,7 +44,7 @@ from states.room_follow import RoomFollowBook
 
 from .cluster.identity import worker_participant
 from .log_pace import LogPace
-from .token_bucket import TokenBucket
+from .look_shares import LookShares
 from .transport.base import TransportError
 
 if TYPE_CHECKING:
@@ -53,7 +56,8 @@ log = logging.getLogger("chunkline.rooms")
 
 LOOKS_PER_SECOND = 20.0  # RoomService lists of the poll a second, over every room it follows together
 LOOK_PERIOD = 1.0  # seconds between two looks of the poll into one room, at least
-TOKEN_LOOKS_PER_SECOND = 20.0  # fresh looks for token checks a second (beyond them, the poll's last look decides)
+TOKEN_LOOKS_PER_SECOND = 20.0  # fresh looks for token checks a second over every room (shared among the rooms)
+TOKEN_LOOK_WAIT = LOOK_PERIOD  # seconds a token's check waits for its room's turn (then the poll's last look decides)
 
 
 class RoomFollow:
@@ -72,7 +76,8 @@ class RoomFollow:
             else FollowEvent.LEAVE_TO_WORKER)
         self._records: dict[str, SessionRecord] = {}  # the records of the sessions the book holds (for the poll)
         self._more = trio.Event()  # set when a room joins the poll
-        self._token_looks = TokenBucket(TOKEN_LOOKS_PER_SECOND, int(TOKEN_LOOKS_PER_SECOND))
+        self._token_looks: LookShares[frozenset[str]] = LookShares(
+            TOKEN_LOOKS_PER_SECOND, int(TOKEN_LOOKS_PER_SECOND), TOKEN_LOOK_WAIT)
         self._tickets = itertools.count()  # each look's place in the order the looks were asked for
         self._under_way: dict[str, _Looks] = {}  # LiveKit: the sessions with a look under way, and their answers
         self._failures = LogPace(log)
@@ -93,6 +98,8 @@ class RoomFollow:
         :meth:`handed_over`)."""
         self._book.start(record.session_id)
         self._records[record.session_id] = record
+        if self._list is not None:
+            self._token_looks.follow(record.session_id, trio.current_time())
         if self._watch is not None:
             self._watch(record.room, lambda present: moved(record, present))
         if self._book.looks_into(record.session_id):
@@ -107,6 +114,7 @@ class RoomFollow:
         """The session ended: its room is not followed any more, and it counts nobody (its room's clients are sent
         away with it; a session that ended queued had no runner to clear them). Idempotent."""
         self._records.pop(record.session_id, None)
+        self._token_looks.forget(record.session_id)
         if not self._book.stop(record.session_id):  # the count was not the runtime's (or it stopped already)
             return
         if self._unwatch is not None:
@@ -117,12 +125,19 @@ class RoomFollow:
         """A token is asked for (LiveKit): where the session's room can be listed (the table's CHECK: looked into,
         or handed over to its worker), it is listed now, and who that list saw is returned for the request's
         refusal check, so that an identity in the room is refused even before the poll comes round to it or the
-        worker's word comes (paced: beyond :data:`TOKEN_LOOKS_PER_SECOND`, or where the list fails, nobody is
-        returned and the record decides). Looked into, the answer is a look like the poll's, taken into the record;
+        worker's word comes (paced, shared among the rooms: :class:`~server.look_shares.LookShares`; where no turn
+        comes within :data:`TOKEN_LOOK_WAIT`, or the list fails, nobody is returned and the record decides). Looked into, the answer is a look like the poll's, taken into the record;
         handed over, the record's count is the worker's and the answer goes nowhere else (it has no place in the
         order of the worker's joins and leaves: one asked before a leave and answered after it would put the
         departed back). Bounded by the transport's timeout."""
-        if not self._book.check(record.session_id) or self._token_looks.wait(trio.current_time()) != 0:
+        if not self._book.check(record.session_id):
+            return frozenset()
+        return await self._token_looks.look(record.session_id, lambda: self._checked(record)) or frozenset()
+
+    async def _checked(self, record: SessionRecord) -> frozenset[str]:
+        """A token check's list, once its turn came: the table says again whether the room is listed (the session
+        may have been handed over, or ended, while the check waited)."""
+        if not self._book.check(record.session_id):
             return frozenset()
         if self._book.looks_into(record.session_id):
             return await self._look(record)
@@ -130,9 +145,15 @@ class RoomFollow:
 
     async def run(self) -> None:
         """The poll (LiveKit; where rooms are watched, or not seen at all, it returns at once): each followed room in
-        turn, paced by :data:`LOOKS_PER_SECOND` and :data:`LOOK_PERIOD`, until cancelled."""
+        turn, paced by :data:`LOOKS_PER_SECOND` and :data:`LOOK_PERIOD`, and the token checks' turns, until cancelled."""
         if self._list is None:
             return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._token_looks.run)  # the token checks' turns
+            await self._poll()
+
+    async def _poll(self) -> None:
+        assert self._list is not None
         while True:
             looked = [self._records[session_id] for session_id in self._book.looked_into()]
             if not looked:

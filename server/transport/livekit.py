@@ -418,13 +418,13 @@ class LiveKitTransport:
                 with trio.CancelScope(shield=True):
                     for connection in list(self._connections):
                         await connection.disconnect()
-                    # a shutdown cancels the rooms' graces: each is deleted now, its clients sent away (they
-                    # stayed in rooms of ended sessions, which LiveKit keeps while anyone is in them)
-                    for room in sorted(self._rooms.to_delete):
-                        await self._rooms.delete(loop, room)
+                    # a shutdown cancels the rooms' graces: their last words go, each is deleted now, its clients
+                    # sent away (they stayed in rooms of ended sessions, which LiveKit keeps while anyone is in them)
+                    await self._rooms.finish(loop)
                     with trio.move_on_after(self.disconnect_timeout):
                         for leaving in list(self._leaving):  # abandoned joins: wait for them to leave
                             await trio_asyncio.aio_as_trio(_wait_for, loop=loop)(leaving)
+                    await self._rooms.aclose(loop)
                 self._loop = None
 
     async def open_room(self, room: str, *, lifetime: float) -> None:

@@ -1,6 +1,18 @@
 """The server's own side of LiveKit rooms, through the RoomService (the API secret's holder): it makes a session's
 room before the session's token is out, lists who is in a room no worker of its own is in yet (a queued session's),
 says a queued session's last word, and deletes the room when the session ends. The worker's side (joining, media, data) is :mod:`.livekit`, which owns the asyncio loop these calls run on.
+
+Every call goes through one RoomService client (one aiohttp session, its connections kept and reused), made on the
+first call and closed with the transport; a client whose call failed otherwise than by LiveKit's refusal (the
+server gone, a connection broken) is replaced by a new one for the next calls. A client a call (a room's creation,
+a list, a send) made for itself, as before, opened a connection for each: a RoomService round trip cost a TCP
+handshake, and a server at the token checks' and the poll's pace left thousands of closed connections behind.
+
+Rooms of ended sessions (their last words, their deletions) take :data:`ENDS_AT_ONCE` calls at a time: 10,000
+queued sessions ended at once (the shutdown) sent 10,000 last words at once, each on a connection of its own, and
+every one of them ran past its deadline. What a stop leaves undone (:meth:`RoomService.finish`) is done within
+:data:`STOP_DEADLINE`: the last words go only to rooms somebody is in now (one list of the rooms, not one call a
+room), then every room is deleted.
 """
 
 from __future__ import annotations
@@ -17,12 +29,15 @@ from livekit import api
 from ..protocol import STATUS_TOPIC
 from .base import TransportError
 
-__all__ = ["MAX_ROOM_TIMEOUT", "ROOM_CLOSE_GRACE", "RoomService", "http_url"]
+__all__ = ["ENDS_AT_ONCE", "MAX_ROOM_TIMEOUT", "ROOM_CLOSE_GRACE", "STOP_DEADLINE", "RoomService", "http_url"]
 
 log = logging.getLogger(__name__)
 
 ROOM_CLOSE_GRACE = 2.0  # seconds from a session's end to its room's deletion: its last messages reach the clients
 MAX_ROOM_TIMEOUT = 2**31 - 1  # seconds: LiveKit keeps a room's empty and departure timeouts in 32 bits
+ENDS_AT_ONCE = 32  # RoomService calls for ended sessions' rooms under way at once (last words, deletions)
+STOP_DEADLINE = 10.0  # seconds a stop has for the rooms' last words and deletions (within the server's stop bound)
+NAMES_A_LIST = 1000  # rooms one ListRooms names, at most (a stop lists the rooms it still has words for)
 LEFT = api.ParticipantInfo.State.DISCONNECTED  # a participant listed on its way out: no longer in the room
 
 
@@ -44,6 +59,12 @@ class RoomService:
         self.timeout = timeout
         self._opened: set[str] = set()  # rooms made for sessions that have not ended
         self.to_delete: set[str] = set()  # rooms of ended sessions not deleted yet (each waits out its grace)
+        self._unsaid: dict[str, bytes] = {}  # rooms of ended sessions whose last words were not sent yet
+        self._ends = trio.CapacityLimiter(ENDS_AT_ONCE)
+        self._client: _Client | None = None  # the client calls share (asyncio side), made on the first
+        self._clients: set[_Client] = set()  # every client not closed yet (a replaced one, until its calls end)
+        #: clients made so far (one for the transport's life unless one broke)
+        self.clients_made = 0
 
     async def open(self, loop: Any, room: str, lifetime: float) -> None:
         """Create ``room``, empty for at most ``lifetime`` seconds (whole, at least one, at most
@@ -89,24 +110,77 @@ class RoomService:
 
     def close(self, loop: Any, sends: trio.Nursery, room: str, last_word: bytes | None) -> None:
         """The room's session ended: in ``sends``, ``last_word`` goes to the room, and ``ROOM_CLOSE_GRACE`` later the
-        room is deleted. A room this server did not make (a session refused as it was asked for) is left alone."""
+        room is deleted (:data:`ENDS_AT_ONCE` such calls at a time). A room this server did not make (a session
+        refused as it was asked for) is left alone."""
         if room not in self._opened:
             return
         self._opened.discard(room)
         self.to_delete.add(room)
-        sends.start_soon(self._close, loop, room, last_word)
+        if last_word is not None:
+            self._unsaid[room] = last_word
+        sends.start_soon(self._close, loop, room)
 
-    async def _close(self, loop: Any, room: str, last_word: bytes | None) -> None:
+    async def _close(self, loop: Any, room: str) -> None:
+        if room in self._unsaid:
+            async with self._ends:
+                await self._say(loop, room)
+        await trio.sleep(ROOM_CLOSE_GRACE)  # the last messages reach the clients before the room goes
+        async with self._ends:
+            await self.delete(loop, room)
+
+    async def _say(self, loop: Any, room: str) -> None:
+        """The room's last word, unless it was said already (once: a stop may take over a close under way)."""
+        last_word = self._unsaid.pop(room, None)
         if last_word is not None:
             await self._bounded(loop, room, "sending the session's last status", lambda rooms: rooms.send_data(
                 api.SendDataRequest(room=room, data=last_word, kind=api.DataPacket.Kind.RELIABLE, topic=STATUS_TOPIC)))
-        await trio.sleep(ROOM_CLOSE_GRACE)  # the last messages reach the clients before the room goes
-        await self.delete(loop, room)
 
     async def delete(self, loop: Any, room: str) -> None:
         """Delete ``room`` now (its clients are sent away)."""
         self.to_delete.discard(room)
         await self._bounded(loop, room, "deleting the room", lambda rooms: rooms.delete_room(api.DeleteRoomRequest(room=room)))
+
+    async def finish(self, loop: Any) -> None:
+        """The transport stops (its closes were cancelled): within :data:`STOP_DEADLINE`, the last words not said
+        yet go to the rooms somebody is in now (a room nobody is in has nobody to tell), then, a grace later, every
+        room of an ended session is deleted, :data:`ENDS_AT_ONCE` calls at a time. What the deadline leaves is
+        logged (LiveKit ends those rooms when their empty timeout runs out)."""
+        with trio.move_on_after(STOP_DEADLINE):
+            occupied = await self._occupied(loop, sorted(self._unsaid))
+            for room in set(self._unsaid) - occupied:
+                del self._unsaid[room]
+            await self._each(loop, sorted(occupied), self._say)
+            if occupied:
+                await trio.sleep(min(ROOM_CLOSE_GRACE, 1.0))
+            await self._each(loop, sorted(self.to_delete), self.delete)
+        if self._unsaid or self.to_delete:
+            log.warning("the transport stopped with %d last word(s) unsaid and %d room(s) not deleted after %g s",
+                        len(self._unsaid), len(self.to_delete), STOP_DEADLINE)
+
+    async def _each(self, loop: Any, rooms: list[str], step: Callable[[Any, str], Awaitable[None]]) -> None:
+        async def one(room: str) -> None:
+            async with self._ends:
+                await step(loop, room)
+
+        async with trio.open_nursery() as nursery:
+            for room in rooms:
+                nursery.start_soon(one, room)
+
+    async def _occupied(self, loop: Any, rooms: list[str]) -> set[str]:
+        """Which of ``rooms`` somebody is in now, one ListRooms for :data:`NAMES_A_LIST` of them (all of them where
+        LiveKit cannot say: logged)."""
+        occupied: set[str] = set()
+        for start in range(0, len(rooms), NAMES_A_LIST):
+            names = rooms[start : start + NAMES_A_LIST]
+            prefix = f"could not list {len(names)} LiveKit room(s) at {self.url}"
+            try:
+                listed = await self._answer(loop, prefix, lambda service: service.list_rooms(api.ListRoomsRequest(names=names)))
+            except (TransportError, api.TwirpError) as exc:
+                log.warning("%s: their last words go to each of them", exc)
+                occupied.update(names)
+                continue
+            occupied.update(room.name for room in listed.rooms if room.num_participants)
+        return occupied
 
     async def _bounded(self, loop: Any, room: str, what: str, call: Callable[[Any], Awaitable[Any]]) -> None:
         """One RoomService call, bounded; a room that is not there (nobody ever entered it) is no failure."""
@@ -122,9 +196,47 @@ class RoomService:
             log.warning("room %s: %s took longer than %g s", room, what, self.timeout)
 
     async def _call(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
-        """Asyncio side: one call on a RoomService client of its own; its answer."""
-        service = api.LiveKitAPI(http_url(self.url), self._api_key, self._api_secret)
+        """Asyncio side: one call on the shared client; one that fails otherwise than by LiveKit's refusal (the
+        server gone, a connection broken) has the client replaced for the calls after it."""
+        client = self._client
+        if client is None:
+            client = self._client = _Client(api.LiveKitAPI(http_url(self.url), self._api_key, self._api_secret))
+            self._clients.add(client)
+            self.clients_made += 1
+        client.calls += 1
         try:
-            return await call(service.room)
+            return await call(client.service.room)
+        except api.TwirpError:
+            raise
+        except Exception:
+            if self._client is client:
+                self._client = None
+            raise
         finally:
-            await service.aclose()
+            client.calls -= 1
+            if self._client is not client and not client.calls:  # replaced, and its last call is over
+                await self._close_client(client)
+
+    async def _close_client(self, client: _Client) -> None:
+        if client in self._clients:
+            self._clients.discard(client)
+            await client.service.aclose()
+
+    async def _close_clients(self) -> None:
+        self._client = None
+        for client in list(self._clients):
+            await self._close_client(client)
+
+    async def aclose(self, loop: Any) -> None:
+        """Close the clients (the transport stops; a later call makes a new one)."""
+        await trio_asyncio.aio_as_trio(self._close_clients, loop=loop)()
+
+
+class _Client:
+    """A RoomService client (an aiohttp session) and the calls under way on it."""
+
+    __slots__ = ("calls", "service")
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.calls = 0
