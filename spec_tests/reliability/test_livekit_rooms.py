@@ -25,21 +25,28 @@ from .helpers import Leaks, free_port, wait_until
 async def room_service_only(
     stream: trio.SocketStream, calls: list[str] | None = None, hold_joins: bool = False, answer_when: trio.Event | None = None,
     listed: list[str] | None = None, answer: Callable[[str, bytes], Awaitable[bytes]] | None = None,
+    connections: list[int] | None = None,
 ) -> None:
     """A LiveKit stand-in's connection: a RoomService call (room made, room deleted, participants listed) is answered
     200 with an empty message (or with ``answer``'s, given the method and the request's body, once it returns), and
     its method goes into ``calls`` (and the room a list asks for into ``listed``); anything else (the signalling a
     worker's join opens) is dropped unanswered, or with ``hold_joins`` held open without a word until the stand-in
     stops. With ``answer_when``, a RoomService call is answered only once that event is set (LiveKit slow to make
-    rooms)."""
+    rooms). With ``connections`` (one entry a connection), the connection is kept open for the next call, as
+    LiveKit's is; else it is closed after one."""
+    if connections is not None:
+        connections.append(1)
     async with stream:
         received = b""
-        with trio.move_on_after(5 if answer_when is None else 30):
-            while b"\r\n\r\n" not in received:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                received += data
+        while True:
+            with trio.move_on_after(5 if answer_when is None else 30):
+                while b"\r\n\r\n" not in received:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    received += data
+            if b"\r\n\r\n" not in received:
+                return
             head, _, body = received.partition(b"\r\n\r\n")
             if not head.startswith(b"POST /twirp/livekit.RoomService/"):
                 if hold_joins:
@@ -54,13 +61,18 @@ async def room_service_only(
                 if not data:
                     return
                 body += data
+            body, received = body[:length], body[length:]
             if listed is not None and method == "ListParticipants":
                 listed.append(api.ListParticipantsRequest.FromString(body).room)
             if answer_when is not None:
                 await answer_when.wait()
             message = b"" if answer is None else await answer(method, body)
+            keep = connections is not None
             await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/protobuf\r\nContent-Length: "
-                                  + str(len(message)).encode() + b"\r\nConnection: close\r\n\r\n" + message)
+                                  + str(len(message)).encode() + b"\r\nConnection: "
+                                  + (b"keep-alive" if keep else b"close") + b"\r\n\r\n" + message)
+            if not keep:
+                return
 
 
 @pytest.mark.in_process_only(reason=(
