@@ -306,10 +306,22 @@ class RoomRunner:
                 async for chunk in stream:
                     await self._publish(order.check(chunk))
             finally:
-                aclose = getattr(stream, "aclose", None)
-                if aclose is not None:
-                    with trio.CancelScope(shield=True):
-                        await aclose()
+                await self._close_stream(stream)
+
+    async def _close_stream(self, stream: Any) -> None:
+        """Close a server-push stream: shielded (a drain must not cut its cleanup short) and bounded as
+        ``close_session`` is. Past ``CLOSE_PIPELINE_TIMEOUT`` what the stream holds is in doubt, so the worker is
+        replaced, as after a crash, and the session fails with that cause (its close was waited for without end:
+        the session stayed draining, its slot held, for as long as the cleanup hung)."""
+        aclose = getattr(stream, "aclose", None)
+        if aclose is None:
+            return
+        with trio.CancelScope(shield=True) as closing:
+            closing.deadline = trio.current_time() + CLOSE_PIPELINE_TIMEOUT
+            await aclose()
+        if closing.cancelled_caught:
+            self.worker.fail(f"closing session {self.record.session_id}'s stream took over "
+                             f"{CLOSE_PIPELINE_TIMEOUT:g} s")
 
     # -- media ---------------------------------------------------------------------
 

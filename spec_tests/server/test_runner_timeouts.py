@@ -4,13 +4,17 @@ session_timeout. The service is the in-test async CounterService and the JPEG en
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from server.runner import CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
+from pipelines.contract import Chunk, ServerPushService, SessionConfig
+from server.runner import CLOSE_PIPELINE_TIMEOUT, CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
 from server.runtime import DELETE_WAIT
 from server.transport import TransportError
 from states.stream_session import DrainCause
@@ -246,6 +250,60 @@ async def test_a_pipeline_that_never_takes_a_control_fails_the_session_at_the_de
             assert record["status"] == "failed" and "did not take a control" in record["error"], record
             assert record["drain_cause"] == "pipeline_stalled", record
         assert s.free_slots() == 1 and not s.runtime.runners
+
+
+@asynccontextmanager
+async def released_at_the_end(released: trio.Event) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        released.set()
+
+
+class StreamWithStuckCleanup(ServerPushService):
+    """A server-push pipeline whose stream's cleanup never ends (a decoder's close that hangs)."""
+
+    def __init__(self) -> None:
+        self.cleanup_started = trio.Event()
+        self.released = trio.Event()  # set by the test as it ends, so that a server that waits for ever can stop
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[StreamWithStuckCleanup]:
+        yield self
+
+    async def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
+        index = 0
+        try:
+            while True:  # the runner paces the chunks: the stream waits at its yield
+                yield Chunk(index=index, frames=np.zeros((1, 16, 16, 3), np.uint8), fps=4.0)
+                index += 1
+        finally:
+            self.cleanup_started.set()
+            await self.released.wait()
+
+
+async def test_a_server_push_stream_whose_close_hangs_fails_the_session_at_the_close_deadline(
+    autojump_clock: Any
+) -> None:
+    """The stream's close ran shielded with no deadline: a DELETE left the session draining for good, its slot
+    held. It is bounded as close_session is: the session fails naming the close, and the worker is replaced."""
+    service = StreamWithStuckCleanup()
+    async with serve(settings(), service) as s, released_at_the_end(service.released):
+        created = await s.create("ctl")
+        session_id = created["session_id"]
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            start = trio.current_time()
+            status, body = await s.json("delete", f"/v1/stream/sessions/{session_id}")
+            assert status == 200 and body["status"] == "draining"
+            assert service.cleanup_started.is_set()
+            await until(start + CLOSE_PIPELINE_TIMEOUT + 1)
+            record = await s.get(session_id)
+            assert record["status"] == "failed", record
+            assert f"stream took over {CLOSE_PIPELINE_TIMEOUT:g} s" in record["error"], record
+            (error,) = await ctl.wait_for(lambda p: p.status("error"), "the error on tf.status")
+            assert "stream took over" in error["detail"]
+        assert not s.runtime.runners and not s.runtime.book.holds(session_id)
 
 
 async def test_a_session_deleted_just_before_its_timeout_ends_closed_as_deleted(autojump_clock: Any) -> None:
