@@ -181,10 +181,33 @@ SCHEMAS: dict[str, Any] = {
 }
 
 SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+FORBIDDEN_ORIGIN = "403"  # only a POST or DELETE is checked for the page it came from
 COMMON_ERRORS = {"401": _error("missing or wrong API key (when one is configured)"),
-                 "403": _error("forbidden_origin: a POST or DELETE from a web page of another origin, not in "
-                               "--cors-allow-origins"),
+                 FORBIDDEN_ORIGIN: _error("forbidden_origin: a POST or DELETE from a web page of another origin, not "
+                                          "in --cors-allow-origins"),
                  "413": _error("request body too large")}
+#: what every API route refuses before its own checks (``server.app``'s ``refuse_what_would_be_ignored``)
+IGNORED_INPUT = ("a query parameter this route does not read (invalid_query), or a body on a GET or DELETE "
+                 "(invalid_body)")
+
+
+def _with_refusals_of_ignored_input(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every API route answers a 400 for input it would ignore, and only a POST or DELETE a 403 for its page's origin:
+    the document listed neither 400 on most routes (a GET of /v1/service/health?x=1 answered an undocumented 400)
+    and a 403 on GETs, which never answer one."""
+    for path, item in paths.items():
+        if path == "/":  # the demo page takes none of the API's rules
+            continue
+        for method, operation in item.items():
+            responses = operation["responses"]
+            if method == "get":
+                responses.pop(FORBIDDEN_ORIGIN, None)
+            own = responses.get("400")
+            if own is None:
+                responses["400"] = _error(IGNORED_INPUT)
+            elif IGNORED_INPUT not in own["description"]:
+                responses["400"] = {**own, "description": f"{own['description']}; or {IGNORED_INPUT}"}
+    return paths
 
 
 def openapi_document() -> dict[str, Any]:
@@ -278,6 +301,7 @@ def openapi_document() -> dict[str, Any]:
                       "responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
                                     "404": _error("demo page not installed")}}},
     }
+    _with_refusals_of_ignored_input(paths)
     return {
         "openapi": "3.1.0",
         "info": {"title": "chunkline stream server", "version": "0.1.0",
