@@ -91,6 +91,7 @@ __all__ = [
     "VIDEO_NAME",
     "load_timed_controls",
     "normalize_key",
+    "output_problem",
     "parse_timed_controls",
     "remove_partial_files",
     "run_offline",
@@ -98,6 +99,17 @@ __all__ = [
 
 VIDEO_NAME = "video.mp4"
 METRICS_NAME = "metrics.json"
+
+
+def output_problem(out_dir: str | os.PathLike[str]) -> str | None:
+    """Why a run could not put its output in ``out_dir``, or None: a directory (not a link) where ``video.mp4`` or
+    ``metrics.json`` goes cannot be replaced by a file. Found only as the run ended, after the whole run, and once
+    the video had replaced the one there when ``metrics.json`` was the directory."""
+    for name in (VIDEO_NAME, METRICS_NAME):
+        path = Path(out_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            return f"{str(path)!r} is a directory, which the run's {name} cannot replace"
+    return None
 _CLOCK_TOLERANCE = 1e-6
 #: the session options a run sets itself on a service that applies the timeline (``supports_timeline``):
 #: chunks back to back, and as many as the run asks for; a caller's own value would be overwritten unseen
@@ -455,6 +467,8 @@ async def run_offline(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if (problem := output_problem(out)) is not None:
+        raise ValueError(problem)
     video_tmp = _temp_path(out, VIDEO_NAME)
     metrics_tmp = _temp_path(out, METRICS_NAME)
     writer = Mp4Writer(video_tmp)
@@ -472,6 +486,8 @@ async def run_offline(
         metrics = recorder.metrics(writer)
         metrics_tmp.write_text(json.dumps(metrics, indent=2, sort_keys=False) + "\n", encoding="utf-8")
         video_path, metrics_path = out / VIDEO_NAME, out / METRICS_NAME
+        if (problem := output_problem(out)) is not None:  # made meanwhile: neither output is replaced
+            raise RuntimeError(problem)
         os.replace(video_tmp, video_path)
         os.replace(metrics_tmp, metrics_path)
     except BaseException as exc:

@@ -199,6 +199,10 @@ def prepare_out(text: str) -> OutDir:
     if info is not None:
         if not stat.S_ISDIR(info.st_mode):
             raise BadInput(f"--out {shown(text)} exists and is not a directory")
+        from pipelines.offline import output_problem
+
+        if (problem := output_problem(path)) is not None:  # said before the run, not after it
+            raise BadInput(f"--out {shown(text)}: {problem}")
         return OutDir(path, [])
     missing = [path]
     while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:

@@ -67,6 +67,24 @@ def test_an_out_that_cannot_be_a_folder_is_refused_naming_it_before_the_pipeline
     assert os.listdir(work) == [] and not os.path.lexists(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("name", ["video.mp4", "metrics.json"])
+def test_an_output_name_taken_by_a_folder_is_refused_before_the_pipeline_loads(tmp_path: Path, name: str) -> None:
+    """A folder where the run's video.mp4 or metrics.json goes was found only as the run ended (exit 1 after the
+    whole run), and with metrics.json a folder the earlier video.mp4 was replaced by a run that then failed."""
+    pipeline, loaded = noting_pipeline(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).mkdir()
+    earlier = "video.mp4" if name == "metrics.json" else "metrics.json"
+    (out / earlier).write_text("an earlier run's")
+    result = run(pipeline, "--chunks", "1", "--out", str(out))
+    line = one_line(result)
+    assert result.returncode == 2 and line.startswith(f"chunkline run: --out {str(out)!r}: ") and name in line, line
+    assert "is a directory" in line, line
+    assert not loaded.exists(), "the pipeline was loaded before --out was checked"
+    assert sorted(os.listdir(out)) == sorted([name, earlier]) and (out / earlier).read_text() == "an earlier run's"
+
+
 def test_run_help_says_an_earlier_output_in_out_is_replaced() -> None:
     result = subprocess.run([sys.executable, "-m", "server.cli", "run", "--help"], capture_output=True, text=True,
                             check=True, timeout=RUN_DEADLINE)
