@@ -12,10 +12,12 @@ import functools
 
 import pytest
 import trio
+import trio.testing
 from livekit import api
 
+from server.room_follow import TOKEN_LOOKS_PER_SECOND
+
 from ..server.runner_fixtures import LIVEKIT_KEY, LIVEKIT_SECRET, CounterService, Served, serve, settings
-from .helpers import wait_until
 from .test_livekit_rooms import room_service_only
 
 pytestmark = pytest.mark.in_process_only(reason="it serves the in-process app against a stand-in it runs itself")
@@ -59,46 +61,69 @@ async def test_the_room_services_calls_share_one_client_and_its_connection() -> 
 
 
 @pytest.mark.parametrize("flooded_rooms", [1, 30], ids=["one_room", "many_rooms"])
-async def test_a_flood_of_token_requests_leaves_a_quiet_rooms_check_its_fresh_look(flooded_rooms: int) -> None:
-    """Three quiet queued sessions each have someone in their room whom the poll has not seen (it is held on another
-    room). While token requests for other sessions flood the server (for one session, or for thirty), a token asked
-    for each quiet room's participant is refused (409): its check lists the room now. Under one budget, first come
-    first served, the flood took every fresh look and the quiet checks were left to the poll's view: granted (200),
-    and LiveKit would drop the participant for the new token's holder."""
+async def test_a_flood_of_token_requests_leaves_a_quiet_rooms_check_its_fresh_look(
+    flooded_rooms: int, mock_clock: trio.testing.MockClock,
+) -> None:
+    """Three quiet queued sessions each have a viewer in their room whom the poll has not seen (it is held on the
+    first room). Forty requesters flood the server with token requests for other sessions (for one session, or for
+    thirty) and take the second's twenty fresh looks; then a token is asked for each quiet room's viewer. Each is
+    refused (409): its check waits for its room's turn, which comes first (the quiet rooms were listed longest
+    ago), and lists the room. Under one bucket, first come first served, the flood had taken every fresh look: the
+    quiet checks went by the poll's view and were granted (200), and LiveKit would drop the viewer already there
+    for the new token's holder.
+
+    Trio's clock is the test's: it stands still but where the test moves it (``drive``), so "a second's looks" is
+    exact whatever the machine's speed; the stand-in's answers are real loopback traffic."""
+    mock_clock.autojump_threshold = 0  # the app's start waits on trio's clock
     (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listener.socket.getsockname()[1]
-    present: dict[str, list[str]] = {}
-    hold: dict[str, trio.Event] = {}  # the room whose lists are held (the poll's, stuck there), and its release
-    poll_held = trio.Event()
+    present: dict[str, list[str]] = {}  # who is in each room, as the stand-in lists it
+    listed: list[str] = []  # the rooms listed, in order
+    poll_held, release_poll = trio.Event(), trio.Event()
+    flood_rooms: set[str] = set()
+    flood_took_a_second = trio.Event()
 
     async def answer(method: str, body: bytes) -> bytes:
         if method != "ListParticipants":
             return b""
         room = api.ListParticipantsRequest.FromString(body).room
         there = list(present.get(room, []))
-        if room not in hold and present.get("flood") is not None:
-            present["flood"].append(room)
-        if room in hold:
+        listed.append(room)
+        if len(listed) == 1:  # the poll's look into the first session's room: held, so the poll sees no other
             poll_held.set()
-            await hold[room].wait()
+            await release_poll.wait()
+        if sum(seen in flood_rooms for seen in listed) >= TOKEN_LOOKS_PER_SECOND:
+            flood_took_a_second.set()
         return participants(there)
 
+    async def drive() -> None:
+        """Trio's clock moves a token's worth whenever everything waits, a second and a half at most (the poll's held
+        look and the RoomService calls have 5 s)."""
+        for _ in range(30):
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(1 / TOKEN_LOOKS_PER_SECOND)
+
     quiet_count, flood_requesters = 3, 40
-    handler = functools.partial(room_service_only, hold_joins=True, answer=answer)
+    stand_in = trio.CancelScope()
+
+    async def run_stand_in() -> None:
+        with stand_in:
+            await trio.serve_listeners(functools.partial(room_service_only, hold_joins=True, answer=answer), [listener])
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, handler, [listener])
-        overrides = livekit_at(port, queue_size=quiet_count + flooded_rooms)
-        async with serve(settings(**overrides), CounterService()) as s:
+        nursery.start_soon(run_stand_in)
+        async with serve(settings(**livekit_at(port, queue_size=quiet_count + flooded_rooms)), CounterService()) as s:
+            mock_clock.autojump_threshold = 1.0  # from here the test moves the clock (a second's stall: a jump)
             first = await s.create("ctl-0")  # its worker's join is held: it keeps the slot, and the poll looks first
-            quiet = [await s.create(f"quiet-{index}") for index in range(quiet_count)]
-            flooded = [await s.create(f"busy-{index}") for index in range(flooded_rooms)]
-            release = hold[first["room"]] = trio.Event()  # the poll's next round stops at the first room
-            with trio.fail_after(10):
+            with trio.fail_after(1):
                 await poll_held.wait()
-            for index, session in enumerate(quiet):  # each quiet room's controller joins: the poll cannot see it
-                present[session["room"]] = [f"quiet-{index}"]
-            refusals: list[int] = []
-            flood_lists = present["flood"] = []  # the lists made since the flood began
+            assert listed == [first["room"]], listed
+            quiet = [await s.create(f"quiet-{index}") for index in range(quiet_count)]
+            mock_clock.jump(0.1)  # the busy sessions come later
+            flooded = [await s.create(f"busy-{index}") for index in range(flooded_rooms)]
+            flood_rooms.update(session["room"] for session in flooded)
+            for index, session in enumerate(quiet):  # a viewer in each quiet room: the poll cannot see it
+                present[session["room"]] = [f"watcher-{index}"]
             stop_flood = trio.Event()
 
             async def flood(requester: int) -> None:
@@ -108,13 +133,29 @@ async def test_a_flood_of_token_requests_leaves_a_quiet_rooms_check_its_fresh_lo
                     index += 1
                     await token_status(s, session["session_id"], f"flood-{requester}-{index}")
 
+            answers: dict[int, int] = {}
+            answered = trio.Event()
+
+            async def ask_quiet(index: int) -> None:
+                answers[index] = await token_status(s, quiet[index]["session_id"], f"watcher-{index}")
+                if len(answers) == quiet_count:
+                    answered.set()
+
             async with trio.open_nursery() as flooding:
                 for requester in range(flood_requesters):
                     flooding.start_soon(flood, requester)
-                await wait_until(lambda: len(flood_lists) >= 20, "the flood to take a second's fresh looks")
-                for index, session in enumerate(quiet):
-                    refusals.append(await token_status(s, session["session_id"], f"quiet-{index}"))
+                with trio.fail_after(1):
+                    await flood_took_a_second.wait()  # the flood's lists took the whole burst, at one instant
+                async with trio.open_nursery() as asking:
+                    for index in range(quiet_count):
+                        asking.start_soon(ask_quiet, index)
+                    asking.start_soon(drive)
+                    with trio.fail_after(3):
+                        await answered.wait()
+                    asking.cancel_scope.cancel()  # the drive
                 stop_flood.set()
-            release.set()
-            assert refusals == [409] * quiet_count, refusals
+                mock_clock.autojump_threshold = 0.01  # the flood's last checks end by their deadline
+            assert [answers[index] for index in range(quiet_count)] == [409] * quiet_count, answers
+            release_poll.set()
+            stand_in.cancel()  # the held join fails now, and its session with it
         nursery.cancel_scope.cancel()
