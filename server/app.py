@@ -17,7 +17,7 @@ from typing import Any
 import trio
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import WebsocketMismatch
 
 from . import json_limits, option_check
@@ -244,6 +244,13 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             return error(400, "bad_websocket_handshake", f"{echo(request.path)} is a room's WebSocket: open it with a "
                                                          "WebSocket handshake (GET, Upgrade: websocket), the room's "
                                                          "token in ?token=")
+        if isinstance(exc, MethodNotAllowed):  # werkzeug's words named neither the method nor those allowed, and its
+            # Allow field (RFC 9110 15.5.6) was dropped with its body
+            allowed = ", ".join(sorted(exc.valid_methods or ()))
+            return error(405, code, f"{request.method} is not a method of {echo(request.path)}; it takes {allowed}",
+                         {"Allow": allowed})
+        if isinstance(exc, NotFound):  # werkzeug's words ("If you entered the URL manually...") named nothing
+            return error(404, code, f"no route {echo(request.path)} (the API's routes are listed at /openapi.json)")
         return error(exc.code or 500, code, exc.description or code)
 
     @app.errorhandler(BadRequest)

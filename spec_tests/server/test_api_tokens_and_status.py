@@ -212,3 +212,17 @@ async def test_framework_errors_are_json(served, method, path, expected):
     assert status == expected
     assert response.headers["Content-Type"].startswith("application/json")
     assert_error_body(status, body)
+
+
+async def test_a_method_a_route_does_not_take_is_a_405_naming_the_ones_it_takes(served):
+    """werkzeug's 405 said only "The method is not allowed for the requested URL.", with no Allow field (RFC 9110
+    15.5.6 asks for one), and its 404 "If you entered the URL manually please check your spelling"."""
+    status, body, response = await served.json("put", SESSIONS)
+    assert status == 405 and body["error"] == "method_not_allowed", body
+    allowed = {m.strip() for m in response.headers["Allow"].split(",")}
+    assert {"GET", "POST"} <= allowed and "PUT" not in allowed, response.headers["Allow"]
+    assert body["detail"].startswith(f"PUT is not a method of '{SESSIONS}'") and "GET" in body["detail"], body
+    status, body, response = await served.json("post", "/v1/service/health")
+    assert status == 405 and "POST" not in response.headers["Allow"] and "GET" in response.headers["Allow"]
+    status, body, _ = await served.json("get", "/v1/nope")
+    assert status == 404 and body["detail"].startswith("no route '/v1/nope'"), body
