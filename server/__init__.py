@@ -16,6 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from . import early_signals
+
+# in hypercorn's worker process, which is importing this to load ``server:app``: a stop signal from here ends its
+# start in one line (a SIGHUP under its supervisor, a reload, with 0: a new worker starts); elsewhere nothing changes
+early_signals.starting_hypercorn_worker()
+
 __all__ = ["app", "build_app_from_environment"]
 
 _app: Any = None
@@ -66,8 +72,8 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     # (stream-serve's end: the load is abandoned); a second stop signal ends it at once too
     runtime = app.extensions["chunkline"]
 
-    async def drain(number: int) -> None:
-        await app.run_in_app_loop(functools.partial(hypercorn_drain.drain_then_end_a_load, runtime, number))
+    async def drain(status: int) -> None:
+        await app.run_in_app_loop(functools.partial(hypercorn_drain.drain_then_end_a_load, runtime, status))
 
     hypercorn_drain.install(drain, functools.partial(hypercorn_drain.abandon, runtime))
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
@@ -173,6 +179,7 @@ class _LazyApp:
                 print(f"chunkline: {exc}", file=sys.stderr, flush=True)
                 _end_hypercorn_supervisor()
                 os._exit(2)
+            early_signals.hypercorn_app_built()  # in hypercorn's worker: from here a stop signal waits for its loop
         return _app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -12,19 +12,42 @@ process on its way out, is noted and changes nothing (Python's default action en
 
 SIGHUP ignored when the process started (``nohup chunkline ...``) stays ignored, here and in the commands
 (:func:`stop_signals`).
+
+hypercorn's worker process (``hypercorn server:app``) runs none of the ``chunkline`` command: there the package's
+first line calls :func:`starting_hypercorn_worker`. While hypercorn's worker imports and builds the app (a second
+or more), a stop signal met Python's default action: killed by SIGTERM or SIGHUP, a KeyboardInterrupt traceback
+under ``--workers 0``; under hypercorn's supervisor a SIGHUP, its reload (a closed terminal, ``kill -HUP -PGID``),
+killed the worker and the supervisor then stopped instead of starting a new one. Now such a signal unwinds the start
+with ``SystemExit`` (no traceback, one line): exit 0 for SIGHUP under the supervisor, so that the supervisor starts
+a new worker (its reload), else 128 + the signal (a supervised worker's nonzero status stops the supervisor too).
+Once the app is built (:func:`hypercorn_app_built`) a stop signal is noted instead, not raised into hypercorn's code
+or its event loop's start, and ends the start the same way as the worker's loop begins to serve
+(:func:`hypercorn_worker_serves`); there the worker's own handlers take the signals over with the handlers these
+replaced (:func:`replaced`, :func:`let_go`, ``server.hypercorn_drain.WorkerSignals``). What is left: from the
+worker's exec until the package's first line (Python's start, hypercorn's imports: 0.1 to 0.2 s) no chunkline code
+runs, and a signal meets the default action there.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-from typing import Any
+import sys
+from types import FrameType
+from typing import Any, NoReturn
 
-__all__ = ["STOP_SIGNALS", "StopSignalled", "defer", "describe", "hand_over", "install", "replay", "stop_signals"]
+__all__ = ["STOP_SIGNALS", "StopSignalled", "defer", "describe", "hand_over", "hypercorn_app_built",
+           "hypercorn_worker_serves", "install", "let_go", "replaced", "replay", "starting_hypercorn_worker",
+           "stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: hypercorn's worker functions' modules: they call ``load_application`` in its worker process
+HYPERCORN_WORKERS = ("hypercorn.trio.run", "hypercorn.asyncio.run")
 
 _previous: dict[int, Any] = {}
 _noted: list[int] = []
+#: while hypercorn's worker starts (:func:`starting_hypercorn_worker`): each stop signal's exit status
+_start_statuses: dict[int, int] = {}
 
 
 class StopSignalled(BaseException):
@@ -48,9 +71,7 @@ def describe(number: int) -> str:
 
 
 def _raise(number: int, _frame: Any) -> None:
-    for each in STOP_SIGNALS:
-        if signal.getsignal(each) in (_raise, _note):
-            signal.signal(each, signal.SIG_IGN)  # the process is on its way out: nothing may break that off
+    _ignore_ours()  # the process is on its way out: nothing may break that off
     raise StopSignalled(number)
 
 
@@ -58,10 +79,40 @@ def _note(number: int, _frame: Any) -> None:
     _noted.append(number)
 
 
+def _end_start(number: int, frame: FrameType | None) -> None:
+    """hypercorn's worker is starting: end it (``SystemExit``), saying so in one line."""
+    if _loading_frame(frame) is None:  # past hypercorn's load of an app that is not ``server:app`` (never built)
+        hand_over()  # the handlers there were before, as if this module had never been here
+        signal.raise_signal(number)
+        return
+    _noted.append(number)  # should the SystemExit be swallowed (raised in a finalizer), the start's end sees it
+    _end_the_start(number)
+
+
+def _end_the_start(number: int) -> NoReturn:
+    _ignore_ours()  # the process is on its way out: nothing may break that off
+    status = _start_statuses[number]
+    then = "hypercorn's reload starts a new worker" if status == 0 else f"exit {status}"
+    try:  # not print(): the signal may have come in the middle of a write to sys.stderr
+        os.write(2, f"chunkline: {describe(number)} as hypercorn's worker started: {then}\n".encode())
+    except OSError:  # a closed terminal: the exit status says it
+        pass
+    raise SystemExit(status)
+
+
+_OURS = (_raise, _note, _end_start)
+
+
+def _ignore_ours() -> None:
+    for each in STOP_SIGNALS:
+        if signal.getsignal(each) in _OURS:
+            signal.signal(each, signal.SIG_IGN)
+
+
 def _put(handler: Any) -> None:
     for number in stop_signals():
         current = signal.getsignal(number)
-        if current in (_raise, _note):
+        if current in _OURS:
             signal.signal(number, handler)
         elif number not in _previous:
             _previous[number] = current
@@ -78,7 +129,7 @@ def install() -> None:
 
 def defer() -> None:
     """Note a stop signal instead of raising it: the command's trio run takes them over and :func:`replay`-s them."""
-    if signal.getsignal(signal.SIGINT) in (_raise, _note):
+    if signal.getsignal(signal.SIGINT) in _OURS:
         _put(_note)
 
 
@@ -91,6 +142,70 @@ def replay() -> None:
 def hand_over() -> None:
     """Put back the handlers :func:`install` replaced, where they are still this module's."""
     for number, previous in list(_previous.items()):
-        if signal.getsignal(number) in (_raise, _note):
+        if signal.getsignal(number) in _OURS:
             signal.signal(number, previous)
         del _previous[number]
+
+
+def _loading_frame(frame: FrameType | None) -> FrameType | None:
+    """hypercorn's ``load_application``'s frame where its worker (not its supervisor's reloader) called it and it is
+    on the stack from ``frame`` up; else None."""
+    while frame is not None:
+        if frame.f_code.co_name == "load_application" and frame.f_globals.get("__name__") == "hypercorn.utils":
+            caller = frame.f_back
+            return frame if caller is not None and caller.f_globals.get("__name__") in HYPERCORN_WORKERS else None
+        frame = frame.f_back
+    return None
+
+
+def starting_hypercorn_worker() -> None:
+    """Where hypercorn's worker process loads its app now (this is called from within that): a stop signal ends
+    it at once, in one line, until :func:`hypercorn_app_built`; SIGHUP under hypercorn's supervisor (its reload)
+    with exit 0, so that the supervisor starts a new worker, any other with 128 + the signal. Elsewhere (``import
+    server`` in any other process) nothing changes."""
+    loading = _loading_frame(sys._getframe(1))
+    if loading is None or _start_statuses:
+        return
+    supervised = loading.f_back is not None and loading.f_back.f_locals.get("shutdown_event") is not None
+    _start_statuses.update({number: 128 + number for number in STOP_SIGNALS})
+    if supervised:
+        _start_statuses[signal.SIGHUP] = 0
+    try:
+        _put(_end_start)
+    except ValueError:  # not the main thread: not its signals to take
+        _start_statuses.clear()
+
+
+def hypercorn_app_built() -> None:
+    """hypercorn's worker built the app (``server:app``): from now until it begins to serve a stop signal is noted
+    (:func:`hypercorn_worker_serves`), not raised into hypercorn's code or its event loop's start. A stop signal
+    whose ``SystemExit`` was swallowed (raised in a finalizer) ends the start now."""
+    if not _start_statuses:
+        return
+    if _noted:
+        raise SystemExit(_start_statuses[_noted[0]])  # its line was said
+    _put(_note)
+
+
+def hypercorn_worker_serves() -> None:
+    """hypercorn's worker, in its event loop, is about to take the stop signals and serve: one noted since the app
+    was built ends the start now, as one before it would have (``SystemExit``, nothing started: the pipeline's load
+    and the app's startup would only have been undone)."""
+    if _start_statuses and _noted:
+        _end_the_start(_noted[0])
+
+
+def replaced() -> dict[int, Any]:
+    """The handlers this module's replaced, where its own are in place (for handlers about to replace them: hypercorn's
+    worker as it begins to serve, ``server.hypercorn_drain.WorkerSignals``, which puts them back as it ends)."""
+    return {number: handler for number, handler in _previous.items() if signal.getsignal(number) in _OURS}
+
+
+def let_go() -> list[int]:
+    """Once other handlers replaced this module's (:func:`replaced`): the signals noted until then, in order, for them
+    to take as their own; this module forgets them and what its handlers replaced."""
+    noted = list(_noted)
+    _previous.clear()
+    _noted.clear()
+    _start_statuses.clear()
+    return noted

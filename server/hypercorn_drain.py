@@ -37,10 +37,12 @@ stop signal as SIGTERM is, and as under ``chunkline stream-serve``, unless it wa
 supervisor reloads on SIGHUP under ``nohup`` too.
 
 Each stop trigger passes its stop signal on to the drain: :func:`drain_then_end_a_load` ends the worker at once
-after the drain when one of the app's workers still loads its pipeline, as ``chunkline stream-serve`` does (exit
-128 + the signal; the load cannot be cancelled and held the worker until it returned). hypercorn's supervisor says
-only that it stops, not which signal told it to: :data:`SUPERVISOR_SIGNAL` stands for it where the worker did not get
-the signal itself (the supervisor drops its worker's exit status anyway, see README's Known limits).
+after the drain when one of the app's workers still loads its pipeline, as ``chunkline stream-serve`` does (the load
+cannot be cancelled and held the worker until it returned): with 128 + the signal after a stop signal the worker got
+itself, and with 0 after hypercorn's reload or its supervisor's word. hypercorn's supervisor starts a new worker only
+after a 0 and takes any other status for a reason to stop (and then drops it: README's Known limits), so a reload
+while the pipeline loaded (129, or 143 on the supervisor's word) stopped the server; and its word says only that the
+worker is to end, not whether it stops or reloads, nor which signal told it to. Before the worker serves, :mod:`server.early_signals` ends its start on a stop signal.
 
 :func:`refuse_several_workers` wraps ``worker_serve`` once more: under ``hypercorn --workers N`` with N > 1 each of the
 N processes was a server of its own behind the one port (its own sessions, tokens, rooms and model workers), so a
@@ -62,11 +64,12 @@ from typing import Any
 import sniffio
 import trio
 
+from . import early_signals
 from .early_signals import stop_signals
 from .run_signals import exit_now, note_stop_signal
 
-__all__ = ["SUPERVISOR_SIGNAL", "SupervisorStop", "WORKER_MODULES", "WorkerSignals", "abandon", "drain_then_end_a_load",
-           "install", "refuse_several_workers", "taken"]
+__all__ = ["SupervisorStop", "WORKER_MODULES", "WorkerSignals", "abandon", "drain_then_end_a_load", "install",
+           "refuse_several_workers", "taken"]
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +80,14 @@ _ONE_PROCESS = "chunkline_one_process"
 #: the signals that stop hypercorn (its supervisor's, and its one process's under ``--workers 0``); SIGHUP is its
 #: supervisor's word to start its workers again, and stops its one process under ``--workers 0`` (:func:`taken`)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-#: the stop signal a stop from hypercorn's supervisor is taken for (its shutdown event says no more than "stop")
-SUPERVISOR_SIGNAL = signal.SIGTERM
 
 
 def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None]) -> list[str]:
-    """Make hypercorn's stop trigger await ``drain(signal_number)`` (which runs from either worker's loop) once the
-    stop has come, and its worker process take the stop signals (:class:`WorkerSignals`; a second one ends the process
-    now, ``abandon`` first); returns the modules wrapped (those of hypercorn's workers loaded in this process, each
-    wrapped once)."""
+    """Make hypercorn's stop trigger await ``drain(status)`` (which runs from either worker's loop) once the stop has
+    come, ``status`` being the worker's exit status should it end at once after the drain (a load abandoned:
+    :func:`drain_then_end_a_load`), and its worker process take the stop signals (:class:`WorkerSignals`; a second
+    one ends the process now, ``abandon`` first); returns the modules wrapped (those of hypercorn's workers loaded in
+    this process, each wrapped once)."""
     signals = WorkerSignals(abandon)
     wrapped = []
     for name in WORKER_MODULES:
@@ -98,12 +100,13 @@ def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None]
                                _original: Callable[..., Awaitable[None]] = original) -> None:
             # hypercorn's supervisor was told to stop, or is gone, or this worker got a stop signal itself
             await _original(SupervisorStop(shutdown_event, signals), sleep)
-            if signals.first is None:
-                await _draining_after(SUPERVISOR_SIGNAL, drain, "hypercorn is stopping")
+            if signals.first is None:  # a stop or a reload: the supervisor decides which once this worker exited 0
+                await _draining_after(0, drain, "hypercorn is stopping or reloading")
             elif signals.reloads():
-                await _draining_after(signals.first, drain, "SIGHUP, hypercorn's reload (a new worker starts next)")
+                await _draining_after(0, drain, "SIGHUP, hypercorn's reload (a new worker starts next)")
             else:
-                await _draining_after(signals.first, drain, f"a stop signal ({signal.Signals(signals.first).name})")
+                await _draining_after(128 + signals.first, drain,
+                                      f"a stop signal ({signal.Signals(signals.first).name})")
                 signals.pass_on(shutdown_event)
 
         setattr(stop_trigger, _DRAINS_FIRST, True)
@@ -149,7 +152,9 @@ class WorkerSignals:
         """In the main thread, in hypercorn's loop: take the stop signals (``supervised``: under hypercorn's
         supervisor, not ``--workers 0``); returns what waits for the first."""
         self.supervised = supervised
-        self._previous = {number: signal.getsignal(number) for number in taken(supervised)}
+        # the handlers the app's start put in (early_signals) give way, and what they noted is taken as it came now
+        started = early_signals.replaced()
+        self._previous = {number: started.get(number, signal.getsignal(number)) for number in taken(supervised)}
         woken: trio.Event | asyncio.Event
         if sniffio.current_async_library() == "trio":
             token, woken = trio.lowlevel.current_trio_token(), trio.Event()
@@ -161,6 +166,9 @@ class WorkerSignals:
             self._loop, self._wake = loop, woken.set  # its handlers run in the loop
             for number in self._previous:
                 loop.add_signal_handler(number, self.signalled, number)
+        for number in early_signals.let_go():
+            if number in self._previous:
+                self.signalled(number)
 
         async def first() -> int:
             if self.first is None:
@@ -263,11 +271,12 @@ def _taking_stop_signals(serve: Callable[..., Awaitable[None]], signals: WorkerS
     @functools.wraps(serve)
     async def worker_serve(*args: Any, shutdown_trigger: Callable[..., Awaitable[None]] | None = None,
                            **kwargs: Any) -> None:
+        early_signals.hypercorn_worker_serves()  # one since the app was built ends the start here, nothing begun
         first = signals.take(supervised=shutdown_trigger is not None)
 
         async def stop_trigger() -> None:
             number = await first()
-            await _draining_after(number, drain, f"a stop signal ({signal.Signals(number).name})")
+            await _draining_after(128 + number, drain, f"a stop signal ({signal.Signals(number).name})")
 
         try:
             await serve(*args, shutdown_trigger=shutdown_trigger or stop_trigger, **kwargs)
@@ -278,10 +287,11 @@ def _taking_stop_signals(serve: Callable[..., Awaitable[None]], signals: WorkerS
     return worker_serve
 
 
-async def _draining_after(number: int, drain: Callable[[int], Awaitable[None]], what: str) -> None:
-    """Once the stop has come (by signal ``number``), the sessions drain; then hypercorn closes its connections."""
+async def _draining_after(status: int, drain: Callable[[int], Awaitable[None]], what: str) -> None:
+    """Once the stop has come (``what``), the sessions drain; then hypercorn closes its connections (or the worker
+    ends at once with ``status``, its load abandoned)."""
     log.info("%s: draining the sessions before hypercorn closes connections", what)
-    await drain(number)
+    await drain(status)
 
 
 def abandon(runtime: Any) -> None:
@@ -291,10 +301,18 @@ def abandon(runtime: Any) -> None:
     runtime.end_service_processes_now()
 
 
-async def drain_then_end_a_load(runtime: Any, number: int) -> None:
+async def drain_then_end_a_load(runtime: Any, status: int) -> None:
     """In the app's loop: ``runtime``'s drain, then, if one of its workers still loads its pipeline, the worker
-    process's end at once (exit 128 + ``number``) with its child processes and their /dev/shm segments, as
-    ``chunkline stream-serve`` ends: nothing of the load was there to drain, and a load in a thread or a child
-    cannot be cancelled (the app's shutdown waited for it to return: minutes, or for good)."""
+    process's end at once, exit ``status``, with its child processes and their /dev/shm segments, as ``chunkline
+    stream-serve`` ends: nothing of the load was there to drain, and a load in a thread or a child cannot be
+    cancelled (the app's shutdown waited for it to return: minutes, or for good).
+
+    ``status`` is 128 + the signal for a stop signal the worker got itself, and 0 for hypercorn's reload or its
+    supervisor's word (which does not say whether it stops or reloads): its supervisor starts a new worker only
+    after a 0, and takes any other status for a reason to stop (a reload during a load stopped the server)."""
     await runtime.drain_for_stop()
-    runtime.in_process.abandon_a_load(number, functools.partial(abandon, runtime), log)
+    if runtime.in_process.loading():
+        why = "a worker still loads its pipeline (nothing of it to drain)"
+        if status == 0:
+            why += "; hypercorn's supervisor starts a new worker if it reloads"
+        exit_now(status, why, functools.partial(abandon, runtime), log)

@@ -121,9 +121,9 @@ class Hypercorn:
         return self.process.returncode
 
 
-async def start(options: list[str], prefix: tuple[str, ...] = (), **env: str) -> Hypercorn:
-    """hypercorn started with ``options``, through ``prefix`` (``nohup``) if any."""
-    command = [*prefix, sys.executable, "-m", "hypercorn", *options, "--bind", "127.0.0.1:0", APP_TARGET]
+async def start(options: list[str], prefix: tuple[str, ...] = (), target: str = APP_TARGET, **env: str) -> Hypercorn:
+    """hypercorn started with ``options``, through ``prefix`` (``nohup``) if any, serving ``target``."""
+    command = [*prefix, sys.executable, "-m", "hypercorn", *options, "--bind", "127.0.0.1:0", target]
     process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=server_env() | env,
                                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.PIPE, start_new_session=True)
