@@ -110,6 +110,8 @@ def output_problem(out_dir: str | os.PathLike[str]) -> str | None:
         if path.is_dir() and not path.is_symlink():
             return f"{str(path)!r} is a directory, which the run's {name} cannot replace"
     return None
+
+
 _CLOCK_TOLERANCE = 1e-6
 #: the session options a run sets itself on a service that applies the timeline (``supports_timeline``):
 #: chunks back to back, and as many as the run asks for; a caller's own value would be overwritten unseen
