@@ -159,3 +159,46 @@ async def test_a_flood_of_token_requests_leaves_a_quiet_rooms_check_its_fresh_lo
             release_poll.set()
             stand_in.cancel()  # the held join fails now, and its session with it
         nursery.cancel_scope.cancel()
+
+
+async def test_a_stop_says_the_last_words_of_the_calls_it_cut() -> None:
+    """A shutdown ends three queued sessions and one whose worker never got in, and LiveKit is slow with their last
+    words: the stand-in answers none until the stop's list of the rooms comes. The transport's stop cuts those calls; each room's last word is
+    said by the stop (its room is occupied), then the room is deleted. The words of the cut calls were lost (taken
+    out of the unsaid ones as their calls began), and those rooms' clients never heard why their session ended."""
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    stopping, all_held = trio.Event(), trio.Event()
+    said: list[tuple[str, bool]] = []  # (room, whether the stop had begun: its list of the rooms had come)
+    deleted: list[str] = []
+
+    async def answer(method: str, body: bytes) -> bytes:
+        if method == "ListRooms":
+            stopping.set()
+            names = api.ListRoomsRequest.FromString(body).names
+            return api.ListRoomsResponse(rooms=[api.Room(name=name, num_participants=1) for name in names]).SerializeToString()
+        if method == "SendData":
+            said.append((api.SendDataRequest.FromString(body).room, stopping.is_set()))
+            if len(said) == 4:
+                all_held.set()
+            await stopping.wait()  # LiveKit slow: answered once the stop has begun
+        if method == "DeleteRoom":
+            deleted.append(api.DeleteRoomRequest.FromString(body).room)
+        return b""
+
+    connections: list[int] = []
+    handler = functools.partial(room_service_only, hold_joins=True, answer=answer, connections=connections)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, handler, [listener])
+        async with serve(settings(**livekit_at(port, queue_size=3)), CounterService()) as s:
+            rooms = [(await s.create("ctl-0"))["room"]]  # its worker's join is held: it keeps the slot
+            rooms += [(await s.create(f"queued-{index}"))["room"] for index in range(3)]
+            await s.runtime.shutdown(0.1)  # the sessions end: their last words go, and wait for LiveKit
+            with trio.fail_after(5):
+                await all_held.wait()
+            rooms.sort()
+        # the app stopped, and its transport with it
+        nursery.cancel_scope.cancel()
+    assert sorted(room for room, during_stop in said if not during_stop) == rooms, said
+    assert sorted(room for room, during_stop in said if during_stop) == rooms, f"the cut words went unsaid: {said}"
+    assert sorted(deleted) == rooms

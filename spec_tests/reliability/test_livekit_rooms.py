@@ -33,9 +33,21 @@ async def room_service_only(
     worker's join opens) is dropped unanswered, or with ``hold_joins`` held open without a word until the stand-in
     stops. With ``answer_when``, a RoomService call is answered only once that event is set (LiveKit slow to make
     rooms). With ``connections`` (one entry a connection), the connection is kept open for the next call, as
-    LiveKit's is; else it is closed after one."""
+    LiveKit's is; else it is closed after one. A kept connection the client drops (a call cut: the server closes
+    its connection) ends its handler, not the stand-in."""
     if connections is not None:
         connections.append(1)
+    try:
+        await _serve_calls(stream, calls, hold_joins, answer_when, listed, answer, connections)
+    except trio.BrokenResourceError:
+        if connections is None:
+            raise
+
+
+async def _serve_calls(
+    stream: trio.SocketStream, calls: list[str] | None, hold_joins: bool, answer_when: trio.Event | None,
+    listed: list[str] | None, answer: Callable[[str, bytes], Awaitable[bytes]] | None, connections: list[int] | None,
+) -> None:
     async with stream:
         received = b""
         while True:
