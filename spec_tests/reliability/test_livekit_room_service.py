@@ -202,3 +202,53 @@ async def test_a_stop_says_the_last_words_of_the_calls_it_cut() -> None:
     assert sorted(room for room, during_stop in said if not during_stop) == rooms, said
     assert sorted(room for room, during_stop in said if during_stop) == rooms, f"the cut words went unsaid: {said}"
     assert sorted(deleted) == rooms
+
+
+async def test_a_list_cut_by_its_deadline_leaves_the_shared_client_serving(mock_clock: trio.testing.MockClock) -> None:
+    """LiveKit does not answer a token check's list within the transport's timeout: the call is cut (its token
+    goes by the record), and the next check's list is answered on the same client, over a new connection (the cut
+    one is closed): the viewer it lists is refused. (A guard: no such failure was found.)"""
+    mock_clock.autojump_threshold = 0  # the app's start waits on trio's clock
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    present: dict[str, list[str]] = {}
+    lists: list[str] = []
+    both_held, never = trio.Event(), trio.Event()
+
+    async def answer(method: str, body: bytes) -> bytes:
+        if method != "ListParticipants":
+            return b""
+        room = api.ListParticipantsRequest.FromString(body).room
+        lists.append(room)
+        if len(lists) <= 2:  # the poll's first look, then the first token check's: held past their deadline
+            if len(lists) == 2:
+                both_held.set()
+            await never.wait()
+        return participants(present.get(room, []))
+
+    connections: list[int] = []
+    handler = functools.partial(room_service_only, hold_joins=True, answer=answer, connections=connections)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, handler, [listener])
+        async with serve(settings(**livekit_at(port, queue_size=1)), CounterService()) as s:
+            mock_clock.autojump_threshold = 1.0  # from here the test moves the clock (a second's stall: a jump)
+            await s.create("ctl-0")  # its worker's join is held; the poll's look into its room is held too
+            queued = await s.create("queued")
+            present[queued["room"]] = ["watcher"]
+            async with trio.open_nursery() as asking:
+                first: list[int] = []
+
+                async def ask_first() -> None:
+                    first.append(await token_status(s, queued["session_id"], "watcher"))
+
+                asking.start_soon(ask_first)
+                with trio.fail_after(1):
+                    await both_held.wait()
+                mock_clock.jump(s.runtime.transport.disconnect_timeout + 0.1)  # past the call's deadline: cut
+            assert first == [200], first  # no list within the deadline: the record (nobody) decided
+            made = len(connections)
+            assert await token_status(s, queued["session_id"], "watcher") == 409
+            assert len(connections) <= made + 1, (made, len(connections))
+            never.set()
+            mock_clock.autojump_threshold = 0.01  # the stop's deadlines run on
+        nursery.cancel_scope.cancel()
