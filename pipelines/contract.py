@@ -11,6 +11,11 @@ A pipeline file defines ``get_service(gpu_num=...)`` returning one of:
 
 Every service is used inside ``async with service.running():`` (load models,
 start stage actors); nothing else may be called outside it.
+
+A service declares which session inputs it uses besides its options (:data:`SESSION_INPUTS`), with the class
+attributes ``takes_prompt`` and ``takes_image`` (True unless the class says False). A request that carries an
+input the service does not take is refused before anything is held (the server's create: a 400 naming the field;
+``chunkline run``: exit 2 naming the flag): a setting taken and silently ignored is worse than a refusal.
 """
 
 from __future__ import annotations
@@ -45,7 +50,10 @@ __all__ = [
     "ChunkOrder",
     "InvalidChunk",
     "PipelineContractError",
+    "SESSION_INPUTS",
     "checked_session_id",
+    "input_not_taken",
+    "inputs_taken",
 ]
 
 # Keys a controller may hold, normalized to one name each.
@@ -245,6 +253,23 @@ class SessionConfig:
 
 EventSink = Callable[[ServiceEvent], None]
 
+#: the session inputs a service may take besides its options: ``SessionConfig.prompt`` and ``SessionConfig.image_path``
+#: (an image given by path or uploaded); each is declared by the service's ``takes_<input>`` class attribute
+SESSION_INPUTS = ("prompt", "image")
+
+
+def inputs_taken(service: object) -> frozenset[str]:
+    """The session inputs ``service`` (a service, its class, or a proxy for one) declares it takes: those of
+    :data:`SESSION_INPUTS` whose ``takes_<input>`` is not False (an object that says nothing takes them all, as every
+    service did before the declaration)."""
+    return frozenset(name for name in SESSION_INPUTS if getattr(service, f"takes_{name}", True) is not False)
+
+
+def input_not_taken(name: str, pipeline: str) -> str:
+    """The one reason for a request that gives the session input ``name`` to ``pipeline``, whose service does not take
+    it (each caller puts the field or flag it came in first)."""
+    return f"pipeline {pipeline} takes no {name} (its service declares takes_{name} = False); leave it out"
+
 
 class BidirectionalService(abc.ABC):
     """Sessions that take controls every chunk and stream chunks back."""
@@ -254,6 +279,12 @@ class BidirectionalService(abc.ABC):
     # options ``continuous`` (make chunks back to back) and ``chunks`` (how many);
     # offline runs then hand it the whole script instead of pushing controls live.
     supports_timeline: ClassVar[bool] = False
+    #: the service uses ``SessionConfig.prompt`` (a create's ``prompt``, ``chunkline run --prompt``); set it False when
+    #: it does not, and a request that gives one is refused rather than served without it
+    takes_prompt: ClassVar[bool] = True
+    #: the service uses ``SessionConfig.image_path`` (a create's ``image_b64`` or ``image_path``, ``--image``); False
+    #: refuses requests that give one, as ``takes_prompt``
+    takes_image: ClassVar[bool] = True
 
     @abc.abstractmethod
     def running(self) -> AbstractAsyncContextManager[Any]:
@@ -300,6 +331,10 @@ class ServerPushService(abc.ABC):
     """Chunks streamed for a request, with no controls; exactly one retained session."""
 
     kind: ClassVar[str] = "server_push"
+    #: as :attr:`BidirectionalService.takes_prompt`: whether ``stream`` uses ``config.prompt``
+    takes_prompt: ClassVar[bool] = True
+    #: as :attr:`BidirectionalService.takes_image`: whether ``stream`` uses ``config.image_path``
+    takes_image: ClassVar[bool] = True
 
     @abc.abstractmethod
     def running(self) -> AbstractAsyncContextManager[Any]:

@@ -179,6 +179,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
         raise BadInput(str(exc)) from exc
     if controls is not None and len(controls) and service.kind == "server_push":
         raise BadInput(f"{shown(args.pipeline)} is a server-push pipeline; it takes no --controls")
+    run_inputs.check_inputs_taken(service, pipeline=args.pipeline, prompt=args.prompt, image=args.image)
 
     bar = ProgressBar(sys.stderr)
 

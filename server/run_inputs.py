@@ -14,7 +14,7 @@ from pipelines.paths import NO_SUCH_FILE, lookup_problem, regular_file_problem
 
 from .reasons import echo
 
-__all__ = ["BadInput", "OutDir", "check_chunks", "check_device", "check_image", "check_placement",
+__all__ = ["BadInput", "OutDir", "check_chunks", "check_device", "check_image", "check_inputs_taken", "check_placement",
            "parse_options", "pipeline_path",
            "placement_option", "prepare_out", "regular_input", "shown"]
 
@@ -73,6 +73,18 @@ def check_image(path: str) -> str:
         raise BadInput(f"--image: {shown(path)} has {size} bytes; a reference image is at most {MAX_IMAGE_BYTES} "
                        f"bytes ({MAX_IMAGE_BYTES >> 20} MiB), as the server takes them")
     return str(Path(path).resolve())
+
+
+def check_inputs_taken(service: object, *, pipeline: str, prompt: str | None, image: str | None) -> None:
+    """``--prompt`` and ``--image``, refused for a pipeline whose service declares it does not take them
+    (``takes_prompt`` / ``takes_image``); checked once the pipeline is loaded, as only its ``get_service`` says
+    which service (and so which declaration) it is. They were taken and the run made without them."""
+    from pipelines.contract import input_not_taken, inputs_taken
+
+    taken = inputs_taken(service)
+    for flag, name, value in (("--prompt", "prompt", prompt), ("--image", "image", image)):
+        if value is not None and name not in taken:
+            raise BadInput(f"{flag}: {input_not_taken(name, shown(pipeline))}")
 
 
 def parse_options(items: Sequence[str]) -> dict[str, Any]:

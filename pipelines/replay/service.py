@@ -33,6 +33,9 @@ The test pattern is a colour gradient (red across, green down, blue cycling with
 bouncing left and right, a dark disc on a sine path, and the stream's frame number drawn in block digits in the
 top-left corner, so every frame differs visibly from the one before.
 
+Session inputs: the stream depends on its options only; the service takes no prompt and no image
+(``takes_prompt = takes_image = False``), so a request that gives either is refused, never served without it.
+
 Single session: a :class:`~pipelines.contract.ServerPushService` has exactly one retained session by contract,
 so the service serves one stream at a time; calling :meth:`ReplayService.stream` while a stream is open raises
 ``RuntimeError``. The caller paces the chunks (the generator produces them as fast as they are pulled).
@@ -329,6 +332,10 @@ class _ReplayStream:
 
 class ReplayService(ServerPushService):
     """Streams a test pattern or a video file, with a sine tone; one stream (session) at a time."""
+
+    # nothing it streams depends on a prompt or a reference image: a request giving either is refused, not ignored
+    takes_prompt = False
+    takes_image = False
 
     def __init__(self, gpu_num: int = 0, *, videos: str | None = ANY_FILE) -> None:
         self.gpu_num = gpu_num
