@@ -36,6 +36,7 @@ from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
 from .runtime import SHUTDOWN_GRACE, NoWorker, SessionConflict, StreamRuntime, ViewerLimit
+from .session_inputs import check_inputs
 from .settings import ServerSettings
 from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected, single_token
 from .transport.base import TransportError
@@ -300,6 +301,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     @app.post("/v1/stream/sessions")
     async def create_session() -> Response:
         body, image = parse_create_session(await json_body())
+        check_inputs(runtime, body, image, settings.pipeline)  # one the pipeline does not take is a 400 now
         if body.image_path is not None:
             body = type(body)(body.identity, body.prompt, resolve_image_path(body.image_path, settings.assets_dir), body.config)
         if runtime.cluster is not None:  # the image goes to its agent in one message, so it is bounded

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
-from pipelines.contract import BidirectionalService, ServerPushService, Service
+from pipelines.contract import BidirectionalService, ServerPushService, Service, inputs_taken
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.validation import validate_service
 
@@ -117,6 +117,12 @@ class ModelWorker:
     @property
     def kind(self) -> str | None:
         return None if self.service is None else self.service.kind
+
+    @property
+    def inputs_taken(self) -> frozenset[str] | None:
+        """The session inputs its pipeline's service declares it takes (``pipelines.contract.inputs_taken``); None
+        until the pipeline is loaded."""
+        return None if self.service is None else inputs_taken(self.service)
 
     @property
     def offered_taken(self) -> frozenset[str] | None:

@@ -35,6 +35,10 @@ NULLABLE_STR = {"type": ["string", "null"]}
 NULLABLE_NUM = {"type": ["number", "null"]}
 NULLABLE_INT = {"type": ["integer", "null"]}
 
+#: what a create's prompt and image fields say of a pipeline that does not take them
+TAKEN_ONLY = ("only for a pipeline that takes it: given to one that does not, the create is a 400 invalid_input "
+              "naming the field and the pipeline, before anything is held")
+
 SCHEMAS: dict[str, Any] = {
     "Error": {
         "type": "object",
@@ -48,9 +52,13 @@ SCHEMAS: dict[str, Any] = {
         "properties": {
             "identity": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0-9_.:@-]+$"},
             "role": {"type": "string", "enum": ["controller"]},
-            "prompt": {"type": ["string", "null"], "maxLength": 2000},
-            "image_path": {"type": ["string", "null"], "description": "relative to the server's --assets-dir"},
-            "image_b64": {"type": ["string", "null"], "description": "an uploaded image (PNG, JPEG, GIF, BMP or WebP), base64"},
+            "prompt": {"type": ["string", "null"], "maxLength": 2000,
+                       "description": f"{TAKEN_ONLY} (its service's takes_prompt)"},
+            "image_path": {"type": ["string", "null"],
+                           "description": f"relative to the server's --assets-dir; {TAKEN_ONLY} (takes_image)"},
+            "image_b64": {"type": ["string", "null"],
+                          "description": f"an uploaded image (PNG, JPEG, GIF, BMP or WebP), base64; {TAKEN_ONLY} "
+                                         f"(takes_image)"},
             "config": {"type": "object", "description": "pipeline options (e.g. continuous, chunks), checked by the "
                        "pipeline before anything is held: a refused one is a 400 invalid_option naming it"},
         },
@@ -219,11 +227,13 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": _json(_ref("SessionCreateResponse"), "assigned to a worker"),
                     "202": _json(_ref("SessionCreateResponse"), "queued; queue_position is its place"),
-                    "400": _error("invalid request (field or pipeline option named in detail)"),
+                    "400": _error("invalid request (field or pipeline option named in detail); invalid_input: a "
+                                  "prompt, image_b64 or image_path given to a pipeline that does not take it"),
                     "429": {**_error("no slot and no room in the queue, or the server is shutting down"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     "503": {**_error("no worker is running or starting, or none is ready to check the "
-                                     "options (the reason and when one may be back), or the LiveKit server did not "
+                                     "options or to say whether the pipeline takes the prompt or image given (the "
+                                     "reason and when one may be back), or the LiveKit server did not "
                                      "make the session's room (transport_unavailable)"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     **COMMON_ERRORS,

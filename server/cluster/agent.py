@@ -457,8 +457,9 @@ class Agent:
 
     def _model_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
         self.life.apply(Event.LOADED)  # from here a stop signal lets it leave in order (states.agent)
+        inputs = worker.inputs_taken or frozenset()
         self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}),
-                                 worker.settings_taken)
+                                 worker.settings_taken, "prompt" in inputs, "image" in inputs)
         self._model_settled.set()
 
     def _model_failed(self, worker: ModelWorker, reason: str, *, permanent: bool = False) -> None:

@@ -109,6 +109,8 @@ class RemoteWorker:
         self.startup_check: dict[str, Any] | None = None  # the agent's own, from its Ready
         #: the offered settings its pipeline's get_service took, with the agent's values, from its Ready
         self.settings_taken: dict[str, Any] | None = None
+        #: the session inputs its pipeline's service declares it takes, from its Ready (None until then)
+        self.inputs_taken: frozenset[str] | None = None
         self.failure: str | None = None
         self.runs: dict[str, RemoteRun] = {}
         self.lost_cause: str | None = None

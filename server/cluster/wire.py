@@ -78,8 +78,9 @@ __all__ = [
 ]
 
 #: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
-#: (the offered settings the pipeline took with their values, in place of offered_taken's names); 6: participants
-PROTOCOL = 6
+#: (the offered settings the pipeline took with their values, in place of offered_taken's names); 6: participants;
+#: 7: ready.takes_prompt and ready.takes_image
+PROTOCOL = 7
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -214,6 +215,10 @@ class Ready(Message):
     #: the offered settings the pipeline's ``get_service`` took, each with the value the agent gave it (what its
     #: sessions run with: an agent may be started with other values than the authority's); None: not known
     settings_taken: dict[str, Any] | None = attrs.field(default=None, converter=settings_taken)
+    #: the session inputs the pipeline's service declares it takes (``pipelines.contract.inputs_taken``): the
+    #: authority refuses a create that gives another
+    takes_prompt: bool = attrs.field(default=True, converter=flag)
+    takes_image: bool = attrs.field(default=True, converter=flag)
 
 
 @attrs.frozen

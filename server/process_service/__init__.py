@@ -150,9 +150,12 @@ def start_process_service(
     if ready.kind not in (BidirectionalService.kind, ServerPushService.kind):
         link.close()
         raise ProcessServiceStartError(f"{name}: the child reported an unknown service kind {ready.kind!r}")
+    inputs = frozenset(ready.inputs_taken)  # the child's declaration, the proxy's own
     service: ProcessBidirectionalService | ProcessServerPushService = (
-        ProcessBidirectionalService(link, supports_timeline=ready.supports_timeline, call_deadlines=call_deadlines)
-        if ready.kind == BidirectionalService.kind else ProcessServerPushService(link, call_deadlines=call_deadlines)
+        ProcessBidirectionalService(link, supports_timeline=ready.supports_timeline, inputs_taken=inputs,
+                                    call_deadlines=call_deadlines)
+        if ready.kind == BidirectionalService.kind
+        else ProcessServerPushService(link, inputs_taken=inputs, call_deadlines=call_deadlines)
     )
     if ready.offered_taken is not None:  # the proxy stands for the child's service: what that took, it took
         record_offered_taken(service, frozenset(ready.offered_taken))

@@ -45,6 +45,7 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
     ignore_group_stop_signals()
     bind_to_parent(config)
     os.environ.update(config.get("environment") or {})
+    from pipelines.contract import inputs_taken
     from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 
     try:
@@ -54,7 +55,7 @@ def child_main(conn: Any, config: dict[str, Any]) -> None:
         raise SystemExit(1) from None
     taken = offered_taken(service)
     _send_now(conn, wire.Ready(service.kind, bool(getattr(service, "supports_timeline", False)), os.getpid(),
-                               None if taken is None else tuple(sorted(taken))))
+                               None if taken is None else tuple(sorted(taken)), tuple(sorted(inputs_taken(service)))))
     try:
         message = wire.loads(conn.recv_bytes())
     except (EOFError, OSError):  # the parent went away before running

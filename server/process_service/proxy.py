@@ -30,6 +30,7 @@ from pipelines.contract import (
     MemoryReport,
     PipelineContractError,
     ServerPushService,
+    SESSION_INPUTS,
     SessionConfig,
 )
 from states.service_child import FAILS_WHEN_LOST, INSIDE_RUNNING, TAKES_CALLS, Event, ServiceChildMachine
@@ -73,10 +74,18 @@ class ProcessService:
     kind: str
 
     def __init__(
-        self, link: ServiceLink, *, supports_timeline: bool = False, call_deadlines: CallDeadlines | None = None
+        self,
+        link: ServiceLink,
+        *,
+        supports_timeline: bool = False,
+        inputs_taken: frozenset[str] = frozenset(SESSION_INPUTS),
+        call_deadlines: CallDeadlines | None = None,
     ) -> None:
         self._link = link
         self.supports_timeline = supports_timeline
+        # the child's service's declaration (pipelines.contract.inputs_taken reads it back from the proxy)
+        self.takes_prompt = "prompt" in inputs_taken
+        self.takes_image = "image" in inputs_taken
         self.call_deadlines = call_deadlines or CallDeadlines()
         self._life = ServiceChildMachine()
         self._capacity: int | None = None

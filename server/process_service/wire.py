@@ -162,6 +162,9 @@ class Ready:
     supports_timeline: bool
     pid: int
     offered_taken: tuple[str, ...] | None = None  # the offered settings get_service took (None: not known)
+    #: the session inputs the service declares it takes (``pipelines.contract.inputs_taken``), so that the parent
+    #: refuses a create that gives another without importing the pipeline
+    inputs_taken: tuple[str, ...] = ("prompt", "image")
 
 
 @attrs.frozen

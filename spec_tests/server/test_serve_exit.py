@@ -16,12 +16,22 @@ import signal
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from .served_process import DRAINING, stream_serve
+from .served_process import DRAINING
+from .served_process import stream_serve as serve_pipeline
+
+#: a replay that takes an image: the replay pipeline refuses a create with one (it takes none)
+IMAGE_REPLAY = "spec_tests/server/image_replay.py"
+
+
+def stream_serve(tmp: Path) -> Any:
+    """The server of a pipeline that takes the uploaded image each test sends."""
+    return serve_pipeline(tmp, pipeline=IMAGE_REPLAY)
 
 
 def left_in(tmp: Path) -> list[str]:
