@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Final
@@ -57,8 +58,10 @@ class ServerFolder:
         return self._path
 
     def make(self) -> str:
-        """The folder, made (0700) the first time, after the folders killed servers left are removed."""
-        if self._path is None:
+        """The folder, made (0700) the first time, after the folders killed servers left are removed, and made
+        again when it went meanwhile: a temporary-file cleaner (systemd-tmpfiles) removes a folder left idle for
+        days, and every later image then failed (a worker agent crashed on it, every session it ran lost)."""
+        if self._path is None or not _own_folder(self._path):
             remove_stale_folders()
             self._path = tempfile.mkdtemp(prefix=f"{folder_prefix(self.kind)}{os.getpid()}-")
         return self._path
@@ -68,3 +71,12 @@ class ServerFolder:
         if self._path is not None:
             shutil.rmtree(self._path, ignore_errors=True)
             self._path = None
+
+
+def _own_folder(path: str) -> bool:
+    """Whether ``path`` is still a folder of this user's (not gone, and not something else put in its place)."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid()

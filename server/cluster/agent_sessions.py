@@ -135,24 +135,21 @@ class AgentSessions:
         why = refusal
         if why is None and message.session_id in self.runners:
             why = "the worker cannot take this session"
-        image = None
+        image_path = None
         if why is None and message.image is not None:
             try:
-                image = _image_bytes(message.image, message.image_suffix)
+                image_path = self._store_image(_image_bytes(message.image, message.image_suffix), message.image_suffix)
             except ValueError as exc:
                 why = f"the session's image was refused: {exc}"
+            except OSError as exc:  # a full disk, a temporary directory gone: this session fails, not the agent
+                why = f"the worker could not store the session's image: {exc.strerror or exc}"
         if why is not None:
             seq = self._seq.get(message.session_id, 0) + 1
             if message.session_id in self.runners:
                 self._seq[message.session_id] = seq
             self._send(wire.SessionFinished(message.session_id, seq, why, DrainCause.START_FAILED.value))
             return
-        image_path = None
-        if image is not None:
-            # a name of the agent's own: the session id is the authority's text, never part of a path
-            handle, image_path = tempfile.mkstemp(dir=self._folder.make(), suffix=message.image_suffix or "")
-            with os.fdopen(handle, "wb") as file:
-                file.write(image)
+        if image_path is not None:
             self._images[message.session_id] = image_path
         record = SessionRecord(
             session_id=message.session_id,
@@ -171,6 +168,20 @@ class AgentSessions:
         runner = RoomRunner(self._deps, record, self.worker)
         self.runners[message.session_id] = runner
         self.worker.start_runner(runner.run)
+
+    def _store_image(self, image: bytes, suffix: str | None) -> str:
+        """The image in a file of the agent's own naming (the session id is the authority's text, never part of a
+        path); OSError when it cannot be written, leaving no part of it behind (it raised out of the connection's
+        reader: the agent ended with a traceback, and every session it ran was lost)."""
+        handle, path = tempfile.mkstemp(dir=self._folder.make(), suffix=suffix or "")
+        try:
+            with os.fdopen(handle, "wb") as file:
+                file.write(image)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        return path
 
     def stop(self, message: wire.Stop) -> None:
         runner = self.runners.get(message.session_id)
