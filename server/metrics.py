@@ -70,7 +70,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 ADMISSION_RESULTS = ("assigned", "queued", "rejected")
 CHUNK_RESULTS = ("processed", "published")
 FINISH_RESULTS = ("closed", "failed", "expired")
-LOSS_CAUSES = ("connection_closed", "heartbeat_missed", "process_exited", "failed_to_start", "actor_died",
+LOSS_CAUSES = ("connection_closed", "heartbeat_missed", "process_exited", "agent_failed", "actor_died",
                "actor_unreachable", "protocol_error")
 class _PublishedFpsCollector(Collector):
     """Computes `chunkline_published_fps{scope}` and `chunkline_uptime_seconds` per scrape."""
@@ -186,7 +186,7 @@ class ServerMetrics:
         )
         self._worker_losses = Counter(
             "chunkline_worker_losses",
-            "Worker agents lost, by cause (connection_closed, heartbeat_missed, process_exited, failed_to_start, "
+            "Worker agents lost, by cause (connection_closed, heartbeat_missed, process_exited, agent_failed, "
             "actor_died, actor_unreachable, protocol_error)",
             ["cause"],
             registry=registry,

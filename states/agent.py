@@ -21,14 +21,21 @@ is under way (a pipeline still loading, a dial, a close), taking its child proce
 their shared memory with it. While LOADING that is the first signal's due: no session can
 be on a service that is not up and no authority has heard of the agent, so there is
 nothing to drain or tell, and a load cannot be cancelled (it may take minutes, or hang).
+WORKER_FAILED (its model worker failed once loaded: its service process died, a runner
+gave up on a close that hung) while STARTING, SERVING, REDIALING or DRAINING makes it
+FAILED: nothing is left to run sessions on, so it tells the authority and leaves (it
+stayed registered with its full capacity, and the next Start placed on it ended the agent
+with a traceback); a stop signal then ends it at once.
 END (the agent's run is over, whatever the reason) makes it ENDED, the only terminal
-state. Signals, drains and goodbyes that change nothing loop on the state they arrive in.
+state. Signals, drains, goodbyes and worker failures that change nothing loop on the
+state they arrive in.
 
-How it exits is :func:`exit_status`, one rule for every phase: 0 once a drain ran its
-course (DRAINED), and after a drain the authority asked for without any signal; 128 + the
-first stop signal when a signal led it out before a drain ran its course (STOPPING,
-CUT_SHORT, RETIRING, ABORTED, or DRAINING cut off from the authority). A supervisor
-reads 0 as "it finished as asked", never as "a signal ended it".
+How it exits is :func:`exit_status`, one rule for every phase: 1 once its worker failed
+(FAILED); 0 once a drain ran its course (DRAINED), and after a drain the authority asked
+for without any signal; 128 + the first stop signal when a signal led it out before a
+drain ran its course (STOPPING, CUT_SHORT, RETIRING, ABORTED, or DRAINING cut off from
+the authority). A supervisor reads 0 as "it finished as asked", never as "a signal ended
+it".
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class State(TableEnum):
     REDIALING = "redialing"
     RETIRING = "retiring"
     ABORTED = "aborted"
+    FAILED = "failed"
     ENDED = "ended"
 
 
@@ -60,6 +68,7 @@ class Event(TableEnum):
     STOP_SIGNAL = "stop_signal"
     DRAIN = "drain"
     GOODBYE = "goodbye"
+    WORKER_FAILED = "worker_failed"
     END = "end"
 
 
@@ -101,6 +110,20 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.ABORTED, Event.DRAIN): State.ABORTED,
     (State.ABORTED, Event.GOODBYE): State.ABORTED,
     (State.ABORTED, Event.END): State.ENDED,
+    (State.STARTING, Event.WORKER_FAILED): State.FAILED,
+    (State.SERVING, Event.WORKER_FAILED): State.FAILED,
+    (State.REDIALING, Event.WORKER_FAILED): State.FAILED,
+    (State.DRAINING, Event.WORKER_FAILED): State.FAILED,
+    (State.DRAINED, Event.WORKER_FAILED): State.DRAINED,
+    (State.CUT_SHORT, Event.WORKER_FAILED): State.CUT_SHORT,
+    (State.STOPPING, Event.WORKER_FAILED): State.STOPPING,
+    (State.RETIRING, Event.WORKER_FAILED): State.RETIRING,
+    (State.ABORTED, Event.WORKER_FAILED): State.ABORTED,
+    (State.FAILED, Event.WORKER_FAILED): State.FAILED,
+    (State.FAILED, Event.STOP_SIGNAL): State.ABORTED,
+    (State.FAILED, Event.DRAIN): State.FAILED,
+    (State.FAILED, Event.GOODBYE): State.FAILED,
+    (State.FAILED, Event.END): State.ENDED,
 }
 
 TERMINAL = frozenset({State.ENDED})
@@ -110,7 +133,8 @@ TAKES_SESSIONS = frozenset({State.SERVING})
 #: States in which a registration that ended leads to another dial (derived from the table: SERVE leaves them).
 DIALS = frozenset(source for (source, event) in TRANSITIONS if event is Event.SERVE)
 #: States in which the agent is on its way out: a registration that ends ends the agent.
-LEAVING = frozenset({State.DRAINING, State.DRAINED, State.CUT_SHORT, State.STOPPING, State.RETIRING, State.ABORTED})
+LEAVING = frozenset({State.DRAINING, State.DRAINED, State.CUT_SHORT, State.STOPPING, State.RETIRING, State.ABORTED,
+                     State.FAILED})
 #: The state in which the process ends at once, without waiting for what is under way.
 ABORTS = frozenset({State.ABORTED})
 #: States in which the agent finished what it was asked to do: its exit is 0 whatever signal began it.
@@ -120,8 +144,11 @@ _FINISHED = frozenset({State.DRAINED})
 def exit_status(state: State, first_signal: int | None) -> int:
     """The exit status of an agent leaving in ``state``; ``first_signal`` is the first stop signal it got (None: none).
 
-    0 once its drain ran its course, or when no signal led it out (a drain the authority asked for); else 128 + the
-    first stop signal, as ``chunkline stream-serve`` and ``chunkline run`` exit when a signal stopped them."""
+    1 once its worker failed (a supervisor or launcher starts another); 0 once its drain ran its course, or when no
+    signal led it out (a drain the authority asked for); else 128 + the first stop signal, as ``chunkline
+    stream-serve`` and ``chunkline run`` exit when a signal stopped them."""
+    if state is State.FAILED:
+        return 1
     if state in _FINISHED or first_signal is None:
         return 0
     return 128 + first_signal

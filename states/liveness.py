@@ -180,7 +180,7 @@ LOSS_KINDS = (
     ("heartbeat missed", "heartbeat_missed"),
     ("connection", "connection_closed"),
     ("process exited", "process_exited"),
-    ("the agent said it failed to start", "failed_to_start"),
+    ("the agent said it failed", "agent_failed"),
     ("actor died", "actor_died"),
     ("actor unreachable", "actor_unreachable"),
 )

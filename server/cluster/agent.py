@@ -55,7 +55,7 @@ from ..server_folders import remove_stale_folders
 from . import tls, wire
 from .agent_drain import AgentDrain
 from .agent_handshake import Shaken, handshake
-from .agent_sessions import AgentSessions
+from .agent_sessions import RUNNER_STOP_GRACE, AgentSessions
 from .backoff import EXIT_REFUSED, back_off
 from .dial_ends import DIAL_DEADLINES, WAITED, DialLog, End, Ended, Patience
 from .identity import chunkline_version, new_worker_id
@@ -137,6 +137,7 @@ class Agent:
         self._model_failure: str | None = None
         self._model_refused = False  # it refused this agent's settings: another agent would too
         self._model_settled = trio.Event()
+        self._worker_failed = trio.Event()  # its model worker failed once loaded: it leaves (states.agent)
         self._outbox: trio.MemorySendChannel[wire.Message] | None = None
         self.life = AgentMachine()  # what a stop signal or a drain does: states.agent's table
         self._first_signal: int | None = None  # the first stop signal: the exit code may be 128 + it
@@ -337,6 +338,7 @@ class Agent:
                 nursery.start_soon(until, lambda: self._heartbeat(welcome.heartbeat_interval))
                 nursery.start_soon(until, lambda: self._fence(welcome.deadline))
                 nursery.start_soon(until, self._until_drained)
+                nursery.start_soon(until, self._until_worker_failed)
                 nursery.start_soon(self.sessions.report_participants)
                 if self.life.can(Event.SERVE):
                     self.life.apply(Event.SERVE)
@@ -465,7 +467,24 @@ class Agent:
     def _model_failed(self, worker: ModelWorker, reason: str, *, permanent: bool = False) -> None:
         self._model_failure = reason
         self._model_refused = permanent
+        if self.life.can(Event.WORKER_FAILED):  # loaded, then failed: nothing left to run sessions on
+            if self.life.apply(Event.WORKER_FAILED) is State.FAILED:
+                log.error("the model worker failed: %s; this agent leaves (exit 1)", reason)
+                self._worker_failed.set()
+                for scope in self._stop_scopes:  # a dial, or the wait before the next, ends now
+                    scope.cancel()
         self._model_settled.set()
+
+    async def _until_worker_failed(self) -> str:
+        """The model worker failed: its runners end with the cause (bounded) and say so first, then the authority is
+        told why this agent is gone. It stayed registered with its full capacity, and the next Start placed on it
+        ended the agent with a traceback."""
+        await self._worker_failed.wait()
+        with trio.move_on_after(RUNNER_STOP_GRACE):
+            await self.sessions.until_empty()
+        self.send(wire.Failed(f"its model worker failed: {self._model_failure}"))
+        await self._flush_and_close()
+        return f"the model worker failed: {self._model_failure}"
 
     # -- drain --
 

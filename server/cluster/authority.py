@@ -386,7 +386,7 @@ class ClusterAuthority:
             elif isinstance(message, wire.Ready):
                 self._ready(worker, message)
             elif isinstance(message, wire.Failed):  # its word: whether its process is gone nobody has seen
-                return f"the agent said it failed to start: {public_reason(message.reason)}"
+                return f"the agent said it failed: {public_reason(message.reason)}"
             elif isinstance(message, wire.Drain):
                 self.drain(worker.worker_id, message.deadline, tell_agent=False)
             elif isinstance(message, wire.Goodbye):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -145,8 +146,49 @@ def test_one_rule_gives_every_way_out_its_exit_status() -> None:
 
     assert exit_status(State.DRAINED, signal.SIGTERM) == 0
     assert exit_status(State.DRAINING, None) == 0
-    for state in LEAVING - {State.DRAINED}:
+    assert exit_status(State.FAILED, None) == exit_status(State.FAILED, signal.SIGTERM) == 1  # its worker failed
+    for state in LEAVING - {State.DRAINED, State.FAILED}:
         assert exit_status(state, signal.SIGINT) == 128 + signal.SIGINT, state
+
+
+def service_child(agent_pid: int) -> int:
+    """The pid of an agent's service process (``--worker-mode process``: a multiprocessing spawn child)."""
+    # each thread's own children: the service is started from a worker thread
+    children = [pid for task in Path(f"/proc/{agent_pid}/task").iterdir()
+                for pid in (task / "children").read_text().split()]
+    return next(int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+
+
+async def test_an_agent_whose_model_worker_fails_once_serving_tells_the_authority_and_exits_1() -> None:
+    """Its service process killed: the session on it fails with the runner's words, the agent tells the authority
+    (lost at once, its word as the cause) and exits 1 for its supervisor to start another. It stayed registered and
+    idle with its full capacity; the next create was placed on it, and that Start ended the agent with a traceback
+    (the session hung "assigned" until the heartbeat deadline)."""
+    authority = await trio.to_thread.run_sync(lambda: start_authority(launcher="external", workers=1))
+    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
+                              "--worker-mode", "process", "--node", "failing"),
+                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+    try:
+        [worker] = await until(lambda: authority.eligible(), "the agent to be ready", authority)
+        async with httpx.AsyncClient(base_url=authority.base_url, timeout=10) as client:
+            streaming = await Controller.open(client, authority, "alice")
+            await streaming.stream(2)
+            os.kill(service_child(agent.popen.pid), signal.SIGKILL)
+            code = await exit_code(agent)
+            record = (await client.get(f"/v1/stream/sessions/{streaming.session_id}")).json()
+            assert record["status"] == "failed" and "service process" in record["error"], record  # the runner's words
+            losses = (await client.get("/v1/service/metadata")).json()["cluster"]["recent_losses"]
+            assert [loss["worker_id"] for loss in losses] == [worker["worker_id"]], losses
+            assert losses[0]["cause"].startswith("the agent said it failed: its model worker failed: "), losses
+            refused = await client.post("/v1/stream/sessions", json={"identity": "bob"})
+            assert refused.status_code == 503, refused.text  # no worker: nothing placed on a dead agent
+            await streaming.ws.aclose()
+    finally:
+        agent.stop()
+        await trio.to_thread.run_sync(authority.stop)
+    log = agent.text(200_000)
+    assert code == 1, log
+    assert "this agent leaves (exit 1)" in log and "ExceptionGroup" not in log, log
 
 
 #: ``chunkline worker`` started with SIGHUP ignored, as ``nohup`` starts a command

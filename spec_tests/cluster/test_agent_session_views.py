@@ -85,17 +85,17 @@ async def test_who_is_in_an_agent_hosted_sessions_room_follows_the_room(authorit
 
 
 async def test_an_agent_that_says_it_failed_is_lost_with_its_word_not_a_process_exit(authority: Cluster) -> None:
-    """A Failed says the agent failed to start; nobody saw its process exit (it may still run): the cause says
-    so, and the loss is counted as such."""
+    """A Failed says the agent failed (its model worker did); nobody saw its process exit (it may still run): the
+    cause says so, and the loss is counted as such."""
     channel, reply = await register(authority, "says-failed")
     assert isinstance(reply, wire.Welcome), reply
     await channel.send(wire.Failed("RuntimeError: no model"))
     assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
     await channel.aclose()
     cause = await until(lambda: losses(authority).get("says-failed"), "the agent to be lost", authority, deadline=30)
-    assert cause == "the agent said it failed to start: RuntimeError: no model", cause
+    assert cause == "the agent said it failed: RuntimeError: no model", cause
     metrics = authority.http.get("/metrics").text
-    assert 'chunkline_worker_losses_total{cause="failed_to_start"} 1.0' in metrics, metrics
+    assert 'chunkline_worker_losses_total{cause="agent_failed"} 1.0' in metrics, metrics
 
 
 class Hub:
