@@ -261,7 +261,8 @@ class ClusterAuthority:
         except wire.WireError as exc:
             first, refusal = None, Refusal(str(exc))
         except (trio.TooSlowError, wire.ConnectionClosed, OSError) as exc:
-            self._failed_handshakes.warning("cluster: a connection failed its handshake: %s", str(exc) or type(exc).__name__)
+            self._failed_handshakes.warning("cluster: a connection from %s failed its handshake: %s", _peer(stream),
+                                            str(exc) or type(exc).__name__)
             await channel.aclose()
             return None
         else:
@@ -270,7 +271,10 @@ class ClusterAuthority:
             refusal = Refusal("the authority does not know its rooms URL yet; try again", transient=True)
         if refusal is not None:
             self.refused += 1
-            self._refusals.warning("cluster: refused a worker%s: %s", " for now" if refusal.transient else "", refusal.reason)
+            who = _peer(stream) + (f" (worker {echo(first.worker_id)}, node {echo(first.node)})"
+                                   if isinstance(first, wire.Register) else "")
+            self._refusals.warning("cluster: refused a worker%s from %s: %s", " for now" if refusal.transient else "",
+                                   who, refusal.reason)
             proof = None
             if isinstance(first, wire.Register):  # the agent may check that the refusal comes from a token holder
                 proof = proofs.refusal_proof(self.token, nonce, first.agent_nonce, first.worker_id, refusal.reason,
@@ -492,3 +496,11 @@ class ClusterAuthority:
             "connections_shed": self.shed,
             "recent_losses": list(self.losses),
         }
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    """The address a connection came from, as the log names it (``host:port``)."""
+    with contextlib.suppress(OSError, ValueError):
+        host, port = stream.socket.getpeername()[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return "an unknown address"

@@ -445,8 +445,10 @@ class Channel:
         if size > self.max_frame + tag:
             start = bytes(self._buffer[: _HEADER.size])
             text = start.isascii() and start.decode("ascii").isprintable()  # b"HTTP": an HTTP server's answer
-            raise WireError(f"a frame of {size} bytes exceeds the {self.max_frame}-byte limit"
-                            + (f" (it begins {start.decode('ascii')!r}: another protocol's text, not a frame)" if text else ""))
+            hint = f" (it begins {start.decode('ascii')!r}: another protocol's text, not a frame)" if text else ""
+            if start[:2] == b"\x16\x03":  # a TLS handshake record (it read as a 369 MB frame)
+                hint = " (it begins a TLS handshake: the peer dials tls://, this port is plain tcp:// with no certificate)"
+            raise WireError(f"a frame of {size} bytes exceeds the {self.max_frame}-byte limit{hint}")
         if size < tag:
             raise WireError(f"a frame of {size} bytes is too short to carry its authentication tag")
         await self._fill(_HEADER.size + size)

@@ -8,8 +8,10 @@ The peers here speak the wire themselves (``server.cluster.wire``), as a hostile
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Iterator
@@ -259,9 +261,39 @@ async def test_each_refusal_says_provenly_whether_the_agent_may_be_taken_later(a
     await twin.send(wire.Drain(1.0))  # leaves as a drained agent does
     await twin.send(wire.Goodbye("drained"))
     await twin.aclose()
-    # the authority's log says which it was (its lines reach this side's reader a little later: waited for)
-    for line in ("refused a worker for now: worker id 'twin' is taken", "refused a worker: chunkline version '0.0.1-older'"):
-        await until(lambda line=line: line in authority.process.text(200_000), repr(line), authority, deadline=30)
+    # the authority's log says which it was, and who (its lines reach this side's reader a little later: waited for)
+    peer = r"from 127\.0\.0\.1:\d+"
+    for line in (rf"refused a worker for now {peer} \(worker 'twin', node 'hostile'\): worker id 'twin' is taken",
+                 rf"refused a worker {peer} \(worker 'older', node 'hostile'\): chunkline version '0\.0\.1-older'"):
+        await until(lambda line=line: re.search(line, authority.process.text(200_000)), line, authority, deadline=30)
+
+
+async def test_an_operators_wrong_token_or_tls_agent_is_one_line_naming_where_it_dialed_from(authority: Cluster) -> None:
+    """With many hosts, the refusal says which one: its address, and the worker and node a register names (the line
+    said "refused a worker: the cluster token does not match", nobody knew whose); a tls:// agent at this plain
+    port is named so (it read "a frame of 369295618 bytes exceeds the 65536-byte limit")."""
+    _, channel, hello = await dial(authority)
+    await channel.send(wire.Register(
+        worker_id="wrong-token", agent_nonce="agent-nonce",
+        proof=proofs.proof_for("another-token-0123456789", hello.nonce, "wrong-token"),
+        version=chunkline_version(), pipeline=pipeline_name(TINY), pipeline_digest=pipeline_digest(TINY),
+        node="gpu-host-7", devices=(), launcher="external", pid=1))
+    with trio.fail_after(HANDSHAKE_TIMEOUT):
+        refused = await channel.receive()
+    assert isinstance(refused, wire.Refused) and refused.reason == "the cluster token does not match", refused
+    await channel.aclose()
+    stream = await trio.open_tcp_stream("127.0.0.1", authority.cluster_port)
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    tls = trio.SSLStream(stream, context, server_hostname="127.0.0.1")
+    with trio.fail_after(HANDSHAKE_TIMEOUT), contextlib.suppress(trio.BrokenResourceError):
+        await tls.do_handshake()  # what it reads is the authority's plain hello: not TLS
+    await stream.aclose()
+    for line in (r"refused a worker from 127\.0\.0\.1:\d+ \(worker 'wrong-token', node 'gpu-host-7'\): the cluster "
+                 r"token does not match",
+                 r"refused a worker from 127\.0\.0\.1:\d+: a frame of \d+ bytes exceeds the 65536-byte limit \(it "
+                 r"begins a TLS handshake: the peer dials tls://, this port is plain tcp:// with no certificate\)"):
+        await until(lambda line=line: re.search(line, authority.process.text(400_000)), line, authority, deadline=30)
 
 
 async def test_an_agent_that_heartbeats_but_never_says_ready_is_lost_and_holds_no_queue(authority: Cluster) -> None:
