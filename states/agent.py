@@ -43,7 +43,7 @@ from __future__ import annotations
 from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "ABORTS",
-           "AgentMachine", "exit_status"]
+           "AgentMachine", "exit_status", "start_refusal"]
 
 
 class State(TableEnum):
@@ -130,6 +130,13 @@ TERMINAL = frozenset({State.ENDED})
 
 #: The only state in which a Start is taken (in any other the agent refuses it: it is leaving, or not yet serving).
 TAKES_SESSIONS = frozenset({State.SERVING})
+#: Why a Start is refused in a state that does not take it, where that is not its drain (``start_refusal``).
+_REFUSED_AS = {State.FAILED: "the worker failed"}
+
+
+def start_refusal(state: State) -> str | None:
+    """Why an agent in ``state`` refuses a Start (None: it takes it)."""
+    return None if state in TAKES_SESSIONS else _REFUSED_AS.get(state, "the worker is draining")
 #: States in which a registration that ended leads to another dial (derived from the table: SERVE leaves them).
 DIALS = frozenset(source for (source, event) in TRANSITIONS if event is Event.SERVE)
 #: States in which the agent is on its way out: a registration that ends ends the agent.

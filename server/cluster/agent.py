@@ -40,7 +40,7 @@ import attrs
 import trio
 
 from engine import CapacityPlan
-from states.agent import ABORTS, LEAVING, TAKES_SESSIONS, AgentMachine, Event, State, exit_status
+from states.agent import ABORTS, LEAVING, AgentMachine, Event, State, exit_status, start_refusal
 from states.liveness import fence_at
 from states.restart_policy import RestartPolicy, RestartTracker
 
@@ -416,7 +416,7 @@ class Agent:
                 for seq in [s for s in self._sent_at if s < message.seq]:
                     del self._sent_at[seq]
             elif isinstance(message, wire.Start):
-                self.sessions.start(message, refusal=None if self.life.state in TAKES_SESSIONS else "the worker is draining")
+                self.sessions.start(message, refusal=start_refusal(self.life.state))
             elif isinstance(message, wire.Stop):
                 self.sessions.stop(message)
             elif isinstance(message, wire.CheckOptions):
@@ -476,10 +476,9 @@ class Agent:
         self._model_settled.set()
 
     async def _until_worker_failed(self) -> str:
-        """The model worker failed: its runners end with the cause (bounded) and say so first, then the authority is
-        told why this agent is gone. It stayed registered with its full capacity, and the next Start placed on it
-        ended the agent with a traceback."""
+        """The model worker failed: no more sessions here, its runners end (bounded) and say why, then the agent."""
         await self._worker_failed.wait()
+        self.send(wire.Drain(RUNNER_STOP_GRACE))  # no session is placed here meanwhile (the Start would be refused)
         with trio.move_on_after(RUNNER_STOP_GRACE):
             await self.sessions.until_empty()
         self.send(wire.Failed(f"its model worker failed: {self._model_failure}"))
