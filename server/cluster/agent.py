@@ -31,12 +31,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
 
-import attrs
 import trio
 
 from engine import CapacityPlan
@@ -55,10 +52,11 @@ from ..server_folders import remove_stale_folders
 from . import tls, wire
 from .agent_drain import AgentDrain
 from .agent_handshake import Shaken, handshake
+from .agent_options import AgentOptions, parse_authority
 from .agent_sessions import RUNNER_STOP_GRACE, AgentSessions
 from .backoff import EXIT_REFUSED, back_off
 from .dial_ends import DIAL_DEADLINES, WAITED, DialLog, End, Ended, Patience
-from .identity import chunkline_version, new_worker_id
+from .identity import new_worker_id
 from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
@@ -68,43 +66,6 @@ log = logging.getLogger("chunkline.agent")
 OUTBOX = 1024
 # an agent cut off from the authority registers again quickly at first, and gives up on a crash loop
 REREGISTER_POLICY = RestartPolicy(base_delay=0.2, max_delay=5.0, max_failures=8, window=60.0)
-
-
-def parse_authority(url: str) -> tuple[str, str, int]:
-    """``tcp://host:port`` or ``tls://host:port`` -> (scheme, host, port); ValueError names what is wrong."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("tcp", "tls"):
-        raise ValueError(f"--authority must be tcp://HOST:PORT or tls://HOST:PORT, got {url!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not parts.hostname or port is None:
-        raise ValueError(f"--authority {url!r} needs a host and a port")
-    if port == 0:
-        raise ValueError(f"--authority {url!r} needs a port 1-65535 (port 0 is no authority's)")
-    return parts.scheme, parts.hostname, port
-
-
-@attrs.frozen(kw_only=True)
-class AgentOptions:
-    pipeline: str
-    authority: str
-    token: str = attrs.field(repr=False)
-    devices: tuple[int, ...] = ()
-    max_sessions: int | str = "auto"
-    worker_mode: str = "in-process"
-    placement: str | None = None
-    node: str = attrs.Factory(socket.gethostname)
-    launcher: str = "external"
-    slot: str | None = None
-    launcher_pid: int | None = None  # the authority that started this agent: the agent ends with it
-    tls_ca: str | None = None
-    drain_deadline: float = 30.0
-    control_idle_timeout: float = 10.0  # offered to the pipeline, as the authority offers its own workers
-    default_fps: float = 16.0
-    validate: bool = True  # the startup check, unless the authority runs with --skip-validation
-    version: str = attrs.Factory(chunkline_version)
 
 
 class Agent:

@@ -25,7 +25,7 @@ from .identity import pipeline_digest, pipeline_name
 if TYPE_CHECKING:
     import ssl
 
-    from .agent import AgentOptions
+    from .agent_options import AgentOptions
 
 __all__ = ["CONNECT_TIMEOUT", "Shaken", "handshake"]
 
