@@ -35,6 +35,7 @@ from .errors import (
     SessionExistsError,
     SessionStateError,
     UnknownSessionError,
+    WrongThreadError,
 )
 from .ingress import MAX_SEQUENCE_ID
 from .metrics import (
@@ -67,7 +68,7 @@ __all__ = [
     "OrchestratorClosedError", "ParallelWorkerStageActor", "PipelineSpec", "ResourceGroupSpec", "Session",
     "SessionCleanupError", "SessionContext", "SessionExistsError", "SessionMetrics", "SessionStateError",
     "StageActor", "StageInvocation", "StageOrdering", "StageSpec", "StageTiming", "TaskKey",
-    "UnknownSessionError", "open_orchestrator",
+    "UnknownSessionError", "WrongThreadError", "open_orchestrator",
     "CapacityPlan", "DeviceMemorySnapshot", "InsufficientMemoryError", "SessionCapacityPolicy",
     "SessionMemoryBudget", "calculate_session_capacity", "capture_memory_snapshot",
     "SlotPool", "SlotPoolFullError", "SlotReleaseError",

@@ -17,6 +17,7 @@ __all__ = [
     "ActorBusyError",
     "ActorFailedError",
     "FatalStageError",
+    "WrongThreadError",
     "seconds",
     "shown",
 ]
@@ -97,6 +98,11 @@ class ActorBusyError(EngineError, RuntimeError):
 
 class ActorFailedError(EngineError, RuntimeError):
     """The actor itself failed (not one invocation); every session on it fails."""
+
+
+class WrongThreadError(EngineError, RuntimeError):
+    """An orchestrator or session was called from a thread other than the one its trio run is in (a plain
+    thread, a stage's handler, another ``trio.run``): it is not thread-safe, so the call is refused unrun."""
 
 
 class FatalStageError(Exception):

@@ -27,6 +27,7 @@ from .errors import (
     OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError, seconds, shown,
 )
 from .graph import StageGraph
+from .home_thread import HomeThread
 from .ingress import check_final_sequence_id
 from .metrics import Diagnostics
 from .runtime import SessionRuntime
@@ -135,6 +136,7 @@ class Orchestrator:
         # one close runs at a time; a close its caller cancelled leaves the rest to the next call
         self._close_lock = trio.Lock()
         self._started: dict[int, StageActor] = {}  # the actors this orchestrator started (it closes only those)
+        self._home = HomeThread()  # made inside open_orchestrator's trio run: sessions are driven from it only
 
     async def start_actors(self) -> None:
         """Start each actor once, in topological order of its first stage.
@@ -154,6 +156,9 @@ class Orchestrator:
 
     # -- sessions ------------------------------------------------------------
 
+    def _here(self, call: str) -> None:
+        self._home.check("the orchestrator", call)
+
     def _open(self, session_id: str, final_sequence_id: int | None) -> SessionRuntime:
         if self._closing:
             raise OrchestratorClosedError("the orchestrator is closing; no new sessions")
@@ -165,17 +170,19 @@ class Orchestrator:
 
     def create_session(self, session_id: str, *, final_sequence_id: int | None = None) -> Session:
         """Open a session (a fresh epoch); a terminal session's id may be reused."""
-        return Session(self._core, self._shutdown, self._open(session_id, final_sequence_id))
+        self._here("create_session")
+        return Session(self._core, self._shutdown, self._open(session_id, final_sequence_id), self._home)
 
     @asynccontextmanager
     async def session(
         self, session_id: str, *, final_sequence_id: int | None = None, close_timeout: float = 60.0
     ) -> AsyncIterator[Session]:
         """A session that is drained and closed on exit (cancelled if the body raised)."""
+        self._here("session")
         seconds("close_timeout", close_timeout, zero_ok=True)  # now, not at the exit the body reached
         rt = self._open(session_id, final_sequence_id)
         try:
-            yield Session(self._core, self._shutdown, rt)
+            yield Session(self._core, self._shutdown, rt, self._home)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self._shutdown.run(rt, Event.CANCEL, timeout=close_timeout)
@@ -187,7 +194,7 @@ class Orchestrator:
         runtime = self._core.get(session_id)
         if runtime is None:
             raise UnknownSessionError(session_id)
-        return Session(self._core, self._shutdown, runtime)
+        return Session(self._core, self._shutdown, runtime, self._home)
 
     @property
     def session_ids(self) -> tuple[str, ...]:
@@ -228,6 +235,7 @@ class Orchestrator:
         Ready work that backpressure holds (a full edge, an output nobody reads)
         is not admissible, so it does not keep the barrier waiting.
         """
+        self._here("barrier")
         while True:
             busy = next((rt for rt in self._core.runtimes() if self._core.busy(rt)), None)
             if busy is None:
@@ -242,6 +250,7 @@ class Orchestrator:
         Everything shares ``timeout``; an actor left to close after it passed still gets
         ``ACTOR_CLOSE_GRACE`` seconds, so only the ones that are really stuck are reported.
         """
+        self._here("aclose")
         seconds("timeout", timeout, zero_ok=True)
         self._closing = True
         async with self._close_lock:  # a concurrent call waits for this one; after a cancelled one, it closes

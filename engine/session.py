@@ -21,6 +21,7 @@ from .metrics import (
 
 if TYPE_CHECKING:
     from .core import SchedulerCore
+    from .home_thread import HomeThread
     from .runtime import SessionRuntime
     from .shutdown import SessionShutdown
 
@@ -31,13 +32,20 @@ class Session:
     """One session (one epoch): push ingress, read outputs in order, close.
 
     The handle stays valid after the session ends: status, error, metrics and
-    any outputs emitted before a drained close remain readable.
+    any outputs emitted before a drained close remain readable. It is driven from its orchestrator's trio run
+    only: a call that pushes, reads outputs, waits or ends it from another thread is a ``WrongThreadError``.
     """
 
-    def __init__(self, core: SchedulerCore, shutdown: SessionShutdown, runtime: SessionRuntime) -> None:
+    def __init__(
+        self, core: SchedulerCore, shutdown: SessionShutdown, runtime: SessionRuntime, home: HomeThread
+    ) -> None:
         self._core = core
         self._shutdown = shutdown
         self._runtime = runtime
+        self._home = home
+
+    def _here(self, call: str) -> None:
+        self._home.check(f"session {self._runtime.session_id!r}", call)
 
     def __repr__(self) -> str:
         rt = self._runtime
@@ -80,10 +88,12 @@ class Session:
 
     async def push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> None:
         """Admit ``artifacts`` for ``sequence_id`` atomically, waiting for room on every edge."""
+        self._here("push")
         await self._core.push(self._runtime, sequence_id, artifacts)
 
     def try_push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""
+        self._here("try_push")
         return self._core.try_push(self._runtime, sequence_id, artifacts)
 
     def can_push(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> bool:
@@ -94,6 +104,7 @@ class Session:
     async def wait_for_room(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> None:
         """Wait until every named ingress artifact has room, for ``sequence_id`` if given (as :meth:`can_push`);
         raises if the session stops admitting."""
+        self._here("wait_for_room")
         names = ingress_names(artifacts)
         rt = self._runtime
 
@@ -108,12 +119,14 @@ class Session:
 
     def finish_inputs(self, final_sequence_id: int) -> None:
         """Declare the last sequence of an open-ended session."""
+        self._here("finish_inputs")
         self._core.finish_inputs(self._runtime, final_sequence_id)
 
     # -- outputs -------------------------------------------------------------------
 
     def poll_outputs(self) -> list[tuple[int, dict[str, Any]]]:
         """Every output emitted so far and not yet taken, in sequence order (never waits)."""
+        self._here("poll_outputs")
         return self._core.poll_outputs(self._runtime)
 
     async def outputs(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
@@ -122,6 +135,7 @@ class Session:
         A failed session's outputs end too (they do not raise): ``error`` then says why,
         e.g. the stage's exception or the :class:`~engine.errors.InvalidStageOutput`.
         """
+        self._here("outputs")
         rt = self._runtime
 
         def more_or_none() -> bool:
@@ -145,18 +159,22 @@ class Session:
         The drain may use ``drain_timeout`` (default: half of ``timeout``); work still
         waiting then is cancelled, so the rest of the budget is left for the stages.
         """
+        self._here("aclose")
         await self._shutdown.run(self._runtime, Event.CLOSE, timeout=timeout, drain_timeout=drain_timeout)
 
     async def cancel(self, *, timeout: float = 60.0) -> None:
         """Drop waiting work (running calls finish, results discarded), then release stage state."""
+        self._here("cancel")
         await self._shutdown.run(self._runtime, Event.CANCEL, timeout=timeout)
 
     async def wait_settled(self) -> None:
         """Wait until the session is terminal or poisoned (e.g. after a background failure cleanup)."""
+        self._here("wait_settled")
         await self._runtime.settled.wait()
 
     async def wait_until_idle(self) -> None:
         """Wait until nothing of this session runs or could start now."""
+        self._here("wait_until_idle")
         rt = self._runtime
         await self._core.wait_until(rt.changed, lambda: not self._core.busy(rt))
 

@@ -12,6 +12,7 @@ import trio
 from engine import (
     IngressRefused,
     LocalStageActor,
+    WrongThreadError,
     open_orchestrator,
 )
 from states.pipeline_session import State
@@ -338,3 +339,45 @@ async def test_buffered_on_an_edge_that_does_not_exist_is_refused(orch):
     for artifact, target in (("bogus", "encode"), ("image", "decode")):
         with pytest.raises(KeyError, match="no edge carries"):
             s.buffered(artifact, target)
+
+
+# -- a session driven from another thread ---------------------------------------------------------------
+
+
+async def test_a_session_or_orchestrator_called_from_another_thread_is_refused_and_changes_nothing(orch):
+    """A plain thread, or a second trio.run in one, that drives a session corrupted the scheduler's trio side: a push
+    was taken, an aclose from another run hung for its drain deadline or ended in a TrioInternalError."""
+    s = orch.create_session("a")
+    await s.push(0, chunk(0))
+
+    def from_elsewhere() -> list[str]:
+        refused = []
+        calls = {  # poll_outputs first: without the check it returns, where a push can leave this run hung
+            "poll_outputs": s.poll_outputs,
+            "try_push": lambda: s.try_push(1, chunk(1)),
+            "finish_inputs": lambda: s.finish_inputs(1),
+            "create_session": lambda: orch.create_session("b"),
+            "push": lambda: trio.run(s.push, 1, chunk(1)),
+            "outputs": lambda: trio.run(s.outputs().__anext__),
+            "aclose": lambda: trio.run(s.aclose),
+            "cancel": lambda: trio.run(s.cancel),
+            "wait_until_idle": lambda: trio.run(s.wait_until_idle),
+            "barrier": lambda: trio.run(orch.barrier),
+            "orchestrator aclose": lambda: trio.run(orch.aclose),
+        }
+        for name, call in calls.items():
+            with pytest.raises(WrongThreadError, match=r"belongs to the trio run in thread 'MainThread'; \w+\(\) was "
+                                                        r"called from thread .*: call it from that run") as caught:
+                call()
+            refused.append(name)
+            assert ("the orchestrator" if name in {"create_session", "barrier", "orchestrator aclose"}
+                    else "session 'a'") in str(caught.value)
+        return refused
+
+    with trio.fail_after(10):
+        assert len(await trio.to_thread.run_sync(from_elsewhere, abandon_on_cancel=True)) == 11
+        assert s.status is State.RUNNING and orch.session_ids == ("a",)
+        assert len(s.metrics().ingress_accepted_at) == 1  # sequence 0's; nothing of sequence 1 was taken
+        s.finish_inputs(1)  # from its own run the session works on
+        await s.push(1, chunk(1))
+        assert [q async for q, _ in s.outputs()] == [0, 1]
