@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import trio
+
 __all__ = [
     "EngineError",
     "IngressRefused",
     "SessionStateError",
+    "OutputsBusyError",
     "SessionExistsError",
     "UnknownSessionError",
     "OrchestratorClosedError",
@@ -66,6 +69,10 @@ class IngressRefused(EngineError, ValueError):
 
 class SessionStateError(EngineError, RuntimeError):
     """The session is not in a state that allows this call (e.g. it is closing)."""
+
+
+class OutputsBusyError(EngineError, trio.BusyResourceError):
+    """Another task is already waiting on the session's outputs: two readers would each miss what the other took."""
 
 
 class SessionExistsError(EngineError, ValueError):

@@ -10,6 +10,7 @@ import trio
 from states.pipeline_session import EMITTING, Event, State
 
 from .blockers import Blocker
+from .errors import OutputsBusyError
 from .ingress import ingress_names, refused_input
 from .metrics import (
     ArtifactStats,
@@ -134,12 +135,24 @@ class Session:
 
         A failed session's outputs end too (they do not raise): ``error`` then says why,
         e.g. the stage's exception or the :class:`~engine.errors.InvalidStageOutput`.
+        One task reads them: a second that comes to wait while another waits is an ``OutputsBusyError``
+        (each took what the other never saw).
         """
         self._here("outputs")
         rt = self._runtime
+        counted_in = False
 
         def more_or_none() -> bool:
-            return bool(rt.outputs) or rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING
+            nonlocal counted_in
+            if bool(rt.outputs) or rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING:
+                return True
+            if not counted_in and rt.emitted.waiting:  # outputs() alone waits there: another reader is parked
+                raise OutputsBusyError(
+                    f"session {rt.session_id!r}: another task is already waiting for its outputs; read them in one "
+                    f"task (two readers each miss the outputs the other takes)"
+                )
+            counted_in = True
+            return False
 
         while True:
             items = self._core.poll_outputs(rt)
@@ -149,6 +162,7 @@ class Session:
                 continue
             if rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING:
                 return
+            counted_in = False
             await self._core.wait_until(rt.emitted, more_or_none)
 
     # -- ending ----------------------------------------------------------------------

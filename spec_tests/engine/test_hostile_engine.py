@@ -8,10 +8,12 @@ import threading
 
 import pytest
 import trio
+import trio.testing
 
 from engine import (
     IngressRefused,
     LocalStageActor,
+    OutputsBusyError,
     WrongThreadError,
     open_orchestrator,
 )
@@ -381,3 +383,25 @@ async def test_a_session_or_orchestrator_called_from_another_thread_is_refused_a
         s.finish_inputs(1)  # from its own run the session works on
         await s.push(1, chunk(1))
         assert [q async for q, _ in s.outputs()] == [0, 1]
+
+
+async def test_a_second_task_reading_a_session_s_outputs_is_refused_and_the_first_gets_them_all(orch):
+    """Two readers split the outputs between them without a word: each missed what the other took."""
+    s = orch.create_session("a")
+    got = []
+
+    async def read() -> None:
+        async for seq, _ in s.outputs():
+            got.append(seq)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()  # the first reader waits for output 0
+            with pytest.raises(OutputsBusyError, match="session 'a': another task is already waiting for its outputs"):
+                async for _ in s.outputs():
+                    pass
+            s.finish_inputs(2)
+            for seq in range(3):
+                await s.push(seq, chunk(seq))
+    assert got == [0, 1, 2]
