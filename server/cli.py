@@ -111,10 +111,11 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``chunkline`` command. From its first line a stop signal ends it in one line with ``128 + signal``
-    (130, 143, 129 for SIGHUP), never a traceback, until a command handles them itself."""
+    (130, 143, 129 for SIGHUP), never a traceback, until a command handles them itself. As the process's own
+    command (``argv`` None) its end waits for no thread the pipeline left running (:mod:`server.stray_threads`)."""
     early_signals.install()
     try:
-        return _main(argv)
+        code = _main(argv)
     except early_signals.StopSignalled as stopped:
         try:
             print(f"chunkline: {early_signals.describe(stopped.signal_number)}", file=sys.stderr, flush=True)
@@ -123,6 +124,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + stopped.signal_number
     finally:
         early_signals.hand_over()
+    if argv is not None:  # called with its words (a test, a script): the caller's process is not ours to end
+        return code
+    from .stray_threads import end_despite_stray_threads  # a pipeline's threads left running hold no exit
+
+    return end_despite_stray_threads(_prefix(), code)
+
+
+def _prefix() -> str:
+    """``chunkline <command>``, as the command's own lines begin."""
+    command = next((word for word in sys.argv[1:] if word in {"run", "stream-serve", "worker"}), None)
+    return "chunkline" if command is None else f"chunkline {command}"
 
 
 if __name__ == "__main__":

@@ -143,3 +143,32 @@ async def test_a_failing_teardown_after_a_good_warm_up_chunk_is_told_as_the_clos
         with pytest.raises(PipelineValidationError) as failed:
             await validate_service(service, timeout=10)
     assert str(failed.value) == "closing the warm-up session failed: RuntimeError: teardown failed"
+
+
+LEFT_THREAD = """
+import threading
+from contextlib import asynccontextmanager
+
+
+class Broken(MinimalService):
+    @asynccontextmanager
+    async def running(self):
+        never = threading.Event()  # nothing sets it: the thread outlives the pipeline
+        threading.Thread(target=never.wait, name="author-poller").start()
+        yield
+"""
+
+
+def test_a_thread_the_pipeline_never_stops_does_not_hold_the_run_s_exit(tmp_path: Path) -> None:
+    """Python waits at exit for every non-daemon thread, deaf to signals: the run wrote its output and never ended."""
+    path = pipeline_file(tmp_path, LEFT_THREAD)
+    out = tmp_path / "out"
+    # bench-cost: the stray thread gets STRAY_THREAD_GRACE (3 s) of real time to end before the run ends without it
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", path, "--chunks", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE)
+    assert done.returncode == 0, done.stderr[-2000:]  # the run itself succeeded: its output stays
+    assert (out / "video.mp4").is_file() and (out / "metrics.json").is_file()
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("chunkline run: pipeline bug: 1 thread(s) it started still run ('author-poller'), "
+                           "not daemon threads"), done.stderr[-2000:]
+    assert "start them as daemon threads" in last

@@ -1,0 +1,52 @@
+"""A command's end that a pipeline's own threads cannot hold.
+
+Python waits at exit for every thread that is not a daemon thread, for ever and deaf to signals (its main
+thread waits in C, where no signal handler runs). chunkline's own threads are daemon threads or joined, so one
+still running when a command is done was started by the pipeline and never stopped: ``chunkline run`` wrote its
+output and then never ended, and ``chunkline stream-serve`` drained on SIGTERM and then stayed, a second SIGTERM
+ignored, until a SIGKILL. Such threads get a short grace to end; then one line names them as the pipeline's bug
+and the process ends with the command's own exit code, after its exit calls, without waiting for them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+__all__ = ["STRAY_THREAD_GRACE", "end_despite_stray_threads"]
+
+STRAY_THREAD_GRACE = 3.0  # seconds the threads still running as a command ends get to finish on their own
+
+
+def _stray(main: threading.Thread) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+
+
+def end_despite_stray_threads(prefix: str, code: int, *, grace: float = STRAY_THREAD_GRACE) -> int:
+    """Return ``code`` once no thread but the main one would hold the exit (waiting up to ``grace`` for them);
+    else say which threads were left and end the process now with ``code``, its exit calls run first."""
+    main = threading.main_thread()
+    if threading.current_thread() is not main:
+        return code
+    deadline = time.monotonic() + grace
+    for thread in _stray(main):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = _stray(main)
+    if not left:
+        return code
+    names = ", ".join(repr(t.name) for t in left[:5]) + (", ..." if len(left) > 5 else "")
+    try:
+        print(
+            f"{prefix}: pipeline bug: {len(left)} thread(s) it started still run ({names}), not daemon threads, "
+            f"{grace:g} s after it closed: Python would wait for them for ever; ending without them (stop and "
+            f"join them as running() exits, or start them as daemon threads)",
+            file=sys.stderr, flush=True,
+        )
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a closed terminal: the line is lost, the end is not
+        pass
+    atexit._run_exitfuncs()  # what a normal exit runs after its wait for threads: logging's flush, folders, segments
+    os._exit(code)
