@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
-from pipelines.contract import BidirectionalService, ServerPushService, Service, inputs_taken
+from pipelines.contract import BidirectionalService, PipelineContractError, ServerPushService, Service, inputs_taken
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.validation import validate_service
 
@@ -177,6 +177,11 @@ class ModelWorker:
             await self.service.check_options(options)
         except ValueError as exc:
             raise OptionsRefused(public_reason(exc, prefix_type=False)) from None
+        except Exception as exc:  # the contract's refusal is a ValueError: anything else is the check's own bug
+            raise PipelineContractError(
+                f"check_options raised {public_reason(exc)} (it must raise ValueError naming an option it refuses, "
+                f"and return for options it takes)"
+            ) from exc
 
     async def run(self) -> None:
         """Load, warm up, report capacity, host runners until stopped; report failure instead of raising."""

@@ -275,3 +275,21 @@ async def test_a_pipeline_reason_that_already_says_config_is_not_prefixed_again(
         status, body = await s.json("post", SESSIONS, json={"identity": "ctl", "config": {"k": 1}})
         assert (status, body["error"]) == (400, "invalid_option"), body
         assert body["detail"] == "config: option 'k' is not one this pipeline takes", body
+
+
+class BrokenCheck(CounterService):
+    async def check_options(self, options: Any) -> None:
+        return options["k"] + 1  # a KeyError for options without 'k', a TypeError for a 'k' that is no number
+
+
+@pytest.mark.parametrize(("options", "raised"), [({"k": "x"}, "TypeError"), ({"j": 1}, "KeyError: 'k'")])
+async def test_a_check_that_raises_other_than_value_error_is_told_as_the_pipeline_s_bug(options, raised):
+    """It was a 503 that gave the check's bare words (``could not be checked: 'k'``) and let the client retry for
+    ever: nothing said the pipeline was at fault, nor what the contract asks of its check."""
+    async with runner_fixtures.serve(runner_fixtures.settings(), BrokenCheck()) as s:
+        status, body = await s.json("post", SESSIONS, json={"identity": "ctl", "config": options})
+        assert (status, body["error"]) == (503, "no_worker"), body
+        assert body["detail"].startswith(
+            f"the session's options could not be checked: pipeline bug: check_options raised {raised}"), body
+        assert "it must raise ValueError naming an option it refuses" in body["detail"]
+        assert not list(s.runtime.registry) and s.free_slots() == 1
