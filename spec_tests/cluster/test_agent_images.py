@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import resource
 import shutil
+import tempfile
 from pathlib import Path
 
 import httpx
+import pytest
 
 from server.transport.client import RoomClient
 
@@ -43,11 +45,14 @@ async def _stream_and_end(client: httpx.AsyncClient, cluster: Cluster, identity:
 
 
 async def test_an_image_the_agent_cannot_store_fails_that_session_alone_and_a_removed_folder_is_made_again(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest,
 ) -> None:
-    assets, scratch = tmp_path / "assets", tmp_path / "tmp"
+    assets = tmp_path / "assets"
     assets.mkdir()
-    scratch.mkdir()
+    # the cluster's TMPDIR, short: the front's Unix socket is made there, and pytest's tmp_path under xdist
+    # (/tmp/pytest-of-root/pytest-N/popen-gwN/<test name>...) passes the 107 bytes an AF_UNIX path may take
+    scratch = Path(tempfile.mkdtemp(prefix="cl-images-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     (assets / "street.png").write_bytes(png_bytes())
     cluster = start_cluster("--assets-dir", str(assets), workers=1, tmpdir=scratch)
     try:

@@ -17,6 +17,7 @@ from server.reasons import MAX_ECHO, echo, echo_each
 from .test_hostile_server import running
 
 LONG = "a" * 15000
+IMAGE_REPLAY = str(Path(__file__).parents[1] / "server" / "image_replay.py")
 #: an error body that repeats cut echoes (at most MAX_ECHOED of them), with the fixed text around them
 MOST_BYTES = 1024
 
@@ -57,7 +58,8 @@ async def test_a_refusal_repeats_client_text_only_cut_short(method: str, path: s
     ("b" * 4000, "cannot be looked up in the assets directory"),  # too long for the file system: was a 500
 ], ids=["missing", "too-long-a-name"])
 async def test_an_image_path_that_is_not_there_is_refused_and_named_cut_short(tmp_path: Path, name: str, why: str) -> None:
-    async with running(assets_dir=str(tmp_path)) as server:
+    # a replay that takes an image (the replay pipeline itself refuses any image_path before it is looked up)
+    async with running(assets_dir=str(tmp_path), pipeline=IMAGE_REPLAY) as server:
         status, answer = await server.request("POST", "/v1/stream/sessions", {"identity": "c", "image_path": name})
     _assert_cut(status, answer, 400)
     assert answer["detail"].startswith("image_path 'bbbb") and why in answer["detail"], answer
