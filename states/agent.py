@@ -137,6 +137,8 @@ _REFUSED_AS = {State.FAILED: "the worker failed"}
 def start_refusal(state: State) -> str | None:
     """Why an agent in ``state`` refuses a Start (None: it takes it)."""
     return None if state in TAKES_SESSIONS else _REFUSED_AS.get(state, "the worker is draining")
+
+
 #: States in which a registration that ended leads to another dial (derived from the table: SERVE leaves them).
 DIALS = frozenset(source for (source, event) in TRANSITIONS if event is Event.SERVE)
 #: States in which the agent is on its way out: a registration that ends ends the agent.
