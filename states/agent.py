@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from .machine import StateMachine, TableEnum
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "ABORTS",
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "ABORTS", "WORKER_GONE",
            "AgentMachine", "exit_status", "start_refusal"]
 
 
@@ -146,6 +146,8 @@ LEAVING = frozenset({State.DRAINING, State.DRAINED, State.CUT_SHORT, State.STOPP
                      State.FAILED})
 #: The state in which the process ends at once, without waiting for what is under way.
 ABORTS = frozenset({State.ABORTED})
+#: The state in which the agent leaves because its model worker failed: it tells the authority, then exits 1.
+WORKER_GONE = frozenset({State.FAILED})
 #: States in which the agent finished what it was asked to do: its exit is 0 whatever signal began it.
 _FINISHED = frozenset({State.DRAINED})
 
@@ -156,7 +158,7 @@ def exit_status(state: State, first_signal: int | None) -> int:
     1 once its worker failed (a supervisor or launcher starts another); 0 once its drain ran its course, or when no
     signal led it out (a drain the authority asked for); else 128 + the first stop signal, as ``chunkline
     stream-serve`` and ``chunkline run`` exit when a signal stopped them."""
-    if state is State.FAILED:
+    if state in WORKER_GONE:
         return 1
     if state in _FINISHED or first_signal is None:
         return 0

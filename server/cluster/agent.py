@@ -37,7 +37,7 @@ from typing import Any, NoReturn
 import trio
 
 from engine import CapacityPlan
-from states.agent import ABORTS, LEAVING, AgentMachine, Event, State, exit_status, start_refusal
+from states.agent import ABORTS, LEAVING, WORKER_GONE, AgentMachine, Event, State, exit_status, start_refusal
 from states.liveness import fence_at
 from states.restart_policy import RestartPolicy, RestartTracker
 
@@ -429,7 +429,7 @@ class Agent:
         self._model_failure = reason
         self._model_refused = permanent
         if self.life.can(Event.WORKER_FAILED):  # loaded, then failed: nothing left to run sessions on
-            if self.life.apply(Event.WORKER_FAILED) is State.FAILED:
+            if self.life.apply(Event.WORKER_FAILED) in WORKER_GONE:
                 log.error("the model worker failed: %s; this agent leaves (exit 1)", reason)
                 self._worker_failed.set()
                 for scope in self._stop_scopes:  # a dial, or the wait before the next, ends now
