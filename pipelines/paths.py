@@ -6,13 +6,18 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import unicodedata
 from pathlib import Path
 
 __all__ = ["NO_SUCH_FILE", "PathRefused", "open_regular_file", "read_at_most", "regular_file_problem", "resolve_inside",
-           "lookup_problem"]
+           "lookup_problem", "relative_name_problem"]
 
 #: what :func:`regular_file_problem` says of a path with nothing there
 NO_SUCH_FILE = "does not exist"
+
+#: the longest name of one file or folder (bytes, as UTF-8) and of a whole path that Linux's file systems take
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4095
 
 
 class PathRefused(ValueError):
@@ -20,12 +25,58 @@ class PathRefused(ValueError):
     path, bounded, as it names the field: the message never repeats it)."""
 
 
+def relative_name_problem(name: str) -> str | None:
+    """Why ``name`` is not the form of a file's path relative to a directory, in words that follow its quoted name,
+    or None when it is one. Read before the file system is asked, so that each bad form is told as what it is: a NUL
+    was "must be relative", and ``a.png/`` or ``a.png/.`` (a folder's form) named the file ``a.png`` because
+    :class:`~pathlib.Path` drops a trailing ``/`` and ``.`` where the system would refuse them."""
+    if not name:
+        return "is empty; name a file inside the assets directory"
+    if "\x00" in name:
+        return f"holds a NUL character (at character {name.index(chr(0))}), which no file name can hold"
+    control = next((i for i, c in enumerate(name) if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        return f"holds a control character ({ord(name[control]):#04x}) at character {control}"
+    if "\\" in name:
+        return f"holds a backslash (at character {name.index(chr(92))}); the parts of a path are separated by '/'"
+    if name.startswith("/"):
+        return "must be relative to the assets directory (it starts with '/')"
+    parts = name.split("/")
+    if ".." in parts:
+        return "may not contain '..'"
+    if parts[-1] in ("", "."):
+        if all(part in ("", ".") for part in parts):
+            return "names the assets directory itself, not a file in it"
+        return f"ends with {'/' if parts[-1] == '' else '/.'!r}, the form of a folder; name a file (without it)"
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_PATH_BYTES:
+        return f"is {size} bytes long; a path is at most {MAX_PATH_BYTES}"
+    longest = max(parts, key=lambda part: len(part.encode("utf-8", "surrogatepass")))
+    size = len(longest.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        return f"has a part of {size} bytes; a file or folder name is at most {MAX_NAME_BYTES}"
+    return None
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, for a refusal."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"
+
+
 def resolve_inside(root: str | os.PathLike[str], name: str) -> Path:
-    """``name`` resolved inside ``root``: no absolute paths, no ``..``, no symlinks out, and a file there."""
-    if os.path.isabs(name) or "\\" in name or "\x00" in name:
-        raise PathRefused("must be relative to the assets directory")
-    if ".." in Path(name).parts:
-        raise PathRefused("may not contain '..'")
+    """``name`` resolved inside ``root``: the form of a relative file path (:func:`relative_name_problem`), no
+    symlinks out, and a regular file there; :class:`PathRefused` says why not."""
+    problem = relative_name_problem(name)
+    if problem is not None:
+        raise PathRefused(problem)
     base = Path(root).resolve()
     try:
         resolved = (base / name).resolve()
@@ -33,8 +84,9 @@ def resolve_inside(root: str | os.PathLike[str], name: str) -> Path:
             raise PathRefused("resolves outside the assets directory")
         if not resolved.exists():
             raise PathRefused("does not exist in the assets directory")
-        if not resolved.is_file():
-            raise PathRefused("is not a regular file in the assets directory (a directory, a pipe or a device)")
+        mode = resolved.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise PathRefused(f"is {_kind(mode)} in the assets directory, not a regular file")
     except OSError as exc:  # a name too long for the file system: not a file there either
         raise PathRefused(f"cannot be looked up in the assets directory ({exc.strerror or 'not a file name'})") from None
     except RuntimeError:  # Python 3.11's resolve() on a loop of symbolic links
