@@ -177,6 +177,13 @@ SCHEMAS: dict[str, Any] = {
                                                          "null where it does not apply (a server-push pipeline "
                                                          "takes no controls), no worker has loaded the "
                                                          "pipeline yet, or workers run with different values"},
+                                "session_inputs": {"type": ["array", "null"], "uniqueItems": True,
+                                                   "items": {"type": "string", "enum": ["prompt", "image"]},
+                                                   "description": "the inputs a create may give besides its "
+                                                   "config, as the pipeline declares them (takes_prompt, "
+                                                   "takes_image): 'image' is image_path or image_b64; another is a "
+                                                   "400 invalid_input. null until a worker has loaded the "
+                                                   "pipeline"},
                                 "worker_settings": {"type": "object", "description": "per worker: the offered "
                                                     "settings its pipeline took (control_idle_timeout, fps), "
                                                     "with the values its sessions run with"},

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from pipelines.contract import BidirectionalService
+from pipelines.contract import SESSION_INPUTS, BidirectionalService
 from states.stream_session import LIVE_MEDIA
 from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
 from states.worker import TERMINAL as WORKER_TERMINAL
@@ -23,7 +23,8 @@ from .cluster.wire_values import SESSION_SETTINGS
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["control_idle_timeout_in_force", "health", "metadata", "publish_gauges", "worker_views"]
+__all__ = ["control_idle_timeout_in_force", "health", "metadata", "publish_gauges", "session_inputs_taken",
+           "worker_views"]
 
 
 def publish_gauges(runtime: StreamRuntime) -> None:
@@ -130,6 +131,16 @@ def control_idle_timeout_in_force(workers: Iterable[Any]) -> float | None:
     return values.pop() if len(values) == 1 else None
 
 
+def session_inputs_taken(workers: Iterable[Any]) -> list[str] | None:
+    """The session inputs (``prompt``, ``image``) a create may give, as the workers' pipeline declares them, so that a
+    client learns it before a 400 tells it; None while no worker has loaded the pipeline. An input is listed only when
+    every worker that has said takes it, the rule by which a create is checked (:mod:`server.session_inputs`)."""
+    declared = [taken for worker in workers if (taken := worker.inputs_taken) is not None]
+    if not declared:
+        return None
+    return [name for name in SESSION_INPUTS if all(name in taken for taken in declared)]
+
+
 def _worker_settings(workers: Iterable[Any]) -> dict[str, dict[str, Any]]:
     """Per worker, the shown settings its pipeline took, with the values it runs with."""
     shown = {}
@@ -162,6 +173,7 @@ def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, A
         # only where it applies: null for a server-push stream, and until a worker has loaded the pipeline
         "control_idle_timeout": control_idle_timeout_in_force(workers),
         "worker_settings": _worker_settings(workers),
+        "session_inputs": session_inputs_taken(workers),
         "session_timeout": settings.session_timeout,
         "controller_timeout": settings.controller_timeout,
         "room_empty_timeout": settings.room_empty_timeout,

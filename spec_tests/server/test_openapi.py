@@ -187,3 +187,19 @@ async def test_every_api_route_documents_the_refusal_of_input_it_would_ignore(do
                 check(doc, path, method, status, body)
             if method == "get":
                 assert "403" not in operation["responses"], (path, "a GET is never refused for its origin")
+
+
+async def test_metadata_documents_the_session_inputs_a_create_may_give(doc_and_served):
+    """``session_inputs`` is in the Metadata schema, and what the server says (the toy world's list, and the null
+    of a server whose workers have not loaded the pipeline) is what the schema allows; a list past the two inputs
+    is not."""
+    doc, s = doc_and_served
+    schema = doc["components"]["schemas"]["Metadata"]["properties"].get("session_inputs")
+    assert schema is not None, "the Metadata schema does not document session_inputs"
+    status, metadata, _ = await s.json("get", "/v1/service/metadata")
+    assert status == 200 and metadata["session_inputs"] == ["prompt", "image"]
+    if jsonschema is not None:
+        validator = jsonschema.Draft202012Validator(schema)
+        for value in (metadata["session_inputs"], None, [], ["image"]):
+            validator.validate(value)
+        assert not validator.is_valid(["prompt", "audio"]) and not validator.is_valid(["prompt", "prompt"])
