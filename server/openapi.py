@@ -55,7 +55,10 @@ SCHEMAS: dict[str, Any] = {
             "prompt": {"type": ["string", "null"], "maxLength": 2000,
                        "description": f"{TAKEN_ONLY} (its service's takes_prompt)"},
             "image_path": {"type": ["string", "null"],
-                           "description": f"relative to the server's --assets-dir; {TAKEN_ONLY} (takes_image)"},
+                           "description": f"a file's path relative to the server's --assets-dir, parts separated "
+                                          f"by '/' (no '..', no trailing '/', no backslash, NUL or control "
+                                          f"character: each a 400 invalid_image_path naming it); {TAKEN_ONLY} "
+                                          f"(takes_image)"},
             "image_b64": {"type": ["string", "null"],
                           "description": f"an uploaded image (PNG, JPEG, GIF, BMP or WebP), base64; {TAKEN_ONLY} "
                                          f"(takes_image)"},
