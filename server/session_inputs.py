@@ -22,6 +22,7 @@ from pipelines.contract import input_not_taken
 from .reasons import echo
 from .requests import BadRequest, CreateSession
 from .runtime_errors import NO_WORKER_RETRY_AFTER, NoWorker
+from .runtime_views import session_inputs_taken
 
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
@@ -37,12 +38,12 @@ def check_inputs(runtime: StreamRuntime, body: CreateSession, image: bytes | Non
                                                       ("image_path", "image", body.image_path)) if value is not None]
     if not given:
         return
-    declared = [taken for worker in runtime.workers.values() if (taken := worker.inputs_taken) is not None]
-    if not declared:
+    taken = session_inputs_taken(runtime.workers.values())  # the rule the metadata shows clients
+    if taken is None:
         if runtime.would_take_session():
             raise NoWorker(f"no worker has loaded the pipeline yet to say whether it takes a {given[0][1]} "
                            f"(the create's {given[0][0]})", NO_WORKER_RETRY_AFTER)
         return
     for field, name in given:
-        if any(name not in taken for taken in declared):
+        if name not in taken:
             raise BadRequest("invalid_input", f"{field}: {input_not_taken(name, echo(pipeline))}")
