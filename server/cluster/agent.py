@@ -17,7 +17,8 @@ What the authority's answers make it do is :mod:`server.cluster.dial_ends`: a pr
 flood fills the authority's handshakes) or a proven transient refusal is waited out without
 counting it toward giving up; a proven permanent refusal (another version or pipeline) exits
 with code 3; anything unproven counts as a failed connect (a crash loop of unproven refusals
-exits with code 3 too). SIGTERM, SIGINT or SIGHUP (or a
+exits with code 3 too). An authority that stops in order says goodbye (a tagged frame, after its own drain): the
+agent dials again without counting that close toward giving up. SIGTERM, SIGINT or SIGHUP (or a
 drain from the authority) drains: no new sessions, live ones finish or are stopped at the
 drain deadline at a chunk boundary, then it says goodbye and exits 0. A stop signal while it loads
 its pipeline (or runs its startup check) ends it at once, its child processes and their shared
@@ -45,7 +46,7 @@ from .. import early_signals
 from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
-from ..reasons import public_reason
+from ..reasons import cut, public_reason
 from ..requests import OptionsRefused
 from ..run_signals import exit_now, note_stop_signal
 from ..server_folders import remove_stale_folders
@@ -55,7 +56,7 @@ from .agent_handshake import Shaken, handshake
 from .agent_options import AgentOptions, parse_authority
 from .agent_sessions import RUNNER_STOP_GRACE, AgentSessions
 from .backoff import EXIT_REFUSED, back_off
-from .dial_ends import DIAL_DEADLINES, WAITED, DialLog, End, Ended, Patience
+from .dial_ends import DIAL_DEADLINES, MAX_PROVEN_REASON, UNCOUNTED, WAITED, DialLog, End, Ended, Patience
 from .identity import new_worker_id
 from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
 
@@ -109,6 +110,7 @@ class Agent:
         self._flushed = trio.Event()
         self._pump_scope = trio.CancelScope()
         self._registering = trio.CancelScope()  # cancelled when the launching authority is gone
+        self._authority_goodbye: str | None = None  # how this registration ended when the authority said goodbye
 
     # -- life --
 
@@ -240,9 +242,12 @@ class Agent:
                 return self._exit_code()
             if self.life.can(Event.CUT_OFF):
                 self.life.apply(Event.CUT_OFF)  # it dials again under a fresh id
-            if ended.kind in (End.BUSY, End.TRANSIENT, End.UNREACHABLE, End.NOT_AN_AUTHORITY):
+            if ended.kind is End.AUTHORITY_STOPPED:
+                patience.reset()  # it registered: the waits after this stop are a fresh run
+            if ended.kind in UNCOUNTED:
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
-                # agent yet), or nothing answers at its address (it restarts): dial again soon, not counted
+                # agent yet) or that it stops, or nothing answers at its address (it restarts): dial again soon,
+                # not counted
                 delay = patience.delay(ended, trio.current_time())
                 # ended.why is the authority's own proven reason, cut (dial_ends.MAX_PROVEN_REASON): it repeats an
                 # agent's text only echo()-ed
@@ -283,6 +288,7 @@ class Agent:
         self._pump_scope = trio.CancelScope()
         channel.send_timeout = welcome.deadline  # an authority that takes no frame for that long is gone
         outcome: str | None = None  # the first end wins: the authority closes as the goodbye reaches it
+        self._authority_goodbye = None
         try:
             async with trio.open_nursery() as nursery:
                 async def until(make: Callable[[], Awaitable[str]]) -> None:
@@ -318,7 +324,9 @@ class Agent:
                 if self.life.state in LEAVING:  # else the line that says what the agent does next names it
                     log.warning("worker %s: %s", worker_id, outcome)
             await channel.aclose()
-        return Ended(End.DRAINED if outcome == "drained" else End.LOST, outcome)
+        if outcome == "drained":
+            return Ended(End.DRAINED, outcome)
+        return Ended(End.AUTHORITY_STOPPED if outcome == self._authority_goodbye else End.LOST, outcome)
 
     # -- the connection --
 
@@ -387,6 +395,9 @@ class Agent:
                 self.begin_drain(message.deadline)
             elif isinstance(message, wire.Refused):
                 return f"refused: {message.reason}"
+            elif isinstance(message, wire.Goodbye):  # the authority stops (tagged: nobody else can say it)
+                self._authority_goodbye = f"the authority said goodbye: {cut(message.reason, MAX_PROVEN_REASON)}"
+                return self._authority_goodbye
 
     async def _heartbeat(self, interval: float) -> str:
         seq = 0

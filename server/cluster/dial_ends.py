@@ -28,7 +28,8 @@ from ..reasons import cut, echo
 from . import proofs, wire
 
 __all__ = ["DIAL_DEADLINES", "End", "Ended", "answer", "Patience", "DialLog", "TRANSIENT_DEADLINE",
-           "UNREACHABLE_DEADLINE", "NOT_AN_AUTHORITY_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON", "DIAL_LOG_EVERY", "WAITED"]
+           "UNREACHABLE_DEADLINE", "NOT_AN_AUTHORITY_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON", "DIAL_LOG_EVERY",
+           "WAITED", "UNCOUNTED"]
 
 log = logging.getLogger("chunkline.agent")
 
@@ -63,6 +64,9 @@ class End(enum.Enum):
     TRANSIENT = "transient"  # a proven transient refusal: wait and dial again, not counted, up to a deadline
     REFUSED = "refused"  # a proven permanent refusal: exit 3
     UNPROVEN_REFUSAL = "unproven_refusal"  # a refusal nobody proved, another protocol: as lost; a crash loop exits 3
+    #: the authority said goodbye as it stopped (its own drain done; a tagged frame, so only it can say so): dial again,
+    #: not counted (counted, 9 authority restarts in a minute ended every external agent with exit 3)
+    AUTHORITY_STOPPED = "authority_stopped"
     DRAINED = "drained"  # exit 0
     STOPPED = "stopped"  # a stop signal before the register went out: exit 128 + the signal (states.agent)
 
@@ -136,8 +140,12 @@ DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABL
                   End.NOT_AN_AUTHORITY: NOT_AN_AUTHORITY_DEADLINE}
 
 
+#: the ends of a dial or registration after which the agent dials again without counting it toward giving up
+UNCOUNTED = frozenset({End.AUTHORITY_STOPPED, End.BUSY, End.TRANSIENT, End.UNREACHABLE, End.NOT_AN_AUTHORITY})
+
 #: what each kind of waited dial says the authority did
-WAITED = {End.BUSY: "is busy", End.TRANSIENT: "refused this worker for now", End.UNREACHABLE: "is unreachable",
+WAITED = {End.AUTHORITY_STOPPED: "stopped (it said goodbye)", End.BUSY: "is busy",
+          End.TRANSIENT: "refused this worker for now", End.UNREACHABLE: "is unreachable",
           End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority (is this the --cluster-port, not the HTTP "
                                 "port?)"}
 

@@ -14,6 +14,7 @@ worker is in it, and takes the agent's reports from then on.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -41,20 +42,26 @@ from ..runner import (
 from ..tokens import MAX_IDENTITY_LENGTH
 from .identity import worker_participant
 from .wire import (
-    Channel, CheckOptions, ConnectionClosed, Message, OptionsChecked, Participants, SessionEvent, SessionFinished,
-    Start, Stop,
+    Channel, CheckOptions, ConnectionClosed, Goodbye, Message, OptionsChecked, Participants, SessionEvent,
+    SessionFinished, Start, Stop,
 )
 
 if TYPE_CHECKING:
     from ..registry import SessionRecord
     from ..runtime import StreamRuntime
 
-__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEADLINE"]
+__all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEADLINE", "AUTHORITY_STOPPING",
+           "GOODBYE_SEND"]
 
 log = logging.getLogger("chunkline.cluster")
 
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 OUTBOX = 256  # messages waiting for an agent's connection; one more means it stopped reading
+#: the authority's goodbye to its agents as it stops (after its own drain): an agent dials again without counting the
+#: close toward its crash-loop limit (it counted, and 9 authority restarts in a minute ended every external agent)
+AUTHORITY_STOPPING = "the authority is stopping"
+#: seconds the authority's stop waits for a goodbye to go out (shielded: the runtime's nursery is being cancelled)
+GOODBYE_SEND = 1.0
 #: seconds an agent has from a session's stop to reporting it finished: every bound its runner may still wait out,
 #: one after another (joining the room, then creating the pipeline session, which a stop does not cut short, or
 #: taking a chunk's control; closing the pipeline session; a failing worker's cause; leaving the room: 115 s) and a
@@ -118,6 +125,7 @@ class RemoteWorker:
         self._outbox_send, self._outbox = trio.open_memory_channel[Message](OUTBOX)
         self._pump_scope = trio.CancelScope()  # cancelled when the outbox overflows: a send stuck on the socket ends
         self._stalled: str | None = None
+        self._stopping = False  # the authority stops: the pump says goodbye before it closes the connection
         self._checks: dict[int, _Check] = {}
         self._check_ids = itertools.count(1)
 
@@ -146,21 +154,38 @@ class RemoteWorker:
 
     async def pump(self) -> str | None:
         """Send the outbox in order. Returns why the connection is dead on this side (a send failed or took
-        past its deadline, or the outbox overflowed), or None when the outbox was closed (stop or loss)."""
-        with self._pump_scope:
-            async with self._outbox:
-                async for message in self._outbox:
-                    try:
-                        await self.channel.send(message)
-                    except ConnectionClosed as exc:
-                        return str(exc)
+        past its deadline, or the outbox overflowed), or None when the outbox was closed (stop or loss). On the
+        authority's stop its goodbye goes out last, even as the runtime's nursery is cancelled around it."""
+        sending = False  # a frame cut off half-way leaves no room for a goodbye after it
+        try:
+            with self._pump_scope:
+                async with self._outbox:
+                    async for message in self._outbox:
+                        sending = True
+                        try:
+                            await self.channel.send(message)
+                        except ConnectionClosed as exc:
+                            return str(exc)
+                        sending = False
+        finally:
+            if self._stopping and not sending and not self._pump_scope.cancelled_caught:
+                await self._say_goodbye()
         if self._stalled is not None:
             return self._stalled
         await self.channel.aclose()  # stopped or lost: the connection ends, and with it the reader
         return None
 
+    async def _say_goodbye(self) -> None:
+        """Tell the agent the authority stops (a tagged frame: only the authority can say it), then close."""
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(GOODBYE_SEND), contextlib.suppress(ConnectionClosed):
+                await self.channel.send(Goodbye(AUTHORITY_STOPPING))
+            await self.channel.aclose()
+
     def stop(self) -> None:
-        """The runtime is done with this worker (shutdown): close the connection."""
+        """The runtime is done with this worker (shutdown, its sessions drained): say goodbye and close the
+        connection, so that the agent dials again without counting it as a failure."""
+        self._stopping = self.lost_cause is None
         self._outbox_send.close()
 
     def end_service_process_now(self) -> None:

@@ -20,7 +20,8 @@ nonces, over the frame's direction, its number and its bytes, so that nobody bet
 two can send, change, replay, reorder or drop a frame unnoticed, TLS or not. After that the agent sends
 :class:`Ready`, :class:`Heartbeat`, :class:`SessionEvent`, :class:`SessionFinished`,
 :class:`Participants`, :class:`Failed`, :class:`OptionsChecked` and :class:`Goodbye`; the authority sends :class:`HeartbeatAck`,
-:class:`Start`, :class:`Stop`, :class:`Drain` and :class:`CheckOptions`.
+:class:`Start`, :class:`Stop`, :class:`Drain`, :class:`CheckOptions`, and :class:`Goodbye` as it stops (its sessions
+drained), the last frame before it closes: the agent dials again without counting that close as a failure.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ __all__ = [
 
 #: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
 #: (the offered settings the pipeline took with their values, in place of offered_taken's names); 6: participants;
-#: 7: ready.takes_prompt and ready.takes_image
-PROTOCOL = 7
+#: 7: ready.takes_prompt and ready.takes_image; 8: the authority's goodbye as it stops
+PROTOCOL = 8
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -327,6 +328,8 @@ class OptionsChecked(Message):
 
 @attrs.frozen
 class Goodbye(Message):
+    """The agent's, once its drain ran its course; the authority's, as it stops (its sessions drained)."""
+
     TYPE = "goodbye"
     reason: str = attrs.field(converter=text)
 
