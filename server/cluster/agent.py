@@ -262,8 +262,9 @@ class Agent:
                 continue
             patience.reset()
             with self._stoppable():
+                pace = self.dial_log.unproven_restarts if ended.kind is End.UNPROVEN_REFUSAL else None
                 if not await back_off(restarts, f"authority connection ended ({ended.why})",
-                                      f"agent at {self.options.authority}"):
+                                      f"agent at {self.options.authority}", pace=pace):
                     return EXIT_REFUSED if ended.kind is End.UNPROVEN_REFUSAL else 1
 
     async def _one_registration(self) -> Ended:
@@ -272,7 +273,7 @@ class Agent:
         worker_id = new_worker_id(self.options.node)
         # an agent that registered here before knows an authority is there: one that is silent has stalled
         shaken = await handshake(self.options, (self.scheme, self.host, self.port), self._tls, worker_id,
-                                 self._stoppable, proven=self.worker_id is not None)
+                                 self._stoppable, proven=self.worker_id is not None, unproven=self.dial_log.unproven)
         if not isinstance(shaken, Shaken):
             return shaken
         channel, welcome = shaken.channel, shaken.welcome

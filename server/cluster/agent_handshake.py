@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from ..log_pace import LogPace
 from . import proofs, tls, wire
 from .dial_ends import End, Ended, answer, unproven_busy
 from .identity import pipeline_digest, pipeline_name
@@ -46,10 +47,11 @@ class Shaken:
 
 async def handshake(options: AgentOptions, address: tuple[str, str, int], client_tls: ssl.SSLContext | None,
                     worker_id: str, stoppable: Callable[[], AbstractContextManager[trio.CancelScope]], *,
-                    proven: bool = False) -> Shaken | Ended:
+                    proven: bool = False, unproven: LogPace | None = None) -> Shaken | Ended:
     """One dial of ``address`` (scheme, host, port) registering ``worker_id``. ``stoppable()`` is a cancel scope that
     a stop signal cancels: it covers everything before the register. ``proven``: this agent registered at this
-    address before, so an authority is there (one that says nothing has stalled, it is no other service)."""
+    address before, so an authority is there (one that says nothing has stalled, it is no other service).
+    ``unproven`` paces the line of a refusal nobody proved (:func:`~server.cluster.dial_ends.answer`)."""
     scheme, host, port = address
     agent_nonce = secrets.token_hex(16)
     channel: wire.Channel | None = None
@@ -105,7 +107,7 @@ async def handshake(options: AgentOptions, address: tuple[str, str, int], client
             return _no_hello(exc, why, scheme, proven)
         return Ended(End.LOST, why)
     ended = answer(reply, token=options.token, at=options.authority, nonce=hello.nonce, agent_nonce=agent_nonce,
-                   worker_id=worker_id)
+                   worker_id=worker_id, unproven=unproven)
     if ended is not None:
         await channel.aclose()
         return ended

@@ -13,6 +13,8 @@ import trio
 
 from states.restart_policy import RestartTracker
 
+from ..log_pace import LogPace
+
 __all__ = ["back_off", "await_goodbye", "GOODBYE_GRACE", "EXIT_REFUSED"]
 
 log = logging.getLogger("chunkline.cluster")
@@ -25,14 +27,16 @@ EXIT_REFUSED = 3
 GOODBYE_GRACE = 5.0
 
 
-async def back_off(tracker: RestartTracker, cause: str, what: str, *, permanent: bool = False) -> bool:
+async def back_off(tracker: RestartTracker, cause: str, what: str, *, permanent: bool = False,
+                   pace: LogPace | None = None) -> bool:
     """``what`` ended with ``cause``: wait out the backoff and return True to start again; False on a crash loop,
-    or at once when ``permanent`` (a replacement would end the same way)."""
+    or at once when ``permanent`` (a replacement would end the same way). ``pace`` paces the restart's line (the
+    same cause again and again); the crash loop's is always logged."""
     decision = tracker.failure(trio.current_time(), cause, permanent=permanent)
     if decision.due_at is None:
         log.error("%s: %s", what, decision.reason)
         return False
-    log.warning("%s: %s", what, decision.reason)
+    (pace.warning if pace is not None else log.warning)("%s: %s", what, decision.reason)
     await trio.sleep_until(decision.due_at)
     tracker.restarted(trio.current_time())
     return True

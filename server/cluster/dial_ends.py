@@ -77,8 +77,10 @@ class Ended:
     why: str
 
 
-def answer(reply: wire.Message, *, token: str, at: str, nonce: str, agent_nonce: str, worker_id: str) -> Ended | None:
-    """Why the authority's answer to a Register ends this attempt; None for a Welcome that proves the token."""
+def answer(reply: wire.Message, *, token: str, at: str, nonce: str, agent_nonce: str, worker_id: str,
+           unproven: LogPace | None = None) -> Ended | None:
+    """Why the authority's answer to a Register ends this attempt; None for a Welcome that proves the token.
+    ``unproven`` paces the line a refusal nobody proved logs (another token is refused on every dial)."""
     if isinstance(reply, wire.Refused):
         if proofs.refusal_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.transient,
                                         reply.proof):
@@ -87,8 +89,8 @@ def answer(reply: wire.Message, *, token: str, at: str, nonce: str, agent_nonce:
                 return Ended(End.TRANSIENT, reason)
             log.error("the authority refused this worker: %s", reason)
             return Ended(End.REFUSED, reason)
-        log.error("%s refused this worker without proving the cluster token (the token differs there, or it "
-                  "is not the authority): %s", at, echo(reply.reason))
+        (unproven or LogPace(log)).warning("%s refused this worker without proving the cluster token (the token "
+                                           "differs there, or it is not the authority): %s", at, echo(reply.reason))
         return Ended(End.UNPROVEN_REFUSAL, f"refused without proof: {echo(reply.reason)}")
     if isinstance(reply, wire.Busy):
         if proofs.busy_proof_matches(token, nonce, agent_nonce, worker_id, reply.reason, reply.proof):
@@ -159,6 +161,11 @@ class DialLog:
         self.paces: dict[End, LogPace] = {}
         self.dials = 0  # waited dials since the last registration
         self.since = 0.0  # when the first of them ended
+        # a refusal nobody proved (another token), and the counted restart after it: the same two lines each dial
+        # until the crash-loop limit (18 lines for a wrong token); the first of each, then at most one every
+        # DIAL_LOG_EVERY with a count of those left out
+        self.unproven = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
+        self.unproven_restarts = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
 
     def waiting(self, ended: Ended, delay: float, now: float) -> None:
         """A waited dial ended (``ended.why`` is the authority's own proven reason, cut, or this side's words)."""

@@ -195,6 +195,11 @@ async def test_registrations_with_another_pipeline_version_or_token_are_refused(
     assert other.popen.returncode == EXIT_REFUSED, other.text()
     assert "pipeline 'replay' differs from the authority's 'tiny_world'" in other.text()
     assert wrong.popen.returncode == EXIT_REFUSED and "the cluster token does not match" in wrong.text()
+    # paced as waited dials are: the first refusal and restart at once, then a line with a count every 30 s at most
+    # (it was two lines a dial, nine dials, in the ~20 s to its crash loop)
+    said = wrong.text(200_000)
+    assert said.count("refused this worker without proving the cluster token") == 1, said
+    assert len(re.findall(r"restart \d of \d+ within", said)) == 1 and "crash loop: 9 failures" in said, said
     options = AgentOptions(pipeline=TINY, authority=authority, token=TOKEN, version="0.0.1-older")
     with trio.fail_after(120):
         assert await Agent(options).run() == EXIT_REFUSED
