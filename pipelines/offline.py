@@ -9,6 +9,18 @@ for a steady stream). A control at ``t`` applies to the first chunk whose start 
 pushes it after receiving the chunk before that one and before requesting that chunk. Entries with the same
 ``t`` are pushed in file order; entries after the last chunk's start are never pushed (``not_reached``).
 
+Deadlines
+---------
+
+Every call of the pipeline's that the run waits for has a deadline (:class:`RunDeadlines`; ``chunkline run``
+gives the server's own, :mod:`server.run_command`): entering ``running()``, ``create_session``, a server-push
+``stream()``'s first chunk, ``push_control``. Past one the run fails as the pipeline's bug
+(:class:`PipelineCallError`, ``pipeline bug: create_session did not return within 60 s``), and so does one of those
+calls that raises other than ``ValueError`` (a refusal of the request), naming the call. Closing (``close_session``,
+a stream's ``aclose``) is bounded too, but its run is done: one that hangs is cut at its deadline and a run whose
+chunks all came still succeeds, the cut said in :attr:`OfflineRunSummary.warnings`. The chunks themselves have none: a chunk takes as long
+as the model takes to make it (a first Ctrl-C stops a run whose chunk never comes).
+
 The outputs and what ``metrics.json`` holds are described in :mod:`pipelines.offline_metrics`.
 
 Both files are written under temporary hidden names in ``out_dir`` and renamed into place only when the run
@@ -39,6 +51,7 @@ from .contract import (
     checked_session_id,
 )
 from .mp4 import Mp4Writer
+from .offline_calls import PipelineCallError, RunDeadlines, call_within, close_within, running_within, single_leaf
 from .offline_metrics import CLOCK_TOLERANCE, METRICS_NAME, VIDEO_NAME, Recorder
 from .timed_controls import (
     KEY_ALIASES,
@@ -53,6 +66,8 @@ __all__ = [
     "KEY_ALIASES",
     "METRICS_NAME",
     "OfflineRunSummary",
+    "PipelineCallError",
+    "RunDeadlines",
     "TimedControl",
     "TimedControls",
     "VIDEO_NAME",
@@ -92,6 +107,8 @@ class OfflineRunSummary:
     video_path: Path
     metrics_path: Path
     metrics: Mapping[str, Any]
+    #: what went wrong without failing the run, one line each (a close cut at its deadline)
+    warnings: tuple[str, ...] = ()
 
 
 # --- the runner ---------------------------------------------------------------------------------------------
@@ -103,7 +120,9 @@ class _Run:
     send: trio.MemorySendChannel[Chunk]
     total: int
     progress: Callable[[int, int], None] | None
+    deadlines: RunDeadlines
     order: ChunkOrder = attrs.Factory(ChunkOrder)
+    warnings: list[str] = attrs.Factory(list)
 
     async def next_chunk(self, iterator: Any) -> Chunk | None:
         """The stream's next chunk, checked (None: the stream ended). Whatever goes wrong while the pipeline makes
@@ -120,6 +139,18 @@ class _Run:
             ) from exc
         return self.order.check(chunk)
 
+    async def first_chunk(self, iterator: Any) -> Chunk | None:
+        """A server-push stream's first chunk, its session's setup: bounded as ``create_session`` is."""
+        with trio.move_on_after(self.deadlines.create_session):
+            return await self.next_chunk(iterator)
+        raise PipelineCallError("stream()", f"gave no first chunk within {self.deadlines.create_session:g} s")
+
+    async def close(self, call: str, function: Callable[[], Any]) -> None:
+        """A bounded close; one cut at its deadline is a warning, the run's output kept."""
+        warning = await close_within(call, self.deadlines.close, function)
+        if warning is not None:
+            self.warnings.append(warning)
+
     async def deliver(self, chunk: Chunk) -> None:
         self.recorder.chunk(chunk, time.perf_counter())
         await self.send.send(chunk)
@@ -127,11 +158,10 @@ class _Run:
             self.progress(len(self.recorder.arrivals), self.total)
 
 
-async def _aclose(iterator: Any) -> None:
+async def _close_stream(name: str, iterator: Any, run: _Run) -> None:
     aclose = getattr(iterator, "aclose", None)
     if aclose is not None:
-        with trio.CancelScope(shield=True), trio.move_on_after(10):
-            await aclose()
+        await run.close(f"closing the {name} stream", aclose)
 
 
 async def _run_bidirectional(
@@ -149,9 +179,11 @@ async def _run_bidirectional(
             options={**config.options, "continuous": True, "chunks": run.total},
         )
         controls = ()
-    async with service.running():
+    deadlines = run.deadlines
+    async with running_within(service, deadlines.running):
         rec.session_requested = time.perf_counter()
-        session_id = await service.create_session(config, on_event=rec.event)
+        session_id = await call_within("create_session", deadlines.create_session,
+                                       lambda: service.create_session(config, on_event=rec.event))
         rec.expect_scripted(scripted_controls)
         rec.session_setup = time.perf_counter() - rec.session_requested
         iterator = None
@@ -165,7 +197,8 @@ async def _run_bidirectional(
                     position += 1
                     pushed_at = time.perf_counter()
                     try:
-                        await service.push_control(session_id, timed.control)
+                        await call_within("push_control", deadlines.push_control,
+                                          lambda: service.push_control(session_id, timed.control))
                     except ControlRejected as exc:
                         rec.rejected(timed, index, exc.reason)
                         continue
@@ -178,26 +211,25 @@ async def _run_bidirectional(
                 start += chunk.media_seconds
         finally:
             if iterator is not None:
-                await _aclose(iterator)
-            with trio.CancelScope(shield=True), trio.move_on_after(10):
-                await service.close_session(session_id)
+                await _close_stream("chunks()", iterator, run)
+            await run.close("close_session", lambda: service.close_session(session_id))
 
 
 async def _run_server_push(service: ServerPushService, config: SessionConfig, run: _Run) -> None:
     rec = run.recorder
-    async with service.running():
+    async with running_within(service, run.deadlines.running):
         rec.session_requested = time.perf_counter()
         iterator = service.stream(config)
         rec.session_setup = time.perf_counter() - rec.session_requested
         try:
-            for _ in range(run.total):
-                chunk = await run.next_chunk(iterator)
+            for index in range(run.total):
+                chunk = await (run.first_chunk(iterator) if index == 0 else run.next_chunk(iterator))
                 if chunk is None:
                     rec.ended_early = True
                     return
                 await run.deliver(chunk)
         finally:
-            await _aclose(iterator)
+            await _close_stream("stream()", iterator, run)
 
 
 async def _write_chunks(writer: Mp4Writer, receive: trio.MemoryReceiveChannel[Chunk]) -> None:
@@ -212,13 +244,6 @@ async def _write_chunks(writer: Mp4Writer, receive: trio.MemoryReceiveChannel[Ch
         raise
     except Exception as exc:
         raise RuntimeError(f"writing {VIDEO_NAME} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _single_leaf(exc: BaseException) -> BaseException:
-    """The one exception inside (nested) exception groups of one member each, else ``exc`` itself."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _temp_path(out_dir: Path, name: str) -> Path:
@@ -242,6 +267,8 @@ async def run_offline(
     chunks: int,
     out_dir: str | os.PathLike[str],
     progress: Callable[[int, int], None] | None = None,
+    *,
+    deadlines: RunDeadlines,
 ) -> OfflineRunSummary:
     """Run one session of ``service`` for up to ``chunks`` chunks; write ``video.mp4`` and ``metrics.json``.
 
@@ -249,7 +276,8 @@ async def run_offline(
     service streams ``config`` (it takes no controls: passing any raises ``ValueError``). ``progress(done,
     total)`` is called after each chunk. A service that applies the timeline itself gets the options
     :data:`RUN_OPTIONS` from the run; a ``config`` that sets one of them is a ``ValueError`` (it would be
-    overwritten). ``out_dir`` is created if missing. On any failure or cancellation
+    overwritten). ``deadlines`` bound the pipeline's calls (:class:`RunDeadlines`; past one, or when one raises,
+    a :class:`PipelineCallError`). ``out_dir`` is created if missing. On any failure or cancellation
     the temporary files are removed and nothing named ``video.mp4``/``metrics.json`` is written.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -282,7 +310,7 @@ async def run_offline(
             send, receive = trio.open_memory_channel[Chunk](4)
             nursery.start_soon(_write_chunks, writer, receive)
             async with send:
-                run = _Run(recorder, send, chunks, progress)
+                run = _Run(recorder, send, chunks, progress, deadlines)
                 if isinstance(service, BidirectionalService):
                     await _run_bidirectional(service, config, entries, run)
                 else:
@@ -298,7 +326,7 @@ async def run_offline(
         writer.abort()
         for path in (video_tmp, metrics_tmp):
             path.unlink(missing_ok=True)
-        single = _single_leaf(exc)
+        single = single_leaf(exc)
         if single is not exc:
             raise single from None
         raise
@@ -311,4 +339,5 @@ async def run_offline(
         video_path=video_path,
         metrics_path=metrics_path,
         metrics=metrics,
+        warnings=tuple(run.warnings),
     )

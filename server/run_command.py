@@ -5,21 +5,42 @@ describes it; the flags are checked first (:mod:`server.run_inputs`), the stop s
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from . import early_signals
 from .early_signals import StopSignalled, describe
 from .run_inputs import BadInput, shown
 
-__all__ = ["ProgressBar", "run_command"]
+if TYPE_CHECKING:
+    from pipelines.offline import RunDeadlines
+
+__all__ = ["CLOSE_TIMEOUT", "ProgressBar", "run_command", "run_deadlines"]
 
 PREFIX = "chunkline run"
+#: seconds a run's close (``close_session``, a stream's ``aclose``) may take before it is cut: the run is done by
+#: then and its output about to be written, so less than the server's ``CLOSE_PIPELINE_TIMEOUT`` (30 s), which
+#: keeps a worker's slot for the next session
+CLOSE_TIMEOUT = 10.0
+
+
+def run_deadlines() -> RunDeadlines:
+    """The server's deadlines for the same calls (a :class:`pipelines.offline.RunDeadlines`): entering
+    ``running()`` as a process worker's proxy waits for it, ``create_session`` and ``push_control`` as a room's
+    runner does. One source: the run meets the limits the pipeline meets when served."""
+    from pipelines.offline import RunDeadlines
+
+    from .process_service.deadlines import CallDeadlines
+    from .runner import CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
+
+    return RunDeadlines(running=CallDeadlines().running, create_session=CREATE_PIPELINE_TIMEOUT,
+                        push_control=CONTROL_TIMEOUT, close=CLOSE_TIMEOUT)
 
 
 def say(line: str) -> None:
@@ -204,7 +225,8 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
 
     early_signals.defer()  # a signal as the trio run starts is noted, and replayed once its handlers are in
     try:
-        summary = trio_run_until_signalled(run_offline, service, config, controls, args.chunks, out.path, bar,
+        run = functools.partial(run_offline, deadlines=run_deadlines())
+        summary = trio_run_until_signalled(run, service, config, controls, args.chunks, out.path, bar,
                                            on_stop=on_stop, abort=abort)
     except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)
         raise _PipelineExitedDuringRun(f"pipeline {str(args.pipeline)!r} called sys.exit({exc.code!r}) during the "
@@ -224,6 +246,8 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
     except StopSignalled as stopped:  # the output is there: the run is not undone by a late signal
         say(f"{describe(stopped.signal_number)} after the run; its output is in {out.path}")
         return 128 + stopped.signal_number
+    for warning in summary.warnings:  # the output is complete: a script reading the exit code keeps it
+        say(f"warning: {warning}")
     return 0
 
 

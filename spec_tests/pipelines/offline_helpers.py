@@ -26,6 +26,10 @@ from pipelines.contract import (
     ServiceEvent,
     SessionConfig,
 )
+from server.run_command import run_deadlines
+
+#: the deadlines ``chunkline run`` gives a run (the server's own)
+DEADLINES = run_deadlines()
 
 METRIC_KEYS = {
     "kind",

@@ -19,6 +19,7 @@ from pipelines.contract import Audio, Chunk, Control, ControlType, SessionConfig
 from pipelines.offline import TimedControls, load_timed_controls, parse_timed_controls, run_offline
 
 from .offline_helpers import (
+    DEADLINES,
     EXPECTED_COUNTERS,
     METRIC_KEYS,
     SUMMARY_KEYS,
@@ -115,7 +116,8 @@ async def test_controls_apply_to_the_right_chunk_on_the_media_clock(tmp_path: Pa
     world = CounterWorld()
     done: list[tuple[int, int]] = []
     summary = await run_offline(
-        world, SessionConfig(prompt="a street"), parse_timed_controls(TIMED), 8, tmp_path, progress=lambda d, t: done.append((d, t))
+        world, SessionConfig(prompt="a street"), parse_timed_controls(TIMED), 8, tmp_path, progress=lambda d, t: done.append((d, t)),
+        deadlines=DEADLINES,
     )
     assert done == [(i, 8) for i in range(1, 9)]
     # each control was pushed right before the chunk it belongs to was requested
@@ -169,7 +171,7 @@ async def test_a_run_without_controls_or_stage_metadata(tmp_path: Path) -> None:
                 async for chunk in inner:
                     yield attrs.evolve(chunk, metadata={})
 
-    summary = await run_offline(Plain(), SessionConfig(), None, 2, tmp_path / "new" / "dir")
+    summary = await run_offline(Plain(), SessionConfig(), None, 2, tmp_path / "new" / "dir", deadlines=DEADLINES)
     assert summary.chunks == 2 and summary.video_path == tmp_path / "new" / "dir" / "video.mp4"
     assert summary.metrics["stage_times"] == {} and summary.metrics["idle_reasons"] == {}
     assert summary.metrics["control_to_output_latency"]["count"] == 0
@@ -178,7 +180,7 @@ async def test_a_run_without_controls_or_stage_metadata(tmp_path: Path) -> None:
 async def test_a_failed_run_leaves_no_output(tmp_path: Path) -> None:
     world = CounterWorld(fail_at=2)
     with pytest.raises(RuntimeError, match="fell over"):
-        await run_offline(world, SessionConfig(), TimedControls(), 5, tmp_path)
+        await run_offline(world, SessionConfig(), TimedControls(), 5, tmp_path, deadlines=DEADLINES)
     assert files_in(tmp_path) == []
     assert world.closed_sessions == ["s0"]
 
@@ -186,17 +188,17 @@ async def test_a_failed_run_leaves_no_output(tmp_path: Path) -> None:
 async def test_an_interrupted_run_leaves_no_output(tmp_path: Path) -> None:
     world = CounterWorld(hang_at=3)
     with trio.move_on_after(0.5) as scope:
-        await run_offline(world, SessionConfig(), None, 5, tmp_path)
+        await run_offline(world, SessionConfig(), None, 5, tmp_path, deadlines=DEADLINES)
     assert scope.cancelled_caught
     assert files_in(tmp_path) == []
     assert world.closed_sessions == ["s0"]
 
 
 async def test_an_older_complete_output_is_only_replaced_by_a_complete_one(tmp_path: Path) -> None:
-    await run_offline(CounterWorld(), SessionConfig(), None, 2, tmp_path)
+    await run_offline(CounterWorld(), SessionConfig(), None, 2, tmp_path, deadlines=DEADLINES)
     before = (tmp_path / "video.mp4").read_bytes(), (tmp_path / "metrics.json").read_text()
     with pytest.raises(RuntimeError):
-        await run_offline(CounterWorld(fail_at=1), SessionConfig(), None, 3, tmp_path)
+        await run_offline(CounterWorld(fail_at=1), SessionConfig(), None, 3, tmp_path, deadlines=DEADLINES)
     assert ((tmp_path / "video.mp4").read_bytes(), (tmp_path / "metrics.json").read_text()) == before
     assert files_in(tmp_path) == ["metrics.json", "video.mp4"]
 
@@ -205,7 +207,7 @@ async def test_a_server_push_run_takes_no_controls(tmp_path: Path) -> None:
     from pipelines.replay import get_service as replay
 
     with pytest.raises(ValueError, match="server-push"):
-        await run_offline(replay(), SessionConfig(), parse_timed_controls(TIMED), 2, tmp_path)
+        await run_offline(replay(), SessionConfig(), parse_timed_controls(TIMED), 2, tmp_path, deadlines=DEADLINES)
     assert files_in(tmp_path) == []
 
 
@@ -213,7 +215,7 @@ async def test_a_server_push_stream_that_ends_early(tmp_path: Path) -> None:
     from pipelines.replay import get_service as replay
 
     options = {"width": 32, "height": 16, "duration_seconds": 1.0}  # 2 chunks
-    summary = await run_offline(replay(), SessionConfig(options=options), None, 5, tmp_path)
+    summary = await run_offline(replay(), SessionConfig(options=options), None, 5, tmp_path, deadlines=DEADLINES)
     assert summary.chunks == 2 and summary.metrics["ended_early"] is True
 
 
@@ -226,7 +228,7 @@ async def test_chunks_that_change_size_fail_the_run_without_output(tmp_path: Pat
                     yield attrs.evolve(chunk, frames=frames)
 
     with pytest.raises(RuntimeError, match="frame size"):
-        await run_offline(Shrinking(), SessionConfig(), None, 3, tmp_path)
+        await run_offline(Shrinking(), SessionConfig(), None, 3, tmp_path, deadlines=DEADLINES)
     assert files_in(tmp_path) == []
 
 
@@ -238,7 +240,7 @@ async def test_odd_frame_sizes_and_audio_are_written(tmp_path: Path) -> None:
                     audio = None if chunk.index == 1 else Audio(pcm=bytes(2 * 2 * 24000), channels=2)
                     yield attrs.evolve(chunk, frames=chunk.frames[:, :15, :31], audio=audio)
 
-    summary = await run_offline(OddWithAudio(), SessionConfig(), None, 3, tmp_path)
+    summary = await run_offline(OddWithAudio(), SessionConfig(), None, 3, tmp_path, deadlines=DEADLINES)
     assert summary.metrics["audio"] == {"sample_rate": 48000, "channels": 2, "seconds": 1.5}
     assert summary.metrics["audio_silent_chunks"] == 1  # chunk 1 had none: silence keeps the sync
     frames, kinds = decoded_video(tmp_path / "video.mp4")

@@ -1,0 +1,130 @@
+"""The pipeline's calls an offline run waits for, each within its deadline and named when it fails.
+
+A run without a server has no runner to bound them: a ``running()`` that never yields or a ``create_session``
+that never returns held ``chunkline run`` for ever, and an error one of them raised read ``the run failed:
+KeyError: 'nope'``, naming neither the call nor whose bug it was. Here each is a :class:`PipelineCallError`
+(``pipeline bug: create_session raised KeyError: 'nope'``, ``pipeline bug: create_session did not return within
+60 s``). A ``ValueError`` is the pipeline refusing the request (an option it does not take) and passes unchanged,
+as does a :class:`~pipelines.contract.PipelineContractError`, which names its bug already.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from .contract import BidirectionalService, PipelineContractError, ServerPushService
+
+__all__ = ["PipelineCallError", "RunDeadlines", "call_within", "close_within", "running_within",
+           "single_leaf"]
+
+T = TypeVar("T")
+
+
+def _seconds(instance: Any, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"deadlines.{attribute.name} must be a number of seconds > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RunDeadlines:
+    """Seconds a run waits for each call of the pipeline's. No defaults here: ``chunkline run`` gives the server's
+    own (:mod:`server.run_command`), so that a pipeline meets one limit whichever way it runs."""
+
+    #: entering ``running()`` (models load and warm up there)
+    running: float = attrs.field(validator=_seconds)
+    #: ``create_session``, and a server-push ``stream()``'s first chunk (its session's setup)
+    create_session: float = attrs.field(validator=_seconds)
+    #: ``push_control``
+    push_control: float = attrs.field(validator=_seconds)
+    #: ``close_session`` and a stream's ``aclose``: cut past it, the run's output kept (a warning, no failure)
+    close: float = attrs.field(validator=_seconds)
+
+
+class PipelineCallError(PipelineContractError):
+    """A call of the pipeline's raised (other than ``ValueError``) or did not return within its deadline: the
+    pipeline's bug (exit code 1 under ``chunkline run``). ``call`` names it (``create_session``, ``running()``)."""
+
+    def __init__(self, call: str, what: str) -> None:
+        super().__init__(f"{call} {what}")
+        self.call = call
+        self.what = what
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.call, self.what)
+
+    @classmethod
+    def raised(cls, call: str, exc: BaseException) -> PipelineCallError:
+        leaf = single_leaf(exc)
+        return cls(call, f"raised {type(leaf).__name__}: {leaf}")
+
+    @classmethod
+    def late(cls, call: str, seconds: float) -> PipelineCallError:
+        return cls(call, f"did not return within {seconds:g} s")
+
+
+def single_leaf(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups of one member each, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _passes(exc: BaseException) -> bool:
+    """A refusal (``ValueError``) or a contract error that names its bug already: not wrapped."""
+    return isinstance(single_leaf(exc), PipelineContractError | ValueError)
+
+
+async def call_within(call: str, seconds: float, function: Callable[[], Awaitable[T]]) -> T:
+    """``await function()`` within ``seconds``; past them, or when it raises, a :class:`PipelineCallError` naming
+    ``call``."""
+    with trio.move_on_after(seconds):
+        try:
+            return await function()
+        except Exception as exc:
+            if _passes(exc):
+                raise
+            raise PipelineCallError.raised(call, exc) from exc
+    raise PipelineCallError.late(call, seconds)
+
+
+@asynccontextmanager
+async def running_within(service: BidirectionalService | ServerPushService, seconds: float) -> AsyncIterator[None]:
+    """``async with service.running():``, entered within ``seconds`` (the block itself has no deadline). The
+    deadline's scope spans the whole block, relaxed once inside: one exited as ``running()`` returns would
+    corrupt the cancel-scope stack of a ``running()`` that opens a nursery. What entering or leaving it raises is
+    named; what the block raises passes unchanged."""
+    phase = "entering"
+    try:
+        with trio.CancelScope(deadline=trio.current_time() + seconds) as entering:
+            async with service.running():
+                entering.deadline = math.inf
+                phase = "inside"
+                yield
+                phase = "leaving"
+    except Exception as exc:
+        if phase == "inside" or _passes(exc):
+            raise
+        raise PipelineCallError.raised("running()" if phase == "entering" else "leaving running()", exc) from exc
+    if phase == "entering" and entering.cancelled_caught:
+        raise PipelineCallError.late("running()", seconds)
+
+
+async def close_within(call: str, seconds: float, function: Callable[[], Awaitable[Any]]) -> str | None:
+    """Run a close shielded (a stopped run still closes) and cut past ``seconds``: then the warning to give, else
+    None. A close that raises still fails the run, named."""
+    with trio.CancelScope(shield=True), trio.move_on_after(seconds) as deadline:
+        try:
+            await function()
+        except Exception as exc:
+            if _passes(exc):
+                raise
+            raise PipelineCallError.raised(call, exc) from exc
+    if deadline.cancelled_caught:
+        return str(PipelineCallError.late(call, seconds))
+    return None
