@@ -50,6 +50,11 @@ class SessionLifecycle:
         record.worker_id = worker_id
         self._apply(record, Event.ASSIGN)
 
+    def requeue(self, record: SessionRecord) -> None:
+        """Its worker refused it before it ran, as the worker's state (it drains or failed): queued again."""
+        record.worker_id = None
+        self._apply(record, Event.REQUEUE)
+
     def end_queued(self, record: SessionRecord, cause: DrainCause, error: str | None = None) -> None:
         """A queued session ends (DELETE, its timeout, the shutdown, no worker left): the table's event for
         ``cause``, which the record keeps as its drain cause, as a live session's drain does.

@@ -453,6 +453,17 @@ class StreamRuntime:
             self._follow(self.book.release(record.session_id, now))
         runtime_views.publish_gauges(self)
 
+    def requeue(self, runner: Any) -> None:
+        """A worker refused an assigned session before it ran, as its own state (it drains or failed, and said so
+        first): the session goes back to the queue's head (its id, room, tokens and client stay) and is admitted to
+        the next free worker."""
+        record = runner.record
+        now = trio.current_time()
+        self.runners.pop(record.session_id, None)
+        self.lifecycle.requeue(record)  # its room stays followed as a queued session's (it was never handed over)
+        self._notice_failing(now)
+        self._follow(self.book.requeue_head(record.session_id, now))
+
     # -- time ----------------------------------------------------------------------------
 
     async def _sweep(self) -> None:

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 AdmissionStatus = Literal["assigned", "queued", "rejected"]
-TransitionKind = Literal["assigned", "queued", "rejected", "released", "dequeued", "promoted"]
+TransitionKind = Literal["assigned", "queued", "rejected", "released", "dequeued", "promoted", "requeued"]
 
 
 # --- errors -----------------------------------------------------------------

@@ -8,7 +8,8 @@ instead of "any one" removes symmetric worlds without losing behaviour.
 Events: create the next session, delete any live session, make a starting
 worker ready, fail a worker, set a worker's capacity to any legal value in
 ``1..max_capacity``, hold promotions (the server ending queued sessions a batch
-at a time; one hold at most) and resume them. Illegal actions (shrinking below
+at a time; one hold at most) and resume them, and give a session on a failed
+worker back to the queue's head (its worker refused it before it ran). Illegal actions (shrinking below
 what a worker retains, capacity 0, deleting a rejected session, admitting a
 held session twice, resuming with no hold) are attempted in every world too:
 each must raise its typed error and change nothing, otherwise the world gets a
@@ -51,6 +52,7 @@ class World:
     deleted: frozenset[int] = frozenset()
     rejected: frozenset[int] = frozenset()
     failed: frozenset[str] = frozenset()
+    requeued: frozenset[int] = frozenset()  # sessions given back to the queue's head (they come before the rest)
     notes: tuple[str, ...] = ()
     # computed once: the explorer asks for a world's key more than once
     _key: Hashable = attrs.field(init=False, eq=False, repr=False)
@@ -59,7 +61,8 @@ class World:
     def _compute_key(self) -> Hashable:
         # deleted and rejected sessions both hold nothing and take no more
         # events, so which of the two a gone session was does not matter
-        return (self.book.canonical_key(), self.created, self.deleted | self.rejected, self.failed, self.notes)
+        return (self.book.canonical_key(), self.created, self.deleted | self.rejected, self.failed, self.requeued,
+                self.notes)
 
     def key(self) -> Hashable:
         return self._key
@@ -84,17 +87,18 @@ def _initial(workers: int, capacity: int, queue_size: int, sessions: int, capaci
 
 
 def _step_notes(
-    before: AdmissionBook, transitions: list[Transition], failed: frozenset[str], *, resuming: bool = False
+    before: AdmissionBook, transitions: list[Transition], failed: frozenset[str], *, resuming: bool = False,
+    front: tuple[str, ...] = (),
 ) -> list[str]:
     """Rules judged on the event itself: FIFO promotion (none while held, but for the resume), no new session
     ahead of queued ones, no landing on a failed worker."""
     notes = []
-    queue = list(before.queued_ids())
+    queue = [*front, *before.queued_ids()]  # ``front``: a session given back to the head by this event
     promoted = [t.session_id for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "promoted"]
     if promoted and before.promotions_held and not resuming:
         notes.append(f"promoted {promoted} while promotions were held")
     assigned = [t.session_id for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "assigned"]
-    if assigned and queue:
+    if assigned and before.queued_ids():
         notes.append(f"{assigned} assigned ahead of the queued {queue}")
     dequeued = {t.session_id for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "dequeued"}
     heads = [s for s in queue if s not in dequeued][: len(promoted)]
@@ -182,6 +186,20 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
             notes = _step_notes(book, transitions, world.failed)
             yield label, attrs.evolve(world, book=nxt, notes=(*world.notes, *notes))
 
+    # give a session on a failed worker back to the queue's head (the worker refused it as its own state)
+    for view in book.workers():
+        if view.worker_id not in world.failed:
+            continue
+        for s in view.session_ids:
+            nxt = book.copy()
+            transitions = nxt.requeue_head(s, NOW)
+            notes = _step_notes(book, transitions, world.failed, front=(s,))
+            if [t.kind for t in transitions if isinstance(t, AdmissionTransition)][:1] != ["requeued"]:
+                notes.append(f"requeue of {s} did not say so first")
+            yield f"requeue {s}", attrs.evolve(
+                world, book=nxt, requeued=world.requeued | {index_of(s)}, notes=(*world.notes, *notes)
+            )
+
     # hold promotions (one hold at most: nested holds are a count, and a second adds no behaviour) and resume them
     if not book.promotions_held:
         nxt = book.copy()
@@ -246,12 +264,14 @@ def _check(world: World) -> list[str]:
             problems.append(f"{view.worker_id} is {view.state.name} but retains {view.retained}")
         if view.state is WorkerState.BUSY and not view.retained:
             problems.append(f"{view.worker_id} is BUSY but retains nothing")
-    if [index_of(s) for s in queue] != sorted(index_of(s) for s in queue):
-        problems.append(f"queue {queue} is not in creation order")
+    # those given back to the head come first; the others wait in creation order
+    plain = [index_of(s) for s in queue if index_of(s) not in world.requeued]
+    if plain != sorted(plain) or queue[len(queue) - len(plain):] != [sid(i) for i in plain]:
+        problems.append(f"queue {queue} is not in creation order behind the sessions given back")
     positions = [book.queue_position(s) for s in queue]
     if positions != list(range(1, len(queue) + 1)):
         problems.append(f"queue positions {positions} are not 1..{len(queue)}")
-    if len(queue) > book.queue_size:
+    if len(plain) > book.queue_size:  # one given back was admitted already: it may take the queue past its size
         problems.append(f"queue length {len(queue)} > queue_size {book.queue_size}")
     if queue and not book.promotions_held:  # while held, room may wait for the resume
         for view in views:

@@ -91,6 +91,23 @@ class RankedQueue:
         self._tree.append(1 + self._present_below(index - 1) - self._present_below(index - (index & -index)))
         return len(self._tickets)
 
+    def push_front(self, item: str, value: float) -> None:
+        """Queue ``item`` at the head (it must not be queued): a session given back by its worker before it ran."""
+        if item in self._tickets:
+            raise ValueError(f"{item!r} is already queued")
+        if self._head == 0:  # no departed ticket before the head: renumber with a free one in front (O(n), rare)
+            self._by_ticket.insert(0, None)
+            self._renumber_from(1)
+        self._head -= 1  # the ticket before the head is a departed one's: reuse it
+        ticket = self._head
+        self._by_ticket[ticket] = item
+        self._tickets[item] = ticket
+        self._values[item] = value
+        index = ticket + 1
+        while index < len(self._tree):
+            self._tree[index] += 1
+            index += index & -index
+
     def pop(self, item: str) -> float:
         """Take ``item`` out wherever it is (KeyError when it is not queued); returns its value."""
         ticket = self._tickets.pop(item)
@@ -123,13 +140,17 @@ class RankedQueue:
 
     def _renumber(self) -> None:
         """Drop the tickets of departed entries: present ids get tickets 0..n-1, in order (O(n))."""
-        present = [item for item in self._by_ticket[self._head:] if item is not None]
-        self._by_ticket = present
-        self._tickets = {item: ticket for ticket, item in enumerate(present)}
-        tree = [0] + [1] * len(present)
+        self._by_ticket = [item for item in self._by_ticket[self._head:] if item is not None]
+        self._renumber_from(0)
+
+    def _renumber_from(self, head: int) -> None:
+        """Tickets, tree and head for ``_by_ticket`` as it is, its present ids from ``head`` on (O(n))."""
+        present = self._by_ticket
+        self._tickets = {item: ticket for ticket, item in enumerate(present) if item is not None}
+        tree = [0] + [0 if item is None else 1 for item in present]
         for index in range(1, len(tree)):  # the linear build: each node adds itself to its parent
             parent = index + (index & -index)
             if parent < len(tree):
                 tree[parent] += tree[index]
         self._tree = tree
-        self._head = 0
+        self._head = head

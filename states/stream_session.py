@@ -24,6 +24,10 @@ any drain drains with the cause of that failure first, so that a failed session
 says why it ended (it said nothing: a null cause); FAIL straight from a live
 state stays in the table for a record that settles without one.
 
+An assigned session its worker refused before it ran, because of the worker's
+own state (the worker drains or failed, and said so first), is REQUEUEd: back
+to QUEUED at the head of the queue, for the next free worker.
+
 A queued session holds nothing: WITHDRAW (deleted while waiting) closes it and
 EXPIRE expires it without a drain.
 
@@ -69,6 +73,7 @@ class Event(TableEnum):
     COMPLETE = "complete"
     FAIL = "fail"
     EXPIRE = "expire"
+    REQUEUE = "requeue"
 
 
 TRANSITIONS: dict[tuple[State, Event], State] = {
@@ -83,6 +88,8 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.QUEUED, Event.FAIL): State.FAILED,  # no worker will ever run it (every slot gave up)
     # The room runner reports its progress.
     (State.ASSIGNED, Event.JOIN_ROOM): State.JOINING_ROOM,
+    # Its worker refused it before it ran, as the worker's own state (it drains or failed): back to the queue's head.
+    (State.ASSIGNED, Event.REQUEUE): State.QUEUED,
     (State.JOINING_ROOM, Event.START_PIPELINE): State.STARTING_PIPELINE,
     (State.STARTING_PIPELINE, Event.RUN): State.RUNNING,
     # Any end of a live session drains first ...

@@ -26,7 +26,8 @@ import trio
 
 from pipelines.paths import open_regular_file, read_at_most
 from states.liveness import LivenessBook
-from states.stream_session import LIVE_MEDIA, DrainCause, Event
+from states.stream_session import LIVE_MEDIA, DrainCause, Event, State
+from states.worker import State as WorkerState
 
 from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
@@ -312,7 +313,11 @@ class RemoteWorker:
         if run is None or message.seq <= run.seq:
             self.stale_events += 1
             return
+        first = run.seq == 0
         run.seq = message.seq
+        if first and self._refused_as_worker(message, run):
+            run.give_back()
+            return
         # the session's error, kept with its record and shown to clients: one public line, as the agent's own is
         error = _public(message.error)
         if message.drain_cause:
@@ -320,6 +325,13 @@ class RemoteWorker:
             run.runtime.lifecycle.drain(run.record, _drain_cause(message.drain_cause), error)
         run.told_room = message.told_room
         run.settle(error)
+
+    def _refused_as_worker(self, message: SessionFinished, run: RemoteRun) -> bool:
+        """Whether the agent refused the Start as its own state, not the session's: the refusal is the session's first
+        word, and its Drain (sent before it on this connection) already made the worker draining or failed."""
+        return (message.drain_cause == DrainCause.START_FAILED.value
+                and run.record.status is State.ASSIGNED and not run.runtime.closing
+                and run.runtime.book.worker_state(self.worker_id) in REFUSING)
 
     def lose(self, cause: str) -> None:
         """The agent is gone: every session it ran fails with the cause (the runtime releases the slots)."""
@@ -329,6 +341,10 @@ class RemoteWorker:
         self._outbox_send.close()
         for check in self._checks.values():
             check.done.set()  # no answer will come
+
+
+#: the worker states in which an agent's START_FAILED first word is its own state's refusal (its Drain came first)
+REFUSING = frozenset({WorkerState.DRAINING, WorkerState.FAILED})
 
 
 def _public(reason: str | None) -> str | None:
@@ -422,6 +438,18 @@ class RemoteRun:
         if self.worker.lost_cause is None:
             self.worker.send_stop(self.record.session_id, cause, now=True)
         self.settle(self.worker.failure or reason)
+
+    def give_back(self) -> None:
+        """The agent refused the session as its own state before it ran: the session is queued again, for another
+        worker (:meth:`StreamRuntime.requeue`); this run is over without settling it."""
+        if self.finished.is_set():
+            return
+        self.worker.run_ended(self.record.session_id)
+        forget = getattr(self.runtime.transport, "forget_worker", None)
+        if forget is not None:
+            forget(self.record.room)
+        self.runtime.requeue(self)
+        self.finished.set()
 
     def settle(self, error: str | None, cause: DrainCause = DrainCause.WORKER_FAILED) -> None:
         """The session ended; failed with ``error``, it drains first with ``cause`` unless a cause came before

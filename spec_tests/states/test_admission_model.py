@@ -32,6 +32,7 @@ class Model:
         self.workers: dict[str, dict] = {}  # id -> {"state", "capacity", "sessions"}
         self.queue: list[str] = []
         self.holds = 0  # promotions held (the server ending queued sessions a batch at a time)
+        self.requeued: set[str] = set()  # sessions given back to the queue's head (they may pass queue_size)
 
     def where(self, s: str) -> str | None:
         for wid, w in self.workers.items():
@@ -84,6 +85,23 @@ class Model:
         if w["state"] == "busy" and last:
             w["state"] = "idle"
         out = [("released", s, wid, None), (wid, event, w["state"])]
+        if last and w["state"] == "draining":
+            w["state"] = "stopped"
+            out.append((wid, "drained", "stopped"))
+        return out + self.promote()
+
+
+    def requeue(self, s: str) -> list:
+        wid = self.where(s)
+        w = self.workers[wid]
+        w["sessions"].remove(s)
+        last = not w["sessions"]
+        event = "last_session_removed" if last else "session_removed"
+        if w["state"] == "busy" and last:
+            w["state"] = "idle"
+        self.queue.insert(0, s)
+        self.requeued.add(s)
+        out = [("requeued", s, wid, 1), (wid, event, w["state"])]
         if last and w["state"] == "draining":
             w["state"] = "stopped"
             out.append((wid, "drained", "stopped"))
@@ -242,6 +260,18 @@ class AdmissionMachine(RuleBasedStateMachine):
             return
         assert as_tuples(self.book.release(s, self.tick())) == self.model.release(s)
 
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data())
+    def requeue_head(self, data):
+        s = data.draw(st.sampled_from(self.seen))
+        before = self.book.canonical_key()
+        if self.model.where(s) is None:  # queued or gone: nothing to give back
+            with pytest.raises(UnknownAdmissionSession):
+                self.book.requeue_head(s, self.tick())
+            assert self.book.canonical_key() == before
+            return
+        assert as_tuples(self.book.requeue_head(s, self.tick())) == self.model.requeue(s)
+
     @precondition(lambda self: self.model.holds < 2)
     @rule()
     def hold_promotions(self):
@@ -285,7 +315,9 @@ class AdmissionMachine(RuleBasedStateMachine):
     def capacity_queue_and_work_conservation(self):
         views = self.book.workers()
         assert all(v.retained <= v.capacity for v in views)
-        assert len(self.book.queued_ids()) <= self.book.queue_size
+        # a session given back to the head was admitted already: it may take the queue past its size, no other
+        queued = self.book.queued_ids()
+        assert len(queued) <= self.book.queue_size + sum(s in self.model.requeued for s in queued)
         if self.book.queued_ids() and not self.model.holds:  # held: room may wait for the resume
             assert not any(v.state in (WS.IDLE, WS.BUSY) and v.retained < v.capacity for v in views)
             assert self.book.snapshot().free_slots == 0

@@ -35,7 +35,7 @@ class CountedId(str):
 # --- the queue against a list ---------------------------------------------------------------------------------
 
 OPS = st.lists(st.one_of(st.just(("append",)), st.tuples(st.just("pop"), st.integers(0, 10_000)),
-                         st.just(("copy",))), max_size=300)
+                         st.just(("copy",)), st.just(("front",))), max_size=300)
 
 
 @settings(max_examples=200, deadline=None)
@@ -47,6 +47,10 @@ def test_the_queue_agrees_with_a_list(ops) -> None:
             made += 1
             assert queue.append(f"s{made}", float(made)) == len(model) + 1
             model.append(f"s{made}")
+        elif op[0] == "front":  # a session given back to the head
+            made += 1
+            queue.push_front(f"s{made}", float(made))
+            model.insert(0, f"s{made}")
         elif op[0] == "pop" and model:
             item = model.pop(op[1] % len(model))
             assert queue.pop(item) == float(item[1:])
