@@ -186,8 +186,9 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
             notes = _step_notes(book, transitions, world.failed)
             yield label, attrs.evolve(world, book=nxt, notes=(*world.notes, *notes))
 
-    # give a session on a failed worker back to the queue's head (the worker refused it as its own state)
-    for view in book.workers():
+    # give a session on a failed worker back to the queue's head (the worker refused it as its own state); once a
+    # world at most, as holds are: a second adds orderings of the same rule, and multiplied the worlds by ten
+    for view in book.workers() if not world.requeued else ():
         if view.worker_id not in world.failed:
             continue
         for s in view.session_ids:
