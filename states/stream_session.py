@@ -42,7 +42,7 @@ from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RUNNER_PROGRESS", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "QUEUED_ENDS_WITH",
-    "FAILING_CAUSES",
+    "FAILING_CAUSES", "REQUEUABLE",
     "StreamSessionMachine", "settle_event",
 ]
 
@@ -114,6 +114,9 @@ TERMINAL = frozenset({State.CLOSED, State.FAILED, State.EXPIRED, State.REJECTED}
 #: comes with its cause and the end with its outcome, each through its own call: never as bare progress, which
 #: would drain a record with no cause or settle it with no outcome.
 RUNNER_PROGRESS = frozenset({Event.JOIN_ROOM, Event.START_PIPELINE, Event.RUN})
+
+#: The states a session may be given back to the queue from (its worker refused it before it ran; read from the table).
+REQUEUABLE = frozenset(state for (state, event) in TRANSITIONS if event is Event.REQUEUE)
 
 # States in which the session holds a retained slot on a worker.
 RETAINING = frozenset(

@@ -19,7 +19,8 @@ from __future__ import annotations
 from .machine import StateMachine, TableEnum
 
 __all__ = [
-    "State", "Event", "TRANSITIONS", "TERMINAL", "ELIGIBLE", "PROSPECTIVE", "DRAINABLE", "LOADING", "WorkerMachine",
+    "State", "Event", "TRANSITIONS", "TERMINAL", "ELIGIBLE", "PROSPECTIVE", "DRAINABLE", "LOADING", "REFUSES_STARTS",
+    "WorkerMachine",
 ]
 
 
@@ -73,6 +74,9 @@ PROSPECTIVE = ELIGIBLE | {State.STARTING}
 
 # Workers a drain takes out of admission (read from the table, never retyped).
 DRAINABLE = frozenset(state for (state, event) in TRANSITIONS if event is Event.DRAIN)
+# Workers whose refusal of a session, before it ran, is their own state's (they drain or failed): the session goes
+# back to the queue for another worker.
+REFUSES_STARTS = frozenset({State.DRAINING, State.FAILED})
 # Workers still loading their pipeline: a drain must wait until they are ready.
 LOADING = frozenset(state for (state, event) in TRANSITIONS if event is Event.READY)
 

@@ -26,8 +26,8 @@ import trio
 
 from pipelines.paths import open_regular_file, read_at_most
 from states.liveness import LivenessBook
-from states.stream_session import LIVE_MEDIA, DrainCause, Event, State
-from states.worker import State as WorkerState
+from states.stream_session import LIVE_MEDIA, REQUEUABLE, DrainCause, Event
+from states.worker import REFUSES_STARTS
 
 from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
@@ -330,8 +330,8 @@ class RemoteWorker:
         """Whether the agent refused the Start as its own state, not the session's: the refusal is the session's first
         word, and its Drain (sent before it on this connection) already made the worker draining or failed."""
         return (message.drain_cause == DrainCause.START_FAILED.value
-                and run.record.status is State.ASSIGNED and not run.runtime.closing
-                and run.runtime.book.worker_state(self.worker_id) in REFUSING)
+                and run.record.status in REQUEUABLE and not run.runtime.closing
+                and run.runtime.book.worker_state(self.worker_id) in REFUSES_STARTS)
 
     def lose(self, cause: str) -> None:
         """The agent is gone: every session it ran fails with the cause (the runtime releases the slots)."""
@@ -341,10 +341,6 @@ class RemoteWorker:
         self._outbox_send.close()
         for check in self._checks.values():
             check.done.set()  # no answer will come
-
-
-#: the worker states in which an agent's START_FAILED first word is its own state's refusal (its Drain came first)
-REFUSING = frozenset({WorkerState.DRAINING, WorkerState.FAILED})
 
 
 def _public(reason: str | None) -> str | None:
