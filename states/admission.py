@@ -339,6 +339,23 @@ class AdmissionBook:
             position = self.queue_position(session_id)
             queued_at = self._queue.pop(session_id)
             return [AdmissionTransition(session_id, "dequeued", None, position, now, queued_at)]
+        worker_id, worker_changes = self._take_off_worker(session_id, now)
+        return [AdmissionTransition(session_id, "released", worker_id, None, now), *worker_changes, *self._promote(now)]
+
+    def requeue_head(self, session_id: str, now: float) -> list[Transition]:
+        """Give an assigned session back to the queue's head: its worker refused it (it drains or failed) before
+        it ran. Its slot is released (a draining worker that retains no more is DRAINED) and the queue's heads,
+        this one first, are promoted onto the room there is (never onto that worker: it is not eligible)."""
+        worker_id, worker_changes = self._take_off_worker(session_id, now)
+        self._queue.push_front(session_id, now)
+        return [AdmissionTransition(session_id, "requeued", worker_id, 1, now, now), *worker_changes,
+                *self._promote(now)]
+
+    # -- internals --
+
+    def _take_off_worker(self, session_id: str, now: float) -> tuple[str, list[Transition]]:
+        """Free an assigned session's slot: its worker, and the worker's transitions (DRAINED after a draining
+        worker's last session)."""
         if session_id not in self._assigned:
             raise UnknownAdmissionSession(session_id)
         worker_id = self._assigned[session_id]
@@ -346,42 +363,12 @@ class AdmissionBook:
         last = len(w.sessions) == 1
         event = WorkerEvent.LAST_SESSION_REMOVED if last else WorkerEvent.SESSION_REMOVED
         # apply first: if the table refused, nothing has changed yet
-        worker_change = self._apply(worker_id, event, now)
+        changes: list[Transition] = [self._apply(worker_id, event, now)]
         w.sessions.remove(session_id)
         del self._assigned[session_id]
-        out: list[Transition] = [
-            AdmissionTransition(session_id, "released", worker_id, None, now),
-            worker_change,
-        ]
         if last and w.machine.state is WorkerState.DRAINING:
-            out.append(self._apply(worker_id, WorkerEvent.DRAINED, now))
-        out += self._promote(now)
-        return out
-
-    def requeue_head(self, session_id: str, now: float) -> list[Transition]:
-        """Give an assigned session back to the queue's head: its worker refused it (it drains or failed) before
-        it ran. Its slot is released (a draining worker that retains no more is DRAINED) and the queue's heads,
-        this one first, are promoted onto the room there is (never onto that worker: it is not eligible)."""
-        if session_id not in self._assigned:
-            raise UnknownAdmissionSession(session_id)
-        worker_id = self._assigned[session_id]
-        w = self._workers[worker_id]
-        last = len(w.sessions) == 1
-        event = WorkerEvent.LAST_SESSION_REMOVED if last else WorkerEvent.SESSION_REMOVED
-        worker_change = self._apply(worker_id, event, now)  # first: if the table refused, nothing has changed
-        w.sessions.remove(session_id)
-        del self._assigned[session_id]
-        self._queue.push_front(session_id, now)
-        out: list[Transition] = [
-            AdmissionTransition(session_id, "requeued", worker_id, 1, now, now),
-            worker_change,
-        ]
-        if last and w.machine.state is WorkerState.DRAINING:
-            out.append(self._apply(worker_id, WorkerEvent.DRAINED, now))
-        out += self._promote(now)
-        return out
-
-    # -- internals --
+            changes.append(self._apply(worker_id, WorkerEvent.DRAINED, now))
+        return worker_id, changes
 
     def _worker(self, worker_id: str) -> _Worker:
         try:

@@ -77,6 +77,10 @@ class Model:
             position = self.queue.index(s) + 1
             self.queue.remove(s)
             return [("dequeued", s, None, position)]
+        wid, worker_changes = self.take_off_worker(s)
+        return [("released", s, wid, None), *worker_changes, *self.promote()]
+
+    def take_off_worker(self, s: str) -> tuple[str, list]:
         wid = self.where(s)
         w = self.workers[wid]
         w["sessions"].remove(s)
@@ -84,28 +88,18 @@ class Model:
         event = "last_session_removed" if last else "session_removed"
         if w["state"] == "busy" and last:
             w["state"] = "idle"
-        out = [("released", s, wid, None), (wid, event, w["state"])]
+        out = [(wid, event, w["state"])]
         if last and w["state"] == "draining":
             w["state"] = "stopped"
             out.append((wid, "drained", "stopped"))
-        return out + self.promote()
+        return wid, out
 
 
     def requeue(self, s: str) -> list:
-        wid = self.where(s)
-        w = self.workers[wid]
-        w["sessions"].remove(s)
-        last = not w["sessions"]
-        event = "last_session_removed" if last else "session_removed"
-        if w["state"] == "busy" and last:
-            w["state"] = "idle"
+        wid, worker_changes = self.take_off_worker(s)
         self.queue.insert(0, s)
         self.requeued.add(s)
-        out = [("requeued", s, wid, 1), (wid, event, w["state"])]
-        if last and w["state"] == "draining":
-            w["state"] = "stopped"
-            out.append((wid, "drained", "stopped"))
-        return out + self.promote()
+        return [("requeued", s, wid, 1), *worker_changes, *self.promote()]
 
 
 def as_tuples(transitions) -> list:
