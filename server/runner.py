@@ -36,6 +36,7 @@ import trio
 
 from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
 from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, checked_session_id
+from pipelines.offline_calls import single_leaf
 from states.room_presence import RoomPresence, Timer
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
@@ -103,13 +104,6 @@ class RunnerDeps:
     on_room_seen: Callable[[SessionRecord], None] = lambda record: None
 
 
-def _single_cause(exc: BaseException) -> BaseException:
-    """The one error inside nested single-member exception groups (trio wraps nursery errors)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 class RoomRunner:
     def __init__(self, deps: RunnerDeps, record: SessionRecord, worker: ModelWorker) -> None:
         self.deps = deps
@@ -169,7 +163,7 @@ class RoomRunner:
                     await self._run(side_tasks)
                     side_tasks.cancel_scope.cancel()
         except Exception as exc:
-            cause = _single_cause(exc)
+            cause = single_leaf(exc)  # the one error inside trio's single-member nursery groups
             # the record and the room hear one short line; the log keeps the traceback of what nobody expected
             # (a room that went away, or anything after fail() ended the session, is one plain line)
             expected = isinstance(cause, TransportError) or self._failure is not None
