@@ -13,7 +13,9 @@ app = server.app  # the lazy app (once built, ``server.app`` names the module ``
 gate = Path(os.environ["SLOW_START"])
 if (gate / "build").exists():
     app.extensions  # noqa: B018 - built now (hypercorn builds it as it loads it)
-(gate / "starting").write_text(str(os.getpid()))
+# whole or not at all: the test reads the pid as soon as the file exists (written in place, it was read empty once)
+(gate / "starting.tmp").write_text(str(os.getpid()))
+os.replace(gate / "starting.tmp", gate / "starting")
 give_up = time.monotonic() + 30.0
 while not (gate / "go").exists() and time.monotonic() < give_up:
     time.sleep(0.02)  # bench-cost: the start held by the test (another process) until it signalled
