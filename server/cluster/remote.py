@@ -157,19 +157,17 @@ class RemoteWorker:
         """Send the outbox in order. Returns why the connection is dead on this side (a send failed or took
         past its deadline, or the outbox overflowed), or None when the outbox was closed (stop or loss). On the
         authority's stop its goodbye goes out last, even as the runtime's nursery is cancelled around it."""
-        sending = False  # a frame cut off half-way leaves no room for a goodbye after it
         try:
             with self._pump_scope:
                 async with self._outbox:
                     async for message in self._outbox:
-                        sending = True
                         try:
                             await self.channel.send(message)
                         except ConnectionClosed as exc:
                             return str(exc)
-                        sending = False
         finally:
-            if self._stopping and not sending and not self._pump_scope.cancelled_caught:
+            # a frame cut off half-way leaves no room for a goodbye after it; one cancelled before it began does
+            if self._stopping and not self.channel.frame_cut and not self._pump_scope.cancelled_caught:
                 await self._say_goodbye()
         if self._stalled is not None:
             return self._stalled

@@ -401,6 +401,8 @@ class Channel:
         self._key: bytes | None = None
         self._send_label = self._receive_label = b""
         self._sent = self._received = 0
+        #: a send was interrupted once it may have written part of its frame: nothing can follow on this stream
+        self.frame_cut = False
 
     def authenticate(self, key: bytes, *, authority: bool) -> None:
         """Tag every frame from now on, and refuse every frame that does not carry its tag (see the module)."""
@@ -418,15 +420,21 @@ class Channel:
     async def send_body(self, data: bytes, what: str = "a frame") -> None:
         """Frame ``data`` (a message's JSON, see :func:`body_of`), tag it once authenticated, and send it."""
         async with self._send_lock:
+            # a cancel that comes before any byte went out leaves the stream whole (and the tags' count as it
+            # was), so a last frame may still follow: the authority's goodbye as its stop cancels a pending send
+            await trio.lowlevel.checkpoint_if_cancelled()
             if self._key is not None:
                 data += self._tag(self._send_label, self._sent, data)
                 self._sent += 1
             deadline = self.send_timeout + len(data) / MIN_SEND_RATE
+            self.frame_cut = True
             try:
                 with trio.move_on_after(deadline) as sending:
                     await self.stream.send_all(_HEADER.pack(len(data)) + data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise _broken(f"sending {what}", exc) from exc
+            if not sending.cancelled_caught:
+                self.frame_cut = False
             if sending.cancelled_caught:
                 raise ConnectionClosed(f"sending {what}: the peer did not take its {len(data)} bytes within "
                                        f"{deadline:.0f} s (it stopped reading)")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import signal
 
 import trio
+import trio.testing
 
 from server.cluster import wire
 from server.cluster.agent import REREGISTER_POLICY
-from server.cluster.remote import AUTHORITY_STOPPING
+from server.cluster.remote import AUTHORITY_STOPPING, RemoteWorker
 
 from .conftest import start_authority
 from .test_agent_dial_ends import agent_dialing
@@ -75,3 +76,33 @@ async def test_an_agent_whose_authority_stops_and_comes_back_more_often_than_its
         assert done.is_set(), f"registered {registrations} times, exit code {agent.popen.poll()}:\n{log}"
         assert "the authority stopped (it said goodbye)" in log and "not counted toward giving up" in log, log
         assert "crash loop" not in log and "Traceback" not in log, log
+
+
+async def test_the_goodbye_follows_a_send_that_the_stop_cancelled_before_it_began() -> None:
+    """The runtime's stop cancels the nursery around a connection's pump just as the pump takes a frame to send (a
+    heartbeat's answer): nothing of that frame went out, so the goodbye still may and must. The pump took the
+    interrupted send for a frame cut half-way and closed without it; under load the real-process test above saw the
+    agent's connection close with no word (``heard == []``)."""
+    authority_end, agent_end = trio.socket.socketpair()
+    key = b"k" * 32
+    authority_side = wire.Channel(trio.SocketStream(authority_end))
+    authority_side.authenticate(key, authority=True)
+    agent_side = wire.Channel(trio.SocketStream(agent_end))
+    agent_side.authenticate(key, authority=False)
+    worker = RemoteWorker("w-goodbye", channel=authority_side, node="n", devices=(), launcher="external", pid=1, slot=None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(worker.pump)
+        await trio.testing.wait_all_tasks_blocked()
+        worker.send(wire.HeartbeatAck(1))  # the pump is handed the frame ...
+        worker.stop()  # ... and the stop comes before it ran: the runtime's shutdown, then its cancel
+        nursery.cancel_scope.cancel()
+    heard: list[wire.Message] = []
+    with trio.fail_after(5):
+        try:
+            while True:
+                heard.append(await agent_side.receive())  # a tag out of order would be a WireError here
+        except wire.ConnectionClosed:
+            pass
+        finally:
+            await agent_side.aclose()
+    assert heard == [wire.Goodbye(AUTHORITY_STOPPING)]
