@@ -16,10 +16,12 @@ Every call of the pipeline's that the run waits for has a deadline (:class:`RunD
 gives the server's own, :mod:`server.run_command`): entering ``running()``, ``create_session``, a server-push
 ``stream()``'s first chunk, ``push_control``. Past one the run fails as the pipeline's bug
 (:class:`PipelineCallError`, ``pipeline bug: create_session did not return within 60 s``), and so does one of those
-calls that raises other than ``ValueError`` (a refusal of the request), naming the call. Closing (``close_session``,
-a stream's ``aclose``) is bounded too, but its run is done: one that hangs is cut at its deadline and a run whose
-chunks all came still succeeds, the cut said in :attr:`OfflineRunSummary.warnings`. The chunks themselves have none: a chunk takes as long
-as the model takes to make it (a first Ctrl-C stops a run whose chunk never comes).
+calls that raises other than ``ValueError`` (a refusal of the request), naming the call. Every later chunk of a
+server-push stream, and every chunk of a bidirectional session's ``chunks()``, has the server's stall deadline for a
+server-push stream (``deadlines.chunk``, 60 s): the run asks for each chunk it waits for, so one that does not come
+is a stalled pipeline (``pipeline bug: stream() stalled: chunk 1 did not come within 60 s``; it held the run for
+ever). Closing (``close_session``, a stream's ``aclose``) is bounded too, but its run is done: one that hangs is cut
+at its deadline and a run whose chunks all came still succeeds, the cut said in :attr:`OfflineRunSummary.warnings`.
 
 The outputs and what ``metrics.json`` holds are described in :mod:`pipelines.offline_metrics`.
 
@@ -124,26 +126,26 @@ class _Run:
     order: ChunkOrder = attrs.Factory(ChunkOrder)
     warnings: list[str] = attrs.Factory(list)
 
-    async def next_chunk(self, iterator: Any) -> Chunk | None:
-        """The stream's next chunk, checked (None: the stream ended). Whatever goes wrong while the pipeline makes
-        it is the pipeline's failure, never the request's, so a ValueError from it becomes a RuntimeError."""
-        try:
-            chunk = await iterator.__anext__()
-        except StopAsyncIteration:
-            return None
-        except PipelineContractError:
-            raise
-        except ValueError as exc:
-            raise RuntimeError(
-                f"the pipeline failed making chunk {self.order.next_index}: {type(exc).__name__}: {exc}"
-            ) from exc
-        return self.order.check(chunk)
-
-    async def first_chunk(self, iterator: Any) -> Chunk | None:
-        """A server-push stream's first chunk, its session's setup: bounded as ``create_session`` is."""
-        with trio.move_on_after(self.deadlines.create_session):
-            return await self.next_chunk(iterator)
-        raise PipelineCallError("stream()", f"gave no first chunk within {self.deadlines.create_session:g} s")
+    async def next_chunk(self, iterator: Any, call: str, *, setup: bool = False) -> Chunk | None:
+        """The stream's next chunk, checked (None: the stream ended), within ``deadlines.chunk``, or, for a
+        server-push stream's first chunk (``setup``: its session's setup), ``deadlines.create_session``; past it a
+        :class:`PipelineCallError` naming ``call``. Whatever goes wrong while the pipeline makes it is the
+        pipeline's failure, never the request's, so a ValueError from it becomes a RuntimeError."""
+        index = self.order.next_index
+        seconds = self.deadlines.create_session if setup else self.deadlines.chunk
+        with trio.move_on_after(seconds):
+            try:
+                chunk = await iterator.__anext__()
+            except StopAsyncIteration:
+                return None
+            except PipelineContractError:
+                raise
+            except ValueError as exc:
+                raise RuntimeError(f"the pipeline failed making chunk {index}: {type(exc).__name__}: {exc}") from exc
+            return self.order.check(chunk)
+        if setup:
+            raise PipelineCallError(call, f"gave no first chunk within {seconds:g} s")
+        raise PipelineCallError(call, f"stalled: chunk {index} did not come within {seconds:g} s")
 
     async def close(self, call: str, function: Callable[[], Any]) -> None:
         """A bounded close; one cut at its deadline is a warning, the run's output kept."""
@@ -203,7 +205,7 @@ async def _run_bidirectional(
                         rec.rejected(timed, index, exc.reason)
                         continue
                     rec.pushed(timed, index, pushed_at)
-                chunk = await run.next_chunk(iterator)
+                chunk = await run.next_chunk(iterator, "chunks()")
                 if chunk is None:
                     rec.ended_early = True
                     return
@@ -223,7 +225,7 @@ async def _run_server_push(service: ServerPushService, config: SessionConfig, ru
         rec.session_setup = time.perf_counter() - rec.session_requested
         try:
             for index in range(run.total):
-                chunk = await (run.first_chunk(iterator) if index == 0 else run.next_chunk(iterator))
+                chunk = await run.next_chunk(iterator, "stream()", setup=index == 0)
                 if chunk is None:
                     rec.ended_early = True
                     return

@@ -42,6 +42,8 @@ class RunDeadlines:
     create_session: float = attrs.field(validator=_seconds)
     #: ``push_control``
     push_control: float = attrs.field(validator=_seconds)
+    #: every other chunk the run waits for (a stream that gives none stalled: it held the run for ever)
+    chunk: float = attrs.field(validator=_seconds)
     #: ``close_session`` and a stream's ``aclose``: cut past it, the run's output kept (a warning, no failure)
     close: float = attrs.field(validator=_seconds)
 

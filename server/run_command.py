@@ -32,15 +32,16 @@ CLOSE_TIMEOUT = 10.0
 
 def run_deadlines() -> RunDeadlines:
     """The server's deadlines for the same calls (a :class:`pipelines.offline.RunDeadlines`): entering
-    ``running()`` as a process worker's proxy waits for it, ``create_session`` and ``push_control`` as a room's
-    runner does. One source: the run meets the limits the pipeline meets when served."""
+    ``running()`` as a process worker's proxy waits for it, ``create_session``, ``push_control`` and a stream's
+    chunks as a room's runner does (``CHUNK_STALL_TIMEOUT``, :mod:`server.pushed_stream`). One source: the run
+    meets the limits the pipeline meets when served."""
     from pipelines.offline import RunDeadlines
 
     from .process_service.deadlines import CallDeadlines
-    from .runner import CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
+    from .runner import CHUNK_STALL_TIMEOUT, CONTROL_TIMEOUT, CREATE_PIPELINE_TIMEOUT
 
     return RunDeadlines(running=CallDeadlines().running, create_session=CREATE_PIPELINE_TIMEOUT,
-                        push_control=CONTROL_TIMEOUT, close=CLOSE_TIMEOUT)
+                        push_control=CONTROL_TIMEOUT, chunk=CHUNK_STALL_TIMEOUT, close=CLOSE_TIMEOUT)
 
 
 def say(line: str) -> None:

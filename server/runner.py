@@ -43,6 +43,7 @@ from states.stream_session import FAILING_CAUSES, DrainCause, Event
 from . import protocol
 from .chunk_publisher import ChunkPublisher, checked_metadata
 from .cluster.identity import worker_participant
+from .pushed_stream import StreamStalled, close_stream, next_chunk
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
 
@@ -67,6 +68,9 @@ CREATE_PIPELINE_TIMEOUT = 60.0  # seconds the service may take to create a pipel
 # seconds the service may take to take one control: past the heartbeat deadlines (a process worker's 10 s, an
 # agent's 5 s by default), so a frozen worker is named as the worker's failure, not as a stalled pipeline
 CONTROL_TIMEOUT = 15.0
+#: seconds a server-push stream may take to give a chunk after its first (its first has CREATE_PIPELINE_TIMEOUT):
+#: past it the pipeline stalled and its session fails (``server.pushed_stream``; ``chunkline run`` takes it too)
+CHUNK_STALL_TIMEOUT = 60.0
 WORKER_CAUSE_WAIT = 10.0  # seconds a runner waits for a failing worker to say why, when its stream ended first
 EARLY_CONTROL_LIMIT = 64  # controls held before the pipeline session exists
 OUTBOX_LIMIT = 32  # service events (lease status) waiting to be sent; more are dropped and counted
@@ -296,26 +300,16 @@ class RoomRunner:
 
             side_tasks.start_soon(stop_streaming_on_drain)
             stream, order = service.stream(config), ChunkOrder()
-            try:
-                async for chunk in stream:
-                    await self._publish(order.check(chunk))
-            finally:
-                await self._close_stream(stream)
-
-    async def _close_stream(self, stream: Any) -> None:
-        """Close a server-push stream: shielded (a drain must not cut its cleanup short) and bounded as
-        ``close_session`` is. Past ``CLOSE_PIPELINE_TIMEOUT`` what the stream holds is in doubt, so the worker is
-        replaced, as after a crash, and the session fails with that cause (its close was waited for without end:
-        the session stayed draining, its slot held, for as long as the cleanup hung)."""
-        aclose = getattr(stream, "aclose", None)
-        if aclose is None:
-            return
-        with trio.CancelScope(shield=True) as closing:
-            closing.deadline = trio.current_time() + CLOSE_PIPELINE_TIMEOUT
-            await aclose()
-        if closing.cancelled_caught:
-            self.worker.fail(f"closing session {self.record.session_id}'s stream took over "
-                             f"{CLOSE_PIPELINE_TIMEOUT:g} s")
+            try:  # each chunk within its deadline: a stalled stream fails its session (server.pushed_stream)
+                while (chunk := await next_chunk(stream, order, first_within=CREATE_PIPELINE_TIMEOUT,
+                                                 then_within=CHUNK_STALL_TIMEOUT)) is not None:
+                    await self._publish(chunk)
+            except StreamStalled as stalled:
+                self.fail(str(stalled), DrainCause.PIPELINE_STALLED)
+            finally:  # bounded as close_session is: past it what the stream holds is in doubt, the worker replaced
+                if not await close_stream(stream, CLOSE_PIPELINE_TIMEOUT):
+                    self.worker.fail(f"closing session {self.record.session_id}'s stream took over "
+                                     f"{CLOSE_PIPELINE_TIMEOUT:g} s")
 
     # -- media ---------------------------------------------------------------------
 
