@@ -14,8 +14,11 @@ option              default  meaning
 ``video_path``      None     a video file to replay instead of the test pattern (decoded with PyAV)
 ==================  =======  ============================================================================
 
-A chunk holds at most ``MAX_CHUNK_BYTES`` (64 MiB) of frames (``width x height x 3 x frames_per_chunk``), so
-no request can make the service hold more than that per chunk. Where ``video_path`` may point is the
+A chunk holds at most ``MAX_CHUNK_BYTES`` (64 MiB) of frames (``width x height x 3 x frames_per_chunk``) and audio
+(``frames_per_chunk / fps`` seconds of 16-bit samples at 48 kHz) together, and its tone is made a block of
+``TONE_BLOCK`` samples at a time, so no request can make the service hold more than that per chunk (the audio was
+not counted: ``fps`` 0.05 with 1,024 frames a chunk of 16 x 16 asked for 5.7 hours of audio, some 8 GB made at once,
+and ``fps`` 1e-300 failed the session with numpy's ``Maximum allowed size exceeded``). Where ``video_path`` may point is the
 service's ``videos``: any file (``ANY_FILE``, offline runs, where the user names their own files), only files
 inside a directory (relative names, no ``..``, no symlinks out: the stream server's ``--assets-dir``, since
 its clients are remote), or none at all (``None``: a server without an assets directory).
@@ -62,6 +65,8 @@ __all__ = ["ANY_FILE", "MAX_CHUNK_BYTES", "SAMPLE_RATE", "ReplayOptions", "Repla
 
 SAMPLE_RATE = 48000
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
+#: samples of the tone made at once
+TONE_BLOCK = 1 << 16
 
 
 class _AnyFile:
@@ -140,6 +145,14 @@ class ReplayOptions:
                 f"replay options 'width' x 'height' x 3 x 'frames_per_chunk' make {chunk_bytes} bytes a chunk; "
                 f"at most {MAX_CHUNK_BYTES} (lower the size or frames_per_chunk)"
             )
+        audio_bytes = _chunk_audio_bytes(per_chunk, float(fps))
+        if chunk_bytes + audio_bytes > MAX_CHUNK_BYTES:
+            room = (MAX_CHUNK_BYTES - chunk_bytes) / (2 * SAMPLE_RATE)
+            raise ValueError(
+                f"replay options 'frames_per_chunk' / 'fps' make {per_chunk / float(fps):.6g} s of audio a chunk; a "
+                f"chunk holds at most {MAX_CHUNK_BYTES} bytes, which leaves {room:.6g} s of audio beside these frames "
+                f"(raise fps or lower frames_per_chunk)"
+            )
         video = values["video_path"]
         if video is not None:
             if not isinstance(video, str | os.PathLike) or not str(video):
@@ -178,12 +191,21 @@ def _sample_at(frame: int, fps: float) -> int:
     return round(frame * SAMPLE_RATE / fps)
 
 
+def _chunk_audio_bytes(frames: int, fps: float) -> int:
+    """The most bytes of PCM16 mono audio a chunk of ``frames`` frames at ``fps`` holds (its sample boundaries round)."""
+    return 2 * (math.ceil(frames * SAMPLE_RATE / fps) + 1)
+
+
 def tone_pcm(first_frame: int, frame_count: int, fps: float, tone_hz: float) -> bytes:
-    """PCM16 mono samples of the tone for frames ``[first_frame, first_frame + frame_count)``."""
+    """PCM16 mono samples of the tone for frames ``[first_frame, first_frame + frame_count)``, made ``TONE_BLOCK``
+    samples at a time (a float64 wave of the whole chunk took four times its size at once)."""
     start, stop = _sample_at(first_frame, fps), _sample_at(first_frame + frame_count, fps)
-    n = np.arange(start, stop, dtype=np.float64)
-    wave = np.sin(2.0 * np.pi * tone_hz * n / SAMPLE_RATE) * _AMPLITUDE
-    return np.round(wave).astype("<i2").tobytes()
+    pcm = np.empty(max(0, stop - start), dtype="<i2")
+    for block in range(start, stop, TONE_BLOCK):
+        n = np.arange(block, min(stop, block + TONE_BLOCK), dtype=np.float64)
+        wave = np.sin(2.0 * np.pi * tone_hz * n / SAMPLE_RATE) * _AMPLITUDE
+        pcm[block - start : block - start + len(n)] = np.round(wave)
+    return pcm.tobytes()
 
 
 def _draw_number(frame: np.ndarray, number: int, scale: int) -> None:
