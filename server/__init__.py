@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from . import early_signals
+from .console import tell
 
 # in hypercorn's worker process, which is importing this to load ``server:app``: a stop signal from here ends its
 # start in one line (a SIGHUP under its supervisor, a reload, with 0: a new worker starts); elsewhere nothing changes
@@ -54,13 +54,13 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     settings = ServerSettings.from_sources({}, env)
     log_under_hypercorn()  # hypercorn configures its own loggers only: chunkline's INFO lines were dropped
     for warning in ServerSettings.ignored_variables(env):  # a line each, as a bad setting's error is
-        print(f"chunkline: warning: {warning}", file=sys.stderr, flush=True)
+        tell(f"chunkline: warning: {warning}")
     for variable in sorted(HYPERCORN_BINDS & env.keys()):  # hypercorn binds where its --bind says
-        print(f"chunkline: warning: {variable} is ignored under hypercorn, which listens where its --bind says "
-              f"(chunkline stream-serve reads it)", file=sys.stderr, flush=True)
+        tell(f"chunkline: warning: {variable} is ignored under hypercorn, which listens where its --bind says "
+             f"(chunkline stream-serve reads it)")
     for variable in sorted(FRONT_ONLY & env.keys()):  # hypercorn serves its connections itself
-        print(f"chunkline: warning: {variable} is ignored under hypercorn, which serves the connections itself "
-              f"(chunkline stream-serve's front reads it)", file=sys.stderr, flush=True)
+        tell(f"chunkline: warning: {variable} is ignored under hypercorn, which serves the connections itself "
+             f"(chunkline stream-serve's front reads it)")
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
     allow_service_children()
@@ -100,9 +100,9 @@ def _refuse_several_workers(workers: int) -> None:
     """``hypercorn --workers N`` (N > 1): one line, and the command fails as for a bad setting, before anything is
     served. Each worker process was a server of its own on the one port (its own sessions, tokens, rooms and model
     workers): a session made through one was a 404 through another, and its token was refused there."""
-    print(f"chunkline: hypercorn --workers {workers} would run {workers} separate servers on one port (each its own "
-          f"sessions, tokens and model workers); run one worker process (--workers 1, the default) and scale with "
-          f"CHUNKLINE_NUM_WORKERS or worker agents", file=sys.stderr, flush=True)
+    tell(f"chunkline: hypercorn --workers {workers} would run {workers} separate servers on one port (each its own "
+         f"sessions, tokens and model workers); run one worker process (--workers 1, the default) and scale with "
+         f"CHUNKLINE_NUM_WORKERS or worker agents")
     _end_hypercorn_supervisor()
     os._exit(2)
 
@@ -176,7 +176,7 @@ class _LazyApp:
             try:
                 _app = build_app_from_environment()
             except SettingsError as exc:  # one line naming the variable, not a traceback from inside hypercorn
-                print(f"chunkline: {exc}", file=sys.stderr, flush=True)
+                tell(f"chunkline: {exc}")
                 _end_hypercorn_supervisor()
                 os._exit(2)
             early_signals.hypercorn_app_built()  # in hypercorn's worker: from here a stop signal waits for its loop

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import early_signals
+from .console import tell
 
 __all__ = ["build_parser", "main", "parse_stream_serve_args"]
 
@@ -77,19 +78,19 @@ def _cmd_stream_serve(args: Any) -> int:
         settings = ServerSettings.from_sources(vars(args), os.environ)
         require_existing_pipeline(settings.pipeline, None if args.pipeline else "CHUNKLINE_PIPELINE")
     except SettingsError as exc:
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        tell(f"{prefix}: error: {exc}")
         return 2
     for warning in ServerSettings.ignored_variables(os.environ):
-        print(f"{prefix}: warning: {warning}", file=sys.stderr)
+        tell(f"{prefix}: warning: {warning}")
     serve = importlib.import_module("server.serve")  # lazily: `chunkline run` never loads the server stack
     early_signals.defer()  # from here its trio run takes the stop signals: one now is replayed to it
     try:
         result = serve.run(settings)
     except SettingsError as exc:  # a --host/--port (or cluster address) it cannot listen on
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        tell(f"{prefix}: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print(f"{prefix}: interrupted", file=sys.stderr)
+        tell(f"{prefix}: interrupted")
         return 130
     return result if isinstance(result, int) else 0
 
@@ -117,10 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code = _main(argv)
     except early_signals.StopSignalled as stopped:
-        try:
-            print(f"chunkline: {early_signals.describe(stopped.signal_number)}", file=sys.stderr, flush=True)
-        except (OSError, ValueError):  # a closed terminal: the exit code says it
-            pass
+        tell(f"chunkline: {early_signals.describe(stopped.signal_number)}")  # a closed terminal: the code says it
         return 128 + stopped.signal_number
     finally:
         early_signals.hand_over()

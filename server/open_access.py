@@ -17,10 +17,10 @@ import contextlib
 import ipaddress
 import os
 import socket
-import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+from .console import tell
 from .reasons import echo
 
 __all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "listening_hosts", "own_names", "page_refusal"]
@@ -127,5 +127,5 @@ def warn_if_open(server: tuple[str, int | None] | None) -> None:
     beyond = sorted({h for h in [host, *listening_hosts(port)] if not is_loopback(h)})
     if beyond:
         where = ", ".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in beyond)
-        print(f"chunkline: warning: no CHUNKLINE_API_KEY, and the server answers beyond this host ({where}): "
-              f"{UNGUARDED}", file=sys.stderr, flush=True)
+        tell(f"chunkline: warning: no CHUNKLINE_API_KEY, and the server answers beyond this host ({where}): "
+             f"{UNGUARDED}")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from . import early_signals
+from .console import is_broken_pipe, tell
 from .early_signals import StopSignalled, describe
 from .run_inputs import BadInput, shown
 
@@ -46,26 +47,31 @@ def run_deadlines() -> RunDeadlines:
 
 def say(line: str) -> None:
     """One line on stderr, never an error: a closed terminal (SIGHUP) fails every write with EIO, and the
-    exit code must still say how the run ended."""
-    try:
-        print(f"{PREFIX}: {line}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
+    exit code must still say how the run ended (:func:`server.console.tell`)."""
+    tell(f"{PREFIX}: {line}")
 
 
 class ProgressBar:
     """A ``\\r``-updated text progress bar on a terminal: ``[#######.......]  3/8 chunks  1.2 s``; elsewhere (a log
     file, a pipe) a plain line for chunks 1-10, 20, 30... 100, 200...: a bar redrawn per chunk filled logs with
-    frames. A write that fails (the terminal is gone) fails nothing else."""
+    frames. A write that fails (the terminal is gone) fails nothing else, and a stream closed when the command
+    started (``None``: ``2>&-``) is written nothing."""
 
-    def __init__(self, stream: TextIO, width: int = 30) -> None:
+    def __init__(self, stream: TextIO | None, width: int = 30) -> None:
         self._stream = stream
         self._width = width
         self._drawn = False
         self._started = time.perf_counter()
-        self._terminal = stream.isatty()
+        self._terminal = False
+        if stream is not None:
+            try:
+                self._terminal = stream.isatty()
+            except (OSError, ValueError):
+                pass
 
     def _write(self, text: str) -> None:
+        if self._stream is None:
+            return
         try:
             self._stream.write(text)
             self._stream.flush()
@@ -236,17 +242,15 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
         bar.finish()
         early_signals.install()  # where the run's handlers are gone again (not where a signal stopped it)
         early_signals.replay()  # one noted that the run never took
-    try:
-        for line in _summary_lines(args.pipeline, summary.metrics, out.path):
-            print(line)
-        sys.stdout.flush()  # a pipe's buffer: its EPIPE comes here, not at the interpreter's exit
-    except BrokenPipeError:  # its reader left (`| head -1`): the output is written, the summary goes nowhere
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered is dropped there, not reported at exit
-        os.close(devnull)
+    try:  # flushed: a pipe's EPIPE comes here, not at the interpreter's exit
+        unwritten = tell("\n".join(_summary_lines(args.pipeline, summary.metrics, out.path)), to="stdout")
     except StopSignalled as stopped:  # the output is there: the run is not undone by a late signal
         say(f"{describe(stopped.signal_number)} after the run; its output is in {out.path}")
         return 128 + stopped.signal_number
+    # a stdout that takes no summary (closed, a full disk) does not undo the written run; a reader that left (`| head
+    # -1`) wants no word of it
+    if unwritten is not None and not is_broken_pipe(unwritten):
+        say(f"warning: the summary could not be written to stdout ({unwritten}); the output is in {out.path}")
     for warning in summary.warnings:  # the output is complete: a script reading the exit code keeps it
         say(f"warning: {warning}")
     return 0

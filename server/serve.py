@@ -22,7 +22,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +31,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.trio import serve
 
 from .app import create_app
+from .console import tell
 from .runtime import SHUTDOWN_GRACE
 from .front import MAX_HEAD, Front
 from .http_framing import BodyBudget
@@ -212,11 +212,10 @@ async def _serve(
             urls = [_url(listener) for listener in listeners]
             runtime.serving_at(urls[0])  # agents join the local rooms at this address
             task_status.started(urls)
-            for url in urls:
-                print(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})", file=sys.stderr, flush=True)
+            for url in urls:  # a stderr on a full disk, or closed, is no reason not to serve (tell)
+                tell(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})")
             if not settings.api_key and any(not is_loopback(listener.socket.getsockname()[0]) for listener in listeners):
-                print(f"chunkline: warning: no --api-key, and the server listens beyond this host: {UNGUARDED}",
-                      file=sys.stderr, flush=True)
+                tell(f"chunkline: warning: no --api-key, and the server listens beyond this host: {UNGUARDED}")
             await stop.wait()
             watchdog = exit_watchdog(SHUTDOWN_BOUND, abandon, signalled)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0

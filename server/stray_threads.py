@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from .console import tell
+
 __all__ = ["STRAY_THREAD_GRACE", "end_despite_stray_threads"]
 
 STRAY_THREAD_GRACE = 3.0  # seconds the threads still running as a command ends get to finish on their own
@@ -38,15 +40,14 @@ def end_despite_stray_threads(prefix: str, code: int, *, grace: float = STRAY_TH
     if not left:
         return code
     names = ", ".join(repr(t.name) for t in left[:5]) + (", ..." if len(left) > 5 else "")
+    # a closed terminal: the line is lost, the end is not
+    tell(f"{prefix}: pipeline bug: {len(left)} thread(s) it started still run ({names}), not daemon threads, "
+         f"{grace:g} s after it closed: Python would wait for them for ever; ending without them (stop and "
+         f"join them as running() exits, or start them as daemon threads)")
     try:
-        print(
-            f"{prefix}: pipeline bug: {len(left)} thread(s) it started still run ({names}), not daemon threads, "
-            f"{grace:g} s after it closed: Python would wait for them for ever; ending without them (stop and "
-            f"join them as running() exits, or start them as daemon threads)",
-            file=sys.stderr, flush=True,
-        )
-        sys.stdout.flush()
-    except (OSError, ValueError):  # a closed terminal: the line is lost, the end is not
+        if sys.stdout is not None:
+            sys.stdout.flush()
+    except (OSError, ValueError):
         pass
     atexit._run_exitfuncs()  # what a normal exit runs after its wait for threads: logging's flush, folders, segments
     os._exit(code)
