@@ -30,6 +30,7 @@ from ..reasons import echo, public_reason
 from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
 from . import proofs, tls, wire
+from .busy import BUSY_WINDOW, MAX_BUSY_ANSWERS, BusyAnswers
 from .identity import chunkline_version, pipeline_digest, pipeline_name, worker_participant
 from .remote import PlanView, RemoteWorker
 
@@ -48,14 +49,8 @@ ROOMS_URL_WAIT = 2.0
 #: seconds a draining agent has past its drain deadline to say goodbye (it gives runners 10 s to stop, then flushes)
 DRAIN_GRACE = 15.0
 #: connections that have not registered yet, at most (each ends by its deadline); more are told Busy
+#: (:class:`~server.cluster.busy.BusyAnswers`)
 MAX_PENDING_HANDSHAKES = 32
-#: past the pending limit, connections answered Busy at once, at most: each gets a Hello and BUSY_WINDOW seconds
-#: to send its Register, so that the Busy can prove the token over the agent's nonce (one HMAC: an agent waits a
-#: proven Busy out without counting it, and must not do so for an impostor's). Past this too, a connection is
-#: closed unanswered: the places held for unregistered peers stay bounded in number and in time, and an unproven
-#: answer would change nothing (an agent counts it as a failed connect either way)
-MAX_BUSY_ANSWERS = 32
-BUSY_WINDOW = 1.0
 RECENT_LOSSES = 32
 #: registered workers the authority holds at most: this many per expected worker (``--num-workers``, or the
 #: launcher's slots), and never fewer than MIN_REGISTERED. Room for replacements and scale-out past the expected
@@ -128,13 +123,13 @@ class ClusterAuthority:
         self._wake = trio.Event()
         self.refused = 0
         self.stale_of_gone = 0  # stale events counted by workers since lost or left (the summary keeps counting them)
-        self.shed = 0  # connections told Busy (or closed unanswered) because MAX_PENDING_HANDSHAKES were pending
         self._handshakes = 0
-        self._busy_answers = 0
         # anyone who can connect can fail a handshake or be refused, thousands of times a second
         self._failed_handshakes, self._refusals = LogPace(log), LogPace(log)
         self._tls = (tls.server_tls_context(settings.cluster_tls_cert, settings.cluster_tls_key or "")
                      if settings.cluster_tls_cert else None)
+        #: connections turned away because MAX_PENDING_HANDSHAKES were pending
+        self.busy = BusyAnswers(token=token, version=self.version, wrap=self._wrap)
 
     # -- life --
 
@@ -145,7 +140,7 @@ class ClusterAuthority:
         self.port = listeners[0].socket.getsockname()[1]
         log.info("cluster: agents dial %s (launcher %s)", self.authority_url, self.launcher_name)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.serve_listeners, self._serve_connection, listeners)
+            nursery.start_soon(trio.serve_listeners, self.serve_connection, listeners)
             nursery.start_soon(self._sweep)
             if self.launcher is not None:
                 await nursery.start(self.launcher.run, self)
@@ -174,9 +169,10 @@ class ClusterAuthority:
 
     # -- one agent --
 
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+    async def serve_connection(self, stream: trio.abc.Stream) -> None:
+        """One connection to the cluster port, from its hello to its end (the listener's handler; any byte stream)."""
         if self._handshakes >= MAX_PENDING_HANDSHAKES:
-            await self._shed(stream)
+            await self.busy.turn_away(stream, self._handshakes)
             return
         self._handshakes += 1
         try:
@@ -217,35 +213,10 @@ class ClusterAuthority:
             self._lost(worker.worker_id, cause)
         await channel.aclose()
 
-    async def _shed(self, stream: trio.SocketStream) -> None:
-        """Too many handshakes pending (someone may be flooding the port): answer the Register with a proven Busy,
-        within BUSY_WINDOW and for MAX_BUSY_ANSWERS connections at once; close the rest unanswered."""
-        self.shed += 1
-        if self.shed == 1 or self.shed % 1000 == 0:
-            log.warning("cluster: %d handshakes pending; turned a connection away busy (%d so far)",
-                        self._handshakes, self.shed)
-        if self._busy_answers >= MAX_BUSY_ANSWERS:
-            await stream.aclose()
-            return
-        self._busy_answers += 1
-        channel = wire.Channel(self._wrap(stream), max_frame=wire.MAX_HANDSHAKE_FRAME_BYTES)
-        reason = f"{self._handshakes} registrations pending; dial again later"
-        try:
-            with trio.move_on_after(BUSY_WINDOW), contextlib.suppress(wire.ConnectionClosed, wire.WireError):
-                nonce = secrets.token_hex(16)
-                await channel.send(wire.Hello(nonce, self.version))
-                register = await channel.receive()
-                if isinstance(register, wire.Register):
-                    proof = proofs.busy_proof(self.token, nonce, register.agent_nonce, register.worker_id, reason)
-                    await channel.send(wire.Busy(reason, proof))
-        finally:
-            self._busy_answers -= 1
-            await channel.aclose()
-
-    def _wrap(self, stream: trio.SocketStream) -> trio.abc.Stream:
+    def _wrap(self, stream: trio.abc.Stream) -> trio.abc.Stream:
         return stream if self._tls is None else tls.wrap_server_tls(stream, self._tls)
 
-    async def _handshake(self, stream: trio.SocketStream) -> tuple[wire.Register, wire.Channel, str] | None:
+    async def _handshake(self, stream: trio.abc.Stream) -> tuple[wire.Register, wire.Channel, str] | None:
         """Hello, then the peer's Register within the deadline: the registration and the nonce it answered,
         or None (refused or failed)."""
         settings = self.runtime.settings
@@ -493,14 +464,14 @@ class ClusterAuthority:
             "stale_messages_dropped": self.liveness.stale_dropped + self.stale_of_gone
             + sum(w.stale_events for w in self.handles.values()),
             "registrations_refused": self.refused,
-            "connections_shed": self.shed,
+            "connections_shed": self.busy.shed,
             "recent_losses": list(self.losses),
         }
 
 
-def _peer(stream: trio.SocketStream) -> str:
+def _peer(stream: trio.abc.Stream) -> str:
     """The address a connection came from, as the log names it (``host:port``)."""
-    with contextlib.suppress(OSError, ValueError):
-        host, port = stream.socket.getpeername()[:2]
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # AttributeError: a stream of no socket
+        host, port = stream.socket.getpeername()[:2]  # type: ignore[attr-defined]
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return "an unknown address"
