@@ -42,7 +42,7 @@ from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RUNNER_PROGRESS", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "QUEUED_ENDS_WITH",
-    "FAILING_CAUSES", "REQUEUABLE",
+    "FAILING_CAUSES", "REQUEUABLE", "STARTING",
     "StreamSessionMachine", "settle_event",
 ]
 
@@ -123,6 +123,11 @@ RETAINING = frozenset(
     {State.ASSIGNED, State.JOINING_ROOM, State.STARTING_PIPELINE, State.RUNNING, State.DRAINING}
 )
 
+
+#: States of a session placed on a worker that has not started running it yet: those its room runner's progress
+#: moves on from (read from the table). A worker agent that leaves a session here past the authority's start deadline
+#: (``server.cluster.remote.start_deadline``) fails it: it held its slot for ever.
+STARTING = frozenset(state for (state, event) in TRANSITIONS if event in RUNNER_PROGRESS)
 
 # States in which the worker is in the room with its media (the seed's "transport connected").
 LIVE_MEDIA = frozenset({State.STARTING_PIPELINE, State.RUNNING, State.DRAINING})

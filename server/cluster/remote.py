@@ -26,22 +26,15 @@ import trio
 
 from pipelines.paths import open_regular_file, read_at_most
 from states.liveness import LivenessBook
-from states.stream_session import LIVE_MEDIA, REQUEUABLE, DrainCause, Event
+from states.stream_session import LIVE_MEDIA, REQUEUABLE, STARTING, DrainCause, Event
 from states.worker import REFUSES_STARTS
 
 from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
 from ..requests import OptionsRefused
-from ..runner import (
-    CLOSE_PIPELINE_TIMEOUT,
-    CONNECT_TIMEOUT,
-    CONTROL_TIMEOUT,
-    CREATE_PIPELINE_TIMEOUT,
-    DISCONNECT_TIMEOUT,
-    WORKER_CAUSE_WAIT,
-)
 from ..tokens import MAX_IDENTITY_LENGTH
 from .identity import worker_participant
+from .session_deadlines import STOP_DEADLINE, start_deadline
 from .wire import (
     Channel, CheckOptions, ConnectionClosed, Goodbye, Message, OptionsChecked, Participants, SessionEvent,
     SessionFinished, Start, Stop,
@@ -63,17 +56,6 @@ OUTBOX = 256  # messages waiting for an agent's connection; one more means it st
 AUTHORITY_STOPPING = "the authority is stopping"
 #: seconds the authority's stop waits for a goodbye to go out (shielded: the runtime's nursery is being cancelled)
 GOODBYE_SEND = 1.0
-#: seconds an agent has from a session's stop to reporting it finished: every bound its runner may still wait out,
-#: one after another (joining the room, then creating the pipeline session, which a stop does not cut short, or
-#: taking a chunk's control; closing the pipeline session; a failing worker's cause; leaving the room: 115 s) and a
-#: margin for the messages. Past it the agent is lost: one that never stopped a session kept its slot and left its
-#: DELETE answered "draining" for as long as it stayed connected. (It was 90 s, under an honest runner's 105 s when
-#: the stop came while its pipeline took its full 60 s to create the session: the agent, and every session it
-#: hosted, would have been lost.)
-STOP_DEADLINE = (
-    CONNECT_TIMEOUT + max(CREATE_PIPELINE_TIMEOUT, CONTROL_TIMEOUT) + CLOSE_PIPELINE_TIMEOUT + WORKER_CAUSE_WAIT
-    + DISCONNECT_TIMEOUT + 10.0
-)
 
 
 @attrs.frozen
@@ -238,9 +220,13 @@ class RemoteWorker:
                                                                   STOP_DEADLINE):
             self._deadlines_changed()
 
-    def run_ended(self, session_id: str) -> None:
-        """A session of this agent settled: it is not the agent's any more, and no stop of it is owed."""
+    def run_ended(self, session_id: str, *, stop_owed: bool = False) -> None:
+        """A session of this agent settled: it is not the agent's any more, and no stop of it is owed, unless the
+        authority gave up on it before the agent answered (``stop_owed``: the agent still owes its finish, by the
+        stop's deadline, or is lost)."""
         self.runs.pop(session_id, None)
+        if stop_owed:
+            return
         self._stops_sent.pop(session_id, None)
         if self._liveness is not None:
             self._liveness.stop_answered(self.worker_id, session_id)
@@ -272,6 +258,7 @@ class RemoteWorker:
                 image_suffix=suffix,
             )
         )
+        runtime.spawn(run.hold_to_start, start_deadline(runtime.settings.controller_timeout))
         return run
 
     def on_session_event(self, message: SessionEvent, now: float) -> None:
@@ -308,6 +295,9 @@ class RemoteWorker:
 
     def on_session_finished(self, message: SessionFinished) -> None:
         run = self.runs.get(message.session_id)
+        if run is None and message.session_id in self._stops_sent:
+            self.run_ended(message.session_id)  # one the authority gave up on: the stop it still owed is answered
+            return
         if run is None or message.seq <= run.seq:
             self.stale_events += 1
             return
@@ -445,15 +435,34 @@ class RemoteRun:
         self.runtime.requeue(self)
         self.finished.set()
 
-    def settle(self, error: str | None, cause: DrainCause = DrainCause.WORKER_FAILED) -> None:
+    async def hold_to_start(self, within: float) -> None:
+        """The agent has ``within`` seconds (:func:`~server.cluster.session_deadlines.start_deadline`) to take the
+        session out of its starting states: it runs, drains or ends. Past that it fails, naming the worker and the
+        deadline; the agent is told to stop it and still owes its finish (by the stop's deadline, or it is lost), and
+        the slot goes to the next session. Left to the agent, a session it never spoke of again held its slot for
+        ever."""
+        with trio.move_on_after(within):
+            await self.finished.wait()
+            return
+        if self.record.status not in STARTING:
+            return
+        reason = f"worker {echo(self.worker.worker_id)} did not start the session within {within:g} s"
+        log.warning("session %s: %s; it fails, and the worker is told to stop it", self.record.session_id, reason)
+        self.runtime.lifecycle.drain(self.record, DrainCause.START_FAILED, reason)
+        self.worker.send_stop(self.record.session_id, DrainCause.START_FAILED, now=True)
+        self.settle(reason, DrainCause.START_FAILED, stop_owed=True)
+
+    def settle(self, error: str | None, cause: DrainCause = DrainCause.WORKER_FAILED, *,
+               stop_owed: bool = False) -> None:
         """The session ended; failed with ``error``, it drains first with ``cause`` unless a cause came before
         (an agent's, the authority's), so that its record says why it failed. An agent of this version names the
-        cause of every failure it reports: one that does not is taken as its worker's failure."""
+        cause of every failure it reports: one that does not is taken as its worker's failure. ``stop_owed``: the
+        agent has not answered the stop it was sent, and still owes it (:meth:`RemoteWorker.run_ended`)."""
         if self.finished.is_set():
             return
         if error is not None:
             self.runtime.lifecycle.drain(self.record, cause, error)
-        self.worker.run_ended(self.record.session_id)
+        self.worker.run_ended(self.record.session_id, stop_owed=stop_owed)
         self.record.participants.clear()  # the worker left, and the room's clients are sent away with the session
         forget = getattr(self.runtime.transport, "forget_worker", None)
         if forget is not None:
