@@ -65,6 +65,7 @@ from .timed_controls import (
 )
 
 __all__ = [
+    "ChunkFailed",
     "KEY_ALIASES",
     "METRICS_NAME",
     "OfflineRunSummary",
@@ -113,6 +114,11 @@ class OfflineRunSummary:
     warnings: tuple[str, ...] = ()
 
 
+class ChunkFailed(RuntimeError):
+    """The pipeline raised while making a chunk; the message names the chunk and the error (anything but a
+    ValueError read only ``the run failed: KeyError: 'k'``, naming neither)."""
+
+
 # --- the runner ---------------------------------------------------------------------------------------------
 
 
@@ -130,7 +136,7 @@ class _Run:
         """The stream's next chunk, checked (None: the stream ended), within ``deadlines.chunk``, or, for a
         server-push stream's first chunk (``setup``: its session's setup), ``deadlines.create_session``; past it a
         :class:`PipelineCallError` naming ``call``. Whatever goes wrong while the pipeline makes it is the
-        pipeline's failure, never the request's, so a ValueError from it becomes a RuntimeError."""
+        pipeline's failure, never the request's (a ValueError too): a :class:`ChunkFailed` naming the chunk."""
         index = self.order.next_index
         seconds = self.deadlines.create_session if setup else self.deadlines.chunk
         with trio.move_on_after(seconds):
@@ -140,8 +146,8 @@ class _Run:
                 return None
             except PipelineContractError:
                 raise
-            except ValueError as exc:
-                raise RuntimeError(f"the pipeline failed making chunk {index}: {type(exc).__name__}: {exc}") from exc
+            except Exception as exc:
+                raise ChunkFailed(f"the pipeline failed making chunk {index}: {type(exc).__name__}: {exc}") from exc
             return self.order.check(chunk)
         if setup:
             raise PipelineCallError(call, f"gave no first chunk within {seconds:g} s")

@@ -261,6 +261,7 @@ def run_command(args: argparse.Namespace) -> int:
     2 bad input, 128 + the signal that stopped it)."""
     from pipelines.contract import PipelineContractError
     from pipelines.loader import PipelineExited
+    from pipelines.offline import ChunkFailed
 
     from .run_signals import StoppedBySignal
 
@@ -269,7 +270,7 @@ def run_command(args: argparse.Namespace) -> int:
     except BadInput as exc:
         say(str(exc))
         return 2
-    except (PipelineContractError, PipelineExited, _PipelineExitedDuringRun) as exc:  # a pipeline bug, not input
+    except (PipelineContractError, PipelineExited, _PipelineExitedDuringRun, ChunkFailed) as exc:  # not input
         say(f"the run failed: {exc}")
         return 1
     except ValueError as exc:  # the pipeline refused the request (e.g. an option)
