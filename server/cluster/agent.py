@@ -18,8 +18,9 @@ flood fills the authority's handshakes) or a proven transient refusal is waited 
 counting it toward giving up; a proven permanent refusal (another version or pipeline) exits
 with code 3; anything unproven counts as a failed connect (a crash loop of unproven refusals
 exits with code 3 too). An authority that stops in order says goodbye (a tagged frame, after its own drain): the
-agent dials again without counting that close toward giving up. SIGTERM, SIGINT or SIGHUP (or a
-drain from the authority) drains: no new sessions, live ones finish or are stopped at the
+agent dials again without counting that close toward giving up; so it does, at the waits' pace, when the authority
+goes without a word (killed or crashed: the connection closes or is reset, :func:`~server.cluster.dial_ends.vanished`).
+SIGTERM, SIGINT or SIGHUP (or a drain from the authority) drains: no new sessions, live ones finish or are stopped at the
 drain deadline at a chunk boundary, then it says goodbye and exits 0. A stop signal while it loads
 its pipeline (or runs its startup check) ends it at once, its child processes and their shared
 memory with it: nothing is there to drain, and a load cannot be cancelled. One before it served
@@ -56,7 +57,7 @@ from .agent_handshake import Shaken, handshake
 from .agent_options import AgentOptions, parse_authority
 from .agent_sessions import RUNNER_STOP_GRACE, AgentSessions
 from .backoff import EXIT_REFUSED, back_off
-from .dial_ends import DIAL_DEADLINES, MAX_PROVEN_REASON, UNCOUNTED, WAITED, DialLog, End, Ended, Patience
+from .dial_ends import DIAL_DEADLINES, MAX_PROVEN_REASON, UNCOUNTED, WAITED, DialLog, End, Ended, Patience, vanished
 from .identity import new_worker_id
 from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
 
@@ -111,6 +112,7 @@ class Agent:
         self._pump_scope = trio.CancelScope()
         self._registering = trio.CancelScope()  # cancelled when the launching authority is gone
         self._authority_goodbye: str | None = None  # how this registration ended when the authority said goodbye
+        self._authority_gone: str | None = None  # how it ended when the authority's connection closed with no word
 
     # -- life --
 
@@ -244,6 +246,8 @@ class Agent:
                 self.life.apply(Event.CUT_OFF)  # it dials again under a fresh id
             if ended.kind is End.AUTHORITY_STOPPED:
                 patience.reset()  # it registered: the waits after this stop are a fresh run
+            elif ended.kind is End.AUTHORITY_GONE:
+                patience.registered()  # as after a stop, but one that goes again and again is dialed ever slower
             if ended.kind in UNCOUNTED:
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
                 # agent yet) or that it stops, or nothing answers at its address (it restarts): dial again soon,
@@ -289,7 +293,7 @@ class Agent:
         self._pump_scope = trio.CancelScope()
         channel.send_timeout = welcome.deadline  # an authority that takes no frame for that long is gone
         outcome: str | None = None  # the first end wins: the authority closes as the goodbye reaches it
-        self._authority_goodbye = None
+        self._authority_goodbye = self._authority_gone = None
         try:
             async with trio.open_nursery() as nursery:
                 async def until(make: Callable[[], Awaitable[str]]) -> None:
@@ -327,7 +331,9 @@ class Agent:
             await channel.aclose()
         if outcome == "drained":
             return Ended(End.DRAINED, outcome)
-        return Ended(End.AUTHORITY_STOPPED if outcome == self._authority_goodbye else End.LOST, outcome)
+        if outcome == self._authority_goodbye:
+            return Ended(End.AUTHORITY_STOPPED, outcome)
+        return Ended(End.AUTHORITY_GONE if outcome == self._authority_gone else End.LOST, outcome)
 
     # -- the connection --
 
@@ -354,7 +360,7 @@ class Agent:
                         try:
                             await channel.send(message)
                         except wire.ConnectionClosed as exc:
-                            return f"connection lost: {exc}"
+                            return self._connection_lost(exc)
                         if isinstance(message, wire.Goodbye):  # it went out: the registration ended as asked
                             self.life.apply(Event.GOODBYE)
                             return "drained"
@@ -376,7 +382,7 @@ class Agent:
             try:
                 message = await channel.receive()
             except wire.ConnectionClosed as exc:
-                return f"connection lost: {exc}"
+                return self._connection_lost(exc)
             except wire.WireError as exc:
                 return f"protocol error: {exc}"
             if isinstance(message, wire.HeartbeatAck):
@@ -394,11 +400,19 @@ class Agent:
                 self._nursery.start_soon(self._check_options, message)
             elif isinstance(message, wire.Drain):
                 self.begin_drain(message.deadline)
-            elif isinstance(message, wire.Refused):
-                return f"refused: {message.reason}"
+            elif isinstance(message, wire.Refused):  # tagged: the authority drops this worker, and says why
+                return f"refused: {cut(message.reason, MAX_PROVEN_REASON)}"
             elif isinstance(message, wire.Goodbye):  # the authority stops (tagged: nobody else can say it)
                 self._authority_goodbye = f"the authority said goodbye: {cut(message.reason, MAX_PROVEN_REASON)}"
                 return self._authority_goodbye
+
+    def _connection_lost(self, exc: wire.ConnectionClosed) -> str:
+        """Why the connection ended, as this registration's outcome; one that closed or was reset with no word from the
+        authority (:func:`~server.cluster.dial_ends.vanished`) ends it as the authority gone."""
+        lost = f"connection lost: {exc}"
+        if vanished(exc) and self._authority_gone is None:  # the first, as the outcome is (the pump's and the reader's)
+            self._authority_gone = lost
+        return lost
 
     async def _heartbeat(self, interval: float) -> str:
         seq = 0

@@ -208,6 +208,8 @@ class ClusterAuthority:
 
                 nursery.start_soon(pump)
                 cause = await self._read(worker)
+                if cause is not None:  # lost before its pump is cancelled: it tells the agent why (RemoteWorker.pump)
+                    self._lost(worker.worker_id, cause)
                 nursery.cancel_scope.cancel()
         if cause is not None:
             self._lost(worker.worker_id, cause)
@@ -415,7 +417,7 @@ class ClusterAuthority:
         if not self.liveness.leave(worker.worker_id, trio.current_time()):
             return False
         log.info("cluster: worker %s drained and left", worker.worker_id)
-        worker.lose("left after draining")
+        worker.lose("left after draining", tell=False)
         self.stale_of_gone += worker.stale_events
         self.runtime.retire_worker(worker, "the worker left after draining")
         self.handles.pop(worker.worker_id, None)

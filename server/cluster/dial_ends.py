@@ -11,6 +11,14 @@ unproven ones, frames of another wire protocol version among them. A proven Busy
 authority has as many handshakes pending as it allows: someone may be flooding it) is waited out,
 however long it lasts: only a holder of the token can say it. Such waits are logged at a pace
 (:class:`DialLog`): an authority down for its 300 s made an agent log a line for each dial, one a second.
+
+A registration ends uncounted too when the authority goes with no word (:func:`vanished`): its connection closes
+or is reset, as when the authority is killed (SIGKILL, out of memory) or crashes and its supervisor restarts it.
+The agent did nothing wrong, and counted, 9 authority restarts in a minute ended every external agent for good;
+it dials again at the waits' pace, as it dials an unreachable one. What the agent caused is still counted: the
+authority names it before it closes (a proven refusal: a protocol error of the agent's, a deadline the agent
+missed), and so are a frame that breaks the protocol, an authority that stops reading or acknowledging heartbeats
+(whose stall that is, the agent cannot tell) and the agent's own worker failing.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from . import proofs, wire
 
 __all__ = ["DIAL_DEADLINES", "End", "Ended", "answer", "Patience", "DialLog", "TRANSIENT_DEADLINE",
            "UNREACHABLE_DEADLINE", "NOT_AN_AUTHORITY_DEADLINE", "WAIT_POLICY", "MAX_PROVEN_REASON", "DIAL_LOG_EVERY",
-           "WAITED", "UNCOUNTED"]
+           "WAITED", "UNCOUNTED", "vanished"]
 
 log = logging.getLogger("chunkline.agent")
 
@@ -67,6 +75,9 @@ class End(enum.Enum):
     #: the authority said goodbye as it stopped (its own drain done; a tagged frame, so only it can say so): dial again,
     #: not counted (counted, 9 authority restarts in a minute ended every external agent with exit 3)
     AUTHORITY_STOPPED = "authority_stopped"
+    #: the connection to an authority that had taken this agent closed or was reset with no word (killed, crashed):
+    #: dial again at the waits' pace, not counted
+    AUTHORITY_GONE = "authority_gone"
     DRAINED = "drained"  # exit 0
     STOPPED = "stopped"  # a stop signal before the register went out: exit 128 + the signal (states.agent)
 
@@ -75,6 +86,13 @@ class End(enum.Enum):
 class Ended:
     kind: End
     why: str
+
+
+def vanished(exc: wire.ConnectionClosed) -> bool:
+    """Whether a registered agent's connection ended with the authority gone, no fault of the agent's: it closed or was
+    reset. An authority that stopped taking frames (:class:`~server.cluster.wire.PeerStalled`) has not gone, and a TLS
+    failure on a live connection is no close (:class:`~server.cluster.wire.TlsFailed`)."""
+    return not isinstance(exc, (wire.PeerStalled, wire.TlsFailed))
 
 
 def answer(reply: wire.Message, *, token: str, at: str, nonce: str, agent_nonce: str, worker_id: str,
@@ -126,6 +144,12 @@ class Patience:
         self.waits = 0
         self.since.clear()
 
+    def registered(self) -> None:
+        """A registration ended with the authority gone: the runs of dials before it are broken (their deadlines start
+        afresh), and the waits keep growing, so that an authority that takes the agent and goes again and again is
+        dialed at the waits' pace (:data:`WAIT_POLICY`, at most one dial in its ``max_delay``), never in a loop."""
+        self.since.clear()
+
     def delay(self, ended: Ended, now: float) -> float | None:
         """Seconds to wait before dialing again, or None: transient refusals, or dials that reach no authority,
         have lasted past their deadline."""
@@ -143,10 +167,12 @@ DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABL
 
 
 #: the ends of a dial or registration after which the agent dials again without counting it toward giving up
-UNCOUNTED = frozenset({End.AUTHORITY_STOPPED, End.BUSY, End.TRANSIENT, End.UNREACHABLE, End.NOT_AN_AUTHORITY})
+UNCOUNTED = frozenset({End.AUTHORITY_STOPPED, End.AUTHORITY_GONE, End.BUSY, End.TRANSIENT, End.UNREACHABLE,
+                       End.NOT_AN_AUTHORITY})
 
 #: what each kind of waited dial says the authority did
-WAITED = {End.AUTHORITY_STOPPED: "stopped (it said goodbye)", End.BUSY: "is busy",
+WAITED = {End.AUTHORITY_STOPPED: "stopped (it said goodbye)",
+          End.AUTHORITY_GONE: "went away without a word (killed, or it crashed)", End.BUSY: "is busy",
           End.TRANSIENT: "refused this worker for now", End.UNREACHABLE: "is unreachable",
           End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority (is this the --cluster-port, not the HTTP "
                                 "port?)"}
@@ -166,9 +192,16 @@ class DialLog:
         # DIAL_LOG_EVERY with a count of those left out
         self.unproven = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
         self.unproven_restarts = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
+        # an authority that goes again and again: each time after a registration, so its pace outlives them
+        self.gone = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
 
     def waiting(self, ended: Ended, delay: float, now: float) -> None:
         """A waited dial ended (``ended.why`` is the authority's own proven reason, cut, or this side's words)."""
+        if ended.kind is End.AUTHORITY_GONE:
+            self.gone.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted toward giving "
+                              "up: the authority went, not this worker)", self.at, WAITED[ended.kind], ended.why,
+                              delay)
+            return
         if not self.dials:
             self.since = now
         self.dials += 1

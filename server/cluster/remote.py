@@ -36,7 +36,7 @@ from ..tokens import MAX_IDENTITY_LENGTH
 from .identity import worker_participant
 from .session_deadlines import STOP_DEADLINE, start_deadline
 from .wire import (
-    Channel, CheckOptions, ConnectionClosed, Goodbye, Message, OptionsChecked, Participants, SessionEvent,
+    Channel, CheckOptions, ConnectionClosed, Goodbye, Message, OptionsChecked, Participants, Refused, SessionEvent,
     SessionFinished, Start, Stop,
 )
 
@@ -109,6 +109,7 @@ class RemoteWorker:
         self._pump_scope = trio.CancelScope()  # cancelled when the outbox overflows: a send stuck on the socket ends
         self._stalled: str | None = None
         self._stopping = False  # the authority stops: the pump says goodbye before it closes the connection
+        self._tell_loss = False  # the authority lost the agent: the pump says why before it closes the connection
         self._checks: dict[int, _Check] = {}
         self._check_ids = itertools.count(1)
 
@@ -138,7 +139,9 @@ class RemoteWorker:
     async def pump(self) -> str | None:
         """Send the outbox in order. Returns why the connection is dead on this side (a send failed or took
         past its deadline, or the outbox overflowed), or None when the outbox was closed (stop or loss). On the
-        authority's stop its goodbye goes out last, even as the runtime's nursery is cancelled around it."""
+        authority's stop its goodbye goes out last, even as the runtime's nursery is cancelled around it; on a loss,
+        the loss's cause (a tagged refusal: the agent counts it toward its crash-loop limit, as it does not count a
+        connection that closed with no word, the authority gone)."""
         try:
             with self._pump_scope:
                 async with self._outbox:
@@ -148,19 +151,22 @@ class RemoteWorker:
                         except ConnectionClosed as exc:
                             return str(exc)
         finally:
-            # a frame cut off half-way leaves no room for a goodbye after it; one cancelled before it began does
-            if self._stopping and not self.channel.frame_cut and not self._pump_scope.cancelled_caught:
-                await self._say_goodbye()
+            # a frame cut off half-way leaves no room for a last word after it; one cancelled before it began does
+            if not self.channel.frame_cut and not self._pump_scope.cancelled_caught:
+                if self._stopping:
+                    await self._say_last(Goodbye(AUTHORITY_STOPPING))
+                elif self._tell_loss:
+                    await self._say_last(Refused(f"the authority lost this worker: {self.lost_cause}"))
         if self._stalled is not None:
             return self._stalled
         await self.channel.aclose()  # stopped or lost: the connection ends, and with it the reader
         return None
 
-    async def _say_goodbye(self) -> None:
-        """Tell the agent the authority stops (a tagged frame: only the authority can say it), then close."""
+    async def _say_last(self, message: Message) -> None:
+        """Tell the agent why the connection ends (a tagged frame: only the authority can say it), then close."""
         with trio.CancelScope(shield=True):
             with trio.move_on_after(GOODBYE_SEND), contextlib.suppress(ConnectionClosed):
-                await self.channel.send(Goodbye(AUTHORITY_STOPPING))
+                await self.channel.send(message)
             await self.channel.aclose()
 
     def stop(self) -> None:
@@ -321,11 +327,13 @@ class RemoteWorker:
                 and run.record.status in REQUEUABLE and not run.runtime.closing
                 and run.runtime.book.worker_state(self.worker_id) in REFUSES_STARTS)
 
-    def lose(self, cause: str) -> None:
-        """The agent is gone: every session it ran fails with the cause (the runtime releases the slots)."""
+    def lose(self, cause: str, *, tell: bool = True) -> None:
+        """The agent is gone: every session it ran fails with the cause (the runtime releases the slots). ``tell``:
+        the agent is told the cause, if its connection still takes it (not when it left after its drain)."""
         if self.lost_cause is None:
             self.lost_cause = cause
             self.failure = f"worker lost: {cause}"
+            self._tell_loss = tell
         self._outbox_send.close()
         for check in self._checks.values():
             check.done.set()  # no answer will come

@@ -53,6 +53,7 @@ __all__ = [
     "WireError",
     "ProtocolMismatch",
     "ConnectionClosed",
+    "PeerStalled",
     "Channel",
     "Message",
     "Hello",
@@ -109,6 +110,11 @@ class ProtocolMismatch(WireError):
 
 class ConnectionClosed(ConnectionError):
     """The peer closed the connection (or it broke)."""
+
+
+class PeerStalled(ConnectionClosed):
+    """The peer did not take a frame within its send deadline: it stopped reading (its host or event loop stalled),
+    which is not the same as a connection that ended."""
 
 
 class TlsFailed(ConnectionClosed):
@@ -388,7 +394,7 @@ class Channel:
     ``max_frame`` bounds what :meth:`receive` reads (each side keeps it small until the peer proved
     the token, so an unauthenticated connection cannot make it hold a 16 MiB buffer). Every send has a
     deadline: ``send_timeout`` seconds plus the frame's size at :data:`MIN_SEND_RATE`; a peer that does
-    not take the frame by then has stopped reading, and the send raises :class:`ConnectionClosed` (the
+    not take the frame by then has stopped reading, and the send raises :class:`PeerStalled` (the
     stream then holds part of a frame: close it)."""
 
     def __init__(self, stream: trio.abc.Stream, *, max_frame: int = MAX_FRAME_BYTES,
@@ -436,8 +442,8 @@ class Channel:
             if not sending.cancelled_caught:
                 self.frame_cut = False
             if sending.cancelled_caught:
-                raise ConnectionClosed(f"sending {what}: the peer did not take its {len(data)} bytes within "
-                                       f"{deadline:.0f} s (it stopped reading)")
+                raise PeerStalled(f"sending {what}: the peer did not take its {len(data)} bytes within "
+                                  f"{deadline:.0f} s (it stopped reading)")
 
     async def _fill(self, size: int) -> None:
         while len(self._buffer) < size:

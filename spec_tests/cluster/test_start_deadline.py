@@ -12,6 +12,7 @@ authority's connection handler as its listener hands it a socket.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -176,6 +177,11 @@ async def test_a_session_its_agent_never_speaks_of_fails_at_the_start_deadline_a
         [loss] = metadata["cluster"]["recent_losses"]
         assert loss["worker_id"] == "silent", loss
         assert loss["cause"] == f"protocol error: session {session_id} not reported finished by its stop deadline"
+        said = []  # and it was told why before the close (a cause of its own: it counts toward its crash-loop limit)
+        with contextlib.suppress(trio.WouldBlock):
+            while True:
+                said.append(agent.messages.receive_nowait())  # all came before the close
+        assert said == [wire.Refused(f"the authority lost this worker: {loss['cause']}")], said
 
 
 async def test_an_agent_that_answers_the_late_stop_keeps_serving(autojump_clock: trio.testing.MockClock) -> None:
