@@ -455,8 +455,8 @@ class StreamRuntime:
 
     def requeue(self, runner: Any) -> None:
         """A worker refused an assigned session before it ran, as its own state (it drains or failed, and said so
-        first): the session goes back to the queue's head (its id, room, tokens and client stay) and is admitted to
-        the next free worker."""
+        first): the session goes back to the queue, ahead of every session created after it (its id, room, tokens and
+        client stay: ``AdmissionBook.requeue_head``), and is admitted to the next free worker."""
         record = runner.record
         now = trio.current_time()
         self.runners.pop(record.session_id, None)

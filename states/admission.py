@@ -21,6 +21,19 @@ for, so they never go stale when someone ahead leaves; each is a prefix sum
 (:class:`~states.ranked_queue.RankedQueue`), so no per-session call walks the
 queue.
 
+A session its worker refused before it ran, as the worker's own state (it
+drains or failed), is given back to the queue (:meth:`AdmissionBook.requeue_head`)
+in admission order: ahead of every session admitted after it, behind those
+given back before it that were admitted before it. So the queue always holds
+its sessions in the order they were admitted, and several given back before
+any worker has room come out earliest-admitted first (each given back to the
+very head, they came out last-given first). The queue's bound is on creates:
+at most ``queue_size`` sessions wait that a create queued, and a create is
+refused (``queue_full``) while the queue is at or past its size. A session
+given back was admitted already and is never dropped for its worker's state,
+so those given back may take the queue past ``queue_size``, by at most their
+number (``snapshot().queued`` then exceeds it).
+
 While the server ends many queued sessions a batch at a time
 (:meth:`AdmissionBook.hold_promotions`), no queued head is promoted and a new
 session queues behind the others even if a slot is free; the held promotions
@@ -96,7 +109,7 @@ def _check_id(field: str, value: object) -> str:
 class AdmissionBook:
     """Workers, their retained sessions and the bounded FIFO of waiting sessions."""
 
-    __slots__ = ("_queue_size", "_workers", "_queue", "_assigned", "_holds")
+    __slots__ = ("_queue_size", "_workers", "_queue", "_assigned", "_holds", "_order", "_admissions")
 
     def __init__(self, queue_size: int = 0) -> None:
         if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 0:
@@ -109,6 +122,9 @@ class AdmissionBook:
         self._assigned: dict[str, str] = {}
         # holds on promotion under way (hold_promotions .. resume_promotions)
         self._holds = 0
+        # session id -> the number of its admission, for each session held: the queue keeps this order
+        self._order: dict[str, int] = {}
+        self._admissions = 0
 
     # -- copying (the explorer copies worlds) --
 
@@ -123,6 +139,8 @@ class AdmissionBook:
         other._queue = self._queue.copy()
         other._assigned = dict(self._assigned)
         other._holds = self._holds
+        other._order = dict(self._order)
+        other._admissions = self._admissions
         return other
 
     def __deepcopy__(self, memo: dict) -> AdmissionBook:
@@ -138,6 +156,7 @@ class AdmissionBook:
             ),
             tuple(self._queue),
             self._holds,
+            tuple(sorted(self._order, key=self._order.__getitem__)),  # who was admitted before whom
         )
 
     # -- queries --
@@ -322,13 +341,15 @@ class AdmissionBook:
             raise InvalidSetting("ahead", ahead, "must be >= 0")
         has_place = self._places() > ahead  # with no free slot, or sessions waiting, the places are the queue's
         worker_id = self._least_loaded() if has_place and not self._queue else None
-        if worker_id is not None:
-            assigned = self._assign(session_id, worker_id, "assigned", now, None, None)
-            return Admission("assigned", session_id, worker_id=worker_id), assigned
         if not has_place:
             reason = "no_capacity" if self._queue_size == 0 else "queue_full"
             rejected = AdmissionTransition(session_id, "rejected", None, None, now)
             return Admission("rejected", session_id, reason=reason), [rejected]
+        self._order[session_id] = self._admissions
+        self._admissions += 1
+        if worker_id is not None:
+            assigned = self._assign(session_id, worker_id, "assigned", now, None, None)
+            return Admission("assigned", session_id, worker_id=worker_id), assigned
         position = self._queue.append(session_id, now)
         queued = AdmissionTransition(session_id, "queued", None, position, now, now)
         return Admission("queued", session_id, queue_position=position), [queued]
@@ -338,17 +359,26 @@ class AdmissionBook:
         if session_id in self._queue:
             position = self.queue_position(session_id)
             queued_at = self._queue.pop(session_id)
+            del self._order[session_id]
             return [AdmissionTransition(session_id, "dequeued", None, position, now, queued_at)]
         worker_id, worker_changes = self._take_off_worker(session_id, now)
+        del self._order[session_id]
         return [AdmissionTransition(session_id, "released", worker_id, None, now), *worker_changes, *self._promote(now)]
 
     def requeue_head(self, session_id: str, now: float) -> list[Transition]:
-        """Give an assigned session back to the queue's head: its worker refused it (it drains or failed) before
-        it ran. Its slot is released (a draining worker that retains no more is DRAINED) and the queue's heads,
-        this one first, are promoted onto the room there is (never onto that worker: it is not eligible)."""
+        """Give an assigned session back to the queue, towards its head: its worker refused it (it drains or failed)
+        before it ran. It goes in admission order: ahead of every session admitted after it (all that a create
+        queued), behind those given back before it that were admitted before it. Its slot is released (a draining
+        worker that retains no more is DRAINED) and the queue's heads are promoted onto the room there is (never
+        onto that worker: it is not eligible). It may take the queue past ``queue_size`` (see the module)."""
         worker_id, worker_changes = self._take_off_worker(session_id, now)
-        self._queue.push_front(session_id, now)
-        return [AdmissionTransition(session_id, "requeued", worker_id, 1, now, now), *worker_changes,
+        place = 1
+        for queued in self._queue:  # the few given back ahead of it: the rest were admitted after it
+            if self._order[queued] > self._order[session_id]:
+                break
+            place += 1
+        self._queue.insert(place, session_id, now)
+        return [AdmissionTransition(session_id, "requeued", worker_id, place, now, now), *worker_changes,
                 *self._promote(now)]
 
     # -- internals --

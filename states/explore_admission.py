@@ -9,7 +9,8 @@ Events: create the next session, delete any live session, make a starting
 worker ready, fail a worker, set a worker's capacity to any legal value in
 ``1..max_capacity``, hold promotions (the server ending queued sessions a batch
 at a time; one hold at most) and resume them, and give a session on a failed
-worker back to the queue's head (its worker refused it before it ran). Illegal actions (shrinking below
+worker back to the queue, or all it holds one after another (its worker refused them before they ran: the order of
+those given back together is checked too). Illegal actions (shrinking below
 what a worker retains, capacity 0, deleting a rejected session, admitting a
 held session twice, resuming with no hold) are attempted in every world too:
 each must raise its typed error and change nothing, otherwise the world gets a
@@ -52,7 +53,7 @@ class World:
     deleted: frozenset[int] = frozenset()
     rejected: frozenset[int] = frozenset()
     failed: frozenset[str] = frozenset()
-    requeued: frozenset[int] = frozenset()  # sessions given back to the queue's head (they come before the rest)
+    requeued: frozenset[int] = frozenset()  # sessions given back to the queue (in admission order, with the rest)
     notes: tuple[str, ...] = ()
     # computed once: the explorer asks for a world's key more than once
     _key: Hashable = attrs.field(init=False, eq=False, repr=False)
@@ -60,9 +61,13 @@ class World:
     @_key.default
     def _compute_key(self) -> Hashable:
         # deleted and rejected sessions both hold nothing and take no more
-        # events, so which of the two a gone session was does not matter
-        return (self.book.canonical_key(), self.created, self.deleted | self.rejected, self.failed, self.requeued,
-                self.notes)
+        # events, so which of the two a gone session was does not matter; nor
+        # does which were given back once they left the queue (only those
+        # waiting may pass its size, and nothing gives back a second time)
+        queued = set(self.book.queued_ids())
+        waiting = frozenset(i for i in self.requeued if sid(i) in queued)
+        return (self.book.canonical_key(), self.created, self.deleted | self.rejected, self.failed,
+                bool(self.requeued), waiting, self.notes)
 
     def key(self) -> Hashable:
         return self._key
@@ -88,12 +93,19 @@ def _initial(workers: int, capacity: int, queue_size: int, sessions: int, capaci
 
 def _step_notes(
     before: AdmissionBook, transitions: list[Transition], failed: frozenset[str], *, resuming: bool = False,
-    front: tuple[str, ...] = (),
+    given_back: str | None = None,
 ) -> list[str]:
     """Rules judged on the event itself: FIFO promotion (none while held, but for the resume), no new session
-    ahead of queued ones, no landing on a failed worker."""
+    ahead of queued ones, no landing on a failed worker; a session given back goes to its place in admission
+    (here: creation) order."""
     notes = []
-    queue = [*front, *before.queued_ids()]  # ``front``: a session given back to the head by this event
+    queue = list(before.queued_ids())
+    if given_back is not None:
+        queue = sorted([*queue, given_back], key=index_of)
+        said = [t.queue_position for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "requeued"]
+        place = queue.index(given_back) + 1
+        if said != [place]:
+            notes.append(f"{given_back} given back at {said}, its place in admission order {place}")
     promoted = [t.session_id for t in transitions if isinstance(t, AdmissionTransition) and t.kind == "promoted"]
     if promoted and before.promotions_held and not resuming:
         notes.append(f"promoted {promoted} while promotions were held")
@@ -140,6 +152,9 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
         nxt = book.copy()
         admission, transitions = nxt.admit(sid(world.created), NOW)
         notes = _step_notes(book, transitions, world.failed) + _admission_notes(nxt, admission, transitions)
+        queued = book.queued_ids()
+        if queued and len(queued) >= book.queue_size and admission.status != "rejected":
+            notes.append(f"a create was {admission.status} while the queue {list(queued)} was at or past its size")
         rejected = world.rejected | {world.created} if admission.status == "rejected" else world.rejected
         yield f"create {sid(world.created)}", attrs.evolve(
             world, book=nxt, created=world.created + 1, rejected=rejected, notes=(*world.notes, *notes)
@@ -186,19 +201,24 @@ def _successors(world: World) -> Iterator[tuple[str, World]]:
             notes = _step_notes(book, transitions, world.failed)
             yield label, attrs.evolve(world, book=nxt, notes=(*world.notes, *notes))
 
-    # give a session on a failed worker back to the queue's head (the worker refused it as its own state); once a
-    # world at most, as holds are: a second adds orderings of the same rule, and multiplied the worlds by ten
+    # give a session on a failed worker back to the queue (the worker refused it as its own state), or every session
+    # it holds, one after another in the order they came to it (an agent refusing each Start on its way to it, which
+    # checks the order of those given back together); once a world at most, as holds are: a second adds orderings of
+    # the same rule, and multiplied the worlds by ten
     for view in book.workers() if not world.requeued else ():
         if view.worker_id not in world.failed:
             continue
-        for s in view.session_ids:
-            nxt = book.copy()
-            transitions = nxt.requeue_head(s, NOW)
-            notes = _step_notes(book, transitions, world.failed, front=(s,))
-            if [t.kind for t in transitions if isinstance(t, AdmissionTransition)][:1] != ["requeued"]:
-                notes.append(f"requeue of {s} did not say so first")
-            yield f"requeue {s}", attrs.evolve(
-                world, book=nxt, requeued=world.requeued | {index_of(s)}, notes=(*world.notes, *notes)
+        every = [view.session_ids] if len(view.session_ids) > 1 else []
+        for given in [*((s,) for s in view.session_ids), *every]:
+            nxt, notes = book.copy(), []
+            for s in given:
+                before = nxt.copy()
+                transitions = nxt.requeue_head(s, NOW)
+                notes += _step_notes(before, transitions, world.failed, given_back=s)
+                if [t.kind for t in transitions if isinstance(t, AdmissionTransition)][:1] != ["requeued"]:
+                    notes.append(f"requeue of {s} did not say so first")
+            yield f"requeue {' '.join(given)}", attrs.evolve(
+                world, book=nxt, requeued=world.requeued | {index_of(s) for s in given}, notes=(*world.notes, *notes)
             )
 
     # hold promotions (one hold at most: nested holds are a count, and a second adds no behaviour) and resume them
@@ -265,10 +285,10 @@ def _check(world: World) -> list[str]:
             problems.append(f"{view.worker_id} is {view.state.name} but retains {view.retained}")
         if view.state is WorkerState.BUSY and not view.retained:
             problems.append(f"{view.worker_id} is BUSY but retains nothing")
-    # those given back to the head come first; the others wait in creation order
+    # every session waits in creation (admission) order, those given back included
+    if [index_of(s) for s in queue] != sorted(index_of(s) for s in queue):
+        problems.append(f"queue {queue} is not in creation order")
     plain = [index_of(s) for s in queue if index_of(s) not in world.requeued]
-    if plain != sorted(plain) or queue[len(queue) - len(plain):] != [sid(i) for i in plain]:
-        problems.append(f"queue {queue} is not in creation order behind the sessions given back")
     positions = [book.queue_position(s) for s in queue]
     if positions != list(range(1, len(queue) + 1)):
         problems.append(f"queue positions {positions} are not 1..{len(queue)}")

@@ -52,8 +52,10 @@ class RankedQueue:
         return item in self._tickets
 
     def __iter__(self) -> Iterator[str]:
-        """Ids head first (a pass over the queue: for views of all of it, not for one entry)."""
-        return (item for item in self._by_ticket[self._head:] if item is not None)
+        """Ids head first, one at a time (a pass over the queue: for views of all of it, or its first few; it copied
+        the whole queue before the first). The queue must not change while it is iterated."""
+        tickets = self._by_ticket
+        return (tickets[ticket] for ticket in range(self._head, len(tickets)) if tickets[ticket] is not None)
 
     @property
     def tickets_held(self) -> int:
@@ -107,6 +109,22 @@ class RankedQueue:
         while index < len(self._tree):
             self._tree[index] += 1
             index += index & -index
+
+    def insert(self, place: int, item: str, value: float) -> None:
+        """Queue ``item`` (it must not be queued) at the 1-based ``place`` (1 to one past the tail), those from that
+        place on one place back: O(place x log n), for a place near the head (a session given back goes behind the
+        few given back before it that were admitted before it)."""
+        if item in self._tickets:
+            raise ValueError(f"{item!r} is already queued")
+        if isinstance(place, bool) or not isinstance(place, int) or not 1 <= place <= len(self._tickets) + 1:
+            raise ValueError(f"place {place!r} is not one of 1..{len(self._tickets) + 1}")
+        ahead = []
+        for _ in range(place - 1):  # those ahead of it step out and come back in front of it, in their order
+            head = self.head()
+            ahead.append((head, self.pop(head)))
+        self.push_front(item, value)
+        for head, head_value in reversed(ahead):
+            self.push_front(head, head_value)
 
     def pop(self, item: str) -> float:
         """Take ``item`` out wherever it is (KeyError when it is not queued); returns its value."""

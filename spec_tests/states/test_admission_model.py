@@ -32,7 +32,9 @@ class Model:
         self.workers: dict[str, dict] = {}  # id -> {"state", "capacity", "sessions"}
         self.queue: list[str] = []
         self.holds = 0  # promotions held (the server ending queued sessions a batch at a time)
-        self.requeued: set[str] = set()  # sessions given back to the queue's head (they may pass queue_size)
+        self.requeued: set[str] = set()  # sessions given back to the queue (they may pass queue_size)
+        self.order: dict[str, int] = {}  # session -> the number of its (latest) admission
+        self.admitted = 0
 
     def where(self, s: str) -> str | None:
         for wid, w in self.workers.items():
@@ -62,12 +64,14 @@ class Model:
 
     def admit(self, s: str):
         wid = None if self.queue else self.pick()  # first come, first served: never ahead of a queued session
+        if wid is None and self.queue_size == 0:
+            return ("rejected", None, None, "no_capacity"), [("rejected", s, None, None)]
+        if wid is None and len(self.queue) >= self.queue_size:  # at or past its size (sessions given back): refused
+            return ("rejected", None, None, "queue_full"), [("rejected", s, None, None)]
+        self.order[s] = self.admitted
+        self.admitted += 1
         if wid is not None:
             return ("assigned", wid, None, None), self.put(s, wid, "assigned", None)
-        if self.queue_size == 0:
-            return ("rejected", None, None, "no_capacity"), [("rejected", s, None, None)]
-        if len(self.queue) >= self.queue_size:
-            return ("rejected", None, None, "queue_full"), [("rejected", s, None, None)]
         self.queue.append(s)
         n = len(self.queue)
         return ("queued", None, n, None), [("queued", s, None, n)]
@@ -96,10 +100,12 @@ class Model:
 
 
     def requeue(self, s: str) -> list:
+        """Back to the queue in admission order: behind every queued session admitted before it."""
         wid, worker_changes = self.take_off_worker(s)
-        self.queue.insert(0, s)
+        place = sum(self.order[q] < self.order[s] for q in self.queue)
+        self.queue.insert(place, s)
         self.requeued.add(s)
-        return [("requeued", s, wid, 1), *worker_changes, *self.promote()]
+        return [("requeued", s, wid, place + 1), *worker_changes, *self.promote()]
 
 
 def as_tuples(transitions) -> list:
@@ -123,10 +129,14 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.now += 1.0
         return self.now
 
-    @initialize(queue_size=st.integers(0, 3))
-    def start(self, queue_size):
+    @initialize(queue_size=st.integers(0, 3), capacity=st.integers(1, 3))
+    def start(self, queue_size, capacity):
+        """A book with one ready worker (more come with ``add_worker``): sessions to move from the first steps on."""
         self.book = AdmissionBook(queue_size)
         self.model = Model(queue_size)
+        self.book.add_worker("w0", capacity, self.tick())
+        self.model.workers["w0"] = {"state": "idle", "capacity": capacity, "sessions": []}
+        assert as_tuples(self.book.worker_ready("w0", self.tick())) == [("w0", "ready", "idle")]
 
     @precondition(lambda self: len(self.model.workers) < 4)
     @rule(capacity=st.integers(1, 3))
@@ -266,6 +276,22 @@ class AdmissionMachine(RuleBasedStateMachine):
             return
         assert as_tuples(self.book.requeue_head(s, self.tick())) == self.model.requeue(s)
 
+    @precondition(lambda self: any(w["sessions"] for w in self.model.workers.values()))
+    @rule(data=st.data())
+    def an_agent_drains_and_refuses_its_starts(self, data):
+        """A worker that holds sessions drains (or has failed) and refuses each Start on its way to it, in the order
+        they were sent (admitted): every session it holds is given back, one after another, and no worker has room
+        for them meanwhile unless another one has."""
+        holding = sorted((w for w, v in self.model.workers.items() if v["sessions"]),
+                         key=lambda w: (-len(self.model.workers[w]["sessions"]), w))  # the fullest first
+        wid = data.draw(st.sampled_from(holding))
+        w = self.model.workers[wid]
+        if w["state"] in ("idle", "busy"):
+            assert as_tuples(self.book.drain_worker(wid, self.tick())) == [(wid, "drain", "draining")]
+            w["state"] = "draining"
+        for s in list(w["sessions"]):
+            assert as_tuples(self.book.requeue_head(s, self.tick())) == self.model.requeue(s)
+
     @precondition(lambda self: self.model.holds < 2)
     @rule()
     def hold_promotions(self):
@@ -309,15 +335,19 @@ class AdmissionMachine(RuleBasedStateMachine):
     def capacity_queue_and_work_conservation(self):
         views = self.book.workers()
         assert all(v.retained <= v.capacity for v in views)
-        # a session given back to the head was admitted already: it may take the queue past its size, no other
+        # a session given back to the queue was admitted already: it may take the queue past its size, no other
         queued = self.book.queued_ids()
         assert len(queued) <= self.book.queue_size + sum(s in self.model.requeued for s in queued)
+        if queued and len(queued) >= self.book.queue_size:  # at or past its size: no create gets through
+            assert not self.book.would_admit()
+        # the queue holds its sessions in the order they were admitted, those given back included
+        assert [self.model.order[s] for s in queued] == sorted(self.model.order[s] for s in queued)
         if self.book.queued_ids() and not self.model.holds:  # held: room may wait for the resume
             assert not any(v.state in (WS.IDLE, WS.BUSY) and v.retained < v.capacity for v in views)
             assert self.book.snapshot().free_slots == 0
 
 
-AdmissionMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+AdmissionMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestAdmissionMachine = AdmissionMachine.TestCase
 
 

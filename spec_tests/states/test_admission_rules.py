@@ -309,6 +309,28 @@ def test_drain_stops_admission_and_stops_the_worker_when_empty():
     assert book.snapshot().workers_stopped == 2
 
 
+def test_sessions_given_back_keep_their_admission_order_and_may_pass_the_queue_size_but_no_create_does():
+    """A draining worker refuses its two sessions before any worker has room: they wait in the order they were
+    admitted, ahead of the session that queued behind them (each given back to the very head, they came out
+    last-given first). Given back, they take the queue past its size; no create is queued while it is there."""
+    book = book_with(2, queue_size=1)
+    book.admit("s1", 0.0)
+    book.admit("s2", 0.0)
+    assert book.admit("s3", 0.0)[0] == Admission("queued", "s3", queue_position=1)
+    book.drain_worker("w0", 1.0)
+    assert session_moves(book.requeue_head("s1", 2.0)) == [("requeued", "s1", "w0", 1)]
+    assert session_moves(book.requeue_head("s2", 3.0)) == [("requeued", "s2", "w0", 2)]
+    assert book.queued_ids() == ("s1", "s2", "s3") and book.snapshot().queued == 3 > book.queue_size
+    assert not book.would_admit()
+    assert book.admit("s4", 4.0)[0] == Admission("rejected", "s4", reason="queue_full")
+    book.add_worker("w1", 2, 5.0)
+    promoted = [move[1] for move in session_moves(book.worker_ready("w1", 5.0)) if move[0] == "promoted"]
+    assert promoted == ["s1", "s2"] and book.queued_ids() == ("s3",)
+    assert not book.would_admit()  # at its size again: still no create
+    book.release("s1", 6.0)
+    assert book.worker_of("s3") == "w1" and book.admit("s5", 7.0)[0].status == "queued"
+
+
 def test_stop_only_an_empty_worker():
     book = book_with(1, queue_size=0, ready=False)
     assert worker_moves(book.stop_worker("w0", 0.0)) == [("w0", WE.STOP, WS.STOPPED)]

@@ -35,7 +35,8 @@ class CountedId(str):
 # --- the queue against a list ---------------------------------------------------------------------------------
 
 OPS = st.lists(st.one_of(st.just(("append",)), st.tuples(st.just("pop"), st.integers(0, 10_000)),
-                         st.just(("copy",)), st.just(("front",))), max_size=300)
+                         st.just(("copy",)), st.just(("front",)), st.tuples(st.just("insert"), st.integers(0, 10_000))),
+                  max_size=300)
 
 
 @settings(max_examples=200, deadline=None)
@@ -51,6 +52,11 @@ def test_the_queue_agrees_with_a_list(ops) -> None:
             made += 1
             queue.push_front(f"s{made}", float(made))
             model.insert(0, f"s{made}")
+        elif op[0] == "insert":  # a session given back behind those given back before it
+            made += 1
+            place = op[1] % (len(model) + 1) + 1
+            queue.insert(place, f"s{made}", float(made))
+            model.insert(place - 1, f"s{made}")
         elif op[0] == "pop" and model:
             item = model.pop(op[1] % len(model))
             assert queue.pop(item) == float(item[1:])
@@ -71,6 +77,11 @@ def test_refusals_change_nothing() -> None:
     queue.append("a", 1.0)
     with pytest.raises(ValueError):
         queue.append("a", 2.0)
+    for place in (0, 3, True):
+        with pytest.raises(ValueError):
+            queue.insert(place, "b", 2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        queue.insert(1, "a", 2.0)
     with pytest.raises(KeyError):
         queue.pop("b")
     assert list(queue) == ["a"] and queue.get("a") == 1.0
