@@ -145,7 +145,7 @@ class DrainCause(TableEnum):
     COMPLETED = "completed"  # the pipeline's stream ended
     SHUTDOWN = "shutdown"  # the server is shutting down
     WORKER_FAILED = "worker_failed"  # the model worker hosting it failed
-    PIPELINE_STALLED = "pipeline_stalled"  # the pipeline did not take a control within its deadline
+    PIPELINE_STALLED = "pipeline_stalled"  # a control not taken, or a server-push stream's chunk not given, within its deadline
     WORKER_DRAIN = "worker_drain"  # its worker drains (POST /v1/service/workers/{id}/drain, SIGTERM to an agent)
     PIPELINE_FAILED = "pipeline_failed"  # the pipeline raised, broke its contract or did not create the session in time
     TRANSPORT_FAILED = "transport_failed"  # the worker could not join its room, or lost it
