@@ -208,11 +208,10 @@ class ClusterAuthority:
 
                 nursery.start_soon(pump)
                 cause = await self._read(worker)
-                if cause is not None:  # lost before its pump is cancelled: it tells the agent why (RemoteWorker.pump)
-                    self._lost(worker.worker_id, cause)
                 nursery.cancel_scope.cancel()
         if cause is not None:
             self._lost(worker.worker_id, cause)
+            await worker.tell_loss()  # why, where the connection still takes it (its pump had no loss to say)
         await channel.aclose()
 
     def _wrap(self, stream: trio.abc.Stream) -> trio.abc.Stream:

@@ -156,11 +156,19 @@ class RemoteWorker:
                 if self._stopping:
                     await self._say_last(Goodbye(AUTHORITY_STOPPING))
                 elif self._tell_loss:
-                    await self._say_last(Refused(f"the authority lost this worker: {self.lost_cause}"))
+                    await self.tell_loss()
         if self._stalled is not None:
             return self._stalled
         await self.channel.aclose()  # stopped or lost: the connection ends, and with it the reader
         return None
+
+    async def tell_loss(self) -> None:
+        """Tell the agent why the authority lost it (once; a tagged refusal, which the agent counts toward its
+        crash-loop limit), then close: the pump does as the outbox closes, the connection's handler once the reader
+        found the cause (its pump was cancelled with no loss to say). Not past a frame cut half-way."""
+        if self._tell_loss and not self.channel.frame_cut:
+            self._tell_loss = False
+            await self._say_last(Refused(f"the authority lost this worker: {self.lost_cause}"))
 
     async def _say_last(self, message: Message) -> None:
         """Tell the agent why the connection ends (a tagged frame: only the authority can say it), then close."""

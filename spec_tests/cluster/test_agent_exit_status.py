@@ -24,7 +24,9 @@ from .conftest import INTERVAL, TINY, TOKEN, Controller, Process, chunkline, cle
 from .test_agent_start_signals import HeldAuthority, exit_code, logged
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve, welcome
 
-CUT_OFF = "authority connection ended"  # the line of an agent that dials again after its registration ended
+CUT_OFF = "authority connection ended"  # the line of an agent that dials again after its registration ended, counted
+#: the line of an agent that dials again, uncounted, after its authority closed the registration with no word
+GONE = "the authority went away without a word"
 STALLED = "the authority this agent registered with has stalled"
 #: seconds from a frozen authority to the agent's line about its silent dial: the fence (half the deadline), the
 #: backoff, and the dial's own 10 s wait for a hello (agent_handshake.CONNECT_TIMEOUT), with a margin
@@ -75,7 +77,7 @@ async def test_an_agent_stopped_while_it_dials_again_exits_128_plus_the_signal()
             with trio.fail_after(START_DEADLINE):
                 await authority.registered.wait()
             authority.cut.set()
-            await logged(agent, CUT_OFF, 30)  # registered no more: it dials again
+            await logged(agent, GONE, 30)  # registered no more: it dials again
             agent.popen.send_signal(signal.SIGTERM)
             code = await exit_code(agent)
         finally:
