@@ -373,7 +373,9 @@ async def test_an_agent_keeps_dialing_an_authority_that_is_not_up_and_registers_
         cluster = start_authority("--cluster-port", str(port), launcher="external", workers=1)
         await until(lambda: any(w.get("pid") == agent.popen.pid for w in cluster.workers()),
                     "the agent to register", cluster)
-        assert re.search(r"registered as \S+ with \S+ after \d+ dials over \d+ s", agent.text(200_000)), agent.text()
+        # the authority lists it before its welcome goes out: the agent's line may come a moment later
+        await until(lambda: re.search(r"registered as \S+ with \S+ after \d+ dials over \d+ s", agent.text(200_000)),
+                    "the agent's line about its registration", cluster, deadline=30)
     finally:
         if cluster is not None:
             cluster.stop()
