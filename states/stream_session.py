@@ -126,7 +126,7 @@ RETAINING = frozenset(
 
 #: States of a session placed on a worker that has not started running it yet: those its room runner's progress
 #: moves on from (read from the table). A worker agent that leaves a session here past the authority's start deadline
-#: (``server.cluster.remote.start_deadline``) fails it: it held its slot for ever.
+#: (``server.cluster.session_deadlines.start_deadline``) fails it: it held its slot for ever.
 STARTING = frozenset(state for (state, event) in TRANSITIONS if event in RUNNER_PROGRESS)
 
 # States in which the worker is in the room with its media (the seed's "transport connected").
