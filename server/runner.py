@@ -152,6 +152,8 @@ class RoomRunner:
         stalled): cleanup still runs."""
         if self._failure is None:
             self._failure = reason
+            # the run's own failures are logged where they are caught; this one ends it by a cancel, unlogged before
+            log.warning("session %s failed: %s", self.record.session_id, reason)
         self.drain(cause, reason)
         self._session_scope.cancel()
 

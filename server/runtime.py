@@ -58,8 +58,6 @@ SWEEP_PERIOD = 1.0
 DELETE_WAIT = 15.0
 #: creates whose image is being decoded at once (each up to MAX_IMAGE_PIXELS, in a thread); the rest wait
 IMAGE_DECODES_AT_ONCE = 2
-
-
 #: viewer identities one session may mint tokens for (each can hold one room socket)
 MAX_VIEWERS_PER_SESSION = 32
 #: the error of a session still queued when the server stops
@@ -171,7 +169,8 @@ class StreamRuntime:
         with trio.move_on_after(grace):
             for runner in list(self.runners.values()):
                 await runner.finished.wait()
-        for runner in list(self.runners.values()):
+        aborted = list(self.runners.values())  # still live past the grace: stopped at once now
+        for runner in aborted:
             runner.abort()
         with trio.move_on_after(grace):
             for runner in list(self.runners.values()):
@@ -182,7 +181,7 @@ class StreamRuntime:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
         self.uploads.remove()
-        log.info("shutdown complete: %d session(s) drained", live)
+        log.info("shutdown complete: %d session(s) drained, %d stopped at once past the grace", live - len(aborted), len(aborted))
         self._shut_down.set()
 
     # -- workers -----------------------------------------------------------------
@@ -455,8 +454,7 @@ class StreamRuntime:
 
     def requeue(self, runner: Any) -> None:
         """A worker refused an assigned session before it ran, as its own state (it drains or failed, and said so
-        first): the session goes back to the queue, ahead of every session created after it (its id, room, tokens and
-        client stay: ``AdmissionBook.requeue_head``), and is admitted to the next free worker."""
+        first): back to the queue, ahead of every session created after it (``AdmissionBook.requeue_head``)."""
         record = runner.record
         now = trio.current_time()
         self.runners.pop(record.session_id, None)

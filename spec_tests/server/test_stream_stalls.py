@@ -9,6 +9,7 @@ admitted. Through the app's HTTP API and a room socket, on trio's autojump clock
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -59,8 +60,9 @@ async def until(t: float) -> None:
 @pytest.mark.parametrize(("given", "deadline"), [(1, CHUNK_STALL_TIMEOUT), (0, CREATE_PIPELINE_TIMEOUT)],
                          ids=["after_its_first_chunk", "before_its_first_chunk"])
 async def test_a_stream_that_stops_giving_chunks_fails_its_session_as_stalled_and_frees_the_slot(
-    given: int, deadline: float, autojump_clock: Any
+    given: int, deadline: float, autojump_clock: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="chunkline")
     service = StallingStream(given)
     async with serve(settings(queue_size=0), service) as s:
         created = await s.create("ctl")
@@ -77,6 +79,8 @@ async def test_a_stream_that_stops_giving_chunks_fails_its_session_as_stalled_an
             told = f"the pipeline stalled: chunk {given} of its stream did not come within {deadline:g} s"
             assert record["status"] == "failed" and record["drain_cause"] == "pipeline_stalled", record
             assert record["error"] == told
+            # the log says so too (a failure that ends the run by a cancel went unlogged)
+            assert f"session {session_id} failed: {told}" in caplog.messages
             (error,) = await ctl.wait_for(lambda p: p.status("error"), "the error on tf.status")
             assert error["reason"] == "pipeline_stalled" and error["detail"] == told
         assert service.closed.is_set()  # the stream was closed
