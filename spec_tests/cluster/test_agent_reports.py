@@ -34,7 +34,7 @@ from server import runner
 from server.tokens import MAX_IDENTITY_LENGTH
 
 from .conftest import INTERVAL, ROOT, TINY, TOKEN, Cluster, Process, chunkline, clean_env, until
-from .test_hostile_agents import PLAN, closed_by_peer, dial, losses, register, say_ready
+from .wire_peer import PLAN, closed_by_peer, dial, losses, register, say_ready
 
 #: more than any field a real agent sends; two of them less than an agent's frame (wire.MAX_AGENT_FRAME_BYTES)
 HUGE = 256 * 1024

@@ -29,7 +29,7 @@ from server.transport.client import RoomClient
 
 from .conftest import TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, until
 from .test_agent_reports import ready_agent, session
-from .test_hostile_agents import closed_by_peer, losses, register
+from .wire_peer import closed_by_peer, losses, register
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve, welcome
 from .test_launcher_order import Authority
 

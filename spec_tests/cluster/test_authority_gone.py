@@ -24,7 +24,7 @@ from server.cluster.dial_ends import DIAL_LOG_EVERY, WAIT_POLICY, End, Ended, Pa
 
 from .conftest import TOKEN, Cluster, start_authority
 from .test_agent_dial_ends import agent_dialing
-from .test_hostile_agents import register, say_ready
+from .wire_peer import register, say_ready
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, welcome
 
 GONE = "went away without a word"

@@ -19,7 +19,7 @@ from server.cluster.remote import AUTHORITY_STOPPING, RemoteWorker
 
 from .conftest import start_authority
 from .test_agent_dial_ends import agent_dialing
-from .test_hostile_agents import PLAN, register
+from .wire_peer import PLAN, register
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, welcome
 
 

@@ -11,7 +11,7 @@ from server.cluster import wire
 from server.option_check import CHECK_OPTIONS_TIMEOUT
 
 from .conftest import INTERVAL, TINY, TOKEN, Process, chunkline, clean_env, start_authority, until
-from .test_hostile_agents import register, say_ready
+from .wire_peer import register, say_ready
 
 REFUSED_OPTIONS = {"identity": "ctl", "config": {"k": 1}}  # the tiny world's check refuses an option it does not know
 

@@ -20,7 +20,7 @@ from server.cluster.authority import HANDSHAKE_TIMEOUT
 from states.stream_session import DrainCause
 
 from .conftest import INTERVAL, TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, start_authority, until
-from .test_hostile_agents import PLAN, register, say_ready
+from .wire_peer import PLAN, register, say_ready
 
 
 async def test_a_session_its_agent_refuses_as_it_drains_is_admitted_to_the_next_worker() -> None:

@@ -30,7 +30,7 @@ from server.runtime import StreamRuntime
 from ..server.runner_fixtures import settings
 from ..virtual_time import elapse
 from .conftest import TINY, TOKEN
-from .test_hostile_agents import PLAN
+from .wire_peer import PLAN
 
 INTERVAL, DEADLINE = 0.5, 4.0
 CONTROLLER_TIMEOUT = 60.0
