@@ -77,7 +77,7 @@ class SilentAgent:
                 await self.channel.send(wire.Heartbeat(seq, ()))
             except wire.ConnectionClosed:
                 return
-            await trio.sleep(INTERVAL)
+            await trio.sleep(INTERVAL)  # bench-cost: the agent's heartbeat period, on the mock clock
 
     async def read(self) -> None:
         try:

@@ -78,7 +78,7 @@ async def test_a_stream_whose_every_chunk_comes_within_the_deadline_is_not_cut(
     class Slow(MinimalService):
         async def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
             for index in range(3):
-                await trio.sleep(CHUNK_STALL_TIMEOUT - 1)
+                await trio.sleep(CHUNK_STALL_TIMEOUT - 1)  # bench-cost: a chunk just inside the deadline, on the autojump clock
                 yield Chunk(index, np.zeros((2, 8, 8, 3), np.uint8), 8.0)
 
     summary = await run_offline(Slow(), SessionConfig(), None, 3, tmp_path, deadlines=DEADLINES)

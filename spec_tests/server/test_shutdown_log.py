@@ -1,8 +1,8 @@
 """The server's last log line of a shutdown says how its sessions ended: drained, or stopped at once past the grace.
 
 It said ``shutdown complete: 1 session(s) drained`` for a session whose drain outlasted the grace (its stream's
-cleanup took longer) and which was stopped at once when the grace ran out; an operator reading it took that session for drained. Through the app and a
-room socket, on trio's autojump clock.
+cleanup took longer) and which was stopped at once when the grace ran out; an operator reading it took that session
+for drained. Through the app and a room socket, on trio's autojump clock.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class OneChunkThenSilence(ServerPushService):
             await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
-                await trio.sleep(3 * GRACE)
+                await trio.sleep(3 * GRACE)  # bench-cost: the stream cleanup's cost, on the autojump clock
 
 
 async def test_a_session_stopped_at_once_past_the_grace_is_not_logged_as_drained(

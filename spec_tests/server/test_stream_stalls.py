@@ -45,7 +45,7 @@ class StallingStream(ServerPushService):
     async def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
         try:
             for index in range(self.chunks):
-                await trio.sleep(self.pause)
+                await trio.sleep(self.pause)  # bench-cost: the stream's time to make a chunk, on the autojump clock
                 yield Chunk(index=index, frames=np.zeros((1, 16, 16, 3), np.uint8), fps=4.0)
             await trio.sleep_forever()
         finally:
