@@ -181,7 +181,8 @@ class StreamRuntime:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
         self.uploads.remove()
-        log.info("shutdown complete: %d session(s) drained, %d stopped at once past the grace", live - len(aborted), len(aborted))
+        log.info("shutdown complete: %d session(s) drained, %d stopped at once past the grace", live - len(aborted),
+                 len(aborted))
         self._shut_down.set()
 
     # -- workers -----------------------------------------------------------------
@@ -426,9 +427,7 @@ class StreamRuntime:
     def _follow(self, transitions: list[Transition]) -> None:
         """Carry the book's decisions into the records and start runners for new assignments."""
         for transition in transitions:
-            if not isinstance(transition, AdmissionTransition):
-                continue
-            if transition.kind not in ("assigned", "promoted"):
+            if not isinstance(transition, AdmissionTransition) or transition.kind not in ("assigned", "promoted"):
                 continue
             record = self.registry.find(transition.session_id)
             if record is None or record.is_terminal:
@@ -455,12 +454,11 @@ class StreamRuntime:
     def requeue(self, runner: Any) -> None:
         """A worker refused an assigned session before it ran, as its own state (it drains or failed, and said so
         first): back to the queue, ahead of every session created after it (``AdmissionBook.requeue_head``)."""
-        record = runner.record
-        now = trio.current_time()
-        self.runners.pop(record.session_id, None)
-        self.lifecycle.requeue(record)  # its room stays followed as a queued session's (it was never handed over)
+        session_id, now = runner.record.session_id, trio.current_time()
+        self.runners.pop(session_id, None)
+        self.lifecycle.requeue(runner.record)  # its room stays followed as a queued session's (never handed over)
         self._notice_failing(now)
-        self._follow(self.book.requeue_head(record.session_id, now))
+        self._follow(self.book.requeue_head(session_id, now))
 
     # -- time ----------------------------------------------------------------------------
 
