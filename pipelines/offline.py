@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 import trio
 
+from .chunk_wait import ChunkLate, next_chunk_within
 from .contract import (
     BidirectionalService,
     Chunk,
@@ -139,19 +140,16 @@ class _Run:
         pipeline's failure, never the request's (a ValueError too): a :class:`ChunkFailed` naming the chunk."""
         index = self.order.next_index
         seconds = self.deadlines.create_session if setup else self.deadlines.chunk
-        with trio.move_on_after(seconds):
-            try:
-                chunk = await iterator.__anext__()
-            except StopAsyncIteration:
-                return None
-            except PipelineContractError:
-                raise
-            except Exception as exc:
-                raise ChunkFailed(f"the pipeline failed making chunk {index}: {type(exc).__name__}: {exc}") from exc
-            return self.order.check(chunk)
-        if setup:
-            raise PipelineCallError(call, f"gave no first chunk within {seconds:g} s")
-        raise PipelineCallError(call, f"stalled: chunk {index} did not come within {seconds:g} s")
+        try:
+            return await next_chunk_within(iterator, self.order, seconds)
+        except ChunkLate as late:
+            if setup:
+                raise PipelineCallError(call, f"gave no first chunk within {seconds:g} s") from None
+            raise PipelineCallError(call, f"stalled: {late}") from None
+        except PipelineContractError:
+            raise
+        except Exception as exc:
+            raise ChunkFailed(f"the pipeline failed making chunk {index}: {type(exc).__name__}: {exc}") from exc
 
     async def close(self, call: str, function: Callable[[], Any]) -> None:
         """A bounded close; one cut at its deadline is a warning, the run's output kept."""

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
+from pipelines.chunk_wait import ChunkLate, next_chunk_within
 from pipelines.contract import Chunk, ChunkOrder
 
 __all__ = ["StreamStalled", "close_stream", "next_chunk"]
@@ -32,14 +33,10 @@ async def next_chunk(stream: AsyncIterator[Chunk], order: ChunkOrder, *, first_w
                      then_within: float) -> Chunk | None:
     """The stream's next chunk, checked by ``order`` (None: the stream ended), within ``first_within`` seconds for
     its first chunk and ``then_within`` for any other; past it :class:`StreamStalled`."""
-    seconds = first_within if order.next_index == 0 else then_within
-    with trio.move_on_after(seconds):
-        try:
-            chunk = await stream.__anext__()
-        except StopAsyncIteration:
-            return None
-        return order.check(chunk)
-    raise StreamStalled(order.next_index, seconds)
+    try:
+        return await next_chunk_within(stream, order, first_within if order.next_index == 0 else then_within)
+    except ChunkLate as late:
+        raise StreamStalled(late.index, late.seconds) from None
 
 
 async def close_stream(stream: AsyncIterator[Chunk], seconds: float) -> bool:
