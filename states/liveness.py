@@ -23,10 +23,11 @@ A worker that registers must also say READY within ``ready_within`` seconds (whe
 has one): heartbeats alone keep a CONNECTED worker alive, and one that never becomes ready
 would hold its place in admission (sessions queued for it) for ever. :meth:`expire` loses it.
 Likewise a draining worker given a deadline (``drain(..., within=)``) that has not said
-goodbye by then is lost: its sessions cannot outlive the drain. And a worker asked to stop a
-session (:meth:`owe_stop`) must report it finished (:meth:`stop_answered`) within the time it
-was given: heartbeats alone kept a worker that never stopped its session (its slot taken, its
-DELETE answered ``draining`` for ever) alive for as long as it stayed connected.
+goodbye by then is lost: its sessions cannot outlive the drain. And a worker that owes a
+session's finish (:meth:`owe_stop`: it was asked to stop the session, or said it drains it)
+must report it finished (:meth:`stop_answered`) within the time it was given: heartbeats alone
+kept a worker that never stopped its session (its slot taken, its DELETE answered ``draining``
+for ever) alive for as long as it stayed connected.
 
 The book is pure: no clock (every method that needs time takes ``now``), no
 I/O. Terminal entries are kept up to ``retain_terminal`` (oldest forgotten);
@@ -169,7 +170,8 @@ class _Entry:
     last_heard: float
     cause: str | None = None
     leave_by: float | None = None  # a draining worker's deadline to say goodbye (None: no limit)
-    stops_owed: dict[str, float] = attrs.Factory(dict)  # session id -> when its stop's deadline passes
+    #: session id -> when the deadline of its finish passes, and that deadline's words in a loss cause
+    stops_owed: dict[str, tuple[float, str]] = attrs.Factory(dict)
 
 
 #: a loss cause's first words and the bounded Prometheus label it is counted under. Each cause says only what the
@@ -323,13 +325,16 @@ class LivenessBook:
             self._entries[worker_id].leave_by = now + within
         return moved
 
-    def owe_stop(self, worker_id: str, session_id: str, now: float, within: float) -> bool:
-        """The worker was asked to stop ``session_id``: it must report it finished within ``within`` seconds, or
-        :meth:`expire` loses it (heartbeats do not help). False: not live, or that stop is owed already."""
+    def owe_stop(self, worker_id: str, session_id: str, now: float, within: float, *,
+                 by: str = "by its stop deadline") -> bool:
+        """The worker was asked to stop ``session_id`` (or said it drains it): it must report it finished within
+        ``within`` seconds, or :meth:`expire` loses it (heartbeats do not help), the cause saying the session was
+        "not reported finished" ``by`` what. False: not live, or that finish is owed already (its first deadline
+        stands)."""
         entry = self._entries.get(worker_id)
         if entry is None or entry.machine.is_terminal or session_id in entry.stops_owed:
             return False
-        entry.stops_owed[session_id] = now + within
+        entry.stops_owed[session_id] = (now + within, by)
         return True
 
     def stop_answered(self, worker_id: str, session_id: str) -> None:
@@ -353,11 +358,12 @@ class LivenessBook:
         for wid, entry in sorted(self._entries.items()):
             if entry.machine.is_terminal or now < self._due(entry):
                 continue
-            overdue = sorted((due, sid) for sid, due in entry.stops_owed.items() if now >= due)
+            overdue = sorted((due, sid, by) for sid, (due, by) in entry.stops_owed.items() if now >= due)
             if now >= entry.last_heard + self._deadline:
                 cause = f"heartbeat missed (nothing heard for {now - entry.last_heard:.1f} s)"
             elif overdue:
-                cause = f"protocol error: session {overdue[0][1]} not reported finished by its stop deadline"
+                _, session_id, by = overdue[0]
+                cause = f"protocol error: session {session_id} not reported finished {by}"
             elif entry.machine.state in DRAINING_STATES:
                 cause = f"protocol error: still draining {now - entry.leave_by:.1f} s past its drain deadline"  # type: ignore[operator]
             else:
@@ -373,7 +379,7 @@ class LivenessBook:
         if entry.leave_by is not None and entry.machine.state in DRAINING_STATES:
             due = min(due, entry.leave_by)
         if entry.stops_owed:
-            due = min(due, *entry.stops_owed.values())
+            due = min(due, *(owed for owed, _ in entry.stops_owed.values()))
         return due
 
     # -- internals --

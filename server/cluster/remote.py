@@ -13,18 +13,15 @@ worker is in it, and takes the agent's reports from then on.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import itertools
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from pipelines.paths import open_regular_file, read_at_most
 from states.liveness import LivenessBook
 from states.stream_session import LIVE_MEDIA, REQUEUABLE, STARTING, DrainCause, Event
 from states.worker import REFUSES_STARTS
@@ -34,7 +31,8 @@ from ..reasons import cut, echo, public_reason, without_prefix
 from ..requests import OptionsRefused
 from ..tokens import MAX_IDENTITY_LENGTH
 from .identity import worker_participant
-from .session_deadlines import STOP_DEADLINE, start_deadline
+from .session_deadlines import DRAIN_DEADLINE, NOT_FINISHED_AFTER_DRAIN, STOP_DEADLINE, start_deadline
+from .start_image import MAX_IMAGE_BYTES, read_image
 from .wire import (
     Channel, CheckOptions, ConnectionClosed, Goodbye, Message, OptionsChecked, Participants, Refused, SessionEvent,
     SessionFinished, Start, Stop,
@@ -49,7 +47,6 @@ __all__ = ["RemoteWorker", "RemoteRun", "PlanView", "MAX_IMAGE_BYTES", "STOP_DEA
 
 log = logging.getLogger("chunkline.cluster")
 
-MAX_IMAGE_BYTES = 8 * 1024 * 1024
 OUTBOX = 256  # messages waiting for an agent's connection; one more means it stopped reading
 #: the authority's goodbye to its agents as it stops (after its own drain): an agent dials again without counting the
 #: close toward its crash-loop limit (it counted, and 9 authority restarts in a minute ended every external agent)
@@ -230,8 +227,13 @@ class RemoteWorker:
             return  # that stop, or a stronger one, was sent
         self._stops_sent[session_id] = now
         self.send(Stop(session_id, cause.value, now=now))
+        self._owe_finish(session_id, STOP_DEADLINE)
+
+    def _owe_finish(self, session_id: str, within: float, by: str = "by its stop deadline") -> None:
+        """The agent must report ``session_id`` finished within ``within`` seconds, or be lost (the loss says it was
+        not reported finished ``by`` what); a deadline already owed for it stands."""
         if self._liveness is not None and self._liveness.owe_stop(self.worker_id, session_id, trio.current_time(),
-                                                                  STOP_DEADLINE):
+                                                                  within, by=by):
             self._deadlines_changed()
 
     def run_ended(self, session_id: str, *, stop_owed: bool = False) -> None:
@@ -252,7 +254,7 @@ class RemoteWorker:
         if expect is not None:  # local rooms admit this agent's worker token, and no other
             expect(record.room, self.identity)
         try:
-            image, suffix = _read_image(record.image_path)
+            image, suffix = read_image(record.image_path)
         except (OSError, ValueError) as exc:
             # a queued session's file may be gone or grown by its turn: that session fails, alone,
             # once the runtime has recorded this run (it is mid-way through its own book-keeping now)
@@ -291,10 +293,14 @@ class RemoteWorker:
             record.pipeline_session_id = cut(message.pipeline_session_id, MAX_IDENTITY_LENGTH)
         # the agent's progress moves the authority's record through its lifecycle, and its drain drains it with the
         # agent's cause (a drain the authority applied first stays); the end arrives with the finish (SessionFinished)
-        if message.drain_cause:
-            run.runtime.lifecycle.drain(record, _drain_cause(message.drain_cause), _public(message.drain_detail))
+        if message.drain_cause and run.runtime.lifecycle.drain(record, _drain_cause(message.drain_cause),
+                                                               _public(message.drain_detail)):
+            # its runner drains on its own (no Stop asked for it): the finish is owed within a Stop's bounds, or the
+            # agent is lost (it held the session, draining, and its slot for as long as it heartbeated)
+            self._owe_finish(message.session_id, DRAIN_DEADLINE, NOT_FINISHED_AFTER_DRAIN)
         if run.runtime.lifecycle.step(record, event) and record.status in LIVE_MEDIA:
             run.media_reported = True  # the agent's runner joined its room and started its media
+        run.moved()
         if run.media_reported:  # an event from before its worker joined the room names nobody: not the room's word
             run.take_participants(message.participants)
 
@@ -359,19 +365,6 @@ def _drain_cause(value: str) -> DrainCause:
         return DrainCause.WORKER_FAILED  # an agent of this version sends only known causes
 
 
-def _read_image(path: str | None) -> tuple[str | None, str | None]:
-    if path is None:
-        return None, None
-    name = Path(path).name  # the client named it; the server's folders are not the client's business
-    try:  # a pipe swapped in would hold the event loop: a regular file only
-        data = read_at_most(open_regular_file(path), MAX_IMAGE_BYTES)
-    except OSError as exc:
-        raise ValueError(f"the reference image {name!r} cannot be read: {exc.strerror or exc}") from None
-    if data is None:
-        raise ValueError(f"the reference image {name!r} is larger than {MAX_IMAGE_BYTES} bytes")
-    return base64.b64encode(data).decode(), Path(path).suffix or None
-
-
 @attrs.define
 class _Check:
     """One option check awaiting its agent's answer."""
@@ -394,6 +387,13 @@ class RemoteRun:
         #: never did, and the authority tells the room itself
         self.told_room = False
         self.media_reported = False  # the agent's progress took the session into LIVE_MEDIA (it joined its room)
+        self._started = trio.Event()  # it left its starting states (runs, drains or ended): the start's wait ends
+
+    def moved(self) -> None:
+        """The session's record may have moved (the agent's progress or drain, the authority's drain or end): once
+        it has left its starting states, nothing waits on its start any more."""
+        if self.finished.is_set() or self.record.status not in STARTING:
+            self._started.set()
 
     @property
     def in_room_with_media(self) -> bool:
@@ -423,6 +423,7 @@ class RemoteRun:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""
         self.runtime.lifecycle.drain(self.record, cause, detail)
         self.worker.send_stop(self.record.session_id, cause)
+        self.moved()
 
     def abort(self, cause: DrainCause = DrainCause.SHUTDOWN) -> None:
         """Stop at once; a lost worker's sessions are settled here, failed with the cause."""
@@ -431,6 +432,7 @@ class RemoteRun:
             return
         self.runtime.lifecycle.drain(self.record, cause)
         self.worker.send_stop(self.record.session_id, cause, now=True)
+        self.moved()
 
     def fail(self, reason: str, cause: DrainCause = DrainCause.WORKER_FAILED) -> None:
         """The worker under the session is gone: settle it failed, naming the loss when there is one."""
@@ -450,15 +452,17 @@ class RemoteRun:
             forget(self.record.room)
         self.runtime.requeue(self)
         self.finished.set()
+        self.moved()
 
     async def hold_to_start(self, within: float) -> None:
         """The agent has ``within`` seconds (:func:`~server.cluster.session_deadlines.start_deadline`) to take the
         session out of its starting states: it runs, drains or ends. Past that it fails, naming the worker and the
         deadline; the agent is told to stop it and still owes its finish (by the stop's deadline, or it is lost), and
         the slot goes to the next session. Left to the agent, a session it never spoke of again held its slot for
-        ever."""
+        ever. The wait ends as the session leaves its starting states (:meth:`moved`): it slept the whole deadline,
+        140 s, after every session had started."""
         with trio.move_on_after(within):
-            await self.finished.wait()
+            await self._started.wait()
             return
         if self.record.status not in STARTING:
             return
@@ -485,3 +489,4 @@ class RemoteRun:
             forget(self.record.room)
         self.runtime.session_finished(self, error)  # type: ignore[arg-type]
         self.finished.set()
+        self.moved()

@@ -97,6 +97,21 @@ def test_a_worker_that_never_finishes_a_session_it_was_asked_to_stop_is_lost_at_
     assert not book.owe_stop("mute", "s3", 7.0, 1.0)  # lost: it owes nothing more
 
 
+def test_a_finish_owed_for_a_drain_the_worker_reported_names_that_deadline_in_the_loss() -> None:
+    """A session the worker drains on its own owes its finish too (no stop was sent): the loss says which deadline
+    it missed, and the earliest deadline owed for a session stands."""
+    book = LivenessBook(3.0)
+    book.register("w", 0.0)
+    book.ready("w", 0.0)
+    assert book.owe_stop("w", "s1", 1.0, 4.0, by="within 4 s of the drain its agent reported")
+    assert not book.owe_stop("w", "s1", 2.0, 4.0)  # a stop after the reported drain: the drain's deadline stands
+    for now in (2.0, 3.0, 4.0):
+        assert book.heard("w", now)
+    assert book.next_deadline() == 5.0
+    [lost] = book.expire(5.0)
+    assert lost.cause == "protocol error: session s1 not reported finished within 4 s of the drain its agent reported"
+
+
 def test_messages_from_a_dead_id_are_dropped_and_counted() -> None:
     book = LivenessBook(3.0)
     book.register("a", 0.0)
