@@ -18,6 +18,7 @@ from states import stream_session as table
 from states.stream_session import DrainCause, Event, State, StreamSessionMachine
 
 from .reasons import echo
+from .viewer_seats import ViewerPasses
 
 __all__ = ["SessionRecord", "SessionRegistry", "UnknownCursor", "UnknownStreamSession"]
 
@@ -48,7 +49,7 @@ class SessionRecord:
     updated_at: float = 0.0
     terminal_since: float | None = None  # trio clock
     participants: set[str] = attrs.Factory(set)  # identities present in the room (worker excluded)
-    viewer_identities: set[str] = attrs.Factory(set)  # identities viewer tokens were minted for
+    viewer_passes: ViewerPasses = attrs.Factory(ViewerPasses)  # viewer tokens handed out, not used yet (bounded)
     drain_cause: DrainCause | None = None  # why it drains: set once, with its DRAIN (server.lifecycle)
     drain_detail: str | None = None  # the cause in words (the error, should the cause fail the session)
     upload_path: str | None = None  # a server-owned copy of an uploaded image, deleted when terminal

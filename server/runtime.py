@@ -28,11 +28,9 @@ from states.worker import TERMINAL as WORKER_TERMINAL
 from states.worker import DRAINABLE as WORKER_DRAINABLE, LOADING as WORKER_LOADING
 
 from .metrics import ServerMetrics
-from .cluster.identity import worker_participant
 from .in_process_workers import InProcessWorkers
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle
-from .reasons import echo
 from .registry import SessionRecord, SessionRegistry
 from . import option_check, runtime_views
 from .queued_ends import QueuedEnds
@@ -44,10 +42,11 @@ from .settings import ServerSettings
 from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
 from .uploads import UploadFolder
+from .viewer_seats import MAX_VIEWERS_PER_SESSION, ViewerSeats
 from .worker_slots import WorkerSlots
 
 __all__ = ["StreamRuntime", "CreateSession", "SessionConflict", "Created", "NoWorker", "ViewerLimit",
-           "NO_WORKER_RETRY_AFTER"]
+           "NO_WORKER_RETRY_AFTER", "MAX_VIEWERS_PER_SESSION"]
 
 log = logging.getLogger("chunkline.runtime")
 
@@ -58,8 +57,6 @@ SWEEP_PERIOD = 1.0
 DELETE_WAIT = 15.0
 #: creates whose image is being decoded at once (each up to MAX_IMAGE_PIXELS, in a thread); the rest wait
 IMAGE_DECODES_AT_ONCE = 2
-#: viewer identities one session may mint tokens for (each can hold one room socket)
-MAX_VIEWERS_PER_SESSION = 32
 #: the error of a session still queued when the server stops
 SHUTDOWN_REASON = "the server shut down before the session could start"
 
@@ -88,6 +85,7 @@ class StreamRuntime:
         self.metrics = metrics
         self.registry = SessionRegistry()
         self.lifecycle = SessionLifecycle(self.registry)
+        self.viewer_seats = ViewerSeats(issuer.ttl_seconds, self.registry.in_room)
         #: each session's room from its creation: until it ends (local rooms), or until its worker sees it (LiveKit)
         self.room_follow = RoomFollow(transport)
         self.runner_deps = RunnerDeps(
@@ -380,22 +378,13 @@ class StreamRuntime:
         return record
 
     def viewer_token(self, session_id: str, identity: str, present: frozenset[str] = frozenset()) -> str:
-        """A viewer token for the session's room; ``present``: who a list of the room made for this request saw,
-        refused like the record's participants (LiveKit: :meth:`RoomFollow.look_now`; the count stays the record's)."""
+        """A viewer token for the session's room, if a viewer seat is free (:mod:`server.viewer_seats`); ``present``:
+        who a list of the room made for this request saw, besides the record's count (LiveKit: ``look_now``)."""
         record = self.registry.get(session_id)
         identity = validate_client_identity(identity)
         if record.is_terminal:
             raise SessionConflict(f"session {session_id} is {record.status.value}")
-        limit = MAX_VIEWERS_PER_SESSION
-        if identity not in record.viewer_identities and len(record.viewer_identities) >= limit:
-            raise ViewerLimit(f"session {session_id} already has {limit} viewer identities, the most one room holds")
-        taken = {record.controller_identity, *(worker_participant(w) for w in self.workers)}
-        in_room = identity in record.participants or identity in present
-        if identity in taken or in_room and identity not in record.viewer_identities:
-            raise SessionConflict(f"identity {echo(identity)} is already used in this room")
-        if identity in record.viewer_identities and in_room:
-            raise SessionConflict(f"viewer {echo(identity)} is already in the room")
-        record.viewer_identities.add(identity)
+        self.viewer_seats.hand_out(record, identity, present)
         return self.issuer.viewer_token(record.room, identity)
 
     # -- internal moves ------------------------------------------------------------------

@@ -127,6 +127,7 @@ _REJECTED: Final = {
     "session_closed": "the session has ended: its room is closed",
     "identity_in_use": "a participant with this identity is already in the room",
     "room_full": "the room has as many participants as it takes",
+    "viewer_limit": "every viewer seat of the session is taken: try again when a viewer leaves",
 }
 
 

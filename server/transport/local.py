@@ -15,7 +15,8 @@ Wire format (WebSocket):
   ``{"type": "refused", "reason": ...}`` when a message is not allowed;
 - a client may not publish on the worker's topics (``tf.status``, ``tf.metrics``: refused with
   ``server_topic``), nor send JSON nested deeper than 33 levels (``too_deep``) or text that is not
-  encodable (``unencodable_text``); a room holds at most 64 client sockets (``room_full``);
+  encodable (``unencodable_text``); a room holds at most 64 client sockets (``room_full``), and a viewer joins
+  only on a free viewer seat of its session (``viewer_limit``: :mod:`server.viewer_seats`);
 - a client that falls more than 2048 data messages or 1 MiB of them behind is sent away
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
@@ -38,7 +39,6 @@ data messages, and never slows the worker or the other subscribers.
 
 from __future__ import annotations
 
-import fractions
 import json
 import struct
 from collections import deque
@@ -56,6 +56,7 @@ from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected
 from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import DataPace
+from .jpeg import encode_jpeg
 from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
 from .refusals import SERVER_TOPICS, refused
 
@@ -63,22 +64,6 @@ __all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpe
 
 MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and its viewers)
 KEPT_PACES = 4096  # participants' data paces kept after they left, at most (each until it is full, a second or so)
-
-
-def encode_jpeg(frame: np.ndarray, quality: int = 4) -> bytes:
-    """RGB ``H x W x 3`` uint8 to a baseline JPEG (PyAV's mjpeg encoder)."""
-    import av
-
-    height, width = frame.shape[:2]
-    context = av.CodecContext.create("mjpeg", "w")
-    context.width = width - width % 2
-    context.height = height - height % 2
-    context.pix_fmt = "yuvj420p"
-    context.time_base = fractions.Fraction(1, 30)
-    context.options = {"qscale": str(quality)}
-    video = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame[: context.height, : context.width]), format="rgb24")
-    packets = context.encode(video.reformat(format="yuvj420p")) + context.encode(None)
-    return b"".join(bytes(p) for p in packets)
 
 
 class WorkerConnection:
@@ -200,6 +185,9 @@ class LocalRooms:
         #: whether ``room`` is a live session's (the app answers from its registry): a token of a session
         #: that ended no longer opens its room
         self.room_open: Callable[[str], bool] = lambda room: True
+        #: why a viewer of ``identity`` may not join ``room`` now, or None (the runtime's seats: ``ViewerSeats.door``;
+        #: ``take``: it joins, and its token's seat is spent)
+        self.viewer_door: Callable[[str, str, bool], str | None] = lambda room, identity, take: None
 
     def expect_worker(self, room: str, identity: str) -> None:
         """A worker agent was started for ``room``: its worker token may join over the WebSocket."""
@@ -323,6 +311,8 @@ class LocalRooms:
             return RemoteWorkerPresence(verified.identity)
         if target is not None and len(target.subscribers) >= MAX_CLIENTS_PER_ROOM:
             raise TokenRejected("room_full")
+        if verified.role == "viewer" and (full := self.viewer_door(room, verified.identity, False)) is not None:
+            raise TokenRejected("viewer_limit", full)
         return Subscriber(verified.identity, verified.role, verified.can_publish_data, backlog=self.backlog)
 
     async def serve_worker(
@@ -389,9 +379,11 @@ class LocalRooms:
         reason = ("session_closed" if not self.room_open(room)
                   else "identity_in_use" if subscriber.identity in target.identities()
                   else "room_full" if len(target.subscribers) >= MAX_CLIENTS_PER_ROOM else None)
-        if reason is not None:
+        full = None if reason is not None or subscriber.role != "viewer" else self.viewer_door(
+            room, subscriber.identity, True)
+        if reason is not None or full is not None:
             self._forget_if_empty(target)
-            await send(TokenRejected(reason).refusal())
+            await send(TokenRejected(reason or "viewer_limit", full).refusal())
             return
         target.subscribers[subscriber.identity] = subscriber
         self._moved(target)  # before anyone is told: who hears of the join finds it counted

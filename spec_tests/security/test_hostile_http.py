@@ -311,7 +311,7 @@ async def test_viewer_tokens_per_session_are_bounded() -> None:
         assert str(MAX_VIEWERS_PER_SESSION) in body["detail"]
         status, body, _ = await s.json("post", f"{SESSIONS}/{session_id}/tokens", json={"identity": "v3"})
         assert status == 200, body  # an identity that already has a token may get a fresh one
-        assert len(s.runtime.get(session_id).viewer_identities) == MAX_VIEWERS_PER_SESSION
+        assert len(s.runtime.get(session_id).viewer_passes.until) == MAX_VIEWERS_PER_SESSION  # all it remembers
 
 
 # -- principle 1: upload files ---------------------------------------------------------------------------
