@@ -347,7 +347,7 @@ class StreamRuntime:
             self.uploads.discard(record)
             runtime_views.publish_gauges(self)
             return Created(record, admission, None)
-        token = self.issuer.controller_token(room, identity)
+        token = self.issuer.controller_token(room, identity, lasting=timeout)  # its session's life: it has no other
         self.room_follow.start(record)  # before a runner starts: it reads the record, and subscribes to nothing
         if admission.status == "queued":
             self.lifecycle.queue(record)

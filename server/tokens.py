@@ -50,6 +50,7 @@ from livekit import api
 
 __all__ = [
     "MAX_IDENTITY_LENGTH",
+    "MAX_TOKEN_LIFE",
     "MIN_SECRET_BYTES",
     "ROLES",
     "IdentityError",
@@ -73,6 +74,8 @@ MAX_IDENTITY_LENGTH: Final = 128
 SERVER_IDENTITY_PREFIX: Final = "chunkline-"
 #: who a room's ``tf.status`` message is from when the server itself sends it (no worker is in the room)
 SERVER_STATUS_IDENTITY: Final = SERVER_IDENTITY_PREFIX + "server"
+#: the longest a token lasts (a controller's lasts its session's life): past year 9999 no expiry can be written
+MAX_TOKEN_LIFE: Final = 365 * 24 * 3600.0
 # PyJWT warns (an error under -W error) when an HS256 key is shorter than this.
 MIN_SECRET_BYTES: Final = 32
 
@@ -227,8 +230,11 @@ class TokenIssuer:
 
     # -- minting --------------------------------------------------------------
 
-    def controller_token(self, room: str, identity: str) -> str:
-        return self._mint("controller", room, identity)
+    def controller_token(self, room: str, identity: str, *, lasting: float = 0.0) -> str:
+        """Valid for the TTL, or for ``lasting`` seconds (its session's life) when that is longer, up to
+        :data:`MAX_TOKEN_LIFE`: a controller cannot ask for another token, so one whose token expired before its
+        session ended could not come back to it, nor join a session that waited in the queue past the TTL."""
+        return self._mint("controller", room, identity, min(max(self._ttl_seconds, lasting), MAX_TOKEN_LIFE))
 
     def viewer_token(self, room: str, identity: str) -> str:
         return self._mint("viewer", room, identity)
@@ -236,7 +242,7 @@ class TokenIssuer:
     def worker_token(self, room: str, identity: str) -> str:
         return self._mint("worker", room, identity)
 
-    def _mint(self, role: str, room: str, identity: str) -> str:
+    def _mint(self, role: str, room: str, identity: str, ttl_seconds: float | None = None) -> str:
         room = _require_room(room)
         identity = validate_identity(identity)
         can_publish, can_publish_data, can_subscribe = _GRANTS[role]
@@ -249,7 +255,7 @@ class TokenIssuer:
         )
         # AccessToken stamps exp = wall clock + ttl; shift the ttl so that
         # exp = self._clock() + ttl_seconds (identical when clock is time.time).
-        ttl = self._clock() + self._ttl_seconds - time.time()
+        ttl = self._clock() + (ttl_seconds or self._ttl_seconds) - time.time()
         return (
             api.AccessToken(self._api_key, self._api_secret)
             .with_identity(identity)
