@@ -38,6 +38,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import attrs
 import trio
 from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
 from wsproto.events import (
     AcceptConnection,
     BytesMessage,
@@ -74,6 +75,8 @@ READ_SIZE: Final = 65536
 WORKER_MESSAGE_BYTES: Final = 16 * 1024 * 1024  # a worker agent's media message (one encoded frame) may be this big
 MAX_MESSAGE_PIECES: Final = 256  # pieces (fragments, or parts of one read) a participant's message may come in
 ROOM_PREFIX: Final = "/v1/rooms/"
+#: where a close frame from the peer leaves wsproto (it gives a CloseConnection for a frame it cannot parse too)
+PEER_CLOSED: Final = frozenset({ConnectionState.REMOTE_CLOSING, ConnectionState.CLOSED})
 
 
 @attrs.frozen
@@ -254,7 +257,11 @@ class RoomSocket:
             elif isinstance(event, Ping):
                 self._pending_pong += self._ws.send(event.response())
             elif isinstance(event, CloseConnection):
-                raise PeerGone("closed by the peer")
+                if self._ws.state not in PEER_CLOSED:  # no close frame came: wsproto's word for a frame it cannot read
+                    # the peer broke the protocol (a text frame not UTF-8, an unmasked frame, a bad close code...):
+                    # answered with wsproto's code (1002, 1007) and why, where a 1000 "normal closure" said nothing
+                    self.close_reason, self.close_code = f"protocol error: {event.reason}", event.code
+                raise PeerGone(self.close_reason or "closed by the peer")
             elif isinstance(event, Pong):
                 pass  # any frame counts as being alive (below)
             if most is not None and events >= most:

@@ -210,6 +210,37 @@ async def test_a_ping_flood_is_read_at_the_frame_pace_and_every_ping_answered() 
         await stream.aclose()
 
 
+
+def client_frame(opcode: int, payload: bytes, *, masked: bool = True) -> bytes:
+    """One final frame as a client writes it (masked with the key 0, which leaves the payload as it is), or not."""
+    assert len(payload) < 126
+    return bytes([0x80 | opcode, (0x80 if masked else 0) | len(payload)]) + (b"\0\0\0\0" if masked else b"") + payload
+
+
+async def test_a_frame_that_breaks_the_protocol_is_answered_with_its_code_and_why() -> None:
+    """A frame the server cannot read was taken for the peer's own close and answered 1000, normal closure, with no
+    reason (and not logged): the client could not tell it had sent a broken frame. Now it hears wsproto's code (1007
+    for text that is not UTF-8, 1002 for the rest) and what was wrong; a client's own close is still answered 1000."""
+    broken = {
+        "text not UTF-8": (client_frame(0x1, b"\xff\xfe"), 1007),
+        "unmasked": (client_frame(0x1, b"{}", masked=False), 1002),
+        "close code 999": (client_frame(0x8, struct.pack(">H", 999)), 1002),
+        "reserved opcode": (client_frame(0x3, b"x"), 1002),
+        "a client's own close": (client_frame(0x8, struct.pack(">H", 1000)), 1000),
+    }
+    async with running(controller_timeout=3600) as server:
+        created = await server.session()
+        for what, (frame, code) in broken.items():
+            stream = await server.raw()
+            ws = await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
+            await stream.send_all(frame)
+            ws.receive_data(await closed_by_server(stream))
+            (close,) = [event for event in ws.events() if isinstance(event, CloseConnection)]
+            assert close.code == code, (what, close)
+            assert close.reason.startswith("protocol error: ") == (code != 1000), (what, close)
+            await stream.aclose()
+
+
 # -- principle 2: a peer that stops answering or reading is sent away -----------------------------------------
 
 
