@@ -58,7 +58,7 @@ from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, T
 from .data_pace import DataPace
 from .jpeg import encode_jpeg
 from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
-from .refusals import SERVER_TOPICS, refused
+from .refusals import SERVER_TOPICS, extra_envelope_fields, refused
 
 __all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
 
@@ -478,6 +478,9 @@ class LocalRooms:
                 continue
             except (KeyError, TypeError):
                 subscriber.push_text(refused("malformed_envelope"))
+                continue
+            if (extra := extra_envelope_fields(envelope)) is not None:
+                subscriber.push_text(refused("malformed_envelope", extra))
                 continue
             if topic in SERVER_TOPICS:
                 subscriber.push_text(refused("server_topic"))

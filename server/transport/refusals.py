@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Final
 
-__all__ = ["SERVER_TOPICS", "refused"]
+from ..reasons import echo_each
+
+__all__ = ["SERVER_TOPICS", "extra_envelope_fields", "refused"]
 
 #: topics only the worker publishes on: a client's message on them is refused, so nobody poses as the server
 SERVER_TOPICS: Final = frozenset({"tf.status", "tf.metrics"})
@@ -26,6 +28,17 @@ _DETAILS: Final = {
     "too_slow": "this socket fell too far behind what the room sent it (its unsent messages passed the room's bound, "
                 "or the server's) and is sent away: reconnect, and read as fast as the room sends",
 }
+
+
+def extra_envelope_fields(envelope: dict) -> str | None:
+    """The refusal's detail for an envelope with fields besides its topic and payload (None when it has none): a
+    client's ``to`` or ``destination_identities`` (LiveKit's way to address one participant) was taken and ignored,
+    and a message meant for one participant went to the whole room."""
+    extra = sorted(set(envelope) - {"topic", "payload"}, key=str)
+    if not extra:
+        return None
+    return (f"{_DETAILS['malformed_envelope']}, with no other field; this one also has {echo_each(extra)} (a client's "
+            f"message goes to the whole room: it cannot be addressed)")
 
 
 def refused(reason: str, detail: str | None = None) -> str:

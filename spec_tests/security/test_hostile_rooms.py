@@ -68,6 +68,27 @@ async def test_deep_json_on_the_room_socket_is_refused_and_the_controller_keeps_
         assert (await served.get(created["session_id"]))["status"] == "running"
 
 
+async def test_an_envelope_that_tries_to_address_a_participant_is_refused_not_broadcast() -> None:
+    """A client's ``to`` or ``destination_identities`` (LiveKit's way to send to one participant) was taken and
+    ignored: the message meant for one went to the whole room, and the sender was told nothing."""
+    async with running_room() as (served, service, created, ctl):
+        token = await served.viewer_token(created["session_id"], "watcher")
+        async with join(served, created["room"], token) as viewer:
+            await viewer.wait_for(lambda p: any(m["type"] == "joined" for m in p.texts()), "joined", timeout=WAIT)
+            control = {"type": "control_state", "controls": ["w"]}
+            await ctl.ws.send(json.dumps({"topic": "tf.control", "payload": control, "destination_identities": ["x"]}))
+            await ctl.ws.send(json.dumps({"topic": "chat", "payload": "psst", "to": "watcher", "reliable": True}))
+            await ctl.wait_for(lambda p: len(refusals(p)) >= 2, "two refusals", timeout=WAIT)
+            assert refusals(ctl) == ["malformed_envelope", "malformed_envelope"]
+            first, second = refusal_details(ctl)
+            assert "'destination_identities'" in first and "'reliable', 'to'" in second, (first, second)
+            await ctl.control({"type": "control_state", "controls": ["a"]})  # a proper one passes, after them
+            await wait_for_a_control(service)
+            (session,) = service.sessions.values()
+            assert len(pipeline_controls(service)) == 1 and session.held == {"a"}  # the refused "w" never came
+            passed_on = [m["payload"] for m in viewer.texts() if m["type"] == "data" and m.get("from") == "ctl"]
+            assert "psst" not in passed_on and all(p.get("controls") != ["w"] for p in passed_on if isinstance(p, dict))
+
 async def test_a_room_holds_a_bounded_number_of_sockets() -> None:
     async with running_room() as (served, service, created, ctl):
         rooms = served.runtime.transport
