@@ -280,7 +280,9 @@ def openapi_document() -> dict[str, Any]:
                      "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("TokenRequest")}}},
                      "responses": {"200": _json(_ref("TokenResponse"), "a viewer token"),
                                    "400": _error("invalid identity or body"), "404": _error("unknown session"),
-                                   "409": _error("terminal session, identity already in use, or the viewer limit reached"), **COMMON_ERRORS}},
+                                   "409": _error("terminal session, identity already in use, or every viewer seat "
+                                                 "taken (viewers in the room and viewer tokens handed out, not yet "
+                                                 "used)"), **COMMON_ERRORS}},
         },
         "/v1/stream/health": {"get": {"summary": "Admission and worker health",
                                       "responses": {"200": _json(_ref("Health"), "health"), **COMMON_ERRORS}}},
