@@ -36,6 +36,8 @@ from typing import Any
 import attrs
 import httpx
 
+from .console import is_broken_pipe, tell
+
 __all__ = [
     "LIVEKIT_VERSION",
     "LiveKitConfig",
@@ -51,6 +53,7 @@ LIVEKIT_VERSION = "v1.13.5"  # the Makefile's pin
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BINARY = ROOT / ".tools" / "livekit-server"
 READY_TIMEOUT = 20.0
+DEV_STACK = "chunkline dev stack"  # how the dev stack's own lines begin
 STOP_GRACE = 3.0  # per signal; the first SIGTERM waits for participants, the second does not
 
 
@@ -164,7 +167,7 @@ def work_folder(prefix: str) -> Iterator[Path]:
     try:
         yield folder
     except Exception:
-        print(f"{prefix.rstrip('-')}: the run failed; its config and logs are kept in {folder}", file=sys.stderr)
+        tell(f"{prefix.rstrip('-')}: the run failed; its config and logs are kept in {folder}")
         raise
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
@@ -303,12 +306,15 @@ def machine_address() -> str:
 
 def dev_stack(argv: Sequence[str]) -> int:
     """LiveKit (generated keys, signalling on 127.0.0.1:7880, media on this machine's address) and
-    ``chunkline stream-serve ARGV`` pointed at it; Ctrl-C stops both. Returns the exit code."""
+    ``chunkline stream-serve ARGV`` pointed at it; Ctrl-C stops both. Returns the exit code. Its own lines go
+    through :func:`server.console.tell`: a stdout or stderr closed or gone loses a line, never the stack (a
+    stderr closed put its lines on stdout, and one on a full disk or a pipe whose reader left ended it with a
+    traceback's exit 1, the stop line even after a clean Ctrl-C)."""
     try:
         binary = find_livekit_server()
         address = machine_address()
     except (LiveKitNotBuilt, RuntimeError) as exc:
-        print(f"chunkline dev stack: {exc}", file=sys.stderr)
+        tell(f"{DEV_STACK}: {exc}")
         return 2
     config = LiveKitConfig(bind="127.0.0.1", node_ip=address, tcp_port=7881)
     env = {**os.environ, **livekit_settings_env(config)}
@@ -316,8 +322,10 @@ def dev_stack(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops both as Ctrl-C does
     try:
         with work_folder("chunkline-livekit-") as workdir, running_livekit(config, workdir, binary=binary):
-            print(f"LiveKit {LIVEKIT_VERSION} at {config.url} (media: udp {address}:{config.udp_port}, "
-                  f"tcp {config.tcp_port}); log {workdir / 'livekit.log'}", flush=True)
+            unwritten = tell(f"LiveKit {LIVEKIT_VERSION} at {config.url} (media: udp {address}:{config.udp_port}, "
+                             f"tcp {config.tcp_port}); log {workdir / 'livekit.log'}", to="stdout")
+            if unwritten is not None and not is_broken_pipe(unwritten):
+                tell(f"{DEV_STACK}: warning: stdout cannot be written ({unwritten}); LiveKit is at {config.url}")
             server = subprocess.Popen([str(chunkline), "stream-serve", *argv], env=env)
             try:
                 return server.wait()
@@ -326,7 +334,7 @@ def dev_stack(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        print("stopped the stream server and LiveKit", file=sys.stderr, flush=True)
+        tell("stopped the stream server and LiveKit")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +122,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import trio
 
     from ..cluster_settings import MIN_CLUSTER_TOKEN_BYTES
+    from ..console import tell
     from ..log_setup import log_to_stderr
     from ..setting_values import parse_float, read_secret_file
     from .agent import Agent, AgentOptions, parse_authority
@@ -157,7 +157,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         control_idle_timeout = parse_float("--control-idle-timeout", args.control_idle_timeout, 0.0, lo_open=True)
         default_fps = parse_float("--default-fps", args.default_fps, 1.0, 120.0)
     except (ValueError, OSError) as exc:
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        tell(f"{prefix}: error: {exc}")  # a stderr closed or gone: still exit 2, and never on stdout
         return 2
     if devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)

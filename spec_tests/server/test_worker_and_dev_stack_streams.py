@@ -1,0 +1,163 @@
+"""``chunkline worker`` and the LiveKit dev stack (``make run LIVEKIT=1``) with a stdout or stderr they cannot write.
+
+Both printed their own lines directly. ``chunkline worker`` with bad arguments and stderr closed (``2>&-``) put its
+error on stdout, and with stderr on a full disk or a pipe whose reader left it exited 1 (its traceback lost) where
+the arguments' exit code is 2. The dev stack did the same with its lines, and worse once running: a stdout on a
+full disk failed its "LiveKit at ..." line, which stopped the stack before it served (exit 1), and a stderr gone
+failed its "stopped" line, so a clean Ctrl-C or SIGTERM exited 1. Through real processes, as a user runs them; the
+running dev stack runs in a network namespace of its own (``unshare -rn``: its ports are private and no packet
+leaves), with a stand-in for the LiveKit binary that answers its readiness check.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE = 120.0  # wall seconds: a loaded 2-core host imports the server stack and loads the replay
+WORKER = [sys.executable, "-m", "server.cli", "worker", "pipelines/replay", "--authority", "tcp://127.0.0.1:45999",
+          "--devices", "x"]
+DEV_STACK = [sys.executable, "-m", "server.livekit_local", "pipelines/replay", "--port", "0"]
+IN_CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
+STOPPED = "stopped the stream server and LiveKit"
+
+# a LiveKit server as far as the dev stack can tell: GET / on the config's port answers 200
+FAKE_LIVEKIT = """\
+import http.server, re, sys
+config = open(sys.argv[sys.argv.index("--config") + 1]).read()
+port = int(re.search(r"^port: (\\d+)$", config, re.M).group(1))
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Ok).serve_forever()
+"""
+# inside the namespace: loopback up, and one address that is not loopback (WebRTC media is advertised there)
+PRIVATE_NETWORK = ("ip link set lo up && ip link add v0 type veth peer name v1 && "
+                   "ip addr add 10.99.0.1/30 dev v0 && ip link set v0 up && exec \"$@\"")
+
+
+def env_without_chunkline(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env.update(extra)
+    return env
+
+
+def run_closed_or_gone(argv: list[str], stderr: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``argv`` with its stderr closed (``2>&-``), on a full disk, or a pipe whose reader left; stdout captured."""
+    if stderr == "closed":
+        return subprocess.run(["sh", "-c", 'exec "$@" 2>&-', "sh", *argv], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, timeout=DEADLINE)
+    if stderr == "full":
+        with open("/dev/full", "wb") as full:
+            return subprocess.run(argv, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=full,
+                                  timeout=DEADLINE)
+    reader, writer = os.pipe()
+    os.close(reader)
+    try:
+        return subprocess.run(argv, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=writer,
+                              timeout=DEADLINE)
+    finally:
+        os.close(writer)
+
+
+STDERRS = pytest.mark.parametrize("stderr", ["closed", "full", "reader_left"])
+
+
+@STDERRS
+def test_a_worker_with_bad_arguments_exits_2_and_says_nothing_on_stdout_whatever_its_stderr(stderr: str) -> None:
+    done = run_closed_or_gone(WORKER, stderr, env_without_chunkline())
+    assert (done.returncode, done.stdout) == (2, "")
+
+
+@STDERRS
+def test_the_dev_stack_without_its_livekit_binary_exits_2_and_says_nothing_on_stdout_whatever_its_stderr(
+    stderr: str, tmp_path: Path
+) -> None:
+    env = env_without_chunkline(CHUNKLINE_LIVEKIT_SERVER=str(tmp_path / "livekit-server"))
+    done = run_closed_or_gone(DEV_STACK, stderr, env)
+    assert (done.returncode, done.stdout) == (2, "")
+
+
+def private_network_or_skip() -> None:
+    """The running dev stack's tests need ``unshare -rn`` (root, or user namespaces): in CI they must run."""
+    try:
+        ok = subprocess.run(["unshare", "-rn", "sh", "-c", PRIVATE_NETWORK, "sh", "true"], capture_output=True,
+                            text=True, timeout=30)
+        reason = None if ok.returncode == 0 else f"unshare -rn with a veth pair failed: {ok.stderr.strip()}"
+    except FileNotFoundError:
+        reason = "no unshare command"
+    if reason is not None:
+        if IN_CI:
+            pytest.fail(f"CI=true: the dev stack's tests must run, never skip: {reason}")
+        pytest.skip(reason)
+
+
+async def start_dev_stack(tmp_path: Path, **streams: object) -> trio.Process:
+    """The dev stack in a network namespace of its own, with the stand-in LiveKit, in a process group of its own."""
+    private_network_or_skip()
+    fake = tmp_path / "livekit-server"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_LIVEKIT}")
+    fake.chmod(0o755)
+    env = env_without_chunkline(CHUNKLINE_LIVEKIT_SERVER=str(fake), TMPDIR=str(tmp_path))
+    return await trio.lowlevel.open_process(["unshare", "-rn", "sh", "-c", PRIVATE_NETWORK, "sh", *DEV_STACK],
+                                            cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, **streams)
+
+
+async def read_until(stream: trio.abc.ReceiveStream, text: bytes) -> bytes:
+    seen = b""
+    with trio.fail_after(DEADLINE):
+        while text not in seen:
+            chunk = await stream.receive_some()
+            assert chunk, f"the stream ended before {text!r}: {seen.decode(errors='replace')}"
+            seen += chunk
+    return seen
+
+
+async def end_group(process: trio.Process) -> None:
+    """Kill the stack's whole group (the stand-in LiveKit and the stream server too) unless it ended in order."""
+    if process.returncode is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        with trio.CancelScope(shield=True):
+            await process.wait()
+
+
+async def test_a_dev_stack_whose_stdout_is_on_a_full_disk_serves_and_stops_with_130(tmp_path: Path) -> None:
+    with open("/dev/full", "wb") as full:
+        process = await start_dev_stack(tmp_path, stdout=full, stderr=subprocess.PIPE)
+    try:
+        assert process.stderr is not None
+        seen = await read_until(process.stderr, b"chunkline: serving pipelines/replay")
+        process.send_signal(signal.SIGTERM)
+        seen += await read_until(process.stderr, STOPPED.encode())
+        with trio.fail_after(DEADLINE):
+            assert await process.wait() == 130
+    finally:
+        await end_group(process)
+    lines = seen.decode().splitlines()
+    assert lines[0] == ("chunkline dev stack: warning: stdout cannot be written (No space left on device); "
+                        "LiveKit is at ws://127.0.0.1:7880")
+    assert lines[-1] == STOPPED and "Traceback" not in seen.decode()
+
+
+async def test_a_dev_stack_whose_stderr_reader_left_stops_with_130(tmp_path: Path) -> None:
+    process = await start_dev_stack(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert process.stderr is not None
+        await read_until(process.stderr, b"chunkline: serving pipelines/replay")
+        await process.stderr.aclose()  # as `| head -1` leaves: every later line meets a broken pipe
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(DEADLINE):
+            assert await process.wait() == 130
+    finally:
+        await end_group(process)
