@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -191,6 +192,19 @@ def _cannot_make(text: str, exc: OSError) -> BadInput:
     return BadInput(f"--out {shown(text)} cannot be made: {why}")
 
 
+def _write_problem(folder: Path) -> str | None:
+    """Why no file can be made in ``folder`` (not ours to write, a read-only file system), or None: found by making
+    one and removing it. A folder the user could not write ran the whole pipeline and then failed at its video
+    (exit 1, ``PermissionError``)."""
+    probe = folder / f".chunkline-run.{os.getpid()}.{secrets.token_hex(4)}.probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        return f"no file can be written in it: {exc.strerror or exc}"
+    probe.unlink(missing_ok=True)
+    return None
+
+
 def prepare_out(text: str) -> OutDir:
     """``--out``: an existing directory (a symbolic link to one included), or one made now with its missing
     parents. A path under a file, a link to nothing or round in a loop, a name too long were a raw exception once
@@ -213,7 +227,7 @@ def prepare_out(text: str) -> OutDir:
             raise BadInput(f"--out {shown(text)} exists and is not a directory")
         from pipelines.offline import output_problem  # here, not at the top: 0.2 s of imports (numpy) for every flag check
 
-        if (problem := output_problem(path)) is not None:  # said before the run, not after it
+        if (problem := output_problem(path) or _write_problem(path)) is not None:  # said before the run, not after it
             raise BadInput(f"--out {shown(text)}: {problem}")
         return OutDir(path, [])
     missing = [path]

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 import trio
 
+from ..namespaces import PRIVATE_NETWORK, unshare_or_skip
+
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE = 120.0  # wall seconds: a loaded 2-core host imports the server stack and loads the replay
 WORKER = [sys.executable, "-m", "server.cli", "worker", "pipelines/replay", "--authority", "tcp://127.0.0.1:45999",
           "--devices", "x"]
 DEV_STACK = [sys.executable, "-m", "server.livekit_local", "pipelines/replay", "--port", "0"]
-IN_CI = os.environ.get("CI", "").strip().lower() in {"1", "true", "yes"}
 STOPPED = "stopped the stream server and LiveKit"
 
 # a LiveKit server as far as the dev stack can tell: GET / on the config's port answers 200
@@ -41,11 +42,6 @@ class Ok(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer(("127.0.0.1", port), Ok).serve_forever()
 """
-# inside the namespace: loopback up, and one address that is not loopback (WebRTC media is advertised there)
-PRIVATE_NETWORK = ("ip link set lo up && ip link add v0 type veth peer name v1 && "
-                   "ip addr add 10.99.0.1/30 dev v0 && ip link set v0 up && exec \"$@\"")
-
-
 def env_without_chunkline(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
     env.update(extra)
@@ -88,29 +84,14 @@ def test_the_dev_stack_without_its_livekit_binary_exits_2_and_says_nothing_on_st
     assert (done.returncode, done.stdout) == (2, "")
 
 
-def private_network_or_skip() -> None:
-    """The running dev stack's tests need ``unshare -rn`` (root, or user namespaces): in CI they must run."""
-    try:
-        ok = subprocess.run(["unshare", "-rn", "sh", "-c", PRIVATE_NETWORK, "sh", "true"], capture_output=True,
-                            text=True, timeout=30)
-        reason = None if ok.returncode == 0 else f"unshare -rn with a veth pair failed: {ok.stderr.strip()}"
-    except FileNotFoundError:
-        reason = "no unshare command"
-    if reason is not None:
-        if IN_CI:
-            pytest.fail(f"CI=true: the dev stack's tests must run, never skip: {reason}")
-        pytest.skip(reason)
-
-
 async def start_dev_stack(tmp_path: Path, **streams: object) -> trio.Process:
     """The dev stack in a network namespace of its own, with the stand-in LiveKit, in a process group of its own."""
-    private_network_or_skip()
+    argv = unshare_or_skip("-rn", PRIVATE_NETWORK, *DEV_STACK)
     fake = tmp_path / "livekit-server"
     fake.write_text(f"#!{sys.executable}\n{FAKE_LIVEKIT}")
     fake.chmod(0o755)
     env = env_without_chunkline(CHUNKLINE_LIVEKIT_SERVER=str(fake), TMPDIR=str(tmp_path))
-    return await trio.lowlevel.open_process(["unshare", "-rn", "sh", "-c", PRIVATE_NETWORK, "sh", *DEV_STACK],
-                                            cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
+    return await trio.lowlevel.open_process(argv, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
                                             start_new_session=True, **streams)
 
 
