@@ -22,7 +22,9 @@ needs), ends it the same way, with no traceback (:mod:`server.early_signals`).
 ``--placement`` (both commands; ``CHUNKLINE_PLACEMENT`` for stream-serve) names a JSON placement file, or
 is inline JSON starting with ``{``: where each stage runs (format: :mod:`pipelines.toy_world.placement`).
 It is passed to ``get_service(placement=...)`` and only to pipelines whose ``get_service`` has a
-``placement`` parameter; an impossible placement is refused at startup naming the stage (exit code 2).
+``placement`` parameter. An impossible placement is refused naming the stage: by ``chunkline run`` before the run
+(exit code 2); under ``stream-serve`` by the worker as it loads, which is then not restarted (health and the log say
+``refused its configuration``) while the server serves on.
 
 ``chunkline stream-serve [PIPE] [--host H] [--port N] [--transport local|livekit] [--livekit-url URL] ...``
 runs the stream server (:func:`server.serve.run`). Every setting of :class:`server.settings.ServerSettings` has

@@ -32,7 +32,8 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
     worker.add_argument("--authority", metavar="URL", required=True, help="tcp://HOST:PORT or tls://HOST:PORT")
     worker.add_argument("--devices", metavar="IDS", default="", help="GPU ids of this agent, e.g. 0,1 (default: none)")
     worker.add_argument("--max-sessions", metavar="auto|N", default="auto", help="retained sessions (default auto)")
-    worker.add_argument("--worker-mode", choices=("in-process", "process"), default="in-process")
+    worker.add_argument("--worker-mode", choices=("in-process", "process"), default="in-process",
+                        help="process: the pipeline runs in a child process of the agent (default in-process)")
     worker.add_argument("--placement", metavar="FILE|JSON", default=None, help="where each stage runs")
     worker.add_argument("--node", metavar="NAME", default=socket.gethostname(), help="node name shown in health")
     worker.add_argument("--launcher", metavar="NAME", default="external", help="who started this agent")
@@ -123,6 +124,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from ..cluster_settings import MIN_CLUSTER_TOKEN_BYTES
     from ..console import tell
+    from ..reasons import echo
     from ..log_setup import log_to_stderr
     from ..setting_values import parse_float, read_secret_file
     from .agent import Agent, AgentOptions, parse_authority
@@ -136,6 +138,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
                              f"set {TOKEN_ENV} or give --cluster-token-file")
         if parse_authority(args.authority)[0] == "tls":
             client_tls_context(args.tls_ca)
+        elif args.tls_ca is not None:  # it was ignored: the agent dialed without TLS, its token in the clear
+            raise ValueError(f"--tls-ca applies to a tls:// authority; with {echo(args.authority)} it would be "
+                             f"ignored (the agent dials it without TLS)")
         devices = _devices(args.devices)
         _fits_the_wire(args, devices)
         _node_names_a_participant(args.node)
