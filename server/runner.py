@@ -10,8 +10,9 @@ chunks to a :class:`~server.chunk_publisher.ChunkPublisher` (paced media, chunk
 messages, ``tf.metrics``), and reports lifecycle and lease status. Who is
 in the room, and which timeout runs, is the :class:`states.room_presence.RoomPresence`
 book: a controller that never joins (or leaves and does not return) within
-``controller_timeout`` fails the session naming the controller; a room emptied
-after someone had joined ends it after ``room_empty_timeout`` as ``room_empty``.
+``controller_timeout`` fails the session naming the controller, whoever else
+comes and goes; a room its controller came to and that then emptied ends it after
+``room_empty_timeout`` as ``room_empty``.
 Whatever ends the session (a :class:`~states.stream_session.DrainCause`, set once
 through the :class:`~server.lifecycle.SessionLifecycle`), the runner drains: it
 closes the pipeline session through its owner, says ``done``, leaves the room

@@ -9,9 +9,16 @@ Invariants checked in every reachable world, against the definitions (not the
 book's own bookkeeping): a timer runs for the controller exactly while it is
 not here, from the start for one that never came and from its departure for
 one that left; the room-empty timer runs exactly while nobody is here after
-someone had come; the deadline is the earliest of those (the controller's on a
-tie); the watch ends only when that deadline has passed, never while the
-controller is here, and with the cause of the timer that passed.
+the controller had come; the deadline is the earliest of those (the
+controller's on a tie); the watch ends only when that deadline has passed,
+never while the controller is here, and with the cause of the timer that
+passed. And two that hold whatever the definitions say: a controller that never
+came is waited for until its own deadline and the end says ``controller_absent``;
+others never bring the end before the controller's own deadline (the one its
+joins and departures alone would give: the controller timeout from the start,
+or the earlier of the two timeouts from its departure). A room-empty timer that
+ran before the controller came broke both: a viewer who joined and left ended
+the session at 30 s of the controller's 60 as ``room_empty``.
 """
 
 from __future__ import annotations
@@ -35,17 +42,16 @@ class PresenceWorld:
     now: int
     # the definitions, kept beside the book
     here: frozenset[str]
-    came: bool  # someone (anyone) has been in the room
     controller_came: bool
     controller_left_at: int | None
-    emptied_at: int | None  # when the room last became empty after someone had come
+    emptied_at: int | None  # when the room last became empty
     ended_by: Timer | None
     problems: tuple[str, ...] = ()
 
 
 def initial_world(controller_timeout: int, room_empty_timeout: int) -> PresenceWorld:
     book = RoomPresence(CONTROLLER, float(controller_timeout), float(room_empty_timeout), 0.0)
-    return PresenceWorld(book, 0, frozenset(), False, False, None, None, None)
+    return PresenceWorld(book, 0, frozenset(), False, None, None, None)
 
 
 def expected_deadline(world: PresenceWorld) -> tuple[float, Timer] | None:
@@ -59,7 +65,7 @@ def expected_deadline(world: PresenceWorld) -> tuple[float, Timer] | None:
             due.append((world.controller_left_at + book.controller_timeout, 0, Timer.CONTROLLER_LEFT))
         else:
             due.append((book.controller_timeout, 0, Timer.CONTROLLER_ABSENT))
-    if not world.here and world.came:
+    if not world.here and world.controller_came:
         assert world.emptied_at is not None
         due.append((world.emptied_at + book.room_empty_timeout, 1, Timer.ROOM_EMPTY))
     if not due:
@@ -89,7 +95,6 @@ def successors(world: PresenceWorld, viewers: int, horizon: int) -> Iterable[tup
                 world,
                 book=book,
                 here=world.here | {who},
-                came=True,
                 controller_came=world.controller_came or who == CONTROLLER,
                 emptied_at=None,
             )
@@ -103,8 +108,36 @@ def successors(world: PresenceWorld, viewers: int, horizon: int) -> Iterable[tup
         yield "tick", attrs.evolve(world, book=book, now=now, ended_by=ended, problems=problems)
 
 
+def controllers_own_deadline(world: PresenceWorld) -> float | None:
+    """The end the controller's joins and departures alone would give (None while it is here): others may put it
+    off, never bring it nearer."""
+    book = world.book
+    if not world.controller_came:
+        return book.controller_timeout
+    if CONTROLLER in world.here:
+        return None
+    assert world.controller_left_at is not None
+    return world.controller_left_at + min(book.controller_timeout, book.room_empty_timeout)
+
+
+def others_never_hasten_the_end(world: PresenceWorld) -> list[str]:
+    """Whatever the definitions say: a controller that never came is waited for until its deadline, and ends
+    the watch as absent; nobody else's joins and departures bring the end before the controller's own."""
+    book, problems = world.book, []
+    own = controllers_own_deadline(world)
+    if world.ended_by is not None:
+        if not world.controller_came and world.ended_by is not Timer.CONTROLLER_ABSENT:
+            problems.append(f"the controller never came, and the watch ended by {world.ended_by.value}")
+        if own is not None and world.now < own:
+            problems.append(f"the watch ended at {world.now} s, before the controller's own deadline ({own:g} s)")
+    elif own is not None and (nearest := book.deadline()) is not None and nearest[0] < own:
+        problems.append(f"the next deadline {nearest[0]:g} s ({nearest[1].value}) comes before the controller's own "
+                        f"({own:g} s)")
+    return problems
+
+
 def check(world: PresenceWorld) -> list[str]:
-    problems = list(world.problems)
+    problems = list(world.problems) + others_never_hasten_the_end(world)
     book = world.book
     expected = expected_deadline(world)
     if world.ended_by is None and book.deadline() != expected:
@@ -125,7 +158,7 @@ def key(world: PresenceWorld) -> Hashable:
     """Viewers are interchangeable: only how many are here matters."""
     viewers_here = len(world.here - {CONTROLLER})
     return (
-        world.now, CONTROLLER in world.here, viewers_here, world.came, world.controller_came,
+        world.now, CONTROLLER in world.here, viewers_here, world.controller_came,
         world.controller_left_at, world.emptied_at, world.ended_by, world.book.state,
     )
 

@@ -2,14 +2,25 @@
 
 Theory of operation
 -------------------
-A room starts AWAITING its controller. While the controller is not there, the
-controller timeout runs: from the start of the session for a controller that
-never joined (CONTROLLER_ABSENT), from the moment it left for one that left
-(CONTROLLER_LEFT; state AWAY). The room-empty timeout runs only once the room
-was emptied *after someone had joined* (AWAITING_EMPTY, AWAY_EMPTY): a room
-nobody has entered yet is waiting for its controller, not empty. A join cancels
-the timer it ends (the controller's return ends both). DEADLINE ends the watch
-(ENDED, terminal) with the cause of the timer that passed first.
+A room starts AWAITING its controller. Until the controller has come, its
+deadline alone governs the session: the controller timeout runs from the start
+(CONTROLLER_ABSENT), whoever else comes and goes (AWAITING, AWAITING_EMPTY), so
+the session ends at that deadline as ``controller_absent``. (A viewer that
+joined and left before the controller came used to start the room-empty
+timeout, which with the defaults, 60 s and 30 s, passed first: anyone with a
+viewer token could end a session before its controller came, as a normal end.)
+
+Once the controller has come and is away, its timeout runs from the moment it
+left (CONTROLLER_LEFT; AWAY, AWAY_EMPTY), and while nobody at all is left the
+room-empty timeout runs too (AWAY_EMPTY), from the moment the room emptied.
+DEADLINE ends the watch (ENDED, terminal) with the cause of the timer that
+passed first, the controller's on a tie: a room the controller left last and
+nobody entered again ends as ``room_empty`` after ``room_empty_timeout`` (its
+normal end), one whose controller stays away while others are still here as
+``controller_left``. Others can only put the end off: the room empties no
+earlier than the controller left, so no viewer's join or departure brings the
+end before the controller's own (``explore_room_presence`` checks it). The
+controller's return ends both timers.
 
 :class:`RoomPresence` is the pure book over this table: it turns joins and
 departures into events, keeps the timers' start times, and answers when the
@@ -29,7 +40,7 @@ __all__ = ["State", "Event", "Timer", "TRANSITIONS", "TERMINAL", "TIMERS", "Room
 
 class State(TableEnum):
     AWAITING = "awaiting"  # the controller has not joined yet; nobody, or others, are here
-    AWAITING_EMPTY = "awaiting_empty"  # the controller never came; everyone who came has left
+    AWAITING_EMPTY = "awaiting_empty"  # the controller never came; everyone who came has left (still awaiting it)
     PRESENT = "present"  # the controller is here
     AWAY = "away"  # the controller left; others are still here
     AWAY_EMPTY = "away_empty"  # the controller left; nobody is here
@@ -50,7 +61,7 @@ class Timer(TableEnum):
 
     CONTROLLER_ABSENT = "controller_absent"  # never joined within controller_timeout
     CONTROLLER_LEFT = "controller_left"  # left and did not return within controller_timeout
-    ROOM_EMPTY = "room_empty"  # everyone left and nobody came back within room_empty_timeout
+    ROOM_EMPTY = "room_empty"  # the controller had come; everyone left and nobody came back within room_empty_timeout
 
 
 TRANSITIONS: dict[tuple[State, Event], State] = {
@@ -74,10 +85,11 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 
 TERMINAL = frozenset({State.ENDED})
 
-#: The timers running in each state (PRESENT and ENDED run none).
+#: The timers running in each state (PRESENT and ENDED run none). Until the controller has come only its own
+#: deadline runs, whatever others do; the empty room's runs only once the controller has come and left.
 TIMERS: dict[State, tuple[Timer, ...]] = {
     State.AWAITING: (Timer.CONTROLLER_ABSENT,),
-    State.AWAITING_EMPTY: (Timer.CONTROLLER_ABSENT, Timer.ROOM_EMPTY),
+    State.AWAITING_EMPTY: (Timer.CONTROLLER_ABSENT,),
     State.PRESENT: (),
     State.AWAY: (Timer.CONTROLLER_LEFT,),
     State.AWAY_EMPTY: (Timer.CONTROLLER_LEFT, Timer.ROOM_EMPTY),
@@ -103,7 +115,7 @@ class RoomPresence:
     machine: RoomPresenceMachine = attrs.Factory(RoomPresenceMachine)
     participants: set[str] = attrs.Factory(set)
     left_at: float | None = None  # when the controller last left
-    emptied_at: float | None = None  # when the room last became empty after someone had joined
+    emptied_at: float | None = None  # when the room last became empty (its timer runs only where TIMERS says)
     ended_by: Timer | None = None
 
     def __attrs_post_init__(self) -> None:

@@ -141,7 +141,7 @@ class DrainCause(TableEnum):
     EXPIRED = "expired"  # session_timeout
     CONTROLLER_ABSENT = "controller_absent"  # the controller never joined within controller_timeout
     CONTROLLER_LEFT = "controller_left"  # the controller left and did not return within controller_timeout
-    ROOM_EMPTY = "room_empty"  # everyone left and nobody returned within room_empty_timeout
+    ROOM_EMPTY = "room_empty"  # the controller came, everyone left and nobody returned within room_empty_timeout
     COMPLETED = "completed"  # the pipeline's stream ended
     SHUTDOWN = "shutdown"  # the server is shutting down
     WORKER_FAILED = "worker_failed"  # the model worker hosting it failed

@@ -153,25 +153,6 @@ async def test_with_the_defaults_a_controller_that_never_joins_fails_at_the_cont
         assert s.free_slots() == 1 and not service.sessions
 
 
-async def test_a_room_emptied_before_the_controller_came_ends_as_room_empty(autojump_clock: Any) -> None:
-    service = CounterService()
-    async with serve(settings(controller_timeout=60, room_empty_timeout=5), service) as s:
-        start = trio.current_time()
-        created = await s.create("ctl")
-        session_id = created["session_id"]
-        token = await s.viewer_token(session_id, "watcher")
-        async with join(s, created["room"], token) as viewer:
-            await viewer.wait_for(lambda p: [m for m in p.texts() if m["type"] == "joined"], "joined")
-        emptied = trio.current_time()
-        await until(emptied + 4.5)
-        assert status_of(s, session_id) == "joining_room"
-        await until(emptied + 5.5)
-        view = await s.get(session_id)
-        assert view["status"] == "closed" and view["drain_cause"] == "room_empty" and view["error"] is None
-        assert trio.current_time() < start + 60  # the room-empty timeout fired, not the controller's
-        assert s.free_slots() == 1
-
-
 async def test_session_timeout_expires_a_running_session_and_admits_the_queue(
     autojump_clock: Any
 ) -> None:

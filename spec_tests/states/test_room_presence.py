@@ -26,14 +26,40 @@ def test_a_room_nobody_entered_waits_for_its_controller_not_for_emptiness():
     assert presence.state is State.ENDED
 
 
-def test_a_viewer_who_leaves_before_the_controller_came_starts_the_empty_room_timer():
+def test_a_viewer_who_leaves_before_the_controller_came_leaves_the_controller_s_deadline_alone():
+    """It started the room-empty timer, which passed first (10 + 30 < 60): the session ended as room_empty."""
     presence = book()
     presence.joined("viewer", 5.0)
     assert presence.deadline() == (60.0, Timer.CONTROLLER_ABSENT)
     presence.left("viewer", 10.0)
-    assert presence.state is State.AWAITING_EMPTY and presence.deadline() == (40.0, Timer.ROOM_EMPTY)
-    presence.joined("viewer", 20.0)  # back: the room is not empty any more
-    assert presence.deadline() == (60.0, Timer.CONTROLLER_ABSENT)
+    assert presence.state is State.AWAITING_EMPTY and presence.deadline() == (60.0, Timer.CONTROLLER_ABSENT)
+    assert presence.due(40.0) is None and presence.state is State.AWAITING_EMPTY
+    presence.joined("viewer", 41.0)
+    presence.left("viewer", 42.0)
+    assert presence.due(59.9) is None and presence.due(60.0) is Timer.CONTROLLER_ABSENT
+
+
+def test_until_the_controller_came_its_deadline_is_the_only_timer_and_the_empty_room_s_needs_it_gone():
+    """The rule over the whole table: where the controller's absence is timed, nothing else is; the empty room's
+    timer runs only where the controller's departure is timed beside it."""
+    for state, timers in TIMERS.items():
+        if Timer.CONTROLLER_ABSENT in timers:
+            assert timers == (Timer.CONTROLLER_ABSENT,), state
+        if Timer.ROOM_EMPTY in timers:
+            assert timers[0] is Timer.CONTROLLER_LEFT, state  # and the controller's first on a tie
+
+
+def test_viewers_after_the_controller_left_only_put_the_end_off():
+    presence = book()  # controller 60 s, room empty 30 s
+    presence.joined("ctl", 0.0)
+    presence.left("ctl", 10.0)  # the controller left last: the empty room ends it at 40 s, normally
+    assert presence.deadline() == (40.0, Timer.ROOM_EMPTY)
+    presence.joined("viewer", 20.0)
+    presence.left("viewer", 25.0)
+    assert presence.deadline() == (55.0, Timer.ROOM_EMPTY)
+    presence.joined("viewer", 30.0)
+    presence.left("viewer", 50.0)  # the controller's deadline comes first: it left and did not come back
+    assert presence.deadline() == (70.0, Timer.CONTROLLER_LEFT)
 
 
 def test_the_controller_leaving_runs_its_timer_and_the_empty_room_one_while_nobody_is_left():
@@ -94,6 +120,17 @@ def test_the_explorer_catches_a_room_empty_timer_that_runs_before_anyone_came(mo
     assert report.violations, report.line()
 
 
+def test_the_explorer_catches_viewers_ending_a_session_before_its_controller_came(monkeypatch):
+    """The table as it was, and with the definitions the explorer checks it against made to agree with it: the
+    invariant that others never bring the end before the controller's own still finds it."""
+    monkeypatch.setitem(TIMERS, State.AWAITING_EMPTY, (Timer.CONTROLLER_ABSENT, Timer.ROOM_EMPTY))
+    monkeypatch.setattr(explore_room_presence, "expected_deadline", lambda world: world.book.deadline())
+    reports = [explore(config) for config in explore_room_presence.configurations(small=True)]
+    found = [violation for report in reports for violation in report.violations]
+    assert any("before the controller's own" in str(v) or "never came" in str(v) for v in found), \
+        [r.line() for r in reports]
+
+
 class PresenceModel(RuleBasedStateMachine):
     """The book against the definitions: who is here, when the controller left, when the room emptied."""
 
@@ -112,7 +149,7 @@ class PresenceModel(RuleBasedStateMachine):
         if "ctl" not in self.here:
             due.append((self.left_at + 7.0, 0, Timer.CONTROLLER_LEFT) if self.controller_came
                        else (7.0, 0, Timer.CONTROLLER_ABSENT))
-        if not self.here and self.emptied_at is not None:
+        if not self.here and self.emptied_at is not None and self.controller_came:
             due.append((self.emptied_at + 5.0, 1, Timer.ROOM_EMPTY))
         return min(due)[::2] if due else None
 
@@ -142,6 +179,18 @@ class PresenceModel(RuleBasedStateMachine):
         ended = self.book.due(self.now)
         assert ended is (expected[1] if expected is not None and expected[0] <= self.now else None)
         self.ended = ended
+
+    @invariant()
+    def others_never_hasten_the_end(self) -> None:
+        """Whoever comes and goes, the end is no nearer than the controller's own (7 s from the start for one that
+        never came, and then only as absent; the earlier of 7 s and 5 s from its departure)."""
+        if "ctl" in self.here and self.ended is None:
+            return
+        own = 7.0 if not self.controller_came else self.left_at + 5.0
+        if self.ended is not None:
+            assert self.now >= own and (self.controller_came or self.ended is Timer.CONTROLLER_ABSENT)
+        else:
+            assert self.book.deadline()[0] >= own
 
     @invariant()
     def the_deadline_follows_the_definitions(self) -> None:
