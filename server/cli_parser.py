@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 __all__ = ["DEFAULT_CHUNKS", "DEFAULT_OUT", "build_parser"]
 
@@ -31,12 +32,34 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {shown}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line naming the command (``chunkline run: error: ...``) and exit code 2:
+    argparse printed the whole usage first (35 lines for stream-serve), and an unknown argument after a command was
+    told as the top command's (``chunkline: error: unrecognized arguments``, under ``chunkline``'s usage)."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str) -> NoReturn:
+        from .console import tell
+
+        tell(f"{self.prog}: error: {message} (see {self.prog} --help)")
+        self.exit(2)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(self, "commands", {}).get(getattr(parsed, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
+def build_parser() -> Parser:
+    parser = Parser(
         prog="chunkline",
         description="Serve interactive, stateful, chunked generation.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = commands.choices
     _add_stream_serve_parser(commands)
     from server.cluster.worker_cli import add_worker_parser
 

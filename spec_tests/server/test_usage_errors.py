@@ -1,0 +1,36 @@
+"""A mistyped ``chunkline`` command line is one line on stderr naming the command and what was wrong, exit code 2.
+
+argparse printed the command's whole usage first (35 lines for ``stream-serve``, the error last), and an unknown
+argument after a command was told as the top command's: ``chunkline: error: unrecognized arguments: extra`` under
+``chunkline [-h] COMMAND ...``, not naming ``run``. Through real processes, as a user types them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE = 60.0  # wall seconds: a loaded 2-core host imports the command line
+
+
+@pytest.mark.parametrize(("words", "line"), [
+    ([], "chunkline: error: the following arguments are required: COMMAND (see chunkline --help)"),
+    (["run", "pipelines/replay", "extra"],
+     "chunkline run: error: unrecognized arguments: extra (see chunkline run --help)"),
+    (["run", "pipelines/replay", "--chunks"],
+     "chunkline run: error: argument --chunks: expected one argument (see chunkline run --help)"),
+    (["stream-serve", "pipelines/replay", "--bogus"],
+     "chunkline stream-serve: error: unrecognized arguments: --bogus (see chunkline stream-serve --help)"),
+    (["stream-serve", "--port"],
+     "chunkline stream-serve: error: argument --port/-p: expected one argument (see chunkline stream-serve --help)"),
+    (["worker", "pipelines/replay"],
+     "chunkline worker: error: the following arguments are required: --authority (see chunkline worker --help)"),
+], ids=["no_command", "run_extra", "run_no_value", "serve_unknown", "serve_no_value", "worker_required"])
+def test_a_usage_error_is_one_line_naming_the_command(words: list[str], line: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "server.cli", *words], cwd=ROOT, capture_output=True, text=True,
+                          timeout=DEADLINE)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
