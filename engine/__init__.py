@@ -35,6 +35,7 @@ from .errors import (
     SessionCleanupError,
     SessionExistsError,
     SessionStateError,
+    StageCallTimeout,
     UnknownSessionError,
     WrongThreadError,
 )
@@ -68,7 +69,7 @@ __all__ = [
     "InvalidStageOutput", "LatencySummary", "MAX_SEQUENCE_ID", "LocalStageActor", "Orchestrator", "OrchestratorCloseError",
     "OrchestratorClosedError", "OutputsBusyError", "ParallelWorkerStageActor", "PipelineSpec", "ResourceGroupSpec", "Session",
     "SessionCleanupError", "SessionContext", "SessionExistsError", "SessionMetrics", "SessionStateError",
-    "StageActor", "StageInvocation", "StageOrdering", "StageSpec", "StageTiming", "TaskKey",
+    "StageActor", "StageCallTimeout", "StageInvocation", "StageOrdering", "StageSpec", "StageTiming", "TaskKey",
     "UnknownSessionError", "WrongThreadError", "open_orchestrator",
     "CapacityPlan", "DeviceMemorySnapshot", "InsufficientMemoryError", "SessionCapacityPolicy",
     "SessionMemoryBudget", "calculate_session_capacity", "capture_memory_snapshot",

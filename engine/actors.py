@@ -18,7 +18,7 @@ import inspect
 import itertools
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import attrs
 import outcome
@@ -27,10 +27,14 @@ import trio
 from states import stage_actor as actor_table
 from states.pipeline_session import CloseReason
 
-from .errors import ActorBusyError, ActorFailedError, FatalStageError
+from .actor_protocol import (
+    STAGE_ACTOR_METHODS, ActorHealth, ActorState, Completion, SessionContext, StageActor, StageInvocation, TaskKey,
+)
+from .call_watch import CallWatch
+from .errors import ActorBusyError, ActorFailedError, FatalStageError, StageCallTimeout, seconds
 from .threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, WaitQueue
 
-__all__ = [
+__all__ = [  # the protocol's names too: the engine and its users import them from here
     "TaskKey",
     "SessionContext",
     "StageInvocation",
@@ -40,76 +44,6 @@ __all__ = [
     "LocalStageActor",
 ]
 
-ActorState = actor_table.State
-
-
-class TaskKey(NamedTuple):
-    """Identity of one invocation: who, which epoch, which sequence, which stage, which try.
-
-    A named tuple: immutable and hashable, and made for every admission at the cost of one
-    tuple (a frozen attrs class sets each field through a Python-level call).
-    """
-
-    session_id: str
-    session_epoch: int
-    sequence_id: int
-    stage_id: str
-    request_id: int
-
-
-@attrs.frozen
-class SessionContext:
-    session_id: str
-    session_epoch: int
-
-
-class StageInvocation(NamedTuple):
-    """One call of a stage for one sequence of one session (a named tuple: made for every call)."""
-
-    key: TaskKey
-    inputs: Mapping[str, Any]
-    is_first: bool  # the session's first call at this stage (where per-session state is set up)
-    is_last: bool  # the call for the session's final sequence
-
-
-@attrs.frozen
-class ActorHealth:
-    state: ActorState
-    pending_invocations: int
-    failure_reason: str | None = None
-    # the exception that broke the actor, when one did (sessions failed by it get it as __cause__)
-    failure_cause: BaseException | None = attrs.field(default=None, eq=False, repr=False)
-
-    @property
-    def healthy(self) -> bool:
-        return self.state is ActorState.RUNNING
-
-
-Completion = Callable[[StageInvocation, outcome.Outcome], None]
-
-
-class StageActor(Protocol):
-    """What the orchestrator needs from an actor."""
-
-    name: str
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
-
-    def submit(self, invocation: StageInvocation, on_done: Completion) -> None: ...
-
-    def health(self) -> ActorHealth: ...
-
-    def is_healthy(self) -> bool: ...
-
-    async def close_session(self, context: SessionContext, reason: CloseReason) -> None: ...
-
-    async def barrier(self) -> None: ...
-
-    async def aclose(self) -> None: ...
-
-
-#: the methods a stage actor has (read off the protocol, so the two never differ)
-STAGE_ACTOR_METHODS = tuple(name for name, member in vars(StageActor).items() if callable(member) and not name.startswith("_"))
 
 
 @attrs.define
@@ -129,14 +63,35 @@ class _CloseSession:
 class _Delivery:
     """Brings a thread's result back to the actor, in the trio thread."""
 
-    __slots__ = ("actor", "invocation", "on_done")
+    __slots__ = ("actor", "invocation", "on_done", "settled")
 
     def __init__(self, actor: LocalStageActor, invocation: StageInvocation, on_done: Completion) -> None:
         self.actor = actor
         self.invocation = invocation
         self.on_done = on_done
+        self.settled = False  # with a call deadline: the call's result, or the actor's giving up on it, was delivered
+
+    def _claim(self) -> bool:
+        """Whether this side delivers: the thread's result, or the actor giving up on a call past its deadline (one
+        of the two, whichever comes first; without a deadline only the result can)."""
+        actor = self.actor
+        if actor._call_watch is None:
+            return True
+        with actor._counts:
+            if self.settled:
+                return False
+            self.settled = True
+            return True
+
+    def give_up(self, error: BaseException) -> None:
+        """In trio: the call ran past its deadline; it resolves as failed now, and its result, if it ever comes,
+        is dropped (its session's cleanup need not wait for a call that may never end)."""
+        if self._claim():
+            self.actor._resolve(self.invocation, self.on_done, outcome.Error(error), from_thread=True)
 
     def __call__(self, result: outcome.Outcome) -> None:
+        if not self._claim():
+            return
         actor = self.actor
         if actor._machine.state is ActorState.FAILED and not isinstance(result, outcome.Error):
             result = outcome.Error(ActorFailedError(f"stage actor {actor.name!r} failed: {actor._failure_reason}"))
@@ -152,6 +107,8 @@ class _Delivery:
         from_thread = getattr(self.on_done, "from_thread", None)
         if from_thread is None or not actor._machine.takes_work:
             return None
+        if not self._claim():
+            return NOTHING_LEFT
         actor._count(pending=-1)  # the call is over: its place in the mailbox is free for the next
         finish = from_thread(self.invocation, value)
         if finish is not None:
@@ -169,7 +126,9 @@ class LocalStageActor:
     A synchronous ``handler(invocation) -> {artifact: value}`` runs on one
     dedicated OS thread for every call; an ``async`` handler runs in the
     actor's task. ``session_closer(context, reason)`` (sync or async) releases a
-    session's stage state, on the same thread and in mailbox order.
+    session's stage state, on the same thread and in mailbox order. ``call_timeout``
+    (seconds, None: no deadline): a handler call running that long fails the actor
+    (:mod:`engine.call_watch`), with a :class:`StageCallTimeout` as the cause.
     """
 
     def __init__(
@@ -179,6 +138,7 @@ class LocalStageActor:
         name: str | None = None,
         mailbox_capacity: int = 1,
         session_closer: Callable[[SessionContext, CloseReason], Any] | None = None,
+        call_timeout: float | None = None,
     ) -> None:
         if isinstance(mailbox_capacity, bool) or not isinstance(mailbox_capacity, int) or mailbox_capacity < 1:
             raise ValueError(f"mailbox_capacity must be an int >= 1, got {mailbox_capacity!r}")
@@ -190,6 +150,7 @@ class LocalStageActor:
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {type(name).__name__}")
         self.name = name or f"stage-actor-{next(_names)}"
+        self._call_watch = None if call_timeout is None else CallWatch(seconds("call_timeout", call_timeout, finite=True))
         self._handler = handler
         self._handler_is_async = inspect.iscoroutinefunction(handler)
         self._closer = session_closer
@@ -233,16 +194,11 @@ class LocalStageActor:
         self._machine.apply(actor_table.Event.STARTED)
         task_status.started()
         try:
-            if not self._handler_is_async:
-                await self._close_requested.wait()
-                return
-            async with self._receive:
-                async for message in self._receive:
-                    if isinstance(message, _Invoke):
-                        await self._invoke(message)
-                    else:
-                        await self._close_session(message)
-                    del message  # the invocation's inputs and outputs die with the call
+            async with trio.open_nursery() as watching:
+                if self._call_watch is not None:
+                    watching.start_soon(self._call_watch.watch, self._call_overran)
+                await self._serve()
+                watching.cancel_scope.cancel(reason="the actor stopped serving")
         finally:
             with trio.CancelScope(shield=True):
                 self._send_closed = True  # no more work: the thread is told to stop next
@@ -258,6 +214,29 @@ class LocalStageActor:
                 if self._machine.can(actor_table.Event.CLOSE):
                     self._machine.apply(actor_table.Event.CLOSE)
                 self._stopped.set()
+
+    async def _serve(self) -> None:
+        if not self._handler_is_async:
+            await self._close_requested.wait()  # the thread serves the calls
+            return
+        async with self._receive:
+            async for message in self._receive:
+                if isinstance(message, _Invoke):
+                    await self._invoke(message)
+                else:
+                    await self._close_session(message)
+                del message  # the invocation's inputs and outputs die with the call
+
+    def _call_overran(self, error: StageCallTimeout, delivery: _Delivery | None) -> None:
+        """The running call passed ``call_timeout``: the actor fails, the call resolves as failed, and the actor's
+        close will not wait for it (its thread is left to it; an ``async`` call is cancelled, as when aclose's caller
+        gives up on it)."""
+        self.fail(str(error), cause=error)
+        self._abandon.set()
+        if delivery is not None:
+            delivery.give_up(error)
+        if self._running_call is not None:
+            self._running_call.cancel(reason="the call ran past its call_timeout")
 
     def _needs_thread(self) -> bool:
         return not self._handler_is_async or (self._closer is not None and not self._closer_is_async)
@@ -301,8 +280,9 @@ class LocalStageActor:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
             self._count(pending=1, undelivered=1)
+            delivery = _Delivery(self, invocation, on_done)
             try:
-                self._thread.submit(self._guarded_handler, (invocation,), _Delivery(self, invocation, on_done))
+                self._thread.submit(self._guarded_handler, (invocation, delivery), delivery)
             except ThreadStopped:  # the actor's task ended (its thread told to stop) after the check above
                 self._count(pending=-1, undelivered=-1)
                 raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
@@ -333,19 +313,31 @@ class LocalStageActor:
             result: outcome.Outcome = outcome.Error(
                 ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
             )
+        elif self._call_watch is None:
+            result = await self._call(self._handler, True, inv)
         else:
-            result = await self._call(self._handler, self._handler_is_async, inv)
+            self._call_watch.started(inv)
+            try:
+                result = await self._call(self._handler, True, inv)
+            finally:
+                self._call_watch.ended()
         self._resolve(inv, message.on_done, result)
 
-    def _guarded_handler(self, invocation: StageInvocation) -> Any:
+    def _guarded_handler(self, invocation: StageInvocation, delivery: _Delivery) -> Any:
         """Runs on the dedicated thread: refuse work once the actor is broken."""
         if self._refusal is not None:
             raise ActorFailedError(f"stage actor {self.name!r} failed: {self._refusal}")
+        watch = self._call_watch
+        if watch is not None:
+            watch.started(invocation, delivery)
         try:
             return self._handler(invocation)
         except FatalStageError as exc:
             self._refusal = f"{type(exc).__name__}: {exc}"
             raise
+        finally:
+            if watch is not None:
+                watch.ended()
 
     def _mark_done(self) -> None:
         if self._pending == 0 and self._undelivered == 0:

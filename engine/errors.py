@@ -20,6 +20,7 @@ __all__ = [
     "ActorBusyError",
     "ActorFailedError",
     "FatalStageError",
+    "StageCallTimeout",
     "WrongThreadError",
     "seconds",
     "shown",
@@ -105,6 +106,11 @@ class ActorBusyError(EngineError, RuntimeError):
 
 class ActorFailedError(EngineError, RuntimeError):
     """The actor itself failed (not one invocation); every session on it fails."""
+
+
+class StageCallTimeout(EngineError, RuntimeError):
+    """A stage call ran past its actor's ``call_timeout``: the actor is failed with this as the cause (the call itself
+    cannot be interrupted, so its thread is left to it), and every session on the actor fails."""
 
 
 class WrongThreadError(EngineError, RuntimeError):

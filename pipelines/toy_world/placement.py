@@ -185,8 +185,8 @@ class Placement:
     denoise: StageRuntime
     decode: StageRuntime
     resource_groups: tuple[ResourceGroupDecl, ...] = attrs.field(converter=tuple, default=())
-    # seconds a stage call of a worker group may go unanswered before the group (and the service) is failed:
-    # a rank frozen with SIGSTOP, or stuck, held its sessions without frames for ever (process mode only)
+    # seconds a stage call may go unanswered before its stage (and the service) is failed: a rank frozen with SIGSTOP,
+    # or a call stuck in a worker group or on an in-process stage's thread, held its sessions without frames for ever
     call_timeout: float = DEFAULT_CALL_TIMEOUT
 
     def __attrs_post_init__(self) -> None:

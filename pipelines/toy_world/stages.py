@@ -142,10 +142,12 @@ class InProcessStages(_StageHost):
             self.models[stage] = models[key]
         self.slots = await trio.to_thread.run_sync(SessionSlots, self.max_sessions, self.stage_config("denoise"))
         self.pool = self.slots.pool
+        deadline = self.placement.call_timeout  # a call past it fails its actor, and the service with it
         actors = {
-            "encode": LocalStageActor(handlers["encode"], name="toy-world-encode"),
-            "denoise": LocalStageActor(handlers["denoise"], name="toy-world-denoise", session_closer=self._release_slot),
-            "decode": LocalStageActor(handlers["decode"], name="toy-world-decode"),
+            "encode": LocalStageActor(handlers["encode"], name="toy-world-encode", call_timeout=deadline),
+            "denoise": LocalStageActor(handlers["denoise"], name="toy-world-denoise", session_closer=self._release_slot,
+                                       call_timeout=deadline),
+            "decode": LocalStageActor(handlers["decode"], name="toy-world-decode", call_timeout=deadline),
         }
         for stage, actor in actors.items():
             self._watch(stage, actor)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from collections.abc import Callable
 from contextlib import aclosing, suppress
 from typing import Any
@@ -309,6 +310,34 @@ async def test_a_frozen_worker_fails_its_service_once_a_call_goes_unanswered_pas
     finally:
         if frozen is not None and _alive(frozen):
             os.kill(frozen, signal.SIGCONT)
+
+
+async def test_an_in_process_stage_call_stuck_past_the_call_timeout_fails_its_service():
+    """In-process, a stage call stuck in model code (a deadlock, a hung device) held its session without frames for
+    ever, and the server's worker with it: the placement's ``call_timeout`` was for worker groups only. Now past it
+    the stage's actor fails, and the service with it, which its owner replaces; the stuck thread is left to its call
+    (the service does not wait for it on its way out)."""
+    victim = get_service(seed=1, max_sessions=2, placement=placement("in-process", call_timeout=2.0),
+                         control_idle_timeout=60.0, **SIZE)
+    endless = SessionConfig(options={"continuous": True})
+    release = threading.Event()
+
+    def freeze() -> None:
+        stages = victim._stages
+        denoise = stages.denoise
+
+        def stuck(invocation: Any) -> Any:
+            release.wait()
+            return denoise(invocation)
+
+        stages.denoise = stuck  # the service routes each denoise call through its stage host's method
+
+    try:
+        with pytest.raises(ServiceFailedError, match=r"stage 'denoise' failed: its call for session .* ran past its "
+                                                     r"call_timeout of 2 s"):
+            await _until_the_service_fails(victim, endless, freeze, within=30)
+    finally:
+        release.set()
 
 
 async def test_a_killed_worker_fails_its_services_sessions_and_the_service_leaves_running():
