@@ -38,12 +38,13 @@ import trio
 from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
 from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, checked_session_id
 from pipelines.offline_calls import single_leaf
-from states.room_presence import RoomPresence, Timer
+from states.room_presence import RoomPresence
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
 from . import protocol
 from .chunk_publisher import ChunkPublisher, checked_metadata
 from .cluster.identity import worker_participant
+from .presence_timeouts import TIMEOUT_CAUSES, timeout_detail
 from .pushed_stream import StreamStalled, close_stream, next_chunk
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
@@ -76,12 +77,9 @@ WORKER_CAUSE_WAIT = 10.0  # seconds a runner waits for a failing worker to say w
 EARLY_CONTROL_LIMIT = 64  # controls held before the pipeline session exists
 OUTBOX_LIMIT = 32  # service events (lease status) waiting to be sent; more are dropped and counted
 
-#: What each presence timeout means for the session.
-TIMEOUT_CAUSES: dict[Timer, DrainCause] = {
-    Timer.CONTROLLER_ABSENT: DrainCause.CONTROLLER_ABSENT,
-    Timer.CONTROLLER_LEFT: DrainCause.CONTROLLER_LEFT,
-    Timer.ROOM_EMPTY: DrainCause.ROOM_EMPTY,
-}
+#: seconds the last word (``done``, ``error``) may take: half of leaving's DISCONNECT_TIMEOUT, which word and leave
+#: share (STOP_DEADLINE counts it once). A room that took nothing (a hub socket nobody reads) held the end for ever.
+LAST_WORD_TIMEOUT = DISCONNECT_TIMEOUT / 2
 
 
 class RunnerError(RuntimeError):
@@ -128,8 +126,7 @@ class RoomRunner:
         self._presence_changed = trio.Event()
         self._outbox_in, self._outbox = trio.open_memory_channel[bytes](OUTBOX_LIMIT)
         self.dropped_service_events = 0
-        #: whether this runner told its room how the session ended (it was in the room at the end); if not,
-        #: the server does (``SessionLifecycle.settle``)
+        #: whether the room took this runner's word of how the session ended; if not, the server says it (``settle``)
         self.told_room = False
         #: whether its worker is in its room with media (health's ``transport_connected``): from the pipeline's
         #: start, which comes after the join, until it left
@@ -244,16 +241,10 @@ class RoomRunner:
                 continue
             timer = presence.due(trio.current_time())
             if timer is not None:
-                self.drain(TIMEOUT_CAUSES[timer], self._timeout_detail(timer))
+                deps = self.deps
+                self.drain(TIMEOUT_CAUSES[timer], timeout_detail(
+                    timer, self.record.controller_identity, deps.controller_timeout, deps.room_empty_timeout))
                 return
-
-    def _timeout_detail(self, timer: Timer) -> str:
-        controller, deps = self.record.controller_identity, self.deps
-        if timer is Timer.CONTROLLER_ABSENT:
-            return f"the controller {controller!r} did not join within {deps.controller_timeout:g} s"
-        if timer is Timer.CONTROLLER_LEFT:
-            return f"the controller {controller!r} left and did not return within {deps.controller_timeout:g} s"
-        return f"the room was empty for {deps.room_empty_timeout:g} s"
 
     async def _run_bidirectional(self, service: BidirectionalService, side_tasks: trio.Nursery) -> None:
         record = self.record
@@ -479,20 +470,30 @@ class RoomRunner:
                                  f"{CLOSE_PIPELINE_TIMEOUT:g} s")
         failure = error or (record.drain_detail if record.drain_cause in FAILING_CAUSES else None)
         if self._connection is not None:
-            self.told_room = True
-            if failure is None:
-                publisher = self._publisher
-                chunks, frames = (0, 0) if publisher is None else (publisher.published_chunks, publisher.published_frames)
-                await self._send(
-                    protocol.done_message(record.session_id, chunks, frames,
-                                          reason=None if record.drain_cause is None else record.drain_cause.value)
-                )
-            else:
-                reason = record.drain_cause.value if record.drain_cause in FAILING_CAUSES else "session_failed"
-                await self._send(protocol.error_message(record.session_id, reason, failure))
-            with trio.move_on_after(DISCONNECT_TIMEOUT):
+            with trio.move_on_after(DISCONNECT_TIMEOUT):  # the last word and the leave, together
+                with trio.move_on_after(LAST_WORD_TIMEOUT):
+                    self.told_room = await self._say_last_word(self._last_word(failure))
                 await self._connection.disconnect()
         self.in_room_with_media = False
         record.participants.clear()  # the worker left: nobody is in the session's room any more
         self.deps.on_finished(self, error)
         self.finished.set()
+
+    def _last_word(self, failure: str | None) -> bytes:
+        """``done`` with the drain cause, or ``error`` with the failing cause (``session_failed`` without one)."""
+        record, publisher = self.record, self._publisher
+        if failure is None:
+            chunks, frames = (0, 0) if publisher is None else (publisher.published_chunks, publisher.published_frames)
+            cause = None if record.drain_cause is None else record.drain_cause.value
+            return protocol.done_message(record.session_id, chunks, frames, reason=cause)
+        reason = record.drain_cause.value if record.drain_cause in FAILING_CAUSES else "session_failed"
+        return protocol.error_message(record.session_id, reason, failure)
+
+    async def _say_last_word(self, payload: bytes) -> bool:
+        """Whether the room took the session's last word (if not, the server says it: ``told_room``)."""
+        assert self._connection is not None
+        try:
+            await self._connection.send_data(protocol.STATUS_TOPIC, payload)
+        except TransportError:
+            return False
+        return True
