@@ -306,10 +306,10 @@ def machine_address() -> str:
 
 def dev_stack(argv: Sequence[str]) -> int:
     """LiveKit (generated keys, signalling on 127.0.0.1:7880, media on this machine's address) and
-    ``chunkline stream-serve ARGV`` pointed at it; Ctrl-C stops both. Returns the exit code. Its own lines go
-    through :func:`server.console.tell`: a stdout or stderr closed or gone loses a line, never the stack (a
-    stderr closed put its lines on stdout, and one on a full disk or a pipe whose reader left ended it with a
-    traceback's exit 1, the stop line even after a clean Ctrl-C)."""
+    ``chunkline stream-serve ARGV`` pointed at it; Ctrl-C, SIGTERM or SIGHUP stops both. Returns the exit code
+    (128 + the stop signal once started). Its own lines go through :func:`server.console.tell`: a stdout or stderr
+    closed or gone loses a line, never the stack (a stderr closed put its lines on stdout, and one on a full disk
+    or a pipe whose reader left ended it with a traceback's exit 1, the stop line even after a clean Ctrl-C)."""
     try:
         binary = find_livekit_server()
         address = machine_address()
@@ -319,7 +319,17 @@ def dev_stack(argv: Sequence[str]) -> int:
     config = LiveKitConfig(bind="127.0.0.1", node_ip=address, tcp_port=7881)
     env = {**os.environ, **livekit_settings_env(config)}
     chunkline = Path(sys.executable).with_name("chunkline")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops both as Ctrl-C does
+    stopped_by = [signal.SIGINT]
+
+    def stop(signum: int, frame: object) -> None:
+        """SIGTERM and SIGHUP (its terminal closed) stop both as Ctrl-C does; a SIGHUP killed the stack by its
+        default action, and left LiveKit, the stream server and the folder with its secret behind."""
+        stopped_by[0] = signal.Signals(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
     try:
         with work_folder("chunkline-livekit-") as workdir, running_livekit(config, workdir, binary=binary):
             unwritten = tell(f"LiveKit {LIVEKIT_VERSION} at {config.url} (media: udp {address}:{config.udp_port}, "
@@ -332,7 +342,7 @@ def dev_stack(argv: Sequence[str]) -> int:
             finally:
                 stop_process(server, signals=(signal.SIGINT, signal.SIGTERM), grace=10.0)
     except KeyboardInterrupt:
-        return 130
+        return 128 + stopped_by[0]  # 130, 143 or 129: how it was stopped, as chunkline run says it
     finally:
         tell("stopped the stream server and LiveKit")
 

@@ -4,13 +4,15 @@ Both printed their own lines directly. ``chunkline worker`` with bad arguments a
 error on stdout, and with stderr on a full disk or a pipe whose reader left it exited 1 (its traceback lost) where
 the arguments' exit code is 2. The dev stack did the same with its lines, and worse once running: a stdout on a
 full disk failed its "LiveKit at ..." line, which stopped the stack before it served (exit 1), and a stderr gone
-failed its "stopped" line, so a clean Ctrl-C or SIGTERM exited 1. Through real processes, as a user runs them; the
+failed its "stopped" line, so a clean Ctrl-C or SIGTERM exited 1. A SIGHUP (its terminal closed) killed the stack
+by its default action, leaving LiveKit, the stream server and the work folder behind; SIGTERM exited 130. Through real processes, as a user runs them; the
 running dev stack runs in a network namespace of its own (``unshare -rn``: its ports are private and no packet
 leaves), with a stand-in for the LiveKit binary that answers its readiness check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -106,11 +108,12 @@ async def read_until(stream: trio.abc.ReceiveStream, text: bytes) -> bytes:
 
 
 async def end_group(process: trio.Process) -> None:
-    """Kill the stack's whole group (the stand-in LiveKit and the stream server too) unless it ended in order."""
-    if process.returncode is None:
+    """Kill what is left of the stack's group (the stand-in LiveKit and the stream server too, even once the stack
+    itself has ended), and reap the stack."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-        with trio.CancelScope(shield=True):
-            await process.wait()
+    with trio.CancelScope(shield=True):
+        await process.wait()
 
 
 async def test_a_dev_stack_whose_stdout_is_on_a_full_disk_serves_and_stops_with_130(tmp_path: Path) -> None:
@@ -119,7 +122,7 @@ async def test_a_dev_stack_whose_stdout_is_on_a_full_disk_serves_and_stops_with_
     try:
         assert process.stderr is not None
         seen = await read_until(process.stderr, b"chunkline: serving pipelines/replay")
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGINT)
         seen += await read_until(process.stderr, STOPPED.encode())
         with trio.fail_after(DEADLINE):
             assert await process.wait() == 130
@@ -131,7 +134,7 @@ async def test_a_dev_stack_whose_stdout_is_on_a_full_disk_serves_and_stops_with_
     assert lines[-1] == STOPPED and "Traceback" not in seen.decode()
 
 
-async def test_a_dev_stack_whose_stderr_reader_left_stops_with_130(tmp_path: Path) -> None:
+async def test_a_dev_stack_whose_stderr_reader_left_stops_with_143(tmp_path: Path) -> None:
     process = await start_dev_stack(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert process.stderr is not None
@@ -139,6 +142,25 @@ async def test_a_dev_stack_whose_stderr_reader_left_stops_with_130(tmp_path: Pat
         await process.stderr.aclose()  # as `| head -1` leaves: every later line meets a broken pipe
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(DEADLINE):
-            assert await process.wait() == 130
+            assert await process.wait() == 143
     finally:
         await end_group(process)
+
+
+async def test_a_dev_stack_whose_terminal_closed_stops_both_and_leaves_nothing(tmp_path: Path) -> None:
+    """SIGHUP, as a closed terminal sends it: the stack died by its default action, leaving LiveKit, the stream
+    server and its work folder (the LiveKit secret in its config) behind."""
+    process = await start_dev_stack(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert process.stderr is not None
+        await read_until(process.stderr, b"chunkline: serving pipelines/replay")
+        process.send_signal(signal.SIGHUP)
+        with trio.fail_after(DEADLINE):
+            assert await process.wait() == 129
+        seen = await read_until(process.stderr, STOPPED.encode())  # written before it exited
+        with pytest.raises(ProcessLookupError):
+            os.killpg(process.pid, 0)  # neither LiveKit nor the stream server is left in its group
+    finally:
+        await end_group(process)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["livekit-server"], "its work folder was left"
+    assert "Traceback" not in seen.decode()
