@@ -341,6 +341,9 @@ def dev_stack(argv: Sequence[str]) -> int:
                 return server.wait()
             finally:
                 stop_process(server, signals=(signal.SIGINT, signal.SIGTERM), grace=10.0)
+    except RuntimeError as exc:  # LiveKit exited or never answered (its port taken...): its log is kept, named above
+        tell(f"{DEV_STACK}: LiveKit did not start: {exc}")
+        return 1
     except KeyboardInterrupt:
         return 128 + stopped_by[0]  # 130, 143 or 129: how it was stopped, as chunkline run says it
     finally:

@@ -86,11 +86,11 @@ def test_the_dev_stack_without_its_livekit_binary_exits_2_and_says_nothing_on_st
     assert (done.returncode, done.stdout) == (2, "")
 
 
-async def start_dev_stack(tmp_path: Path, **streams: object) -> trio.Process:
+async def start_dev_stack(tmp_path: Path, livekit: str = FAKE_LIVEKIT, **streams: object) -> trio.Process:
     """The dev stack in a network namespace of its own, with the stand-in LiveKit, in a process group of its own."""
     argv = unshare_or_skip("-rn", PRIVATE_NETWORK, *DEV_STACK)
     fake = tmp_path / "livekit-server"
-    fake.write_text(f"#!{sys.executable}\n{FAKE_LIVEKIT}")
+    fake.write_text(f"#!{sys.executable}\n{livekit}")
     fake.chmod(0o755)
     env = env_without_chunkline(CHUNKLINE_LIVEKIT_SERVER=str(fake), TMPDIR=str(tmp_path))
     return await trio.lowlevel.open_process(argv, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
@@ -164,3 +164,24 @@ async def test_a_dev_stack_whose_terminal_closed_stops_both_and_leaves_nothing(t
         await end_group(process)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["livekit-server"], "its work folder was left"
     assert "Traceback" not in seen.decode()
+
+
+async def test_a_dev_stack_whose_livekit_cannot_start_says_so_in_one_line_and_keeps_its_log(tmp_path: Path) -> None:
+    """LiveKit exiting at once (its port taken by another): a traceback ending in a RuntimeError, exit 1."""
+    cannot_bind = "import sys\nprint('bind: address already in use')\nsys.exit(1)\n"
+    process = await start_dev_stack(tmp_path, cannot_bind, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with trio.fail_after(DEADLINE):
+            assert await process.wait() == 1
+        assert process.stderr is not None and process.stdout is not None
+        said = (await read_until(process.stderr, STOPPED.encode())).decode()
+    finally:
+        await end_group(process)
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("chunkline-livekit-")]
+    assert len(kept) == 1 and (kept[0] / "livekit.log").read_text() == "bind: address already in use\n"
+    lines = said.splitlines()
+    assert len(lines) == 3 and lines[0] == f"chunkline-livekit: the run failed; its config and logs are kept in {kept[0]}"
+    # then what its last readiness check met, as it came: "(no answer)", or the refused connection
+    assert lines[1].startswith("chunkline dev stack: LiveKit did not start: http://127.0.0.1:7880/: the process exited "
+                               "with code 1 (") and lines[2] == STOPPED
+    assert await process.stdout.receive_some() == b""
