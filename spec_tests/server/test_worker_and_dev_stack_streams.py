@@ -5,9 +5,10 @@ error on stdout, and with stderr on a full disk or a pipe whose reader left it e
 the arguments' exit code is 2. The dev stack did the same with its lines, and worse once running: a stdout on a
 full disk failed its "LiveKit at ..." line, which stopped the stack before it served (exit 1), and a stderr gone
 failed its "stopped" line, so a clean Ctrl-C or SIGTERM exited 1. A SIGHUP (its terminal closed) killed the stack
-by its default action, leaving LiveKit, the stream server and the work folder behind; SIGTERM exited 130. Through real processes, as a user runs them; the
-running dev stack runs in a network namespace of its own (``unshare -rn``: its ports are private and no packet
-leaves), with a stand-in for the LiveKit binary that answers its readiness check.
+by its default action, leaving LiveKit, the stream server and the work folder behind; SIGTERM exited 130; a LiveKit
+that could not start was a traceback. Through real processes, as a user runs them; the running dev stack runs in a
+network namespace of its own (``unshare -rn``: its ports are private and no packet leaves), with a stand-in for the
+LiveKit binary that answers its readiness check.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ async def test_a_dev_stack_whose_livekit_cannot_start_says_so_in_one_line_and_ke
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("chunkline-livekit-")]
     assert len(kept) == 1 and (kept[0] / "livekit.log").read_text() == "bind: address already in use\n"
     lines = said.splitlines()
-    assert len(lines) == 3 and lines[0] == f"chunkline-livekit: the run failed; its config and logs are kept in {kept[0]}"
+    assert len(lines) == 3
+    assert lines[0] == f"chunkline-livekit: the run failed; its config and logs are kept in {kept[0]}"
     # then what its last readiness check met, as it came: "(no answer)", or the refused connection
     assert lines[1].startswith("chunkline dev stack: LiveKit did not start: http://127.0.0.1:7880/: the process exited "
                                "with code 1 (") and lines[2] == STOPPED
