@@ -32,6 +32,12 @@ log = logging.getLogger("chunkline.worker")
 
 #: Seconds the startup check (one warm-up chunk) may take once the service is up.
 VALIDATION_TIMEOUT = 120.0
+#: Seconds an in-process worker's load may take, from the pipeline's import to its service inside ``running()``: as
+#: long as a process worker's child has for the same two steps (its start, 600 s, and entering ``running()``, 600 s;
+#: :mod:`server.process_service`). Past it the worker fails (and is replaced, with backoff), as a child is killed;
+#: a load that hung in a thread (a stalled download, a device that never answers) kept the worker ``loading``
+#: for ever, every create a 503.
+LOAD_TIMEOUT = 1200.0
 
 
 class ModelWorkerError(RuntimeError):
@@ -45,6 +51,10 @@ class ConfigurationRefused(ModelWorkerError):
 
 #: the failures a replacement worker would meet the same way: the slot is not restarted
 REFUSALS = (ConfigurationRefused, OptionsNotAccepted)  # the latter raised here, or in a process worker's child
+
+
+class LoadTimedOut(ModelWorkerError):
+    """An in-process load passed :data:`LOAD_TIMEOUT` (its thread, if stuck in one, is left to it)."""
 
 
 class ServiceEnded(RuntimeError):
@@ -106,6 +116,9 @@ class ModelWorker:
         #: shape and fps) or skipped
         self.startup_check: dict[str, Any] | None = None
         self._runners: trio.Nursery | None = None
+        # a child process bounds its own load (start_process_service); in-process, the worker does
+        self._load_timeout = None if worker_mode == "process" else LOAD_TIMEOUT
+        self._loaded = trio.Event()  # ready, or failed: the load is over either way
         self._stop = trio.Event()
         self._fault: str | None = None  # why fail() stopped the worker
 
@@ -186,11 +199,27 @@ class ModelWorker:
     async def run(self) -> None:
         """Load, warm up, report capacity, host runners until stopped; report failure instead of raising."""
         try:
-            await self._serve()
+            async with trio.open_nursery() as watching:
+                with trio.CancelScope() as serving:
+                    if self._load_timeout is not None:
+                        watching.start_soon(self._bound_the_load, self._load_timeout, serving)
+                    await self._serve()
+                watching.cancel_scope.cancel(reason="the worker stopped")
         except Exception as exc:
             self._failed(exc)
 
+    async def _bound_the_load(self, seconds: float, serving: trio.CancelScope) -> None:
+        with trio.move_on_after(seconds):
+            await self._loaded.wait()
+            return
+        self._failed(LoadTimedOut(f"the pipeline did not load within {seconds:g} s"))
+        serving.cancel(reason="the pipeline did not load in time")  # a load stuck in a thread is left to it
+
     def _failed(self, exc: BaseException) -> None:
+        if self.failed.is_set():  # a load given up on that ended later, its way out reported already
+            log.info("worker %s, after its failure: %s", self.worker_id, public_reason(exc))
+            return
+        self._loaded.set()
         reason = public_reason(exc)  # health and metadata show this line; the log has the detail
         self.failure = reason
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
@@ -202,7 +231,8 @@ class ModelWorker:
 
     async def _serve(self) -> None:
         loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids), offered=self._offered, **self._options)
-        service = await trio.to_thread.run_sync(loader)
+        # in-process, a load past its deadline is given up on at once (its thread left to it)
+        service = await trio.to_thread.run_sync(loader, abandon_on_cancel=self._load_timeout is not None)
         self.service = service
         limit = self.max_sessions if isinstance(self.max_sessions, int) else None
         if isinstance(service, ServerPushService) and limit not in (None, 1):
@@ -222,6 +252,7 @@ class ModelWorker:
                     await self._check(service)
                     self.plan = self._capacity_plan(service, limit)
                     self._runners = runners
+                    self._loaded.set()
                     self._on_ready(self, self.plan.effective_capacity, self.plan)
                     await self._stop.wait()
                 if self._fault is not None:
