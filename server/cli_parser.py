@@ -100,7 +100,8 @@ def build_parser() -> Parser:
         metavar="KEY=VALUE",
         action="append",
         default=[],
-        help="a session option (SessionConfig.options); VALUE is read as JSON when it parses, else as text",
+        help="a session option (SessionConfig.options), once per KEY; VALUE is read as JSON when it parses, else as "
+             "text",
     )
     return parser
 
@@ -174,6 +175,8 @@ def _add_stream_serve_parser(commands: Any) -> argparse.ArgumentParser:
         else:
             shown = str(field.default).lower() if isinstance(field.default, bool) else str(field.default)
         help_text = f"{field.metadata['help']} (default {shown}; env {env_var(field.name)})"
+        if field.default is None and "default" in field.metadata["help"]:  # said there: "(default: --host)"
+            help_text = f"{field.metadata['help']} (env {env_var(field.name)})"
         if field.type in (bool, "bool"):
             serve.add_argument(
                 *flags, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text

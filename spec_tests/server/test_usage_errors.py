@@ -7,6 +7,7 @@ argument after a command was told as the top command's: ``chunkline: error: unre
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,15 @@ def test_a_usage_error_is_one_line_naming_the_command(words: list[str], line: st
     done = subprocess.run([sys.executable, "-m", "server.cli", *words], cwd=ROOT, capture_output=True, text=True,
                           timeout=DEADLINE)
     assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+
+
+def test_stream_serve_help_says_each_option_s_default_once() -> None:
+    """An option whose help names its default (``--cluster-host``: "default: --host") was then also "default unset"."""
+    done = subprocess.run([sys.executable, "-m", "server.cli", "stream-serve", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=DEADLINE, env={**os.environ, "COLUMNS": "400"})  # one line an option
+    assert done.returncode == 0
+    helps = [line for line in done.stdout.splitlines() if "env CHUNKLINE_" in line]
+    assert len(helps) > 30
+    assert [line for line in helps if "default:" in line and "(default " in line] == []
+    assert any("--cluster-host HOST" in line and "(default: --host) (env CHUNKLINE_CLUSTER_HOST)" in line
+               for line in helps)
