@@ -10,9 +10,28 @@ from typing import Any
 import outcome
 import trio
 
+from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec
 from engine.actors import StageInvocation, TaskKey
 
 GATE_TIMEOUT = 30.0  # a safety net so a broken test fails instead of hanging
+
+#: two stages, control -> dynamics -> latent -> render -> frames: the pipeline author's smallest graph
+SPEC = PipelineSpec(
+    stages=[StageSpec("dynamics", {"control"}, {"latent"}), StageSpec("render", {"latent"}, {"frames"})],
+    edges=[EdgeSpec("control", "dynamics", None, 2), EdgeSpec("latent", "render", "dynamics", 2)],
+    output_artifacts={"frames"},
+)
+
+
+def render(invocation: StageInvocation) -> dict[str, Any]:
+    return {"frames": invocation.inputs["latent"]}
+
+
+async def join_thread(actor: LocalStageActor) -> None:
+    """Wait (on a worker thread) until the actor's own OS thread has ended."""
+    thread = next((t for t in threading.enumerate() if t.ident == actor.thread_ident), None)
+    if thread is not None:
+        await trio.to_thread.run_sync(thread.join)
 
 
 def make_invocation(

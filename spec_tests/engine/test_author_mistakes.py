@@ -26,22 +26,8 @@ from engine import (
 )
 from states.pipeline_session import State
 
-SPEC = PipelineSpec(
-    stages=[StageSpec("dynamics", {"control"}, {"latent"}), StageSpec("render", {"latent"}, {"frames"})],
-    edges=[EdgeSpec("control", "dynamics", None, 2), EdgeSpec("latent", "render", "dynamics", 2)],
-    output_artifacts={"frames"},
-)
+from .actor_helpers import SPEC, join_thread, render
 
-
-def render(invocation):
-    return {"frames": invocation.inputs["latent"]}
-
-
-async def join_thread(actor: LocalStageActor) -> None:
-    """Wait (on a worker thread) until the actor's own OS thread has ended."""
-    thread = next((t for t in threading.enumerate() if t.ident == actor.thread_ident), None)
-    if thread is not None:
-        await trio.to_thread.run_sync(thread.join)
 
 
 @pytest.mark.parametrize(

@@ -16,28 +16,13 @@ import pytest
 import trio
 import trio.testing
 
-from engine import (
-    ActorFailedError,
-    EdgeSpec,
-    LocalStageActor,
-    PipelineSpec,
-    StageCallTimeout,
-    StageSpec,
-    open_orchestrator,
-)
+from engine import ActorFailedError, LocalStageActor, StageCallTimeout, open_orchestrator
 from engine.call_watch import LOOK_PERIOD_MAX
 
-SPEC = PipelineSpec(
-    stages=[StageSpec("dynamics", {"control"}, {"latent"}), StageSpec("render", {"latent"}, {"frames"})],
-    edges=[EdgeSpec("control", "dynamics", None, 2), EdgeSpec("latent", "render", "dynamics", 2)],
-    output_artifacts={"frames"},
-)
+from .actor_helpers import SPEC, join_thread, render
+
 DEADLINE = 30.0
 LOOK = min(DEADLINE / 8, LOOK_PERIOD_MAX)
-
-
-def render(invocation):
-    return {"frames": invocation.inputs["latent"]}
 
 
 class StuckCall:
@@ -77,13 +62,6 @@ class StuckCall:
             self.started.set()
             await self.release_task.wait()
         return {"latent": invocation.inputs["control"]}
-
-
-async def join_thread(actor: LocalStageActor) -> None:
-    """Wait (on a worker thread) until the actor's own OS thread has ended."""
-    thread = next((t for t in threading.enumerate() if t.ident == actor.thread_ident), None)
-    if thread is not None:
-        await trio.to_thread.run_sync(thread.join)
 
 
 async def _drain(session, into: list) -> None:
