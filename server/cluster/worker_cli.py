@@ -1,9 +1,8 @@
 """``chunkline worker PIPE --authority URL [--devices 0,1] ...``: run one worker agent.
 
 The cluster token comes from ``CHUNKLINE_CLUSTER_TOKEN`` (or ``--cluster-token-file``), never
-from the command line, where other users of the host could read it. Exit codes: 0 drained,
-1 failed (the model did not load, the authority stayed unreachable), 2 bad arguments,
-3 refused by the authority (another version or pipeline, a wrong token).
+from the command line, where other users of the host could read it. Exit codes: see
+:data:`EXIT_CODES` (also the end of ``chunkline worker --help``).
 """
 
 from __future__ import annotations
@@ -17,6 +16,10 @@ from typing import Any
 __all__ = ["add_worker_parser", "cmd_worker"]
 
 TOKEN_ENV = "CHUNKLINE_CLUSTER_TOKEN"
+EXIT_CODES = ("Exit codes: 0 drained (a stop signal or the authority's drain, once it served), 1 failed (the model "
+              "did not load, the authority stayed unreachable), 2 bad arguments, 3 refused (another version or "
+              "pipeline, a wrong token, settings its pipeline refuses), 70 its --launcher-pid is gone, 128 + the "
+              "signal for a stop before it served (130 for Ctrl-C).")
 
 
 def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
@@ -27,6 +30,7 @@ def add_worker_parser(commands: Any) -> argparse.ArgumentParser:
             "Run one worker agent: load PIPE on this host's devices, dial the authority, register, and run the "
             f"sessions it starts. The cluster token is read from {TOKEN_ENV} or --cluster-token-file."
         ),
+        epilog=EXIT_CODES,
     )
     worker.add_argument("pipeline", metavar="PIPE", help="the same pipeline file or package the authority serves")
     worker.add_argument("--authority", metavar="URL", required=True, help="tcp://HOST:PORT or tls://HOST:PORT")

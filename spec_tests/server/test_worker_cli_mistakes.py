@@ -28,3 +28,13 @@ def test_a_tls_ca_for_a_tcp_authority_is_refused_naming_both(tmp_path: Path) -> 
     assert (done.returncode, done.stdout, done.stderr) == (
         2, "", "chunkline worker: error: --tls-ca applies to a tls:// authority; with 'tcp://127.0.0.1:45999' it "
                "would be ignored (the agent dials it without TLS)\n")
+
+
+def test_worker_help_lists_its_exit_codes() -> None:
+    """The codes were only in the module's docstring, which left out a stop before it served (128 + the signal)."""
+    done = subprocess.run([sys.executable, "-m", "server.cli", "worker", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=DEADLINE, env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 0
+    assert done.stdout.rstrip().splitlines()[-1].startswith("Exit codes: 0 drained")
+    for words in ("2 bad arguments", "3 refused", "128 + the signal for a stop before it served (130 for Ctrl-C)"):
+        assert words in done.stdout
