@@ -84,9 +84,10 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
             raise PipelineLoadError(
                 f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
-    name = f"{FILE_MODULE_PREFIX}{abs(hash(str(target.resolve())))}"
+    top, inner = _package_parts(target)
+    name = f"{FILE_MODULE_PREFIX}{abs(hash(str(top.resolve())))}"
     spec = importlib.util.spec_from_file_location(
-        name, target, submodule_search_locations=[str(path)] if path.is_dir() else None
+        name, top / "__init__.py" if top.is_dir() else top, submodule_search_locations=[str(top)] if top.is_dir() else None
     )
     if spec is None or spec.loader is None:
         raise PipelineLoadError(f"cannot import pipeline file {str(path)!r}")
@@ -94,13 +95,31 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except SystemExit as exc:
-        del sys.modules[name]
-        raise PipelineExited.of(path, exc, "while being imported") from None
-    except Exception as exc:
-        del sys.modules[name]
+        if inner:  # a module inside a package folder: imported as part of it, so its relative imports work
+            module = importlib.import_module(".".join([name, *inner]))
+    except BaseException as exc:
+        for loaded in [key for key in sys.modules if key == name or key.startswith(f"{name}.")]:
+            del sys.modules[loaded]
+        if isinstance(exc, SystemExit):
+            raise PipelineExited.of(path, exc, "while being imported") from None
+        if not isinstance(exc, Exception):
+            raise
         raise PipelineLoadError(f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def _package_parts(target: Path) -> tuple[Path, list[str]]:
+    """The file or package folder to import first for ``target``, and the dotted names from it down to ``target``:
+    a ``.py`` file in a folder with ``__init__.py`` is imported through its outermost such folder (it failed with
+    'attempted relative import with no known parent package' when it had a relative import)."""
+    if target.name == "__init__.py":
+        return target.parent, []
+    parts: list[str] = []
+    folder, module = target.parent, target
+    while (folder / "__init__.py").is_file() and folder.name.isidentifier() and module.stem.isidentifier():
+        parts.insert(0, module.stem)
+        folder, module = folder.parent, folder
+    return module, parts
 
 
 def _importable_name(target: Path) -> str | None:
@@ -134,11 +153,16 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     factory = getattr(module, "get_service", None)
     if factory is None or not callable(factory):
         raise PipelineLoadError(f"pipeline file {str(path)!r} defines no get_service() function")
+    if inspect.iscoroutinefunction(factory):  # it was called, its coroutine dropped unawaited with a RuntimeWarning
+        raise PipelineLoadError(f"get_service() in {str(path)!r} is an 'async def'; it must be a plain 'def' that "
+                                f"returns the service (load models in the service's running())")
     accepted = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     unknown = sorted(k for k in options if k not in accepted and not takes_any)
     if unknown:
-        raise OptionsNotAccepted(f"get_service() in {str(path)!r} does not accept {unknown}")
+        hint = (": chunkline calls every pipeline's get_service(gpu_num=N), N the GPUs it is given; add a "
+                "gpu_num=0 parameter" if "gpu_num" in unknown else "")
+        raise OptionsNotAccepted(f"get_service() in {str(path)!r} does not accept {unknown}{hint}")
     named = {name for name, p in accepted.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
     options = {**{k: v for k, v in (offered or {}).items() if k in named and k not in options}, **options}
     try:
@@ -149,6 +173,11 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
         raise OptionValuesRefused(f"get_service() in {str(path)!r} refused its options: {exc}") from exc
     except Exception as exc:
         raise PipelineLoadError(f"get_service() in {str(path)!r} raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(service, type) and issubclass(service, BidirectionalService | ServerPushService):
+        raise PipelineLoadError(
+            f"get_service() in {str(path)!r} returned the class {service.__name__}, not a service; it must return an "
+            f"instance ({service.__name__}(...))"
+        )
     if not isinstance(service, BidirectionalService | ServerPushService):
         raise PipelineLoadError(
             f"get_service() in {str(path)!r} returned {type(service).__name__}; it must return a "

@@ -54,7 +54,7 @@ from .contract import (
     checked_session_id,
 )
 from .mp4 import Mp4Writer
-from .offline_calls import PipelineCallError, RunDeadlines, call_within, close_within, running_within, single_leaf
+from .offline_calls import PipelineCallError, RunDeadlines, call_within, close_within, running_within, telling_error
 from .offline_metrics import CLOCK_TOLERANCE, METRICS_NAME, VIDEO_NAME, Recorder
 from .timed_controls import (
     KEY_ALIASES,
@@ -332,10 +332,12 @@ async def run_offline(
         writer.abort()
         for path in (video_tmp, metrics_tmp):
             path.unlink(missing_ok=True)
-        single = single_leaf(exc)
-        if single is not exc:
-            raise single from None
-        raise
+        telling = telling_error(exc, (ChunkFailed, PipelineContractError))
+        if telling is exc:
+            raise
+        if telling.__traceback__ is None:  # made here, naming the group's errors: the group is its cause
+            raise telling from exc
+        raise telling from None
     return OfflineRunSummary(
         kind=kind,
         chunks=metrics["chunks"],

@@ -21,7 +21,7 @@ import trio
 from .contract import BidirectionalService, PipelineContractError, ServerPushService
 
 __all__ = ["PipelineCallError", "RunDeadlines", "call_within", "close_within", "running_within",
-           "single_leaf"]
+           "single_leaf", "telling_error"]
 
 T = TypeVar("T")
 
@@ -75,6 +75,34 @@ def single_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+def telling_error(exc: BaseException, own: tuple[type[BaseException], ...]) -> BaseException:
+    """The error that says why ``exc`` happened. A group of several errors (a nursery the pipeline opened in
+    ``running()`` gathers the run's own error with what its tasks raised in turn, e.g. a feeding task's push to the
+    session that failed) gives its first leaf of an ``own`` type, the caller's own words; failing that a
+    :class:`~pipelines.contract.PipelineContractError` naming each leaf (the run read only ``ExceptionGroup:
+    Exceptions from Trio nursery (2 sub-exceptions)``). A group with a cancellation or an interrupt among its
+    leaves is left as it is, for whatever handles those."""
+    single = single_leaf(exc)
+    if not isinstance(single, BaseExceptionGroup):
+        return single
+    leaves = _leaves(single)
+    if not all(isinstance(leaf, Exception) for leaf in leaves):
+        return single
+    for leaf in leaves:
+        if isinstance(leaf, own):
+            return leaf
+    named = "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in leaves[:3])
+    more = f"; and {len(leaves) - 3} more" if len(leaves) > 3 else ""
+    return PipelineContractError(f"the pipeline raised {len(leaves)} errors at once: {named}{more}")
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for inner in group.exceptions:
+        found.extend(_leaves(inner) if isinstance(inner, BaseExceptionGroup) else [inner])
+    return found
 
 
 def _passes(exc: BaseException) -> bool:

@@ -1,0 +1,179 @@
+"""Mistakes a new author makes in a pipeline file, each told in one line naming it, at load or in the run.
+
+- ``async def get_service``: it was called and its coroutine dropped, ``returned coroutine; it must return ...``
+  with a ``RuntimeWarning: coroutine 'get_service' was never awaited`` after it;
+- ``return MyService`` (the class, not an instance) read ``returned ABCMeta``;
+- a ``get_service`` without ``gpu_num`` read ``does not accept ['gpu_num']``, a parameter the author never gave;
+- a module of a package folder given as the pipeline (``pkg/service.py``) with a relative import failed with
+  ``attempted relative import with no known parent package``;
+- a stage error in an engine graph whose ``running()`` opens a nursery for the session's feeding task (the
+  README's own example pushes from a task) failed the run with ``ExceptionGroup: Exceptions from Trio nursery
+  (2 sub-exceptions)``: the chunk's failure and the feeder's refused push, gathered by the author's nursery.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec, open_orchestrator
+from pipelines.contract import BidirectionalService, Chunk, Control, PipelineContractError, SessionConfig
+from pipelines.loader import OptionsNotAccepted, PipelineLoadError, load_service
+from pipelines.offline import ChunkFailed, run_offline
+from server.run_command import run_deadlines
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and fail
+MINIMAL = "from spec_tests.pipelines.minimal_service import MinimalService\n"
+
+
+def pipeline(folder: Path, text: str, name: str = "p.py") -> Path:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_an_async_get_service_is_refused_naming_it_without_a_coroutine_left_unawaited(tmp_path: Path) -> None:
+    path = pipeline(tmp_path, MINIMAL + "async def get_service(gpu_num=0):\n    return MinimalService()\n")
+    with pytest.raises(PipelineLoadError, match=r"get_service\(\) in .* is an 'async def'; it must be a plain 'def'"):
+        load_service(path, gpu_num=0)  # -W error: an unawaited coroutine's RuntimeWarning would fail the test
+
+
+def test_get_service_returning_its_class_is_told_to_return_an_instance(tmp_path: Path) -> None:
+    path = pipeline(tmp_path, MINIMAL + "def get_service(gpu_num=0):\n    return MinimalService\n")
+    with pytest.raises(PipelineLoadError) as refused:
+        load_service(path, gpu_num=0)
+    assert "returned the class MinimalService, not a service; it must return an instance (MinimalService(...))" in (
+        str(refused.value))
+
+
+def test_a_get_service_without_gpu_num_is_told_that_chunkline_passes_it(tmp_path: Path) -> None:
+    path = pipeline(tmp_path, MINIMAL + "def get_service():\n    return MinimalService()\n")
+    with pytest.raises(OptionsNotAccepted) as refused:
+        load_service(path, gpu_num=0)
+    assert str(refused.value).endswith(
+        "does not accept ['gpu_num']: chunkline calls every pipeline's get_service(gpu_num=N), N the GPUs it is "
+        "given; add a gpu_num=0 parameter"), refused.value
+
+
+def test_a_module_of_a_package_folder_loads_with_its_relative_imports(tmp_path: Path) -> None:
+    pipeline(tmp_path, "", "pkg/__init__.py")
+    pipeline(tmp_path, "CHUNKS = 3\n", "pkg/settings.py")
+    path = pipeline(tmp_path, MINIMAL + "from .settings import CHUNKS\n\n"
+                    "def get_service(gpu_num=0):\n    return MinimalService(chunks=CHUNKS)\n", "pkg/service.py")
+    service = load_service(path, gpu_num=0)
+    assert service.chunk_count == 3  # type: ignore[union-attr]
+    assert load_service(path, gpu_num=0) is not service  # loaded again, not a stale module: each load its own
+
+
+def test_a_module_of_a_package_folder_that_fails_to_import_names_the_file(tmp_path: Path) -> None:
+    pipeline(tmp_path, "", "pkg/__init__.py")
+    path = pipeline(tmp_path, "from .missing import X\n", "pkg/service.py")
+    with pytest.raises(PipelineLoadError, match=r"importing pipeline file .*service\.py' failed: ModuleNotFoundError"):
+        load_service(path, gpu_num=0)
+    with pytest.raises(PipelineLoadError, match="ModuleNotFoundError"):  # tried again, not a half-made module kept
+        load_service(path, gpu_num=0)
+
+
+# --- a stage error in an author's engine graph, its feeder in the nursery of running() -----------------------
+
+def encode(invocation: object) -> dict[str, object]:
+    raise KeyError("missing_weight")
+
+
+def frames(invocation: object) -> dict[str, object]:
+    return {"frames": np.zeros((2, 8, 8, 3), np.uint8)}
+
+
+SPEC = PipelineSpec(
+    stages=[StageSpec("encode", {"image"}, {"condition"}), StageSpec("decode", {"condition"}, {"frames"})],
+    edges=[EdgeSpec("image", "encode", None, 2), EdgeSpec("condition", "decode", "encode", 2)],
+    output_artifacts={"frames"}, output_capacity_per_session=2)
+
+
+class FedFromRunning(BidirectionalService):
+    """Its sessions are fed by a task of the nursery ``running()`` opens; the ``encode`` stage raises."""
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        actors = {"encode": LocalStageActor(encode), "decode": LocalStageActor(frames)}
+        async with open_orchestrator(SPEC, actors) as orch, trio.open_nursery() as nursery:
+            self.orch, self.nursery = orch, nursery
+            yield
+            nursery.cancel_scope.cancel()
+
+    async def create_session(self, config: SessionConfig, *, on_event: object = None) -> str:
+        return "s1"
+
+    async def push_control(self, session_id: str, control: Control) -> None:
+        pass
+
+    async def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        async with self.orch.session(session_id, final_sequence_id=3) as session:
+            async def feed() -> None:
+                for seq in range(4):
+                    await session.push(seq, {"image": seq})  # refused once the stage failed the session
+            self.nursery.start_soon(feed)
+            async for seq, artifacts in session.outputs():
+                yield Chunk(seq, artifacts["frames"], 8.0)
+            if session.error is not None:
+                raise RuntimeError(f"session failed: {session.error!r}")
+
+    async def close_session(self, session_id: str) -> None:
+        pass
+
+
+async def test_a_stage_error_gathered_with_a_feeder_s_refused_push_fails_the_run_naming_the_chunk(
+        tmp_path: Path) -> None:
+    with pytest.raises(ChunkFailed) as failed:
+        await run_offline(FedFromRunning(), SessionConfig(), None, 4, tmp_path, deadlines=run_deadlines())
+    assert str(failed.value) == "the pipeline failed making chunk 0: RuntimeError: session failed: KeyError('missing_weight')"
+
+
+class TwoFailingTasks(FedFromRunning):
+    """Its ``running()`` nursery's two tasks both raise, neither in a call of the run's."""
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async def fails(exc: Exception) -> None:
+            raise exc
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fails, KeyError("a"))
+            nursery.start_soon(fails, OSError("b"))
+            yield
+            await trio.sleep_forever()
+
+    async def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        await trio.sleep_forever()  # until its tasks' errors cancel the run
+        yield Chunk(0, np.zeros((2, 8, 8, 3), np.uint8), 8.0)
+
+
+async def test_several_errors_of_the_pipeline_s_own_tasks_are_each_named(tmp_path: Path) -> None:
+    with pytest.raises(PipelineContractError) as failed:
+        await run_offline(TwoFailingTasks(), SessionConfig(), None, 4, tmp_path, deadlines=run_deadlines())
+    told = str(failed.value)  # the tasks fail in trio's order, which it varies
+    assert told.startswith("pipeline bug: the pipeline raised 2 errors at once: "), told
+    assert sorted(told.split(": ", 2)[2].split("; ")) == ["KeyError: 'a'", "OSError: b"], told
+    assert isinstance(failed.value.__cause__, BaseExceptionGroup)
+
+
+def test_chunkline_run_of_that_engine_graph_exits_1_naming_the_stage_error(tmp_path: Path) -> None:
+    path = pipeline(tmp_path, "from spec_tests.pipelines.test_pipeline_author_loads import FedFromRunning\n\n"
+                    "def get_service(gpu_num=0):\n    return FedFromRunning()\n")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "chunkline run: the run failed: the pipeline failed making chunk 0: RuntimeError: session failed: "
+        "KeyError('missing_weight')"), done.stderr[-2000:]
+    assert not out.exists()
