@@ -168,8 +168,10 @@ def load_timed_controls(path: str | os.PathLike[str], *, loads: Callable[[str], 
         raise ValueError(f"controls file {str(path)!r} cannot be read: {exc}") from exc
     try:
         data = loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: plain json.loads on a file of nested lists
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: plain json.loads on nested lists
         raise ValueError(f"controls file {str(path)!r} is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # a parser that says what it refused (the server's: "not valid JSON (...)", ...)
+        raise ValueError(f"controls file {str(path)!r}: {exc}") from exc
     try:
         return parse_timed_controls(data)
     except ValueError as exc:

@@ -102,6 +102,11 @@ class ProgressBar:
             self._drawn = False
 
 
+def _count(number: object, noun: str) -> str:
+    """``1 chunk``, ``8 chunks``."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def _fmt_seconds(value: Any) -> str:
     return "-" if value is None else f"{value:.3f} s"
 
@@ -115,7 +120,7 @@ def _summary_lines(pipeline: str, metrics: Mapping[str, Any], out_dir: Path) -> 
         ("pipeline", f"{pipeline} ({metrics.get('kind')})"),
         (
             "output",
-            f"{metrics.get('chunks')} chunks, {metrics.get('frames')} frames "
+            f"{_count(metrics.get('chunks'), 'chunk')}, {_count(metrics.get('frames'), 'frame')} "
             f"{metrics.get('width')}x{metrics.get('height')} @ {metrics.get('fps')} fps, "
             f"{metrics.get('media_seconds', 0.0):.2f} s media"
             + (" (stream ended early)" if metrics.get("ended_early") else ""),

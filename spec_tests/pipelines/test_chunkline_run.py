@@ -115,7 +115,13 @@ def test_chunkline_run_with_controls(tmp_path: Path, capsys: pytest.CaptureFixtu
     frames, _ = decoded_video(out / "video.mp4")
     means = [float(np.mean(frames[i * 4 : i * 4 + 4])) for i in range(8)]
     assert means == pytest.approx([100 + 20 * c for c in EXPECTED_COUNTERS], abs=4)
-    assert "7 pushed, 1 rejected, 1 not reached" in capsys.readouterr().out
+    summary = capsys.readouterr().out
+    assert "7 pushed, 1 rejected, 1 not reached" in summary and "8 chunks, 32 frames" in summary
+
+
+def test_the_summary_of_one_chunk_says_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", REPLAY, "--chunks", "1", "--out", str(tmp_path / "out")]) == 0
+    assert "output            1 chunk, 8 frames " in capsys.readouterr().out  # it said "1 chunks"
 
 
 def sparse_file(path: Path, size: int) -> str:
@@ -137,7 +143,7 @@ def bad_controls(tmp_path: Path, content: str) -> str:
         ("missing_pipeline", "does not exist"),
         ("missing_image", "--image: no such file"),
         ("missing_controls", "--controls: no such file"),
-        ("malformed_controls", "not valid JSON"),
+        ("malformed_controls", ".json': not valid JSON (Expecting"),  # said once (it read "is not valid JSON: not valid JSON")
         ("unknown_control", "controls entry 1: unknown control 'jump'"),
         ("cuda_unavailable", "no CUDA device"),
         ("bad_option", "replay option 'fps'"),
