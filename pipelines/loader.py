@@ -204,8 +204,21 @@ def contract_shape_problem(service: Service) -> str | None:
     if inspect.iscoroutinefunction(running) or inspect.isasyncgenfunction(running):
         return ("running() is an 'async def'; it must return an async context manager "
                 "(decorate it with @contextlib.asynccontextmanager)")
+    if inspect.isgeneratorfunction(_unwrapped(running)):  # a plain 'def' with 'yield', @contextmanager or not
+        return ("running() is a plain 'def' with 'yield'; it must be an 'async def' decorated with "
+                "@contextlib.asynccontextmanager (not @contextlib.contextmanager)")
     stream = _STREAMS[service.kind]
     if inspect.iscoroutinefunction(getattr(service, stream)):
         return (f"{stream}() is an 'async def' without 'yield'; it must be an async generator "
                 f"(yield each Chunk) or return an async iterator")
+    if inspect.isgeneratorfunction(getattr(service, stream)):
+        return f"{stream}() is a plain 'def' with 'yield'; it must be an async generator ('async def' with 'yield')"
     return None
+
+
+def _unwrapped(method: Any) -> Any:
+    """The function under a method's decorators (those that name it with ``__wrapped__``, as contextlib's do)."""
+    try:
+        return inspect.unwrap(method)
+    except ValueError:  # a cycle of __wrapped__: nothing to learn from it
+        return method

@@ -6,6 +6,8 @@
 - a ``get_service`` without ``gpu_num`` read ``does not accept ['gpu_num']``, a parameter the author never gave;
 - a module of a package folder given as the pipeline (``pkg/service.py``) with a relative import failed with
   ``attempted relative import with no known parent package``;
+- ``running()`` under ``@contextlib.contextmanager`` (or a plain generator), and ``def chunks``/``def stream`` with
+  ``yield``, loaded and then failed the run in Python's words (``'generator' object has no attribute '__anext__'``);
 - a stage error in an engine graph whose ``running()`` opens a nursery for the session's feeding task (the
   README's own example pushes from a task) failed the run with ``ExceptionGroup: Exceptions from Trio nursery
   (2 sub-exceptions)``: the chunk's failure and the feeder's refused push, gathered by the author's nursery.
@@ -82,6 +84,46 @@ def test_a_module_of_a_package_folder_that_fails_to_import_names_the_file(tmp_pa
         load_service(path, gpu_num=0)
     with pytest.raises(PipelineLoadError, match="ModuleNotFoundError"):  # tried again, not a half-made module kept
         load_service(path, gpu_num=0)
+
+
+PUSH = """\
+    import contextlib
+    import numpy as np
+    from pipelines.contract import Chunk, ServerPushService
+
+    class Push(ServerPushService):
+        {decorator}
+        {running}running(self):
+            yield
+
+        {stream}stream(self, config):
+            yield Chunk(0, np.zeros((2, 8, 8, 3), np.uint8), 8.0)
+
+    def get_service(gpu_num=0):
+        return Push()
+"""
+
+
+@pytest.mark.parametrize(("decorator", "running", "stream", "told"), [
+    ("@contextlib.contextmanager", "def ", "async def ", "running() is a plain 'def' with 'yield'; it must be an 'async def' "
+     "decorated with @contextlib.asynccontextmanager (not @contextlib.contextmanager)"),
+    ("", "def ", "async def ", "running() is a plain 'def' with 'yield'"),
+    ("@contextlib.asynccontextmanager", "async def ", "def ", "stream() is a plain 'def' with 'yield'; it must be "
+     "an async generator ('async def' with 'yield')"),
+], ids=["contextmanager", "undecorated", "sync_stream"])
+def test_a_plain_generator_where_the_contract_iterates_asynchronously_is_refused_at_load_naming_it(
+        tmp_path: Path, decorator: str, running: str, stream: str, told: str) -> None:
+    """They loaded, then failed the run: ``'_GeneratorContextManager' object does not support the asynchronous
+    context manager protocol``, ``'generator' object has no attribute '__anext__'``."""
+    path = pipeline(tmp_path, PUSH.format(decorator=decorator, running=running, stream=stream))
+    with pytest.raises(PipelineLoadError) as refused:
+        load_service(path, gpu_num=0)
+    assert f"Push in {str(path)!r}: {told}" in str(refused.value)
+
+
+def test_the_repository_s_pipelines_still_load() -> None:
+    for name in ("pipelines/replay", "pipelines/toy_world"):
+        assert load_service(ROOT / name, gpu_num=0).kind in {"bidirectional", "server_push"}
 
 
 # --- a stage error in an author's engine graph, its feeder in the nursery of running() -----------------------
