@@ -56,8 +56,19 @@ def check_first_chunk(chunk: object) -> Chunk:
     return chunk
 
 
+#: what the check's session or stream is made from, as its failure says (a create needing an option failed the check
+#: as "the warm-up chunk failed: ValueError: ...", the author left to guess which session it meant)
+DEFAULT_CONFIG = "the default SessionConfig: no prompt, no image, no options"
+
+
 async def _first_session_chunk(service: BidirectionalService) -> object:
-    session_id = await service.create_session(SessionConfig())
+    try:
+        session_id = await service.create_session(SessionConfig())
+    except Exception as exc:
+        raise PipelineValidationError(
+            f"create_session for the warm-up session ({DEFAULT_CONFIG}) failed: {type(exc).__name__}: {exc}; make "
+            f"it take that, or serve with --skip-validation"
+        ) from exc
     try:
         chunk = await _first_chunk(service.chunks(checked_session_id(session_id)))
     except BaseException:

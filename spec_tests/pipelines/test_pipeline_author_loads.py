@@ -8,6 +8,8 @@
   ``attempted relative import with no known parent package``;
 - ``running()`` under ``@contextlib.contextmanager`` (or a plain generator), and ``def chunks``/``def stream`` with
   ``yield``, loaded and then failed the run in Python's words (``'generator' object has no attribute '__anext__'``);
+- a ``create_session`` that needs an option failed the server's startup check as ``the warm-up chunk failed:
+  ValueError: ...``, naming neither the session nor its default config;
 - a stage error in an engine graph whose ``running()`` opens a nursery for the session's feeding task (the
   README's own example pushes from a task) failed the run with ``ExceptionGroup: Exceptions from Trio nursery
   (2 sub-exceptions)``: the chunk's failure and the feeder's refused push, gathered by the author's nursery.
@@ -30,7 +32,10 @@ from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec, open_orch
 from pipelines.contract import BidirectionalService, Chunk, Control, PipelineContractError, SessionConfig
 from pipelines.loader import OptionsNotAccepted, PipelineLoadError, load_service
 from pipelines.offline import ChunkFailed, run_offline
+from pipelines.validation import PipelineValidationError, validate_service
 from server.run_command import run_deadlines
+
+from .minimal_service import MinimalService
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and fail
@@ -219,3 +224,22 @@ def test_chunkline_run_of_that_engine_graph_exits_1_naming_the_stage_error(tmp_p
         "chunkline run: the run failed: the pipeline failed making chunk 0: RuntimeError: session failed: "
         "KeyError('missing_weight')"), done.stderr[-2000:]
     assert not out.exists()
+
+
+# --- the server's startup check, whose session the author never asked for -------------------------------------
+
+class NeedsAnOption(MinimalService):
+    async def create_session(self, config: SessionConfig, *, on_event: object = None) -> str:
+        if "scene" not in config.options:
+            raise ValueError("option 'scene' is required")
+        return "s0"
+
+
+async def test_a_warm_up_session_its_create_refuses_says_which_session_and_what_to_do() -> None:
+    """It read ``the warm-up chunk failed: ValueError: option 'scene' is required``: no chunk was asked for yet, and
+    the author never made that session."""
+    with pytest.raises(PipelineValidationError) as failed:
+        await validate_service(NeedsAnOption(), timeout=30)
+    assert str(failed.value) == (
+        "create_session for the warm-up session (the default SessionConfig: no prompt, no image, no options) failed: "
+        "ValueError: option 'scene' is required; make it take that, or serve with --skip-validation")
