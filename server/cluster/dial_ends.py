@@ -53,7 +53,8 @@ TRANSIENT_DEADLINE = 120.0
 UNREACHABLE_DEADLINE = 300.0
 #: seconds of an unbroken run of dials answered by something that is not an authority (no hello within the connect
 #: deadline, or bytes that are not a frame: the HTTP port given for the cluster port) after which an agent gives up
-#: (exit 3); counted toward the crash-loop limit, they never filled its window, each taking the 10 s deadline
+#: (exit 3); counted toward the crash-loop limit, they never filled its window, each taking the 10 s deadline (they are
+#: not counted now: this deadline bounds them)
 NOT_AN_AUTHORITY_DEADLINE = 60.0
 #: seconds between an agent's lines while one kind of dial keeps waiting (unreachable, busy, refused for now, not an
 #: authority): the first is logged at once, then one with the count at most this often
@@ -170,6 +171,15 @@ DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABL
 UNCOUNTED = frozenset({End.AUTHORITY_STOPPED, End.AUTHORITY_GONE, End.BUSY, End.TRANSIENT, End.UNREACHABLE,
                        End.NOT_AN_AUTHORITY})
 
+def patience_of(kind: End) -> str:
+    """How long the agent keeps dialing after this kind of end, in words (the words "not counted" alone read as for
+    ever, and an unreachable authority ends the agent after 300 s)."""
+    deadline = DIAL_DEADLINES.get(kind)
+    if deadline is None:
+        return "not counted as a crash: waited out however long it lasts"
+    return f"not counted as a crash; the agent gives up after {deadline:g} s of such dials"
+
+
 #: what each kind of waited dial says the authority did
 WAITED = {End.AUTHORITY_STOPPED: "stopped (it said goodbye)",
           End.AUTHORITY_GONE: "went away without a word (killed, or it crashed)", End.BUSY: "is busy",
@@ -198,8 +208,8 @@ class DialLog:
     def waiting(self, ended: Ended, delay: float, now: float) -> None:
         """A waited dial ended (``ended.why`` is the authority's own proven reason, cut, or this side's words)."""
         if ended.kind is End.AUTHORITY_GONE:
-            self.gone.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted toward giving "
-                              "up: the authority went, not this worker)", self.at, WAITED[ended.kind], ended.why,
+            self.gone.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted as a crash: "
+                              "the authority went, not this worker)", self.at, WAITED[ended.kind], ended.why,
                               delay)
             return
         if not self.dials:
@@ -207,8 +217,8 @@ class DialLog:
         self.dials += 1
         pace = self.paces.setdefault(ended.kind, LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY))
         pace.warning("agent at %s: the authority %s (%s); %d dials in %.0f s have not registered; dialing again in "
-                     "%.1f s (not counted toward giving up)", self.at, WAITED[ended.kind], ended.why, self.dials,
-                     now - self.since, delay)
+                     "%.1f s (%s)", self.at, WAITED[ended.kind], ended.why, self.dials, now - self.since, delay,
+                     patience_of(ended.kind))
 
     def registered(self, now: float) -> str:
         """What a registration line adds of the waited dials before it (and a fresh count starts)."""

@@ -93,7 +93,7 @@ async def dialed_uncounted_past_the_crash_loop_limit(agent: Process, why: str, d
             await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
     log = agent.text(200_000)
     assert agent.popen.poll() is None, log
-    assert "not counted toward giving up" in log and "crash loop" not in log and "Traceback" not in log, log
+    assert "not counted as a crash" in log and "crash loop" not in log and "Traceback" not in log, log
     assert paced(log, why, time.monotonic() - began), log
     return log
 
@@ -145,7 +145,7 @@ async def test_a_proven_transient_refusal_is_waited_out_uncounted_and_a_permanen
         code = await exit_code(agent, 60)
         log = agent.text(200_000)
         assert code == EXIT_REFUSED, log
-        # the transient refusals: not counted toward giving up, logged at a pace (it logged each one), counted once
+        # the transient refusals: not counted as a crash, logged at a pace (it logged each one), counted once
         # it registered
         assert paced(log, "refused this worker for now", refused_for), log
         assert f"after {times} dials over" in log, log

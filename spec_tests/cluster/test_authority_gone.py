@@ -74,7 +74,7 @@ async def test_an_agent_whose_authority_goes_without_a_word_more_often_than_its_
         log = agent.text(200_000)
         assert done.is_set(), f"registered {len(registered_at)} times, exit code {agent.popen.poll()}:\n{log}"
         assert agent.popen.poll() is None, log
-        assert GONE in log and "not counted toward giving up: the authority went, not this worker" in log, log
+        assert GONE in log and "not counted as a crash: the authority went, not this worker" in log, log
         assert "crash loop" not in log and "Traceback" not in log, log
         # paced: the first line at once, then one with a count every DIAL_LOG_EVERY at most ...
         took = registered_at[-1] - registered_at[0]
