@@ -22,20 +22,6 @@ from .timer_slack import STAGE_TIMER_SLACK_NS, set_thread_timer_slack
 __all__ = ["DedicatedThread", "NOTHING_LEFT", "ThreadStopped", "TrioInbox", "WaitQueue"]
 
 _STOP = object()
-
-
-class _HeldCalls(threading.local):
-    """Calls a dedicated thread hands to other dedicated threads while it completes one of its own, queued only once
-    it is done, just before it waits for its next call.
-
-    A thread woken while its waker still runs finds the GIL held and must wait for it, a futex round trip for both;
-    woken as the waker is about to wait, it finds the GIL free (w1: about 21 futex calls a chunk, 16 so).
-    """
-
-    calls: list[tuple[DedicatedThread, tuple]] | None = None
-
-
-_held = _HeldCalls()
 # what a delivery's ``on_thread`` returns when it handled the result entirely: nothing to post to trio
 NOTHING_LEFT = object()
 
@@ -207,22 +193,11 @@ class DedicatedThread:
         on_thread = getattr(deliver, "on_thread", None)
         after = None
         if on_thread is not None:
-            held = _held.calls = []
             try:
                 after = on_thread(value)
             except BaseException as exc:  # a scheduler bug: surface it in trio, as a delivery there would
                 after = functools.partial(_reraise, exc)
-            finally:
-                _held.calls = None
             del on_thread
-            if held:
-                if after is not None and after is not NOTHING_LEFT:
-                    del deliver, value
-                    inbox.post(after)  # first: its write to trio's socket lets the GIL go
-                    after = NOTHING_LEFT
-                for thread, call in held:  # last before this thread waits: whom it wakes finds the GIL free
-                    thread._queue_held(call)
-            del held
         if after is NOTHING_LEFT:
             return True
         if after is not None:
@@ -251,23 +226,7 @@ class DedicatedThread:
         with self._accepting:
             if self._stop_requested:
                 raise ThreadStopped(f"thread {self.name!r} was told to stop; it takes no more calls")
-            held = _held.calls
-            if held is not None:  # on a dedicated thread completing a call: queued once it is done
-                held.append((self, (fn, args, deliver)))
-                return
             self._jobs.put((fn, args, deliver))
-
-    def _queue_held(self, call: tuple) -> None:
-        """Queue a call held back by the thread that submitted it; one whose thread was told to stop meanwhile fails
-        in trio, as a call queued behind the stop would never run."""
-        with self._accepting:
-            if not self._stop_requested:
-                self._jobs.put(call)
-                return
-        _, _, deliver = call
-        assert self._inbox is not None
-        stopped = ThreadStopped(f"thread {self.name!r} was told to stop; it takes no more calls")
-        self._inbox.post(_unbox, [deliver, outcome.Error(stopped)])
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the thread and return its result.

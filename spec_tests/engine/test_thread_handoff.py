@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from engine import LocalStageActor, open_orchestrator
-from engine.threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, TrioInbox
+from engine.threads import TrioInbox
 
 from .conftest import canonical_spec, chunk
 
@@ -146,46 +146,3 @@ async def test_a_session_is_not_idle_while_its_completions_trio_side_is_queued()
             await trio.testing.wait_all_tasks_blocked()
             assert [seq for seq, _ in got] == [0]
         await session.aclose()
-
-
-class _SubmitsOnward:
-    """A delivery whose ``on_thread`` hands a call to ``onward`` (as a completion admits the next stage), then
-    makes ``onward`` stop before the held call is queued (an actor closing meanwhile)."""
-
-    def __init__(self, onward: DedicatedThread, onward_delivery) -> None:
-        self.onward = onward
-        self.onward_delivery = onward_delivery
-        self.ran_onward = threading.Event()
-
-    def on_thread(self, value):
-        self.onward.submit(self.ran_onward.set, (), self.onward_delivery)
-        self.onward.request_stop()
-        return NOTHING_LEFT
-
-    def __call__(self, result) -> None:
-        raise AssertionError("the call succeeded on its thread: its delivery there was enough")
-
-
-async def test_a_call_held_for_a_thread_told_to_stop_meanwhile_fails_in_trio_and_never_runs():
-    """A stage thread queues the calls it hands on only once its own is done; a thread told to stop in between
-    must not get the call behind its stop, where it would never run and its waiter would wait for good."""
-    first, onward = DedicatedThread("first"), DedicatedThread("onward")
-    first.start()
-    onward.start()
-    told = trio.Event()
-    results: list = []
-
-    def onward_delivery(result) -> None:
-        results.append(result)
-        told.set()
-
-    handing = _SubmitsOnward(onward, onward_delivery)
-    first.submit(lambda: "done", (), handing)
-    with trio.fail_after(SAFETY):
-        await told.wait()
-        await onward.stop()
-        first.request_stop()
-        await first.stop()
-    assert not handing.ran_onward.is_set()
-    assert len(results) == 1 and isinstance(results[0].error, ThreadStopped)
-    assert "'onward' was told to stop" in str(results[0].error)
