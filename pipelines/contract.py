@@ -52,6 +52,7 @@ __all__ = [
     "PipelineContractError",
     "SESSION_INPUTS",
     "checked_session_id",
+    "checked_stream",
     "input_not_taken",
     "inputs_taken",
 ]
@@ -363,6 +364,17 @@ def checked_session_id(value: object) -> str:
             f"create_session returned {type(value).__name__} {value!r:.40}, not a session id (a non-empty str)"
         )
     return value
+
+
+def checked_stream(value: object, method: str) -> AsyncIterator[Chunk]:
+    """What ``chunks()`` or ``stream()`` (``method``) returned, if it is an async iterator, as the contract asks; a
+    list or a plain generator failed the run in Python's words (``'list' object has no attribute '__anext__'``)."""
+    if not callable(getattr(value, "__anext__", None)):
+        raise PipelineContractError(
+            f"{method} returned {type(value).__name__}, not an async iterator; make it an async generator "
+            f"('async def' with 'yield')"
+        )
+    return value  # type: ignore[return-value]
 
 
 class ChunkOrder:

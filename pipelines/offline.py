@@ -52,6 +52,7 @@ from .contract import (
     ServerPushService,
     SessionConfig,
     checked_session_id,
+    checked_stream,
 )
 from .mp4 import Mp4Writer
 from .offline_calls import PipelineCallError, RunDeadlines, call_within, close_within, running_within, telling_error
@@ -194,7 +195,7 @@ async def _run_bidirectional(
         rec.session_setup = time.perf_counter() - rec.session_requested
         iterator = None
         try:
-            iterator = service.chunks(checked_session_id(session_id))
+            iterator = checked_stream(service.chunks(checked_session_id(session_id)), "chunks()")
             position = 0
             start = 0.0  # media time at which the next chunk starts
             for index in range(run.total):
@@ -225,7 +226,7 @@ async def _run_server_push(service: ServerPushService, config: SessionConfig, ru
     rec = run.recorder
     async with running_within(service, run.deadlines.running):
         rec.session_requested = time.perf_counter()
-        iterator = service.stream(config)
+        iterator = checked_stream(service.stream(config), "stream()")
         rec.session_setup = time.perf_counter() - rec.session_requested
         try:
             for index in range(run.total):

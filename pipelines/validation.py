@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
-from .contract import BidirectionalService, Chunk, ServerPushService, SessionConfig, checked_session_id
+from .contract import BidirectionalService, Chunk, ServerPushService, SessionConfig, checked_session_id, checked_stream
 
 __all__ = ["PipelineValidationError", "validate_service"]
 
@@ -37,7 +37,7 @@ async def validate_service(service: object, *, timeout: float) -> Chunk:
             if isinstance(service, BidirectionalService):
                 chunk = await _first_session_chunk(service)
             else:
-                chunk = await _first_chunk(service.stream(SessionConfig()))
+                chunk = await _first_chunk(checked_stream(service.stream(SessionConfig()), "stream()"))
     except PipelineValidationError:
         raise
     except Exception as exc:
@@ -70,7 +70,7 @@ async def _first_session_chunk(service: BidirectionalService) -> object:
             f"it take that, or serve with --skip-validation"
         ) from exc
     try:
-        chunk = await _first_chunk(service.chunks(checked_session_id(session_id)))
+        chunk = await _first_chunk(checked_stream(service.chunks(checked_session_id(session_id)), "chunks()"))
     except BaseException:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
             with contextlib.suppress(Exception):  # the chunk's failure is the one to tell

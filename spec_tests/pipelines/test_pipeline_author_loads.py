@@ -10,6 +10,7 @@
   ``yield``, loaded and then failed the run in Python's words (``'generator' object has no attribute '__anext__'``);
 - a ``create_session`` that needs an option failed the server's startup check as ``the warm-up chunk failed:
   ValueError: ...``, naming neither the session nor its default config;
+- a ``chunks()``/``stream()`` that returns a list read ``'list' object has no attribute '__anext__'``;
 - a stage error in an engine graph whose ``running()`` opens a nursery for the session's feeding task (the
   README's own example pushes from a task) failed the run with ``ExceptionGroup: Exceptions from Trio nursery
   (2 sub-exceptions)``: the chunk's failure and the feeder's refused push, gathered by the author's nursery.
@@ -23,13 +24,15 @@ import textwrap
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import trio
 
 from engine import EdgeSpec, LocalStageActor, PipelineSpec, StageSpec, open_orchestrator
-from pipelines.contract import BidirectionalService, Chunk, Control, PipelineContractError, SessionConfig
+from pipelines.contract import (
+    BidirectionalService, Chunk, Control, PipelineContractError, ServerPushService, SessionConfig)
 from pipelines.loader import OptionsNotAccepted, PipelineLoadError, load_service
 from pipelines.offline import ChunkFailed, run_offline
 from pipelines.validation import PipelineValidationError, validate_service
@@ -243,3 +246,31 @@ async def test_a_warm_up_session_its_create_refuses_says_which_session_and_what_
     assert str(failed.value) == (
         "create_session for the warm-up session (the default SessionConfig: no prompt, no image, no options) failed: "
         "ValueError: option 'scene' is required; make it take that, or serve with --skip-validation")
+
+
+class ReturnsAList(ServerPushService):
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        yield
+
+    def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
+        return [Chunk(0, np.zeros((2, 8, 8, 3), np.uint8), 8.0)]  # type: ignore[return-value]
+
+
+class ChunksAsAList(MinimalService):
+    def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        return [Chunk(0, np.zeros((2, 8, 8, 3), np.uint8), 8.0)]  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(("service", "method"), [(ReturnsAList(), "stream()"), (ChunksAsAList(), "chunks()")],
+                         ids=["stream", "chunks"])
+async def test_a_stream_that_is_no_async_iterator_is_told_as_such_by_the_run_and_the_check(
+        service: Any, method: str, tmp_path: Path) -> None:
+    """It read ``AttributeError: 'list' object has no attribute '__anext__'`` (the run), ``... 'aclose'`` (the check)."""
+    told = f"pipeline bug: {method} returned list, not an async iterator; make it an async generator ('async def' with 'yield')"
+    with pytest.raises(PipelineContractError) as failed:
+        await run_offline(service, SessionConfig(), None, 2, tmp_path, deadlines=run_deadlines())
+    assert str(failed.value) == told
+    with pytest.raises(PipelineValidationError) as checked:
+        await validate_service(service, timeout=30)
+    assert str(checked.value) == f"the warm-up chunk failed: PipelineContractError: {told}"
