@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
+import numbers
 import unicodedata
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -81,6 +82,34 @@ def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(value or {}))
 
 
+def _pcm_bytes(pcm: object) -> bytes:
+    """PCM16 as bytes: bytes-like as it is, an int16 numpy array by its samples. Anything else is refused: an int16
+    array was counted by its length in samples as bytes (half its samples), and a ``str`` taken as audio."""
+    if isinstance(pcm, bytes | bytearray | memoryview):
+        return bytes(pcm)
+    if isinstance(pcm, np.ndarray):
+        if pcm.dtype != np.int16:
+            raise InvalidChunk(f"audio pcm must be PCM16: bytes or an int16 array, got a {pcm.dtype} array (scale "
+                               f"float samples in [-1, 1] by 32767 and cast them to int16)")
+        return pcm.astype("<i2", copy=False).tobytes()
+    raise InvalidChunk(f"audio pcm must be PCM16: bytes or an int16 array, got {type(pcm).__name__}")
+
+
+def _count(name: str, value: object) -> int:
+    """A whole number > 0 (a numpy integer, or a float such as 48000.0, too), as an int; a bool, a fraction or text
+    is refused naming ``name`` (44100.5 Hz and ``True`` were taken)."""
+    whole = isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer())
+    if isinstance(value, bool) or not whole or int(value) <= 0:  # type: ignore[call-overload]
+        raise InvalidChunk(f"{name} must be a whole number > 0, got {_shown(value)}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _shown(value: object) -> str:
+    """``value`` as an error message shows it: its repr, cut (an int of 400 digits was shown whole)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}..."
+
+
 @attrs.frozen
 class Audio:
     """Interleaved PCM16 samples for one chunk."""
@@ -90,10 +119,9 @@ class Audio:
     channels: int = 1
 
     def __attrs_post_init__(self) -> None:
-        if self.sample_rate <= 0:
-            raise InvalidChunk(f"audio sample_rate must be > 0, got {self.sample_rate}")
-        if self.channels <= 0:
-            raise InvalidChunk(f"audio channels must be > 0, got {self.channels}")
+        object.__setattr__(self, "pcm", _pcm_bytes(self.pcm))
+        object.__setattr__(self, "sample_rate", _count("audio sample_rate", self.sample_rate))
+        object.__setattr__(self, "channels", _count("audio channels", self.channels))
         if len(self.pcm) % (2 * self.channels):
             raise InvalidChunk(
                 f"audio pcm length {len(self.pcm)} is not a multiple of 2 bytes x {self.channels} channel(s)"
@@ -116,8 +144,10 @@ class Chunk:
     metadata: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.index, int) or self.index < 0:
-            raise InvalidChunk(f"chunk index must be an int >= 0, got {self.index!r}")
+        index = self.index  # a numpy integer (from an array or a tensor's .item()) is taken as the int it is
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or int(index) < 0:
+            raise InvalidChunk(f"chunk index must be a whole number >= 0, got {_shown(index)}")
+        object.__setattr__(self, "index", int(index))
         frames = self.frames
         if not isinstance(frames, np.ndarray):
             raise InvalidChunk(f"chunk frames must be a numpy array, got {type(frames).__name__}")
@@ -125,8 +155,16 @@ class Chunk:
             raise InvalidChunk(f"chunk frames must be T x H x W x 3 with no empty dimension, got {frames.shape}")
         if frames.dtype != np.uint8:
             raise InvalidChunk(f"chunk frames must be uint8, got {frames.dtype}")
-        if not (isinstance(self.fps, int | float) and math.isfinite(self.fps) and self.fps > 0):
-            raise InvalidChunk(f"chunk fps must be a finite number > 0, got {self.fps!r}")
+        fps = self.fps  # a numpy number too (np.float32 was refused as not a number); a bool is no frame rate
+        try:
+            rate = float(fps) if isinstance(fps, numbers.Real) and not isinstance(fps, bool) else math.nan
+        except OverflowError:  # an int past a float's range
+            rate = math.inf
+        if not (math.isfinite(rate) and rate > 0):
+            raise InvalidChunk(f"chunk fps must be a finite number > 0, got {_shown(fps)}")
+        object.__setattr__(self, "fps", rate)
+        if self.audio is not None and not isinstance(self.audio, Audio):
+            raise InvalidChunk(f"chunk audio must be a pipelines.contract.Audio or None, got {type(self.audio).__name__}")
 
     @property
     def frame_count(self) -> int:
