@@ -205,7 +205,8 @@ async def _run_bidirectional(
                     pushed_at = time.perf_counter()
                     try:
                         await call_within("push_control", deadlines.push_control,
-                                          lambda: service.push_control(session_id, timed.control))
+                                          lambda: service.push_control(session_id, timed.control),
+                                          refusal=ControlRejected)
                     except ControlRejected as exc:
                         rec.rejected(timed, index, exc.reason)
                         continue

@@ -105,19 +105,23 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return found
 
 
-def _passes(exc: BaseException) -> bool:
-    """A refusal (``ValueError``) or a contract error that names its bug already: not wrapped."""
-    return isinstance(single_leaf(exc), PipelineContractError | ValueError)
+def _passes(exc: BaseException, refusal: type[Exception] | None = ValueError) -> bool:
+    """A refusal (``refusal``: a ``ValueError`` unless the call says which) or a contract error that names its bug
+    already: not wrapped."""
+    leaf = single_leaf(exc)
+    return isinstance(leaf, PipelineContractError) or (refusal is not None and isinstance(leaf, refusal))
 
 
-async def call_within(call: str, seconds: float, function: Callable[[], Awaitable[T]]) -> T:
-    """``await function()`` within ``seconds``; past them, or when it raises, a :class:`PipelineCallError` naming
-    ``call``."""
+async def call_within(call: str, seconds: float, function: Callable[[], Awaitable[T]], *,
+                      refusal: type[Exception] = ValueError) -> T:
+    """``await function()`` within ``seconds``; past them, or when it raises anything but a ``refusal``, a
+    :class:`PipelineCallError` naming ``call``. (``push_control`` refuses with a ``ControlRejected`` only: another
+    ``ValueError`` out of it, a bug such as ``int('abc')``, exited 2 as bad input in its bare words.)"""
     with trio.move_on_after(seconds):
         try:
             return await function()
         except Exception as exc:
-            if _passes(exc):
+            if _passes(exc, refusal):
                 raise
             raise PipelineCallError.raised(call, exc) from exc
     raise PipelineCallError.late(call, seconds)
@@ -147,12 +151,13 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
 
 async def close_within(call: str, seconds: float, function: Callable[[], Awaitable[Any]]) -> str | None:
     """Run a close shielded (a stopped run still closes) and cut past ``seconds``: then the warning to give, else
-    None. A close that raises still fails the run, named."""
+    None. A close that raises still fails the run, named, a ``ValueError`` too: a close refuses no request (one
+    exited 2 as bad input, in its bare words, after a complete run)."""
     with trio.CancelScope(shield=True), trio.move_on_after(seconds) as deadline:
         try:
             await function()
         except Exception as exc:
-            if _passes(exc):
+            if _passes(exc, None):
                 raise
             raise PipelineCallError.raised(call, exc) from exc
     if deadline.cancelled_caught:
