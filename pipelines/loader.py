@@ -213,7 +213,18 @@ def contract_shape_problem(service: Service) -> str | None:
                 f"(yield each Chunk) or return an async iterator")
     if inspect.isgeneratorfunction(getattr(service, stream)):
         return f"{stream}() is a plain 'def' with 'yield'; it must be an async generator ('async def' with 'yield')"
+    for name in _AWAITED[service.kind]:
+        method = getattr(service, name, None)
+        # a plain, undecorated 'def': what it returns is awaited ("object str can't be used in 'await' expression")
+        if inspect.ismethod(method) and not hasattr(method, "__wrapped__") and not (
+                inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method)):
+            return f"{name}() is a plain 'def'; the contract awaits it: make it an 'async def'"
     return None
+
+
+#: the methods the contract awaits, for each kind of service
+_AWAITED = {"bidirectional": ("create_session", "check_options", "push_control", "close_session"),
+            "server_push": ("check_options",)}
 
 
 def _unwrapped(method: Any) -> Any:

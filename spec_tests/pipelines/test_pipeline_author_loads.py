@@ -11,6 +11,8 @@
 - a ``create_session`` that needs an option failed the server's startup check as ``the warm-up chunk failed:
   ValueError: ...``, naming neither the session nor its default config;
 - a ``chunks()``/``stream()`` that returns a list read ``'list' object has no attribute '__anext__'``;
+- ``def create_session`` (or ``push_control``, ``close_session``, ``check_options``) without ``async`` loaded and
+  failed in the run: ``object str can't be used in 'await' expression``;
 - a stage error in an engine graph whose ``running()`` opens a nursery for the session's feeding task (the
   README's own example pushes from a task) failed the run with ``ExceptionGroup: Exceptions from Trio nursery
   (2 sub-exceptions)``: the chunk's failure and the feeder's refused push, gathered by the author's nursery.
@@ -127,6 +129,25 @@ def test_a_plain_generator_where_the_contract_iterates_asynchronously_is_refused
     with pytest.raises(PipelineLoadError) as refused:
         load_service(path, gpu_num=0)
     assert f"Push in {str(path)!r}: {told}" in str(refused.value)
+
+
+@pytest.mark.parametrize("method", ["create_session", "check_options", "push_control", "close_session"])
+def test_a_method_the_contract_awaits_written_as_a_plain_def_is_refused_at_load_naming_it(
+        tmp_path: Path, method: str) -> None:
+    """It loaded and failed the run: ``create_session raised TypeError: object str can't be used in 'await'
+    expression`` (under the server, ``check_options`` made every create a 503)."""
+    path = pipeline(tmp_path, MINIMAL + textwrap.dedent(f"""
+        class Plain(MinimalService):
+            def {method}(self, *args, **kwargs):
+                return "s0"
+
+        def get_service(gpu_num=0):
+            return Plain()
+        """))
+    with pytest.raises(PipelineLoadError) as refused:
+        load_service(path, gpu_num=0)
+    assert str(refused.value).endswith(f"Plain in {str(path)!r}: {method}() is a plain 'def'; the contract awaits "
+                                       f"it: make it an 'async def'"), refused.value
 
 
 def test_the_repository_s_pipelines_still_load() -> None:
