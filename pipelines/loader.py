@@ -84,7 +84,7 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
             raise PipelineLoadError(
                 f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
-    top, inner = _package_parts(target)
+    top, inner = _package_parts(target.absolute())  # 'svc.py' run from inside its package folder has a parent
     name = f"{FILE_MODULE_PREFIX}{abs(hash(str(top.resolve())))}"
     spec = importlib.util.spec_from_file_location(
         name, top / "__init__.py" if top.is_dir() else top, submodule_search_locations=[str(top)] if top.is_dir() else None

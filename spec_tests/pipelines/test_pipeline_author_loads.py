@@ -87,6 +87,16 @@ def test_a_module_of_a_package_folder_loads_with_its_relative_imports(tmp_path: 
     assert load_service(path, gpu_num=0).chunk_count == 3  # type: ignore[union-attr]  # and again, as a worker's restart
 
 
+def test_a_module_of_a_package_folder_named_from_inside_it_loads_too(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline(tmp_path, "", "pkg/__init__.py")
+    pipeline(tmp_path, "CHUNKS = 2\n", "pkg/settings.py")
+    pipeline(tmp_path, MINIMAL + "from .settings import CHUNKS\n\n"
+             "def get_service(gpu_num=0):\n    return MinimalService(chunks=CHUNKS)\n", "pkg/service.py")
+    monkeypatch.chdir(tmp_path / "pkg")  # `chunkline run service.py` there: its folder is '.', no package's name
+    assert load_service("service.py", gpu_num=0).chunk_count == 2  # type: ignore[union-attr]
+
+
 def test_a_module_of_a_package_folder_that_fails_to_import_names_the_file(tmp_path: Path) -> None:
     pipeline(tmp_path, "", "pkg/__init__.py")
     path = pipeline(tmp_path, "from .missing import X\n", "pkg/service.py")
