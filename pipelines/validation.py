@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 
 import trio
 
-from .contract import BidirectionalService, Chunk, ServerPushService, SessionConfig, checked_session_id, checked_stream
+from .contract import (
+    BidirectionalService, Chunk, PipelineContractError, ServerPushService, SessionConfig, checked_session_id, checked_stream)
 
 __all__ = ["PipelineValidationError", "validate_service"]
 
@@ -41,7 +42,10 @@ async def validate_service(service: object, *, timeout: float) -> Chunk:
     except PipelineValidationError:
         raise
     except Exception as exc:
-        raise PipelineValidationError(f"the warm-up chunk failed: {type(exc).__name__}: {exc}") from exc
+        # a server-push stream refuses its options as it starts: say which the check gave (none)
+        plain = isinstance(service, BidirectionalService) or isinstance(exc, PipelineContractError)
+        of = "" if plain else f" (a stream of {DEFAULT_CONFIG})"
+        raise PipelineValidationError(f"the warm-up chunk failed{of}: {type(exc).__name__}: {exc}") from exc
     if deadline.cancelled_caught:
         raise PipelineValidationError(f"no warm-up chunk within {timeout:g} s")
     return check_first_chunk(chunk)

@@ -305,3 +305,21 @@ async def test_a_stream_that_is_no_async_iterator_is_told_as_such_by_the_run_and
     with pytest.raises(PipelineValidationError) as checked:
         await validate_service(service, timeout=30)
     assert str(checked.value) == f"the warm-up chunk failed: PipelineContractError: {told}"
+
+
+class NeedsAVideo(ServerPushService):
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        yield
+
+    async def stream(self, config: SessionConfig) -> AsyncIterator[Chunk]:
+        if "video" not in config.options:
+            raise ValueError("option 'video' is required")
+        yield Chunk(0, np.zeros((2, 8, 8, 3), np.uint8), 8.0)
+
+
+async def test_a_warm_up_stream_that_needs_an_option_says_the_check_gave_it_none() -> None:
+    with pytest.raises(PipelineValidationError) as failed:
+        await validate_service(NeedsAVideo(), timeout=30)
+    assert str(failed.value) == ("the warm-up chunk failed (a stream of the default SessionConfig: no prompt, no image, "
+                                 "no options): ValueError: option 'video' is required")
