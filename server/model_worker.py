@@ -198,15 +198,15 @@ class ModelWorker:
 
     async def run(self) -> None:
         """Load, warm up, report capacity, host runners until stopped; report failure instead of raising."""
-        try:
-            async with trio.open_nursery() as watching:
-                with trio.CancelScope() as serving:
-                    if self._load_timeout is not None:
-                        watching.start_soon(self._bound_the_load, self._load_timeout, serving)
+        async with trio.open_nursery() as watching:
+            with trio.CancelScope() as serving:
+                if self._load_timeout is not None:
+                    watching.start_soon(self._bound_the_load, self._load_timeout, serving)
+                try:  # inside the nursery: its error group would hide the failure's kind (a refusal is not retried)
                     await self._serve()
-                watching.cancel_scope.cancel(reason="the worker stopped")
-        except Exception as exc:
-            self._failed(exc)
+                except Exception as exc:
+                    self._failed(exc)
+            watching.cancel_scope.cancel(reason="the worker stopped")
 
     async def _bound_the_load(self, seconds: float, serving: trio.CancelScope) -> None:
         with trio.move_on_after(seconds):
