@@ -20,7 +20,8 @@ import trio
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
 from pipelines.contract import BidirectionalService, PipelineContractError, ServerPushService, Service, inputs_taken
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
-from pipelines.validation import validate_service
+from pipelines.offline_calls import telling_error
+from pipelines.validation import PipelineValidationError, validate_service
 
 from .process_service import ProcessService, start_process_service
 from .reasons import public_reason
@@ -220,6 +221,9 @@ class ModelWorker:
             log.info("worker %s, after its failure: %s", self.worker_id, public_reason(exc))
             return
         self._loaded.set()
+        # several errors at once (a nursery of the pipeline's own in running()): the one that says why, or each named;
+        # health read only "ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)"
+        exc = telling_error(exc, (*REFUSALS, WorkerFault, LoadTimedOut, PipelineValidationError, PipelineContractError))
         reason = public_reason(exc)  # health and metadata show this line; the log has the detail
         self.failure = reason
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback

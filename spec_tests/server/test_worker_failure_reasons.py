@@ -1,0 +1,42 @@
+"""A worker's failure reason says what failed, also when the pipeline's own nursery gathered several errors.
+
+A pipeline's ``running()`` that opens a nursery (a feeding task beside the body, as the engine's example does) fails
+with a group of errors; health and metadata read only ``ExceptionGroup: Exceptions from Trio nursery (2
+sub-exceptions)``, the errors that say why hidden inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from spec_tests.server.runner_fixtures import CounterService
+
+from .conftest import make_settings, serve, wait_worker_failed
+
+
+class TwoFailingTasks(CounterService):
+    """A service whose ``running()`` starts two tasks that fail at once."""
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Any]:
+        async def fails(error: Exception) -> None:
+            raise error
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fails, KeyError("weights.pt"))
+            nursery.start_soon(fails, OSError("the device went away"))
+            yield self
+
+
+async def test_a_worker_whose_pipeline_raised_several_errors_at_once_names_each() -> None:
+    async with serve(make_settings(), loader=lambda path, **_: TwoFailingTasks(), ready=False) as served:
+        await wait_worker_failed(served.runtime)
+        status, metadata, _ = await served.json("get", "/v1/service/metadata")
+    assert status == 200
+    (reason, *_) = metadata["worker_failures"].values()
+    assert "ExceptionGroup" not in reason, reason
+    assert "2 errors at once: KeyError: 'weights.pt'; OSError: the device went away" in reason, reason
