@@ -147,14 +147,18 @@ class LocalStageActor:
             raise ValueError(f"handler must be callable, got {type(handler).__name__}")
         if session_closer is not None and not callable(session_closer):
             raise ValueError(f"session_closer must be callable or None, got {type(session_closer).__name__}")
+        for role, fn in (("handler", handler), ("session_closer", session_closer)):
+            if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):  # it read "returned generator"
+                raise ValueError(f"{role} must return (a handler: its {{artifact: value}} mapping), not yield: "
+                                 f"{getattr(fn, '__qualname__', fn)!r} is a generator function")
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string or None, got {type(name).__name__}")
         self.name = name or f"stage-actor-{next(_names)}"
         self._call_watch = None if call_timeout is None else CallWatch(seconds("call_timeout", call_timeout, finite=True))
         self._handler = handler
-        self._handler_is_async = inspect.iscoroutinefunction(handler)
+        self._handler_is_async = _is_async(handler)
         self._closer = session_closer
-        self._closer_is_async = session_closer is not None and inspect.iscoroutinefunction(session_closer)
+        self._closer_is_async = session_closer is not None and _is_async(session_closer)
         self._send, self._receive = trio.open_memory_channel[Any](mailbox_capacity)
         self._machine = actor_table.StageActorMachine()
         self._failure_reason: str | None = None
@@ -477,6 +481,14 @@ class LocalStageActor:
     def thread_ident(self) -> int | None:
         """The OS thread that runs this actor's synchronous calls (None before start)."""
         return None if self._thread is None else self._thread.ident
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one (it was run on a thread, and its coroutine
+    taken for the call's result: "returned coroutine", never awaited)."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    return not inspect.isroutine(fn) and inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
 
 
 async def _cancel_on(event: trio.Event, scope: trio.CancelScope, reason: str) -> None:

@@ -188,15 +188,42 @@ def _edges() -> list[EdgeSpec]:
         (lambda: LocalStageActor(None), "handler must be callable, got NoneType"),
         (lambda: LocalStageActor(render, session_closer=5), "session_closer must be callable or None, got int"),
         (lambda: LocalStageActor(render, name=5), "name must be a string or None, got int"),
+        # a generator function's call returned a generator: "InvalidStageOutput: ... returned generator"
+        (lambda: LocalStageActor(_yields), "handler must return (a handler: its {artifact: value} mapping), not "
+                                           "yield: '_yields' is a generator function"),
+        (lambda: LocalStageActor(render, session_closer=_yields), "session_closer must return"),
     ],
     ids=["edge_float", "edge_str", "edge_bool", "edge_nan", "in_flight_str", "in_flight_float", "group_float",
          "output_capacity_float", "misspelled_output", "stage_names", "edges_dict", "mailbox_float",
-         "handler_none", "closer_int", "name_int"],
+         "handler_none", "closer_int", "name_int", "handler_yields", "closer_yields"],
 )
 def test_a_bad_spec_value_is_a_value_error_naming_the_field(build, named):
     with pytest.raises(ValueError) as refused:
         build()
     assert named in str(refused.value)
+
+
+def _yields(invocation):
+    yield {"latent": 1}
+
+
+class AsyncModel:
+    """A model object whose ``__call__`` is an ``async def``: a handler as a class, as authors write one."""
+
+    async def __call__(self, invocation):
+        await trio.sleep(0)
+        return {"latent": invocation.inputs["control"] * 2}
+
+
+async def test_an_object_whose_call_is_async_runs_as_an_async_handler():
+    """It was run on a thread, its coroutine taken for the result: "returned coroutine", never awaited."""
+    async with open_orchestrator(SPEC, {"dynamics": LocalStageActor(AsyncModel()),
+                                        "render": LocalStageActor(render)}) as orch:
+        session = orch.create_session("a", final_sequence_id=1)
+        await session.push(0, {"control": 1})
+        await session.push(1, {"control": 2})
+        got = [(seq, out["frames"]) async for seq, out in session.outputs()]
+    assert got == [(0, 2), (1, 4)] and session.error is None
 
 
 
