@@ -211,7 +211,7 @@ class AsyncModel:
     """A model object whose ``__call__`` is an ``async def``: a handler as a class, as authors write one."""
 
     async def __call__(self, invocation):
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return {"latent": invocation.inputs["control"] * 2}
 
 

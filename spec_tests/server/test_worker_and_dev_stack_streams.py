@@ -117,7 +117,8 @@ async def end_group(process: trio.Process) -> None:
         await process.wait()
 
 
-async def test_a_dev_stack_whose_stdout_is_on_a_full_disk_serves_and_stops_with_130(tmp_path: Path) -> None:
+async def test_a_dev_stack_whose_stdout_is_on_a_full_disk_serves_and_stops_with_130(short_tmp: Path) -> None:
+    tmp_path = short_tmp  # the stack's server makes a Unix socket in it: pytest's tmp_path is too long under xdist
     with open("/dev/full", "wb") as full:
         process = await start_dev_stack(tmp_path, stdout=full, stderr=subprocess.PIPE)
     try:
@@ -135,7 +136,8 @@ async def test_a_dev_stack_whose_stdout_is_on_a_full_disk_serves_and_stops_with_
     assert lines[-1] == STOPPED and "Traceback" not in seen.decode()
 
 
-async def test_a_dev_stack_whose_stderr_reader_left_stops_with_143(tmp_path: Path) -> None:
+async def test_a_dev_stack_whose_stderr_reader_left_stops_with_143(short_tmp: Path) -> None:
+    tmp_path = short_tmp  # the stack's server makes a Unix socket in it: pytest's tmp_path is too long under xdist
     process = await start_dev_stack(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert process.stderr is not None
@@ -148,9 +150,10 @@ async def test_a_dev_stack_whose_stderr_reader_left_stops_with_143(tmp_path: Pat
         await end_group(process)
 
 
-async def test_a_dev_stack_whose_terminal_closed_stops_both_and_leaves_nothing(tmp_path: Path) -> None:
+async def test_a_dev_stack_whose_terminal_closed_stops_both_and_leaves_nothing(short_tmp: Path) -> None:
     """SIGHUP, as a closed terminal sends it: the stack died by its default action, leaving LiveKit, the stream
     server and its work folder (the LiveKit secret in its config) behind."""
+    tmp_path = short_tmp  # the stack's server makes a Unix socket in it: pytest's tmp_path is too long under xdist
     process = await start_dev_stack(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert process.stderr is not None
@@ -167,8 +170,9 @@ async def test_a_dev_stack_whose_terminal_closed_stops_both_and_leaves_nothing(t
     assert "Traceback" not in seen.decode()
 
 
-async def test_a_dev_stack_whose_livekit_cannot_start_says_so_in_one_line_and_keeps_its_log(tmp_path: Path) -> None:
+async def test_a_dev_stack_whose_livekit_cannot_start_says_so_in_one_line_and_keeps_its_log(short_tmp: Path) -> None:
     """LiveKit exiting at once (its port taken by another): a traceback ending in a RuntimeError, exit 1."""
+    tmp_path = short_tmp  # the stack's server makes a Unix socket in it: pytest's tmp_path is too long under xdist
     cannot_bind = "import sys\nprint('bind: address already in use')\nsys.exit(1)\n"
     process = await start_dev_stack(tmp_path, cannot_bind, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
