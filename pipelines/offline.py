@@ -131,6 +131,7 @@ class _Run:
     total: int
     progress: Callable[[int, int], None] | None
     deadlines: RunDeadlines
+    chunk_check: Callable[[Chunk], Chunk] | None = None
     order: ChunkOrder = attrs.Factory(ChunkOrder)
     warnings: list[str] = attrs.Factory(list)
 
@@ -142,7 +143,8 @@ class _Run:
         index = self.order.next_index
         seconds = self.deadlines.create_session if setup else self.deadlines.chunk
         try:
-            return await next_chunk_within(iterator, self.order, seconds)
+            chunk = await next_chunk_within(iterator, self.order, seconds)
+            return chunk if chunk is None or self.chunk_check is None else self.chunk_check(chunk)
         except ChunkLate as late:
             if setup:
                 raise PipelineCallError(call, f"gave no first chunk within {seconds:g} s") from None
@@ -277,6 +279,7 @@ async def run_offline(
     progress: Callable[[int, int], None] | None = None,
     *,
     deadlines: RunDeadlines,
+    chunk_check: Callable[[Chunk], Chunk] | None = None,
 ) -> OfflineRunSummary:
     """Run one session of ``service`` for up to ``chunks`` chunks; write ``video.mp4`` and ``metrics.json``.
 
@@ -285,7 +288,8 @@ async def run_offline(
     total)`` is called after each chunk. A service that applies the timeline itself gets the options
     :data:`RUN_OPTIONS` from the run; a ``config`` that sets one of them is a ``ValueError`` (it would be
     overwritten). ``deadlines`` bound the pipeline's calls (:class:`RunDeadlines`; past one, or when one raises,
-    a :class:`PipelineCallError`). ``out_dir`` is created if missing. On any failure or cancellation
+    a :class:`PipelineCallError`). ``chunk_check(chunk)`` (the server's own check of what a chunk carries, so that a
+    run takes what a served session takes) returns the chunk or raises a :class:`PipelineContractError`. ``out_dir`` is created if missing. On any failure or cancellation
     the temporary files are removed and nothing named ``video.mp4``/``metrics.json`` is written.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -318,7 +322,7 @@ async def run_offline(
             send, receive = trio.open_memory_channel[Chunk](4)
             nursery.start_soon(_write_chunks, writer, receive)
             async with send:
-                run = _Run(recorder, send, chunks, progress, deadlines)
+                run = _Run(recorder, send, chunks, progress, deadlines, chunk_check)
                 if isinstance(service, BidirectionalService):
                     await _run_bidirectional(service, config, entries, run)
                 else:

@@ -237,7 +237,9 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
 
     early_signals.defer()  # a signal as the trio run starts is noted, and replayed once its handlers are in
     try:
-        run = functools.partial(run_offline, deadlines=run_deadlines())
+        from .chunk_publisher import checked_metadata  # a served session's rule for what a chunk carries
+
+        run = functools.partial(run_offline, deadlines=run_deadlines(), chunk_check=checked_metadata)
         summary = trio_run_until_signalled(run, service, config, controls, args.chunks, out.path, bar,
                                            on_stop=on_stop, abort=abort)
     except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)
