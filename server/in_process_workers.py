@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from states.stream_session import DrainCause
@@ -30,6 +31,10 @@ __all__ = ["InProcessWorkers"]
 
 log = logging.getLogger("chunkline.runtime")
 
+#: the settings the server offers a pipeline that names them in ``get_service``: (the name offered, the setting, its flag)
+OFFERED_SETTINGS = (("control_idle_timeout", "control_idle_timeout", "--control-idle-timeout"),
+                    ("fps", "default_fps", "--default-fps"))
+
 
 class InProcessWorkers:
     """Starts one ``ModelWorker`` per slot of ``runtime.slots`` and keeps the slots filled."""
@@ -38,6 +43,7 @@ class InProcessWorkers:
         self.runtime = runtime
         self.service_loader = service_loader
         self.delete_wait = delete_wait
+        self._told_untaken = False  # the line about settings the pipeline does not take is said once a server
 
     def start(self) -> None:
         """One worker per configured GPU group (or ``num_workers`` with no devices)."""
@@ -60,7 +66,7 @@ class InProcessWorkers:
             pipeline=settings.pipeline,
             gpu_ids=slot.gpu_ids,
             max_sessions=initial,
-            on_ready=runtime.worker_ready,
+            on_ready=self._ready,
             on_failed=runtime.worker_failed,
             worker_mode=settings.worker_mode,
             placement=settings.placement,
@@ -76,6 +82,25 @@ class InProcessWorkers:
         runtime.book.add_worker(worker_id, initial if isinstance(initial, int) else 1, trio.current_time())
         runtime.spawn(worker.run)
         return worker
+
+    def _ready(self, worker: ModelWorker, capacity: int, plan: Any) -> None:
+        self._tell_untaken_settings(worker)
+        self.runtime.worker_ready(worker, capacity, plan)
+
+    def _tell_untaken_settings(self, worker: ModelWorker) -> None:
+        """A setting given on purpose (not its default) that the pipeline's ``get_service`` does not name is said once
+        as the first worker loads: it was dropped without a word (a misspelt ``fsp=`` took no ``--default-fps``)."""
+        taken = worker.offered_taken
+        if taken is None or self._told_untaken:
+            return
+        self._told_untaken = True
+        settings = self.runtime.settings
+        fields = attrs.fields_dict(type(settings))
+        for offered, field, flag in OFFERED_SETTINGS:
+            value = getattr(settings, field)
+            if offered not in taken and value != fields[field].default:
+                log.warning("the pipeline's get_service() takes no %r, so %s %g does not reach it (metadata's "
+                            "worker_settings lists what it takes)", offered, flag, value)
 
     def loading(self) -> bool:
         """Whether one of this server's own workers still loads its pipeline (the book has it in a loading state):
