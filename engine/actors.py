@@ -72,12 +72,9 @@ class _Delivery:
         self.settled = False  # with a call deadline: the call's result, or the actor's giving up on it, was delivered
 
     def _claim(self) -> bool:
-        """Whether this side delivers: the thread's result, or the actor giving up on a call past its deadline (one
-        of the two, whichever comes first; without a deadline only the result can)."""
-        actor = self.actor
-        if actor._call_watch is None:
-            return True
-        with actor._counts:
+        """With a call deadline: whether this side delivers, the thread's result or the actor giving up on a call
+        past its deadline (whichever comes first). Without one only the result can, and nobody asks."""
+        with self.actor._counts:
             if self.settled:
                 return False
             self.settled = True
@@ -90,9 +87,9 @@ class _Delivery:
             self.actor._resolve(self.invocation, self.on_done, outcome.Error(error), from_thread=True)
 
     def __call__(self, result: outcome.Outcome) -> None:
-        if not self._claim():
-            return
         actor = self.actor
+        if actor._call_watch is not None and not self._claim():
+            return
         if actor._machine.state is ActorState.FAILED and not isinstance(result, outcome.Error):
             result = outcome.Error(ActorFailedError(f"stage actor {actor.name!r} failed: {actor._failure_reason}"))
         actor._resolve(self.invocation, self.on_done, result, from_thread=True)
@@ -107,7 +104,7 @@ class _Delivery:
         from_thread = getattr(self.on_done, "from_thread", None)
         if from_thread is None or not actor._machine.takes_work:
             return None
-        if not self._claim():
+        if actor._call_watch is not None and not self._claim():  # the actor gave up on the call: delivered already
             return NOTHING_LEFT
         actor._count(pending=-1)  # the call is over: its place in the mailbox is free for the next
         finish = from_thread(self.invocation, value)
@@ -317,14 +314,15 @@ class LocalStageActor:
             result: outcome.Outcome = outcome.Error(
                 ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
             )
-        elif self._call_watch is None:
-            result = await self._call(self._handler, True, inv)
         else:
-            self._call_watch.started(inv)
+            watch = self._call_watch  # as on the thread (_guarded_handler): the call is timed while it runs
+            if watch is not None:
+                watch.started(inv)
             try:
                 result = await self._call(self._handler, True, inv)
             finally:
-                self._call_watch.ended()
+                if watch is not None:
+                    watch.ended()
         self._resolve(inv, message.on_done, result)
 
     def _guarded_handler(self, invocation: StageInvocation, delivery: _Delivery) -> Any:

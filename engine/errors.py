@@ -109,8 +109,9 @@ class ActorFailedError(EngineError, RuntimeError):
 
 
 class StageCallTimeout(EngineError, RuntimeError):
-    """A stage call ran past its actor's ``call_timeout``: the actor is failed with this as the cause (the call itself
-    cannot be interrupted, so its thread is left to it), and every session on the actor fails."""
+    """A stage call ran past its actor's ``call_timeout``: the actor is failed with this as the cause, and every session
+    on the actor fails (a synchronous call cannot be interrupted: its thread is left to it; an ``async`` one is
+    cancelled)."""
 
 
 class WrongThreadError(EngineError, RuntimeError):
