@@ -289,7 +289,8 @@ async def run_offline(
     :data:`RUN_OPTIONS` from the run; a ``config`` that sets one of them is a ``ValueError`` (it would be
     overwritten). ``deadlines`` bound the pipeline's calls (:class:`RunDeadlines`; past one, or when one raises,
     a :class:`PipelineCallError`). ``chunk_check(chunk)`` (the server's own check of what a chunk carries, so that a
-    run takes what a served session takes) returns the chunk or raises a :class:`PipelineContractError`. ``out_dir`` is created if missing. On any failure or cancellation
+    run takes what a served session takes) returns the chunk or raises a :class:`PipelineContractError`.
+    ``out_dir`` is created if missing. On any failure or cancellation
     the temporary files are removed and nothing named ``video.mp4``/``metrics.json`` is written.
     """
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:

@@ -37,6 +37,7 @@ import attrs
 import httpx
 
 from .console import is_broken_pipe, tell
+from .early_signals import stop_signals
 
 __all__ = [
     "LIVEKIT_VERSION",
@@ -327,9 +328,8 @@ def dev_stack(argv: Sequence[str]) -> int:
         stopped_by[0] = signal.Signals(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop)
+    for number in stop_signals():  # a SIGHUP ignored at start (nohup) stays ignored, as for every command
+        signal.signal(number, stop)
     try:
         with work_folder("chunkline-livekit-") as workdir, running_livekit(config, workdir, binary=binary):
             unwritten = tell(f"LiveKit {LIVEKIT_VERSION} at {config.url} (media: udp {address}:{config.udp_port}, "
