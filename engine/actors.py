@@ -106,12 +106,16 @@ class _Delivery:
             return None
         if actor._call_watch is not None and not self._claim():  # the actor gave up on the call: delivered already
             return NOTHING_LEFT
-        actor._count(pending=-1)  # the call is over: its place in the mailbox is free for the next
+        counts = actor._counts
+        with counts:
+            actor._pending -= 1  # the call is over: its place in the mailbox is free for the next
         finish = from_thread(self.invocation, value)
         if finish is not None:
             return functools.partial(actor._after_thread_delivery, finish)
         # nothing for trio to do: the call is delivered here, and trio is woken only for a barrier
-        return actor._mark_done if actor._count(undelivered=-1) else NOTHING_LEFT
+        with counts:
+            actor._undelivered -= 1
+            return actor._mark_done if actor._quiet.waiting else NOTHING_LEFT
 
 
 _names = itertools.count()
@@ -280,7 +284,9 @@ class LocalStageActor:
             if self._pending > self._capacity:
                 raise ActorBusyError(f"stage actor {self.name!r}: mailbox is full")
             assert self._thread is not None
-            self._count(pending=1, undelivered=1)
+            with self._counts:  # (not through _count: this runs for every call)
+                self._pending += 1
+                self._undelivered += 1
             delivery = _Delivery(self, invocation, on_done)
             try:
                 self._thread.submit(self._guarded_handler, (invocation, delivery), delivery)

@@ -40,9 +40,9 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
     """
     if not rt.machine.admitting:
         raise refused_input(rt)
-    if not is_sequence_id(seq):
+    if not (type(seq) is int and 0 <= seq <= MAX_SEQUENCE_ID) and not is_sequence_id(seq):  # the plain int first
         raise IngressRefused(f"sequence id must be an int in 0..2**63-1 (>= 0), got {shown(seq)}")
-    if not isinstance(artifacts, Mapping):
+    if type(artifacts) is not dict and not isinstance(artifacts, Mapping):  # a plain dict first: ABC checks cost
         raise IngressRefused(f"ingress must be a mapping {{artifact: value}}, got {type(artifacts).__name__}")
     if not artifacts:
         raise IngressRefused("ingress needs at least one artifact")
@@ -59,7 +59,8 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
         if (seq, artifact) in slots:
             raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
         for stage_id in targets[artifact]:
-            if seq in lanes[stage_id].taken:
+            taken = lanes[stage_id].taken
+            if seq < taken.below or seq in taken.beyond:  # ``seq in taken``, without a call: asked for every push
                 raise IngressRefused(
                     f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
                     f"so {artifact!r} for it would never be consumed"

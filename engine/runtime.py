@@ -38,39 +38,39 @@ def trim(stamps: OrderedDict) -> None:
 class SeqSet:
     """A set of sequence ids stored as a contiguous prefix plus the sparse rest."""
 
-    __slots__ = ("below", "_extra")
+    __slots__ = ("below", "beyond")
 
     def __init__(self) -> None:
         self.below = 0  # every id < below is in the set
-        self._extra: set[int] = set()
+        self.beyond: set[int] = set()  # the ids in the set above ``below`` (read-only outside: the scheduler's hot checks)
 
     def add(self, seq: int) -> None:
-        if seq == self.below and not self._extra:  # the common case: a strict stage takes the next one
+        if seq == self.below and not self.beyond:  # the common case: a strict stage takes the next one
             self.below = seq + 1
             return
         if seq < self.below:
             return
-        self._extra.add(seq)
-        while self.below in self._extra:
-            self._extra.remove(self.below)
+        self.beyond.add(seq)
+        while self.below in self.beyond:
+            self.beyond.remove(self.below)
             self.below += 1
 
     def discard(self, seq: int) -> None:
         """Undo :meth:`add` (an admission the actor refused)."""
         if seq >= self.below:
-            self._extra.discard(seq)
+            self.beyond.discard(seq)
             return
-        self._extra.update(range(seq + 1, self.below))
+        self.beyond.update(range(seq + 1, self.below))
         self.below = seq
 
     def __contains__(self, seq: int) -> bool:
-        return seq < self.below or seq in self._extra
+        return seq < self.below or seq in self.beyond
 
     def __bool__(self) -> bool:
-        return self.below > 0 or bool(self._extra)
+        return self.below > 0 or bool(self.beyond)
 
     def highest(self) -> int:
-        return max(self._extra, default=self.below - 1)
+        return max(self.beyond, default=self.below - 1)
 
 
 class Slot:
