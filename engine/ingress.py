@@ -10,6 +10,7 @@ scheduler core (which owns the session) applies both.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ from .runtime import SessionRuntime
 
 __all__ = [
     "check_ingress", "has_room", "check_final_sequence", "check_final_sequence_id", "ingress_names",
-    "is_sequence_id", "refused_input", "MAX_SEQUENCE_ID",
+    "is_sequence_id", "as_sequence_id", "refused_input", "MAX_SEQUENCE_ID",
 ]
 
 
@@ -92,8 +93,20 @@ def lowest_missing(rt: SessionRuntime, artifact: str, stage_id: str) -> int:
 MAX_SEQUENCE_ID = 2**63 - 1
 
 
+def as_sequence_id(value: object) -> object:
+    """``value`` as a plain int when it is an integer of another type in range (numpy's ``int64``, an IntEnum),
+    else ``value`` itself, for the checks to refuse by name. A bool is never one (``True`` would silently be 1)."""
+    if type(value) is int or isinstance(value, bool):
+        return value
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return value
+    return number if 0 <= number <= MAX_SEQUENCE_ID else value
+
+
 def is_sequence_id(value: object) -> bool:
-    """A sequence id is an int in 0..MAX_SEQUENCE_ID; a bool is not one (``True`` would silently be 1)."""
+    """A sequence id is an int in 0..MAX_SEQUENCE_ID (after :func:`as_sequence_id`); a bool is not one."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEQUENCE_ID
 
 

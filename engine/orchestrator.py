@@ -28,7 +28,7 @@ from .errors import (
 )
 from .graph import StageGraph
 from .home_thread import HomeThread
-from .ingress import check_final_sequence_id
+from .ingress import as_sequence_id, check_final_sequence_id
 from .metrics import Diagnostics
 from .runtime import SessionRuntime
 from .session import Session
@@ -165,6 +165,7 @@ class Orchestrator:
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id must be a non-empty string, got {shown(session_id)}")
         if final_sequence_id is not None:
+            final_sequence_id = as_sequence_id(final_sequence_id)  # type: ignore[assignment]
             check_final_sequence_id(final_sequence_id)
         return self._core.open_session(session_id, final_sequence_id)
 

@@ -11,7 +11,7 @@ from states.pipeline_session import EMITTING, Event, State
 
 from .blockers import Blocker
 from .errors import OutputsBusyError
-from .ingress import ingress_names, refused_input
+from .ingress import as_sequence_id, ingress_names, refused_input
 from .metrics import (
     ArtifactStats,
     IdleInterval,
@@ -90,17 +90,17 @@ class Session:
     async def push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> None:
         """Admit ``artifacts`` for ``sequence_id`` atomically, waiting for room on every edge."""
         self._here("push")
-        await self._core.push(self._runtime, sequence_id, artifacts)
+        await self._core.push(self._runtime, as_sequence_id(sequence_id), artifacts)
 
     def try_push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""
         self._here("try_push")
-        return self._core.try_push(self._runtime, sequence_id, artifacts)
+        return self._core.try_push(self._runtime, as_sequence_id(sequence_id), artifacts)
 
     def can_push(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> bool:
         """Whether every named ingress artifact has room now (a pure query); with ``sequence_id``, room for that
         sequence: one ahead of the lowest sequence missing on an edge may not take the edge's last place."""
-        return self._core.has_room(self._runtime, artifacts, sequence_id)
+        return self._core.has_room(self._runtime, artifacts, None if sequence_id is None else as_sequence_id(sequence_id))
 
     async def wait_for_room(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> None:
         """Wait until every named ingress artifact has room, for ``sequence_id`` if given (as :meth:`can_push`);
@@ -121,7 +121,7 @@ class Session:
     def finish_inputs(self, final_sequence_id: int) -> None:
         """Declare the last sequence of an open-ended session."""
         self._here("finish_inputs")
-        self._core.finish_inputs(self._runtime, final_sequence_id)
+        self._core.finish_inputs(self._runtime, as_sequence_id(final_sequence_id))
 
     # -- outputs -------------------------------------------------------------------
 

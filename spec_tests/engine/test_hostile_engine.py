@@ -3,9 +3,11 @@ changes nothing, and no close is lost or hangs (every wait here is bounded by ``
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -252,6 +254,31 @@ async def test_a_sequence_id_true_is_not_sequence_one(rec):
         await s.push(1, chunk(1))
         assert [q async for q, _ in s.outputs()] == [0, 1]
         assert [inv.is_last for inv in rec.invocations if inv.key.stage_id == "decode"] == [False, True]
+
+
+class _Seq(enum.IntEnum):
+    FIRST = 0
+    LAST = 1
+
+
+@pytest.mark.parametrize("as_integer", [np.int64, np.uint8, _Seq], ids=["numpy-int64", "numpy-uint8", "IntEnum"])
+async def test_sequence_ids_of_other_integer_types_count_as_the_same_ints(rec, as_integer):
+    """A numpy index (``np.int64(0)``) was refused as "must be an int"; now any integer type in range is taken and
+    kept as a plain int, so the stages, the outputs and the final sequence see 0 and 1 as always."""
+    async with running(rec) as orch:
+        s = orch.create_session("a", final_sequence_id=as_integer(1))
+        assert type(s.final_sequence_id) is int
+        assert s.can_push(["image", "control"], sequence_id=as_integer(0))
+        await s.push(as_integer(0), chunk(0))
+        assert s.try_push(as_integer(1), chunk(1))
+        assert [(type(q), q) async for q, _ in s.outputs()] == [(int, 0), (int, 1)]
+        assert [(type(inv.key.sequence_id), inv.is_last) for inv in rec.invocations if inv.key.stage_id == "decode"] == [
+            (int, False), (int, True)]
+        open_ended = orch.create_session("b")
+        open_ended.finish_inputs(as_integer(0))
+        assert type(open_ended.final_sequence_id) is int
+        with pytest.raises(IngressRefused, match="sequence 1 is past the final sequence 0"):
+            open_ended.try_push(as_integer(1), chunk(1))
 
 
 # -- a cancel during a drain --------------------------------------------------------------------------
