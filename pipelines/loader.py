@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import inspect
 import sys
+import traceback
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -14,7 +16,9 @@ from typing import Any
 from .contract import BidirectionalService, ServerPushService, Service
 
 __all__ = [
-    "FILE_MODULE_PREFIX", "OptionValuesRefused", "PipelineExited", "OptionsNotAccepted", "PipelineLoadError", "load_pipeline_module", "load_service", "offered_taken", "record_offered_taken",
+    "FILE_MODULE_PREFIX", "GpuNumNotTaken", "NotAPipeline", "OptionValuesRefused", "OptionsNotAccepted", "PipelineBug",
+    "PipelineExited", "PipelineFailedToLoad", "PipelineLoadError", "load_pipeline_module", "load_service",
+    "offered_taken", "record_offered_taken",
 ]
 
 #: the module name a pipeline file outside any package is imported under: only the process that loaded it has it
@@ -46,7 +50,23 @@ class PipelineLoadError(ValueError):
     """The pipeline file is missing, does not import, or does not fit the contract."""
 
 
-class PipelineExited(PipelineLoadError):
+class NotAPipeline(PipelineLoadError):
+    """The path names no pipeline: no such file, not a ``.py`` file or package, a module without ``get_service``.
+    The user's input, not the file's fault (``chunkline run`` exits 2)."""
+
+
+class PipelineFailedToLoad(PipelineLoadError):
+    """A pipeline that failed as it loaded for a reason no argument of the user's caused (``chunkline run`` exits
+    1): as such, a module its import needs is missing or does not import (the environment's, or the pipeline's)."""
+
+
+class PipelineBug(PipelineFailedToLoad):
+    """The pipeline's own bug, found as it loaded: its import raised, its ``get_service()`` raised (other than
+    ``ValueError``) or returned what is no service, or a method of its service is of a kind the contract cannot
+    call. ``chunkline run`` says ``pipeline bug: ...`` and exits 1 (it exited 2, as if the user's input were bad)."""
+
+
+class PipelineExited(PipelineBug):
     """The pipeline called ``sys.exit()`` (raised ``SystemExit``) while it was imported or its ``get_service()``
     ran: a pipeline bug. It ended the loading process with that code, ``sys.exit(0)`` as a success, saying nothing."""
 
@@ -56,7 +76,15 @@ class PipelineExited(PipelineLoadError):
 
 
 class OptionsNotAccepted(PipelineLoadError):
-    """``get_service()`` takes none of these options: loading it again with them fails the same way."""
+    """``get_service()`` takes none of these options: loading it again with them fails the same way. ``names``: the
+    options it does not take (empty when the error does not say, as one rebuilt from another process)."""
+
+    names: tuple[str, ...] = ()
+
+
+class GpuNumNotTaken(OptionsNotAccepted, PipelineBug):
+    """``get_service()`` has no ``gpu_num``, which chunkline gives every pipeline: refused as any option is (a
+    worker with it is not restarted), and the pipeline's bug, not a user's (``chunkline run`` exits 1)."""
 
 
 class OptionValuesRefused(OptionsNotAccepted):
@@ -69,9 +97,9 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
     path = Path(path)
     target = path / "__init__.py" if path.is_dir() else path
     if not target.is_file():
-        raise PipelineLoadError(f"pipeline file {str(path)!r} does not exist")
+        raise NotAPipeline(f"pipeline file {str(path)!r} does not exist")
     if target.suffix != ".py":
-        raise PipelineLoadError(f"pipeline file {str(path)!r} is not a .py file or a package directory")
+        raise NotAPipeline(f"pipeline file {str(path)!r} is not a .py file or a package directory")
     importable = _importable_name(target)
     if importable is not None:
         # part of an installed package (e.g. pipelines/toy_world): import it by name so
@@ -81,16 +109,14 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
         except SystemExit as exc:
             raise PipelineExited.of(path, exc, "while being imported") from None
         except Exception as exc:
-            raise PipelineLoadError(
-                f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise _import_failed(path, target, exc) from exc
     top, inner = _package_parts(target.absolute())  # 'svc.py' run from inside its package folder has a parent
     name = f"{FILE_MODULE_PREFIX}{abs(hash(str(top.resolve())))}"
     spec = importlib.util.spec_from_file_location(
         name, top / "__init__.py" if top.is_dir() else top, submodule_search_locations=[str(top)] if top.is_dir() else None
     )
     if spec is None or spec.loader is None:
-        raise PipelineLoadError(f"cannot import pipeline file {str(path)!r}")
+        raise NotAPipeline(f"cannot import pipeline file {str(path)!r}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -104,8 +130,64 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
             raise PipelineExited.of(path, exc, "while being imported") from None
         if not isinstance(exc, Exception):
             raise
-        raise PipelineLoadError(f"importing pipeline file {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise _import_failed(path, target, exc) from exc
     return module
+
+
+def _import_failed(path: str | Path, target: Path, exc: Exception) -> PipelineFailedToLoad:
+    """The pipeline's import raised ``exc``: where (its own line that raised it), and for a module it could not
+    import, whether that is a file beside it (importable only as part of a package). An ``ImportError`` may be the
+    environment's (a package not installed): the rest are the pipeline's bugs."""
+    told = f"importing pipeline file {str(path)!r} failed: {error_line(exc)}{where(exc, target.parent)}"
+    if not isinstance(exc, ImportError):
+        return PipelineBug(told)
+    missing = (getattr(exc, "name", None) or "").partition(".")[0]
+    beside = [name for name in (f"{missing}.py", f"{missing}/__init__.py") if missing and (target.parent / name).is_file()]
+    if beside:
+        told += (f"; {beside[0].partition('/')[0]} beside it is not on the import path: chunkline imports the "
+                 f"pipeline alone, not its folder: add an __init__.py to the folder and import it relatively "
+                 f"('from . import {missing}')")
+    return PipelineFailedToLoad(told)
+
+
+def error_words(exc: BaseException) -> str:
+    """What ``exc`` says, on one line: a message of several lines broke the one line a failure is told in."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def error_line(exc: BaseException) -> str:
+    """``KeyError: 'x'``, or ``RuntimeError`` for one without words (it read ``raised RuntimeError: ``)."""
+    said = error_words(exc)
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+
+
+def _chunkline_folders() -> list[Path]:
+    """Where chunkline's own code and Python's libraries are: a line there is not the pipeline's."""
+    import sysconfig
+
+    root = Path(__file__).resolve().parents[1]
+    libraries = {sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return [root / name for name in ("engine", "pipelines", "server", "states")] + [
+        Path(found).resolve() for found in libraries if found]
+
+
+def where(exc: BaseException, folder: Path) -> str:
+    """`` (at p.py, line 4)``: the last line of the pipeline's own files (under ``folder``, not chunkline's code or a
+    library's) that ``exc`` passed, which a one-line failure named nowhere; empty when none did, and for a
+    ``SyntaxError``, whose words name its line."""
+    if isinstance(exc, SyntaxError):
+        return ""
+    folder = folder.resolve()
+    others = [found for found in _chunkline_folders() if not folder.is_relative_to(found)]
+    last = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        file = Path(frame.filename)
+        if not file.is_absolute():
+            continue  # '<frozen importlib._bootstrap>', '<string>'
+        file = file.resolve()
+        if file.is_relative_to(folder) and not any(file.is_relative_to(other) for other in others):
+            last = (file.relative_to(folder), frame.lineno)
+    return "" if last is None else f" (at {last[0]}, line {last[1]})"
 
 
 def _package_parts(target: Path) -> tuple[Path, list[str]]:
@@ -150,19 +232,27 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     pipeline that does not name one simply does not get it (``**kwargs`` does not count).
     """
     module = load_pipeline_module(path)
-    factory = getattr(module, "get_service", None)
-    if factory is None or not callable(factory):
-        raise PipelineLoadError(f"pipeline file {str(path)!r} defines no get_service() function")
+    if not hasattr(module, "get_service"):
+        close = difflib.get_close_matches("get_service", [name for name in vars(module) if not name.startswith("__")],
+                                          n=1, cutoff=0.75)
+        hint = f" (it defines {close[0]!r})" if close else ""
+        raise NotAPipeline(f"pipeline file {str(path)!r} defines no get_service() function{hint}")
+    factory = module.get_service
+    if not callable(factory):
+        raise PipelineBug(f"get_service in {str(path)!r} is a {type(factory).__name__}, not a function")
     if inspect.iscoroutinefunction(factory):  # it was called, its coroutine dropped unawaited with a RuntimeWarning
-        raise PipelineLoadError(f"get_service() in {str(path)!r} is an 'async def'; it must be a plain 'def' that "
-                                f"returns the service (load models in the service's running())")
+        raise PipelineBug(f"get_service() in {str(path)!r} is an 'async def'; it must be a plain 'def' that "
+                          f"returns the service (load models in the service's running())")
     accepted = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     unknown = sorted(k for k in options if k not in accepted and not takes_any)
     if unknown:
         hint = (": chunkline calls every pipeline's get_service(gpu_num=N), N the GPUs it is given; add a "
                 "gpu_num=0 parameter" if "gpu_num" in unknown else "")
-        raise OptionsNotAccepted(f"get_service() in {str(path)!r} does not accept {unknown}{hint}")
+        refused = (GpuNumNotTaken if "gpu_num" in unknown else OptionsNotAccepted)(
+            f"get_service() in {str(path)!r} does not accept {unknown}{hint}")
+        refused.names = tuple(unknown)
+        raise refused
     named = {name for name, p in accepted.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
     options = {**{k: v for k, v in (offered or {}).items() if k in named and k not in options}, **options}
     try:
@@ -170,22 +260,24 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     except SystemExit as exc:
         raise PipelineExited.of(path, exc, "in get_service()") from None
     except ValueError as exc:  # the values are refused: no replacement worker is started to be refused again
-        raise OptionValuesRefused(f"get_service() in {str(path)!r} refused its options: {exc}") from exc
+        raise OptionValuesRefused(f"get_service() in {str(path)!r} refused its options: {error_words(exc)}") from exc
     except Exception as exc:
-        raise PipelineLoadError(f"get_service() in {str(path)!r} raised {type(exc).__name__}: {exc}") from exc
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        raise PipelineBug(f"get_service() in {str(path)!r} raised {error_line(exc)}{where(exc, folder)}") from exc
     if isinstance(service, type) and issubclass(service, BidirectionalService | ServerPushService):
-        raise PipelineLoadError(
+        raise PipelineBug(
             f"get_service() in {str(path)!r} returned the class {service.__name__}, not a service; it must return an "
             f"instance ({service.__name__}(...))"
         )
     if not isinstance(service, BidirectionalService | ServerPushService):
-        raise PipelineLoadError(
-            f"get_service() in {str(path)!r} returned {type(service).__name__}; it must return a "
-            f"BidirectionalService or a ServerPushService"
+        returned = "None (is its 'return' missing?)" if service is None else type(service).__name__
+        raise PipelineBug(
+            f"get_service() in {str(path)!r} returned {returned}; it must return a BidirectionalService or a "
+            f"ServerPushService"
         )
     problem = contract_shape_problem(service)
     if problem is not None:
-        raise PipelineLoadError(f"{type(service).__name__} in {str(path)!r}: {problem}")
+        raise PipelineBug(f"{type(service).__name__} in {str(path)!r}: {problem}")
     record_offered_taken(service, frozenset(offered or {}) & named)
     return service
 

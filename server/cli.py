@@ -6,8 +6,9 @@ it writes ``DIR/video.mp4`` and ``DIR/metrics.json``, draws a progress bar on st
 stdout. Bad input (a missing pipeline, image or controls file, a malformed controls file, an unknown control,
 an unsupported device, options the pipeline refuses) is reported on stderr with exit code 2 and leaves no
 output behind; a run that fails later exits 1, also without output files, and so does a pipeline that breaks
-the contract (a chunk that is not a Chunk or not uint8, indexes that skip, a session id that is not a str): a
-pipeline bug, never bad input. A pipeline that calls
+the contract (a chunk that is not a Chunk or not uint8, indexes that skip, a session id that is not a str) or does
+not load for a reason of its own (its import or ``get_service()`` raises, ``get_service`` returns no service or
+takes no ``gpu_num``; :func:`server.run_command.load_failure`): a pipeline bug, never bad input. A pipeline that calls
 ``sys.exit()`` while it is loaded or run is such a bug too (exit 1, the line naming the pipeline and its code): it
 ended the run with that code, 0 read as a success. Every flag is checked before the pipeline loads
 (:mod:`server.run_inputs`): ``--out`` is made then (a folder it made is taken back when the run fails), and a

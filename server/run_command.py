@@ -22,7 +22,7 @@ from .run_inputs import BadInput, shown
 if TYPE_CHECKING:
     from pipelines.offline import RunDeadlines
 
-__all__ = ["CLOSE_TIMEOUT", "ProgressBar", "run_command", "run_deadlines"]
+__all__ = ["CLOSE_TIMEOUT", "PipelineDidNotLoad", "ProgressBar", "load_failure", "run_command", "run_deadlines"]
 
 PREFIX = "chunkline run"
 #: seconds a run's close (``close_session``, a stream's ``aclose``) may take before it is cut: the run is done by
@@ -159,6 +159,43 @@ class _PipelineExitedDuringRun(Exception):
     """The pipeline called ``sys.exit()`` during the run (a pipeline bug: exit code 1)."""
 
 
+class PipelineDidNotLoad(Exception):
+    """The pipeline failed to load for a reason that is not in the user's arguments (exit code 1, ``the run failed:
+    ...``): its bug (``pipeline bug: ...``), a module its import needs, a refusal of ``gpu_num=0`` alone."""
+
+
+#: the flags whose values reach ``get_service``, by the option each is given as
+SERVICE_FLAGS = {"device": "--device", "seed": "--seed", "placement": "--placement"}
+
+
+def load_failure(exc: Exception, given: Mapping[str, Any]) -> Exception:
+    """What a failed load (a :class:`pipelines.loader.PipelineLoadError`; ``given``: the options ``get_service`` was
+    to be called with) is under ``chunkline run``. The user's bad input, exit 2 (:class:`BadInput`): no pipeline at
+    that path, a flag's option that ``get_service`` does not take or refuses (``ValueError``), the flag named. The
+    pipeline's failure, exit 1 (:class:`PipelineDidNotLoad`): its bug, as the server counts it (a worker that
+    failed, not one that refused its settings): its import or ``get_service()`` raised, or returned no service, a
+    method of the wrong kind, no ``gpu_num``; a module its import needs; a ``ValueError`` with no flag's option
+    given, which refuses the ``gpu_num=0`` every run gives. They all exited 2, a ``KeyError`` in ``get_service``
+    too, while the same ``KeyError`` in ``create_session`` exits 1 as ``pipeline bug: ...``."""
+    from pipelines.loader import OptionsNotAccepted, OptionValuesRefused, PipelineBug, PipelineExited, PipelineFailedToLoad
+
+    if isinstance(exc, PipelineExited):
+        return exc  # said as such: `pipeline 'p.py' called sys.exit(0) ...`
+    if isinstance(exc, PipelineBug):
+        return PipelineDidNotLoad(f"pipeline bug: {exc}")
+    if isinstance(exc, PipelineFailedToLoad):
+        return PipelineDidNotLoad(str(exc))
+    flags = [flag for name, flag in SERVICE_FLAGS.items() if name in given]
+    if isinstance(exc, OptionValuesRefused):
+        if not flags:
+            return PipelineDidNotLoad(f"{exc} (given gpu_num=0 alone, which every chunkline run gives)")
+        return BadInput(f"{', '.join(flags)}: {exc}")
+    if isinstance(exc, OptionsNotAccepted):
+        named = [SERVICE_FLAGS[name] for name in exc.names if name in SERVICE_FLAGS]
+        return BadInput(f"{', '.join(named)}: {exc}" if named else str(exc))
+    return BadInput(str(exc))  # no pipeline there
+
+
 def _run(args: argparse.Namespace) -> int:
     from pipelines.contract import SessionConfig, prompt_problem
     from pipelines.offline import load_timed_controls
@@ -191,25 +228,23 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any) -> int:
-    from pipelines.loader import PipelineExited, PipelineLoadError, load_service
+    from pipelines.loader import PipelineLoadError, load_service
     from pipelines.offline import remove_partial_files, run_offline
 
     from . import run_inputs
     from .run_signals import trio_run_until_signalled
 
     service_options: dict[str, Any] = {"gpu_num": 0}
-    if args.device is not None:
-        service_options["device"] = args.device
-    if args.placement is not None:
-        service_options["placement"] = run_inputs.placement_option(pipeline, args.placement)
-    if args.seed is not None:
-        service_options["seed"] = args.seed
     try:
+        if args.device is not None:
+            service_options["device"] = args.device
+        if args.placement is not None:
+            service_options["placement"] = run_inputs.placement_option(pipeline, args.placement)
+        if args.seed is not None:
+            service_options["seed"] = args.seed
         service = load_service(pipeline, **service_options)
-    except PipelineExited:
-        raise
     except PipelineLoadError as exc:
-        raise BadInput(str(exc)) from exc
+        raise load_failure(exc, service_options) from exc
     if controls is not None and len(controls) and service.kind == "server_push":
         raise BadInput(f"{shown(args.pipeline)} is a server-push pipeline; it takes no --controls")
     run_inputs.check_inputs_taken(service, pipeline=args.pipeline, prompt=args.prompt, image=args.image)
@@ -277,7 +312,8 @@ def run_command(args: argparse.Namespace) -> int:
     except BadInput as exc:
         say(str(exc))
         return 2
-    except (PipelineContractError, PipelineExited, _PipelineExitedDuringRun, ChunkFailed) as exc:  # not input
+    except (PipelineContractError, PipelineExited, _PipelineExitedDuringRun, PipelineDidNotLoad,
+            ChunkFailed) as exc:  # not input
         say(f"the run failed: {exc}")
         return 1
     except ValueError as exc:  # the pipeline refused the request (e.g. an option)

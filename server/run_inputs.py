@@ -147,18 +147,15 @@ def check_placement(placement: str, device: str | None) -> None:
 
 
 def placement_option(pipeline: Path, placement: str) -> str:
-    """The placement, once the pipeline's ``get_service`` is seen to take one (the pipeline validates it)."""
+    """The placement, once the pipeline's ``get_service`` is seen to take one (the pipeline validates it). A module
+    that does not import raises its ``PipelineLoadError``, and one without a ``get_service`` function is left to the
+    load to say so, for the caller to tell as it tells every load failure."""
     import inspect
 
-    from pipelines.loader import PipelineExited, PipelineLoadError, load_pipeline_module
+    from pipelines.loader import load_pipeline_module
 
-    try:
-        factory = getattr(load_pipeline_module(pipeline), "get_service", None)
-    except PipelineExited:
-        raise
-    except PipelineLoadError as exc:
-        raise BadInput(str(exc)) from exc
-    if factory is None or "placement" not in inspect.signature(factory).parameters:
+    factory = getattr(load_pipeline_module(pipeline), "get_service", None)
+    if callable(factory) and "placement" not in inspect.signature(factory).parameters:
         raise BadInput(f"--placement: pipeline {shown(str(pipeline))} takes no placement (get_service has no "
                        f"'placement')")
     return placement

@@ -1,7 +1,7 @@
 """A pipeline author's mistakes in the service contract, as ``chunkline run`` and the startup check tell them.
 
 Each is told with what was wrong and where, at load time where it can be (``running()`` written as a
-plain ``async def``), else when it happens (a chunk that is not a ``Chunk``, frames that are not uint8, chunk
+plain ``async def``: a pipeline bug, exit code 1, as every mistake of the pipeline's is), else when it happens (a chunk that is not a ``Chunk``, frames that are not uint8, chunk
 indexes that skip, a session id that is not a string: a pipeline bug, exit code 1; a teardown hook that fails
 the warm-up session's close after a good chunk).
 """
@@ -71,8 +71,9 @@ def test_a_contract_method_of_the_wrong_kind_is_refused_at_load_naming_it(
         load_service(path)
     assert named in str(refused.value)
     out = tmp_path / "out"
-    assert main(["run", path, "--chunks", "2", "--out", str(out)]) == 2
+    assert main(["run", path, "--chunks", "2", "--out", str(out)]) == 1  # the pipeline's bug, not the user's input
     err = capsys.readouterr().err
+    assert err.startswith(f"chunkline run: the run failed: pipeline bug: Broken in {path!r}: "), err
     assert named in err and "RuntimeWarning" not in err and "never awaited" not in err
     assert not out.exists()
 
