@@ -266,7 +266,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.errorhandler(NoWorker)
     async def no_worker(exc: NoWorker) -> Response:
-        return error(503, "no_worker", str(exc), {"Retry-After": str(max(1, math.ceil(exc.retry_after)))})
+        retry = None if exc.retry_after is None else {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+        return error(503, "no_worker", str(exc), retry)
 
     @app.errorhandler(ViewerLimit)
     async def viewer_limit(exc: ViewerLimit) -> Response:

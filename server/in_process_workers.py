@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from states.restart_policy import Event
 from states.stream_session import DrainCause
 from states.worker import LOADING
 
 from . import runtime_views
-from .model_worker import ModelWorker
+from .model_worker import LoadFailure, ModelWorker
 from .run_signals import exit_now
 from .worker_slots import WorkerSlot
 
@@ -44,6 +45,7 @@ class InProcessWorkers:
         self.service_loader = service_loader
         self.delete_wait = delete_wait
         self._told_untaken = False  # the line about settings the pipeline does not take is said once a server
+        self._told_load_failure: LoadFailure | None = None  # the last failed load whose traceback was logged
 
     def start(self) -> None:
         """One worker per configured GPU group (or ``num_workers`` with no devices)."""
@@ -73,6 +75,7 @@ class InProcessWorkers:
             offered={"control_idle_timeout": settings.control_idle_timeout, "fps": settings.default_fps,
                      "served": True, "assets_dir": settings.assets_dir},
             validate=not settings.skip_validation,
+            new_load_failure=self._new_load_failure,
             **options,
         )
         forgotten = runtime.slots.fill(slot, worker)
@@ -83,7 +86,16 @@ class InProcessWorkers:
         runtime.spawn(worker.run)
         return worker
 
+    def _new_load_failure(self, failure: LoadFailure) -> bool:
+        """Whether no worker's load failed this way just before (its traceback is logged once, not per retry or
+        slot)."""
+        new, self._told_load_failure = failure != self._told_load_failure, failure
+        return new
+
     def _ready(self, worker: ModelWorker, capacity: int, plan: Any) -> None:
+        slot = self.runtime.slots.holding(worker)
+        if slot is not None:
+            slot.tracker.loaded()  # its slot's later failures are crashes, retried with backoff
         self._tell_untaken_settings(worker)
         self.runtime.worker_ready(worker, capacity, plan)
 
@@ -117,13 +129,17 @@ class InProcessWorkers:
             exit_now(128 + number, "a worker still loads its pipeline (nothing of it to drain)", abandon, logger)
 
     def failed(self, worker: ModelWorker, reason: str, now: float, *, permanent: bool = False) -> bool:
-        """A worker failed: its slot backs off and restarts it; False when the slot gave up (a crash loop, or at
-        once when the worker refused its configuration: ``permanent``)."""
+        """A worker failed: its slot backs off and restarts it; False when the slot gave up (a crash loop, at once
+        when the worker refused its configuration: ``permanent``, or when no worker of the slot ever loaded and this
+        load failed as the last one did)."""
         slot = self.runtime.slots.holding(worker)
         if slot is None:
             return True
-        decision = slot.tracker.failure(now, reason, permanent=permanent)
-        (log.error if decision.delay is None else log.warning)("worker slot %s: %s", slot.name, decision.reason)
+        decision = slot.tracker.failure(now, reason, permanent=permanent, load_failure=worker.load_failure)
+        if decision.event is Event.LOAD_REPEATED:  # one line that says it all: which pipeline, why, and what now
+            log.error("worker slot %s, pipeline %r: %s", slot.name, self.runtime.settings.pipeline, decision.reason)
+        else:
+            (log.error if decision.delay is None else log.warning)("worker slot %s: %s", slot.name, decision.reason)
         if decision.delay is None:
             return False
         self.runtime.spawn(self.restart_when_due, slot)

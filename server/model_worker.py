@@ -15,6 +15,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import attrs
 import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
@@ -24,10 +25,11 @@ from pipelines.offline_calls import telling_error
 from pipelines.validation import PipelineValidationError, validate_service
 
 from .process_service import ProcessService, start_process_service
+from .process_service.errors import ProcessServiceStartError
 from .reasons import public_reason
 from .requests import OptionsRefused
 
-__all__ = ["ModelWorker", "ModelWorkerError", "ServiceEnded"]
+__all__ = ["LoadFailure", "ModelWorker", "ModelWorkerError", "ServiceEnded"]
 
 log = logging.getLogger("chunkline.worker")
 
@@ -58,6 +60,25 @@ class LoadTimedOut(ModelWorkerError):
     """An in-process load passed :data:`LOAD_TIMEOUT` (its thread, if stuck in one, is left to it)."""
 
 
+@attrs.frozen
+class LoadFailure:
+    """How a worker's load failed, before it ever took a session: the error's kind and its words. Two loads of one
+    pipeline that fail alike (its module raises on import, its ``get_service()`` raises) say the next one would too."""
+
+    kind: str
+    words: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> LoadFailure | None:
+        """How ``exc`` failed the load; None when that says nothing of the next load (it timed out, a child could
+        not be spawned). A process worker's child is known by its own error, not the message naming its service."""
+        if isinstance(exc, LoadTimedOut):
+            return None
+        if isinstance(exc, ProcessServiceStartError):
+            return None if exc.child_error is None else cls("child process", exc.child_error)
+        return cls(f"{type(exc).__module__}.{type(exc).__qualname__}", public_reason(exc))
+
+
 class ServiceEnded(RuntimeError):
     """The service left its ``running()`` block without being asked to: the worker failed."""
 
@@ -83,12 +104,15 @@ class ModelWorker:
         placement: str | None = None,
         offered: dict[str, Any] | None = None,
         validate: bool = False,
+        new_load_failure: Callable[[LoadFailure], bool] | None = None,
     ) -> None:
         """``gpu_ids``: this worker's device group: in a child process they become its
         ``CUDA_VISIBLE_DEVICES`` (and the service sees them as 0..n-1); in-process the
         service gets them as ``gpu_ids``. ``gpu_num`` is the group's size. ``offered``:
         server settings handed to a pipeline that names them (``control_idle_timeout``). ``validate``:
-        run the startup check (one warm-up chunk, :mod:`pipelines.validation`) before taking sessions."""
+        run the startup check (one warm-up chunk, :mod:`pipelines.validation`) before taking sessions.
+        ``new_load_failure``: whether a failed load is the first of its kind the server has seen; only that one's
+        traceback is logged (each slot's retries, and every slot, meet the same one). None: every one is new."""
         if service_loader is None:  # "process": the service runs in a child process behind a proxy
             service_loader = start_process_service if worker_mode == "process" else load_service
         self.worker_id = worker_id
@@ -111,6 +135,10 @@ class ModelWorker:
         self.service: Service | None = None
         self.plan: CapacityPlan | None = None
         self.failure: str | None = None
+        #: how its load failed, when it failed before it was ever ready (None for a load past its deadline, which
+        #: says nothing of the next load); its slot gives up when its replacement's load fails the same way
+        self.load_failure: LoadFailure | None = None
+        self._new_load_failure = new_load_failure
         #: set once the worker failed (``failure`` says why); runners ending meanwhile wait for it
         self.failed = trio.Event()
         #: the startup check's outcome, for metadata: None until it ran, then passed (with the chunk's
@@ -220,6 +248,7 @@ class ModelWorker:
         if self.failed.is_set():  # a load given up on that ended later, its way out reported already
             log.info("worker %s, after its failure: %s", self.worker_id, public_reason(exc))
             return
+        loading = not self._loaded.is_set()  # it never became ready: its load (or startup check) failed
         self._loaded.set()
         # several errors at once (a nursery of the pipeline's own in running()): the one that says why, or each named;
         # health read only "ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)"
@@ -228,10 +257,22 @@ class ModelWorker:
         self.failure = reason
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
         explained = refused or isinstance(exc, WorkerFault)  # and so does a fault a runner saw
-        log.error("worker %s failed: %s", self.worker_id, reason, exc_info=None if explained else exc)
+        if loading:
+            self.load_failure = LoadFailure.of(exc)
+        if self.load_failure is not None and not self._is_new(self.load_failure):
+            # told already, traceback and all: its slot's line says what comes of it
+            log.debug("worker %s could not load the pipeline %r (as before): %s", self.worker_id, self.pipeline, reason)
+        elif loading:
+            log.error("worker %s could not load the pipeline %r: %s", self.worker_id, self.pipeline, reason,
+                      exc_info=None if explained else exc)
+        else:
+            log.error("worker %s failed: %s", self.worker_id, reason, exc_info=None if explained else exc)
         # a replacement would refuse these settings, or be refused them, the same way: not restarted
         self._on_failed(self, reason, permanent=refused)
         self.failed.set()
+
+    def _is_new(self, failure: LoadFailure) -> bool:
+        return self._new_load_failure is None or self._new_load_failure(failure)
 
     async def _serve(self) -> None:
         loader = partial(self._load, self.pipeline, gpu_num=len(self.gpu_ids), offered=self._offered, **self._options)

@@ -133,25 +133,44 @@ SCHEMAS: dict[str, Any] = {
     },
     "Health": {
         "type": "object",
-        "required": ["status", "transport", "workers_total", "workers_idle", "workers_busy", "workers_failed",
-                     "queued_sessions"],
+        "required": ["status", "transport", "workers_total", "workers_idle", "workers_busy", "workers_starting",
+                     "workers_draining", "workers_failed", "workers_stopped", "queued_sessions"],
         "properties": {
             "status": {"type": "string", "enum": ["healthy", "degraded", "unhealthy"]},
             "transport": {"type": "string"},
             "transport_connected": {"type": "boolean"},
             "livekit_connected": {"type": "boolean", "description": "the seed's name: an alias of transport_connected"},
-            "workers_total": {"type": "integer"},
+            "workers_total": {"type": "integer", "description": "one per worker place (an in-process slot's current "
+                              "worker, or an agent), never a failed worker its slot replaced: workers_starting + "
+                              "workers_idle + workers_busy + workers_draining + workers_failed + workers_stopped"},
             "workers_idle": {"type": "integer"},
             "workers_busy": {"type": "integer"},
-            "workers_starting": {"type": "integer"},
-            "workers_failed": {"type": "integer"},
+            "workers_starting": {"type": "integer", "description": "loading the pipeline"},
+            "workers_draining": {"type": "integer"},
+            "workers_failed": {"type": "integer", "description": "current workers that failed (a slot backing off "
+                               "before its restart, or one that gave up)"},
+            "workers_stopped": {"type": "integer", "description": "drained on purpose"},
             "queued_sessions": {"type": "integer"},
             "retained_sessions": {"type": "integer"},
             "free_slots": {"type": "integer"},
             "worker_restarts": {"type": "integer"},
-            "worker_slots": {"type": "object"},
-            "workers": {"type": "array", "items": {"type": "object", "required": ["worker_id", "state", "capacity",
-                                                                                  "retained", "launcher"]}},
+            "worker_slots": {"type": "object", "description": "per slot: worker_id (its current worker), restarts, "
+                             "state (running, backing_off, gave_up, stopped), reason (why it is not running, else "
+                             "null) and, for an in-process slot, replaced (the failed worker it replaced last: "
+                             "worker_id and failure, else null)",
+                             "additionalProperties": {
+                                 "type": "object", "required": ["worker_id", "restarts", "state", "reason"],
+                                 "properties": {"worker_id": NULLABLE_STR, "restarts": {"type": "integer"},
+                                                "state": {"type": "string",
+                                                          "enum": ["running", "backing_off", "gave_up", "stopped"]},
+                                                "reason": NULLABLE_STR,
+                                                "replaced": {"type": ["object", "null"],
+                                                             "required": ["worker_id", "failure"],
+                                                             "properties": {"worker_id": {"type": "string"},
+                                                                            "failure": NULLABLE_STR}}}}},
+            "workers": {"type": "array", "description": "the workers counted in workers_total",
+                        "items": {"type": "object", "required": ["worker_id", "state", "capacity", "retained",
+                                                                 "launcher"]}},
         },
     },
     "ServiceHealth": {"allOf": [_ref("Health"), {"type": "object", "required": ["ready", "service_type"],
@@ -166,7 +185,7 @@ SCHEMAS: dict[str, Any] = {
             "health": {"type": "string", "enum": ["healthy", "degraded", "unhealthy"]},
             "service_type": {"type": "string"},
             "transport": {"type": "string"},
-            "workers_total": {"type": "integer"},
+            "workers_total": {"type": "integer", "description": "as in Health"},
             "queued_sessions": {"type": "integer"},
         },
     },
@@ -243,7 +262,8 @@ def openapi_document() -> dict[str, Any]:
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     "503": {**_error("no worker is running or starting, or none is ready to check the "
                                      "options or to say whether the pipeline takes the prompt or image given (the "
-                                     "reason and when one may be back), or the LiveKit server did not "
+                                     "reason and when one may be back in Retry-After, left out when none will: every "
+                                     "worker slot gave up or was drained), or the LiveKit server did not "
                                      "make the session's room (transport_unavailable)"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     **COMMON_ERRORS,

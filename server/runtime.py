@@ -312,10 +312,9 @@ class StreamRuntime:
             now = trio.current_time()
             reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slots.status(now).items() if why["reason"])
             retry = self.slots.retry_after(now)
-            raise NoWorker(
-                "no worker is running or starting" + (f" ({reasons})" if reasons else ""),
-                NO_WORKER_RETRY_AFTER if retry is None else retry,
-            )
+            if retry is None and self.cluster is not None:
+                retry = NO_WORKER_RETRY_AFTER  # an agent may join
+            raise NoWorker("no worker is running or starting" + (f" ({reasons})" if reasons else ""), retry)
         session_id, room = named
         now = trio.current_time()
         wall = time.time()

@@ -14,9 +14,11 @@ class SessionConflict(RuntimeError):
 
 
 class NoWorker(RuntimeError):
-    """No worker is running or starting: a new session would wait for nothing (HTTP 503)."""
+    """No worker is running or starting: a new session would wait for nothing (HTTP 503). ``retry_after`` None:
+    none ever will (every slot gave up or was drained, and no agent can join), so no Retry-After is sent: it asked
+    clients to retry every 10 s for ever against a server that had said it would not restart its worker."""
 
-    def __init__(self, message: str, retry_after: float) -> None:
+    def __init__(self, message: str, retry_after: float | None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 

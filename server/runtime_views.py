@@ -17,14 +17,36 @@ from pipelines.contract import SESSION_INPUTS, BidirectionalService
 from states.stream_session import LIVE_MEDIA
 from states.worker import ELIGIBLE as ELIGIBLE_WORKERS
 from states.worker import TERMINAL as WORKER_TERMINAL
+from states.worker import State as WorkerState
 
 from .cluster.wire_values import SESSION_SETTINGS
+from .model_worker import ModelWorker
 
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["control_idle_timeout_in_force", "health", "metadata", "publish_gauges", "session_inputs_taken",
-           "worker_views"]
+__all__ = ["control_idle_timeout_in_force", "current_worker_views", "health", "metadata", "publish_gauges",
+           "session_inputs_taken", "worker_counts", "worker_views"]
+
+
+def current_worker_views(runtime: StreamRuntime) -> list[Any]:
+    """The book's views of the workers that fill a place now: each in-process slot's current worker and every
+    agent. A failed worker its slot has replaced is history (its failure stays in metadata's ``worker_failures``):
+    counted, it made ``workers_total`` grow with each restart, one slot showing as two workers, then three."""
+    def current(worker_id: str) -> bool:
+        worker = runtime.workers.get(worker_id)
+        return not isinstance(worker, ModelWorker) or runtime.slots.holding(worker) is not None
+
+    return [view for view in runtime.book.workers() if current(view.worker_id)]
+
+
+def worker_counts(runtime: StreamRuntime) -> dict[str, int]:
+    """The current workers by state; ``total`` is their sum (starting + idle + busy + draining + failed +
+    stopped)."""
+    counts = dict.fromkeys((state.value for state in WorkerState), 0)
+    for view in current_worker_views(runtime):
+        counts[view.state.value] += 1
+    return {"total": sum(counts.values()), **counts}
 
 
 def publish_gauges(runtime: StreamRuntime) -> None:
@@ -33,14 +55,8 @@ def publish_gauges(runtime: StreamRuntime) -> None:
     metrics = runtime.metrics
     metrics.set_sessions(runtime.registry.counts())
     metrics.set_queue_depth(snapshot.queued)
-    metrics.set_workers(
-        {
-            "idle": snapshot.workers_idle,
-            "busy": snapshot.workers_busy,
-            "failed": snapshot.workers_failed,
-            "starting": snapshot.workers_starting,
-        }
-    )
+    counts = worker_counts(runtime)  # as health counts them: a replaced worker is not counted failed
+    metrics.set_workers({state: counts[state] for state in ("idle", "busy", "failed", "starting")})
     metrics.set_capacity(sum(w.capacity for w in runtime.book.workers() if w.state in ELIGIBLE_WORKERS))
 
 
@@ -48,7 +64,8 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
     """``GET /v1/service/health``: healthy, degraded or unhealthy, with the counts behind it."""
     book = runtime.book
     snapshot = book.snapshot()
-    live = snapshot.workers_total - snapshot.workers_failed - snapshot.workers_stopped
+    counts = worker_counts(runtime)
+    live = counts["total"] - counts["failed"] - counts["stopped"]
     # the seed's definition, made true: a runner whose worker is in its room with media (the state alone counted a
     # session draining whose worker never joined, and an agent that never joined its room)
     connected = any(r.record.status in LIVE_MEDIA and r.in_room_with_media for r in runtime.runners.values())
@@ -66,10 +83,10 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
         f"{cluster.launcher_name}-{s['slot']}": {key: s[key] for key in ("worker_id", "restarts", "state", "reason")}
         for s in launched
     }
-    short = cluster is not None and snapshot.workers_idle + snapshot.workers_busy < cluster.expected
+    short = cluster is not None and counts["idle"] + counts["busy"] < cluster.expected
     if live == 0:
         status = "unhealthy"
-    elif failed_now or snapshot.workers_starting or short:
+    elif failed_now or counts["starting"] or short:
         status = "degraded"
     else:
         status = "healthy"
@@ -78,11 +95,9 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
         "transport": runtime.transport.name,
         "transport_connected": connected,
         "livekit_connected": connected,  # the seed's name, kept as an alias of transport_connected
-        "workers_total": snapshot.workers_total,
-        "workers_idle": snapshot.workers_idle,
-        "workers_busy": snapshot.workers_busy,
-        "workers_starting": snapshot.workers_starting,
-        "workers_failed": snapshot.workers_failed,
+        # one per worker place (slot or agent), never a replaced worker: total = starting + idle + busy +
+        # draining + failed + stopped
+        **{f"workers_{name}": count for name, count in counts.items()},
         "queued_sessions": snapshot.queued,
         "worker_restarts": runtime.slots.restarts + sum(s["restarts"] for s in launched),
         "worker_slots": {**runtime.slots.status(now), **launched_slots},
@@ -93,10 +108,11 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
 
 
 def worker_views(runtime: StreamRuntime) -> list[dict[str, Any]]:
-    """One entry per worker: id, node, devices, state, capacity, retained, heartbeat age, launcher."""
+    """One entry per current worker (the ones health counts): id, node, devices, state, capacity, retained,
+    heartbeat age, launcher."""
     now = trio.current_time()
     out = []
-    for view in runtime.book.workers():
+    for view in current_worker_views(runtime):
         worker = runtime.workers.get(view.worker_id)
         entry: dict[str, Any] = {
             "worker_id": view.worker_id,

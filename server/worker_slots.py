@@ -83,13 +83,16 @@ class WorkerSlots:
         return min(waits, default=None)
 
     def status(self, now: float) -> dict[str, dict[str, Any]]:
-        """Per slot: the current worker, its restarts and, when not running, why."""
+        """Per slot: the current worker, its restarts, when not running why, and the failed worker it replaced (not
+        counted among health's workers: the slot's place is its current worker's)."""
         return {
             slot.name: {
                 "worker_id": None if slot.worker is None else slot.worker.worker_id,
                 "restarts": slot.tracker.restarts,
                 "state": slot.tracker.state.value,
                 "reason": slot.tracker.describe(now),
+                "replaced": None if slot.replaced is None else {"worker_id": slot.replaced.worker_id,
+                                                                 "failure": slot.replaced.failure},
             }
             for slot in self
         }

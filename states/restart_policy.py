@@ -12,7 +12,12 @@ worker that ran well for a while starts again from ``base_delay``). One failure
 more than ``max_failures`` inside the window is a crash loop: GAVE_UP, terminal,
 the slot stays failed and :meth:`RestartTracker.describe` says why. A failure
 that says the worker refused its configuration (``permanent``) gives up at once:
-every replacement would refuse it the same way. RESTARTED
+every replacement would refuse it the same way. So does a load that fails the way
+the slot's last load failed while no worker of the slot has ever loaded
+(LOAD_REPEATED): a pipeline that raises as it is imported or built fails every
+load alike, and five retries with a traceback each told nothing the first did not;
+a worker that loaded once and then failed is a crash, retried with backoff as
+above. RESTARTED
 (the replacement was started) returns to RUNNING; STOP (the server stops)
 ends either live state in STOPPED.
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Hashable
 
 import attrs
 
@@ -48,6 +54,7 @@ class Event(TableEnum):
     FAILED = "failed"  # the worker failed; a replacement is allowed after the backoff
     CRASH_LOOP = "crash_loop"  # the worker failed once too often inside the window
     REFUSED = "refused"  # the worker refused its configuration: a replacement would refuse it the same way
+    LOAD_REPEATED = "load_repeated"  # a load failed as the last one did, and no worker of the slot ever loaded
     RESTARTED = "restarted"  # the replacement was started
     STOP = "stop"  # the server stops: no more restarts
 
@@ -56,6 +63,7 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.RUNNING, Event.FAILED): State.BACKING_OFF,
     (State.RUNNING, Event.CRASH_LOOP): State.GAVE_UP,
     (State.RUNNING, Event.REFUSED): State.GAVE_UP,
+    (State.RUNNING, Event.LOAD_REPEATED): State.GAVE_UP,
     (State.RUNNING, Event.STOP): State.STOPPED,
     (State.BACKING_OFF, Event.RESTARTED): State.RUNNING,
     (State.BACKING_OFF, Event.STOP): State.STOPPED,
@@ -121,7 +129,8 @@ class Decision:
 class RestartTracker:
     """One worker slot: its failures inside the window, its restart machine, its restart count."""
 
-    __slots__ = ("policy", "machine", "restarts", "due_at", "last_cause", "refusal", "_failures")
+    __slots__ = ("policy", "machine", "restarts", "due_at", "last_cause", "refusal", "ever_loaded", "last_load_failure",
+                 "_failures")
 
     def __init__(self, policy: RestartPolicy | None = None) -> None:
         self.policy = policy or RestartPolicy()
@@ -129,7 +138,9 @@ class RestartTracker:
         self.restarts = 0
         self.due_at: float | None = None
         self.last_cause: str | None = None
-        self.refusal: str | None = None  # why it gave up at once: the worker refused its configuration
+        self.refusal: str | None = None  # why it gave up at once: refused its configuration, or a load failed again
+        self.ever_loaded = False  # a worker of this slot has loaded its pipeline (then a failure is a crash)
+        self.last_load_failure: Hashable | None = None  # how the slot's last failed load failed (its kind and words)
         self._failures: deque[float] = deque()
 
     @property
@@ -145,23 +156,38 @@ class RestartTracker:
         while self._failures and now - self._failures[0] >= self.policy.window:
             self._failures.popleft()
 
-    def failure(self, now: float, cause: str, *, permanent: bool = False) -> Decision:
-        """The running worker failed with ``cause``: back off, or give up on a crash loop or when ``permanent``
-        (the worker refused its configuration: a replacement would too)."""
+    def loaded(self) -> None:
+        """A worker of this slot loaded its pipeline: from now on a failure is a crash, never a load that repeats."""
+        self.ever_loaded = True
+
+    def failure(self, now: float, cause: str, *, permanent: bool = False, load_failure: Hashable | None = None
+                ) -> Decision:
+        """The running worker failed with ``cause``: back off, or give up on a crash loop, when ``permanent`` (the
+        worker refused its configuration: a replacement would too), or when ``load_failure`` (how its load failed;
+        None for a worker that had loaded, or a failure that says nothing of the next load, such as a timeout)
+        equals the slot's last one and no worker of the slot has ever loaded."""
         event = Event.FAILED
         self._forget(now)
         failures = len(self._failures) + 1
+        repeated = load_failure is not None and not self.ever_loaded and load_failure == self.last_load_failure
         if permanent:
             event = Event.REFUSED
+        elif repeated:
+            event = Event.LOAD_REPEATED
         elif failures > self.policy.max_failures:
             event = Event.CRASH_LOOP
         self.machine.apply(event)  # raises IllegalTransition (changing nothing) unless RUNNING
         self._failures.append(now)
         self.last_cause = cause
+        self.last_load_failure = load_failure
         window = f"{self.policy.window:g} s"
         if event is Event.REFUSED:
             self.due_at = None
             self.refusal = f"refused its configuration; not restarted ({cause})"
+            return Decision(event, failures, None, None, self.refusal)
+        if event is Event.LOAD_REPEATED:
+            self.due_at = None
+            self.refusal = f"the pipeline never loaded: it failed the same way twice in a row ({cause}); not restarted"
             return Decision(event, failures, None, None, self.refusal)
         if event is Event.CRASH_LOOP:
             self.due_at = None

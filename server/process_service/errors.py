@@ -18,7 +18,15 @@ class ProcessServiceError(RuntimeError):
 
 
 class ProcessServiceStartError(ProcessServiceError):
-    """The child could not load the pipeline (with its traceback), exited, or was not ready in time."""
+    """The child could not load the pipeline (with its traceback), exited, or was not ready in time.
+
+    ``child_error``: how the child failed in words that do not name this service or its process (the pipeline's own
+    error line, or the exit code), so that two children failing alike can be told apart from two that did not; None
+    when the failure says nothing of the next child (a timeout, a spawn that failed)."""
+
+    def __init__(self, message: str, *, child_error: str | None = None) -> None:
+        super().__init__(message)
+        self.child_error = child_error
 
 
 class ProcessServiceOptionsRefused(ProcessServiceStartError, OptionsNotAccepted):

@@ -93,13 +93,15 @@ class ServiceLink:
             last = cause.traceback_text.strip().splitlines()[-1:] or ["(no traceback)"]
             return error(  # the cause in the first line: health and the log's summary show that line alone
                 f"{self.name}: loading {self.pipeline!r} in the child process failed: {last[0]}\n"
-                f"--- child traceback ---\n{cause.traceback_text}"
+                f"--- child traceback ---\n{cause.traceback_text}",
+                child_error=last[0],
             )
         if failure.problem == StartupProblem.TIMED_OUT:
             return ProcessServiceStartError(f"{self.name}: loading {self.pipeline!r} did not finish within {timeout:g}s")
         if failure.problem == StartupProblem.EXITED:
             return ProcessServiceStartError(
-                f"{self.name}: the child process (pid {failure.pid}) exited during startup with code {failure.exitcode}"
+                f"{self.name}: the child process (pid {failure.pid}) exited during startup with code {failure.exitcode}",
+                child_error=f"the child process exited during startup with code {failure.exitcode}",
             )
         if failure.problem == StartupProblem.SPAWN_FAILED:
             return ProcessServiceStartError(f"{self.name}: could not start the child process: {cause!r}")

@@ -187,7 +187,8 @@ class ProcessService:
                     self._life.apply(Event.RUN_FAILED)
                     raise ProcessServiceStartError(
                         f"{self.name}: the service's running() failed in the child process:\n"
-                        f"--- child traceback ---\n{self._run_error}"
+                        f"--- child traceback ---\n{self._run_error}",
+                        child_error=(self._run_error.strip().splitlines()[-1:] or ["running() failed"])[0],
                     )
                 self._life.apply(Event.ENTERED)
                 yield self

@@ -30,7 +30,7 @@ async def test_a_drained_worker_takes_no_new_session_and_its_live_one_ends_close
         status, health, _ = await s.json("get", "/v1/stream/health")
         assert health["worker_slots"]["worker-0"] == {  # the slot says what happened, not "running"
             "worker_id": "worker-0", "restarts": 0, "state": "stopped",
-            "reason": "stopped on purpose (drained, or the server is stopping); not restarted"}, health
+            "reason": "stopped on purpose (drained, or the server is stopping); not restarted", "replaced": None}, health
 
         status, again, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 0.2})
         assert (status, again["state"]) == (202, "stopped")  # nothing left to drain: answered, changes nothing

@@ -80,6 +80,37 @@ def test_a_refused_configuration_gives_up_at_once_whatever_failed_before() -> No
         tracker.failure(7.0, "again", permanent=True)
 
 
+def test_a_load_that_fails_as_the_last_one_did_gives_up_while_no_worker_ever_loaded() -> None:
+    """A pipeline that raises as it is imported or built fails every load alike: the second such failure ends the
+    restarts (it was retried up to the crash-loop limit, about 30 s of backoff, saying the same each time)."""
+    tracker = RestartTracker(POLICY)
+    first = tracker.failure(0.0, "ImportError: no module named 'torchh'", load_failure=("ImportError", "torchh"))
+    assert first.event is Event.FAILED
+    tracker.restarted(first.due_at)  # type: ignore[arg-type]
+    again = tracker.failure(1.5, "ImportError: no module named 'torchh'", load_failure=("ImportError", "torchh"))
+    assert (again.event, again.delay, again.due_at) == (Event.LOAD_REPEATED, None, None)
+    assert tracker.state is State.GAVE_UP and tracker.retry_after(2.0) is None and tracker.restarts == 1
+    assert tracker.describe(2.0) == ("the pipeline never loaded: it failed the same way twice in a row "
+                                     "(ImportError: no module named 'torchh'); not restarted")
+
+
+@pytest.mark.parametrize(("loaded", "second"), [
+    (True, ("OSError", "disk")),  # a worker of the slot loaded once: a failure now is a crash, retried
+    (False, ("OSError", "network")),  # a load that failed otherwise than the last one may be a passing fault
+    (False, None),  # a failure that says nothing of the next load (it timed out)
+])
+def test_a_load_failure_is_retried_when_a_worker_loaded_before_or_it_failed_otherwise(
+    loaded: bool, second: tuple[str, str] | None,
+) -> None:
+    tracker = RestartTracker(POLICY)
+    if loaded:
+        tracker.loaded()
+    tracker.restarted(tracker.failure(0.0, "OSError", load_failure=("OSError", "disk")).due_at)  # type: ignore[arg-type]
+    decision = tracker.failure(5.0, "OSError", load_failure=second)
+    assert (decision.event, decision.delay) == (Event.FAILED, 2.0)
+    assert tracker.state is State.BACKING_OFF
+
+
 def test_failures_older_than_the_window_are_forgotten() -> None:
     tracker = RestartTracker(POLICY)
     for at in (0.0, 10.0, 20.0):
