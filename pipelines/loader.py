@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .contract import BidirectionalService, ServerPushService, Service
+from .error_text import error_line, error_words
 
 __all__ = [
     "FILE_MODULE_PREFIX", "GpuNumNotTaken", "NotAPipeline", "OptionValuesRefused", "OptionsNotAccepted", "PipelineBug",
@@ -147,18 +148,9 @@ def _import_failed(path: str | Path, target: Path, exc: Exception) -> PipelineFa
         told += (f"; {beside[0].partition('/')[0]} beside it is not on the import path: chunkline imports the "
                  f"pipeline alone, not its folder: add an __init__.py to the folder and import it relatively "
                  f"('from . import {missing}')")
+    elif "no known parent package" in str(exc) and not (target.parent / "__init__.py").is_file():
+        told += "; its folder has no __init__.py: add one, and the pipeline is imported as part of that package"
     return PipelineFailedToLoad(told)
-
-
-def error_words(exc: BaseException) -> str:
-    """What ``exc`` says, on one line: a message of several lines broke the one line a failure is told in."""
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-
-
-def error_line(exc: BaseException) -> str:
-    """``KeyError: 'x'``, or ``RuntimeError`` for one without words (it read ``raised RuntimeError: ``)."""
-    said = error_words(exc)
-    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
 def _chunkline_folders() -> list[Path]:

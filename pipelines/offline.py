@@ -54,6 +54,7 @@ from .contract import (
     checked_session_id,
     checked_stream,
 )
+from .error_text import error_line
 from .mp4 import Mp4Writer
 from .offline_calls import PipelineCallError, RunDeadlines, call_within, close_within, running_within, telling_error
 from .offline_metrics import CLOCK_TOLERANCE, METRICS_NAME, VIDEO_NAME, Recorder
@@ -152,7 +153,7 @@ class _Run:
         except PipelineContractError:
             raise
         except Exception as exc:
-            raise ChunkFailed(f"the pipeline failed making chunk {index}: {type(exc).__name__}: {exc}") from exc
+            raise ChunkFailed(f"the pipeline failed making chunk {index}: {error_line(exc)}") from exc
 
     async def close(self, call: str, function: Callable[[], Any]) -> None:
         """A bounded close; one cut at its deadline is a warning, the run's output kept."""

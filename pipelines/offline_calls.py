@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from .contract import BidirectionalService, PipelineContractError, ServerPushService
+from .error_text import error_line
 
 __all__ = ["PipelineCallError", "RunDeadlines", "call_within", "close_within", "running_within",
            "single_leaf", "telling_error"]
@@ -63,7 +64,7 @@ class PipelineCallError(PipelineContractError):
     @classmethod
     def raised(cls, call: str, exc: BaseException) -> PipelineCallError:
         leaf = single_leaf(exc)
-        return cls(call, f"raised {type(leaf).__name__}: {leaf}")
+        return cls(call, f"raised {error_line(leaf)}")
 
     @classmethod
     def late(cls, call: str, seconds: float) -> PipelineCallError:
@@ -93,7 +94,7 @@ def telling_error(exc: BaseException, own: tuple[type[BaseException], ...]) -> B
     for leaf in leaves:
         if isinstance(leaf, own):
             return leaf
-    named = "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in leaves[:3])
+    named = "; ".join(error_line(leaf) for leaf in leaves[:3])
     more = f"; and {len(leaves) - 3} more" if len(leaves) > 3 else ""
     return PipelineContractError(f"the pipeline raised {len(leaves)} errors at once: {named}{more}")
 

@@ -47,8 +47,10 @@ def run_deadlines() -> RunDeadlines:
 
 def say(line: str) -> None:
     """One line on stderr, never an error: a closed terminal (SIGHUP) fails every write with EIO, and the
-    exit code must still say how the run ended (:func:`server.console.tell`)."""
-    tell(f"{PREFIX}: {line}")
+    exit code must still say how the run ended (:func:`server.console.tell`). A pipeline's message of several lines
+    is joined into it (its lines after the first read as lines of their own, with no ``chunkline run:``)."""
+    joined = " ".join(part.strip() for part in line.splitlines() if part.strip())
+    tell(f"{PREFIX}: {joined}")
 
 
 class ProgressBar:
@@ -302,6 +304,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Run it; every way it ends is one line on stderr and an exit code (0 done, 1 the run or the pipeline failed,
     2 bad input, 128 + the signal that stopped it)."""
     from pipelines.contract import PipelineContractError
+    from pipelines.error_text import error_line
     from pipelines.loader import PipelineExited
     from pipelines.offline import ChunkFailed
 
@@ -326,5 +329,5 @@ def run_command(args: argparse.Namespace) -> int:
         say(f"{describe(stopped.signal_number)}; {_nothing_written(args.out)}")
         return 128 + stopped.signal_number
     except Exception as exc:
-        say(f"the run failed: {type(exc).__name__}: {exc}")
+        say(f"the run failed: {error_line(exc)}")
         return 1

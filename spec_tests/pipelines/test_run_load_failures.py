@@ -137,3 +137,13 @@ def test_a_placement_for_a_pipeline_whose_import_fails_is_the_pipeline_s_bug(tmp
     code, line = run(path, "--placement", "{}")
     assert (code, line) == (1, f"chunkline run: the run failed: pipeline bug: importing pipeline file {str(path)!r} "
                                f"failed: KeyError: 'size' (at p.py, line 2)")
+
+
+def test_a_relative_import_in_a_file_outside_a_package_is_told_to_add_an_init(tmp_path: Path) -> None:
+    write(tmp_path, "helper.py", "SIZE = 3\n")
+    path = write(tmp_path, "p.py", "from .helper import SIZE\n")
+    code, line = run(path)
+    assert (code, line) == (1, f"chunkline run: the run failed: importing pipeline file {str(path)!r} failed: "
+                               f"ImportError: attempted relative import with no known parent package (at p.py, line "
+                               f"1); its folder has no __init__.py: add one, and the pipeline is imported as part of "
+                               f"that package")
