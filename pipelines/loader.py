@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import re
 import sys
 import traceback
 import weakref
@@ -227,7 +228,7 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     if not hasattr(module, "get_service"):
         close = difflib.get_close_matches("get_service", [name for name in vars(module) if not name.startswith("__")],
                                           n=1, cutoff=0.75)
-        hint = f" (it defines {close[0]!r})" if close else ""
+        hint = f" (it defines {close[0]!r})" if close else _defined_in_package(Path(path))
         raise NotAPipeline(f"pipeline file {str(path)!r} defines no get_service() function{hint}")
     factory = module.get_service
     if not callable(factory):
@@ -272,6 +273,21 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
         raise PipelineBug(f"{type(service).__name__} in {str(path)!r}: {problem}")
     record_offered_taken(service, frozenset(offered or {}) & named)
     return service
+
+
+def _defined_in_package(folder: Path) -> str:
+    """For a package folder whose ``__init__.py`` has no ``get_service``: the module of it that defines one, said as
+    the pipeline to give (the folder was said to define none, and nothing more)."""
+    if not folder.is_dir():
+        return ""
+    for module in sorted(folder.glob("*.py")):
+        try:
+            if re.search(r"^def get_service\(", module.read_text(errors="replace"), re.MULTILINE):
+                return (f" (its {module.name} defines one: give {str(module)!r} as the pipeline, or import get_service "
+                        f"in its __init__.py)")
+        except OSError:
+            continue
+    return ""
 
 
 _STREAMS = {"bidirectional": "chunks", "server_push": "stream"}

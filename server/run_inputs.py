@@ -46,7 +46,10 @@ def pipeline_path(text: str) -> Path:
     try:
         info = os.stat(path)
     except OSError as exc:
-        raise BadInput(f"pipeline {shown(text)} {lookup_problem(path, exc)}") from None
+        problem = lookup_problem(path, exc)
+        if problem == NO_SUCH_FILE and path.name and path.with_name(f"{path.name}.py").is_file():
+            problem += f"; {shown(path.name + '.py')} does: give the file's whole name"  # as a module's name
+        raise BadInput(f"pipeline {shown(text)} {problem}") from None
     if stat.S_ISDIR(info.st_mode):
         if not (path / "__init__.py").is_file():
             raise BadInput(f"pipeline {shown(text)} is a directory without an __init__.py, not a pipeline package")

@@ -147,3 +147,19 @@ def test_a_relative_import_in_a_file_outside_a_package_is_told_to_add_an_init(tm
                                f"ImportError: attempted relative import with no known parent package (at p.py, line "
                                f"1); its folder has no __init__.py: add one, and the pipeline is imported as part of "
                                f"that package")
+
+
+def test_a_pipeline_named_without_its_py_is_told_the_py_file_is_there(tmp_path: Path) -> None:
+    write(tmp_path, "walker.py", MINIMAL + "def get_service(gpu_num=0):\n    return MinimalService()\n")
+    code, line = run(tmp_path / "walker")
+    assert code == 2 and line.startswith("chunkline run: pipeline '"), line
+    assert line.endswith("walker' does not exist; 'walker.py' does: give the file's whole name"), line
+
+
+def test_a_package_whose_get_service_is_in_a_module_of_it_names_that_module(tmp_path: Path) -> None:
+    write(tmp_path, "pkg/__init__.py", "")
+    service = write(tmp_path, "pkg/service.py", MINIMAL + "def get_service(gpu_num=0):\n    return MinimalService()\n")
+    code, line = run(tmp_path / "pkg")
+    assert (code, line) == (2, f"chunkline run: pipeline file {str(tmp_path / 'pkg')!r} defines no get_service() "
+                               f"function (its service.py defines one: give {str(service)!r} as the pipeline, or "
+                               f"import get_service in its __init__.py)")
