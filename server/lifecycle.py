@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import trio
 
-from states.stream_session import QUEUED_ENDS_WITH, RUNNER_PROGRESS, DrainCause, Event, settle_event
+from states.stream_session import FAILING_CAUSES, QUEUED_ENDS_WITH, RUNNER_PROGRESS, DrainCause, Event, settle_event
 
 from . import protocol
 from .registry import SessionRecord, SessionRegistry
 
-__all__ = ["SessionLifecycle"]
+__all__ = ["SessionLifecycle", "runner_last_word"]
 
 
 class SessionLifecycle:
@@ -111,3 +111,13 @@ def _last_word(record: SessionRecord) -> bytes:
     if record.error is not None:
         return protocol.error_message(record.session_id, cause or "session_failed", record.error)
     return protocol.done_message(record.session_id, 0, 0, reason=cause)
+
+
+def runner_last_word(record: SessionRecord, failure: str | None, chunks: int, frames: int) -> bytes:
+    """What a room runner tells its room as its session ends: ``done`` with the drain cause and what it published
+    (``chunks``, ``frames``), or, with ``failure``, ``error`` with the failing cause (``session_failed`` without one)."""
+    if failure is None:
+        cause = None if record.drain_cause is None else record.drain_cause.value
+        return protocol.done_message(record.session_id, chunks, frames, reason=cause)
+    reason = record.drain_cause.value if record.drain_cause in FAILING_CAUSES else "session_failed"
+    return protocol.error_message(record.session_id, reason, failure)

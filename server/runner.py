@@ -12,7 +12,8 @@ in the room, and which timeout runs, is the :class:`states.room_presence.RoomPre
 book: a controller that never joins (or leaves and does not return) within
 ``controller_timeout`` fails the session naming the controller, whoever else
 comes and goes; a room its controller came to and that then emptied ends it after
-``room_empty_timeout`` as ``room_empty``.
+``room_empty_timeout`` as ``room_empty``. A viewer that joins over the session's seats is sent away
+(:func:`server.viewer_seats.over_seats`: LiveKit lets a viewer's still-valid token back in whatever the seats).
 Whatever ends the session (a :class:`~states.stream_session.DrainCause`, set once
 through the :class:`~server.lifecycle.SessionLifecycle`), the runner drains: it
 closes the pipeline session through its owner, says ``done``, leaves the room
@@ -44,10 +45,12 @@ from states.stream_session import FAILING_CAUSES, DrainCause, Event
 from . import protocol
 from .chunk_publisher import ChunkPublisher, checked_metadata
 from .cluster.identity import worker_participant
+from .lifecycle import runner_last_word
 from .presence_timeouts import TIMEOUT_CAUSES, timeout_detail
 from .pushed_stream import StreamStalled, close_stream, next_chunk
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
+from .viewer_seats import over_seats, send_away_over_seats
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -202,7 +205,7 @@ class RoomRunner:
         self._presence = RoomPresence(
             record.controller_identity, deps.controller_timeout, deps.room_empty_timeout, trio.current_time()
         )
-        side_tasks.start_soon(self._watch_room)
+        side_tasks.start_soon(self._watch_room, side_tasks)
         side_tasks.start_soon(self._enforce_timeouts)
         await self._wait_for_controller()
         if self._stop.is_set() or not self._step(Event.START_PIPELINE):
@@ -320,18 +323,19 @@ class RoomRunner:
 
     # -- the room ----------------------------------------------------------------------
 
-    async def _watch_room(self) -> None:
-        """Participants, departures and controls, for the life of the connection (into the presence book)."""
+    async def _watch_room(self, side_tasks: trio.Nursery) -> None:
+        """Participants, departures and controls, for the life of the connection (into the presence book); a viewer
+        that joined over the session's seats (LiveKit's door lets a still-valid token back in) is sent away."""
         assert self._connection is not None and self._presence is not None
         presence, record = self._presence, self.record
         if not self.deps.room_followed:  # who is in the room is the worker's word from now on, what it sees now first
             self.deps.on_room_seen(record)
             record.participants.clear()
         for identity in self._connection.participants():
-            self._joined(identity)
+            self._joined(identity, side_tasks)
         async for event in self._connection.events():
             if isinstance(event, ParticipantJoined):
-                self._joined(event.identity)
+                self._joined(event.identity, side_tasks)
             elif isinstance(event, ParticipantLeft):
                 presence.left(event.identity, trio.current_time())
                 if not self.deps.room_followed:
@@ -340,14 +344,16 @@ class RoomRunner:
             elif isinstance(event, DataReceived):
                 await self._on_data(event)
 
-    def _joined(self, identity: str) -> None:
-        assert self._presence is not None
+    def _joined(self, identity: str, side_tasks: trio.Nursery) -> None:
+        assert self._presence is not None and self._connection is not None
         self._presence.joined(identity, trio.current_time())
         if not self.deps.room_followed:
             self.record.participants.add(identity)
         if identity == self.record.controller_identity:
             self._controller_here.set()
         self._presence_moved()
+        if (why := over_seats(self.record, identity)) is not None:  # in the room (counted) until it has left
+            side_tasks.start_soon(send_away_over_seats, self._connection, self.record.session_id, identity, why)
 
     def _presence_moved(self) -> None:
         self._presence_changed.set()
@@ -472,22 +478,14 @@ class RoomRunner:
         if self._connection is not None:
             with trio.move_on_after(DISCONNECT_TIMEOUT):  # the last word and the leave, together
                 with trio.move_on_after(LAST_WORD_TIMEOUT):
-                    self.told_room = await self._say_last_word(self._last_word(failure))
+                    publisher = self._publisher
+                    published = (0, 0) if publisher is None else (publisher.published_chunks, publisher.published_frames)
+                    self.told_room = await self._say_last_word(runner_last_word(record, failure, *published))
                 await self._connection.disconnect()
         self.in_room_with_media = False
         record.participants.clear()  # the worker left: nobody is in the session's room any more
         self.deps.on_finished(self, error)
         self.finished.set()
-
-    def _last_word(self, failure: str | None) -> bytes:
-        """``done`` with the drain cause, or ``error`` with the failing cause (``session_failed`` without one)."""
-        record, publisher = self.record, self._publisher
-        if failure is None:
-            chunks, frames = (0, 0) if publisher is None else (publisher.published_chunks, publisher.published_frames)
-            cause = None if record.drain_cause is None else record.drain_cause.value
-            return protocol.done_message(record.session_id, chunks, frames, reason=cause)
-        reason = record.drain_cause.value if record.drain_cause in FAILING_CAUSES else "session_failed"
-        return protocol.error_message(record.session_id, reason, failure)
 
     async def _say_last_word(self, payload: bytes) -> bool:
         """Whether the room took the session's last word (if not, the server says it: ``told_room``)."""

@@ -12,13 +12,21 @@ unused always finds its seat. The seats were counted per identity a token was ev
 turned away its 33rd distinct viewer for good, its room empty.
 
 What the server remembers stays bounded: passes are the only identities kept, at most the limit per session, and
-each goes when its token is used or expires. On LiveKit the door is LiveKit's: a pass is spent when the server sees
-its viewer in the room (the record's participants, a token check's look), so a viewer that came and went unseen
-holds its seat until its token expires, never less.
+each goes when its token is used or expires. On LiveKit the door is LiveKit's, which lets a viewer that left back in
+with its still-valid token whatever the seats; so the session's worker asks at each join whether the joiner holds a
+seat (:func:`over_seats`, the door's own rule, which spends the joiner's pass as the door does) and, if not,
+removes it through the RoomService (the newest joiner; never the controller or the server's own participants). A
+session's LiveKit room held far more than 32 viewers (tokens handed out while seats were free, then all used at
+once), and nothing sent any away; and a pass was spent only at a later token request that still saw its viewer in
+the room, so a viewer that came and went before it held its seat until its token expired. A viewer that comes and
+goes while no worker is in the room (a queued session's) is seen only by the server's looks (a token check's, the
+poll's), and one unseen holds its seat until its token expires, never less; a queued room over its seats is brought
+back to them when its worker joins.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,11 +36,14 @@ import trio
 from .reasons import echo
 from .runtime_errors import SessionConflict, ViewerLimit
 from .tokens import SERVER_IDENTITY_PREFIX
+from .transport import RoomConnection, TransportError
 
 if TYPE_CHECKING:
     from .registry import SessionRecord
 
-__all__ = ["MAX_VIEWERS_PER_SESSION", "ViewerPasses", "ViewerSeats"]
+__all__ = ["MAX_VIEWERS_PER_SESSION", "ViewerPasses", "ViewerSeats", "over_seats", "send_away_over_seats"]
+
+log = logging.getLogger("chunkline.rooms")
 
 #: viewer seats one session has: viewers in its room and viewer tokens handed out not yet used (one socket each)
 MAX_VIEWERS_PER_SESSION = 32
@@ -86,11 +97,7 @@ class ViewerSeats:
         record = self.find_room(room)
         if record is None or record.is_terminal:
             return None  # the room's own check refuses it (session_closed)
-        in_room = viewers(record) - {identity}
-        full = self.full(record, in_room, identity, trio.current_time())
-        if full is None and take:
-            record.viewer_passes.spend({identity})
-        return full
+        return seat_refusal(record, identity, take)
 
     @staticmethod
     def full(record: SessionRecord, in_room: frozenset[str], identity: str, now: float) -> str | None:
@@ -111,3 +118,36 @@ def viewers(record: SessionRecord, present: frozenset[str] = frozenset()) -> fro
     return frozenset(identity for identity in record.participants | present
                      if identity != record.controller_identity
                      and not identity.lower().startswith(SERVER_IDENTITY_PREFIX))
+
+
+def seat_refusal(record: SessionRecord, identity: str, take: bool) -> str | None:
+    """Why the viewer ``identity`` holds no seat of the session now, in words (None: it holds one; with ``take``
+    it joins, and its pass, if it had one, is spent)."""
+    full = ViewerSeats.full(record, viewers(record) - {identity}, identity, trio.current_time())
+    if full is None and take:
+        record.viewer_passes.spend({identity})
+    return full
+
+
+def over_seats(record: SessionRecord, identity: str) -> str | None:
+    """Why ``identity``, who just joined the session's room, holds no viewer seat (None: it holds one, or it is no
+    viewer: the controller, the server's own participants). The room's worker asks at each join, where the door is
+    LiveKit's: a viewer that left comes back with its still-valid token whatever the seats."""
+    if record.is_terminal or identity not in viewers(record, frozenset({identity})):
+        return None
+    return seat_refusal(record, identity, take=True)
+
+
+async def send_away_over_seats(connection: RoomConnection, session_id: str, identity: str, why: str) -> None:
+    """The room's worker sends away a viewer that joined over the seats (the newest joiner; a local room tells it
+    ``viewer_limit``), in one line of the log naming session and identity. Where that cannot be done (LiveKit
+    refused, or the room's transport holds no API key: a worker agent's) the viewer stays, logged."""
+    send_away = getattr(connection, "send_away", None)  # a worker agent's hub connection has none: its door holds
+    if send_away is None:
+        return
+    log.warning("session %s: viewer %r joined over the %d viewer seats and is sent away", session_id, identity,
+                MAX_VIEWERS_PER_SESSION)
+    try:
+        await send_away(identity, "viewer_limit", why)
+    except TransportError as exc:
+        log.warning("session %s: viewer %r over the seats stays in the room: %s", session_id, identity, exc)

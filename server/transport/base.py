@@ -1,11 +1,13 @@
 """The transport port: what a room runner needs from a room, and nothing more.
 
-A runner joins a room as the worker participant, publishes video frames (RGB
-``H x W x 3`` uint8) and PCM audio, sends and receives data on topics, and
-hears participants join and leave. Data goes to the whole room (the room's news: status, chunks, the end) or
-to one participant (the answer to its own message, such as a refused control). Two transports implement it: LiveKit
-(production, through trio-asyncio) and the local rooms embedded in the server
-(the default: WebSocket clients with the same tokens, roles and topics).
+A runner joins a room as the worker participant, publishes video frames (RGB ``H x W x 3`` uint8) and PCM audio,
+sends and receives data on topics, hears participants join and leave, and sends away a participant the room may not
+hold (a viewer over its session's seats: LiveKit lets a viewer's still-valid token back in, so the server removes
+it). Data goes to the whole room (the room's news: status, chunks, the end) or to one participant (the answer to its
+own message, such as a refused control). Two transports implement it: LiveKit (production, through trio-asyncio)
+and the local rooms embedded in the server (the default: WebSocket clients with the same tokens, roles and topics).
+A worker agent's connection to the authority's local rooms (:mod:`server.cluster.rooms`) has no ``send_away``: that
+room's door, in the authority, holds the seats.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ class RoomConnection(Protocol):
     async def send_data(self, topic: str, payload: bytes, *, reliable: bool = True, to: str | None = None) -> None:
         """Send to the whole room, or with ``to`` to that participant alone (an answer to its own message: the
         others hear nothing of it; dropped when it has left)."""
+        ...
+
+    async def send_away(self, identity: str, reason: str, detail: str) -> None:
+        """Make ``identity`` leave the room (the worker stays): a local room tells its socket ``reason`` and ``detail``
+        as a refusal, LiveKit removes it through the RoomService and tells it nothing more. Bounded in time; one that
+        is not in the room is no failure; raises TransportError when it cannot be done."""
         ...
 
     async def disconnect(self) -> None:

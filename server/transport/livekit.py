@@ -72,13 +72,7 @@ from livekit import rtc
 
 from pipelines.contract import Audio
 
-from .base import (
-    DataReceived,
-    ParticipantJoined,
-    ParticipantLeft,
-    RoomEvent,
-    TransportError,
-)
+from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import LatestWins
 from .livekit_media import AUDIO_TRACK_NAME, MAX_VIDEO_BITRATE, VIDEO_TRACK_NAME, MediaPublisher, check_frame
 from .livekit_rooms import RoomService
@@ -86,8 +80,6 @@ from .livekit_rooms import RoomService
 __all__ = ["AUDIO_TRACK_NAME", "MAX_VIDEO_BITRATE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
 
 log = logging.getLogger(__name__)
-
-#: seconds an ended session's clients have to read its last messages before its room is deleted
 
 DATA_FLUSH_GRACE = 0.5  # seconds the worker stays after its last data message before it leaves
 ACTIVE = rtc.ParticipantState.PARTICIPANT_STATE_ACTIVE  # a participant that may receive data (the first statuses)
@@ -101,7 +93,6 @@ async def _wait_for(task: asyncio.Task[None]) -> None:
 
 class _LiveKitConnection:
     """The worker's presence in one LiveKit room (implements the RoomConnection port)."""
-
 
     def __init__(self, transport: LiveKitTransport, loop: Any, room_name: str, identity: str) -> None:
         self._transport = transport
@@ -323,6 +314,12 @@ class _LiveKitConnection:
 
         await self._wrap(f"sending data on {topic!r}", publish)
         self._data_sent_at = trio.current_time()
+
+    async def send_away(self, identity: str, reason: str, detail: str) -> None:
+        """Remove ``identity`` through the RoomService, within ``disconnect_timeout`` (LiveKit tells it no ``reason``)."""
+        if self._transport._loop is not self._loop:
+            raise TransportError("the LiveKit transport is not running")
+        await self._transport._rooms.remove(self._loop, self.room_name, identity)
 
     async def _wrap(self, what: str, fn: Any, *args: Any) -> Any:
         try:

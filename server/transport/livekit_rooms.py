@@ -1,6 +1,6 @@
 """The server's own side of LiveKit rooms, through the RoomService (the API secret's holder): it makes a session's
 room before the session's token is out, lists who is in a room no worker of its own is in yet (a queued session's),
-says a queued session's last word, and deletes the room when the session ends. The worker's side (joining, media, data) is :mod:`.livekit`, which owns the asyncio loop these calls run on.
+removes a viewer over its session's seats, says a queued session's last word, and deletes the room when the session ends. The worker's side (joining, media, data) is :mod:`.livekit`, which owns the asyncio loop these calls run on.
 
 Every call goes through one RoomService client (one aiohttp session, its connections kept and reused), made on the
 first call and closed with the transport; a client whose call failed otherwise than by LiveKit's refusal (the
@@ -95,6 +95,20 @@ class RoomService:
                 return frozenset()  # the room is gone, and everyone with it
             raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}): {exc.message}") from None
         return frozenset(p.identity for p in listed.participants if p.state != LEFT)
+
+    async def remove(self, loop: Any, room: str, identity: str) -> None:
+        """Send ``identity`` out of ``room`` (RemoveParticipant: a viewer over its session's seats, which LiveKit's door
+        let in); one not there (gone already, or the room) is no failure. Raises :class:`TransportError` naming the
+        cause when LiveKit refuses otherwise or does not answer within ``timeout``."""
+        prefix = f"could not remove {identity!r} from the LiveKit room {room!r} at {self.url}"
+        if not (self._api_key and self._api_secret):
+            raise TransportError(f"{prefix}: that needs the API key and secret (--livekit-api-key/-secret)")
+        try:
+            await self._answer(loop, prefix, lambda rooms: rooms.remove_participant(
+                api.RoomParticipantIdentity(room=room, identity=identity)))
+        except api.TwirpError as exc:
+            if exc.code != api.TwirpErrorCode.NOT_FOUND:
+                raise TransportError(f"{prefix}: LiveKit refused (HTTP {exc.status}): {exc.message}") from None
 
     async def _answer(self, loop: Any, prefix: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """One RoomService call's answer within ``timeout``, or :class:`TransportError` (``prefix``, then why) when

@@ -70,14 +70,15 @@ class Subscriber:
         self.ready.set()
         self.backlog.add(self, len(message))  # past the server's budget, whoever is furthest behind is sent away
 
-    def send_away(self) -> None:
-        """Too slow: what is queued goes, the client is told ``too_slow`` and sent away."""
+    def send_away(self, why: str | None = None) -> None:
+        """Too slow (or ``why``, a refusal's text: the worker sends it away): what is queued goes, the client is told
+        ``too_slow`` (or ``why``) and sent away."""
         if self.too_slow:
             return
-        self.too_slow = True
+        self.too_slow = True  # nothing more is queued for it
         self.backlog.release(self)
         self.texts.clear()
-        message = refused("too_slow")
+        message = why or refused("too_slow")
         self.texts.append(message)
         self.text_size = len(message)
         self.presence.cancel()

@@ -14,8 +14,10 @@ import re
 from typing import Any
 
 import pytest
+import trio
 from trio.testing import wait_all_tasks_blocked
 
+from server.transport import ParticipantLeft
 from server.viewer_seats import MAX_VIEWERS_PER_SESSION
 from spec_tests import virtual_time
 
@@ -123,3 +125,37 @@ async def test_a_viewer_coming_back_takes_a_free_seat_or_is_refused_at_the_door(
             await joined(first)
             status, body = await served.json("get", f"/v1/stream/sessions/{session_id}")
             assert status == 200 and body["participant_count"] == 1, body  # the worker is not counted
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_a_local_rooms_worker_sends_a_viewer_away_with_viewer_limit_on_its_socket(autojump_clock: Any) -> None:
+    """A room's worker sends away a viewer over its session's seats (the runner does, where LiveKit is the door; a
+    local room's door keeps such a viewer out, so there it is the rule's backstop): the viewer's room socket is told
+    ``viewer_limit`` with the reason and closed, the controller stays and hears it leave, the worker hears it leave,
+    and one not in the room is no failure. The worker joins a queued session's room (no runner is in it) through the
+    transport, as a runner does."""
+    async with serve(settings(max_sessions_per_worker=1, queue_size=1), CounterService()) as served:
+        await served.create("ctl")
+        queued = await served.create("ctl2")
+        assert queued["status"] == "queued", queued
+        room, why = queued["room"], "all 32 viewer seats are taken: the test says so"
+        token = await served.viewer_token(queued["session_id"], "v1")
+        async with join(served, room, queued["token"]) as controller, join(served, room, token) as viewer:
+            await joined(controller)
+            await joined(viewer)
+            rooms, issuer = served.runtime.transport, served.runtime.issuer
+            worker = await rooms.connect(room, "chunkline-probe", issuer.worker_token(room, "chunkline-probe"), timeout=5)
+            try:
+                await worker.send_away("v1", "viewer_limit", why)
+                assert await refused(viewer) == {"type": "refused", "reason": "viewer_limit", "detail": why}
+                await viewer.wait_for(lambda p: p.reader_done.is_set(), "the viewer's socket to close")
+                await controller.wait_for(lambda p: {"type": "participant_left", "identity": "v1"} in p.texts(),
+                                          "the controller to hear the viewer leave")
+                with trio.fail_after(5):
+                    assert await worker.next_event() == ParticipantLeft("v1")
+                await worker.send_away("nobody", "viewer_limit", why)  # not in the room: nothing to do
+                await wait_all_tasks_blocked()
+                assert not controller.reader_done.is_set()
+                assert not [m for m in controller.texts() if m.get("type") == "refused"], controller.texts()
+            finally:
+                await worker.disconnect()
