@@ -12,8 +12,8 @@ in the room, and which timeout runs, is the :class:`states.room_presence.RoomPre
 book: a controller that never joins (or leaves and does not return) within
 ``controller_timeout`` fails the session naming the controller, whoever else
 comes and goes; a room its controller came to and that then emptied ends it after
-``room_empty_timeout`` as ``room_empty``. A viewer that joins over the session's seats is sent away
-(:func:`server.viewer_seats.over_seats`: LiveKit lets a viewer's still-valid token back in whatever the seats).
+``room_empty_timeout`` as ``room_empty``. On LiveKit a viewer that joins over the session's seats is sent away
+(:func:`server.viewer_seats.over_seats`: LiveKit lets a still-valid token back in; a local room's door holds them).
 Whatever ends the session (a :class:`~states.stream_session.DrainCause`, set once
 through the :class:`~server.lifecycle.SessionLifecycle`), the runner drains: it
 closes the pipeline session through its owner, says ``done``, leaves the room
@@ -352,7 +352,8 @@ class RoomRunner:
         if identity == self.record.controller_identity:
             self._controller_here.set()
         self._presence_moved()
-        if (why := over_seats(self.record, identity)) is not None:  # in the room (counted) until it has left
+        # a followed (local) room's door holds the seats, by role; elsewhere (LiveKit) the joiner is checked here
+        if not self.deps.room_followed and (why := over_seats(self.record, identity)) is not None:
             side_tasks.start_soon(send_away_over_seats, self._connection, self.record.session_id, identity, why)
 
     def _presence_moved(self) -> None:

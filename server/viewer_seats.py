@@ -131,17 +131,18 @@ def seat_refusal(record: SessionRecord, identity: str, take: bool) -> str | None
 
 def over_seats(record: SessionRecord, identity: str) -> str | None:
     """Why ``identity``, who just joined the session's room, holds no viewer seat (None: it holds one, or it is no
-    viewer: the controller, the server's own participants). The room's worker asks at each join, where the door is
-    LiveKit's: a viewer that left comes back with its still-valid token whatever the seats."""
+    viewer: the controller, the server's own participants; a viewer is known by its identity, as LiveKit shows it).
+    The room's worker asks at each join where the door is LiveKit's, which lets a viewer that left back in with its
+    still-valid token whatever the seats (a local room's door holds them, by the token's role)."""
     if record.is_terminal or identity not in viewers(record, frozenset({identity})):
         return None
     return seat_refusal(record, identity, take=True)
 
 
 async def send_away_over_seats(connection: RoomConnection, session_id: str, identity: str, why: str) -> None:
-    """The room's worker sends away a viewer that joined over the seats (the newest joiner; a local room tells it
-    ``viewer_limit``), in one line of the log naming session and identity. Where that cannot be done (LiveKit
-    refused, or the room's transport holds no API key: a worker agent's) the viewer stays, logged."""
+    """The room's worker sends away a viewer that joined over the seats (the newest joiner), in one line of the log
+    naming session and identity. Where that cannot be done (LiveKit refused, or the room's transport holds no API
+    key: a worker agent's) the viewer stays, logged."""
     send_away = getattr(connection, "send_away", None)  # a worker agent's hub connection has none: its door holds
     if send_away is None:
         return

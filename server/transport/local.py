@@ -16,8 +16,8 @@ Wire format (WebSocket):
 - a client may not publish on the worker's topics (``tf.status``, ``tf.metrics``: refused with
   ``server_topic``), nor send JSON nested deeper than 33 levels (``too_deep``) or text that is not
   encodable (``unencodable_text``); a room holds at most 64 client sockets (``room_full``), and a viewer joins
-  only on a free viewer seat of its session (``viewer_limit``: :mod:`server.viewer_seats`; should one ever be
-  over them, the worker's ``send_away`` closes its socket with that refusal);
+  only on a free viewer seat of its session (``viewer_limit``: :mod:`server.viewer_seats`; a worker's
+  ``send_away``, the port's way to remove a participant, closes a socket with such a refusal);
 - a client that falls more than 2048 data messages or 1 MiB of them behind is sent away
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
@@ -148,7 +148,7 @@ class WorkerConnection:
         self._room.send_text(data_message(topic, payload, self._identity), to)
 
     async def send_away(self, identity: str, reason: str, detail: str) -> None:
-        """Close ``identity``'s socket with the refusal ``reason`` (a viewer over its seats, which the door keeps out)."""
+        """Close ``identity``'s socket with the refusal ``reason`` (the door keeps viewers over the seats out itself)."""
         if (subscriber := self._room.subscribers.get(identity)) is not None:
             subscriber.send_away(refused(reason, detail))
 

@@ -129,8 +129,8 @@ async def test_a_viewer_coming_back_takes_a_free_seat_or_is_refused_at_the_door(
 
 @pytest.mark.usefixtures("no_threads")
 async def test_a_local_rooms_worker_sends_a_viewer_away_with_viewer_limit_on_its_socket(autojump_clock: Any) -> None:
-    """A room's worker sends away a viewer over its session's seats (the runner does, where LiveKit is the door; a
-    local room's door keeps such a viewer out, so there it is the rule's backstop): the viewer's room socket is told
+    """A room's worker sends a participant away (``RoomConnection.send_away``: the runner removes a viewer over its
+    seats so where LiveKit is the door; a local room's door keeps such a viewer out): the viewer's room socket is told
     ``viewer_limit`` with the reason and closed, the controller stays and hears it leave, the worker hears it leave,
     and one not in the room is no failure. The worker joins a queued session's room (no runner is in it) through the
     transport, as a runner does."""
