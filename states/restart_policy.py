@@ -196,6 +196,8 @@ class RestartTracker:
         delay = self.policy.delay(failures)
         self.due_at = now + delay
         reason = f"failed ({cause}); restart {failures} of {self.policy.max_failures} within {window} in {delay:g} s"
+        if load_failure is not None and not self.ever_loaded:  # LOAD_REPEATED comes before the crash-loop limit
+            reason += "; a repeat of the same load failure ends it"
         return Decision(event, failures, delay, self.due_at, reason)
 
     def due(self, now: float) -> bool:

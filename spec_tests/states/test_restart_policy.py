@@ -86,6 +86,8 @@ def test_a_load_that_fails_as_the_last_one_did_gives_up_while_no_worker_ever_loa
     tracker = RestartTracker(POLICY)
     first = tracker.failure(0.0, "ImportError: no module named 'torchh'", load_failure=("ImportError", "torchh"))
     assert first.event is Event.FAILED
+    # its line says what ends it first: "restart 1 of 5" alone promised four more restarts that never come
+    assert first.reason.endswith("in 1 s; a repeat of the same load failure ends it"), first.reason
     tracker.restarted(first.due_at)  # type: ignore[arg-type]
     again = tracker.failure(1.5, "ImportError: no module named 'torchh'", load_failure=("ImportError", "torchh"))
     assert (again.event, again.delay, again.due_at) == (Event.LOAD_REPEATED, None, None)
@@ -109,6 +111,8 @@ def test_a_load_failure_is_retried_when_a_worker_loaded_before_or_it_failed_othe
     decision = tracker.failure(5.0, "OSError", load_failure=second)
     assert (decision.event, decision.delay) == (Event.FAILED, 2.0)
     assert tracker.state is State.BACKING_OFF
+    # a repeat would end it only while no worker of the slot loaded and this failure was a load's
+    assert decision.reason.endswith("a repeat of the same load failure ends it") is (not loaded and second is not None)
 
 
 def test_failures_older_than_the_window_are_forgotten() -> None:
