@@ -312,8 +312,8 @@ class StreamRuntime:
             now = trio.current_time()
             reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slots.status(now).items() if why["reason"])
             retry = self.slots.retry_after(now)
-            if retry is None and self.cluster is not None:
-                retry = NO_WORKER_RETRY_AFTER  # an agent may join
+            if retry is None and self.cluster is not None and self.cluster.agent_may_join():
+                retry = NO_WORKER_RETRY_AFTER
             raise NoWorker("no worker is running or starting" + (f" ({reasons})" if reasons else ""), retry)
         session_id, room = named
         now = trio.current_time()

@@ -60,6 +60,7 @@ from .backoff import EXIT_REFUSED, back_off
 from .dial_ends import DIAL_DEADLINES, MAX_PROVEN_REASON, UNCOUNTED, WAITED, DialLog, End, Ended, Patience, vanished
 from .identity import new_worker_id
 from .launcher_watch import LAUNCHER_GONE_EXIT_CODE, launcher_gone
+from .load_failures import LoadFailureNote
 
 __all__ = ["AgentOptions", "Agent", "parse_authority", "EXIT_REFUSED"]
 
@@ -77,6 +78,7 @@ class Agent:
         self._tls = tls.client_tls_context(options.tls_ca) if self.scheme == "tls" else None
         self.metrics = ServerMetrics()
         extra = {} if service_loader is None else {"service_loader": service_loader}
+        self.load_note = LoadFailureNote.from_environment()  # its launcher's word of the slot's last failed load
         self.worker = ModelWorker(
             "agent",
             pipeline=options.pipeline,
@@ -90,6 +92,7 @@ class Agent:
             offered={"control_idle_timeout": options.control_idle_timeout, "fps": options.default_fps,
                      "served": True, "assets_dir": None},
             validate=options.validate,
+            new_load_failure=self.load_note.is_new,
             **extra,
         )
         self.worker_id: str | None = None
@@ -151,6 +154,7 @@ class Agent:
                 code = self._exit_code()
             elif self._ready is None and not self._registering.cancel_called:
                 log.error("the model worker failed: %s", self._model_failure)
+                self.load_note.tell(self.worker.load_failure)  # its launcher gives the slot up on a repeat
                 code = EXIT_REFUSED if self._model_refused else 1
             else:
                 with self._registering:

@@ -109,6 +109,7 @@ class ClusterAuthority:
         self.expected = launcher.expected if launcher is not None else settings.num_workers
         self.max_registered = max(REGISTERED_PER_EXPECTED * self.expected, MIN_REGISTERED)
         self.token = token
+        self.token_given = settings.cluster_token is not None or settings.cluster_token_file is not None
         self.version = chunkline_version()
         self.pipeline = pipeline_name(settings.pipeline)
         self.digest = pipeline_digest(settings.pipeline)
@@ -454,6 +455,14 @@ class ClusterAuthority:
             "slot": worker.slot,
             "pid": worker.pid,
         }
+
+    def agent_may_join(self) -> bool:
+        """Whether an agent may still register: False once every slot of the launcher gave up or stopped and no
+        one else holds the token its agents prove (this server made it). A create's 503 then sends no Retry-After:
+        it asked clients to retry every 10 s for ever after the launcher said it would start no agent again."""
+        if self.launcher is None or self.token_given:
+            return True
+        return any(slot["state"] not in ("gave_up", "stopped") for slot in self.launcher.view())
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -11,9 +11,10 @@ import logging
 
 import trio
 
-from states.restart_policy import RestartTracker
+from states.restart_policy import Event, RestartTracker
 
 from ..log_pace import LogPace
+from ..model_worker import LoadFailure
 
 __all__ = ["back_off", "await_goodbye", "GOODBYE_GRACE", "EXIT_REFUSED"]
 
@@ -28,11 +29,16 @@ GOODBYE_GRACE = 5.0
 
 
 async def back_off(tracker: RestartTracker, cause: str, what: str, *, permanent: bool = False,
+                   load_failure: LoadFailure | None = None, pipeline: str | None = None,
                    pace: LogPace | None = None) -> bool:
     """``what`` ended with ``cause``: wait out the backoff and return True to start again; False on a crash loop,
-    or at once when ``permanent`` (a replacement would end the same way). ``pace`` paces the restart's line (the
-    same cause again and again); the crash loop's is always logged."""
-    decision = tracker.failure(trio.current_time(), cause, permanent=permanent)
+    at once when ``permanent`` (a replacement would end the same way), or when its agent never loaded and failed its
+    load (``load_failure``) as the slot's last one did: one line then names ``pipeline`` and the error. ``pace``
+    paces the restart's line (the same cause again and again); the crash loop's is always logged."""
+    decision = tracker.failure(trio.current_time(), cause, permanent=permanent, load_failure=load_failure)
+    if decision.event is Event.LOAD_REPEATED:
+        log.error("%s, pipeline %r: %s", what, pipeline, decision.reason)
+        return False
     if decision.due_at is None:
         log.error("%s: %s", what, decision.reason)
         return False

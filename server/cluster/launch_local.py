@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -27,6 +29,7 @@ from states.restart_policy import RestartPolicy, RestartTracker
 from ..reasons import echo
 from . import wire
 from .backoff import EXIT_REFUSED, await_goodbye, back_off
+from .load_failures import LOAD_FAILURE_ENV, read_load_failure
 
 if TYPE_CHECKING:
     from .authority import ClusterAuthority
@@ -120,13 +123,21 @@ class LocalLauncher:
         self.expected = len(self.slots)
         self._authority: ClusterAuthority | None = None
         self.pids: list[int] = []  # every agent process started (tests check none survives)
+        self._notes = tempfile.gettempdir()  # run() makes a folder of its own
 
     async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._authority = authority
-        async with trio.open_nursery() as nursery:
-            for slot in self.slots:
-                nursery.start_soon(self._keep, slot)
-            task_status.started()
+        self._notes = tempfile.mkdtemp(prefix="chunkline-launcher-")  # where each slot's agent tells a failed load
+        try:
+            async with trio.open_nursery() as nursery:
+                for slot in self.slots:
+                    nursery.start_soon(self._keep, slot)
+                task_status.started()
+        finally:
+            shutil.rmtree(self._notes, ignore_errors=True)
+
+    def _load_failure_file(self, slot: _Slot) -> str:
+        return os.path.join(self._notes, f"slot-{slot.name}.json")
 
     def _command(self, slot: _Slot) -> list[str]:
         assert self._authority is not None
@@ -139,10 +150,14 @@ class LocalLauncher:
             tls_certificate=settings.cluster_tls_cert,
         )
 
+    def _pipeline(self) -> str | None:
+        return None if self._authority is None else self._authority.runtime.settings.pipeline
+
     def _env(self, slot: _Slot) -> dict[str, str]:
         assert self._authority is not None
         env = dict(os.environ)
         env["CHUNKLINE_CLUSTER_TOKEN"] = self._authority.token
+        env[LOAD_FAILURE_ENV] = self._load_failure_file(slot)
         if slot.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in slot.devices)
         return env
@@ -171,7 +186,11 @@ class LocalLauncher:
                 slot.restarts.stop()  # drained on purpose: its resources are back, nothing to replace
                 log.info("local slot %s: drained; it stays down", slot.name)
                 return
-            if not await back_off(slot.restarts, why, f"local slot {slot.name}", permanent=process.returncode == EXIT_REFUSED):
+            # an agent that never loaded said how its load failed: a repeat gives the slot up (states.restart_policy)
+            failure = read_load_failure(self._load_failure_file(slot))
+            if not await back_off(slot.restarts, why if failure is None else f"{failure.words}; {why}",
+                                  f"local slot {slot.name}", permanent=process.returncode == EXIT_REFUSED,
+                                  load_failure=failure, pipeline=self._pipeline()):
                 return
             if self._authority is not None:
                 self._authority.runtime.metrics.record_worker_restart()
@@ -220,6 +239,7 @@ class LocalLauncher:
     def worker_registered(self, worker: RemoteWorker) -> None:
         slot = self._slot_of(worker)
         if slot is not None and worker.launcher == self.name:
+            slot.restarts.loaded()  # an agent registers once it loaded: later failures are crashes, backed off
             slot.worker_id = worker.worker_id
             slot.settled = trio.Event()
             slot.registered.set()

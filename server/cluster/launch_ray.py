@@ -32,10 +32,11 @@ from states.liveness import PROCESS_GONE, loss_kind
 from states.restart_policy import RestartPolicy, RestartTracker
 
 from .backoff import EXIT_REFUSED, await_goodbye, back_off
-
 from .launch_local import agent_command, exit_cause
+from .load_failures import LOAD_FAILURE_ENV, read_load_failure, write_load_failure
 
 if TYPE_CHECKING:
+    from ..model_worker import LoadFailure
     from . import wire
     from .authority import ClusterAuthority
     from .remote import RemoteWorker
@@ -50,7 +51,8 @@ NAMESPACE = "chunkline"
 
 
 class AgentActor:
-    """Runs one agent process where Ray placed this actor; ``run`` returns its exit code."""
+    """Runs one agent process where Ray placed this actor; ``run`` returns its exit code and, when its pipeline never
+    loaded, how its load failed (:mod:`server.cluster.load_failures`: the file lives on the actor's node)."""
 
     def __init__(self) -> None:
         self.process: Any = None
@@ -60,10 +62,14 @@ class AgentActor:
 
         return ray.get_runtime_context().get_node_id()[:12]
 
-    def run(self, command: list[str], env: dict[str, str], cwd: str) -> int:
+    def run(self, command: list[str], env: dict[str, str], cwd: str,
+            told: LoadFailure | None = None) -> tuple[int, LoadFailure | None]:
+        """``told``: how the slot's last agent failed its load (the agent then logs a repeat without its traceback)."""
         import ctypes
+        import shutil
         import signal
         import subprocess
+        import tempfile
 
         import ray
 
@@ -77,9 +83,16 @@ class AgentActor:
         def die_with_the_actor() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-        self.process = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                        preexec_fn=die_with_the_actor)
-        return self.process.wait()
+        notes = tempfile.mkdtemp(prefix="chunkline-agent-")
+        try:
+            env[LOAD_FAILURE_ENV] = path = os.path.join(notes, "load-failure.json")
+            if told is not None:
+                write_load_failure(path, told)
+            self.process = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                            preexec_fn=die_with_the_actor)
+            return self.process.wait(), read_load_failure(path)
+        finally:
+            shutil.rmtree(notes, ignore_errors=True)
 
 
 @attrs.define(eq=False)
@@ -91,6 +104,7 @@ class _RaySlot:
     settled: trio.Event = attrs.Factory(trio.Event)  # its registered worker left or was lost
     drained: bool = False
     ended: str | None = None  # how its last agent ended, from the launcher's notice until it is placed again
+    load_failure: LoadFailure | None = None  # how its last agent failed its load, when it never loaded
     node: str | None = None
     actor: Any = None
     group: Any = None
@@ -168,20 +182,21 @@ class RayLauncher:
         command = self._command()
         command[command.index("--slot") + 1] = slot.name
         env = dict(os.environ, CHUNKLINE_CLUSTER_TOKEN=self._authority.token)
-        return slot.actor.run.remote(command, env, os.getcwd())
+        return slot.actor.run.remote(command, env, os.getcwd(), slot.load_failure)
 
     @staticmethod
-    def _outcome(reference: Any) -> tuple[str, int | None]:
-        """Blocking (a thread): how the slot's actor ended, and its agent's exit code (None: the node went)."""
+    def _outcome(reference: Any) -> tuple[str, int | None, LoadFailure | None]:
+        """Blocking (a thread): how the slot's actor ended, its agent's exit code (None: the node went) and how its
+        load failed (None: it loaded, or ended otherwise)."""
         import ray
 
         try:
-            code = ray.get(reference)
+            code, failure = ray.get(reference)
         except ray.exceptions.RayActorError as exc:  # Ray's word: the actor died (its node may live on)
-            return f"actor died ({type(exc).__name__})", None
+            return f"actor died ({type(exc).__name__})", None, None
         except ray.exceptions.RayError as exc:  # the result is lost: that says nothing of the actor or its node
-            return f"actor unreachable: Ray raised {type(exc).__name__}", None
-        return exit_cause(code), code
+            return f"actor unreachable: Ray raised {type(exc).__name__}", None, None
+        return exit_cause(code), code, failure
 
     def _release(self, slot: _RaySlot) -> None:
         import ray
@@ -212,9 +227,9 @@ class RayLauncher:
                     pass  # pending: waits for room, not a failure
                 reference = await trio.to_thread.run_sync(self._start, slot, abandon_on_cancel=True)
             except ray.exceptions.RayError as exc:
-                why, code = f"placement failed: {type(exc).__name__}: {exc}", None
+                why, code, failure = f"placement failed: {type(exc).__name__}: {exc}", None, None
             else:
-                why, code = await trio.to_thread.run_sync(self._outcome, reference, abandon_on_cancel=True)
+                why, code, failure = await trio.to_thread.run_sync(self._outcome, reference, abandon_on_cancel=True)
             slot.ended = why
             if slot.worker_id is not None:
                 await await_goodbye(slot.settled, code == 0)
@@ -227,7 +242,11 @@ class RayLauncher:
                 slot.restarts.stop()  # drained on purpose: its resources are back in Ray, nothing to replace
                 log.info("ray slot %s: drained; it stays down", slot.name)
                 return
-            if not await back_off(slot.restarts, why, f"ray slot {slot.name}", permanent=code == EXIT_REFUSED):
+            slot.load_failure = failure  # a repeat gives the slot up (states.restart_policy), as in-process
+            settings = None if self._authority is None else self._authority.runtime.settings
+            if not await back_off(slot.restarts, why if failure is None else f"{failure.words}; {why}",
+                                  f"ray slot {slot.name}", permanent=code == EXIT_REFUSED, load_failure=failure,
+                                  pipeline=None if settings is None else settings.pipeline):
                 return
             if self._authority is not None:
                 self._authority.runtime.metrics.record_worker_restart()
@@ -244,6 +263,7 @@ class RayLauncher:
     def worker_registered(self, worker: RemoteWorker) -> None:
         slot = self._slot_of(worker)
         if slot is not None:
+            slot.restarts.loaded()  # an agent registers once it loaded: later failures are crashes, backed off
             slot.worker_id = worker.worker_id
             slot.settled = trio.Event()
 

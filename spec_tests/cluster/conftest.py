@@ -129,16 +129,18 @@ def start_cluster(*extra: str, workers: int = 2, launcher: str = "local", pipeli
 
 
 def start_authority(*extra: str, workers: int = 2, launcher: str = "local", pipeline: str = TINY,
-                    tmpdir: Path | None = None) -> Cluster:
+                    tmpdir: Path | None = None, token: str | None = TOKEN) -> Cluster:
     """The authority serving HTTP and its cluster port; its agents may still be on their way. Both ports are
     the authority's own pick (0: no port chosen here can be taken by another process before it binds it).
-    ``tmpdir``: the temporary directory of the authority and its local agents (their folders go there)."""
+    ``tmpdir``: the temporary directory of the authority and its local agents (their folders go there). ``token``:
+    the cluster token in its environment (None: the authority makes its own)."""
     command = chunkline("stream-serve", pipeline, "--port", "0", "--workers", launcher, "--num-workers", str(workers),
                         "--max-sessions-per-worker", "1", "--queue-size", "4", "--cluster-port", "0",
                         "--heartbeat-interval", str(INTERVAL), "--heartbeat-deadline", str(DEADLINE),
                         "--controller-timeout", "60", "--room-empty-timeout", "60", *extra)
     scratch = {} if tmpdir is None else {"TMPDIR": str(tmpdir)}
-    process = Process(command, clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, **scratch))
+    given = {} if token is None else {"CHUNKLINE_CLUSTER_TOKEN": token}
+    process = Process(command, clean_env(**given, **scratch))
     give_up = time.monotonic() + START_DEADLINE
     while not ((serving := SERVING.search(process.raw)) and (dial := AGENTS_DIAL.search(process.raw))):
         if process.popen.poll() is not None or time.monotonic() > give_up:

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +19,8 @@ import ray  # the test extra installs chunkline[ray]'s Ray: these tests run, nev
 import trio
 from ray import cluster_utils
 
-from .conftest import DEADLINE, Cluster, Controller, start_cluster, until, wait_for
+from .conftest import DEADLINE, Cluster, Controller, start_authority, start_cluster, until, wait_for
+from .test_unloadable_agents import broken_pipeline, told_once
 
 pytestmark = pytest.mark.ray
 
@@ -182,3 +184,12 @@ def _alive(pid: int) -> bool:
     from .conftest import _alive as alive
 
     return alive(pid)
+
+
+async def test_a_ray_agent_whose_pipeline_never_loads_is_started_twice_and_told_once(ray_cluster: Any,
+                                                                                     tmp_path: Path) -> None:
+    """As under --workers local (test_unloadable_agents.py): the agent's load failure comes back through its actor.
+    One CPU slot: the module's authority holds the nodes' GPUs only."""
+    pipeline = broken_pipeline(tmp_path)
+    await told_once(start_authority("--ray-address", ray_cluster.address, launcher="ray", workers=1,
+                                    pipeline=str(pipeline), token=None), "ray-0", pipeline)
