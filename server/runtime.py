@@ -99,6 +99,7 @@ class StreamRuntime:
             self.book, end_one=self._end_queued, follow=self._follow, publish=lambda: runtime_views.publish_gauges(self)
         )
         self.workers: dict[str, ModelWorker] = {}
+        self.forget_when_free: set[str] = set()  # replaced workers forgotten once their last session's place is freed
         self.runners: dict[str, RoomRunner] = {}
         self.restart_policy = restart_policy or RestartPolicy()
         self.slots = WorkerSlots(self.restart_policy)
@@ -243,11 +244,14 @@ class StreamRuntime:
         self.worker_ready(worker, capacity, plan)
 
     def forget_worker(self, worker: Any) -> None:
-        """Drop a failed worker from the book and the worker table, unless it still retains sessions."""
+        """Drop a failed worker from the book and the worker table; one that still retains sessions is dropped once
+        the last of them frees its place (it stayed for ever: shown in metadata, kept however long the server ran)."""
         try:
             self.book.remove_worker(worker.worker_id, trio.current_time())
         except InvalidSetting:
-            return  # it still holds a session's place: it stays until that is settled
+            self.forget_when_free.add(worker.worker_id)
+            return
+        self.forget_when_free.discard(worker.worker_id)
         self.workers.pop(worker.worker_id, None)
 
     def retire_worker(self, worker: Any, reason: str) -> None:
@@ -437,6 +441,7 @@ class StreamRuntime:
         self._notice_failing(now)
         if self.book.holds(record.session_id):
             self._follow(self.book.release(record.session_id, now))
+        self._forget_freed()
         runtime_views.publish_gauges(self)
 
     def requeue(self, runner: Any) -> None:
@@ -447,6 +452,12 @@ class StreamRuntime:
         self.lifecycle.requeue(runner.record)  # its room stays followed as a queued session's (never handed over)
         self._notice_failing(now)
         self._follow(self.book.requeue_head(session_id, now))
+        self._forget_freed()
+
+    def _forget_freed(self) -> None:
+        """Forget the replaced workers whose last session freed its place (a few at most: one a restart)."""
+        for worker_id in list(self.forget_when_free):
+            self.forget_worker(self.workers[worker_id])
 
     # -- time ----------------------------------------------------------------------------
 

@@ -262,3 +262,44 @@ async def test_a_frozen_service_child_fails_a_session_sending_controls_as_the_wo
         record = await s.get(created["session_id"])
         assert record["status"] == "failed" and record["drain_cause"] == "worker_failed", record
         assert "heartbeat deadline" in record["error"], record
+
+
+class SlowToClose(DyingService):
+    """A DyingService whose ``close_session`` waits for the test (the session stays the worker's meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closing = trio.Event()
+        self.close_gate = trio.Event()
+
+    async def close_session(self, session_id: str) -> None:
+        self.closing.set()
+        await self.close_gate.wait()
+        await super().close_session(session_id)
+
+
+async def test_a_replaced_worker_that_still_held_a_session_is_forgotten_once_the_session_ends() -> None:
+    """A slot keeps its current worker and the one it replaced; an older one is forgotten. One that still held a
+    session's place then (its runner still closing the pipeline session) stayed in the server's book for ever:
+    shown in metadata's worker_failures, kept in memory, whatever came after. It goes once that session ends."""
+    first = SlowToClose()
+    async with serve(Loader(first, None, DyingService())) as s:
+        await wait_until(lambda: s.runtime.ready, "the first worker")
+        running = await s.create("ctl")
+        async with join(s, running["room"], running["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run", timeout=20)
+            first.die.set()
+            with trio.fail_after(20):
+                await first.closing.wait()
+        # worker-0.1 failed to load, worker-0.2 loaded: worker-0 is two workers back, but still holds the session
+        await wait_until(lambda: s.runtime.ready, "the third load to succeed")
+        health = (await s.json("get", "/v1/stream/health"))[1]
+        assert health["worker_slots"]["worker-0"]["worker_id"] == "worker-0.2", health["worker_slots"]
+        metadata = (await s.json("get", "/v1/service/metadata"))[1]
+        assert "worker-0" in metadata["worker_failures"], metadata["worker_failures"]
+        first.close_gate.set()
+        await wait_until(lambda: s.runtime.get(running["session_id"]).is_terminal, "the session to end")
+        assert (await s.get(running["session_id"]))["status"] == "failed"
+        metadata = (await s.json("get", "/v1/service/metadata"))[1]
+        assert set(metadata["worker_failures"]) == {"worker-0.1"}, metadata["worker_failures"]
+        assert metadata["workers_total"] == 1 and metadata["retained_sessions"] == 0, metadata
