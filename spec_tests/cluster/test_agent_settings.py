@@ -98,7 +98,9 @@ async def test_an_agent_whose_pipeline_refuses_the_settings_exits_3_and_its_slot
     try:
         await until(lambda: b"refused its configuration" in cluster.process.raw, "the slot to give up", cluster)
         line = next(line for line in cluster.process.text().splitlines() if "refused its configuration" in line)
-        assert "local slot 0: refused its configuration; not restarted (process exited with code 3)" in line, line
+        # the agent's own words come back through its launcher (server/cluster/load_failures.py), then the exit code
+        assert "local slot 0: refused its configuration; not restarted (ConfigurationRefused: " in line, line
+        assert line.endswith("max_sessions_per_worker=2 is refused; process exited with code 3)"), line
         assert "max_sessions_per_worker=2 is refused" in cluster.process.text()
         assert "restart 1 of" not in cluster.process.text(), cluster.process.text()
     finally:

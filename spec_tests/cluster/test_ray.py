@@ -192,4 +192,5 @@ async def test_a_ray_agent_whose_pipeline_never_loads_is_started_twice_and_told_
     One CPU slot: the module's authority holds the nodes' GPUs only."""
     pipeline = broken_pipeline(tmp_path)
     await told_once(start_authority("--ray-address", ray_cluster.address, launcher="ray", workers=1,
-                                    pipeline=str(pipeline), token=None), "ray-0", pipeline)
+                                    pipeline=str(pipeline), token=None), "ray-0", pipeline,
+                    exits_cleanly=False)
