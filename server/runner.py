@@ -3,21 +3,18 @@
     assigned -> joining_room -> starting_pipeline -> running -> draining -> closed
                                                         (or failed / expired)
 
-It joins the room as the worker, waits for the controller, creates the
-pipeline session, forwards validated controls (held, bounded, until the
-pipeline session exists; every refusal is answered on ``tf.status``, to its sender alone), hands its
-chunks to a :class:`~server.chunk_publisher.ChunkPublisher` (paced media, chunk
-messages, ``tf.metrics``), and reports lifecycle and lease status. Who is
-in the room, and which timeout runs, is the :class:`states.room_presence.RoomPresence`
-book: a controller that never joins (or leaves and does not return) within
-``controller_timeout`` fails the session naming the controller, whoever else
-comes and goes; a room its controller came to and that then emptied ends it after
-``room_empty_timeout`` as ``room_empty``. On LiveKit a viewer that joins over the session's seats is sent away
-(:func:`server.viewer_seats.over_seats`: LiveKit lets a still-valid token back in; a local room's door holds them).
-Whatever ends the session (a :class:`~states.stream_session.DrainCause`, set once
-through the :class:`~server.lifecycle.SessionLifecycle`), the runner drains: it
-closes the pipeline session through its owner, says ``done``, leaves the room
-and hands the slot back, so the next queued session is admitted.
+It joins the room as the worker, waits for the controller, creates the pipeline session, forwards validated controls
+(held, bounded, until the pipeline session exists; every refusal is answered on ``tf.status``, to its sender alone),
+hands its chunks to a :class:`~server.chunk_publisher.ChunkPublisher` (paced media, chunk messages, ``tf.metrics``),
+and reports lifecycle and lease status. Who is in the room, and which timeout runs, is the
+:class:`states.room_presence.RoomPresence` book: a controller that never joins (or leaves and does not return) within
+``controller_timeout`` fails the session naming the controller, whoever else comes and goes; a room its controller
+came to and that then emptied ends it after ``room_empty_timeout`` as ``room_empty``. On LiveKit a viewer that joins
+over the session's seats is sent away (:func:`server.viewer_seats.over_seats`: LiveKit lets a still-valid token back
+in; a local room's door holds them; an agent's session's authority sends it away, :mod:`server.cluster.seat_reports`).
+Whatever ends the session (a :class:`~states.stream_session.DrainCause`, set once through the
+:class:`~server.lifecycle.SessionLifecycle`), the runner drains: it closes the pipeline session through its owner,
+says ``done``, leaves the room and hands the slot back, so the next queued session is admitted.
 
 The runner gets what it needs as one value (:class:`RunnerDeps`), runs its side
 tasks (the room watch, the presence timers, ``tf.metrics``, lease messages) in
@@ -105,6 +102,9 @@ class RunnerDeps:
     on_participants: Callable[[SessionRecord], None] = lambda record: None
     #: the runtime keeps the record's participants itself, from the session's creation (local rooms: RoomFollow)
     room_followed: bool = False
+    #: the runner sends away a viewer over the seats where LiveKit is the door; an agent's does not: its authority
+    #: does, from the agent's reports (it holds the tokens' passes and the API key; wire protocol 9 on)
+    checks_seats: bool = True
     #: told once the worker is in the room and keeps the record's participants (LiveKit: until then the runtime
     #: looked into the room itself)
     on_room_seen: Callable[[SessionRecord], None] = lambda record: None
@@ -202,9 +202,8 @@ class RoomRunner:
         # the transport bounds the connect itself and raises TransportError with the reason
         self._connection = await deps.transport.connect(record.room, self.identity, token, timeout=CONNECT_TIMEOUT)
         self._publisher = ChunkPublisher(self._connection, deps.metrics, record.session_id, self._stop)
-        self._presence = RoomPresence(
-            record.controller_identity, deps.controller_timeout, deps.room_empty_timeout, trio.current_time()
-        )
+        self._presence = RoomPresence(record.controller_identity, deps.controller_timeout, deps.room_empty_timeout,
+                                      trio.current_time())
         side_tasks.start_soon(self._watch_room, side_tasks)
         side_tasks.start_soon(self._enforce_timeouts)
         await self._wait_for_controller()
@@ -347,13 +346,15 @@ class RoomRunner:
     def _joined(self, identity: str, side_tasks: trio.Nursery) -> None:
         assert self._presence is not None and self._connection is not None
         self._presence.joined(identity, trio.current_time())
+        # a followed (local) room's door holds the seats, by role; elsewhere (LiveKit) a joiner is checked here, once
+        # (LiveKit may tell one join twice), unless an agent's authority checks it (checks_seats)
+        new = not self.deps.room_followed and identity not in self.record.participants
         if not self.deps.room_followed:
             self.record.participants.add(identity)
         if identity == self.record.controller_identity:
             self._controller_here.set()
         self._presence_moved()
-        # a followed (local) room's door holds the seats, by role; elsewhere (LiveKit) the joiner is checked here
-        if not self.deps.room_followed and (why := over_seats(self.record, identity)) is not None:
+        if new and self.deps.checks_seats and (why := over_seats(self.record, identity)):
             side_tasks.start_soon(send_away_over_seats, self._connection, self.record.session_id, identity, why)
 
     def _presence_moved(self) -> None:

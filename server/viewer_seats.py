@@ -15,7 +15,9 @@ What the server remembers stays bounded: passes are the only identities kept, at
 each goes when its token is used or expires. On LiveKit the door is LiveKit's, which lets a viewer that left back in
 with its still-valid token whatever the seats; so the session's worker asks at each join whether the joiner holds a
 seat (:func:`over_seats`, the door's own rule, which spends the joiner's pass as the door does) and, if not,
-removes it through the RoomService (the newest joiner; never the controller or the server's own participants). A
+removes it through the RoomService (the newest joiner; never the controller or the server's own participants). For
+a session on a worker agent the authority does both, from the agent's reports of its room
+(:mod:`server.cluster.seat_reports`): the agent holds no API key and none of the passes. A
 session's LiveKit room held far more than 32 viewers (tokens handed out while seats were free, then all used at
 once), and nothing sent any away; and a pass was spent only at a later token request that still saw its viewer in
 the room, so a viewer that came and went before it held its seat until its token expired. A viewer that comes and
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
@@ -41,7 +43,7 @@ from .transport import RoomConnection, TransportError
 if TYPE_CHECKING:
     from .registry import SessionRecord
 
-__all__ = ["MAX_VIEWERS_PER_SESSION", "ViewerPasses", "ViewerSeats", "over_seats", "send_away_over_seats"]
+__all__ = ["MAX_VIEWERS_PER_SESSION", "SendsAway", "ViewerPasses", "ViewerSeats", "over_seats", "send_away_over_seats"]
 
 log = logging.getLogger("chunkline.rooms")
 
@@ -129,6 +131,12 @@ def seat_refusal(record: SessionRecord, identity: str, take: bool) -> str | None
     return full
 
 
+class SendsAway(Protocol):
+    """What can send a participant out of a room (a :class:`RoomConnection`'s ``send_away``)."""
+
+    async def send_away(self, identity: str, reason: str, detail: str) -> None: ...
+
+
 def over_seats(record: SessionRecord, identity: str) -> str | None:
     """Why ``identity``, who just joined the session's room, holds no viewer seat (None: it holds one, or it is no
     viewer: the controller, the server's own participants; a viewer is known by its identity, as LiveKit shows it).
@@ -139,10 +147,11 @@ def over_seats(record: SessionRecord, identity: str) -> str | None:
     return seat_refusal(record, identity, take=True)
 
 
-async def send_away_over_seats(connection: RoomConnection, session_id: str, identity: str, why: str) -> None:
-    """The room's worker sends away a viewer that joined over the seats (the newest joiner), in one line of the log
-    naming session and identity. Where that cannot be done (LiveKit refused, or the room's transport holds no API
-    key: a worker agent's) the viewer stays, logged."""
+async def send_away_over_seats(connection: RoomConnection | SendsAway, session_id: str, identity: str,
+                               why: str) -> None:
+    """The room's worker (or, for an agent's session, the authority: :mod:`server.cluster.seat_reports`) sends away a
+    viewer that joined over the seats (the newest joiner), in one line of the log naming session and identity. Where
+    that cannot be done (LiveKit refused or did not answer) the viewer stays, logged."""
     send_away = getattr(connection, "send_away", None)  # a worker agent's hub connection has none: its door holds
     if send_away is None:
         return

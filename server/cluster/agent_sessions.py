@@ -127,6 +127,7 @@ class AgentSessions:
             max_data_message_bytes=welcome.max_data_message_bytes,
             on_finished=self._finished,
             on_participants=self._participants_moved,
+            checks_seats=False,  # the authority holds the seats, from the reports (:mod:`server.cluster.seat_reports`)
         )
 
     def start(self, message: wire.Start, *, refusal: str | None) -> None:

@@ -30,7 +30,9 @@ from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
 from ..requests import OptionsRefused
 from ..tokens import MAX_IDENTITY_LENGTH
+from ..viewer_seats import send_away_over_seats
 from .identity import worker_participant
+from .seat_reports import ReportedRoom, seat_joiners
 from .session_deadlines import DRAIN_DEADLINE, NOT_FINISHED_AFTER_DRAIN, STOP_DEADLINE, start_deadline
 from .start_image import MAX_IMAGE_BYTES, read_image
 from .wire import (
@@ -387,6 +389,7 @@ class RemoteRun:
         #: never did, and the authority tells the room itself
         self.told_room = False
         self.media_reported = False  # the agent's progress took the session into LIVE_MEDIA (it joined its room)
+        self._room_seen = False  # the agent said who is in the room (before, the runtime looked into it)
         self._started = trio.Event()  # it left its starting states (runs, drains or ended): the start's wait ends
 
     def moved(self) -> None:
@@ -414,10 +417,14 @@ class RemoteRun:
 
     def take_participants(self, reported: tuple[str, ...]) -> None:
         """The agent's word on who is in the room, from its worker in the room (LiveKit: the runtime stops looking
-        into the room itself); where the rooms are the authority's own, it follows them and the word is not taken."""
+        into the room itself, and sends away a joiner over the seats); where the rooms are the authority's own, it
+        follows them (their door holds the seats) and the word is not taken."""
         if not self.runtime.room_follow.active and not self.finished.is_set():
             self.runtime.room_follow.handed_over(self.record)
-            self.record.participants = set(reported)
+            record, first, self._room_seen = self.record, not self._room_seen, True
+            for identity, why in seat_joiners(record, reported, first=first):
+                room = ReportedRoom(self.runtime.transport, record.room)
+                self.runtime.spawn(send_away_over_seats, room, record.session_id, identity, why)
 
     def drain(self, cause: DrainCause, detail: str | None = None) -> None:
         """The authority's record drains with its cause (the first one wins); the agent stops at a chunk boundary."""

@@ -81,8 +81,9 @@ __all__ = [
 
 #: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
 #: (the offered settings the pipeline took with their values, in place of offered_taken's names); 6: participants;
-#: 7: ready.takes_prompt and ready.takes_image; 8: the authority's goodbye as it stops
-PROTOCOL = 8
+#: 7: ready.takes_prompt and ready.takes_image; 8: the authority's goodbye as it stops; 9: the authority sends away
+#: a viewer its agent reports in a LiveKit room over the session's seats (the agent's runner checks no seats)
+PROTOCOL = 9
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024

@@ -317,9 +317,7 @@ class _LiveKitConnection:
 
     async def send_away(self, identity: str, reason: str, detail: str) -> None:
         """Remove ``identity`` through the RoomService, within ``disconnect_timeout`` (LiveKit tells it no ``reason``)."""
-        if self._transport._loop is not self._loop:
-            raise TransportError("the LiveKit transport is not running")
-        await self._transport._rooms.remove(self._loop, self.room_name, identity)
+        await self._transport.remove_participant(self.room_name, identity)
 
     async def _wrap(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -431,17 +429,19 @@ class LiveKitTransport:
         empty, for as long as its holder liked. The room stays while empty for ``lifetime`` seconds; the server
         deletes it when the session ends. Raises :class:`TransportError`, naming the cause, when LiveKit refuses
         or does not answer within ``disconnect_timeout``."""
-        if self._loop is None:
-            raise TransportError("the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`")
-        await self._rooms.open(self._loop, room, lifetime)
+        await self._rooms.open(self._running_loop(), room, lifetime)
 
     async def list_participants(self, room: str) -> frozenset[str]:
         """Who is in ``room`` now, through the RoomService: how the server sees a room none of its workers is in (a
         queued session's). Raises :class:`TransportError`, naming the cause, when LiveKit refuses or does not answer
         within ``disconnect_timeout``."""
-        if self._loop is None:
-            raise TransportError("the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`")
-        return await self._rooms.participants(self._loop, room)
+        return await self._rooms.participants(self._running_loop(), room)
+
+    async def remove_participant(self, room: str, identity: str) -> None:
+        """Send ``identity`` out of ``room`` through the RoomService (a viewer over its session's seats, which
+        LiveKit's door let in); one not there is no failure. Raises :class:`TransportError`, naming the cause, when
+        this transport holds no API key, or LiveKit refuses or does not answer within ``disconnect_timeout``."""
+        await self._rooms.remove(self._running_loop(), room, identity)
 
     def close_room(self, room: str, last_word: bytes | None = None) -> None:
         """The room's session ended. In the background, each step within ``disconnect_timeout``: ``last_word``,
@@ -454,11 +454,7 @@ class LiveKitTransport:
 
     async def connect(self, room: str, identity: str, token: str, *, timeout: float) -> _LiveKitConnection:
         """Join ``room`` as ``identity`` with a worker token, or raise TransportError within ``timeout``."""
-        loop = self._loop
-        if loop is None:
-            raise TransportError(
-                "the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`"
-            )
+        loop = self._running_loop()
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
             raise TransportError(f"connect timeout must be a finite number > 0, got {timeout!r}")
         connection = _LiveKitConnection(self, loop, room, identity)
@@ -481,6 +477,12 @@ class LiveKitTransport:
             raise
         self._connections.add(connection)
         return connection
+
+    def _running_loop(self) -> Any:
+        """The loop the RoomService calls and the joins run on (TransportError while the transport is not running)."""
+        if self._loop is None:
+            raise TransportError("the LiveKit transport is not running: start it first with `await nursery.start(transport.run)`")
+        return self._loop
 
     async def _abandon(self, connection: _LiveKitConnection) -> None:
         """Give up a connect: the worker leaves the room as soon as (and if ever) the native join succeeds."""
