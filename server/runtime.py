@@ -456,8 +456,10 @@ class StreamRuntime:
 
     def _forget_freed(self) -> None:
         """Forget the replaced workers whose last session freed its place (a few at most: one a restart)."""
-        for worker_id in list(self.forget_when_free):
-            self.forget_worker(self.workers[worker_id])
+        for worker_id in list(self.forget_when_free):  # one gone another way meanwhile has nothing left to forget
+            self.forget_when_free.discard(worker_id)
+            if worker_id in self.workers:
+                self.forget_worker(self.workers[worker_id])  # noted again while it still holds a session
 
     # -- time ----------------------------------------------------------------------------
 
