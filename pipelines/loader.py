@@ -248,6 +248,11 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
         raise refused
     named = {name for name, p in accepted.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
     options = {**{k: v for k, v in (offered or {}).items() if k in named and k not in options}, **options}
+    required = [name for name, p in accepted.items() if p.default is inspect.Parameter.empty and name not in options
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if required:  # it read Python's "missing 1 required positional argument", from inside chunkline, at no line
+        raise PipelineBug(f"get_service() in {str(path)!r} requires {required}, which it was not given (chunkline "
+                          f"gives gpu_num and the options set for it, by name): give each a default")
     try:
         service = factory(**options)
     except SystemExit as exc:

@@ -66,6 +66,10 @@ BUGS = {
                    "get_service() in {path!r} does not accept ['gpu_num']: chunkline calls every pipeline's "
                    "get_service(gpu_num=N), N the GPUs it is given; add a gpu_num=0 parameter"),
     "not_a_function": ("get_service = None\n", "get_service in {path!r} is a NoneType, not a function"),
+    "a_parameter_never_given": (MINIMAL + "def get_service(model_path, gpu_num=0, *, size):\n"
+                                "    return MinimalService()\n",
+                                "get_service() in {path!r} requires ['model_path', 'size'], which it was not given "
+                                "(chunkline gives gpu_num and the options set for it, by name): give each a default"),
     "message_of_lines": ("def get_service(gpu_num=0):\n    raise RuntimeError('no weights\\nlooked in ./w')\n",
                          "get_service() in {path!r} raised RuntimeError: no weights looked in ./w (at p.py, line 2)"),
     "message_of_no_words": ("def get_service(gpu_num=0):\n    raise RuntimeError()\n",
