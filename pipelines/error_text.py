@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["error_line", "error_words"]
+__all__ = ["error_line", "error_words", "one_line"]
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: a message of several lines broke the one line a failure is told in."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def error_words(exc: BaseException) -> str:
-    """What ``exc`` says, on one line: a message of several lines broke the one line a failure is told in."""
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    """What ``exc`` says, on one line."""
+    return one_line(str(exc))
 
 
 def error_line(exc: BaseException) -> str:

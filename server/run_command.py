@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from pipelines.error_text import one_line
+
 from . import early_signals
 from .console import is_broken_pipe, tell
 from .early_signals import StopSignalled, describe
@@ -49,8 +51,7 @@ def say(line: str) -> None:
     """One line on stderr, never an error: a closed terminal (SIGHUP) fails every write with EIO, and the
     exit code must still say how the run ended (:func:`server.console.tell`). A pipeline's message of several lines
     is joined into it (its lines after the first read as lines of their own, with no ``chunkline run:``)."""
-    joined = " ".join(part.strip() for part in line.splitlines() if part.strip())
-    tell(f"{PREFIX}: {joined}")
+    tell(f"{PREFIX}: {one_line(line)}")
 
 
 class ProgressBar:

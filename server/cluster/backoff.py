@@ -34,7 +34,10 @@ async def back_off(tracker: RestartTracker, cause: str, what: str, *, permanent:
     """``what`` ended with ``cause``: wait out the backoff and return True to start again; False on a crash loop,
     at once when ``permanent`` (a replacement would end the same way), or when its agent never loaded and failed its
     load (``load_failure``) as the slot's last one did: one line then names ``pipeline`` and the error. ``pace``
-    paces the restart's line (the same cause again and again); the crash loop's is always logged."""
+    paces the restart's line (the same cause again and again); the crash loop's is always logged. A load failure's
+    words come first in the line: the exit code alone said nothing of why."""
+    if load_failure is not None:
+        cause = f"{load_failure.words}; {cause}"
     decision = tracker.failure(trio.current_time(), cause, permanent=permanent, load_failure=load_failure)
     if decision.event is Event.LOAD_REPEATED:
         log.error("%s, pipeline %r: %s", what, pipeline, decision.reason)

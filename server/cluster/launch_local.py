@@ -188,9 +188,9 @@ class LocalLauncher:
                 return
             # an agent that never loaded said how its load failed: a repeat gives the slot up (states.restart_policy)
             failure = read_load_failure(self._load_failure_file(slot))
-            if not await back_off(slot.restarts, why if failure is None else f"{failure.words}; {why}",
-                                  f"local slot {slot.name}", permanent=process.returncode == EXIT_REFUSED,
-                                  load_failure=failure, pipeline=self._pipeline()):
+            if not await back_off(slot.restarts, why, f"local slot {slot.name}",
+                                  permanent=process.returncode == EXIT_REFUSED, load_failure=failure,
+                                  pipeline=self._pipeline()):
                 return
             if self._authority is not None:
                 self._authority.runtime.metrics.record_worker_restart()

@@ -244,9 +244,8 @@ class RayLauncher:
                 return
             slot.load_failure = failure  # a repeat gives the slot up (states.restart_policy), as in-process
             settings = None if self._authority is None else self._authority.runtime.settings
-            if not await back_off(slot.restarts, why if failure is None else f"{failure.words}; {why}",
-                                  f"ray slot {slot.name}", permanent=code == EXIT_REFUSED, load_failure=failure,
-                                  pipeline=None if settings is None else settings.pipeline):
+            if not await back_off(slot.restarts, why, f"ray slot {slot.name}", permanent=code == EXIT_REFUSED,
+                                  load_failure=failure, pipeline=None if settings is None else settings.pipeline):
                 return
             if self._authority is not None:
                 self._authority.runtime.metrics.record_worker_restart()

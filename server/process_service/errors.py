@@ -17,6 +17,11 @@ class ProcessServiceError(RuntimeError):
     """Base of the process service's errors."""
 
 
+def last_line(traceback_text: str, default: str) -> str:
+    """A child's traceback told by its last line (the error itself), or ``default`` when it has none."""
+    return (traceback_text.strip().splitlines()[-1:] or [default])[0]
+
+
 class ProcessServiceStartError(ProcessServiceError):
     """The child could not load the pipeline (with its traceback), exited, or was not ready in time.
 

@@ -22,7 +22,7 @@ from engine.supervisor import ChildExit, ChildSpec, StartupFailed, StartupProble
 
 from . import wire
 from .child import child_main
-from .errors import ProcessServiceOptionsRefused, ProcessServiceStartError
+from .errors import ProcessServiceOptionsRefused, ProcessServiceStartError, last_line
 
 __all__ = ["ServiceLink"]
 
@@ -90,11 +90,11 @@ class ServiceLink:
         cause = failure.__cause__
         if isinstance(cause, _LoadFailed):
             error = ProcessServiceOptionsRefused if cause.options_refused else ProcessServiceStartError
-            last = cause.traceback_text.strip().splitlines()[-1:] or ["(no traceback)"]
+            last = last_line(cause.traceback_text, "(no traceback)")
             return error(  # the cause in the first line: health and the log's summary show that line alone
-                f"{self.name}: loading {self.pipeline!r} in the child process failed: {last[0]}\n"
+                f"{self.name}: loading {self.pipeline!r} in the child process failed: {last}\n"
                 f"--- child traceback ---\n{cause.traceback_text}",
-                child_error=last[0],
+                child_error=last,
             )
         if failure.problem == StartupProblem.TIMED_OUT:
             return ProcessServiceStartError(f"{self.name}: loading {self.pipeline!r} did not finish within {timeout:g}s")

@@ -44,6 +44,7 @@ from .errors import (
     ProcessServiceFailed,
     ProcessServiceStartError,
     RemoteServiceError,
+    last_line,
     remote_error,
 )
 from .link import ServiceLink
@@ -188,7 +189,7 @@ class ProcessService:
                     raise ProcessServiceStartError(
                         f"{self.name}: the service's running() failed in the child process:\n"
                         f"--- child traceback ---\n{self._run_error}",
-                        child_error=(self._run_error.strip().splitlines()[-1:] or ["running() failed"])[0],
+                        child_error=last_line(self._run_error, "running() failed"),
                     )
                 self._life.apply(Event.ENTERED)
                 yield self
