@@ -38,7 +38,7 @@ import trio
 from .reasons import echo
 from .runtime_errors import SessionConflict, ViewerLimit
 from .tokens import SERVER_IDENTITY_PREFIX
-from .transport import RoomConnection, TransportError
+from .transport import TransportError
 
 if TYPE_CHECKING:
     from .registry import SessionRecord
@@ -147,17 +147,13 @@ def over_seats(record: SessionRecord, identity: str) -> str | None:
     return seat_refusal(record, identity, take=True)
 
 
-async def send_away_over_seats(connection: RoomConnection | SendsAway, session_id: str, identity: str,
-                               why: str) -> None:
+async def send_away_over_seats(connection: SendsAway, session_id: str, identity: str, why: str) -> None:
     """The room's worker (or, for an agent's session, the authority: :mod:`server.cluster.seat_reports`) sends away a
     viewer that joined over the seats (the newest joiner), in one line of the log naming session and identity. Where
     that cannot be done (LiveKit refused or did not answer) the viewer stays, logged."""
-    send_away = getattr(connection, "send_away", None)  # a worker agent's hub connection has none: its door holds
-    if send_away is None:
-        return
     log.warning("session %s: viewer %r joined over the %d viewer seats and is sent away", session_id, identity,
                 MAX_VIEWERS_PER_SESSION)
     try:
-        await send_away(identity, "viewer_limit", why)
+        await connection.send_away(identity, "viewer_limit", why)
     except TransportError as exc:
         log.warning("session %s: viewer %r over the seats stays in the room: %s", session_id, identity, exc)
