@@ -410,8 +410,7 @@ class LocalRooms:
                 # the server is closing: flush what is queued (the worker's last status, "done")
                 with trio.move_on_after(1.0):
                     while subscriber.texts:
-                        await send(subscriber.texts[0])
-                        subscriber.sent_text()
+                        await subscriber.send_oldest_text(send)
         finally:
             subscriber.gone()
             target.subscribers.pop(subscriber.identity, None)
@@ -432,8 +431,7 @@ class LocalRooms:
                 if subscriber.texts:
                     # a data message leaves its queue only once sent: a send cut short by the
                     # server closing leaves it queued for the final flush
-                    await send(subscriber.texts[0])
-                    subscriber.sent_text()
+                    await subscriber.send_oldest_text(send)
                 else:
                     await send(subscriber.media.popleft())  # frames are droppable
         end.cancel()

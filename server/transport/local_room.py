@@ -20,6 +20,8 @@ from .base import DataReceived, ParticipantJoined, RoomEvent
 from .refusals import refused
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from .local import WorkerConnection
 
 __all__ = [
@@ -56,6 +58,8 @@ class Subscriber:
     dropped_frames: int = 0
     text_size: int = 0  # characters queued in ``texts``
     leaving: bool = False  # send what is queued, then leave
+    #: times the text queue was replaced (sent away, gone): a send begun before it does not take the new head
+    replaced: int = 0
 
     def push_text(self, message: str) -> None:
         if self.too_slow:
@@ -78,6 +82,7 @@ class Subscriber:
         self.too_slow = True  # nothing more is queued for it
         self.backlog.release(self)
         self.texts.clear()
+        self.replaced += 1
         message = why or refused("too_slow")
         self.texts.append(message)
         self.text_size = len(message)
@@ -88,6 +93,7 @@ class Subscriber:
         """The client left: nothing it still has queued is sent or counted."""
         self.backlog.release(self)
         self.texts.clear()
+        self.replaced += 1
         self.text_size = 0
 
     def leave(self) -> None:
@@ -96,7 +102,16 @@ class Subscriber:
         self.leaving = True
         self.ready.set()
 
-    def sent_text(self) -> None:
+    async def send_oldest_text(self, send: Callable[[str | bytes], Awaitable[None]]) -> None:
+        """Send the oldest queued text; it leaves the queue only once sent, and only if the queue was not replaced
+        meanwhile: a send can return after it delivered and yielded (a trio channel's, a socket's), and the worker
+        may have sent the client away in that gap, leaving its refusal at the head."""
+        replaced = self.replaced
+        await send(self.texts[0])
+        if replaced == self.replaced:
+            self._sent_text()
+
+    def _sent_text(self) -> None:
         """The oldest queued text message has been sent."""
         size = len(self.texts.popleft())
         self.text_size -= size
