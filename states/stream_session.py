@@ -172,12 +172,14 @@ SETTLES_WITH: dict[DrainCause, Event] = {
 
 
 #: The event that ends a queued session, by why it ends. A queued session holds no worker, so it never drains; one
-#: the server will never run (it shuts down, or no worker can take it) fails with the reason, as it never ran.
+#: the server will never run (it shuts down, no worker can take it, or the last worker that could was drained) fails
+#: with the reason, as it never ran.
 QUEUED_ENDS_WITH: dict[DrainCause, Event] = {
     DrainCause.DELETED: Event.WITHDRAW,
     DrainCause.EXPIRED: Event.EXPIRE,
     DrainCause.SHUTDOWN: Event.FAIL,
     DrainCause.WORKER_FAILED: Event.FAIL,
+    DrainCause.WORKER_DRAIN: Event.FAIL,
 }
 
 

@@ -6,7 +6,16 @@ drains them at a chunk boundary (they end as completed work, not failures) and s
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+from trio.testing import wait_all_tasks_blocked
+
 from .conftest import GatedLoader, make_settings, serve, wait_until
+from .runner_fixtures import CounterService, join
+from .runner_fixtures import no_threads  # noqa: F401  (fixture)
+from .runner_fixtures import serve as counter_serve
+from .runner_fixtures import settings as counter_settings
 
 DRAIN = "/v1/service/workers/{}/drain"
 
@@ -56,3 +65,32 @@ async def test_a_drain_body_with_an_unknown_field_is_refused_and_drains_nothing(
             status, refused, _ = await s.json("post", DRAIN.format("worker-0"), json=body)
             assert (status, refused["error"]) == (400, code), (body, refused)
         assert s.runtime.book.worker_state("worker-0").value == "idle"
+
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_draining_the_last_worker_fails_the_queued_sessions_with_the_reason(autojump_clock: Any) -> None:
+    """Once the last worker drains, nothing will ever run the queue (a create is a 503 with no Retry-After): the
+    queued sessions fail as ``worker_drain`` naming why, and their rooms hear it. They stayed queued, their clients
+    waiting, until each one's own session timeout. While another worker serves, they wait for it."""
+    async with counter_serve(counter_settings(num_workers=2, max_sessions_per_worker=1, queue_size=2),
+                             CounterService()) as served:
+        await served.create("a")
+        await served.create("b")
+        queued = [await served.create(name) for name in ("c", "d")]
+        assert [body["status"] for body in queued] == ["queued", "queued"], queued
+        async with join(served, queued[0]["room"], queued[0]["token"]) as waiting:
+            status, body = await served.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 600})
+            assert status == 202, body
+            await wait_all_tasks_blocked()
+            assert [(await served.get(body["session_id"]))["status"] for body in queued] == ["queued", "queued"]
+            status, body = await served.json("post", DRAIN.format("worker-1"), json={"deadline_seconds": 600})
+            assert status == 202, body
+            error = await waiting.wait_for(lambda p: next(iter(p.status("error")), None), "the queued room's error")
+        why = "no worker can take the session: worker worker-1 was drained and no other worker runs or starts"
+        assert (error["reason"], error["detail"]) == ("worker_drain", why), error
+        for body in queued:
+            record = await served.get(body["session_id"])
+            assert (record["status"], record["drain_cause"], record["error"]) == ("failed", "worker_drain", why), record
+        status, refused = await served.json("post", "/v1/stream/sessions", json={"identity": "e"})
+        assert (status, refused["error"]) == (503, "no_worker"), refused
