@@ -56,7 +56,8 @@ def publish_gauges(runtime: StreamRuntime) -> None:
     metrics.set_sessions(runtime.registry.counts())
     metrics.set_queue_depth(snapshot.queued)
     counts = worker_counts(runtime)  # as health counts them: a replaced worker is not counted failed
-    metrics.set_workers({state: counts[state] for state in ("idle", "busy", "failed", "starting")})
+    # every state health counts: without draining and stopped, a drained worker vanished from the gauge's sum
+    metrics.set_workers({state.value: counts[state.value] for state in WorkerState})
     metrics.set_capacity(sum(w.capacity for w in runtime.book.workers() if w.state in ELIGIBLE_WORKERS))
 
 

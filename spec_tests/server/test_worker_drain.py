@@ -94,3 +94,27 @@ async def test_draining_the_last_worker_fails_the_queued_sessions_with_the_reaso
             assert (record["status"], record["drain_cause"], record["error"]) == ("failed", "worker_drain", why), record
         status, refused = await served.json("post", "/v1/stream/sessions", json={"identity": "e"})
         assert (status, refused["error"]) == (503, "no_worker"), refused
+
+
+def worker_gauges(text: str) -> dict[str, float]:
+    """``chunkline_workers{state=...}`` from the Prometheus text, by state."""
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith('chunkline_workers{state="')}
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_the_worker_gauge_counts_a_draining_and_a_stopped_worker_as_health_does(autojump_clock: Any) -> None:
+    """``chunkline_workers{state}`` has every state health counts, so its sum is health's ``workers_total``: it had
+    idle, busy, failed and starting only, and a drained worker read as no worker at all."""
+    async with counter_serve(counter_settings(max_sessions_per_worker=1), CounterService()) as served:
+        created = await served.create("a")
+        status, body = await served.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 600})
+        assert status == 202, body
+        gauges = worker_gauges(await served.metrics_text())
+        assert (gauges.get("draining"), sum(gauges.values())) == (1, 1), gauges
+        status, body = await served.json("delete", f"/v1/stream/sessions/{created['session_id']}")
+        assert status == 200, body
+        await wait_until(lambda: served.runtime.book.worker_state("worker-0").value == "stopped", "the worker to stop")
+        gauges = worker_gauges(await served.metrics_text())
+        status, health = await served.json("get", "/v1/stream/health")
+        assert (gauges.get("stopped"), sum(gauges.values())) == (1, health["workers_total"]), (gauges, health)
