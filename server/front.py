@@ -46,6 +46,7 @@ import trio
 
 from .frame_budget import FrameBudget
 from .http_framing import (
+    BODY_RETRY_AFTER,
     BodyBudget,
     FramingRefused,
     RequestFraming,
@@ -65,6 +66,10 @@ log = logging.getLogger("chunkline.front")
 
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024
+#: the answer past :data:`MAX_CONNECTIONS` (it said "503 Service Unavailable", and no Retry-After)
+TOO_MANY_CONNECTIONS: Final = FramingRefused(
+    503, f"the server has {MAX_CONNECTIONS} connections open, the most it serves at once; retry in "
+    f"{BODY_RETRY_AFTER} s", error="too_many_connections", retry_after=BODY_RETRY_AFTER)
 READ_SIZE: Final = 65536
 SEND_BUFFER_BYTES: Final = DEFAULT_SEND_BUFFER
 """``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike), unless
@@ -142,7 +147,7 @@ class Front:
             try:
                 if len(self._open) > MAX_CONNECTIONS:
                     self.refused += 1
-                    await self._refuse(stream, 503, linger=0)  # shed at once: lingering would hold one more
+                    await self._refuse(stream, 503, TOO_MANY_CONNECTIONS, linger=0)  # lingering would hold one more
                     return
                 first = await self._read_head(stream)
                 if first is None:

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, CloseConnection, Ping, Pong, Request
@@ -338,6 +339,22 @@ async def test_a_client_that_never_reads_its_response_cannot_hold_it() -> None:
         size = (ROOT / "server/static/vendor/livekit-client.umd.js").stat().st_size
         assert len(received) < 16 * size, f"{len(received)} bytes arrived: the stalled connection was kept"
         await stalled.aclose()
+
+
+async def test_a_connection_past_the_cap_is_told_why_and_when_to_retry(monkeypatch: Any) -> None:
+    """Past the front's connection cap (4 here, 1024 served) a new connection gets a 503 naming the cap, with
+    ``Retry-After``; it said only "503 Service Unavailable", with no Retry-After."""
+    monkeypatch.setattr("server.front.MAX_CONNECTIONS", 4)
+    async with running(attrs.evolve(FAST, head=WAIT, idle=WAIT)) as server:
+        holders = [await server.raw() for _ in range(4)]  # silent: each holds its place until its head deadline
+        past = await server.raw()  # accepted after them (the listen queue is first in, first out)
+        head, _, body = (await closed_by_server(past)).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 5\r\n" in head + b"\r\n", head
+        assert json.loads(body) == {"error": "too_many_connections", "detail": "the server has 1024 connections open, "
+                                    "the most it serves at once; retry in 5 s"}, body
+        for holder in holders:
+            await holder.aclose()
+        await past.aclose()
 
 
 async def test_an_idle_keep_alive_connection_is_closed_after_its_deadline() -> None:
