@@ -43,12 +43,15 @@ from .transport import TransportError
 if TYPE_CHECKING:
     from .registry import SessionRecord
 
-__all__ = ["MAX_VIEWERS_PER_SESSION", "SendsAway", "ViewerPasses", "ViewerSeats", "over_seats", "send_away_over_seats"]
+__all__ = ["MAX_VIEWERS_PER_SESSION", "SEND_AWAY_WAITS", "SendsAway", "ViewerPasses", "ViewerSeats", "over_seats", "send_away_over_seats"]
 
 log = logging.getLogger("chunkline.rooms")
 
 #: viewer seats one session has: viewers in its room and viewer tokens handed out not yet used (one socket each)
 MAX_VIEWERS_PER_SESSION = 32
+
+#: seconds between tries at sending a viewer over the seats away (LiveKit refused, or did not answer in time)
+SEND_AWAY_WAITS = (1.0, 2.0, 4.0)
 
 
 @attrs.define
@@ -149,11 +152,20 @@ def over_seats(record: SessionRecord, identity: str) -> str | None:
 
 async def send_away_over_seats(connection: SendsAway, session_id: str, identity: str, why: str) -> None:
     """The room's worker (or, for an agent's session, the authority: :mod:`server.cluster.seat_reports`) sends away a
-    viewer that joined over the seats (the newest joiner), in one line of the log naming session and identity. Where
-    that cannot be done (LiveKit refused or did not answer) the viewer stays, logged."""
+    viewer that joined over the seats (the newest joiner), in one line of the log naming session and identity. A
+    removal LiveKit refuses or does not answer is tried again after each of :data:`SEND_AWAY_WAITS` (the viewer
+    stayed for good after one failure: nothing else looks at it again); past them the viewer stays, logged."""
     log.warning("session %s: viewer %r joined over the %d viewer seats and is sent away", session_id, identity,
                 MAX_VIEWERS_PER_SESSION)
-    try:
-        await connection.send_away(identity, "viewer_limit", why)
-    except TransportError as exc:
-        log.warning("session %s: viewer %r over the seats stays in the room: %s", session_id, identity, exc)
+    for wait in (*SEND_AWAY_WAITS, None):
+        try:
+            await connection.send_away(identity, "viewer_limit", why)
+            return
+        except TransportError as exc:
+            if wait is None:
+                log.warning("session %s: viewer %r over the seats stays in the room (%d tries): %s", session_id,
+                            identity, len(SEND_AWAY_WAITS) + 1, exc)
+                return
+            log.info("session %s: sending viewer %r away failed, tried again in %g s: %s", session_id, identity,
+                     wait, exc)
+            await trio.sleep(wait)

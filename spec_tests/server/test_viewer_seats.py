@@ -10,6 +10,7 @@ free seat at the door or is refused there, so an unused token always finds its s
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
@@ -17,8 +18,8 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from server.transport import ParticipantLeft
-from server.viewer_seats import MAX_VIEWERS_PER_SESSION
+from server.transport import ParticipantLeft, TransportError
+from server.viewer_seats import MAX_VIEWERS_PER_SESSION, SEND_AWAY_WAITS, send_away_over_seats
 from spec_tests import virtual_time
 
 from .runner_fixtures import CounterService, Peer, Served, join, serve, settings
@@ -159,3 +160,37 @@ async def test_a_local_rooms_worker_sends_a_viewer_away_with_viewer_limit_on_its
                 assert not [m for m in controller.texts() if m.get("type") == "refused"], controller.texts()
             finally:
                 await worker.disconnect()
+
+
+class RefusingRoom:
+    """A room whose first ``refusals`` removals fail as LiveKit's do when it refuses or does not answer in time."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.tries: list[float] = []  # trio clock
+
+    async def send_away(self, identity: str, reason: str, detail: str) -> None:
+        self.tries.append(trio.current_time())
+        if len(self.tries) <= self.refusals:
+            raise TransportError(f"LiveKit: removing {identity!r} failed: no answer within 5 s")
+
+
+@pytest.mark.parametrize("refusals", [1, len(SEND_AWAY_WAITS), len(SEND_AWAY_WAITS) + 1])
+async def test_a_removal_over_the_seats_that_livekit_refuses_is_tried_again(
+    autojump_clock: Any, refusals: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A viewer over the seats whose removal failed once stayed in the room for good (nothing looks at it again):
+    the removal is tried again after each of ``SEND_AWAY_WAITS``; past them the viewer stays, logged once."""
+    room = RefusingRoom(refusals)
+    caplog.set_level("INFO", logger="chunkline.rooms")
+    start = trio.current_time()
+    await send_away_over_seats(room, "s-1", "v33", "all 32 viewer seats are taken")
+    tries = min(refusals + 1, len(SEND_AWAY_WAITS) + 1)
+    waited = [0.0, *itertools.accumulate(SEND_AWAY_WAITS)][:tries]
+    assert [round(at - start, 6) for at in room.tries] == waited
+    stayed = [r.getMessage() for r in caplog.records if "stays in the room" in r.getMessage()]
+    if refusals > len(SEND_AWAY_WAITS):
+        assert stayed == [f"session s-1: viewer 'v33' over the seats stays in the room ({tries} tries): "
+                          f"LiveKit: removing 'v33' failed: no answer within 5 s"], stayed
+    else:
+        assert stayed == []
