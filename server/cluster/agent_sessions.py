@@ -193,11 +193,18 @@ class AgentSessions:
         seq = self._seq[session_id] = self._seq.get(session_id, 0) + 1
         return seq
 
-    @staticmethod
-    def _shown(record: SessionRecord) -> tuple[str, ...]:
+    def _shown(self, record: SessionRecord) -> tuple[str, ...]:
         """The participants as the authority is told them: at most what the wire carries (a LiveKit room may hold
-        people whose tokens this cluster did not mint; past the limit the agent was lost for a protocol error)."""
-        return tuple(sorted(record.participants)[:MAX_PARTICIPANTS])
+        people whose tokens this cluster did not mint; past the limit the agent was lost for a protocol error).
+        Past it, those the authority was told of and still here come first, then newcomers by name: cut by name
+        alone, a crowd of viewers named before the controller dropped it from the report (the authority took it
+        as gone), and those named last were never reported (the authority never sent them away)."""
+        present = record.participants
+        if len(present) <= MAX_PARTICIPANTS:
+            return tuple(sorted(present))
+        told = [identity for identity in self._reported.get(record.session_id, ()) if identity in present]
+        newcomers = sorted(present.difference(told))
+        return tuple(sorted([*told, *newcomers][:MAX_PARTICIPANTS]))
 
     def _told(self, record: SessionRecord) -> tuple[str, ...]:
         shown = self._reported[record.session_id] = self._shown(record)
