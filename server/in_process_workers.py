@@ -21,6 +21,7 @@ from states.worker import LOADING
 
 from . import runtime_views
 from .model_worker import LoadFailure, ModelWorker
+from .orphaned_queue import end_if_nothing_will_run
 from .run_signals import exit_now
 from .worker_slots import WorkerSlot
 
@@ -165,7 +166,8 @@ class InProcessWorkers:
         def on_worker() -> list[RoomRunner]:
             return [r for r in self.runtime.runners.values() if r.worker is worker]
 
-        await self.end_queue_if_none_can_run(worker.worker_id)
+        end_if_nothing_will_run(self.runtime, DrainCause.WORKER_DRAIN,
+                                f"worker {worker.worker_id} was drained and no other worker runs or starts")
         with trio.move_on_after(deadline):
             while on_worker():
                 await on_worker()[0].finished.wait()
@@ -179,14 +181,3 @@ class InProcessWorkers:
         if slot is not None:
             slot.tracker.stop()  # drained on purpose: the slot stays down, and health says so
         runtime_views.publish_gauges(self.runtime)
-
-    async def end_queue_if_none_can_run(self, drained: str) -> None:
-        """The queued sessions fail (``worker_drain``, with the reason) when the drained worker was the last that
-        could run them: no other runs, starts or is due to restart. Creates are then a 503 saying nothing will come;
-        the queue waited for nothing until each session's own timeout."""
-        runtime = self.runtime
-        if runtime.closing or runtime.book.can_place() or runtime.slots.retry_after(trio.current_time()) is not None:
-            return
-        queued = [record for record in map(runtime.registry.find, runtime.book.queued_ids()) if record is not None]
-        reason = f"no worker can take the session: worker {drained} was drained and no other worker runs or starts"
-        await runtime.queued_ends.end(queued, DrainCause.WORKER_DRAIN, reason)

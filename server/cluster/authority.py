@@ -24,8 +24,10 @@ import trio
 
 from engine import CapacityPlan
 from states.liveness import DuplicateWorkerId, LivenessBook, loss_kind
+from states.stream_session import DrainCause
 
 from ..log_pace import LogPace
+from ..orphaned_queue import end_if_nothing_will_run
 from ..reasons import echo, public_reason
 from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
@@ -455,6 +457,11 @@ class ClusterAuthority:
             "slot": worker.slot,
             "pid": worker.pid,
         }
+
+    def slot_stays_down(self, cause: DrainCause, reason: str) -> None:
+        """A launcher's slot was drained and stays down: the queued sessions end now, with ``reason``, when nothing
+        will run them (:mod:`server.orphaned_queue`)."""
+        end_if_nothing_will_run(self.runtime, cause, reason)
 
     def agent_may_join(self) -> bool:
         """Whether an agent may still register: False once every slot of the launcher gave up or stopped and no

@@ -8,15 +8,20 @@ worker restarts: one policy, one tracker per slot, this one step around it.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import trio
 
 from states.restart_policy import Event, RestartTracker
+from states.stream_session import DrainCause
 
 from ..log_pace import LogPace
 from ..model_worker import LoadFailure
 
-__all__ = ["back_off", "await_goodbye", "GOODBYE_GRACE", "EXIT_REFUSED"]
+if TYPE_CHECKING:
+    from .authority import ClusterAuthority
+
+__all__ = ["back_off", "await_goodbye", "stays_down", "GOODBYE_GRACE", "EXIT_REFUSED"]
 
 log = logging.getLogger("chunkline.cluster")
 
@@ -58,3 +63,10 @@ async def await_goodbye(settled: trio.Event, exited_cleanly: bool) -> None:
     if exited_cleanly:
         with trio.move_on_after(GOODBYE_GRACE):
             await settled.wait()
+
+
+def stays_down(authority: ClusterAuthority | None, tracker: RestartTracker, what: str) -> None:
+    """``what``, a launcher's slot, was drained and stays down: the authority ends the queued sessions now, with why,
+    when no worker is left to run them; they waited for their own session timeout."""
+    if authority is not None:
+        authority.slot_stays_down(DrainCause.WORKER_DRAIN, f"{what}: {tracker.describe(trio.current_time())}")

@@ -28,7 +28,7 @@ from states.restart_policy import RestartPolicy, RestartTracker
 
 from ..reasons import echo
 from . import wire
-from .backoff import EXIT_REFUSED, await_goodbye, back_off
+from .backoff import EXIT_REFUSED, await_goodbye, back_off, stays_down
 from .load_failures import LOAD_FAILURE_ENV, read_load_failure
 
 if TYPE_CHECKING:
@@ -185,6 +185,7 @@ class LocalLauncher:
             if slot.drained and process.returncode == 0:
                 slot.restarts.stop()  # drained on purpose: its resources are back, nothing to replace
                 log.info("local slot %s: drained; it stays down", slot.name)
+                stays_down(self._authority, slot.restarts, f"local slot {slot.name}")
                 return
             # an agent that never loaded said how its load failed: a repeat gives the slot up (states.restart_policy)
             failure = read_load_failure(self._load_failure_file(slot))

@@ -31,7 +31,7 @@ import trio
 from states.liveness import PROCESS_GONE, loss_kind
 from states.restart_policy import RestartPolicy, RestartTracker
 
-from .backoff import EXIT_REFUSED, await_goodbye, back_off
+from .backoff import EXIT_REFUSED, await_goodbye, back_off, stays_down
 from .launch_local import agent_command, exit_cause
 from .load_failures import LOAD_FAILURE_ENV, read_load_failure, write_load_failure
 
@@ -241,6 +241,7 @@ class RayLauncher:
             if slot.drained and code == 0:
                 slot.restarts.stop()  # drained on purpose: its resources are back in Ray, nothing to replace
                 log.info("ray slot %s: drained; it stays down", slot.name)
+                stays_down(self._authority, slot.restarts, f"ray slot {slot.name}")
                 return
             slot.load_failure = failure  # a repeat gives the slot up (states.restart_policy), as in-process
             settings = None if self._authority is None else self._authority.runtime.settings

@@ -21,6 +21,7 @@ from server.cluster.launch_local import LocalLauncher
 from server.cluster.launch_ray import RayLauncher
 from server.cluster.remote import RemoteWorker
 from server.settings import ServerSettings
+from states.stream_session import DrainCause
 
 from .conftest import TINY, TOKEN
 from .test_hostile_authority import START_DEADLINE, serve, welcome
@@ -46,12 +47,17 @@ class Authority:
         self.launcher: LocalLauncher | RayLauncher | None = None
         self.registered: dict[str, RemoteWorker] = {}
         self.losses: list[tuple[str, str]] = []
+        self.stayed_down: list[tuple[DrainCause, str]] = []
 
     def lose(self, worker_id: str, cause: str) -> None:
         worker = self.registered.pop(worker_id, None)
         if worker is not None and self.launcher is not None:
             self.losses.append((worker_id, cause))
             self.launcher.worker_lost(worker, cause)
+
+    def slot_stays_down(self, cause: DrainCause, reason: str) -> None:
+        """A slot that stays down is told to the authority (which ends a queue nothing will run; none here)."""
+        self.stayed_down.append((cause, reason))
 
     def left(self, worker: RemoteWorker) -> None:
         """The goodbye of a drained worker, settled: the worker leaves, and the launcher is told so."""
@@ -117,6 +123,7 @@ async def test_a_drained_agent_whose_exit_is_seen_before_its_goodbye_is_not_star
     assert authority.losses == [], authority.losses  # the clean exit was not taken for a loss
     [slot] = launcher.view()
     assert slot["state"] == "stopped" and slot["worker_id"] is None, slot  # drained: it stays down
+    assert [cause for cause, _ in authority.stayed_down] == [DrainCause.WORKER_DRAIN]  # and the authority is told
     assert len(launcher.pids) == 1, launcher.pids  # and no agent was started in its place
 
 
@@ -129,4 +136,5 @@ async def test_a_drained_ray_placed_agent_whose_exit_is_seen_before_its_goodbye_
     [slot] = launcher.view()
     # drained: it stays down, its actor and placement group given back, and it is not placed again
     assert slot["state"] == "stopped" and slot["worker_id"] is None and not slot["placed"], slot
+    assert [cause for cause, _ in authority.stayed_down] == [DrainCause.WORKER_DRAIN]  # and the authority is told
     assert slot["restarts"] == 0, slot

@@ -1,0 +1,47 @@
+"""Queued sessions that no worker will ever run end at once, with the reason (``server/orphaned_queue.py``).
+
+With ``--workers local`` and the cluster token the authority made itself, no agent can join but the launcher's:
+once its last slot stays down (drained through the API), a create is a 503 with no ``Retry-After``, and the sessions
+already queued fail as ``worker_drain`` naming the slot. They stayed queued, their clients waiting, until each one's
+own session timeout. A real authority and agent (processes).
+"""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from .conftest import Cluster, start_authority, until, wait_for
+
+
+async def test_the_queue_fails_with_the_reason_once_the_last_launched_agent_is_drained() -> None:
+    def start() -> Cluster:
+        found = start_authority(workers=1, token=None)  # no token given: only the launcher's agents can join
+        wait_for(lambda: len(found.eligible()) == 1, "the agent to be ready", found)
+        return found
+
+    cluster = await trio.to_thread.run_sync(start)
+    try:
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=30) as client:
+            created = [(await client.post("/v1/stream/sessions", json={"identity": name})).json()
+                       for name in ("a", "b", "c")]
+            assert [body["status"] for body in created] == ["assigned", "queued", "queued"], created
+            [worker] = cluster.eligible()
+            drain = await client.post(f"/v1/service/workers/{worker['worker_id']}/drain", json={"deadline_seconds": 1})
+            assert drain.status_code == 202, drain.text
+
+            async def queued_ended() -> bool:
+                records = [(await client.get(f"/v1/stream/sessions/{body['session_id']}")).json() for body in created[1:]]
+                return all(record["status"] != "queued" for record in records)
+
+            await until(queued_ended, "the queued sessions to end", cluster, deadline=60)
+            why = ("no worker can take the session: local slot 0: stopped on purpose (drained, or the server is "
+                   "stopping); not restarted")
+            for body in created[1:]:
+                record = (await client.get(f"/v1/stream/sessions/{body['session_id']}")).json()
+                assert (record["status"], record["drain_cause"], record["error"]) == ("failed", "worker_drain", why), record
+            refused = await client.post("/v1/stream/sessions", json={"identity": "d"})
+            assert (refused.status_code, refused.json()["error"]) == (503, "no_worker"), refused.text
+            assert "retry-after" not in refused.headers
+    finally:
+        await trio.to_thread.run_sync(cluster.stop)
