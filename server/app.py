@@ -345,7 +345,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             "room": record.room,
             "livekit_url": public_url,
             "transport": transport.name,
-            "websocket_path": f"/v1/rooms/{record.room}/ws" if transport.name == "local" else None,
+            "websocket_path": room_socket_path(record.room),
             "token": created.token,
             "worker_id": record.worker_id,
             "status": record.status.value,
@@ -374,6 +374,10 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         record = await runtime.delete_session(session_id)
         return {"session_id": record.session_id, "status": record.status.value}
 
+    def room_socket_path(room: str) -> str | None:
+        """Where a token's holder joins the room: the server's own room socket (local rooms), or LiveKit (None)."""
+        return f"/v1/rooms/{room}/ws" if transport.name == "local" else None
+
     @app.post("/v1/stream/sessions/<session_id>/tokens")
     async def viewer_token(session_id: str) -> dict[str, Any]:
         record = runtime.get(session_id)  # 404 before body errors
@@ -381,8 +385,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         present = await runtime.room_follow.look_now(record)  # LiveKit: who is in the room now, for this check
         token = runtime.viewer_token(session_id, identity, present)
         record = runtime.get(session_id)
-        return {"session_id": session_id, "room": record.room, "livekit_url": public_url, "token": token, "role": "viewer",
-                "identity": identity}
+        return {"session_id": session_id, "room": record.room, "livekit_url": public_url, "transport": transport.name,
+                "websocket_path": room_socket_path(record.room), "token": token, "role": "viewer", "identity": identity}
 
     # -- health, metadata, metrics ------------------------------------------------------
 

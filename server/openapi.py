@@ -126,6 +126,8 @@ SCHEMAS: dict[str, Any] = {
             "session_id": {"type": "string"},
             "room": {"type": "string"},
             "livekit_url": NULLABLE_STR,
+            "transport": {"type": "string", "enum": ["local", "livekit"]},
+            "websocket_path": NULLABLE_STR,
             "token": {"type": "string"},
             "role": {"type": "string", "enum": ["viewer"]},
             "identity": {"type": "string"},

@@ -386,8 +386,15 @@ class Peer:
 async def join(served: Served, room: str, token: str | None) -> AsyncIterator[Peer]:
     """Connect a participant (``token`` None: with no token at all); its reader runs until the block ends
     (the socket is then closed)."""
+    async with join_at(served, f"/v1/rooms/{room}/ws", token) as peer:
+        yield peer
+
+
+@asynccontextmanager
+async def join_at(served: Served, path: str, token: str | None) -> AsyncIterator[Peer]:
+    """:func:`join` at the room socket ``path`` (a ``websocket_path`` an answer of the API names)."""
     query = "" if token is None else f"?token={token}"
-    async with served.client.websocket(f"/v1/rooms/{room}/ws{query}") as ws:
+    async with served.client.websocket(f"{path}{query}") as ws:
         peer = Peer(ws)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(peer._read)

@@ -22,7 +22,7 @@ from server.transport import ParticipantLeft, TransportError
 from server.viewer_seats import MAX_VIEWERS_PER_SESSION, SEND_AWAY_WAITS, send_away_over_seats
 from spec_tests import virtual_time
 
-from .runner_fixtures import CounterService, Peer, Served, join, serve, settings
+from .runner_fixtures import CounterService, Peer, Served, join, join_at, serve, settings
 from .runner_fixtures import no_threads  # noqa: F401  (fixture)
 
 TTL = 60.0  # --token-ttl of these servers: seconds a viewer token, and its seat while unused, lasts
@@ -194,3 +194,17 @@ async def test_a_removal_over_the_seats_that_livekit_refuses_is_tried_again(
                           f"LiveKit: removing 'v33' failed: no answer within 5 s"], stayed
     else:
         assert stayed == []
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_a_viewer_token_says_where_to_join_and_a_viewer_joins_there(autojump_clock: Any) -> None:
+    """A viewer token's answer names the room socket as a create's does (``websocket_path``, ``transport``): a
+    viewer's client had to build the path itself from the room's name."""
+    async with seated_server() as served:
+        created = await served.create("ctl")
+        status, body = await ask(served, created["session_id"], "v1")
+        assert status == 200, body
+        assert (body["transport"], body["websocket_path"]) == ("local", created["websocket_path"]), body
+        async with join_at(served, body["websocket_path"], body["token"]) as viewer:
+            await joined(viewer)
+            assert viewer.texts()[0]["role"] == "viewer", viewer.texts()
