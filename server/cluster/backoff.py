@@ -65,8 +65,10 @@ async def await_goodbye(settled: trio.Event, exited_cleanly: bool) -> None:
             await settled.wait()
 
 
-def stays_down(authority: ClusterAuthority | None, tracker: RestartTracker, what: str) -> None:
-    """``what``, a launcher's slot, was drained and stays down: the authority ends the queued sessions now, with why,
-    when no worker is left to run them; they waited for their own session timeout."""
+def stays_down(authority: ClusterAuthority | None, tracker: RestartTracker, what: str,
+               cause: DrainCause = DrainCause.WORKER_DRAIN) -> None:
+    """``what``, a launcher's slot, stays down (drained, or given up: ``cause`` ``worker_failed``): the authority ends
+    the queued sessions now, with why, when no worker is left to run them; they waited for their own session
+    timeout."""
     if authority is not None:
-        authority.slot_stays_down(DrainCause.WORKER_DRAIN, f"{what}: {tracker.describe(trio.current_time())}")
+        authority.slot_stays_down(cause, f"{what}: {tracker.describe(trio.current_time())}")

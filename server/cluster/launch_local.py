@@ -25,6 +25,7 @@ import attrs
 import trio
 
 from states.restart_policy import RestartPolicy, RestartTracker
+from states.stream_session import DrainCause
 
 from ..reasons import echo
 from . import wire
@@ -192,6 +193,7 @@ class LocalLauncher:
             if not await back_off(slot.restarts, why, f"local slot {slot.name}",
                                   permanent=process.returncode == EXIT_REFUSED, load_failure=failure,
                                   pipeline=self._pipeline()):
+                stays_down(self._authority, slot.restarts, f"local slot {slot.name}", DrainCause.WORKER_FAILED)
                 return
             if self._authority is not None:
                 self._authority.runtime.metrics.record_worker_restart()

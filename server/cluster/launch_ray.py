@@ -30,6 +30,7 @@ import trio
 
 from states.liveness import PROCESS_GONE, loss_kind
 from states.restart_policy import RestartPolicy, RestartTracker
+from states.stream_session import DrainCause
 
 from .backoff import EXIT_REFUSED, await_goodbye, back_off, stays_down
 from .launch_local import agent_command, exit_cause
@@ -247,6 +248,7 @@ class RayLauncher:
             settings = None if self._authority is None else self._authority.runtime.settings
             if not await back_off(slot.restarts, why, f"ray slot {slot.name}", permanent=code == EXIT_REFUSED,
                                   load_failure=failure, pipeline=None if settings is None else settings.pipeline):
+                stays_down(self._authority, slot.restarts, f"ray slot {slot.name}", DrainCause.WORKER_FAILED)
                 return
             if self._authority is not None:
                 self._authority.runtime.metrics.record_worker_restart()

@@ -3,15 +3,20 @@
 With ``--workers local`` and the cluster token the authority made itself, no agent can join but the launcher's:
 once its last slot stays down (drained through the API), a create is a 503 with no ``Retry-After``, and the sessions
 already queued fail as ``worker_drain`` naming the slot. They stayed queued, their clients waiting, until each one's
-own session timeout. A real authority and agent (processes).
+own session timeout. The same once the slot gives up (its replacement refuses its configuration). A real authority
+and agent (processes).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import httpx
 import trio
 
-from .conftest import Cluster, start_authority, until, wait_for
+from .conftest import TINY, Cluster, start_authority, until, wait_for
 
 
 async def test_the_queue_fails_with_the_reason_once_the_last_launched_agent_is_drained() -> None:
@@ -43,5 +48,50 @@ async def test_the_queue_fails_with_the_reason_once_the_last_launched_agent_is_d
             refused = await client.post("/v1/stream/sessions", json={"identity": "d"})
             assert (refused.status_code, refused.json()["error"]) == (503, "no_worker"), refused.text
             assert "retry-after" not in refused.headers
+    finally:
+        await trio.to_thread.run_sync(cluster.stop)
+
+
+REFUSING_WORLD = '''
+def get_service(gpu_num: int = 0, **_: object) -> object:
+    raise ValueError("this world takes no more sessions: the test says so")
+'''
+
+
+async def test_the_queue_fails_with_the_reason_once_the_last_launched_agent_gives_up(tmp_path: Path) -> None:
+    """The launcher's only slot gives up (its agent was killed, and the replacement refuses its configuration: a
+    pipeline redeployed broken): the queued sessions fail as ``worker_failed`` naming the slot and why; they waited
+    for their own session timeout. (The same check as for a drain; a crash loop ends the same way, at its limit.)"""
+    world = tmp_path / "world.py"
+    world.write_text(Path(TINY).read_text())
+
+    def start() -> Cluster:
+        found = start_authority(workers=1, token=None, pipeline=str(world))  # only the launcher's agents can join
+        wait_for(lambda: len(found.eligible()) == 1, "the agent to be ready", found)
+        return found
+
+    cluster = await trio.to_thread.run_sync(start)
+    try:
+        async with httpx.AsyncClient(base_url=cluster.base_url, timeout=30) as client:
+            created = [(await client.post("/v1/stream/sessions", json={"identity": name})).json()
+                       for name in ("a", "b", "c")]
+            assert [body["status"] for body in created] == ["assigned", "queued", "queued"], created
+            [worker] = cluster.eligible()
+            world.write_text(REFUSING_WORLD)  # the replacement agent loads this
+            os.kill(worker["pid"], signal.SIGKILL)
+
+            async def queued_ended() -> bool:
+                records = [(await client.get(f"/v1/stream/sessions/{body['session_id']}")).json() for body in created[1:]]
+                return all(record["status"] != "queued" for record in records)
+
+            await until(queued_ended, "the queued sessions to end", cluster, deadline=90)
+            for body in created[1:]:
+                record = (await client.get(f"/v1/stream/sessions/{body['session_id']}")).json()
+                assert (record["status"], record["drain_cause"]) == ("failed", "worker_failed"), record
+                assert record["error"].startswith("no worker can take the session: local slot 0: refused its "
+                                                  "configuration; not restarted"), record
+                assert "this world takes no more sessions" in record["error"], record
+            refused = await client.post("/v1/stream/sessions", json={"identity": "d"})
+            assert refused.status_code == 503 and "retry-after" not in refused.headers, refused.text
     finally:
         await trio.to_thread.run_sync(cluster.stop)
