@@ -154,7 +154,9 @@ SCHEMAS: dict[str, Any] = {
             "workers_stopped": {"type": "integer", "description": "drained on purpose"},
             "queued_sessions": {"type": "integer"},
             "retained_sessions": {"type": "integer"},
-            "free_slots": {"type": "integer"},
+            "shutting_down": {"type": "boolean", "description": "the server is draining to stop: creates are a 429 "
+                              "shutting_down (free_slots is 0 meanwhile)"},
+            "free_slots": {"type": "integer", "description": "sessions a create could still start now"},
             "worker_restarts": {"type": "integer"},
             "worker_slots": {"type": "object", "description": "per slot: worker_id (its current worker), restarts, "
                              "state (running, backing_off, gave_up, stopped), reason (why it is not running, else "

@@ -103,7 +103,9 @@ def health(runtime: StreamRuntime) -> dict[str, Any]:
         "worker_restarts": runtime.slots.restarts + sum(s["restarts"] for s in launched),
         "worker_slots": {**runtime.slots.status(now), **launched_slots},
         "retained_sessions": snapshot.retained,
-        "free_slots": snapshot.free_slots,
+        # shutting down, no create is taken: a load balancer reading free slots sent creates on to their 429
+        "shutting_down": runtime.closing,
+        "free_slots": 0 if runtime.closing else snapshot.free_slots,
         "workers": worker_views(runtime),
     }
 

@@ -105,7 +105,8 @@ async def test_viewer_token_bad_body_is_400(served, payload, code):
 
 HEALTH_KEYS = {"status", "transport", "transport_connected", "livekit_connected", "workers_total", "workers_idle",
                "workers_busy", "workers_starting", "workers_draining", "workers_failed", "workers_stopped",
-               "queued_sessions", "retained_sessions", "free_slots", "worker_restarts", "worker_slots", "workers"}
+               "queued_sessions", "retained_sessions", "shutting_down", "free_slots", "worker_restarts", "worker_slots",
+               "workers"}
 
 
 async def test_stream_health(served):

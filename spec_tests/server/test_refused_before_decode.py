@@ -118,6 +118,22 @@ async def test_a_create_during_shutdown_is_refused_before_its_image_is_decoded(m
         assert spent.decodes == 0
 
 
+async def test_health_says_the_server_is_shutting_down_and_takes_no_create_meanwhile() -> None:
+    """While the server drains to stop, health says so and counts no free slot: it said ``free_slots: 1`` (and
+    ``healthy``) while every create was a 429 ``shutting_down``, so a balancer reading it sent creates on."""
+    async with serve(make_settings(max_sessions_per_worker=2), cleanup=False) as s:
+        status, body, _ = await s.json("get", "/v1/stream/health")
+        assert (body["shutting_down"], body["free_slots"]) == (False, 2), body
+        created = await s.create("live")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(s.runtime.shutdown, 1.0)
+            await s.settle()
+            status, body, _ = await s.json("get", "/v1/stream/health")
+            assert (status, body["shutting_down"], body["free_slots"]) == (200, True, 0), body
+            assert_error_body(*(await s.create("late"))[:2], "shutting_down")
+        assert created[0] == 200, created
+
+
 async def test_a_create_with_no_worker_to_run_it_is_refused_before_its_image_is_decoded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
