@@ -19,31 +19,44 @@ import trio
 from .conftest import TINY, Cluster, start_authority, until, wait_for
 
 
-async def test_the_queue_fails_with_the_reason_once_the_last_launched_agent_is_drained() -> None:
+async def one_agent_cluster(pipeline: str = TINY) -> Cluster:
+    """An authority with one launched agent, ready; no token given, so only the launcher's agents can join."""
+
     def start() -> Cluster:
-        found = start_authority(workers=1, token=None)  # no token given: only the launcher's agents can join
+        found = start_authority(workers=1, token=None, pipeline=pipeline)
         wait_for(lambda: len(found.eligible()) == 1, "the agent to be ready", found)
         return found
 
-    cluster = await trio.to_thread.run_sync(start)
+    return await trio.to_thread.run_sync(start)
+
+
+async def one_running_two_queued(client: httpx.AsyncClient) -> list[dict]:
+    created = [(await client.post("/v1/stream/sessions", json={"identity": name})).json() for name in ("a", "b", "c")]
+    assert [body["status"] for body in created] == ["assigned", "queued", "queued"], created
+    return created
+
+
+async def queued_ended(client: httpx.AsyncClient, cluster: Cluster, queued: list[dict]) -> list[dict]:
+    """The queued sessions' records once none is queued any more."""
+
+    async def records() -> list[dict] | None:
+        found = [(await client.get(f"/v1/stream/sessions/{body['session_id']}")).json() for body in queued]
+        return found if all(record["status"] != "queued" for record in found) else None
+
+    return await until(records, "the queued sessions to end", cluster, deadline=90)
+
+
+async def test_the_queue_fails_with_the_reason_once_the_last_launched_agent_is_drained() -> None:
+    cluster = await one_agent_cluster()
     try:
         async with httpx.AsyncClient(base_url=cluster.base_url, timeout=30) as client:
-            created = [(await client.post("/v1/stream/sessions", json={"identity": name})).json()
-                       for name in ("a", "b", "c")]
-            assert [body["status"] for body in created] == ["assigned", "queued", "queued"], created
+            created = await one_running_two_queued(client)
             [worker] = cluster.eligible()
             drain = await client.post(f"/v1/service/workers/{worker['worker_id']}/drain", json={"deadline_seconds": 1})
             assert drain.status_code == 202, drain.text
-
-            async def queued_ended() -> bool:
-                records = [(await client.get(f"/v1/stream/sessions/{body['session_id']}")).json() for body in created[1:]]
-                return all(record["status"] != "queued" for record in records)
-
-            await until(queued_ended, "the queued sessions to end", cluster, deadline=60)
             why = ("no worker can take the session: local slot 0: stopped on purpose (drained, or the server is "
                    "stopping); not restarted")
-            for body in created[1:]:
-                record = (await client.get(f"/v1/stream/sessions/{body['session_id']}")).json()
+            for record in await queued_ended(client, cluster, created[1:]):
                 assert (record["status"], record["drain_cause"], record["error"]) == ("failed", "worker_drain", why), record
             refused = await client.post("/v1/stream/sessions", json={"identity": "d"})
             assert (refused.status_code, refused.json()["error"]) == (503, "no_worker"), refused.text
@@ -64,29 +77,14 @@ async def test_the_queue_fails_with_the_reason_once_the_last_launched_agent_give
     for their own session timeout. (The same check as for a drain; a crash loop ends the same way, at its limit.)"""
     world = tmp_path / "world.py"
     world.write_text(Path(TINY).read_text())
-
-    def start() -> Cluster:
-        found = start_authority(workers=1, token=None, pipeline=str(world))  # only the launcher's agents can join
-        wait_for(lambda: len(found.eligible()) == 1, "the agent to be ready", found)
-        return found
-
-    cluster = await trio.to_thread.run_sync(start)
+    cluster = await one_agent_cluster(str(world))
     try:
         async with httpx.AsyncClient(base_url=cluster.base_url, timeout=30) as client:
-            created = [(await client.post("/v1/stream/sessions", json={"identity": name})).json()
-                       for name in ("a", "b", "c")]
-            assert [body["status"] for body in created] == ["assigned", "queued", "queued"], created
+            created = await one_running_two_queued(client)
             [worker] = cluster.eligible()
             world.write_text(REFUSING_WORLD)  # the replacement agent loads this
             os.kill(worker["pid"], signal.SIGKILL)
-
-            async def queued_ended() -> bool:
-                records = [(await client.get(f"/v1/stream/sessions/{body['session_id']}")).json() for body in created[1:]]
-                return all(record["status"] != "queued" for record in records)
-
-            await until(queued_ended, "the queued sessions to end", cluster, deadline=90)
-            for body in created[1:]:
-                record = (await client.get(f"/v1/stream/sessions/{body['session_id']}")).json()
+            for record in await queued_ended(client, cluster, created[1:]):
                 assert (record["status"], record["drain_cause"]) == ("failed", "worker_failed"), record
                 assert record["error"].startswith("no worker can take the session: local slot 0: refused its "
                                                   "configuration; not restarted"), record
