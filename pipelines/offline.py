@@ -56,7 +56,15 @@ from .contract import (
 )
 from .error_text import error_line
 from .mp4 import Mp4Writer
-from .offline_calls import PipelineCallError, RunDeadlines, call_within, close_within, running_within, telling_error
+from .offline_calls import (
+    PipelineCallError,
+    RunDeadlines,
+    call_within,
+    close_within,
+    raised_as_error,
+    running_within,
+    telling_error,
+)
 from .offline_metrics import CLOCK_TOLERANCE, METRICS_NAME, VIDEO_NAME, Recorder
 from .timed_controls import (
     KEY_ALIASES,
@@ -152,7 +160,9 @@ class _Run:
             raise PipelineCallError(call, f"stalled: {late}") from None
         except PipelineContractError:
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            if not raised_as_error(exc):
+                raise
             raise ChunkFailed(f"the pipeline failed making chunk {index}: {error_line(exc)}") from exc
 
     async def close(self, call: str, function: Callable[[], Any]) -> None:

@@ -21,7 +21,7 @@ import trio
 from .contract import BidirectionalService, PipelineContractError, ServerPushService
 from .error_text import error_line
 
-__all__ = ["PipelineCallError", "RunDeadlines", "call_within", "close_within", "running_within",
+__all__ = ["PipelineCallError", "RunDeadlines", "call_within", "close_within", "raised_as_error", "running_within",
            "single_leaf", "telling_error"]
 
 T = TypeVar("T")
@@ -106,6 +106,14 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return found
 
 
+def raised_as_error(exc: BaseException) -> bool:
+    """``exc`` is an error the pipeline raised, to be named as one: an ``Exception``, or a ``BaseException`` of its
+    own (``class Abort(BaseException)``), which went past every ``except Exception`` of the run and out of the command
+    as a traceback. Not what steers the run: a cancellation, an interrupt, an exit, a generator's close, a group."""
+    return isinstance(exc, Exception) or not isinstance(
+        exc, trio.Cancelled | KeyboardInterrupt | SystemExit | GeneratorExit | BaseExceptionGroup)
+
+
 def _passes(exc: BaseException, refusal: type[Exception] | None = ValueError) -> bool:
     """A refusal (``refusal``: a ``ValueError`` unless the call says which) or a contract error that names its bug
     already: not wrapped."""
@@ -121,8 +129,8 @@ async def call_within(call: str, seconds: float, function: Callable[[], Awaitabl
     with trio.move_on_after(seconds):
         try:
             return await function()
-        except Exception as exc:
-            if _passes(exc, refusal):
+        except BaseException as exc:
+            if not raised_as_error(exc) or _passes(exc, refusal):
                 raise
             raise PipelineCallError.raised(call, exc) from exc
     raise PipelineCallError.late(call, seconds)
@@ -142,8 +150,8 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
                 phase = "inside"
                 yield
                 phase = "leaving"
-    except Exception as exc:
-        if phase == "inside" or _passes(exc):
+    except BaseException as exc:
+        if phase == "inside" or not raised_as_error(exc) or _passes(exc):
             raise
         raise PipelineCallError.raised("running()" if phase == "entering" else "leaving running()", exc) from exc
     if phase == "entering" and entering.cancelled_caught:
@@ -157,8 +165,8 @@ async def close_within(call: str, seconds: float, function: Callable[[], Awaitab
     with trio.CancelScope(shield=True), trio.move_on_after(seconds) as deadline:
         try:
             await function()
-        except Exception as exc:
-            if _passes(exc, None):
+        except BaseException as exc:
+            if not raised_as_error(exc) or _passes(exc, None):
                 raise
             raise PipelineCallError.raised(call, exc) from exc
     if deadline.cancelled_caught:

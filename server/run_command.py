@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from pipelines.error_text import one_line
+from pipelines.error_text import error_line, one_line
 
 from . import early_signals
 from .console import is_broken_pipe, tell
@@ -248,6 +248,10 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
         service = load_service(pipeline, **service_options)
     except PipelineLoadError as exc:
         raise load_failure(exc, service_options) from exc
+    except (KeyboardInterrupt, SystemExit, StopSignalled):
+        raise
+    except BaseException as exc:  # the pipeline's own (class Abort(BaseException)), past the loader's `except Exception`
+        raise PipelineDidNotLoad(f"pipeline bug: loading {shown(args.pipeline)} raised {error_line(exc)}") from exc
     if controls is not None and len(controls) and service.kind == "server_push":
         raise BadInput(f"{shown(args.pipeline)} is a server-push pipeline; it takes no --controls")
     run_inputs.check_inputs_taken(service, pipeline=args.pipeline, prompt=args.prompt, image=args.image)
@@ -305,9 +309,9 @@ def run_command(args: argparse.Namespace) -> int:
     """Run it; every way it ends is one line on stderr and an exit code (0 done, 1 the run or the pipeline failed,
     2 bad input, 128 + the signal that stopped it)."""
     from pipelines.contract import PipelineContractError
-    from pipelines.error_text import error_line
     from pipelines.loader import PipelineExited
     from pipelines.offline import ChunkFailed
+    from pipelines.offline_calls import single_leaf
 
     from .run_signals import StoppedBySignal
 
@@ -331,4 +335,9 @@ def run_command(args: argparse.Namespace) -> int:
         return 128 + stopped.signal_number
     except Exception as exc:
         say(f"the run failed: {error_line(exc)}")
+        return 1
+    except BaseException as exc:  # the pipeline's own that no call named (a GeneratorExit it raised): not a traceback
+        if isinstance(exc, SystemExit):
+            raise
+        say(f"the run failed: pipeline bug: the pipeline raised {error_line(single_leaf(exc))}")
         return 1
