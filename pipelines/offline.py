@@ -31,7 +31,6 @@ is complete, so an interrupted or failed run leaves no file that looks complete.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -65,7 +64,7 @@ from .offline_calls import (
     running_within,
     telling_error,
 )
-from .offline_metrics import CLOCK_TOLERANCE, METRICS_NAME, VIDEO_NAME, Recorder
+from .offline_metrics import CLOCK_TOLERANCE, METRICS_NAME, VIDEO_NAME, Recorder, metrics_text
 from .timed_controls import (
     KEY_ALIASES,
     TimedControl,
@@ -340,7 +339,7 @@ async def run_offline(
                 else:
                     await _run_server_push(service, config, run)
         metrics = recorder.metrics(writer)
-        metrics_tmp.write_text(json.dumps(metrics, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        metrics_tmp.write_text(metrics_text(metrics), encoding="utf-8")
         video_path, metrics_path = out / VIDEO_NAME, out / METRICS_NAME
         if (problem := output_problem(out)) is not None:  # made meanwhile: neither output is replaced
             raise RuntimeError(problem)

@@ -31,11 +31,15 @@ chunk without audio gets silence). ``out_dir/metrics.json`` (times in seconds, m
 - ``events``: ``{event type: count}`` of the service events a bidirectional session reported;
 - ``audio_silent_chunks`` (chunks without audio filled with silence), ``audio_dropped_chunks`` (audio of later
   chunks dropped because the first chunk had none), ``video`` (``{file, codec, pix_fmt}``).
+
+It is valid JSON whatever the chunks' metadata holds: a number past a float's range (a sum of idle seconds) is
+``null``.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -49,7 +53,7 @@ from .contract import Chunk, ServiceEvent
 from .mp4 import Mp4Writer
 from .timed_controls import TimedControl
 
-__all__ = ["CLOCK_TOLERANCE", "METRICS_NAME", "Recorder", "VIDEO_NAME"]
+__all__ = ["CLOCK_TOLERANCE", "METRICS_NAME", "Recorder", "VIDEO_NAME", "metrics_text"]
 
 VIDEO_NAME = "video.mp4"
 METRICS_NAME = "metrics.json"
@@ -61,6 +65,32 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def _mean(samples: Sequence[float]) -> float:
+    """The mean of finite samples, finite: their sum overflows past 1.8e308 (a stage time of 1e308 s in two chunks
+    failed a finished run with ``OverflowError: intermediate overflow in fsum``)."""
+    try:
+        return math.fsum(samples) / len(samples)
+    except OverflowError:
+        return math.fsum(sample / len(samples) for sample in samples)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every number that is not finite as ``None``: JSON has no infinity (a sum of idle seconds
+    past 1.8e308 was written as ``Infinity``, which a JSON parser refuses, and the run exited 0)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
+def metrics_text(metrics: Mapping[str, Any]) -> str:
+    """``metrics.json``'s text: valid JSON whatever numbers the pipeline's metadata brought."""
+    return json.dumps(_finite(metrics), indent=2, sort_keys=False, allow_nan=False) + "\n"
 
 
 class Recorder:
@@ -205,7 +235,7 @@ class Recorder:
                 "entries": self.control_entries,
             },
             "stage_times": {
-                stage: {"count": len(samples), "mean_seconds": math.fsum(samples) / len(samples)}
+                stage: {"count": len(samples), "mean_seconds": _mean(samples)}
                 for stage, samples in sorted(self.stage_samples.items())
             },
             "idle_reasons": {reason: dict(v) for reason, v in sorted(self.idle.items())},
