@@ -1,6 +1,7 @@
 """Writing chunks to an H.264 mp4 with PyAV (blocking: run it on a worker thread).
 
-Odd frame sizes are padded to even by repeating the edge; PCM16 audio is encoded
+The video runs at the chunks' fps, refused when the mp4 cannot hold it (below 1/1001 or above a million frames a
+second); odd frame sizes are padded to even by repeating the edge; PCM16 audio is encoded
 as AAC when the first chunk carries audio, and later chunks without audio get silence.
 """
 
@@ -17,7 +18,20 @@ from .contract import Chunk
 
 __all__ = ["Mp4Writer"]
 
+#: the frame rates the video takes: a fraction with a denominator up to 1001 (30000/1001) within 0.1 % of the chunks'
+#: fps, up to a million a second (1e10 failed the run as ``OverflowError: value too large to convert to int``)
+MAX_DENOMINATOR = 1001
+MAX_FPS = 1_000_000
 
+
+def _frame_rate(fps: float, index: int) -> Fraction:
+    """The video's frame rate for chunks at ``fps``; a ``ValueError`` naming it when the mp4 cannot hold it. One below
+    1/2002 rounded to 0, which the encoder took as 24 fps, and the run exited 0 with a video at the wrong speed."""
+    rate = Fraction(fps).limit_denominator(MAX_DENOMINATOR)
+    if rate <= 0 or rate > MAX_FPS or abs(float(rate) - fps) > fps * 1e-3:
+        raise ValueError(f"chunk {index}: fps {fps:g} cannot be the video's frame rate (it takes 1/{MAX_DENOMINATOR} "
+                         f"to {MAX_FPS} frames a second)")
+    return rate
 
 
 def _layout(channels: int) -> str:
@@ -46,10 +60,10 @@ class Mp4Writer:
         import av
 
         height, width = chunk.frames.shape[1:3]
+        rate = _frame_rate(chunk.fps, chunk.index)
         self._shape = (height, width)
         self._fps = chunk.fps
         self._container = av.open(str(self.path), "w", format="mp4")
-        rate = Fraction(chunk.fps).limit_denominator(1001)
         self._video = self._container.add_stream("libx264", rate=rate)
         self._video.width = width + width % 2
         self._video.height = height + height % 2
