@@ -34,6 +34,18 @@ def _frame_rate(fps: float, index: int) -> Fraction:
     return rate
 
 
+def _check_audio(sample_rate: int, channels: int, index: int) -> None:
+    """A ``ValueError`` naming what of a chunk's audio the mp4's AAC cannot take: a rate off its list (12345 Hz, 192 kHz
+    failed the run as ``Invalid argument: 'avcodec_open2("aac", {})' returned 22``) or more than 2 channels."""
+    import av
+
+    rates = sorted(av.codec.Codec("aac", "w").audio_rates or ())
+    if rates and sample_rate not in rates:
+        raise ValueError(f"chunk {index}: audio sample_rate {sample_rate} Hz cannot be encoded as AAC (it takes "
+                         f"{', '.join(map(str, rates))} Hz)")
+    _layout(channels)
+
+
 def _layout(channels: int) -> str:
     if channels == 1:
         return "mono"
@@ -61,6 +73,8 @@ class Mp4Writer:
 
         height, width = chunk.frames.shape[1:3]
         rate = _frame_rate(chunk.fps, chunk.index)
+        if chunk.audio is not None:
+            _check_audio(chunk.audio.sample_rate, chunk.audio.channels, chunk.index)
         self._shape = (height, width)
         self._fps = chunk.fps
         self._container = av.open(str(self.path), "w", format="mp4")
