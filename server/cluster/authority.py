@@ -33,6 +33,7 @@ from ..settings import dialed_host
 from ..tokens import IdentityError, validate_identity
 from . import proofs, tls, wire
 from .busy import BUSY_WINDOW, MAX_BUSY_ANSWERS, BusyAnswers
+from .capacity_limit import admitted_capacity
 from .identity import chunkline_version, pipeline_digest, pipeline_name, worker_participant
 from .remote import PlanView, RemoteWorker
 
@@ -387,7 +388,8 @@ class ClusterAuthority:
         worker.inputs_taken = frozenset(name for name, taken in (("prompt", message.takes_prompt),
                                                                   ("image", message.takes_image)) if taken)
         plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device")})
-        self.runtime.agent_ready(worker, message.capacity, plan)
+        capacity = admitted_capacity(message.capacity, self.runtime.settings.max_sessions_per_worker, worker.worker_id)
+        self.runtime.agent_ready(worker, capacity, plan)
 
     # -- losses and departures --
 
