@@ -59,7 +59,7 @@ import numpy as np
 import trio
 
 from pipelines.contract import Audio, Chunk, ServerPushService, SessionConfig
-from pipelines.paths import PathRefused, resolve_inside
+from pipelines.paths import NO_SUCH_FILE, PathRefused, regular_file_problem, resolve_inside
 
 __all__ = ["ANY_FILE", "MAX_CHUNK_BYTES", "SAMPLE_RATE", "ReplayOptions", "ReplayService", "render_test_pattern", "tone_pcm"]
 
@@ -176,8 +176,11 @@ class ReplayOptions:
 def _video_file(video: str, videos: str | None) -> str:
     """Where ``video`` may be read from, given the service's ``videos`` (see the module docstring)."""
     if videos is ANY_FILE:
-        if not Path(video).is_file():
+        problem = regular_file_problem(video)  # a directory or a pipe was "no such file"
+        if problem == NO_SUCH_FILE:
             raise ValueError(f"replay option 'video_path': no such file {video!r}")
+        if problem is not None:
+            raise ValueError(f"replay option 'video_path': {video!r} {problem}")
         return video
     if videos is None:
         raise ValueError("replay option 'video_path' needs the server to be started with --assets-dir")
