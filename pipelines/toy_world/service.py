@@ -39,6 +39,7 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,6 +215,9 @@ class ToyWorldService(BidirectionalService):
             if config.image_path
             else None
         )
+        if image is not None and min(image.shape[:2]) < 2:  # the encode stage's minimum: it failed the session
+            raise ValueError(f"image {Path(str(config.image_path)).name!r} is {image.shape[1]} x {image.shape[0]} "
+                             f"pixels; the toy world takes one of at least 2 x 2")
         slot = self._stages.pool.acquire()  # SlotPoolFullError when every retained slot is taken
         session_id = f"toy-{next(self._ids)}"
         self._slot_of[session_id] = slot

@@ -1,0 +1,43 @@
+"""``chunkline run pipelines/toy_world --image`` of an image under 2 x 2 pixels is bad input: exit 2, naming the image.
+
+The session was created and its encode stage failed it (``the run failed: the pipeline failed making chunk 0:
+PipelineFailed: ... at least 2 x 2``, exit 1, as if the pipeline had failed).
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_DEADLINE = 180.0  # wall seconds for `chunkline run` to load the toy world and refuse its image
+
+
+def _png(path: Path, width: int, height: int) -> None:
+    """A black RGB PNG of ``width`` x ``height``."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    pixels = zlib.compress((b"\0" + b"\0" * 3 * width) * height)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize(("width", "height"), [(1, 1), (40, 1)])
+def test_an_image_under_two_by_two_pixels_is_bad_input(tmp_path: Path, width: int, height: int) -> None:
+    image = tmp_path / "dot.png"
+    _png(image, width, height)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(ROOT / "pipelines" / "toy_world"), "--chunks",
+                           "1", "--image", str(image), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
+    assert done.stderr.splitlines() == [
+        f"chunkline run: image 'dot.png' is {width} x {height} pixels; the toy world takes one of at least 2 x 2"
+    ], done.stderr[-2000:]
+    assert done.returncode == 2
+    assert not out.exists()
