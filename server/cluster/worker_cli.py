@@ -108,7 +108,21 @@ def _launcher_pid(text: str | None) -> int | None:
         return None
     if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 2**22:
         raise ValueError(f"--launcher-pid must be a process id, got {text!r}")
-    return int(text)  # a launcher already gone is the agent's to notice, as one that goes later
+    pid = int(text)
+    if pid != os.getppid() and _running(pid):  # the agent could only read it as its launcher gone (exit 70)
+        raise ValueError(f"--launcher-pid {pid} is not the process that started this agent (its parent is pid "
+                         f"{os.getppid()}); it names the authority whose local launcher started the agent")
+    return pid  # a launcher already gone is the agent's to notice, as one that goes later
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it runs
+        return True
+    return True
 
 
 def _max_sessions(text: str) -> int | str:
