@@ -94,6 +94,11 @@ class ProgressBar:
         self._write(f"\r[{bar}] {count}")
         self._drawn = True
 
+    def end_line(self) -> bool:
+        """Whether a bar line is on the screen, taken as ended by a line written after it (by ``os.write``)."""
+        drawn, self._drawn = self._drawn, False
+        return drawn
+
     @property
     def drawn(self) -> bool:
         """A bar line is on the screen, not yet ended by a newline."""
@@ -258,9 +263,13 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
 
     bar = ProgressBar(sys.stderr)
 
-    def on_stop(number: int) -> None:
-        bar.finish()
-        say(f"{signal.Signals(number).name} received, stopping the run (press Ctrl-C again to abort at once)")
+    def on_stop(number: int) -> None:  # in a signal handler: no buffered I/O
+        line = (f"{PREFIX}: {signal.Signals(number).name} received, stopping the run (press Ctrl-C again to abort at "
+                f"once)\n").encode()
+        try:
+            os.write(2, b"\n" + line if bar.end_line() else line)
+        except OSError:  # a closed terminal (SIGHUP): the exit code says it
+            pass
 
     from engine.tensor_channel_refs import unlink_every_owned_segment
 

@@ -103,9 +103,12 @@ async def run_until_signalled(
 ) -> Any:
     """``await run(*args)`` with the stop signals handled as the module says.
 
-    ``on_stop(first)`` runs in the trio loop when the first signal arrives (to tell the user); ``abort(first)``
-    runs in the signal handler on a second one and must not return. Raises :class:`StoppedBySignal` when the
-    first signal cancelled the run (even if the run then failed while stopping: the user asked it to stop).
+    ``on_stop(first)`` runs in the signal handler when the first signal arrives, to tell the user at once (no
+    buffered I/O: it may interrupt a write): run in the trio loop, it waited for a pipeline that blocks the loop (a
+    blocking call in an ``async def``), and the user was told nothing, nor that a second signal aborts.
+    ``abort(first)`` runs in the signal handler on a second one and must not return. Raises
+    :class:`StoppedBySignal` when the first signal cancelled the run (even if the run then failed while stopping:
+    the user asked it to stop).
     """
     token = trio.lowlevel.current_trio_token()
     scope = trio.CancelScope()
@@ -113,13 +116,13 @@ async def run_until_signalled(
 
     def stop_now(number: int) -> None:
         scope.cancel(reason=f"{signal.Signals(number).name} received")
-        on_stop(number)
 
     def handler(number: int, _frame: Any) -> None:
         if first:
             abort(first[0])
         first.append(number)
         note_stop_signal()
+        on_stop(number)
         token.run_sync_soon(stop_now, number)
 
     previous = {number: signal.signal(number, handler) for number in stop_signals()}

@@ -1,0 +1,86 @@
+"""The first Ctrl-C says at once that the run is stopping and that a second one aborts, even while the pipeline
+blocks trio's thread (a blocking call in an ``async def``, as a model's synchronous load in ``create_session``).
+
+The line was written from the trio loop, which such a pipeline holds: the user saw nothing after the first Ctrl-C,
+and was not told that a second one aborts.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..processes import end_popen
+
+ROOT = Path(__file__).resolve().parents[2]
+READ_DEADLINE = 60.0  # seconds for the child to import its pipeline
+SAID_DEADLINE = 15.0  # seconds for the signal handler to say its line (it writes it at once)
+EXIT_DEADLINE = 30.0
+
+PIPELINE = """\
+import sys
+import threading
+
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+class Blocking(MinimalService):
+    async def create_session(self, config, *, on_event=None):
+        sys.stderr.write("blocking the loop\\n")
+        sys.stderr.flush()
+        threading.Event().wait()  # blocks trio's thread for ever; signal handlers still run
+        return "s0"
+
+
+def get_service(gpu_num=0):
+    return Blocking()
+"""
+
+
+def _read_until(process: subprocess.Popen[bytes], wanted: bytes, seen: bytes = b"",
+                within: float = READ_DEADLINE) -> bytes:
+    """The child's stderr, read until it holds ``wanted``, within ``within`` seconds."""
+    assert process.stderr is not None
+    deadline = time.monotonic() + within
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stderr, selectors.EVENT_READ)
+        while wanted not in seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {wanted!r} within {within} s: {seen[-500:]!r}"
+            if selector.select(left):
+                data = os.read(process.stderr.fileno(), 65536)
+                assert data, f"the run ended before {wanted!r}: {seen[-500:]!r}"
+                seen += data
+    return seen
+
+
+def _default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
+
+
+def test_the_first_ctrl_c_is_answered_at_once_while_the_pipeline_blocks_the_loop(tmp_path: Path) -> None:
+    path = tmp_path / "p.py"
+    path.write_text(PIPELINE)
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
+                               cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               preexec_fn=_default_signals)
+    try:
+        seen = _read_until(process, b"blocking the loop\n")
+        process.send_signal(signal.SIGINT)
+        seen = _read_until(process, b"chunkline run: SIGINT received, stopping the run (press Ctrl-C again to abort at "
+                                    b"once)\n", seen, SAID_DEADLINE)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=EXIT_DEADLINE) == 130
+        assert process.stderr is not None
+        seen += process.stderr.read()
+        assert seen.decode().splitlines()[-1] == "chunkline run: aborted by a second signal; no output was written"
+        assert not out.exists()
+    finally:
+        end_popen(process)
