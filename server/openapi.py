@@ -329,7 +329,8 @@ def openapi_document() -> dict[str, Any]:
                     "400": _error("invalid deadline, or a field other than deadline_seconds"),
                     "401": _error("missing or wrong API key"),
                     "404": _error("unknown worker"),
-                    "409": _error("the worker is still starting"),
+                    "409": _error("the worker is still starting, or already draining (the drain under way keeps "
+                                  "its deadline)"),
                     **COMMON_ERRORS,
                 },
             }

@@ -20,19 +20,18 @@ import attrs
 import trio
 
 from engine import CapacityPlan
-from states.admission import Admission, AdmissionBook, AdmissionTransition, InvalidSetting, Transition, UnknownWorker
+from states.admission import Admission, AdmissionBook, AdmissionTransition, InvalidSetting, Transition
 from states.machine import IllegalTransition
 from states.restart_policy import RestartPolicy
 from states.stream_session import RETAINING, DrainCause, State
 from states.worker import TERMINAL as WORKER_TERMINAL
-from states.worker import DRAINABLE as WORKER_DRAINABLE, LOADING as WORKER_LOADING
 
 from .metrics import ServerMetrics
 from .in_process_workers import InProcessWorkers
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle
 from .registry import SessionRecord, SessionRegistry
-from . import option_check, runtime_views
+from . import drain_request, option_check, runtime_views
 from .queued_ends import QueuedEnds
 from .requests import CreateSession
 from .room_follow import RoomFollow
@@ -269,20 +268,8 @@ class StreamRuntime:
             pass  # starting, already draining, failed or stopped: nothing to take it out of
 
     def drain_worker(self, worker_id: str, deadline: float) -> dict[str, Any]:
-        """``POST /v1/service/workers/{id}/drain``: live sessions finish or are drained at the deadline."""
-        worker = self.workers.get(worker_id)
-        if worker is None:
-            raise UnknownWorker(worker_id)
-        state = self.book.worker_state(worker_id)
-        if state in WORKER_LOADING:
-            raise SessionConflict(f"worker {worker_id} is still starting; drain it once it is ready")
-        if self.cluster is not None:
-            self.cluster.drain(worker_id, deadline)
-        elif state in WORKER_DRAINABLE:  # a draining, failed or stopped worker has nothing left to drain
-            self.drain_in_book(worker_id)
-            self.spawn(self.in_process.drain, worker, deadline)
-        runtime_views.publish_gauges(self)
-        return {"worker_id": worker_id, "state": self.book.worker_state(worker_id).value, "deadline_seconds": deadline}
+        """``POST /v1/service/workers/{id}/drain`` (:mod:`server.drain_request`)."""
+        return drain_request.drain_worker(self, worker_id, deadline)
 
     # -- sessions ------------------------------------------------------------------
 

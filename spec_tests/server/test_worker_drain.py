@@ -118,3 +118,19 @@ async def test_the_worker_gauge_counts_a_draining_and_a_stopped_worker_as_health
         gauges = worker_gauges(await served.metrics_text())
         status, health = await served.json("get", "/v1/stream/health")
         assert (gauges.get("stopped"), sum(gauges.values())) == (1, health["workers_total"]), (gauges, health)
+
+
+async def test_draining_a_worker_already_draining_is_a_conflict_and_keeps_the_first_deadline():
+    """A second drain changes nothing: the drain under way keeps its deadline (an agent's, too, ignores another). It
+    was a 202 echoing the second deadline as if in force: 2 s answered, the session still ran to the first's 60 s."""
+    async with serve(make_settings(max_sessions_per_worker=2)) as s:
+        status, created, _ = await s.create("a")
+        assert status == 200, created
+        status, body, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 60})
+        assert (status, body["deadline_seconds"]) == (202, 60), body
+        status, body, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 0.1})
+        assert (status, body["error"]) == (409, "conflict"), body
+        assert body["detail"] == ("worker worker-0 is already draining: the drain under way keeps its deadline "
+                                  "(a second drain changes nothing)"), body
+        await wait_all_tasks_blocked()
+        assert not s.runtime.get(created["session_id"]).is_terminal  # the first drain's 60 s still run

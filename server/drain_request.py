@@ -1,0 +1,36 @@
+"""``POST /v1/service/workers/{id}/drain``: what a drain asked through the API does, for an in-process worker and
+an agent alike. A drain under way keeps its deadline: a second one was answered 202 with its own deadline as if in
+force, while the worker (an agent ignores another drain) kept the first's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from states.admission import UnknownWorker
+from states.worker import DRAINABLE, LOADING, TERMINAL
+
+from . import runtime_views
+from .runtime_errors import SessionConflict
+
+if TYPE_CHECKING:
+    from .runtime import StreamRuntime
+
+
+def drain_worker(runtime: StreamRuntime, worker_id: str, deadline: float) -> dict[str, Any]:
+    """Live sessions finish or are drained at the deadline; a failed or stopped worker is answered, unchanged."""
+    worker = runtime.workers.get(worker_id)
+    if worker is None:
+        raise UnknownWorker(worker_id)
+    state = runtime.book.worker_state(worker_id)
+    if state in LOADING:
+        raise SessionConflict(f"worker {worker_id} is still starting; drain it once it is ready")
+    if state not in DRAINABLE and state not in TERMINAL:  # neither loading, drainable nor ended: draining now
+        raise SessionConflict(f"worker {worker_id} is already draining: the drain under way keeps its deadline "
+                              "(a second drain changes nothing)")
+    if runtime.cluster is not None:
+        runtime.cluster.drain(worker_id, deadline)
+    elif state in DRAINABLE:
+        runtime.drain_in_book(worker_id)
+        runtime.spawn(runtime.in_process.drain, worker, deadline)
+    runtime_views.publish_gauges(runtime)
+    return {"worker_id": worker_id, "state": runtime.book.worker_state(worker_id).value, "deadline_seconds": deadline}
