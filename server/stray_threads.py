@@ -6,6 +6,11 @@ still running when a command is done was started by the pipeline and never stopp
 output and then never ended, and ``chunkline stream-serve`` drained on SIGTERM and then stayed, a second SIGTERM
 ignored, until a SIGKILL. Such threads get a short grace to end; then one line names them as the pipeline's bug
 and the process ends with the command's own exit code, after its exit calls, without waiting for them.
+
+A daemon thread is not waited for, but one still inside native code (a stage call past its ``call_timeout``, left on
+its thread; a pipeline's daemon thread in a torch op) aborted the interpreter's last teardown: ``terminate called
+without an active exception``, killed by SIGABRT (exit 134) after a run that had said it failed (exit 1). So while
+any thread besides the main one runs, the process ends the same way, after its exit calls, without that teardown.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ def _stray(main: threading.Thread) -> list[threading.Thread]:
 
 
 def end_despite_stray_threads(prefix: str, code: int, *, grace: float = STRAY_THREAD_GRACE) -> int:
-    """Return ``code`` once no thread but the main one would hold the exit (waiting up to ``grace`` for them);
-    else say which threads were left and end the process now with ``code``, its exit calls run first."""
+    """Return ``code`` once no thread but the main one runs (waiting up to ``grace`` for those that are not daemon
+    threads); else end the process now with ``code``, its exit calls run first, after saying which threads that are
+    not daemon threads were left."""
     main = threading.main_thread()
     if threading.current_thread() is not main:
         return code
@@ -37,17 +43,19 @@ def end_despite_stray_threads(prefix: str, code: int, *, grace: float = STRAY_TH
     for thread in _stray(main):
         thread.join(max(0.0, deadline - time.monotonic()))
     left = _stray(main)
-    if not left:
+    if left:
+        names = ", ".join(repr(t.name) for t in left[:5]) + (", ..." if len(left) > 5 else "")
+        # a closed terminal: the line is lost, the end is not
+        tell(f"{prefix}: pipeline bug: {len(left)} thread(s) it started still run ({names}), not daemon threads, "
+             f"{grace:g} s after it closed: Python would wait for them for ever; ending without them (stop and "
+             f"join them as running() exits, or start them as daemon threads)")
+    elif not any(t is not main and t.is_alive() for t in threading.enumerate()):
         return code
-    names = ", ".join(repr(t.name) for t in left[:5]) + (", ..." if len(left) > 5 else "")
-    # a closed terminal: the line is lost, the end is not
-    tell(f"{prefix}: pipeline bug: {len(left)} thread(s) it started still run ({names}), not daemon threads, "
-         f"{grace:g} s after it closed: Python would wait for them for ever; ending without them (stop and "
-         f"join them as running() exits, or start them as daemon threads)")
-    try:
-        if sys.stdout is not None:
-            sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
     atexit._run_exitfuncs()  # what a normal exit runs after its wait for threads: logging's flush, folders, segments
     os._exit(code)
