@@ -256,6 +256,10 @@ class ServiceEvent:
     type: str
     data: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
 
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.type, str):  # a chunkline run finished its chunks, then failed sorting or writing it
+            raise PipelineContractError(f"a ServiceEvent's type must be text, got {_shown(self.type)}")
+
 
 @attrs.frozen
 class MemoryReport:
