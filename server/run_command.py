@@ -273,7 +273,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
 
     from engine.tensor_channel_refs import unlink_every_owned_segment
 
-    nothing_written = _nothing_written(args.out)  # made now: the handler below may not do file system work
+    nothing_written = _nothing_written(str(out.path))  # made now: the handler below may not do file system work
 
     def abort(first: int) -> NoReturn:  # in a signal handler: no buffered I/O, no waiting
         unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
@@ -324,6 +324,10 @@ def run_command(args: argparse.Namespace) -> int:
 
     from .run_signals import StoppedBySignal
 
+    try:  # now: the pipeline may change the working directory
+        out = str(Path(args.out).absolute()) if args.out else ""
+    except OSError:  # the working directory is gone: --out is refused, naming it
+        out = args.out
     try:
         return _run(args)
     except BadInput as exc:
@@ -337,10 +341,10 @@ def run_command(args: argparse.Namespace) -> int:
         say(str(exc))
         return 2
     except KeyboardInterrupt:  # raised by the pipeline itself (a Ctrl-C is a StopSignalled before the run)
-        say(f"interrupted; {_nothing_written(args.out)}")
+        say(f"interrupted; {_nothing_written(out)}")
         return 130
     except (StopSignalled, StoppedBySignal) as stopped:
-        say(f"{describe(stopped.signal_number)}; {_nothing_written(args.out)}")
+        say(f"{describe(stopped.signal_number)}; {_nothing_written(out)}")
         return 128 + stopped.signal_number
     except Exception as exc:
         say(f"the run failed: {error_line(exc)}")

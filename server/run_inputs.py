@@ -211,7 +211,10 @@ def prepare_out(text: str) -> OutDir:
     the pipeline had loaded (exit 1); ``--out ""`` wrote into the current directory."""
     if not text:
         raise BadInput("--out is empty: give a directory (--out . for the current one)")
-    path = Path(text)
+    try:  # absolute: a pipeline that changes the working directory put the output in its own, leaving --out empty
+        path = Path(text).absolute()
+    except OSError as exc:  # the working directory was removed
+        raise BadInput(f"--out {shown(text)} cannot be made: the working directory is gone ({exc.strerror})") from None
     try:
         info = os.stat(path)
     except FileNotFoundError:
