@@ -122,7 +122,8 @@ async def test_sessions_an_agent_refuses_together_wait_in_the_order_they_were_cr
     ``--queue-size`` (1 here): sessions already admitted are not dropped for their worker's drain, and no new create
     is queued meanwhile (429, while another worker is busy). The next agent takes them in that order."""
     authority = await trio.to_thread.run_sync(
-        lambda: start_authority("--queue-size", "1", launcher="external", workers=1))
+        # auto: each agent's own capacity (2 and 3 below) is taken whole, not held to the fixture's limit of 1
+        lambda: start_authority("--queue-size", "1", "--max-sessions-per-worker", "auto", launcher="external", workers=1))
     agents: list[PlacedOn] = []
     try:
         async with httpx.AsyncClient(base_url=authority.base_url, timeout=30) as client, \
