@@ -5,7 +5,9 @@ thread waits in C, where no signal handler runs). chunkline's own threads are da
 still running when a command is done was started by the pipeline and never stopped: ``chunkline run`` wrote its
 output and then never ended, and ``chunkline stream-serve`` drained on SIGTERM and then stayed, a second SIGTERM
 ignored, until a SIGKILL. Such threads get a short grace to end; then one line names them as the pipeline's bug
-and the process ends with the command's own exit code, after its exit calls, without waiting for them.
+and the process ends with the command's own exit code, after its exit calls, without waiting for them. Child
+processes the pipeline started with ``multiprocessing`` and left running, not daemon processes, get the same grace,
+and are then named and ended (multiprocessing's exit call waited for them for ever).
 
 A daemon thread is not waited for, but one still inside native code (a stage call past its ``call_timeout``, left on
 its thread; a pipeline's daemon thread in a torch op) aborted the interpreter's last teardown: ``terminate called
@@ -20,28 +22,57 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from .console import tell
 
 __all__ = ["STRAY_THREAD_GRACE", "end_despite_stray_threads"]
 
 STRAY_THREAD_GRACE = 3.0  # seconds the threads still running as a command ends get to finish on their own
+PROCESS_STOP_WAIT = 1.0  # seconds a process left running gets to end after SIGTERM, and then after SIGKILL
 
 
 def _stray(main: threading.Thread) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
 
 
+def _stray_processes() -> list[Any]:
+    """The ``multiprocessing`` children still running that are not daemon processes: multiprocessing's exit call
+    joins each for ever (a run that had written its output never ended, deaf to Ctrl-C; a SIGTERM ended it with 143
+    and left the child running)."""
+    module = sys.modules.get("multiprocessing")
+    return [] if module is None else [p for p in module.active_children() if not p.daemon]
+
+
+def _end_processes(prefix: str, children: list[Any], grace: float) -> None:
+    """Say which processes were left, then end them: SIGTERM, and SIGKILL for one still there after a second."""
+    names = ", ".join(repr(p.name) for p in children[:5]) + (", ..." if len(children) > 5 else "")
+    tell(f"{prefix}: pipeline bug: {len(children)} process(es) it started still run ({names}), not daemon "
+         f"processes, {grace:g} s after it closed: Python would wait for them for ever; ending them (stop and join "
+         f"them as running() exits, or start them as daemon processes)")
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(PROCESS_STOP_WAIT)
+        if child.is_alive():
+            child.kill()
+            child.join(PROCESS_STOP_WAIT)
+
+
 def end_despite_stray_threads(prefix: str, code: int, *, grace: float = STRAY_THREAD_GRACE) -> int:
     """Return ``code`` once no thread but the main one runs (waiting up to ``grace`` for those that are not daemon
     threads); else end the process now with ``code``, its exit calls run first, after saying which threads that are
-    not daemon threads were left."""
+    not daemon threads were left. Child processes that are not daemons and outlive ``grace`` are named and ended."""
     main = threading.main_thread()
     if threading.current_thread() is not main:
         return code
     deadline = time.monotonic() + grace
     for thread in _stray(main):
         thread.join(max(0.0, deadline - time.monotonic()))
+    for process in _stray_processes():
+        process.join(max(0.0, deadline - time.monotonic()))
+    if children := _stray_processes():
+        _end_processes(prefix, children, grace)
     left = _stray(main)
     if left:
         names = ", ".join(repr(t.name) for t in left[:5]) + (", ..." if len(left) > 5 else "")

@@ -1,0 +1,50 @@
+"""A child process the pipeline started with ``multiprocessing`` and left running does not hold ``chunkline run``'s
+end: after the grace threads get, one line names it as the pipeline's bug, it is ended, and the run keeps its code.
+
+multiprocessing's exit call joined it for ever: a run that had written its output never ended, deaf to Ctrl-C, and a
+SIGTERM ended it with 143, leaving the child running.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to start its pipeline's child, run, wait 3 s and end it
+
+PIPELINE = """\
+import multiprocessing
+import signal
+from pathlib import Path
+
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+def get_service(gpu_num=0):
+    child = multiprocessing.get_context("spawn").Process(target=signal.pause, name="leaky-child")
+    child.start()  # never stopped: signal.pause waits for ever
+    Path({pid_file!r}).write_text(str(child.pid))
+    return MinimalService()
+"""
+
+
+def test_a_child_process_left_running_is_named_and_ended_and_the_run_keeps_its_code(tmp_path: Path) -> None:
+    path = tmp_path / "p.py"
+    pid_file = tmp_path / "child.pid"
+    path.write_text(PIPELINE.format(pid_file=str(pid_file)))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["metrics.json", "video.mp4"]
+    assert ("chunkline run: pipeline bug: 1 process(es) it started still run ('leaky-child'), not daemon processes, "
+            "3 s after it closed: Python would wait for them for ever; ending them") in done.stderr
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except ProcessLookupError:
+        pass  # ended, and reaped
+    else:
+        raise AssertionError("the pipeline's child process still runs")
