@@ -1,7 +1,7 @@
 """Writing chunks to an H.264 mp4 with PyAV (blocking: run it on a worker thread).
 
 The video runs at the chunks' fps, refused when the mp4 cannot hold it (below 1/1001 or above a million frames a
-second); odd frame sizes are padded to even by repeating the edge; PCM16 audio is encoded
+second), as are frames over 16384 pixels a side; odd frame sizes are padded to even by repeating the edge; PCM16 audio is encoded
 as AAC when the first chunk carries audio, and later chunks without audio get silence.
 """
 
@@ -22,6 +22,9 @@ __all__ = ["Mp4Writer"]
 #: fps, up to a million a second (1e10 failed the run as ``OverflowError: value too large to convert to int``)
 MAX_DENOMINATOR = 1001
 MAX_FPS = 1_000_000
+#: the widest and tallest frame the encoder takes (2 x 16386 failed the run as ``Generic error in an external
+#: library: 'avcodec_open2("libx264", ...)'``, naming neither the frames nor their size)
+MAX_SIDE = 16384
 
 
 def _frame_rate(fps: float, index: int) -> Fraction:
@@ -72,6 +75,9 @@ class Mp4Writer:
         import av
 
         height, width = chunk.frames.shape[1:3]
+        if max(width + width % 2, height + height % 2) > MAX_SIDE:
+            raise ValueError(f"chunk {chunk.index}: frames of {width} x {height} pixels are larger than the video "
+                             f"takes (at most {MAX_SIDE} per side)")
         rate = _frame_rate(chunk.fps, chunk.index)
         if chunk.audio is not None:
             _check_audio(chunk.audio.sample_rate, chunk.audio.channels, chunk.index)
