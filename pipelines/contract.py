@@ -244,6 +244,8 @@ class ControlRejected(ValueError):
     """A service refused a control; ``reason`` is short and safe to show the controller."""
 
     def __init__(self, reason: str) -> None:
+        if not isinstance(reason, str):  # chunkline run finished, then failed writing it into metrics.json
+            raise PipelineContractError(f"a ControlRejected's reason must be text, got {_shown(reason)}")
         super().__init__(reason)
         self.reason = reason
 
