@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import trio
 import pipelines
 
 from ..processes import end_popen
+from .cli_runs import read_stderr_until
 
 REPLAY = str(Path(pipelines.__file__).parent / "replay")
 HUNG_STAGE = str(Path(__file__).parent / "hung_stage_world.py")
@@ -42,26 +41,10 @@ def _chunks_done(progress: bytes) -> int:
     return int(counts[-1]) if counts else 0
 
 
-def _read_stderr_until(process: subprocess.Popen[bytes], done: Callable[[bytes], bool], what: str,
-                       seen: bytes = b"", within: float = PROGRESS_DEADLINE) -> bytes:
-    assert process.stderr is not None
-    deadline = time.monotonic() + within
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stderr, selectors.EVENT_READ)
-        while not done(seen):
-            left = deadline - time.monotonic()
-            assert left > 0, f"no {what} within {within} s: {seen[-500:]!r}"
-            if selector.select(left):
-                data = os.read(process.stderr.fileno(), 65536)
-                assert data, f"the run ended before {what}: {seen[-500:]!r}"
-                seen += data
-    return seen
-
-
 def _wait_for_progress(process: subprocess.Popen[bytes]) -> bytes:
     """Read the child's stderr until its progress bar shows more chunks done than its writer's queue holds
     (4), so the writer has opened its temporary file."""
-    return _read_stderr_until(process, lambda seen: _chunks_done(seen) >= 10, "progress")
+    return read_stderr_until(process, lambda seen: _chunks_done(seen) >= 10, "progress", within=PROGRESS_DEADLINE)
 
 
 @pytest.mark.parametrize(("signal_number", "code", "message"), [
@@ -111,7 +94,8 @@ def _stop_then_abort(process: subprocess.Popen[bytes], second: int, running: Cal
         seen = _wait_for_progress(process)
         assert running(), "the run holds what the test looks for"
         process.send_signal(signal.SIGINT)
-        seen = _read_stderr_until(process, lambda text: b"stopping the run" in text, "stop message", seen)
+        seen = read_stderr_until(process, lambda text: b"stopping the run" in text, "stop message", seen,
+                                 PROGRESS_DEADLINE)
         process.send_signal(second)
         _, err = process.communicate(timeout=EXIT_DEADLINE)
         return seen + err

@@ -7,15 +7,12 @@ Python's default, the call not named).
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and fail
+from .cli_runs import failed_line, one_control, run_pipeline
+
 
 PIPELINE = """\
 from contextlib import asynccontextmanager
@@ -83,15 +80,5 @@ def get_service(gpu_num=0):
 ])
 def test_a_base_exception_the_pipeline_raises_is_one_line_naming_the_call(tmp_path: Path, where: str,
                                                                           told: str) -> None:
-    path = tmp_path / "p.py"
-    path.write_text(PIPELINE.format(where=where))
-    controls = tmp_path / "controls.json"
-    controls.write_text('[{"t": 0, "type": "reset"}]')
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--controls",
-                           str(controls), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    lines = [line for line in done.stderr.splitlines() if not re.match(r"\d+/\d+ chunks ", line)]  # not progress
-    assert lines == [f"chunkline run: the run failed: {told.format(path=path)}"], done.stderr[-2000:]
-    assert done.returncode == 1
-    assert not out.exists()
+    ran = run_pipeline(tmp_path, PIPELINE.format(where=where), *one_control(tmp_path))
+    assert failed_line(ran) == f"chunkline run: the run failed: {told.format(path=tmp_path / 'p.py')}"

@@ -7,12 +7,10 @@ bug it was.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and fail
+from .cli_runs import failed_line, one_control, run_pipeline
+
 
 PIPELINE = """\
 from pipelines.contract import ControlRejected
@@ -30,16 +28,5 @@ def get_service(gpu_num=0):
 
 
 def test_a_refusal_whose_reason_is_not_text_fails_the_run_as_the_pipeline_s_bug(tmp_path: Path) -> None:
-    path = tmp_path / "p.py"
-    path.write_text(PIPELINE)
-    controls = tmp_path / "controls.json"
-    controls.write_text('[{"t": 0, "type": "reset"}]')
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--controls",
-                           str(controls), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    assert done.stderr.splitlines() == [
-        "chunkline run: the run failed: pipeline bug: a ControlRejected's reason must be text, got {'why': 'busy'}"
-    ], done.stderr[-2000:]
-    assert done.returncode == 1
-    assert not out.exists()
+    assert failed_line(run_pipeline(tmp_path, PIPELINE, *one_control(tmp_path))) == (
+        "chunkline run: the run failed: pipeline bug: a ControlRejected's reason must be text, got {'why': 'busy'}")

@@ -7,15 +7,12 @@ to convert to int``, naming nothing.
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and make 2 small chunks
+from .cli_runs import failed_line, run_pipeline
+
 
 PIPELINE = """\
 from spec_tests.pipelines.minimal_service import MinimalService
@@ -38,14 +35,6 @@ def get_service(gpu_num=0):
 
 @pytest.mark.parametrize(("fps", "shown"), [(1e-7, "1e-07"), (1e10, "1e+10")], ids=["too_slow", "too_fast"])
 def test_an_fps_the_video_cannot_hold_fails_the_run_naming_it(tmp_path: Path, fps: float, shown: str) -> None:
-    path = tmp_path / "p.py"
-    path.write_text(PIPELINE.format(fps=fps))
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    lines = [line for line in done.stderr.splitlines() if not re.match(r"\d+/\d+ chunks ", line)]  # not progress
-    assert len(lines) == 1, done.stderr[-2000:]
-    assert lines[0].startswith("chunkline run: the run failed: "), lines
-    assert f"chunk 0: fps {shown} cannot be the video's frame rate (it takes 1/1001 to 1000000" in lines[0]
-    assert done.returncode == 1
-    assert not out.exists()
+    line = failed_line(run_pipeline(tmp_path, PIPELINE.format(fps=fps)))
+    assert line.startswith("chunkline run: the run failed: "), line
+    assert f"chunk 0: fps {shown} cannot be the video's frame rate (it takes 1/1001 to 1000000" in line

@@ -6,15 +6,12 @@ neither the frames nor their size.
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and make 2 narrow chunks
+from .cli_runs import failed_line, run_pipeline
+
 
 PIPELINE = """\
 from spec_tests.pipelines.minimal_service import MinimalService
@@ -38,15 +35,6 @@ def get_service(gpu_num=0):
 @pytest.mark.parametrize(("height", "width"), [(2, 16386), (16400, 4)])
 def test_frames_past_the_video_s_largest_side_fail_the_run_naming_their_size(tmp_path: Path, height: int,
                                                                               width: int) -> None:
-    path = tmp_path / "p.py"
-    path.write_text(PIPELINE.format(height=height, width=width))
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    lines = [line for line in done.stderr.splitlines() if not re.match(r"\d+/\d+ chunks ", line)]  # not progress
-    assert len(lines) == 1, done.stderr[-2000:]
-    assert lines[0].startswith("chunkline run: the run failed: "), lines
-    assert (f"chunk 0: frames of {width} x {height} pixels are larger than the video takes (at most 16384 per side)"
-            in lines[0])
-    assert done.returncode == 1
-    assert not out.exists()
+    line = failed_line(run_pipeline(tmp_path, PIPELINE.format(height=height, width=width)))
+    assert line.startswith("chunkline run: the run failed: "), line
+    assert f"chunk 0: frames of {width} x {height} pixels are larger than the video takes (at most 16384 per side)" in line

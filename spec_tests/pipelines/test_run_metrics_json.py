@@ -8,13 +8,11 @@ parsers refuse, while the run exited 0.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from .cli_runs import run_pipeline
 from typing import NoReturn
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import its pipeline and make 3 small chunks
 
 PIPELINE = """\
 from spec_tests.pipelines.minimal_service import MinimalService
@@ -42,12 +40,9 @@ def _no_constant(name: str) -> NoReturn:
 
 
 def test_huge_stage_and_idle_seconds_leave_a_finished_run_and_a_valid_metrics_json(tmp_path: Path) -> None:
-    path = tmp_path / "p.py"
-    path.write_text(PIPELINE)
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "3", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, done.stderr[-2000:]
+    ran = run_pipeline(tmp_path, PIPELINE, chunks=3)
+    assert ran.code == 0, ran.stderr[-2000:]
+    out = ran.out
     metrics = json.loads((out / "metrics.json").read_text(), parse_constant=_no_constant)
     assert metrics["stage_times"] == {"denoise": {"count": 3, "mean_seconds": 1e308}}
     assert metrics["idle_reasons"] == {"lease_wait": {"count": 3, "idle_seconds": None}}

@@ -7,15 +7,12 @@ PipelineFailed: ... at least 2 x 2``, exit 1, as if the pipeline had failed).
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN_DEADLINE = 180.0  # wall seconds for `chunkline run` to load the toy world and refuse its image
+from .cli_runs import ROOT, failed_line, run_pipeline
 
 
 def _png(path: Path, width: int, height: int) -> None:
@@ -32,12 +29,6 @@ def _png(path: Path, width: int, height: int) -> None:
 def test_an_image_under_two_by_two_pixels_is_bad_input(tmp_path: Path, width: int, height: int) -> None:
     image = tmp_path / "dot.png"
     _png(image, width, height)
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(ROOT / "pipelines" / "toy_world"), "--chunks",
-                           "1", "--image", str(image), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    assert done.stderr.splitlines() == [
-        f"chunkline run: image 'dot.png' is {width} x {height} pixels; the toy world takes one of at least 2 x 2"
-    ], done.stderr[-2000:]
-    assert done.returncode == 2
-    assert not out.exists()
+    ran = run_pipeline(tmp_path, ROOT / "pipelines" / "toy_world", "--image", str(image), chunks=1)
+    assert failed_line(ran, code=2) == (
+        f"chunkline run: image 'dot.png' is {width} x {height} pixels; the toy world takes one of at least 2 x 2")

@@ -7,15 +7,13 @@ and was not told that a second one aborts.
 
 from __future__ import annotations
 
-import os
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from ..processes import end_popen
+from .cli_runs import read_stderr_until
 
 ROOT = Path(__file__).resolve().parents[2]
 READ_DEADLINE = 60.0  # seconds for the child to import its pipeline
@@ -42,23 +40,6 @@ def get_service(gpu_num=0):
 """
 
 
-def _read_until(process: subprocess.Popen[bytes], wanted: bytes, seen: bytes = b"",
-                within: float = READ_DEADLINE) -> bytes:
-    """The child's stderr, read until it holds ``wanted``, within ``within`` seconds."""
-    assert process.stderr is not None
-    deadline = time.monotonic() + within
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stderr, selectors.EVENT_READ)
-        while wanted not in seen:
-            left = deadline - time.monotonic()
-            assert left > 0, f"no {wanted!r} within {within} s: {seen[-500:]!r}"
-            if selector.select(left):
-                data = os.read(process.stderr.fileno(), 65536)
-                assert data, f"the run ended before {wanted!r}: {seen[-500:]!r}"
-                seen += data
-    return seen
-
-
 def _default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(number, signal.SIG_DFL)
@@ -72,10 +53,11 @@ def test_the_first_ctrl_c_is_answered_at_once_while_the_pipeline_blocks_the_loop
                                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                preexec_fn=_default_signals)
     try:
-        seen = _read_until(process, b"blocking the loop\n")
+        seen = read_stderr_until(process, lambda text: b"blocking the loop\n" in text, "the block",
+                                 within=READ_DEADLINE)
         process.send_signal(signal.SIGINT)
-        seen = _read_until(process, b"chunkline run: SIGINT received, stopping the run (press Ctrl-C again to abort at "
-                                    b"once)\n", seen, SAID_DEADLINE)
+        said = b"chunkline run: SIGINT received, stopping the run (press Ctrl-C again to abort at once)\n"
+        seen = read_stderr_until(process, lambda text: said in text, "the stop's line", seen, SAID_DEADLINE)
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=EXIT_DEADLINE) == 130
         assert process.stderr is not None
