@@ -461,8 +461,8 @@ class ClusterAuthority:
         }
 
     def slot_stays_down(self, cause: DrainCause, reason: str) -> None:
-        """A launcher's slot was drained and stays down: the queued sessions end now, with ``reason``, when nothing
-        will run them (:mod:`server.orphaned_queue`)."""
+        """A launcher's slot stays down (drained, or given up): the queued sessions end now, with ``cause`` and
+        ``reason``, when nothing will run them (:mod:`server.orphaned_queue`)."""
         end_if_nothing_will_run(self.runtime, cause, reason)
 
     def agent_may_join(self) -> bool:
