@@ -12,16 +12,19 @@ with. A drain's outcome is the table's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
 import trio
 
-from states.stream_session import FAILING_CAUSES, QUEUED_ENDS_WITH, RUNNER_PROGRESS, DrainCause, Event, settle_event
+from states.stream_session import (
+    DRAINED, FAILING_CAUSES, QUEUED_ENDS_WITH, RUNNER_PROGRESS, DrainCause, Event, settle_event,
+)
 
 from . import protocol
 from .registry import SessionRecord, SessionRegistry
 
-__all__ = ["SessionLifecycle", "runner_last_word"]
+__all__ = ["SessionLifecycle", "runner_last_word", "shutdown_outcome"]
 
 
 class SessionLifecycle:
@@ -121,3 +124,23 @@ def runner_last_word(record: SessionRecord, failure: str | None, chunks: int, fr
         return protocol.done_message(record.session_id, chunks, frames, reason=cause)
     reason = record.drain_cause.value if record.drain_cause in FAILING_CAUSES else "session_failed"
     return protocol.error_message(record.session_id, reason, failure)
+
+
+def shutdown_outcome(runners: Iterable[Any], aborted: Collection[Any]) -> str:
+    """How the sessions live as a shutdown began ended, for its last log line, each counted once by its record's
+    outcome: drained (its drain settled as a drain does), stopped at once past the grace (``aborted``), lost with its
+    worker (the worker failed or was lost during the drain), or failed on its own. The lost ones were counted drained,
+    as every session not stopped past the grace was."""
+    drained = lost = failed = 0
+    for runner in runners:
+        if runner in aborted:
+            continue
+        if runner.record.status in DRAINED:
+            drained += 1
+        elif runner.worker.failure is not None:
+            lost += 1
+        else:
+            failed += 1
+    words = f"{drained} session(s) drained, {len(aborted)} stopped at once past the grace"
+    words += f", {lost} lost with their worker" if lost else ""
+    return words + (f", {failed} failed" if failed else "")

@@ -29,7 +29,7 @@ from states.worker import TERMINAL as WORKER_TERMINAL
 from .metrics import ServerMetrics
 from .in_process_workers import InProcessWorkers
 from .model_worker import ModelWorker
-from .lifecycle import SessionLifecycle
+from .lifecycle import SessionLifecycle, shutdown_outcome
 from .registry import SessionRecord, SessionRegistry
 from . import drain_request, option_check, runtime_views
 from .queued_ends import QueuedEnds
@@ -158,8 +158,8 @@ class StreamRuntime:
             await self._shut_down.wait()
             return
         self.closing = True
-        live = len(self.runners)
-        log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", live, grace)
+        live = list(self.runners.values())
+        log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", len(live), grace)
         # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
         await self.queued_ends.end(self._queued_records(), DrainCause.SHUTDOWN, SHUTDOWN_REASON)
         for runner in list(self.runners.values()):
@@ -179,8 +179,7 @@ class StreamRuntime:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
         self.uploads.remove()
-        log.info("shutdown complete: %d session(s) drained, %d stopped at once past the grace", live - len(aborted),
-                 len(aborted))
+        log.info("shutdown complete: %s", shutdown_outcome(live, aborted))
         self._shut_down.set()
 
     # -- workers -----------------------------------------------------------------

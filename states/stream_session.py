@@ -42,7 +42,7 @@ from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RUNNER_PROGRESS", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "QUEUED_ENDS_WITH",
-    "FAILING_CAUSES", "REQUEUABLE", "STARTING",
+    "FAILING_CAUSES", "REQUEUABLE", "STARTING", "DRAINED",
     "StreamSessionMachine", "settle_event",
 ]
 
@@ -185,6 +185,10 @@ QUEUED_ENDS_WITH: dict[DrainCause, Event] = {
 
 #: Causes whose drain fails the session (derived from SETTLES_WITH).
 FAILING_CAUSES = frozenset(cause for cause, event in SETTLES_WITH.items() if event is Event.FAIL)
+
+#: The states a drain that went well settles in (read from the table): a session that ended in one was drained; one
+#: that failed meanwhile (its worker lost during the drain) was not, whatever its drain cause.
+DRAINED = frozenset(TRANSITIONS[(State.DRAINING, event)] for event in SETTLES_WITH.values() if event is not Event.FAIL)
 
 
 def settle_event(cause: DrainCause | None, *, failed: bool) -> Event:
