@@ -304,7 +304,8 @@ def openapi_document() -> dict[str, Any]:
                      "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("TokenRequest")}}},
                      "responses": {"200": _json(_ref("TokenResponse"), "a viewer token"),
                                    "400": _error("invalid identity or body"), "404": _error("unknown session"),
-                                   "409": _error("terminal session, identity already in use, or every viewer seat "
+                                   "409": _error("a session draining or ended (or the server shutting down), identity already "
+                                                 "in use, or every viewer seat "
                                                  "taken (viewers in the room and viewer tokens handed out, not yet "
                                                  "used)"), **COMMON_ERRORS}},
         },

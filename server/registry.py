@@ -64,6 +64,10 @@ class SessionRecord:
         return self.machine.is_terminal
 
     @property
+    def takes_viewers(self) -> bool:
+        return self.machine.state in table.TAKES_VIEWERS
+
+    @property
     def participant_count(self) -> int:
         return len(self.participants)
 

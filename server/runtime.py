@@ -373,8 +373,10 @@ class StreamRuntime:
         who a list of the room made for this request saw, besides the record's count (LiveKit: ``look_now``)."""
         record = self.registry.get(session_id)
         identity = validate_client_identity(identity)
-        if record.is_terminal:
-            raise SessionConflict(f"session {session_id} is {record.status.value}")
+        if self.closing and not record.is_terminal:
+            raise SessionConflict(f"session {session_id} takes no new viewers: the server is shutting down")
+        if not record.takes_viewers:
+            raise SessionConflict(f"session {session_id} is {record.status.value}: it takes no new viewers")
         self.viewer_seats.hand_out(record, identity, present)
         return self.issuer.viewer_token(record.room, identity)
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 from .machine import StateMachine, TableEnum
 
 __all__ = [
-    "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RUNNER_PROGRESS", "RETAINING", "LIVE_MEDIA", "SETTLES_WITH", "QUEUED_ENDS_WITH",
+    "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RUNNER_PROGRESS", "RETAINING", "LIVE_MEDIA", "TAKES_VIEWERS", "SETTLES_WITH", "QUEUED_ENDS_WITH",
     "FAILING_CAUSES", "REQUEUABLE", "STARTING", "DRAINED",
     "StreamSessionMachine", "settle_event",
 ]
@@ -131,6 +131,21 @@ STARTING = frozenset(state for (state, event) in TRANSITIONS if event in RUNNER_
 
 # States in which the worker is in the room with its media (the seed's "transport connected").
 LIVE_MEDIA = frozenset({State.STARTING_PIPELINE, State.RUNNING, State.DRAINING})
+
+
+def _leads_to(goal: State) -> frozenset[State]:
+    """``goal`` and every state with a path to it in the table."""
+    reached = {goal}
+    while True:
+        more = {state for (state, _), after in TRANSITIONS.items() if after in reached} - reached
+        if not more:
+            return frozenset(reached)
+        reached |= more
+
+
+#: States a viewer token is handed out in: those the session may still run in (read from the table). A draining
+#: session is ending: a viewer it let in would see its last frames, if any, and then the room close.
+TAKES_VIEWERS = _leads_to(State.RUNNING)
 
 
 class DrainCause(TableEnum):
