@@ -54,6 +54,7 @@ from .contract import (
     checked_stream,
 )
 from .error_text import error_line
+from .loop_watch import LoopWatchdog, waiting
 from .mp4 import Mp4Writer
 from .offline_calls import (
     PipelineCallError,
@@ -151,7 +152,8 @@ class _Run:
         index = self.order.next_index
         seconds = self.deadlines.create_session if setup else self.deadlines.chunk
         try:
-            chunk = await next_chunk_within(iterator, self.order, seconds)
+            with waiting(call, seconds, late=f"{call} did not give chunk {index} within {seconds:g} s"):
+                chunk = await next_chunk_within(iterator, self.order, seconds)
             return chunk if chunk is None or self.chunk_check is None else self.chunk_check(chunk)
         except ChunkLate as late:
             if setup:
@@ -290,6 +292,7 @@ async def run_offline(
     *,
     deadlines: RunDeadlines,
     chunk_check: Callable[[Chunk], Chunk] | None = None,
+    on_blocked: Callable[[str], object] | None = None,
 ) -> OfflineRunSummary:
     """Run one session of ``service`` for up to ``chunks`` chunks; write ``video.mp4`` and ``metrics.json``.
 
@@ -300,6 +303,8 @@ async def run_offline(
     overwritten). ``deadlines`` bound the pipeline's calls (:class:`RunDeadlines`; past one, or when one raises,
     a :class:`PipelineCallError`). ``chunk_check(chunk)`` (the server's own check of what a chunk carries, so that a
     run takes what a served session takes) returns the chunk or raises a :class:`PipelineContractError`.
+    ``on_blocked(line)``, which must not return, ends the process where the pipeline blocks trio's thread past a
+    deadline, which no cancel scope can then keep (:mod:`pipelines.loop_watch`; the line names the call).
     ``out_dir`` is created if missing. On any failure or cancellation
     the temporary files are removed and nothing named ``video.mp4``/``metrics.json`` is written.
     """
@@ -328,6 +333,9 @@ async def run_offline(
     metrics_tmp = _temp_path(out, METRICS_NAME)
     writer = Mp4Writer(video_tmp)
     recorder = Recorder(kind, chunks, len(entries))
+    watchdog = None if on_blocked is None else LoopWatchdog(on_blocked)
+    if watchdog is not None:
+        watchdog.start()
     try:
         async with trio.open_nursery() as nursery:
             send, receive = trio.open_memory_channel[Chunk](4)
@@ -355,6 +363,9 @@ async def run_offline(
         if telling.__traceback__ is None:  # made here, naming the group's errors: the group is its cause
             raise telling from exc
         raise telling from None
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     return OfflineRunSummary(
         kind=kind,
         chunks=metrics["chunks"],

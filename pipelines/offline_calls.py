@@ -20,6 +20,7 @@ import trio
 
 from .contract import BidirectionalService, PipelineContractError, ServerPushService
 from .error_text import error_line
+from .loop_watch import waiting
 
 __all__ = ["PipelineCallError", "RunDeadlines", "call_within", "close_within", "raised_as_error", "running_within",
            "single_leaf", "telling_error"]
@@ -126,7 +127,7 @@ async def call_within(call: str, seconds: float, function: Callable[[], Awaitabl
     """``await function()`` within ``seconds``; past them, or when it raises anything but a ``refusal``, a
     :class:`PipelineCallError` naming ``call``. (``push_control`` refuses with a ``ControlRejected`` only: another
     ``ValueError`` out of it, a bug such as ``int('abc')``, exited 2 as bad input in its bare words.)"""
-    with trio.move_on_after(seconds):
+    with trio.move_on_after(seconds), waiting(call, seconds):
         try:
             return await function()
         except BaseException as exc:
@@ -144,9 +145,11 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
     named; what the block raises passes unchanged."""
     phase = "entering"
     try:
-        with trio.CancelScope(deadline=trio.current_time() + seconds) as entering:
+        with trio.CancelScope(deadline=trio.current_time() + seconds) as entering, \
+                waiting("entering running()", seconds) as entered:
             async with service.running():
                 entering.deadline = math.inf
+                entered()
                 phase = "inside"
                 yield
                 phase = "leaving"
@@ -162,7 +165,7 @@ async def close_within(call: str, seconds: float, function: Callable[[], Awaitab
     """Run a close shielded (a stopped run still closes) and cut past ``seconds``: then the warning to give, else
     None. A close that raises still fails the run, named, a ``ValueError`` too: a close refuses no request (one
     exited 2 as bad input, in its bare words, after a complete run)."""
-    with trio.CancelScope(shield=True), trio.move_on_after(seconds) as deadline:
+    with trio.CancelScope(shield=True), trio.move_on_after(seconds) as deadline, waiting(call, seconds):
         try:
             await function()
         except BaseException as exc:

@@ -271,26 +271,35 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
         except OSError:  # a closed terminal (SIGHUP): the exit code says it
             pass
 
+    from engine.supervised_child import end_descendants_now
     from engine.tensor_channel_refs import unlink_every_owned_segment
 
     nothing_written = _nothing_written(str(out.path))  # made now: the handler below may not do file system work
 
-    def abort(first: int) -> NoReturn:  # in a signal handler: no buffered I/O, no waiting
+    def end_at_once(code: int, line: str) -> NoReturn:  # in a signal handler or a watchdog: no buffered I/O
+        end_descendants_now()  # its stage processes, and the shared memory they made
         unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
         remove_partial_files(out.path)
         out.remove_made()
-        line = f"{PREFIX}: aborted by a second signal; {nothing_written}\n".encode()
+        said = f"{PREFIX}: {one_line(line)}\n".encode()
         try:
-            os.write(2, b"\n" + line if bar.drawn else line)
+            os.write(2, b"\n" + said if bar.drawn else said)
         except OSError:
             pass
-        os._exit(128 + first)
+        os._exit(code)
+
+    def abort(first: int) -> NoReturn:  # in a signal handler: no waiting
+        end_at_once(128 + first, f"aborted by a second signal; {nothing_written}")
+
+    def blocked(line: str) -> NoReturn:  # in the watchdog's thread: trio's, the main one, is held by the pipeline
+        end_at_once(1, f"the run failed: {line}")
 
     early_signals.defer()  # a signal as the trio run starts is noted, and replayed once its handlers are in
     try:
         from .chunk_publisher import checked_metadata  # a served session's rule for what a chunk carries
 
-        run = functools.partial(run_offline, deadlines=run_deadlines(), chunk_check=checked_metadata)
+        run = functools.partial(run_offline, deadlines=run_deadlines(), chunk_check=checked_metadata,
+                                on_blocked=blocked)
         summary = trio_run_until_signalled(run, service, config, controls, args.chunks, out.path, bar,
                                            on_stop=on_stop, abort=abort)
     except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)

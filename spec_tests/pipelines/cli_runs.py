@@ -12,7 +12,7 @@ import selectors
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import attrs
@@ -32,17 +32,23 @@ class Ran:
     out: Path  # the --out folder
 
 
-def run_pipeline(tmp_path: Path, pipeline: str | Path, *flags: str, chunks: int = 2) -> Ran:
+def run_pipeline(tmp_path: Path, pipeline: str | Path, *flags: str, chunks: int = 2,
+                 deadlines: Mapping[str, float] | None = None) -> Ran:
     """``chunkline run`` of ``pipeline`` (a pipeline file's text, written to ``tmp_path / "p.py"``, or a path) for
-    ``chunks`` chunks with ``flags``, into ``tmp_path / "out"``."""
+    ``chunks`` chunks with ``flags``, into ``tmp_path / "out"``. ``deadlines`` shortens the server's constants the
+    run takes its deadlines from (``{"CREATE_PIPELINE_TIMEOUT": 1.0}``, :mod:`server.runner`) in that process."""
     if isinstance(pipeline, str):
         path = tmp_path / "p.py"
         path.write_text(pipeline)
     else:
         path = pipeline
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", str(chunks), *flags,
-                           "--out", str(out)],
+    command = [sys.executable, "-m", "server.cli"]
+    if deadlines:
+        shortened = "".join(f"runner.{name} = {seconds!r}\n" for name, seconds in deadlines.items())
+        command = [sys.executable, "-c", f"import sys, server.runner as runner\n{shortened}"
+                                         "from server.cli import main\nsys.exit(main())\n"]
+    done = subprocess.run([*command, "run", str(path), "--chunks", str(chunks), *flags, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
     return Ran(done.returncode, [line for line in done.stderr.splitlines() if not PROGRESS.match(line)],
                done.stderr, out)

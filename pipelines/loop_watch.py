@@ -1,0 +1,103 @@
+"""A watchdog for the deadlines trio cannot keep: a pipeline that blocks trio's thread.
+
+The run's deadlines (:mod:`pipelines.offline_calls`) are trio cancel scopes, which act only when the pipeline's code
+gives the loop back. A call that never awaits (``time.sleep``, a busy loop, a synchronous model load in an ``async
+def``) inside ``create_session``, ``push_control`` or while making a chunk held ``chunkline run`` for ever. Each wait
+for the pipeline is marked here (:func:`waiting`: a tuple written, nothing woken); a daemon thread looks at the mark
+only as its deadline passes, and then asks the loop to run a no-op: a loop that does not within
+:data:`BLOCK_GRACE` seconds is blocked, and the watchdog's ``on_blocked`` gets the line that names the call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import trio
+
+__all__ = ["BLOCK_GRACE", "LoopWatchdog", "waiting"]
+
+#: seconds a loop past a call's deadline has to answer before it is taken as blocked (a free one answers in ms)
+BLOCK_GRACE = 2.0
+#: seconds between looks while the run waits for no call (the mark is then None)
+IDLE_LOOK = 1.0
+
+_WATCHDOG: trio.lowlevel.RunVar[LoopWatchdog | None] = trio.lowlevel.RunVar("chunkline_loop_watchdog", default=None)
+_numbers = itertools.count()
+
+
+@contextmanager
+def waiting(call: str, seconds: float, *, late: str | None = None) -> Iterator[Callable[[], None]]:
+    """The run waits up to ``seconds`` for the pipeline's ``call`` (``late``: what it failed to do then, if not to
+    return): marked for this run's watchdog, if it has one, until the block ends or the callable it gives is called."""
+    watchdog = _WATCHDOG.get()
+    mark = (next(_numbers), late or f"{call} did not return within {seconds:g} s", time.monotonic(), seconds)
+
+    def done() -> None:
+        if watchdog is not None and watchdog.mark is mark:
+            watchdog.mark = None
+
+    if watchdog is not None:
+        watchdog.mark = mark
+    try:
+        yield done
+    finally:
+        done()
+
+
+class LoopWatchdog:
+    """Ends the run through ``on_blocked(line)`` (which must not return) when trio's thread is blocked past the
+    deadline of the call it waits for. Started in the trio run (:meth:`start`), stopped as the run ends."""
+
+    def __init__(self, on_blocked: Callable[[str], object], grace: float = BLOCK_GRACE) -> None:
+        self.mark: tuple[int, str, float, float] | None = None  # (number, what is late, since, seconds)
+        self._on_blocked = on_blocked
+        self._grace = grace
+        self._stopped = threading.Event()
+        self._answered = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Watch this trio run's waits for the pipeline (call from inside the run)."""
+        token = trio.lowlevel.current_trio_token()
+        _WATCHDOG.set(self)
+        self._thread = threading.Thread(target=self._watch, args=(token,), name="chunkline-loop-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching; the thread is gone when this returns (an exit finds no thread of the run's own)."""
+        self._stopped.set()
+        self._answered.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self, token: trio.lowlevel.TrioToken) -> None:
+        while not self._stopped.is_set():
+            mark = self.mark
+            if mark is None:
+                self._stopped.wait(IDLE_LOOK)
+                continue
+            _, late, since, seconds = mark
+            left = since + seconds - time.monotonic()
+            if left > 0:
+                self._stopped.wait(left)
+                continue
+            self._answered = answered = threading.Event()
+            if self._stopped.is_set():  # stop() set the event before this one
+                return
+            asked = time.monotonic()
+            try:
+                token.run_sync_soon(answered.set)
+            except trio.RunFinishedError:
+                return
+            if answered.wait(self._grace) or self._stopped.is_set() or self.mark is not mark:
+                # the loop runs: trio's own deadline cancels the call; look again while it unwinds
+                self._stopped.wait(self._grace)
+                continue
+            self._on_blocked(f"pipeline bug: {late}: it has blocked trio's thread for at least "
+                             f"{time.monotonic() - asked:.0f} s (code that never awaits, as time.sleep or a busy "
+                             f"loop: run it with trio.to_thread.run_sync)")
+            return

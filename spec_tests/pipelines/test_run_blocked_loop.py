@@ -1,0 +1,72 @@
+"""A pipeline that blocks trio's thread past a deadline fails ``chunkline run`` naming the call, exit 1.
+
+The run's deadlines are trio cancel scopes, which act only when the pipeline gives the loop back: a ``time.sleep``
+or a busy loop in ``create_session``, ``push_control`` or while making a chunk held the run for ever. A watchdog
+thread (:mod:`pipelines.loop_watch`) now notices the loop that does not answer past the deadline and ends the run
+in one line, leaving nothing. The deadlines are the server's constants, shortened to a second in the process.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from .cli_runs import failed_line, one_control, run_pipeline
+
+PIPELINE = """\
+import time
+
+from spec_tests.pipelines.minimal_service import MinimalService
+
+WHERE = {where!r}
+
+
+def block():
+    if WHERE.endswith("busy"):
+        while True:
+            pass
+    time.sleep(3600)
+
+
+class Blocks(MinimalService):
+    async def create_session(self, config, *, on_event=None):
+        if WHERE.startswith("create_session"):
+            block()
+        return "s0"
+
+    async def push_control(self, session_id, control):
+        if WHERE.startswith("push_control"):
+            block()
+
+    async def chunks(self, session_id):
+        async for chunk in super().chunks(session_id):
+            if WHERE.startswith("chunks") and chunk.index == 1:
+                block()
+            yield chunk
+
+
+def get_service(gpu_num=0):
+    return Blocks()
+"""
+
+SHORT = {"CREATE_PIPELINE_TIMEOUT": 1.0, "CONTROL_TIMEOUT": 1.0, "CHUNK_STALL_TIMEOUT": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("where", "late"),
+    [
+        ("create_session-sleep", "create_session did not return within 1 s"),
+        ("push_control-busy", "push_control did not return within 1 s"),
+        ("chunks-sleep", "chunks() did not give chunk 1 within 1 s"),
+    ],
+)
+def test_a_pipeline_blocking_trio_s_thread_past_its_deadline_fails_the_run_naming_the_call(
+    tmp_path: Path, where: str, late: str
+) -> None:
+    # bench-cost: the run waits out its real deadline (shortened to 1 s) and the watchdog's 2 s grace
+    ran = run_pipeline(tmp_path, PIPELINE.format(where=where), *one_control(tmp_path), chunks=3, deadlines=SHORT)
+    line = failed_line(ran)
+    assert re.fullmatch(rf"chunkline run: the run failed: pipeline bug: {re.escape(late)}: it has blocked trio's "
+                        r"thread for at least \d+ s \(code that never awaits, .*trio\.to_thread\.run_sync\)", line), line
