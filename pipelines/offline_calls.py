@@ -142,8 +142,10 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
     """``async with service.running():``, entered within ``seconds`` (the block itself has no deadline). The
     deadline's scope spans the whole block, relaxed once inside: one exited as ``running()`` returns would
     corrupt the cancel-scope stack of a ``running()`` that opens a nursery. What entering or leaving it raises is
-    named; what the block raises passes unchanged."""
+    named; what the block raises passes unchanged, and the one error a task ``running()`` started raised meanwhile
+    (its nursery's) is named as the pipeline's (it read ``the run failed: KeyError: 'k'``, no bug named)."""
     phase = "entering"
+    block: BaseException | None = None
     try:
         with trio.CancelScope(deadline=trio.current_time() + seconds) as entering, \
                 waiting("entering running()", seconds) as entered:
@@ -151,14 +153,35 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
                 entering.deadline = math.inf
                 entered()
                 phase = "inside"
-                yield
+                try:
+                    yield
+                except BaseException as exc:
+                    block = exc
+                    raise
                 phase = "leaving"
     except BaseException as exc:
-        if phase == "inside" or not raised_as_error(exc) or _passes(exc):
+        if phase == "inside":
+            raise _task_error(exc, block) or exc
+        if not raised_as_error(exc) or _passes(exc):
             raise
         raise PipelineCallError.raised("running()" if phase == "entering" else "leaving running()", exc) from exc
     if phase == "entering" and entering.cancelled_caught:
         raise PipelineCallError.late("running()", seconds)
+
+
+def _task_error(exc: BaseException, block: BaseException | None) -> PipelineCallError | None:
+    """Where ``exc`` (out of ``running()`` while inside it) holds one error, and not one the block raised (the block
+    was cancelled for it, or ended): that error, as a task ``running()`` started raising it. Else None."""
+    leaves = _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    errors = [leaf for leaf in leaves if raised_as_error(leaf)]
+    if len(errors) != 1:
+        return None
+    ours = _leaves(block) if isinstance(block, BaseExceptionGroup) else [block]
+    if any(errors[0] is leaf for leaf in ours) or isinstance(errors[0], PipelineContractError):
+        return None
+    error = PipelineCallError.raised("a task running() started", errors[0])
+    error.__cause__ = exc
+    return error
 
 
 async def close_within(call: str, seconds: float, function: Callable[[], Awaitable[Any]]) -> str | None:

@@ -1,0 +1,55 @@
+"""Every failure of the pipeline's own fails ``chunkline run`` with a line that says ``pipeline bug:``, exit 1.
+
+An error of a task the pipeline's ``running()`` started in its own nursery read ``the run failed: KeyError:
+'background'``, naming neither whose bug it was nor where it came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .cli_runs import failed_line, run_pipeline
+
+TASK_FAILS = """\
+from contextlib import asynccontextmanager
+
+import trio
+
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+async def feed():
+    await trio.sleep(0)
+    raise KeyError("background")
+
+
+class Feeding(MinimalService):
+    @asynccontextmanager
+    async def running(self):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            yield
+            nursery.cancel_scope.cancel()
+
+    async def create_session(self, config, *, on_event=None):
+        if {waits!r} == "create_session":
+            await trio.sleep_forever()  # cancelled as the task fails
+        return "s0"
+
+    async def chunks(self, session_id):
+        await trio.sleep_forever()  # cancelled as the task fails
+        yield
+
+
+def get_service(gpu_num=0):
+    return Feeding()
+"""
+
+
+@pytest.mark.parametrize("waits", ["create_session", "chunks"])
+def test_an_error_of_a_task_running_started_is_the_pipeline_s_bug_naming_it(tmp_path: Path, waits: str) -> None:
+    ran = run_pipeline(tmp_path, TASK_FAILS.format(waits=waits))
+    assert failed_line(ran) == ("chunkline run: the run failed: pipeline bug: a task running() started raised "
+                                "KeyError: 'background'")
