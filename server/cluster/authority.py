@@ -19,7 +19,6 @@ import secrets
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
 import trio
 
 from engine import CapacityPlan
@@ -30,11 +29,12 @@ from ..log_pace import LogPace
 from ..orphaned_queue import end_if_nothing_will_run
 from ..reasons import echo, public_reason
 from ..settings import dialed_host
-from ..tokens import IdentityError, validate_identity
 from . import proofs, tls, wire
 from .busy import BUSY_WINDOW, MAX_BUSY_ANSWERS, BusyAnswers
 from .capacity_limit import admitted_capacity
-from .identity import chunkline_version, pipeline_digest, pipeline_name, worker_participant
+from .identity import chunkline_version, pipeline_digest, pipeline_name
+from .registration_rules import MIN_REGISTERED, REGISTERED_PER_EXPECTED, Refusal
+from .registration_rules import refusal as registration_refusal
 from .remote import PlanView, RemoteWorker
 
 if TYPE_CHECKING:
@@ -55,22 +55,6 @@ DRAIN_GRACE = 15.0
 #: (:class:`~server.cluster.busy.BusyAnswers`)
 MAX_PENDING_HANDSHAKES = 32
 RECENT_LOSSES = 32
-#: registered workers the authority holds at most: this many per expected worker (``--num-workers``, or the
-#: launcher's slots), and never fewer than MIN_REGISTERED. Room for replacements and scale-out past the expected
-#: count, but a token holder cannot make it hold workers (records, connections, frame buffers) without end;
-#: past it a registration is refused for now (the agent dials again). Handshakes pending at once
-#: (MAX_PENDING_HANDSHAKES) may pass the count together, so it can be exceeded by that many at most.
-REGISTERED_PER_EXPECTED = 4
-MIN_REGISTERED = 16
-
-
-@attrs.frozen
-class Refusal:
-    """Why a registration is refused, and whether the same agent may be taken later (``transient``: it dials
-    again, not counting it toward giving up) or never (it exits 3). The agent reads both off the wire, proven."""
-
-    reason: str
-    transient: bool = False
 
 
 class UnknownWorkerId(KeyError):
@@ -242,7 +226,7 @@ class ClusterAuthority:
             await channel.aclose()
             return None
         else:
-            refusal = self._refusal(first, nonce)
+            refusal = registration_refusal(self, first, nonce)
         if refusal is None and self.rooms_url is None and settings.transport == "local":
             refusal = Refusal("the authority does not know its rooms URL yet; try again", transient=True)
         if refusal is not None:
@@ -264,36 +248,6 @@ class ClusterAuthority:
             return None
         assert isinstance(first, wire.Register)
         return first, channel, nonce
-
-    def _refusal(self, message: wire.Message, nonce: str) -> Refusal | None:
-        """Why a first frame is refused; every reason but a taken id is for good (the agent would send it again)."""
-        if not isinstance(message, wire.Register):
-            return Refusal(f"expected register, got {message.TYPE}")
-        if not proofs.proof_matches(self.token, nonce, message.worker_id, message.proof):
-            return Refusal("the cluster token does not match")
-        try:
-            validate_identity(message.worker_id)
-            validate_identity(worker_participant(message.worker_id))  # the identity it joins its rooms as
-        except IdentityError as exc:
-            return Refusal(f"worker id {echo(message.worker_id)} cannot name a room participant: {exc}")
-        if message.version != self.version:
-            return Refusal(f"chunkline version {echo(message.version)} differs from the authority's {self.version!r}")
-        if message.pipeline != self.pipeline:
-            return Refusal(f"pipeline {echo(message.pipeline)} differs from the authority's {self.pipeline!r}")
-        if message.pipeline_digest != self.digest:
-            return Refusal(f"pipeline {echo(message.pipeline)} has other code (digest {echo(message.pipeline_digest)}, "
-                           f"authority {self.digest!r})")
-        if self.launcher is not None:
-            stranger = self.launcher.refusal(message)
-            if stranger is not None:
-                return Refusal(stranger)
-        if len(self.handles) >= self.max_registered:
-            return Refusal(f"the authority holds {len(self.handles)} workers, its limit ({REGISTERED_PER_EXPECTED} per "
-                           f"expected worker, at least {MIN_REGISTERED}); try again once one has left", transient=True)
-        if message.worker_id in self.liveness:  # the agent dials again under a fresh id
-            return Refusal(f"worker id {echo(message.worker_id)} is taken; an agent takes a fresh id every dial",
-                           transient=True)
-        return None
 
     def _admit(self, message: wire.Register, channel: wire.Channel) -> RemoteWorker | None:
         now = trio.current_time()
