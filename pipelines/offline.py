@@ -148,7 +148,8 @@ class _Run:
         """The stream's next chunk, checked (None: the stream ended), within ``deadlines.chunk``, or, for a
         server-push stream's first chunk (``setup``: its session's setup), ``deadlines.create_session``; past it a
         :class:`PipelineCallError` naming ``call``. Whatever goes wrong while the pipeline makes it is the
-        pipeline's failure, never the request's (a ValueError too): a :class:`ChunkFailed` naming the chunk."""
+        pipeline's failure, never the request's (a ValueError too): a :class:`ChunkFailed` naming the chunk, or for
+        the setup's chunk a :class:`PipelineCallError`, as a create that raised."""
         index = self.order.next_index
         seconds = self.deadlines.create_session if setup else self.deadlines.chunk
         try:
@@ -164,6 +165,8 @@ class _Run:
         except BaseException as exc:
             if not raised_as_error(exc):
                 raise
+            if setup:  # its session's setup, as create_session's (it read only "the pipeline failed making chunk 0")
+                raise PipelineCallError.raised(call, exc, then=" before its first chunk") from exc
             raise ChunkFailed(f"the pipeline failed making chunk {index}: {error_line(exc)}") from exc
 
     async def close(self, call: str, function: Callable[[], Any]) -> None:

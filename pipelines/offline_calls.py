@@ -63,9 +63,9 @@ class PipelineCallError(PipelineContractError):
         return type(self), (self.call, self.what)
 
     @classmethod
-    def raised(cls, call: str, exc: BaseException) -> PipelineCallError:
+    def raised(cls, call: str, exc: BaseException, *, then: str = "") -> PipelineCallError:
         leaf = single_leaf(exc)
-        return cls(call, f"raised {error_line(leaf)}")
+        return cls(call, f"raised {error_line(leaf)}{then}")
 
     @classmethod
     def late(cls, call: str, seconds: float) -> PipelineCallError:

@@ -70,8 +70,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 ADMISSION_RESULTS = ("assigned", "queued", "rejected")
 CHUNK_RESULTS = ("processed", "published")
 FINISH_RESULTS = ("closed", "failed", "expired")
-LOSS_CAUSES = ("connection_closed", "heartbeat_missed", "process_exited", "agent_failed", "actor_died",
-               "actor_unreachable", "protocol_error")
+LOSS_CAUSES = ("authority_stalled", "connection_closed", "heartbeat_missed", "process_exited", "agent_failed",
+               "actor_died", "actor_unreachable", "protocol_error")
 class _PublishedFpsCollector(Collector):
     """Computes `chunkline_published_fps{scope}` and `chunkline_uptime_seconds` per scrape."""
 

@@ -59,6 +59,8 @@ __all__ = [
     "DuplicateWorkerId",
     "InvalidLiveness",
     "fence_at",
+    "fences_agents",
+    "stall_cause",
     "loss_kind",
     "LOSS_KINDS",
     "PROCESS_GONE",
@@ -179,6 +181,7 @@ class _Entry:
 #: (said so, as its word), and a launcher's notices (it saw the process exit, with its code or signal; Ray said the
 #: actor died, or raised something else, which says nothing of the actor).
 LOSS_KINDS = (
+    ("the authority stalled", "authority_stalled"),
     ("heartbeat missed", "heartbeat_missed"),
     ("connection", "connection_closed"),
     ("process exited", "process_exited"),
@@ -189,6 +192,26 @@ LOSS_KINDS = (
 
 #: losses whose agent process is known to be gone: a launcher has nothing left to end
 PROCESS_GONE = frozenset({"process_exited", "actor_died"})
+
+
+#: loss kinds an authority's stall explains when they follow it: the agent fenced itself meanwhile and closed its
+#: connection, or the authority, running again, found its heartbeats overdue
+STALL_EXPLAINS = frozenset({"heartbeat_missed", "connection_closed"})
+
+
+def fences_agents(stall: float, deadline: float) -> bool:
+    """Whether the authority, not running for ``stall`` seconds, left its agents with no heartbeat acknowledged for
+    as long as :func:`fence_at` gives them: they fenced themselves, and the losses that follow are its own doing."""
+    return stall >= deadline * FENCE_FRACTION
+
+
+def stall_cause(cause: str, stall: float, since: float, deadline: float) -> str:
+    """A loss's cause as the authority tells it, ``since`` seconds after a stall of its own of ``stall`` seconds: one
+    the stall explains (:data:`STALL_EXPLAINS`, within a deadline of it) names the stall, which read ``heartbeat
+    missed`` and blamed the agent; any other cause is kept."""
+    if fences_agents(stall, deadline) and 0 <= since <= deadline and loss_kind(cause) in STALL_EXPLAINS:
+        return f"the authority stalled for {stall:.1f} s (its event loop did not run): the agent was fenced by the stall"
+    return cause
 
 
 def loss_kind(cause: str) -> str:

@@ -36,6 +36,7 @@ from .identity import chunkline_version, pipeline_digest, pipeline_name
 from .registration_rules import MIN_REGISTERED, REGISTERED_PER_EXPECTED, Refusal
 from .registration_rules import refusal as registration_refusal
 from .remote import PlanView, RemoteWorker
+from .stall_watch import StallWatch
 
 if TYPE_CHECKING:
     from ..runtime import StreamRuntime
@@ -103,6 +104,7 @@ class ClusterAuthority:
         self.interval = settings.heartbeat_interval
         # an agent loads its pipeline before it dials, so its ready follows the welcome at once
         self.liveness = LivenessBook(settings.heartbeat_deadline, ready_within=max(HANDSHAKE_TIMEOUT, settings.heartbeat_deadline))
+        self.stall = StallWatch(settings.heartbeat_deadline, settings.heartbeat_interval)  # its own, fencing its agents
         self.handles: dict[str, RemoteWorker] = {}
         self.losses: deque[dict[str, Any]] = deque(maxlen=RECENT_LOSSES)
         self.port: int | None = None
@@ -130,6 +132,7 @@ class ClusterAuthority:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, self.serve_connection, listeners)
             nursery.start_soon(self._sweep)
+            nursery.start_soon(self.stall.run)
             if self.launcher is not None:
                 await nursery.start(self.launcher.run, self)
             task_status.started(self.port)
@@ -360,6 +363,7 @@ class ClusterAuthority:
         worker = self.handles.get(worker_id)
         if worker is None:
             return
+        cause = self.stall.cause(cause, trio.current_time())  # the authority's own stall, where that explains it
         log.warning("cluster: worker %s lost: %s", worker_id, cause)
         self.runtime.metrics.record_worker_lost(loss_kind(cause))
         self.losses.append({"worker_id": worker_id, "node": worker.node, "cause": cause, "slot": worker.slot})

@@ -1,7 +1,8 @@
 """Every failure of the pipeline's own fails ``chunkline run`` with a line that says ``pipeline bug:``, exit 1.
 
 An error of a task the pipeline's ``running()`` started in its own nursery read ``the run failed: KeyError:
-'background'``, naming neither whose bug it was nor where it came from.
+'background'``, naming neither whose bug it was nor where it came from; a server-push stream that failed before its
+first chunk (its session's setup) read ``the run failed: the pipeline failed making chunk 0: KeyError: 'no first'``.
 """
 
 from __future__ import annotations
@@ -53,3 +54,34 @@ def test_an_error_of_a_task_running_started_is_the_pipeline_s_bug_naming_it(tmp_
     ran = run_pipeline(tmp_path, TASK_FAILS.format(waits=waits))
     assert failed_line(ran) == ("chunkline run: the run failed: pipeline bug: a task running() started raised "
                                 "KeyError: 'background'")
+
+
+PUSH_FAILS = """\
+from contextlib import asynccontextmanager
+
+import numpy as np
+
+from pipelines.contract import Chunk, ServerPushService
+
+
+class Pushes(ServerPushService):
+    takes_prompt = takes_image = False
+
+    @asynccontextmanager
+    async def running(self):
+        yield
+
+    async def stream(self, config):
+        raise KeyError("no first")
+        yield Chunk(0, np.zeros((2, 16, 16, 3), np.uint8), 8.0)
+
+
+def get_service(gpu_num=0):
+    return Pushes()
+"""
+
+
+def test_a_server_push_stream_that_fails_before_its_first_chunk_is_the_pipeline_s_bug(tmp_path: Path) -> None:
+    ran = run_pipeline(tmp_path, PUSH_FAILS)
+    assert failed_line(ran) == ("chunkline run: the run failed: pipeline bug: stream() raised KeyError: 'no first' "
+                                "before its first chunk")
