@@ -61,6 +61,8 @@ __all__ = [
     "fence_at",
     "fences_agents",
     "stall_cause",
+    "fenced",
+    "FENCES",
     "loss_kind",
     "LOSS_KINDS",
     "PROCESS_GONE",
@@ -194,6 +196,11 @@ LOSS_KINDS = (
 PROCESS_GONE = frozenset({"process_exited", "actor_died"})
 
 
+#: loss kinds that are the authority's verdict on the heartbeat clock, not the agent failing: it heard the agent too
+#: late (or not at all), or its own stall fenced the agent. The agent is told so (a transient loss notice) and dials
+#: again without counting it toward its crash-loop limit, as it does after fencing itself.
+FENCES = frozenset({"heartbeat_missed", "authority_stalled"})
+
 #: loss kinds an authority's stall explains when they follow it: the agent fenced itself meanwhile and closed its
 #: connection, or the authority, running again, found its heartbeats overdue
 STALL_EXPLAINS = frozenset({"heartbeat_missed", "connection_closed"})
@@ -212,6 +219,11 @@ def stall_cause(cause: str, stall: float, since: float, deadline: float) -> str:
     if fences_agents(stall, deadline) and 0 <= since <= deadline and loss_kind(cause) in STALL_EXPLAINS:
         return f"the authority stalled for {stall:.1f} s (its event loop did not run): the agent was fenced by the stall"
     return cause
+
+
+def fenced(cause: str) -> bool:
+    """Whether a loss cause is a fence (:data:`FENCES`), not the agent failing."""
+    return loss_kind(cause) in FENCES
 
 
 def loss_kind(cause: str) -> str:

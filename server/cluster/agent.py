@@ -10,7 +10,8 @@ whose table events go back over this connection in order.
 Cut off from the authority (no heartbeat acknowledged), the agent *fences* itself at
 :func:`states.liveness.fence_at` — before the authority's deadline — by stopping every
 session it runs, then registers again under a new id with the model it already
-loaded. The authority proves the cluster token back (its Welcome), and every frame after
+loaded, not counting the fence toward its crash-loop limit (nor the authority's word that it lost the agent on the
+heartbeat clock): the authority's silence or verdict is no crash of the agent's. The authority proves the cluster token back (its Welcome), and every frame after
 that is tagged (see :mod:`server.cluster.wire`): a peer at the authority's address that
 cannot prove it is dropped and dialed again after a backoff, as after any failed connect.
 What the authority's answers make it do is :mod:`server.cluster.dial_ends`: a proven Busy (a
@@ -40,7 +41,6 @@ import trio
 
 from engine import CapacityPlan
 from states.agent import ABORTS, LEAVING, WORKER_GONE, AgentMachine, Event, State, exit_status, start_refusal
-from states.liveness import fence_at
 from states.restart_policy import RestartPolicy, RestartTracker
 
 from .. import early_signals
@@ -54,6 +54,7 @@ from ..server_folders import remove_stale_folders
 from . import tls, wire
 from .agent_drain import AgentDrain
 from .agent_handshake import Shaken, handshake
+from .agent_heartbeats import FENCED, HeartbeatClock
 from .agent_options import AgentOptions, parse_authority
 from .agent_sessions import RUNNER_STOP_GRACE, AgentSessions
 from .backoff import EXIT_REFUSED, back_off
@@ -109,13 +110,13 @@ class Agent:
         self._first_signal: int | None = None  # the first stop signal: the exit code may be 128 + it
         self._stop_scopes: set[trio.CancelScope] = set()  # waits a stop before serving ends
         self.drain = AgentDrain(self.sessions)  # its line in the log says who asked, and how it ended
-        self._acked_sent_at = 0.0
-        self._sent_at: dict[int, float] = {}
+        self.clock = HeartbeatClock()  # its heartbeats, their acknowledgements, the fence
         self._flushed = trio.Event()
         self._pump_scope = trio.CancelScope()
         self._registering = trio.CancelScope()  # cancelled when the launching authority is gone
         self._authority_goodbye: str | None = None  # how this registration ended when the authority said goodbye
         self._authority_gone: str | None = None  # how it ended when the authority's connection closed with no word
+        self._fenced_by_authority: str | None = None  # how it ended when the authority lost it on the heartbeat clock
 
     # -- life --
 
@@ -250,7 +251,7 @@ class Agent:
                 self.life.apply(Event.CUT_OFF)  # it dials again under a fresh id
             if ended.kind is End.AUTHORITY_STOPPED:
                 patience.reset()  # it registered: the waits after this stop are a fresh run
-            elif ended.kind is End.AUTHORITY_GONE:
+            elif ended.kind in (End.AUTHORITY_GONE, End.FENCED):
                 patience.registered()  # as after a stop, but one that goes again and again is dialed ever slower
             if ended.kind in UNCOUNTED:
                 # the authority proved it asks to wait (a flood fills its handshakes, or it is not ready for this
@@ -285,7 +286,7 @@ class Agent:
         if not isinstance(shaken, Shaken):
             return shaken
         channel, welcome = shaken.channel, shaken.welcome
-        self._acked_sent_at = shaken.sent_at  # the authority's deadline starts when the register arrived
+        self.clock.registered(shaken.sent_at)
         self.worker_id = worker_id
         self.worker.worker_id = worker_id  # runners join rooms as chunkline-<worker id>
         self.sessions.attach(welcome)
@@ -297,7 +298,7 @@ class Agent:
         self._pump_scope = trio.CancelScope()
         channel.send_timeout = welcome.deadline  # an authority that takes no frame for that long is gone
         outcome: str | None = None  # the first end wins: the authority closes as the goodbye reaches it
-        self._authority_goodbye = self._authority_gone = None
+        self._authority_goodbye = self._authority_gone = self._fenced_by_authority = None
         try:
             async with trio.open_nursery() as nursery:
                 async def until(make: Callable[[], Awaitable[str]]) -> None:
@@ -311,8 +312,9 @@ class Agent:
                     await nursery.start(transport_run)
                 nursery.start_soon(until, lambda: self._pump(channel, outbox))
                 nursery.start_soon(until, lambda: self._read(channel))
-                nursery.start_soon(until, lambda: self._heartbeat(welcome.heartbeat_interval))
-                nursery.start_soon(until, lambda: self._fence(welcome.deadline))
+                nursery.start_soon(until, lambda: self.clock.beat(welcome.heartbeat_interval, self.send,
+                                                                  lambda: self.sessions.runners))
+                nursery.start_soon(until, lambda: self.clock.fence(welcome.deadline))
                 nursery.start_soon(until, self._until_drained)
                 nursery.start_soon(until, self._until_worker_failed)
                 nursery.start_soon(self.sessions.report_participants)
@@ -337,6 +339,8 @@ class Agent:
             return Ended(End.DRAINED, outcome)
         if outcome == self._authority_goodbye:
             return Ended(End.AUTHORITY_STOPPED, outcome)
+        if outcome in (FENCED, self._fenced_by_authority):  # the authority's silence or verdict: not counted
+            return Ended(End.FENCED, outcome)
         return Ended(End.AUTHORITY_GONE if outcome == self._authority_gone else End.LOST, outcome)
 
     # -- the connection --
@@ -390,11 +394,7 @@ class Agent:
             except wire.WireError as exc:
                 return f"protocol error: {exc}"
             if isinstance(message, wire.HeartbeatAck):
-                sent = self._sent_at.pop(message.seq, None)
-                if sent is not None:
-                    self._acked_sent_at = max(self._acked_sent_at, sent)
-                for seq in [s for s in self._sent_at if s < message.seq]:
-                    del self._sent_at[seq]
+                self.clock.acknowledged(message.seq)
             elif isinstance(message, wire.Start):
                 self.sessions.start(message, refusal=start_refusal(self.life.state))
             elif isinstance(message, wire.Stop):
@@ -405,7 +405,10 @@ class Agent:
             elif isinstance(message, wire.Drain):
                 self.begin_drain(message.deadline)
             elif isinstance(message, wire.Refused):  # tagged: the authority drops this worker, and says why
-                return f"refused: {cut(message.reason, MAX_PROVEN_REASON)}"
+                refused = f"refused: {cut(message.reason, MAX_PROVEN_REASON)}"
+                if message.transient:  # it lost this worker on the heartbeat clock (a fence), no fault of the agent's
+                    self._fenced_by_authority = refused
+                return refused
             elif isinstance(message, wire.Goodbye):  # the authority stops (tagged: nobody else can say it)
                 self._authority_goodbye = f"the authority said goodbye: {cut(message.reason, MAX_PROVEN_REASON)}"
                 return self._authority_goodbye
@@ -417,23 +420,6 @@ class Agent:
         if vanished(exc) and self._authority_gone is None:  # the first, as the outcome is (the pump's and the reader's)
             self._authority_gone = lost
         return lost
-
-    async def _heartbeat(self, interval: float) -> str:
-        seq = 0
-        while True:
-            seq += 1
-            self._sent_at[seq] = trio.current_time()
-            while len(self._sent_at) > 64:
-                del self._sent_at[min(self._sent_at)]
-            self.send(wire.Heartbeat(seq, tuple(self.sessions.runners)))
-            await trio.sleep(interval)
-
-    async def _fence(self, deadline: float) -> str:
-        while True:
-            fence = fence_at(self._acked_sent_at, deadline)
-            if trio.current_time() >= fence:
-                return "no heartbeat acknowledged: fenced before the authority's deadline"
-            await trio.sleep_until(fence)
 
     async def _check_options(self, message: wire.CheckOptions) -> None:
         """The pipeline's word on a create's options, for the authority (which bounds its own wait too)."""

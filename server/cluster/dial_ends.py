@@ -17,8 +17,10 @@ or is reset, as when the authority is killed (SIGKILL, out of memory) or crashes
 The agent did nothing wrong, and counted, 9 authority restarts in a minute ended every external agent for good;
 it dials again at the waits' pace, as it dials an unreachable one. What the agent caused is still counted: the
 authority names it before it closes (a proven refusal: a protocol error of the agent's, a deadline the agent
-missed), and so are a frame that breaks the protocol, an authority that stops reading or acknowledging heartbeats
-(whose stall that is, the agent cannot tell) and the agent's own worker failing.
+missed), and so are a frame that breaks the protocol, an authority that stops reading and the agent's own worker
+failing. A fence is not (:data:`End.FENCED`): no heartbeat acknowledged in time, or the authority's tagged word that it
+lost the agent on the heartbeat clock (a transient loss notice), is the authority's silence or verdict, not the agent
+crashing; counted, an authority that stalled now and then pushed its external agents toward giving up for good.
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class End(enum.Enum):
     #: the connection to an authority that had taken this agent closed or was reset with no word (killed, crashed):
     #: dial again at the waits' pace, not counted
     AUTHORITY_GONE = "authority_gone"
+    #: the registration ended in a fence: no heartbeat acknowledged in time (the agent fenced itself), or the authority
+    #: lost the agent on the heartbeat clock and said so (a transient loss notice): dial again at the waits' pace, not
+    #: counted (each fence follows a registration, so they never loop)
+    FENCED = "fenced"
     DRAINED = "drained"  # exit 0
     STOPPED = "stopped"  # a stop signal before the register went out: exit 128 + the signal (states.agent)
 
@@ -168,8 +174,8 @@ DIAL_DEADLINES = {End.TRANSIENT: TRANSIENT_DEADLINE, End.UNREACHABLE: UNREACHABL
 
 
 #: the ends of a dial or registration after which the agent dials again without counting it toward giving up
-UNCOUNTED = frozenset({End.AUTHORITY_STOPPED, End.AUTHORITY_GONE, End.BUSY, End.TRANSIENT, End.UNREACHABLE,
-                       End.NOT_AN_AUTHORITY})
+UNCOUNTED = frozenset({End.AUTHORITY_STOPPED, End.AUTHORITY_GONE, End.FENCED, End.BUSY, End.TRANSIENT,
+                       End.UNREACHABLE, End.NOT_AN_AUTHORITY})
 
 def patience_of(kind: End) -> str:
     """How long the agent keeps dialing after this kind of end, in words (the words "not counted" alone read as for
@@ -180,9 +186,15 @@ def patience_of(kind: End) -> str:
     return f"not counted as a crash; the agent gives up after {deadline:g} s of such dials"
 
 
+#: the ends of a registration that the agent dials again after uncounted, at the waits' pace, and why they are no crash
+UNCOUNTED_REGISTRATIONS = {End.AUTHORITY_GONE: "the authority went, not this worker",
+                           End.FENCED: "a fence is the authority's silence or verdict, not this worker failing"}
+
 #: what each kind of waited dial says the authority did
 WAITED = {End.AUTHORITY_STOPPED: "stopped (it said goodbye)",
-          End.AUTHORITY_GONE: "went away without a word (killed, or it crashed)", End.BUSY: "is busy",
+          End.AUTHORITY_GONE: "went away without a word (killed, or it crashed)",
+          End.FENCED: "fenced this worker (it acknowledged no heartbeat in time, or lost it on the heartbeat clock)",
+          End.BUSY: "is busy",
           End.TRANSIENT: "refused this worker for now", End.UNREACHABLE: "is unreachable",
           End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority (is this the --cluster-port, not the HTTP "
                                 "port?)"}
@@ -202,15 +214,17 @@ class DialLog:
         # DIAL_LOG_EVERY with a count of those left out
         self.unproven = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
         self.unproven_restarts = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
-        # an authority that goes again and again: each time after a registration, so its pace outlives them
-        self.gone = LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
+        # an authority that goes (or fences this worker) again and again: each time after a registration, so its pace,
+        # one per kind, outlives them
+        self.ended_registrations = {kind: LogPace(log, burst=1, per_second=1 / DIAL_LOG_EVERY)
+                                    for kind in UNCOUNTED_REGISTRATIONS}
 
     def waiting(self, ended: Ended, delay: float, now: float) -> None:
         """A waited dial ended (``ended.why`` is the authority's own proven reason, cut, or this side's words)."""
-        if ended.kind is End.AUTHORITY_GONE:
-            self.gone.warning("agent at %s: the authority %s (%s); dialing again in %.1f s (not counted as a crash: "
-                              "the authority went, not this worker)", self.at, WAITED[ended.kind], ended.why,
-                              delay)
+        if ended.kind in UNCOUNTED_REGISTRATIONS:
+            self.ended_registrations[ended.kind].warning(
+                "agent at %s: the authority %s (%s); dialing again in %.1f s (not counted as a crash: %s)", self.at,
+                WAITED[ended.kind], ended.why, delay, UNCOUNTED_REGISTRATIONS[ended.kind])
             return
         if not self.dials:
             self.since = now

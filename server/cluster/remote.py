@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from states.liveness import LivenessBook
+from states.liveness import LivenessBook, fenced
 from states.stream_session import LIVE_MEDIA, REQUEUABLE, DrainCause, Event
 from states.worker import REFUSES_STARTS
 
@@ -161,12 +161,13 @@ class RemoteWorker:
         return None
 
     async def tell_loss(self) -> None:
-        """Tell the agent why the authority lost it (once; a tagged refusal, which the agent counts toward its
-        crash-loop limit), then close: the pump does as the outbox closes, the connection's handler once the reader
-        found the cause (its pump was cancelled with no loss to say). Not past a frame cut half-way."""
-        if self._tell_loss and not self.channel.frame_cut:
+        """Tell the agent why the authority lost it (once; a tagged refusal, which the agent counts toward its crash-loop
+        limit unless ``transient``: a fence, :func:`states.liveness.fenced`), then close: the pump does as the outbox
+        closes, the connection's handler once the reader found the cause (its pump was cancelled). Not past a frame cut."""
+        if self._tell_loss and not self.channel.frame_cut and self.lost_cause is not None:
             self._tell_loss = False
-            await self._say_last(Refused(f"the authority lost this worker: {self.lost_cause}"))
+            said = f"the authority lost this worker: {self.lost_cause}"
+            await self._say_last(Refused(said, transient=fenced(self.lost_cause)))
 
     async def _say_last(self, message: Message) -> None:
         """Tell the agent why the connection ends (a tagged frame: only the authority can say it), then close."""
