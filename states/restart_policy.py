@@ -19,7 +19,12 @@ load alike, and five retries with a traceback each told nothing the first did no
 a worker that loaded once and then failed is a crash, retried with backoff as
 above. RESTARTED
 (the replacement was started) returns to RUNNING; STOP (the server stops)
-ends either live state in STOPPED.
+ends any live state in STOPPED.
+
+A launched agent can be lost while its process lives on (frozen, cut off): its launcher gives it a window to
+register again and ends it after that. WORKER_LOST takes the slot to LOST for that window (health said
+``running`` with no worker): it returns to RUNNING when the agent registers again (REREGISTERED), and its process's
+end is a failure as from RUNNING.
 
 :class:`RestartTracker` is pure: every method that depends on time takes ``now``
 (seconds, any monotonic clock), it holds no clock, lock or I/O, and it decides
@@ -45,6 +50,7 @@ __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "RestartMachine", "Resta
 
 class State(TableEnum):
     RUNNING = "running"
+    LOST = "lost"  # its agent was lost and its process lives on: it registers again, or is ended
     BACKING_OFF = "backing_off"
     GAVE_UP = "gave_up"
     STOPPED = "stopped"
@@ -57,6 +63,8 @@ class Event(TableEnum):
     LOAD_REPEATED = "load_repeated"  # a load failed as the last one did, and no worker of the slot ever loaded
     RESTARTED = "restarted"  # the replacement was started
     STOP = "stop"  # the server stops: no more restarts
+    WORKER_LOST = "worker_lost"  # its agent was lost while its process lives on (a window to register again)
+    REREGISTERED = "reregistered"  # that agent registered again within the window
 
 
 TRANSITIONS: dict[tuple[State, Event], State] = {
@@ -67,6 +75,13 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
     (State.RUNNING, Event.STOP): State.STOPPED,
     (State.BACKING_OFF, Event.RESTARTED): State.RUNNING,
     (State.BACKING_OFF, Event.STOP): State.STOPPED,
+    (State.RUNNING, Event.WORKER_LOST): State.LOST,
+    (State.LOST, Event.REREGISTERED): State.RUNNING,
+    (State.LOST, Event.FAILED): State.BACKING_OFF,
+    (State.LOST, Event.CRASH_LOOP): State.GAVE_UP,
+    (State.LOST, Event.REFUSED): State.GAVE_UP,
+    (State.LOST, Event.LOAD_REPEATED): State.GAVE_UP,
+    (State.LOST, Event.STOP): State.STOPPED,
 }
 
 TERMINAL = frozenset({State.GAVE_UP, State.STOPPED})
@@ -130,7 +145,7 @@ class RestartTracker:
     """One worker slot: its failures inside the window, its restart machine, its restart count."""
 
     __slots__ = ("policy", "machine", "restarts", "due_at", "last_cause", "refusal", "ever_loaded", "last_load_failure",
-                 "_failures")
+                 "lost", "_failures")
 
     def __init__(self, policy: RestartPolicy | None = None) -> None:
         self.policy = policy or RestartPolicy()
@@ -141,6 +156,7 @@ class RestartTracker:
         self.refusal: str | None = None  # why it gave up at once: refused its configuration, or a load failed again
         self.ever_loaded = False  # a worker of this slot has loaded its pipeline (then a failure is a crash)
         self.last_load_failure: Hashable | None = None  # how the slot's last failed load failed (its kind and words)
+        self.lost: tuple[str, float] | None = None  # while LOST: why, and when its process is ended
         self._failures: deque[float] = deque()
 
     @property
@@ -176,7 +192,8 @@ class RestartTracker:
             event = Event.LOAD_REPEATED
         elif failures > self.policy.max_failures:
             event = Event.CRASH_LOOP
-        self.machine.apply(event)  # raises IllegalTransition (changing nothing) unless RUNNING
+        self.machine.apply(event)  # raises IllegalTransition (changing nothing) unless RUNNING or LOST
+        self.lost = None
         self._failures.append(now)
         self.last_cause = cause
         self.last_load_failure = load_failure
@@ -199,6 +216,19 @@ class RestartTracker:
         if load_failure is not None and not self.ever_loaded:  # LOAD_REPEATED comes before the crash-loop limit
             reason += "; a repeat of the same load failure ends it"
         return Decision(event, failures, delay, self.due_at, reason)
+
+    def worker_lost(self, cause: str, ended_at: float) -> None:
+        """Its agent was lost with ``cause`` while its process lives on, and is ended at ``ended_at`` unless it
+        registers again: LOST (a no-op unless RUNNING)."""
+        if self.machine.can(Event.WORKER_LOST):
+            self.machine.apply(Event.WORKER_LOST)
+            self.lost = (cause, ended_at)
+
+    def reregistered(self) -> None:
+        """The lost agent registered again: RUNNING (a no-op unless LOST)."""
+        if self.machine.can(Event.REREGISTERED):
+            self.machine.apply(Event.REREGISTERED)
+            self.lost = None
 
     def due(self, now: float) -> bool:
         """Whether the replacement should start now."""
@@ -225,9 +255,13 @@ class RestartTracker:
             self.due_at = None
 
     def describe(self, now: float) -> str | None:
-        """Why the slot is not running, for health: the backoff left, the refusal or the crash loop; None when
-        running."""
+        """Why the slot is not running, for health: its lost agent's end, the backoff left, the refusal or the crash
+        loop; None when running."""
         state = self.machine.state
+        if state is State.LOST and self.lost is not None:
+            cause, ended_at = self.lost
+            return (f"its agent was lost ({cause}) and its process lives on: ended in {max(0.0, ended_at - now):.1f} s "
+                    f"unless it registers again")
         if state is State.BACKING_OFF:
             left = self.retry_after(now) or 0.0
             return f"restarting in {left:.1f} s after: {self.last_cause}"

@@ -205,13 +205,18 @@ class LocalLauncher:
             await slot.lost.wait()
             slot.lost = trio.Event()
             slot.registered = trio.Event()
-            with trio.move_on_after(max(self._authority.liveness.deadline, REREGISTER_WINDOW)):
+            with trio.move_on_after(self._reregister_window()):
                 await slot.registered.wait()
                 continue
             if process.returncode is None:
                 log.warning("local slot %s: lost and silent; killing pid %d", slot.name, process.pid)
                 process.kill()
             return
+
+    def _reregister_window(self) -> float:
+        """Seconds a lost agent whose process lives on has to register again before it is killed."""
+        assert self._authority is not None
+        return max(self._authority.liveness.deadline, REREGISTER_WINDOW)
 
     # -- the authority's notices --
 
@@ -243,6 +248,7 @@ class LocalLauncher:
         slot = self._slot_of(worker)
         if slot is not None and worker.launcher == self.name:
             slot.restarts.loaded()  # an agent registers once it loaded: later failures are crashes, backed off
+            slot.restarts.reregistered()  # a lost agent whose process lived on came back: running again
             slot.worker_id = worker.worker_id
             slot.settled = trio.Event()
             slot.registered.set()
@@ -251,6 +257,8 @@ class LocalLauncher:
         slot = self._slot_of(worker)
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
+            if slot.process is not None and slot.process.returncode is None:  # ended unless it registers again
+                slot.restarts.worker_lost(cause, trio.current_time() + self._reregister_window())
             slot.settled.set()
             slot.lost.set()
 
