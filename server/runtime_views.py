@@ -25,8 +25,8 @@ from .model_worker import ModelWorker
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
-__all__ = ["control_idle_timeout_in_force", "current_worker_views", "health", "metadata", "publish_gauges",
-           "session_inputs_taken", "worker_counts", "worker_views"]
+__all__ = ["control_idle_timeout_in_force", "current_worker_views", "health", "metadata", "own_settings",
+           "publish_gauges", "session_inputs_taken", "settings_in_force", "worker_counts", "worker_views"]
 
 
 def current_worker_views(runtime: StreamRuntime) -> list[Any]:
@@ -126,11 +126,40 @@ def worker_views(runtime: StreamRuntime) -> list[dict[str, Any]]:
             "devices": list(getattr(worker, "gpu_ids", ())),
             "heartbeat_age": None,
             "launcher": "in-process",
+            **own_settings(runtime, worker),
         }
         if runtime.cluster is not None:
             entry.update(runtime.cluster.view(view.worker_id, now) or {})
         out.append(entry)
     return out
+
+
+def own_settings(runtime: StreamRuntime, worker: Any) -> dict[str, Any]:
+    """A worker's ``worker_mode`` and configured session limit (``configured_max_sessions``: a number, or ``auto``):
+    an in-process worker runs with this server's settings; an agent with its own mode, from its Ready, and the lower of
+    its own limit (its plan's) and this server's ``--max-sessions-per-worker``, which holds every agent (None until it
+    said). An external agent is started with its own flags: it showed this server's."""
+    if isinstance(worker, ModelWorker):
+        return _server_settings(runtime)
+    if worker is None or worker.plan is None:
+        return {"worker_mode": None if worker is None else worker.worker_mode, "configured_max_sessions": None}
+    held = runtime.settings.max_sessions_per_worker
+    limits = [n for n in (worker.plan.to_dict()["configured_limit"], held) if isinstance(n, int)]
+    return {"worker_mode": worker.worker_mode, "configured_max_sessions": min(limits) if limits else "auto"}
+
+
+def _server_settings(runtime: StreamRuntime) -> dict[str, Any]:
+    settings = runtime.settings
+    return {"worker_mode": settings.worker_mode, "configured_max_sessions": settings.max_sessions_per_worker}
+
+
+def settings_in_force(runtime: StreamRuntime, name: str) -> Any:
+    """``name`` of :func:`own_settings` as the workers run with it: this server's setting without agents; with agents,
+    the one value every agent that said has, else None (none said yet, or they differ: ``workers`` names each)."""
+    if runtime.cluster is None:
+        return _server_settings(runtime)[name]
+    said = {value for worker in runtime.workers.values() if (value := own_settings(runtime, worker)[name]) is not None}
+    return said.pop() if len(said) == 1 else None
 
 
 def control_idle_timeout_in_force(workers: Iterable[Any]) -> float | None:
@@ -185,9 +214,10 @@ def metadata(runtime: StreamRuntime, health_view: dict[str, Any]) -> dict[str, A
         "pipeline_kind": kind,
         "livekit_url": settings.livekit_url,
         "num_workers": settings.num_workers,
-        "worker_mode": settings.worker_mode,
+        # the workers' own: an agent's, which may differ from this server's (null while none said, or they differ)
+        "worker_mode": settings_in_force(runtime, "worker_mode"),
         "max_sessions_per_worker": min((w.capacity for w in runtime.book.workers()), default=None),
-        "configured_max_sessions_per_worker": settings.max_sessions_per_worker,
+        "configured_max_sessions_per_worker": settings_in_force(runtime, "configured_max_sessions"),
         "queue_size": settings.queue_size,
         # only where it applies: null for a server-push stream, and until a worker has loaded the pipeline
         "control_idle_timeout": control_idle_timeout_in_force(workers),

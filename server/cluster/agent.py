@@ -438,7 +438,7 @@ class Agent:
         self.life.apply(Event.LOADED)  # from here a stop signal lets it leave in order (states.agent)
         inputs = worker.inputs_taken or frozenset()
         self._ready = wire.Ready(capacity, worker.kind or "unknown", plan.to_dict(), dict(worker.startup_check or {}),
-                                 worker.settings_taken, "prompt" in inputs, "image" in inputs)
+                                 worker.settings_taken, "prompt" in inputs, "image" in inputs, self.options.worker_mode)
         self._model_settled.set()
 
     def _model_failed(self, worker: ModelWorker, reason: str, *, permanent: bool = False) -> None:

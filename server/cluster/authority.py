@@ -342,6 +342,7 @@ class ClusterAuthority:
         worker.kind = message.kind
         worker.startup_check = message.startup_check or None
         worker.settings_taken = message.settings_taken
+        worker.worker_mode = message.worker_mode
         worker.inputs_taken = frozenset(name for name, taken in (("prompt", message.takes_prompt),
                                                                   ("image", message.takes_image)) if taken)
         plan = CapacityPlan(**{k: message.plan[k] for k in ("computed_capacity", "effective_capacity", "configured_limit", "limiting_device")})

@@ -99,6 +99,7 @@ class RemoteWorker:
         self.settings_taken: dict[str, Any] | None = None
         #: the session inputs its pipeline's service declares it takes, from its Ready (None until then)
         self.inputs_taken: frozenset[str] | None = None
+        self.worker_mode: str | None = None  # the agent's own --worker-mode, from its Ready (None until then)
         self.failure: str | None = None
         self.runs: dict[str, RemoteRun] = {}
         self.lost_cause: str | None = None

@@ -82,8 +82,9 @@ __all__ = [
 #: 3: ready.offered_taken, refused.transient, a busy that answers the register with its proof; 4: ready.settings_taken
 #: (the offered settings the pipeline took with their values, in place of offered_taken's names); 6: participants;
 #: 7: ready.takes_prompt and ready.takes_image; 8: the authority's goodbye as it stops; 9: the authority sends away
-#: a viewer its agent reports in a LiveKit room over the session's seats (the agent's runner checks no seats)
-PROTOCOL = 9
+#: a viewer its agent reports in a LiveKit room over the session's seats (the agent's runner checks no seats); 10:
+#: ready.worker_mode (the agent's own, which metadata shows: it showed the authority's)
+PROTOCOL = 10
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -227,6 +228,8 @@ class Ready(Message):
     #: authority refuses a create that gives another
     takes_prompt: bool = attrs.field(default=True, converter=flag)
     takes_image: bool = attrs.field(default=True, converter=flag)
+    #: the agent's own ``--worker-mode`` (an external agent's need not be the authority's); None: not said
+    worker_mode: str | None = attrs.field(default=None, converter=opt_label)
 
 
 @attrs.frozen

@@ -1,0 +1,37 @@
+"""Metadata shows an external agent's own ``worker_mode`` and configured session limit, not the authority's.
+
+An external agent is started with its own ``chunkline worker`` flags; metadata showed the authority's
+``--worker-mode`` and ``--max-sessions-per-worker`` for it (``worker_mode``, ``configured_max_sessions_per_worker``).
+Its Ready says its own (its capacity plan carried the limit already; the wire's version 10 adds the mode): each worker
+entry shows them, and the top-level values are the agents' when they agree. The authority's limit, when a number,
+still holds every agent (``test_external_capacity.py``): the limit shown is the lower of the two. A real authority and an
+external agent.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from .conftest import TINY, TOKEN, Process, chunkline, clean_env, start_authority, until
+
+
+async def test_an_external_agent_is_shown_with_its_own_worker_mode_and_session_limit() -> None:
+    # the authority's own settings, which it would give workers it started: another mode and limit than the agent's
+    authority = await trio.to_thread.run_sync(
+        lambda: start_authority("--worker-mode", "process", "--max-sessions-per-worker", "auto", launcher="external",
+                                workers=1))
+    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
+                              "--max-sessions", "2"),
+                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+    try:
+        [worker] = await until(authority.eligible, "the external agent to be ready", authority)
+        metadata = authority.get("/v1/service/metadata")
+        assert metadata["worker_mode"] == "in-process", metadata
+        assert metadata["configured_max_sessions_per_worker"] == 2, metadata
+        assert (worker["worker_mode"], worker["configured_max_sessions"]) == ("in-process", 2), worker
+        assert metadata["max_sessions_per_worker"] == 2, metadata
+        [shown] = metadata["workers"]
+        assert (shown["worker_mode"], shown["configured_max_sessions"]) == ("in-process", 2), shown
+    finally:
+        agent.stop()
+        await trio.to_thread.run_sync(authority.stop)
