@@ -6,7 +6,8 @@ first bytes of PNG, JPEG, GIF, BMP and WebP files and refuses, with an :class:`I
 naming the limit, any image larger than :data:`MAX_IMAGE_SIDE` per side or :data:`MAX_IMAGE_PIXELS`
 in all, and any file whose header is not one of those formats. Only then may a decoder run:
 :func:`load_image` checks the header, decodes the first frame, and scales an image larger than the
-model can use down to that size as it converts it, so no more pixels are kept than the model's.
+model can use down to that size as it converts it, so no more pixels are kept than the model's. A PNG or JPEG
+cut short is refused as it decodes, not concealed (:mod:`pipelines.image_integrity`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import BinaryIO, Final
 import attrs
 import numpy as np
 
+from .image_integrity import cut_short
 from .paths import open_regular_file
 
 __all__ = [
@@ -179,11 +181,16 @@ def check_decodes(source: bytes | str | Path) -> None:
 
 
 def _first_frame(source: BinaryIO, max_size: tuple[int, int]) -> np.ndarray:
-    """The first frame as RGB, scaled down to fit ``max_size`` (height, width); ImageRefused when it does not decode."""
+    """The first frame as RGB, scaled down to fit ``max_size`` (height, width); ImageRefused when it does not decode,
+    or when its file is cut short or damaged where ffmpeg would conceal it (:mod:`pipelines.image_integrity`)."""
     import av
 
+    data = source.read()
+    problem = cut_short(data, check_image(data).format)
+    if problem is not None:  # ffmpeg filled what is missing, and the image was taken
+        raise ImageRefused("unreadable_image", f"the image does not decode whole, it is truncated or corrupt: {problem}")
     try:
-        with av.open(source) as container:
+        with av.open(io.BytesIO(data)) as container:
             frame = next(container.decode(video=0))
             height, width = max_size
             if frame.height > height or frame.width > width:
