@@ -14,7 +14,7 @@ import logging
 
 import trio
 
-from states.liveness import fences_agents, stall_cause
+from states.liveness import FENCE_FRACTION, fences_agents, stall_cause
 
 __all__ = ["StallWatch"]
 
@@ -43,8 +43,9 @@ class StallWatch:
         agents is a stall of its own."""
         if self.last_ran is not None and fences_agents(now - self.last_ran - self.interval, self.deadline):
             self.stall, self.ended_at = now - self.last_ran, now
-            log.warning("cluster: the authority stalled for %.1f s (its event loop did not run): its agents had no "
-                        "heartbeat acknowledged and fenced themselves", self.stall)
+            log.warning("cluster: the authority stalled for %.1f s (its event loop did not run), past the %.1f s its "
+                        "agents wait for an acknowledged heartbeat before they fence themselves", self.stall,
+                        self.deadline * FENCE_FRACTION)
         self.last_ran = now
 
     def cause(self, cause: str, now: float) -> str:

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,37 @@ def start_authority(*extra: str, workers: int = 2, launcher: str = "local", pipe
             raise AssertionError(f"the authority did not start:\n{process.text()}")
         time.sleep(0.05)  # bench-cost: real-time poll of another process, bounded by a deadline
     return Cluster(process, serving.group(1).decode(), int(dial.group(1)))
+
+
+def agent_dialing(port: int, *args: str, pipeline: str = TINY) -> Process:
+    """A ``chunkline worker`` process dialing the cluster port ``port`` on this host with the test token."""
+    return Process(chunkline("worker", pipeline, "--authority", f"tcp://127.0.0.1:{port}", *args),
+                   clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+
+
+@asynccontextmanager
+async def external_agent(*extra: str, agent_args: tuple[str, ...] = ()) -> AsyncIterator[tuple[Cluster, Process]]:
+    """An authority that launches no agents (``extra``: its options) and one external agent dialing it (``agent_args``:
+    its options), ready; afterwards the agent stops, then the authority, which must exit cleanly."""
+    authority = await trio.to_thread.run_sync(lambda: start_authority(*extra, launcher="external", workers=1))
+    agent = agent_dialing(authority.cluster_port, *agent_args)
+    try:
+        await until(authority.eligible, "the external agent to be ready", authority)
+        yield authority, agent
+    finally:
+        agent.stop()
+        await trio.to_thread.run_sync(authority.stop)
+
+
+@contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """Process ``pid`` stopped (SIGSTOP: frozen, its sockets open) for the block, and continued after it, whatever
+    happens in it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def wait_for(predicate: Any, what: str, cluster: Cluster | None = None, deadline: float = START_DEADLINE) -> Any:

@@ -10,21 +10,14 @@ external agent.
 
 from __future__ import annotations
 
-import trio
-
-from .conftest import TINY, TOKEN, Process, chunkline, clean_env, start_authority, until
+from .conftest import external_agent
 
 
 async def test_an_external_agent_is_shown_with_its_own_worker_mode_and_session_limit() -> None:
     # the authority's own settings, which it would give workers it started: another mode and limit than the agent's
-    authority = await trio.to_thread.run_sync(
-        lambda: start_authority("--worker-mode", "process", "--max-sessions-per-worker", "auto", launcher="external",
-                                workers=1))
-    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
-                              "--max-sessions", "2"),
-                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
-    try:
-        [worker] = await until(authority.eligible, "the external agent to be ready", authority)
+    authority_args = ("--worker-mode", "process", "--max-sessions-per-worker", "auto")
+    async with external_agent(*authority_args, agent_args=("--max-sessions", "2")) as (authority, _):
+        [worker] = authority.eligible()
         metadata = authority.get("/v1/service/metadata")
         assert metadata["worker_mode"] == "in-process", metadata
         assert metadata["configured_max_sessions_per_worker"] == 2, metadata
@@ -32,6 +25,3 @@ async def test_an_external_agent_is_shown_with_its_own_worker_mode_and_session_l
         assert metadata["max_sessions_per_worker"] == 2, metadata
         [shown] = metadata["workers"]
         assert (shown["worker_mode"], shown["configured_max_sessions"]) == ("in-process", 2), shown
-    finally:
-        agent.stop()
-        await trio.to_thread.run_sync(authority.stop)

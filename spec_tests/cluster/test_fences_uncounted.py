@@ -10,14 +10,11 @@ acknowledges nothing, and a real agent process.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import trio
 
 from server.cluster import wire
 
-from .conftest import TINY, TOKEN, Cluster, Process, chunkline, clean_env, start_authority, until
+from .conftest import TOKEN, Cluster, agent_dialing, external_agent, stopped, until
 from .test_agent_start_signals import logged
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve, welcome
 
@@ -52,9 +49,7 @@ class SilentAuthority:
 async def test_fences_in_a_row_are_not_counted_toward_the_agents_crash_loop_limit() -> None:
     authority = SilentAuthority()
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(serve, authority.answer)
-        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}"),
-                        clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
+        agent = agent_dialing(await nursery.start(serve, authority.answer))
         try:
             await logged(agent, "registered as", START_DEADLINE)
             with trio.fail_after(60):
@@ -72,25 +67,14 @@ async def test_fences_in_a_row_are_not_counted_toward_the_agents_crash_loop_limi
 async def test_the_authoritys_word_that_it_lost_a_frozen_agent_on_the_heartbeat_clock_is_not_counted() -> None:
     """A frozen agent (SIGSTOP past the heartbeat deadline) is lost as ``heartbeat missed``; the authority's tagged
     notice says it is a fence (transient), and the agent, running again, dials again uncounted and registers anew."""
-    authority = await trio.to_thread.run_sync(lambda: start_authority(launcher="external", workers=1))
-    agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}"),
-                    clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
-    frozen = False
-    try:
-        [first] = await until(authority.eligible, "the external agent to be ready", authority)
-        os.kill(agent.popen.pid, signal.SIGSTOP)
-        frozen = True
-        await until(lambda: first["worker_id"] in lost(authority), "the frozen agent to be lost", authority, deadline=30)
-        os.kill(agent.popen.pid, signal.SIGCONT)
-        frozen = False
+    async with external_agent() as (authority, agent):
+        [first] = authority.eligible()
+        with stopped(agent.popen.pid):
+            await until(lambda: first["worker_id"] in lost(authority), "the frozen agent to be lost", authority,
+                        deadline=30)
         await until(lambda: agent.text(200_000).count("registered as") == 2, "the agent to register again", authority,
                     deadline=30)
         assert lost(authority)[first["worker_id"]].startswith("heartbeat missed"), lost(authority)
-    finally:
-        if frozen:
-            os.kill(agent.popen.pid, signal.SIGCONT)
-        agent.stop()
-        await trio.to_thread.run_sync(authority.stop)
     log = agent.text(200_000)
     assert UNCOUNTED in log, log
     assert "; restart 1 of" not in log and "authority connection ended" not in log, log

@@ -7,13 +7,11 @@ worker: a place that ran nothing read as running. A real authority and its launc
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 import trio
 
-from .conftest import Cluster, start_cluster, until
+from .conftest import Cluster, start_cluster, stopped, until
 
 SLOT = "local-0"
 
@@ -24,25 +22,19 @@ def slot_view(cluster: Cluster) -> dict[str, Any]:
 
 async def test_a_lost_local_agent_whose_process_lives_shows_lost_until_it_registers_again() -> None:
     cluster = await trio.to_thread.run_sync(lambda: start_cluster(workers=1))
-    frozen = False
     try:
         [worker] = cluster.eligible()
-        os.kill(worker["pid"], signal.SIGSTOP)
-        frozen = True
-        lost = await until(lambda: (view := slot_view(cluster))["worker_id"] is None and view, "the agent to be lost",
-                           cluster, deadline=30)
-        assert lost["state"] == "lost", lost
-        assert lost["reason"].startswith("its agent was lost (heartbeat missed"), lost
-        assert "its process lives on: ended in " in lost["reason"] and "unless it registers again" in lost["reason"]
-        [metadata_slot] = cluster.get("/v1/service/metadata")["cluster"]["slots"]
-        assert metadata_slot["state"] == "lost", metadata_slot
-        os.kill(worker["pid"], signal.SIGCONT)
-        frozen = False
+        with stopped(worker["pid"]):
+            lost = await until(lambda: (view := slot_view(cluster))["worker_id"] is None and view,
+                               "the agent to be lost", cluster, deadline=30)
+            assert lost["state"] == "lost", lost
+            assert lost["reason"].startswith("its agent was lost (heartbeat missed"), lost
+            assert "its process lives on: ended in " in lost["reason"] and "unless it registers again" in lost["reason"]
+            [metadata_slot] = cluster.get("/v1/service/metadata")["cluster"]["slots"]
+            assert metadata_slot["state"] == "lost", metadata_slot
         back = await until(lambda: (view := slot_view(cluster))["worker_id"] is not None and view,
                            "the agent to register again", cluster, deadline=30)
         assert (back["state"], back["reason"]) == ("running", None), back
         assert back["restarts"] == 0, back  # the same process came back: nothing was restarted
     finally:
-        if frozen:
-            os.kill(worker["pid"], signal.SIGCONT)
         await trio.to_thread.run_sync(cluster.stop)
