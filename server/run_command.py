@@ -331,7 +331,7 @@ def run_command(args: argparse.Namespace) -> int:
     from pipelines.offline import ChunkFailed
     from pipelines.offline_calls import single_leaf
 
-    from .run_signals import StoppedBySignal
+    from .run_signals import StoppedBySignal, stop_signal_came
 
     try:  # now: the pipeline may change the working directory
         out = str(Path(args.out).absolute()) if args.out else ""
@@ -349,7 +349,11 @@ def run_command(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the pipeline refused the request (e.g. an option)
         say(str(exc))
         return 2
-    except KeyboardInterrupt:  # raised by the pipeline itself (a Ctrl-C is a StopSignalled before the run)
+    except KeyboardInterrupt as exc:  # a Ctrl-C is a StopSignalled before the run, a StoppedBySignal in it
+        if not stop_signal_came():  # raised by the pipeline itself: 130 told the user they had interrupted it
+            say(f"the run failed: pipeline bug: {error_line(exc)} raised by the pipeline, though no Ctrl-C or other "
+                f"stop signal came")
+            return 1
         say(f"interrupted; {_nothing_written(out)}")
         return 130
     except (StopSignalled, StoppedBySignal) as stopped:

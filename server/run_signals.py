@@ -32,7 +32,7 @@ from . import early_signals
 from .early_signals import STOP_SIGNALS, stop_signals
 
 __all__ = ["StoppedBySignal", "exit_now", "exit_on_stop_signals", "note_stop_signal", "run_until_signalled",
-           "trio_run_until_signalled"]
+           "stop_signal_came", "trio_run_until_signalled"]
 
 _stopped_by_signal = False
 
@@ -41,6 +41,12 @@ def note_stop_signal() -> None:
     """A stop signal ends this process: its last teardown ignores the stop signals (see :func:`_teardown`)."""
     global _stopped_by_signal
     _stopped_by_signal = True
+
+
+def stop_signal_came() -> bool:
+    """Whether a stop signal reached this module's handlers: a KeyboardInterrupt without one is the pipeline's own
+    (it raised it), not the user's Ctrl-C."""
+    return _stopped_by_signal
 
 
 @atexit.register  # at import, so it runs after the exit calls registered later (atexit runs them last first)
@@ -143,6 +149,7 @@ async def run_until_signalled(
 
 
 def _interrupt(number: int, frame: Any) -> None:
+    note_stop_signal()
     raise KeyboardInterrupt
 
 

@@ -2,7 +2,9 @@
 
 An error of a task the pipeline's ``running()`` started in its own nursery read ``the run failed: KeyError:
 'background'``, naming neither whose bug it was nor where it came from; a server-push stream that failed before its
-first chunk (its session's setup) read ``the run failed: the pipeline failed making chunk 0: KeyError: 'no first'``.
+first chunk (its session's setup) read ``the run failed: the pipeline failed making chunk 0: KeyError: 'no first'``;
+a pipeline that raised KeyboardInterrupt itself, no Ctrl-C given, exited 130 saying ``interrupted``, as if the user
+had stopped it.
 """
 
 from __future__ import annotations
@@ -85,3 +87,40 @@ def test_a_server_push_stream_that_fails_before_its_first_chunk_is_the_pipeline_
     ran = run_pipeline(tmp_path, PUSH_FAILS)
     assert failed_line(ran) == ("chunkline run: the run failed: pipeline bug: stream() raised KeyError: 'no first' "
                                 "before its first chunk")
+
+
+INTERRUPTS = """\
+from spec_tests.pipelines.minimal_service import MinimalService
+
+WHERE = {where!r}
+
+
+class Interrupts(MinimalService):
+    async def create_session(self, config, *, on_event=None):
+        if WHERE == "create_session":
+            raise KeyboardInterrupt
+        return "s0"
+
+    async def chunks(self, session_id):
+        async for chunk in super().chunks(session_id):
+            if WHERE == "chunks" and chunk.index == 1:
+                raise KeyboardInterrupt("from chunks")
+            yield chunk
+
+
+def get_service(gpu_num=0):
+    if WHERE == "get_service":
+        raise KeyboardInterrupt
+    return Interrupts()
+"""
+
+
+@pytest.mark.parametrize(("where", "told"), [("get_service", "KeyboardInterrupt"),
+                                             ("create_session", "KeyboardInterrupt"),
+                                             ("chunks", "KeyboardInterrupt: from chunks")])
+def test_a_keyboard_interrupt_the_pipeline_raises_without_a_signal_is_its_bug_exit_1(
+    tmp_path: Path, where: str, told: str
+) -> None:
+    ran = run_pipeline(tmp_path, INTERRUPTS.format(where=where), chunks=3)
+    assert failed_line(ran) == (f"chunkline run: the run failed: pipeline bug: {told} raised by the pipeline, though "
+                                f"no Ctrl-C or other stop signal came")
