@@ -12,12 +12,16 @@ and are then named and ended (multiprocessing's exit call waited for them for ev
 A daemon thread is not waited for, but one still inside native code (a stage call past its ``call_timeout``, left on
 its thread; a pipeline's daemon thread in a torch op) aborted the interpreter's last teardown: ``terminate called
 without an active exception``, killed by SIGABRT (exit 134) after a run that had said it failed (exit 1). So while
-any thread besides the main one runs, the process ends the same way, after its exit calls, without that teardown.
+any thread besides the main one runs, the process ends the same way, after its exit calls, without that teardown;
+the file objects still open are flushed first, as that teardown would have (a pipeline's file left open lost what
+it had written).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
+import io
 import os
 import sys
 import threading
@@ -30,6 +34,7 @@ __all__ = ["STRAY_THREAD_GRACE", "end_despite_stray_threads"]
 
 STRAY_THREAD_GRACE = 3.0  # seconds the threads still running as a command ends get to finish on their own
 PROCESS_STOP_WAIT = 1.0  # seconds a process left running gets to end after SIGTERM, and then after SIGKILL
+FLUSH_WAIT = 2.0  # seconds the files still open get to be flushed as the process ends without its teardown
 
 
 def _stray(main: threading.Thread) -> list[threading.Thread]:
@@ -89,4 +94,25 @@ def end_despite_stray_threads(prefix: str, code: int, *, grace: float = STRAY_TH
         except (OSError, ValueError):
             pass
     atexit._run_exitfuncs()  # what a normal exit runs after its wait for threads: logging's flush, folders, segments
+    _flush_open_files(FLUSH_WAIT)
     os._exit(code)
+
+
+def _flush_open_files(within: float) -> None:
+    """Flush every file object still open, as the interpreter's teardown would have as it closed them (``os._exit``
+    skips that: what a pipeline had written to a file it left open was lost), in a daemon thread given ``within``
+    seconds: a file whose lock a thread still running holds, blocked in a write, must not hold the end."""
+    flushing = threading.Thread(target=_flush_each, name="chunkline-exit-flush", daemon=True)
+    flushing.start()
+    flushing.join(within)
+
+
+def _flush_each() -> None:
+    found = [each for each in gc.get_objects() if isinstance(each, io.TextIOWrapper | io.BufferedIOBase)]
+    found.sort(key=lambda each: not isinstance(each, io.TextIOWrapper))  # text first: it writes into its buffer
+    for each in found:
+        try:
+            if not each.closed:
+                each.flush()
+        except (OSError, ValueError):  # a closed pipe, a full disk, a file detached from its buffer
+            pass
