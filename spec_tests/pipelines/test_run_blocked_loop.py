@@ -27,7 +27,7 @@ def block():
     if WHERE.endswith("busy"):
         while True:
             pass
-    time.sleep(3600)
+    time.sleep(3600)  # bench-cost: the blocking call under test, in the pipeline; the run never waits it out
 
 
 class Blocks(MinimalService):

@@ -24,7 +24,7 @@ from spec_tests.pipelines.minimal_service import MinimalService
 
 
 async def feed():
-    await trio.sleep(0)
+    await trio.lowlevel.checkpoint()
     raise KeyError("background")
 
 
