@@ -66,7 +66,7 @@ def _padded_png(size: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(b"\x00" + b"\x80" * 24 * 8)) + chunk(b"IEND", b""))
+           + chunk(b"IDAT", zlib.compress((b"\x00" + b"\x80" * 24) * 8)) + chunk(b"IEND", b""))
     return png + b"\x00" * (size - len(png))
 
 
