@@ -56,6 +56,7 @@ from .http_framing import (
     parse_head,
 )
 from .lingering import LINGER_BYTES, linger
+from .log_pace import LogPace
 from .room_socket import Deadlines, RoomSocket
 from .settings import DEFAULT_SEND_BUFFER
 from .transport.local import LocalRooms
@@ -65,11 +66,7 @@ __all__ = ["LINGER_BYTES", "MAX_CONNECTIONS", "MAX_HEAD", "SEND_BUFFER_BYTES", "
 log = logging.getLogger("chunkline.front")
 
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
-MAX_CONNECTIONS: Final = 1024
-#: the answer past :data:`MAX_CONNECTIONS` (it said "503 Service Unavailable", and no Retry-After)
-TOO_MANY_CONNECTIONS: Final = FramingRefused(
-    503, f"the server has {MAX_CONNECTIONS} connections open, the most it serves at once; retry in "
-    f"{BODY_RETRY_AFTER} s", error="too_many_connections", retry_after=BODY_RETRY_AFTER)
+MAX_CONNECTIONS: Final = 1024  # or fewer, where the open-file limit cannot hold them (server.open_files)
 READ_SIZE: Final = 65536
 SEND_BUFFER_BYTES: Final = DEFAULT_SEND_BUFFER
 """``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike), unless
@@ -117,6 +114,7 @@ class Front:
         deadlines: Deadlines | None = None,
         body_budget: BodyBudget | None = None,
         send_buffer: int = SEND_BUFFER_BYTES,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self._deadlines = deadlines or Deadlines()
         self._rooms = rooms
@@ -127,6 +125,13 @@ class Front:
         self.frame_budget = FrameBudget()  # every room socket's frames together (lent where wanted)
         self._open: set[trio.CancelScope] = set()
         self.refused = 0
+        self.max_connections = max_connections
+        #: the answer past the cap (it said "503 Service Unavailable", and no Retry-After)
+        self._too_many = FramingRefused(
+            503, f"the server has {max_connections} connections open, the most it serves at once; retry in "
+            f"{BODY_RETRY_AFTER} s", error="too_many_connections", retry_after=BODY_RETRY_AFTER)
+        self.stopping = False  # hypercorn stops: a request that finds it gone is told the server is shutting down
+        self._unreachable_lines = LogPace(log)  # as often as clients connect: paced
 
     @property
     def connections(self) -> int:
@@ -145,9 +150,9 @@ class Front:
         with trio.CancelScope() as scope:
             self._open.add(scope)
             try:
-                if len(self._open) > MAX_CONNECTIONS:
+                if len(self._open) > self.max_connections:
                     self.refused += 1
-                    await self._refuse(stream, 503, TOO_MANY_CONNECTIONS, linger=0)  # lingering would hold one more
+                    await self._refuse(stream, 503, self._too_many, linger=0)  # lingering would hold one more
                     return
                 first = await self._read_head(stream)
                 if first is None:
@@ -228,6 +233,15 @@ class Front:
         elif answered:  # the backend answered and closed (a 413 with the body unread, Connection: close, ...)
             await self._linger(client, unread)
 
+    def _unreachable(self, error: BaseException) -> FramingRefused:
+        """The answer to a request that could not be handed to hypercorn (``error``): 503, the server stopping or
+        too busy to take it now."""
+        if self.stopping:
+            return FramingRefused(503, "the server is shutting down", error="shutting_down")
+        self._unreachable_lines.warning("a request could not be handed to the HTTP server (%s): 503", error)
+        return FramingRefused(503, f"the server could not take the request now; retry in {BODY_RETRY_AFTER} s",
+                              error="busy", retry_after=BODY_RETRY_AFTER)
+
     async def _splice_framed(
         self, client: trio.SocketStream, head: bytes, framing: RequestFraming
     ) -> tuple[FramingRefused | None, bool]:
@@ -240,10 +254,16 @@ class Front:
         except FramingRefused as exc:
             log.info("a request the front refuses: %d %s", exc.status, exc.detail)
             return exc, False
-        backend = await trio.open_unix_socket(self._backend)
+        try:  # hypercorn's listen queue full, or hypercorn stopped: the client is answered, not closed on
+            backend = await trio.open_unix_socket(self._backend)
+        except OSError as exc:
+            return self._unreachable(exc), False
         moved_at = trio.current_time()  # the last time a byte went either way
         try:
-            await backend.send_all(first)
+            try:
+                await backend.send_all(first)
+            except _GONE as exc:  # a connect the kernel took for one hypercorn never accepts (ENOTCONN)
+                return self._unreachable(exc), False
             async with trio.open_nursery() as nursery:
 
                 async def until_idle() -> None:
@@ -261,6 +281,11 @@ class Front:
                             if late.cancelled_caught:
                                 log.info("a request did not arrive within its deadline: 408")
                                 refusal = FramingRefused(408, "the request did not arrive within its deadline")
+                                break
+                            if not data and framing.body_left:  # hypercorn answered it with an empty 400
+                                refusal = FramingRefused(
+                                    400, f"the request body ended {framing.body_left} byte(s) short of its "
+                                    "Content-Length", error="incomplete_body")
                                 break
                             if not data:
                                 await backend.send_eof()  # the client is done sending; its answer may still come

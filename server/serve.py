@@ -33,10 +33,11 @@ from hypercorn.trio import serve
 from .app import create_app
 from .console import tell
 from .runtime import SHUTDOWN_GRACE
-from .front import MAX_HEAD, Front
+from .front import MAX_CONNECTIONS, MAX_HEAD, Front
 from .http_framing import BodyBudget
 from .log_setup import log_to_stderr
 from .open_access import UNGUARDED, is_loopback
+from .open_files import connection_cap, raise_open_files_limit
 from .room_socket import Deadlines
 from . import early_signals
 from .early_signals import stop_signals
@@ -175,9 +176,12 @@ async def _serve(
     config.websocket_max_message_size = settings.max_data_message_bytes + 1024
     rooms = runtime.transport if isinstance(runtime.transport, LocalRooms) else None
     budget = BodyBudget(settings.max_body_bytes_in_flight, max_body=settings.max_body_bytes)
+    open_files = raise_open_files_limit(MAX_CONNECTIONS)
+    cap = connection_cap(MAX_CONNECTIONS, open_files)
+    config.backlog = cap  # hypercorn's listen queue holds a connect from each connection the front serves at once
     front = Front(
         rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines,
-        body_budget=budget, send_buffer=settings.socket_send_buffer,
+        body_budget=budget, send_buffer=settings.socket_send_buffer, max_connections=cap,
     )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
@@ -208,7 +212,8 @@ async def _serve(
             await nursery.start(
                 lambda task_status: serve(app, config, shutdown_trigger=hypercorn_stop.wait, task_status=task_status)
             )
-            nursery.start_soon(_accept, listeners, front)
+            accepting = trio.CancelScope()
+            nursery.start_soon(_accept, listeners, front, accepting, nursery)
             urls = [_url(listener) for listener in listeners]
             runtime.serving_at(urls[0])  # agents join the local rooms at this address
             task_status.started(urls)
@@ -216,11 +221,19 @@ async def _serve(
                 tell(f"chunkline: serving {settings.pipeline} on {url} (transport: {settings.transport})")
             if not settings.api_key and any(not is_loopback(listener.socket.getsockname()[0]) for listener in listeners):
                 tell(f"chunkline: warning: no --api-key, and the server listens beyond this host: {UNGUARDED}")
+            if cap < MAX_CONNECTIONS:
+                tell(f"chunkline: warning: the open-file limit ({open_files}, ulimit -n) lets the server serve "
+                     f"{cap} connections at once, not {MAX_CONNECTIONS}: raise it to serve more")
             await stop.wait()
             watchdog = exit_watchdog(SHUTDOWN_BOUND, abandon, signalled)
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.drain_for_stop()
+            # no new connection once hypercorn stops: each was accepted and then dropped unanswered (refused now)
+            accepting.cancel()
+            for listener in listeners:
+                await listener.aclose()
+            front.stopping = True
             hypercorn_stop.set()
             with trio.move_on_after(FRONT_GRACE):
                 while front.connections:
@@ -247,8 +260,13 @@ async def _check_cluster_address(settings: ServerSettings) -> None:
         raise ListenError.of("--cluster-host/--cluster-port", host, settings.cluster_port, exc) from None
 
 
-async def _accept(listeners: list[trio.SocketListener], front: Front) -> None:
-    await trio.serve_listeners(front.handle, listeners)
+async def _accept(
+    listeners: list[trio.SocketListener], front: Front, accepting: trio.CancelScope, connections: trio.Nursery
+) -> None:
+    """Accept connections until ``accepting`` is cancelled; each is served in ``connections``, so those open
+    then go on (the front ends them once their grace is over)."""
+    with accepting:
+        await trio.serve_listeners(front.handle, listeners, handler_nursery=connections)
 
 
 def _url(listener: trio.SocketListener) -> str:

@@ -344,13 +344,13 @@ async def test_a_client_that_never_reads_its_response_cannot_hold_it() -> None:
 async def test_a_connection_past_the_cap_is_told_why_and_when_to_retry(monkeypatch: Any) -> None:
     """Past the front's connection cap (4 here, 1024 served) a new connection gets a 503 naming the cap, with
     ``Retry-After``; it said only "503 Service Unavailable", with no Retry-After."""
-    monkeypatch.setattr("server.front.MAX_CONNECTIONS", 4)
+    monkeypatch.setattr("server.serve.MAX_CONNECTIONS", 4)
     async with running(attrs.evolve(FAST, head=WAIT, idle=WAIT)) as server:
         holders = [await server.raw() for _ in range(4)]  # silent: each holds its place until its head deadline
         past = await server.raw()  # accepted after them (the listen queue is first in, first out)
         head, _, body = (await closed_by_server(past)).partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 5\r\n" in head + b"\r\n", head
-        assert json.loads(body) == {"error": "too_many_connections", "detail": "the server has 1024 connections open, "
+        assert json.loads(body) == {"error": "too_many_connections", "detail": "the server has 4 connections open, "
                                     "the most it serves at once; retry in 5 s"}, body
         for holder in holders:
             await holder.aclose()

@@ -11,7 +11,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -70,11 +70,14 @@ class Served:
 
 
 @asynccontextmanager
-async def stream_serve(tmp: Path, *options: str, pipeline: str = "pipelines/replay") -> AsyncIterator[Served]:
-    """The server of ``pipeline`` with ``options`` added to its command line; killed on exit if it still runs."""
+async def stream_serve(
+    tmp: Path, *options: str, pipeline: str = "pipelines/replay", wrapper: Sequence[str] = ()
+) -> AsyncIterator[Served]:
+    """The server of ``pipeline`` with ``options`` added to its command line; killed on exit if it still runs.
+    ``wrapper``: a command that runs it in place (it execs the server: ``prlimit --nofile=...``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
     env.update(TMPDIR=str(tmp), PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", "server.cli", "stream-serve", pipeline, "--port", "0", *options]
+    command = [*wrapper, sys.executable, "-m", "server.cli", "stream-serve", pipeline, "--port", "0", *options]
     process = await trio.lowlevel.open_process(command, cwd=str(ROOT), env=env, stdin=subprocess.DEVNULL,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     served = Served(process)

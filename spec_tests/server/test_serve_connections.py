@@ -1,0 +1,107 @@
+"""The connections a real ``chunkline stream-serve`` takes: as many as its open-file limit can hold (it raises its
+soft limit, or serves fewer and says so), and none it cannot answer once it stops (refused, not dropped)."""
+
+from __future__ import annotations
+
+import re
+import resource
+import signal
+from pathlib import Path
+
+import httpx
+import trio
+
+from server.front import MAX_CONNECTIONS
+from server.open_files import DESCRIPTORS_PER_CONNECTION, RESERVED_DESCRIPTORS
+
+from .served_process import EXIT_DEADLINE, Served, stream_serve
+
+HEALTH = b"GET /v1/service/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+def open_files_limit(pid: int) -> int:
+    """The soft open-file limit of process ``pid``, as /proc says."""
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    return int(re.search(r"^Max open files\s+(\d+)", limits, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+async def ask(url: str) -> bytes | None:
+    """One request on a new connection: everything the server sent before closing it, or None when it refused the
+    connection."""
+    sock = trio.socket.socket()
+    try:
+        await sock.connect(address(url))
+    except ConnectionRefusedError:
+        sock.close()
+        return None
+    stream = trio.SocketStream(sock)
+    received = bytearray()
+    with trio.fail_after(EXIT_DEADLINE):
+        try:
+            await stream.send_all(HEALTH)
+            while data := await stream.receive_some(65536):
+                received += data
+        except trio.BrokenResourceError:
+            pass
+    await stream.aclose()
+    return bytes(received)
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+async def connect(url: str) -> trio.SocketStream:
+    return await trio.open_tcp_stream(*address(url))
+
+
+async def ready(served: Served) -> None:
+    async with httpx.AsyncClient(base_url=served.url, timeout=10) as client:
+        await served.wait_ready(client)
+
+
+async def test_a_request_after_the_stop_is_refused_or_answered_never_dropped(short_tmp: Path) -> None:
+    """With a client's keep-alive connection open the server gives open connections a grace before it exits; the
+    front went on accepting then, and closed every new connection unanswered (hypercorn had stopped). Now each is
+    answered or refused."""
+    async with stream_serve(short_tmp) as served:
+        await ready(served)
+        idle = await connect(served.url)
+        await idle.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then kept open
+        await idle.receive_some(65536)
+        served.process.send_signal(signal.SIGTERM)
+        outcomes: list[bytes | None] = []
+        with trio.move_on_after(EXIT_DEADLINE):
+            while served.process.poll() is None:
+                outcomes.append(await ask(served.url))
+        assert await served.exit_code() == 0
+        await idle.aclose()
+    dropped = [outcome for outcome in outcomes if outcome is not None and not outcome.startswith(b"HTTP/1.1 ")]
+    assert not dropped, f"{len(dropped)} of {len(outcomes)} connections were closed unanswered"
+    assert None in outcomes  # the server stopped accepting before it exited
+
+
+async def test_the_server_raises_its_open_file_limit_to_what_its_connection_cap_needs(short_tmp: Path) -> None:
+    """Started with a soft limit of 1,024 (a common default) under this host's hard limit."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    needed = RESERVED_DESCRIPTORS + DESCRIPTORS_PER_CONNECTION * MAX_CONNECTIONS
+    async with stream_serve(short_tmp, wrapper=["prlimit", f"--nofile=1024:{'unlimited' if hard < 0 else hard}"]) as served:
+        await ready(served)
+        assert open_files_limit(served.process.pid) == (needed if hard < 0 else min(needed, hard))
+        assert (b"open-file limit" in served.log) == (0 <= hard < needed)
+
+
+async def test_under_a_low_hard_limit_the_server_serves_fewer_connections_and_says_so(short_tmp: Path) -> None:
+    """A hard limit of 1,024 leaves room for 256 connections: said at start, and the next one is answered 503
+    naming that cap (the cap of 1,024 could never act there: accept failed with EMFILE and clients waited)."""
+    cap = (1024 - RESERVED_DESCRIPTORS) // DESCRIPTORS_PER_CONNECTION
+    async with stream_serve(short_tmp, wrapper=["prlimit", "--nofile=1024:1024"]) as served:
+        await ready(served)
+        await served.read_until(f"serve {cap} connections at once, not {MAX_CONNECTIONS}".encode())
+        holders = [await connect(served.url) for _ in range(cap)]  # silent: each holds its place
+        answer = await ask(served.url)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 503 "), answer
+        assert f"the server has {cap} connections open".encode() in answer, answer
+        for holder in holders:
+            await holder.aclose()
