@@ -102,14 +102,19 @@ def _flush_open_files(within: float) -> None:
     """Flush every file object still open, as the interpreter's teardown would have as it closed them (``os._exit``
     skips that: what a pipeline had written to a file it left open was lost), in a daemon thread given ``within``
     seconds: a file whose lock a thread still running holds, blocked in a write, must not hold the end."""
-    flushing = threading.Thread(target=_flush_each, name="chunkline-exit-flush", daemon=True)
+    # by type(), not isinstance(): that reads each object's __class__, which some answer with a warning (torch's
+    # deprecated reduce_op), said on stderr after the run's last line
+    found = [each for each in gc.get_objects() if issubclass(type(each), _FLUSHED)]
+    found.sort(key=lambda each: not issubclass(type(each), io.TextIOWrapper))  # text first: it writes to its buffer
+    flushing = threading.Thread(target=_flush_each, args=(found,), name="chunkline-exit-flush", daemon=True)
     flushing.start()
     flushing.join(within)
 
 
-def _flush_each() -> None:
-    found = [each for each in gc.get_objects() if isinstance(each, io.TextIOWrapper | io.BufferedIOBase)]
-    found.sort(key=lambda each: not isinstance(each, io.TextIOWrapper))  # text first: it writes into its buffer
+_FLUSHED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def _flush_each(found: list[Any]) -> None:
     for each in found:
         try:
             if not each.closed:
