@@ -347,6 +347,16 @@ class BidirectionalService(abc.ABC):
         ``create_session`` runs (one source), and cheap: it holds nothing. The default takes any options.
         """
 
+    async def check_image(self, width: int, height: int) -> None:
+        """Refuse a session image of ``width`` x ``height`` pixels this service would refuse, with a ``ValueError``
+        saying why (a size it cannot use).
+
+        The server calls it (inside ``running()``) with the size in the header of a create's ``image_b64`` or
+        ``image_path`` before it admits the session, so an image the pipeline cannot take is an HTTP 400 rather
+        than a session that fails once its controller joins. As :meth:`check_options`: the very check
+        ``create_session`` runs on the image (one source), and cheap: it holds nothing. The default takes any image.
+        """
+
     @abc.abstractmethod
     async def push_control(self, session_id: str, control: Control) -> None:
         """Apply a control to chunks not yet started; raises ControlRejected with a reason."""
@@ -391,6 +401,9 @@ class ServerPushService(abc.ABC):
 
     async def check_options(self, options: Mapping[str, Any]) -> None:
         """As :meth:`BidirectionalService.check_options`: the very check ``stream`` runs on its options."""
+
+    async def check_image(self, width: int, height: int) -> None:
+        """As :meth:`BidirectionalService.check_image`: the very check ``stream`` runs on its image."""
 
     @property
     def failure(self) -> object | None:

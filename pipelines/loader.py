@@ -328,8 +328,8 @@ def contract_shape_problem(service: Service) -> str | None:
 
 
 #: the methods the contract awaits, for each kind of service
-_AWAITED = {"bidirectional": ("create_session", "check_options", "push_control", "close_session"),
-            "server_push": ("check_options",)}
+_AWAITED = {"bidirectional": ("create_session", "check_options", "check_image", "push_control", "close_session"),
+            "server_push": ("check_options", "check_image")}
 
 
 def _unwrapped(method: Any) -> Any:

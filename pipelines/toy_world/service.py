@@ -70,7 +70,7 @@ from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
 from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
 from .placement import DTYPES, Placement, load_placement, pipeline_spec
-from .session_state import ToySession as _ToySession, session_options
+from .session_state import ToySession as _ToySession, check_image_size, session_options
 from .stages import ChunkControl, Condition, EncodeRequest, make_stages
 
 __all__ = [
@@ -215,9 +215,9 @@ class ToyWorldService(BidirectionalService):
             if config.image_path
             else None
         )
-        if image is not None and min(image.shape[:2]) < 2:  # the encode stage's minimum: it failed the session
-            raise ValueError(f"image {Path(str(config.image_path)).name!r} is {image.shape[1]} x {image.shape[0]} "
-                             f"pixels; the toy world takes one of at least 2 x 2")
+        if image is not None:  # the check the server ran on the create's image (check_image)
+            check_image_size(image.shape[1], image.shape[0], self.config,
+                             name=f"image {Path(str(config.image_path)).name!r}")
         slot = self._stages.pool.acquire()  # SlotPoolFullError when every retained slot is taken
         session_id = f"toy-{next(self._ids)}"
         self._slot_of[session_id] = slot
@@ -254,6 +254,10 @@ class ToyWorldService(BidirectionalService):
     async def check_options(self, options: Mapping[str, Any]) -> None:
         """The check :meth:`create_session` runs on a session's options (``ValueError`` naming the option)."""
         session_options(options, self.config)
+
+    async def check_image(self, width: int, height: int) -> None:
+        """The check :meth:`create_session` runs on a session's image (its 2 x 2 minimum)."""
+        check_image_size(width, height, self.config)
 
     def _encode_request(self, session: _ToySession, index: int) -> EncodeRequest:
         needs_world = index == 0

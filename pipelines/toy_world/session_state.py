@@ -16,7 +16,7 @@ from ..contract import Control, EventSink, SessionConfig
 from ..prefetch import ConditionPrefetch
 from .model import ToyWorldConfig, parse_resolution
 
-__all__ = ["MAX_CHUNKS", "SESSION_OPTIONS", "ToySession", "session_options"]
+__all__ = ["MAX_CHUNKS", "SESSION_OPTIONS", "ToySession", "check_image_size", "session_options"]
 
 #: the options a session may ask for (``SessionConfig.options``); anything else is refused naming it.
 SESSION_OPTIONS = frozenset({"continuous", "chunks", "resolution"})
@@ -40,6 +40,15 @@ def session_options(options: Mapping[str, Any], config: ToyWorldConfig) -> tuple
     if resolution is not None:
         resolution = parse_resolution(resolution, config)  # ValueError naming 'resolution'
     return continuous, chunk_count, resolution
+
+
+def check_image_size(width: int, height: int, config: ToyWorldConfig, *, name: str = "the image") -> None:
+    """A ``ValueError`` naming the size of an image under 2 x 2 pixels as it is read (at most ``config.world_size``):
+    the encode stage's minimum, which failed the session once it began. The one check of ``create_session`` (on the
+    image it read) and ``check_image`` (on the size a create's header gives, before anything is held)."""
+    most_height, most_width = config.world_size
+    if min(width, most_width) < 2 or min(height, most_height) < 2:
+        raise ValueError(f"{name} is {width} x {height} pixels; the toy world takes one of at least 2 x 2")
 
 
 @attrs.define
