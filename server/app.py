@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
@@ -305,7 +306,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         body, image = parse_create_session(await json_body())
         check_inputs(runtime, body, image, settings.pipeline)  # one the pipeline does not take is a 400 now
         if body.image_path is not None:
-            body = type(body)(body.identity, body.prompt, resolve_image_path(body.image_path, settings.assets_dir), body.config)
+            path, size = resolve_image_path(body.image_path, settings.assets_dir)
+            body = attrs.evolve(body, image_path=path, image=size)
         if runtime.cluster is not None:  # the image goes to its agent in one message, so it is bounded
             from .cluster.remote import MAX_IMAGE_BYTES
 
@@ -318,7 +320,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         # ~0.5 s of CPU) and no check of its options spent on it; no await until create_session gives the refusal
         if runtime.would_take_session():
             await check_image_decodes(body, image, runtime.image_decodes)
-            await option_check.check_options(runtime, body.config)  # a bad option is a 400 before anything is held
+            # a bad option, or an image the pipeline does not take, is a 400 before anything is held
+            await option_check.check_options(runtime, body.config, body.image)
         named = runtime.new_session()
         # LiveKit: the room is made before its first token is out, and only then can it be refused; a create that
         # is refused at once (no slot, no place in the queue, no worker; or every place promised to the creates

@@ -20,6 +20,7 @@ import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
 from pipelines.contract import BidirectionalService, PipelineContractError, ServerPushService, Service, inputs_taken
+from pipelines.input_checks import refused_input
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.offline_calls import telling_error
 from pipelines.validation import PipelineValidationError, validate_service
@@ -27,7 +28,7 @@ from pipelines.validation import PipelineValidationError, validate_service
 from .process_service import ProcessService, start_process_service
 from .process_service.errors import ProcessServiceStartError
 from .reasons import public_reason
-from .requests import OptionsRefused
+from .requests import OptionsRefused, SessionImageRefused
 
 __all__ = ["LoadFailure", "ModelWorker", "ModelWorkerError", "ServiceEnded"]
 
@@ -208,22 +209,24 @@ class ModelWorker:
         if isinstance(self.service, ProcessService):
             self.service.kill_now()
 
-    async def check_options(self, options: dict[str, Any]) -> None:
-        """The service's own check of a session's options; its refusal is an :class:`OptionsRefused`.
+    async def check_options(self, options: dict[str, Any], image_size: tuple[int, int] | None = None) -> None:
+        """The service's own checks of a session's options and, when given, its image's size (width, height), in one
+        call to a service in a process of its own; a refusal is an :class:`OptionsRefused` or a
+        :class:`SessionImageRefused`.
 
         Only for a ready worker (its service is inside ``running()``); the caller bounds the wait.
         """
-        if self.service is None or self._runners is None:
+        service = self.service
+        if service is None or self._runners is None:
             raise ModelWorkerError(f"worker {self.worker_id} is not running")
-        try:
-            await self.service.check_options(options)
-        except ValueError as exc:
-            raise OptionsRefused(public_reason(exc, prefix_type=False)) from None
-        except Exception as exc:  # the contract's refusal is a ValueError: anything else is the check's own bug
-            raise PipelineContractError(
-                f"check_options raised {public_reason(exc)} (it must raise ValueError naming an option it refuses, "
-                f"and return for options it takes)"
-            ) from exc
+        if isinstance(service, ProcessService):
+            refused = await service.refused_input(options, image_size)
+        else:  # a check that raises other than ValueError: PipelineContractError naming it, the pipeline's bug
+            refused = await refused_input(service, options, image_size)
+        if refused is not None:
+            what, reason = refused
+            error = SessionImageRefused if what == "image" else OptionsRefused
+            raise error(public_reason(reason, prefix_type=False))
 
     async def run(self) -> None:
         """Load, warm up, report capacity, host runners until stopped; report failure instead of raising."""

@@ -37,7 +37,8 @@ NULLABLE_INT = {"type": ["integer", "null"]}
 
 #: what a create's prompt and image fields say of a pipeline that does not take them
 TAKEN_ONLY = ("only for a pipeline that takes it: given to one that does not, the create is a 400 invalid_input "
-              "naming the field and the pipeline, before anything is held")
+              "naming the field and the pipeline, before anything is held; one the pipeline's check_image refuses (a "
+              "size it cannot use) is a 400 invalid_image naming the field, before anything is held too")
 
 SCHEMAS: dict[str, Any] = {
     "Error": {
@@ -261,7 +262,9 @@ def openapi_document() -> dict[str, Any]:
                     "200": _json(_ref("SessionCreateResponse"), "assigned to a worker"),
                     "202": _json(_ref("SessionCreateResponse"), "queued; queue_position is its place"),
                     "400": _error("invalid request (field or pipeline option named in detail); invalid_input: a "
-                                  "prompt, image_b64 or image_path given to a pipeline that does not take it"),
+                                  "prompt, image_b64 or image_path given to a pipeline that does not take it; "
+                                  "invalid_option: an option the pipeline refuses; invalid_image: an image_b64 or "
+                                  "image_path the pipeline refuses (its check_image, named with the field)"),
                     "429": {**_error("no slot and no room in the queue, or the server is shutting down"),
                             "headers": {"Retry-After": {"schema": {"type": "integer"}}}},
                     "503": {**_error("no worker is running or starting, or none is ready to check the "

@@ -1,10 +1,11 @@
-"""A create's session options, checked by the pipeline itself before the server holds anything.
+"""A create's session options and image, checked by the pipeline itself before the server holds anything.
 
 The API process does not import the pipeline when its workers run out of process (process workers,
-worker agents), so it asks a ready worker: the service's ``check_options`` (the very check its
-``create_session`` or ``stream`` runs) in the worker's process, through the process proxy or the
-agent's connection. Its refusal is an HTTP 400 ``invalid_option`` with the pipeline's own words;
-no slot, queue place, room or token is taken. Every worker runs the same pipeline, so one's word
+worker agents), so it asks a ready worker: the service's ``check_options`` and, for a create that gives an
+image, its ``check_image`` of the image's size (the very checks its ``create_session`` or ``stream`` runs),
+in one round trip to the worker's process, through the process proxy or the agent's connection. A refusal
+is an HTTP 400 with the pipeline's own words, ``invalid_option`` or ``invalid_image`` naming the image's
+field; no slot, queue place, room or token is taken. Every worker runs the same pipeline, so one's word
 holds for all: the ready workers take turns, and one that does not answer (a hung check, an agent
 that stopped answering but still heartbeats) gives its turn to the next within the create's
 deadline, and is asked after the others until it answers again. The first ready worker used to be
@@ -22,7 +23,7 @@ from states.worker import ELIGIBLE
 
 from .log_pace import LogPace
 from .reasons import public_reason, without_prefix
-from .requests import OptionsRefused
+from .requests import ImageSize, OptionsRefused, SessionImageRefused
 from .runtime_errors import NO_WORKER_RETRY_AFTER, NoWorker
 
 if TYPE_CHECKING:
@@ -73,22 +74,25 @@ class OptionCheckers:
         self._failed.add(worker_id)
 
 
-async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None:
-    """Raise :class:`OptionsRefused` (400) when the pipeline refuses ``options``.
+async def check_options(runtime: StreamRuntime, options: dict[str, Any], image: ImageSize | None = None) -> None:
+    """Raise :class:`OptionsRefused` (400) when the pipeline refuses ``options``, :class:`SessionImageRefused` (400
+    naming its field) when it refuses ``image``.
 
     No options are checked too (a pipeline may require one: its refusal names it). With no worker
     ready yet (every one loading), or one that does not answer within :data:`CHECK_OPTIONS_TIMEOUT`,
-    the options cannot be checked: ``NoWorker`` (503 with Retry-After) — except no options, which
-    are taken unchecked then, as before (the session waits for a worker, whose pipeline checks them
+    the options cannot be checked: ``NoWorker`` (503 with Retry-After) — except no options and no image,
+    which are taken unchecked then, as before (the session waits for a worker, whose pipeline checks them
     when it starts the session). With no worker at all, or while the server stops,
     ``create_session`` answers as it always does.
     """
+    nothing_to_check = not options and image is None
+    image_size = None if image is None else (image.width, image.height)
     if runtime.closing or not runtime.book.can_place():
         return
     ready = [worker for worker_id, worker in runtime.workers.items()
              if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.failing]
     if not ready:
-        if not options:
+        if nothing_to_check:
             return
         raise NoWorker("no worker is ready to check the session's options yet (every worker is starting)",
                        NO_WORKER_RETRY_AFTER)
@@ -102,9 +106,11 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
                 async with checkers.limiter:  # a turn here is not the worker's time to answer
                     asked_at = trio.current_time()
                     with trio.fail_at(min(give_up, asked_at + WORKER_CHECK_TIMEOUT)):
-                        await worker.check_options(options)
-        except OptionsRefused:
+                        await worker.check_options(options, image_size)
+        except (OptionsRefused, SessionImageRefused) as exc:
             checkers.answered(worker.worker_id, trio.current_time() - asked_at)  # type: ignore[operator]
+            if isinstance(exc, SessionImageRefused) and image is not None:  # the worker knows no field: named here
+                raise SessionImageRefused(exc.reason, field=image.field, worker_id=exc.worker_id) from None
             raise
         except Exception as exc:  # a timeout, a worker lost meanwhile, a check that is itself broken
             if asked_at is not None:  # not one whose deadline passed while others' checks held every turn
@@ -117,6 +123,6 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any]) -> None
         else:
             checkers.answered(worker.worker_id, trio.current_time() - asked_at)  # type: ignore[operator]
             return
-    if not options:  # taken unchecked, as with no worker ready (it was a 503 here: a mute worker refused every create)
+    if nothing_to_check:  # taken unchecked, as with no worker ready (it was a 503 here: a mute worker refused every create)
         return
     raise NoWorker(f"{NOT_CHECKED} {without_prefix(reason, NOT_CHECKED)}", NO_WORKER_RETRY_AFTER) from None

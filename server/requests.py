@@ -20,21 +20,32 @@ from pipelines.paths import PathRefused, resolve_inside
 
 from .reasons import echo, echo_each, without_prefix
 
-__all__ = ["CreateSession", "BadRequest", "LIST_LIMIT", "ListQuery", "MAX_LIST_LIMIT", "OptionsRefused", "parse_create_session",
-           "parse_drain_request", "parse_list_query", "parse_token_request", "resolve_image_path"]
+__all__ = ["CreateSession", "BadRequest", "ImageSize", "LIST_LIMIT", "ListQuery", "MAX_LIST_LIMIT", "OptionsRefused",
+           "SessionImageRefused", "parse_create_session", "parse_drain_request", "parse_list_query", "parse_token_request",
+           "resolve_image_path"]
 
 MAX_CONFIG_BYTES = 16384
 
 
 @attrs.frozen
+class ImageSize:
+    """A create's image as its pipeline's ``check_image`` is asked about it: the size its header gives, and the field
+    it came in (``image_b64`` or ``image_path``), which a refusal names."""
+
+    field: str
+    width: int
+    height: int
+
+
+@attrs.frozen
 class CreateSession:
-    """A validated ``POST /v1/stream/sessions`` body."""
+    """A validated ``POST /v1/stream/sessions`` body; ``image``: its image's size, when it gives one."""
 
     identity: str
     prompt: str | None = None
     image_path: str | None = None
     config: dict[str, Any] = attrs.Factory(dict)
-
+    image: ImageSize | None = None
 
 
 class BadRequest(ValueError):
@@ -74,6 +85,19 @@ class OptionsRefused(BadRequest):
         said = reason if worker_id is None else f"worker {echo(worker_id)} refused them: {reason}"
         super().__init__("invalid_option", f"config: {said}")
         self.reason = reason
+        self.worker_id = worker_id
+
+
+class SessionImageRefused(BadRequest):
+    """The pipeline refused a session's image (its ``check_image``): a 400 ``invalid_image`` naming ``field`` with
+    ``reason``, the pipeline's own words; ``worker_id`` as for :class:`OptionsRefused`."""
+
+    def __init__(self, reason: str, *, field: str = "image", worker_id: str | None = None) -> None:
+        reason = reason or "the image was refused, with no reason given"
+        said = reason if worker_id is None else f"worker {echo(worker_id)} refused it: {reason}"
+        super().__init__("invalid_image", f"{field}: {said}")
+        self.reason = reason
+        self.field = field
         self.worker_id = worker_id
 
 
@@ -122,7 +146,7 @@ def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
         raise BadRequest("invalid_field", "config must be a JSON object")
     if len(json.dumps(config)) > MAX_CONFIG_BYTES:
         raise BadRequest("invalid_field", f"config is larger than {MAX_CONFIG_BYTES} bytes")
-    image = None
+    image = size = None
     if image_b64 is not None:
         try:
             image = base64.b64decode(image_b64, validate=True)
@@ -130,8 +154,8 @@ def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
             raise BadRequest("invalid_field", "image_b64 is not valid base64") from None
         if not image:
             raise BadRequest("invalid_field", "image_b64 is empty")
-        _check_image(lambda: check_image(image), "image_b64")
-    return CreateSession(identity=identity, prompt=prompt, image_path=image_path, config=config), image
+        size = _check_image(lambda: check_image(image), "image_b64")
+    return CreateSession(identity=identity, prompt=prompt, image_path=image_path, config=config, image=size), image
 
 
 def parse_token_request(body: Any) -> str:
@@ -195,16 +219,16 @@ def parse_drain_request(body: Any, default: float, limit: float) -> float:
     return float(value)
 
 
-def resolve_image_path(image_path: str, assets_dir: str | None) -> str:
-    """A path the client named must resolve inside the assets directory (no absolute paths, no ``..``, no symlinks out)."""
+def resolve_image_path(image_path: str, assets_dir: str | None) -> tuple[str, ImageSize]:
+    """A path the client named must resolve inside the assets directory (no absolute paths, no ``..``, no symlinks out):
+    the file's path and its image's size."""
     if assets_dir is None:
         raise BadRequest("image_path_not_allowed", "image_path needs the server to be started with --assets-dir")
     try:
         resolved = resolve_inside(assets_dir, image_path)
     except PathRefused as exc:
         raise BadRequest("invalid_image_path", f"image_path {echo(image_path)} {exc}") from None
-    _check_image(lambda: check_image_file(resolved), "image_path")
-    return str(resolved)
+    return str(resolved), _check_image(lambda: check_image_file(resolved), "image_path")
 
 
 async def check_image_decodes(request: CreateSession, image: bytes | None, limiter: trio.CapacityLimiter) -> None:
@@ -223,11 +247,12 @@ async def check_image_decodes(request: CreateSession, image: bytes | None, limit
         raise BadRequest(exc.reason, f"{field}: {exc.detail}") from None
 
 
-def _check_image(check: Any, field: str) -> None:
-    """The image's header must name a supported format and a size within the decode limits."""
+def _check_image(check: Any, field: str) -> ImageSize:
+    """The image's header must name a supported format and a size within the decode limits: that size."""
     try:
-        check()
+        info = check()
     except ImageRefused as exc:
         raise BadRequest(exc.reason, f"{field}: {exc.detail}") from None
     except OSError:
         raise BadRequest("invalid_image_path", f"{field}: the file cannot be read") from None
+    return ImageSize(field, info.width, info.height)

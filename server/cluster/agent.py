@@ -48,7 +48,7 @@ from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
 from ..reasons import cut, public_reason
-from ..requests import OptionsRefused
+from ..requests import OptionsRefused, SessionImageRefused
 from ..run_signals import exit_now, note_stop_signal
 from ..server_folders import remove_stale_folders
 from . import tls, wire
@@ -422,17 +422,19 @@ class Agent:
         return lost
 
     async def _check_options(self, message: wire.CheckOptions) -> None:
-        """The pipeline's word on a create's options, for the authority (which bounds its own wait too)."""
-        refused = error = None
+        """The pipeline's word on a create's options and image, for the authority (which bounds its own wait too)."""
+        refused = error = image_refused = None
         try:
             with trio.fail_after(CHECK_OPTIONS_TIMEOUT):
-                await self.worker.check_options(message.options)
+                await self.worker.check_options(message.options, message.image_size)
         except OptionsRefused as exc:
             refused = exc.reason
+        except SessionImageRefused as exc:
+            image_refused = exc.reason
         except Exception as exc:
             log.warning("checking a session's options failed: %r", exc)
             error = "no answer in time" if isinstance(exc, trio.TooSlowError) else public_reason(exc)
-        self.send(wire.OptionsChecked(message.check_id, refused, error))
+        self.send(wire.OptionsChecked(message.check_id, refused, error, image_refused))
 
     def _model_ready(self, worker: ModelWorker, capacity: int, plan: CapacityPlan) -> None:
         self.life.apply(Event.LOADED)  # from here a stop signal lets it leave in order (states.agent)

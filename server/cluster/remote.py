@@ -28,7 +28,7 @@ from states.worker import REFUSES_STARTS
 
 from ..option_check import NOT_CHECKED
 from ..reasons import cut, echo, public_reason, without_prefix
-from ..requests import OptionsRefused
+from ..requests import OptionsRefused, SessionImageRefused
 from ..tokens import MAX_IDENTITY_LENGTH
 from .identity import worker_participant
 from .remote_run import RemoteRun
@@ -190,8 +190,9 @@ class RemoteWorker:
 
     # -- option checks --
 
-    async def check_options(self, options: dict[str, Any]) -> None:
-        """The agent's pipeline checks a create's options: :class:`OptionsRefused` when it refuses them.
+    async def check_options(self, options: dict[str, Any], image_size: tuple[int, int] | None = None) -> None:
+        """The agent's pipeline checks a create's options, and its image's size when given, in one round trip:
+        :class:`OptionsRefused` or :class:`SessionImageRefused` when it refuses them.
 
         The caller bounds the wait; a loss meanwhile ends it with the loss.
         """
@@ -200,7 +201,7 @@ class RemoteWorker:
         check = _Check(next(self._check_ids))
         self._checks[check.check_id] = check
         try:
-            self.send(CheckOptions(check.check_id, options))
+            self.send(CheckOptions(check.check_id, options, image_size))
             await check.done.wait()
         finally:
             self._checks.pop(check.check_id, None)
@@ -208,6 +209,8 @@ class RemoteWorker:
             raise RuntimeError(f"worker lost: {self.lost_cause}")
         if check.answer.refused is not None:  # the agent's word on its pipeline's check: answered as the agent's
             raise OptionsRefused(public_reason(check.answer.refused, prefix_type=False), worker_id=self.worker_id)
+        if check.answer.image_refused is not None:
+            raise SessionImageRefused(public_reason(check.answer.image_refused, prefix_type=False), worker_id=self.worker_id)
         if check.answer.error is not None:  # one public line, as the agent's own would be (logged and answered)
             said = without_prefix(public_reason(check.answer.error, prefix_type=False), NOT_CHECKED)
             raise RuntimeError(f"worker {echo(self.worker_id)}: {said}")

@@ -40,8 +40,8 @@ from ..json_limits import JsonRefused, loads as json_loads
 from ..reasons import echo, echo_each
 from .tls import ssl_detail
 from .wire_values import (
-    MAX_CAPACITY, capacity, device_indexes, drain_seconds, flag, identities, integer, label, node_name, obj, opt_label, opt_text,
-    plan, process_id, report, seconds, settings_taken, text, texts,
+    MAX_CAPACITY, capacity, device_indexes, drain_seconds, flag, identities, integer, label, node_name, obj, opt_image_size,
+    opt_label, opt_text, plan, process_id, report, seconds, settings_taken, text, texts,
 )
 
 __all__ = [
@@ -83,8 +83,9 @@ __all__ = [
 #: (the offered settings the pipeline took with their values, in place of offered_taken's names); 6: participants;
 #: 7: ready.takes_prompt and ready.takes_image; 8: the authority's goodbye as it stops; 9: the authority sends away
 #: a viewer its agent reports in a LiveKit room over the session's seats (the agent's runner checks no seats); 10:
-#: ready.worker_mode (the agent's own, which metadata shows: it showed the authority's)
-PROTOCOL = 10
+#: ready.worker_mode (the agent's own, which metadata shows: it showed the authority's); 11: check_options.image_size
+#: and options_checked.image_refused (the pipeline's check_image of a create's image, in the same round trip)
+PROTOCOL = 11
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # a Start may carry an uploaded image (bounded by the API's body limit)
 #: the largest frame a peer may send before it proved the token (a Register is well under 1 KiB)
 MAX_HANDSHAKE_FRAME_BYTES = 64 * 1024
@@ -319,21 +320,25 @@ class Participants(Message):
 
 @attrs.frozen
 class CheckOptions(Message):
-    """Check a create's session options with the agent's pipeline (the create waits for the answer)."""
+    """Check a create's session options, and its image's ``image_size`` (width, height) if it gives one, with the agent's
+    pipeline (the create waits for the answer)."""
 
     TYPE = "check_options"
     check_id: int = attrs.field(converter=integer)
     options: dict[str, Any] = attrs.field(converter=obj)
+    image_size: tuple[int, int] | None = attrs.field(default=None, converter=opt_image_size)
 
 
 @attrs.frozen
 class OptionsChecked(Message):
-    """The answer: ``refused`` is the pipeline's reason, ``error`` why it could not check; both None: accepted."""
+    """The answer: ``refused`` is the pipeline's reason for refusing the options, ``image_refused`` the image, ``error``
+    why it could not check; all None: accepted."""
 
     TYPE = "options_checked"
     check_id: int = attrs.field(converter=integer)
     refused: str | None = attrs.field(default=None, converter=opt_text)
     error: str | None = attrs.field(default=None, converter=opt_text)
+    image_refused: str | None = attrs.field(default=None, converter=opt_text)
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ from ..tokens import MAX_IDENTITY_LENGTH
 __all__ = ["MAX_CAPACITY", "kind_of", "text", "opt_text", "flag", "number", "seconds", "integer",
            "texts", "obj", "opt_obj", "capacity", "plan", "positive", "settings_taken", "drain_seconds", "MAX_DRAIN_SECONDS",
            "SESSION_SETTINGS", "MAX_PARTICIPANTS", "MAX_REPORT_CHARS", "MAX_LABEL", "MAX_NODE", "MAX_DEVICES",
-           "label", "opt_label", "node_name", "device_indexes", "process_id", "identities", "report"]
+           "label", "opt_label", "node_name", "device_indexes", "process_id", "identities", "report", "opt_image_size"]
 
 #: the most sessions one agent may report it can retain (the CLI's --max-sessions allows 64)
 MAX_CAPACITY = 4096
@@ -144,6 +144,16 @@ def device_indexes(value: object) -> tuple[int, ...]:
 def process_id(value: object) -> int:
     """A process id: 0-2**31-1 (Linux allows at most 2**22)."""
     return _index(value)
+
+
+def opt_image_size(value: object) -> tuple[int, int] | None:
+    """An image's size, ``[width, height]`` (each 1-2**31-1), or None: no image."""
+    if value is None:
+        return None
+    size = _items(value, _index, "int", most=2)
+    if len(size) != 2 or 0 in size:
+        raise TypeError(f"must be [width, height], each 1-{2**31 - 1}, got {echo(list(size))}")
+    return size[0], size[1]
 
 
 def identities(value: object) -> tuple[str, ...]:

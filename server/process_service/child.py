@@ -239,18 +239,15 @@ class _Server:
 
     async def _call(self, scope: trio.CancelScope, message: wire.Call) -> None:
         from pipelines.contract import BidirectionalService
+        from pipelines.input_checks import refused_input
 
         call_id, method, args = message.call_id, message.method, message.args
         reply: wire.Result | None = None
         with scope:
             try:
                 service = self.service
-                if method == "check_options":  # a refusal is the answer (its text), not a failed call
-                    try:
-                        await service.check_options(*args)
-                        value = None
-                    except ValueError as exc:
-                        value = str(exc)
+                if method == "check_options":  # a refusal is the answer ((input, its text)), not a failed call
+                    value = await refused_input(service, *args)
                 elif not isinstance(service, BidirectionalService):
                     raise TypeError(f"{type(service).__name__} is a {service.kind} service; it has no {method}()")
                 elif method == "create_session":

@@ -36,7 +36,8 @@ class CallDeadlines:
 
     #: entering the service's ``running()`` (its warm-up and the memory report), as long as the load may take
     running: float = attrs.field(default=600.0, validator=_seconds)
-    #: ``check_options`` (the server's create request waits for it; the runtime's own deadline is 10 s)
+    #: ``check_options`` (and ``check_image``, asked in the same call; the server's create request waits for it; the
+    #: runtime's own deadline is 10 s)
     check_options: float = attrs.field(default=15.0, validator=_seconds)
     #: ``create_session``; the room runner's own ``CREATE_PIPELINE_TIMEOUT`` is 60 s
     create_session: float = attrs.field(default=90.0, validator=_seconds)

@@ -385,11 +385,20 @@ class ProcessService:
             self._session_calls[value] = call_id
         return value
 
+    async def refused_input(self, options: Mapping[str, Any] | None,
+                            image_size: tuple[int, int] | None) -> tuple[str, str] | None:
+        """:func:`pipelines.input_checks.refused_input` of the child's service: a create's options and image in one call."""
+        return await self._call("check_options", (None if options is None else dict(options), image_size))
+
     async def check_options(self, options: Mapping[str, Any]) -> None:
         """The child's service checks the options; its refusal is a ``ValueError`` here, with its text."""
-        refused = await self._call("check_options", (dict(options),))
-        if refused is not None:
-            raise ValueError(refused)
+        if (refused := await self.refused_input(options, None)) is not None:
+            raise ValueError(refused[1])
+
+    async def check_image(self, width: int, height: int) -> None:
+        """The child's service checks an image's size; its refusal is a ``ValueError`` here, with its text."""
+        if (refused := await self.refused_input(None, (width, height))) is not None:
+            raise ValueError(refused[1])
 
     def _give_up(self, call_id: int, call: _Pending) -> None:
         """Nobody waits for the call any more: cancel it in the child (its late answer is dropped there or here).

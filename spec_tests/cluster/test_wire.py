@@ -42,6 +42,8 @@ SAMPLES: list[wire.Message] = [
     wire.CheckOptions(5, {"resolution": "abc"}),
     wire.OptionsChecked(5, refused="option 'resolution' must be 'WxH'"),
     wire.OptionsChecked(6, error="no answer in time"),
+    wire.CheckOptions(7, {}, (1, 1)),
+    wire.OptionsChecked(7, image_refused="the image is 1 x 1 pixels; the toy world takes one of at least 2 x 2"),
     wire.Goodbye("drained"),
 ]
 
@@ -105,6 +107,12 @@ def test_every_message_round_trips(message: wire.Message) -> None:
          "heartbeat.sessions[1]: expected str, got null"),
         (json.dumps({"v": wire.PROTOCOL, "type": "heartbeat", "seq": 1, "sessions": "a"}).encode(),
          "heartbeat.sessions: expected a list of str, got str"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "check_options", "check_id": 1, "options": {},
+                     "image_size": [0, 4]}).encode(),
+         "check_options.image_size: must be [width, height], each 1-2147483647, got [0, 4]"),
+        (json.dumps({"v": wire.PROTOCOL, "type": "check_options", "check_id": 1, "options": {},
+                     "image_size": [1, 2, 3]}).encode(),
+         "check_options.image_size: 3 items; at most 2"),
         (b"[" * 100 + b"]" * 100, "nested 100 levels deep"),
     ],
 )

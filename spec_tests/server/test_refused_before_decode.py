@@ -51,9 +51,9 @@ class Spent:
             self.decodes += 1  # one create's decode at a time here: no two threads count at once
             decode(source)
 
-        async def counted_check(runtime: Any, options: dict[str, Any]) -> None:
+        async def counted_check(runtime: Any, options: dict[str, Any], image: Any = None) -> None:
             self.option_checks += 1
-            await check(runtime, options)
+            await check(runtime, options, image)
 
         monkeypatch.setattr(server.requests, "check_decodes", counted_decode)
         monkeypatch.setattr(option_check, "check_options", counted_check)
