@@ -132,6 +132,9 @@ class RoomSocket:
         self._max_pieces = MAX_MESSAGE_PIECES
         self._frame_pace: FrameShare | None = None  # a participant's share of the server's frame budget
         self._heard = trio.current_time()
+        #: since when the server has waited for the peer's bytes (None while it reads none: the room waits for its
+        #: worker, the pace holds it); only such a wait can be the peer's silence
+        self._reading_since: float | None = None
         self._pending_pong = b""
         self.close_reason: str | None = None
         self.close_code = 1008  # policy violation, unless a bound says otherwise
@@ -289,7 +292,11 @@ class RoomSocket:
             try:
                 frames = self._absorb(most)
                 if not frames:  # all that was read is parsed: read more
-                    data = await self._stream.receive_some(READ_SIZE)
+                    self._reading_since = trio.current_time()
+                    try:
+                        data = await self._stream.receive_some(READ_SIZE)
+                    finally:
+                        self._reading_since = None
                     if not data:
                         raise PeerGone("the connection closed")
                     self._heard = trio.current_time()  # any byte counts as being alive
@@ -326,11 +333,19 @@ class RoomSocket:
             self.close_reason = f"a write waited more than {self._deadlines.write:g} s (the peer does not read)"
             raise PeerGone(self.close_reason)
 
+    def _silent_for(self, now: float) -> float:
+        """How long the peer has sent nothing while the server waited for it. A socket the room does not read (its
+        messages wait for the worker to take the ones before them) holds the peer's pongs unread: that is not its
+        silence (a controller whose burst waited on a slow worker was sent away for it)."""
+        if self._reading_since is None:
+            return 0.0
+        return now - max(self._heard, self._reading_since)
+
     async def _keep_alive(self, presence: trio.CancelScope) -> None:
         """Ping every ``ping_interval``; send the peer away when it has said nothing for ``pong`` seconds."""
         while True:
             await trio.sleep(self._deadlines.ping_interval)
-            if trio.current_time() - self._heard > self._deadlines.pong:
+            if self._silent_for(trio.current_time()) > self._deadlines.pong:
                 self.close_reason = f"no answer to pings for {self._deadlines.pong:g} s"
                 presence.cancel()
                 return

@@ -27,6 +27,8 @@ Wire format (WebSocket):
 - the worker's answer to one participant's message (a refused control's ``control_rejected``) goes to that
   participant alone, as LiveKit's ``destination_identities`` does; the room's news (status, chunks, the end) to
   every client; a worker agent addresses an answer by adding ``"to": identity`` to its envelope;
+- a client's data waits for the worker, never dropped: while 256 of its messages are untaken, the room stops reading
+  the sender's socket (:mod:`.worker_inbox`; at most 30 s for one message, then it is refused ``worker_stalled``);
 - data a client sends before the worker is in the room (a queued session's, an agent's a moment before it
   joins) is held for it, 32 messages and 64 KiB at most, and delivered in order when it joins; past that it
   is refused (``no_worker_yet``), never dropped without a word;
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
@@ -58,10 +59,12 @@ from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import DataPace
 from .jpeg import encode_jpeg
-from .local_room import EVENT_BACKLOG, RemoteWorkerPresence, Room, Subscriber, data_message
-from .refusals import SERVER_TOPICS, extra_envelope_fields, refused
+from .local_reading import read_client
+from .local_room import RemoteWorkerPresence, Room, Subscriber, data_message
+from .refusals import refused
+from .worker_inbox import EVENT_BACKLOG, WorkerInbox
 
-__all__ = ["LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
+__all__ = ["EVENT_BACKLOG", "LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
 
 MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and its viewers)
 KEPT_PACES = 4096  # participants' data paces kept after they left, at most (each until it is full, a second or so)
@@ -74,11 +77,9 @@ class WorkerConnection:
         self._rooms = rooms
         self._room = room
         self._identity = identity
-        self._events: deque[RoomEvent] = deque()
-        self._data_events = 0
-        self._arrived = trio.Event()
+        #: what the room hands the runner; past its backlog the room stops reading the sender (it dropped the oldest)
+        self.inbox: WorkerInbox[RoomEvent] = WorkerInbox()
         self._closed = False
-        self.dropped_data = 0  # data events dropped because the runner fell behind
 
     @property
     def identity(self) -> str:
@@ -89,25 +90,13 @@ class WorkerConnection:
 
     @property
     def queued_data(self) -> int:
-        """Data events waiting for the runner (never above EVENT_BACKLOG)."""
-        return self._data_events
+        """Data events waiting for the runner (never above EVENT_BACKLOG: their senders wait)."""
+        return self.inbox.queued_data
 
     def deliver(self, event: RoomEvent) -> None:
-        """Queue an event for the runner. A flood of data that outruns it loses its *oldest*
-        data events (so the latest control wins); participant events are never dropped."""
-        if self._closed:
-            return
-        if isinstance(event, DataReceived):
-            if self._data_events >= EVENT_BACKLOG:
-                for index, queued in enumerate(self._events):
-                    if isinstance(queued, DataReceived):
-                        del self._events[index]
-                        self._data_events -= 1
-                        self.dropped_data += 1
-                        break
-            self._data_events += 1
-        self._events.append(event)
-        self._arrived.set()
+        """Queue an event for the runner: data only once the inbox has room for it (:meth:`Room.to_worker` waits for
+        that), participant events always."""
+        self.inbox.put(event, data_from=(event.sender_identity or "") if isinstance(event, DataReceived) else None)
 
     def events(self) -> AsyncIterator[RoomEvent]:
         # an iterator object, not an async generator: a runner cancelled mid-loop leaves nothing to finalize
@@ -115,16 +104,10 @@ class WorkerConnection:
 
     async def next_event(self) -> RoomEvent:
         """The next event, in arrival order; StopAsyncIteration once disconnected."""
-        while not self._closed:
-            if not self._events:
-                self._arrived = trio.Event()
-                await self._arrived.wait()
-                continue
-            event = self._events.popleft()
-            if isinstance(event, DataReceived):
-                self._data_events -= 1
-            return event
-        raise StopAsyncIteration
+        event = await self.inbox.take()
+        if event is None:
+            raise StopAsyncIteration
+        return event
 
     async def publish_frame(self, frame: np.ndarray, fps: float) -> None:
         if self._closed:
@@ -156,7 +139,6 @@ class WorkerConnection:
         if self._closed:
             return
         self._closed = True
-        self._arrived.set()
         self._rooms._leave_worker(self._room, self)
 
 
@@ -287,6 +269,8 @@ class LocalRooms:
         return connection
 
     def _leave_worker(self, room: Room, connection: WorkerConnection | RemoteWorkerPresence) -> None:
+        # senders waiting for room in its inbox are woken; those whose messages it never took are told
+        room.tell_untaken(connection.inbox.close())
         if room.worker is connection:
             room.worker = None
             room.last_frame = None
@@ -363,14 +347,8 @@ class LocalRooms:
 
     @staticmethod
     async def _pump_to_worker(worker: RemoteWorkerPresence, send: Callable[[str | bytes], Awaitable[None]]) -> None:
-        while True:
-            await worker.ready.wait()
-            worker.ready = trio.Event()
-            while worker.texts:
-                is_data, message = worker.texts.popleft()
-                if is_data:
-                    worker.data_events -= 1
-                await send(message)
+        while (message := await worker.inbox.take()) is not None:
+            await send(message)
 
     async def serve_client(
         self,
@@ -441,51 +419,6 @@ class LocalRooms:
         key = (room.name, subscriber.identity)
         pace = self.paces.hold(key, trio.current_time())
         try:
-            await self._read_paced(room, subscriber, receive, pace)
+            await read_client(room, subscriber, receive, pace, self.max_data_message_bytes)
         finally:
             self.paces.release(key, trio.current_time())
-
-    async def _read_paced(
-        self, room: Room, subscriber: Subscriber, receive: Callable[[], Awaitable[str | bytes]], pace: DataPace
-    ) -> None:
-        while True:
-            await pace.take()  # a flood waits in its own socket, not in this server's event loop
-            message = await receive()
-            if isinstance(message, bytes):
-                subscriber.push_text(refused("clients_publish_no_media"))
-                continue
-            if len(message.encode("utf-8", "surrogatepass")) > self.max_data_message_bytes + 256:
-                subscriber.push_text(refused("too_large", f"a data message's payload is at most {self.max_data_message_bytes} "
-                                                         f"bytes (--max-data-message-bytes)"))
-                continue
-            if not subscriber.can_publish_data:
-                subscriber.push_text(refused("publish_data_not_allowed"))
-                continue
-            try:
-                # the envelope adds one level around the payload
-                envelope = json_limits.loads(message, max_depth=json_limits.MAX_JSON_DEPTH + 1)
-                topic = envelope["topic"]
-                payload = envelope["payload"]
-                if not isinstance(topic, str):
-                    raise TypeError("topic must be a string")
-            except json_limits.JsonRefused as exc:
-                reason = "malformed_envelope" if exc.reason == "invalid_json" else exc.reason
-                subscriber.push_text(refused(reason, exc.detail))
-                continue
-            except (KeyError, TypeError):
-                subscriber.push_text(refused("malformed_envelope"))
-                continue
-            if (extra := extra_envelope_fields(envelope)) is not None:
-                subscriber.push_text(refused("malformed_envelope", extra))
-                continue
-            if topic in SERVER_TOPICS:
-                subscriber.push_text(refused("server_topic"))
-                continue
-            raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-            if not room.to_worker(DataReceived(topic, raw, subscriber.identity)):
-                subscriber.push_text(refused("no_worker_yet"))
-                continue
-            text = data_message(topic, raw, subscriber.identity, parsed=payload)
-            room.broadcast_text(text, skip=subscriber.identity)
-            # what every other participant is sent (a viewer's backlog is counted the same way), and to how many
-            pace.sent(len(text), len(room.subscribers) - 1)

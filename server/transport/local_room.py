@@ -8,7 +8,7 @@ does not read can make the server hold, is here.
 from __future__ import annotations
 
 import json
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -18,6 +18,7 @@ from ..json_limits import payload_body
 from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, RoomEvent
 from .refusals import refused
+from .worker_inbox import EVENT_BACKLOG, WORKER_TAKE_TIMEOUT, WorkerInbox
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -30,7 +31,6 @@ __all__ = [
 ]
 
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
-EVENT_BACKLOG = 256  # data events kept for the worker (the oldest go first; participant events always kept)
 #: unsent data messages a client may fall behind by before it is sent away: twice what a participant's burst
 #: (DATA_BURST, 500) and the worker's answer to each make the room send at once
 TEXT_BACKLOG = 2048
@@ -129,33 +129,21 @@ class Subscriber:
 class RemoteWorkerPresence:
     """A worker agent in a local room over its own WebSocket (the agent runs on another process or host).
 
-    Room events for its runner queue here, bounded like the in-process worker's: a flood of
-    data loses its oldest data messages, participant events are always kept.
+    Room events for its runner queue in its :class:`~.worker_inbox.WorkerInbox`, as the in-process worker's do: past
+    its backlog the senders wait; participant events always go in.
     """
 
     identity: str
-    texts: deque = attrs.Factory(deque)
-    ready: trio.Event = attrs.Factory(trio.Event)
-    data_events: int = 0
-    dropped_data: int = 0
+    inbox: WorkerInbox[str] = attrs.Factory(WorkerInbox)
 
     def deliver(self, event: RoomEvent) -> None:
         if isinstance(event, DataReceived):
-            if self.data_events >= EVENT_BACKLOG:
-                for index, (is_data, _) in enumerate(self.texts):
-                    if is_data:
-                        del self.texts[index]
-                        self.data_events -= 1
-                        self.dropped_data += 1
-                        break
-            self.data_events += 1
             message = data_message(event.topic, event.payload, event.sender_identity or "")
         elif isinstance(event, ParticipantJoined):
             message = json.dumps({"type": "participant_joined", "identity": event.identity})
         else:
             message = json.dumps({"type": "participant_left", "identity": event.identity})
-        self.texts.append((isinstance(event, DataReceived), message))
-        self.ready.set()
+        self.inbox.put(message, data_from=(event.sender_identity or "") if isinstance(event, DataReceived) else None)
 
 
 @attrs.define(eq=False)
@@ -169,22 +157,40 @@ class Room:
     held: deque = attrs.Factory(deque)
     held_size: int = 0
 
-    def to_worker(self, event: DataReceived) -> bool:
-        """Deliver a client's data to the worker, or hold it until the worker joins; False (nothing held) when
-        the room already holds as much as it may for a worker that has not come (the sender is told)."""
-        if self.worker is not None:
-            self.worker.deliver(event)
-            return True
-        if len(self.held) >= HELD_FOR_WORKER or self.held_size + len(event.payload) > HELD_FOR_WORKER_BYTES:
-            return False
-        self.held.append(event)
-        self.held_size += len(event.payload)
-        return True
+    async def to_worker(self, event: DataReceived) -> str | None:
+        """Deliver a client's data to the worker, waiting while its inbox is full (the sender's socket is not read
+        meanwhile), or hold it until the worker joins. None once it went; else why not, for its sender:
+        ``no_worker_yet`` (the room holds as much as it may for a worker that has not come), ``worker_stalled`` (the
+        worker took none of the room's messages within WORKER_TAKE_TIMEOUT), ``session_ended`` (no worker will come)."""
+        if self.closed and self.worker is None:
+            return "session_ended"
+        with trio.move_on_after(WORKER_TAKE_TIMEOUT):
+            while (worker := self.worker) is not None and not worker.inbox.has_room():
+                await worker.inbox.wait_for_room()  # it took one, or left (then the room holds the message)
+            if self.worker is not None:
+                self.worker.deliver(event)
+                return None
+            if self.closed:
+                return "session_ended"
+            if len(self.held) >= HELD_FOR_WORKER or self.held_size + len(event.payload) > HELD_FOR_WORKER_BYTES:
+                return "no_worker_yet"
+            self.held.append(event)
+            self.held_size += len(event.payload)
+            return None
+        return "worker_stalled"
 
     def drop_held(self) -> None:
-        """No worker will come now (the session ended): what was held for one goes."""
+        """No worker will come now (the session ended): what was held for one goes, and its senders are told."""
+        self.tell_untaken(Counter(event.sender_identity or "" for event in self.held))
         self.held.clear()
         self.held_size = 0
+
+    def tell_untaken(self, senders: Counter[str]) -> None:
+        """Each sender whose messages no worker will take (the session ended first) is told how many, once."""
+        for identity, count in senders.items():
+            if (subscriber := self.subscribers.get(identity)) is not None:
+                subscriber.push_text(refused("session_ended", f"{count} of this client's messages were not delivered: "
+                                                             f"the session ended before its worker took them"))
 
     def worker_joined(self, worker: WorkerConnection | RemoteWorkerPresence) -> None:
         """The worker is in the room: what clients sent before it came is delivered first, in order."""

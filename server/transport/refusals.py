@@ -12,6 +12,7 @@ import json
 from typing import Final
 
 from ..reasons import echo_each
+from .worker_inbox import WORKER_TAKE_TIMEOUT
 
 __all__ = ["SERVER_TOPICS", "extra_envelope_fields", "refused"]
 
@@ -25,6 +26,9 @@ _DETAILS: Final = {
     "server_topic": f"the topics {', '.join(sorted(SERVER_TOPICS))} are the server's: a client may not send on them",
     "no_worker_yet": "the session's worker is not in the room yet, so the message has nobody to go to: send it again "
                      "once the worker has joined",
+    "worker_stalled": f"the session's worker took none of the room's messages within {WORKER_TAKE_TIMEOUT:g} s, so "
+                      f"this one was not delivered: send it again later",
+    "session_ended": "the session ended before its worker took this message: it was not delivered",
     "too_slow": "this socket fell too far behind what the room sent it (its unsent messages passed the room's bound, "
                 "or the server's) and is sent away: reconnect, and read as fast as the room sends",
 }

@@ -1,0 +1,80 @@
+"""How a local room reads one client's socket: the pace, then each message's checks, then the worker's room for it.
+
+:meth:`server.transport.local.LocalRooms.serve_client` runs :func:`read_client` for the client's whole presence. A
+message is read only when its sender's pace allows (:mod:`.data_pace`), and only once the one before it went to the
+worker, which may mean waiting while the worker's inbox is full (:mod:`.worker_inbox`): meanwhile the sender's
+messages wait in its own socket. Every message that is not passed on is answered to its sender with a refusal saying
+why (:mod:`.refusals`); none is dropped without a word.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from .. import json_limits
+from ..log_pace import LogPace
+from .base import DataReceived
+from .data_pace import DataPace
+from .local_room import Room, Subscriber, data_message
+from .refusals import SERVER_TOPICS, extra_envelope_fields, refused
+from .worker_inbox import WORKER_TAKE_TIMEOUT
+
+__all__ = ["read_client"]
+
+log = logging.getLogger("chunkline.rooms")
+#: a worker that takes nothing can make every sender's messages refused: one line each, at a bounded pace
+_stalled_log = LogPace(log)
+
+async def read_client(
+    room: Room, subscriber: Subscriber, receive: Callable[[], Awaitable[str | bytes]], pace: DataPace,
+    max_data_message_bytes: int,
+) -> None:
+    """Read ``subscriber``'s messages until its socket ends: each passed to the worker and the room, or refused."""
+    while True:
+        await pace.take()  # a flood waits in its own socket, not in this server's event loop
+        message = await receive()
+        if isinstance(message, bytes):
+            subscriber.push_text(refused("clients_publish_no_media"))
+            continue
+        if len(message.encode("utf-8", "surrogatepass")) > max_data_message_bytes + 256:
+            subscriber.push_text(refused("too_large", f"a data message's payload is at most {max_data_message_bytes} "
+                                                     f"bytes (--max-data-message-bytes)"))
+            continue
+        if not subscriber.can_publish_data:
+            subscriber.push_text(refused("publish_data_not_allowed"))
+            continue
+        try:
+            # the envelope adds one level around the payload
+            envelope = json_limits.loads(message, max_depth=json_limits.MAX_JSON_DEPTH + 1)
+            topic = envelope["topic"]
+            payload = envelope["payload"]
+            if not isinstance(topic, str):
+                raise TypeError("topic must be a string")
+        except json_limits.JsonRefused as exc:
+            reason = "malformed_envelope" if exc.reason == "invalid_json" else exc.reason
+            subscriber.push_text(refused(reason, exc.detail))
+            continue
+        except (KeyError, TypeError):
+            subscriber.push_text(refused("malformed_envelope"))
+            continue
+        if (extra := extra_envelope_fields(envelope)) is not None:
+            subscriber.push_text(refused("malformed_envelope", extra))
+            continue
+        if topic in SERVER_TOPICS:
+            subscriber.push_text(refused("server_topic"))
+            continue
+        raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+        # waits while the worker's inbox is full: the sender's next messages stay in its socket meanwhile
+        if (why := await room.to_worker(DataReceived(topic, raw, subscriber.identity))) is not None:
+            if why == "worker_stalled":
+                _stalled_log.warning("room %s: %s's message on %r refused (worker_stalled): the worker took none of "
+                                     "the room's messages within %g s", room.name, subscriber.identity, topic,
+                                     WORKER_TAKE_TIMEOUT)
+            subscriber.push_text(refused(why))
+            continue
+        text = data_message(topic, raw, subscriber.identity, parsed=payload)
+        room.broadcast_text(text, skip=subscriber.identity)
+        # what every other participant is sent (a viewer's backlog is counted the same way), and to how many
+        pace.sent(len(text), len(room.subscribers) - 1)
