@@ -18,7 +18,8 @@ Wire format (WebSocket):
   encodable (``unencodable_text``); a room holds at most 64 client sockets (``room_full``), and a viewer joins
   only on a free viewer seat of its session (``viewer_limit``: :mod:`server.viewer_seats`; a worker's
   ``send_away``, the port's way to remove a participant, closes a socket with such a refusal);
-- a client that falls more than 2048 data messages or 1 MiB of them behind is sent away
+- a client that falls more than 2048 data messages or 1 MiB of them behind (more where larger messages are allowed:
+  ``text_backlog_bytes``) is sent away
   (``{"type": "refused", "reason": "too_slow"}``) instead of growing the server's memory (by count alone, a
   controller's 12 KiB messages fanned out to 32 viewers that never read held 24 MiB for each, for as long
   as their write deadline let them stay), and so are those furthest behind when all clients' queues together pass
@@ -60,7 +61,7 @@ from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, T
 from .data_pace import DataPace
 from .jpeg import encode_jpeg
 from .local_reading import read_client
-from .local_room import RemoteWorkerPresence, Room, Subscriber, data_message
+from .local_room import RemoteWorkerPresence, Room, Subscriber, data_message, text_backlog_bytes
 from .refusals import refused
 from .worker_inbox import EVENT_BACKLOG, WorkerInbox
 
@@ -303,7 +304,8 @@ class LocalRooms:
             raise TokenRejected("room_full")
         if verified.role == "viewer" and (full := self.viewer_door(room, verified.identity, False)) is not None:
             raise TokenRejected("viewer_limit", full)
-        return Subscriber(verified.identity, verified.role, verified.can_publish_data, backlog=self.backlog)
+        return Subscriber(verified.identity, verified.role, verified.can_publish_data, backlog=self.backlog,
+                          text_limit=text_backlog_bytes(self.max_data_message_bytes))
 
     async def serve_worker(
         self,

@@ -17,7 +17,7 @@ from .. import json_limits
 from ..log_pace import LogPace
 from .base import DataReceived
 from .data_pace import DataPace
-from .local_room import Room, Subscriber, data_message
+from .local_room import ENVELOPE_BYTES, Room, Subscriber, data_message
 from .refusals import SERVER_TOPICS, extra_envelope_fields, refused
 from .worker_inbox import WORKER_TAKE_TIMEOUT
 
@@ -38,7 +38,7 @@ async def read_client(
         if isinstance(message, bytes):
             subscriber.push_text(refused("clients_publish_no_media"))
             continue
-        if len(message.encode("utf-8", "surrogatepass")) > max_data_message_bytes + 256:
+        if len(message.encode("utf-8", "surrogatepass")) > max_data_message_bytes + ENVELOPE_BYTES:
             subscriber.push_text(refused("too_large", f"a data message's payload is at most {max_data_message_bytes} "
                                                      f"bytes (--max-data-message-bytes)"))
             continue

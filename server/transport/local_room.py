@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from ..json_limits import payload_body
+from ..json_limits import MAX_JSON_VALUES, payload_body
+from ..tokens import MAX_IDENTITY_LENGTH
 from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, RoomEvent
+from .data_pace import DATA_BYTE_BURST
 from .refusals import refused
 from .worker_inbox import EVENT_BACKLOG, WORKER_TAKE_TIMEOUT, WorkerInbox
 
@@ -26,8 +28,8 @@ if TYPE_CHECKING:
     from .local import WorkerConnection
 
 __all__ = [
-    "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES", "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES",
-    "RemoteWorkerPresence", "Room", "Subscriber", "data_message",
+    "ENVELOPE_BYTES", "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES", "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES",
+    "RemoteWorkerPresence", "Room", "Subscriber", "data_message", "largest_fanned_out", "text_backlog_bytes",
 ]
 
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)
@@ -37,6 +39,13 @@ TEXT_BACKLOG = 2048
 #: ... and the characters of them (ASCII JSON: bytes) it may fall behind by: four times a participant's burst of
 #: text (DATA_BYTE_BURST), so that what one may legally send never sends an honest viewer away
 TEXT_BACKLOG_BYTES = 1024 * 1024
+ENVELOPE_BYTES = 256  # what a client's message may hold past --max-data-message-bytes: its envelope (topic, keys)
+#: how much a message's text can grow as the room re-encodes it for its fan-out: three times its bytes (JSON writes a
+#: two-byte character as ``\u00e9``), 16 characters for each of its values (the space after a separator, a float's
+#: digits written out: ``1e15`` is ``1000000000000000.0``), and the room's framing with its sender's identity
+REENCODED_GROWTH = 3
+GROWTH_PER_VALUE = 16
+FAN_OUT_FRAMING = 64 + MAX_IDENTITY_LENGTH
 HELD_FOR_WORKER = 32  # data messages a room holds for a worker that has not joined yet (controls are small)
 HELD_FOR_WORKER_BYTES = 64 * 1024  # ... and their bytes: a queued session's room holds this at most
 
@@ -54,6 +63,8 @@ class Subscriber:
     presence: trio.CancelScope = attrs.Factory(trio.CancelScope)  # cancelled to send the client away
     #: the server's budget for every socket's queued text together (the LocalRooms'); past it the furthest behind go
     backlog: BacklogBudget = attrs.field(factory=BacklogBudget, kw_only=True)
+    #: the characters of text it may fall behind by (:func:`text_backlog_bytes` of the room's message size)
+    text_limit: int = attrs.field(default=TEXT_BACKLOG_BYTES, kw_only=True)
     too_slow: bool = False
     dropped_frames: int = 0
     text_size: int = 0  # characters queued in ``texts``
@@ -64,7 +75,7 @@ class Subscriber:
     def push_text(self, message: str) -> None:
         if self.too_slow:
             return
-        if len(self.texts) >= TEXT_BACKLOG or self.text_size + len(message) > TEXT_BACKLOG_BYTES:
+        if len(self.texts) >= TEXT_BACKLOG or self.text_size + len(message) > self.text_limit:
             # a client that does not read its reliable messages is sent away rather than
             # letting its queue grow without bound (LiveKit drops such subscribers too)
             self.send_away()
@@ -221,6 +232,20 @@ class Room:
             self.broadcast_text(message)
         elif (subscriber := self.subscribers.get(to)) is not None:
             subscriber.push_text(message)
+
+
+def largest_fanned_out(max_data_message_bytes: int) -> int:
+    """The most text one legal data message makes the room send a participant: the message (the room reads at most
+    the setting plus ENVELOPE_BYTES of it) re-encoded, in the room's framing."""
+    return (REENCODED_GROWTH * (max_data_message_bytes + ENVELOPE_BYTES) + GROWTH_PER_VALUE * MAX_JSON_VALUES
+            + FAN_OUT_FRAMING)
+
+
+def text_backlog_bytes(max_data_message_bytes: int) -> int:
+    """The text a client may fall behind by: TEXT_BACKLOG_BYTES, or, where --max-data-message-bytes allows larger
+    messages, its sender's burst and two of the largest legal messages, so that one legal message never sends an
+    honest viewer away (at the 1 MiB allowed, one sent every viewer away ``too_slow``: the bound was a fixed 1 MiB)."""
+    return max(TEXT_BACKLOG_BYTES, DATA_BYTE_BURST + 2 * largest_fanned_out(max_data_message_bytes))
 
 
 def data_message(topic: str, payload: bytes, sender: str, *, parsed: Any = None) -> str:
