@@ -132,6 +132,7 @@ class Front:
             f"{BODY_RETRY_AFTER} s", error="too_many_connections", retry_after=BODY_RETRY_AFTER)
         self.stopping = False  # hypercorn stops: a request that finds it gone is told the server is shutting down
         self._unreachable_lines = LogPace(log)  # as often as clients connect: paced
+        self._connection_bugs = LogPace(log)  # as often as clients can meet the bug: paced
 
     @property
     def connections(self) -> int:
@@ -170,6 +171,8 @@ class Front:
                     ).serve()
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
+            except Exception:  # a bug met serving one connection ends that connection, not every client's server
+                self._connection_bugs.error("a connection ended on an unexpected error (closed; the server serves on)")
             finally:
                 self._open.discard(scope)
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):

@@ -30,10 +30,17 @@ class LogPace:
         self.left_out = 0  # lines of this kind not logged since the last one that was
 
     def warning(self, message: str, *args: Any) -> None:
+        self.log(logging.WARNING, message, *args)
+
+    def error(self, message: str, *args: Any) -> None:
+        """An error line with the traceback of the exception being handled."""
+        self.log(logging.ERROR, message, *args, exc_info=True)
+
+    def log(self, level: int, message: str, *args: Any, exc_info: bool = False) -> None:
         if self._bucket.wait(trio.current_time()) > 0:
             self.left_out += 1
             return
         if self.left_out:
             message += f" ({self.left_out} more like it were not logged)"
             self.left_out = 0
-        self._logger.warning(message, *args)
+        self._logger.log(level, message, *args, exc_info=exc_info)

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import json
 
+import attrs
+import pytest
 import trio
 
-from .test_hostile_server import WAIT, closed_by_server, running
+from .test_hostile_server import FAST, WAIT, closed_by_server, running
 
 HEALTH = b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 
 
 async def test_a_burst_past_hypercorns_old_listen_queue_is_answered_in_full() -> None:
     """300 requests at once, each on its own connection: every one is answered 200. Behind hypercorn's default
-    listen queue of 100 connects, about a third of such a burst was closed unanswered."""
-    async with running() as server:
+    listen queue of 100 connects, about a third of such a burst was closed unanswered. (The head and idle deadlines
+    are long here: on a loaded host the last of the burst waits seconds for its answer.)"""
+    async with running(attrs.evolve(FAST, head=WAIT, idle=WAIT)) as server:
         streams = [await server.raw() for _ in range(300)]
         answers: list[bytes] = []
 
@@ -48,3 +51,29 @@ async def test_a_body_cut_short_is_answered_400_naming_what_is_missing() -> None
         assert head.startswith(b"HTTP/1.1 400 "), head
         assert json.loads(answer) == {"error": "incomplete_body", "detail": f"the request body ended {100 - len(body)} "
                                       "byte(s) short of its Content-Length"}
+
+
+async def test_a_bug_met_serving_one_connection_ends_that_connection_not_the_server(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected error in the front's handling of one connection (here its head's parsing fails, as a bug would
+    make it) closed every client's server with it: that connection ends, logged with its traceback, and the others
+    are served on."""
+    import server.front
+
+    parse_head = server.front.parse_head
+
+    def failing_for_one_path(raw: bytes) -> object:
+        if raw.startswith(b"GET /meets-the-bug "):
+            raise RuntimeError("a bug in the front")
+        return parse_head(raw)
+
+    monkeypatch.setattr(server.front, "parse_head", failing_for_one_path)
+    async with running() as server_:
+        stream = await server_.raw()
+        await stream.send_all(b"GET /meets-the-bug HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await closed_by_server(stream) == b""
+        await stream.aclose()
+        assert (await server_.request("GET", "/v1/stream/health"))[0] == 200
+    (line,) = [record for record in caplog.records if "unexpected error" in record.getMessage()]
+    assert line.exc_info is not None and "a bug in the front" in str(line.exc_info[1])
