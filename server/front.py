@@ -262,6 +262,7 @@ class Front:
         except OSError as exc:
             return self._unreachable(exc), False
         moved_at = trio.current_time()  # the last time a byte went either way
+        relayed = False  # whether any byte of hypercorn's went to the client
         try:
             try:
                 await backend.send_all(first)
@@ -310,7 +311,7 @@ class Front:
                     nursery.cancel_scope.cancel()
 
                 async def to_client() -> None:
-                    nonlocal moved_at, answered
+                    nonlocal moved_at, answered, relayed
                     with contextlib.suppress(*_GONE):
                         while True:
                             try:
@@ -320,6 +321,7 @@ class Front:
                             if not data:
                                 answered = True  # the backend is done with this connection
                                 break
+                            relayed = True
                             if data.startswith(b"HTTP/1.1 101 "):
                                 framing.switched()  # no longer HTTP/1.1 from here on
                             with trio.move_on_after(self._deadlines.write) as deadline:
@@ -336,4 +338,6 @@ class Front:
         finally:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 await backend.aclose()
+        if answered and not relayed and refusal is None:  # hypercorn stopped before it answered the first request
+            return self._unreachable(ConnectionError("the HTTP server closed the connection unanswered")), False
         return refusal, answered

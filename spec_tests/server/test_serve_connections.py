@@ -27,7 +27,7 @@ def open_files_limit(pid: int) -> int:
 
 async def ask(url: str) -> bytes | None:
     """One request on a new connection: everything the server sent before closing it, or None when it refused the
-    connection."""
+    connection (refused, or reset unanswered: the kernel resets the connections a closing listener never accepted)."""
     sock = trio.socket.socket()
     try:
         await sock.connect(address(url))
@@ -41,8 +41,10 @@ async def ask(url: str) -> bytes | None:
             await stream.send_all(HEALTH)
             while data := await stream.receive_some(65536):
                 received += data
-        except trio.BrokenResourceError:
-            pass
+        except trio.BrokenResourceError as exc:
+            if not received and isinstance(exc.__cause__, ConnectionResetError | BrokenPipeError):
+                await stream.aclose()
+                return None
     await stream.aclose()
     return bytes(received)
 
