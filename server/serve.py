@@ -46,6 +46,7 @@ from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
 from .transport.local import LocalRooms
+from .transport.local_room import ENVELOPE_BYTES
 
 __all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "exit_watchdog", "run", "serve_app"]
 
@@ -180,7 +181,7 @@ async def _serve(
     cap = connection_cap(MAX_CONNECTIONS, open_files)
     config.backlog = cap  # hypercorn's listen queue holds a connect from each connection the front serves at once
     front = Front(
-        rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + 256, deadlines=deadlines,
+        rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + ENVELOPE_BYTES, deadlines=deadlines,
         body_budget=budget, send_buffer=settings.socket_send_buffer, max_connections=cap,
     )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
