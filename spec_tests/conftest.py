@@ -94,19 +94,24 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 
 
 def report_overrun(item: pytest.Item, timeout: float) -> None:
-    """Every thread's stack, to stderr, then end the process (xdist reports the test as crashed)."""
-    capture = item.config.pluginmanager.getplugin("capturemanager")
-    if capture is not None:
-        capture.suspend_global_capture(item)  # the test's output was captured: fd 2 is the run's stderr again
-    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    """Every thread's stack, to stderr, then end the process (xdist reports the test as crashed). The process ends
+    whatever the report meets: an error making it left the hung test running for ever (the deadline thread died)."""
     lines = [f"\n{'+' * 20} {item.nodeid}: past its {timeout:g} s deadline {'+' * 20}\n"]
-    for ident, frame in sys._current_frames().items():
-        lines.append(f"--- thread {names.get(ident, ident)}\n")
-        lines.extend(traceback.format_stack(frame))
-    lines.append("--- suspended coroutines (a trio test waits in one of these), outermost first\n")
-    lines.extend(f"  {chain}\n" for chain in suspended_coroutines())
-    os.write(2, "".join(lines).encode(errors="replace"))
-    os._exit(1)
+    try:
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(item)  # the test's output was captured: fd 2 is the run's stderr again
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            lines.append(f"--- thread {names.get(ident, ident)}\n")
+            lines.extend(traceback.format_stack(frame))
+        lines.append("--- suspended coroutines (a trio test waits in one of these), outermost first\n")
+        lines.extend(f"  {chain}\n" for chain in suspended_coroutines())
+    except BaseException as exc:  # noqa: BLE001  (a report cut short still names the test, and the process ends)
+        lines.append(f"--- the report failed: {type(exc).__name__}: {exc}\n")
+    finally:
+        os.write(2, "".join(lines).encode(errors="replace"))
+        os._exit(1)
 
 
 def suspended_coroutines() -> list[str]:
