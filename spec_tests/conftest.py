@@ -15,11 +15,11 @@ number of processes; ``-n 0`` or ``-p no:xdist`` runs everything in this process
 from __future__ import annotations
 
 import gc
-import inspect
 import os
 import sys
 import threading
 import traceback
+from types import CoroutineType
 from typing import Any
 
 import pytest
@@ -117,7 +117,9 @@ def report_overrun(item: pytest.Item, timeout: float) -> None:
 def suspended_coroutines() -> list[str]:
     """Each chain of suspended coroutines, as ``file:line function -> ...``: a trio test that hangs shows its main
     thread idle in trio's I/O wait, and what it waits for is only in these."""
-    coroutines = [found for found in gc.get_objects() if inspect.iscoroutine(found) and found.cr_frame is not None]
+    # type(), not isinstance(): isinstance reads __class__, which some objects make warn (torch's reduce_op), an
+    # error under -W error
+    coroutines = [found for found in gc.get_objects() if type(found) is CoroutineType and found.cr_frame is not None]
     awaited = {id(coroutine.cr_await) for coroutine in coroutines}
     chains = []
     for root in coroutines:

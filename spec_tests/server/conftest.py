@@ -35,6 +35,7 @@ from server.app import create_app
 from server.runtime import StreamRuntime
 from server.settings import ServerSettings
 
+from .client_socket import client_of
 from .http_served import AgentApp, AgentApps, HttpClient, agent_settings
 
 PIPELINE = "pipelines/toy_world"
@@ -232,7 +233,7 @@ async def serve(
     app = create_app(settings, service_loader=loader or toy_loader(settings_capacity(settings)))
     runtime: StreamRuntime = app.extensions["chunkline"]
     async with app.test_app() as test_app:
-        served = Served(app, test_app.test_client(), runtime, settings)
+        served = Served(app, client_of(test_app), runtime, settings)
         if ready:
             await wait_ready(runtime)
         try:

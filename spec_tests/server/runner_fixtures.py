@@ -42,6 +42,8 @@ from server.app import create_app
 from server.runtime import StreamRuntime
 from server.settings import ServerSettings
 
+from .client_socket import client_of
+
 LIVEKIT_KEY = "runner-test-key"
 LIVEKIT_SECRET = "runner-test-secret-0123456789abcdef-0123456789"  # >= 32 bytes
 WORKER_IDENTITY = "chunkline-worker-0"
@@ -300,7 +302,7 @@ async def serve(
     app = create_app(settings, service_loader=loader, restart_policy=restart_policy)
     runtime: StreamRuntime = app.extensions["chunkline"]
     async with app.test_app() as test_app:
-        served = Served(app, test_app.test_client(), runtime)
+        served = Served(app, client_of(test_app), runtime)
         if ready:
             await wait_until(lambda: runtime.ready, "the runtime to be ready")
         try:
