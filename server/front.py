@@ -13,7 +13,8 @@ hypercorn's empty one), then
   client bounded by ``Deadlines.write`` (hypercorn shields its own writes from cancellation, so a client that never
   reads could otherwise hold a response, its task and the shutdown forever), and the connection
   closed once no byte has moved either way for ``Deadlines.idle`` (whatever hypercorn's own keep-alive
-  timeout does, so a client cannot keep any number of them open);
+  timeout does, so a client cannot keep any number of them open; a whole request still owed its answer then
+  is answered 504 ``answer_timeout`` rather than closed on);
   every later head on a keep-alive connection and every body are bounded too
   (:mod:`server.http_framing`: a head within ``Deadlines.head`` of its first byte, else 408; a body at
   a minimum rate), so trickling bytes slower than that cannot hold a connection either.
@@ -98,6 +99,7 @@ _REFUSALS: Final = {
     411: b"411 Length Required",
     431: b"431 Request Header Fields Too Large",
     503: b"503 Service Unavailable",
+    504: b"504 Gateway Timeout",
     505: b"505 HTTP Version Not Supported",
 }
 
@@ -263,21 +265,29 @@ class Front:
             return self._unreachable(exc), False
         moved_at = trio.current_time()  # the last time a byte went either way
         relayed = False  # whether any byte of hypercorn's went to the client
+        owed = False  # a whole request went to hypercorn and no byte of its answer has come back yet
         try:
             try:
                 await backend.send_all(first)
+                owed = bool(first) and framing.between_requests
             except _GONE as exc:  # a connect the kernel took for one hypercorn never accepts (ENOTCONN)
                 return self._unreachable(exc), False
             async with trio.open_nursery() as nursery:
 
                 async def until_idle() -> None:
+                    nonlocal refusal
                     while (due := moved_at + self._deadlines.idle) > trio.current_time():
                         await trio.sleep_until(due)
-                    log.info("a connection moved nothing for %g s: closed", self._deadlines.idle)
+                    if owed:  # the client is owed an answer, not a closed connection
+                        log.warning("a request was not answered within %g s: 504", self._deadlines.idle)
+                        refusal = FramingRefused(504, f"the server did not answer within {self._deadlines.idle:g} s",
+                                                 error="answer_timeout")
+                    else:
+                        log.info("a connection moved nothing for %g s: closed", self._deadlines.idle)
                     nursery.cancel_scope.cancel()
 
                 async def to_backend() -> None:
-                    nonlocal moved_at, refusal
+                    nonlocal moved_at, refusal, owed
                     try:
                         while True:
                             with trio.move_on_at(framing.due) as late:  # the request under way, if any
@@ -304,6 +314,7 @@ class Front:
                             try:
                                 if data:
                                     await backend.send_all(data)
+                                    owed = owed or framing.between_requests
                             except _GONE:
                                 return  # the backend stopped reading (it answered and closes): its answer goes on
                     except _GONE:
@@ -311,7 +322,7 @@ class Front:
                     nursery.cancel_scope.cancel()
 
                 async def to_client() -> None:
-                    nonlocal moved_at, answered, relayed
+                    nonlocal moved_at, answered, relayed, owed
                     with contextlib.suppress(*_GONE):
                         while True:
                             try:
@@ -321,7 +332,7 @@ class Front:
                             if not data:
                                 answered = True  # the backend is done with this connection
                                 break
-                            relayed = True
+                            relayed, owed = True, False
                             if data.startswith(b"HTTP/1.1 101 "):
                                 framing.switched()  # no longer HTTP/1.1 from here on
                             with trio.move_on_after(self._deadlines.write) as deadline:

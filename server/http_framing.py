@@ -216,6 +216,12 @@ class RequestFraming:
         """Bytes the body under way declares that have not arrived yet (at most; 0: none is under way)."""
         return self._body_left
 
+    @property
+    def between_requests(self) -> bool:
+        """Whether every request that came so far is whole, head and body (none is under way): what is owed next is
+        the backend's answer."""
+        return not self._passthrough and not self._head and not self._body_left
+
     def switched(self) -> None:
         """The backend answered 101: what follows is another protocol, passed through as it is."""
         self._passthrough = True

@@ -5,6 +5,7 @@ closed in silence (a real server in-process, real sockets)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import attrs
 import pytest
@@ -77,3 +78,44 @@ async def test_a_bug_met_serving_one_connection_ends_that_connection_not_the_ser
         assert (await server_.request("GET", "/v1/stream/health"))[0] == 200
     (line,) = [record for record in caplog.records if "unexpected error" in record.getMessage()]
     assert line.exc_info is not None and "a bug in the front" in str(line.exc_info[1])
+
+
+MUTE_CHECK_PIPELINE = '''
+import trio
+
+from pipelines.replay import ReplayService
+
+
+class MuteCheck(ReplayService):
+    """Its option check never answers: a create with options waits for the server's own 10 s deadline."""
+
+    async def check_options(self, options):
+        await trio.sleep_forever()
+
+
+def get_service(gpu_num=0, **offered):
+    return MuteCheck(gpu_num=gpu_num)
+'''
+
+
+async def test_a_request_owed_its_answer_past_the_idle_deadline_is_answered_504_not_closed(tmp_path: Path) -> None:
+    """The connection's idle deadline (3 s here) passes while the app still works on a whole request (a create whose
+    options check takes up to 10 s): the client is answered 504 ``answer_timeout``; it got a connection closed with
+    no answer at all. A connection idle after its answer is still closed in silence."""
+    pipeline = tmp_path / "mute_check.py"
+    pipeline.write_text(MUTE_CHECK_PIPELINE)
+    async with running(pipeline=str(pipeline)) as server:
+        stream = await server.raw()
+        body = b'{"identity": "ctl", "config": {"fps": 24}}'
+        await stream.send_all(b"POST /v1/stream/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head, _, answer = (await closed_by_server(stream)).partition(b"\r\n\r\n")
+        await stream.aclose()
+        assert head.startswith(b"HTTP/1.1 504 "), head
+        assert json.loads(answer) == {"error": "answer_timeout", "detail": f"the server did not answer within "
+                                      f"{FAST.idle:g} s"}
+        idle = await server.raw()  # answered, then silent: the client's turn, and it says nothing
+        await idle.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = await closed_by_server(idle)  # its answer, then the close at the idle deadline
+        assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1, got
+        await idle.aclose()
