@@ -245,10 +245,12 @@ class ServerMetrics:
             self._actions_overwritten.inc()
         self._pending_actions[session_key] = stamp
 
-    def record_control_rejection(self, reason: str) -> None:
+    def record_control_rejection(self, reason: str, count: int = 1) -> None:
         if not isinstance(reason, str) or not reason:
             raise ValueError(f"control rejection reason must be a non-empty string, got {reason!r}")
-        self._control_rejections.labels(reason=reason).inc()
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"control rejection count must be an int >= 1, got {count!r}")
+        self._control_rejections.labels(reason=reason).inc(count)
 
     def record_chunk_processed(self, seconds: float) -> None:
         if not seconds >= 0:

@@ -441,10 +441,15 @@ def error_message(session_id: str, reason: str, detail: str, *, timestamp: float
     return _message("error", session_id, timestamp, {"reason": reason, "detail": detail})
 
 
-def rejection_message(session_id: str, reason: str, detail: str, *, timestamp: float | None = None) -> bytes:
+def rejection_message(
+    session_id: str, reason: str, detail: str, *, count: int | None = None, timestamp: float | None = None
+) -> bytes:
     """The answer to a refused control (a :class:`InvalidControl` or a service's ControlRejected), for its
-    sender alone."""
-    return _message("control_rejected", session_id, timestamp, {"reason": reason, "detail": detail})
+    sender alone; ``count``: how many messages it answers (``dropped``: a transport could not hand them on)."""
+    fields: dict[str, Any] = {"reason": reason, "detail": detail}
+    if count is not None:
+        fields["count"] = count
+    return _message("control_rejected", session_id, timestamp, fields)
 
 
 def lease_message(

@@ -3,8 +3,9 @@
     assigned -> joining_room -> starting_pipeline -> running -> draining -> closed
                                                         (or failed / expired)
 
-It joins the room as the worker, waits for the controller, creates the pipeline session, forwards validated controls
-(held, bounded, until the pipeline session exists; every refusal is answered on ``tf.status``, to its sender alone),
+It joins the room as the worker, waits for the controller, creates the pipeline session, hands the room's data to its
+:class:`~server.control_intake.ControlIntake` (validated controls forwarded, held until the pipeline session exists;
+every refusal answered on ``tf.status``, to its sender alone),
 hands its chunks to a :class:`~server.chunk_publisher.ChunkPublisher` (paced media, chunk messages, ``tf.metrics``),
 and reports lifecycle and lease status. Who is in the room, and which timeout runs, is the
 :class:`states.room_presence.RoomPresence` book: a controller that never joins (or leaves and does not return) within
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -41,6 +41,7 @@ from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
 from . import protocol
 from .chunk_publisher import ChunkPublisher, checked_metadata
+from .control_intake import CONTROL_TIMEOUT, ControlIntake
 from .cluster.identity import worker_participant
 from .lifecycle import runner_last_word
 from .presence_timeouts import TIMEOUT_CAUSES, timeout_detail
@@ -67,14 +68,10 @@ CONNECT_TIMEOUT = 10.0
 DISCONNECT_TIMEOUT = 5.0
 CLOSE_PIPELINE_TIMEOUT = 30.0
 CREATE_PIPELINE_TIMEOUT = 60.0  # seconds the service may take to create a pipeline session
-# seconds the service may take to take one control: past the heartbeat deadlines (a process worker's 10 s, an
-# agent's 5 s by default), so a frozen worker is named as the worker's failure, not as a stalled pipeline
-CONTROL_TIMEOUT = 15.0
 #: seconds a server-push stream may take to give a chunk after its first (its first has CREATE_PIPELINE_TIMEOUT):
 #: past it the pipeline stalled and its session fails (``server.pushed_stream``; ``chunkline run`` takes it too)
 CHUNK_STALL_TIMEOUT = 60.0
 WORKER_CAUSE_WAIT = 10.0  # seconds a runner waits for a failing worker to say why, when its stream ended first
-EARLY_CONTROL_LIMIT = 64  # controls held before the pipeline session exists
 OUTBOX_LIMIT = 32  # service events (lease status) waiting to be sent; more are dropped and counted
 
 #: seconds the last word (``done``, ``error``) may take: half of leaving's DISCONNECT_TIMEOUT, which word and leave
@@ -121,9 +118,9 @@ class RoomRunner:
         self._stop = trio.Event()
         self._connection: RoomConnection | None = None
         self._publisher: ChunkPublisher | None = None  # made with the connection
-        self._pipeline_session: Any = None  # what create_session returned: closed with it even if it is no id
-        self._pipeline_ready = trio.Event()
-        self._early_controls: deque[Control] = deque()
+        self._controls = ControlIntake(
+            record, worker, deps.metrics, own_identity=self.identity, max_data_message_bytes=deps.max_data_message_bytes,
+            answer=self._answer, drain=self.drain, fail=self.fail)
         self._controller_here = trio.Event()
         self._presence: RoomPresence | None = None
         self._presence_changed = trio.Event()
@@ -255,13 +252,11 @@ class RoomRunner:
             pipeline_id = await service.create_session(config, on_event=self._on_service_event)
         if deadline.cancelled_caught:
             raise RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
-        self._pipeline_session = pipeline_id
+        self._controls.pipeline_session = pipeline_id  # closed at the end whatever comes next
         record.pipeline_session_id = checked_session_id(pipeline_id)
         if not self._step(Event.RUN):
             return
-        self._pipeline_ready.set()
-        while self._early_controls:
-            await self._apply_control(service, self._early_controls.popleft())
+        await self._controls.started(pipeline_id)
         await self._send_status("running", worker_id=self.worker.worker_id)
         side_tasks.start_soon(self._report_metrics)
         async with trio.open_nursery() as streaming:
@@ -286,7 +281,7 @@ class RoomRunner:
         config = SessionConfig(prompt=record.prompt, image_path=record.image_path, options=record.config)
         if not self._step(Event.RUN):
             return
-        self._pipeline_ready.set()
+        self._controls.ready.set()
         await self._send_status("running", worker_id=self.worker.worker_id)
         side_tasks.start_soon(self._report_metrics)
         with trio.CancelScope() as streaming:
@@ -341,7 +336,7 @@ class RoomRunner:
                     record.participants.discard(event.identity)
                 self._presence_moved()
             elif isinstance(event, DataReceived):
-                await self._on_data(event)
+                await self._controls.on_data(event)
 
     def _joined(self, identity: str, side_tasks: trio.Nursery) -> None:
         assert self._presence is not None and self._connection is not None
@@ -361,62 +356,6 @@ class RoomRunner:
         self._presence_changed.set()
         self._presence_changed = trio.Event()
         self.deps.on_participants(self.record)
-
-    async def _on_data(self, event: DataReceived) -> None:
-        record = self.record
-        metrics = self.deps.metrics
-        if event.sender_identity == self.identity:
-            return  # the runner's own messages, where a transport echoes them
-        try:
-            parsed = protocol.parse_control(
-                event.payload,
-                topic=event.topic,
-                sender_identity=event.sender_identity,
-                controller_identity=record.controller_identity,
-                session_id=record.session_id,
-                max_bytes=self.deps.max_data_message_bytes,
-            )
-        except protocol.InvalidControl as exc:  # a wrong topic too: every refusal is answered, to its sender
-            metrics.record_control_rejection(exc.reason)
-            await self._answer(event.sender_identity, protocol.rejection_message(record.session_id, exc.reason, exc.detail))
-            return
-        if isinstance(parsed, protocol.DeliveryAck):
-            return
-        if parsed.type is ControlType.STOP:
-            metrics.record_control(record.session_id)
-            self.drain(DrainCause.STOP)
-            return
-        service = self.worker.service
-        if not isinstance(service, BidirectionalService):  # a server-push pipeline streams on its own
-            metrics.record_control_rejection("no_controls")
-            await self._answer(event.sender_identity, protocol.rejection_message(
-                record.session_id, "no_controls", "this pipeline pushes its stream and takes no controls but stop"))
-            return
-        metrics.record_control(record.session_id)
-        if not self._pipeline_ready.is_set():
-            if len(self._early_controls) >= EARLY_CONTROL_LIMIT:
-                metrics.record_control_rejection("not_ready")
-                await self._answer(event.sender_identity, protocol.rejection_message(
-                    record.session_id, "not_ready", "too many controls before the stream started"))
-                return
-            self._early_controls.append(parsed)
-            return
-        await self._apply_control(service, parsed)
-
-    async def _apply_control(self, service: BidirectionalService, control: Control) -> None:
-        assert self._pipeline_session is not None
-        try:
-            with trio.move_on_after(CONTROL_TIMEOUT) as deadline:
-                await service.push_control(self._pipeline_session, control)
-            if deadline.cancelled_caught:
-                self.fail(f"the pipeline did not take a control within {CONTROL_TIMEOUT:g} s", DrainCause.PIPELINE_STALLED)
-        except ControlRejected as exc:
-            if self.worker.failing:  # the service lost the session with its worker: that failure is the answer, on
-                return  # its way (the service's "unknown session" came first, naming its own session id)
-            self.deps.metrics.record_control_rejection("service")
-            # every control taken came from the controller (parse_control refuses anyone else's)
-            await self._answer(self.record.controller_identity,
-                               protocol.rejection_message(self.record.session_id, "service", exc.reason))
 
     def _on_service_event(self, event: ServiceEvent) -> None:
         """From the service (any moment, synchronously): queued for the runner's own sender task."""
@@ -463,10 +402,11 @@ class RoomRunner:
         if error is None:
             self.deps.lifecycle.drain(record, DrainCause.COMPLETED)  # a no-op when a cause came first
         service = self.worker.service
-        if self._pipeline_session is not None and isinstance(service, BidirectionalService):
+        pipeline_session = self._controls.pipeline_session
+        if pipeline_session is not None and isinstance(service, BidirectionalService):
             with trio.move_on_after(CLOSE_PIPELINE_TIMEOUT) as close_pipeline_scope:
                 try:
-                    await service.close_session(self._pipeline_session)
+                    await service.close_session(pipeline_session)
                 except Exception as exc:
                     log.warning("session %s: closing the pipeline session failed", record.session_id, exc_info=exc)
                     error = error or f"closing the pipeline session failed: {public_reason(exc)}"

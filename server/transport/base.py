@@ -40,6 +40,9 @@ class DataReceived:
     topic: str
     payload: bytes
     sender_identity: str | None  # None when the transport could not tell who sent it
+    #: the same sender's messages this one replaced while they waited their turn (LiveKit's pace, where nothing
+    #: pushes back on a sender); its sender is told so. Always 0 in the local rooms, which push back instead.
+    replaced: int = 0
 
 
 @attrs.frozen

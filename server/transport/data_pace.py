@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import attrs
 import trio
 
 from ..token_bucket import TokenBucket
@@ -94,7 +95,8 @@ class LatestWins:
 
     ``accept(event)`` hands a message on, or returns False when the receiver's backlog is full (the message then
     waits, as over the pace). ``now()`` and ``call_later(seconds, fn, *args)`` are the event loop's (callbacks run
-    there). ``dropped`` counts the messages a newer one replaced while they waited.
+    there). ``dropped`` counts the messages a newer one replaced while they waited; the message handed on says how
+    many of its sender's it replaced (``DataReceived.replaced``), so that the sender can be told.
     """
 
     def __init__(
@@ -122,8 +124,8 @@ class LatestWins:
         if self._closed:
             return
         sender = event.sender_identity
-        if sender in self._waiting:
-            self._waiting[sender] = event
+        if (older := self._waiting.get(sender)) is not None:
+            self._waiting[sender] = attrs.evolve(event, replaced=older.replaced + 1)
             self.dropped += 1
             return
         if sender not in self._paces:

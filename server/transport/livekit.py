@@ -33,7 +33,8 @@ data then, so the first status messages reach it). Each participant's data is
 taken at the local rooms' pace (:mod:`.data_pace`; nothing pushes back on a
 LiveKit sender, so over the pace, or while ``EVENT_BACKLOG`` data events are
 unread, its newest message waits in one slot and an older waiting one is
-dropped); participant events are never held or dropped. When
+dropped, the newest saying how many it replaced: ``DataReceived.replaced``, which the runner tells the sender);
+participant events are never held or dropped. When
 the room is lost (worker removed, or the SDK still reconnecting after
 ``reconnect_timeout``, as when the server died), ``events()`` raises
 :class:`TransportError` with the reason instead of ending.

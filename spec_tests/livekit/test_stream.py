@@ -225,10 +225,14 @@ async def test_a_control_flood_over_livekit_is_taken_at_the_pace_and_the_last_st
 ) -> None:
     """LiveKit hands the worker every packet and nothing pushes back on the sender: the worker takes each sender's
     data at the local rooms' pace (500 a second past a burst of 500), its newest message waiting its turn, so the
-    last state sent is the one the pipeline ends with, and the server keeps answering meanwhile."""
+    last state sent is the one the pipeline ends with, and the server keeps answering meanwhile. Every message the
+    newest replaced is told to the sender (``control_rejected`` ``dropped``, with how many) and counted: each one
+    sent was taken or told; they were counted only in the connection and the sender heard nothing."""
     created = await create(stream, "ola")
     await agent.join("ola", created["token"])
     await agent.wait_message("ola", "status", stage="running")
+    taken_before = await metric(stream, "chunkline_controls_total")
+    dropped_before = await metric(stream, 'chunkline_control_rejections_total{reason="dropped"}')
     flood = 3_000
     sent = await agent.request("flood", client="ola", key_sets=[["w"], ["a"], ["s"], ["w", "a"], []], count=flood,
                                last=["d"], timeout=60)
@@ -240,8 +244,24 @@ async def test_a_control_flood_over_livekit_is_taken_at_the_pace_and_the_last_st
                       and m.get("data", {}).get("applied_controls", {}).get("keys") == ["d"]), None),
         "a chunk made holding the last state, d", timeout=flood / 500 + 20)
     assert applied["data"]["applied_controls"]["keys"] == ["d"], (applied, sent)
+    taken = await metric(stream, "chunkline_controls_total") - taken_before
+    dropped = await metric(stream, 'chunkline_control_rejections_total{reason="dropped"}') - dropped_before
+    assert taken + dropped == flood + 1 and dropped > 0, (taken, dropped)
+
+    def told_dropped() -> int:
+        return sum(m["count"] for m in agent.messages("ola") if m.get("type") == "control_rejected"
+                   and m.get("reason") == "dropped")
+
+    await agent.wait_for(lambda: told_dropped() == dropped, f"ola to be told of the {dropped:g} dropped", timeout=20)
     await agent.request("publish", client="ola", topic="tf.control", payload=json.dumps({"type": "stop"}))
     assert (await wait_status(stream, created["session_id"], TERMINAL))["status"] == "closed"
+
+
+async def metric(stream: StreamServer, sample: str) -> float:
+    """One sample of the server's ``/metrics`` (its name and labels as written there), 0 while it has none."""
+    async with stream.http() as http:
+        text = (await http.get("/metrics")).text
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")), 0.0)
 
 
 def disconnected(agent: Agent, client: str) -> str | None:

@@ -312,6 +312,7 @@ async def test_a_data_flood_keeps_each_senders_newest_and_never_a_departure(nurs
     assert received[0] == ParticipantJoined("ctrl-1")
     data = received[1 : 2 + EVENT_BACKLOG]
     assert [event.payload for event in data] == [b'{"n": %d}' % n for n in [*range(EVENT_BACKLOG), flood - 1]]
+    assert [event.replaced for event in data] == [0] * EVENT_BACKLOG + [flood - EVENT_BACKLOG - 1]
     assert received[-2:] == [ParticipantLeft("ctrl-1"), ParticipantJoined("viewer-1")]
     assert connection.dropped_events == flood - EVENT_BACKLOG - 1
     await events.aclose()
@@ -352,9 +353,11 @@ def test_a_senders_data_past_the_burst_goes_at_the_pace_and_its_newest_wins() ->
     then one message every 1/rate s, each the newest the sender had sent by then; each sender has its own pace."""
     loop = _ManualLoop()
     taken: list[tuple[float, str, int]] = []
+    replaced: dict[int, int] = {}  # by message: how many of its sender's it replaced (its sender is told)
 
     def accept(event: DataReceived) -> bool:
         taken.append((loop.now, event.sender_identity, int(event.payload)))
+        replaced[int(event.payload)] = event.replaced
         return True
 
     paced = LatestWins(accept, loop.time, loop.call_later, rate=100, burst=3)
@@ -367,6 +370,7 @@ def test_a_senders_data_past_the_burst_goes_at_the_pace_and_its_newest_wins() ->
     loop.run_until(0.0101)
     assert taken[4:] == [(pytest.approx(0.01), "ctrl", 10)]
     assert paced.dropped == 7
+    assert replaced == {0: 0, 1: 0, 2: 0, 10: 7}  # 3-9 waited and were replaced: the one handed on says so
     paced.offer(DataReceived("tf.control", b"11", "ctrl"))  # no token yet: waits for the next
     loop.run_until(0.05)
     assert taken[5:] == [(pytest.approx(0.02), "ctrl", 11)]
@@ -374,7 +378,7 @@ def test_a_senders_data_past_the_burst_goes_at_the_pace_and_its_newest_wins() ->
     for n in (12, 13, 14, 15):  # the bucket refilled to its burst meanwhile
         paced.offer(DataReceived("tf.control", b"%d" % n, "ctrl"))
     assert taken[6:] == [(0.05, "ctrl", 12), (0.05, "ctrl", 13), (0.05, "ctrl", 14)]
-    assert paced.forget("ctrl") == DataReceived("tf.control", b"15", "ctrl")
+    assert paced.forget("ctrl") == DataReceived("tf.control", b"15", "ctrl", replaced=0)
     loop.run_until(1.0)
     assert len(taken) == 9
     # a full backlog holds a message as the pace does: it waits, newest first, until accepted
@@ -385,7 +389,7 @@ def test_a_senders_data_past_the_burst_goes_at_the_pace_and_its_newest_wins() ->
     loop.run_until(1.05)
     full[0] = False
     loop.run_until(1.1)
-    assert taken[9:] == [(pytest.approx(1.06), "ctrl", 21)] and paced.dropped == 1
+    assert taken[9:] == [(pytest.approx(1.06), "ctrl", 21)] and paced.dropped == 1 and replaced[21] == 1
     paced.close()
     paced.offer(DataReceived("tf.control", b"22", "ctrl"))
     loop.run_until(2.0)

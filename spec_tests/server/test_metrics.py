@@ -110,6 +110,7 @@ def test_counters_count_by_label() -> None:
     metrics.record_control_rejection("not_controller")
     metrics.record_control_rejection("not_controller")
     metrics.record_control_rejection("invalid_json")
+    metrics.record_control_rejection("dropped", 7)  # one answer for the 7 messages a sender's newest replaced
     metrics.record_control("s1")
     metrics.record_control("s2")
     metrics.record_chunk_processed(0.02)
@@ -123,6 +124,7 @@ def test_counters_count_by_label() -> None:
     assert value(metrics, "chunkline_admissions_total", result="rejected") == 1
     assert value(metrics, "chunkline_control_rejections_total", reason="not_controller") == 2
     assert value(metrics, "chunkline_control_rejections_total", reason="invalid_json") == 1
+    assert value(metrics, "chunkline_control_rejections_total", reason="dropped") == 7
     assert value(metrics, "chunkline_controls_total") == 2
     assert value(metrics, "chunkline_chunks_total", result="processed") == 1
     assert value(metrics, "chunkline_chunks_total", result="published") == 2
@@ -143,6 +145,12 @@ def test_counters_count_by_label() -> None:
 def test_out_of_vocabulary_values_are_refused(call: str, arg: object) -> None:
     with pytest.raises(ValueError):
         getattr(ServerMetrics(clock=FakeClock()), call)(arg)
+
+
+@pytest.mark.parametrize("count", [0, -1, True, 1.5])
+def test_a_rejection_count_below_one_or_not_an_int_is_refused(count: object) -> None:
+    with pytest.raises(ValueError, match="count"):
+        ServerMetrics(clock=FakeClock()).record_control_rejection("dropped", count)  # type: ignore[arg-type]
 
 
 def test_unknown_finish_result_and_negative_frames_are_refused() -> None:
