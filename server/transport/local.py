@@ -97,7 +97,10 @@ class WorkerConnection:
     def deliver(self, event: RoomEvent) -> None:
         """Queue an event for the runner: data only once the inbox has room for it (:meth:`Room.to_worker` waits for
         that), participant events always."""
-        self.inbox.put(event, data_from=(event.sender_identity or "") if isinstance(event, DataReceived) else None)
+        if isinstance(event, DataReceived):
+            self.inbox.put(event, data_from=event.sender_identity or "", size=len(event.payload))
+        else:
+            self.inbox.put(event)
 
     def events(self) -> AsyncIterator[RoomEvent]:
         # an iterator object, not an async generator: a runner cancelled mid-loop leaves nothing to finalize

@@ -154,7 +154,10 @@ class RemoteWorkerPresence:
             message = json.dumps({"type": "participant_joined", "identity": event.identity})
         else:
             message = json.dumps({"type": "participant_left", "identity": event.identity})
-        self.inbox.put(message, data_from=(event.sender_identity or "") if isinstance(event, DataReceived) else None)
+        if isinstance(event, DataReceived):
+            self.inbox.put(message, data_from=event.sender_identity or "", size=len(event.payload))
+        else:
+            self.inbox.put(message)
 
 
 @attrs.define(eq=False)

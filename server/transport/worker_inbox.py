@@ -1,7 +1,8 @@
 """What a local room hands its worker, and how a sender waits for room in it.
 
 The worker's runner takes the room's events one at a time and may wait on each (a control's round trip to a worker
-process, an agent's socket). Data events queue here, :data:`EVENT_BACKLOG` at most; while that many wait, the room
+process, an agent's socket). Data events queue here, :data:`EVENT_BACKLOG` at most and :data:`EVENT_BACKLOG_BYTES`
+of payload (one message alone may be larger: the room's own bound on a message holds it); while they are full, the room
 stops reading the sender's socket until the worker takes one (:meth:`WorkerInbox.wait_for_room`), so a faster writer's
 messages wait in its own socket, TCP pushing back on it. They were dropped, oldest first, without a word: a burst of
 500 legal controls to a worker process lost about 240 of them, a ``stop`` among them included. Participant events are
@@ -19,9 +20,11 @@ from typing import Generic, TypeVar
 
 import trio
 
-__all__ = ["EVENT_BACKLOG", "WORKER_TAKE_TIMEOUT", "WorkerInbox"]
+__all__ = ["EVENT_BACKLOG", "EVENT_BACKLOG_BYTES", "WORKER_TAKE_TIMEOUT", "WorkerInbox"]
 
 EVENT_BACKLOG = 256  # data events waiting for the worker; past it their senders wait (participant events always go in)
+#: their payload bytes: at 1 MiB messages (``--max-data-message-bytes``) the count alone let a room hold 256 MiB
+EVENT_BACKLOG_BYTES = 4 * 1024 * 1024
 WORKER_TAKE_TIMEOUT = 30.0  # seconds a sender's message may wait for room before it is refused ``worker_stalled``
 
 Item = TypeVar("Item")
@@ -31,10 +34,11 @@ class WorkerInbox(Generic[Item]):
     """The worker's queue of room events, in arrival order: data ones counted and bounded by their senders' waits."""
 
     def __init__(self) -> None:
-        self._items: deque[tuple[str | None, Item]] = deque()  # (a data event's sender, the event)
+        self._items: deque[tuple[str | None, int, Item]] = deque()  # (a data event's sender, its bytes, the event)
         self._arrived = trio.Event()
         self._freed = trio.Event()
         self._data = 0
+        self._data_bytes = 0
         self.closed = False
 
     @property
@@ -42,23 +46,33 @@ class WorkerInbox(Generic[Item]):
         """Data events waiting for the worker (at most EVENT_BACKLOG)."""
         return self._data
 
+    @property
+    def queued_bytes(self) -> int:
+        """Their payload bytes (under EVENT_BACKLOG_BYTES, or one message alone)."""
+        return self._data_bytes
+
     def has_room(self) -> bool:
-        """Whether a data event may go in now (a closed inbox takes nothing, so nobody waits for it)."""
-        return self.closed or self._data < EVENT_BACKLOG
+        """Whether a data event may go in now (a closed inbox takes nothing, so nobody waits for it; an empty one
+        takes any message, so one larger than the byte bound still goes)."""
+        return self.closed or self._data == 0 or (self._data < EVENT_BACKLOG and self._data_bytes < EVENT_BACKLOG_BYTES)
 
     async def wait_for_room(self) -> None:
         """Until a data event may go in, or the worker left; the caller bounds the wait."""
         while not self.has_room():
             await self._freed.wait()
 
-    def put(self, item: Item, *, data_from: str | None = None) -> None:
-        """Queue an event: a data event names its sender (``data_from``) and goes in only after :meth:`has_room` said
-        so, on the same step. Nothing goes in once closed (the room tells a sender so: ``session_ended``)."""
+    def put(self, item: Item, *, data_from: str | None = None, size: int = 0) -> None:
+        """Queue an event: a data event names its sender (``data_from``) and its payload's ``size``, and goes in only
+        after :meth:`has_room` said so, on the same step. Nothing goes in once closed (the room tells a sender so:
+        ``session_ended``)."""
         if self.closed:
             return
-        if data_from is not None:
+        if data_from is None:
+            size = 0
+        else:
             self._data += 1
-        self._items.append((data_from, item))
+            self._data_bytes += size
+        self._items.append((data_from, size, item))
         self._arrived.set()
 
     async def take(self) -> Item | None:
@@ -68,9 +82,10 @@ class WorkerInbox(Generic[Item]):
                 return None
             self._arrived = trio.Event()
             await self._arrived.wait()
-        sender, item = self._items.popleft()
+        sender, size, item = self._items.popleft()
         if sender is not None:
             self._data -= 1
+            self._data_bytes -= size
             self._freed.set()
             self._freed = trio.Event()
         return item
@@ -78,10 +93,10 @@ class WorkerInbox(Generic[Item]):
     def close(self) -> Counter[str]:
         """The worker left: nothing more goes in, and whoever waits for room or for an event is woken. Returns how
         many data events of each sender it never took (their senders are told)."""
-        untaken = Counter(sender for sender, _ in self._items if sender is not None)
+        untaken = Counter(sender for sender, _, _ in self._items if sender is not None)
         self.closed = True
         self._items.clear()
-        self._data = 0
+        self._data = self._data_bytes = 0
         self._arrived.set()
         self._freed.set()
         return untaken

@@ -21,7 +21,7 @@ from trio.testing import wait_all_tasks_blocked
 
 from pipelines.contract import Control, ControlType
 from server.transport.local import LocalRooms
-from server.transport.worker_inbox import EVENT_BACKLOG, WORKER_TAKE_TIMEOUT
+from server.transport.worker_inbox import EVENT_BACKLOG, EVENT_BACKLOG_BYTES, WORKER_TAKE_TIMEOUT
 
 from .runner_fixtures import CounterService, join, make_issuer, serve, settings
 
@@ -178,3 +178,40 @@ async def test_a_message_the_worker_cannot_take_within_the_bound_is_refused_to_i
         nursery.cancel_scope.cancel()
     assert trio.current_time() - started >= WORKER_TAKE_TIMEOUT
     assert [m["reason"] for m in controller_inbox if m["type"] == "refused"] == ["worker_stalled"], controller_inbox
+
+
+async def test_large_messages_wait_in_the_senders_socket_past_the_workers_byte_backlog(autojump_clock: Any) -> None:
+    """The worker's backlog bounds bytes too: with 64 KiB messages to an agent that reads nothing, the hub reads no
+    more than EVENT_BACKLOG_BYTES of them (plus the one in the agent's socket and the one waiting for room) in 25 s;
+    by count alone (256) it read what the sender's pace allowed, about 100 of them (a room held up to 256 MiB at
+    1 MiB messages). Once the agent reads, the whole burst arrives, in order."""
+    size = 64 * 1024
+    issuer = make_issuer()
+    rooms = LocalRooms(issuer, max_data_message_bytes=2 * size)
+    gate, got, all_got = trio.Event(), [], trio.Event()
+    burst = 150
+    sent_in, sent = trio.open_memory_channel[str](burst)
+    controller_inbox: list[dict[str, Any]] = []
+
+    async def agent_socket(message: str | bytes) -> None:
+        await gate.wait()
+        if (received := json.loads(message))["type"] == "data":
+            got.append(received["payload"]["n"])
+            if len(got) == burst:
+                all_got.set()
+
+    async with trio.open_nursery() as nursery:
+        await _hub_with_agent(rooms, issuer, "room-1", agent_socket, nursery, sent.receive, controller_inbox,
+                              trio.Event())
+        for n in range(burst):
+            sent_in.send_nowait(json.dumps({"topic": "tf.control", "payload": {"n": n, "pad": "x" * size}}))
+        await trio.sleep(25)  # the pace would have let about 100 through by now; the worker's room takes fewer
+        read = burst - sent.statistics().current_buffer_used
+        assert read <= EVENT_BACKLOG_BYTES // size + 3, f"{read} messages of {size} bytes read for a worker that " \
+                                                        f"took none"
+        gate.set()
+        with trio.fail_after(WORKER_TAKE_TIMEOUT):
+            await all_got.wait()
+        nursery.cancel_scope.cancel()
+    assert got == list(range(burst))
+    assert not [m for m in controller_inbox if m["type"] == "refused"], controller_inbox
