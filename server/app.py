@@ -130,6 +130,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         transport.room_open = room_open
         transport.viewer_door = runtime.viewer_seats.door  # a viewer takes a seat as it joins (server/viewer_seats.py)
         metrics.watch_room_backlog(lambda: transport.backlog.queued)  # the queued-text budget's count, at each scrape
+        transport.on_refused = metrics.record_room_refusal
     runtime.lifecycle.on_terminal = lambda record, last_word: transport.close_room(record.room, last_word)
     public_url = settings.livekit_url if settings.transport == "livekit" else None
 

@@ -72,6 +72,15 @@ CHUNK_RESULTS = ("processed", "published")
 FINISH_RESULTS = ("closed", "failed", "expired")
 LOSS_CAUSES = ("authority_stalled", "connection_closed", "heartbeat_missed", "process_exited", "agent_failed",
                "actor_died", "actor_unreachable", "protocol_error")
+def _count_reason(counter: Counter, what: str, reason: str, count: int) -> None:
+    """``counter``'s ``reason`` label up by ``count``, both checked (``what`` names them in the error)."""
+    if not isinstance(reason, str) or not reason:
+        raise ValueError(f"{what} reason must be a non-empty string, got {reason!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{what} count must be an int >= 1, got {count!r}")
+    counter.labels(reason=reason).inc(count)
+
+
 class _PublishedFpsCollector(Collector):
     """Computes `chunkline_published_fps{scope}` and `chunkline_uptime_seconds` per scrape."""
 
@@ -132,6 +141,13 @@ class ServerMetrics:
         self._control_rejections = Counter(
             "chunkline_control_rejections",
             "Control messages rejected, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self._room_refusals = Counter(
+            "chunkline_room_refusals",
+            "Client messages the local rooms did not pass on, and sockets they sent away, by the reason the client "
+            "was told (too_large, server_topic, worker_stalled, session_ended, too_slow, ...)",
             ["reason"],
             registry=registry,
         )
@@ -246,11 +262,12 @@ class ServerMetrics:
         self._pending_actions[session_key] = stamp
 
     def record_control_rejection(self, reason: str, count: int = 1) -> None:
-        if not isinstance(reason, str) or not reason:
-            raise ValueError(f"control rejection reason must be a non-empty string, got {reason!r}")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"control rejection count must be an int >= 1, got {count!r}")
-        self._control_rejections.labels(reason=reason).inc(count)
+        """The worker answered ``control_rejected`` ``reason`` for ``count`` of a participant's messages."""
+        _count_reason(self._control_rejections, "control rejection", reason, count)
+
+    def record_room_refusal(self, reason: str, count: int = 1) -> None:
+        """A local room told a client ``reason`` for ``count`` of its messages (or sent it away)."""
+        _count_reason(self._room_refusals, "room refusal", reason, count)
 
     def record_chunk_processed(self, seconds: float) -> None:
         if not seconds >= 0:

@@ -62,7 +62,6 @@ from .data_pace import DataPace
 from .jpeg import encode_jpeg
 from .local_reading import read_client
 from .local_room import RemoteWorkerPresence, Room, Subscriber, data_message, text_backlog_bytes
-from .refusals import refused
 from .worker_inbox import EVENT_BACKLOG, WorkerInbox
 
 __all__ = ["EVENT_BACKLOG", "LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
@@ -137,7 +136,7 @@ class WorkerConnection:
     async def send_away(self, identity: str, reason: str, detail: str) -> None:
         """Close ``identity``'s socket with the refusal ``reason`` (the door keeps viewers over the seats out itself)."""
         if (subscriber := self._room.subscribers.get(identity)) is not None:
-            subscriber.send_away(refused(reason, detail))
+            subscriber.send_away(reason, detail)
 
     async def disconnect(self) -> None:
         if self._closed:
@@ -180,6 +179,8 @@ class LocalRooms:
         #: why a viewer of ``identity`` may not join ``room`` now, or None (the runtime's seats: ``ViewerSeats.door``;
         #: ``take``: it joins, and its token's seat is spent)
         self.viewer_door: Callable[[str, str, bool], str | None] = lambda room, identity, take: None
+        #: told each refusal a client is sent, by reason, with how many messages it answers (the server's metrics)
+        self.on_refused: Callable[[str, int], None] = lambda reason, count: None
 
     def expect_worker(self, room: str, identity: str) -> None:
         """A worker agent was started for ``room``: its worker token may join over the WebSocket."""
@@ -308,7 +309,7 @@ class LocalRooms:
         if verified.role == "viewer" and (full := self.viewer_door(room, verified.identity, False)) is not None:
             raise TokenRejected("viewer_limit", full)
         return Subscriber(verified.identity, verified.role, verified.can_publish_data, backlog=self.backlog,
-                          text_limit=text_backlog_bytes(self.max_data_message_bytes))
+                          text_limit=text_backlog_bytes(self.max_data_message_bytes), on_refused=self.on_refused)
 
     async def serve_worker(
         self,

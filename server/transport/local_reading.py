@@ -18,7 +18,7 @@ from ..log_pace import LogPace
 from .base import DataReceived
 from .data_pace import DataPace
 from .local_room import ENVELOPE_BYTES, Room, Subscriber, data_message
-from .refusals import SERVER_TOPICS, extra_envelope_fields, refused
+from .refusals import SERVER_TOPICS, extra_envelope_fields
 from .worker_inbox import WORKER_TAKE_TIMEOUT
 
 __all__ = ["read_client"]
@@ -36,14 +36,14 @@ async def read_client(
         await pace.take()  # a flood waits in its own socket, not in this server's event loop
         message = await receive()
         if isinstance(message, bytes):
-            subscriber.push_text(refused("clients_publish_no_media"))
+            subscriber.refuse("clients_publish_no_media")
             continue
         if len(message.encode("utf-8", "surrogatepass")) > max_data_message_bytes + ENVELOPE_BYTES:
-            subscriber.push_text(refused("too_large", f"a data message's payload is at most {max_data_message_bytes} "
-                                                     f"bytes (--max-data-message-bytes)"))
+            subscriber.refuse("too_large", f"a data message's payload is at most {max_data_message_bytes} "
+                                           f"bytes (--max-data-message-bytes)")
             continue
         if not subscriber.can_publish_data:
-            subscriber.push_text(refused("publish_data_not_allowed"))
+            subscriber.refuse("publish_data_not_allowed")
             continue
         try:
             # the envelope adds one level around the payload
@@ -54,16 +54,16 @@ async def read_client(
                 raise TypeError("topic must be a string")
         except json_limits.JsonRefused as exc:
             reason = "malformed_envelope" if exc.reason == "invalid_json" else exc.reason
-            subscriber.push_text(refused(reason, exc.detail))
+            subscriber.refuse(reason, exc.detail)
             continue
         except (KeyError, TypeError):
-            subscriber.push_text(refused("malformed_envelope"))
+            subscriber.refuse("malformed_envelope")
             continue
         if (extra := extra_envelope_fields(envelope)) is not None:
-            subscriber.push_text(refused("malformed_envelope", extra))
+            subscriber.refuse("malformed_envelope", extra)
             continue
         if topic in SERVER_TOPICS:
-            subscriber.push_text(refused("server_topic"))
+            subscriber.refuse("server_topic")
             continue
         raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
         # waits while the worker's inbox is full: the sender's next messages stay in its socket meanwhile
@@ -72,7 +72,7 @@ async def read_client(
                 _stalled_log.warning("room %s: %s's message on %r refused (worker_stalled): the worker took none of "
                                      "the room's messages within %g s", room.name, subscriber.identity, topic,
                                      WORKER_TAKE_TIMEOUT)
-            subscriber.push_text(refused(why))
+            subscriber.refuse(why)
             continue
         text = data_message(topic, raw, subscriber.identity, parsed=payload)
         room.broadcast_text(text, skip=subscriber.identity)

@@ -71,6 +71,13 @@ class Subscriber:
     leaving: bool = False  # send what is queued, then leave
     #: times the text queue was replaced (sent away, gone): a send begun before it does not take the new head
     replaced: int = 0
+    #: told each refusal this client is sent, by reason, with how many messages it answers (LocalRooms.on_refused)
+    on_refused: Callable[[str, int], None] = attrs.field(default=lambda reason, count: None, kw_only=True)
+
+    def refuse(self, reason: str, detail: str | None = None, *, count: int = 1) -> None:
+        """Tell the client why its message (``count`` of them) was not passed on (:func:`.refusals.refused`)."""
+        self.on_refused(reason, count)
+        self.push_text(refused(reason, detail))
 
     def push_text(self, message: str) -> None:
         if self.too_slow:
@@ -85,16 +92,17 @@ class Subscriber:
         self.ready.set()
         self.backlog.add(self, len(message))  # past the server's budget, whoever is furthest behind is sent away
 
-    def send_away(self, why: str | None = None) -> None:
-        """Too slow (or ``why``, a refusal's text: the worker sends it away): what is queued goes, the client is told
-        ``too_slow`` (or ``why``) and sent away."""
+    def send_away(self, reason: str = "too_slow", detail: str | None = None) -> None:
+        """Too slow (or another refusal ``reason``: the worker sends it away): what is queued goes, the client is told
+        the refusal and sent away."""
         if self.too_slow:
             return
         self.too_slow = True  # nothing more is queued for it
         self.backlog.release(self)
         self.texts.clear()
         self.replaced += 1
-        message = why or refused("too_slow")
+        self.on_refused(reason, 1)
+        message = refused(reason, detail)
         self.texts.append(message)
         self.text_size = len(message)
         self.presence.cancel()
@@ -203,8 +211,8 @@ class Room:
         """Each sender whose messages no worker will take (the session ended first) is told how many, once."""
         for identity, count in senders.items():
             if (subscriber := self.subscribers.get(identity)) is not None:
-                subscriber.push_text(refused("session_ended", f"{count} of this client's messages were not delivered: "
-                                                             f"the session ended before its worker took them"))
+                subscriber.refuse("session_ended", f"{count} of this client's messages were not delivered: the "
+                                                   f"session ended before its worker took them", count=count)
 
     def worker_joined(self, worker: WorkerConnection | RemoteWorkerPresence) -> None:
         """The worker is in the room: what clients sent before it came is delivered first, in order."""

@@ -35,6 +35,8 @@ async def test_a_controller_cannot_speak_as_the_worker_on_its_topics() -> None:
             await ctl.wait_for(lambda p: len(refusals(p)) >= 2, "two refusals", timeout=WAIT)
             assert refusals(ctl) == ["server_topic", "server_topic"]
             assert all("tf.metrics, tf.status are the server's" in detail for detail in refusal_details(ctl))
+            # and counted for the operator, by reason (they were told and logged only)
+            assert 'chunkline_room_refusals_total{reason="server_topic"} 2.0' in await served.metrics_text()
             # the viewer still sees the stream, and only the worker's status
             frames = len(viewer.frames())
             await viewer.wait_for(lambda p: len(p.frames()) > frames, "more frames", timeout=WAIT)

@@ -13,6 +13,7 @@ the test lets it (the worker process's round trip, made as long as the test like
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -94,6 +95,12 @@ async def test_a_burst_of_legal_controls_to_a_worker_that_takes_them_slowly_lose
                 assert [c.type for c in session.controls[:SPECIAL_AT]] == [ControlType.CONTROL] * SPECIAL_AT
                 # what came after the stop was not taken, and the controller is told so rather than nothing
                 assert {m["reason"] for m in refused} <= {"session_ended"}, refused
+                # and counted: at least as many as the controller had been told when the texts were read (the room
+                # reads and refuses what is left in the socket until it closes)
+                told = sum(int(m["detail"].split(" ", 1)[0]) if m["detail"][0].isdigit() else 1 for m in refused)
+                counted = re.search(r'chunkline_room_refusals_total\{reason="session_ended"\} (\S+)',
+                                    await served.metrics_text())
+                assert (float(counted[1]) if counted else 0.0) >= told, (counted, told)
 
 
 async def _hub_with_agent(rooms: LocalRooms, issuer: Any, room: str, agent_send: Any, nursery: trio.Nursery,
