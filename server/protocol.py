@@ -78,6 +78,9 @@ top level (``status``, ``chunk``, ``done``, ``error``, ``control_rejected``,
 under ``data`` so they can never shadow those fields. Values that JSON
 cannot carry (numpy scalars aside, which become numbers) are stringified.
 
+A ``control_rejected`` may carry ``count``: how many messages it answers (``dropped``: on LiveKit, messages a
+sender's newer one replaced while they waited their turn, told once before the one that replaced them is read).
+
 Addressing: ``control_rejected`` answers one participant's message and goes to
 that participant alone (LiveKit: ``destination_identities``; local rooms: its
 socket alone); a sender the transport cannot name gets no answer. The rest is
