@@ -39,7 +39,7 @@ from states.stream_session import State as SessionState
 from .runtime import SHUTDOWN_GRACE, NoWorker, SessionConflict, StreamRuntime, ViewerLimit
 from .session_inputs import check_inputs
 from .settings import ServerSettings
-from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected, single_token
+from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected
 from .transport.base import TransportError
 from .transport.local import LocalRooms, RemoteWorkerPresence
 
@@ -451,7 +451,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             await websocket.close(1008, "this server uses LiveKit rooms")
             return
         try:
-            subscriber = transport.admit_client(room, single_token(websocket.args.getlist("token")))
+            subscriber = transport.admit_at_door(room, websocket.args.getlist("token"))
         except TokenRejected as exc:
             await websocket.accept()
             await websocket.send(exc.refusal())

@@ -289,7 +289,7 @@ class Front:
                 async def to_backend() -> None:
                     nonlocal moved_at, refusal, owed
                     try:
-                        while True:
+                        while not framing.finished:  # past the last request, what the client sends waits for the close
                             with trio.move_on_at(framing.due) as late:  # the request under way, if any
                                 data = await client.receive_some(READ_SIZE)
                             if late.cancelled_caught:
@@ -302,7 +302,10 @@ class Front:
                                     "Content-Length", error="incomplete_body")
                                 break
                             if not data:
-                                await backend.send_eof()  # the client is done sending; its answer may still come
+                                # the client is done sending, not reading: its answers still come. hypercorn takes
+                                # an EOF for a client gone (it dropped the request, or the answer it was writing),
+                                # so none is passed on; hypercorn closes after a last request's answer, or at its
+                                # keep-alive timeout, within the idle deadline
                                 return
                             moved_at = trio.current_time()
                             try:
@@ -317,6 +320,8 @@ class Front:
                                     owed = owed or framing.between_requests
                             except _GONE:
                                 return  # the backend stopped reading (it answered and closes): its answer goes on
+                        else:
+                            return  # the last request went whole: its answer goes on
                     except _GONE:
                         pass
                     nursery.cancel_scope.cancel()

@@ -101,6 +101,13 @@ class RequestHead:
     def is_websocket_upgrade(self) -> bool:
         return any(b"websocket" in value.lower() for value in self.values(b"upgrade"))
 
+    @property
+    def ends_connection(self) -> bool:
+        """Whether the connection closes after this request's answer: HTTP/1.0 (h11 keeps no 1.0 connection alive)
+        or ``Connection: close``."""
+        tokens = {token.strip().lower() for value in self.values(b"connection") for token in value.split(b",")}
+        return self.version != b"1.1" or b"close" in tokens
+
     def encode(self, *, without: frozenset[bytes] = frozenset()) -> bytes:
         """The head written again (``\\r\\n`` endings, its blank line included), less the fields named in
         ``without`` (lower case)."""
@@ -208,6 +215,7 @@ class RequestFraming:
         self._body_due_from = 0.0  # when the body under way would be late with nothing of it arrived
         self._body_arrived = 0
         self._passthrough = False
+        self._last = False  # the request under way (or the one that came) ends the connection
         #: when the request under way must have arrived (``math.inf``: none is under way)
         self.due = math.inf
 
@@ -215,6 +223,12 @@ class RequestFraming:
     def body_left(self) -> int:
         """Bytes the body under way declares that have not arrived yet (at most; 0: none is under way)."""
         return self._body_left
+
+    @property
+    def finished(self) -> bool:
+        """Whether the connection's last request came whole (HTTP/1.0, ``Connection: close``): what the client sends
+        after it is not passed on (hypercorn answered it with an empty 400 and closed, the first answer lost)."""
+        return self._last and not self._body_left
 
     @property
     def between_requests(self) -> bool:
@@ -243,6 +257,8 @@ class RequestFraming:
             if self._passthrough:
                 forward += view
                 break
+            if self.finished:
+                break  # past the connection's last request: dropped, as the lingering close drops it
             if self._body_left:
                 taken = min(self._body_left, len(view))
                 if self._budget is not None and self._held < self._budget.max_body:
@@ -276,6 +292,7 @@ class RequestFraming:
             head = parse_head(bytes(self._head[:end]))
             length = self._body_length(head)
             forward += self._forwarded_head(head)
+            self._last = head.ends_connection
             self._head.clear()
             self._body_left = length  # also what is still to come if the budget refuses it
             if length and self._budget is not None:

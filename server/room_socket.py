@@ -55,7 +55,7 @@ from .frame_budget import FRAME_BURST, FRAMES_PER_SECOND, FrameBudget, FrameShar
 from .http_framing import head_end, parse_head
 from .lingering import linger
 from .reasons import echo
-from .tokens import TokenRejected, single_token
+from .tokens import TokenRejected
 from .transport.local import LocalRooms, RemoteWorkerPresence
 from .transport.local_room import Subscriber
 
@@ -160,7 +160,7 @@ class RoomSocket:
                 return
             await self._write(self._ws.send(AcceptConnection()))
             try:
-                subscriber = self._rooms.admit_client(room, single_token(tokens))
+                subscriber = self._rooms.admit_at_door(room, tokens)
             except TokenRejected as exc:
                 await self._send(exc.refusal())
                 await self._close(4401, exc.reason)

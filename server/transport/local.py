@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import numpy as np
 import trio
@@ -55,7 +55,7 @@ from pipelines.contract import Audio
 from .. import json_limits
 from ..protocol import STATUS_TOPIC
 from ..token_bucket import KeptBuckets
-from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected
+from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected, single_token
 from .backlog_budget import BacklogBudget
 from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import DataPace
@@ -286,6 +286,15 @@ class LocalRooms:
         self._forget_if_empty(room)
 
     # -- browsers (WebSocket) ------------------------------------------------------
+
+    def admit_at_door(self, room: str, tokens: Sequence[str]) -> Subscriber | RemoteWorkerPresence:
+        """A room WebSocket's door: the one token its request gives, then :meth:`admit_client`. A refusal is counted
+        by reason (``on_refused``), then raised for the door to tell."""
+        try:
+            return self.admit_client(room, single_token(tokens))
+        except TokenRejected as exc:
+            self.on_refused(exc.reason, 1)
+            raise
 
     def admit_client(self, room: str, token: str) -> Subscriber | RemoteWorkerPresence:
         """Check a client's token for ``room``; raises TokenRejected (with a reason) to refuse it.

