@@ -92,6 +92,9 @@ its bandwidth-delay product there (each connection may then hold twice that in t
 """
 
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+#: seconds a request still arriving when the front closes has to be told ``shutting_down`` (the shutdown waits them)
+STOPPING_ANSWER_SECONDS: Final = 1.0
+
 _REFUSALS: Final = {
     400: b"400 Bad Request",
     404: b"404 Not Found",
@@ -230,6 +233,17 @@ class Front:
         framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD, budget=self.body_budget)
         try:
             refusal, answered = await self._splice_framed(client, head, framing)
+        except* trio.Cancelled:
+            if self.stopping and not framing.between_requests:
+                # the server stops (close()) while this client's request is still arriving: it is told so, within
+                # a bound, rather than cut off (a slow upload got a broken pipe and no answer)
+                with trio.CancelScope(shield=True) as telling:
+                    telling.deadline = trio.current_time() + STOPPING_ANSWER_SECONDS
+                    framing.release()
+                    await self._refuse(client, 503, FramingRefused(503, "the server is shutting down",
+                                                                   error="shutting_down"),
+                                       linger=framing.body_left or LINGER_BYTES)
+            raise
         finally:
             framing.release()  # a body cut short gives its share of the budget back (before any lingering)
         unread = framing.body_left or LINGER_BYTES  # what may still be on its way: its body's rest, or unknown

@@ -3,6 +3,7 @@ soft limit, or serves fewer and says so), and none it cannot answer once it stop
 
 from __future__ import annotations
 
+import contextlib
 import re
 import resource
 import signal
@@ -107,3 +108,35 @@ async def test_under_a_low_hard_limit_the_server_serves_fewer_connections_and_sa
         assert f"the server has {cap} connections open".encode() in answer, answer
         for holder in holders:
             await holder.aclose()
+
+
+async def test_an_upload_still_arriving_when_the_server_stops_is_told_so(short_tmp: Path) -> None:
+    """A create whose body is still arriving (at more than the minimum rate) when SIGTERM's drain and the connections'
+    grace are over: the client is answered 503 ``shutting_down``; it got a broken pipe and no answer."""
+    async with stream_serve(short_tmp) as served:
+        await ready(served)
+        upload = await connect(served.url)
+        length = 8 * 1024 * 1024  # far more than the upload below sends before the stop
+        await upload.send_all(b"POST /v1/stream/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n{\"identity\": \"" % length)
+        served.process.send_signal(signal.SIGTERM)
+        received = bytearray()
+
+        async def keep_uploading() -> None:  # 64 KiB a second: four times the minimum rate, never done in time
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while True:
+                    await upload.send_all(b"x" * 16384)
+                    await trio.sleep(0.25)  # bench-cost: a client's upload pace, in real time (a real process)
+
+        with trio.fail_after(EXIT_DEADLINE):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_uploading)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while data := await upload.receive_some(65536):
+                        received += data
+                nursery.cancel_scope.cancel()
+        assert await served.exit_code() == 0
+        await upload.aclose()
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), bytes(received)[:300]
+    assert b'"shutting_down"' in body, body
