@@ -126,6 +126,23 @@ async def _hub_with_agent(rooms: LocalRooms, issuer: Any, room: str, agent_send:
     await wait_all_tasks_blocked()
 
 
+class GatedAgent:
+    """A worker agent's socket that reads nothing until ``gate`` is set (its runner awaits a control), then records
+    each data message's ``n``; ``all_got`` once ``expected`` came."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.gate, self.all_got = trio.Event(), trio.Event()
+        self.got: list[int] = []
+
+    async def socket(self, message: str | bytes) -> None:
+        await self.gate.wait()
+        if (received := json.loads(message))["type"] == "data":
+            self.got.append(received["payload"]["n"])
+            if len(self.got) == self.expected:
+                self.all_got.set()
+
+
 def control_text(n: int) -> str:
     return json.dumps({"topic": "tf.control", "payload": {"type": "control", "control": "w", "n": n}})
 
@@ -135,30 +152,23 @@ async def test_a_worker_agent_that_reads_slowly_gets_every_message_of_a_burst() 
     sender's socket, past the agent's backlog) and then reaches the agent whole, in order."""
     issuer = make_issuer()
     rooms = LocalRooms(issuer)
-    gate, got, all_got = trio.Event(), [], trio.Event()
+    agent = GatedAgent(BURST)
     sent_in, sent = trio.open_memory_channel[str](BURST)
     controller_inbox: list[dict[str, Any]] = []
 
-    async def agent_socket(message: str | bytes) -> None:
-        await gate.wait()  # the agent reads nothing until the test lets it (its runner awaits a control)
-        if (received := json.loads(message))["type"] == "data":
-            got.append(received["payload"]["n"])
-            if len(got) == BURST:
-                all_got.set()
-
     async with trio.open_nursery() as nursery:
-        await _hub_with_agent(rooms, issuer, "room-1", agent_socket, nursery, sent.receive, controller_inbox,
+        await _hub_with_agent(rooms, issuer, "room-1", agent.socket, nursery, sent.receive, controller_inbox,
                               trio.Event())
         for n in range(BURST):
             sent_in.send_nowait(control_text(n))
         await wait_all_tasks_blocked()
         # the hub read what the agent's backlog holds, and the rest waits in the sender's socket
         assert sent.statistics().current_buffer_used > 0, "the whole burst was read although the agent took none"
-        gate.set()
+        agent.gate.set()
         with trio.fail_after(WITHIN):
-            await all_got.wait()
+            await agent.all_got.wait()
         nursery.cancel_scope.cancel()
-    assert got == list(range(BURST))
+    assert agent.got == list(range(BURST))
     assert not [m for m in controller_inbox if m["type"] == "refused"], controller_inbox
 
 
@@ -195,20 +205,13 @@ async def test_large_messages_wait_in_the_senders_socket_past_the_workers_byte_b
     size = 64 * 1024
     issuer = make_issuer()
     rooms = LocalRooms(issuer, max_data_message_bytes=2 * size)
-    gate, got, all_got = trio.Event(), [], trio.Event()
     burst = 150
+    agent = GatedAgent(burst)
     sent_in, sent = trio.open_memory_channel[str](burst)
     controller_inbox: list[dict[str, Any]] = []
 
-    async def agent_socket(message: str | bytes) -> None:
-        await gate.wait()
-        if (received := json.loads(message))["type"] == "data":
-            got.append(received["payload"]["n"])
-            if len(got) == burst:
-                all_got.set()
-
     async with trio.open_nursery() as nursery:
-        await _hub_with_agent(rooms, issuer, "room-1", agent_socket, nursery, sent.receive, controller_inbox,
+        await _hub_with_agent(rooms, issuer, "room-1", agent.socket, nursery, sent.receive, controller_inbox,
                               trio.Event())
         for n in range(burst):
             sent_in.send_nowait(json.dumps({"topic": "tf.control", "payload": {"n": n, "pad": "x" * size}}))
@@ -216,9 +219,9 @@ async def test_large_messages_wait_in_the_senders_socket_past_the_workers_byte_b
         read = burst - sent.statistics().current_buffer_used
         assert read <= EVENT_BACKLOG_BYTES // size + 3, f"{read} messages of {size} bytes read for a worker that " \
                                                         f"took none"
-        gate.set()
+        agent.gate.set()
         with trio.fail_after(WORKER_TAKE_TIMEOUT):
-            await all_got.wait()
+            await agent.all_got.wait()
         nursery.cancel_scope.cancel()
-    assert got == list(range(burst))
+    assert agent.got == list(range(burst))
     assert not [m for m in controller_inbox if m["type"] == "refused"], controller_inbox
