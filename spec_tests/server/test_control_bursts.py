@@ -103,27 +103,44 @@ async def test_a_burst_of_legal_controls_to_a_worker_that_takes_them_slowly_lose
                 assert (float(counted[1]) if counted else 0.0) >= told, (counted, told)
 
 
-async def _hub_with_agent(rooms: LocalRooms, issuer: Any, room: str, agent_send: Any, nursery: trio.Nursery,
-                          controller: Any, inbox: list[dict[str, Any]], told: trio.Event) -> None:
-    """A worker agent (``agent_send`` is its socket) and a controller (its messages from ``controller``, what it is
-    sent into ``inbox``, ``told`` set at its first refusal) in ``room``."""
-    rooms.expect_worker(room, "chunkline-agent")
+class Hub:
+    """Local rooms with one room holding a worker agent (its socket given to :meth:`start`) and a controller whose
+    socket holds up to ``burst`` unread messages (``sent``); what the controller is sent goes to ``inbox``, and
+    ``told`` is set at its first refusal."""
 
-    async def agent_says_nothing() -> str:
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
+    def __init__(self, burst: int, **rooms_settings: Any) -> None:
+        self.issuer = make_issuer()
+        self.rooms = LocalRooms(self.issuer, **rooms_settings)
+        self.sent_in, self.sent = trio.open_memory_channel[str](burst)
+        self.inbox: list[dict[str, Any]] = []
+        self.told = trio.Event()
 
-    async def to_controller(message: str | bytes) -> None:
-        inbox.append(received := json.loads(message))
-        if received["type"] == "refused":
-            told.set()
+    async def start(self, nursery: trio.Nursery, agent_socket: Any, room: str = "room-1") -> None:
+        rooms, issuer = self.rooms, self.issuer
+        rooms.expect_worker(room, "chunkline-agent")
 
-    worker = rooms.admit_client(room, issuer.worker_token(room, "chunkline-agent"))
-    nursery.start_soon(rooms.serve_worker, room, worker, agent_send, agent_says_nothing)
-    await wait_all_tasks_blocked()
-    ctl = rooms.admit_client(room, issuer.controller_token(room, "ctl"))
-    nursery.start_soon(rooms.serve_client, room, ctl, to_controller, controller)
-    await wait_all_tasks_blocked()
+        async def agent_says_nothing() -> str:
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        async def to_controller(message: str | bytes) -> None:
+            self.inbox.append(received := json.loads(message))
+            if received["type"] == "refused":
+                self.told.set()
+
+        worker = rooms.admit_client(room, issuer.worker_token(room, "chunkline-agent"))
+        nursery.start_soon(rooms.serve_worker, room, worker, agent_socket, agent_says_nothing)
+        await wait_all_tasks_blocked()
+        ctl = rooms.admit_client(room, issuer.controller_token(room, "ctl"))
+        nursery.start_soon(rooms.serve_client, room, ctl, to_controller, self.sent.receive)
+        await wait_all_tasks_blocked()
+
+    def unread(self) -> int:
+        """The controller's messages the room has not read yet (they wait in its socket)."""
+        return self.sent.statistics().current_buffer_used
+
+    def refusals(self) -> list[str]:
+        return [m["reason"] for m in self.inbox if m["type"] == "refused"]
 
 
 class GatedAgent:
@@ -150,51 +167,41 @@ def control_text(n: int) -> str:
 async def test_a_worker_agent_that_reads_slowly_gets_every_message_of_a_burst() -> None:
     """The hub's side for an agent: its socket is not written while the agent reads nothing; the burst waits (in the
     sender's socket, past the agent's backlog) and then reaches the agent whole, in order."""
-    issuer = make_issuer()
-    rooms = LocalRooms(issuer)
-    agent = GatedAgent(BURST)
-    sent_in, sent = trio.open_memory_channel[str](BURST)
-    controller_inbox: list[dict[str, Any]] = []
-
+    hub, agent = Hub(BURST), GatedAgent(BURST)
     async with trio.open_nursery() as nursery:
-        await _hub_with_agent(rooms, issuer, "room-1", agent.socket, nursery, sent.receive, controller_inbox,
-                              trio.Event())
+        await hub.start(nursery, agent.socket)
         for n in range(BURST):
-            sent_in.send_nowait(control_text(n))
+            hub.sent_in.send_nowait(control_text(n))
         await wait_all_tasks_blocked()
         # the hub read what the agent's backlog holds, and the rest waits in the sender's socket
-        assert sent.statistics().current_buffer_used > 0, "the whole burst was read although the agent took none"
+        assert hub.unread() > 0, "the whole burst was read although the agent took none"
         agent.gate.set()
         with trio.fail_after(WITHIN):
             await agent.all_got.wait()
         nursery.cancel_scope.cancel()
     assert agent.got == list(range(BURST))
-    assert not [m for m in controller_inbox if m["type"] == "refused"], controller_inbox
+    assert not hub.refusals(), hub.inbox
 
 
 async def test_a_message_the_worker_cannot_take_within_the_bound_is_refused_to_its_sender(autojump_clock: Any) -> None:
     """A worker that takes nothing (its socket never written, its runner frozen): the sender waits for room at most
     WORKER_TAKE_TIMEOUT per message, then is told ``worker_stalled``; nothing goes without a word."""
-    issuer = make_issuer()
-    rooms = LocalRooms(issuer)
-    sent_in, sent = trio.open_memory_channel[str](BURST)
-    controller_inbox: list[dict[str, Any]] = []
-    told = trio.Event()
+    hub = Hub(BURST)
 
     async def frozen_agent(message: str | bytes) -> None:
         await trio.sleep_forever()
 
     async with trio.open_nursery() as nursery:
-        await _hub_with_agent(rooms, issuer, "room-1", frozen_agent, nursery, sent.receive, controller_inbox, told)
+        await hub.start(nursery, frozen_agent)
         started = trio.current_time()
         # one handed to the agent's socket (never written), EVENT_BACKLOG waiting, one waiting for room
         for n in range(EVENT_BACKLOG + 2):
-            sent_in.send_nowait(control_text(n))
+            hub.sent_in.send_nowait(control_text(n))
         with trio.fail_after(WORKER_TAKE_TIMEOUT + WITHIN):
-            await told.wait()
+            await hub.told.wait()
         nursery.cancel_scope.cancel()
     assert trio.current_time() - started >= WORKER_TAKE_TIMEOUT
-    assert [m["reason"] for m in controller_inbox if m["type"] == "refused"] == ["worker_stalled"], controller_inbox
+    assert hub.refusals() == ["worker_stalled"], hub.inbox
 
 
 async def test_large_messages_wait_in_the_senders_socket_past_the_workers_byte_backlog(autojump_clock: Any) -> None:
@@ -202,21 +209,18 @@ async def test_large_messages_wait_in_the_senders_socket_past_the_workers_byte_b
     more than EVENT_BACKLOG_BYTES of them (plus the one in the agent's socket and the one waiting for room) in 25 s;
     by count alone (256) it read what the sender's pace allowed, about 100 of them (a room held up to 256 MiB at
     1 MiB messages). Once the agent reads, the whole burst arrives, in order."""
-    size = 64 * 1024
-    issuer = make_issuer()
-    rooms = LocalRooms(issuer, max_data_message_bytes=2 * size)
-    burst = 150
-    agent = GatedAgent(burst)
-    sent_in, sent = trio.open_memory_channel[str](burst)
-    controller_inbox: list[dict[str, Any]] = []
-
+    size, burst = 64 * 1024, 150
+    hub, agent = Hub(burst, max_data_message_bytes=2 * size), GatedAgent(burst)
     async with trio.open_nursery() as nursery:
-        await _hub_with_agent(rooms, issuer, "room-1", agent.socket, nursery, sent.receive, controller_inbox,
-                              trio.Event())
+        await hub.start(nursery, agent.socket)
         for n in range(burst):
-            sent_in.send_nowait(json.dumps({"topic": "tf.control", "payload": {"n": n, "pad": "x" * size}}))
-        await trio.sleep(25)  # the pace would have let about 100 through by now; the worker's room takes fewer
-        read = burst - sent.statistics().current_buffer_used
+            hub.sent_in.send_nowait(json.dumps({"topic": "tf.control", "payload": {"n": n, "pad": "x" * size}}))
+        # 25 s of the autojump clock with the gate shut: the agent gets nothing meanwhile, and the sender's pace would
+        # have let about 100 through; the worker's room takes fewer
+        with trio.move_on_after(25):
+            await agent.all_got.wait()
+        assert not agent.got
+        read = burst - hub.unread()
         assert read <= EVENT_BACKLOG_BYTES // size + 3, f"{read} messages of {size} bytes read for a worker that " \
                                                         f"took none"
         agent.gate.set()
@@ -224,4 +228,4 @@ async def test_large_messages_wait_in_the_senders_socket_past_the_workers_byte_b
             await agent.all_got.wait()
         nursery.cancel_scope.cancel()
     assert agent.got == list(range(burst))
-    assert not [m for m in controller_inbox if m["type"] == "refused"], controller_inbox
+    assert not hub.refusals(), hub.inbox
