@@ -120,7 +120,7 @@ class ControlIntake:
             # every control taken came from the controller (parse_control refuses anyone else's)
             await self._reject(self._record.controller_identity, "service", exc.reason)
 
-    async def _reject(self, sender: str | None, reason: str, detail: str, *, count: int = 1) -> None:
-        self._metrics.record_control_rejection(reason, count)
-        await self._answer(sender, protocol.rejection_message(self._record.session_id, reason, detail,
-                                                              count=count if reason == "dropped" else None))
+    async def _reject(self, sender: str | None, reason: str, detail: str, *, count: int | None = None) -> None:
+        """Answer ``sender`` alone and count it; ``count``: how many messages the answer covers, said in it."""
+        self._metrics.record_control_rejection(reason, count or 1)
+        await self._answer(sender, protocol.rejection_message(self._record.session_id, reason, detail, count=count))

@@ -72,6 +72,8 @@ CHUNK_RESULTS = ("processed", "published")
 FINISH_RESULTS = ("closed", "failed", "expired")
 LOSS_CAUSES = ("authority_stalled", "connection_closed", "heartbeat_missed", "process_exited", "agent_failed",
                "actor_died", "actor_unreachable", "protocol_error")
+
+
 def _count_reason(counter: Counter, what: str, reason: str, count: int) -> None:
     """``counter``'s ``reason`` label up by ``count``, both checked (``what`` names them in the error)."""
     if not isinstance(reason, str) or not reason:

@@ -57,7 +57,7 @@ from ..protocol import STATUS_TOPIC
 from ..token_bucket import KeptBuckets
 from ..tokens import SERVER_STATUS_IDENTITY, TokenIssuer, TokenRejected, single_token
 from .backlog_budget import BacklogBudget
-from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
+from .base import ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import DataPace
 from .jpeg import encode_jpeg
 from .local_reading import read_client
@@ -96,10 +96,7 @@ class WorkerConnection:
     def deliver(self, event: RoomEvent) -> None:
         """Queue an event for the runner: data only once the inbox has room for it (:meth:`Room.to_worker` waits for
         that), participant events always."""
-        if isinstance(event, DataReceived):
-            self.inbox.put(event, data_from=event.sender_identity or "", size=len(event.payload))
-        else:
-            self.inbox.put(event)
+        self.inbox.put(event, event)
 
     def events(self) -> AsyncIterator[RoomEvent]:
         # an iterator object, not an async generator: a runner cancelled mid-loop leaves nothing to finalize

@@ -77,10 +77,8 @@ class Subscriber:
     def refuse(self, reason: str, detail: str | None = None, *, count: int = 1) -> None:
         """Tell the client why its message (``count`` of them) was not passed on (:func:`.refusals.refused`); counted
         once queued (a client being sent away is told, and counted, only that)."""
-        if self.too_slow:
-            return
         self.push_text(refused(reason, detail))
-        if not self.too_slow:
+        if not self.too_slow:  # queued: not dropped for a client already sent away, nor one this sends away
             self.on_refused(reason, count)
 
     def push_text(self, message: str) -> None:
@@ -166,10 +164,7 @@ class RemoteWorkerPresence:
             message = json.dumps({"type": "participant_joined", "identity": event.identity})
         else:
             message = json.dumps({"type": "participant_left", "identity": event.identity})
-        if isinstance(event, DataReceived):
-            self.inbox.put(message, data_from=event.sender_identity or "", size=len(event.payload))
-        else:
-            self.inbox.put(message)
+        self.inbox.put(message, event)
 
 
 @attrs.define(eq=False)

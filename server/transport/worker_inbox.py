@@ -20,6 +20,8 @@ from typing import Generic, TypeVar
 
 import trio
 
+from .base import DataReceived, RoomEvent
+
 __all__ = ["EVENT_BACKLOG", "EVENT_BACKLOG_BYTES", "WORKER_TAKE_TIMEOUT", "WorkerInbox"]
 
 EVENT_BACKLOG = 256  # data events waiting for the worker; past it their senders wait (participant events always go in)
@@ -46,11 +48,6 @@ class WorkerInbox(Generic[Item]):
         """Data events waiting for the worker (at most EVENT_BACKLOG)."""
         return self._data
 
-    @property
-    def queued_bytes(self) -> int:
-        """Their payload bytes (under EVENT_BACKLOG_BYTES, or one message alone)."""
-        return self._data_bytes
-
     def has_room(self) -> bool:
         """Whether a data event may go in now (a closed inbox takes nothing, so nobody waits for it; an empty one
         takes any message, so one larger than the byte bound still goes)."""
@@ -61,18 +58,18 @@ class WorkerInbox(Generic[Item]):
         while not self.has_room():
             await self._freed.wait()
 
-    def put(self, item: Item, *, data_from: str | None = None, size: int = 0) -> None:
-        """Queue an event: a data event names its sender (``data_from``) and its payload's ``size``, and goes in only
-        after :meth:`has_room` said so, on the same step. Nothing goes in once closed (the room tells a sender so:
-        ``session_ended``)."""
+    def put(self, item: Item, event: RoomEvent) -> None:
+        """Queue ``item``, the worker's form of the room's ``event``: a data event is counted, by its sender and its
+        payload's bytes, and goes in only after :meth:`has_room` said so, on the same step. Nothing goes in once
+        closed (the room tells a sender so: ``session_ended``)."""
         if self.closed:
             return
-        if data_from is None:
-            size = 0
-        else:
+        sender, size = None, 0
+        if isinstance(event, DataReceived):
+            sender, size = event.sender_identity or "", len(event.payload)
             self._data += 1
             self._data_bytes += size
-        self._items.append((data_from, size, item))
+        self._items.append((sender, size, item))
         self._arrived.set()
 
     async def take(self) -> Item | None:
