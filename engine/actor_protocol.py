@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -17,7 +18,7 @@ from states import stage_actor as actor_table
 from states.pipeline_session import CloseReason
 
 __all__ = ["ActorHealth", "ActorState", "Completion", "SessionContext", "STAGE_ACTOR_METHODS", "StageActor",
-           "StageInvocation", "TaskKey"]
+           "StageInvocation", "TaskKey", "new_invocation", "new_task_key"]
 
 ActorState = actor_table.State
 
@@ -49,6 +50,12 @@ class StageInvocation(NamedTuple):
     inputs: Mapping[str, Any]
     is_first: bool  # the session's first call at this stage (where per-session state is set up)
     is_last: bool  # the call for the session's final sequence
+
+
+# Made for every admission, so built by ``tuple.__new__`` itself: a named tuple's own ``__new__`` is a
+# Python function. Each takes the fields as one tuple, in order.
+new_task_key = functools.partial(tuple.__new__, TaskKey)
+new_invocation = functools.partial(tuple.__new__, StageInvocation)
 
 
 @attrs.frozen

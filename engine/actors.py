@@ -310,9 +310,11 @@ class LocalStageActor:
 
     def _after_thread_delivery(self, finish: Callable[[], None]) -> None:
         """In trio, after a call completed on the thread: the scheduler's leftovers, then barrier waiters."""
-        self._count(undelivered=-1)
+        with self._counts:  # (not through _count: this runs for most calls)
+            self._undelivered -= 1
         finish()
-        self._mark_done()
+        if self._quiet.waiting:
+            self._mark_done()
 
     async def _invoke(self, message: _Invoke) -> None:
         inv = message.invocation

@@ -22,7 +22,7 @@ __all__ = ["check_result", "record_result"]
 
 def check_result(stage: StageSpec, seq: int, artifacts: Any) -> InvalidStageOutput | None:
     """The error for a result that is not exactly the stage's produced artifacts (else None)."""
-    if isinstance(artifacts, Mapping) and artifacts.keys() == stage.produces:
+    if (type(artifacts) is dict or isinstance(artifacts, Mapping)) and artifacts.keys() == stage.produces:
         return None
     # a careless handler's keys need not be strings, nor comparable with each other, nor printable
     if isinstance(artifacts, Mapping):

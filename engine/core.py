@@ -33,12 +33,13 @@ import trio
 from states import pipeline_session as table
 
 from .actor_failures import ActorFailures
+from .actor_protocol import new_invocation, new_task_key
 from .actors import StageActor, StageInvocation, TaskKey
 from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import check_result, record_result
 from .errors import ActorBusyError, SessionExistsError, shown
 from .graph import StageGraph
-from .handoff import CoreCompletion, TrioHandoff
+from .handoff import CoreCompletion, Leftovers, TrioHandoff
 from .ingress import check_final_sequence, check_ingress, has_room, ingress_names, is_sequence_id
 from .metrics import Diagnostics
 from .reservations import UsageBook
@@ -78,6 +79,8 @@ class SchedulerCore:
         self._group_limit = {g.name: g.max_concurrency for g in graph.spec.resource_groups}
         self._usage = UsageBook(graph.stage_ids, self._group_limit)
         self._turns: dict[str, deque[Lane]] = {s: deque() for s in graph.stage_ids}  # round robin per stage
+        # the pump's look-up: a stage's bit -> the stage and its turns
+        self._turns_at = {bit: (stage, self._turns[stage.stage_id]) for bit, stage in graph.at_bit.items()}
         self._sessions: dict[str, SessionRuntime] = {}
         self._next_epoch = 1
         self._next_request = 1
@@ -310,33 +313,37 @@ class SchedulerCore:
         """Accept one invocation's result (``value``) or failure (``error``), unless it no longer counts."""
         key = invocation.key
         rt = self._sessions.get(key.session_id)
-        if rt is None or key.request_id >= self._next_request:
-            self._counters["orphaned_results"] += 1
-            return
-        if rt.epoch != key.session_epoch:
-            self._counters["stale_epoch_results"] += 1
-            return
-        stage_id, seq = key.stage_id, key.sequence_id
-        reservation = rt.reservations.held.get((stage_id, seq))
+        reservation = None if rt is None else rt.reservations.held.get((key.stage_id, key.sequence_id))
         # the key travels with the invocation: the same object unless an actor rebuilt it (a worker process)
         if reservation is None or (reservation.key is not key and reservation.key != key):
-            self._counters["duplicate_results"] += 1
+            self._count_unheld(rt, key)
             return
         self._usage.release(rt.reservations, reservation)
-        stage = self.graph.stages[stage_id]
+        stage_id = key.stage_id
         now = reservation.timing.completed_at = self._now()
         try:
             if error is not None:
                 self._failures.call_failed(rt, stage_id, error)
             elif rt.machine.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
-                invalid = check_result(stage, seq, value)
+                stage = self.graph.stages[stage_id]
+                invalid = check_result(stage, key.sequence_id, value)
                 if invalid is not None:
                     self._fail(rt, invalid)
-                elif record_result(self.graph, rt, stage, seq, value, now):
-                    self._wake(rt.emitted)
+                elif record_result(self.graph, rt, stage, key.sequence_id, value, now) and rt.emitted.waiting:
+                    self._handoff.wake(rt.emitted)
         finally:
-            self._wake(rt.changed)
+            if rt.changed.waiting:
+                self._handoff.wake(rt.changed)
             self._pump(self.graph.after_completion[stage_id])
+
+    def _count_unheld(self, rt: SessionRuntime | None, key: TaskKey) -> None:
+        """Count a result that holds no reservation: why it no longer counts."""
+        if rt is None or key.request_id >= self._next_request:
+            self._counters["orphaned_results"] += 1
+        elif rt.epoch != key.session_epoch:
+            self._counters["stale_epoch_results"] += 1
+        else:
+            self._counters["duplicate_results"] += 1
 
     def complete_from_thread(self, invocation: StageInvocation, value: Any) -> Callable[[], None] | None:
         """Complete a successful invocation (its ``value``) on the stage's own thread; returns what trio must then run.
@@ -353,7 +360,7 @@ class SchedulerCore:
             try:
                 self._complete(invocation, value, None)
             finally:
-                left = self._handoff.end(self._pump)
+                left = self._handoff.end()
             if left is None:
                 return None
             rt = self._sessions.get(invocation.key.session_id)
@@ -361,14 +368,15 @@ class SchedulerCore:
                 rt.handoffs_queued += 1
         return functools.partial(self._run_handoff, rt, left)
 
-    def _run_handoff(self, rt: SessionRuntime | None, left: Callable[[], None]) -> None:
+    def _run_handoff(self, rt: SessionRuntime | None, left: Leftovers) -> None:
         with self.lock:
             try:
-                left()
+                self._handoff.run(left, self._pump)
             finally:
                 if rt is not None:
                     rt.handoffs_queued -= 1
-                    self._wake(rt.changed)
+                    if rt.changed.waiting:
+                        self._handoff.wake(rt.changed)
 
     def _wake(self, *queues: WaitQueue) -> None:
         """Wake the session wait queues that have waiters (off trio: once the thread is done)."""
@@ -405,28 +413,28 @@ class SchedulerCore:
             return
         self._pumping = True
         try:
-            at_bit, admit_stage, by_stage = self.graph.at_bit, self._admit_stage, self._usage.by_stage
+            turns_at, try_admit, by_stage = self._turns_at, self._try_admit, self._usage.by_stage
             while dirty:
                 bit = dirty & -dirty  # the most downstream stage marked: finishing work frees room upstream
                 self._dirty = dirty ^ bit
-                stage = at_bit[bit]
+                stage, turns = turns_at[bit]
                 if by_stage[stage.stage_id] < stage.max_in_flight_global:  # else busy: nothing to look at
-                    admit_stage(stage)  # may mark more stages (upstream room, a completion inside submit)
+                    # admitting may mark more stages (upstream room, a completion inside submit)
+                    if len(turns) == 1:  # one session: no turns to take (most looks find nothing ready)
+                        lane = turns[0]
+                        if lane.ready and try_admit(lane) and stage.max_in_flight_per_session > 1:
+                            while try_admit(lane):
+                                pass
+                    elif turns:
+                        self._admit_in_turn(stage, turns)
                 dirty = self._dirty
         finally:
             self._pumping = False
 
-    def _admit_stage(self, stage: StageSpec) -> None:
+    def _admit_in_turn(self, stage: StageSpec, turns: deque[Lane]) -> None:
         """Admit the stage's ready work, session by session in turn (the pump checked it has room)."""
         stage_id = stage.stage_id
-        turns = self._turns[stage_id]
         try_admit = self._try_admit
-        if len(turns) == 1:  # one session: no turns to take (most calls find nothing ready)
-            lane = turns[0]
-            if lane.ready and try_admit(lane) and stage.max_in_flight_per_session > 1:
-                while try_admit(lane):
-                    pass
-            return
         by_stage = self._usage.by_stage
         limit = stage.max_in_flight_global
         served: list[Lane] = []
@@ -440,7 +448,7 @@ class SchedulerCore:
                         pass
             if by_stage[stage_id] >= limit:
                 break
-        for lane in served if len(turns) > 1 else ():  # round robin: who was served goes to the back
+        for lane in served:  # round robin: who was served goes to the back
             turns.remove(lane)
             turns.append(lane)
 
@@ -470,7 +478,7 @@ class SchedulerCore:
             return False
         request = self._next_request
         self._next_request = request + 1
-        key = TaskKey(rt.session_id, rt.epoch, seq, stage_id, request)
+        key = new_task_key((rt.session_id, rt.epoch, seq, stage_id, request))
         # everything the invocation holds is taken before submit: an actor may complete it inside submit
         inputs, timing = rt.take_inputs(stage_id, seq, stage.consumes)
         timing.admitted_at = self._now()
@@ -478,7 +486,7 @@ class SchedulerCore:
         first = seq == 0 if lane.strict else not lane.taken  # the session's first call at this stage
         lane.taken.add(seq)
         try:
-            actor.submit(StageInvocation(key, inputs, first, seq == rt.final_sequence_id), self.completion)
+            actor.submit(new_invocation((key, inputs, first, seq == rt.final_sequence_id)), self.completion)
         except Exception as exc:
             if rt.reservations.get(stage_id, seq) is reservation:
                 self._usage.release(rt.reservations, reservation)
@@ -492,8 +500,8 @@ class SchedulerCore:
                 self._fail(rt, exc)
             return False
         self._dirty |= self.graph.upstream[stage_id]  # edge room freed upstream
-        if stage_id in self.graph.ingress_consumers:
-            self._wake(rt.room, rt.changed)
-        else:
-            self._wake(rt.changed)
+        if rt.room.waiting and stage_id in self.graph.ingress_consumers:
+            self._handoff.wake(rt.room)
+        if rt.changed.waiting:
+            self._handoff.wake(rt.changed)
         return True

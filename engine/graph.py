@@ -42,6 +42,8 @@ class StageGraph:
     # the order admission checks them; built once so the check allocates nothing per admission
     room_limits: dict[str, tuple[tuple[str, tuple[str, str] | None, int, Blocker], ...]]
     ingress_consumers: frozenset[str]  # stages that take an ingress artifact (admitting one frees pushers' room)
+    # ingress artifact -> (target stage, edge, capacity) of each edge it feeds: what every push checks
+    ingress_edges: dict[str, tuple[tuple[str, tuple[str, str], int], ...]]
 
     @classmethod
     def from_spec(cls, spec: PipelineSpec) -> StageGraph:
@@ -89,6 +91,9 @@ class StageGraph:
             output_producers=mask(spec.producers[a] for a in spec.output_artifacts),
             room_limits={s.stage_id: _room_limits(s, targets, capacity, spec) for s in spec.stages},
             ingress_consumers=frozenset(s.stage_id for s in spec.stages if s.consumes & spec.ingress_artifacts),
+            ingress_edges={
+                a: tuple((t, (a, t), capacity[(a, t)]) for t in targets.get(a, ())) for a in spec.ingress_artifacts
+            },
         )
 
     def consumers(self, artifacts: object) -> set[str]:

@@ -11,7 +11,6 @@ thread hands them to trio as one call, or nothing at all when nothing was collec
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,11 @@ if TYPE_CHECKING:
     from .core import SchedulerCore
     from .runtime import SessionRuntime
 
-__all__ = ["CoreCompletion", "TrioHandoff"]
+__all__ = ["CoreCompletion", "Leftovers", "TrioHandoff"]
+
+# What a stage's thread left for trio: the wait queues to wake, the failed sessions whose
+# cleanup to start, the stages (a bit mask) to admit to from trio.
+Leftovers = tuple[set[WaitQueue], list["SessionRuntime"], int]
 
 
 class CoreCompletion:
@@ -61,16 +64,18 @@ class TrioHandoff:
         """A stage's thread enters the core: collect from now on."""
         self.off_trio = True
 
-    def end(self, pump: Callable[[int], None]) -> Callable[[], None] | None:
-        """The thread leaves the core: what trio must run (under the core's lock), or None."""
+    def end(self) -> Leftovers | None:
+        """The thread leaves the core: what trio must then run (see :meth:`run`), or None."""
         self.off_trio = False
         if not (self._queues or self._failed or self._stages):
             return None
-        queues, failed, stages = self._queues, self._failed, self._stages
+        left = (self._queues, self._failed, self._stages)
         self._queues, self._failed, self._stages = set(), [], 0
-        return functools.partial(self._run, queues, failed, stages, pump)
+        return left
 
-    def _run(self, queues: set[WaitQueue], failed: list[SessionRuntime], stages: int, pump: Callable[[int], None]) -> None:
+    def run(self, left: Leftovers, pump: Callable[[int], None]) -> None:
+        """In trio, under the core's lock: what a thread left (:meth:`end`)."""
+        queues, failed, stages = left
         for queue in queues:
             queue.wake()
         for rt in failed:

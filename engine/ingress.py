@@ -51,23 +51,22 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
         raise IngressRefused(
             f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
         )
-    ingress, slots, lanes, targets = graph.ingress, rt.slots, rt.lanes, graph.targets
-    occupancy, capacity = rt.occupancy, graph.capacity
+    ingress_edges, slots, lanes, occupancy = graph.ingress_edges, rt.slots, rt.lanes, rt.occupancy
     fits = True
     for artifact in artifacts:
-        if artifact not in ingress:
+        edges = ingress_edges.get(artifact)
+        if edges is None:
             raise IngressRefused(f"{shown(artifact)} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
         if (seq, artifact) in slots:
             raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
-        for stage_id in targets[artifact]:
+        for stage_id, edge, limit in edges:
             taken = lanes[stage_id].taken
             if seq < taken.below or seq in taken.beyond:  # ``seq in taken``, without a call: asked for every push
                 raise IngressRefused(
                     f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
                     f"so {artifact!r} for it would never be consumed"
                 )
-            edge = (artifact, stage_id)
-            held, limit = occupancy.get(edge, 0), capacity[edge]  # a plain get: Counter's missing-key hook is Python
+            held = occupancy.get(edge, 0)  # a plain get: Counter's missing-key hook is Python
             if held >= limit or (held + 1 == limit and seq != lowest_missing(rt, artifact, stage_id)):
                 fits = False
     return fits

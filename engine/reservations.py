@@ -13,6 +13,7 @@ slot-leak check asks what is still held rather than trusting a counter.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -38,6 +39,9 @@ class Reservation(NamedTuple):
 
     def __repr__(self) -> str:
         return f"Reservation({self.key!r})"
+
+
+_new_reservation = functools.partial(tuple.__new__, Reservation)  # (a named tuple's __new__ is Python code)
 
 
 class SessionReservations:
@@ -81,7 +85,7 @@ class UsageBook:
         if slot in held:
             raise RuntimeError(f"stage {stage_id!r} already holds sequence {key.sequence_id} of {key.session_id!r}")
         group = stage.resource_group
-        reservation = held[slot] = Reservation(key, stage_id, group, slot, timing)
+        reservation = held[slot] = _new_reservation((key, stage_id, group, slot, timing))
         by_stage = session.by_stage
         by_stage[stage_id] = by_stage.get(stage_id, 0) + 1
         self.by_stage[stage_id] += 1

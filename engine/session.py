@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +47,9 @@ class Session:
         self._home = home
 
     def _here(self, call: str) -> None:
-        self._home.check(f"session {self._runtime.session_id!r}", call)
+        home = self._home
+        if threading.get_ident() != home.ident:  # (the check, without its message made on every call)
+            home.check(f"session {self._runtime.session_id!r}", call)
 
     def __repr__(self) -> str:
         rt = self._runtime
@@ -90,7 +93,8 @@ class Session:
     async def push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> None:
         """Admit ``artifacts`` for ``sequence_id`` atomically, waiting for room on every edge."""
         self._here("push")
-        await self._core.push(self._runtime, as_sequence_id(sequence_id), artifacts)
+        seq = sequence_id if type(sequence_id) is int else as_sequence_id(sequence_id)  # a plain int as it is
+        await self._core.push(self._runtime, seq, artifacts)
 
     def try_push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""
