@@ -79,8 +79,11 @@ class SchedulerCore:
         self._group_limit = {g.name: g.max_concurrency for g in graph.spec.resource_groups}
         self._usage = UsageBook(graph.stage_ids, self._group_limit)
         self._turns: dict[str, deque[Lane]] = {s: deque() for s in graph.stage_ids}  # round robin per stage
-        # the pump's look-up: a stage's bit -> the stage and its turns
-        self._turns_at = {bit: (stage, self._turns[stage.stage_id]) for bit, stage in graph.at_bit.items()}
+        # the pump's look-up: a stage's bit -> the stage, its id, its global limit, its turns
+        self._turns_at = {
+            bit: (stage, stage.stage_id, stage.max_in_flight_global, self._turns[stage.stage_id])
+            for bit, stage in graph.at_bit.items()
+        }
         self._sessions: dict[str, SessionRuntime] = {}
         self._next_epoch = 1
         self._next_request = 1
@@ -417,8 +420,8 @@ class SchedulerCore:
             while dirty:
                 bit = dirty & -dirty  # the most downstream stage marked: finishing work frees room upstream
                 self._dirty = dirty ^ bit
-                stage, turns = turns_at[bit]
-                if by_stage[stage.stage_id] < stage.max_in_flight_global:  # else busy: nothing to look at
+                stage, stage_id, limit, turns = turns_at[bit]
+                if by_stage[stage_id] < limit:  # else busy: nothing to look at
                     # admitting may mark more stages (upstream room, a completion inside submit)
                     if len(turns) == 1:  # one session: no turns to take (most looks find nothing ready)
                         lane = turns[0]

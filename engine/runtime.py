@@ -132,7 +132,8 @@ class SessionRuntime:
 
         self.slots: dict[tuple[int, str], Slot] = {}
         self.occupancy: Counter[tuple[str, str]] = Counter()  # (artifact, target) -> waiting slots
-        self.present: dict[str, Counter[int]] = {s: Counter() for s in stage_ids}  # inputs present per seq
+        # inputs present per seq, of stages with several (plain dicts: a Counter's ``del`` is Python code)
+        self.present: dict[str, dict[int, int]] = {s: {} for s in stage_ids}
         # per stage: the sequences ready (each with its timing record) and taken
         self.lanes: dict[str, Lane] = {stage.stage_id: Lane(self, stage) for stage in stages}
         self.highest_ingress = -1
@@ -198,17 +199,6 @@ class SessionRuntime:
         """The sequence ``stage`` would take next for this session, if its inputs are all here."""
         return self.lanes[stage.stage_id].next_ready()
 
-    def timing(self, stage_id: str, seq: int) -> _Timing:
-        timings = self.timings[stage_id]
-        timing = timings.get(seq)
-        if timing is None:
-            timing = timings[seq] = _Timing()
-            if len(timings) > METRICS_WINDOW:
-                trim(timings)
-                trim(self.missing_after[stage_id])
-                trim(self.blockers[stage_id])
-        return timing
-
     # -- slots -------------------------------------------------------------
 
     def add_slot(self, seq: int, artifact: str, value: Any, consumers: tuple[str, ...], now: float, consumes: dict[str, frozenset[str]]) -> None:
@@ -225,7 +215,15 @@ class SessionRuntime:
                     present[seq] = count
                     continue
                 del present[seq]
-            timing = self.timing(stage_id, seq)
+            # the (stage, sequence) timing record: made here, when its inputs are all present
+            timings = self.timings[stage_id]
+            timing = timings.get(seq)
+            if timing is None:
+                timing = timings[seq] = _Timing()
+                if len(timings) > METRICS_WINDOW:
+                    trim(timings)
+                    trim(self.missing_after[stage_id])
+                    trim(self.blockers[stage_id])
             timing.inputs_ready_at = now
             self.lanes[stage_id].ready[seq] = timing
 
