@@ -36,24 +36,34 @@ class WaitQueue:
     A waiter counts itself in under the owner's lock before it checks its condition, so a
     change made after that (on any thread, under the same lock) sees it and wakes it, and
     one made before is seen by the check: no wake-up is lost, and a thread that finds
-    nobody waiting has nothing to hand to trio.
+    nobody waiting has nothing to hand to trio. Waiters park with trio's low-level
+    primitives directly (a ``ParkingLot`` does the same, with more Python per wake-up).
     """
 
-    __slots__ = ("_lot", "waiting")
+    __slots__ = ("_parked", "waiting")
 
     def __init__(self) -> None:
-        self._lot = trio.lowlevel.ParkingLot()
+        self._parked: dict[trio.lowlevel.Task, None] = {}  # in trio only
         self.waiting = 0  # changed under the owner's lock only
 
+    @trio.lowlevel.enable_ki_protection  # a KeyboardInterrupt must not leave a task listed that is not parked
     async def wait_until(self, lock: threading.Lock | threading.RLock, done: Callable[[], bool]) -> None:
         """Park until ``done()`` (called under ``lock``) is true; it may raise to stop the wait."""
         with lock:
             if done():
                 return  # the common case: no need to count in at all
             self.waiting += 1  # counted in the same locked region as the failed check: no wake-up is lost
+        parked = self._parked
+        task = trio.lowlevel.current_task()
+
+        def unlist(_: object) -> trio.lowlevel.Abort:  # cancelled while parked
+            del parked[task]
+            return trio.lowlevel.Abort.SUCCEEDED
+
         try:
             while True:
-                await self._lot.park()
+                parked[task] = None
+                await trio.lowlevel.wait_task_rescheduled(unlist)
                 with lock:
                     if done():
                         return
@@ -61,10 +71,15 @@ class WaitQueue:
             with lock:
                 self.waiting -= 1
 
+    @trio.lowlevel.enable_ki_protection
     def wake(self) -> None:
         """In trio: every parked waiter re-checks its condition."""
-        if self._lot:
-            self._lot.unpark_all()
+        parked = self._parked
+        if parked:
+            tasks = tuple(parked)
+            parked.clear()
+            for task in tasks:
+                trio.lowlevel.reschedule(task)
 
 
 class TrioInbox:
