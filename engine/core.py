@@ -163,7 +163,7 @@ class SchedulerCore:
                 dirty |= consumers_of[artifact]
             if seq > rt.highest_ingress:
                 rt.highest_ingress = seq
-            self._pump(dirty)
+            self._pump(dirty, now)
             return True
 
     async def push(self, rt: SessionRuntime, seq: int, artifacts: Mapping[str, Any]) -> None:
@@ -337,7 +337,7 @@ class SchedulerCore:
         finally:
             if rt.changed.waiting:
                 self._handoff.wake(rt.changed)
-            self._pump(self.graph.after_completion[stage_id])
+            self._pump(self.graph.after_completion[stage_id], now)
 
     def _count_unheld(self, rt: SessionRuntime | None, key: TaskKey) -> None:
         """Count a result that holds no reservation: why it no longer counts."""
@@ -404,12 +404,12 @@ class SchedulerCore:
 
     # == scheduling ===============================================================================
 
-    def _pump(self, stages: int) -> None:
+    def _pump(self, stages: int, now: float | None = None) -> None:
         """Admit ready work, looking only at the stages an event may have made admissible (a bit mask).
 
         Admitting a stage frees edge room, so its upstream producers are looked
         at again. Re-entrant calls (a completion inside ``submit``) fold into the
-        running pump.
+        running pump. ``now``: the caller's own time stamp, the admissions' too (else each takes one).
         """
         dirty = self._dirty = self._dirty | stages
         if self._pumping or not dirty:
@@ -425,16 +425,16 @@ class SchedulerCore:
                     # admitting may mark more stages (upstream room, a completion inside submit)
                     if len(turns) == 1:  # one session: no turns to take (most looks find nothing ready)
                         lane = turns[0]
-                        if lane.ready and try_admit(lane) and stage.max_in_flight_per_session > 1:
-                            while try_admit(lane):
+                        if lane.ready and try_admit(lane, now) and stage.max_in_flight_per_session > 1:
+                            while try_admit(lane, now):
                                 pass
                     elif turns:
-                        self._admit_in_turn(stage, turns)
+                        self._admit_in_turn(stage, turns, now)
                 dirty = self._dirty
         finally:
             self._pumping = False
 
-    def _admit_in_turn(self, stage: StageSpec, turns: deque[Lane]) -> None:
+    def _admit_in_turn(self, stage: StageSpec, turns: deque[Lane], now: float | None) -> None:
         """Admit the stage's ready work, session by session in turn (the pump checked it has room)."""
         stage_id = stage.stage_id
         try_admit = self._try_admit
@@ -444,10 +444,10 @@ class SchedulerCore:
         for lane in tuple(turns):
             if not lane.ready:
                 continue
-            if try_admit(lane):
+            if try_admit(lane, now):
                 served.append(lane)
                 if stage.max_in_flight_per_session > 1:  # else the session's one place is taken now
-                    while try_admit(lane):
+                    while try_admit(lane, now):
                         pass
             if by_stage[stage_id] >= limit:
                 break
@@ -461,7 +461,7 @@ class SchedulerCore:
             for stage in self.graph.scan_order
         )
 
-    def _try_admit(self, lane: Lane) -> bool:
+    def _try_admit(self, lane: Lane, now: float | None) -> bool:
         seq = lane.next_ready()  # the cheaper check first: most calls find nothing ready
         rt = lane.rt
         if seq is None or not rt.machine.starting_accepted_work:
@@ -484,7 +484,7 @@ class SchedulerCore:
         key = new_task_key((rt.session_id, rt.epoch, seq, stage_id, request))
         # everything the invocation holds is taken before submit: an actor may complete it inside submit
         inputs, timing = rt.take_inputs(stage_id, seq, stage.consumes)
-        timing.admitted_at = self._now()
+        timing.admitted_at = self._now() if now is None else now
         reservation = self._usage.take(rt.reservations, stage, key, timing)
         first = seq == 0 if lane.strict else not lane.taken  # the session's first call at this stage
         lane.taken.add(seq)
