@@ -32,18 +32,28 @@ async def read_client(
     max_data_message_bytes: int,
 ) -> None:
     """Read ``subscriber``'s messages until its socket ends: each passed to the worker and the room, or refused."""
+    message: str | bytes = ""
+    largest = max_data_message_bytes + ENVELOPE_BYTES
+
+    def refuse(reason: str, detail: str | None = None) -> None:
+        """Answer the message just read with why it was refused; reading it is paid for by its size."""
+        subscriber.refuse(reason, detail)
+        pace.refused(len(message))
+
     while True:
         await pace.take()  # a flood waits in its own socket, not in this server's event loop
         message = await receive()
         if isinstance(message, bytes):
-            subscriber.refuse("clients_publish_no_media")
+            refuse("clients_publish_no_media")
             continue
-        if len(message.encode("utf-8", "surrogatepass")) > max_data_message_bytes + ENVELOPE_BYTES:
-            subscriber.refuse("too_large", f"a data message's payload is at most {max_data_message_bytes} "
-                                           f"bytes (--max-data-message-bytes)")
+        # UTF-8 takes 1 to 4 bytes a character: only a text between a quarter of the bound and the bound is encoded
+        size = len(message)
+        if size > largest or (size * 4 > largest and len(message.encode("utf-8", "surrogatepass")) > largest):
+            refuse("too_large", f"a data message's payload is at most {max_data_message_bytes} "
+                                f"bytes (--max-data-message-bytes)")
             continue
         if not subscriber.can_publish_data:
-            subscriber.refuse("publish_data_not_allowed")
+            refuse("publish_data_not_allowed")
             continue
         try:
             # the envelope adds one level around the payload
@@ -54,16 +64,16 @@ async def read_client(
                 raise TypeError("topic must be a string")
         except json_limits.JsonRefused as exc:
             reason = "malformed_envelope" if exc.reason == "invalid_json" else exc.reason
-            subscriber.refuse(reason, exc.detail)
+            refuse(reason, exc.detail)
             continue
         except (KeyError, TypeError):
-            subscriber.refuse("malformed_envelope")
+            refuse("malformed_envelope")
             continue
         if (extra := extra_envelope_fields(envelope)) is not None:
-            subscriber.refuse("malformed_envelope", extra)
+            refuse("malformed_envelope", extra)
             continue
         if topic in SERVER_TOPICS:
-            subscriber.refuse("server_topic")
+            refuse("server_topic")
             continue
         raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
         # waits while the worker's inbox is full: the sender's next messages stay in its socket meanwhile
@@ -72,7 +82,7 @@ async def read_client(
                 _stalled_log.warning("room %s: %s's message on %r refused (worker_stalled): the worker took none of "
                                      "the room's messages within %g s", room.name, subscriber.identity, topic,
                                      WORKER_TAKE_TIMEOUT)
-            subscriber.refuse(why)
+            refuse(why)
             continue
         text = data_message(topic, raw, subscriber.identity, parsed=payload)
         room.broadcast_text(text, skip=subscriber.identity)

@@ -231,3 +231,32 @@ async def test_a_message_counts_once_for_each_participant_the_room_writes_it_to(
     # past the burst, every write but the last message's own is paid for before that message is read
     paced = (writes - FAN_OUT_VIEWERS - data_pace.DATA_BURST) / data_pace.DATA_MESSAGES_PER_SECOND
     assert taken >= paced, f"{writes} writes taken in {taken:.2f} s (virtual), under their pace ({paced:.2f} s)"
+
+
+REFUSED = 40  # messages the room refuses, each REFUSED_CHARS long: 2.4 M characters read, past the byte burst
+REFUSED_CHARS = 60_000
+
+
+@pytest.mark.usefixtures("no_threads")  # on the autojump clock a thread's real time would pass as virtual
+async def test_refused_messages_are_read_no_faster_than_their_size_allows(autojump_clock: Any) -> None:
+    """Messages the room refuses (here: text that is no JSON envelope, each under the size bound) cost the server
+    their reading: they are paid for by their size at the pace a sender's accepted text is, DATA_BYTES_PER_SECOND
+    past DATA_BYTE_BURST, so the last refusal comes no sooner than that allows (by message count alone, 40 such
+    messages were read at once: six senders of 1 MiB ones kept a quarter of a core busy). Virtual time."""
+    service = CounterService(fps=2, frames_per_chunk=1, size=(8, 8))
+    async with serve(settings(max_data_message_bytes=65_536), service) as served:
+        created = await served.create("ctl")
+        async with join(served, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "the session to run")
+            started = trio.current_time()
+            for _ in range(REFUSED):
+                await ctl.ws.send("x" * REFUSED_CHARS)
+            refusals = await ctl.wait_for(
+                lambda p: len(found := [m for m in p.texts() if m.get("type") == "refused"]) >= REFUSED and found,
+                "the refusals", timeout=600,
+            )
+            taken = trio.current_time() - started
+    assert {m["reason"] for m in refusals} == {"malformed_envelope"}
+    # every refused message but the last is paid for before the next is read
+    paced = ((REFUSED - 1) * REFUSED_CHARS - data_pace.DATA_BYTE_BURST) / data_pace.DATA_BYTES_PER_SECOND
+    assert taken >= paced, f"{REFUSED} refused messages read in {taken:.2f} s (virtual), under their pace ({paced:.2f} s)"
