@@ -35,15 +35,8 @@ from .errors import ActorBusyError, ActorFailedError, FatalStageError, StageCall
 from .threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, WaitQueue
 
 __all__ = [  # the protocol's names too: the engine and its users import them from here
-    "TaskKey",
-    "SessionContext",
-    "StageInvocation",
-    "ActorHealth",
-    "StageActor",
-    "STAGE_ACTOR_METHODS",
-    "LocalStageActor",
+    "TaskKey", "SessionContext", "StageInvocation", "ActorHealth", "StageActor", "STAGE_ACTOR_METHODS", "LocalStageActor",
 ]
-
 
 
 @attrs.define

@@ -46,6 +46,7 @@ from .reservations import UsageBook
 from .runtime import Lane, SessionRuntime
 from .spec import StageSpec
 from .threads import WaitQueue
+from .turns import admit_in_turn
 
 __all__ = ["SchedulerCore"]
 
@@ -429,31 +430,10 @@ class SchedulerCore:
                             while try_admit(lane, now):
                                 pass
                     elif turns:
-                        self._admit_in_turn(stage, turns, now)
+                        admit_in_turn(stage, turns, by_stage, functools.partial(try_admit, now=now))
                 dirty = self._dirty
         finally:
             self._pumping = False
-
-    def _admit_in_turn(self, stage: StageSpec, turns: deque[Lane], now: float | None) -> None:
-        """Admit the stage's ready work, session by session in turn (the pump checked it has room)."""
-        stage_id = stage.stage_id
-        try_admit = self._try_admit
-        by_stage = self._usage.by_stage
-        limit = stage.max_in_flight_global
-        served: list[Lane] = []
-        for lane in tuple(turns):
-            if not lane.ready:
-                continue
-            if try_admit(lane, now):
-                served.append(lane)
-                if stage.max_in_flight_per_session > 1:  # else the session's one place is taken now
-                    while try_admit(lane, now):
-                        pass
-            if by_stage[stage_id] >= limit:
-                break
-        for lane in served:  # round robin: who was served goes to the back
-            turns.remove(lane)
-            turns.append(lane)
 
     def _admissible(self, rt: SessionRuntime) -> bool:
         return any(
