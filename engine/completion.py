@@ -17,18 +17,32 @@ from .graph import StageGraph
 from .runtime import SessionRuntime
 from .spec import StageSpec
 
-__all__ = ["check_result", "record_result"]
+__all__ = ["read_result", "record_result"]
 
 
-def check_result(stage: StageSpec, seq: int, artifacts: Any) -> InvalidStageOutput | None:
-    """The error for a result that is not exactly the stage's produced artifacts (else None)."""
-    if (type(artifacts) is dict or isinstance(artifacts, Mapping)) and artifacts.keys() == stage.produces:
-        return None
-    # a careless handler's keys need not be strings, nor comparable with each other, nor printable
-    if isinstance(artifacts, Mapping):
-        got = "[" + ", ".join(sorted(map(shown, artifacts))) + "]"
-    else:
-        got = type(artifacts).__name__
+def read_result(stage: StageSpec, seq: int, artifacts: Any) -> dict[str, Any] | InvalidStageOutput:
+    """The result as a plain dict of exactly the stage's produced artifacts, or the error saying why it is not one.
+
+    A mapping other than a plain dict is read once, here (every key and value): one that cannot be read (a key
+    that is not hashable, a value whose lookup raises) fails its session like any other invalid result, rather
+    than raising where the scheduler records it.
+    """
+    try:  # (free in CPython 3.11 unless something raises)
+        plain = artifacts if type(artifacts) is dict else dict(artifacts) if isinstance(artifacts, Mapping) else None
+        if plain is None:
+            return _invalid(stage, seq, type(artifacts).__name__)
+        if plain.keys() == stage.produces:
+            return plain
+        # a careless handler's keys need not be strings, nor comparable with each other, nor printable
+        got = "[" + ", ".join(sorted(map(shown, plain))) + "]"
+    except Exception as exc:
+        error = _invalid(stage, seq, f"a {type(artifacts).__name__} that could not be read ({type(exc).__name__}: {exc})")
+        error.__cause__ = exc
+        return error
+    return _invalid(stage, seq, got)
+
+
+def _invalid(stage: StageSpec, seq: int, got: str) -> InvalidStageOutput:
     return InvalidStageOutput(
         f"stage {stage.stage_id!r} returned {got} for sequence {seq}; it must return exactly {sorted(stage.produces)}"
     )

@@ -36,7 +36,7 @@ from .actor_failures import ActorFailures
 from .actor_protocol import new_invocation, new_task_key
 from .actors import StageActor, StageInvocation, TaskKey
 from .blockers import ACTOR_BUSY, Blocker, first_blocker
-from .completion import check_result, record_result
+from .completion import read_result, record_result
 from .errors import ActorBusyError, SessionExistsError, shown
 from .graph import StageGraph
 from .handoff import CoreCompletion, Leftovers, TrioHandoff
@@ -330,10 +330,10 @@ class SchedulerCore:
                 self._failures.call_failed(rt, stage_id, error)
             elif rt.machine.starting_accepted_work:  # else cancelled or failed meanwhile: the result is dropped
                 stage = self.graph.stages[stage_id]
-                invalid = check_result(stage, key.sequence_id, value)
-                if invalid is not None:
-                    self._fail(rt, invalid)
-                elif record_result(self.graph, rt, stage, key.sequence_id, value, now) and rt.emitted.waiting:
+                result = read_result(stage, key.sequence_id, value)
+                if type(result) is not dict:
+                    self._fail(rt, result)
+                elif record_result(self.graph, rt, stage, key.sequence_id, result, now) and rt.emitted.waiting:
                     self._handoff.wake(rt.emitted)
         finally:
             if rt.changed.waiting:

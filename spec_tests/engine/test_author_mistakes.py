@@ -8,6 +8,7 @@ may outlast its deadline (the stuck thread is left to itself; the process can st
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 import pytest
 import trio
@@ -29,6 +30,27 @@ from states.pipeline_session import State
 from .actor_helpers import SPEC, join_thread, render
 
 
+class _LookupFails(Mapping):
+    """A result whose keys are right and whose value cannot be read (it once crashed the trio run: the scheduler
+    raised where it recorded the result, and on a stage's thread that is a TrioInternalError)."""
+
+    def __getitem__(self, key):
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(["latent"])
+
+    def __len__(self):
+        return 1
+
+
+class _UnhashableKey(_LookupFails):
+    def __getitem__(self, key):
+        return 1
+
+    def __iter__(self):
+        return iter([["latent"]])
+
 
 @pytest.mark.parametrize(
     ("handler", "named"),
@@ -39,8 +61,13 @@ from .actor_helpers import SPEC, join_thread, render
         # keys that do not compare with each other, or are too long to print, once crashed the trio run
         (lambda inv: {"latent": 1, 7: 2}, "InvalidStageOutput: stage 'dynamics' returned ['latent', 7]"),
         (lambda inv: {10**5000: 1}, "InvalidStageOutput: stage 'dynamics' returned [<an int of 16610 bits>]"),
+        (lambda inv: _LookupFails(), "InvalidStageOutput: stage 'dynamics' returned a _LookupFails that could not be "
+                                     "read (KeyError: 'latent')"),
+        (lambda inv: _UnhashableKey(), "InvalidStageOutput: stage 'dynamics' returned a _UnhashableKey that could not "
+                                       "be read (TypeError: unhashable type: 'list')"),
     ],
-    ids=["raises", "wrong_type", "misspelled_artifact", "mixed_key_types", "unprintable_key"],
+    ids=["raises", "wrong_type", "misspelled_artifact", "mixed_key_types", "unprintable_key", "value_lookup_fails",
+         "unhashable_key"],
 )
 async def test_pushing_to_a_session_a_stage_failed_names_the_stage_s_error(handler, named):
     actors = {"dynamics": LocalStageActor(handler), "render": LocalStageActor(render)}
@@ -60,7 +87,10 @@ async def test_pushing_to_a_session_a_stage_failed_names_the_stage_s_error(handl
             assert isinstance(s.error, InvalidStageOutput)
 
 
-@pytest.mark.parametrize("result", [{"latent": 1, 7: 2}, {10**5000: 1}], ids=["mixed_key_types", "unprintable_key"])
+@pytest.mark.parametrize(
+    "result", [{"latent": 1, 7: 2}, {10**5000: 1}, _LookupFails(), _UnhashableKey()],
+    ids=["mixed_key_types", "unprintable_key", "value_lookup_fails", "unhashable_key"],
+)
 async def test_an_async_stage_returning_odd_keys_fails_only_its_session(result):
     async def dynamics(invocation):
         return result
@@ -73,7 +103,7 @@ async def test_an_async_stage_returning_odd_keys_fails_only_its_session(result):
             await s.wait_settled()
         assert s.status is State.FAILED
         assert isinstance(s.error, InvalidStageOutput)
-        assert "stage 'dynamics' returned [" in str(s.error)
+        assert "stage 'dynamics' returned " in str(s.error) and "for sequence 0" in str(s.error)
         assert orch.diagnostics().slot_leaks == 0
         other = orch.create_session("b")  # the orchestrator keeps working
         assert other.try_push(0, {"control": 1})
