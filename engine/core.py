@@ -106,6 +106,13 @@ class SchedulerCore:
             first_blocker, graph, self._usage, self._group_limit
         )
         self._failures = ActorFailures(self._actors, self._sessions.values, self._fail)
+        # stage -> the stages a completion there may unblock: its own, its consumers' (graph.after_completion) and
+        # every stage its actor also serves (the call freed a place in that actor's mailbox: one refused busy waits)
+        self._after_completion = {
+            stage_id: mask | sum(graph.bit[other] for other, actor in self._actors.items()
+                                 if actor is self._actors[stage_id] and other != stage_id)
+            for stage_id, mask in graph.after_completion.items()
+        }
         self.completion = CoreCompletion(self)
 
     # == interface: sessions ===============================================================
@@ -338,7 +345,7 @@ class SchedulerCore:
         finally:
             if rt.changed.waiting:
                 self._handoff.wake(rt.changed)
-            self._pump(self.graph.after_completion[stage_id], now)
+            self._pump(self._after_completion[stage_id], now)
 
     def _count_unheld(self, rt: SessionRuntime | None, key: TaskKey) -> None:
         """Count a result that holds no reservation: why it no longer counts."""

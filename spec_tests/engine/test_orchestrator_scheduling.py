@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import trio
 
-from engine import Blocker, EdgeSpec, PipelineSpec, ResourceGroupSpec, StageOrdering, StageSpec
+from engine import (
+    Blocker, EdgeSpec, LocalStageActor, PipelineSpec, ResourceGroupSpec, StageOrdering, StageSpec, open_orchestrator,
+)
 
 from .conftest import (
     Recorder,
@@ -376,3 +378,48 @@ async def test_idle_interval_reports_the_blocker_when_inputs_were_ready(orch, re
     assert (second.sequence_id, second.reason) == (2, "output_capacity:frames")
     assert second.idle_seconds == pytest.approx(0.25)
     assert second.missing_inputs == ()
+
+
+# -- one actor serving several stages ---------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+async def test_an_actor_serving_two_stages_runs_every_session_to_its_end(is_async):
+    """One actor for two stages, several sessions, every input pushed at once: the actor's mailbox fills with one
+    stage's calls, so the other's are refused busy, and each must be offered again once a call of either stage
+    frees a place (retried only when its own stage finished a call, every session stopped after its first output)."""
+    chunks, sessions = 6, 3
+    spec = PipelineSpec(
+        stages=(StageSpec("a", {"x"}, {"y"}, max_in_flight_global=3), StageSpec("b", {"y"}, {"z"}, max_in_flight_global=3)),
+        edges=(EdgeSpec("x", "a", None, chunks), EdgeSpec("y", "b", "a", 1)),
+        output_artifacts={"z"},
+        output_capacity_per_session=chunks,
+    )
+
+    def step(invocation):
+        return {"y": invocation.inputs["x"]} if invocation.key.stage_id == "a" else {"z": invocation.inputs["y"]}
+
+    async def async_step(invocation):
+        return step(invocation)
+
+    actor = LocalStageActor(async_step if is_async else step)
+    async with open_orchestrator(spec, {"a": actor, "b": actor}) as orch:
+        handles = [orch.create_session(f"s{index}", final_sequence_id=chunks - 1) for index in range(sessions)]
+        for handle in handles:
+            for seq in range(chunks):
+                assert handle.try_push(seq, {"x": seq})
+        read: dict[str, list[int]] = {handle.session_id: [] for handle in handles}
+
+        async def reader(handle) -> None:
+            async for seq, outputs in handle.outputs():
+                assert outputs == {"z": seq}
+                read[handle.session_id].append(seq)
+
+        with trio.fail_after(30):  # the calls take no time: only a stall reaches it
+            async with trio.open_nursery() as nursery:
+                for handle in handles:
+                    nursery.start_soon(reader, handle)
+            await orch.barrier()
+        assert read == {handle.session_id: list(range(chunks)) for handle in handles}
+        for handle in handles:
+            await handle.aclose()
