@@ -209,6 +209,18 @@ class SchedulerCore:
             self._pump(self.graph.output_producers)
             return items
 
+    def next_output(self, rt: SessionRuntime) -> tuple[int, dict[str, Any]] | None:
+        """The oldest output not yet taken, or None: one at a time, so a reader that stops keeps none it never got."""
+        with self.lock:
+            outputs = rt.outputs
+            if not outputs:
+                return None
+            item = outputs.popleft()
+            if rt.changed.waiting:  # output room freed: a drain may proceed
+                self._handoff.wake(rt.changed)
+            self._pump(self.graph.output_producers)
+            return item
+
     @_locked
     def busy(self, rt: SessionRuntime) -> bool:
         """Something of the session runs, or could start now (backpressured work cannot)."""

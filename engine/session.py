@@ -140,7 +140,8 @@ class Session:
         A failed session's outputs end too (they do not raise): ``error`` then says why,
         e.g. the stage's exception or the :class:`~engine.errors.InvalidStageOutput`.
         One task reads them: a second that comes to wait while another waits is an ``OutputsBusyError``
-        (each took what the other never saw).
+        (each took what the other never saw). Each output is taken as it is yielded: leaving the loop (``break``, a
+        cancel) leaves the ones not yet yielded for the next read.
         """
         self._here("outputs")
         rt = self._runtime
@@ -159,10 +160,10 @@ class Session:
             return False
 
         while True:
-            items = self._core.poll_outputs(rt)
-            for item in items:
+            # one at a time: a reader that breaks out or is cancelled leaves the rest for the next read
+            item = self._core.next_output(rt)
+            if item is not None:
                 yield item
-            if items:
                 continue
             if rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING:
                 return

@@ -3,6 +3,7 @@ backpressure, references after a call, long-session metrics, actors that complet
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -115,6 +116,28 @@ async def test_barrier_returns_while_a_full_edge_holds_ready_work(orch, rec, aut
         await orch.barrier()
     assert rec.calls_of("encode", "a") == [0, 1]
     assert str(s.blocker("encode", 2)) == "edge_capacity:condition->denoise"
+
+
+@pytest.mark.parametrize("leave", ["break", "cancel"])
+async def test_a_reader_that_leaves_its_outputs_loop_leaves_the_rest_for_the_next_read(leave, rec, autojump_clock):
+    """``outputs()`` takes each output as it yields it: a reader that breaks out after the first (or is cancelled
+    in its loop's body) leaves the others queued (they were taken as a batch and lost with the abandoned loop)."""
+    async with running(rec, canonical_spec(output_capacity=4)) as orch:
+        s = orch.create_session("a")
+        for seq in range(4):
+            await s.push(seq, chunk(seq))
+        with trio.fail_after(5):
+            await orch.barrier()
+        first = []
+        with trio.move_on_after(1):
+            async with contextlib.aclosing(s.outputs()) as outputs:
+                async for seq, _ in outputs:
+                    first.append(seq)
+                    if leave == "break":
+                        break
+                    await trio.sleep(5)  # cancelled here, in the loop's body, holding output 0
+        assert first == [0]
+        assert [seq for seq, _ in s.poll_outputs()] == [1, 2, 3]
 
 
 # -- references after a call ------------------------------------------------------------------------
