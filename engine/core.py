@@ -37,10 +37,10 @@ from .actor_protocol import new_invocation, new_task_key
 from .actors import StageActor, StageInvocation, TaskKey
 from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import read_result, record_result
-from .errors import ActorBusyError, SessionExistsError, shown
+from .errors import ActorBusyError, SessionExistsError
 from .graph import StageGraph
 from .handoff import CoreCompletion, Leftovers, TrioHandoff
-from .ingress import check_final_sequence, check_ingress, has_room, ingress_names, is_sequence_id
+from .ingress import check_final_sequence, check_ingress, has_room, refuse_never_pushable, room_query
 from .metrics import Diagnostics
 from .reservations import UsageBook
 from .runtime import Lane, SessionRuntime
@@ -108,11 +108,8 @@ class SchedulerCore:
         self._failures = ActorFailures(self._actors, self._sessions.values, self._fail)
         # stage -> the stages a completion there may unblock: its own, its consumers' (graph.after_completion) and
         # every stage its actor also serves (the call freed a place in that actor's mailbox: one refused busy waits)
-        self._after_completion = {
-            stage_id: mask | sum(graph.bit[other] for other, actor in self._actors.items()
-                                 if actor is self._actors[stage_id] and other != stage_id)
-            for stage_id, mask in graph.after_completion.items()
-        }
+        shared = graph.sharing(self._actors)
+        self._after_completion = {stage_id: mask | shared[stage_id] for stage_id, mask in graph.after_completion.items()}
         self.completion = CoreCompletion(self)
 
     # == interface: sessions ===============================================================
@@ -182,13 +179,13 @@ class SchedulerCore:
         await queue.wait_until(self.lock, done)
 
     @_locked
-    def has_room(self, rt: SessionRuntime, artifacts: Iterable[str], seq: int | None = None) -> bool:
-        names = ingress_names(artifacts)
-        unknown = [shown(a) for a in names if a not in self.graph.ingress]
-        if unknown:
-            raise ValueError(f"not ingress artifacts: [{', '.join(unknown)}] (ingress: {sorted(self.graph.ingress)})")
-        if seq is not None and not is_sequence_id(seq):
-            raise ValueError(f"sequence_id must be an int in 0..2**63-1, got {shown(seq)}")
+    def has_room(self, rt: SessionRuntime, artifacts: Iterable[str], seq: int | None = None, *,
+                 refuse_never: bool = False) -> bool:
+        """Whether the named ingress artifacts have room (for ``seq``); ``refuse_never``: raise as a push would if a
+        push of them for ``seq`` could never be admitted (a wait for its room would not end)."""
+        names = room_query(self.graph, artifacts, seq)
+        if refuse_never and seq is not None:
+            refuse_never_pushable(self.graph, rt, names, seq)
         return rt.admitting and has_room(self.graph, rt, names, seq)
 
     @_locked
@@ -198,28 +195,22 @@ class SchedulerCore:
             self._wake(*rt.everyone)
             self._pump(self.graph.all_stages)
 
-    def poll_outputs(self, rt: SessionRuntime) -> list[tuple[int, dict[str, Any]]]:
+    def take_outputs(self, rt: SessionRuntime, most: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+        """The outputs not yet taken, oldest first: all of them, or at most ``most`` (a reader taking one at a time
+        leaves, when it stops, none it never got)."""
         with self.lock:
             outputs = rt.outputs
             if not outputs:
                 return []
-            items = list(outputs)
-            outputs.clear()
-            self._wake(rt.changed)  # output room freed: a drain may proceed
-            self._pump(self.graph.output_producers)
-            return items
-
-    def next_output(self, rt: SessionRuntime) -> tuple[int, dict[str, Any]] | None:
-        """The oldest output not yet taken, or None: one at a time, so a reader that stops keeps none it never got."""
-        with self.lock:
-            outputs = rt.outputs
-            if not outputs:
-                return None
-            item = outputs.popleft()
+            if most is None or most >= len(outputs):
+                items = list(outputs)
+                outputs.clear()
+            else:
+                items = [outputs.popleft() for _ in range(most)]
             if rt.changed.waiting:  # output room freed: a drain may proceed
                 self._handoff.wake(rt.changed)
             self._pump(self.graph.output_producers)
-            return item
+            return items
 
     @_locked
     def busy(self, rt: SessionRuntime) -> bool:

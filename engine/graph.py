@@ -7,6 +7,8 @@ never walks the spec.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 
 from .blockers import Blocker
@@ -95,6 +97,13 @@ class StageGraph:
                 a: tuple((t, (a, t), capacity[(a, t)]) for t in targets.get(a, ())) for a in spec.ingress_artifacts
             },
         )
+
+    def sharing(self, owners: Mapping[str, object]) -> dict[str, int]:
+        """stage -> the other stages whose owner (in ``owners``, e.g. their actors) is the same object (bit mask)."""
+        return {
+            stage_id: sum(self.bit[other] for other, owner in owners.items() if owner is owners[stage_id] and other != stage_id)
+            for stage_id in self.stage_ids
+        }
 
     def consumers(self, artifacts: object) -> set[str]:
         """Every stage that consumes one of ``artifacts``."""

@@ -19,7 +19,7 @@ from .graph import StageGraph
 from .runtime import SessionRuntime
 
 __all__ = [
-    "check_ingress", "has_room", "check_final_sequence", "check_final_sequence_id", "ingress_names",
+    "check_ingress", "has_room", "refuse_never_pushable", "room_query", "check_final_sequence", "check_final_sequence_id", "ingress_names",
     "is_sequence_id", "as_sequence_id", "refused_input", "MAX_SEQUENCE_ID",
 ]
 
@@ -48,9 +48,7 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
     if not artifacts:
         raise IngressRefused("ingress needs at least one artifact")
     if rt.final_sequence_id is not None and seq > rt.final_sequence_id:
-        raise IngressRefused(
-            f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}"
-        )
+        raise _past_final(rt, seq)
     ingress_edges, slots, lanes, occupancy = graph.ingress_edges, rt.slots, rt.lanes, rt.occupancy
     fits = True
     for artifact in artifacts:
@@ -58,18 +56,43 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
         if edges is None:
             raise IngressRefused(f"{shown(artifact)} is not an ingress artifact (ingress: {sorted(graph.ingress)})")
         if (seq, artifact) in slots:
-            raise IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
+            raise _buffered(rt, artifact, seq)
         for stage_id, edge, limit in edges:
             taken = lanes[stage_id].taken
             if seq < taken.below or seq in taken.beyond:  # ``seq in taken``, without a call: asked for every push
-                raise IngressRefused(
-                    f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
-                    f"so {artifact!r} for it would never be consumed"
-                )
+                raise _taken(rt, stage_id, artifact, seq)
             held = occupancy.get(edge, 0)  # a plain get: Counter's missing-key hook is Python
             if held >= limit or (held + 1 == limit and seq != lowest_missing(rt, artifact, stage_id)):
                 fits = False
     return fits
+
+
+def refuse_never_pushable(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str], seq: int) -> None:
+    """Raise if a push of ``artifacts`` for ``seq`` could never be admitted (past the final sequence, buffered
+    already, or taken by a stage already), as :func:`check_ingress` would: a wait for its room would never end."""
+    if rt.final_sequence_id is not None and seq > rt.final_sequence_id:
+        raise _past_final(rt, seq)
+    for artifact in artifacts:
+        if (seq, artifact) in rt.slots:
+            raise _buffered(rt, artifact, seq)
+        for stage_id, _edge, _limit in graph.ingress_edges.get(artifact, ()):
+            if seq in rt.lanes[stage_id].taken:
+                raise _taken(rt, stage_id, artifact, seq)
+
+
+def _past_final(rt: SessionRuntime, seq: int) -> IngressRefused:
+    return IngressRefused(f"session {rt.session_id!r}: sequence {seq} is past the final sequence {rt.final_sequence_id}")
+
+
+def _buffered(rt: SessionRuntime, artifact: str, seq: int) -> IngressRefused:
+    return IngressRefused(f"session {rt.session_id!r}: {artifact!r} for sequence {seq} is already buffered")
+
+
+def _taken(rt: SessionRuntime, stage_id: str, artifact: str, seq: int) -> IngressRefused:
+    return IngressRefused(
+        f"session {rt.session_id!r}: stage {stage_id!r} has already taken sequence {seq}, "
+        f"so {artifact!r} for it would never be consumed"
+    )
 
 
 def lowest_missing(rt: SessionRuntime, artifact: str, stage_id: str) -> int:
@@ -123,6 +146,17 @@ def ingress_names(artifacts: Iterable[str]) -> tuple[str, ...]:
         return tuple(artifacts)  # each one not an ingress artifact is named by the caller's check
     except TypeError:
         raise ValueError(f"artifacts must be an artifact name or names, got {type(artifacts).__name__}") from None
+
+
+def room_query(graph: StageGraph, artifacts: Iterable[str], seq: int | None) -> tuple[str, ...]:
+    """The artifact names a room query asks about, checked: each an ingress artifact, ``seq`` a sequence id."""
+    names = ingress_names(artifacts)
+    unknown = [shown(a) for a in names if a not in graph.ingress]
+    if unknown:
+        raise ValueError(f"not ingress artifacts: [{', '.join(unknown)}] (ingress: {sorted(graph.ingress)})")
+    if seq is not None and not is_sequence_id(seq):
+        raise ValueError(f"sequence_id must be an int in 0..2**63-1, got {shown(seq)}")
+    return names
 
 
 def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str], seq: int | None = None) -> bool:

@@ -108,13 +108,15 @@ class Session:
 
     async def wait_for_room(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> None:
         """Wait until every named ingress artifact has room, for ``sequence_id`` if given (as :meth:`can_push`);
-        raises if the session stops admitting."""
+        raises if the session stops admitting, and, for a ``sequence_id``, as :meth:`push` would once a push of
+        those artifacts for it could never be admitted (past the final sequence, buffered or taken already)."""
         self._here("wait_for_room")
         names = ingress_names(artifacts)
         rt = self._runtime
+        seq = None if sequence_id is None else as_sequence_id(sequence_id)
 
         def room() -> bool:
-            if self.can_push(names, sequence_id=sequence_id):
+            if self._core.has_room(rt, names, seq, refuse_never=True):
                 return True
             if not rt.admitting:
                 raise refused_input(rt)
@@ -132,7 +134,7 @@ class Session:
     def poll_outputs(self) -> list[tuple[int, dict[str, Any]]]:
         """Every output emitted so far and not yet taken, in sequence order (never waits)."""
         self._here("poll_outputs")
-        return self._core.poll_outputs(self._runtime)
+        return self._core.take_outputs(self._runtime)
 
     async def outputs(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Yield ``(sequence_id, {artifact: value})`` in order until the session has no more.
@@ -161,9 +163,9 @@ class Session:
 
         while True:
             # one at a time: a reader that breaks out or is cancelled leaves the rest for the next read
-            item = self._core.next_output(rt)
-            if item is not None:
-                yield item
+            taken = self._core.take_outputs(rt, 1)
+            if taken:
+                yield taken[0]
                 continue
             if rt.all_emitted or rt.machine.is_terminal or rt.state not in EMITTING:
                 return

@@ -357,6 +357,45 @@ async def test_a_push_ahead_of_a_missing_sequence_leaves_the_last_place_to_it(or
     assert [seq async for seq, _ in s.outputs()] == [0, 1, 2, 3]
 
 
+async def test_a_wait_for_room_for_a_push_that_could_never_be_admitted_is_refused_as_the_push(orch, rec):
+    """Past the final sequence, buffered already, or taken by a stage already: the push is refused at once, and so
+    is a wait for its room (it waited for ever; can_push, a pure query, says False). A parked wait is refused once
+    finish_inputs makes its sequence one past the end."""
+    s = orch.create_session("a", final_sequence_id=2)
+    await s.push(0, chunk(0))
+    await s.push(1, {"control": "c1"})
+    with trio.fail_after(5):
+        await orch.barrier()  # sequence 0 taken by every stage; control 1 buffered, waiting for its condition
+    for artifacts, seq, named in [
+        (["image"], 3, "past the final sequence 2"),
+        (["control"], 1, "'control' for sequence 1 is already buffered"),
+        (["image", "control"], 0, "has already taken sequence 0"),
+    ]:
+        with pytest.raises(IngressRefused, match=named):
+            await s.push(seq, {name: seq for name in artifacts})
+        with pytest.raises(IngressRefused, match=named), trio.fail_after(5):
+            await s.wait_for_room(artifacts, sequence_id=seq)
+    t = orch.create_session("b")
+    for seq in range(4):  # no control: encode's conditions fill their edge, then images fill theirs
+        await t.push(seq, {"image": seq})
+    with trio.fail_after(5):
+        await orch.barrier()
+    refused = []
+
+    async def wait_for_sequence_5() -> None:
+        with pytest.raises(IngressRefused, match="past the final sequence 4") as error:
+            await t.wait_for_room(["image"], sequence_id=5)
+        refused.append(error.value)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_for_sequence_5)
+            await settle()
+            assert not refused
+            t.finish_inputs(4)
+    assert refused
+
+
 async def _push_in_order_given(order: list[int], capacity: int, any_order_encode: bool) -> list[int]:
     """Each push in its own task, started in ``order``; the sequences output, or TooSlowError on a deadlock."""
     encode = {}
