@@ -181,7 +181,11 @@ class RemoteError:
 def remote_error(exc: BaseException) -> RemoteError:
     """Describe ``exc`` for the parent; call it inside the ``except`` block (for the traceback)."""
     kind = type(exc)
-    return RemoteError(f"{kind.__module__}.{kind.__qualname__}", str(exc), traceback.format_exc())
+    try:
+        message = str(exc)
+    except Exception as unprintable:  # a careless exception's __str__: the call fails, not the rank
+        message = f"<the {kind.__name__}'s str() raised {type(unprintable).__name__}>"
+    return RemoteError(f"{kind.__module__}.{kind.__qualname__}", message, traceback.format_exc())
 
 
 # -- parent to child ---------------------------------------------------------------------------

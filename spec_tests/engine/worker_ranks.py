@@ -47,6 +47,10 @@ class EchoRank:
         if self.rank == 1 or self.world_size == 1:
             raise ValueError(message)
 
+    def boom_unprintable(self) -> None:
+        """Raise an exception whose ``str()`` raises too."""
+        raise _Unprintable()
+
     def crash(self, code: int, rank: int = 0) -> None:
         if self.rank == rank:
             os._exit(code)
@@ -57,6 +61,11 @@ class EchoRank:
 
     def unpicklable(self) -> Any:
         return lambda: None
+
+
+class _Unprintable(RuntimeError):
+    def __str__(self) -> str:
+        raise ValueError("no words for it")
 
 
 class StubbornRank(EchoRank):
