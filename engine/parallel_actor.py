@@ -178,9 +178,15 @@ class ParallelWorkerStageActor:
         await self._inner.barrier()
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
-        if self._close_worker and not getattr(self.worker, "closed", False):
-            await trio.to_thread.run_sync(self.worker.close)
+        """Close the actor, then the group it owns, even when the caller's deadline cuts the actor's close short (a
+        call that never returns): the group's own close is bounded, and it ends that call. (Its ranks were left
+        running, the actor's thread blocked in the call, for as long as the process lived.)"""
+        try:
+            await self._inner.aclose()
+        finally:
+            if self._close_worker and not getattr(self.worker, "closed", False):
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.worker.close)
 
     @property
     def thread_ident(self) -> int | None:

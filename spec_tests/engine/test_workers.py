@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import trio
 
-from engine import EdgeSpec, ParallelWorkerStageActor, PipelineSpec, StageSpec, open_orchestrator
+from engine import (
+    EdgeSpec, OrchestratorCloseError, ParallelWorkerStageActor, PipelineSpec, StageSpec, open_orchestrator,
+)
 from engine.supervisor import ChildExit, ChildSpec, Supervisor
 from engine.worker_child import child_main
 from engine.workers import (
@@ -362,3 +364,38 @@ async def test_killing_a_rank_mid_run_fails_the_actor_and_the_session():
             assert f"rank 1 (pid {pid}) exited unexpectedly with code -9" in health.failure_reason
     assert group.closed  # the actor closed the group it owns
     assert_no_children(group.pids)
+
+
+async def test_an_orchestrator_closed_past_its_deadline_still_closes_the_group_its_actor_owns():
+    """A rank call that never returns and an orchestrator's close_timeout that passes: the close is cut short with
+    an OrchestratorCloseError, and the actor still closes its group (bounded: its close_timeout, then a kill), which
+    ends the call; the ranks, the actor's thread and the group's were left running for as long as the process lived."""
+    spec = PipelineSpec(
+        stages=[StageSpec("denoise", {"x"}, {"y"})],
+        edges=[EdgeSpec("x", "denoise", None, 2)],
+        output_artifacts={"y"},
+    )
+    group = ProcessWorkerGroup(f"{RANKS}:EchoRank", world_size=2, close_timeout=1.0, kill_grace=0.5)
+    await trio.to_thread.run_sync(group.start)
+    token = trio.lowlevel.current_trio_token()
+    calling = trio.Event()
+
+    def input_builder(inv: Any) -> tuple[tuple, dict]:  # on the actor's thread, as the call starts
+        token.run_sync_soon(calling.set)
+        return (), {}
+
+    actor = ParallelWorkerStageActor(
+        group, "block", name="denoise", input_builder=input_builder, output_builder=lambda result, inv: {"y": result},
+    )
+    with trio.fail_after(30):
+        with pytest.raises(OrchestratorCloseError):
+            async with open_orchestrator(spec, {"denoise": actor}, close_timeout=1) as orch:
+                session = orch.create_session("s1")
+                await session.push(0, {"x": 1})
+                await calling.wait()
+    assert group.closed and group.processes_released
+    assert_no_children(group.pids)
+    deadline = time.monotonic() + 10
+    while left := [t.name for t in threading.enumerate() if t.name == "denoise" or t.name.startswith("workers")]:
+        assert time.monotonic() < deadline, left  # the actor's thread and the group's end with the call
+        await trio.sleep(0.05)  # bench-cost: real-time poll for threads to end, bounded by a deadline
