@@ -24,7 +24,8 @@ Ownership and lifecycle
   it. Nothing is created, mapped or pickled per transfer. At most
   ``MAX_PROFILES`` CPU profiles are pooled; a new one evicts the least recently
   used profile (waiting, bounded, until its slots are released), and the
-  producer unlinks the evicted segments.
+  producer unlinks the evicted segments. So one send carries at most
+  ``MAX_PROFILES`` CPU tensors (and as many CUDA ones): more is a ValueError.
 * **Consumers** attach to segments by name (once) and only detach (``detach()``).
   Nothing here registers with multiprocessing's resource tracker: the segment
   lifetimes are explicit, so children never unlink what the parent owns.
@@ -275,6 +276,14 @@ class WorkerTensorChannel(ConsumerSide):
         if not leaves:
             return tree
         dims = [self._check_leaf(i, t) for i, t in enumerate(leaves)]
+        # each tensor of a transfer needs a pooled profile of its own: with more than the pool holds, the send would
+        # wait to evict a profile this same transfer filled (until its timeout, 600 s by default)
+        on_cuda = sum(1 for t in leaves if t.is_cuda)
+        if max(on_cuda, len(leaves) - on_cuda) > MAX_PROFILES:
+            raise ValueError(
+                f"tensors: one send carries at most {MAX_PROFILES} CPU and {MAX_PROFILES} CUDA tensors, got "
+                f"{len(leaves) - on_cuda} and {on_cuda}; send fewer, larger ones (stack them) or use several sends"
+            )
         words = self.control_words()
         pid = os.getpid()
         if words[ControlLayout.PRODUCER] not in (0, pid):

@@ -303,6 +303,20 @@ def test_profiles_beyond_the_pool_evict_the_oldest(open_channel):
     assert consumer.call("receive", cid, producer.call("send", cid, again), 0)[0] == expected(again)
 
 
+def test_a_send_of_more_tensors_than_the_pool_holds_is_refused_at_once():
+    """Each tensor of a send takes a pooled profile of its own: a ninth waited to evict one its own transfer had
+    filled, until the channel's timeout (600 s by default). It is a ValueError before anything is written, and the
+    channel goes on (the producer and consumer in one process, as tests may)."""
+    with WorkerTensorChannel(1, timeout=60) as channel:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=f"at most {MAX_PROFILES} CPU .* got {MAX_PROFILES + 1} and 0"):
+            channel.send([torch.full((4,), float(k)) for k in range(MAX_PROFILES + 1)])
+        assert time.monotonic() - start < 5
+        tensors = [torch.full((4,), float(k)) for k in range(MAX_PROFILES)]
+        received = channel.receive(channel.send(tensors), rank=0)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, received))
+
+
 def test_close_unlinks_every_segment_and_refuses_use(open_channel):
     channel, producer, (consumer,) = open_channel(1, timeout=5)
     refs = producer.call("send", channel.channel_id, [("T", (5,), "float32", 60), ("T", (2, 2), "int64", 61)])
