@@ -56,6 +56,7 @@ from .spec import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageOrdering, Stag
 from .workers import (
     ProcessWorkerGroup,
     WorkerCallError,
+    WorkerFatalCallError,
     WorkerGroupClosed,
     WorkerGroupError,
     WorkerGroupFailed,
@@ -74,6 +75,6 @@ __all__ = [
     "CapacityPlan", "DeviceMemorySnapshot", "InsufficientMemoryError", "SessionCapacityPolicy",
     "SessionMemoryBudget", "calculate_session_capacity", "capture_memory_snapshot",
     "SlotPool", "SlotPoolFullError", "SlotReleaseError",
-    "ProcessWorkerGroup", "WorkerCallError", "WorkerGroupClosed", "WorkerGroupError", "WorkerGroupFailed",
-    "WorkerStartupError",
+    "ProcessWorkerGroup", "WorkerCallError", "WorkerFatalCallError", "WorkerGroupClosed", "WorkerGroupError",
+    "WorkerGroupFailed", "WorkerStartupError",
 ]

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from .errors import EngineError
+from .errors import EngineError, FatalStageError
 from .tensor_channel_refs import WorkerTensorRef
 
 __all__ = [
@@ -171,11 +171,13 @@ def release_shared(shared: bytes, fetched: frozenset[int] | set[int] = frozenset
 
 @attrs.frozen
 class RemoteError:
-    """An exception raised in a rank: its qualified type name, message and traceback text."""
+    """An exception raised in a rank: its qualified type name, message and traceback text, and whether it is a
+    :class:`~engine.errors.FatalStageError` (the rank's stage can take no more work: the parent says so too)."""
 
     type_name: str
     message: str
     traceback: str
+    fatal: bool = False
 
 
 def remote_error(exc: BaseException) -> RemoteError:
@@ -185,7 +187,8 @@ def remote_error(exc: BaseException) -> RemoteError:
         message = str(exc)
     except Exception as unprintable:  # a careless exception's __str__: the call fails, not the rank
         message = f"<the {kind.__name__}'s str() raised {type(unprintable).__name__}>"
-    return RemoteError(f"{kind.__module__}.{kind.__qualname__}", message, traceback.format_exc())
+    return RemoteError(f"{kind.__module__}.{kind.__qualname__}", message, traceback.format_exc(),
+                       isinstance(exc, FatalStageError))
 
 
 # -- parent to child ---------------------------------------------------------------------------

@@ -52,6 +52,7 @@ __all__ = [
     "WorkerGroupFailed",
     "WorkerGroupClosed",
     "WorkerCallError",
+    "WorkerFatalCallError",
     "DeferredResult",
 ]
 
@@ -87,6 +88,11 @@ class WorkerCallError(WorkerGroupError):
         self.method = method
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+
+
+class WorkerFatalCallError(WorkerCallError, FatalStageError):
+    """A rank's method raised a :class:`FatalStageError` (a tensor channel's timeout, say): this call fails, and,
+    as a FatalStageError, so does the stage actor that made it, as it would in one process."""
 
 
 class _Call:
@@ -141,7 +147,7 @@ class DeferredResult:
                     case Result(value=data):
                         values.append(self._load(rank, data))
                     case Raised(error=error):
-                        raise WorkerCallError(
+                        raise (WorkerFatalCallError if error.fatal else WorkerCallError)(
                             f"rank {rank}: {call.method}() raised {error.type_name}: {error.message}\n"
                             f"--- child traceback ---\n{error.traceback}",
                             rank=rank, method=call.method, remote_type=error.type_name,

@@ -21,7 +21,8 @@ import pytest
 import trio
 
 from engine import (
-    EdgeSpec, OrchestratorCloseError, ParallelWorkerStageActor, PipelineSpec, StageSpec, open_orchestrator,
+    EdgeSpec, FatalStageError, OrchestratorCloseError, ParallelWorkerStageActor, PipelineSpec, StageSpec,
+    WorkerFatalCallError, open_orchestrator,
 )
 from engine.supervisor import ChildExit, ChildSpec, Supervisor
 from engine.worker_child import child_main
@@ -86,6 +87,20 @@ def test_a_rank_exception_is_a_typed_error_with_the_child_traceback_and_the_grou
         group.call("boom_unprintable")()
     assert not group.failed and group.failure_reason is None
     assert group.call("step", 4)() == 4
+
+
+def test_a_rank_s_fatal_stage_error_stays_fatal_in_the_parent(groups):
+    """A FatalStageError raised in a rank (a tensor channel's timeout is one) reached the parent as a plain
+    WorkerCallError, so the stage actor that made the call went on taking work; it is a WorkerFatalCallError, both a
+    WorkerCallError (this call only: the group lives on) and a FatalStageError (its stage actor fails)."""
+    group = groups(world_size=1).start()
+    with pytest.raises(WorkerFatalCallError, match="the rank's device state is gone") as caught:
+        group.call("boom_fatal")()
+    assert isinstance(caught.value, FatalStageError) and caught.value.remote_type == "engine.errors.FatalStageError"
+    with pytest.raises(WorkerCallError) as plain:
+        group.call("boom", "not fatal")()
+    assert not isinstance(plain.value, FatalStageError)
+    assert not group.failed and group.call("step", 4)() == 4
 
 
 def test_ranks_outlive_the_thread_that_started_them(groups):

@@ -47,6 +47,12 @@ class EchoRank:
         if self.rank == 1 or self.world_size == 1:
             raise ValueError(message)
 
+    def boom_fatal(self) -> None:
+        """Raise a FatalStageError (as a tensor channel's timeout is): the rank's stage can take no more work."""
+        from engine import FatalStageError  # imported here: the ranks import nothing heavy until asked
+
+        raise FatalStageError("the rank's device state is gone")
+
     def boom_unprintable(self) -> None:
         """Raise an exception whose ``str()`` raises too."""
         raise _Unprintable()
