@@ -40,7 +40,7 @@ from .completion import read_result, record_result
 from .errors import ActorBusyError, SessionExistsError
 from .graph import StageGraph
 from .handoff import CoreCompletion, Leftovers, TrioHandoff
-from .ingress import check_final_sequence, check_ingress, has_room, refuse_never_pushable, room_query
+from .ingress import check_final_sequence, check_ingress, has_room, refuse_past_final, room_query
 from .metrics import Diagnostics
 from .reservations import UsageBook
 from .runtime import Lane, SessionRuntime
@@ -180,12 +180,12 @@ class SchedulerCore:
 
     @_locked
     def has_room(self, rt: SessionRuntime, artifacts: Iterable[str], seq: int | None = None, *,
-                 refuse_never: bool = False) -> bool:
-        """Whether the named ingress artifacts have room (for ``seq``); ``refuse_never``: raise as a push would if a
-        push of them for ``seq`` could never be admitted (a wait for its room would not end)."""
+                 refuse_past_end: bool = False) -> bool:
+        """Whether the named ingress artifacts have room (for ``seq``); ``refuse_past_end``: raise as a push would
+        for a ``seq`` past the final sequence (a wait for its room would not end)."""
         names = room_query(self.graph, artifacts, seq)
-        if refuse_never and seq is not None:
-            refuse_never_pushable(self.graph, rt, names, seq)
+        if refuse_past_end and seq is not None:
+            refuse_past_final(rt, seq)
         return rt.admitting and has_room(self.graph, rt, names, seq)
 
     @_locked

@@ -19,7 +19,7 @@ from .graph import StageGraph
 from .runtime import SessionRuntime
 
 __all__ = [
-    "check_ingress", "has_room", "refuse_never_pushable", "room_query", "check_final_sequence", "check_final_sequence_id", "ingress_names",
+    "check_ingress", "has_room", "refuse_past_final", "room_query", "check_final_sequence", "check_final_sequence_id", "ingress_names",
     "is_sequence_id", "as_sequence_id", "refused_input", "MAX_SEQUENCE_ID",
 ]
 
@@ -67,17 +67,13 @@ def check_ingress(graph: StageGraph, rt: SessionRuntime, seq: int, artifacts: Ma
     return fits
 
 
-def refuse_never_pushable(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str], seq: int) -> None:
-    """Raise if a push of ``artifacts`` for ``seq`` could never be admitted (past the final sequence, buffered
-    already, or taken by a stage already), as :func:`check_ingress` would: a wait for its room would never end."""
+def refuse_past_final(rt: SessionRuntime, seq: int) -> None:
+    """Raise, as :func:`check_ingress` would, for a sequence past the session's final one: no push for it can ever
+    be admitted, so a wait for its room would never end. (A wait asks about room, not about each artifact: one
+    buffered or taken meanwhile may simply not be pushed again, as a window that sends a sequence's condition ahead
+    of its control does.)"""
     if rt.final_sequence_id is not None and seq > rt.final_sequence_id:
         raise _past_final(rt, seq)
-    for artifact in artifacts:
-        if (seq, artifact) in rt.slots:
-            raise _buffered(rt, artifact, seq)
-        for stage_id, _edge, _limit in graph.ingress_edges.get(artifact, ()):
-            if seq in rt.lanes[stage_id].taken:
-                raise _taken(rt, stage_id, artifact, seq)
 
 
 def _past_final(rt: SessionRuntime, seq: int) -> IngressRefused:

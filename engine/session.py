@@ -108,15 +108,15 @@ class Session:
 
     async def wait_for_room(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> None:
         """Wait until every named ingress artifact has room, for ``sequence_id`` if given (as :meth:`can_push`);
-        raises if the session stops admitting, and, for a ``sequence_id``, as :meth:`push` would once a push of
-        those artifacts for it could never be admitted (past the final sequence, buffered or taken already)."""
+        raises if the session stops admitting, and, as :meth:`push` would, for a ``sequence_id`` past the final
+        sequence (at once, or once :meth:`finish_inputs` declares one below it)."""
         self._here("wait_for_room")
         names = ingress_names(artifacts)
         rt = self._runtime
         seq = None if sequence_id is None else as_sequence_id(sequence_id)
 
         def room() -> bool:
-            if self._core.has_room(rt, names, seq, refuse_never=True):
+            if self._core.has_room(rt, names, seq, refuse_past_end=True):
                 return True
             if not rt.admitting:
                 raise refused_input(rt)
