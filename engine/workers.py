@@ -96,7 +96,7 @@ class WorkerFatalCallError(WorkerCallError, FatalStageError):
 
 
 class _Call:
-    __slots__ = ("call_id", "method", "ranks", "results", "error", "event")
+    __slots__ = ("call_id", "method", "ranks", "results", "error", "event", "shared")
 
     def __init__(self, call_id: int, method: str, ranks: tuple[int, ...]) -> None:
         self.call_id = call_id
@@ -105,6 +105,24 @@ class _Call:
         self.results: dict[int, Result | Raised] = {}
         self.error: BaseException | None = None
         self.event = threading.Event()
+        self.shared: dict[int, bytes] = {}  # rank -> the shared-memory handles of its arguments, held here for it
+
+
+def _release_unbegun(calls: list[_Call]) -> None:
+    """Once the ranks are gone: the shared memory of the arguments of each call a rank never began, which this
+    process held for that rank to fetch (a CPU tensor argument: one descriptor each, for as long as the process
+    lived). A rank runs its calls in turn, so all but its oldest unanswered call were never begun; that one may have
+    fetched its arguments, and is left alone."""
+    begun: set[int] = set()
+    for call in sorted(calls, key=lambda c: c.call_id):
+        for rank in call.ranks:
+            if rank in call.results:
+                continue
+            if rank not in begun:
+                begun.add(rank)
+                continue
+            if rank in call.shared:
+                release_shared(call.shared[rank])
 
 
 class DeferredResult:
@@ -241,6 +259,7 @@ class ProcessWorkerGroup:
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
+        self._failed_calls: list[_Call] = []  # pending when the group failed
         self._supervisor = Supervisor(
             [
                 ChildSpec(f"{name}-rank{rank}", child_main, {
@@ -380,6 +399,7 @@ class ProcessWorkerGroup:
             self._life.apply(Event.FAIL)
             self.failure_reason = reason
             pending, self._pending = list(self._pending.values()), {}
+            self._failed_calls = pending  # their arguments are released once the ranks are gone (close)
             callbacks = list(self._callbacks)
         self._abort(pending, WorkerGroupFailed(f"{self.name} failed: {reason}"))
         for callback in callbacks:
@@ -412,7 +432,9 @@ class ProcessWorkerGroup:
         self._check_takes_calls()  # before pickling: a CPU tensor argument is shared while it is pickled
         try:
             # once per rank: a CPU tensor travels as a shared-memory handle that only one process can fetch
-            payloads = [ForkingPickler.dumps(Call(call.call_id, method, *dump_arguments(args, kwargs))) for _ in ranks]
+            dumped = [dump_arguments(args, kwargs) for _ in ranks]
+            payloads = [ForkingPickler.dumps(Call(call.call_id, method, *arguments)) for arguments in dumped]
+            call.shared = {rank: shared for rank, (_, shared) in zip(ranks, dumped) if shared}
         except Exception as exc:
             raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
                             f"{type(exc).__name__}: {exc}") from exc
@@ -459,6 +481,7 @@ class ProcessWorkerGroup:
             timeout = min(timeout, self.kill_grace)
         self._supervisor.close(ForkingPickler.dumps(Shutdown()), timeout=timeout)
         self._abort(pending, WorkerGroupClosed(f"{self.name} closed while the call was pending"))
+        _release_unbegun([*self._failed_calls, *pending])
         with self._lock:
             if self._life.can(Event.CLOSED):
                 self._life.apply(Event.CLOSED)

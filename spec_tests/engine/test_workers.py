@@ -103,6 +103,22 @@ def test_a_rank_s_fatal_stage_error_stays_fatal_in_the_parent(groups):
     assert not group.failed and group.call("step", 4)() == 4
 
 
+def test_the_tensor_arguments_of_calls_no_rank_began_are_released_when_the_group_closes(groups):
+    """CPU tensor arguments travel as shared-memory handles this process holds until a rank fetches them: ten calls
+    queued behind one that never returns held one descriptor each (per rank) for as long as the process lived."""
+    import torch  # imported here: most worker tests send no tensor
+
+    group = groups(world_size=2, close_timeout=0.5).start()
+    assert group.call("step", torch.ones(4))().tolist() == [1.0] * 4  # the process's handle sharer is up now
+    before = len(os.listdir("/proc/self/fd"))
+    group.call("block")  # every rank busy for good
+    for index in range(10):
+        group.call("step", torch.full((1000,), float(index)))
+    assert len(os.listdir("/proc/self/fd")) >= before + 20  # one held for each rank's copy of each call
+    group.close()
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
 def test_ranks_outlive_the_thread_that_started_them(groups):
     """Linux's parent-death signal follows the spawning *thread*: the group spawns from its own."""
     group = groups(world_size=1)
