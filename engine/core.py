@@ -207,8 +207,7 @@ class SchedulerCore:
                 outputs.clear()
             else:
                 items = [outputs.popleft() for _ in range(most)]
-            if rt.changed.waiting:  # output room freed: a drain may proceed
-                self._handoff.wake(rt.changed)
+            self._wake(rt.changed)  # output room freed: a drain may proceed
             self._pump(self.graph.output_producers)
             return items
 
@@ -343,11 +342,10 @@ class SchedulerCore:
                 result = read_result(stage, key.sequence_id, value)
                 if type(result) is not dict:
                     self._fail(rt, result)
-                elif record_result(self.graph, rt, stage, key.sequence_id, result, now) and rt.emitted.waiting:
-                    self._handoff.wake(rt.emitted)
+                elif record_result(self.graph, rt, stage, key.sequence_id, result, now):
+                    self._wake(rt.emitted)
         finally:
-            if rt.changed.waiting:
-                self._handoff.wake(rt.changed)
+            self._wake(rt.changed)
             self._pump(self._after_completion[stage_id], now)
 
     def _count_unheld(self, rt: SessionRuntime | None, key: TaskKey) -> None:
@@ -389,8 +387,7 @@ class SchedulerCore:
             finally:
                 if rt is not None:
                     rt.handoffs_queued -= 1
-                    if rt.changed.waiting:
-                        self._handoff.wake(rt.changed)
+                    self._wake(rt.changed)
 
     def _wake(self, *queues: WaitQueue) -> None:
         """Wake the session wait queues that have waiters (off trio: once the thread is done)."""
@@ -493,8 +490,8 @@ class SchedulerCore:
                 self._fail(rt, exc)
             return False
         self._dirty |= self.graph.upstream[stage_id]  # edge room freed upstream
-        if rt.room.waiting and stage_id in self.graph.ingress_consumers:
-            self._handoff.wake(rt.room)
-        if rt.changed.waiting:
-            self._handoff.wake(rt.changed)
+        if stage_id in self.graph.ingress_consumers:
+            self._wake(rt.room, rt.changed)
+        else:
+            self._wake(rt.changed)
         return True

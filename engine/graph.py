@@ -101,7 +101,8 @@ class StageGraph:
     def sharing(self, owners: Mapping[str, object]) -> dict[str, int]:
         """stage -> the other stages whose owner (in ``owners``, e.g. their actors) is the same object (bit mask)."""
         return {
-            stage_id: sum(self.bit[other] for other, owner in owners.items() if owner is owners[stage_id] and other != stage_id)
+            stage_id: sum(self.bit[other] for other, owner in owners.items()
+                          if owner is owners[stage_id] and other != stage_id)
             for stage_id in self.stage_ids
         }
 

@@ -19,7 +19,8 @@ from .graph import StageGraph
 from .runtime import SessionRuntime
 
 __all__ = [
-    "check_ingress", "has_room", "refuse_past_final", "room_query", "check_final_sequence", "check_final_sequence_id", "ingress_names",
+    "check_ingress", "has_room", "refuse_past_final", "room_query", "check_final_sequence", "check_final_sequence_id",
+    "ingress_names",
     "is_sequence_id", "as_sequence_id", "refused_input", "MAX_SEQUENCE_ID",
 ]
 
@@ -158,11 +159,10 @@ def room_query(graph: StageGraph, artifacts: Iterable[str], seq: int | None) -> 
 def has_room(graph: StageGraph, rt: SessionRuntime, artifacts: Iterable[str], seq: int | None = None) -> bool:
     """Whether every edge the named artifacts feed has room for one more item (for sequence ``seq``, if given:
     a sequence ahead of the lowest one missing on an edge may not take its last place)."""
-    occupancy, capacity, targets = rt.occupancy, graph.capacity, graph.targets
+    occupancy = rt.occupancy
     for artifact in artifacts:
-        for stage_id in targets.get(artifact, ()):
-            edge = (artifact, stage_id)
-            held, limit = occupancy.get(edge, 0), capacity[edge]  # a plain get: Counter's missing-key hook is Python
+        for stage_id, edge, limit in graph.ingress_edges.get(artifact, ()):
+            held = occupancy.get(edge, 0)  # a plain get: Counter's missing-key hook is Python
             if held >= limit:
                 return False
             if seq is not None and held + 1 == limit and seq != lowest_missing(rt, artifact, stage_id):

@@ -93,8 +93,7 @@ class Session:
     async def push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> None:
         """Admit ``artifacts`` for ``sequence_id`` atomically, waiting for room on every edge."""
         self._here("push")
-        seq = sequence_id if type(sequence_id) is int else as_sequence_id(sequence_id)  # a plain int as it is
-        await self._core.push(self._runtime, seq, artifacts)
+        await self._core.push(self._runtime, as_sequence_id(sequence_id), artifacts)
 
     def try_push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""

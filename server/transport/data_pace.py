@@ -86,13 +86,6 @@ class DataPace:
             self._messages.charge(now, recipients - 1)
 
 
-    def refused(self, characters: int) -> None:
-        """A message of ``characters`` was read and refused: reading it is paid for as the text a message makes the
-        room send (the refusal it drew, to its sender, when that is more), so a sender of refused messages, a
-        megabyte each, is read no faster than an accepted sender's text is sent."""
-        self._text.charge(trio.current_time(), max(characters, ANSWER_BYTES))
-
-
 class _Timer(Protocol):
     def cancel(self) -> None: ...
 

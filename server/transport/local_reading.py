@@ -38,7 +38,7 @@ async def read_client(
     def refuse(reason: str, detail: str | None = None) -> None:
         """Answer the message just read with why it was refused; reading it is paid for by its size."""
         subscriber.refuse(reason, detail)
-        pace.refused(len(message))
+        pace.sent(len(message), 1)  # as a message the room sends its sender alone (the refusal, at least)
 
     while True:
         await pace.take()  # a flood waits in its own socket, not in this server's event loop

@@ -135,7 +135,7 @@ async def test_a_reader_that_leaves_its_outputs_loop_leaves_the_rest_for_the_nex
                     first.append(seq)
                     if leave == "break":
                         break
-                    await trio.sleep(5)  # cancelled here, in the loop's body, holding output 0
+                    await trio.Event().wait()  # cancelled here, in the loop's body, holding output 0
         assert first == [0]
         assert [seq for seq, _ in s.poll_outputs()] == [1, 2, 3]
 

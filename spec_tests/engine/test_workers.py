@@ -355,15 +355,22 @@ async def test_ranks_exit_when_their_parent_is_killed(mechanism):
 
 # -- owned by a stage actor inside the orchestrator --------------------------------------------------
 
+DENOISE_ONLY = PipelineSpec(
+    stages=[StageSpec("denoise", {"x"}, {"y"})],
+    edges=[EdgeSpec("x", "denoise", None, 2)],
+    output_artifacts={"y"},
+)
+
+
+async def _started_group(*, close_timeout: float) -> ProcessWorkerGroup:
+    """Two EchoRank ranks, started off the trio thread, for an actor to own."""
+    group = ProcessWorkerGroup(f"{RANKS}:EchoRank", world_size=2, close_timeout=close_timeout, kill_grace=0.5)
+    await trio.to_thread.run_sync(group.start)
+    return group
+
 
 async def test_killing_a_rank_mid_run_fails_the_actor_and_the_session():
-    spec = PipelineSpec(
-        stages=[StageSpec("denoise", {"x"}, {"y"})],
-        edges=[EdgeSpec("x", "denoise", None, 2)],
-        output_artifacts={"y"},
-    )
-    group = ProcessWorkerGroup(f"{RANKS}:EchoRank", world_size=2, close_timeout=2.0, kill_grace=0.5)
-    await trio.to_thread.run_sync(group.start)
+    group = await _started_group(close_timeout=2.0)
     token = trio.lowlevel.current_trio_token()
     holding = trio.Event()
 
@@ -378,7 +385,7 @@ async def test_killing_a_rank_mid_run_fails_the_actor_and_the_session():
         input_builder=input_builder, output_builder=lambda result, inv: {"y": result},
     )
     with trio.fail_after(10):
-        async with open_orchestrator(spec, {"denoise": actor}, close_timeout=10) as orch:
+        async with open_orchestrator(DENOISE_ONLY, {"denoise": actor}, close_timeout=10) as orch:
             session = orch.create_session("s1")
             await session.push(0, {"x": 4})
             async with aclosing(session.outputs()) as outputs:
@@ -401,13 +408,7 @@ async def test_an_orchestrator_closed_past_its_deadline_still_closes_the_group_i
     """A rank call that never returns and an orchestrator's close_timeout that passes: the close is cut short with
     an OrchestratorCloseError, and the actor still closes its group (bounded: its close_timeout, then a kill), which
     ends the call; the ranks, the actor's thread and the group's were left running for as long as the process lived."""
-    spec = PipelineSpec(
-        stages=[StageSpec("denoise", {"x"}, {"y"})],
-        edges=[EdgeSpec("x", "denoise", None, 2)],
-        output_artifacts={"y"},
-    )
-    group = ProcessWorkerGroup(f"{RANKS}:EchoRank", world_size=2, close_timeout=1.0, kill_grace=0.5)
-    await trio.to_thread.run_sync(group.start)
+    group = await _started_group(close_timeout=1.0)
     token = trio.lowlevel.current_trio_token()
     calling = trio.Event()
 
@@ -420,7 +421,7 @@ async def test_an_orchestrator_closed_past_its_deadline_still_closes_the_group_i
     )
     with trio.fail_after(30):
         with pytest.raises(OrchestratorCloseError):
-            async with open_orchestrator(spec, {"denoise": actor}, close_timeout=1) as orch:
+            async with open_orchestrator(DENOISE_ONLY, {"denoise": actor}, close_timeout=1) as orch:
                 session = orch.create_session("s1")
                 await session.push(0, {"x": 1})
                 await calling.wait()
