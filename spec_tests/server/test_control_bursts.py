@@ -120,7 +120,7 @@ class Hub:
         rooms.expect_worker(room, "chunkline-agent")
 
         async def agent_says_nothing() -> str:
-            await trio.sleep_forever()
+            await trio.Event().wait()  # never set: the agent sends nothing
             raise AssertionError("unreachable")
 
         async def to_controller(message: str | bytes) -> None:
