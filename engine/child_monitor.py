@@ -30,6 +30,8 @@ import attrs
 
 from states.child_process import HEARTBEAT_WATCHED, LIVE, ChildProcessMachine, Event, State, due_signal
 
+from .pipe_reader import MessageReader, PipeClosed
+
 __all__ = ["ChildExit", "ChildMonitor", "ChildSlot", "ChildSpec", "MONITOR_POLL", "PIPE_CLOSED_GRACE"]
 
 log = logging.getLogger("chunkline.supervisor")
@@ -73,7 +75,7 @@ class ChildSlot:
     touches the process and its pipe, takes the lock for every change a waiter may need to see.
     """
 
-    __slots__ = ("conn", "conn_open", "heard_at", "hello", "life", "pid", "pipe_closed_at", "proc", "spec",
+    __slots__ = ("conn", "conn_open", "reader", "heard_at", "hello", "life", "pid", "pipe_closed_at", "proc", "spec",
                  "spawn_due", "stop_at", "stop_timeout", "kill_cause", "exitcode", "send_lock", "send_due",
                  "send_timeout")
 
@@ -84,6 +86,7 @@ class ChildSlot:
         self.proc: Any = None
         self.conn: Any = None
         self.conn_open = False
+        self.reader: MessageReader | None = None  # the monitor's only way to read ``conn``: it never waits there
         self.send_lock = threading.Lock()
         self.send_due: float | None = None  # when a write still blocked then kills the child (set by its sender)
         self.send_timeout = 0.0
@@ -243,6 +246,7 @@ class ChildMonitor:
         with self.changed:
             slot.life = ChildProcessMachine()
             slot.proc, slot.conn, slot.conn_open, slot.pid = proc, parent_conn, True, proc.pid
+            slot.reader = MessageReader(parent_conn.fileno())
             slot.exitcode, slot.hello, slot.heard_at = None, False, time.monotonic()
             slot.pipe_closed_at = slot.stop_at = slot.kill_cause = None
             slot.spawn_due = False
@@ -252,15 +256,21 @@ class ChildMonitor:
             self.changed.notify_all()
 
     def _read(self, index: int) -> None:
+        """Take what the child's readable pipe holds; handle each message it completes (never waits for the rest
+        of a message: a child stopped half-way through writing one must not hold up its own deadlines)."""
         slot = self.slots[index]
         try:
-            data = slot.conn.recv_bytes()
-        except (EOFError, OSError):
+            messages = slot.reader.read_ready()
+        except PipeClosed:
             with slot.send_lock:
                 slot.conn_open = False  # the child is exiting (its sentinel says how) or closed its end
             slot.pipe_closed_at = time.monotonic()
             return
         slot.heard_at = time.monotonic()
+        for data in messages:
+            self._received(index, slot, data)
+
+    def _received(self, index: int, slot: ChildSlot, data: bytes) -> None:
         if slot.hello:
             self._on_message(index, data)
             return

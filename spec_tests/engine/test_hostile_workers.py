@@ -167,3 +167,22 @@ def test_a_call_that_a_stopped_rank_never_reads_fails_the_group_at_the_call_time
     assert isinstance(outcome[0], WorkerGroupFailed), outcome
     assert group.failed and f"rank 0 (pid {stopped})" in group.failure_reason
     assert "read none of a message sent to it for 1s" in group.failure_reason, group.failure_reason
+
+
+def test_a_rank_stopped_half_way_through_a_reply_is_killed_and_reaped_at_close(groups):
+    """The monitor thread read each message whole: a rank stopped (SIGSTOP) after the first bytes of a large reply
+    held it in that read, so nothing enforced a deadline any more; close() waited 15 s for it and left the ranks
+    unreaped. The monitor now reads what a pipe holds and keeps the rest of a message for later."""
+    group = groups(f"{RANKS}:HalfReplyRank", world_size=2, call_timeout=1.0).start()
+    pids = group.pids
+    with pytest.raises(WorkerGroupFailed, match="got no answer from ranks"):
+        group.call("half_reply_then_stop")()
+    closer = threading.Thread(target=group.close, daemon=True)
+    started = time.monotonic()
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive()
+    # close's own bound once the group has failed: kill_grace (0.5 s) to exit, then SIGTERM and SIGKILL 0.5 s apart
+    assert time.monotonic() - started < 10, "close() waited on the monitor thread, stuck in a half-written reply"
+    assert group.processes_released
+    assert_no_children(pids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import sys
 import threading
 from typing import Any
@@ -133,6 +134,18 @@ class TupleReplyRank(EchoRank):
     def reply_in_tuples(self) -> int:
         self._conn.send(("result", 0, self.rank, True, 1))
         return 1
+
+
+class HalfReplyRank(EchoRank):
+    """Writes the start of a large reply, then stops itself (SIGSTOP): a rank frozen half-way through a write."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._conn = _child_conn()
+
+    def half_reply_then_stop(self) -> None:
+        os.write(self._conn.fileno(), struct.pack("!i", 4_000_000) + b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def hanging_factory(*, rank: int, world_size: int, device: str) -> EchoRank:
