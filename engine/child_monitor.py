@@ -31,6 +31,7 @@ import attrs
 from states.child_process import HEARTBEAT_WATCHED, LIVE, ChildProcessMachine, Event, State, due_signal
 
 from .pipe_reader import MessageReader, PipeClosed
+from .supervised_child import end_process_group
 
 __all__ = ["ChildExit", "ChildMonitor", "ChildSlot", "ChildSpec", "MONITOR_POLL", "PIPE_CLOSED_GRACE"]
 
@@ -291,6 +292,7 @@ class ChildMonitor:
         slot = self.slots[index]
         while slot.conn_open and slot.conn.poll():  # what it sent just before it exited
             self._read(index)
+        end_process_group(slot.pid)  # what it started dies with it (before the join: its group id stays its own)
         slot.proc.join()  # its sentinel fired: this does not block
         with slot.send_lock:
             slot.conn_open = False
@@ -335,8 +337,8 @@ class ChildMonitor:
                 slot.kill_cause = cause
         if event is Event.TERMINATE:
             slot.proc.terminate()
-        else:
-            slot.proc.kill()
+        elif not end_process_group(slot.pid):  # the child with what it started, at once
+            slot.proc.kill()  # it has no group of its own yet
 
     def _abandon(self, cause: str) -> None:
         """The loop crashed: kill and reap what is left so that nothing outlives it."""
@@ -345,7 +347,8 @@ class ChildMonitor:
                 continue
             slot.kill_cause = slot.kill_cause or cause
             try:
-                slot.proc.kill()
+                if not end_process_group(slot.pid):
+                    slot.proc.kill()
                 slot.proc.join(self.kill_grace + 5)
             except Exception:  # pragma: no cover - best effort after a crash
                 pass

@@ -13,6 +13,10 @@ SIGHUP signal every process of the server, and a rank that died of it failed the
 server was draining. Such a child still ends by its parent's goodbye, by SIGKILL from the
 supervisor's escalation, or by the parent-death signal.
 
+Each such child leads a process group of its own (:func:`bind_to_parent`): its supervisor kills the group when
+it kills the child and once the child has exited (:func:`end_process_group`), so the processes the child started
+end with it.
+
 The parent's end, for a process about to end at once with ``os._exit`` (a second stop signal)
 (:func:`end_descendants_now`): the parent-death signal alone left work behind. It kills only the
 spawner's direct children, and the shared memory they made stayed in /dev/shm; their own
@@ -35,6 +39,7 @@ __all__ = [
     "bind_to_parent",
     "descendants",
     "end_descendants_now",
+    "end_process_group",
     "ignore_group_stop_signals",
 ]
 
@@ -56,10 +61,16 @@ def ignore_group_stop_signals() -> None:
 
 
 def bind_to_parent(config: dict[str, Any]) -> None:
-    """First thing in a supervised child: die with the parent (parent-death signal plus a watchdog).
+    """First thing in a supervised child: die with the parent (parent-death signal plus a watchdog), and lead a
+    process group of its own, which the supervisor kills with the child: what the child starts (a model's
+    compile workers, a tool it runs) ends with it instead of living on, reparented, once the child is gone.
 
     Exits at once with :data:`PARENT_GONE_EXIT_CODE` when the parent is already gone.
     """
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # pragma: no cover - a session leader cannot move; its group is then its session's
+        pass
     parent_pid = config["parent_pid"]
     if config.get("parent_death_signal", True):
         _set_parent_death_signal()
@@ -155,6 +166,19 @@ def end_descendants_now(wait: float = KILLED_WAIT) -> list[int]:
     for pid in stopped:
         remove_segments_of(pid)
     return stopped
+
+
+def end_process_group(leader: int) -> bool:
+    """SIGKILL the process group a supervised child leads (the child too, if it still runs); False when there is no
+    such group (the child never reached :func:`bind_to_parent`, or nothing of it is left).
+
+    Call it before the child is reaped: until then its pid, and so its group's id, cannot be reused, and the
+    group lives on after the child as long as one of its processes does."""
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _send(pid: int, number: int) -> None:

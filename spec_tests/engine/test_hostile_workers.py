@@ -186,3 +186,33 @@ def test_a_rank_stopped_half_way_through_a_reply_is_killed_and_reaped_at_close(g
     assert time.monotonic() - started < 10, "close() waited on the monitor thread, stuck in a half-written reply"
     assert group.processes_released
     assert_no_children(pids)
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie (it runs nothing; whoever it was reparented to reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("how", ["the rank is killed", "the group closes"])
+def test_a_process_a_rank_started_ends_with_the_rank(groups, how):
+    """A process a rank started (a model's compile workers, a tool it runs) lived on, reparented, after the rank
+    died or the group closed. Each rank now leads a process group, which the supervisor kills with the rank."""
+    group = groups(world_size=1).start()
+    sleeper = group.call("start_sleeper")()
+    assert not _ended(sleeper)
+    if how == "the rank is killed":
+        os.kill(group.pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not group.failed and time.monotonic() < deadline:
+            time.sleep(0.01)  # bench-cost: real-time poll for the monitor to reap the rank, bounded by a deadline
+        assert group.failed
+    else:
+        group.close()
+    deadline = time.monotonic() + 5
+    while not _ended(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.01)  # bench-cost: real-time poll for SIGKILL to land, bounded by a deadline
+    assert _ended(sleeper), f"the rank's process {sleeper} outlived it ({how})"

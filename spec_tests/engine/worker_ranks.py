@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import subprocess
 import sys
 import threading
 from typing import Any
@@ -68,6 +69,11 @@ class EchoRank:
 
     def unpicklable(self) -> Any:
         return lambda: None
+
+    def start_sleeper(self) -> int:
+        """Start a process of its own (as model code may: compile workers, a tool) and return its pid."""
+        self._sleeper = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+        return self._sleeper.pid
 
 
 class _Unprintable(RuntimeError):
