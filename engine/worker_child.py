@@ -30,7 +30,7 @@ from typing import Any
 from .supervised_child import bind_to_parent, ignore_group_stop_signals
 from .timer_slack import STAGE_TIMER_SLACK_NS, set_thread_timer_slack
 from .worker_wire import (
-    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, load_value,
+    Call, Closed, Fetched, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, load_value,
     release_shared,
     remote_error,
 )
@@ -88,6 +88,8 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
                 try:
                     # the arguments are pickled apart from the message: ones that do not load here fail this call
                     args, kwargs = _load_arguments(arguments, shared)
+                    if shared:  # the parent holds these handles until it hears that this rank has them
+                        conn.send(Fetched(call_id, rank))
                     # so is the value: one the parent cannot load fails only this call there; nothing here keeps
                     # the value once it is pickled (its shared memory is the parent's to fetch)
                     reply: Result | Raised = Result(call_id, rank, *dump_value(getattr(worker, method)(*args, **kwargs)))

@@ -8,8 +8,8 @@ Parent to child (:mod:`engine.workers` to :mod:`engine.worker_child`):
 :class:`Call`, :class:`Shutdown`.
 
 Child to parent: the hello, :class:`RankReady` or :class:`RankStartFailed`;
-then one :class:`Result` or :class:`Raised` per rank per call; and
-:class:`Closed` after a :class:`Shutdown`.
+then per rank per call :class:`Fetched` (for a call whose arguments hold shared memory) and one
+:class:`Result` or :class:`Raised`; and :class:`Closed` after a :class:`Shutdown`.
 
 Pickled with ``multiprocessing``'s pickler on both sides (so tensors in
 arguments and values travel as they would in a plain tuple). A CPU tensor in a
@@ -39,6 +39,7 @@ from .tensor_channel_refs import WorkerTensorRef
 __all__ = [
     "Call",
     "Closed",
+    "Fetched",
     "Raised",
     "RankReady",
     "RankStartFailed",
@@ -230,6 +231,15 @@ class RankStartFailed:
 
     rank: int
     traceback: str
+
+
+@attrs.frozen
+class Fetched:
+    """The rank loaded call ``call_id``'s arguments: it holds their shared memory now, which the parent had held for
+    it until then (and releases itself for a rank that dies before it says so)."""
+
+    call_id: int
+    rank: int
 
 
 @attrs.frozen

@@ -41,7 +41,7 @@ from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Sup
 from .tensor_channel_refs import discard_lost_transfers
 from .worker_child import child_main
 from .worker_wire import (
-    Call, Closed, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue,
+    Call, Closed, Fetched, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue,
     dump_arguments, load_value, release_shared,
 )
 
@@ -96,7 +96,7 @@ class WorkerFatalCallError(WorkerCallError, FatalStageError):
 
 
 class _Call:
-    __slots__ = ("call_id", "method", "ranks", "results", "error", "event", "shared")
+    __slots__ = ("call_id", "method", "ranks", "results", "error", "event")
 
     def __init__(self, call_id: int, method: str, ranks: tuple[int, ...]) -> None:
         self.call_id = call_id
@@ -105,24 +105,6 @@ class _Call:
         self.results: dict[int, Result | Raised] = {}
         self.error: BaseException | None = None
         self.event = threading.Event()
-        self.shared: dict[int, bytes] = {}  # rank -> the shared-memory handles of its arguments, held here for it
-
-
-def _release_unbegun(calls: list[_Call]) -> None:
-    """Once the ranks are gone: the shared memory of the arguments of each call a rank never began, which this
-    process held for that rank to fetch (a CPU tensor argument: one descriptor each, for as long as the process
-    lived). A rank runs its calls in turn, so all but its oldest unanswered call were never begun; that one may have
-    fetched its arguments, and is left alone."""
-    begun: set[int] = set()
-    for call in sorted(calls, key=lambda c: c.call_id):
-        for rank in call.ranks:
-            if rank in call.results:
-                continue
-            if rank not in begun:
-                begun.add(rank)
-                continue
-            if rank in call.shared:
-                release_shared(call.shared[rank])
 
 
 class DeferredResult:
@@ -259,7 +241,9 @@ class ProcessWorkerGroup:
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
         self._pending: dict[int, _Call] = {}
-        self._failed_calls: list[_Call] = []  # pending when the group failed
+        # (call id, rank) -> the shared-memory handles of that rank's arguments (a CPU tensor: one descriptor each),
+        # which this process holds until the rank says it fetched them (Fetched) or answers
+        self._held_for_ranks: dict[tuple[int, int], bytes] = {}
         self._supervisor = Supervisor(
             [
                 ChildSpec(f"{name}-rank{rank}", child_main, {
@@ -371,8 +355,12 @@ class ProcessWorkerGroup:
 
     def _on_message(self, rank: int, data: bytes) -> None:
         match message := pickle.loads(data):
+            case Fetched(call_id=call_id, rank=fetched_by):
+                with self._lock:
+                    self._held_for_ranks.pop((call_id, fetched_by), None)
             case Result() | Raised():
                 with self._lock:
+                    self._held_for_ranks.pop((message.call_id, message.rank), None)  # it had them (or let them go)
                     call = self._pending.get(message.call_id)
                     if call is None:
                         return
@@ -384,7 +372,8 @@ class ProcessWorkerGroup:
                 if error is not None:
                     self.close_errors[closed_rank] = error
             case _:
-                self._fail(str(UnknownWorkerMessage(message, sender=f"rank {rank}", expected=(Result, Raised, Closed))))
+                expected = (Fetched, Result, Raised, Closed)
+                self._fail(str(UnknownWorkerMessage(message, sender=f"rank {rank}", expected=expected)))
 
     def _on_exit(self, exit: ChildExit) -> None:
         self.exit_codes[exit.index] = exit.exitcode
@@ -399,7 +388,6 @@ class ProcessWorkerGroup:
             self._life.apply(Event.FAIL)
             self.failure_reason = reason
             pending, self._pending = list(self._pending.values()), {}
-            self._failed_calls = pending  # their arguments are released once the ranks are gone (close)
             callbacks = list(self._callbacks)
         self._abort(pending, WorkerGroupFailed(f"{self.name} failed: {reason}"))
         for callback in callbacks:
@@ -413,6 +401,15 @@ class ProcessWorkerGroup:
         for call in calls:
             call.error = error
             call.event.set()
+
+    def _release_held(self) -> None:
+        """Once every rank is gone: the shared memory of arguments no rank said it fetched (its call was queued
+        behind another, or it died first), which this process held for it. (A rank that died half-way through
+        fetching leaves the resource sharer a handle already served: it reports that one and goes on.)"""
+        with self._lock:
+            held, self._held_for_ranks = self._held_for_ranks, {}
+        for shared in held.values():
+            release_shared(shared)
 
     # -- the worker-group interface ---------------------------------------------------------
 
@@ -434,13 +431,19 @@ class ProcessWorkerGroup:
             # once per rank: a CPU tensor travels as a shared-memory handle that only one process can fetch
             dumped = [dump_arguments(args, kwargs) for _ in ranks]
             payloads = [ForkingPickler.dumps(Call(call.call_id, method, *arguments)) for arguments in dumped]
-            call.shared = {rank: shared for rank, (_, shared) in zip(ranks, dumped) if shared}
+            held = {(call.call_id, rank): shared for rank, (_, shared) in zip(ranks, dumped) if shared}
         except Exception as exc:
             raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
                             f"{type(exc).__name__}: {exc}") from exc
         with self._lock:
-            self._check_takes_calls()
+            try:
+                self._check_takes_calls()
+            except BaseException:
+                for shared in held.values():  # no rank will ever fetch them
+                    release_shared(shared)
+                raise
             self._pending[call.call_id] = call
+            self._held_for_ranks.update(held)
         for rank, payload in zip(ranks, payloads):
             if not self._supervisor.send(rank, payload, timeout=self.call_timeout):
                 break  # the rank is gone: its exit fails the group, and this call with it
@@ -481,7 +484,7 @@ class ProcessWorkerGroup:
             timeout = min(timeout, self.kill_grace)
         self._supervisor.close(ForkingPickler.dumps(Shutdown()), timeout=timeout)
         self._abort(pending, WorkerGroupClosed(f"{self.name} closed while the call was pending"))
-        _release_unbegun([*self._failed_calls, *pending])
+        self._release_held()
         with self._lock:
             if self._life.can(Event.CLOSED):
                 self._life.apply(Event.CLOSED)
