@@ -3,6 +3,9 @@
 in rank processes and, with ``--worker-mode process``, in a service child above them: the live session's client
 gets ``done`` (reason ``shutdown``), the server exits 0, and no process or /dev/shm segment is left.
 
+The signal goes to every process of the tree, as systemd's cgroup kill sends it: the children lead process groups
+of their own, which ``kill -PGID`` and a terminal do not reach.
+
 Before: the signal reached the children too and killed some by its default action. A service child ignored SIGINT
 and SIGTERM but not SIGHUP: a group SIGHUP killed it (and its ranks) at once, and the session failed (``error``,
 ``session_failed``) instead of draining. A rank ignored only SIGINT: SIGTERM or SIGHUP killed it too, which the toy
@@ -12,6 +15,7 @@ ran); ``spec_tests/engine/test_workers.py`` shows the rank's side.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -83,7 +87,11 @@ async def test_a_stop_signal_to_the_servers_process_group_drains_its_sessions(wo
             tree = process_tree(process.pid)
             assert len(tree) > 2, f"the stages run in child processes: {tree}"
             signalled, after = time.monotonic(), len(heard)
-            os.killpg(process.pid, signum)
+            # every process of the tree, as systemd's control-group kill signals each (the children lead process
+            # groups of their own, which a signal to the server's group, as from a terminal, does not reach)
+            for pid in sorted(tree):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
             with trio.move_on_after(EXIT_DEADLINE):
                 while (message := await ws.receive()) is not None:
                     heard.append(message)
