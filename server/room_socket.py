@@ -126,6 +126,8 @@ class RoomSocket:
         self._limit = max_message_bytes
         self._send_lock = trio.StrictFIFOLock()
         self._messages: deque[str | bytes] = deque()
+        #: why the peer is gone, once known while messages it sent before are still to be taken: they are taken first
+        self._gone: PeerGone | None = None
         self._fragments: list[str | bytes] = []
         self._fragment_bytes = 0
         self._pieces = 0  # of the message arriving now, empty ones included
@@ -281,8 +283,13 @@ class RoomSocket:
         raise PeerGone(reason)
 
     async def _receive(self) -> str | bytes:
+        """The peer's next message. Every message it finished before it left (its close frame, a protocol error, a
+        message too big, the end of the stream) is taken before that is raised as :class:`PeerGone`: a ``stop``
+        sent with the close frame in one write is the peer's last word, not lost with it."""
         pace = self._frame_pace
         while not self._messages:
+            if self._gone is not None:
+                raise self._gone
             most = None
             if pace is not None:
                 most = pace.allowance(trio.current_time())
@@ -306,7 +313,11 @@ class RoomSocket:
                     continue
             except RemoteProtocolError as exc:
                 self.close_reason = f"protocol error: {exc}"
-                raise PeerGone(self.close_reason) from None
+                self._gone = PeerGone(self.close_reason)
+                continue
+            except PeerGone as gone:
+                self._gone = gone
+                continue
             if self._pending_pong:
                 pongs, self._pending_pong = self._pending_pong, b""
                 await self._write(pongs)

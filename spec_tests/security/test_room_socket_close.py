@@ -20,7 +20,7 @@ from wsproto.events import CloseConnection, TextMessage
 
 from server.room_socket import FRAME_BURST
 
-from .test_hostile_server import WAIT, handshake, running
+from .test_hostile_server import WAIT, handshake, running, wait_for
 
 FLOOD = 2 * FRAME_BURST  # past the burst the socket is read at its pace: most of these are unread at the close
 CHATTY = 25  # controls sent one by one after the session was ended, before the client reads anything
@@ -95,3 +95,26 @@ async def test_a_chatty_controller_reads_done_and_the_close_when_the_server_stop
             nursery.start_soon(client)
             await stopping.wait()
     assert "done" in statuses(seen) and closes(seen) == [1000], seen[-5:]
+
+
+async def test_a_last_message_sent_with_the_close_frame_is_taken() -> None:
+    """A controller's ``stop`` and its close frame, read in one go, lost the stop: the close was raised before the
+    message parsed with it was taken. The session ran on, holding its slot (and its worker's lease), and ended 30 s
+    later as ``room_empty``, a normal end. Whatever the peer finished before its close is taken first."""
+    async with running(controller_timeout=3600) as server:
+        for _ in range(2):  # every time, not once by luck
+            created = await server.session()
+            session = f"/v1/stream/sessions/{created['session_id']}"
+            stream = await server.raw()
+            ws = await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
+
+            async def record_in(states: tuple[str, ...], session: str = session) -> dict[str, Any] | None:
+                record = (await server.request("GET", session))[1]
+                return record if record["status"] in states else None
+
+            await wait_for(lambda: record_in(("running",)), "the session to run")
+            stop = ws.send(TextMessage(data=json.dumps({"topic": "tf.control", "payload": {"type": "stop"}})))
+            async with stream:
+                await stream.send_all(stop + ws.send(CloseConnection(code=1000)))  # one write: one read
+                record = await wait_for(lambda: record_in(("closed", "failed")), "the stopped session to end")
+            assert record["status"] == "closed" and record["drain_cause"] == "stop", record
