@@ -71,6 +71,9 @@ def bind_to_parent(config: dict[str, Any]) -> None:
         os.setpgid(0, 0)
     except OSError:  # pragma: no cover - a session leader cannot move; its group is then its session's
         pass
+    # out of the terminal's foreground group now: with ``stty tostop`` a write to the terminal (a log line) would
+    # stop the child; ignored, the write goes through as it did in the parent's group
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     parent_pid = config["parent_pid"]
     if config.get("parent_death_signal", True):
         _set_parent_death_signal()
