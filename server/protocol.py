@@ -36,8 +36,8 @@ invalid_json        not UTF-8, not JSON, NaN/Infinity, a duplicated object key,
                     or a number too large for a float (1e400)
 not_an_object       the JSON value (or the argument) is not an object
 bad_version         an envelope whose ``version`` is not the integer 1
-wrong_session       a non-null ``session_id`` (envelope or flat) that is not the
-                    active session's
+wrong_session       a non-null ``session_id`` (envelope, its payload, or flat) that
+                    is not the active session's
 bad_payload         an envelope payload that is not an object, a payload ``type``
                     that contradicts the envelope's, or a malformed
                     ``delivery_ack`` field
@@ -49,6 +49,9 @@ unknown_control     a control name that is not a known key or alias
 duplicate_control   ``control_state`` naming one key twice (after aliasing)
 unknown_event       a ``control`` event that is not a string or not one of
                     press, release, keyup, end, reset, reset_pose
+conflicting_fields  a ``control`` whose ``control`` and ``key`` name different keys,
+                    or whose ``event`` and ``action`` mean different things: the
+                    message says two things, and either taken would be a guess
 bad_prompt          ``prompt`` not a string, blank, over 2000 characters or not valid
                     text (a lone surrogate): ``pipelines.contract.prompt_problem``
 misspelt_field      a field the message does not read that is a near miss of one it
@@ -154,6 +157,7 @@ REJECTION_REASONS: Final = frozenset(
         "unknown_event",
         "bad_prompt",
         "misspelt_field",
+        "conflicting_fields",
     }
 )
 
@@ -268,6 +272,8 @@ def parse_control(
             raise InvalidControl("bad_version", f"envelope version must be {PROTOCOL_VERSION}")
     _check_session(message, session_id)
     fields = _merge_envelope(message) if ("version" in message or "payload" in message) else message
+    if fields is not message:
+        _check_session(fields, session_id)  # the payload's own, which the message would otherwise carry unread
 
     kind = fields.get("type")
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
@@ -345,19 +351,37 @@ def _held_keys(fields: Mapping[str, Any]) -> frozenset[str]:
 
 
 def _key_event(fields: Mapping[str, Any]) -> Control:
-    name = fields["control"] if "control" in fields else fields.get("key")
+    named = [field for field in ("control", "key") if field in fields]
+    keys = {field: _named_key(fields.get(field)) for field in named or ["control"]}
+    if len(set(keys.values())) > 1:
+        raise InvalidControl("conflicting_fields", f"'control' names key {keys['control']!r} and 'key' names "
+                                                   f"{keys['key']!r}: send one of them")
+    key = next(iter(keys.values()))
+    told = [field for field in ("event", "action") if field in fields]
+    meanings = {field: _event_meaning(fields[field]) for field in told}
+    if len(set(meanings.values())) > 1:
+        raise InvalidControl("conflicting_fields", f"'event' {echo(fields['event'])} and 'action' "
+                                                   f"{echo(fields['action'])} mean different things: send one of them")
+    meaning = next(iter(meanings.values())) if meanings else _event_meaning("press")
+    if isinstance(meaning, ControlType):
+        return Control(meaning)
+    return Control(ControlType.CONTROL, key=key, pressed=meaning)
+
+
+def _named_key(name: Any) -> str:
     if not isinstance(name, str):
         raise InvalidControl("bad_controls", "a control message needs a string 'control' (or 'key')")
     key = normalize_key(name)
     if key is None:
         raise InvalidControl("unknown_control", f"unknown control {echo(name)}")
-    event = fields["event"] if "event" in fields else fields.get("action", "press")
+    return key
+
+
+def _event_meaning(event: Any) -> bool | ControlType:
     meaning = _EVENTS.get(event.lower()) if isinstance(event, str) else None
     if meaning is None:
         raise InvalidControl("unknown_event", f"event {echo(event)} is not one of {sorted(_EVENTS)}")
-    if isinstance(meaning, ControlType):
-        return Control(meaning)
-    return Control(ControlType.CONTROL, key=key, pressed=meaning)
+    return meaning
 
 
 def _prompt(fields: Mapping[str, Any]) -> str:

@@ -56,8 +56,8 @@ def press(key: str, pressed: bool = True) -> Control:
         ({"type": "control", "control": "i", "event": "Press"}, press("i")),
         ({"type": "control", "control": "w", "event": "reset"}, Control(ControlType.RESET)),
         ({"type": "control", "control": "w", "event": "reset_pose"}, Control(ControlType.RESET_POSE)),
-        ({"type": "control", "control": "w", "key": "s"}, press("w")),  # 'control' wins over 'key'
-        ({"type": "control", "control": "w", "event": "release", "action": "press"}, press("w", False)),
+        ({"type": "control", "control": "w", "key": "KeyW"}, press("w")),  # both name one key: taken
+        ({"type": "control", "control": "w", "event": "release", "action": "keyup"}, press("w", False)),
         ({"type": "prompt", "prompt": "a snowy forest"}, Control(ControlType.PROMPT, prompt="a snowy forest")),
         ({"type": "prompt", "prompt": "x" * 2000}, Control(ControlType.PROMPT, prompt="x" * 2000)),
         ({"type": "prompt", "prompt": "  padded  "}, Control(ControlType.PROMPT, prompt="  padded  ")),
@@ -294,6 +294,37 @@ def test_unknown_event(event: Any) -> None:
     assert rejected({"type": "control", "control": "w", "action": event}).reason == "unknown_event"
 
 
+@pytest.mark.parametrize(("message", "named"), [
+    ({"type": "control", "control": "w", "key": "s"}, "'control' names key 'w' and 'key' names 's'"),
+    ({"type": "control", "control": "j", "event": "press", "action": "release"}, "'event' 'press' and 'action'"),
+    ({"type": "control", "key": "w", "event": "reset", "action": "press"}, "'event' 'reset' and 'action'"),
+    ({"version": 1, "type": "control", "payload": {"key": "ArrowUp", "control": "down"}}, "names key 's'"),
+])
+def test_fields_that_say_two_things_are_refused_naming_both(message: dict[str, Any], named: str) -> None:
+    """``control`` beside ``key`` (or ``event`` beside ``action``) saying something else was taken silently, one of
+    them ignored: the sender meant one of the two, and which one is a guess."""
+    failure = rejected(message)
+    assert failure.reason == "conflicting_fields" and named in failure.detail, failure
+
+
+@pytest.mark.parametrize("message", [
+    {"type": "control", "control": "w", "key": "KeyW", "event": "release", "action": "keyup"},
+    {"type": "control", "control": "ArrowLeft", "key": "left", "event": "PRESS", "action": "press"},
+])
+def test_fields_that_say_the_same_thing_twice_are_taken(message: dict[str, Any]) -> None:
+    control = parse(message)
+    assert control.key in ("w", "a") and control.pressed == (message["event"].lower() == "press")
+
+
+@pytest.mark.parametrize("claimed", [{"session_id": "other"}, {"session_id": "s1", "payload_session": "other"}])
+def test_an_envelope_whose_payload_names_another_session_is_refused(claimed: dict[str, Any]) -> None:
+    """The payload's ``session_id`` was never checked: an envelope naming another session there was applied (the
+    same id at the top level is refused)."""
+    payload = {"controls": ["a"], "session_id": claimed.get("payload_session", claimed["session_id"])}
+    top = {"session_id": "s1"} if "payload_session" in claimed else {}
+    assert rejected({"version": 1, "type": "control_state", "payload": payload, **top}).reason == "wrong_session"
+
+
 @pytest.mark.parametrize("prompt", [None, "", "   ", "\n\t", 5, ["a"], "x" * 2001])
 def test_bad_prompt(prompt: Any) -> None:
     assert rejected({"type": "prompt", "prompt": prompt}).reason == "bad_prompt"
@@ -333,5 +364,5 @@ def test_every_reason_is_reachable_by_these_tests() -> None:
     assert REJECTION_REASONS == {
         "server_topic", "wrong_topic", "not_controller", "too_large", "invalid_json", "not_an_object", "bad_version",
         "wrong_session", "bad_payload", "unknown_type", "bad_controls", "unknown_control",
-        "duplicate_control", "unknown_event", "bad_prompt", "misspelt_field",
+        "duplicate_control", "unknown_event", "bad_prompt", "misspelt_field", "conflicting_fields",
     }  # fmt: skip
