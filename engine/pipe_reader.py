@@ -18,7 +18,7 @@ import struct
 
 __all__ = ["MessageReader", "PipeClosed"]
 
-READ_SIZE = 1 << 20  # bytes taken from the pipe per readiness: a large message arrives over several reads
+READ_SIZE = 1 << 18  # bytes taken from the pipe per readiness: a large message arrives over several reads
 _SHORT = struct.Struct("!i")
 _LONG = struct.Struct("!Q")
 
@@ -30,11 +30,12 @@ class PipeClosed(Exception):
 class MessageReader:
     """The messages of one pipe, read only when it is readable (see the module docs)."""
 
-    __slots__ = ("_fd", "_buffer")
+    __slots__ = ("_fd", "_buffer", "_chunk")
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._buffer = bytearray()
+        self._chunk = bytearray(READ_SIZE)  # each read lands here: no allocation of READ_SIZE per small message
 
     @property
     def pending_bytes(self) -> int:
@@ -47,13 +48,14 @@ class MessageReader:
         Raises :class:`PipeClosed` at the end of the pipe, or where its bytes are not messages.
         """
         try:
-            data = os.read(self._fd, READ_SIZE)
+            count = os.readv(self._fd, [self._chunk])
         except OSError as exc:
             raise PipeClosed(str(exc)) from exc
-        if not data:
+        if not count:
             raise PipeClosed("end of pipe")
         buffer = self._buffer
-        buffer += data
+        with memoryview(self._chunk) as chunk:
+            buffer += chunk[:count]
         messages = []
         while True:
             size, header = self._next_size()

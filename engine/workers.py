@@ -435,15 +435,15 @@ class ProcessWorkerGroup:
         except Exception as exc:
             raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
                             f"{type(exc).__name__}: {exc}") from exc
-        with self._lock:
-            try:
+        try:
+            with self._lock:
                 self._check_takes_calls()
-            except BaseException:
-                for shared in held.values():  # no rank will ever fetch them
-                    release_shared(shared)
-                raise
-            self._pending[call.call_id] = call
-            self._held_for_ranks.update(held)
+                self._pending[call.call_id] = call
+                self._held_for_ranks.update(held)
+        except BaseException:
+            for shared in held.values():  # no rank will ever fetch them
+                release_shared(shared)
+            raise
         for rank, payload in zip(ranks, payloads):
             if not self._supervisor.send(rank, payload, timeout=self.call_timeout):
                 break  # the rank is gone: its exit fails the group, and this call with it

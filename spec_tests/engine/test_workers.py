@@ -130,7 +130,7 @@ def test_the_tensor_arguments_of_calls_no_rank_began_are_released_when_the_group
     assert _shared_memory_fds() >= before + 20  # one held for each rank's copy of each queued call
     group.close()
     assert _shared_memory_fds() <= before
-    assert "Traceback" not in capfd.readouterr().err
+    assert "resource_sharer" not in capfd.readouterr().err  # its thread's traceback for a handle served already
 
 
 def test_the_tensor_arguments_of_a_call_a_rank_died_before_fetching_are_released(groups):
