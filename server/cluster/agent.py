@@ -327,21 +327,22 @@ class Agent:
         finally:
             self._outbox = None
             outcome = outcome or "connection lost"
+            told = outcome  # what the agent says of the end; ``outcome`` alone decides which end it was
             if outcome != "drained":
                 running = len(self.sessions.runners)
                 await self.sessions.stop_all(f"worker fenced: {outcome}", hard=True)
                 if running:
-                    outcome += f"; worker {worker_id} stopped its {running} session(s)"
+                    told += f"; worker {worker_id} stopped its {running} session(s)"
                 if self.life.state in LEAVING:  # else the line that says what the agent does next names it
-                    log.warning("worker %s: %s", worker_id, outcome)
+                    log.warning("worker %s: %s", worker_id, told)
             await channel.aclose()
         if outcome == "drained":
-            return Ended(End.DRAINED, outcome)
+            return Ended(End.DRAINED, told)
         if outcome == self._authority_goodbye:
-            return Ended(End.AUTHORITY_STOPPED, outcome)
+            return Ended(End.AUTHORITY_STOPPED, told)
         if outcome in (FENCED, self._fenced_by_authority):  # the authority's silence or verdict: not counted
-            return Ended(End.FENCED, outcome)
-        return Ended(End.AUTHORITY_GONE if outcome == self._authority_gone else End.LOST, outcome)
+            return Ended(End.FENCED, told)
+        return Ended(End.AUTHORITY_GONE if outcome == self._authority_gone else End.LOST, told)
 
     # -- the connection --
 

@@ -1,5 +1,6 @@
 """An authority that stalls itself (SIGSTOP past its heartbeat deadline, then SIGCONT) names its own stall as the cause
-of the losses it brings about, not the agents.
+of the losses it brings about, not the agents, and its agents do not count the fence it caused toward their
+crash-loop limit.
 
 Its agents had no heartbeat acknowledged, fenced themselves and closed their connections; running again, the authority
 found them overdue or gone, and the sessions on them failed with ``worker lost: heartbeat missed``, which blamed the
@@ -16,6 +17,7 @@ from .conftest import DEADLINE, Controller, external_agent, stopped, until
 from .test_agent_start_signals import logged
 
 FENCED = "no heartbeat acknowledged"  # the agent's line as it fences itself
+UNCOUNTED = "not counted as a crash: a fence is the authority's silence or verdict"  # and as it dials again
 
 
 async def test_a_session_lost_to_the_authoritys_own_stall_names_the_stall_not_a_missed_heartbeat() -> None:
@@ -38,3 +40,8 @@ async def test_a_session_lost_to_the_authoritys_own_stall_names_the_stall_not_a_
         metrics = authority.http.get("/metrics").text
         assert 'chunkline_worker_losses_total{cause="authority_stalled"} 1.0' in metrics, metrics
         assert "cluster: the authority stalled for " in authority.process.text(200_000)
+        # the fence is the authority's doing, not the agent's crash, also with a session running on the agent (its
+        # count of stopped sessions, added to the words of the end, made the end read as a lost connection: counted,
+        # nine such stalls or authority restarts in a minute ended the agent for good)
+        await logged(agent, UNCOUNTED, 30)
+        assert "authority connection ended" not in agent.text(200_000), agent.text(200_000)
