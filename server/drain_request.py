@@ -17,19 +17,22 @@ if TYPE_CHECKING:
 
 
 def drain_worker(runtime: StreamRuntime, worker_id: str, deadline: float) -> dict[str, Any]:
-    """Live sessions finish or are drained at the deadline; a failed or stopped worker is answered, unchanged."""
+    """Live sessions finish or are drained at the deadline. A worker still loading, draining already, stopped or
+    failed is a conflict, and nothing changes."""
     worker = runtime.workers.get(worker_id)
     if worker is None:
         raise UnknownWorker(worker_id)
     state = runtime.book.worker_state(worker_id)
     if state in LOADING:
         raise SessionConflict(f"worker {worker_id} is still starting; drain it once it is ready")
-    if state not in DRAINABLE and state not in TERMINAL:  # neither loading, drainable nor ended: draining now
+    if state in TERMINAL:  # a 202 echoing a deadline nothing applied, and a drain sent to an agent that had left
+        raise SessionConflict(f"worker {worker_id} has {state.value}: there is nothing left to drain")
+    if state not in DRAINABLE:  # neither loading, drainable nor ended: draining now
         raise SessionConflict(f"worker {worker_id} is already draining: the drain under way keeps its deadline "
                               "(a second drain changes nothing)")
     if runtime.cluster is not None:
         runtime.cluster.drain(worker_id, deadline)
-    elif state in DRAINABLE:
+    else:
         runtime.drain_in_book(worker_id)
         runtime.spawn(runtime.in_process.drain, worker, deadline)
     runtime_views.publish_gauges(runtime)

@@ -333,8 +333,8 @@ def openapi_document() -> dict[str, Any]:
                     "400": _error("invalid deadline, or a field other than deadline_seconds"),
                     "401": _error("missing or wrong API key"),
                     "404": _error("unknown worker"),
-                    "409": _error("the worker is still starting, or already draining (the drain under way keeps "
-                                  "its deadline)"),
+                    "409": _error("the worker is still starting, already draining (the drain under way keeps "
+                                  "its deadline), stopped or failed (nothing left to drain)"),
                     **COMMON_ERRORS,
                 },
             }

@@ -41,8 +41,12 @@ async def test_a_drained_worker_takes_no_new_session_and_its_live_one_ends_close
             "worker_id": "worker-0", "restarts": 0, "state": "stopped",
             "reason": "stopped on purpose (drained, or the server is stopping); not restarted", "replaced": None}, health
 
+        # nothing left to drain: a conflict that says so (it was a 202 echoing a deadline that nothing applied, and
+        # an agent that had drained but not yet left was sent a drain again each time)
         status, again, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 0.2})
-        assert (status, again["state"]) == (202, "stopped")  # nothing left to drain: answered, changes nothing
+        assert (status, again["error"]) == (409, "conflict"), again
+        assert again["detail"] == "worker worker-0 has stopped: there is nothing left to drain", again
+        assert s.runtime.book.worker_state("worker-0").value == "stopped"
 
 
 async def test_draining_a_worker_that_is_still_loading_is_a_conflict_and_unknown_is_404():
