@@ -13,18 +13,27 @@ __all__ = ["AgentOptions", "parse_authority"]
 
 
 def parse_authority(url: str) -> tuple[str, str, int]:
-    """``tcp://host:port`` or ``tls://host:port`` -> (scheme, host, port); ValueError names what is wrong."""
+    """``tcp://host:port`` or ``tls://host:port`` -> (scheme, host, port); ValueError names what is wrong (a password
+    in the URL is never repeated)."""
     parts = urlsplit(url)
+    shown = repr(url if parts.password is None else url.replace(f":{parts.password}@", ":***@", 1))
     if parts.scheme not in ("tcp", "tls"):
-        raise ValueError(f"--authority must be tcp://HOST:PORT or tls://HOST:PORT, got {url!r}")
+        raise ValueError(f"--authority must be tcp://HOST:PORT or tls://HOST:PORT, got {shown}")
     try:
         port = parts.port
     except ValueError:
         port = None
     if not parts.hostname or port is None:
-        raise ValueError(f"--authority {url!r} needs a host and a port")
+        raise ValueError(f"--authority {shown} needs a host and a port")
     if port == 0:
-        raise ValueError(f"--authority {url!r} needs a port 1-65535 (port 0 is no authority's)")
+        raise ValueError(f"--authority {shown} needs a port 1-65535 (port 0 is no authority's)")
+    unused = [what for what, there in (("a user or password", "@" in parts.netloc),
+                                       ("a path", parts.path not in ("", "/")), ("a query", bool(parts.query)),
+                                       ("a fragment", bool(parts.fragment))) if there]
+    if unused:  # dropped without a word, the password written to every log line that names the authority
+        raise ValueError(f"--authority {shown} has {' and '.join(unused)}, which the agent cannot use: give "
+                         "tcp://HOST:PORT or tls://HOST:PORT (the cluster token is CHUNKLINE_CLUSTER_TOKEN or "
+                         "--cluster-token-file; TLS is the tls:// scheme with --tls-ca)")
     return parts.scheme, parts.hostname, port
 
 

@@ -25,16 +25,22 @@ LONGEST_NODE = MAX_IDENTITY_LENGTH - len(worker_participant("-" + "0" * WORKER_I
     (["--node", "n" * (LONGEST_NODE + 1)], "(110 characters in all) cannot name this agent in its rooms"),
     (["--node", "bad/name"], "--node: 'bad/name' cannot name"),
     (["--authority", "tcp://127.0.0.1:0"], "--authority 'tcp://127.0.0.1:0' needs a port 1-65535"),
+    # taken, the user and password, path, query and fragment were dropped, and the password written to every log line
+    (["--authority", "tcp://nobody:secret@127.0.0.1:1/some/path?tls=1#x"],
+     "--authority 'tcp://nobody:***@127.0.0.1:1/some/path?tls=1#x' has a user or password and a path and a query and "
+     "a fragment, which the agent cannot use"),
+    (["--authority", "tls://127.0.0.1:1?ca=x"], "has a query, which the agent cannot use"),
     (["--drain-deadline", "1e300"], f"--drain-deadline must be a number of seconds > 0, at most {MAX_DRAIN_DEADLINE:g}"),
     # pid 1 runs and did not start the agent: it loaded its pipeline, then exited 70 saying pid 1 was gone
     (["--launcher-pid", "1"], "--launcher-pid 1 is not the process that started this agent (its parent is pid "),
-], ids=["space", "too-long", "slash", "port-0", "endless-drain", "not-the-parent"])
+], ids=["space", "too-long", "slash", "port-0", "url-parts", "url-query", "endless-drain", "not-the-parent"])
 def test_the_worker_command_refuses_a_flag_that_could_only_fail_later(flags: list[str], named: str) -> None:
     run = subprocess.run(chunkline("worker", TINY, "--authority", "tcp://127.0.0.1:1", *flags), cwd=str(ROOT),
                          env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.startswith("chunkline worker: error: ") and named in run.stderr, run.stderr[-2000:]
     assert len(run.stderr.splitlines()) == 1, run.stderr[-2000:]
+    assert "secret" not in run.stderr
 
 
 async def test_the_longest_node_the_worker_command_takes_is_one_the_authority_registers() -> None:
