@@ -9,8 +9,10 @@ applies to (:data:`WORKERS_ONLY`), where the agents' token comes from, and check
   same errors). A token on the command line is visible to the host's other users (``ps``); a file is not. A flag
   wins over the other source's variable (``--cluster-token-file`` over an exported ``CHUNKLINE_CLUSTER_TOKEN``, as
   for the worker command); the two flags, or the two variables, together are an error naming both.
-* The agents' listener, addresses, token and heartbeats are refused with ``--workers in-process`` and
-  ``--ray-address`` with any ``--workers`` but ``ray``: there they would be ignored. ``--cluster-token`` only when
+* The agents' listener, addresses, token and heartbeats are refused with ``--workers in-process``,
+  ``--ray-address`` with any ``--workers`` but ``ray``, and how the server's own workers run (worker mode, placement,
+  GPU map, default fps, startup check, control idle timeout) with ``--workers external``, whose agents take their
+  own: there they would be ignored. ``--cluster-token`` only when
   given on the command line (``CHUNKLINE_CLUSTER_TOKEN`` is often exported for a whole shell, the worker command
   reads it too); a token file is refused from either source, before it is read.
 
@@ -24,17 +26,23 @@ from typing import Any
 
 from .setting_values import SettingsError, env_var, option_for, read_secret_file
 
-__all__ = ["AGENT_WORKERS", "MIN_CLUSTER_TOKEN_BYTES", "SHELL_WIDE", "TOKEN_SOURCES", "WORKERS_ONLY", "check_cluster",
+__all__ = ["AGENT_WORKERS", "MIN_CLUSTER_TOKEN_BYTES", "OWN_WORKERS", "SHELL_WIDE", "TOKEN_SOURCES", "WORKERS_ONLY", "check_cluster",
            "dialed_host", "one_token_source", "refuse_options_that_would_be_ignored"]
 
 #: the --workers that run worker agents
 AGENT_WORKERS = ("local", "ray", "external")
-#: settings that apply only to some --workers (agents' addresses, token and heartbeats; the Ray cluster): given
-#: with any other they would silently do nothing, so they are refused there, all by this one table
+#: the --workers whose workers this server makes (in its process, or agents it launches with its own settings); an
+#: external agent is started by its operator, with ``chunkline worker``'s own flags
+OWN_WORKERS = ("in-process", "local", "ray")
+#: settings that apply only to some --workers (agents' addresses, token and heartbeats; the Ray cluster; how the
+#: server's own workers run): given with any other they would silently do nothing, so they are refused there, all by
+#: this one table
 WORKERS_ONLY: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("cluster_host", "cluster_port", "cluster_tls_cert", "cluster_tls_key", "public_url",
                      "cluster_token", "cluster_token_file", "heartbeat_interval", "heartbeat_deadline"), AGENT_WORKERS),
     "ray_address": ("ray",),
+    **dict.fromkeys(("worker_mode", "placement", "worker_gpu_map", "default_fps", "skip_validation",
+                     "control_idle_timeout"), OWN_WORKERS),
 }
 #: of those, the ones often exported for a whole shell: refused only when given on the command line
 SHELL_WIDE = frozenset({"cluster_token"})
@@ -58,11 +66,15 @@ def refuse_options_that_would_be_ignored(settings: Any, given: frozenset[str], d
         if settings.workers in applies or getattr(settings, name) == defaults[name]:
             continue
         option = option_for(name)
-        shown = "" if name in secrets else f" ({getattr(settings, name)})"
+        value = getattr(settings, name)
+        shown = "" if name in secrets or isinstance(value, bool) else f" ({value})"  # a flag's value: it was given
         where = "worker agents (--workers local, ray or external)" if applies == AGENT_WORKERS else (
+            "the workers this server starts (--workers in-process, local or ray)" if applies == OWN_WORKERS else
             "--workers " + " or ".join(applies))
+        then = (" (an external agent takes its own: chunkline worker --help)" if settings.workers == "external"
+                else "")
         raise SettingsError(option, f"{option}{shown} applies to {where}; with --workers {settings.workers} it "
-                                    f"would be ignored")
+                                    f"would be ignored{then}")
 
 
 def _both_given(where: str) -> SettingsError:

@@ -42,8 +42,9 @@ async def test_an_agents_pipeline_gets_the_authoritys_fps_and_idle_timeout_and_r
 
 async def test_an_external_agent_started_with_its_own_idle_timeout_is_shown_with_it_not_the_authoritys() -> None:
     """Metadata shows what an agent's pipeline runs with: its Ready carries the values it handed the pipeline (it
-    named only which settings were taken, so metadata showed the authority's --control-idle-timeout instead)."""
-    authority = start_authority("--control-idle-timeout", "3", launcher="external", workers=1, pipeline=OFFERED_WORLD)
+    named only which settings were taken, so metadata showed the authority's --control-idle-timeout instead; the
+    authority now refuses that option with external agents, and shows the agent's value, not its own default)."""
+    authority = start_authority(launcher="external", workers=1, pipeline=OFFERED_WORLD)
     agent = Process(chunkline("worker", OFFERED_WORLD, "--authority", f"tcp://127.0.0.1:{authority.cluster_port}",
                               "--control-idle-timeout", "5", "--default-fps", "8"),
                     clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))

@@ -65,6 +65,28 @@ def test_an_agents_option_with_in_process_workers_exits_2_naming_it(option: str,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("option", "value", "shown"), [
+    ("--worker-mode", "process", " (process)"), ("--placement", '{"encode": "cpu"}', ' ({"encode": "cpu"})'),
+    ("--worker-gpu-map", "3", " (((3,),))"), ("--default-fps", "5", " (5.0)"), ("--skip-validation", None, ""),
+    ("--control-idle-timeout", "2", " (2.0)"),
+])
+def test_an_own_workers_option_with_external_agents_exits_2_naming_it(option: str, value: str | None, shown: str,
+                                                                       tmp_path: Path) -> None:
+    """How the server's own workers run is nothing to external agents, which take their own (``chunkline worker``'s
+    flags): these were taken without a word, even one that names nothing real (a placement of a bogus stage)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env.update(TMPDIR=str(tmp_path), CHUNKLINE_CLUSTER_TOKEN="a-cluster-token-of-16+")
+    given = [option] if value is None else [option, value]
+    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/replay", "--port", "0",
+               "--workers", "external", *given]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = (f"chunkline stream-serve: error: {option}{shown} applies to the workers this server starts (--workers "
+            f"in-process, local or ray); with --workers external it would be ignored (an external agent takes its "
+            f"own: chunkline worker --help)")
+    assert done.stderr.strip().splitlines() == [line], done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("options", [
     ["--livekit-api-key", "a-key"], ["--transport", "local", "--livekit-url", "ws://127.0.0.1:7880"],
     ["--transport", "local", "--livekit-api-secret", "s" * 32],
