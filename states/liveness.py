@@ -174,6 +174,7 @@ class _Entry:
     last_heard: float
     cause: str | None = None
     leave_by: float | None = None  # a draining worker's deadline to say goodbye (None: no limit)
+    drained_at: float | None = None  # when its drain began
     #: session id -> when the deadline of its finish passes, and that deadline's words in a loss cause
     stops_owed: dict[str, tuple[float, str]] = attrs.Factory(dict)
 
@@ -268,7 +269,7 @@ class LivenessBook:
         other._retain = self._retain
         other._entries = {
             wid: _Entry(LivenessMachine(e.machine.state), e.registered_at, e.last_heard, e.cause, e.leave_by,
-                        dict(e.stops_owed))
+                        e.drained_at, dict(e.stops_owed))
             for wid, e in self._entries.items()
         }
         other._gone = list(self._gone)
@@ -356,8 +357,10 @@ class LivenessBook:
 
         ``within``: seconds it has to say goodbye; :meth:`expire` loses it after that (heartbeats do not help)."""
         moved = self._move(worker_id, Event.DRAIN, now)
-        if moved and within is not None:
-            self._entries[worker_id].leave_by = now + within
+        if moved:
+            entry = self._entries[worker_id]
+            entry.drained_at = now
+            entry.leave_by = None if within is None else now + within
         return moved
 
     def owe_stop(self, worker_id: str, session_id: str, now: float, within: float, *,
@@ -400,7 +403,11 @@ class LivenessBook:
                 _, session_id, by = overdue[0]
                 cause = f"protocol error: session {session_id} not reported finished {by}"
             elif entry.machine.state in DRAINING_STATES:
-                cause = f"protocol error: still draining {now - entry.leave_by:.1f} s past its drain deadline"  # type: ignore[operator]
+                # measured from the drain (the time to say goodbye given is the drain's deadline and a grace: "0.0 s
+                # past its deadline" said of an agent 15 s past it)
+                given = entry.leave_by - entry.drained_at  # type: ignore[operator]
+                cause = (f"protocol error: still draining {now - entry.drained_at:.1f} s after its drain began "  # type: ignore[operator]
+                         f"(it had {given:g} s to say goodbye)")
             else:
                 cause = f"protocol error: not ready {now - entry.registered_at:.1f} s after registering"
             out += self._move(wid, Event.LOSE, now, cause)

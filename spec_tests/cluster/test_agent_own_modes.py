@@ -14,8 +14,9 @@ from .conftest import external_agent
 
 
 async def test_an_external_agent_is_shown_with_its_own_worker_mode_and_session_limit() -> None:
-    # the authority's own settings, which it would give workers it started: another mode and limit than the agent's
-    authority_args = ("--worker-mode", "process", "--max-sessions-per-worker", "auto")
+    # the authority's own limit, which it would give workers it started: another than the agent's (its
+    # --worker-mode is refused with external agents, which run with their own)
+    authority_args = ("--max-sessions-per-worker", "auto")
     async with external_agent(*authority_args, agent_args=("--max-sessions", "2")) as (authority, _):
         [worker] = authority.eligible()
         metadata = authority.get("/v1/service/metadata")

@@ -71,7 +71,9 @@ def test_a_draining_worker_that_never_says_goodbye_is_lost_at_its_drain_deadline
     assert book.next_deadline() == 5.0 and book.expire(4.9) == []
     [lost] = book.expire(5.0)
     assert (lost.worker_id, lost.state) == ("stuck", State.LOST)
-    assert lost.cause == "protocol error: still draining 0.0 s past its drain deadline"
+    # said from the drain on: the time it was given is the drain's deadline and the grace to say goodbye ("0.0 s past
+    # its drain deadline" was said of an agent 15 s past its deadline)
+    assert lost.cause == "protocol error: still draining 4.0 s after its drain began (it had 4 s to say goodbye)"
     assert book.state("free") is State.DRAINING and book.copy().next_deadline() == 7.0
 
 
