@@ -70,6 +70,13 @@ MAX_CLIENTS_PER_ROOM = 64  # browser sockets one room holds (a controller and it
 KEPT_PACES = 4096  # participants' data paces kept after they left, at most (each until it is full, a second or so)
 
 
+def _ends_session(payload: object) -> bool:
+    """Whether a worker's ``tf.status`` message is its session's last word (``done`` or ``error``)."""
+    if isinstance(payload, str):
+        return payload.startswith(('{"type":"done"', '{"type":"error"'))  # the runners' own compact JSON
+    return isinstance(payload, dict) and payload.get("type") in ("done", "error")
+
+
 class WorkerConnection:
     """The room runner's side of a local room (implements the RoomConnection port)."""
 
@@ -228,7 +235,7 @@ class LocalRooms:
             found.closed = True
             found.drop_held()
             self._forget_if_empty(found)
-            if last_word is not None:
+            if last_word is not None and not found.worker_said_last:  # an agent that fenced itself said it first
                 found.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
             if found.worker is None or last_word is not None:
                 found.send_clients_away()
@@ -354,6 +361,8 @@ class LocalRooms:
                     raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                     if to is None or isinstance(to, str):  # with "to", an answer to that participant alone
                         target.send_text(data_message(str(topic), raw, worker.identity, parsed=payload), to)
+                        if to is None and topic == STATUS_TOPIC and _ends_session(payload):
+                            target.worker_said_last = True
         finally:
             self._leave_worker(target, worker)
 

@@ -174,6 +174,8 @@ class Room:
     worker: WorkerConnection | RemoteWorkerPresence | None = None
     last_frame: bytes | None = None
     closed: bool = False  # its session ended: its clients leave once the worker has
+    # its worker told the room how the session ended (``done`` or ``error`` on tf.status): the server says it no more
+    worker_said_last: bool = False
     # data sent before the worker joined (an agent's comes a moment after the controller may), handed to it when it does
     held: deque = attrs.Factory(deque)
     held_size: int = 0
