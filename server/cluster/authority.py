@@ -321,6 +321,9 @@ class ClusterAuthority:
             elif isinstance(message, wire.OptionsChecked):
                 worker.on_options_checked(message)
             elif isinstance(message, wire.Ready):
+                if worker.said_ready:  # its capacity and plan were taken once: a change was dropped without a word
+                    return "protocol error: ready a second time (a registration says ready once)"
+                worker.said_ready = True
                 self._ready(worker, message)
             elif isinstance(message, wire.Failed):  # its word: whether its process is gone nobody has seen
                 return f"the agent said it failed: {public_reason(message.reason)}"

@@ -93,6 +93,7 @@ class RemoteWorker:
         self.pid = pid
         self.slot = slot
         self.plan: PlanView | None = None
+        self.said_ready = False  # its Ready came (once a registration: a second one is a protocol error)
         self.kind: str | None = None
         self.startup_check: dict[str, Any] | None = None  # the agent's own, from its Ready
         #: the offered settings its pipeline's get_service took, with the agent's values, from its Ready

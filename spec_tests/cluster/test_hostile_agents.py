@@ -274,6 +274,19 @@ async def test_a_goodbye_from_a_worker_that_was_not_draining_is_a_protocol_error
     assert summary["stale_messages_dropped"] >= before + 3, summary  # still counted once the worker is gone
 
 
+async def test_a_second_ready_is_a_protocol_error(authority: Cluster) -> None:
+    """A second Ready (another capacity) was dropped without a word: the agent went on believing in its new capacity
+    while the authority kept the first."""
+    channel, reply = await register(authority, "twice")
+    assert isinstance(reply, wire.Welcome), reply
+    await say_ready(authority, channel, "twice")
+    await channel.send(wire.Ready(8, "bidirectional", PLAN))
+    assert await closed_by_peer(channel.stream, 10.0)  # type: ignore[arg-type]
+    await channel.aclose()
+    cause = await until(lambda: losses(authority).get("twice"), "the agent to be lost", authority, deadline=10)
+    assert cause == "protocol error: ready a second time (a registration says ready once)", cause
+
+
 async def test_a_drained_agent_that_never_leaves_is_lost_past_its_drain_deadline(authority: Cluster) -> None:
     channel, reply = await register(authority, "clinging")
     assert isinstance(reply, wire.Welcome), reply
