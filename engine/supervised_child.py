@@ -74,12 +74,29 @@ def bind_to_parent(config: dict[str, Any]) -> None:
     # out of the terminal's foreground group now: with ``stty tostop`` a write to the terminal (a log line) would
     # stop the child; ignored, the write goes through as it did in the parent's group
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    _keep_passed_descriptors_to_itself()
     parent_pid = config["parent_pid"]
     if config.get("parent_death_signal", True):
         _set_parent_death_signal()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(PARENT_GONE_EXIT_CODE)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+
+
+def _keep_passed_descriptors_to_itself() -> None:
+    """Make the descriptors the spawn passed this child (its pipe to the parent, the end whose close tells the parent it
+    exited, the resource tracker's) non-inheritable, as every descriptor Python opens is: a process the child starts
+    (``os.system("tool &")``, a fork) held them open past the child's death, and the parent never saw it die."""
+    try:
+        opened = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # pragma: no cover - no /proc: the common low range
+        opened = list(range(3, 256))
+    for fd in opened:
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:  # the listing's own descriptor, closed by now, or not one this process holds
+                pass
 
 
 def _set_parent_death_signal() -> None:

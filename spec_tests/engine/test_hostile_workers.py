@@ -216,3 +216,15 @@ def test_a_process_a_rank_started_ends_with_the_rank(groups, how):
     while not _ended(sleeper) and time.monotonic() < deadline:
         time.sleep(0.01)  # bench-cost: real-time poll for SIGKILL to land, bounded by a deadline
     assert _ended(sleeper), f"the rank's process {sleeper} outlived it ({how})"
+
+
+def test_a_rank_that_started_a_tool_through_the_shell_is_seen_to_die(groups):
+    """The descriptors the spawn passed a rank (its pipe, the end whose close tells the parent it exited) were
+    inheritable: a tool it started with ``os.system("tool &")`` held them open, so the rank's death went unseen (its
+    calls waited for ever with the default call_timeout) until the tool ended. A rank now keeps them to itself."""
+    group = groups(world_size=1).start()
+    group.call("start_shell_sleeper")()
+    pending = group.call("block")
+    os.kill(group.pids[0], signal.SIGKILL)
+    with pytest.raises(WorkerGroupFailed, match=r"rank 0 \(pid \d+\) exited unexpectedly with code -9"):
+        pending(timeout=20.0)  # the failure wakes it at once; a timeout (20 s) fails the group another way

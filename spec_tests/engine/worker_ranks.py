@@ -70,6 +70,10 @@ class EchoRank:
     def unpicklable(self) -> Any:
         return lambda: None
 
+    def start_shell_sleeper(self) -> None:
+        """Start a tool through the shell, in the background, as ``os.system("tool &")`` does."""
+        os.system("sleep 600 &")
+
     def start_sleeper(self) -> int:
         """Start a process of its own (as model code may: compile workers, a tool) and return its pid."""
         self._sleeper = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
