@@ -99,8 +99,22 @@ def dump_value(value: Any) -> tuple[bytes, bytes, tuple[tuple[str, int], ...]]:
     pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table[resource_sharer.DupFd] = listed
     pickler.dispatch_table[WorkerTensorRef] = named
-    pickler.dump(value)
+    try:
+        pickler.dump(value)
+    except BaseException:  # the handles written before the part that does not pickle: nobody will ever fetch them
+        for handle in shared:
+            _fetch_and_close(handle)
+        raise
     return buffer.getvalue(), (bytes(ForkingPickler.dumps(shared)) if shared else b""), tuple(sorted(transfers))
+
+
+def _fetch_and_close(handle: Any) -> bool:
+    """Take a shared-memory handle this process offered and close it: it is offered no more. False when it was gone."""
+    try:
+        os.close(handle.detach())
+    except (OSError, EOFError):  # its holder is gone, and its handles with it
+        return False
+    return True
 
 
 def _counting(fetched: set[int]) -> type:
@@ -160,13 +174,8 @@ def release_shared(shared: bytes, fetched: frozenset[int] | set[int] = frozenset
     ``fetched``), so the rank holds them no longer; returns how many were released."""
     released = 0
     for place, handle in enumerate(pickle.loads(shared) if shared else ()):
-        if place in fetched:
-            continue
-        try:
-            os.close(handle.detach())
-        except (OSError, EOFError):  # the rank is gone, and its handles with it
-            continue
-        released += 1
+        if place not in fetched:
+            released += _fetch_and_close(handle)
     return released
 
 

@@ -427,12 +427,16 @@ class ProcessWorkerGroup:
         ranks = (0,) if method in self._rank0_only else tuple(range(self.world_size))
         call = _Call(next(_ids), method, ranks)
         self._check_takes_calls()  # before pickling: a CPU tensor argument is shared while it is pickled
+        dumped: list[tuple[bytes, bytes]] = []
         try:
             # once per rank: a CPU tensor travels as a shared-memory handle that only one process can fetch
-            dumped = [dump_arguments(args, kwargs) for _ in ranks]
+            for _ in ranks:
+                dumped.append(dump_arguments(args, kwargs))
             payloads = [ForkingPickler.dumps(Call(call.call_id, method, *arguments)) for arguments in dumped]
             held = {(call.call_id, rank): shared for rank, (_, shared) in zip(ranks, dumped) if shared}
         except Exception as exc:
+            for _, shared in dumped:  # the ranks' copies that did pickle: no rank will fetch them
+                release_shared(shared)
             raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
                             f"{type(exc).__name__}: {exc}") from exc
         try:

@@ -469,3 +469,23 @@ async def test_an_orchestrator_closed_past_its_deadline_still_closes_the_group_i
     while left := [t.name for t in threading.enumerate() if t.name == "denoise" or t.name.startswith("workers")]:
         assert time.monotonic() < deadline, left  # the actor's thread and the group's end with the call
         await trio.sleep(0.05)  # bench-cost: real-time poll for threads to end, bounded by a deadline
+
+
+def test_a_value_that_does_not_pickle_after_a_tensor_leaves_no_shared_memory_behind(groups):
+    """Pickling offers each CPU tensor's shared memory as it goes: a call whose arguments failed to pickle after a
+    tensor (a lambda beside it), or a rank value that did, left that offer, one descriptor each, for the process's
+    life. What was offered before the failure is taken back."""
+    import torch
+
+    group = groups(f"{RANKS}:TensorRank", world_size=2).start()
+    assert group.call("total", torch.ones(4))() == 4.0  # the process's handle sharer is up now
+    gc.collect()
+    before = _shared_memory_fds()
+    for _ in range(5):
+        with pytest.raises(TypeError, match="cannot be sent to the ranks"):
+            group.call("total", torch.ones(100_000), lambda: None)
+        with pytest.raises(WorkerCallError, match="tensor_and_lambda"):
+            group.call("tensor_and_lambda", 100_000)()
+    gc.collect()
+    assert _shared_memory_fds() <= before
+    assert group.call("shared_memory_fds")() == 0

@@ -179,3 +179,19 @@ class ArgumentThatDoesNotLoad:
 class TensorRank(EchoRank):
     def total(self, t: Any, *, scale: int = 1) -> float:
         return float(t.sum()) * scale + self.rank
+
+    def tensor_and_lambda(self, n: int) -> Any:
+        """A value that does not pickle, after a tensor that does (its shared memory offered before the failure)."""
+        import torch
+
+        return torch.ones(n), lambda: None
+
+    def shared_memory_fds(self) -> int:
+        """This rank's descriptors of tensors' shared memory."""
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                count += "/dev/shm/torch_" in os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                pass
+        return count
