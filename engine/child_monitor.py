@@ -262,10 +262,12 @@ class ChildMonitor:
         slot = self.slots[index]
         try:
             messages = slot.reader.read_ready()
-        except PipeClosed:
+        except PipeClosed as closed:
             with slot.send_lock:
                 slot.conn_open = False  # the child is exiting (its sentinel says how) or closed its end
             slot.pipe_closed_at = time.monotonic()
+            if closed.garbled:  # it still runs, writing what is no message: it is killed now, saying so
+                self._signal(index, Event.KILL, f"its pipe carried no messages: {closed}")
             return
         slot.heard_at = time.monotonic()
         for data in messages:

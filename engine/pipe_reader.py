@@ -24,7 +24,12 @@ _LONG = struct.Struct("!Q")
 
 
 class PipeClosed(Exception):
-    """The other end closed the pipe (or it broke); a message it had not finished writing is lost."""
+    """The other end closed the pipe (or it broke); a message it had not finished writing is lost. ``garbled``: its
+    bytes were no messages (the pipe is unusable, though the other end may still be writing)."""
+
+    def __init__(self, why: str, *, garbled: bool = False) -> None:
+        super().__init__(why)
+        self.garbled = garbled
 
 
 class MessageReader:
@@ -75,7 +80,7 @@ class MessageReader:
         if size >= 0:
             return size, _SHORT.size
         if size != -1:
-            raise PipeClosed(f"the pipe carries no message framing (a length of {size})")
+            raise PipeClosed(f"the pipe carries no message framing (a length of {size})", garbled=True)
         if len(buffer) < _SHORT.size + _LONG.size:
             return None, 0
         return _LONG.unpack_from(buffer, _SHORT.size)[0], _SHORT.size + _LONG.size

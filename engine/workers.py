@@ -354,7 +354,12 @@ class ProcessWorkerGroup:
     # -- what the supervisor reports (its monitor thread) --------------------------------------
 
     def _on_message(self, rank: int, data: bytes) -> None:
-        match message := pickle.loads(data):
+        try:
+            message = pickle.loads(data)
+        except Exception as exc:  # ranks send only the wire's messages: anything else fails the group, naming it
+            self._fail(f"rank {rank} sent a message that does not load ({type(exc).__name__}: {exc})")
+            return
+        match message:
             case Fetched(call_id=call_id, rank=fetched_by):
                 with self._lock:
                     self._held_for_ranks.pop((call_id, fetched_by), None)

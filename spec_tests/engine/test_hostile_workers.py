@@ -228,3 +228,16 @@ def test_a_rank_that_started_a_tool_through_the_shell_is_seen_to_die(groups):
     os.kill(group.pids[0], signal.SIGKILL)
     with pytest.raises(WorkerGroupFailed, match=r"rank 0 \(pid \d+\) exited unexpectedly with code -9"):
         pending(timeout=20.0)  # the failure wakes it at once; a timeout (20 s) fails the group another way
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"\x00\x00\x00\x00", r"rank 0 sent a message that does not load \(EOFError"),
+    (b"\xff\xff\xff\xf9junk", r"its pipe carried no messages: the pipe carries no message framing \(a length of -7\)"),
+], ids=["empty-message", "negative-length"])
+def test_bytes_from_a_rank_that_are_no_message_fail_the_group_naming_them(groups, data, reason):
+    """An empty message crashed the monitor thread (its unpickling raised there: every rank was killed as after a bug
+    in it); a negative length was reported a second later as a pipe closed without an exit, which it was not."""
+    group = groups(f"{RANKS}:HalfReplyRank", world_size=1).start()
+    with pytest.raises(WorkerGroupFailed, match=reason):
+        group.call("write_raw", data)(timeout=20.0)
+    assert "monitor thread crashed" not in group.failure_reason

@@ -153,6 +153,11 @@ class HalfReplyRank(EchoRank):
         super().__init__(**kwargs)
         self._conn = _child_conn()
 
+    def write_raw(self, data: bytes) -> None:
+        """Write ``data`` to the pipe as it stands (bytes no wire message is), then block."""
+        os.write(self._conn.fileno(), data)
+        self._never.wait()
+
     def half_reply_then_stop(self) -> None:
         os.write(self._conn.fileno(), struct.pack("!i", 4_000_000) + b"x" * 1000)
         os.kill(os.getpid(), signal.SIGSTOP)
