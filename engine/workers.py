@@ -256,6 +256,7 @@ class ProcessWorkerGroup:
         )
         self._closed_event = threading.Event()
         self._start_settled = threading.Event()  # clear only while start() runs
+        self._starting_thread: int | None = None  # the thread start() runs on, while it runs
         self._start_settled.set()
 
     # -- properties -----------------------------------------------------------------
@@ -306,6 +307,7 @@ class ProcessWorkerGroup:
                 raise RuntimeError("a worker group starts once")
             self._life.apply(Event.START)
             self._start_settled.clear()
+            self._starting_thread = threading.get_ident()
         ready = False
         try:
             self._supervisor.start(timeout, check_hello=self._check_hello)
@@ -320,6 +322,7 @@ class ProcessWorkerGroup:
                 self._ran = ready
             if not ready:
                 self._closed_event.set()
+            self._starting_thread = None
             self._start_settled.set()
         return self
 
@@ -477,21 +480,23 @@ class ProcessWorkerGroup:
         """
         if self._supervisor.on_monitor_thread():
             raise RuntimeError("close() cannot run on the group's monitor thread (e.g. from a failure callback)")
+        if self._starting_thread == threading.get_ident():  # it would wait for ever for the start() it interrupted
+            raise RuntimeError(f"{self.name}: close() ran inside start() on the same thread (a signal handler?); "
+                               "raise there instead: the interrupted start() closes the group")
         self._start_settled.wait()  # a start in another thread ends first (bounded by its timeout)
         with self._lock:
-            if not self._life.can(Event.CLOSE):
-                waiting = True  # closing in another thread, or closed
-            else:
-                waiting = False
+            if self._life.can(Event.CLOSE):
                 self._life.apply(Event.CLOSE)
-                pending, self._pending = list(self._pending.values()), {}
-        if waiting:
-            self._closed_event.wait()
+        if self._closed_event.is_set():
             return
+        # every close() does the work, each part bounded and idempotent: one interrupted half-way (Ctrl-C) or asked
+        # again meanwhile (a signal handler on the closing thread) is finished by the next, not waited for for ever
         timeout = self.close_timeout if timeout is None else timeout
         if self.failure_reason is not None:  # survivors may be stuck waiting on the dead rank: do not wait long
             timeout = min(timeout, self.kill_grace)
         self._supervisor.close(ForkingPickler.dumps(Shutdown()), timeout=timeout)
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
         self._abort(pending, WorkerGroupClosed(f"{self.name} closed while the call was pending"))
         self._release_held()
         with self._lock:

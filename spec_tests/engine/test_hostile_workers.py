@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine.workers import ProcessWorkerGroup, WorkerCallError, WorkerGroupFailed
+from engine.workers import ProcessWorkerGroup, WorkerCallError, WorkerGroupClosed, WorkerGroupFailed
 from states.process_group import State
 
 from . import worker_ranks
@@ -241,3 +241,52 @@ def test_bytes_from_a_rank_that_are_no_message_fail_the_group_naming_them(groups
     with pytest.raises(WorkerGroupFailed, match=reason):
         group.call("write_raw", data)(timeout=20.0)
     assert "monitor thread crashed" not in group.failure_reason
+
+
+class _Interrupted(Exception):
+    """Raised by a signal handler in the main thread, as Ctrl-C raises KeyboardInterrupt."""
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted()
+
+
+def test_a_close_interrupted_half_way_is_finished_by_the_next_close(groups):
+    """A close interrupted while it waited for a busy rank (Ctrl-C) left the group closing, and the next close (a
+    ``finally``, a ``with`` block's end) waited for it for ever. Every close now does the work itself."""
+    group = groups(world_size=1, close_timeout=2.0).start()
+    pending = group.call("block")
+    previous = signal.signal(signal.SIGALRM, _raise_interrupted)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(_Interrupted):
+            group.close()  # the rank is busy: the close waits for it, and is interrupted there
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    closer = threading.Thread(target=group.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "the second close waited for the interrupted one"
+    assert group.closed and group.processes_released
+    with pytest.raises(WorkerGroupClosed):
+        pending(timeout=1.0)
+
+
+def test_a_close_from_a_signal_handler_during_start_ends_the_start(groups):
+    """A signal handler that closed the group while start() ran on the same thread waited for that start() for ever.
+    The close now raises there, which ends the start, and the start closes the group on its way out."""
+    group = groups(f"{RANKS}:hanging_factory", world_size=1)
+
+    def close_in_handler(signum: int, frame: Any) -> None:
+        group.close()
+
+    previous = signal.signal(signal.SIGALRM, close_in_handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(RuntimeError, match=r"close\(\) ran inside start\(\) on the same thread"):
+            group.start(timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert group.closed and group.processes_released
