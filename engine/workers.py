@@ -405,23 +405,21 @@ class ProcessWorkerGroup:
         self._check_takes_calls()  # before pickling: a CPU tensor argument is shared while it is pickled
         dumped: list[tuple[bytes, bytes]] = []
         try:
-            # once per rank: a CPU tensor travels as a shared-memory handle that only one process can fetch
-            for _ in ranks:
-                dumped.append(dump_arguments(args, kwargs))
-            payloads = [ForkingPickler.dumps(Call(call.call_id, method, *arguments)) for arguments in dumped]
-            held = {(call.call_id, rank): shared for rank, (_, shared) in zip(ranks, dumped) if shared}
-        except Exception as exc:
-            for _, shared in dumped:  # the ranks' copies that did pickle: no rank will fetch them
-                release_shared(shared)
-            raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
-                            f"{type(exc).__name__}: {exc}") from exc
-        try:
+            try:
+                # once per rank: a CPU tensor travels as a shared-memory handle that only one process can fetch
+                for _ in ranks:
+                    dumped.append(dump_arguments(args, kwargs))
+                payloads = [ForkingPickler.dumps(Call(call.call_id, method, *arguments)) for arguments in dumped]
+            except Exception as exc:
+                raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
+                                f"{type(exc).__name__}: {exc}") from exc
             with self._lock:
                 self._check_takes_calls()
                 self._pending[call.call_id] = call
-                self._held_for_ranks.update(held)
+                self._held_for_ranks.update(
+                    {(call.call_id, rank): shared for rank, (_, shared) in zip(ranks, dumped) if shared})
         except BaseException:
-            for shared in held.values():  # no rank will ever fetch them
+            for _, shared in dumped:  # what did pickle: no rank will ever fetch it
                 release_shared(shared)
             raise
         for rank, payload in zip(ranks, payloads):
