@@ -351,21 +351,18 @@ def _held_keys(fields: Mapping[str, Any]) -> frozenset[str]:
 
 
 def _key_event(fields: Mapping[str, Any]) -> Control:
-    named = [field for field in ("control", "key") if field in fields]
-    keys = {field: _named_key(fields.get(field)) for field in named or ["control"]}
-    if len(set(keys.values())) > 1:
-        raise InvalidControl("conflicting_fields", f"'control' names key {keys['control']!r} and 'key' names "
-                                                   f"{keys['key']!r}: send one of them")
-    key = next(iter(keys.values()))
-    told = [field for field in ("event", "action") if field in fields]
-    meanings = {field: _event_meaning(fields[field]) for field in told}
-    if len(set(meanings.values())) > 1:
+    keys = [_named_key(fields[field]) for field in ("control", "key") if field in fields] or [_named_key(None)]
+    if len(set(keys)) > 1:
+        raise InvalidControl("conflicting_fields", f"'control' names key {keys[0]!r} and 'key' names {keys[1]!r}: "
+                                                   "send one of them")
+    meanings = [_event_meaning(fields[field]) for field in ("event", "action") if field in fields] or [True]
+    if len(set(meanings)) > 1:
         raise InvalidControl("conflicting_fields", f"'event' {echo(fields['event'])} and 'action' "
                                                    f"{echo(fields['action'])} mean different things: send one of them")
-    meaning = next(iter(meanings.values())) if meanings else _event_meaning("press")
+    meaning = meanings[0]  # a press unless told otherwise
     if isinstance(meaning, ControlType):
         return Control(meaning)
-    return Control(ControlType.CONTROL, key=key, pressed=meaning)
+    return Control(ControlType.CONTROL, key=keys[0], pressed=meaning)
 
 
 def _named_key(name: Any) -> str:
