@@ -36,16 +36,16 @@ from typing import Any
 
 from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachine, on_rank_exit
 
+from .deferred_result import AbandonedCalls, DeferredResult, PendingCall, release_values
 from .errors import seconds
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
-from .tensor_channel_refs import discard_lost_transfers
 from .worker_child import child_main
 from .worker_errors import (
     WorkerCallError, WorkerFatalCallError, WorkerGroupClosed, WorkerGroupError, WorkerGroupFailed, WorkerStartupError,
 )
 from .worker_wire import (
-    Call, Closed, Fetched, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, UnloadableValue,
-    dump_arguments, load_value, release_shared,
+    Call, Closed, Fetched, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_arguments,
+    release_shared,
 )
 
 __all__ = [
@@ -61,98 +61,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
-
-
-class _Call:
-    __slots__ = ("call_id", "method", "ranks", "results", "error", "event")
-
-    def __init__(self, call_id: int, method: str, ranks: tuple[int, ...]) -> None:
-        self.call_id = call_id
-        self.method = method
-        self.ranks = ranks
-        self.results: dict[int, Result | Raised] = {}
-        self.error: BaseException | None = None
-        self.event = threading.Event()
-
-
-class DeferredResult:
-    """What :meth:`ProcessWorkerGroup.call` returns: call it to wait for the value.
-
-    Call it: the shared memory of CPU tensors in the ranks' values is fetched from the ranks then (a value that
-    does not load, or one another rank's error leaves unloaded, has it fetched and closed), and held by them
-    until then."""
-
-    def __init__(self, group: ProcessWorkerGroup, call: _Call, gather: bool) -> None:
-        self._group = group
-        self._call = call
-        self._gather = gather
-        self._loaded: dict[int, Any] = {}
-        self._fetched: dict[int, set[int]] = {}  # rank -> the places of the shared handles a failed load fetched
-        self._released = False
-
-    def done(self) -> bool:
-        return self._call.event.is_set()
-
-    def __call__(self, timeout: float | None = None) -> Any:
-        """Rank 0's value (every rank's, in rank order, for gathered methods).
-
-        Waits up to ``timeout`` (default: the group's ``call_timeout``; None waits
-        for ever), always woken early by a group failure. A timeout fails the group.
-        """
-        call = self._call
-        timeout = self._group.call_timeout if timeout is None else seconds("timeout", timeout, finite=True)
-        if not call.event.wait(timeout):
-            missing = sorted(set(call.ranks) - set(call.results))
-            self._group._fail(f"call {call.method!r} (#{call.call_id}) got no answer from ranks {missing} within {timeout}s")
-            call.event.wait()  # set by the failure
-        if call.error is not None:
-            raise call.error
-        values = []
-        lost = True  # until every value is loaded: a value this call does not return is lost here
-        try:
-            for rank in call.ranks:
-                match call.results[rank]:
-                    case Result(value=data):
-                        values.append(self._load(rank, data))
-                    case Raised(error=error):
-                        raise (WorkerFatalCallError if error.fatal else WorkerCallError)(
-                            f"rank {rank}: {call.method}() raised {error.type_name}: {error.message}\n"
-                            f"--- child traceback ---\n{error.traceback}",
-                            rank=rank, method=call.method, remote_type=error.type_name,
-                            remote_traceback=error.traceback,
-                        )
-            lost = False
-        finally:
-            self._release_unloaded(lost)
-        return values if self._gather else values[0]
-
-    def _release_unloaded(self, lost: bool) -> None:
-        """The shared memory of every value this call will not load (it did not load, or another rank raised):
-        fetched and closed here, or its rank would hold it for good. When the call fails (``lost``), the
-        tensor-channel transfers its values name are discarded too: nobody here holds their refs any more, and
-        their slots would stay taken until the producer's next send into them timed out."""
-        if self._released:
-            return
-        self._released = True
-        for rank, result in self._call.results.items():
-            if isinstance(result, Result) and result.shared and rank not in self._loaded:
-                release_shared(result.shared, self._fetched.get(rank, set()))
-            if lost and isinstance(result, Result) and result.transfers:
-                discard_lost_transfers(result.transfers)
-
-    def _load(self, rank: int, data: bytes) -> Any:
-        """A rank's value, loaded once; one that does not load in this process fails this call (the group lives on)."""
-        if rank not in self._loaded:
-            method = self._call.method
-            fetched = self._fetched.setdefault(rank, set())
-            try:
-                self._loaded[rank] = load_value(data, fetched)
-            except UnloadableValue as exc:
-                raise WorkerCallError(
-                    f"rank {rank}: the value {method}() returned does not load in this process: {exc}",
-                    rank=rank, method=method, remote_type="", remote_traceback="",
-                ) from None
-        return self._loaded[rank]
 
 
 class ProcessWorkerGroup:
@@ -208,7 +116,8 @@ class ProcessWorkerGroup:
         self._ran = False  # start() succeeded once
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
-        self._pending: dict[int, _Call] = {}
+        self._pending: dict[int, PendingCall] = {}
+        self._abandoned = AbandonedCalls()  # calls whose deferred results were dropped uncalled
         # (call id, rank) -> the shared-memory handles of that rank's arguments (a CPU tensor: one descriptor each),
         # which this process holds until the rank says it fetched them (Fetched) or answers
         self._held_for_ranks: dict[tuple[int, int], bytes] = {}
@@ -344,6 +253,8 @@ class ProcessWorkerGroup:
                     if len(call.results) == len(call.ranks):
                         del self._pending[message.call_id]
                         call.event.set()
+                        if call.abandoned:  # nobody will call for its values: the next call releases them
+                            self._abandoned.add(call)
             case Closed(rank=closed_rank, error=error):
                 if error is not None:
                     self.close_errors[closed_rank] = error
@@ -373,7 +284,7 @@ class ProcessWorkerGroup:
                 log.exception("%s: a failure callback raised", self.name)
 
     @staticmethod
-    def _abort(calls: list[_Call], error: BaseException) -> None:
+    def _abort(calls: list[PendingCall], error: BaseException) -> None:
         for call in calls:
             call.error = error
             call.event.set()
@@ -401,8 +312,9 @@ class ProcessWorkerGroup:
     def call(self, method: str, *args: Any, **kwargs: Any) -> DeferredResult:
         """Send ``method(*args, **kwargs)`` to every rank (rank 0 alone for ``rank0_only``)."""
         ranks = (0,) if method in self._rank0_only else tuple(range(self.world_size))
-        call = _Call(next(_ids), method, ranks)
+        call = PendingCall(next(_ids), method, ranks)
         self._check_takes_calls()  # before pickling: a CPU tensor argument is shared while it is pickled
+        self._release_abandoned()
         dumped: list[tuple[bytes, bytes]] = []
         try:
             try:
@@ -425,7 +337,21 @@ class ProcessWorkerGroup:
         for rank, payload in zip(ranks, payloads):
             if not self._supervisor.send(rank, payload, timeout=self.call_timeout):
                 break  # the rank is gone: its exit fails the group, and this call with it
-        return DeferredResult(self, call, method in self._gather)
+        return DeferredResult(call, method in self._gather, call_timeout=self.call_timeout, fail=self._fail,
+                              abandoned=self._abandoned)
+
+    def _release_abandoned(self) -> None:
+        """The values of calls whose deferred results were dropped uncalled: released (their ranks held them), or,
+        for a call still owed answers, marked so that its completion hands it back here."""
+        done = []
+        with self._lock:
+            for call in self._abandoned.take():
+                if call.call_id in self._pending:
+                    call.abandoned = True
+                else:
+                    done.append(call)
+        for call in done:
+            release_values(call)
 
     def _check_takes_calls(self) -> None:
         if self.failure_reason is not None:

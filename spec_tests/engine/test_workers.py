@@ -124,6 +124,34 @@ def _shared_memory_fds() -> int:
     return count
 
 
+def _ranks_shared_memory_fds_settle_to_none(group: ProcessWorkerGroup) -> list[int]:
+    """Each rank's shared-memory descriptors once none is left, or after 10 s (each look is a call of the group)."""
+    deadline = time.monotonic() + 10.0
+    while any(counts := group.call("shared_memory_fds")()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # bench-cost: real-time poll for a rank's handle sharer to close what it sent, bounded
+    return counts
+
+
+def test_the_tensor_values_of_deferred_results_dropped_uncalled_are_released_by_the_next_call(groups, capfd):
+    """A rank holds the shared memory of a CPU tensor it returned until this process fetches it, which calling the
+    deferred result does. One dropped uncalled kept it in the rank for the rank's life, one descriptor a value. The
+    group's next call releases it, whether the result was dropped after its answers came or while they were due."""
+    group = groups(f"{RANKS}:TensorRank", world_size=2, gather={"ones", "shared_memory_fds"}).start()
+    assert [float(t.sum()) for t in group.call("ones", 1000)()] == [1000.0, 1000.0]  # a called one is fetched
+    assert _ranks_shared_memory_fds_settle_to_none(group) == [0, 0]
+    answered = group.call("ones", 100_000)
+    deadline = time.monotonic() + 10.0
+    while not answered.done():  # its answers are here: dropped after they came
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # bench-cost: real-time poll for the ranks' answers, bounded by a deadline
+    del answered
+    group.call("ones", 100_000, after=0.2)  # dropped at once: its answers come after the next call was sent
+    gc.collect()
+    assert group.call("step", 1)() == 1  # released the first; the second is still due
+    assert _ranks_shared_memory_fds_settle_to_none(group) == [0, 0]
+    assert "Traceback" not in capfd.readouterr().err  # nothing was released twice, nor a handle already taken
+
+
 def test_the_tensor_arguments_of_calls_no_rank_began_are_released_when_the_group_closes(groups, capfd):
     """CPU tensor arguments travel as shared-memory handles this process holds until a rank fetches them: ten calls
     queued behind one that never returns held one descriptor each (per rank) for as long as the process lived. The

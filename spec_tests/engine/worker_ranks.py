@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 
@@ -190,6 +191,13 @@ class TensorRank(EchoRank):
         import torch
 
         return torch.ones(n), lambda: None
+
+    def ones(self, n: int, *, after: float = 0.0) -> Any:
+        """A CPU tensor of ``n`` ones (its shared memory held here until the parent fetches it), ``after`` seconds."""
+        import torch
+
+        time.sleep(after)  # bench-cost: the rank answers late on purpose (a drop while answers are due)
+        return torch.ones(n)
 
     def shared_memory_fds(self) -> int:
         """This rank's descriptors of tensors' shared memory."""
