@@ -15,10 +15,15 @@ import trio
 
 from .token_bucket import TokenBucket
 
-__all__ = ["LogPace", "LOG_BURST", "LOG_LINES_PER_SECOND"]
+__all__ = ["LogPace", "LOG_BURST", "LOG_LINES_PER_SECOND", "WORKER_LINES_BURST", "WORKER_LINES_PER_SECOND"]
 
 LOG_BURST = 20  # lines of one kind logged back to back before the pace holds
 LOG_LINES_PER_SECOND = 1.0
+#: the lines of a worker's comings and goings (registered, ready, lost, left): a cluster of a hundred agents starting
+#: at once logs each, but an agent holding the cluster token that registered and left in a loop (111 times a second)
+#: wrote three lines each time
+WORKER_LINES_BURST = 200
+WORKER_LINES_PER_SECOND = 2.0
 
 
 class LogPace:
@@ -28,6 +33,9 @@ class LogPace:
         self._logger = logger
         self._bucket = TokenBucket(per_second, burst)
         self.left_out = 0  # lines of this kind not logged since the last one that was
+
+    def info(self, message: str, *args: Any) -> None:
+        self.log(logging.INFO, message, *args)
 
     def warning(self, message: str, *args: Any) -> None:
         self.log(logging.WARNING, message, *args)

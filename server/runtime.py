@@ -30,6 +30,7 @@ from .metrics import ServerMetrics
 from .in_process_workers import InProcessWorkers
 from .model_worker import ModelWorker
 from .lifecycle import SessionLifecycle, shutdown_outcome
+from .log_pace import WORKER_LINES_BURST, WORKER_LINES_PER_SECOND, LogPace
 from .registry import SessionRecord, SessionRegistry
 from . import drain_request, option_check, runtime_views
 from .queued_ends import QueuedEnds
@@ -98,6 +99,7 @@ class StreamRuntime:
             self.book, end_one=self._end_queued, follow=self._follow, publish=lambda: runtime_views.publish_gauges(self)
         )
         self.workers: dict[str, ModelWorker] = {}
+        self._ready_lines = LogPace(log, burst=WORKER_LINES_BURST, per_second=WORKER_LINES_PER_SECOND)  # agents in a loop
         self.forget_when_free: set[str] = set()  # replaced workers forgotten once their last session's place is freed
         self.runners: dict[str, RoomRunner] = {}
         self.restart_policy = restart_policy or RestartPolicy()
@@ -188,7 +190,7 @@ class StreamRuntime:
         now = trio.current_time()
         transitions = self.book.set_capacity(worker.worker_id, capacity, now)
         transitions += self.book.worker_ready(worker.worker_id, now)
-        log.info("worker %s ready: capacity %d", worker.worker_id, capacity)
+        self._ready_lines.info("worker %s ready: capacity %d", worker.worker_id, capacity)
         self._follow(transitions)
 
     def worker_failed(self, worker: ModelWorker, reason: str, *, permanent: bool = False) -> None:

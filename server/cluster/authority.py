@@ -25,11 +25,12 @@ from engine import CapacityPlan
 from states.liveness import DuplicateWorkerId, LivenessBook, loss_kind
 from states.stream_session import DrainCause
 
-from ..log_pace import LogPace
+from ..log_pace import WORKER_LINES_BURST, WORKER_LINES_PER_SECOND, LogPace
 from ..orphaned_queue import end_if_nothing_will_run
 from ..reasons import echo, public_reason
 from ..settings import dialed_host
 from . import proofs, tls, wire
+from .agent_pace import AgentReadPace
 from .busy import BUSY_WINDOW, MAX_BUSY_ANSWERS, BusyAnswers
 from .capacity_limit import admitted_capacity
 from .identity import chunkline_version, pipeline_digest, pipeline_name
@@ -116,6 +117,7 @@ class ClusterAuthority:
         self._handshakes = 0
         # anyone who can connect can fail a handshake or be refused, thousands of times a second
         self._failed_handshakes, self._refusals = LogPace(log), LogPace(log)
+        self._comings_and_goings = LogPace(log, burst=WORKER_LINES_BURST, per_second=WORKER_LINES_PER_SECOND)
         self._tls = (tls.server_tls_context(settings.cluster_tls_cert, settings.cluster_tls_key or "")
                      if settings.cluster_tls_cert else None)
         #: connections turned away because MAX_PENDING_HANDSHAKES were pending
@@ -272,8 +274,8 @@ class ClusterAuthority:
         self.runtime.add_worker(worker)
         if self.launcher is not None:
             self.launcher.worker_registered(worker)
-        log.info("cluster: worker %s registered (node %s, devices %s, %s)", worker.worker_id, worker.node,
-                 list(worker.gpu_ids), worker.launcher)
+        self._comings_and_goings.info("cluster: worker %s registered (node %s, devices %s, %s)", worker.worker_id,
+                                      worker.node, list(worker.gpu_ids), worker.launcher)
         self._wake.set()
         return worker
 
@@ -295,6 +297,7 @@ class ClusterAuthority:
     async def _read(self, worker: RemoteWorker) -> str | None:
         """Dispatch the agent's messages; returns the loss cause, or None when it left cleanly."""
         metrics = self.runtime.metrics
+        pace = AgentReadPace(worker.worker_id)
         while True:
             try:
                 message = await worker.channel.receive()
@@ -302,6 +305,7 @@ class ClusterAuthority:
                 return f"connection closed: {exc}"
             except wire.WireError as exc:
                 return f"protocol error: {exc}"
+            await pace.after(worker.channel.last_frame_bytes)  # none of it may hold the event loop
             now = trio.current_time()
             if not self.liveness.heard(worker.worker_id, now):
                 metrics.record_stale_messages()
@@ -368,7 +372,7 @@ class ClusterAuthority:
         if worker is None:
             return
         cause = self.stall.cause(cause, trio.current_time())  # the authority's own stall, where that explains it
-        log.warning("cluster: worker %s lost: %s", worker_id, cause)
+        self._comings_and_goings.warning("cluster: worker %s lost: %s", worker_id, cause)
         self.runtime.metrics.record_worker_lost(loss_kind(cause))
         self.losses.append({"worker_id": worker_id, "node": worker.node, "cause": cause, "slot": worker.slot})
         worker.lose(cause)
@@ -382,7 +386,7 @@ class ClusterAuthority:
         """A drained worker said goodbye; False (nothing changed) when the table has it not draining."""
         if not self.liveness.leave(worker.worker_id, trio.current_time()):
             return False
-        log.info("cluster: worker %s drained and left", worker.worker_id)
+        self._comings_and_goings.info("cluster: worker %s drained and left", worker.worker_id)
         worker.lose("left after draining", tell=False)
         self.stale_of_gone += worker.stale_events
         self.runtime.retire_worker(worker, "the worker left after draining")

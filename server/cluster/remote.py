@@ -129,8 +129,8 @@ class RemoteWorker:
         try:
             self._outbox_send.send_nowait(message)
         except trio.WouldBlock:
-            log.warning("worker %s is not reading its connection; closing it", self.worker_id)
-            self._stalled = f"the agent stopped reading: {OUTBOX} messages wait for it"
+            log.warning("worker %s does not keep up with what it is sent; closing its connection", self.worker_id)
+            self._stalled = f"the agent does not keep up with what it is sent: {OUTBOX} messages wait for it"
             self._outbox_send.close()
             self._pump_scope.cancel()  # the pump may be stuck in a large send: the connection ends now
         except (trio.ClosedResourceError, trio.BrokenResourceError):

@@ -418,6 +418,7 @@ class Channel:
         self._sent = self._received = 0
         #: a send was interrupted once it may have written part of its frame: nothing can follow on this stream
         self.frame_cut = False
+        self.last_frame_bytes = 0  # the size of the frame :meth:`receive` read last (what a reader paces by)
 
     def authenticate(self, key: bytes, *, authority: bool) -> None:
         """Tag every frame from now on, and refuse every frame that does not carry its tag (see the module)."""
@@ -481,6 +482,7 @@ class Channel:
         body = bytes(self._buffer[_HEADER.size : _HEADER.size + size - tag])
         got = bytes(self._buffer[_HEADER.size + size - tag : _HEADER.size + size])
         del self._buffer[: _HEADER.size + size]
+        self.last_frame_bytes = _HEADER.size + size
         if tag:
             if not hmac.compare_digest(got, self._tag(self._receive_label, self._received, body)):
                 raise WireError(
