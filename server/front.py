@@ -45,6 +45,7 @@ from typing import Final
 
 import trio
 
+from .answer_framing import AnswerFraming
 from .frame_budget import FrameBudget
 from .http_framing import (
     BODY_RETRY_AFTER,
@@ -280,8 +281,11 @@ class Front:
         moved_at = trio.current_time()  # the last time a byte went either way
         relayed = False  # whether any byte of hypercorn's went to the client
         owed = False  # a whole request went to hypercorn and no byte of its answer has come back yet
+        answers = AnswerFraming()  # where hypercorn's answers end
+        client_done = False  # the client shut its sending side: once nothing is owed, the connection is over
         try:
             try:
+                answers.passed(framing.passed_methods())
                 await backend.send_all(first)
                 owed = bool(first) and framing.between_requests
             except _GONE as exc:  # a connect the kernel took for one hypercorn never accepts (ENOTCONN)
@@ -301,7 +305,7 @@ class Front:
                     nursery.cancel_scope.cancel()
 
                 async def to_backend() -> None:
-                    nonlocal moved_at, refusal, owed
+                    nonlocal moved_at, refusal, owed, client_done
                     try:
                         while not framing.finished:  # past the last request, what the client sends waits for the close
                             with trio.move_on_at(framing.due) as late:  # the request under way, if any
@@ -318,8 +322,11 @@ class Front:
                             if not data:
                                 # the client is done sending, not reading: its answers still come. hypercorn takes
                                 # an EOF for a client gone (it dropped the request, or the answer it was writing),
-                                # so none is passed on; hypercorn closes after a last request's answer, or at its
-                                # keep-alive timeout, within the idle deadline
+                                # so none is passed on: the connection ends here once every answer went out whole
+                                # (hypercorn held it to its keep-alive timeout)
+                                client_done = True
+                                if answers.settled:
+                                    break
                                 return
                             moved_at = trio.current_time()
                             try:
@@ -328,6 +335,7 @@ class Front:
                                 log.info("a request the front refuses: %d %s", exc.status, exc.detail)
                                 refusal = exc
                                 break
+                            answers.passed(framing.passed_methods())
                             try:
                                 if data:
                                     await backend.send_all(data)
@@ -354,12 +362,15 @@ class Front:
                             relayed, owed = True, False
                             if data.startswith(b"HTTP/1.1 101 "):
                                 framing.switched()  # no longer HTTP/1.1 from here on
+                            answers.answered(data)
                             with trio.move_on_after(self._deadlines.write) as deadline:
                                 await client.send_all(data)
                             moved_at = trio.current_time()
                             if deadline.cancelled_caught:
                                 log.info("a client did not read its response for %g s: closed", self._deadlines.write)
                                 break
+                            if client_done and answers.settled:
+                                break  # the client is done sending and has every answer: nothing is owed
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(until_idle)

@@ -216,6 +216,7 @@ class RequestFraming:
         self._body_arrived = 0
         self._passthrough = False
         self._last = False  # the request under way (or the one that came) ends the connection
+        self._passed: list[bytes] = []  # the methods of the heads passed on since :meth:`passed_methods` last asked
         #: when the request under way must have arrived (``math.inf``: none is under way)
         self.due = math.inf
 
@@ -235,6 +236,12 @@ class RequestFraming:
         """Whether every request that came so far is whole, head and body (none is under way): what is owed next is
         the backend's answer."""
         return not self._passthrough and not self._head and not self._body_left
+
+    def passed_methods(self) -> list[bytes]:
+        """The methods of the request heads :meth:`feed` passed on since the last call, in order (where each answer
+        ends depends on its request's method: a HEAD's has no body)."""
+        passed, self._passed = self._passed, []
+        return passed
 
     def switched(self) -> None:
         """The backend answered 101: what follows is another protocol, passed through as it is."""
@@ -292,6 +299,7 @@ class RequestFraming:
             head = parse_head(bytes(self._head[:end]))
             length = self._body_length(head)
             forward += self._forwarded_head(head)
+            self._passed.append(head.method)
             self._last = head.ends_connection
             self._head.clear()
             self._body_left = length  # also what is still to come if the budget refuses it

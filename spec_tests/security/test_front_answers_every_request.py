@@ -11,7 +11,7 @@ import attrs
 import pytest
 import trio
 
-from .test_hostile_server import FAST, WAIT, closed_by_server, running
+from .test_hostile_server import FAST, WAIT, closed_by_server, json_answer, running
 
 HEALTH = b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 
@@ -183,3 +183,27 @@ async def test_bytes_after_a_connections_last_request_do_not_cost_it_its_answer(
         assert len(got) == 1 and got[0][0] == 200, got
         if first.startswith(b"POST"):
             assert json.loads(got[0][1])["session_id"], got
+
+
+async def test_a_one_shot_client_that_closes_after_its_answer_frees_its_place_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends one keep-alive request, reads its answer and closes (curl, ``httpx.get``, a health
+    probe) owes the front nothing more: its connection ends then. The front kept it until hypercorn's keep-alive
+    timeout (5 s), counted towards its cap: about 200 such requests a second turned every other client away with
+    503 ``too_many_connections`` (4 here: the fifth client)."""
+    monkeypatch.setattr("server.serve.MAX_CONNECTIONS", 4)
+    async with running(attrs.evolve(FAST, head=WAIT, idle=WAIT)) as server:
+        statuses = []
+        for _ in range(12):
+            stream = await server.raw()
+            await stream.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = await json_answer(stream)
+            statuses.append(int(answer.split(b" ", 2)[1]))
+            await stream.aclose()
+        assert statuses == [200] * 12, statuses
+        # one that shuts its sending side after its request and waits is answered in full, then closed
+        stream = await server.raw()
+        await stream.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await stream.send_eof()
+        got = answers(await closed_by_server(stream))
+        await stream.aclose()
+        assert [status for status, _ in got] == [200], got
