@@ -31,7 +31,7 @@ import attrs
 from states.child_process import HEARTBEAT_WATCHED, LIVE, ChildProcessMachine, Event, State, due_signal
 
 from .pipe_reader import MessageReader, PipeClosed
-from .supervised_child import end_process_group
+from .supervised_child import end_process_group, stop_signals_held_for_the_child
 
 __all__ = ["ChildExit", "ChildMonitor", "ChildSlot", "ChildSpec", "MONITOR_POLL", "PIPE_CLOSED_GRACE"]
 
@@ -233,7 +233,8 @@ class ChildMonitor:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=slot.spec.target, args=(child_conn, config), name=slot.spec.name,
                                daemon=slot.spec.daemon)
-            proc.start()
+            with stop_signals_held_for_the_child():
+                proc.start()
         except BaseException as exc:
             for conn in (parent_conn, child_conn):
                 if conn is not None:

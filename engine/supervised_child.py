@@ -26,11 +26,13 @@ children (a service child's ranks) were reparented and lived on until they reach
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "end_descendants_now",
     "end_process_group",
     "ignore_group_stop_signals",
+    "stop_signals_held_for_the_child",
 ]
 
 PARENT_GONE_EXIT_CODE = 70  # a child's exit code when its parent died first
@@ -60,6 +63,27 @@ def ignore_group_stop_signals() -> None:
         signal.signal(number, signal.SIG_IGN)
 
 
+@contextlib.contextmanager
+def stop_signals_held_for_the_child() -> Iterator[None]:
+    """Spawn inside this: the child starts with :data:`GROUP_STOP_SIGNALS` held (blocked) until its
+    :func:`bind_to_parent`, which takes them (or drops them, where it ignores them).
+
+    A spawned child unpickles what it runs before it runs any of it, and that imports its modules (a pipeline's:
+    torch, seconds of it). A Ctrl-C from a terminal reaches every process of the group: the children still importing
+    died of it, each printing a ``KeyboardInterrupt`` traceback, though they are to ignore it. The mask is the
+    spawning thread's own (a blocked signal goes to another thread of this process), and a child inherits it.
+    The resource tracker is started first: starting it unblocks SIGINT and SIGTERM on the thread that does.
+    """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def bind_to_parent(config: dict[str, Any]) -> None:
     """First thing in a supervised child: die with the parent (parent-death signal plus a watchdog), and lead a
     process group of its own, which the supervisor kills with the child: what the child starts (a model's
@@ -74,6 +98,9 @@ def bind_to_parent(config: dict[str, Any]) -> None:
     # out of the terminal's foreground group now: with ``stty tostop`` a write to the terminal (a log line) would
     # stop the child; ignored, the write goes through as it did in the parent's group
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    # held since the spawn (:func:`stop_signals_held_for_the_child`): one that came meanwhile is taken now, or dropped
+    # where the child ignores it (:func:`ignore_group_stop_signals`, called before this)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_STOP_SIGNALS)
     _keep_passed_descriptors_to_itself()
     parent_pid = config["parent_pid"]
     if config.get("parent_death_signal", True):

@@ -124,6 +124,42 @@ def _shared_memory_fds() -> int:
     return count
 
 
+def test_a_ctrl_c_while_a_rank_still_imports_what_it_runs_neither_kills_it_nor_prints_a_traceback(
+    groups, capfd, tmp_path, monkeypatch
+):
+    """A spawned rank unpickles its factory, importing its module (a pipeline's: torch, seconds of it), before any of
+    its own code runs. A terminal's Ctrl-C reaches every process of the group: a rank still importing died of it,
+    printing a ``KeyboardInterrupt`` traceback, though ranks ignore it, and the group did not start. The stop
+    signals are held from the spawn until the rank binds to its parent, which drops them."""
+    from . import gated_import_rank
+
+    monkeypatch.setenv("CHUNKLINE_TEST_IMPORT_GATE", str(tmp_path))
+    group = groups(gated_import_rank.factory, world_size=1)
+    started: list[BaseException | None] = []
+
+    def start() -> None:
+        try:
+            group.start(timeout=60)
+            started.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            started.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    importing = tmp_path / "importing"
+    deadline = time.monotonic() + 30.0
+    while not importing.exists() or not importing.read_text():
+        assert time.monotonic() < deadline, "the rank never began to import its module"
+        time.sleep(0.01)  # bench-cost: real-time poll of another process, bounded by a deadline
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # what a terminal or a service manager sends
+        os.kill(int(importing.read_text()), number)
+    (tmp_path / "open").touch()
+    starter.join(60)
+    assert started == [None], started
+    assert group.call("step", 2)() == 2
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+
+
 def _ranks_shared_memory_fds_settle_to_none(group: ProcessWorkerGroup) -> list[int]:
     """Each rank's shared-memory descriptors once none is left, or after 10 s (each look is a call of the group)."""
     deadline = time.monotonic() + 10.0
