@@ -179,6 +179,11 @@ class Chunk:
 MAX_PROMPT_CHARS = 2000
 
 
+_ALLOWED_CONTROLS = "\t\n"  # the control characters a prompt may hold
+#: names of the control characters a prompt is most likely to hold by mistake, for a refusal
+_CONTROL_NAMES = {0x00: "NUL", 0x0D: "carriage return", 0x1B: "escape", 0x7F: "delete"}
+
+
 def prompt_problem(prompt: Any) -> str | None:
     """What is wrong with ``prompt`` as a prompt's text (None when nothing is): the one rule of every way a prompt
     arrives (a create, a room message, a controls file), so none takes what another refuses."""
@@ -192,9 +197,15 @@ def prompt_problem(prompt: Any) -> str | None:
         return f"is not valid text: {exc.reason} at character {exc.start}"
     if not any(c.isprintable() and not c.isspace() for c in prompt):
         return "must be non-empty text (something other than spaces and invisible characters)"
-    control = next((i for i, c in enumerate(prompt) if unicodedata.category(c) == "Cc" and c not in "\t\n\r"), None)
-    if control is not None:  # NUL and the like end strings early in C code and mean nothing to a text encoder
-        return f"holds a control character ({ord(prompt[control]):#04x}) at character {control}"
+    # NUL and the like end strings early in C code and mean nothing to a text encoder; a carriage return (a line
+    # of Windows text) was taken, though the rule said tab and newline only: `--prompt "$(cat notes.txt)"`
+    control = next((i for i, c in enumerate(prompt) if unicodedata.category(c) == "Cc" and c not in _ALLOWED_CONTROLS),
+                   None)
+    if control is not None:
+        code = ord(prompt[control])
+        named = f" ({_CONTROL_NAMES[code]})" if code in _CONTROL_NAMES else ""
+        return (f"holds a control character ({code:#04x}) at character {control}{named}; of the control characters "
+                f"only tab and newline are allowed")
     return None
 
 

@@ -206,22 +206,15 @@ def load_failure(exc: Exception, given: Mapping[str, Any]) -> Exception:
 
 def _run(args: argparse.Namespace) -> int:
     from pipelines.contract import SessionConfig, prompt_problem
-    from pipelines.offline import load_timed_controls
 
-    from . import json_limits, run_inputs
+    from . import run_inputs
 
     run_inputs.check_chunks(args.chunks)
     pipeline = run_inputs.pipeline_path(args.pipeline)
     if args.prompt is not None and (problem := prompt_problem(args.prompt)) is not None:
         raise BadInput(f"--prompt {problem}")  # the rule a create and a room's prompt follow
     image_path = None if args.image is None else run_inputs.check_image(args.image)
-    controls = None
-    if args.controls is not None:
-        run_inputs.regular_input("--controls", args.controls)
-        try:
-            controls = load_timed_controls(args.controls, loads=json_limits.loads)
-        except ValueError as exc:
-            raise BadInput(str(exc)) from exc
+    controls = None if args.controls is None else run_inputs.load_controls(args.controls)
     options = run_inputs.parse_options(args.option)
     run_inputs.check_device(args.device)
     if args.placement is not None:

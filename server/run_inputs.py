@@ -9,14 +9,17 @@ import secrets
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipelines.paths import NO_SUCH_FILE, lookup_problem, regular_file_problem
 
 from .reasons import echo
 
+if TYPE_CHECKING:
+    from pipelines.timed_controls import TimedControls
+
 __all__ = ["BadInput", "OutDir", "check_chunks", "check_device", "check_image", "check_inputs_taken", "check_placement",
-           "parse_options", "pipeline_path",
+           "load_controls", "parse_options", "pipeline_path",
            "placement_option", "prepare_out", "regular_input", "shown"]
 
 SHOWN = 80  # characters of a value a message repeats
@@ -65,6 +68,30 @@ def regular_input(flag: str, path: str) -> None:
         raise BadInput(f"{flag}: no such file {shown(path)}")
     if problem is not None:
         raise BadInput(f"{flag}: {shown(path)} {problem}")
+
+
+def load_controls(path: str) -> TimedControls:
+    """``--controls``: a regular file, parsed into :class:`pipelines.timed_controls.TimedControls` with the server's
+    parser of client JSON (an object naming a key twice, deep nesting, a lone surrogate refused as a request body's
+    are), allowed as many values as the file's most entries need: the client limit, 20,000 values, refused a file
+    of 5,000 entries, though 200,000 are allowed."""
+    from pipelines.timed_controls import MAX_CONTROLS_ENTRIES, MAX_CONTROLS_VALUES, load_timed_controls
+
+    from . import json_limits
+
+    def loads(text: str) -> Any:
+        try:
+            return json_limits.loads(text, max_values=MAX_CONTROLS_VALUES)
+        except json_limits.JsonRefused as exc:
+            if exc.reason != "too_many_values":
+                raise
+            raise ValueError(f"{exc.detail} (a controls file holds at most {MAX_CONTROLS_ENTRIES} entries)") from None
+
+    regular_input("--controls", path)
+    try:
+        return load_timed_controls(path, loads=loads)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
 
 def check_image(path: str) -> str:
@@ -126,15 +153,18 @@ def check_device(device: str | None) -> None:
 
 
 def check_placement(placement: str, device: str | None) -> None:
-    """``--placement`` names a regular file or is inline JSON starting with ``{`` (the pipeline reads either)."""
+    """``--placement`` names a regular file or is inline JSON starting with ``{`` (the pipeline reads either), and
+    asks for no more worker processes than a placement may (:mod:`server.placement_size`): 500 ranks were spawned,
+    and the host ran out of memory."""
     from server import json_limits
+    from server.placement_size import placement_size_problem
 
     if device is not None:
         raise BadInput("--device and --placement: give one (the placement names every stage's devices)")
-    if placement.strip().startswith("{"):
-        return
-    problem = regular_file_problem(placement)
+    problem = None if placement.strip().startswith("{") else regular_file_problem(placement)
     if problem is None:
+        if (too_large := placement_size_problem(placement)) is not None:
+            raise BadInput(f"--placement: {too_large}")
         return
     if problem in (NO_SUCH_FILE, "has a name too long for the file system"):  # JSON meant inline?
         try:
@@ -240,6 +270,11 @@ def prepare_out(text: str) -> OutDir:
     for folder in reversed(missing):
         try:
             os.mkdir(folder)
+        except FileExistsError as exc:
+            if os.path.isdir(folder):  # made since it was looked up (another run making its sibling): ours to use,
+                continue  # not to take back; it failed this run as "a symbolic link to nothing"
+            OutDir(path, made).remove_made()
+            raise _cannot_make(text, exc) from None
         except OSError as exc:
             OutDir(path, made).remove_made()
             raise _cannot_make(text, exc) from None

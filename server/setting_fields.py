@@ -118,7 +118,10 @@ def worker_mode(value: Any) -> str:
 
 
 def placement(value: Any) -> str | None:
-    """A placement file that exists, or inline JSON (``{...}``); the pipeline validates the content."""
+    """A placement file that exists, or inline JSON (``{...}``), asking for no more worker processes than a
+    placement may (:mod:`server.placement_size`: 500 ranks were spawned); the pipeline validates the rest."""
+    from .placement_size import placement_size_problem
+
     value = blank_to_none(value)
     if value is None:
         return None
@@ -127,11 +130,15 @@ def placement(value: Any) -> str | None:
     if not isinstance(value, str):
         raise bad_value("--placement", "a JSON placement file or inline JSON", value)
     if value.strip().startswith("{"):
-        return value.strip()
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise SettingsError("--placement", f"--placement {value!r} is not an existing file")
-    return str(path)
+        value = value.strip()
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise SettingsError("--placement", f"--placement {value!r} is not an existing file")
+        value = str(path)
+    if (problem := placement_size_problem(value)) is not None:
+        raise SettingsError("--placement", f"--placement: {problem}")
+    return value
 
 
 def existing_file(option: str) -> Any:

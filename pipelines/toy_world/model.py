@@ -48,7 +48,8 @@ from .pose import IDENTITY_POSE, Pose, integrate_pose
 from .render import noise_lattice, render_views, visible_objects
 
 __all__ = [
-    "IDENTITY_POSE", "Pose", "SessionSlots", "ToyWorldConfig", "ToyWorldModel", "integrate_pose", "parse_resolution",
+    "IDENTITY_POSE", "MAX_SEED", "Pose", "SessionSlots", "ToyWorldConfig", "ToyWorldModel", "chunk_noise_seed",
+    "integrate_pose", "parse_resolution",
 ]
 def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -58,6 +59,29 @@ def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -
 def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"ToyWorldConfig.{attribute.name} must be an int >= 0, got {value!r}")
+
+
+#: the largest seed: a generator takes it (``manual_seed`` of the weights) as a signed 64-bit int, and ``chunkline run
+#: --seed`` takes 0 to it
+MAX_SEED = 2**63 - 1
+#: a torch generator's seeds are 0 to 2**64 - 1 (one past: ``Overflow when unpacking long long``)
+_GENERATOR_SEEDS = 1 << 64
+#: a chunk's noise seed is the world's seed times this, plus the chunk's index (odd: see :func:`chunk_noise_seed`)
+_NOISE_SEED_STRIDE = 1_000_003
+
+
+def chunk_noise_seed(seed: int, index: int) -> int:
+    """The seed of chunk ``index``'s noise in a world of ``seed``: ``seed * 1_000_003 + index``, reduced mod 2**64 into
+    a generator's range. Every seed and chunk that fitted keeps its noise, and so its frames; past 2**64 (a seed from
+    2**44 on) it failed the run, ``Overflow when unpacking long long``. The stride is odd, so the reduction keeps two
+    seeds' noise for the same chunk apart; the small seeds of common use share none of their first 1,000,003
+    chunks' noise."""
+    return (seed * _NOISE_SEED_STRIDE + index) % _GENERATOR_SEEDS
+
+
+def _seed(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEED:
+        raise ValueError(f"ToyWorldConfig.{attribute.name} must be an int from 0 to 2**63-1, got {value!r}")
 
 
 def _positive_float(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -99,7 +123,7 @@ class ToyWorldConfig:
     refine_steps: int = attrs.field(default=2, validator=_non_negative_int)
     hidden_channels: int = attrs.field(default=32, validator=_positive_int)
     cache_frames: int = attrs.field(default=4, validator=_positive_int)  # recent latents kept per session
-    seed: int = attrs.field(default=0, validator=_non_negative_int)
+    seed: int = attrs.field(default=0, validator=_seed)
     device: str = attrs.field(default="cpu", validator=_device)
     dtype: torch.dtype = attrs.field(default=torch.float32, validator=_float_dtype)
     # Denoising.

@@ -45,7 +45,8 @@ required. ``world_size`` defaults to the number of devices, ``dtype`` to ``float
 An impossible placement is refused when it is built, with a ``ValueError`` naming the stage and the
 problem: an unknown device, a world size that does not match the device list, CUDA on a machine
 without it (or a CUDA index beyond the devices present), several ranks in ``in-process`` mode, an
-unknown key, or a resource group naming an unknown stage.
+unknown key, a resource group naming an unknown stage, or more ranks (worker processes) than
+:mod:`pipelines.placement_limits` allows: 16 a stage, 32 in all.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from engine import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageSpec
 
 from ..json_objects import RepeatedKey, refuse_repeated_keys
 from ..paths import read_at_most
+from ..placement_limits import MAX_PLACEMENT_BYTES, stage_ranks_problem, total_ranks_problem
 
 __all__ = [
     "DTYPES",
@@ -73,9 +75,6 @@ __all__ = [
     "load_placement",
     "pipeline_spec",
 ]
-
-#: the largest placement file read (a placement names a few stages: a few KiB)
-MAX_PLACEMENT_BYTES = 1 << 20
 
 STAGES = ("encode", "denoise", "decode")
 MODES = ("in-process", "process")
@@ -116,6 +115,8 @@ class StageRuntime:
         where = f"stage {self.stage!r}"
         if not self.devices:
             raise ValueError(f"{where}: needs at least one device")
+        if (problem := stage_ranks_problem(self.stage, len(self.devices))) is not None:  # before a process is spawned
+            raise ValueError(problem)
         object.__setattr__(self, "devices", tuple(_check_device(self.stage, d) for d in self.devices))
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
             raise ValueError(f"{where}: world_size must be an int >= 1, got {self.world_size!r}")
@@ -206,6 +207,8 @@ class Placement:
                     f"stage {stage!r}: world_size {runtime.world_size} needs mode 'process' "
                     "(in-process placement runs each stage on one device in the scheduler's process)"
                 )
+        if (problem := total_ranks_problem({s: getattr(self, s).world_size for s in STAGES})) is not None:
+            raise ValueError(f"placement: {problem}")
         seen: dict[str, str] = {}
         names: set[str] = set()
         for group in self.resource_groups:

@@ -68,7 +68,7 @@ from ..contract import (
 from ..images import load_image
 from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
-from .model import SessionSlots, ToyWorldConfig, ToyWorldModel
+from .model import SessionSlots, ToyWorldConfig, ToyWorldModel, chunk_noise_seed
 from .placement import DTYPES, Placement, load_placement, pipeline_spec
 from .session_state import ToySession as _ToySession, check_image_size, session_options
 from .stages import ChunkControl, Condition, EncodeRequest, make_stages
@@ -386,7 +386,7 @@ class ToyWorldService(BidirectionalService):
                     slot=session.slot,
                     keys=frozenset(session.held | session.pressed),
                     reset_pose=session.reset_pose_pending,
-                    noise_seed=self.config.seed * 1_000_003 + index,
+                    noise_seed=chunk_noise_seed(self.config.seed, index),
                     prompt=session.prompt,
                     resolution=session.resolution,
                 )

@@ -70,6 +70,12 @@ def placement(mode: str = "process", *, denoise=("cpu",), decode=("cpu",), **ext
         ({"mode": "threads"}, "placement mode must be one of ['in-process', 'process']"),
         ({"mode": "in-process", "denoise": {"devices": ["cpu", "cpu"]}}, "stage 'denoise': world_size 2 needs mode 'process'"),
         ({"resource_groups": [{"name": "g", "stages": ["render"]}]}, "resource group 'g': unknown stage 'render'"),
+        # as `chunkline run` and `stream-serve` refuse it before loading (a Python caller, `chunkline worker`)
+        ({"encode": {"devices": ["cpu"] * 17}}, "stage 'encode' asks for 17 ranks (one worker process each); a "
+                                                "stage has at most 16"),
+        ({stage: {"devices": ["cpu"] * 11} for stage in ("encode", "denoise", "decode")},
+         "placement: the stages ask for 33 ranks in all ('encode' 11, 'denoise' 11, 'decode' 11); a placement has at "
+         "most 32"),
     ],
 )
 def test_an_impossible_placement_is_refused_naming_the_stage(change, message):

@@ -4,6 +4,7 @@ shown cut; a pipeline that calls ``sys.exit()`` is a pipeline failure (exit 1), 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,26 @@ ROOT = Path(pipelines.__file__).resolve().parents[1]
 TOY_WORLD = str(ROOT / "pipelines" / "toy_world")
 RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to import what it needs and end (a loaded 2-core host)
 PNG_HEAD = bytes.fromhex("89504e470d0a1a0a0000000d49484452000000400000004008020000002512e3f7")  # 64x64 RGB
+
+
+GOOD_ENTRY = '{"t": 0, "type": "reset"}'
+#: the bad entry of each controls file that holds one, after a good one
+BAD_ENTRIES = {
+    "type list": '{"t": 1, "type": ["reset"]}',
+    "type object": '{"t": 1, "type": {"a": 1}}',
+    "t of 400 digits": '{"t": 1' + "0" * 399 + ', "type": "reset"}',
+    "control list": '{"t": 1, "type": "control", "control": ["w"]}',
+    "key object": '{"t": 1, "type": "control_state", "controls": ["w", {"w": 1}]}',
+}
+#: controls files too large: too many entries, or too many values, 16 MiB of the smallest entries
+LARGE_CONTROLS = {"200,001 entries": 200_001, "16 MiB of entries": (16 << 20) // 23 - 1}
+BAD_CONTROLS = [*BAD_ENTRIES, *LARGE_CONTROLS]
+
+
+def bad_controls(given: str) -> str:
+    if given in LARGE_CONTROLS:
+        return f"[{','.join([GOOD_ENTRY.replace(' ', '')] * LARGE_CONTROLS[given])}]"
+    return f"[{GOOD_ENTRY}, {BAD_ENTRIES[given]}]"
 
 
 def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
@@ -85,6 +106,35 @@ def test_an_output_name_taken_by_a_folder_is_refused_before_the_pipeline_loads(t
     assert sorted(os.listdir(out)) == sorted([name, earlier]) and (out / earlier).read_text() == "an earlier run's"
 
 
+#: `chunkline run`, each folder under `made_first` made by "another run" just before this one makes it: the race of
+#: runs making sibling outputs at once (`--out sib/a/b/c/run1`, `.../run2`), without its timing
+RUN_AFTER_ANOTHER_MADE_THE_FOLDERS = """\
+import os, sys
+made_first, real_mkdir = sys.argv.pop(1), os.mkdir
+
+def mkdir_after_another_run(path, *args, **kwargs):
+    if str(path).startswith(made_first) and not os.path.lexists(path):
+        real_mkdir(path)
+    return real_mkdir(path, *args, **kwargs)
+
+os.mkdir = mkdir_after_another_run
+from server.cli import main
+sys.exit(main())
+"""
+
+
+def test_folders_of_out_another_run_makes_first_are_used_not_refused(tmp_path: Path) -> None:
+    """Runs into sibling folders made at once: one whose ``mkdir`` found a folder just made by another exited 2 with
+    "cannot be made: a part of its path is a symbolic link to nothing"; a folder there now is one to use."""
+    out = tmp_path / "sib" / "a" / "run1"
+    command = [sys.executable, "-c", RUN_AFTER_ANOTHER_MADE_THE_FOLDERS, str(tmp_path / "sib"), "run",
+               str(ROOT / "pipelines" / "replay"), "--chunks", "1", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["metrics.json", "video.mp4"]
+
+
 def test_run_help_says_an_earlier_output_in_out_is_replaced() -> None:
     result = subprocess.run([sys.executable, "-m", "server.cli", "run", "--help"], capture_output=True, text=True,
                             check=True, timeout=RUN_DEADLINE)
@@ -100,10 +150,33 @@ def test_run_help_says_an_earlier_output_in_out_is_replaced() -> None:
     ("--image", "loop", "is a loop of symbolic links"),
     ("--chunks", str(2**64), "--chunks must be at most 2**63"),  # "option 'chunks'", once the pipeline had loaded
     ("--image", "large", "has 9437184 bytes; a reference image is at most 8388608 bytes"),  # 300 MB were taken
+    # 500 worker processes were spawned (the host ran out of memory); checked before the pipeline loads
+    ("--placement", "500 ranks", "--placement: stage 'encode' asks for 500 ranks (one worker process each); a stage "
+                                 "has at most 16"),
+    ("--placement", "36 ranks", "--placement: the stages ask for 36 ranks in all ('encode' 12, 'denoise' 12, "
+                                "'decode' 12); a placement has at most 32"),
+    ("--prompt", "a\rb", "--prompt holds a control character (0x0d) at character 1 (carriage return); of the "
+                         "control characters only tab and newline are allowed"),  # taken, against the README's rule
+    # each field of a controls entry, of a type or a size Python's own error met (exit 1): TypeError, OverflowError
+    ("--controls", "type list", "controls entry 1: unknown or missing type list ['reset'] (known: "),
+    ("--controls", "type object", "controls entry 1: unknown or missing type dict {'a': 1} (known: "),
+    ("--controls", "t of 400 digits", "controls entry 1: 't' must be a finite number >= 0 (seconds), got 1000"),
+    ("--controls", "control list", "controls entry 1: 'control' must be a key's name (text), got list ['w']"),
+    ("--controls", "key object", "controls entry 1: 'controls' item 1: a control must be a key's name (text), got "
+                                 "dict {'w': 1}"),
+    ("--controls", "200,001 entries", "200001 entries; at most 200000 are allowed"),
+    ("--controls", "16 MiB of entries", "values; at most 2600000 allowed (a controls file holds at most 200000 "
+                                        "entries)"),  # refused before it is parsed (5.8 s)
 ])
 def test_a_bad_flag_value_is_one_line_naming_the_flag_before_the_pipeline_loads(tmp_path: Path, flag: str,
                                                                                 given: str, words: str) -> None:
     pipeline, loaded = noting_pipeline(tmp_path)
+    controls = tmp_path / "controls.json"
+    if given in BAD_CONTROLS:
+        controls.write_text(bad_controls(given))
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({stage: {"devices": ["cpu"] * 12} for stage in ("encode", "denoise", "decode")}
+                                    | {"mode": "process"}))
     os.symlink(tmp_path / "loop-b", tmp_path / "loop-a")
     os.symlink(tmp_path / "loop-a", tmp_path / "loop-b")
     large = tmp_path / "large.png"
@@ -111,12 +184,16 @@ def test_a_bad_flag_value_is_one_line_naming_the_flag_before_the_pipeline_loads(
         file.write(PNG_HEAD)
         file.truncate(9 << 20)
     values = {"deep": ["x=" + "[" * 30_000 + "]" * 30_000], "twice": ["resolution=160x96", "resolution=320x192"],
-              "long": ["x" * 5000], "loop": [str(tmp_path / "loop-a")], "large": [str(large)]}.get(given, [given])
+              "long": ["x" * 5000], "loop": [str(tmp_path / "loop-a")], "large": [str(large)],
+              "500 ranks": [json.dumps({"mode": "process", "encode": {"devices": ["cpu"] * 500},
+                                        "denoise": {"devices": ["cpu"]}, "decode": {"devices": ["cpu"]}})],
+              "36 ranks": [str(placement)], **dict.fromkeys(BAD_CONTROLS, [str(controls)])}.get(given, [given])
     args = [word for value in values for word in (flag, value)]
     result = run(pipeline, *args, "--out", str(tmp_path / "out"))
     line = one_line(result)
     assert result.returncode == 2 and words in line, line
     assert len(line) < 400 and ("(5000 characters in all)" in line) == (given == "long"), line
+    assert ("(400 characters in all)" in line) == (given == "t of 400 digits"), line  # a long value shown cut
     assert not loaded.exists(), "the pipeline was loaded before the flag was checked"
     assert not (tmp_path / "out").exists()
 

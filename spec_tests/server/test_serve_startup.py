@@ -1,8 +1,9 @@
-"""``chunkline stream-serve`` on a port it cannot have, or given an agents' option where no agent runs: one line
-naming the options, exit 2, nothing left behind."""
+"""``chunkline stream-serve`` on a port it cannot have, given an agents' option where no agent runs, or a placement of
+too many worker processes: one line naming the options, exit 2, nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -156,3 +157,30 @@ def test_listening_beyond_this_host_without_an_api_key_is_warned_about(api_key: 
     assert process.returncode in (0, 128 + signal.SIGTERM), log[-2000:]
     warned = "warning: no --api-key, and the server listens beyond this host" in log
     assert warned == (api_key is None), log[-2000:]
+
+
+@pytest.mark.parametrize(("placement", "words"), [
+    ({"encode": ["cpu"] * 500, "denoise": ["cpu"], "decode": ["cpu"]},
+     "stage 'encode' asks for 500 ranks (one worker process each); a stage has at most 16"),
+    ({"encode": ["cpu"] * 12, "denoise": ["cpu"] * 12, "decode": ["cpu"] * 12},
+     "the stages ask for 36 ranks in all ('encode' 12, 'denoise' 12, 'decode' 12); a placement has at most 32"),
+], ids=["one-stage", "in-all"])
+@pytest.mark.parametrize("given", ["inline", "file"])
+def test_a_placement_of_too_many_worker_processes_exits_2_naming_it_before_serving(
+        placement: dict[str, list[str]], words: str, given: str, tmp_path: Path) -> None:
+    """A placement of 500 ``"cpu"`` ranks was served: the worker spawned 500 processes that import torch, and the
+    host ran out of memory. It is refused as the settings are read, before any pipeline loads."""
+    text = json.dumps({"mode": "process", **{stage: {"devices": devices} for stage, devices in placement.items()}})
+    if given == "file":
+        (tmp_path / "placement.json").write_text(text)
+        text = str(tmp_path / "placement.json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/toy_world", "--port", "0",
+               "--placement", text]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"chunkline stream-serve: error: --placement: {words}"), done.stderr[-2000:]
+    assert list((tmp_path / "tmp").iterdir()) == []
