@@ -115,18 +115,26 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``chunkline`` command. From its first line a stop signal ends it in one line with ``128 + signal``
-    (130, 143, 129 for SIGHUP), never a traceback, until a command handles them itself. As the process's own
+    (130, 143, 129 for SIGHUP), never a traceback, until a command handles them itself; once the command has
+    returned, one changes nothing. As the process's own
     command (``argv`` None) its end waits for no thread the pipeline left running (:mod:`server.stray_threads`)."""
     early_signals.install()
     try:
         code = _main(argv)
     except early_signals.StopSignalled as stopped:
+        early_signals.hand_over()
         tell(f"chunkline: {early_signals.describe(stopped.signal_number)}")  # a closed terminal: the code says it
         return 128 + stopped.signal_number
-    finally:
+    except BaseException:
         early_signals.hand_over()
+        raise
     if argv is not None:  # called with its words (a test, a script): the caller's process is not ours to end
+        early_signals.hand_over()
         return code
+    # the command is over and its status decided: a stop signal from here to the exit (the wait for a pipeline's
+    # threads, the last flushes) is noted and changes nothing; with Python's defaults back it ended the process by
+    # the signal, or with a KeyboardInterrupt traceback, after the run had said it succeeded
+    early_signals.defer()
     from .stray_threads import end_despite_stray_threads  # a pipeline's threads left running hold no exit
 
     return end_despite_stray_threads(_prefix(), code)

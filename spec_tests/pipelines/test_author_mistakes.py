@@ -8,8 +8,10 @@ the warm-up session's close after a good chunk).
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,28 @@ def test_a_thread_the_pipeline_never_stops_does_not_hold_the_run_s_exit(tmp_path
     assert last.startswith("chunkline run: pipeline bug: 1 thread(s) it started still run ('author-poller'), "
                            "not daemon threads"), done.stderr[-2000:]
     assert "start them as daemon threads" in last
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_once_the_run_has_said_its_summary_changes_nothing(tmp_path: Path, number: int) -> None:
+    """The run is over, its output written and its summary said, and the command waits for a thread its pipeline
+    left (up to 3 s) before it ends: a Ctrl-C there printed a ``KeyboardInterrupt`` traceback and a SIGTERM killed
+    the process by the signal (-15), for a run that had succeeded. It is noted and changes nothing: the status
+    is the run's."""
+    path = pipeline_file(tmp_path, LEFT_THREAD)
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "server.cli", "run", path, "--chunks", "2", "--out", str(out)],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        summary = run.stdout.readline()  # type: ignore[union-attr]  # the summary's first line: the run is over
+        assert summary, run.stderr.read()  # type: ignore[union-attr]
+        # bench-cost: into the end's real-time wait of 3 s for the pipeline's thread (the rest of the summary and the
+        # way to the command's end take milliseconds)
+        time.sleep(0.5)
+        run.send_signal(number)
+        _, stderr = run.communicate(timeout=RUN_DEADLINE)
+    finally:
+        run.kill()
+    assert run.returncode == 0, (run.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert (out / "video.mp4").is_file() and (out / "metrics.json").is_file()
