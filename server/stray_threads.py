@@ -7,7 +7,8 @@ output and then never ended, and ``chunkline stream-serve`` drained on SIGTERM a
 ignored, until a SIGKILL. Such threads get a short grace to end; then one line names them as the pipeline's bug
 and the process ends with the command's own exit code, after its exit calls, without waiting for them. Child
 processes the pipeline started with ``multiprocessing`` and left running, not daemon processes, get the same grace,
-and are then named and ended (multiprocessing's exit call waited for them for ever).
+and are then named and ended (multiprocessing's exit call waited for them for ever); so do the other processes it
+started and left running (``subprocess.Popen``, a tool run in the background), which outlived the command.
 
 A daemon thread is not waited for, but one still inside native code (a stage call past its ``call_timeout``, left on
 its thread; a pipeline's daemon thread in a torch op) aborted the interpreter's last teardown: ``terminate called
@@ -20,13 +21,18 @@ it had written).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import io
 import os
+import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+from engine.supervised_child import descendants
 
 from .console import tell
 
@@ -47,6 +53,52 @@ def _stray_processes() -> list[Any]:
     and left the child running)."""
     module = sys.modules.get("multiprocessing")
     return [] if module is None else [p for p in module.active_children() if not p.daemon]
+
+
+def _programs_left(known: set[int]) -> dict[int, str]:
+    """The processes below this one still running that ``multiprocessing`` does not know of (its children are
+    ``known``): a pipeline's ``subprocess.Popen``, ``os.system("tool &")``, a session of its own (``setsid``). By pid,
+    each with its name. multiprocessing's resource tracker is left alone: it ends as this process does, and then
+    removes what was left registered with it."""
+    left: dict[int, str] = {}
+    for pid in descendants(os.getpid()):
+        if pid in known:
+            continue
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+        if state not in ("Z", "X") and b"multiprocessing.resource_tracker" not in command:
+            left[pid] = name
+    return left
+
+
+def _end_programs(prefix: str, left: dict[int, str]) -> None:
+    """Say which processes were left, then end them: SIGTERM, and SIGKILL for one still there after a second."""
+    names = ", ".join(f"{name!r} (pid {pid})" for pid, name in list(left.items())[:5]) + (", ..." if len(left) > 5 else "")
+    tell(f"{prefix}: pipeline bug: {len(left)} process(es) it started still run ({names}) as the command ends; "
+         f"ending them (stop them as running() exits)")
+    for number in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, number)
+        deadline = time.monotonic() + PROCESS_STOP_WAIT
+        while (left := _still(left)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # they end in milliseconds; bounded by PROCESS_STOP_WAIT
+
+
+def _still(left: dict[int, str]) -> dict[int, str]:
+    """Those of ``left`` still running (not ended, not a zombie)."""
+    running = {}
+    for pid, name in left.items():
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                running[pid] = name
+        except (OSError, IndexError):
+            pass
+    return running
 
 
 def _end_processes(prefix: str, children: list[Any], grace: float) -> None:
@@ -78,6 +130,13 @@ def end_despite_stray_threads(prefix: str, code: int, *, grace: float = STRAY_TH
         process.join(max(0.0, deadline - time.monotonic()))
     if children := _stray_processes():
         _end_processes(prefix, children, grace)
+    known = {p.pid for p in sys.modules["multiprocessing"].active_children()} if "multiprocessing" in sys.modules else set()
+    left = _programs_left(known)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)  # the grace threads get, for a tool the pipeline ran to end on its own
+        left = _still(left)
+    if left:
+        _end_programs(prefix, left)
     left = _stray(main)
     if left:
         names = ", ".join(repr(t.name) for t in left[:5]) + (", ..." if len(left) > 5 else "")

@@ -7,7 +7,9 @@ SIGTERM ended it with 143, leaving the child running.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +50,50 @@ def test_a_child_process_left_running_is_named_and_ended_and_the_run_keeps_its_c
         pass  # ended, and reaped
     else:
         raise AssertionError("the pipeline's child process still runs")
+
+
+PROGRAMS = """\
+import subprocess
+from pathlib import Path
+
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+def get_service(gpu_num=0):
+    plain = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL)  # never stopped
+    own_session = subprocess.Popen(["sleep", "301"], stdin=subprocess.DEVNULL, start_new_session=True)
+    Path({pid_file!r}).write_text(f"{{plain.pid}} {{own_session.pid}}")
+    return MinimalService()
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_program_the_pipeline_started_and_left_running_is_named_and_ended(tmp_path: Path) -> None:
+    """A tool the pipeline ran with ``subprocess.Popen`` (in a session of its own, too) and never stopped outlived
+    ``chunkline run``, nothing said: it is named as the pipeline's bug once the threads' grace is over, and ended;
+    the run keeps its code."""
+    path = tmp_path / "p.py"
+    pid_file = tmp_path / "programs.pid"
+    path.write_text(PROGRAMS.format(pid_file=str(pid_file)))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
+    pids = [int(pid) for pid in pid_file.read_text().split()]
+    try:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert sorted(os.listdir(out)) == ["metrics.json", "video.mp4"]
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith("chunkline run: pipeline bug: 2 process(es) it started still run ("), done.stderr[-2000:]
+        assert all(f"'sleep' (pid {pid})" in line for pid in pids), line
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
