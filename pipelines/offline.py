@@ -31,6 +31,7 @@ is complete, so an interrupted or failed run leaves no file that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -90,6 +91,7 @@ __all__ = [
     "output_problem",
     "parse_timed_controls",
     "remove_partial_files",
+    "remove_stale_partial_files",
     "run_offline",
 ]
 
@@ -283,6 +285,32 @@ def remove_partial_files(out_dir: str | os.PathLike[str]) -> None:
     for name in (VIDEO_NAME, METRICS_NAME):
         for path in out.glob(f".{name}.{os.getpid()}.*.partial"):
             path.unlink(missing_ok=True)
+
+
+def remove_stale_partial_files(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files in ``out_dir`` of runs whose process is gone (killed outright: SIGKILL, a host that
+    ran out of memory, a power cut), which nothing else ever removed; returns them. Those of a process still there, or
+    of another user's, are left alone: it may be writing them."""
+    removed = []
+    for name in (VIDEO_NAME, METRICS_NAME):
+        for path in Path(out_dir).glob(f".{name}.*.partial"):
+            pid = path.name[len(name) + 2:].split(".", 1)[0]
+            if not pid.isdigit() or _process_runs(int(pid)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 async def run_offline(

@@ -230,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any) -> int:
     from pipelines.loader import PipelineLoadError, load_service
-    from pipelines.offline import remove_partial_files, run_offline
+    from pipelines.offline import remove_partial_files, remove_stale_partial_files, run_offline
 
     from . import run_inputs
     from .run_signals import trio_run_until_signalled
@@ -254,6 +254,8 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
         raise BadInput(f"{shown(args.pipeline)} is a server-push pipeline; it takes no --controls")
     run_inputs.check_inputs_taken(service, pipeline=args.pipeline, prompt=args.prompt, image=args.image)
 
+    if stale := remove_stale_partial_files(out.path):  # a run killed outright left them; nothing else would
+        say(f"removed {len(stale)} temporary file(s) that runs killed before they finished left in {out.path}")
     bar = ProgressBar(sys.stderr)
 
     def on_stop(number: int) -> None:  # in a signal handler: no buffered I/O
