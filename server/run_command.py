@@ -257,8 +257,10 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
     if stale := remove_stale_partial_files(out.path):  # a run killed outright left them; nothing else would
         say(f"removed {len(stale)} temporary file(s) that runs killed before they finished left in {out.path}")
     bar = ProgressBar(sys.stderr)
+    stopped_by: list[int] = []  # the first stop signal, once it came
 
     def on_stop(number: int) -> None:  # in a signal handler: no buffered I/O
+        stopped_by.append(number)
         line = (f"{PREFIX}: {signal.Signals(number).name} received, stopping the run (press Ctrl-C again to abort at "
                 f"once)\n").encode()
         try:
@@ -287,6 +289,8 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
         end_at_once(128 + first, f"aborted by a second signal; {nothing_written}")
 
     def blocked(line: str) -> NoReturn:  # in the watchdog's thread: trio's, the main one, is held by the pipeline
+        if stopped_by:  # the user asked it to stop: the status says so, whatever the stop then met (exit 1 before)
+            end_at_once(128 + stopped_by[0], f"{describe(stopped_by[0])}, and the stop met: {line}; {nothing_written}")
         end_at_once(1, f"the run failed: {line}")
 
     early_signals.defer()  # a signal as the trio run starts is noted, and replayed once its handlers are in
