@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["error_line", "error_words", "one_line"]
+__all__ = ["MOST_ERROR_CHARACTERS", "error_line", "error_words", "one_line"]
 
 
 def one_line(text: str) -> str:
@@ -10,9 +10,17 @@ def one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+#: the most of an error's words told: a pipeline's error of 100 KB (a tensor's repr, a whole config) was one line of
+#: 100 KB on the terminal, burying everything before it
+MOST_ERROR_CHARACTERS = 2000
+
+
 def error_words(exc: BaseException) -> str:
-    """What ``exc`` says, on one line."""
-    return one_line(str(exc))
+    """What ``exc`` says, on one line, cut past :data:`MOST_ERROR_CHARACTERS` (saying how much was left out)."""
+    said = one_line(str(exc))
+    if len(said) <= MOST_ERROR_CHARACTERS:
+        return said
+    return f"{said[:MOST_ERROR_CHARACTERS]}... ({len(said) - MOST_ERROR_CHARACTERS} more characters)"
 
 
 def error_line(exc: BaseException) -> str:

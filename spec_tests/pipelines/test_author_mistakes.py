@@ -200,3 +200,23 @@ def test_a_stop_signal_once_the_run_has_said_its_summary_changes_nothing(tmp_pat
     assert run.returncode == 0, (run.returncode, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
     assert (out / "video.mp4").is_file() and (out / "metrics.json").is_file()
+
+
+LONG_ERROR = """
+class Broken(MinimalService):
+    async def create_session(self, config, *, on_event=None):
+        raise RuntimeError("a tensor's repr: " + "0.5, " * 20_000)
+"""
+
+
+def test_a_pipeline_error_of_100_kb_is_told_in_a_line_cut_short_saying_how_much_was_left_out(tmp_path: Path) -> None:
+    """A pipeline's error of 100 KB (a tensor's repr, a whole config) was told as one line of 100 KB, burying the rest
+    of the terminal: the line holds its first 2,000 characters and says how many more there were."""
+    path = pipeline_file(tmp_path, LONG_ERROR)
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", path, "--chunks", "2", "--out",
+                           str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("chunkline run: the run failed: pipeline bug: create_session raised RuntimeError: a tensor's "
+                           "repr: 0.5, 0.5,"), last[:300]
+    assert last.endswith(" more characters)") and len(last) < 2300, (len(last), last[-200:])
