@@ -33,19 +33,26 @@ def get_service(gpu_num=0):
 """
 
 
-def test_a_child_process_left_running_is_named_and_ended_and_the_run_keeps_its_code(tmp_path: Path) -> None:
+def _run_leaving(tmp_path: Path, pipeline: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``chunkline run`` of ``pipeline`` (its text, with ``{pid_file}`` for where it writes the pids it leaves), which
+    succeeds and writes its output; what it said, and the pid file's text."""
     path = tmp_path / "p.py"
-    pid_file = tmp_path / "child.pid"
-    path.write_text(PIPELINE.format(pid_file=str(pid_file)))
+    pid_file = tmp_path / "left.pid"
+    path.write_text(pipeline.format(pid_file=str(pid_file)))
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(os.listdir(out)) == ["metrics.json", "video.mp4"]
+    return done, pid_file.read_text()
+
+
+def test_a_child_process_left_running_is_named_and_ended_and_the_run_keeps_its_code(tmp_path: Path) -> None:
+    done, pid = _run_leaving(tmp_path, PIPELINE)
     assert ("chunkline run: pipeline bug: 1 process(es) it started still run ('leaky-child'), not daemon processes, "
             "3 s after it closed: Python would wait for them for ever; ending them") in done.stderr
     try:
-        os.kill(int(pid_file.read_text()), 0)
+        os.kill(int(pid), 0)
     except ProcessLookupError:
         pass  # ended, and reaped
     else:
@@ -79,16 +86,9 @@ def test_a_program_the_pipeline_started_and_left_running_is_named_and_ended(tmp_
     """A tool the pipeline ran with ``subprocess.Popen`` (in a session of its own, too) and never stopped outlived
     ``chunkline run``, nothing said: it is named as the pipeline's bug once the threads' grace is over, and ended;
     the run keeps its code."""
-    path = tmp_path / "p.py"
-    pid_file = tmp_path / "programs.pid"
-    path.write_text(PROGRAMS.format(pid_file=str(pid_file)))
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    pids = [int(pid) for pid in pid_file.read_text().split()]
+    done, left = _run_leaving(tmp_path, PROGRAMS)
+    pids = [int(pid) for pid in left.split()]
     try:
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert sorted(os.listdir(out)) == ["metrics.json", "video.mp4"]
         line = done.stderr.strip().splitlines()[-1]
         assert line.startswith("chunkline run: pipeline bug: 2 process(es) it started still run ("), done.stderr[-2000:]
         assert all(f"'sleep' (pid {pid})" in line for pid in pids), line
