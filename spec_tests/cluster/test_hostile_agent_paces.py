@@ -7,7 +7,6 @@ The peers here speak the wire themselves (``server.cluster.wire``), as a hostile
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import trio
@@ -16,17 +15,14 @@ from server.cluster import wire
 from server.cluster.agent_pace import AGENT_MESSAGE_BURST, AGENT_MESSAGES_PER_S
 from server.log_pace import WORKER_LINES_BURST, WORKER_LINES_PER_SECOND
 
-from .conftest import Cluster, start_authority, until
+from .conftest import Cluster, until
 from .wire_peer import losses, register, say_ready, still_serving
 
 
 @pytest.fixture(scope="module")
-def authority() -> Iterator[Cluster]:
-    found = start_authority(launcher="external", workers=1)
-    try:
-        yield found
-    finally:
-        found.stop()
+def authority(external_authority: Cluster) -> Cluster:
+    """An authority of one external worker, the module's own (these tests use up its log's pace)."""
+    return external_authority
 
 
 async def test_a_token_holder_flooding_session_events_is_read_at_a_pace_and_the_authority_serves_on(
