@@ -131,7 +131,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         transport.viewer_door = runtime.viewer_seats.door  # a viewer takes a seat as it joins (server/viewer_seats.py)
         metrics.watch_room_backlog(lambda: transport.backlog.queued)  # the queued-text budget's count, at each scrape
         transport.on_refused = metrics.record_room_refusal
-    runtime.lifecycle.on_terminal = lambda record, last_word: transport.close_room(record.room, last_word)
+    runtime.lifecycle.on_terminal = lambda record, last_word, told: transport.close_room(record.room, last_word,
+                                                                                         worker_told=told)
     public_url = settings.livekit_url if settings.transport == "livekit" else None
 
     @app.before_serving

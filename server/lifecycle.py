@@ -33,13 +33,15 @@ class SessionLifecycle:
     def __init__(self, registry: SessionRegistry) -> None:
         self.registry = registry
         #: told of each record that has just become terminal (the app closes its room), with the room's last
-        #: ``tf.status`` message when no worker is there to send one (a session that ended queued), else None
-        self.on_terminal: Callable[[SessionRecord, bytes | None], None] = lambda record, last_word: None
+        #: ``tf.status`` message when the server may have to say it (else None), and whether the session's worker
+        #: says it told the room itself
+        self.on_terminal: Callable[[SessionRecord, bytes | None, bool], None] = lambda record, last_word, told: None
 
-    def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None, say_last_word: bool = False) -> None:
+    def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None, say_last_word: bool = False,
+               worker_told: bool = False) -> None:
         self.registry.apply(record, event, now=trio.current_time(), error=error)
         if record.is_terminal:
-            self.on_terminal(record, _last_word(record) if say_last_word else None)
+            self.on_terminal(record, _last_word(record) if say_last_word else None, worker_told)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -91,11 +93,12 @@ class SessionLifecycle:
         self._apply(record, Event.DRAIN)
         return True
 
-    def settle(self, record: SessionRecord, error: str | None, *, say_last_word: bool = False) -> None:
+    def settle(self, record: SessionRecord, error: str | None, *, say_last_word: bool = False,
+               worker_told: bool = False) -> None:
         """End a live session: its outcome from the table, by its drain cause (FAIL when ``error``).
 
-        ``say_last_word``: its worker did not say it (a lost agent, one that never ran the session), so the
-        server tells the room how the session ended.
+        ``say_last_word``: the server tells the room how the session ended, unless ``worker_told``: the worker
+        says it told the room itself (a transport that sees the room checks that; one that cannot takes its word).
         """
         if record.is_terminal:
             return
@@ -104,7 +107,7 @@ class SessionLifecycle:
         event = settle_event(record.drain_cause, failed=error is not None)
         if event is Event.FAIL and error is None:
             error = record.drain_detail or (record.drain_cause.value if record.drain_cause else "failed")
-        self._apply(record, event, error=error, say_last_word=say_last_word)
+        self._apply(record, event, error=error, say_last_word=say_last_word, worker_told=worker_told)
 
 
 def _last_word(record: SessionRecord) -> bytes:

@@ -118,7 +118,7 @@ class RemoteRooms:
     async def open_room(self, room: str, *, lifetime: float) -> None:
         """Nothing to do here: the rooms are the authority's, made with its record of the session."""
 
-    def close_room(self, room: str, last_word: bytes | None = None) -> None:
+    def close_room(self, room: str, last_word: bytes | None = None, *, worker_told: bool = False) -> None:
         """Nothing to do here: the rooms are the authority's, which closes them (and says a queued session's last
         word) when its record of the session ends."""
 

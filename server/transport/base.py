@@ -105,7 +105,8 @@ class RoomTransport(Protocol):
         session's timeout (the server closes the room when the session ends, long before that)."""
         ...
 
-    def close_room(self, room: str, last_word: bytes | None = None) -> None:
-        """The room's session ended (never waits). ``last_word`` is its last ``tf.status`` message when no
-        worker was there to send it (a session that ended queued); the transport sends it as the server's."""
+    def close_room(self, room: str, last_word: bytes | None = None, *, worker_told: bool = False) -> None:
+        """The room's session ended (never waits). ``last_word`` is its last ``tf.status`` message, for the
+        transport to send as the server's when no worker said it (a session that ended queued, a lost worker's);
+        ``worker_told``: the session's worker says it told the room itself."""
         ...

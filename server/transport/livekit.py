@@ -444,12 +444,14 @@ class LiveKitTransport:
         this transport holds no API key, or LiveKit refuses or does not answer within ``disconnect_timeout``."""
         await self._rooms.remove(self._running_loop(), room, identity)
 
-    def close_room(self, room: str, last_word: bytes | None = None) -> None:
+    def close_room(self, room: str, last_word: bytes | None = None, *, worker_told: bool = False) -> None:
         """The room's session ended. In the background, each step within ``disconnect_timeout``: ``last_word``,
         its last ``tf.status`` message when no worker was there to send it (a session that ended queued), goes
         through the RoomService, which names no participant (clients take status without one as the server's:
         only a holder of the API secret can send it); ``ROOM_CLOSE_GRACE`` later the room is deleted, which sends
         its clients away, as the local rooms do once the worker's last messages are out."""
+        if worker_told:  # the server reads no LiveKit room's data: the worker's word is taken
+            last_word = None
         if self._sends is not None:
             self._rooms.close(self._loop, self._sends, room, last_word)
 

@@ -136,6 +136,8 @@ class WorkerConnection:
         if self._closed:
             raise TransportError("the worker left the room")
         self._room.send_text(data_message(topic, payload, self._identity), to)
+        if to is None and topic == STATUS_TOPIC and _ends_session(payload.decode(errors="replace")):
+            self._room.worker_said_last = True
 
     async def send_away(self, identity: str, reason: str, detail: str) -> None:
         """Close ``identity``'s socket with the refusal ``reason`` (the door keeps viewers over the seats out itself)."""
@@ -221,23 +223,30 @@ class LocalRooms:
         """Nothing to make: a local room opens with its session's record (``room_open``) and refuses every
         token once the session ended."""
 
-    def close_room(self, room: str, last_word: bytes | None = None) -> None:
+    def close_room(self, room: str, last_word: bytes | None = None, *, worker_told: bool = False) -> None:
         """The room's session ended: once its worker has left too, its browsers get what is queued for them (the
         worker's ``done``, its leaving) and are sent away, so that no socket outlives its session (they stayed,
         answering pings, for as long as they liked).
 
-        ``last_word`` is the session's last ``tf.status`` message when no worker said it (a session that ended
-        queued, a lost agent's): the server sends it, as ``chunkline-server``, and sends the clients away at once,
-        without waiting for a worker that may still be in the room (a frozen agent, until its socket times out).
+        ``last_word`` is the session's last ``tf.status`` message: unless the worker said one here (an agent that
+        fenced itself said it first), the server sends it, as ``chunkline-server``, and sends the clients away at
+        once, without waiting for a worker that may still be in the room (a frozen agent, until its socket times
+        out). A worker that says it told the room (``worker_told``) and is still here is taken at its word: what it
+        said comes through its socket before it leaves. One that is gone and said nothing here had not: an agent
+        whose last word never arrived, or one that never joined and said it had (its controller got no last word).
         """
         found = self._rooms.get(room)
         if found is not None:
             found.closed = True
             found.drop_held()
             self._forget_if_empty(found)
-            if last_word is not None and not found.worker_said_last:  # an agent that fenced itself said it first
+            told_here = worker_told and found.worker is not None
+            server_says = last_word is not None and not told_here
+            if told_here:
+                found.last_word_due = last_word  # said as the worker leaves, unless it did say it here
+            if server_says and not found.worker_said_last:
                 found.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
-            if found.worker is None or last_word is not None:
+            if found.worker is None or server_says:
                 found.send_clients_away()
 
     def room_names(self) -> tuple[str, ...]:
@@ -284,6 +293,9 @@ class LocalRooms:
             room.worker = None
             room.last_frame = None
             self._moved(room)
+            if room.closed and room.last_word_due is not None and not room.worker_said_last:
+                room.broadcast_text(data_message(STATUS_TOPIC, room.last_word_due, SERVER_STATUS_IDENTITY))
+            room.last_word_due = None
             room.broadcast_text(json.dumps({"type": "participant_left", "identity": connection.identity}))
             if room.closed:
                 room.send_clients_away()

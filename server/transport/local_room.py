@@ -176,6 +176,9 @@ class Room:
     closed: bool = False  # its session ended: its clients leave once the worker has
     # its worker told the room how the session ended (``done`` or ``error`` on tf.status): the server says it no more
     worker_said_last: bool = False
+    #: the server's last word, kept while a worker that says it told the room is still in it: said as it leaves,
+    #: unless it did tell the room
+    last_word_due: bytes | None = None
     # data sent before the worker joined (an agent's comes a moment after the controller may), handed to it when it does
     held: deque = attrs.Factory(deque)
     held_size: int = 0
