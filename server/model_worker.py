@@ -20,6 +20,7 @@ import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
 from pipelines.contract import BidirectionalService, PipelineContractError, ServerPushService, Service, inputs_taken
+from pipelines.error_text import error_line
 from pipelines.input_checks import refused_input
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.offline_calls import telling_error
@@ -256,7 +257,8 @@ class ModelWorker:
         # several errors at once (a nursery of the pipeline's own in running()): the one that says why, or each named;
         # health read only "ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)"
         exc = telling_error(exc, (*REFUSALS, WorkerFault, LoadTimedOut, PipelineValidationError, PipelineContractError))
-        reason = public_reason(exc)  # health and metadata show this line; the log has the detail
+        reason = public_reason(exc)  # health and metadata show this line, cut short; the log has the detail
+        detail = error_line(exc)  # (a refused placement's log line was cut before it named the stage and the fault)
         self.failure = reason
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
         explained = refused or isinstance(exc, WorkerFault)  # and so does a fault a runner saw
@@ -266,10 +268,10 @@ class ModelWorker:
             # told already, traceback and all: its slot's line says what comes of it
             log.debug("worker %s could not load the pipeline %r (as before): %s", self.worker_id, self.pipeline, reason)
         elif loading:
-            log.error("worker %s could not load the pipeline %r: %s", self.worker_id, self.pipeline, reason,
+            log.error("worker %s could not load the pipeline %r: %s", self.worker_id, self.pipeline, detail,
                       exc_info=None if explained else exc)
         else:
-            log.error("worker %s failed: %s", self.worker_id, reason, exc_info=None if explained else exc)
+            log.error("worker %s failed: %s", self.worker_id, detail, exc_info=None if explained else exc)
         # a replacement would refuse these settings, or be refused them, the same way: not restarted
         self._on_failed(self, reason, permanent=refused)
         self.failed.set()

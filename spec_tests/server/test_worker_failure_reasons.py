@@ -13,6 +13,8 @@ from typing import Any
 
 import trio
 
+from pipelines.loader import OptionValuesRefused
+from server.reasons import MAX_REASON
 from spec_tests.server.runner_fixtures import CounterService
 
 from .conftest import make_settings, serve, wait_worker_failed
@@ -41,3 +43,21 @@ async def test_a_worker_whose_pipeline_raised_several_errors_at_once_names_each(
     assert "ExceptionGroup" not in reason, reason
     assert "the pipeline raised 2 errors at once: " in reason, reason  # in the order the tasks failed
     assert "KeyError: 'weights.pt'" in reason and "OSError: the device went away" in reason, reason
+
+
+async def test_the_log_line_of_a_worker_whose_pipeline_refused_its_options_says_all_of_why(caplog: Any) -> None:
+    """Health and metadata show a failure's reason cut to one short line; the log keeps the detail. A refusal's line
+    (no traceback follows it) was that cut line too: a refused placement's ended before it named the stage and the
+    fault (``refused its options: inline placement JSON: stage 'e...``)."""
+    why = "inline placement JSON: stage 'encode' " + "asks for a device this host does not have; " * 10 + "the end"
+
+    def refusing(path: Any, **_: Any) -> Any:
+        raise OptionValuesRefused(f"get_service() in {str(path)!r} refused its options: {why}")
+
+    async with serve(make_settings(), loader=refusing, ready=False) as served:
+        await wait_worker_failed(served.runtime)
+        status, metadata, _ = await served.json("get", "/v1/service/metadata")
+    (reason, *_) = metadata["worker_failures"].values()
+    assert len(reason) <= MAX_REASON and not reason.endswith("the end"), reason  # the short line, for everyone
+    lines = [record.getMessage() for record in caplog.records if "could not load the pipeline" in record.getMessage()]
+    assert lines and all(line.endswith(f"refused its options: {why}") for line in lines), lines
