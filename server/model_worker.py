@@ -258,7 +258,9 @@ class ModelWorker:
         # health read only "ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)"
         exc = telling_error(exc, (*REFUSALS, WorkerFault, LoadTimedOut, PipelineValidationError, PipelineContractError))
         reason = public_reason(exc)  # health and metadata show this line, cut short; the log has the detail
-        detail = error_line(exc)  # (a refused placement's log line was cut before it named the stage and the fault)
+        # the log's line: every word of the error (a refused placement's was cut before it named the stage and the
+        # fault), up to the child's traceback some carry in their words (one follows as the log's own, where due)
+        detail = error_line(exc).partition(" --- child traceback --- ")[0]
         self.failure = reason
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
         explained = refused or isinstance(exc, WorkerFault)  # and so does a fault a runner saw
