@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -24,12 +25,18 @@ def _seed(text: str) -> int:
 
 
 def _count(text: str) -> int:
-    """An integer (its range is the run's to check, naming the flag): one too long to show is shown cut."""
+    """An integer in plain digits (its range is the run's to check, naming the flag): one too long to show is shown
+    cut. Python's own ``int`` also took ``1_0`` (10), `` 2 `` and digits of other scripts (``٢``, 2)."""
     try:
+        if not _PLAIN_INTEGER.fullmatch(text):
+            raise ValueError(text)
         return int(text)
     except ValueError:
         shown = repr(text) if len(text) <= 80 else f"{text[:80]!r}... ({len(text)} characters in all)"
         raise argparse.ArgumentTypeError(f"not an integer: {shown}") from None
+
+
+_PLAIN_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 class Parser(argparse.ArgumentParser):

@@ -24,13 +24,17 @@ DEADLINE = 60.0  # wall seconds: a loaded 2-core host imports the command line
      "chunkline run: error: unrecognized arguments: extra (see chunkline run --help)"),
     (["run", "pipelines/replay", "--chunks"],
      "chunkline run: error: argument --chunks: expected one argument (see chunkline run --help)"),
+    (["run", "pipelines/replay", "--chunks", "1_0"],  # Python's int took it for 10
+     "chunkline run: error: argument --chunks: not an integer: '1_0' (see chunkline run --help)"),
+    (["run", "pipelines/replay", "--chunks", "\u0662"],  # an Arabic-Indic two, which int took for 2
+     "chunkline run: error: argument --chunks: not an integer: '\u0662' (see chunkline run --help)"),
     (["stream-serve", "pipelines/replay", "--bogus"],
      "chunkline stream-serve: error: unrecognized arguments: --bogus (see chunkline stream-serve --help)"),
     (["stream-serve", "--port"],
      "chunkline stream-serve: error: argument --port/-p: expected one argument (see chunkline stream-serve --help)"),
     (["worker", "pipelines/replay"],
      "chunkline worker: error: the following arguments are required: --authority (see chunkline worker --help)"),
-], ids=["no_command", "run_extra", "run_no_value", "serve_unknown", "serve_no_value", "worker_required"])
+], ids=["no_command", "run_extra", "run_no_value", "run_underscored", "run_other_script", "serve_unknown", "serve_no_value", "worker_required"])
 def test_a_usage_error_is_one_line_naming_the_command(words: list[str], line: str) -> None:
     done = subprocess.run([sys.executable, "-m", "server.cli", *words], cwd=ROOT, capture_output=True, text=True,
                           timeout=DEADLINE)
