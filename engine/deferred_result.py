@@ -1,10 +1,10 @@
 """One worker-group call on its way back: :class:`PendingCall`, and :class:`DeferredResult`, what ``call()`` returns.
 
 A rank's value holds the shared memory of its CPU tensors until this process fetches it, which the
-deferred result does when called. One that is dropped uncalled hands its call to the group's
-:class:`AbandonedCalls`, and the group releases those values at its next call: a rank does not hold them for
-its life. (The hand-over only appends to a deque, so a collection that runs in any thread, at any point,
-even while the group holds its own lock, never waits for anything.)
+deferred result does when called. One that is dropped uncalled appends its call to the group's deque of
+abandoned calls, and the group releases those values at its next call: a rank does not hold them for its life.
+(An append waits for nothing, so a collection that runs in any thread, at any point, even while the group holds
+its own lock, is safe.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .tensor_channel_refs import discard_lost_transfers
 from .worker_errors import WorkerCallError, WorkerFatalCallError
 from .worker_wire import Raised, Result, UnloadableValue, load_value, release_shared
 
-__all__ = ["AbandonedCalls", "DeferredResult", "PendingCall", "release_values"]
+__all__ = ["DeferredResult", "PendingCall", "release_values"]
 
 
 class PendingCall:
@@ -54,25 +54,6 @@ def release_values(call: PendingCall, loaded: Iterable[int] = (), fetched: dict[
             discard_lost_transfers(result.transfers)
 
 
-class AbandonedCalls:
-    """Calls whose deferred results were dropped uncalled, until the group releases their values.
-
-    ``add`` runs in a finalizer (any thread, any moment): it only appends. ``take`` runs in the group.
-    """
-
-    def __init__(self) -> None:
-        self._calls: deque[PendingCall] = deque()
-
-    def add(self, call: PendingCall) -> None:
-        self._calls.append(call)
-
-    def take(self) -> list[PendingCall]:
-        taken = []
-        while self._calls:
-            taken.append(self._calls.popleft())
-        return taken
-
-
 class DeferredResult:
     """What :meth:`ProcessWorkerGroup.call` returns: call it to wait for the value.
 
@@ -81,15 +62,15 @@ class DeferredResult:
     until then. Dropped uncalled, its call is handed to the group, which releases the values at its next call."""
 
     def __init__(self, call: PendingCall, gather: bool, *, call_timeout: float | None,
-                 fail: Callable[[str], None], abandoned: AbandonedCalls) -> None:
+                 fail: Callable[[str], None], abandoned: deque[PendingCall]) -> None:
         self._call = call
         self._gather = gather
         self._call_timeout = call_timeout
         self._fail = fail  # fails the group (a call that got no answer in time)
         self._loaded: dict[int, Any] = {}
         self._fetched: dict[int, set[int]] = {}  # rank -> the places of the shared handles a failed load fetched
-        self._released = False
-        self._on_drop = weakref.finalize(self, abandoned.add, call)
+        # dropped uncalled, the call goes to ``abandoned``; detached (alive no more) once the values are released
+        self._on_drop = weakref.finalize(self, abandoned.append, call)
         self._on_drop.atexit = False  # at exit the ranks end, and what they hold with them
 
     def done(self) -> bool:
@@ -130,10 +111,8 @@ class DeferredResult:
 
     def _release_unloaded(self, lost: bool) -> None:
         """Release (:func:`release_values`) every value this call will not load: it did not, or another rank raised."""
-        if self._released:
+        if self._on_drop.detach() is None:  # released already
             return
-        self._released = True
-        self._on_drop.detach()  # released here: nothing is left for the group to release
         release_values(self._call, self._loaded, self._fetched, lost=lost)
 
     def _load(self, rank: int, data: bytes) -> Any:

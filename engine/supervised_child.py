@@ -43,6 +43,7 @@ __all__ = [
     "end_descendants_now",
     "end_process_group",
     "ignore_group_stop_signals",
+    "process_gone",
     "stop_signals_held_for_the_child",
 ]
 
@@ -178,7 +179,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
     """Ended: no longer in ``/proc``, or a zombie (it can make nothing more; its parent reaps it, or init)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
@@ -208,7 +209,7 @@ def end_descendants_now(wait: float = KILLED_WAIT) -> list[int]:
         _send(pid, signal.SIGKILL)
     give_up = time.monotonic() + wait
     pause = threading.Event()  # never set: the wait is just the poll interval
-    while not all(_gone(pid) for pid in stopped) and time.monotonic() < give_up:
+    while not all(process_gone(pid) for pid in stopped) and time.monotonic() < give_up:
         pause.wait(0.005)
     for pid in stopped:
         remove_segments_of(pid)

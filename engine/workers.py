@@ -30,13 +30,14 @@ import itertools
 import logging
 import pickle
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachine, on_rank_exit
 
-from .deferred_result import AbandonedCalls, DeferredResult, PendingCall, release_values
+from .deferred_result import DeferredResult, PendingCall, release_values
 from .errors import seconds
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 from .worker_child import child_main
@@ -117,7 +118,7 @@ class ProcessWorkerGroup:
         self._callbacks: list[Callable[[str], None]] = []
         self._lock = threading.Lock()
         self._pending: dict[int, PendingCall] = {}
-        self._abandoned = AbandonedCalls()  # calls whose deferred results were dropped uncalled
+        self._abandoned: deque[PendingCall] = deque()  # calls whose deferred results were dropped uncalled
         # (call id, rank) -> the shared-memory handles of that rank's arguments (a CPU tensor: one descriptor each),
         # which this process holds until the rank says it fetched them (Fetched) or answers
         self._held_for_ranks: dict[tuple[int, int], bytes] = {}
@@ -254,7 +255,7 @@ class ProcessWorkerGroup:
                         del self._pending[message.call_id]
                         call.event.set()
                         if call.abandoned:  # nobody will call for its values: the next call releases them
-                            self._abandoned.add(call)
+                            self._abandoned.append(call)
             case Closed(rank=closed_rank, error=error):
                 if error is not None:
                     self.close_errors[closed_rank] = error
@@ -345,7 +346,8 @@ class ProcessWorkerGroup:
         for a call still owed answers, marked so that its completion hands it back here."""
         done = []
         with self._lock:
-            for call in self._abandoned.take():
+            while self._abandoned:
+                call = self._abandoned.popleft()
                 if call.call_id in self._pending:
                     call.abandoned = True
                 else:

@@ -281,10 +281,8 @@ def _temp_path(out_dir: Path, name: str) -> Path:
 def remove_partial_files(out_dir: str | os.PathLike[str]) -> None:
     """Remove this process's temporary files in ``out_dir``: for an abort that cannot wait for the run to
     clean up after itself (other runs' temporaries, named with their own pids, are left alone)."""
-    out = Path(out_dir)
-    for name in (VIDEO_NAME, METRICS_NAME):
-        for path in out.glob(f".{name}.{os.getpid()}.*.partial"):
-            path.unlink(missing_ok=True)
+    for path in _partial_files(out_dir, str(os.getpid())):
+        path.unlink(missing_ok=True)
 
 
 def remove_stale_partial_files(out_dir: str | os.PathLike[str]) -> list[Path]:
@@ -292,15 +290,19 @@ def remove_stale_partial_files(out_dir: str | os.PathLike[str]) -> list[Path]:
     ran out of memory, a power cut), which nothing else ever removed; returns them. Those of a process still there, or
     of another user's, are left alone: it may be writing them."""
     removed = []
-    for name in (VIDEO_NAME, METRICS_NAME):
-        for path in Path(out_dir).glob(f".{name}.*.partial"):
-            pid = path.name[len(name) + 2:].split(".", 1)[0]
-            if not pid.isdigit() or _process_runs(int(pid)):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path)
+    for path in _partial_files(out_dir, "*"):
+        pid = path.name.rsplit(".", 3)[1]  # .{name}.{pid}.{hex}.partial (_temp_path)
+        if not pid.isdigit() or _process_runs(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
     return removed
+
+
+def _partial_files(out_dir: str | os.PathLike[str], pid: str) -> list[Path]:
+    """The temporary files in ``out_dir`` of the run of process ``pid`` (``*``: of every run)."""
+    return [path for name in (VIDEO_NAME, METRICS_NAME) for path in Path(out_dir).glob(f".{name}.{pid}.*.partial")]
 
 
 def _process_runs(pid: int) -> bool:

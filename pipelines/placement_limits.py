@@ -19,10 +19,11 @@ Placement` refuses the same when it is built from Python or by ``chunkline worke
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Final
 
-__all__ = ["MAX_PLACEMENT_BYTES", "MAX_PLACEMENT_RANKS", "MAX_STAGE_RANKS", "ranks_problem", "stage_ranks_problem",
-           "total_ranks_problem"]
+__all__ = ["MAX_PLACEMENT_BYTES", "MAX_PLACEMENT_RANKS", "MAX_STAGE_RANKS", "placement_text", "ranks_problem",
+           "stage_ranks_problem", "total_ranks_problem"]
 
 #: the largest placement file read (a placement names a few stages: a few KiB)
 MAX_PLACEMENT_BYTES: Final = 1 << 20
@@ -30,6 +31,27 @@ MAX_PLACEMENT_BYTES: Final = 1 << 20
 MAX_STAGE_RANKS: Final = 16
 #: ranks all the stages of one placement may ask for together
 MAX_PLACEMENT_RANKS: Final = 32
+
+
+def placement_text(source: str) -> tuple[str, str]:
+    """A placement's JSON text, and where it came from for messages: ``source`` itself when it starts with ``{``
+    (``inline placement JSON``), else the regular file it names, at most :data:`MAX_PLACEMENT_BYTES`. ValueError
+    saying why not (OSError where the file cannot be read)."""
+    from .paths import read_at_most
+
+    text = source.strip()
+    if text.startswith("{"):
+        return text, "inline placement JSON"
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ValueError(f"placement file {text!r} does not exist")
+    if not path.is_file():  # a directory, a pipe, a device: reading one may never end
+        raise ValueError(f"placement file {text!r} is not a regular file")
+    where = f"placement file {text!r}"
+    raw = read_at_most(path, MAX_PLACEMENT_BYTES)
+    if raw is None:
+        raise ValueError(f"{where} is larger than {MAX_PLACEMENT_BYTES >> 10} KiB")
+    return raw.decode("utf-8", errors="replace"), where
 
 
 def stage_ranks_problem(stage: str, ranks: int) -> str | None:

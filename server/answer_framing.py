@@ -34,9 +34,9 @@ class AnswerFraming:
         """Every request passed on has had its whole answer (nothing is owed, nothing is under way)."""
         return not (self.lost_track or self._answering or self._waiting)
 
-    def passed(self, methods: list[bytes]) -> None:
-        """Requests (their methods, in order) went whole to the backend."""
-        self._waiting.extend(methods)
+    def passed(self, method: bytes) -> None:
+        """A request (its method) goes whole to the backend, after those before it."""
+        self._waiting.append(method)
         self._follow()
 
     def answered(self, data: bytes) -> None:

@@ -119,17 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     returned, one changes nothing. As the process's own
     command (``argv`` None) its end waits for no thread the pipeline left running (:mod:`server.stray_threads`)."""
     early_signals.install()
+    ending = False  # the command returned as the process's own: its end keeps noting the stop signals
     try:
         code = _main(argv)
+        ending = argv is None
     except early_signals.StopSignalled as stopped:
-        early_signals.hand_over()
         tell(f"chunkline: {early_signals.describe(stopped.signal_number)}")  # a closed terminal: the code says it
         return 128 + stopped.signal_number
-    except BaseException:
-        early_signals.hand_over()
-        raise
+    finally:
+        if not ending:
+            early_signals.hand_over()
     if argv is not None:  # called with its words (a test, a script): the caller's process is not ours to end
-        early_signals.hand_over()
         return code
     # the command is over and its status decided: a stop signal from here to the exit (the wait for a pipeline's
     # threads, the last flushes) is noted and changes nothing; with Python's defaults back it ended the process by

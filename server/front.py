@@ -231,9 +231,11 @@ class Front:
         await linger(stream, self._deadlines.linger, most)
 
     async def _splice(self, client: trio.SocketStream, head: bytes) -> None:
-        framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD, budget=self.body_budget)
+        answers = AnswerFraming()  # where hypercorn's answers end, told of each request the framing passes on
+        framing = RequestFraming(head_seconds=self._deadlines.head, max_head=MAX_HEAD, budget=self.body_budget,
+                                 on_passed=answers.passed)
         try:
-            refusal, answered = await self._splice_framed(client, head, framing)
+            refusal, answered = await self._splice_framed(client, head, framing, answers)
         except* trio.Cancelled:
             if self.stopping and not framing.between_requests:
                 # the server stops (close()) while this client's request is still arriving: it is told so, within
@@ -263,7 +265,7 @@ class Front:
                               error="busy", retry_after=BODY_RETRY_AFTER)
 
     async def _splice_framed(
-        self, client: trio.SocketStream, head: bytes, framing: RequestFraming
+        self, client: trio.SocketStream, head: bytes, framing: RequestFraming, answers: AnswerFraming
     ) -> tuple[FramingRefused | None, bool]:
         """Splice until either side ends; returns the front's own refusal, if any, and whether the splice ended
         because the backend had answered all it would (so the client is due a lingering close)."""
@@ -281,11 +283,9 @@ class Front:
         moved_at = trio.current_time()  # the last time a byte went either way
         relayed = False  # whether any byte of hypercorn's went to the client
         owed = False  # a whole request went to hypercorn and no byte of its answer has come back yet
-        answers = AnswerFraming()  # where hypercorn's answers end
         client_done = False  # the client shut its sending side: once nothing is owed, the connection is over
         try:
             try:
-                answers.passed(framing.passed_methods())
                 await backend.send_all(first)
                 owed = bool(first) and framing.between_requests
             except _GONE as exc:  # a connect the kernel took for one hypercorn never accepts (ENOTCONN)
@@ -335,7 +335,6 @@ class Front:
                                 log.info("a request the front refuses: %d %s", exc.status, exc.detail)
                                 refusal = exc
                                 break
-                            answers.passed(framing.passed_methods())
                             try:
                                 if data:
                                     await backend.send_all(data)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -205,7 +206,8 @@ class BodyBudget:
 class RequestFraming:
     """The client side of one spliced connection: heads and ``Content-Length`` bodies, in order."""
 
-    def __init__(self, *, head_seconds: float, max_head: int, budget: BodyBudget | None = None) -> None:
+    def __init__(self, *, head_seconds: float, max_head: int, budget: BodyBudget | None = None,
+                 on_passed: Callable[[bytes], None] | None = None) -> None:
         self._head_seconds = head_seconds
         self._max_head = max_head
         self._budget = budget
@@ -216,7 +218,7 @@ class RequestFraming:
         self._body_arrived = 0
         self._passthrough = False
         self._last = False  # the request under way (or the one that came) ends the connection
-        self._passed: list[bytes] = []  # the methods of the heads passed on since :meth:`passed_methods` last asked
+        self._on_passed = on_passed  # told each head's method as it is passed on (where its answer ends depends on it)
         #: when the request under way must have arrived (``math.inf``: none is under way)
         self.due = math.inf
 
@@ -236,12 +238,6 @@ class RequestFraming:
         """Whether every request that came so far is whole, head and body (none is under way): what is owed next is
         the backend's answer."""
         return not self._passthrough and not self._head and not self._body_left
-
-    def passed_methods(self) -> list[bytes]:
-        """The methods of the request heads :meth:`feed` passed on since the last call, in order (where each answer
-        ends depends on its request's method: a HEAD's has no body)."""
-        passed, self._passed = self._passed, []
-        return passed
 
     def switched(self) -> None:
         """The backend answered 101: what follows is another protocol, passed through as it is."""
@@ -299,7 +295,8 @@ class RequestFraming:
             head = parse_head(bytes(self._head[:end]))
             length = self._body_length(head)
             forward += self._forwarded_head(head)
-            self._passed.append(head.method)
+            if self._on_passed is not None:
+                self._on_passed(head.method)
             self._last = head.ends_connection
             self._head.clear()
             self._body_left = length  # also what is still to come if the budget refuses it

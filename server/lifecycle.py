@@ -93,12 +93,11 @@ class SessionLifecycle:
         self._apply(record, Event.DRAIN)
         return True
 
-    def settle(self, record: SessionRecord, error: str | None, *, say_last_word: bool = False,
-               worker_told: bool = False) -> None:
+    def settle(self, record: SessionRecord, error: str | None, *, worker_told: bool = False) -> None:
         """End a live session: its outcome from the table, by its drain cause (FAIL when ``error``).
 
-        ``say_last_word``: the server tells the room how the session ended, unless ``worker_told``: the worker
-        says it told the room itself (a transport that sees the room checks that; one that cannot takes its word).
+        The server tells the room how the session ended, unless ``worker_told``: the worker says it told the room
+        itself (a transport that sees the room checks that; one that cannot takes its word).
         """
         if record.is_terminal:
             return
@@ -107,7 +106,7 @@ class SessionLifecycle:
         event = settle_event(record.drain_cause, failed=error is not None)
         if event is Event.FAIL and error is None:
             error = record.drain_detail or (record.drain_cause.value if record.drain_cause else "failed")
-        self._apply(record, event, error=error, say_last_word=say_last_word, worker_told=worker_told)
+        self._apply(record, event, error=error, say_last_word=True, worker_told=worker_told)
 
 
 def _last_word(record: SessionRecord) -> bytes:

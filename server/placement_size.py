@@ -8,10 +8,7 @@ placement that does not parse here is left to it, to say why in its own words.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from pipelines.paths import read_at_most
-from pipelines.placement_limits import MAX_PLACEMENT_BYTES, ranks_problem
+from pipelines.placement_limits import MAX_PLACEMENT_BYTES, placement_text, ranks_problem
 
 __all__ = ["placement_size_problem"]
 
@@ -21,15 +18,10 @@ def placement_size_problem(placement: str) -> str | None:
     or None (including when it cannot be read or parsed: the pipeline then says why)."""
     from . import json_limits
 
-    text = placement.strip()
-    if not text.startswith("{"):
-        try:
-            raw = read_at_most(Path(text).expanduser(), MAX_PLACEMENT_BYTES)
-        except OSError:
-            return None
-        if raw is None:
-            return None
-        text = raw.decode("utf-8", errors="replace")
+    try:
+        text, _ = placement_text(placement)
+    except (OSError, ValueError):
+        return None
     try:  # one value a byte at most: the client limit of 20,000 values would leave a 500-device list unread
         data = json_limits.loads(text, max_values=MAX_PLACEMENT_BYTES)
     except json_limits.JsonRefused:

@@ -425,7 +425,7 @@ class StreamRuntime:
         """A runner is done: settle its record, release the slot, admit the queue head."""
         record = runner.record
         now = trio.current_time()
-        self.lifecycle.settle(record, error, say_last_word=True, worker_told=runner.told_room)
+        self.lifecycle.settle(record, error, worker_told=runner.told_room)
         self.room_follow.stop(record)
         self.runners.pop(record.session_id, None)
         self.uploads.discard(record)

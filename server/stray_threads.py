@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.supervised_child import descendants
+from engine.supervised_child import descendants, process_gone
 
 from .console import tell
 
@@ -66,11 +66,10 @@ def _programs_left(known: set[int]) -> dict[int, str]:
             continue
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (OSError, IndexError):  # ended meanwhile
+        except OSError:  # ended meanwhile
             continue
-        if state not in ("Z", "X") and b"multiprocessing.resource_tracker" not in command:
+        if not process_gone(pid) and b"multiprocessing.resource_tracker" not in command:
             left[pid] = name
     return left
 
@@ -91,14 +90,7 @@ def _end_programs(prefix: str, left: dict[int, str]) -> None:
 
 def _still(left: dict[int, str]) -> dict[int, str]:
     """Those of ``left`` still running (not ended, not a zombie)."""
-    running = {}
-    for pid, name in left.items():
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                running[pid] = name
-        except (OSError, IndexError):
-            pass
-    return running
+    return {pid: name for pid, name in left.items() if not process_gone(pid)}
 
 
 def _end_processes(prefix: str, children: list[Any], grace: float) -> None:

@@ -62,8 +62,7 @@ import torch
 from engine import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageSpec
 
 from ..json_objects import RepeatedKey, refuse_repeated_keys
-from ..paths import read_at_most
-from ..placement_limits import MAX_PLACEMENT_BYTES, stage_ranks_problem, total_ranks_problem
+from ..placement_limits import placement_text, stage_ranks_problem, total_ranks_problem
 
 __all__ = [
     "DTYPES",
@@ -285,20 +284,7 @@ def load_placement(source: Placement | Mapping[str, Any] | str | Path) -> Placem
         return Placement.from_dict(source)
     if not isinstance(source, str | Path):
         raise ValueError(f"placement must be a Placement, a dict, JSON text or a file path, got {source!r}")
-    text = str(source).strip()
-    if text.startswith("{"):
-        where = "inline placement JSON"
-    else:
-        path = Path(text).expanduser()
-        if not path.exists():
-            raise ValueError(f"placement file {text!r} does not exist")
-        if not path.is_file():  # a directory, a pipe, a device: reading one may never end
-            raise ValueError(f"placement file {text!r} is not a regular file")
-        where = f"placement file {text!r}"
-        raw = read_at_most(path, MAX_PLACEMENT_BYTES)
-        if raw is None:
-            raise ValueError(f"{where} is larger than {MAX_PLACEMENT_BYTES >> 10} KiB")
-        text = raw.decode("utf-8", errors="replace")
+    text, where = placement_text(str(source))
     try:
         data = json.loads(text, object_pairs_hook=refuse_repeated_keys)
     except json.JSONDecodeError as exc:

@@ -77,6 +77,12 @@ def _ends_session(payload: object) -> bool:
     return isinstance(payload, dict) and payload.get("type") in ("done", "error")
 
 
+def _say_last_word(room: Room, last_word: bytes) -> None:
+    """The server's last word to the room, unless its worker said one there."""
+    if not room.worker_said_last:
+        room.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
+
+
 class WorkerConnection:
     """The room runner's side of a local room (implements the RoomConnection port)."""
 
@@ -244,8 +250,8 @@ class LocalRooms:
             server_says = last_word is not None and not told_here
             if told_here:
                 found.last_word_due = last_word  # said as the worker leaves, unless it did say it here
-            if server_says and not found.worker_said_last:
-                found.broadcast_text(data_message(STATUS_TOPIC, last_word, SERVER_STATUS_IDENTITY))
+            if server_says:
+                _say_last_word(found, last_word)
             if found.worker is None or server_says:
                 found.send_clients_away()
 
@@ -293,8 +299,8 @@ class LocalRooms:
             room.worker = None
             room.last_frame = None
             self._moved(room)
-            if room.closed and room.last_word_due is not None and not room.worker_said_last:
-                room.broadcast_text(data_message(STATUS_TOPIC, room.last_word_due, SERVER_STATUS_IDENTITY))
+            if room.closed and room.last_word_due is not None:
+                _say_last_word(room, room.last_word_due)
             room.last_word_due = None
             room.broadcast_text(json.dumps({"type": "participant_left", "identity": connection.identity}))
             if room.closed:
