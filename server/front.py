@@ -95,6 +95,9 @@ its bandwidth-delay product there (each connection may then hold twice that in t
 _GONE: Final = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 #: seconds a request still arriving when the front closes has to be told ``shutting_down`` (the shutdown waits them)
 STOPPING_ANSWER_SECONDS: Final = 1.0
+#: seconds a kept-alive connection hypercorn closed as the server stops waits for a request the client may have sent
+#: before it could see the close (a round trip), to answer it ``shutting_down`` rather than drop it
+LATE_REQUEST_SECONDS: Final = 1.0
 
 _REFUSALS: Final = {
     400: b"400 Bad Request",
@@ -136,7 +139,9 @@ class Front:
         self._too_many = FramingRefused(
             503, f"the server has {max_connections} connections open, the most it serves at once; retry in "
             f"{BODY_RETRY_AFTER} s", error="too_many_connections", retry_after=BODY_RETRY_AFTER)
-        self.stopping = False  # hypercorn stops: a request that finds it gone is told the server is shutting down
+        #: hypercorn stops: a request begun from now on is told the server is shutting down, none is passed on
+        self.stopping = False
+        self._shutting_down = FramingRefused(503, "the server is shutting down", error="shutting_down")
         self._unreachable_lines = LogPace(log)  # as often as clients connect: paced
         self._connection_bugs = LogPace(log)  # as often as clients can meet the bug: paced
 
@@ -243,23 +248,33 @@ class Front:
                 with trio.CancelScope(shield=True) as telling:
                     telling.deadline = trio.current_time() + STOPPING_ANSWER_SECONDS
                     framing.release()
-                    await self._refuse(client, 503, FramingRefused(503, "the server is shutting down",
-                                                                   error="shutting_down"),
-                                       linger=framing.body_left or LINGER_BYTES)
+                    await self._refuse(client, 503, self._shutting_down, linger=framing.body_left or LINGER_BYTES)
             raise
         finally:
             framing.release()  # a body cut short gives its share of the budget back (before any lingering)
         unread = framing.body_left or LINGER_BYTES  # what may still be on its way: its body's rest, or unknown
         if refusal is not None:
             await self._refuse(client, refusal.status, refusal, linger=unread)
+        elif answered and self.stopping and framing.between_requests and not framing.finished:
+            await self._answer_a_late_request(client)
         elif answered:  # the backend answered and closed (a 413 with the body unread, Connection: close, ...)
             await self._linger(client, unread)
+
+    async def _answer_a_late_request(self, client: trio.SocketStream) -> None:
+        """hypercorn closed a kept-alive connection as the server stops, after its last answer and without saying so
+        (no ``Connection: close``): a request the client sent before it could know is answered ``shutting_down``
+        (it was read and dropped, unanswered)."""
+        data = b""
+        with trio.move_on_after(LATE_REQUEST_SECONDS):
+            data = await client.receive_some(READ_SIZE)
+        if data:
+            await self._refuse(client, 503, self._shutting_down)
 
     def _unreachable(self, error: BaseException) -> FramingRefused:
         """The answer to a request that could not be handed to hypercorn (``error``): 503, the server stopping or
         too busy to take it now."""
         if self.stopping:
-            return FramingRefused(503, "the server is shutting down", error="shutting_down")
+            return self._shutting_down
         self._unreachable_lines.warning("a request could not be handed to the HTTP server (%s): 503", error)
         return FramingRefused(503, f"the server could not take the request now; retry in {BODY_RETRY_AFTER} s",
                               error="busy", retry_after=BODY_RETRY_AFTER)
@@ -284,6 +299,7 @@ class Front:
         relayed = False  # whether any byte of hypercorn's went to the client
         owed = False  # a whole request went to hypercorn and no byte of its answer has come back yet
         client_done = False  # the client shut its sending side: once nothing is owed, the connection is over
+        begun_after_stop = False  # the client began a request after the stop: it is told so once nothing else is owed
         try:
             try:
                 await backend.send_all(first)
@@ -305,7 +321,7 @@ class Front:
                     nursery.cancel_scope.cancel()
 
                 async def to_backend() -> None:
-                    nonlocal moved_at, refusal, owed, client_done
+                    nonlocal moved_at, refusal, owed, client_done, begun_after_stop
                     try:
                         while not framing.finished:  # past the last request, what the client sends waits for the close
                             with trio.move_on_at(framing.due) as late:  # the request under way, if any
@@ -329,6 +345,14 @@ class Front:
                                     break
                                 return
                             moved_at = trio.current_time()
+                            if self.stopping and framing.between_requests:
+                                # a request begun after the stop is not passed on: hypercorn takes no more (it
+                                # closes each kept-alive connection after its answer, and dropped what came
+                                # meanwhile). The answers owed go out first, then this one
+                                refusal, begun_after_stop = self._shutting_down, True
+                                if answers.settled:
+                                    break
+                                return
                             try:
                                 data = framing.feed(data, moved_at)
                             except FramingRefused as exc:
@@ -368,8 +392,8 @@ class Front:
                             if deadline.cancelled_caught:
                                 log.info("a client did not read its response for %g s: closed", self._deadlines.write)
                                 break
-                            if client_done and answers.settled:
-                                break  # the client is done sending and has every answer: nothing is owed
+                            if (client_done or begun_after_stop) and answers.settled:
+                                break  # the client is done sending (or told of the stop next) and has every answer
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(until_idle)

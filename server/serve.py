@@ -53,6 +53,7 @@ __all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "exit_watchdog", "run
 log = logging.getLogger("chunkline.serve")
 
 FRONT_GRACE = 5.0  # seconds open HTTP connections get to finish once the sessions are drained
+KEEP_ALIVE_MARGIN = 5.0  # seconds hypercorn keeps an idle connection past the longest the front may
 #: seconds from the signal to the exit: the drain (two grace periods), the connections' grace, a margin
 SHUTDOWN_BOUND = 2 * SHUTDOWN_GRACE + FRONT_GRACE + 10.0
 BACKEND_SOCKET = "http.sock"  # hypercorn's socket, in the server's "front" folder
@@ -170,7 +171,12 @@ async def _serve(
     hypercorn_log.setLevel(logging.WARNING)
     config.errorlog = hypercorn_log
     config.graceful_timeout = FRONT_GRACE  # sessions are drained before hypercorn is told to stop
-    config.read_timeout = 30  # a request body that stops arriving is dropped (the front bounds the head)
+    # the front keeps a client's connection open while it is idle (Deadlines.idle), passes a head on once it is whole
+    # (Deadlines.head of its first byte) and bounds a body's pace: hypercorn, hearing nothing meanwhile, must not
+    # close the connection first (its 5 s keep-alive closed one whose next head was begun in time and finished after,
+    # unanswered), whether waiting for a head (keep_alive_timeout) or in a read (read_timeout)
+    front_deadlines = deadlines or Deadlines()
+    config.keep_alive_timeout = config.read_timeout = front_deadlines.idle + front_deadlines.head + KEEP_ALIVE_MARGIN
     # the front writes each head again with "\r\n" endings and ": " after each name, so one within MAX_HEAD
     # may reach hypercorn up to 5/3 as long (a bare "a:\n" line becomes "a: \r\n"): h11 must take that whole
     config.h11_max_incomplete_size = 2 * MAX_HEAD
@@ -181,7 +187,8 @@ async def _serve(
     cap = connection_cap(MAX_CONNECTIONS, open_files)
     config.backlog = cap  # hypercorn's listen queue holds a connect from each connection the front serves at once
     front = Front(
-        rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + ENVELOPE_BYTES, deadlines=deadlines,
+        rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + ENVELOPE_BYTES,
+        deadlines=front_deadlines,
         body_budget=budget, send_buffer=settings.socket_send_buffer, max_connections=cap,
     )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
@@ -232,9 +239,9 @@ async def _serve(
             await runtime.drain_for_stop()
             # no new connection once hypercorn stops: each was accepted and then dropped unanswered (refused now)
             accepting.cancel()
+            front.stopping = True  # before a client can see the listener closed: requests from now on are told so
             for listener in listeners:
                 await listener.aclose()
-            front.stopping = True
             hypercorn_stop.set()
             with trio.move_on_after(FRONT_GRACE):
                 while front.connections:

@@ -10,6 +10,9 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.testing
+
+from server.front import Front
 
 from .test_hostile_server import FAST, WAIT, closed_by_server, json_answer, running
 
@@ -207,3 +210,52 @@ async def test_a_one_shot_client_that_closes_after_its_answer_frees_its_place_at
         got = answers(await closed_by_server(stream))
         await stream.aclose()
         assert [status for status, _ in got] == [200], got
+
+
+async def test_a_request_begun_after_the_stop_behind_one_still_answered_is_told_so_after_that_answer(
+    tmp_path: Path,
+) -> None:
+    """The server stops while a kept-alive connection's request is still being answered, and the client sends its
+    next one: that answer goes out whole, then a 503 ``shutting_down`` for the next, which never reaches the HTTP
+    server (a stand-in for hypercorn here, on the front's Unix socket; hypercorn closed such a connection after its
+    answer, unannounced, and dropped the request)."""
+    path = str(tmp_path / "backend.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX)
+    await listener.bind(path)
+    listener.listen()
+    release = trio.Event()
+    backend_got = bytearray()
+
+    async def backend() -> None:
+        connection, _ = await listener.accept()
+        with connection:
+            while b"\r\n\r\n" not in backend_got:
+                backend_got.extend(await connection.recv(65536))
+            await release.wait()
+            await connection.send(b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\nok")
+            with trio.move_on_after(WAIT):
+                while data := await connection.recv(65536):
+                    backend_got.extend(data)
+
+    front = Front(None, path, max_message_bytes=1024, deadlines=FAST)
+    client, server_side = trio.testing.memory_stream_pair()
+    with listener:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(backend)
+            nursery.start_soon(front.handle, server_side)
+            await client.send_all(HEALTH_11)
+            with trio.fail_after(WAIT):
+                while b"\r\n\r\n" not in backend_got:
+                    await trio.sleep(0.01)  # bench-cost: the front's backend is a real Unix socket
+            front.stopping = True
+            await client.send_all(HEALTH_11)
+            release.set()
+            received = bytearray()
+            with trio.fail_after(WAIT):
+                while data := await client.receive_some(65536):
+                    received += data
+            nursery.cancel_scope.cancel()
+    got = answers(bytes(received))
+    assert [status for status, _ in got] == [200, 503], got
+    assert json.loads(got[1][1])["error"] == "shutting_down", got
+    assert backend_got.count(b"GET ") == 1, backend_got
