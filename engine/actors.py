@@ -31,7 +31,7 @@ from .actor_protocol import (
     STAGE_ACTOR_METHODS, ActorHealth, ActorState, Completion, SessionContext, StageActor, StageInvocation, TaskKey,
 )
 from .call_watch import CallWatch
-from .errors import ActorBusyError, ActorFailedError, FatalStageError, StageCallTimeout, seconds
+from .errors import ActorBusyError, ActorFailedError, FatalStageError, StageCallTimeout, error_text, seconds
 from .threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, WaitQueue
 
 __all__ = [  # the protocol's names too: the engine and its users import them from here
@@ -336,7 +336,7 @@ class LocalStageActor:
         try:
             return self._handler(invocation)
         except FatalStageError as exc:
-            self._refusal = f"{type(exc).__name__}: {exc}"
+            self._refusal = error_text(exc)
             raise
         finally:
             if watch is not None:
@@ -353,7 +353,7 @@ class LocalStageActor:
         # keeps that error; every other session then fails through the listeners
         on_done(invocation, result)
         if isinstance(result, outcome.Error) and isinstance(result.error, FatalStageError):
-            self.fail(f"{type(result.error).__name__}: {result.error}", cause=result.error)
+            self.fail(error_text(result.error), cause=result.error)
 
     async def _call(self, fn: Callable[..., Any], is_async: bool, *args: Any) -> outcome.Outcome:
         if is_async:
@@ -419,9 +419,20 @@ class LocalStageActor:
             self._mark_done()
             done.set()
 
-        self._thread.submit(self._closer, (context, reason), deliver)  # close_session checked the actor takes work
+        self._thread.submit(self._watched_hook, (context, reason), deliver)  # close_session checked it takes work
         await done.wait()
         box[0].unwrap()
+
+    def _watched_hook(self, context: SessionContext, reason: CloseReason) -> Any:
+        """Runs the synchronous session hook on the thread, timed as a call is (``call_timeout``)."""
+        watch = self._call_watch
+        if watch is not None:
+            watch.started(context)
+        try:
+            return self._closer(context, reason)  # type: ignore[misc]
+        finally:
+            if watch is not None:
+                watch.ended()
 
     async def _close_session(self, message: _CloseSession) -> None:
         if self._machine.state is ActorState.FAILED:
@@ -429,9 +440,16 @@ class LocalStageActor:
                 ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
             )
         else:
-            message.result = await self._call(
-                self._closer, self._closer_is_async, message.context, message.reason
-            )
+            watch = self._call_watch  # the hook runs in the actor's task, ahead of the calls queued behind it
+            if watch is not None:
+                watch.started(message.context)
+            try:
+                message.result = await self._call(
+                    self._closer, self._closer_is_async, message.context, message.reason
+                )
+            finally:
+                if watch is not None:
+                    watch.ended()
         message.done.set()
 
     async def barrier(self) -> None:

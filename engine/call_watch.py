@@ -7,6 +7,9 @@ has run that long: its sessions fail at once naming the call, and its owner can 
 not wait for that call: a synchronous one keeps its (daemon) thread until it returns, if it ever does; an ``async``
 one is cancelled.
 
+A session hook (``session_closer``) runs where the calls run, behind and ahead of them: it is watched the same
+way (a hook that never returned held every session of its actor, its calls queued behind it, with no error).
+
 The call is noted by whoever runs it (the actor's one thread, or its task) as one tuple assignment, so the watching
 task in trio reads a consistent picture without a lock; it looks every ``call_timeout / 8`` (at most each second) and
 fails the actor once it has seen the same call running for the whole deadline: never early, at most one look late.
@@ -22,7 +25,7 @@ import trio
 from .errors import StageCallTimeout
 
 if TYPE_CHECKING:
-    from .actors import StageInvocation
+    from .actor_protocol import SessionContext, StageInvocation
 
 __all__ = ["CallWatch"]
 
@@ -31,20 +34,21 @@ LOOK_PERIOD_MAX = 1.0
 
 
 class CallWatch:
-    """The running call of one actor (``running``: its number, invocation and the runner's token, or None) and its
-    deadline."""
+    """The running call of one actor (``running``: its number, invocation or hooked session and the runner's token, or
+    None) and its deadline."""
 
     __slots__ = ("call_timeout", "running", "_calls")
 
     def __init__(self, call_timeout: float) -> None:
         self.call_timeout = call_timeout
-        self.running: tuple[int, StageInvocation, Any] | None = None
+        self.running: tuple[int, StageInvocation | SessionContext, Any] | None = None
         self._calls = 0  # calls started: tells a new call from one still running (only the running side counts)
 
-    def started(self, invocation: StageInvocation, token: Any = None) -> None:
-        """On the side that runs calls, as one starts; ``token`` is handed back with an overrun."""
+    def started(self, call: StageInvocation | SessionContext, token: Any = None) -> None:
+        """On the side that runs calls, as one (an invocation, or a session's hook) starts; ``token`` is handed back
+        with an overrun."""
         self._calls += 1
-        self.running = (self._calls, invocation, token)
+        self.running = (self._calls, call, token)
 
     def ended(self) -> None:
         """On the side that runs calls, as one returns or raises."""
@@ -62,15 +66,18 @@ class CallWatch:
             if running is None:
                 seen = None
                 continue
-            number, invocation, token = running
+            number, call, token = running
             now = trio.current_time()
             if number != seen:  # a call not seen before: its time counts from here (it may have begun a look ago)
                 seen, seen_at = number, now
                 continue
             if now - seen_at >= timeout:
-                key = invocation.key
-                overran(StageCallTimeout(
-                    f"its call for session {key.session_id!r}, sequence {key.sequence_id} ran past its call_timeout "
-                    f"of {timeout:g} s"
-                ), token)
+                overran(StageCallTimeout(f"{_named(call)} ran past its call_timeout of {timeout:g} s"), token)
                 return
+
+
+def _named(call: StageInvocation | SessionContext) -> str:
+    key = getattr(call, "key", None)
+    if key is None:  # a session's hook
+        return f"its session_closer for session {call.session_id!r}"
+    return f"its call for session {key.session_id!r}, sequence {key.sequence_id}"

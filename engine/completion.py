@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import InvalidStageOutput, shown
+from .errors import InvalidStageOutput, error_text, shown
 from .graph import StageGraph
 from .runtime import SessionRuntime
 from .spec import StageSpec
@@ -36,7 +36,7 @@ def read_result(stage: StageSpec, seq: int, artifacts: Any) -> dict[str, Any] | 
         # a careless handler's keys need not be strings, nor comparable with each other, nor printable
         got = "[" + ", ".join(sorted(map(shown, plain))) + "]"
     except Exception as exc:
-        error = _invalid(stage, seq, f"a {type(artifacts).__name__} that could not be read ({type(exc).__name__}: {exc})")
+        error = _invalid(stage, seq, f"a {type(artifacts).__name__} that could not be read ({error_text(exc)})")
         error.__cause__ = exc
         return error
     return _invalid(stage, seq, got)

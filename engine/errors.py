@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import trio
 
@@ -22,6 +23,9 @@ __all__ = [
     "FatalStageError",
     "StageCallTimeout",
     "WrongThreadError",
+    "error_text",
+    "integer",
+    "message_of",
     "seconds",
     "shown",
 ]
@@ -29,8 +33,8 @@ __all__ = [
 SHOWN_LIMIT = 80  # characters of a caller's value that an error message quotes
 
 
-def shown(value: object) -> str:
-    """``repr(value)`` for an error message, cut to ``SHOWN_LIMIT`` characters.
+def shown(value: object, limit: int | None = SHOWN_LIMIT) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters (None: whole).
 
     A careless caller's value may be anything: an int too long for ``repr`` (Python
     refuses more than 4300 digits), a huge container, an object whose ``repr`` raises.
@@ -42,7 +46,36 @@ def shown(value: object) -> str:
         text = repr(value)
     except Exception:
         return f"<a {type(value).__name__} whose repr failed>"
-    return text if len(text) <= SHOWN_LIMIT else text[: SHOWN_LIMIT - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
+def message_of(error: BaseException) -> str:
+    """``str(error)`` for a message that names another error (a stage's, a hook's), made even where that raises (an
+    error's arguments' own ``repr`` may: a tensor on a device that failed), so that the error meant is still raised,
+    not the one its message met."""
+    try:
+        return str(error)
+    except Exception:
+        return f"<its message could not be made: {type(error).__name__}.__str__ failed>"
+
+
+def error_text(error: BaseException) -> str:
+    """``"Type: message"`` naming another error (:func:`message_of`)."""
+    return f"{type(error).__name__}: {message_of(error)}"
+
+
+def integer(name: str, value: object, *, minimum: int) -> int:
+    """``value`` as a plain int (numpy's integers and an IntEnum are ints too), or a ValueError naming ``name``: an
+    integer (a bool is not one) of at least ``minimum``."""
+    number = None
+    if not isinstance(value, (bool, float)):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {shown(value)}")
+    return number
 
 
 def seconds(name: str, value: object, *, zero_ok: bool = False, finite: bool = False) -> float:

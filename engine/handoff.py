@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import outcome
 
+from .home_thread import HomeThread
 from .threads import WaitQueue
 
 if TYPE_CHECKING:
@@ -31,17 +32,24 @@ Leftovers = tuple[set[WaitQueue], list["SessionRuntime"], int]
 
 
 class CoreCompletion:
-    """The completion callback the core gives actors: call it in trio, or ``from_thread`` on a stage's thread."""
+    """The completion callback the core gives actors: call it in trio, or ``from_thread`` on a stage's thread.
 
-    __slots__ = ("_core", "from_thread")
+    Called from any other thread (an actor of one's own that completes from a thread it started), it raises
+    :class:`~engine.errors.WrongThreadError` and changes nothing: the core's trio side is not thread-safe, and such a
+    call had corrupted a wait queue and ended the run in a ``TrioInternalError``.
+    """
+
+    __slots__ = ("_core", "_home", "from_thread")
 
     def __init__(self, core: SchedulerCore) -> None:
         self._core = core
+        self._home = HomeThread()  # made in the trio run, with the core
         # ``from_thread(invocation, value)`` -> what trio must then run, or None: the core's own
         # method, bound once (it runs for every call a stage's thread completes)
         self.from_thread: Callable[[StageInvocation, Any], Callable[[], None] | None] = core.complete_from_thread
 
     def __call__(self, invocation: StageInvocation, result: outcome.Outcome) -> None:
+        self._home.check("a stage actor's completion callback", "on_done")
         self._core.complete(invocation, result)
 
 

@@ -14,7 +14,7 @@ import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .errors import IngressRefused, SessionStateError, shown
+from .errors import IngressRefused, SessionStateError, error_text, shown
 from .graph import StageGraph
 from .runtime import SessionRuntime
 
@@ -27,7 +27,7 @@ __all__ = [
 
 def refused_input(rt: SessionRuntime) -> SessionStateError:
     """Why a stopped session takes no input; a failed one names its failure (a stage's error) as the cause."""
-    why = f": {type(rt.error).__name__}: {rt.error}" if rt.error is not None else ""
+    why = f": {error_text(rt.error)}" if rt.error is not None else ""
     error = SessionStateError(f"session {rt.session_id!r} is {rt.state.value} and accepts no input{why}")
     error.__cause__ = rt.error
     return error

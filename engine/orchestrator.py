@@ -59,7 +59,9 @@ async def open_orchestrator(
     """
     check_actor_map(spec, actors)
     seconds("close_timeout", close_timeout, zero_ok=True)  # before anything starts: a bad one would hang the exit
-    body_error: Exception | None = None  # the body's, a start's or a close's error, re-raised unwrapped
+    # the body's, a start's or a close's error, re-raised unwrapped (a Ctrl-C or sys.exit() in the body too: inside
+    # the nursery it came out in a group, past ``except KeyboardInterrupt``, and sys.exit(3) exited 1)
+    body_error: BaseException | None = None
     async with trio.open_nursery() as host:
         # The actors run shielded from whatever cancels the body (an app's shutdown): the sessions' ordered
         # shutdown below still runs every stage's hook through its live actor; then the actors are closed,
@@ -78,7 +80,7 @@ async def open_orchestrator(
             else:
                 try:
                     yield orch
-                except Exception as exc:  # re-raised below, outside the nursery, unwrapped
+                except (Exception, KeyboardInterrupt, SystemExit) as exc:  # re-raised below, outside the nursery
                     body_error = exc
         finally:
             try:
@@ -287,6 +289,6 @@ class Orchestrator:
         if errors:
             raise OrchestratorCloseError(
                 f"failed to close {len(errors)} streaming stage actor(s) or session(s): "
-                + "; ".join(repr(error) for error in errors[:MAX_CLOSE_ERRORS_TOLD])
+                + "; ".join(shown(error, limit=None) for error in errors[:MAX_CLOSE_ERRORS_TOLD])
                 + ("; ..." if len(errors) > MAX_CLOSE_ERRORS_TOLD else "")
             ) from errors[0]

@@ -24,6 +24,7 @@ from .actors import (
     SessionContext,
     StageInvocation,
 )
+from .errors import integer
 from .workers import WorkerGroupFailed
 
 __all__ = ["InProcessWorkerGroup", "ParallelWorkerStageActor"]
@@ -45,8 +46,7 @@ class InProcessWorkerGroup:
         device_ids: tuple[str, ...] = (),
         gather: frozenset[str] = frozenset(),
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        world_size = integer("world_size", world_size, minimum=1)
         self.world_size = world_size
         self.device_ids = tuple(device_ids)
         self._ranks = [rank_factory(rank) for rank in range(world_size)]

@@ -23,7 +23,7 @@ from states.stage_actor import State as ActorState
 
 from .actors import SessionContext
 from .core import SchedulerCore
-from .errors import SessionCleanupError, seconds
+from .errors import SessionCleanupError, message_of, seconds, shown
 from .runtime import SessionRuntime
 
 __all__ = ["SessionShutdown"]
@@ -158,7 +158,7 @@ class SessionShutdown:
                 rt.phases.append((f"release:{stage_id}", "ok"))
             else:
                 self._core.count_cleanup_failure()
-                rt.phases.append((f"release:{stage_id}", f"failed: {error!r}"))
+                rt.phases.append((f"release:{stage_id}", f"failed: {shown(error, limit=None)}"))
                 first_error = first_error or error
         if first_error is not None:
             self._poison(rt, first_error, None)
@@ -179,7 +179,7 @@ class SessionShutdown:
     def _poison(self, rt: SessionRuntime, error: BaseException, phase: str | None) -> None:
         if phase is not None:
             self._core.count_cleanup_failure()
-            rt.phases.append((phase, f"failed: {error!r}"))
+            rt.phases.append((phase, f"failed: {shown(error, limit=None)}"))
         rt.cleanup_error = error
         if rt.machine.can(Event.CLEANUP_FAILED):
             self._core.advance(rt, Event.CLEANUP_FAILED)
@@ -190,4 +190,4 @@ class SessionShutdown:
 def _last_failure(rt: SessionRuntime) -> str:
     """The phase that failed last and how (``release:decode failed: RuntimeError('...')``), naming the stage."""
     failed = [f"{phase} {outcome}" for phase, outcome in rt.phases if outcome.startswith("failed")]
-    return failed[-1] if failed else str(rt.cleanup_error)
+    return failed[-1] if failed else message_of(rt.cleanup_error) if rt.cleanup_error is not None else "None"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from .errors import EngineError
+from .errors import EngineError, integer
 
 __all__ = ["SlotPool", "SlotPoolFullError", "SlotReleaseError"]
 
@@ -31,8 +31,7 @@ class SlotPool:
     def __init__(self, capacity: int, name: str = "Session cache") -> None:
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"SlotPool name must be a non-empty string, got {name!r}")
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(f"{name} pool capacity must be an int >= 1, got {capacity!r}")
+        capacity = integer(f"{name} pool capacity", capacity, minimum=1)
         self._capacity = capacity
         self._name = name
         self._lock = threading.Lock()
@@ -85,9 +84,13 @@ class SlotPool:
 
     def release(self, slot: int) -> None:
         """Return ``slot``; it becomes the next one handed out."""
-        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self._capacity:
+        try:
+            slot = integer("slot", slot, minimum=0)
+        except ValueError as exc:
+            raise SlotReleaseError(f"{self._name} pool: {exc}") from None
+        if slot >= self._capacity:
             raise SlotReleaseError(
-                f"{self._name} pool: slot {slot!r} is outside capacity (valid 0..{self._capacity - 1})"
+                f"{self._name} pool: slot {slot} is outside capacity (valid 0..{self._capacity - 1})"
             )
         with self._lock:
             if slot not in self._in_use:

@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from states.child_process import LIVE, Event, State
 
 from .child_monitor import ChildExit, ChildMonitor, ChildSpec
-from .errors import EngineError
+from .errors import EngineError, message_of, shown
 
 __all__ = [
     "ChildExit",
@@ -227,7 +227,7 @@ class Supervisor:
         if spawn_error is not None and spawn_error[0] in wanted:
             index, exc = spawn_error
             failure = StartupFailed(
-                f"{self.name}: could not start child {index}: {exc!r}", problem=StartupProblem.SPAWN_FAILED, index=index,
+                f"{self.name}: could not start child {index}: {shown(exc, limit=None)}", problem=StartupProblem.SPAWN_FAILED, index=index,
             )
             failure.__cause__ = exc
             return failure
@@ -235,7 +235,7 @@ class Supervisor:
             index, exc = refusal
             slot = self._slots[index]
             failure = StartupFailed(
-                f"{self.name}: child {index} (pid {slot.pid}) refused to start: {exc}",
+                f"{self.name}: child {index} (pid {slot.pid}) refused to start: {message_of(exc)}",
                 problem=StartupProblem.REFUSED, index=index, pid=slot.pid,
             )
             failure.__cause__ = exc

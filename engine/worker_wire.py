@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from .errors import EngineError, FatalStageError
+from .errors import EngineError, FatalStageError, error_text, message_of
 from .tensor_channel_refs import WorkerTensorRef
 
 __all__ = [
@@ -148,7 +148,7 @@ class _NamingUnpickler(pickle.Unpickler):
         try:
             found = super().find_class(module, name)
         except Exception as exc:
-            raise UnloadableValue(f"{module}.{name} cannot be imported: {type(exc).__name__}: {exc}") from exc
+            raise UnloadableValue(f"{module}.{name} cannot be imported: {error_text(exc)}") from exc
         self.last = f"{module}.{name}"
         if found is resource_sharer.DupFd and self.counted is not None:
             return self.counted
@@ -166,7 +166,7 @@ def load_value(data: bytes, fetched: set[int] | None = None) -> Any:
         raise
     except Exception as exc:
         after = f" (the last name it loaded: {unpickler.last})" if unpickler.last else ""
-        raise UnloadableValue(f"loading it raised {type(exc).__name__}: {exc}{after}") from exc
+        raise UnloadableValue(f"loading it raised {error_text(exc)}{after}") from exc
 
 
 def release_shared(shared: bytes, fetched: frozenset[int] | set[int] = frozenset()) -> int:
@@ -193,10 +193,7 @@ class RemoteError:
 def remote_error(exc: BaseException) -> RemoteError:
     """Describe ``exc`` for the parent; call it inside the ``except`` block (for the traceback)."""
     kind = type(exc)
-    try:
-        message = str(exc)
-    except Exception as unprintable:  # a careless exception's __str__: the call fails, not the rank
-        message = f"<the {kind.__name__}'s str() raised {type(unprintable).__name__}>"
+    message = message_of(exc)  # a careless exception's __str__ may raise: the call fails, not the rank
     return RemoteError(f"{kind.__module__}.{kind.__qualname__}", message, traceback.format_exc(),
                        isinstance(exc, FatalStageError))
 

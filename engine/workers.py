@@ -38,7 +38,7 @@ from typing import Any
 from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachine, on_rank_exit
 
 from .deferred_result import DeferredResult, PendingCall, release_values
-from .errors import seconds
+from .errors import error_text, integer, seconds
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 from .worker_child import child_main
 from .worker_errors import (
@@ -89,8 +89,7 @@ class ProcessWorkerGroup:
         name: str = "workers",
         parent_death_signal: bool = True,
     ) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        world_size = integer("world_size", world_size, minimum=1)
         if call_timeout is not None:
             call_timeout = seconds("call_timeout", call_timeout, finite=True)
         close_timeout = seconds("close_timeout", close_timeout, zero_ok=True, finite=True)
@@ -238,7 +237,7 @@ class ProcessWorkerGroup:
         try:
             message = pickle.loads(data)
         except Exception as exc:  # ranks send only the wire's messages: anything else fails the group, naming it
-            self._fail(f"rank {rank} sent a message that does not load ({type(exc).__name__}: {exc})")
+            self._fail(f"rank {rank} sent a message that does not load ({error_text(exc)})")
             return
         match message:
             case Fetched(call_id=call_id, rank=fetched_by):
@@ -325,7 +324,7 @@ class ProcessWorkerGroup:
                 payloads = [ForkingPickler.dumps(Call(call.call_id, method, *arguments)) for arguments in dumped]
             except Exception as exc:
                 raise TypeError(f"{self.name}: the arguments of {method}() cannot be sent to the ranks: "
-                                f"{type(exc).__name__}: {exc}") from exc
+                                f"{error_text(exc)}") from exc
             with self._lock:
                 self._check_takes_calls()
                 self._pending[call.call_id] = call

@@ -8,6 +8,7 @@ stuck call keeps its thread until it returns.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from engine import ActorFailedError, LocalStageActor, StageCallTimeout, open_orchestrator
+from engine import ActorFailedError, LocalStageActor, SessionCleanupError, StageCallTimeout, open_orchestrator
 from engine.call_watch import LOOK_PERIOD_MAX
 
 from .actor_helpers import SPEC, join_thread, render
@@ -139,3 +140,64 @@ async def test_a_call_inside_its_call_timeout_leaves_the_actor_running(mock_cloc
 def test_a_bad_call_timeout_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match="call_timeout must be a finite number of seconds > 0"):
         LocalStageActor(render, call_timeout=bad)
+
+
+@pytest.mark.timeout(60)  # a close that waited for the stuck hook would wait for good (the clock is not moved)
+@pytest.mark.parametrize("closer_kind", ["sync", "async"])
+async def test_a_session_hook_past_the_call_timeout_fails_the_actor_not_every_session_silently(closer_kind, mock_clock):
+    """A ``session_closer`` runs where the calls run, ahead of those queued behind it: one that never returned (a
+    deadlocked library freeing a session's cache) held every other session of its actor, outputs silent and no
+    error, whatever the ``call_timeout``. It is timed as a call is: the actor fails and the others fail naming it."""
+    started, release_thread, release_task = threading.Event(), threading.Event(), trio.Event()
+
+    def sync_closer(context, reason) -> None:
+        if context.session_id == "a":
+            started.set()
+            release_thread.wait()
+
+    async def async_closer(context, reason) -> None:
+        if context.session_id == "a":
+            started.set()
+            await release_task.wait()
+
+    def release() -> None:
+        release_thread.set()
+        release_task.set()
+
+    async def render_async(invocation):
+        return render(invocation)
+
+    # an async closer runs in the actor's task, which an async handler has; a sync one on the actor's thread
+    dynamics = LocalStageActor(
+        (lambda invocation: {"latent": invocation.inputs["control"]}) if closer_kind == "sync" else render_dynamics,
+        name="dynamics", call_timeout=DEADLINE, session_closer=sync_closer if closer_kind == "sync" else async_closer,
+    )
+    try:
+        async with open_orchestrator(SPEC, {"dynamics": dynamics, "render": LocalStageActor(render_async)}) as orch:
+            a, b = orch.create_session("a"), orch.create_session("b")
+            async with trio.open_nursery() as nursery:
+                await a.push(0, {"control": 0})
+                await a.wait_until_idle()
+                nursery.start_soon(_closed_anyhow, a)
+                await trio.to_thread.run_sync(started.wait)
+                await b.push(0, {"control": 0})  # queued behind the hook
+                await _pass_time(mock_clock, lambda: b.error is not None)
+                assert isinstance(b.error, ActorFailedError), b.error
+                assert isinstance(b.error.__cause__, StageCallTimeout)
+                assert "its session_closer for session 'a' ran past its call_timeout of 30 s" in str(b.error.__cause__)
+                assert not dynamics.health().healthy
+                release()
+    finally:
+        release()
+    if closer_kind == "sync":
+        await join_thread(dynamics)
+
+
+async def render_dynamics(invocation):
+    return {"latent": invocation.inputs["control"]}
+
+
+async def _closed_anyhow(session) -> None:
+    """Close ``session``, whose hook hangs: its close fails once the actor has (it is poisoned, as a failed one is)."""
+    with contextlib.suppress(SessionCleanupError):
+        await session.aclose(timeout=4 * DEADLINE)

@@ -209,6 +209,9 @@ async def test_parallel_actor_session_closer_runs_on_its_thread(nursery: trio.Nu
         assert closed == [("s1", CloseReason.SHUTDOWN, actor.thread_ident)]
 
 
-def test_worker_group_rejects_world_size_below_one() -> None:
-    with pytest.raises(ValueError, match="world_size"):
-        InProcessWorkerGroup(lambda rank: object(), world_size=0)
+@pytest.mark.parametrize("world_size", [0, -1, True, 2.0, "2", None])
+def test_worker_group_refuses_a_world_size_that_is_not_a_whole_number_of_ranks(world_size) -> None:
+    """As the process groups do: ``True`` was taken for one rank, and ``"2"`` or ``2.0`` failed with Python's own
+    TypeError, naming no parameter."""
+    with pytest.raises(ValueError, match="^world_size must be an int >= 1, got "):
+        InProcessWorkerGroup(lambda rank: object(), world_size=world_size)
