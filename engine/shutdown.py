@@ -112,7 +112,7 @@ class SessionShutdown:
             if not rt.machine.can(Event.DRAIN_TIMED_OUT):  # a cancel (or a failure) cut the drain short
                 rt.phases.append(("drain", f"cut short: {rt.state.value}"))
             elif settled:
-                rt.phases.append(("drain", "ok"))
+                rt.phases.append(("drain", _drained(rt)))
             elif self._core.stop(rt, Event.DRAIN_TIMED_OUT):
                 rt.phases.append(("drain", "timed out; cancelling"))
         if not await self._wait_settled(rt, deadline):
@@ -185,6 +185,21 @@ class SessionShutdown:
             self._core.advance(rt, Event.CLEANUP_FAILED)
         rt.settled.set()
         rt.wake()
+
+
+#: the sequences a drain names that never ran (how many there were is told in full)
+NEVER_RAN_NAMED = 5
+
+
+def _drained(rt: SessionRuntime) -> str:
+    """A drain that ended with nothing left to run: ``ok``, and which accepted sequences never ran (an input they
+    need never came: a sequence pushed past a gap, one artifact of two), which the drain drops (it said ``ok`` alone,
+    and they were gone without a word)."""
+    never_ran = sorted({seq for seq, _ in rt.slots})
+    if not never_ran:
+        return "ok"
+    named = ", ".join(map(str, never_ran[:NEVER_RAN_NAMED])) + (", ..." if len(never_ran) > NEVER_RAN_NAMED else "")
+    return f"ok; {len(never_ran)} accepted sequence(s) never ran, an input they need never came: {named}"
 
 
 def _last_failure(rt: SessionRuntime) -> str:

@@ -11,11 +11,13 @@ from engine import (
     InvalidStageOutput,
     OrchestratorClosedError,
     SessionCleanupError,
+    LocalStageActor,
     SessionExistsError,
     open_orchestrator,
 )
 from states.pipeline_session import CloseReason, State
 
+from .actor_helpers import SPEC, render
 from .conftest import STAGES, canonical_spec, chunk, running, settle, value
 
 REVERSE = ("decode", "denoise", "encode")
@@ -294,3 +296,23 @@ async def test_drain_deadline_cancels_then_poisons_while_the_call_still_runs(orc
     assert s.poll_outputs() == []  # the late result was discarded
     assert [stage for stage, _ in rec.closes_of("a")] == list(REVERSE)
     assert orch.diagnostics().stale_epoch_results == 0
+
+
+async def test_a_drain_names_the_accepted_sequences_that_could_never_run() -> None:
+    """Sequence 1 pushed, 0 never: a strict stage takes them in order, so the drain ends with nothing it can run. It
+    said ``ok`` and dropped sequence 1 without a word; it says which never ran."""
+    actors = {"dynamics": LocalStageActor(lambda inv: {"latent": inv.inputs["control"]}),
+              "render": LocalStageActor(render)}
+    with trio.fail_after(10):
+        async with open_orchestrator(SPEC, actors) as orch:
+            session = orch.create_session("gap")
+            await session.push(1, {"control": 1})
+            await session.aclose()
+            assert session.status is State.CLOSED
+            assert ("drain", "ok; 1 accepted sequence(s) never ran, an input they need never came: 1") in (
+                session.shutdown_phases)
+            done = orch.create_session("whole", final_sequence_id=0)
+            await done.push(0, {"control": 0})
+            assert [seq async for seq, _ in done.outputs()] == [0]
+            await done.aclose()
+            assert ("drain", "ok") in done.shutdown_phases
