@@ -63,21 +63,15 @@ def test_release_of_a_never_acquired_slot_is_refused():
     assert pool.acquire() == 1  # the refused release changed nothing
 
 
-@pytest.mark.parametrize("slot", [3, 100])
-def test_release_outside_capacity_names_the_pool(slot):
+@pytest.mark.parametrize(("slot", "refusal"), [
+    (3, "slot 3 is outside capacity"), (100, "slot 100 is outside capacity"),
+    # a bool, a float or a string is no slot index (it was called one outside capacity, whatever its value)
+    *((bad, "slot must be an int >= 0, got ") for bad in (-1, True, "0", 1.0, None)),
+])
+def test_a_refused_release_names_the_pool_and_why(slot, refusal):
     pool = SlotPool(3, name="KV")
     pool.acquire()
-    with pytest.raises(SlotReleaseError, match=f"KV pool: slot {slot} is outside capacity"):
-        pool.release(slot)
-    assert pool.in_use == 1
-
-
-@pytest.mark.parametrize("slot", [-1, True, "0", 1.0, None])
-def test_release_of_what_is_not_a_slot_index_says_so(slot):
-    """A bool, a float or a string is no slot index (it was called one outside capacity, whatever its value)."""
-    pool = SlotPool(3, name="KV")
-    pool.acquire()
-    with pytest.raises(SlotReleaseError, match=r"KV pool: slot must be an int >= 0, got "):
+    with pytest.raises(SlotReleaseError, match=f"KV pool: {refusal}"):
         pool.release(slot)
     assert pool.in_use == 1
 

@@ -170,16 +170,22 @@ def answer_length(received: bytes) -> int:
     return len(head) + 4 + int(length.group(1))
 
 
+async def kept_alive(served: Served) -> trio.SocketStream:
+    """A connection to the ready server whose first request was answered 200 and which is kept open."""
+    await ready(served)
+    kept = await connect(served.url)
+    await kept.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = await read_answer(kept)
+    assert first.startswith(b"HTTP/1.1 200 "), first
+    return kept
+
+
 async def test_a_request_on_a_kept_alive_connection_after_the_stop_is_answered_not_dropped(short_tmp: Path) -> None:
     """Once SIGTERM's drain is over the server takes no new connection, and hypercorn closed each kept-alive one
     without a word: a request a client sent on one then was read and dropped, unanswered. It is answered 503
     ``shutting_down``, with ``Connection: close``."""
     async with stream_serve(short_tmp) as served:
-        await ready(served)
-        kept = await connect(served.url)
-        await kept.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
-        first = await read_answer(kept)
-        assert first.startswith(b"HTTP/1.1 200 "), first
+        kept = await kept_alive(served)
         served.process.send_signal(signal.SIGTERM)
         with trio.fail_after(EXIT_DEADLINE):
             while await ask(served.url) is not None:  # answered until the drain is over, then refused
@@ -201,11 +207,7 @@ async def test_a_kept_alive_connections_next_head_may_arrive_after_hypercorns_ke
     its first byte and ``Deadlines.idle`` of the last byte moved. hypercorn, behind it, closed a connection it had
     heard nothing on for 5 s, so a next head begun before then and finished after was never answered."""
     async with stream_serve(short_tmp) as served:
-        await ready(served)
-        kept = await connect(served.url)
-        await kept.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
-        first = await read_answer(kept)
-        assert first.startswith(b"HTTP/1.1 200 "), first
+        kept = await kept_alive(served)
         await kept.send_all(b"GET /v1/stream/health HTTP/1.1\r\n")
         await trio.sleep(6.0)  # bench-cost: past hypercorn's 5 s keep-alive timeout, in real time (a real process)
         await kept.send_all(b"Host: x\r\nConnection: close\r\n\r\n")
