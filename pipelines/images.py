@@ -34,6 +34,7 @@ __all__ = [
     "check_decodes",
     "check_image_file",
     "load_image",
+    "load_image_sized",
 ]
 
 MAX_IMAGE_SIDE: Final = 8192
@@ -153,13 +154,20 @@ def check_image_file(path: str | Path, **limits: int) -> ImageInfo:
 def load_image(path: str | Path, max_size: tuple[int, int]) -> np.ndarray:
     """An image file as ``H x W x 3`` uint8, no larger than ``max_size`` (height, width); ``ValueError``
     (naming the file by its name only) when it is missing, refused by its header or unreadable."""
+    return load_image_sized(path, max_size)[0]
+
+
+def load_image_sized(path: str | Path, max_size: tuple[int, int]) -> tuple[np.ndarray, ImageInfo]:
+    """:func:`load_image`, with the format and size of the file itself (its header's): the pixels may be scaled
+    down, and a check of the image's size names the size of the file the user gave, not the scaled one (a 1000 x 1
+    image was said to be 320 x 1)."""
     file = Path(path)
     if not file.exists():
         raise ValueError(f"image {file.name!r} does not exist")
     try:
-        check_image_file(file)
+        info = check_image_file(file)  # refused by its header before the whole file is read
         with os.fdopen(open_regular_file(file), "rb") as opened:
-            return _first_frame(opened, max_size)
+            return _first_frame(opened, max_size), info
     except ImageRefused as exc:
         raise ValueError(f"image {file.name!r}: {exc.detail}") from exc
     except OSError as exc:  # swapped since it was named: a pipe, a link, gone

@@ -132,18 +132,31 @@ def load_pipeline_module(path: str | Path) -> ModuleType:
             raise PipelineExited.of(path, exc, "while being imported") from None
         if not isinstance(exc, Exception):
             raise
-        raise _import_failed(path, target, exc) from exc
+        raise _import_failed(path, target, exc, imported_as=(name, top)) from exc
     return module
 
 
-def _import_failed(path: str | Path, target: Path, exc: Exception) -> PipelineFailedToLoad:
+def _import_failed(path: str | Path, target: Path, exc: Exception,
+                   imported_as: tuple[str, Path] | None = None) -> PipelineFailedToLoad:
     """The pipeline's import raised ``exc``: where (its own line that raised it), and for a module it could not
     import, whether that is a file beside it (importable only as part of a package). An ``ImportError`` may be the
-    environment's (a package not installed): the rest are the pipeline's bugs."""
+    environment's (a package not installed): the rest are the pipeline's bugs. ``imported_as``: the module name a
+    pipeline outside any installed package was imported under (``chunkline_pipeline_<n>``) and its file or package
+    folder: an error naming it names the user's package instead (``No module named 'pkg.missing'``, not
+    ``'chunkline_pipeline_3259....missing'``), and a relative import of a module that is not there says which file
+    it looked for."""
     told = f"importing pipeline file {str(path)!r} failed: {error_line(exc)}{where(exc, target.parent)}"
+    internal, top = imported_as if imported_as is not None else ("", target)
+    if internal:
+        told = re.sub(rf"\b{re.escape(internal)}\b", top.stem, told)
     if not isinstance(exc, ImportError):
         return PipelineBug(told)
-    missing = (getattr(exc, "name", None) or "").partition(".")[0]
+    name = getattr(exc, "name", None) or ""
+    if internal and isinstance(exc, ModuleNotFoundError) and name.startswith(f"{internal}."):
+        relative = name[len(internal) + 1:].replace(".", "/")  # a relative import inside the pipeline's package
+        return PipelineFailedToLoad(f"{told}; a relative import in package {str(top)!r} names {relative}.py (or a "
+                                    f"package folder {relative}/) in it, and there is none")
+    missing = name.partition(".")[0]
     beside = [name for name in (f"{missing}.py", f"{missing}/__init__.py") if missing and (target.parent / name).is_file()]
     if beside:
         told += (f"; {beside[0].partition('/')[0]} beside it is not on the import path: chunkline imports the "

@@ -13,12 +13,12 @@ takes no ``gpu_num``; :func:`server.run_command.load_failure`): a pipeline bug, 
 ended the run with that code, 0 read as a success. Every flag is checked before the pipeline loads
 (:mod:`server.run_inputs`): ``--out`` is made then (a folder it made is taken back when the run fails), and a
 ``video.mp4``/``metrics.json`` already in it are replaced only by a run that succeeds. The first Ctrl-C (SIGINT),
-SIGTERM or SIGHUP (its terminal closed) stops the run in order: the pipeline closes its session and stages, no
-output is left, and the exit code is 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP); a stage that hangs can make that
-stop last as long as the pipeline's close deadline, so a second Ctrl-C or SIGTERM aborts at once (no output is
-left; the exit code is the first signal's, 130 after Ctrl-C) without waiting for the pipeline
-(:mod:`server.run_signals`). A stop signal before that, from the command's first line on (while it imports what it
-needs), ends it the same way, with no traceback (:mod:`server.early_signals`).
+SIGTERM, SIGHUP (its terminal closed) or SIGQUIT (Ctrl-\\) stops the run in order: the pipeline closes its session
+and stages, no output is left, and the exit code is 130 (SIGINT), 143 (SIGTERM), 129 (SIGHUP) or 131 (SIGQUIT); a
+stage that hangs can make that stop last as long as the pipeline's close deadline, so a second Ctrl-C or SIGTERM
+aborts at once (no output is left; the exit code is the first signal's, 130 after Ctrl-C) without waiting for the
+pipeline (:mod:`server.run_signals`). A stop signal before that, from the command's first line on (while it
+imports what it needs), ends it the same way, in the same line, with no traceback (:mod:`server.early_signals`).
 
 ``--placement`` (both commands; ``CHUNKLINE_PLACEMENT`` for stream-serve) names a JSON placement file, or
 is inline JSON starting with ``{``: where each stage runs (format: :mod:`pipelines.toy_world.placement`).
@@ -98,8 +98,13 @@ def _cmd_stream_serve(args: Any) -> int:
     return result if isinstance(result, int) else 0
 
 
+#: the command's arguments, once parsed: what a stop signal before the command handles them tells with
+_parsed: list[Any] = []
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    _parsed.append(args)
     if args.command == "stream-serve":
         return _cmd_stream_serve(args)
     if args.command == "worker":
@@ -115,16 +120,18 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``chunkline`` command. From its first line a stop signal ends it in one line with ``128 + signal``
-    (130, 143, 129 for SIGHUP), never a traceback, until a command handles them itself; once the command has
-    returned, one changes nothing. As the process's own
+    (130, 143, 129 for SIGHUP; 131 for SIGQUIT, a stop signal of ``chunkline run`` only), never a traceback, until a
+    command handles them itself; once the command has returned, one changes nothing. As the process's own
     command (``argv`` None) its end waits for no thread the pipeline left running (:mod:`server.stray_threads`)."""
+    if _command_word(argv) == "run":  # it stops on SIGQUIT too (Ctrl-\: its default dumped core, leaving its files)
+        early_signals.stop_also(*early_signals.RUN_STOP_SIGNALS)
     early_signals.install()
     ending = False  # the command returned as the process's own: its end keeps noting the stop signals
     try:
         code = _main(argv)
         ending = argv is None
     except early_signals.StopSignalled as stopped:
-        tell(f"chunkline: {early_signals.describe(stopped.signal_number)}")  # a closed terminal: the code says it
+        tell(_stopped_line(stopped.signal_number, argv))  # a closed terminal: the code says it
         return 128 + stopped.signal_number
     finally:
         if not ending:
@@ -138,6 +145,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .stray_threads import end_despite_stray_threads  # a pipeline's threads left running hold no exit
 
     return end_despite_stray_threads(_prefix(), code)
+
+
+def _stopped_line(number: int, argv: Sequence[str] | None) -> str:
+    """What a stop signal before the command handled them says: under ``chunkline run`` the line its run says
+    (``chunkline run: interrupted; no output was written``: in its first half second, as it imported what it runs, it
+    said ``chunkline: interrupted``, naming nothing it stopped), else ``chunkline: interrupted``."""
+    args = _parsed[-1] if _parsed else None
+    if (args.command if args is not None else _command_word(argv)) != "run":
+        return f"chunkline: {early_signals.describe(number)}"
+    # the stop signals are ignored from the first one on (early_signals): nothing breaks this import off, even where
+    # the signal came as it was imported
+    from .run_command import PREFIX, stopped_line
+
+    return f"{PREFIX}: {stopped_line(number, None if args is None else args.out)}"
+
+
+def _command_word(argv: Sequence[str] | None) -> str | None:
+    """The command the words name before they are parsed (their first that is no flag): ``run``..."""
+    return next((word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")), None)
 
 
 def _prefix() -> str:

@@ -77,8 +77,9 @@ def build_parser() -> Parser:
         help="run a pipeline offline: write video.mp4 and metrics.json",
         description="Run one session of a pipeline offline and write OUT/video.mp4 and OUT/metrics.json.",
         epilog=(
-            "Ctrl-C (or SIGTERM) stops the run in order, and so does SIGHUP (its terminal closed): the pipeline closes "
-            "its session, no output is left, exit code 130 (143 for SIGTERM, 129 for SIGHUP). That can wait for a "
+            "Ctrl-C (or SIGTERM) stops the run in order, and so do SIGHUP (its terminal closed) and SIGQUIT "
+            "(Ctrl-\\): the pipeline closes its session, no output is left, exit code 130 (143 for SIGTERM, 129 "
+            "for SIGHUP, 131 for SIGQUIT). That can wait for a "
             "hung stage up to the pipeline's close deadline; a second Ctrl-C (or SIGTERM) aborts at once, also "
             "leaving no output."
         ),

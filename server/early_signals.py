@@ -11,7 +11,9 @@ noting handler back as it closes (``chunkline worker``): a signal after the run,
 process on its way out, is noted and changes nothing (Python's default action ended the process by itself).
 
 SIGHUP ignored when the process started (``nohup chunkline ...``) stays ignored, here and in the commands
-(:func:`stop_signals`).
+(:func:`stop_signals`). ``chunkline run`` stops on SIGQUIT (Ctrl-\\) as well, from its first line
+(:data:`RUN_STOP_SIGNALS`, :func:`stop_also`): its default action ended the run at once with a core dump, leaving
+its temporary files and its stages' shared memory behind.
 
 hypercorn's worker process (``hypercorn server:app``) runs none of the ``chunkline`` command: there the package's
 first line calls :func:`starting_hypercorn_worker`. While hypercorn's worker imports and builds the app (a second
@@ -36,15 +38,20 @@ import sys
 from types import FrameType
 from typing import Any, NoReturn
 
-__all__ = ["STOP_SIGNALS", "StopSignalled", "defer", "describe", "hand_over", "hypercorn_app_built",
+__all__ = ["RUN_STOP_SIGNALS", "STOP_SIGNALS", "StopSignalled", "defer", "describe", "hand_over", "hypercorn_app_built",
            "hypercorn_worker_serves", "install", "let_go", "replaced", "replay", "starting_hypercorn_worker",
-           "stop_signals"]
+           "stop_also", "stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: what ``chunkline run`` stops on besides :data:`STOP_SIGNALS`: SIGQUIT (Ctrl-\), whose default action dumped core
+#: and left the run's temporary files and shared memory; the server's commands keep its default
+RUN_STOP_SIGNALS = (signal.SIGQUIT,)
 #: hypercorn's worker functions' modules: they call ``load_application`` in its worker process
 HYPERCORN_WORKERS = ("hypercorn.trio.run", "hypercorn.asyncio.run")
 
 _previous: dict[int, Any] = {}
+#: the command's stop signals besides :data:`STOP_SIGNALS` (:func:`stop_also`)
+_also: list[int] = []
 _noted: list[int] = []
 #: while hypercorn's worker starts (:func:`starting_hypercorn_worker`): each stop signal's exit status
 _start_statuses: dict[int, int] = {}
@@ -60,14 +67,23 @@ class StopSignalled(BaseException):
 
 
 def stop_signals() -> tuple[int, ...]:
-    """The signals that stop a command: SIGINT, SIGTERM, and SIGHUP unless it is ignored (``nohup``)."""
-    return tuple(number for number in STOP_SIGNALS
+    """The signals that stop a command: SIGINT, SIGTERM, and SIGHUP unless it is ignored (``nohup``), and those it
+    stops on as well (:func:`stop_also`: SIGQUIT for ``chunkline run``)."""
+    return tuple(number for number in (*STOP_SIGNALS, *_also)
                  if number != signal.SIGHUP or signal.getsignal(number) is not signal.SIG_IGN)
 
 
+def stop_also(*numbers: int) -> None:
+    """This command stops on ``numbers`` too (``chunkline run``: :data:`RUN_STOP_SIGNALS`), from :func:`install` on
+    and in every handler of the stop signals (:func:`stop_signals`), until :func:`hand_over`."""
+    _also.extend(number for number in numbers if number not in (*STOP_SIGNALS, *_also))
+
+
 def describe(number: int) -> str:
-    """How a command says it was stopped: ``interrupted``, ``terminated (SIGTERM)``, ``hung up (SIGHUP)``."""
-    return {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}.get(number, "interrupted")
+    """How a command says it was stopped: ``interrupted``, ``terminated (SIGTERM)``, ``hung up (SIGHUP)``,
+    ``quit (SIGQUIT)``."""
+    return {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)",
+            signal.SIGQUIT: "quit (SIGQUIT)"}.get(number, "interrupted")
 
 
 def _raise(number: int, _frame: Any) -> None:
@@ -104,7 +120,7 @@ _OURS = (_raise, _note, _end_start)
 
 
 def _ignore_ours() -> None:
-    for each in STOP_SIGNALS:
+    for each in (*STOP_SIGNALS, *_also):
         if signal.getsignal(each) in _OURS:
             signal.signal(each, signal.SIG_IGN)
 
@@ -140,11 +156,13 @@ def replay() -> None:
 
 
 def hand_over() -> None:
-    """Put back the handlers :func:`install` replaced, where they are still this module's."""
+    """Put back the handlers :func:`install` replaced, where they are still this module's, and forget the signals of
+    :func:`stop_also`."""
     for number, previous in list(_previous.items()):
         if signal.getsignal(number) in _OURS:
             signal.signal(number, previous)
         del _previous[number]
+    _also.clear()
 
 
 def _loading_frame(frame: FrameType | None) -> FrameType | None:

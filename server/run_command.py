@@ -18,13 +18,14 @@ from pipelines.error_text import error_line, one_line
 
 from . import early_signals
 from .console import is_broken_pipe, tell
-from .early_signals import StopSignalled, describe
+from .early_signals import StopSignalled, describe, stop_signals
 from .run_inputs import BadInput, shown
 
 if TYPE_CHECKING:
     from pipelines.offline import RunDeadlines
 
-__all__ = ["CLOSE_TIMEOUT", "PipelineDidNotLoad", "ProgressBar", "load_failure", "run_command", "run_deadlines"]
+__all__ = ["CLOSE_TIMEOUT", "PipelineDidNotLoad", "ProgressBar", "load_failure", "run_command", "run_deadlines",
+           "stopped_line"]
 
 PREFIX = "chunkline run"
 #: seconds a run's close (``close_session``, a stream's ``aclose``) may take before it is cut: the run is done by
@@ -163,6 +164,41 @@ def _nothing_written(out: str) -> str:
     return f"no output was written (the earlier {' and '.join(earlier)} in {out} are an earlier run's, unchanged)"
 
 
+#: the stop signal whose stop has ended and been said (``interrupted; no output was written``): a second signal on
+#: the command's way out (it waits up to 3 s for threads its pipeline left running) ends it at once, saying nothing
+_stop_told: list[int] = []
+
+
+def _tell_stopped(number: int, out: str) -> int:
+    """Say that a stop signal stopped the run, and mark it said (:data:`_stop_told`); the exit code. A stop signal
+    while it is said is noted, and comes once it is marked (a second one ends the command then, after the line and
+    without a line of its own: it said `aborted by a second signal` of a stop that had ended). The handlers are
+    swapped, not the signals blocked: any thread of the process may take a signal, and the main one runs its
+    handler."""
+    noted: list[int] = []
+    previous = {each: signal.signal(each, lambda noting, _frame: noted.append(noting)) for each in stop_signals()}
+    try:
+        say(stopped_line(number, out))
+        _stop_told.append(number)
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
+    for each in noted:
+        signal.raise_signal(each)
+    return 128 + number
+
+
+def stopped_line(number: int, out: str | None) -> str:
+    """What a run a stop signal ended says (after ``chunkline run: ``): ``interrupted; no output was written``, the
+    same line from the command's first line on (``out``: ``--out`` as given, None before it was read): one in its
+    first half second, as it imported what it runs, said only ``chunkline: interrupted``."""
+    try:
+        folder = str(Path(out).absolute()) if out else ""
+    except OSError:  # the working directory is gone
+        folder = out or ""
+    return f"{describe(number)}; {_nothing_written(folder)}"
+
+
 class _PipelineExitedDuringRun(Exception):
     """The pipeline called ``sys.exit()`` during the run (a pipeline bug: exit code 1)."""
 
@@ -226,6 +262,8 @@ def _run(args: argparse.Namespace) -> int:
     except BaseException:
         out.remove_made()
         raise
+    finally:
+        out.release()  # its outputs are in place, or none will be: another run may have the folder
 
 
 def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any) -> int:
@@ -273,19 +311,22 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
 
     nothing_written = _nothing_written(str(out.path))  # made now: the handler below may not do file system work
 
-    def end_at_once(code: int, line: str) -> NoReturn:  # in a signal handler or a watchdog: no buffered I/O
+    def end_at_once(code: int, line: str | None) -> NoReturn:  # in a signal handler or a watchdog: no buffered I/O
         end_descendants_now()  # its stage processes, and the shared memory they made
         unlink_every_owned_segment()  # os._exit runs no finalizer: the stages' shared memory went nowhere
         remove_partial_files(out.path)
         out.remove_made()
-        said = f"{PREFIX}: {one_line(line)}\n".encode()
-        try:
-            os.write(2, b"\n" + said if bar.drawn else said)
-        except OSError:
-            pass
+        if line is not None:
+            said = f"{PREFIX}: {one_line(line)}\n".encode()
+            try:
+                os.write(2, b"\n" + said if bar.drawn else said)
+            except OSError:
+                pass
         os._exit(code)
 
     def abort(first: int) -> NoReturn:  # in a signal handler: no waiting
+        if _stop_told:  # the stop had ended and said so: nothing is aborted, the command only ends now, its status
+            end_at_once(128 + first, None)  # the first signal's (it said `aborted by a second signal` as well)
         end_at_once(128 + first, f"aborted by a second signal; {nothing_written}")
 
     def blocked(line: str) -> NoReturn:  # in the watchdog's thread: trio's, the main one, is held by the pipeline
@@ -353,11 +394,9 @@ def run_command(args: argparse.Namespace) -> int:
             say(f"the run failed: pipeline bug: {error_line(exc)} raised by the pipeline, though no Ctrl-C or other "
                 f"stop signal came")
             return 1
-        say(f"interrupted; {_nothing_written(out)}")
-        return 130
+        return _tell_stopped(signal.SIGINT, out)
     except (StopSignalled, StoppedBySignal) as stopped:
-        say(f"{describe(stopped.signal_number)}; {_nothing_written(out)}")
-        return 128 + stopped.signal_number
+        return _tell_stopped(stopped.signal_number, out)
     except Exception as exc:
         say(f"the run failed: {error_line(exc)}")
         return 1

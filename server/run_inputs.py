@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import re
 import secrets
 import stat
 from collections.abc import Sequence
@@ -196,11 +198,19 @@ def placement_option(pipeline: Path, placement: str) -> str:
 
 class OutDir:
     """``--out``, made before the pipeline loads (so that it cannot fail after the run); :meth:`remove_made` takes
-    back the folders it made, if they are still empty (a failed or stopped run leaves nothing)."""
+    back the folders it made, if they are still empty (a failed or stopped run leaves nothing). The run holds the
+    folder (:func:`_claim`) until :meth:`release`, or until its process ends."""
 
-    def __init__(self, path: Path, made: list[Path]) -> None:
+    def __init__(self, path: Path, made: list[Path], claim: int | None = None) -> None:
         self.path = path
         self._made = made
+        self._claim = claim
+
+    def release(self) -> None:
+        """Let another run have the folder (its outputs are written, or none will be)."""
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            os.close(claim)
 
     def remove_made(self) -> None:
         """Safe in a signal handler: ``rmdir`` calls only."""
@@ -212,6 +222,38 @@ class OutDir:
         self._made = []
 
 
+#: file systems the kernel makes itself (``/proc``, ``/sys``...): a folder there takes no file of a run's
+KERNEL_FILE_SYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
+                                 "pstore", "bpf", "efivarfs", "fusectl", "binfmt_misc", "devpts"})
+
+
+def _unescaped(mount_point: str) -> str:
+    """A mount point as ``/proc/self/mountinfo`` writes it (a space is ``\\040``), as the path it is."""
+    return re.sub(r"\\([0-7]{3})", lambda octal: chr(int(octal.group(1), 8)), mount_point)
+
+
+def kernel_file_system(path: Path) -> tuple[str, str] | None:
+    """The file system of the kernel's own that ``path`` (or, where it does not exist, the folder it would be made in)
+    is on, and its mount point: ``("proc", "/proc")``; None on any other, or where the mounts cannot be read."""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
+            lines = mounts.read().splitlines()
+    except (OSError, ValueError):
+        return None
+    found: tuple[str, str] | None = None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        point = _unescaped(fields[4])
+        kind = fields[fields.index("-", 6) + 1]
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            if found is None or len(point) >= len(found[1]):  # the innermost mount (a later one over it wins)
+                found = (kind, point)
+    return found if found is not None and found[0] in KERNEL_FILE_SYSTEMS else None
+
+
 def _cannot_make(text: str, exc: OSError) -> BadInput:
     why = {
         errno.ENOTDIR: "a part of its path is a file, not a directory",
@@ -220,6 +262,28 @@ def _cannot_make(text: str, exc: OSError) -> BadInput:
         errno.EEXIST: "a part of its path is a symbolic link to nothing",
     }.get(exc.errno or 0, exc.strerror or str(exc))
     return BadInput(f"--out {shown(text)} cannot be made: {why}")
+
+
+def _claim(path: Path, text: str) -> int | None:
+    """Hold ``--out`` for this run: an exclusive ``flock`` on the folder itself (no file is left in it, and the kernel
+    lets go of it when the process ends, however it ends); the descriptor that holds it, or None where the file
+    system takes no lock. A folder another run holds is refused: two runs writing one folder at once renamed their
+    files into place one by one, and could leave one run's ``video.mp4`` beside the other's ``metrics.json``."""
+    try:
+        held = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None  # looked at already: what keeps it from being written is said as the run writes
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(held)
+        raise BadInput(f"--out {shown(text)} is the output folder of another chunkline run, still running: two runs "
+                       f"into one folder could leave one's video.mp4 beside the other's metrics.json; give this run a "
+                       f"folder of its own, or wait for that one to end") from None
+    except OSError:  # a file system without locks (some network ones): the run goes on without the claim
+        os.close(held)
+        return None
+    return held
 
 
 def _write_problem(folder: Path) -> str | None:
@@ -245,6 +309,11 @@ def prepare_out(text: str) -> OutDir:
         path = Path(text).absolute()
     except OSError as exc:  # the working directory was removed
         raise BadInput(f"--out {shown(text)} cannot be made: the working directory is gone ({exc.strerror})") from None
+    if (kernel := kernel_file_system(path)) is not None:  # before anything is made there (a cgroup, by a mkdir)
+        kind, mount_point = kernel
+        raise BadInput(f"--out {shown(text)} cannot be an output folder: it is on the kernel's {kind} file system "
+                       f"({mount_point}), whose files the kernel makes itself, and no file of the run can be written "
+                       f"there; give a folder on a disk")  # it said `no file can be written in it: No such file ...`
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -262,7 +331,7 @@ def prepare_out(text: str) -> OutDir:
 
         if (problem := output_problem(path) or _write_problem(path)) is not None:  # said before the run, not after it
             raise BadInput(f"--out {shown(text)}: {problem}")
-        return OutDir(path, [])
+        return OutDir(path, [], _claim(path, text))
     missing = [path]
     while not os.path.lexists(missing[-1].parent) and missing[-1].parent != missing[-1]:
         missing.append(missing[-1].parent)
@@ -279,5 +348,7 @@ def prepare_out(text: str) -> OutDir:
             OutDir(path, made).remove_made()
             raise _cannot_make(text, exc) from None
         made.append(folder)
-    return OutDir(path, made)
+    # held at once: a run that finds the folder made by this one is refused (it is not taken back: another run that
+    # came first may hold it, and it is that run's)
+    return OutDir(path, made, _claim(path, text))
 

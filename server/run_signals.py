@@ -1,10 +1,13 @@
-"""How ``chunkline run`` answers SIGINT, SIGTERM and SIGHUP: the first starts an orderly stop, a second aborts.
+"""How ``chunkline run`` answers SIGINT, SIGTERM, SIGHUP and SIGQUIT: the first starts an orderly stop, a second
+aborts.
 
 The orderly stop cancels the run, so the pipeline closes its session and its stages as it would on any
 error, and its temporary files go; that can take as long as the pipeline's own close deadline when a stage
 hangs (an orchestrator waits up to its ``close_timeout`` for a stage's call). SIGHUP (the terminal was closed) is
 a stop signal too: its default action ended the run at once, leaving its temporary file and the stages' shared
-memory behind (ignored when the process started, as under ``nohup``, it stays ignored). A second signal during
+memory behind (ignored when the process started, as under ``nohup``, it stays ignored); so is SIGQUIT (Ctrl-\\),
+whose default action did the same with a core dump (:data:`server.early_signals.RUN_STOP_SIGNALS`: the command
+takes it from its first line). A second signal during
 that stop does not wait for anything: the caller's ``abort`` removes what the run left and
 ends the process at once. The handlers are plain Python signal handlers, so the abort runs even while the
 trio loop is busy; the first signal only asks the loop to cancel (``TrioToken.run_sync_soon`` is safe to
@@ -56,7 +59,7 @@ def _teardown() -> None:
     stopped by the signal itself (killed by SIGTERM, not exit 130, and nothing said). Ignored there instead, the
     process ends with the first signal's status."""
     if _stopped_by_signal:
-        for number in STOP_SIGNALS:
+        for number in {*STOP_SIGNALS, *stop_signals()}:  # SIGQUIT too, where the command stops on it
             signal.signal(number, signal.SIG_IGN)
 
 

@@ -65,7 +65,7 @@ from ..contract import (
     ServiceEvent,
     SessionConfig,
 )
-from ..images import load_image
+from ..images import load_image_sized
 from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
 from ..prefetch import ConditionPrefetch, ControlOrderError
 from .model import SessionSlots, ToyWorldConfig, ToyWorldModel, chunk_noise_seed
@@ -210,13 +210,12 @@ class ToyWorldService(BidirectionalService):
         if self._stages.failure is not None:
             raise ServiceFailedError(f"the toy world service failed and takes no new sessions: {self._stages.failure}")
         continuous, chunk_count, resolution = session_options(config.options, self.config)
-        image = (
-            await trio.to_thread.run_sync(load_image, config.image_path, self.config.world_size)
-            if config.image_path
-            else None
-        )
-        if image is not None:  # the check the server ran on the create's image (check_image)
-            check_image_size(image.shape[1], image.shape[0], self.config,
+        image = None
+        if config.image_path:
+            image, info = await trio.to_thread.run_sync(load_image_sized, config.image_path, self.config.world_size)
+            # the check the server ran on the create's image (check_image), on the file's own size: the pixels
+            # read are scaled down to the world's size, and a 1000 x 1 image was said to be 320 x 1
+            check_image_size(info.width, info.height, self.config,
                              name=f"image {Path(str(config.image_path)).name!r}")
         slot = self._stages.pool.acquire()  # SlotPoolFullError when every retained slot is taken
         session_id = f"toy-{next(self._ids)}"

@@ -167,3 +167,24 @@ def test_a_package_whose_get_service_is_in_a_module_of_it_names_that_module(tmp_
     assert (code, line) == (2, f"chunkline run: pipeline file {str(tmp_path / 'pkg')!r} defines no get_service() "
                                f"function (its service.py defines one: give {str(service)!r} as the pipeline, or "
                                f"import get_service in its __init__.py)")
+
+
+@pytest.mark.parametrize(("given", "import_line", "told"), [
+    ("pkg", "from .missing import SIZE", "No module named 'pkg.missing' (at __init__.py, line 1); a relative import in "
+                                         "package {pkg!r} names missing.py (or a package folder missing/) in it"),
+    ("pkg/p.py", "from .inner.missing import SIZE",
+     "No module named 'pkg.inner' (at p.py, line 1); a relative import in package {pkg!r} names inner.py (or a package "
+     "folder inner/) in it"),
+], ids=["package", "file_in_a_package"])
+def test_a_broken_relative_import_names_the_user_s_package_not_an_internal_module(
+        tmp_path: Path, given: str, import_line: str, told: str) -> None:
+    """A pipeline outside any installed package is imported under a name of chunkline's own: the error read
+    ``No module named 'chunkline_pipeline_32595512542572144.missing'``, a name the user never gave."""
+    pkg = tmp_path / "pkg"
+    write(tmp_path, "pkg/__init__.py", import_line + "\n" if given == "pkg" else "")
+    if given != "pkg":
+        write(tmp_path, given, import_line + "\n\ndef get_service(gpu_num=0):\n    return None\n")
+    code, line = run(tmp_path / given)
+    assert (code, line) == (1, f"chunkline run: the run failed: importing pipeline file {str(tmp_path / given)!r} "
+                               f"failed: ModuleNotFoundError: " + told.format(pkg=str(pkg)) + ", and there is none")
+    assert "chunkline_pipeline" not in line

@@ -25,8 +25,10 @@ def _png(path: Path, width: int, height: int) -> None:
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
 
 
-@pytest.mark.parametrize(("width", "height"), [(1, 1), (40, 1)])
+@pytest.mark.parametrize(("width", "height"), [(1, 1), (40, 1), (1000, 1), (1, 3000)])
 def test_an_image_under_two_by_two_pixels_is_bad_input(tmp_path: Path, width: int, height: int) -> None:
+    """The size said is the file's own, not the size its pixels are scaled down to as they are read (a 1000 x 1
+    image was said to be 320 x 1, a 1 x 3000 one 1 x 192)."""
     image = tmp_path / "dot.png"
     _png(image, width, height)
     ran = run_pipeline(tmp_path, ROOT / "pipelines" / "toy_world", "--image", str(image), chunks=1)
