@@ -68,6 +68,9 @@ class DeferredResult:
         self._call_timeout = call_timeout
         self._fail = fail  # fails the group (a call that got no answer in time)
         self._loaded: dict[int, Any] = {}
+        # one caller at a time loads: a shared-memory handle is served once, so two threads loading one value at once
+        # each fetched some of its handles, and both failed (EOFError)
+        self._loading = threading.Lock()
         self._fetched: dict[int, set[int]] = {}  # rank -> the places of the shared handles a failed load fetched
         # dropped uncalled, the call goes to ``abandoned``; detached (alive no more) once the values are released
         self._on_drop = weakref.finalize(self, abandoned.append, call)
@@ -90,6 +93,12 @@ class DeferredResult:
             call.event.wait()  # set by the failure
         if call.error is not None:
             raise call.error
+        with self._loading:
+            return self._values()
+
+    def _values(self) -> Any:
+        """Every rank's value, loaded (once: a second call returns the same), or the first rank's error."""
+        call = self._call
         values = []
         lost = True  # until every value is loaded: a value this call does not return is lost here
         try:

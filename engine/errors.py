@@ -64,17 +64,18 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {message_of(error)}"
 
 
-def integer(name: str, value: object, *, minimum: int) -> int:
+def integer(name: str, value: object, *, minimum: int, maximum: int | None = None) -> int:
     """``value`` as a plain int (numpy's integers and an IntEnum are ints too), or a ValueError naming ``name``: an
-    integer (a bool is not one) of at least ``minimum``."""
+    integer (a bool is not one) of at least ``minimum`` (and at most ``maximum``)."""
     number = None
     if not isinstance(value, (bool, float)):
         try:
             number = operator.index(value)  # type: ignore[arg-type]
         except TypeError:
             pass
-    if number is None or number < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {shown(value)}")
+    if number is None or number < minimum or maximum is not None and number > maximum:
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ValueError(f"{name} must be an int {bounds}, got {shown(value)}")
     return number
 
 

@@ -1,8 +1,10 @@
 """Where tensor channels' shared memory lives and how it is named: for the processes that make channels and for
 those that only clean up after them (a server whose process workers it reaps), which must not import torch.
 
-A segment is ``/dev/shm/cl_<pid>-<channel id>_<part>``: the pid of the process that made the channel, so that
-a later process can tell the segments of one that is gone (killed before it could unlink them).
+A segment is ``/dev/shm/cl_<pid>-<pid namespace>-<random id>_<part>``: the pid of the process that made the
+channel and the pid namespace it is a pid of, so that a later process can tell the segments of one that is gone
+(killed before it could unlink them). A process in another pid namespace sharing /dev/shm (containers of one pod,
+``docker --ipc=host``) cannot see that pid: one took a live channel's segments for a dead one's, and unlinked them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ try:  # the primitive multiprocessing.shared_memory is built on
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIRECTORY", "remove_segments_of", "remove_stale_segments", "segment_prefix", "unlink"]
+__all__ = [
+    "SEGMENT_PREFIX", "SHM_DIRECTORY", "channel_owner", "remove_segments_of", "remove_stale_segments", "segment_prefix",
+    "unlink",
+]
 
 
 def unlink(name: str) -> None:
@@ -32,6 +37,19 @@ _swept: list[bool] = []  # whether this process has looked for stale segments al
 
 def segment_prefix(channel_id: str) -> str:
     return f"{SEGMENT_PREFIX}{channel_id}_"
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace, as the inode number of ``/proc/self/ns/pid`` ("0" where it cannot be read)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def channel_owner() -> str:
+    """The start of a new channel's id: this process's pid and its pid namespace (``<pid>-<namespace>``)."""
+    return f"{os.getpid()}-{pid_namespace()}"
 
 
 def remove_stale_segments(directory: str = SHM_DIRECTORY) -> list[str]:
@@ -61,10 +79,12 @@ def _unlink_where(directory: str, chosen: Callable[[str, str], bool]) -> list[st
         names = os.listdir(directory)
     except OSError:
         return removed
+    here = pid_namespace()
     for name in names:
-        owner = name.removeprefix(SEGMENT_PREFIX).split("-", 1)[0] if name.startswith(SEGMENT_PREFIX) else ""
+        parts = name.removeprefix(SEGMENT_PREFIX).split("-", 2) if name.startswith(SEGMENT_PREFIX) else []
+        owner = parts[0] if len(parts) == 3 and parts[1] == here else ""  # a pid of another namespace is not ours
         if not (owner.isascii() and owner.isdigit()):
-            continue  # not a channel's segment named by its maker
+            continue  # not a channel's segment named by its maker in this pid namespace
         try:
             if chosen(name, owner):
                 unlink(name)

@@ -78,7 +78,7 @@ from typing import Any, Self
 
 import torch
 
-from .errors import seconds, shown
+from .errors import error_text, integer, seconds
 from .tensor_channel_consumer import ConsumerSide
 from .tensor_channel_refs import (
     TensorChannelDiscarded,
@@ -102,10 +102,12 @@ from .tensor_channel_shm import (
     SHARED_MEMORY,
     release_owned,
 )
-from .shm_names import remove_stale_segments, segment_prefix
+from .shm_names import channel_owner, remove_stale_segments, segment_prefix
 from .tensor_tree import map_leaves, unique_tensors
 
 SPIN_S = 0.002  # a waiting producer yields its core this long before sleeping (slot waits are usually short)
+#: consumer ranks of one channel at most (its control segment grows with them: a billion asked for /dev/shm's all)
+MAX_CONSUMERS = 1024
 
 __all__ = [
     "ACK_WINDOW",
@@ -127,20 +129,16 @@ class WorkerTensorChannel(ConsumerSide):
     def __init__(
         self, consumer_world_size: int = 1, *, timeout: float = 600.0, shard_dim: int | None = None, cuda_ipc_slots: int = 2
     ) -> None:
-        def an_int(value: object) -> bool:  # a bool is not one: True would silently be 1
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if not an_int(consumer_world_size) or consumer_world_size < 1:
-            raise ValueError(f"consumer_world_size must be an int >= 1, got {shown(consumer_world_size)}")
-        seconds("timeout", timeout)
-        if not an_int(cuda_ipc_slots) or cuda_ipc_slots < 1:
-            raise ValueError(f"cuda_ipc_slots must be an int >= 1, got {shown(cuda_ipc_slots)}")
-        if shard_dim is not None and not an_int(shard_dim):
-            raise ValueError(f"shard_dim must be an int or None, got {shown(shard_dim)}")
+        consumer_world_size = integer("consumer_world_size", consumer_world_size, minimum=1, maximum=MAX_CONSUMERS)
+        seconds("timeout", timeout, finite=True)  # every wait of a transfer is bounded by it: none is left hanging
+        # a slot past the transfers that can be in flight at once would never be used
+        cuda_ipc_slots = integer("cuda_ipc_slots", cuda_ipc_slots, minimum=1, maximum=ACK_WINDOW)
+        if shard_dim is not None:
+            shard_dim = integer("shard_dim", shard_dim, minimum=-MAX_NDIM, maximum=MAX_NDIM - 1)
         if not SHARED_MEMORY:  # pragma: no cover
             raise RuntimeError("WorkerTensorChannel needs POSIX shared memory")
         remove_stale_segments()  # what processes killed before they could unlink left in /dev/shm
-        self.channel_id = f"{os.getpid()}-{secrets.token_hex(5)}"  # the pid: a later process can tell it is stale
+        self.channel_id = f"{channel_owner()}-{secrets.token_hex(5)}"  # a later process can tell it is stale
         self.world_size = consumer_world_size
         self.timeout = float(timeout)
         self.shard_dim = shard_dim
@@ -276,6 +274,7 @@ class WorkerTensorChannel(ConsumerSide):
         if not leaves:
             return tree
         dims = [self._check_leaf(i, t) for i, t in enumerate(leaves)]
+        _check_rebuilt(tree)
         # each tensor of a transfer needs a pooled profile of its own: with more than the pool holds, the send would
         # wait to evict a profile this same transfer filled (until its timeout, 600 s by default)
         on_cuda = sum(1 for t in leaves if t.is_cuda)
@@ -295,12 +294,23 @@ class WorkerTensorChannel(ConsumerSide):
         deadline = time.monotonic() + self.timeout
         self.wait_resolved([tid - ACK_WINDOW], "ack window full", deadline)
         words[ControlLayout.LAST_TID] = tid
-        refs = [self._send_one(tid, i, t, len(leaves), dims[i], deadline) for i, t in enumerate(leaves)]
+        try:
+            refs = [self._send_one(tid, i, t, len(leaves), dims[i], deadline) for i, t in enumerate(leaves)]
+        except BaseException:
+            # no consumer will ever see this transfer: it is resolved for every rank, so the transfers after it are
+            # in order and its slots free (it had no refs, nothing could discard it, and every later receive of the
+            # channel failed, out of order, until the producer's sends timed out)
+            self.discard_transfers([tid], sync=False)
+            raise
         return map_leaves(tree, lambda t: refs[seen[id(t)]], torch.Tensor)
 
     def _check_leaf(self, index: int, t: torch.Tensor) -> int | None:
-        if t.layout != torch.strided:
-            raise ValueError(f"tensor {index}: only strided tensors can be sent, got {t.layout}")
+        """What could refuse a tensor, checked before the send takes a transfer id: its shard dimension."""
+        if t.layout != torch.strided or t.is_nested:
+            raise ValueError(f"tensor {index}: only strided tensors can be sent, got "
+                             f"{'a nested tensor' if t.is_nested else t.layout}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor {index}: device {t.device} is not supported (cpu or cuda)")
         if t.dtype not in DTYPE_CODE:
             raise ValueError(f"tensor {index}: dtype {t.dtype} is not supported")
         if t.dim() > MAX_NDIM:
@@ -329,8 +339,16 @@ class WorkerTensorChannel(ConsumerSide):
 
                 self._cuda_producer = CudaProducer(self, MAX_PROFILES)
             payload = self._cuda_producer.send(tid, index, t, count, deadline)
-        elif t.device.type == "cpu":
+        else:  # the CPU (_check_leaf refused any other device)
             payload = self._pool.write(tid, index, t, count, lambda tids, what: self.wait_resolved(tids, what, deadline))
-        else:
-            raise ValueError(f"tensor {index}: device {t.device} is not supported (cpu or cuda)")
         return WorkerTensorRef(**fields, payload=payload)
+
+
+def _check_rebuilt(tree: Any) -> None:
+    """Refuse a tree that cannot be made again with refs in place of its tensors (a ``defaultdict``'s type takes no
+    items), before the send takes a transfer id."""
+    try:
+        map_leaves(tree, lambda t: None, torch.Tensor)
+    except Exception as exc:
+        raise ValueError(f"tree: a container in it cannot be made again with refs in place of its tensors "
+                         f"({error_text(exc)}); hold them in dicts, lists and tuples") from exc

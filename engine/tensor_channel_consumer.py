@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .errors import shown
 from .tensor_channel_refs import (
     TensorChannelDiscarded,
     TensorChannelError,
@@ -51,8 +52,8 @@ class ConsumerSide:
         self._attached.clear()
 
     def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:  # True is no 1
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {shown(rank)}")
 
     def _own_refs(self, tree: Any) -> dict[int, list[WorkerTensorRef]]:
         by_tid: dict[int, dict[int, WorkerTensorRef]] = {}

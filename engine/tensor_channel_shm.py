@@ -108,7 +108,15 @@ class Segment:
                 if size:
                     _reserve(fd, name, size)
             self.size = os.fstat(fd).st_size
-            self.mm = mmap.mmap(fd, self.size)
+            try:
+                self.mm = mmap.mmap(fd, self.size)
+            except OSError as exc:  # no address space left for it (a process memory limit)
+                raise TensorChannelError(
+                    f"a shared-memory segment of {self.size} bytes cannot be mapped ({exc.strerror})") from exc
+        except BaseException:
+            if create:  # a segment made and not mapped is nobody's: it stayed in /dev/shm for good
+                unlink(name)
+            raise
         finally:
             os.close(fd)
         self._base = memoryview(self.mm)
@@ -247,14 +255,14 @@ class CpuSlotPool:
             epoch = words[ControlLayout.EPOCHS + entry] + 1
             words[ControlLayout.EPOCHS + entry] = epoch  # registered before created: the parent can unlink it
             nbytes = t.numel() * t.element_size()
-            segments = [
-                Segment(data_name(self.prefix, entry, epoch, s), HDR_BYTES + (nbytes + 63) // 64 * 64, create=True)
-                for s in range(CPU_SLOTS)
-            ]
+            segments: list[Segment] = []
             try:
+                for s in range(CPU_SLOTS):  # one that cannot be made takes those made before it away with it
+                    segments.append(
+                        Segment(data_name(self.prefix, entry, epoch, s), HDR_BYTES + (nbytes + 63) // 64 * 64, create=True))
                 self._control()  # raises once the owner closed the channel: it may not have seen this epoch
             except BaseException:
-                _remove(segments)
+                _remove(segments)  # this epoch's: the parent's close unlinks only an entry's latest epoch
                 raise
             for segment in segments:  # the header never changes for a profile: written once
                 header = segment.words

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -125,3 +126,31 @@ def test_a_value_that_does_not_pickle_after_a_tensor_leaves_no_shared_memory_beh
     gc.collect()
     assert _shared_memory_fds_settle_to(before) <= before
     assert group.call("shared_memory_fds")() == 0
+
+
+def test_one_deferred_result_called_from_two_threads_at_once_gives_both_its_value(groups):
+    """A rank's shared-memory handle is served once: two threads loading one value at once each fetched some of its
+    handles, and both failed (``does not load in this process: ... EOFError``). One loads; both get the value."""
+    group = groups(f"{RANKS}:TensorRank", world_size=1).start()
+    for _ in range(3):
+        result = group.call("ones", 10_000)
+        deadline = time.monotonic() + 10.0
+        while not result.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # bench-cost: real-time poll for the rank's answer, bounded by a deadline
+        start = threading.Barrier(2)
+        got: list[object] = []
+
+        def take() -> None:
+            start.wait()
+            try:
+                got.append(float(result().sum()))
+            except Exception as exc:  # the failure is what the test looks for
+                got.append(exc)
+
+        takers = [threading.Thread(target=take) for _ in range(2)]
+        for taker in takers:
+            taker.start()
+        for taker in takers:
+            taker.join(30)
+        assert got == [10_000.0, 10_000.0], got
