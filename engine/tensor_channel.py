@@ -87,6 +87,7 @@ from .tensor_channel_refs import (
     TensorChannelOrderError,
     TensorChannelTimeout,
     WorkerTensorRef,
+    note_sent,
     register_owner,
 )
 from .tensor_channel_shm import (
@@ -302,6 +303,7 @@ class WorkerTensorChannel(ConsumerSide):
             # channel failed, out of order, until the producer's sends timed out)
             self.discard_transfers([tid], sync=False)
             raise
+        note_sent(self, tid)
         return map_leaves(tree, lambda t: refs[seen[id(t)]], torch.Tensor)
 
     def _check_leaf(self, index: int, t: torch.Tensor) -> int | None:

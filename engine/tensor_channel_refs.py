@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import attrs
@@ -18,7 +20,10 @@ __all__ = [
     "TensorChannelTimeout",
     "WorkerTensorRef",
     "discard_lost_transfers",
+    "discard_sent",
+    "note_sent",
     "register_owner",
+    "transfers_sent",
     "unlink_every_owned_segment",
 ]
 
@@ -82,6 +87,39 @@ def unlink_every_owned_segment() -> None:
     aborted ``chunkline run`` and some 70 for a server, and nothing removed them later."""
     for channel in list(_OWNED.values()):
         channel.unlink_segments()
+
+
+#: per thread, the lists open (:func:`transfers_sent`) that each transfer a channel sends is noted in
+_sent_lists = threading.local()
+
+
+@contextlib.contextmanager
+def transfers_sent() -> Iterator[list[tuple[_OwnedChannel, int]]]:
+    """The transfers this thread's channels send while it is open, ``(channel, transfer id)``: a worker rank's call
+    that fails after sending (its value, which holds the refs, never leaves the rank) discards them
+    (:func:`discard_sent`); they had no refs anywhere, and every later receive of their channels failed, out of order."""
+    sent: list[tuple[_OwnedChannel, int]] = []
+    lists = _sent_lists.__dict__.setdefault("open", [])
+    lists.append(sent)
+    try:
+        yield sent
+    finally:
+        lists.remove(sent)
+
+
+def note_sent(channel: _OwnedChannel, tid: int) -> None:
+    """A channel sent transfer ``tid`` from this thread (for every :func:`transfers_sent` open in it)."""
+    for sent in getattr(_sent_lists, "open", ()):
+        sent.append((channel, tid))
+
+
+def discard_sent(sent: Iterable[tuple[_OwnedChannel, int]]) -> None:
+    """Discard, for every consumer rank, transfers whose refs never left this process (a channel closed since is left
+    alone: its slots went with it)."""
+    for channel, tid in sent:
+        if not channel.closed:
+            with contextlib.suppress(TensorChannelError):  # closed meanwhile, by its owner
+                channel.discard_transfers([tid], sync=False)
 
 
 def discard_lost_transfers(transfers: Iterable[tuple[str, int]]) -> None:

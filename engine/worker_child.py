@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .supervised_child import bind_to_parent, ignore_group_stop_signals
+from .tensor_channel_refs import discard_sent, transfers_sent
 from .timer_slack import STAGE_TIMER_SLACK_NS, set_thread_timer_slack
 from .worker_wire import (
     Call, Closed, Fetched, Raised, RankReady, RankStartFailed, Result, Shutdown, UnknownWorkerMessage, dump_value, load_value,
@@ -85,16 +86,19 @@ def _serve(conn: Any, worker: Any, rank: int) -> None:
                 _send(conn, Closed(rank, _close(worker)))
                 return
             case Call(call_id=call_id, method=method, arguments=arguments, shared=shared):
-                try:
-                    # the arguments are pickled apart from the message: ones that do not load here fail this call
-                    args, kwargs = _load_arguments(arguments, shared)
-                    if shared:  # the parent holds these handles until it hears that this rank has them
-                        conn.send(Fetched(call_id, rank))
-                    # so is the value: one the parent cannot load fails only this call there; nothing here keeps
-                    # the value once it is pickled (its shared memory is the parent's to fetch)
-                    reply: Result | Raised = Result(call_id, rank, *dump_value(getattr(worker, method)(*args, **kwargs)))
-                except BaseException as exc:
-                    reply = Raised(call_id, rank, remote_error(exc))
+                with transfers_sent() as sent:
+                    try:
+                        # the arguments are pickled apart from the message: ones that do not load here fail this call
+                        args, kwargs = _load_arguments(arguments, shared)
+                        if shared:  # the parent holds these handles until it hears that this rank has them
+                            conn.send(Fetched(call_id, rank))
+                        # so is the value: one the parent cannot load fails only this call there; nothing here keeps
+                        # the value once it is pickled (its shared memory is the parent's to fetch)
+                        reply: Result | Raised = Result(
+                            call_id, rank, *dump_value(getattr(worker, method)(*args, **kwargs)))
+                    except BaseException as exc:
+                        discard_sent(sent)  # what the call sent on a tensor channel: its refs never leave this rank
+                        reply = Raised(call_id, rank, remote_error(exc))
                 try:
                     conn.send(reply)  # pickled before anything is written: a failure leaves the pipe intact
                 except (EOFError, OSError):

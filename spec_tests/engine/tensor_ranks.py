@@ -61,3 +61,13 @@ class DecodeRank(_Rank):
             latent = None
             self.channel.release(refs, rank=self.rank)
         return {"rank": self.rank, "offset": offset, "frames": frames, "rows": (int(rows[0]), int(rows[-1]) + 1)}
+
+
+class SendingRank(_Rank):
+    """Sends ``n`` ones on the channel; ``then_fail``: then raises, so the refs never leave the rank."""
+
+    def send_ones(self, n: int, *, then_fail: bool = False) -> Any:
+        refs = self.channel.send({"ones": torch.ones(n)})
+        if then_fail:
+            raise ValueError("a failure after the send")
+        return refs

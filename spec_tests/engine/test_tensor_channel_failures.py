@@ -11,6 +11,7 @@ whose second slot did not fit left its first in /dev/shm after the channel's clo
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import pickle
 import shutil
@@ -22,6 +23,9 @@ import pytest
 import torch
 
 from engine.tensor_channel import WorkerTensorChannel
+from engine.workers import WorkerCallError
+
+from .tensor_ranks import SendingRank
 
 
 def nested() -> torch.Tensor:
@@ -126,3 +130,16 @@ def test_a_rank_given_as_a_bool_is_refused():
         with pytest.raises(ValueError, match=r"^rank must be in \[0, 2\), got False"):
             channel.discard(refs, rank=False)
         channel.discard(refs)
+
+
+def test_a_rank_call_that_fails_after_its_send_leaves_the_channel_in_order(groups):
+    """A rank's call that sent on a tensor channel and then raised: its refs never left the rank, nothing could
+    discard the transfer, and every later receive of the channel (any session's) failed, out of order, until the
+    producer's sends timed out. The rank discards what the failed call sent."""
+    with WorkerTensorChannel(1, timeout=5) as channel:
+        group = groups(functools.partial(SendingRank, channel=channel), close_timeout=5).start()
+        with pytest.raises(WorkerCallError, match="a failure after the send"):
+            group.call("send_ones", 3, then_fail=True)()
+        refs = group.call("send_ones", 4)()
+        assert channel.receive(refs, rank=0)["ones"].tolist() == [1.0] * 4
+        group.close()
