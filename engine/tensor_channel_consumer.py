@@ -89,6 +89,7 @@ class ConsumerSide:
             if len(outs) != len(keys):
                 raise ValueError(f"out has {len(outs)} tensors for {len(keys)} refs")
             dest = dict(zip(keys, outs))
+            self._check_outs(tree, dest, rank)  # all of them before any transfer is taken (and acked)
         for tid, refs in self._own_refs(tree).items():
             count = _count(refs[0])
             if [r.tensor_index for r in refs] != list(range(count)):
@@ -179,6 +180,27 @@ class ConsumerSide:
             if got is not None and expected != got:
                 raise self.mismatch(ref, rank, field, expected, got)
 
+    def _check_outs(self, tree: Any, dest: dict[tuple[int, int], Any], rank: int) -> None:
+        """Each ``out`` tensor has its ref's rank-local shape and dtype: a wrong one found on the way left the
+        transfers before it received and acked, their data gone for a retry."""
+        for ref in leaves_of(tree, WorkerTensorRef):
+            given = dest.get((ref.transfer_id, ref.tensor_index))
+            if given is None or ref.channel_id != self.channel_id:
+                continue
+            shape = self._local_shape(ref, rank)
+            if not isinstance(given, torch.Tensor) or tuple(given.shape) != shape or str(given.dtype) != ref.dtype:
+                got = f"{tuple(given.shape)} {given.dtype}" if isinstance(given, torch.Tensor) else type(given).__name__
+                raise ValueError(f"out for transfer {ref.transfer_id} tensor {ref.tensor_index} must be {shape} "
+                                 f"{ref.dtype}, got {got}")
+
+    def _local_shape(self, ref: WorkerTensorRef, rank: int) -> tuple[int, ...]:
+        """The shape of ``rank``'s part of the ref's tensor (all of it without sharding)."""
+        if ref.shard_dim is None or not 0 <= ref.shard_dim < len(ref.shape):
+            return tuple(ref.shape)
+        expected = list(ref.shape)
+        expected[ref.shard_dim] = len(range(ref.shape[ref.shard_dim])[rank :: self.world_size])  # same count as split
+        return tuple(expected)
+
     def local_view(self, ref: WorkerTensorRef, rank: int, full: torch.Tensor) -> torch.Tensor:
         """The rank's slice of ``full`` (all of it without sharding), checked against the ref."""
         if ref.shard_dim is None:
@@ -186,8 +208,7 @@ class ConsumerSide:
         if not 0 <= ref.shard_dim < len(ref.shape) or ref.shape[ref.shard_dim] < self.world_size:
             raise self.mismatch(ref, rank, "shard_dim", "a dim with size >= world size", ref.shard_dim)
         view = torch.tensor_split(full, self.world_size, ref.shard_dim)[rank]
-        expected = list(ref.shape)
-        expected[ref.shard_dim] = len(range(ref.shape[ref.shard_dim])[rank :: self.world_size])  # same count as split
+        expected = self._local_shape(ref, rank)
         nbytes = view.numel() * view.element_size()
         if tuple(view.shape) != tuple(expected) or nbytes != ref.nbytes // max(ref.shape[ref.shard_dim], 1) * expected[ref.shard_dim]:
             raise self.mismatch(ref, rank, "shard shape", tuple(expected), tuple(view.shape))

@@ -143,3 +143,14 @@ def test_a_rank_call_that_fails_after_its_send_leaves_the_channel_in_order(group
         refs = group.call("send_ones", 4)()
         assert channel.receive(refs, rank=0)["ones"].tolist() == [1.0] * 4
         group.close()
+
+
+def test_a_wrong_out_tensor_is_refused_before_any_transfer_of_the_receive_is_taken():
+    """``out`` for the second of two transfers had the wrong shape: the first was received and acked before that was
+    found, so a retry with the right ``out`` found it discarded, its data gone."""
+    with WorkerTensorChannel(1, timeout=5) as channel:
+        first, second = channel.send(torch.ones(2)), channel.send(torch.ones(3))
+        with pytest.raises(ValueError, match=r"^out for transfer 2 tensor 0 must be \(3,\) torch.float32, got \(99,\)"):
+            channel.receive([first, second], out=[torch.empty(2), torch.empty(99)])
+        got = channel.receive([first, second], out=[torch.empty(2), torch.empty(3)])
+        assert [t.tolist() for t in got] == [[1.0, 1.0], [1.0, 1.0, 1.0]]
