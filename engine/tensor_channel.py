@@ -104,7 +104,7 @@ from .tensor_channel_shm import (
     release_owned,
 )
 from .shm_names import channel_owner, remove_stale_segments, segment_prefix
-from .tensor_tree import map_leaves, unique_tensors
+from .tensor_tree import hidden_tensor_holder, map_leaves, unique_tensors
 
 SPIN_S = 0.002  # a waiting producer yields its core this long before sleeping (slot waits are usually short)
 #: consumer ranks of one channel at most (its control segment grows with them: a billion asked for /dev/shm's all)
@@ -271,6 +271,10 @@ class WorkerTensorChannel(ConsumerSide):
 
     def send(self, tree: Any) -> Any:
         """Copy every tensor in ``tree`` into the channel; return ``tree`` with WorkerTensorRefs instead."""
+        holder = hidden_tensor_holder(tree)
+        if holder is not None:
+            raise ValueError(f"tree: a {holder} in it holds tensors, which the channel does not reach (it sends those "
+                             f"in dicts, lists and tuples): hold them in those")
         leaves, seen = unique_tensors(tree)
         if not leaves:
             return tree

@@ -7,12 +7,18 @@ own type and leave non-matching leaves untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import torch
 
-__all__ = ["leaves_of", "map_leaves", "unique_tensors"]
+__all__ = ["hidden_tensor_holder", "leaves_of", "map_leaves", "unique_tensors"]
+
+#: how deep :func:`hidden_tensor_holder` looks into a leaf for a tensor
+HIDDEN_DEPTH = 8
 
 
 def map_leaves(tree: Any, fn: Callable[[Any], Any], leaf_type: type | tuple[type, ...]) -> Any:
@@ -50,12 +56,49 @@ def unique_tensors(tree: Any) -> tuple[list[torch.Tensor], dict[int, int]]:
     return leaves, seen
 
 
-def _walk(tree: Any, leaf_type: type | tuple[type, ...], visit: Callable[[Any], None]) -> None:
-    if isinstance(tree, leaf_type):
-        visit(tree)
-    elif isinstance(tree, dict):
+def _walk(tree: Any, leaf_type: type | tuple[type, ...], visit: Callable[[Any], None], *, leaves_only: bool = False) -> None:
+    """Visit every ``leaf_type`` leaf (``leaves_only``: every leaf, no container the walk enters)."""
+    if isinstance(tree, dict):
+        if not leaves_only and isinstance(tree, leaf_type):
+            visit(tree)
+            return
         for v in tree.values():
-            _walk(v, leaf_type, visit)
+            _walk(v, leaf_type, visit, leaves_only=leaves_only)
     elif isinstance(tree, (list, tuple)):
+        if not leaves_only and isinstance(tree, leaf_type):
+            visit(tree)
+            return
         for v in tree:
-            _walk(v, leaf_type, visit)
+            _walk(v, leaf_type, visit, leaves_only=leaves_only)
+    elif isinstance(tree, leaf_type):
+        visit(tree)
+
+
+def hidden_tensor_holder(tree: Any) -> str | None:
+    """The type of the first leaf of ``tree`` that holds a tensor the walk does not reach (a set, a deque, a mapping
+    that is no dict, a dataclass or attrs instance), or None: a channel sends only the tensors it reaches, and the
+    rest travelled whole with the refs, in the scheduler's hands."""
+    found: list[str] = []
+
+    def look(leaf: Any) -> None:
+        if not found and not isinstance(leaf, torch.Tensor) and _holds_tensor(leaf, 0):
+            found.append(type(leaf).__name__)
+
+    _walk(tree, object, look, leaves_only=True)
+    return found[0] if found else None
+
+
+def _holds_tensor(value: Any, depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth >= HIDDEN_DEPTH or isinstance(value, (str, bytes, bytearray, int, float, type)):
+        return False
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(k, depth + 1) or _holds_tensor(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (set, frozenset, deque, list, tuple)):
+        return any(_holds_tensor(v, depth + 1) for v in value)
+    if dataclasses.is_dataclass(value):
+        return any(_holds_tensor(getattr(value, f.name, None), depth + 1) for f in dataclasses.fields(value))
+    if attrs.has(type(value)):
+        return any(_holds_tensor(getattr(value, f.name, None), depth + 1) for f in attrs.fields(type(value)))
+    return False

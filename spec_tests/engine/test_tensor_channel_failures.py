@@ -11,12 +11,14 @@ whose second slot did not fit left its first in /dev/shm after the channel's clo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import os
 import pickle
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -154,3 +156,26 @@ def test_a_wrong_out_tensor_is_refused_before_any_transfer_of_the_receive_is_tak
             channel.receive([first, second], out=[torch.empty(2), torch.empty(99)])
         got = channel.receive([first, second], out=[torch.empty(2), torch.empty(3)])
         assert [t.tolist() for t in got] == [[1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
+@dataclasses.dataclass
+class Latent:
+    tensor: torch.Tensor
+
+
+@pytest.mark.parametrize(("holder", "tree"), [
+    ("Latent", lambda: {"latent": Latent(torch.ones(2))}),
+    ("set", lambda: [{torch.ones(2)}]),
+    ("deque", lambda: collections.deque([torch.ones(2)])),
+    ("UserDict", lambda: collections.UserDict({"x": torch.ones(2)})),
+    ("mappingproxy", lambda: types.MappingProxyType({"x": torch.ones(2)})),
+])
+def test_tensors_in_a_container_the_channel_does_not_reach_are_refused(holder, tree):
+    """They were left in the tree the send returned, so the scheduler held (and pickled) them whole, where the
+    channel promises it holds only small refs."""
+    with WorkerTensorChannel(1, timeout=5) as channel:
+        with pytest.raises(ValueError, match=f"^tree: a {holder} in it holds tensors"):
+            channel.send(tree())
+        refs = channel.send({"plain": [torch.ones(2), (torch.zeros(1), {"n": 3})]})
+        assert refs["plain"][1][1] == {"n": 3} and refs["plain"][0].transfer_id == 1
+        channel.discard(refs)
