@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from .errors import EngineError
+from .errors import EngineError, shown
 
 __all__ = [
     "GIB",
@@ -135,10 +135,14 @@ class DeviceMemorySnapshot:
             _require_int(where, "device_index", self.device_index, 0)
         if self.free_bytes > self.total_bytes:
             raise ValueError(f"{where}: free_bytes {self.free_bytes} exceeds total_bytes {self.total_bytes}")
-        if self.allocated_bytes > self.reserved_bytes:
-            raise ValueError(
-                f"{where}: allocated_bytes {self.allocated_bytes} exceeds reserved_bytes {self.reserved_bytes}"
-            )
+        # what holds at every instant on a real device (a peak is the maximum since the last reset, which resets
+        # both peaks to the current values; memory is allocated out of what is reserved, and reserved out of the
+        # device's total), so a snapshot that breaks it was mistyped or mixed up units
+        for small, large in (("allocated_bytes", "reserved_bytes"), ("reserved_bytes", "total_bytes"),
+                             ("allocated_bytes", "peak_allocated_bytes"), ("reserved_bytes", "peak_reserved_bytes"),
+                             ("peak_allocated_bytes", "peak_reserved_bytes")):
+            if getattr(self, small) > getattr(self, large):
+                raise ValueError(f"{where}: {small} {getattr(self, small)} exceeds {large} {getattr(self, large)}")
 
     @property
     def reusable_reserve_bytes(self) -> int:
@@ -246,6 +250,33 @@ def _device_capacity(
     )
 
 
+def _snapshot_list(where: str, snapshots: object) -> tuple[DeviceMemorySnapshot, ...]:
+    """The snapshots as a tuple, each a DeviceMemorySnapshot, and at most one per process and device: its figures
+    are the whole process's memory on the device, so a second one (the same snapshot twice, or one per role or
+    rank of one process) would count that memory twice."""
+    if isinstance(snapshots, DeviceMemorySnapshot):
+        raise ValueError(f"{where}: snapshots must be an iterable of DeviceMemorySnapshot, got one snapshot "
+                         f"(pass [snapshot])")
+    try:
+        items = tuple(snapshots)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{where}: snapshots must be an iterable of DeviceMemorySnapshot, "
+                         f"got {type(snapshots).__name__} {shown(snapshots)}") from None
+    seen: dict[tuple[str, int], DeviceMemorySnapshot] = {}
+    for index, snap in enumerate(items):
+        if not isinstance(snap, DeviceMemorySnapshot):
+            raise ValueError(f"{where}: snapshots[{index}] must be a DeviceMemorySnapshot, "
+                             f"got {type(snap).__name__} {shown(snap)}")
+        first = seen.setdefault((snap.device, snap.process_id), snap)
+        if len(seen) <= index:  # its process and device were seen before
+            raise ValueError(
+                f"{where}: snapshots[{index}] measures process {snap.process_id} on device {snap.device!r} again "
+                f"(role {first.role!r} rank {first.rank}, then role {snap.role!r} rank {snap.rank}): take one "
+                "snapshot per process and device (give processes on different hosts distinct device keys)"
+            )
+    return items
+
+
 def calculate_session_capacity(
     snapshots: Iterable[DeviceMemorySnapshot],
     role_budgets: Mapping[str, SessionMemoryBudget],
@@ -258,12 +289,17 @@ def calculate_session_capacity(
     Raises :class:`InsufficientMemoryError` (naming the device and the shortfall
     for one session) when some device cannot hold a single session.
     """
+    where = "calculate_session_capacity"
     if configured_limit is not None:
-        _require_int("calculate_session_capacity", "configured_limit", configured_limit, 1)
-    _require_int("calculate_session_capacity", "untracked_bytes_per_session", untracked_bytes_per_session, 0)
+        _require_int(where, "configured_limit", configured_limit, 1)
+    _require_int(where, "untracked_bytes_per_session", untracked_bytes_per_session, 0)
+    if not isinstance(role_budgets, Mapping):
+        raise ValueError(f"{where}: role_budgets must be a mapping of role to SessionMemoryBudget, "
+                         f"got {type(role_budgets).__name__} {shown(role_budgets)}")
     for role, budget in role_budgets.items():
         if not isinstance(budget, SessionMemoryBudget):
             raise ValueError(f"role {role!r}: budget must be a SessionMemoryBudget, got {budget!r}")
+    snapshots = _snapshot_list(where, snapshots)
     groups: dict[str, list[DeviceMemorySnapshot]] = {}
     for snap in snapshots:
         if snap.role not in role_budgets:
@@ -304,6 +340,9 @@ def capture_memory_snapshot(
     grouping key when local indices do not identify one physical device across
     processes (e.g. different CUDA_VISIBLE_DEVICES).
     """
+    if device_key is not None and (not isinstance(device_key, str) or not device_key):
+        raise ValueError(f"capture_memory_snapshot: device_key must be a non-empty string or None, "
+                         f"got {shown(device_key)}")
     text = f"cuda:{device}" if isinstance(device, int) and not isinstance(device, bool) else str(device)
     kind, _, index_text = text.partition(":")
     if kind not in ("cpu", "cuda") or (index_text and not (index_text.isascii() and index_text.isdigit())):
@@ -311,7 +350,7 @@ def capture_memory_snapshot(
     if rank is None:
         rank = _distributed_rank()
     if kind == "cpu":
-        return _capture_cpu(role, rank, device_key or "cpu")
+        return _capture_cpu(role, rank, "cpu" if device_key is None else device_key)
     return _capture_cuda(role, int(index_text) if index_text else None, rank, device_key)
 
 
@@ -392,6 +431,9 @@ def _capture_cpu(role: str, rank: int, device_key: str) -> DeviceMemorySnapshot:
         free = min(free, max(limit[0] - limit[1], 0))
     rss = proc["VmRSS"]
     hwm = max(proc["VmHWM"], rss)
+    # resident pages may exceed the cgroup's limit (pages charged to another cgroup: a segment another container
+    # shared) or even MemTotal (a page mapped twice counts twice): the total is never below them
+    total = max(total, rss)
     return DeviceMemorySnapshot(
         role=role,
         device=device_key,

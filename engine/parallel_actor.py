@@ -8,8 +8,11 @@ group from its dedicated thread; a dead group fails the actor at once.
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable, Mapping
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import trio
@@ -24,10 +27,12 @@ from .actors import (
     SessionContext,
     StageInvocation,
 )
-from .errors import integer
-from .workers import WorkerGroupFailed
+from .errors import integer, shown
+from .workers import WorkerGroupClosed, WorkerGroupFailed, device_labels, method_names
 
 __all__ = ["InProcessWorkerGroup", "ParallelWorkerStageActor"]
+
+log = logging.getLogger(__name__)
 
 
 class InProcessWorkerGroup:
@@ -35,7 +40,13 @@ class InProcessWorkerGroup:
 
     ``call(method, *args)`` calls ``method`` on every rank and returns a deferred
     result (a callable) giving rank 0's value, or every rank's values when the
-    method is listed in ``gather``. Process-backed groups share this interface.
+    method is listed in ``gather`` (one method name, or an iterable of them).
+    Process-backed groups (:class:`engine.workers.ProcessWorkerGroup`) share this
+    interface and its rules: ``device_ids`` is one label per rank; once failed
+    (``fail``), a call raises :class:`WorkerGroupFailed` and a failure callback added
+    later runs at once; ``close()`` is idempotent, refuses calls from its start
+    (:class:`WorkerGroupClosed`), and runs every rank's ``close()`` once, each even
+    when another's raises (its traceback is kept in ``close_errors``, by rank).
     """
 
     def __init__(
@@ -43,42 +54,76 @@ class InProcessWorkerGroup:
         rank_factory: Callable[[int], Any],
         *,
         world_size: int = 1,
-        device_ids: tuple[str, ...] = (),
-        gather: frozenset[str] = frozenset(),
+        device_ids: Iterable[str] | None = None,
+        gather: Iterable[str] = (),
     ) -> None:
         world_size = integer("world_size", world_size, minimum=1)
+        self.device_ids = device_labels(device_ids, world_size)
+        self._gather = method_names("gather", gather)
+        if not callable(rank_factory):
+            raise TypeError(f"rank_factory must be a callable taking the rank, got {shown(rank_factory)}")
         self.world_size = world_size
-        self.device_ids = tuple(device_ids)
-        self._ranks = [rank_factory(rank) for rank in range(world_size)]
-        self._gather = gather
         self.failed = False
         self.failure_reason: str | None = None
         self.closed = False
+        self.close_errors: dict[int, str] = {}  # rank -> traceback of its close() failing
+        self._closing = False
+        self._lock = threading.Lock()
+        self._close_lock = threading.RLock()
         self._failure_callbacks: list[Callable[[str], None]] = []
+        self._ranks = [rank_factory(rank) for rank in range(world_size)]
+        self._unclosed = deque(enumerate(self._ranks))  # the ranks whose close() has not run
 
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:
-        """``callback(reason)`` runs (in any thread) when the group fails."""
-        self._failure_callbacks.append(callback)
+        """``callback(reason)`` runs once, in any thread, when the group fails (at once if it has)."""
+        with self._lock:
+            if not self.failed:
+                self._failure_callbacks.append(callback)
+                return
+            reason = self.failure_reason
+        callback(reason)  # type: ignore[arg-type]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
-        if self.closed:
-            raise RuntimeError("worker group is closed")
+        if self.failed:
+            raise WorkerGroupFailed(f"worker group failed: {self.failure_reason}")
+        if self._closing:
+            raise WorkerGroupClosed("worker group is closed")
         results = [getattr(rank, method)(*args, **kwargs) for rank in self._ranks]
         value = results if method in self._gather else results[0]
         return lambda: value
 
     def fail(self, reason: str) -> None:
-        self.failed = True
-        self.failure_reason = reason
-        for callback in list(self._failure_callbacks):
-            callback(reason)
+        """The group is broken: every later call fails; each failure callback runs once (one that raises is
+        logged). A group already failed, closing or closed stays as it is."""
+        with self._lock:
+            if self.failed or self._closing:
+                return
+            self.failed = True
+            self.failure_reason = reason
+            callbacks = list(self._failure_callbacks)
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:
+                log.exception("in-process worker group: a failure callback raised")
 
     def close(self) -> None:
-        for rank in self._ranks:
-            closer = getattr(rank, "close", None)
-            if closer is not None:
-                closer()
-        self.closed = True
+        """Run each rank's ``close()`` (if it has one) once; idempotent. A close interrupted half-way (Ctrl-C) is
+        finished by the next."""
+        with self._close_lock:
+            with self._lock:
+                self._closing = True
+            while self._unclosed:
+                rank, worker = self._unclosed.popleft()
+                closer = getattr(worker, "close", None)
+                if closer is None:
+                    continue
+                try:
+                    closer()
+                except Exception:
+                    self.close_errors[rank] = traceback.format_exc()
+                    log.warning("in-process worker group: rank %d's close() raised", rank, exc_info=True)
+            self.closed = True
 
 
 class ParallelWorkerStageActor:

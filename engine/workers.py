@@ -38,7 +38,7 @@ from typing import Any
 from states.process_group import TAKES_CALLS, TERMINAL, Event, ProcessGroupMachine, on_rank_exit
 
 from .deferred_result import DeferredResult, PendingCall, release_values
-from .errors import error_text, integer, seconds
+from .errors import error_text, integer, seconds, shown
 from .supervisor import ChildExit, ChildSpec, StartupFailed, StartupProblem, Supervisor
 from .worker_child import child_main
 from .worker_errors import (
@@ -64,11 +64,38 @@ log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 
+def method_names(name: str, value: object) -> frozenset[str]:
+    """A worker group's set of method names (``gather``, ``rank0_only``): one name (a bare string is that name,
+    not its characters) or an iterable of names, each a non-empty string; else a ValueError naming ``name``."""
+    try:
+        names = (value,) if isinstance(value, str) else tuple(value)  # type: ignore[arg-type]
+    except TypeError:  # not iterable (None, 5)
+        raise ValueError(f"{name} must be a method name or an iterable of method names, got {shown(value)}") from None
+    for item in names:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"{name} must hold method names (non-empty strings), got {shown(item)} in {shown(value)}")
+    return frozenset(names)
+
+
+def device_labels(device_ids: object, world_size: int) -> tuple[Any, ...]:
+    """A worker group's device label per rank: ``"cpu"`` for each when None, a bare string as one label (not its
+    characters); else a ValueError naming ``device_ids`` (not iterable, or not one per rank)."""
+    if device_ids is None:
+        return ("cpu",) * world_size
+    try:
+        labels = (device_ids,) if isinstance(device_ids, str) else tuple(device_ids)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"device_ids must be an iterable of device labels, got {shown(device_ids)}") from None
+    if len(labels) != world_size:
+        raise ValueError(f"need one device id per rank: {world_size} ranks, device_ids={shown(labels)}")
+    return labels
+
+
 class ProcessWorkerGroup:
     """``world_size`` rank processes with the worker-group interface (see the module docs).
 
     ``gather``: methods whose deferred result is every rank's value; ``rank0_only``:
-    methods sent to rank 0 alone. Timeouts in seconds: ``call_timeout`` (None: wait,
+    methods sent to rank 0 alone (each a method name or an iterable of them). Timeouts in seconds: ``call_timeout`` (None: wait,
     but a failure always interrupts; it also bounds sending a call to a rank: one that
     reads none of it for that long is killed, which fails the group), ``close_timeout`` (graceful shutdown, after
     which ranks are killed, ``kill_grace`` later: they ignore the SIGTERM sent between). The ranks are
@@ -94,21 +121,20 @@ class ProcessWorkerGroup:
             call_timeout = seconds("call_timeout", call_timeout, finite=True)
         close_timeout = seconds("close_timeout", close_timeout, zero_ok=True, finite=True)
         kill_grace = seconds("kill_grace", kill_grace, zero_ok=True, finite=True)
+        gather, rank0_only = method_names("gather", gather), method_names("rank0_only", rank0_only)
         if isinstance(factory, str) and factory.count(":") != 1:
             raise ValueError(f"factory must be 'module:callable', got {factory!r}")
         if not isinstance(factory, str) and not callable(factory):
             raise TypeError(f"factory must be a 'module:callable' string or a callable, got {factory!r}")
-        self.device_ids = ("cpu",) * world_size if device_ids is None else tuple(device_ids)
-        if len(self.device_ids) != world_size:
-            raise ValueError(f"need one device id per rank: {world_size} ranks, device_ids={self.device_ids}")
+        self.device_ids = device_labels(device_ids, world_size)
         self.world_size = world_size
         self.factory = factory
         self.name = name
         self.call_timeout = call_timeout
         self.close_timeout = close_timeout
         self.kill_grace = kill_grace
-        self._gather = frozenset(gather)
-        self._rank0_only = frozenset(rank0_only)
+        self._gather = gather
+        self._rank0_only = rank0_only
         self.failure_reason: str | None = None
         self.exit_codes: dict[int, int | None] = {}
         self.close_errors: dict[int, str] = {}  # rank -> traceback of its close() failing

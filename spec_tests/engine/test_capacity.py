@@ -8,8 +8,10 @@ largest c <= max_capacity with
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine import capacity
 from engine.capacity import (
     GIB,
     CapacityPlan,
@@ -30,6 +33,9 @@ from engine.capacity import (
 )
 
 
+_process_ids = itertools.count(1000)
+
+
 def snap(
     role: str = "denoise",
     device: str = "cuda:0",
@@ -40,13 +46,17 @@ def snap(
     reserve: int = 0,
     transient: int = 0,
     unit: int = GIB,
+    process_id: int | None = None,
 ) -> DeviceMemorySnapshot:
-    """A snapshot in GiB: reserved = allocated + reserve, peak = allocated + transient."""
+    """A snapshot in GiB of a process of its own (unless ``process_id`` is given): reserved = allocated + reserve,
+    peak allocated = allocated + transient (so the peak reserved is at least that too)."""
     return DeviceMemorySnapshot(
-        role=role, device=device, rank=0, process_id=1234, device_index=int(device.partition(":")[2] or 0),
+        role=role, device=device, rank=0, process_id=next(_process_ids) if process_id is None else process_id,
+        device_index=int(device.partition(":")[2] or 0),
         device_name="Test GPU", total_bytes=total * unit, free_bytes=free * unit,
         allocated_bytes=allocated * unit, reserved_bytes=(allocated + reserve) * unit,
-        peak_allocated_bytes=(allocated + transient) * unit, peak_reserved_bytes=(allocated + reserve) * unit,
+        peak_allocated_bytes=(allocated + transient) * unit,
+        peak_reserved_bytes=(allocated + max(reserve, transient)) * unit,
     )
 
 
@@ -183,7 +193,7 @@ process = st.tuples(st.integers(0, 10**12), st.integers(0, 10**12), st.integers(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(process, min_size=1, max_size=4), st.integers(0, 10**11), st.integers(10**12, 10**14),
+@given(st.lists(process, min_size=1, max_size=4), st.integers(0, 10**11), st.integers(2 * 10**12, 10**14),
        st.integers(1, 80))
 def test_search_matches_brute_force_exactly(processes, untracked, total, max_capacity):
     """Integer arithmetic, no rounding: the result is the exact largest fitting c."""
@@ -193,7 +203,7 @@ def test_search_matches_brute_force_exactly(processes, untracked, total, max_cap
         role_budgets[role] = SessionMemoryBudget(persistent)
         snapshots.append(DeviceMemorySnapshot(
             role, "cuda:0", 0, i, 0, "G", total, total // 2, allocated, allocated + reserve,
-            allocated + transient, allocated + reserve))
+            allocated + transient, allocated + max(reserve, transient)))
     policy = SessionCapacityPolicy(max_capacity=max_capacity)
     terms = [(p, t, r) for p, _, r, t in processes]
     expected = _brute_force(total // 2, policy.safety_margin(total), untracked, terms, max_capacity)
@@ -255,6 +265,50 @@ def test_snapshot_validation_names_the_field(changes, field):
         attrs.evolve(snap(), **changes)
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"peak_allocated_bytes": 19 * GIB}, f"allocated_bytes {20 * GIB} exceeds peak_allocated_bytes {19 * GIB}"),
+    ({"peak_reserved_bytes": 19 * GIB}, f"reserved_bytes {20 * GIB} exceeds peak_reserved_bytes {19 * GIB}"),
+    ({"peak_allocated_bytes": 30 * GIB}, f"peak_allocated_bytes {30 * GIB} exceeds peak_reserved_bytes {20 * GIB}"),
+    ({"allocated_bytes": 200 * GIB, "reserved_bytes": 200 * GIB, "peak_allocated_bytes": 200 * GIB,
+      "peak_reserved_bytes": 200 * GIB}, f"reserved_bytes {200 * GIB} exceeds total_bytes {100 * GIB}"),
+])
+def test_a_snapshot_no_device_could_report_is_refused(changes, message):
+    """A peak is the maximum since the last reset (which resets both to the current values), and memory is allocated
+    out of what is reserved, reserved out of the device: each was accepted broken, as only allocated <= reserved
+    was checked (a peak below the current value, or bytes given in the wrong unit, planned a wrong capacity)."""
+    with pytest.raises(ValueError, match=f"^DeviceMemorySnapshot\\(role='denoise', device='cuda:0'\\): {message}$"):
+        attrs.evolve(snap(), **changes)
+
+
+def test_one_process_on_one_device_is_counted_once():
+    """The same snapshot twice counted that process's memory twice (capacity 11 became 5, and its allocator
+    reserve was credited twice); each snapshot is a whole process's memory on a device, whatever its role."""
+    first = snap()
+    for again in (first, attrs.evolve(first, role="vae_decode"), attrs.evolve(first, rank=1)):
+        with pytest.raises(ValueError, match=f"^calculate_session_capacity: snapshots\\[1\\] measures process "
+                                             f"{first.process_id} on device 'cuda:0' again"):
+            calculate_session_capacity([first, again], budgets(denoise=4, vae_decode=1), None)
+    # one process on two devices, or two processes on one, are two measurements
+    other_device = attrs.evolve(first, device="cuda:1", device_index=1)
+    plan = calculate_session_capacity([first, other_device], budgets(denoise=4), None)
+    assert (plan.computed_capacity, len(plan.devices)) == (11, 2)
+    assert calculate_session_capacity([first, snap()], budgets(denoise=4), None).computed_capacity == 5
+
+
+@pytest.mark.parametrize("snapshots, role_budgets, message", [
+    (snap(), budgets(denoise=4), "snapshots must be an iterable of DeviceMemorySnapshot, got one snapshot"),
+    (None, budgets(denoise=4), "snapshots must be an iterable of DeviceMemorySnapshot, got NoneType None"),
+    ([snap().to_dict()], budgets(denoise=4), "snapshots\\[0\\] must be a DeviceMemorySnapshot, got dict "),
+    ([snap()], [("denoise", SessionMemoryBudget(GIB))],
+     "role_budgets must be a mapping of role to SessionMemoryBudget, got list "),
+    ([snap()], None, "role_budgets must be a mapping of role to SessionMemoryBudget, got NoneType None"),
+])
+def test_capacity_arguments_of_the_wrong_kind_are_refused_naming_them(snapshots, role_budgets, message):
+    """A single snapshot was ``TypeError: ... not iterable``, a list of budgets ``AttributeError: ... items``."""
+    with pytest.raises(ValueError, match=f"^calculate_session_capacity: {message}"):
+        calculate_session_capacity(snapshots, role_budgets, None)
+
+
 def test_snapshot_of_a_role_without_a_budget_is_refused():
     with pytest.raises(ValueError, match="'vae_encode'.*'cuda:0'"):
         calculate_session_capacity([snap("vae_encode")], budgets(denoise=4), None)
@@ -285,6 +339,25 @@ def test_cpu_capture_returns_sane_host_memory():
         [snapshot], budgets(denoise=0), None, policy=SessionCapacityPolicy(0, 0, max_capacity=3)
     )
     assert (plan.computed_capacity, plan.limiting_device) == (3, "cpu")
+
+
+@pytest.mark.parametrize("key", ["", 0, b"cpu"])
+def test_capture_refuses_a_device_key_that_is_not_a_name(key):
+    """An empty key fell back to "cpu" (or "cuda:N") unsaid, so processes meant apart were grouped as one device."""
+    with pytest.raises(ValueError, match=f"^capture_memory_snapshot: device_key must be a non-empty string or None, "
+                                         f"got {re.escape(repr(key))}$"):
+        capture_memory_snapshot("denoise", "cpu", device_key=key)
+    assert capture_memory_snapshot("denoise", "cpu", device_key="host-a").device == "host-a"
+
+
+def test_cpu_capture_keeps_the_total_at_least_the_resident_set(monkeypatch):
+    """Resident pages may exceed a container's limit (pages charged to another cgroup): the capture still makes a
+    snapshot, whose total is never below what the process holds."""
+    fields = {"MemTotal": 64 * GIB, "MemAvailable": 32 * GIB, "VmRSS": 6 * GIB, "VmHWM": 7 * GIB}
+    monkeypatch.setattr(capacity, "_read_kib_fields", lambda path, names: {n: fields[n] for n in names})
+    monkeypatch.setattr(capacity, "_cgroup_limit", lambda: (4 * GIB, 3 * GIB))
+    snapshot = capture_memory_snapshot("denoise", "cpu")
+    assert (snapshot.total_bytes, snapshot.free_bytes, snapshot.allocated_bytes) == (6 * GIB, GIB, 6 * GIB)
 
 
 def test_cpu_capture_does_not_import_torch():

@@ -13,6 +13,7 @@ import trio
 from engine.actors import ActorHealth, SessionContext, StageInvocation
 from engine.errors import ActorFailedError
 from engine.parallel_actor import InProcessWorkerGroup, ParallelWorkerStageActor
+from engine.workers import WorkerGroupClosed, WorkerGroupFailed
 from states.pipeline_session import CloseReason
 from states.stage_actor import State
 
@@ -215,3 +216,93 @@ def test_worker_group_refuses_a_world_size_that_is_not_a_whole_number_of_ranks(w
     TypeError, naming no parameter."""
     with pytest.raises(ValueError, match="^world_size must be an int >= 1, got "):
         InProcessWorkerGroup(lambda rank: object(), world_size=world_size)
+
+
+# -- InProcessWorkerGroup keeps the process group's rules ----------------------------------------
+
+
+class Interrupted(BaseException):
+    """Stands in for the KeyboardInterrupt of a user who gives up on a slow close."""
+
+
+class ClosingRank:
+    """A rank whose ``close()`` raises ``error`` (if any) and logs each run."""
+
+    def __init__(self, rank: int, log: list, error: BaseException | None = None) -> None:
+        self.rank, self.log, self.error = rank, log, error
+
+    def ping(self) -> int:
+        return self.rank
+
+    def close(self) -> None:
+        self.log.append(self.rank)
+        if self.error is not None:
+            raise self.error
+
+
+def test_in_process_close_runs_every_ranks_close_once_even_when_one_raises():
+    """Rank 0's close raising left rank 1 unclosed, the group open (``closed`` False, calls running) and each
+    close() ran rank 0's close again. As the process group does, its traceback is kept, by rank, and close goes on."""
+    closed: list[int] = []
+    group = InProcessWorkerGroup(
+        lambda rank: ClosingRank(rank, closed, RuntimeError("rank 0 close failed") if rank == 0 else None),
+        world_size=2,
+    )
+    group.close()
+    assert closed == [0, 1]
+    assert group.closed
+    assert list(group.close_errors) == [0]
+    assert "RuntimeError: rank 0 close failed" in group.close_errors[0]
+    group.close()  # idempotent: no rank's close runs again
+    assert closed == [0, 1]
+    with pytest.raises(WorkerGroupClosed, match="^worker group is closed$"):
+        group.call("ping")
+
+
+def test_an_interrupted_in_process_close_refuses_calls_and_is_finished_by_the_next():
+    closed: list[int] = []
+    group = InProcessWorkerGroup(
+        lambda rank: ClosingRank(rank, closed, Interrupted() if rank == 0 else None), world_size=2
+    )
+    with pytest.raises(Interrupted):
+        group.close()
+    assert (closed, group.closed) == ([0], False)
+    with pytest.raises(WorkerGroupClosed):
+        group.call("ping")  # closing: no call runs
+    group.close()
+    assert (closed, group.closed, group.close_errors) == ([0, 1], True, {})
+
+
+def test_a_failed_in_process_group_refuses_calls_and_runs_late_failure_callbacks_at_once(caplog):
+    """After fail(), call() still ran the ranks and a failure callback added later never ran."""
+    closed: list[int] = []
+    group = InProcessWorkerGroup(lambda rank: ClosingRank(rank, closed), world_size=2)
+    seen: list[tuple[str, str]] = []
+
+    def raising(reason: str) -> None:
+        raise RuntimeError("a callback's own bug")
+
+    group.add_failure_callback(raising)
+    group.add_failure_callback(lambda reason: seen.append(("early", reason)))
+    group.fail("rank 1 ran out of memory")
+    assert seen == [("early", "rank 1 ran out of memory")]  # after the raising one, which is logged
+    assert "a failure callback raised" in caplog.text
+    group.add_failure_callback(lambda reason: seen.append(("late", reason)))
+    assert seen[-1] == ("late", "rank 1 ran out of memory")
+    with pytest.raises(WorkerGroupFailed, match="^worker group failed: rank 1 ran out of memory$"):
+        group.call("ping")
+    group.fail("another reason")  # failed once: the first reason stays, no callback runs again
+    assert (group.failure_reason, len(seen)) == ("rank 1 ran out of memory", 2)
+    group.close()
+    assert closed == [0, 1]
+    with pytest.raises(WorkerGroupFailed):
+        group.call("ping")  # as the process group: its failure is what a call reports
+
+
+def test_a_closed_in_process_group_does_not_fail():
+    group = InProcessWorkerGroup(lambda rank: ClosingRank(rank, []))
+    seen: list[str] = []
+    group.add_failure_callback(seen.append)
+    group.close()
+    group.fail("too late")
+    assert (group.failed, group.failure_reason, seen) == (False, None, [])
