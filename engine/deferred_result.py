@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import seconds
 from .tensor_channel_refs import discard_lost_transfers
-from .worker_errors import WorkerCallError, WorkerFatalCallError
+from .worker_errors import WorkerCallError, WorkerFatalCallError, WorkerGroupClosed
 from .worker_wire import Raised, Result, UnloadableValue, load_value, release_shared
 
 __all__ = ["DeferredResult", "PendingCall", "release_values"]
@@ -62,8 +62,10 @@ class DeferredResult:
     until then. Dropped uncalled, its call is handed to the group, which releases the values at its next call."""
 
     def __init__(self, call: PendingCall, gather: bool, *, call_timeout: float | None,
-                 fail: Callable[[str], None], abandoned: deque[PendingCall]) -> None:
+                 fail: Callable[[str], None], abandoned: deque[PendingCall],
+                 group_closed: Callable[[], bool] = lambda: False) -> None:
         self._call = call
+        self._group_closed = group_closed  # a value not fetched before its group closed went with the ranks
         self._gather = gather
         self._call_timeout = call_timeout
         self._fail = fail  # fails the group (a call that got no answer in time)
@@ -132,6 +134,11 @@ class DeferredResult:
             try:
                 self._loaded[rank] = load_value(data, fetched)
             except UnloadableValue as exc:
+                if self._group_closed():  # its shared memory went with the ranks: say so, not that it did not load
+                    raise WorkerGroupClosed(
+                        f"rank {rank}: the value {method}() returned was not fetched before its group closed, and "
+                        f"what it held went with the ranks: call a deferred result before closing its group"
+                    ) from None
                 raise WorkerCallError(
                     f"rank {rank}: the value {method}() returned does not load in this process: {exc}",
                     rank=rank, method=method, remote_type="", remote_traceback="",

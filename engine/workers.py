@@ -364,7 +364,7 @@ class ProcessWorkerGroup:
             if not self._supervisor.send(rank, payload, timeout=self.call_timeout):
                 break  # the rank is gone: its exit fails the group, and this call with it
         return DeferredResult(call, method in self._gather, call_timeout=self.call_timeout, fail=self._fail,
-                              abandoned=self._abandoned)
+                              abandoned=self._abandoned, group_closed=lambda: self.closed)
 
     def _release_abandoned(self) -> None:
         """The values of calls whose deferred results were dropped uncalled: released (their ranks held them), or,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from engine.workers import ProcessWorkerGroup, WorkerCallError
+from engine.workers import ProcessWorkerGroup, WorkerCallError, WorkerGroupClosed
 
 from .conftest import RANKS
 
@@ -154,3 +154,17 @@ def test_one_deferred_result_called_from_two_threads_at_once_gives_both_its_valu
         for taker in takers:
             taker.join(30)
         assert got == [10_000.0, 10_000.0], got
+
+
+def test_a_value_answered_but_not_fetched_before_its_group_closed_says_so(groups):
+    """Its tensors' shared memory went with the ranks: it said the value ``does not load in this process`` and
+    named a pickling class, as though the value were at fault."""
+    group = groups(f"{RANKS}:TensorRank", world_size=1, close_timeout=2, kill_grace=0.5).start()
+    result = group.call("ones", 1000)
+    deadline = time.monotonic() + 10.0
+    while not result.done():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # bench-cost: real-time poll for the rank's answer, bounded by a deadline
+    group.close()
+    with pytest.raises(WorkerGroupClosed, match="was not fetched before its group closed"):
+        result()
