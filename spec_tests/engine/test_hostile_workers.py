@@ -58,7 +58,9 @@ def test_an_interrupted_start_kills_the_ranks_and_close_returns(groups):
         deadline = time.monotonic() + 30
         while len(group.pids) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)  # bench-cost: real-time poll for the ranks to be spawned, bounded by a deadline
-        os.kill(os.getpid(), signal.SIGUSR1)
+        # to the main thread: one sent to the process may reach another thread, and the main one, asleep in the
+        # start's wait, ran the handler only when that wait timed out (60 s, on a loaded host)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
 
     previous = signal.signal(signal.SIGUSR1, interrupt)
     try:
