@@ -26,6 +26,7 @@ class AnswerFraming:
         self._h11 = h11.Connection(h11.CLIENT)
         self._waiting: deque[bytes] = deque()  # the methods of requests passed on whose answer has not begun
         self._answering = False  # an answer's request was told to h11, and its end has not come
+        self._begun = False  # a byte of the answer under way came
         #: h11 could not follow an answer (or the connection left HTTP/1.1): nothing is known of what is owed
         self.lost_track = False
 
@@ -33,6 +34,14 @@ class AnswerFraming:
     def settled(self) -> bool:
         """Every request passed on has had its whole answer (nothing is owed, nothing is under way)."""
         return not (self.lost_track or self._answering or self._waiting)
+
+    @property
+    def unbegun(self) -> int | None:
+        """How many requests passed on have had no byte of their answer yet; None once one has had part of its answer
+        (nothing can be answered after it but the rest of it) or h11 lost track."""
+        if self.lost_track or self._answering and self._begun:
+            return None
+        return len(self._waiting) + self._answering
 
     def passed(self, method: bytes) -> None:
         """A request (its method) goes whole to the backend, after those before it."""
@@ -43,6 +52,7 @@ class AnswerFraming:
         """``data`` came from the backend, as it is relayed to the client."""
         if self.lost_track:
             return
+        self._begun = self._begun or bool(data)
         try:
             self._h11.receive_data(data)
         except RuntimeError:  # data after the answer that ends the connection: nothing follows it
@@ -62,6 +72,7 @@ class AnswerFraming:
                     connection.send(h11.Request(method=method, target="/", headers=[("Host", "front")]))
                     connection.send(h11.EndOfMessage())
                     self._answering = True
+                    self._begun = bool(connection.trailing_data[0])  # what came after the last answer's end
                 event = connection.next_event()
                 if event is h11.NEED_DATA or event is h11.PAUSED:
                     return

@@ -221,10 +221,14 @@ class Front:
         detail = why.detail if why is not None else reason.decode()
         body = json.dumps({"error": error, "detail": detail}).encode()
         retry = b"" if why is None or why.retry_after is None else b"Retry-After: %d\r\n" % why.retry_after
-        response = (
-            b"HTTP/1.1 " + reason + b"\r\nContent-Type: application/json\r\nConnection: close\r\n" + retry
-            + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
+
+        def answer(close: bool) -> bytes:
+            return (b"HTTP/1.1 " + reason + b"\r\nContent-Type: application/json\r\n"
+                    + (b"Connection: close\r\n" if close else b"") + retry
+                    + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+        # one answer for each request it is for (pipelined ones each have theirs), the last one closing
+        response = answer(False) * ((why.times if why is not None else 1) - 1) + answer(True)
         with trio.move_on_after(self._deadlines.write) as deadline:
             await stream.send_all(response)
         if linger and not deadline.cancelled_caught:  # a client that does not read its answer is not waited for
@@ -312,10 +316,11 @@ class Front:
                     nonlocal refusal
                     while (due := moved_at + self._deadlines.idle) > trio.current_time():
                         await trio.sleep_until(due)
-                    if owed:  # the client is owed an answer, not a closed connection
-                        log.warning("a request was not answered within %g s: 504", self._deadlines.idle)
+                    if owed:  # the client is owed an answer, not a closed connection: one for each request it sent
+                        unanswered = answers.unbegun or 1
+                        log.warning("%d request(s) not answered within %g s: 504", unanswered, self._deadlines.idle)
                         refusal = FramingRefused(504, f"the server did not answer within {self._deadlines.idle:g} s",
-                                                 error="answer_timeout")
+                                                 error="answer_timeout", times=unanswered)
                     else:
                         log.info("a connection moved nothing for %g s: closed", self._deadlines.idle)
                     nursery.cancel_scope.cancel()

@@ -75,12 +75,15 @@ _LEAVING_HTTP_1_1: Final = frozenset({b"upgrade", b"http2-settings"})
 class FramingRefused(Exception):
     """A request the front answers itself (``status``) and then closes the connection."""
 
-    def __init__(self, status: int, detail: str, *, error: str | None = None, retry_after: int | None = None) -> None:
+    def __init__(
+        self, status: int, detail: str, *, error: str | None = None, retry_after: int | None = None, times: int = 1
+    ) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
         self.error = error  # the JSON body's ``error`` code; None: named after the status
         self.retry_after = retry_after
+        self.times = times  # the requests it answers (pipelined ones, each owed an answer of its own)
 
 
 @attrs.frozen

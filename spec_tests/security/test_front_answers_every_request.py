@@ -124,6 +124,24 @@ async def test_a_request_owed_its_answer_past_the_idle_deadline_is_answered_504_
         await idle.aclose()
 
 
+async def test_pipelined_requests_owed_their_answers_past_the_idle_deadline_are_each_answered_504(tmp_path: Path) -> None:
+    """Two creates sent at once on one connection, neither answered within the idle deadline (the options check
+    never answers): each is answered 504, the last closing the connection; only one was, and the other's client
+    waited on a closed connection for an answer that never came."""
+    pipeline = tmp_path / "mute_check.py"
+    pipeline.write_text(MUTE_CHECK_PIPELINE)
+    async with running(pipeline=str(pipeline)) as server:
+        stream = await server.raw()
+        body = b'{"identity": "ctl", "config": {"fps": 24}}'
+        create = (b"POST /v1/stream/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await stream.send_all(create * 2)
+        got = answers(await closed_by_server(stream))
+        await stream.aclose()
+    assert [status for status, _ in got] == [504, 504], got
+    assert all(json.loads(answer)["error"] == "answer_timeout" for _, answer in got), got
+
+
 def answers(raw: bytes) -> list[tuple[int, bytes]]:
     """The responses in ``raw``, in order, as (status, body): each whole by its Content-Length, or the test fails."""
     found = []
