@@ -28,6 +28,7 @@ from engine.tensor_channel import (
 
 from . import channel_procs
 from .channel_procs import make, summarize
+from .small_dev_shm import with_small_dev_shm
 
 
 class RemoteError(Exception):
@@ -478,19 +479,8 @@ print("left:", sorted(os.listdir("/dev/shm")))
 def test_a_tensor_larger_than_dev_shm_is_a_typed_error_not_a_sigbus():
     """A segment was only sized (ftruncate): it mapped fine and the producer died of SIGBUS on its first write
     past what /dev/shm had free (exit -7, a rank lost with no word of why). Run in a mount namespace of its own
-    with a 1 MiB /dev/shm (needs root, as the LiveKit tests do)."""
-    import shutil
-    import subprocess
-    import sys
-
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        reason = "needs root and unshare(1) for a mount namespace with a small /dev/shm"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: this test must run, never skip: {reason}")
-        pytest.skip(reason)
-    shell = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" -c "$1"'  # the script as an argument, unquoted
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", shell, sys.executable, SHM_TOO_SMALL],
-                          capture_output=True, text=True, timeout=120)
+    with a 1 MiB /dev/shm."""
+    done = with_small_dev_shm(SHM_TOO_SMALL)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: a shared-memory segment of 4194560 bytes does not fit in /dev/shm" in done.stdout, done.stdout
     assert "left: []" in done.stdout  # the segment that did not fit was unlinked, and close took the rest

@@ -15,9 +15,6 @@ import dataclasses
 import functools
 import os
 import pickle
-import shutil
-import subprocess
-import sys
 import types
 import warnings
 
@@ -27,6 +24,7 @@ import torch
 from engine.tensor_channel import WorkerTensorChannel
 from engine.workers import WorkerCallError
 
+from .small_dev_shm import in_another_pid_namespace, with_small_dev_shm
 from .tensor_ranks import SendingRank
 
 
@@ -68,16 +66,8 @@ print("left:", sorted(os.listdir("/dev/shm")))
 
 
 def test_a_send_that_fails_on_its_way_leaves_the_channel_in_order_and_nothing_in_dev_shm():
-    """Run in a mount namespace of its own with a 1 MiB /dev/shm (needs root, as the LiveKit tests do)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        reason = "needs root and unshare(1) for a mount namespace with a small /dev/shm"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: this test must run, never skip: {reason}")
-        pytest.skip(reason)
-    shell = 'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$0" -c "$1"'  # the script as an argument, unquoted
-    done = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", shell, sys.executable, SECOND_SLOT_DOES_NOT_FIT],
-        capture_output=True, text=True, timeout=120)
+    """Run in a mount namespace of its own with a 1 MiB /dev/shm."""
+    done = with_small_dev_shm(SECOND_SLOT_DOES_NOT_FIT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: a shared-memory segment of" in done.stdout, done.stdout
     assert "next: 2 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]" in done.stdout, done.stdout
@@ -94,18 +84,11 @@ print("swept")
 def test_a_channel_made_in_another_pid_namespace_leaves_a_live_channels_segments_alone():
     """A process in a pid namespace of its own that shares /dev/shm (containers of one pod, ``docker --ipc=host``)
     cannot see the pid that named a live channel's segments: its first channel's sweep took them for a dead
-    process's and unlinked them, and a rank that attached later found the channel closed. Needs root for
-    ``unshare --pid``, as the LiveKit tests do."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        reason = "needs root and unshare(1) for a pid namespace"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: this test must run, never skip: {reason}")
-        pytest.skip(reason)
+    process's and unlinked them, and a rank that attached later found the channel closed."""
     with WorkerTensorChannel(1, timeout=5) as channel:
         refs = channel.send(torch.arange(4.0))
         made = sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"cl_{channel.channel_id}_"))
-        done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", OTHER_PID_NAMESPACE],
-                              capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+        done = in_another_pid_namespace(OTHER_PID_NAMESPACE)
         assert done.returncode == 0 and "swept" in done.stdout, done.stderr[-2000:]
         assert sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"cl_{channel.channel_id}_")) == made
         consumer = pickle.loads(pickle.dumps(channel))  # what a rank attaching now is given
