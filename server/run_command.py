@@ -284,7 +284,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
         service = load_service(pipeline, **service_options)
     except PipelineLoadError as exc:
         raise load_failure(exc, service_options) from exc
-    except (KeyboardInterrupt, SystemExit, StopSignalled):
+    except (KeyboardInterrupt, SystemExit, StopSignalled, BadInput):  # BadInput: a --placement it takes not: exit 2
         raise
     except BaseException as exc:  # the pipeline's own (class Abort(BaseException)), past the loader's `except Exception`
         raise PipelineDidNotLoad(f"pipeline bug: loading {shown(args.pipeline)} raised {error_line(exc)}") from exc

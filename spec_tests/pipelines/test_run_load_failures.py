@@ -126,9 +126,12 @@ def get_service(gpu_num=0, seed=None):
 @pytest.mark.parametrize(("text", "flags", "told"), [
     (SEEDED, ["--seed", "11"], "--seed: get_service() in {path!r} refused its options: seed must be at most 10, got 11"),
     (SEEDED, ["--device", "cpu"], "--device: get_service() in {path!r} does not accept ['device']"),
+    # it was exit 1, "the run failed: pipeline bug: loading ... raised BadInput: ..."
+    (SEEDED, ["--placement", '{"mode": "process"}'], "--placement: pipeline {path!r} takes no placement (get_service "
+                                                    "has no 'placement')"),
     ("def get_servce(gpu_num=0):\n    return None\n",
      [], "pipeline file {path!r} defines no get_service() function (it defines 'get_servce')"),
-], ids=["seed_refused", "device_not_taken", "misspelt_get_service"])
+], ids=["seed_refused", "device_not_taken", "placement_not_taken", "misspelt_get_service"])
 def test_the_user_s_bad_input_exits_2_naming_the_flag(tmp_path: Path, text: str, flags: list[str], told: str) -> None:
     path = write(tmp_path, "p.py", text)
     code, line = run(path, *flags)
