@@ -37,6 +37,7 @@ from states.admission import UnknownWorker
 from states.stream_session import State as SessionState
 
 from .runtime import SHUTDOWN_GRACE, NoWorker, SessionConflict, StreamRuntime, ViewerLimit
+from .runtime_errors import NO_WORKER_RETRY_AFTER
 from .session_inputs import check_inputs
 from .settings import ServerSettings
 from .tokens import IdentityError, ReservedIdentity, TokenIssuer, TokenRejected
@@ -343,6 +344,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         admission = created.admission
         if admission.status == "rejected":
             reason = admission.reason or "no_capacity"
+            if reason == "no_capacity" and not option_check.ready_workers(runtime):  # not full: every worker starts
+                raise NoWorker("no worker has loaded the pipeline yet (every worker is starting)", NO_WORKER_RETRY_AFTER)
             return error(429, reason, REFUSALS.get(reason, reason), {"Retry-After": str(RETRY_AFTER_SECONDS)})
         record = created.record
         payload = {

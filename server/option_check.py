@@ -89,8 +89,7 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any], image: 
     image_size = None if image is None else (image.width, image.height)
     if runtime.closing or not runtime.book.can_place():
         return
-    ready = [worker for worker_id, worker in runtime.workers.items()
-             if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.failing]
+    ready = ready_workers(runtime)
     if not ready:
         if nothing_to_check:
             return
@@ -126,3 +125,9 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any], image: 
     if nothing_to_check:  # taken unchecked, as with no worker ready (it was a 503 here: a mute worker refused every create)
         return
     raise NoWorker(f"{NOT_CHECKED} {without_prefix(reason, NOT_CHECKED)}", NO_WORKER_RETRY_AFTER) from None
+
+
+def ready_workers(runtime: Any) -> list[Any]:
+    """The workers that have loaded the pipeline and take sessions (not one failing)."""
+    return [worker for worker_id, worker in runtime.workers.items()
+            if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.failing]

@@ -118,6 +118,22 @@ async def test_options_while_every_worker_is_loading_are_a_503_and_hold_nothing(
             loader.release()
 
 
+@pytest.mark.parametrize("config", [{"resolution": "abc"}, {}], ids=["with-options", "without"])
+async def test_with_no_queue_a_create_while_every_worker_is_loading_is_a_503_no_worker_not_no_capacity(config):
+    """With ``--queue-size 0`` such a create was a 429 ``no_capacity``, "no retained slot is free and the queue is
+    disabled": the server full, where it was only starting (a new-user pass)."""
+    loader = GatedLoader()
+    async with serve(make_settings(queue_size=0), loader=loader, ready=False) as s:
+        try:
+            status, body, response = await s.create("ctl", config=config)
+            assert status == 503, body
+            assert_error_body(status, body, "no_worker")
+            assert int(response.headers["Retry-After"]) > 0
+            assert not list(s.runtime.registry)
+        finally:
+            loader.release()
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [({"fps": 0}, "'fps'"), ({"width": 15}, "'width'"), ({"colour": "red"}, "colour"),
