@@ -3,7 +3,8 @@
 A session's ``error``, the ``tf.status`` error detail and a worker's failure in health and metadata
 are read by anyone holding the session id or a viewer link. They say what failed in one short line:
 never a traceback, never a server file path (a path is shown by its last component), never more
-than :data:`MAX_REASON` characters.
+than :data:`MAX_REASON` characters: a longer one keeps its start and its end, where a nested error's cause is (a
+refused placement's health line ended before it named the stage and the fault).
 
 Text a client sent that an error message repeats back (an id, a field name, a header value, a status
 filter) goes through :func:`echo`: quoted, and cut to :data:`MAX_ECHO` characters with its full length
@@ -19,6 +20,7 @@ from typing import Final
 __all__ = ["MAX_ECHO", "MAX_REASON", "cut", "echo", "echo_each", "public_reason", "without_prefix"]
 
 MAX_REASON: Final = 240
+CUT: Final = " ... "  # where a reason past MAX_REASON was cut: its middle, the wrappers a nested error's cause is in
 MAX_ECHO: Final = 64  # characters of one piece of client text an error message repeats
 MAX_ECHOED: Final = 5  # pieces of client text one error message repeats (the rest are counted)
 
@@ -46,8 +48,9 @@ def public_reason(failure: BaseException | str, *, prefix_type: bool = True) -> 
     text = _PATH.sub(lambda match: match.group(1) or "<path>", text)
     text = _HEX_ADDRESS.sub("", text)
     text = "".join(ch if ch.isprintable() else " " for ch in text)
-    if len(text) > MAX_REASON:
-        text = text[: MAX_REASON - 3].rstrip() + "..."
+    if len(text) > MAX_REASON:  # its start (what failed) and its end (the cause a nested error ends with)
+        head = MAX_REASON // 3
+        text = text[:head].rstrip() + CUT + text[len(text) - (MAX_REASON - head - len(CUT)):].lstrip()
     return text or "failed"
 
 

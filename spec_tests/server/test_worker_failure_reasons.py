@@ -58,6 +58,8 @@ async def test_the_log_line_of_a_worker_whose_pipeline_refused_its_options_says_
         await wait_worker_failed(served.runtime)
         status, metadata, _ = await served.json("get", "/v1/service/metadata")
     (reason, *_) = metadata["worker_failures"].values()
-    assert len(reason) <= MAX_REASON and not reason.endswith("the end"), reason  # the short line, for everyone
+    # the short line, for everyone: its start and its end, the cause (it ended before it named it)
+    assert len(reason) <= MAX_REASON and " ... " in reason and reason.endswith("the end"), reason
+    assert reason.startswith("OptionValuesRefused: get_service() in "), reason
     lines = [record.getMessage() for record in caplog.records if "could not load the pipeline" in record.getMessage()]
     assert lines and all(line.endswith(f"refused its options: {why}") for line in lines), lines
