@@ -306,8 +306,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.post("/v1/stream/sessions")
     async def create_session() -> Response:
-        body, image = parse_create_session(await json_body())
-        check_inputs(runtime, body, image, settings.pipeline)  # one the pipeline does not take is a 400 now
+        # an input the pipeline does not take is a 400 now, before an uploaded image is decoded
+        body, image = parse_create_session(
+            await json_body(), lambda request, image_b64: check_inputs(runtime, request, image_b64, settings.pipeline))
         if body.image_path is not None:
             path, size = resolve_image_path(body.image_path, settings.assets_dir)
             body = attrs.evolve(body, image_path=path, image=size)

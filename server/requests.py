@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import attrs
@@ -124,8 +125,14 @@ def _optional_str(body: dict[str, Any], name: str, limit: int) -> str | None:
     return value
 
 
-def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
-    """``{identity, role?, prompt?, image_path?, image_b64?, config?}`` -> the request and any uploaded image."""
+def parse_create_session(
+    body: Any, check_given: Callable[[CreateSession, str | None], None] | None = None
+) -> tuple[CreateSession, bytes | None]:
+    """``{identity, role?, prompt?, image_path?, image_b64?, config?}`` -> the request and any uploaded image.
+
+    ``check_given(request, image_b64)`` is asked about the inputs given before an uploaded image is decoded: an image
+    the pipeline does not take is refused as that, not for what the image is (a user fixed the image, only to be told
+    then to leave it out)."""
     body = _object(body)
     _unknown(body, {"identity", "role", "prompt", "image_path", "image_b64", "config"})
     identity = body.get("identity")
@@ -146,6 +153,9 @@ def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
         raise BadRequest("invalid_field", "config must be a JSON object")
     if len(json.dumps(config)) > MAX_CONFIG_BYTES:
         raise BadRequest("invalid_field", f"config is larger than {MAX_CONFIG_BYTES} bytes")
+    request = CreateSession(identity=identity, prompt=prompt, image_path=image_path, config=config)
+    if check_given is not None:
+        check_given(request, image_b64)
     image = size = None
     if image_b64 is not None:
         try:
@@ -155,7 +165,7 @@ def parse_create_session(body: Any) -> tuple[CreateSession, bytes | None]:
         if not image:
             raise BadRequest("invalid_field", "image_b64 is empty")
         size = _check_image(lambda: check_image(image), "image_b64")
-    return CreateSession(identity=identity, prompt=prompt, image_path=image_path, config=config, image=size), image
+    return attrs.evolve(request, image=size), image
 
 
 def parse_token_request(body: Any) -> str:

@@ -30,11 +30,11 @@ if TYPE_CHECKING:
 __all__ = ["check_inputs"]
 
 
-def check_inputs(runtime: StreamRuntime, body: CreateSession, image: bytes | None, pipeline: str) -> None:
+def check_inputs(runtime: StreamRuntime, body: CreateSession, image_b64: str | None, pipeline: str) -> None:
     """Raise :class:`BadRequest` (400 ``invalid_input``) for the first input of the create that the workers' pipeline
     does not take, or :class:`NoWorker` (503) when it gives one and no worker has said yet what its pipeline takes
     (unless the create would be refused anyway: the server full or stopping answers as it always does)."""
-    given = [(field, name) for field, name, value in (("prompt", "prompt", body.prompt), ("image_b64", "image", image),
+    given = [(field, name) for field, name, value in (("prompt", "prompt", body.prompt), ("image_b64", "image", image_b64),
                                                       ("image_path", "image", body.image_path)) if value is not None]
     if not given:
         return

@@ -49,6 +49,11 @@ async def test_a_prompt_or_an_image_given_to_the_replay_pipeline_is_a_400_and_ho
                 response = await client.post("/v1/stream/sessions", json={"identity": "ctl", field: value})
                 assert response.status_code == 400, response.text
                 assert response.json() == {"error": "invalid_input", "detail": refusal(field, name)}
+            # an image it does not take is refused as that, whatever the image is: it was a 400 unsupported_image,
+            # and a user who fixed the image was then told to leave it out
+            garbage = await client.post("/v1/stream/sessions", json={"identity": "ctl",
+                                                                      "image_b64": base64.b64encode(b"no image").decode()})
+            assert garbage.json() == {"error": "invalid_input", "detail": refusal("image_b64", "image")}
             both = await client.post("/v1/stream/sessions", json={"identity": "ctl", "prompt": "x",
                                                                    "image_b64": given["image_b64"][1]})
             assert both.json()["detail"] == refusal("prompt", "prompt")  # the first the pipeline does not take
