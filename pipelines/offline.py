@@ -194,6 +194,7 @@ async def _run_bidirectional(
     service: BidirectionalService, config: SessionConfig, controls: Sequence[TimedControl], run: _Run
 ) -> None:
     rec = run.recorder
+    given = dict(config.options)  # the user's own (--option): the run adds its own to a scripted service's
     scripted = service.supports_timeline
     scripted_controls: Sequence[TimedControl] = controls if scripted else ()
     if scripted:
@@ -207,6 +208,7 @@ async def _run_bidirectional(
         controls = ()
     deadlines = run.deadlines
     async with running_within(service, deadlines.running):
+        await _check_given_options(service, given, run)
         rec.session_requested = time.perf_counter()
         session_id = await call_within("create_session", deadlines.create_session,
                                        lambda: service.create_session(config, on_event=rec.event))
@@ -242,9 +244,22 @@ async def _run_bidirectional(
             await run.close("close_session", lambda: service.close_session(session_id))
 
 
+async def _check_given_options(service: BidirectionalService | ServerPushService, options: Mapping[str, Any],
+                               run: _Run) -> None:
+    """The options the user gave, checked as the server checks a create's (``check_options``, the very check the
+    session's start runs): a refusal names the flag (``--option: toy world: unknown option(s) ...``; it named none)."""
+    if options:
+        try:
+            await call_within("check_options", run.deadlines.create_session,
+                              lambda: service.check_options(dict(options)))
+        except ValueError as exc:
+            raise ValueError(f"--option: {exc}") from None
+
+
 async def _run_server_push(service: ServerPushService, config: SessionConfig, run: _Run) -> None:
     rec = run.recorder
     async with running_within(service, run.deadlines.running):
+        await _check_given_options(service, config.options, run)
         rec.session_requested = time.perf_counter()
         iterator = checked_stream(service.stream(config), "stream()")
         rec.session_setup = time.perf_counter() - rec.session_requested

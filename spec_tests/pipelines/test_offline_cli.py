@@ -232,7 +232,8 @@ def test_an_option_the_toy_world_does_not_know_exits_2_naming_it(tmp_path: Path,
     out = tmp_path / "out"
     toy_world = str(Path(pipelines.__file__).parent / "toy_world")
     assert main(["run", toy_world, "--chunks", "1", "--option", "seeed=3", "--out", str(out)]) == 2
-    assert "unknown option(s) ['seeed']" in capsys.readouterr().err
+    # the flag is named, as every other flag's refusal names its flag (it said only "toy world: unknown option(s)")
+    assert "chunkline run: --option: toy world: unknown option(s) ['seeed']" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -28,6 +28,6 @@ def test_a_video_path_that_is_no_file_is_refused_saying_what_it_is(tmp_path: Pat
     done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(ROOT / "pipelines" / "replay"), "--chunks", "1",
                            "--option", f"video_path={video}", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
-    assert done.stderr.splitlines() == [f"chunkline run: replay option 'video_path': {str(video)!r} {said}"], done.stderr
+    assert done.stderr.splitlines() == [f"chunkline run: --option: replay option 'video_path': {str(video)!r} {said}"], done.stderr
     assert done.returncode == 2
     assert not out.exists()
