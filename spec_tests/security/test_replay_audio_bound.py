@@ -46,5 +46,5 @@ def test_chunkline_run_refuses_the_option_as_bad_input_naming_it(tmp_path: Path)
                           cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE)
     last: Any = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2, done.stderr[-2000:]
-    assert last.startswith("chunkline run: replay options 'frames_per_chunk' / 'fps' make"), last
+    assert last.startswith("chunkline run: --option: replay options 'frames_per_chunk' / 'fps' make"), last
     assert not out.exists()
