@@ -30,7 +30,7 @@ from states.pipeline_session import CloseReason
 from .actor_protocol import (
     STAGE_ACTOR_METHODS, ActorHealth, ActorState, Completion, SessionContext, StageActor, StageInvocation, TaskKey,
 )
-from .call_watch import CallWatch
+from .call_watch import CallWatch, timed
 from .errors import ActorBusyError, ActorFailedError, FatalStageError, StageCallTimeout, error_text, seconds
 from .threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, WaitQueue
 
@@ -316,14 +316,8 @@ class LocalStageActor:
                 ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
             )
         else:
-            watch = self._call_watch  # as on the thread (_guarded_handler): the call is timed while it runs
-            if watch is not None:
-                watch.started(inv)
-            try:
+            with timed(self._call_watch, inv):  # as on the thread (_guarded_handler)
                 result = await self._call(self._handler, True, inv)
-            finally:
-                if watch is not None:
-                    watch.ended()
         self._resolve(inv, message.on_done, result)
 
     def _guarded_handler(self, invocation: StageInvocation, delivery: _Delivery) -> Any:
@@ -425,14 +419,8 @@ class LocalStageActor:
 
     def _watched_hook(self, context: SessionContext, reason: CloseReason) -> Any:
         """Runs the synchronous session hook on the thread, timed as a call is (``call_timeout``)."""
-        watch = self._call_watch
-        if watch is not None:
-            watch.started(context)
-        try:
+        with timed(self._call_watch, context):
             return self._closer(context, reason)  # type: ignore[misc]
-        finally:
-            if watch is not None:
-                watch.ended()
 
     async def _close_session(self, message: _CloseSession) -> None:
         if self._machine.state is ActorState.FAILED:
@@ -440,16 +428,8 @@ class LocalStageActor:
                 ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
             )
         else:
-            watch = self._call_watch  # the hook runs in the actor's task, ahead of the calls queued behind it
-            if watch is not None:
-                watch.started(message.context)
-            try:
-                message.result = await self._call(
-                    self._closer, self._closer_is_async, message.context, message.reason
-                )
-            finally:
-                if watch is not None:
-                    watch.ended()
+            with timed(self._call_watch, message.context):  # in the actor's task, ahead of the calls behind it
+                message.result = await self._call(self._closer, self._closer_is_async, message.context, message.reason)
         message.done.set()
 
     async def barrier(self) -> None:

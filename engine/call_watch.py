@@ -17,7 +17,8 @@ fails the actor once it has seen the same call running for the whole deadline: n
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -27,7 +28,7 @@ from .errors import StageCallTimeout
 if TYPE_CHECKING:
     from .actor_protocol import SessionContext, StageInvocation
 
-__all__ = ["CallWatch"]
+__all__ = ["CallWatch", "timed"]
 
 #: the longest pause between two looks at the running call
 LOOK_PERIOD_MAX = 1.0
@@ -74,6 +75,20 @@ class CallWatch:
             if now - seen_at >= timeout:
                 overran(StageCallTimeout(f"{_named(call)} ran past its call_timeout of {timeout:g} s"), token)
                 return
+
+
+@contextlib.contextmanager
+def timed(watch: CallWatch | None, call: StageInvocation | SessionContext) -> Iterator[None]:
+    """The block runs ``call`` (an invocation, or a session's hook), noted as running while it does; nothing without a
+    watch. (A synchronous handler's call, made for every chunk, notes itself without this.)"""
+    if watch is None:
+        yield
+        return
+    watch.started(call)
+    try:
+        yield
+    finally:
+        watch.ended()
 
 
 def _named(call: StageInvocation | SessionContext) -> str:
