@@ -56,36 +56,27 @@ def unique_tensors(tree: Any) -> tuple[list[torch.Tensor], dict[int, int]]:
     return leaves, seen
 
 
-def _walk(tree: Any, leaf_type: type | tuple[type, ...], visit: Callable[[Any], None], *, leaves_only: bool = False) -> None:
-    """Visit every ``leaf_type`` leaf (``leaves_only``: every leaf, no container the walk enters)."""
-    if isinstance(tree, dict):
-        if not leaves_only and isinstance(tree, leaf_type):
-            visit(tree)
-            return
-        for v in tree.values():
-            _walk(v, leaf_type, visit, leaves_only=leaves_only)
-    elif isinstance(tree, (list, tuple)):
-        if not leaves_only and isinstance(tree, leaf_type):
-            visit(tree)
-            return
-        for v in tree:
-            _walk(v, leaf_type, visit, leaves_only=leaves_only)
-    elif isinstance(tree, leaf_type):
+def _walk(tree: Any, leaf_type: type | tuple[type, ...], visit: Callable[[Any], None]) -> None:
+    if isinstance(tree, leaf_type):
         visit(tree)
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            _walk(v, leaf_type, visit)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            _walk(v, leaf_type, visit)
 
 
 def hidden_tensor_holder(tree: Any) -> str | None:
     """The type of the first leaf of ``tree`` that holds a tensor the walk does not reach (a set, a deque, a mapping
     that is no dict, a dataclass or attrs instance), or None: a channel sends only the tensors it reaches, and the
     rest travelled whole with the refs, in the scheduler's hands."""
-    found: list[str] = []
-
-    def look(leaf: Any) -> None:
-        if not found and not isinstance(leaf, torch.Tensor) and _holds_tensor(leaf, 0):
-            found.append(type(leaf).__name__)
-
-    _walk(tree, object, look, leaves_only=True)
-    return found[0] if found else None
+    if isinstance(tree, (dict, list, tuple)):  # the containers the walk enters
+        for value in tree.values() if isinstance(tree, dict) else tree:
+            if (holder := hidden_tensor_holder(value)) is not None:
+                return holder
+        return None
+    return type(tree).__name__ if not isinstance(tree, torch.Tensor) and _holds_tensor(tree, 0) else None
 
 
 def _holds_tensor(value: Any, depth: int) -> bool:
