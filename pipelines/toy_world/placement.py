@@ -61,8 +61,8 @@ import torch
 
 from engine import EdgeSpec, PipelineSpec, ResourceGroupSpec, StageSpec
 
-from ..json_objects import RepeatedKey, refuse_repeated_keys
-from ..placement_limits import placement_text, stage_ranks_problem, total_ranks_problem
+from pipelines.json_objects import RepeatedKey, refuse_repeated_keys
+from pipelines.placement_limits import placement_text, stage_ranks_problem, total_ranks_problem
 
 __all__ = [
     "DTYPES",

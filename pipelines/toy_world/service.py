@@ -54,7 +54,7 @@ from engine import (
 from states.lease_book import LeaseTransition
 from states.pipeline_session import State as PipelineState
 
-from ..contract import (
+from pipelines.contract import (
     BidirectionalService,
     Chunk,
     Control,
@@ -65,9 +65,9 @@ from ..contract import (
     ServiceEvent,
     SessionConfig,
 )
-from ..images import load_image_sized
-from ..lease import EVENT_NAMES, ExecutionLease, LeaseClosed
-from ..prefetch import ConditionPrefetch, ControlOrderError
+from pipelines.images import load_image_sized
+from pipelines.lease import EVENT_NAMES, ExecutionLease, LeaseClosed
+from pipelines.prefetch import ConditionPrefetch, ControlOrderError
 from .model import SessionSlots, ToyWorldConfig, ToyWorldModel, chunk_noise_seed
 from .placement import DTYPES, Placement, load_placement, pipeline_spec
 from .session_state import ToySession as _ToySession, check_image_size, session_options

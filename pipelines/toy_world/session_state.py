@@ -12,8 +12,8 @@ import trio
 
 from engine import MAX_SEQUENCE_ID
 
-from ..contract import Control, EventSink, SessionConfig
-from ..prefetch import ConditionPrefetch
+from pipelines.contract import Control, EventSink, SessionConfig
+from pipelines.prefetch import ConditionPrefetch
 from .model import ToyWorldConfig, parse_resolution
 
 __all__ = ["MAX_CHUNKS", "SESSION_OPTIONS", "ToySession", "check_image_size", "session_options"]
