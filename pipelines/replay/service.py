@@ -59,6 +59,7 @@ import numpy as np
 import trio
 
 from pipelines.contract import Audio, Chunk, ServerPushService, SessionConfig
+from pipelines.json_objects import as_json
 from pipelines.paths import NO_SUCH_FILE, PathRefused, regular_file_problem, resolve_inside
 
 __all__ = ["ANY_FILE", "MAX_CHUNK_BYTES", "SAMPLE_RATE", "ReplayOptions", "ReplayService", "render_test_pattern", "tone_pcm"]
@@ -125,20 +126,20 @@ class ReplayOptions:
         values.update(options)
         fps = values["fps"]
         if not _is_real(fps) or not 0 < float(fps) <= 240:
-            raise ValueError(f"replay option 'fps' must be a number in (0, 240], got {fps!r}")
+            raise ValueError(f"replay option 'fps' must be a number in (0, 240], got {as_json(fps)}")
         for name in ("width", "height"):
             size = values[name]
             if not _is_int(size) or not 16 <= size <= 4096 or size % 2:
-                raise ValueError(f"replay option {name!r} must be an even int in [16, 4096], got {size!r}")
+                raise ValueError(f"replay option {name!r} must be an even int in [16, 4096], got {as_json(size)}")
         per_chunk = values["frames_per_chunk"]
         if not _is_int(per_chunk) or not 1 <= per_chunk <= 1024:
-            raise ValueError(f"replay option 'frames_per_chunk' must be an int in [1, 1024], got {per_chunk!r}")
+            raise ValueError(f"replay option 'frames_per_chunk' must be an int in [1, 1024], got {as_json(per_chunk)}")
         duration = values["duration_seconds"]
         if not _is_real(duration) or not 0 < float(duration) <= 86400:
-            raise ValueError(f"replay option 'duration_seconds' must be a number in (0, 86400], got {duration!r}")
+            raise ValueError(f"replay option 'duration_seconds' must be a number in (0, 86400], got {as_json(duration)}")
         tone = values["tone_hz"]
         if not _is_real(tone) or not 0 <= float(tone) < SAMPLE_RATE / 2:
-            raise ValueError(f"replay option 'tone_hz' must be a number in [0, {SAMPLE_RATE // 2}), got {tone!r}")
+            raise ValueError(f"replay option 'tone_hz' must be a number in [0, {SAMPLE_RATE // 2}), got {as_json(tone)}")
         chunk_bytes = int(values["width"]) * int(values["height"]) * 3 * per_chunk
         if chunk_bytes > MAX_CHUNK_BYTES:
             raise ValueError(
@@ -156,7 +157,7 @@ class ReplayOptions:
         video = values["video_path"]
         if video is not None:
             if not isinstance(video, str | os.PathLike) or not str(video):
-                raise ValueError(f"replay option 'video_path' must be a file path, got {video!r}")
+                raise ValueError(f"replay option 'video_path' must be a file path, got {as_json(video)}")
             video = _video_file(str(video), videos)
         return cls(
             fps=float(fps),

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.slots import SlotPool
+from pipelines.json_objects import as_json
 
 from .appearance import appearance_numel, condition_appearance, encode_appearance, image_to_picture
 from .pose import IDENTITY_POSE, Pose, integrate_pose
@@ -188,7 +189,7 @@ class ToyWorldConfig:
         """``(height, width)`` if a session may ask for it, else a ``ValueError`` naming ``resolution``."""
         for name, value, limit in (("width", width, self.max_width), ("height", height, self.max_height)):
             if not isinstance(value, int) or isinstance(value, bool) or value < self.downscale or value > limit:
-                raise ValueError(f"option 'resolution': {name} must be an int in [{self.downscale}, {limit}], got {value!r}")
+                raise ValueError(f"option 'resolution': {name} must be an int in [{self.downscale}, {limit}], got {as_json(value)}")
             if value % self.downscale:
                 raise ValueError(f"option 'resolution': {name} must be a multiple of {self.downscale}, got {value}")
         return (height, width)
@@ -202,12 +203,12 @@ def parse_resolution(value: object, config: ToyWorldConfig) -> tuple[int, int]:
     if isinstance(value, str):
         match = _RESOLUTION.fullmatch(value)
         if match is None:
-            raise ValueError(f"option 'resolution' must be 'WxH' (e.g. '320x192'), got {value!r}")
+            raise ValueError(f"option 'resolution' must be 'WxH' (e.g. 320x192), got {as_json(value)}")
         width, height = int(match.group(1)), int(match.group(2))
     elif isinstance(value, list | tuple) and len(value) == 2:
         width, height = value
     else:
-        raise ValueError(f"option 'resolution' must be 'WxH' (e.g. '320x192') or [W, H], got {value!r}")
+        raise ValueError(f"option 'resolution' must be 'WxH' (e.g. 320x192) or [W, H], got {as_json(value)}")
     return config.check_resolution(height, width)
 
 

@@ -13,6 +13,7 @@ import trio
 from engine import MAX_SEQUENCE_ID
 
 from pipelines.contract import Control, EventSink, SessionConfig
+from pipelines.json_objects import as_json
 from pipelines.prefetch import ConditionPrefetch
 from .model import ToyWorldConfig, parse_resolution
 
@@ -30,12 +31,12 @@ def session_options(options: Mapping[str, Any], config: ToyWorldConfig) -> tuple
         raise ValueError(f"toy world: unknown option(s) {unknown} (known: {sorted(SESSION_OPTIONS)})")
     continuous = options.get("continuous", False)
     if not isinstance(continuous, bool):
-        raise ValueError(f"option 'continuous' must be true or false, got {continuous!r}")
+        raise ValueError(f"option 'continuous' must be true or false, got {as_json(continuous)}")
     chunk_count = options.get("chunks")
     if "chunks" in options and (isinstance(chunk_count, bool) or not isinstance(chunk_count, int)
                                 or not 1 <= chunk_count <= MAX_CHUNKS):
         # leave it out for a session without end; at most one chunk per sequence id the engine has
-        raise ValueError(f"option 'chunks' must be an int in 1..2**63, got {chunk_count!r}")
+        raise ValueError(f"option 'chunks' must be an int in 1..2**63, got {as_json(chunk_count)}")
     resolution = options.get("resolution")
     if resolution is not None:
         resolution = parse_resolution(resolution, config)  # ValueError naming 'resolution'

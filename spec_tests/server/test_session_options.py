@@ -36,18 +36,18 @@ SESSIONS = "/v1/stream/sessions"
 
 #: (options, the words the refusal must hold): bad values, bounds, an unknown name, wrong types
 BAD_OPTIONS: list[tuple[dict[str, Any], tuple[str, ...]]] = [
-    ({"resolution": "abc"}, ("'resolution'", "'abc'")),
+    ({"resolution": "abc"}, ("'resolution'", '"abc"')),
     ({"resolution": "4000x4000"}, ("'resolution'", "4000")),
     ({"resolution": "322x192"}, ("'resolution'", "multiple of 4")),
     ({"resolutoin": "320x192"}, ("unknown option", "resolutoin")),
-    ({"chunks": "three"}, ("'chunks'", "'three'")),
+    ({"chunks": "three"}, ("'chunks'", '"three"')),
     ({"chunks": 0}, ("'chunks'",)),
     # past the engine's sequence ids: taken once, and the session failed with the engine's words when it began
     ({"chunks": 2**63 + 1}, ("'chunks'", "1..2**63", str(2**63 + 1))),
     ({"chunks": 10**30}, ("'chunks'", "1..2**63")),
-    ({"chunks": None}, ("'chunks'", "None")),  # leave it out for no end, as `continuous` is left out for its default
+    ({"chunks": None}, ("'chunks'", "got null")),  # JSON's word (it said None); leave it out for no end, as `continuous` is left out for its default
     ({"resolution": "\uff11\uff16\uff10x96"}, ("'resolution'",)),  # full-width digits are not digits here
-    ({"continuous": "yes"}, ("'continuous'", "'yes'")),
+    ({"continuous": "yes"}, ("'continuous'", '"yes"')),
     # the startup check's own option once, read nowhere: a client's took any value and did nothing
     ({"preview": "anything"}, ("unknown option", "'preview'")),
 ]
@@ -83,7 +83,7 @@ async def test_options_are_checked_in_the_process_worker_and_the_slot_stays_free
                                         max_sessions_per_worker=1, queue_size=0)
     async with runner_fixtures.serve(settings, loader, ready=False) as s:
         await wait_until(lambda: s.runtime.ready, "the service child", deadline=120)
-        for options, words in (({"resolution": "abc"}, ("'resolution'", "'abc'")),
+        for options, words in (({"resolution": "abc"}, ("'resolution'", '"abc"')),
                                ({"colour": "red"}, ("unknown option", "colour"))):
             status, body = await s.json("post", SESSIONS, json={"identity": "ctl", "config": options})
             assert status == 400 and body["error"] == "invalid_option", body
