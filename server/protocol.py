@@ -45,7 +45,7 @@ unknown_type        ``type`` missing, not a string, or not one of
                     :data:`MESSAGE_TYPES`
 bad_controls        ``control_state.controls`` missing or not a list of strings;
                     ``control`` without a string ``control``/``key``
-unknown_control     a control name that is not a known key or alias
+unknown_control     a control name that is not a known key or alias (the refusal lists them)
 duplicate_control   ``control_state`` naming one key twice (after aliasing)
 unknown_event       a ``control`` event that is not a string or not one of
                     press, release, keyup, end, reset, reset_pose
@@ -179,6 +179,12 @@ KEY_ALIASES: Final[Mapping[str, str]] = {
     "left": "a",
     "right": "d",
 }
+
+#: what an ``unknown_control`` refusal lists: the keys, then the other names taken for them
+KNOWN_CONTROLS: Final = (
+    f"known keys: {' '.join(sorted(KNOWN_KEYS))} (or Key and the letter, as KeyW); also "
+    + " ".join(sorted(name for name in KEY_ALIASES if name not in KNOWN_KEYS and not name.startswith("Key")))
+)
 
 # event -> pressed (bool) for key events, or the control type it stands for.
 _EVENTS: Final[Mapping[str, bool | ControlType]] = {
@@ -343,7 +349,7 @@ def _held_keys(fields: Mapping[str, Any]) -> frozenset[str]:
     for name in controls:
         key = normalize_key(name)
         if key is None:
-            raise InvalidControl("unknown_control", f"unknown control {echo(name)}")
+            raise InvalidControl("unknown_control", f"unknown control {echo(name)}; {KNOWN_CONTROLS}")
         if key in held:
             raise InvalidControl("duplicate_control", f"control {echo(name)} repeats key {key!r}")
         held.add(key)
@@ -370,7 +376,7 @@ def _named_key(name: Any) -> str:
         raise InvalidControl("bad_controls", "a control message needs a string 'control' (or 'key')")
     key = normalize_key(name)
     if key is None:
-        raise InvalidControl("unknown_control", f"unknown control {echo(name)}")
+        raise InvalidControl("unknown_control", f"unknown control {echo(name)}; {KNOWN_CONTROLS}")
     return key
 
 

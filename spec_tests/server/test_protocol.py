@@ -14,6 +14,7 @@ from pipelines.contract import KNOWN_KEYS, Control, ControlType
 from server.protocol import (
     CONTROL_TOPIC,
     KEY_ALIASES,
+    KNOWN_CONTROLS,
     METRICS_TOPIC,
     REJECTION_REASONS,
     STATUS_TOPIC,
@@ -353,7 +354,9 @@ def test_rejection_carries_reason_and_detail() -> None:
     failure = rejected({"type": "control_state", "controls": ["w", "z" * 500]})
     assert isinstance(failure, ValueError)
     assert failure.reason == "unknown_control"
-    assert "(500 characters in all)" in failure.detail and len(failure.detail) < 2 * MAX_ECHO  # cut, never all of it
+    # cut, never all of it; the known names follow
+    assert "(500 characters in all)" in failure.detail and len(failure.detail) < 2 * MAX_ECHO + len(KNOWN_CONTROLS)
+    assert failure.detail.endswith(f"; {KNOWN_CONTROLS}")
     assert str(failure).startswith("unknown_control: ")
     with pytest.raises(ValueError):
         InvalidControl("made_up", "x")

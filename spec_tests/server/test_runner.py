@@ -251,6 +251,10 @@ async def test_invalid_control_is_answered_and_counted(autojump_clock: Any) -> N
             await ctl.control({"type": "control_state", "controls": ["x"]})
             (rejected,) = await ctl.wait_for(lambda p: p.status("control_rejected"), "control_rejected")
             assert rejected["reason"] == "unknown_control"
+            # the controller is told which names there are (it was told only that 'x' is none of them)
+            assert rejected["detail"] == ("unknown control 'x'; known keys: a d i j k l s w (or Key and the letter, "
+                                          "as KeyW); also ArrowDown ArrowLeft ArrowRight ArrowUp backward down "
+                                          "forward left right up"), rejected
             assert rejected["session_id"] == created["session_id"]
             (session,) = service.sessions.values()
             assert session.controls == []
