@@ -10,7 +10,7 @@ A pipeline file defines ``get_service(gpu_num=...)`` returning one of:
   controls; exactly one retained session.
 
 Every service is used inside ``async with service.running():`` (load models,
-start stage actors); nothing else may be called outside it.
+start stage actors); nothing else is called outside it, except ``configure_session_capacity``, once, before it.
 
 A service declares which session inputs it uses besides its options (:data:`SESSION_INPUTS`), with the class
 attributes ``takes_prompt`` and ``takes_image`` (True unless the class says False). A request that carries an

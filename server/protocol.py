@@ -76,7 +76,7 @@ Status (fix of F.16)
 --------------------
 Every message on ``tf.status`` is a JSON object with its real ``type`` at the
 top level (``status``, ``chunk``, ``done``, ``error``, ``control_rejected``,
-``lease``; and ``metrics`` on ``tf.metrics``), the ``session_id`` and a float
+``lease_queued``, ``lease_granted``, ``lease_parked``; and ``metrics`` on ``tf.metrics``), the ``session_id`` and a float
 ``timestamp``. Free-form extras (status, chunk and metrics data) are nested
 under ``data`` so they can never shadow those fields. Values that JSON
 cannot carry (numpy scalars aside, which become numbers) are stringified.

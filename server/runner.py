@@ -125,6 +125,7 @@ class RoomRunner:
         self._presence: RoomPresence | None = None
         self._presence_changed = trio.Event()
         self._outbox_in, self._outbox = trio.open_memory_channel[bytes](OUTBOX_LIMIT)
+        self._trio_token = trio.lowlevel.current_trio_token()  # a service event from another thread comes in by it
         self.dropped_service_events = 0
         #: whether the room took this runner's word of how the session ended; if not, the server says it (``settle``)
         self.told_room = False
@@ -358,14 +359,24 @@ class RoomRunner:
         self.deps.on_participants(self.record)
 
     def _on_service_event(self, event: ServiceEvent) -> None:
-        """From the service (any moment, synchronously): queued for the runner's own sender task."""
-        if event.type.startswith("lease_") and self._connection is not None:
-            position = event.data.get("queue_position")
-            payload = protocol.lease_message(self.record.session_id, event.type, position)
-            try:
-                self._outbox_in.send_nowait(payload)
-            except (trio.WouldBlock, trio.ClosedResourceError):
-                self.dropped_service_events += 1  # bounded: a stalled room cannot make the runner hold more
+        """From the service, at any moment and from any thread: a lease change is queued for the runner's own sender
+        task. What the room has no message for (another type, a value that is no ``ServiceEvent``) is left out: it
+        raised into the pipeline's own call (an unknown ``lease_`` type), and a call from a thread of the pipeline's
+        used trio's channel from outside trio."""
+        if not trio.lowlevel.in_trio_run():
+            with contextlib.suppress(trio.RunFinishedError):
+                self._trio_token.run_sync_soon(self._on_service_event, event)
+            return
+        if not isinstance(event, ServiceEvent) or event.type not in protocol.LEASE_EVENTS or self._connection is None:
+            return
+        position = event.data.get("queue_position")
+        if type(position) is not int or position < 0:
+            position = None  # the room's message says a place in the queue, or none
+        payload = protocol.lease_message(self.record.session_id, event.type, position)
+        try:
+            self._outbox_in.send_nowait(payload)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            self.dropped_service_events += 1  # bounded: a stalled room cannot make the runner hold more
 
     async def _send_outbox(self) -> None:
         async for payload in self._outbox:
