@@ -463,10 +463,14 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             await websocket.close(4401, exc.reason)
             return
         await websocket.accept()
-        if isinstance(subscriber, RemoteWorkerPresence):  # a worker agent publishing from its own process
-            await transport.serve_worker(room, subscriber, websocket.send, websocket.receive)
-            return
-        await transport.serve_client(room, subscriber, websocket.send, websocket.receive)
+        try:
+            if isinstance(subscriber, RemoteWorkerPresence):  # a worker agent publishing from its own process
+                await transport.serve_worker(room, subscriber, websocket.send, websocket.receive)
+            else:
+                await transport.serve_client(room, subscriber, websocket.send, websocket.receive)
+        except TokenRejected as exc:  # the room could not take it after all: refused as at the door
+            await websocket.send(exc.refusal())
+            await websocket.close(4401, exc.reason)
 
     @app.get("/")
     async def index() -> Response:

@@ -30,7 +30,7 @@ import json
 import logging
 import re
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from http import HTTPStatus
 from typing import Final, NoReturn
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -174,7 +174,8 @@ class RoomSocket:
                         self._limit = max(self._limit, WORKER_MESSAGE_BYTES)
                         self._max_pieces = max(MAX_MESSAGE_PIECES, WORKER_MESSAGE_BYTES // 1024)
                         # the server's own agent, holding a worker token: its media (the stream) is not paced
-                        await self._rooms.serve_worker(room, subscriber, self._send, self._receive)
+                        await self._refused_as_at_the_door(self._rooms.serve_worker(room, subscriber, self._send,
+                                                                                    self._receive))
                     else:
                         await self._join(room, subscriber)
                     nursery.cancel_scope.cancel()
@@ -203,10 +204,20 @@ class RoomSocket:
                 wait = self._frame_pace.join_wait(trio.current_time())
                 if wait > 0:
                     await trio.sleep(wait)
-                await self._rooms.serve_client(room, subscriber, self._send, self._receive)
+                await self._refused_as_at_the_door(self._rooms.serve_client(room, subscriber, self._send,
+                                                                            self._receive))
         except JoiningTooOften as exc:
             self.close_reason, self.close_code = "joining_too_often", 4429
             await self._send(json.dumps({"type": "refused", "reason": self.close_reason, "detail": str(exc)}))
+
+    async def _refused_as_at_the_door(self, presence: Awaitable[None]) -> None:
+        """A presence the room could not take after all (the session ended, the identity joined meanwhile) is refused
+        with the door's close code, 4401, not closed as a visit that ended (1000)."""
+        try:
+            await presence
+        except TokenRejected as exc:
+            self.close_reason, self.close_code = exc.reason, 4401
+            await self._send(exc.refusal())
 
     # -- the protocol ---------------------------------------------------------------
 

@@ -350,11 +350,11 @@ class LocalRooms:
         receive: Callable[[], Awaitable[str | bytes]],
     ) -> None:
         """Host a worker agent's presence until its socket closes: its media and data fan out
-        to the room as an in-process worker's do; room events go back to it."""
+        to the room as an in-process worker's do; room events go back to it. Raises :class:`TokenRejected` for a
+        room that has its worker already (the socket refuses it as at the door)."""
         target = self._room(room)
         if target.worker is not None or worker.identity in target.identities():
-            await send(TokenRejected("identity_in_use").refusal())
-            return
+            raise TokenRejected("identity_in_use")
         target.worker_joined(worker)
         self._moved(target)
         target.broadcast_text(json.dumps({"type": "participant_joined", "identity": worker.identity}))
@@ -396,7 +396,9 @@ class LocalRooms:
         send: Callable[[str | bytes], Awaitable[None]],
         receive: Callable[[], Awaitable[str | bytes]],
     ) -> None:
-        """Run one client's presence until its socket closes (then it leaves the room)."""
+        """Run one client's presence until its socket closes (then it leaves the room). Raises
+        :class:`TokenRejected` for a client the room cannot take now, though the door let it in (the session ended,
+        the identity joined, the room or the viewer seats filled meanwhile): the socket refuses it as at the door."""
         target = self._room(room)
         # the session may have ended since the client was admitted (the route's handshake awaits in between)
         reason = ("session_closed" if not self.room_open(room)
@@ -406,8 +408,7 @@ class LocalRooms:
             room, subscriber.identity, True)
         if reason is not None or full is not None:
             self._forget_if_empty(target)
-            await send(TokenRejected(reason or "viewer_limit", full).refusal())
-            return
+            raise TokenRejected(reason or "viewer_limit", full)
         target.subscribers[subscriber.identity] = subscriber
         self._moved(target)  # before anyone is told: who hears of the join finds it counted
         subscriber.push_text(json.dumps({"type": "joined", "identity": subscriber.identity, "role": subscriber.role,

@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 from wsproto import WSConnection
-from wsproto.events import Pong, TextMessage
+from wsproto.events import CloseConnection, Pong, TextMessage
 
 from spec_tests import virtual_time
 
@@ -25,6 +25,7 @@ class Client:
         self.stream, self.ws = stream, ws
         self.pongs = 0
         self.texts: list[dict[str, Any]] = []
+        self.close_code: int | None = None  # the server's close frame's code, once it came
         self.arrived = trio.Event()
 
     async def send(self, data: bytes) -> None:
@@ -47,6 +48,8 @@ class Client:
             for event in self.ws.events():
                 if isinstance(event, Pong):
                     self.pongs += 1
+                elif isinstance(event, CloseConnection):
+                    self.close_code = event.code
                 elif isinstance(event, TextMessage):
                     parts.append(event.data)
                     if event.message_finished:

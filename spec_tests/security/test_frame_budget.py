@@ -224,6 +224,14 @@ async def test_sockets_opened_together_wait_no_longer_than_join_wait_most(rooms:
     assert slowest <= JOIN_WAIT_MOST + PROMPT, f"a socket waited {slowest:.2f} s for an answer"
     reasons = {m.get("reason") for viewer in storm for m in viewer.texts if m.get("type") == "refused"}
     assert reasons <= {"identity_in_use", "joining_too_often"}, reasons
+    # none was in the room at the door: the room refused the identity once one had joined, and such a refusal closes
+    # with the door's code, 4401 (it closed with 1000, a visit that ended)
+    for viewer in storm:
+        refusals = [m["reason"] for m in viewer.texts if m.get("type") == "refused"]
+        if refusals:
+            await viewer.wait_for(lambda c: c.close_code is not None, within=5)
+            assert viewer.close_code == {"identity_in_use": 4401, "joining_too_often": 4429}[refusals[0]], refusals
+    assert "identity_in_use" in reasons
     for viewer in storm:
         await viewer.stream.aclose()
     await gone()

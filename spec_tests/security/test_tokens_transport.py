@@ -131,6 +131,7 @@ async def assert_refused_and_closed(peer: Peer, reasons: set[str], detail: str =
     assert texts[0]["reason"] in reasons, texts
     assert isinstance(texts[0]["detail"], str) and detail in texts[0]["detail"], texts
     assert isinstance(peer.closed_with, WebsocketDisconnectError), peer.closed_with
+    assert peer.closed_with.args == (4401,), peer.closed_with  # a refusal's close code, wherever it was found
     return texts[0]["reason"]
 
 
