@@ -110,12 +110,10 @@ class SessionLifecycle:
 
 
 def _last_word(record: SessionRecord) -> bytes:
-    """What a room is told when a session ends with no worker to say it, as a runner says it: ``error`` with the
-    cause (``session_failed`` without one) and the reason when the session failed, else ``done`` with the cause."""
-    cause = None if record.drain_cause is None else record.drain_cause.value
-    if record.error is not None:
-        return protocol.error_message(record.session_id, cause or "session_failed", record.error)
-    return protocol.done_message(record.session_id, 0, 0, reason=cause)
+    """What a room is told when a session ends with no worker to say it: what its runner would have said, having
+    published nothing (one rule: the server's word gave a failure after a drain that was not one its drain cause,
+    where a runner's gives ``session_failed``)."""
+    return runner_last_word(record, record.error, 0, 0)
 
 
 def runner_last_word(record: SessionRecord, failure: str | None, chunks: int, frames: int) -> bytes:

@@ -87,3 +87,37 @@ async def test_a_room_that_takes_no_last_word_does_not_hold_the_session(
             assert done["reason"] == "deleted"
             said = [m for m in ctl.texts() if m.get("type") == "data" and m["payload"].get("type") == "done"]
             assert [m["from"] for m in said] == [SERVER_STATUS_IDENTITY]
+
+
+class CloseFails(CounterService):
+    async def close_session(self, session_id: str) -> None:
+        raise RuntimeError("the model's slot would not free")
+
+
+async def test_the_servers_last_word_for_a_failure_after_a_drain_is_the_runners(
+    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session deleted whose pipeline session then fails to close ends with ``error`` ``session_failed`` when its
+    runner says it. Where the room took nothing from the runner, the server said it with its own rule: ``error``
+    with the drain cause, ``deleted``, as though deleting it were the failure. Both say it one way now."""
+    released, rooms = trio.Event(), []
+    async with serve(settings(), CloseFails()) as s, released_at_the_end(released):
+        connect = s.runtime.transport.connect
+
+        async def connect_to_a_room_that_stalls(*args: Any, **kwargs: Any) -> RoomThatTakesNothing:
+            rooms.append(RoomThatTakesNothing(await connect(*args, **kwargs), released))
+            return rooms[-1]
+
+        monkeypatch.setattr(s.runtime.transport, "connect", connect_to_a_room_that_stalls)
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            (room,) = rooms
+            room.stalled = True
+            status, _ = await s.json("delete", f"/v1/stream/sessions/{created['session_id']}")
+            assert status == 200
+            (error,) = await ctl.wait_for(lambda p: p.status("error"), "the server's last word")
+            assert error["reason"] == "session_failed", error
+            assert "closing the pipeline session failed" in error["detail"], error
+            said = [m for m in ctl.texts() if m.get("type") == "data" and m["payload"].get("type") == "error"]
+            assert [m["from"] for m in said] == [SERVER_STATUS_IDENTITY]
