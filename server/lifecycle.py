@@ -38,10 +38,13 @@ class SessionLifecycle:
         self.on_terminal: Callable[[SessionRecord, bytes | None, bool], None] = lambda record, last_word, told: None
 
     def _apply(self, record: SessionRecord, event: Event, *, error: str | None = None, say_last_word: bool = False,
-               worker_told: bool = False) -> None:
+               cause_failed: bool = False, worker_told: bool = False) -> None:
+        """``cause_failed``: the drain cause is what failed the session (the table's event for it is FAIL), which
+        the last word then names."""
         self.registry.apply(record, event, now=trio.current_time(), error=error)
         if record.is_terminal:
-            self.on_terminal(record, _last_word(record) if say_last_word else None, worker_told)
+            word = last_word(record, record.error, 0, 0, cause_failed=cause_failed) if say_last_word else None
+            self.on_terminal(record, word, worker_told)
 
     # -- admission ---------------------------------------------------------------------
 
@@ -69,7 +72,7 @@ class SessionLifecycle:
         """
         event = QUEUED_ENDS_WITH[cause]
         record.drain_cause = cause
-        self._apply(record, event, error=error, say_last_word=True)
+        self._apply(record, event, error=error, say_last_word=True, cause_failed=event is Event.FAIL)
 
     # -- the runner's progress ---------------------------------------------------------------
 
@@ -106,24 +109,26 @@ class SessionLifecycle:
         event = settle_event(record.drain_cause, failed=error is not None)
         if event is Event.FAIL and error is None:
             error = record.drain_detail or (record.drain_cause.value if record.drain_cause else "failed")
-        self._apply(record, event, error=error, say_last_word=True, worker_told=worker_told)
+        self._apply(record, event, error=error, say_last_word=True, cause_failed=record.drain_cause in FAILING_CAUSES,
+                    worker_told=worker_told)
 
 
-def _last_word(record: SessionRecord) -> bytes:
-    """What a room is told when a session ends with no worker to say it: what its runner would have said, having
-    published nothing (one rule: the server's word gave a failure after a drain that was not one its drain cause,
-    where a runner's gives ``session_failed``)."""
-    return runner_last_word(record, record.error, 0, 0)
-
-
-def runner_last_word(record: SessionRecord, failure: str | None, chunks: int, frames: int) -> bytes:
-    """What a room runner tells its room as its session ends: ``done`` with the drain cause and what it published
-    (``chunks``, ``frames``), or, with ``failure``, ``error`` with the failing cause (``session_failed`` without one)."""
+def last_word(record: SessionRecord, failure: str | None, chunks: int, frames: int, *, cause_failed: bool) -> bytes:
+    """How a session ended, as its room is told, by its runner or by the server where no worker can say it: ``done``
+    with the drain cause and what was published (``chunks``, ``frames``), or, with ``failure``, ``error`` with the
+    drain cause where that is what failed the session (``cause_failed``), else ``session_failed`` (a failure after a
+    drain that was not one: the server's word gave the cause, ``deleted``, as the failure, where the runner's did not).
+    """
     if failure is None:
         cause = None if record.drain_cause is None else record.drain_cause.value
         return protocol.done_message(record.session_id, chunks, frames, reason=cause)
-    reason = record.drain_cause.value if record.drain_cause in FAILING_CAUSES else "session_failed"
-    return protocol.error_message(record.session_id, reason, failure)
+    failed_by = record.drain_cause if cause_failed else None
+    return protocol.error_message(record.session_id, "session_failed" if failed_by is None else failed_by.value, failure)
+
+
+def runner_last_word(record: SessionRecord, failure: str | None, chunks: int, frames: int) -> bytes:
+    """What a room runner tells its room as its session ends (:func:`last_word` for a live session's drain)."""
+    return last_word(record, failure, chunks, frames, cause_failed=record.drain_cause in FAILING_CAUSES)
 
 
 def shutdown_outcome(runners: Iterable[Any], aborted: Collection[Any]) -> str:
