@@ -18,13 +18,16 @@ import trio
 from wsproto import WSConnection
 from wsproto.events import CloseConnection, TextMessage
 
-from server.room_socket import FRAME_BURST
+from server.room_socket import FRAME_BURST, Deadlines
 
-from .test_hostile_server import WAIT, handshake, running, wait_for
+from .test_hostile_server import FAST, WAIT, handshake, running, wait_for
 
 FLOOD = 2 * FRAME_BURST  # past the burst the socket is read at its pace: most of these are unread at the close
 CHATTY = 25  # controls sent one by one after the session was ended, before the client reads anything
 CONTROL = {"topic": "tf.control", "payload": {"type": "control_state", "controls": ["w"]}}
+#: the chatty controller reads nothing, so answers no ping, until the close: the pong deadline is set past what that
+#: takes on a loaded host (with FAST's 1 s it was sent away 1008 before its session ended, 2 runs in 3 under load)
+PATIENT_PONG = Deadlines(write=FAST.write, ping_interval=FAST.ping_interval, pong=WAIT, head=FAST.head, idle=WAIT)
 
 
 class Reset(Exception):
@@ -61,7 +64,7 @@ def closes(events: list[Any]) -> list[int]:
 
 
 async def test_a_chatty_controller_of_a_deleted_session_reads_done_and_the_close_not_a_reset() -> None:
-    async with running(controller_timeout=3600) as server:
+    async with running(PATIENT_PONG, controller_timeout=3600) as server:
         for _ in range(2):  # every time, not once by luck
             created = await server.session()
             stream = await server.raw()
@@ -80,7 +83,7 @@ async def test_a_chatty_controller_reads_done_and_the_close_when_the_server_stop
     seen: list[Any] = []
     async with trio.open_nursery() as nursery:
         stopping = trio.Event()
-        async with running(controller_timeout=3600) as server:
+        async with running(PATIENT_PONG, controller_timeout=3600) as server:
             created = await server.session()
             stream = await server.raw()
             ws = await handshake(stream, f"{created['websocket_path']}?token={created['token']}")
