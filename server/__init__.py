@@ -42,6 +42,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     """The app from ``CHUNKLINE_*`` variables; raises SettingsError naming the variable at fault."""
 
     from . import hypercorn_drain
+    from .hypercorn_idle import release_closed_connections
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
     from .log_setup import log_under_hypercorn
@@ -76,6 +77,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
         await app.run_in_app_loop(functools.partial(hypercorn_drain.drain_then_end_a_load, runtime, status))
 
     hypercorn_drain.install(drain, functools.partial(hypercorn_drain.abandon, runtime))
+    release_closed_connections()  # hypercorn's trio worker: a closed connection is let go now, not at its keep-alive
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
 
 

@@ -35,6 +35,7 @@ from .console import tell
 from .runtime import SHUTDOWN_GRACE
 from .front import MAX_CONNECTIONS, MAX_HEAD, Front
 from .http_framing import BodyBudget
+from .hypercorn_idle import release_closed_connections
 from .log_setup import log_to_stderr
 from .open_access import UNGUARDED, is_loopback
 from .open_files import connection_cap, raise_open_files_limit
@@ -177,6 +178,8 @@ async def _serve(
     # unanswered), whether waiting for a head (keep_alive_timeout) or in a read (read_timeout)
     front_deadlines = deadlines or Deadlines()
     config.keep_alive_timeout = config.read_timeout = front_deadlines.idle + front_deadlines.head + KEEP_ALIVE_MARGIN
+    # ... and a connection the front has closed is let go at once, not that long after (a descriptor each)
+    release_closed_connections()
     # the front writes each head again with "\r\n" endings and ": " after each name, so one within MAX_HEAD
     # may reach hypercorn up to 5/3 as long (a bare "a:\n" line becomes "a: \r\n"): h11 must take that whole
     config.h11_max_incomplete_size = 2 * MAX_HEAD

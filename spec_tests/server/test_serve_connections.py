@@ -214,3 +214,28 @@ async def test_a_kept_alive_connections_next_head_may_arrive_after_hypercorns_ke
         answer = await read_all(kept)
         await kept.aclose()
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+async def test_connections_their_clients_closed_hold_no_descriptor(short_tmp: Path) -> None:
+    """A client that asks on a kept-alive connection and closes it after the answer (curl, a client pool closed) left
+    hypercorn's end of the front's connection open until hypercorn's keep-alive ran out, 45 s: a descriptor each,
+    which the front's connection cap did not count, and 75 such requests a second ran the server out of descriptors.
+    Each is let go at once now."""
+    keep_alive = HEALTH.replace(b"Connection: close\r\n", b"")
+    async with stream_serve(short_tmp) as served:
+        await ready(served)
+        descriptors = Path(f"/proc/{served.process.pid}/fd")
+        before = len(list(descriptors.iterdir()))
+        for _ in range(40):
+            stream = await connect(served.url)
+            await stream.send_all(keep_alive)
+            answer = bytearray()
+            with trio.fail_after(EXIT_DEADLINE):
+                while b"\r\n\r\n" not in answer:
+                    answer += await stream.receive_some(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), bytes(answer)
+            await stream.aclose()  # the client is done, its connection kept alive by the server
+        with trio.move_on_after(10):  # far less than hypercorn's keep-alive (45 s), far more than a loaded host needs
+            while len(list(descriptors.iterdir())) > before + 2:
+                await trio.sleep(0.1)  # bench-cost: real-time poll of another process's descriptors, bounded
+        assert len(list(descriptors.iterdir())) <= before + 2, sorted(p.resolve().name for p in descriptors.iterdir())
