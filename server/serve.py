@@ -197,6 +197,7 @@ async def _serve(
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
     signalled: list[int] = []  # the first stop signal, once one came: an abort exits 128 + it
+    phase = ["the drain"]  # what a second stop signal cuts short, as its line says
 
     async def on_signals() -> None:
         """The first signal starts the drain; a second one (the drain is taking too long) ends it now, and so does
@@ -207,8 +208,8 @@ async def _serve(
                 early_signals.replay()  # one that came as the trio run started (the command deferred it)
                 async for number in signals:
                     if signalled:
-                        exit_now(128 + signalled[0], f"a second signal ({signal.Signals(number).name}) during the drain",
-                                 abandon, log)
+                        exit_now(128 + signalled[0], f"a second signal ({signal.Signals(number).name}) during "
+                                 f"{phase[0]}", abandon, log)
                     signalled.append(number)
                     note_stop_signal()
                     stop.set()
@@ -240,6 +241,7 @@ async def _serve(
             nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.drain_for_stop()
+            phase[0] = "the connections' grace, after the drain"  # its line said "during the drain", which was over
             # no new connection once hypercorn stops: each was accepted and then dropped unanswered (refused now)
             accepting.cancel()
             front.stopping = True  # before a client can see the listener closed: requests from now on are told so

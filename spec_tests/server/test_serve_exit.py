@@ -77,18 +77,21 @@ async def test_hypercorns_socket_is_in_a_folder_only_the_servers_user_may_enter_
 
 @pytest.mark.parametrize(("first", "second"), [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM),
                                                (signal.SIGTERM, signal.SIGINT)])
-async def test_a_second_signal_during_the_drain_exits_at_once_and_leaves_nothing(
+async def test_a_second_signal_during_the_shutdown_exits_at_once_and_leaves_nothing(
     short_tmp: Path, first: signal.Signals, second: signal.Signals
 ) -> None:
+    """Once the sessions are drained, open connections have a grace before the server exits; a second signal then
+    ends it at once, and its line says so (it said "during the drain", which was over)."""
     async with stream_serve(short_tmp) as served:
         await served.upload()
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
-        async with await trio.open_tcp_stream(host, int(port)):  # an idle connection: the drain waits for it
+        async with await trio.open_tcp_stream(host, int(port)):  # an idle connection: the exit waits for it
             served.process.send_signal(first)
             await served.read_until(DRAINING)
+            await served.read_until(b"shutdown complete")  # the drain is over; the connection holds the grace
             served.process.send_signal(second)
             assert await served.exit_code() == 128 + first, served.text()
-        await served.read_until(b"during the drain: exiting now")
+        await served.read_until(b"during the connections' grace, after the drain: exiting now")
     assert left_in(short_tmp) == []
 
 
