@@ -53,7 +53,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from .frame_budget import FRAME_BURST, FRAMES_PER_SECOND, FrameBudget, FrameShare, JoiningTooOften
 from .http_framing import head_end, parse_head
-from .lingering import linger
+from .lingering import LINGER_BYTES, linger
 from .reasons import echo
 from .tokens import TokenRejected
 from .transport.local import LocalRooms, RemoteWorkerPresence
@@ -191,10 +191,29 @@ class RoomSocket:
                 if self._said_all and self.close_code != 1009:  # past a message too big nothing more is read
                     # the peer may still be sending (controls, pongs): closing now would reset the connection,
                     # and its kernel would drop the close frame and the `done` before it, not read yet
+                    await self._await_close_reply()
                     await linger(self._stream, self._deadlines.linger)
             finally:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     await self._stream.aclose()
+
+    async def _await_close_reply(self) -> None:
+        """Once this side's close frame is sent, read until the peer's close frame answers it (RFC 6455 7.1.1: the
+        connection ends once both were sent), within CLOSE_DEADLINE and LINGER_BYTES; what else it sends is dropped.
+        The write side was shut at once: a client whose transport closes at the end of its stream (aiohttp) could
+        not send its answer then, and reported 1006, an abnormal closure, for a session that ended well."""
+        left = LINGER_BYTES
+        with trio.move_on_after(CLOSE_DEADLINE), contextlib.suppress(
+            RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError
+        ):
+            while self._ws.state is ConnectionState.LOCAL_CLOSING and left > 0:
+                data = await self._stream.receive_some(min(READ_SIZE, left))
+                if not data:
+                    return
+                left -= len(data)
+                self._ws.receive_data(data)
+                for _ in self._ws.events():
+                    pass  # the peer's close frame moves the connection to CLOSED; anything before it is dropped
 
     async def _join(self, room: str, subscriber: Subscriber) -> None:
         """A participant's presence, paced by the frame budget: one reconnecting over and over joins at its pace,
