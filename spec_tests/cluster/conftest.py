@@ -41,9 +41,31 @@ AGENTS_DIAL = re.compile(rb"cluster: agents dial (?:tcp|tls)://\S+:(\d+) ")
 
 
 def free_port() -> int:
+    """A port free now, for a process that must be told its port before it starts (one that can bind 0 and say which
+    port it took is started with 0): another process (xdist's other workers) may take it before that one binds it."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+#: the sockets that hold :func:`unserved_port`'s ports, closed as the session ends
+_UNSERVED: list[socket.socket] = []
+
+
+def unserved_port() -> int:
+    """A port on 127.0.0.1 that no one listens on for the rest of the session: it is bound here and never listened on,
+    so a dial to it is refused, and no other process can take it meanwhile (a port merely free now can be)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _UNSERVED.append(sock)
+    return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _unserved_ports_released() -> Iterator[None]:
+    yield
+    while _UNSERVED:
+        _UNSERVED.pop().close()
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -163,8 +185,16 @@ async def external_agent(*extra: str, agent_args: tuple[str, ...] = ()) -> Async
     its options), ready; afterwards the agent stops, then the authority, which must exit cleanly."""
     authority = await trio.to_thread.run_sync(lambda: start_authority(*extra, launcher="external", workers=1))
     agent = agent_dialing(authority.cluster_port, *agent_args)
+
+    def ready() -> list[dict[str, Any]]:
+        found = authority.eligible()
+        if not found and agent.popen.poll() is not None:  # it will never be: say why now, not at START_DEADLINE
+            raise AssertionError(f"the external agent exited with {agent.popen.returncode} before it was ready:\n"
+                                 f"{agent.text()}\n--- the authority:\n{authority.process.text()}")
+        return found
+
     try:
-        await until(authority.eligible, "the external agent to be ready", authority)
+        await until(ready, "the external agent to be ready", authority)
         yield authority, agent
     finally:
         agent.stop()

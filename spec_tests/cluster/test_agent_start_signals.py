@@ -18,7 +18,7 @@ import trio
 
 from server.cluster import proofs, wire
 
-from .conftest import TINY, TOKEN, Process, chunkline, clean_env, free_port
+from .conftest import TINY, TOKEN, Process, chunkline, clean_env, unserved_port
 from .test_hostile_authority import AGENT_ENDED, START_DEADLINE, serve
 
 GATED = "spec_tests/cluster/gated_world.py"
@@ -58,7 +58,7 @@ class HeldAuthority:
                 await self.go.wait()
             await channel.send(wire.Welcome(
                 worker_id=register.worker_id, heartbeat_interval=0.5, deadline=30.0, transport="local",
-                rooms_url=f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
+                rooms_url=f"http://127.0.0.1:{unserved_port()}", livekit_url=None, controller_timeout=5.0,
                 room_empty_timeout=5.0, max_data_message_bytes=12288,
                 proof=proofs.authority_proof(TOKEN, "n0nce", register.agent_nonce, register.worker_id)))
             channel.authenticate(proofs.frame_key(TOKEN, "n0nce", register.agent_nonce, register.worker_id),

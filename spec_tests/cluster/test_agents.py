@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ import trio
 from server.cluster.agent import EXIT_REFUSED, Agent, AgentOptions
 
 from .conftest import (DEADLINE, TINY, TOKEN, Cluster, Controller, Process, chunkline, clean_env, free_port,
-                       start_authority, until)
+                       start_authority, unserved_port, until)
 from .test_agent_dial_ends import waited_dials
 
 LOSS_BOUND = DEADLINE + 11.0  # a hang bound: heartbeat deadline, sweep and settle, with slack for a loaded host
@@ -344,7 +345,7 @@ async def test_a_second_sigterm_ends_the_agents_sessions_with_that_reason_and_ex
 
 async def test_an_agent_killed_before_any_image_leaves_no_folder_behind(tmp_path) -> None:
     """The agent's folder for uploaded images is made with the first one: kill -9 before that leaves nothing."""
-    nobody = free_port()  # no authority listens: the agent loads its model, then keeps dialing
+    nobody = unserved_port()  # no authority listens: the agent loads its model, then keeps dialing
     agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{nobody}"),
                     clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
     try:
@@ -360,7 +361,9 @@ async def test_an_agent_killed_before_any_image_leaves_no_folder_behind(tmp_path
 async def test_an_agent_keeps_dialing_an_authority_that_is_not_up_and_registers_once_it_is(tmp_path) -> None:
     """Dials that reach no authority at all (it restarts: its drain alone may take 55 s) are not a crash loop: an
     external agent, which no launcher replaces, gave up after 8 of them, some 20 s in, and was gone for good."""
-    port = free_port()
+    held = socket.socket()  # the port stays taken (dials to it refused) until the authority is started on it
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
     agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}"),
                     clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
     cluster = None
@@ -371,6 +374,9 @@ async def test_an_agent_keeps_dialing_an_authority_that_is_not_up_and_registers_
         assert agent.popen.poll() is None, log
         assert "not counted as a crash; the agent gives up after 300 s of such dials" in log, log
         assert log.count("the authority is unreachable") == 2, log
+        # the authority must take the port the agent dials (it cannot bind 0 here): it was no other process's while the
+        # agent dialed it, and is free only from now, as the authority starts
+        held.close()
         cluster = start_authority("--cluster-port", str(port), launcher="external", workers=1)
         await until(lambda: any(w.get("pid") == agent.popen.pid for w in cluster.workers()),
                     "the agent to register", cluster)
@@ -378,6 +384,7 @@ async def test_an_agent_keeps_dialing_an_authority_that_is_not_up_and_registers_
         await until(lambda: re.search(r"registered as \S+ with \S+ after \d+ dials over \d+ s", agent.text(200_000)),
                     "the agent's line about its registration", cluster, deadline=30)
     finally:
+        held.close()
         if cluster is not None:
             cluster.stop()
         agent.stop()

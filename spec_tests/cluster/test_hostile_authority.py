@@ -18,7 +18,7 @@ import trio
 
 from server.cluster import proofs, wire
 
-from .conftest import TINY, TOKEN, Process, chunkline, clean_env, free_port, until
+from .conftest import TINY, TOKEN, Process, chunkline, clean_env, unserved_port, until
 
 START_DEADLINE = 240.0  # the agent imports torch and builds its model before it dials (slow on a loaded host)
 #: how a fake peer here sees the agent end a connection: closed, or reset (a close with frames it never read
@@ -78,7 +78,7 @@ async def welcome(channel: wire.Channel, token: str, *, tag: bool = True, rooms_
     assert isinstance(register, wire.Register)
     await channel.send(wire.Welcome(
         worker_id=register.worker_id, heartbeat_interval=0.5, deadline=deadline, transport="local",
-        rooms_url=rooms_url or f"http://127.0.0.1:{free_port()}", livekit_url=None, controller_timeout=5.0,
+        rooms_url=rooms_url or f"http://127.0.0.1:{unserved_port()}", livekit_url=None, controller_timeout=5.0,
         room_empty_timeout=5.0, max_data_message_bytes=12288,
         proof=proofs.authority_proof(token, "n0nce", register.agent_nonce, register.worker_id)))
     if tag:

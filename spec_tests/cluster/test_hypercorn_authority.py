@@ -7,6 +7,7 @@ before it is refused for now, in words (it waited for the URL past the agent's o
 
 from __future__ import annotations
 
+import re
 import sys
 
 import httpx
@@ -14,19 +15,27 @@ import pytest
 
 from .conftest import DEADLINE, INTERVAL, TINY, TOKEN, Process, clean_env, free_port, until
 
+#: hypercorn's line naming where it listens (the port it took, where it was given 0)
+RUNNING = re.compile(rb"Running on (http://127\.0\.0\.1:\d+) ")
+
 
 @pytest.mark.parametrize("public_url", [False, True], ids=["first-request", "public-url"])
 async def test_a_hypercorn_authority_takes_its_local_agents(public_url: bool) -> None:
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
+    # hypercorn's own pick (0), read from its log; but a public URL names the port before hypercorn binds it: only
+    # then is it chosen here (free now, not held: another process may take it first)
+    port = free_port() if public_url else 0
+    # the cluster port is the authority's own pick: it tells its local agents which it took
     env = clean_env(CHUNKLINE_PIPELINE=TINY, CHUNKLINE_WORKERS="local", CHUNKLINE_NUM_WORKERS="1",
-                    CHUNKLINE_CLUSTER_PORT=str(free_port()), CHUNKLINE_CLUSTER_TOKEN=TOKEN,
+                    CHUNKLINE_CLUSTER_PORT="0", CHUNKLINE_CLUSTER_TOKEN=TOKEN,
                     CHUNKLINE_HEARTBEAT_INTERVAL=str(INTERVAL), CHUNKLINE_HEARTBEAT_DEADLINE=str(DEADLINE))
     if public_url:
-        env["CHUNKLINE_PUBLIC_URL"] = base_url
+        env["CHUNKLINE_PUBLIC_URL"] = f"http://127.0.0.1:{port}"
     authority = Process([sys.executable, "-m", "hypercorn", "--worker-class", "trio", "--bind", f"127.0.0.1:{port}",
                          "server:app"], env)
     try:
+        running = await until(lambda: RUNNING.search(authority.raw), "hypercorn to say where it listens", None)
+        base_url = running.group(1).decode()
+        assert not public_url or base_url == env["CHUNKLINE_PUBLIC_URL"], base_url
         if public_url:  # registered before any request came in
             await until(lambda: b"registered" in authority.raw, "the agent's registration", None)
         else:  # before any request its dials are refused for now, in words (they waited out the agent's hello deadline)

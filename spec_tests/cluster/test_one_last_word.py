@@ -13,18 +13,30 @@ import httpx
 import trio
 
 from server.cluster import wire
+from states.liveness import FENCE_FRACTION
 
-from .conftest import DEADLINE, INTERVAL, Cluster, Controller, external_agent, stopped
+from .conftest import INTERVAL, Cluster, Controller, external_agent, stopped
 from .wire_peer import register, say_ready
+
+#: the heartbeat deadline of the fencing test's authority: wider than the module's, so that the freeze can sit well
+#: inside the window between the agent's fence and the authority's loss, whatever the host's speed
+FENCING_DEADLINE = 10.0
+#: the latest the frozen agent fences itself, counted from the freeze: its newest acknowledged heartbeat was sent before
+FENCED_BY = FENCING_DEADLINE * FENCE_FRACTION
+#: the earliest the authority loses it, counted from the freeze: the last heartbeat it received was sent at most an
+#: interval before
+LOST_FROM = FENCING_DEADLINE - INTERVAL
+#: frozen for the middle of that window: more than 2 s on each side
+FROZEN = (FENCED_BY + LOST_FROM) / 2
 
 
 async def test_a_session_whose_agent_fenced_itself_ends_with_one_error_in_its_room() -> None:
-    async with external_agent() as (authority, agent), httpx.AsyncClient(base_url=authority.base_url,
-                                                                                    timeout=10) as client:
+    async with external_agent("--heartbeat-deadline", str(FENCING_DEADLINE)) as (authority, agent), \
+            httpx.AsyncClient(base_url=authority.base_url, timeout=10) as client:
         controller = await Controller.open(client, authority, "alice")
         await controller.stream(2)
         with stopped(agent.popen.pid):
-            await trio.sleep(DEADLINE * 0.75)  # bench-cost: frozen past the agent's own fence, short of the authority's
+            await trio.sleep(FROZEN)  # bench-cost: frozen past the agent's own fence, ~2 s short of the authority's loss
         with trio.fail_after(30):
             while await controller.next() is not None:  # to the room's close: the server sends its clients away
                 pass

@@ -79,11 +79,15 @@ def test_messages_flow_both_ways_and_a_polite_stop_is_an_expected_exit(made):
 
 def test_a_stop_the_child_ignores_escalates_to_sigterm_then_sigkill_within_its_bound(made):
     record = Record()
-    supervisor = supervise(made, record, ChildSpec("stubborn", children.stubborn), close_timeout=0.2, kill_grace=0.3)
+    close_timeout, kill_grace = 0.2, 0.3
+    supervisor = supervise(made, record, ChildSpec("stubborn", children.stubborn), close_timeout=close_timeout,
+                           kill_grace=kill_grace)
     supervisor.start(30)
     began = time.monotonic()
     supervisor.close(b"bye")
-    assert time.monotonic() - began < 0.2 + 0.3 + 2.0
+    # the stop, SIGTERM and SIGKILL take about the timeout and two kill graces; the failure guarded is a hang (a child
+    # never killed): 3 s of slack for a loaded host still tells the two apart
+    assert time.monotonic() - began < close_timeout + 2 * kill_grace + 3.0
     (exit,) = record.exits
     assert exit.exitcode == -signal.SIGKILL and exit.expected
 

@@ -19,6 +19,7 @@ import pytest
 from pipelines.loader import PipelineLoadError, load_service
 from pipelines.validation import PipelineValidationError, validate_service
 from server.cli import main
+from server.stray_threads import STRAY_THREAD_GRACE
 
 from .minimal_service import MinimalService
 
@@ -190,9 +191,12 @@ def test_a_stop_signal_once_the_run_has_said_its_summary_changes_nothing(tmp_pat
     try:
         summary = run.stdout.readline()  # type: ignore[union-attr]  # the summary's first line: the run is over
         assert summary, run.stderr.read()  # type: ignore[union-attr]
-        # into the end's real-time wait of 3 s for the pipeline's thread (the rest of the summary and the way to the
-        # command's end take milliseconds)
-        time.sleep(0.5)  # bench-cost: lands inside that 3 s wait
+        # into the end's real-time wait of STRAY_THREAD_GRACE (3 s) for the pipeline's thread, which the command says
+        # nothing as it enters: the rest of the summary (one write) and the way to the command's end take
+        # milliseconds, and the wait begins right after; a signal in the middle of it has half of it to spare on each
+        # side, however slow the host (a signal as the summary is written is the run's, and ends it with 128 + n)
+        time.sleep(STRAY_THREAD_GRACE / 2)  # bench-cost: lands in the middle of that real-time wait
+        assert run.poll() is None, run.communicate()  # still in the wait: the signal reaches the command's end
         run.send_signal(number)
         _, stderr = run.communicate(timeout=RUN_DEADLINE)
     finally:

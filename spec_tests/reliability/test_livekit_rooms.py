@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,7 +21,7 @@ import trio
 from livekit import api
 
 from ..server.runner_fixtures import LIVEKIT_KEY, LIVEKIT_SECRET, CounterService, Served, serve, settings
-from .helpers import Leaks, free_port, wait_until
+from .helpers import Leaks, wait_until
 
 async def room_service_only(
     stream: trio.SocketStream, calls: list[str] | None = None, hold_joins: bool = False, answer_when: trio.Event | None = None,
@@ -175,21 +176,25 @@ async def test_a_session_refused_at_once_makes_no_livekit_room() -> None:
 async def test_livekit_unreachable_refuses_a_new_session_and_holds_nothing() -> None:
     """No LiveKit server answers: the session's room cannot be made, so the create is refused (503, naming the
     LiveKit server) at once, before anything is admitted; it was admitted, then failed in its runner."""
-    port = free_port()
-    overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
-                 "livekit_api_secret": LIVEKIT_SECRET}
-    service = CounterService()
-    async with serve(settings(**overrides), service) as s:
-        started = time.monotonic()
-        response = await s.client.post("/v1/stream/sessions", json={"identity": "ctl"})
-        body, headers = json.loads(await response.get_data()), response.headers
-        assert response.status_code == 503 and body["error"] == "transport_unavailable", body
-        assert "could not create the LiveKit room" in body["detail"] and f"127.0.0.1:{port}" in body["detail"], body
-        assert headers["Retry-After"].isdigit()
-        assert time.monotonic() - started < s.runtime.transport.disconnect_timeout + 1
-        assert list(s.runtime.registry) == [] and not service.sessions
-        snapshot = s.runtime.book.snapshot()
-        assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, 1)
+    # bound and never listened on, for the whole test: a dial to it is refused, and no other process can take it
+    # meanwhile (a port merely free when it is picked can be, under xdist)
+    with socket.socket() as unserved:
+        unserved.bind(("127.0.0.1", 0))
+        port = unserved.getsockname()[1]
+        overrides = {"transport": "livekit", "livekit_url": f"ws://127.0.0.1:{port}", "livekit_api_key": LIVEKIT_KEY,
+                     "livekit_api_secret": LIVEKIT_SECRET}
+        service = CounterService()
+        async with serve(settings(**overrides), service) as s:
+            started = time.monotonic()
+            response = await s.client.post("/v1/stream/sessions", json={"identity": "ctl"})
+            body, headers = json.loads(await response.get_data()), response.headers
+            assert response.status_code == 503 and body["error"] == "transport_unavailable", body
+            assert "could not create the LiveKit room" in body["detail"] and f"127.0.0.1:{port}" in body["detail"], body
+            assert headers["Retry-After"].isdigit()
+            assert time.monotonic() - started < s.runtime.transport.disconnect_timeout + 1
+            assert list(s.runtime.registry) == [] and not service.sessions
+            snapshot = s.runtime.book.snapshot()
+            assert (snapshot.retained, snapshot.queued, snapshot.free_slots) == (0, 0, 1)
 
 
 @pytest.mark.in_process_only(reason="it reads the in-process admission book")

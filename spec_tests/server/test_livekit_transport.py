@@ -137,10 +137,14 @@ async def test_silent_server_is_bounded_by_the_timeout(nursery: trio.Nursery, wo
     listeners = await nursery.start(functools.partial(trio.serve_tcp, never_answer, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]
     transport, loop = await start(nursery, f"ws://127.0.0.1:{port}")
+    timeout = 1
     started = trio.current_time()
     with pytest.raises(TransportError, match=r"within 1 s: no answer"):
-        await transport.connect("stage", "worker-1", worker_token, timeout=1)
-    assert trio.current_time() - started < 1.5
+        await transport.connect("stage", "worker-1", worker_token, timeout=timeout)
+    # the failure guarded is an unbounded hang on a server that never answers: the timeout plus the hand-over of the
+    # join (slow on a loaded host) tells "bounded by the timeout" from that, whatever the host's speed
+    bounded_by = timeout + 1.0
+    assert trio.current_time() - started < bounded_by
     # the SDK's join keeps trying on its own (cancelling it would not stop the native core); the
     # transport keeps it, and a task that leaves the room should it ever join
     names = sorted(task.get_coro().__qualname__ for task in await other_asyncio_tasks(loop))
