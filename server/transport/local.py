@@ -61,7 +61,7 @@ from .base import ParticipantJoined, ParticipantLeft, RoomEvent, TransportError
 from .data_pace import DataPace
 from .jpeg import encode_jpeg
 from .local_reading import read_client
-from .local_room import RemoteWorkerPresence, Room, Subscriber, data_message, text_backlog_bytes
+from .local_room import RemoteWorkerPresence, Room, Subscriber, compact_json, data_message, text_backlog_bytes
 from .worker_inbox import EVENT_BACKLOG, WorkerInbox
 
 __all__ = ["EVENT_BACKLOG", "LocalRooms", "RemoteWorkerPresence", "WorkerConnection", "encode_jpeg"]
@@ -376,7 +376,7 @@ class LocalRooms:
                         topic, payload, to = envelope["topic"], envelope["payload"], envelope.get("to")
                     except (json_limits.JsonRefused, KeyError, TypeError):
                         continue  # the agent is ours; a malformed envelope is dropped, not echoed
-                    raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+                    raw = payload.encode() if isinstance(payload, str) else compact_json(payload)
                     if to is None or isinstance(to, str):  # with "to", an answer to that participant alone
                         target.send_text(data_message(str(topic), raw, worker.identity, parsed=payload), to)
                         if to is None and topic == STATUS_TOPIC and _ends_session(payload):

@@ -9,7 +9,6 @@ why (:mod:`.refusals`); none is dropped without a word.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -17,7 +16,7 @@ from .. import json_limits
 from ..log_pace import LogPace
 from .base import DataReceived
 from .data_pace import DataPace
-from .local_room import ENVELOPE_BYTES, Room, Subscriber, data_message
+from .local_room import ENVELOPE_BYTES, Room, Subscriber, compact_json, data_message
 from .refusals import SERVER_TOPICS, extra_envelope_fields
 from .worker_inbox import WORKER_TAKE_TIMEOUT
 
@@ -75,7 +74,7 @@ async def read_client(
         if topic in SERVER_TOPICS:
             refuse("server_topic")
             continue
-        raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+        raw = payload.encode() if isinstance(payload, str) else compact_json(payload)
         # waits while the worker's inbox is full: the sender's next messages stay in its socket meanwhile
         if (why := await room.to_worker(DataReceived(topic, raw, subscriber.identity))) is not None:
             if why == "worker_stalled":
