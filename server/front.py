@@ -172,14 +172,8 @@ class Front:
                 raw, head = first
                 if not head.is_websocket_upgrade:  # any WebSocket upgrade, whatever its target, is served here:
                     await self._splice(stream, raw)  # none reaches hypercorn's, which bounds neither writes nor pongs
-                elif self._rooms is None:
-                    await self._refuse(stream, 404, FramingRefused(404, "this server's rooms are LiveKit's: no "
-                                                                   "WebSocket is served here", error="not_found"))
                 else:
-                    await RoomSocket(
-                        stream, raw, self._rooms, max_message_bytes=self._max_message_bytes, deadlines=self._deadlines,
-                        frames=self.frame_budget,
-                    ).serve()
+                    await self._room_socket(stream, raw)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
             except Exception:  # a bug met serving one connection ends that connection, not every client's server
@@ -188,6 +182,16 @@ class Front:
                 self._open.discard(scope)
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     await stream.aclose()
+
+    async def _room_socket(self, stream: trio.SocketStream, raw: bytes) -> None:
+        """A WebSocket upgrade (``raw``: its head and what came after it), first on its connection or after the
+        answers to the requests before it."""
+        if self._rooms is None:
+            await self._refuse(stream, 404, FramingRefused(404, "this server's rooms are LiveKit's: no WebSocket is "
+                                                           "served here", error="not_found"))
+            return
+        await RoomSocket(stream, raw, self._rooms, max_message_bytes=self._max_message_bytes,
+                         deadlines=self._deadlines, frames=self.frame_budget).serve()
 
     async def _read_head(self, stream: trio.SocketStream) -> tuple[bytes, RequestHead] | None:
         """The connection's first head as h11 reads it, with every byte received so far (the head and what came
@@ -257,7 +261,11 @@ class Front:
         finally:
             framing.release()  # a body cut short gives its share of the budget back (before any lingering)
         unread = framing.body_left or LINGER_BYTES  # what may still be on its way: its body's rest, or unknown
-        if refusal is not None:
+        if framing.upgrade is not None and refusal is None:
+            # a client library that keeps its connections (aiohttp's session) opens a room's socket on the one its
+            # create went over: it was refused websocket_not_first, and the session it had just made held a slot
+            await self._room_socket(client, framing.upgrade)
+        elif refusal is not None:
             await self._refuse(client, refusal.status, refusal, linger=unread)
         elif answered and self.stopping and framing.between_requests and not framing.finished:
             await self._answer_a_late_request(client)
@@ -370,6 +378,10 @@ class Front:
                                     owed = owed or framing.between_requests
                             except _GONE:
                                 return  # the backend stopped reading (it answered and closes): its answer goes on
+                            if framing.upgrade is not None:  # a room's socket, served once every answer went out
+                                if answers.settled:
+                                    break
+                                return
                         else:
                             return  # the last request went whole: its answer goes on
                     except _GONE:
@@ -397,8 +409,10 @@ class Front:
                             if deadline.cancelled_caught:
                                 log.info("a client did not read its response for %g s: closed", self._deadlines.write)
                                 break
-                            if (client_done or begun_after_stop) and answers.settled:
-                                break  # the client is done sending (or told of the stop next) and has every answer
+                            if (client_done or begun_after_stop or framing.upgrade is not None) and answers.settled:
+                                # the client is done sending (or told of the stop next, or opens a room's socket
+                                # next) and has every answer
+                                break
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(until_idle)

@@ -222,6 +222,9 @@ class RequestFraming:
         self._passthrough = False
         self._last = False  # the request under way (or the one that came) ends the connection
         self._on_passed = on_passed  # told each head's method as it is passed on (where its answer ends depends on it)
+        #: a WebSocket upgrade that came after the connection's first request: its head and what followed it, for the
+        #: front to serve as a room socket once every answer before it went out (None: none came)
+        self.upgrade: bytes | None = None
         #: when the request under way must have arrived (``math.inf``: none is under way)
         self.due = math.inf
 
@@ -234,7 +237,7 @@ class RequestFraming:
     def finished(self) -> bool:
         """Whether the connection's last request came whole (HTTP/1.0, ``Connection: close``): what the client sends
         after it is not passed on (hypercorn answered it with an empty 400 and closed, the first answer lost)."""
-        return self._last and not self._body_left
+        return self.upgrade is not None or self._last and not self._body_left
 
     @property
     def between_requests(self) -> bool:
@@ -296,6 +299,11 @@ class RequestFraming:
                 raise FramingRefused(431, "the request head is larger than the front allows")
             rest = bytes(self._head[end:])
             head = parse_head(bytes(self._head[:end]))
+            if head.is_websocket_upgrade:  # not hypercorn's: the front serves it, after the answers before it
+                self.upgrade = bytes(self._head)
+                self._head.clear()
+                self.due = math.inf
+                break
             length = self._body_length(head)
             forward += self._forwarded_head(head)
             if self._on_passed is not None:
@@ -314,11 +322,8 @@ class RequestFraming:
     @staticmethod
     def _forwarded_head(head: RequestHead) -> bytes:
         """``head`` as hypercorn gets it: a plain one as it came (it has none of the fields below), any other
-        written again without the fields that ask to leave HTTP/1.1 (``Upgrade``, ``HTTP2-Settings``); a
-        WebSocket upgrade here is refused (the front serves only one that opens its connection)."""
-        if head.is_websocket_upgrade:
-            raise FramingRefused(400, "a WebSocket upgrade must be the first request on its connection "
-                                      "(open a new connection for it)", error="websocket_not_first")
+        written again without the fields that ask to leave HTTP/1.1 (``Upgrade``, ``HTTP2-Settings``; a WebSocket
+        upgrade never reaches hypercorn, whose WebSocket bounds neither messages nor writes nor pongs)."""
         return head.raw if head.raw is not None else head.encode(without=_LEAVING_HTTP_1_1)
 
     @staticmethod

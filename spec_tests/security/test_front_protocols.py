@@ -6,8 +6,9 @@
 - ``Upgrade: h2c`` is ignored (the answer is HTTP/1.1): hypercorn switched the connection to HTTP/2, whose
   streams the front cannot frame, so one connection carried any number of requests and bodies past the
   connection cap and the body budget;
-- a WebSocket upgrade after a connection's first request is refused with a reason: it reached hypercorn's
-  WebSocket, which bounds neither messages nor writes nor pongs (the front serves one that opens a connection);
+- a WebSocket upgrade after a connection's first request is served by the front as the room's socket once the
+  requests before it are answered (it reached hypercorn's WebSocket, which bounds neither messages nor writes nor
+  pongs; then it was refused ``websocket_not_first``, which a client keeping its connections met on every join);
 - every refusal of the front says what was wrong, not only its status line.
 """
 
@@ -15,9 +16,13 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import attrs
 import pytest
+import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Request, TextMessage
 
 from .test_hostile_server import FAST, WAIT, closed_by_server, json_answer, running
 
@@ -56,22 +61,47 @@ async def test_an_h2c_upgrade_is_answered_in_http_1_1_on_every_request_of_a_conn
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", answer) == [b"200", b"200"], answer  # no 101, no HTTP/2 frames
 
 
-async def test_a_websocket_upgrade_after_the_first_request_is_refused_and_a_new_connection_is_served() -> None:
+async def joined(stream: trio.SocketStream, ws: WSConnection) -> dict[str, Any]:
+    """The room's first message to a socket that was let in: ``joined``."""
+    with trio.fail_after(WAIT):
+        while True:
+            ws.receive_data(await stream.receive_some(65536))
+            for event in ws.events():
+                if isinstance(event, TextMessage):
+                    return json.loads(event.data)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["after-its-answer", "pipelined"])
+async def test_a_websocket_upgrade_after_other_requests_opens_the_room_once_they_are_answered(pipelined: bool) -> None:
+    """A client library that keeps its connections (aiohttp's session) opens a room's socket on the connection its
+    create went over: it was refused ``websocket_not_first``, and the session it had just made held its slot. The
+    front now answers the requests before it, then serves the upgrade as the room's socket (never hypercorn's
+    WebSocket, which bounds neither messages nor writes nor pongs)."""
     async with running() as server:
         created = await server.session()
-        target = f"{created['websocket_path']}?token={created['token']}".encode()
-        upgrade = (b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                   b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        target = f"{created['websocket_path']}?token={created['token']}"
+        health = b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n"
         async with await server.raw() as stream:
-            await stream.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n\r\n")
-            first = await json_answer(stream)
-            await stream.send_all(upgrade)
-            answer = await closed_by_server(stream)
-        assert first.startswith(b"HTTP/1.1 200 "), first
-        assert answer.startswith(b"HTTP/1.1 400 "), answer
-        assert answer.rpartition(b"\r\n\r\n")[2].startswith(b'{"error": "websocket_not_first"'), answer
-        room = await server.room(created)  # the same upgrade opening its own connection: the room
-        await room.aclose()
+            ws = WSConnection(ConnectionType.CLIENT)
+            upgrade = ws.send(Request(host="x", target=target))
+            if pipelined:
+                await stream.send_all(health + upgrade)
+            else:
+                await stream.send_all(health)
+                assert (await json_answer(stream)).startswith(b"HTTP/1.1 200 ")
+                await stream.send_all(upgrade)
+            received = b""
+            with trio.fail_after(WAIT):
+                while b"HTTP/1.1 101 " not in received:
+                    received += await stream.receive_some(65536)
+            answer, _, switched = received.partition(b"HTTP/1.1 101 ")
+            if pipelined:
+                assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"}\n"), answer  # its answer first
+            ws.receive_data(b"HTTP/1.1 101 " + switched)
+            assert any(isinstance(event, AcceptConnection) for event in ws.events())
+            assert (await joined(stream, ws))["type"] == "joined"
+            status, record = await server.request("GET", f"/v1/stream/sessions/{created['session_id']}")
+            assert status == 200 and record["participant_count"] == 1, record
 
 
 @pytest.mark.parametrize(("request_head", "status", "named"), [
