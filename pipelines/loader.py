@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import inspect
@@ -322,7 +323,14 @@ def contract_shape_problem(service: Service) -> str | None:
     if inspect.iscoroutinefunction(running) or inspect.isasyncgenfunction(running):
         return ("running() is an 'async def'; it must return an async context manager "
                 "(decorate it with @contextlib.asynccontextmanager)")
+    decorated_by = _contextlib_decorator(running)
+    if inspect.isasyncgenfunction(_unwrapped(running)) and decorated_by == "contextmanager":
+        return ("running() is an 'async def' decorated with @contextlib.contextmanager; decorate it with "
+                "@contextlib.asynccontextmanager")  # it loaded, then failed the run in Python's words
     if inspect.isgeneratorfunction(_unwrapped(running)):  # a plain 'def' with 'yield', @contextmanager or not
+        if decorated_by == "asynccontextmanager":
+            return ("running() is a plain 'def' with 'yield' decorated with @contextlib.asynccontextmanager; make "
+                    "it an 'async def'")
         return ("running() is a plain 'def' with 'yield'; it must be an 'async def' decorated with "
                 "@contextlib.asynccontextmanager (not @contextlib.contextmanager)")
     stream = _STREAMS[service.kind]
@@ -343,6 +351,16 @@ def contract_shape_problem(service: Service) -> str | None:
 #: the methods the contract awaits, for each kind of service
 _AWAITED = {"bidirectional": ("create_session", "check_options", "check_image", "push_control", "close_session"),
             "server_push": ("check_options", "check_image")}
+
+
+def _contextlib_decorator(method: Any) -> str | None:
+    """``"contextmanager"`` or ``"asynccontextmanager"``: which of contextlib's decorators made ``method``, if one."""
+    code = getattr(getattr(method, "__func__", method), "__code__", None)
+    qualname = getattr(code, "co_qualname", "")
+    for name in ("asynccontextmanager", "contextmanager"):
+        if getattr(code, "co_filename", None) == contextlib.__file__ and qualname.startswith(f"{name}."):
+            return name
+    return None
 
 
 def _unwrapped(method: Any) -> Any:

@@ -128,9 +128,14 @@ PUSH = """\
     ("@contextlib.contextmanager", "def ", "async def ", "running() is a plain 'def' with 'yield'; it must be an 'async def' "
      "decorated with @contextlib.asynccontextmanager (not @contextlib.contextmanager)"),
     ("", "def ", "async def ", "running() is a plain 'def' with 'yield'"),
+    # a new user's two slips (7 Dec): Python's words, and a fix that named the decorator they had not used
+    ("@contextlib.contextmanager", "async def ", "async def ", "running() is an 'async def' decorated with "
+     "@contextlib.contextmanager; decorate it with @contextlib.asynccontextmanager"),
+    ("@contextlib.asynccontextmanager", "def ", "async def ", "running() is a plain 'def' with 'yield' decorated "
+     "with @contextlib.asynccontextmanager; make it an 'async def'"),
     ("@contextlib.asynccontextmanager", "async def ", "def ", "stream() is a plain 'def' with 'yield'; it must be "
      "an async generator ('async def' with 'yield')"),
-], ids=["contextmanager", "undecorated", "sync_stream"])
+], ids=["contextmanager", "undecorated", "async_contextmanager", "plain_asynccontextmanager", "sync_stream"])
 def test_a_plain_generator_where_the_contract_iterates_asynchronously_is_refused_at_load_naming_it(
         tmp_path: Path, decorator: str, running: str, stream: str, told: str) -> None:
     """They loaded, then failed the run: ``'_GeneratorContextManager' object does not support the asynchronous
