@@ -55,12 +55,13 @@ async def released_at_the_end(released: trio.Event) -> AsyncIterator[None]:
         released.set()  # a runner that waits for ever can stop, so that the server does
 
 
-async def test_a_room_that_takes_no_last_word_does_not_hold_the_session(
-    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert LAST_WORD_TIMEOUT < DISCONNECT_TIMEOUT
+@asynccontextmanager
+async def served_with_rooms_that_stall(
+    service: CounterService, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Any, list[RoomThatTakesNothing]]]:
+    """The server of ``service``, each worker room connection it makes one the test can stall (``stalled``)."""
     released, rooms = trio.Event(), []
-    async with serve(settings(), CounterService()) as s, released_at_the_end(released):
+    async with serve(settings(), service) as s, released_at_the_end(released):
         connect = s.runtime.transport.connect
 
         async def connect_to_a_room_that_stalls(*args: Any, **kwargs: Any) -> RoomThatTakesNothing:
@@ -68,6 +69,14 @@ async def test_a_room_that_takes_no_last_word_does_not_hold_the_session(
             return rooms[-1]
 
         monkeypatch.setattr(s.runtime.transport, "connect", connect_to_a_room_that_stalls)
+        yield s, rooms
+
+
+async def test_a_room_that_takes_no_last_word_does_not_hold_the_session(
+    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert LAST_WORD_TIMEOUT < DISCONNECT_TIMEOUT
+    async with served_with_rooms_that_stall(CounterService(), monkeypatch) as (s, rooms):
         created = await s.create("ctl")
         session_id = created["session_id"]
         async with join(s, created["room"], created["token"]) as ctl:
@@ -100,15 +109,7 @@ async def test_the_servers_last_word_for_a_failure_after_a_drain_is_the_runners(
     """A session deleted whose pipeline session then fails to close ends with ``error`` ``session_failed`` when its
     runner says it. Where the room took nothing from the runner, the server said it with its own rule: ``error``
     with the drain cause, ``deleted``, as though deleting it were the failure. Both say it one way now."""
-    released, rooms = trio.Event(), []
-    async with serve(settings(), CloseFails()) as s, released_at_the_end(released):
-        connect = s.runtime.transport.connect
-
-        async def connect_to_a_room_that_stalls(*args: Any, **kwargs: Any) -> RoomThatTakesNothing:
-            rooms.append(RoomThatTakesNothing(await connect(*args, **kwargs), released))
-            return rooms[-1]
-
-        monkeypatch.setattr(s.runtime.transport, "connect", connect_to_a_room_that_stalls)
+    async with served_with_rooms_that_stall(CloseFails(), monkeypatch) as (s, rooms):
         created = await s.create("ctl")
         async with join(s, created["room"], created["token"]) as ctl:
             await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
