@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 import trio
-from quart import Response, request, websocket
+from quart import Response, has_request_context, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import WebsocketMismatch
@@ -239,24 +239,29 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         code = (exc.name or "error").lower().replace(" ", "_")
+        # a WebSocket handshake to a path that is no room's is answered here too, outside any request's context (it
+        # was a 500, the handler's own error, with a traceback in the log)
+        asked = request if has_request_context() else websocket
         if exc.code == 413:
             # answered before the body was read: the connection closes rather than read the rest
             # of an over-large body (or hang a keep-alive client waiting behind it)
             detail = (f"the request body is larger than this server takes ({settings.max_body_bytes} bytes: "
                       f"--max-body-bytes)")
             return error(413, code, detail, {"Connection": "close"})
+        if isinstance(exc, WebsocketMismatch) and asked is websocket:  # a handshake to a route that takes HTTP
+            return error(404, "not_found", f"no WebSocket at {echo(asked.path)} (a room's is /v1/rooms/{{room}}/ws)")
         if isinstance(exc, WebsocketMismatch):  # werkzeug's words were "the browser (or proxy) sent a request that
             # this server could not understand", naming nothing
-            return error(400, "bad_websocket_handshake", f"{echo(request.path)} is a room's WebSocket: open it with a "
+            return error(400, "bad_websocket_handshake", f"{echo(asked.path)} is a room's WebSocket: open it with a "
                                                          "WebSocket handshake (GET, Upgrade: websocket), the room's "
                                                          "token in ?token=")
         if isinstance(exc, MethodNotAllowed):  # werkzeug's words named neither the method nor those allowed, and its
             # Allow field (RFC 9110 15.5.6) was dropped with its body
             allowed = ", ".join(sorted(exc.valid_methods or ()))
-            return error(405, code, f"{request.method} is not a method of {echo(request.path)}; it takes {allowed}",
+            return error(405, code, f"{asked.method} is not a method of {echo(asked.path)}; it takes {allowed}",
                          {"Allow": allowed})
         if isinstance(exc, NotFound):  # werkzeug's words ("If you entered the URL manually...") named nothing
-            return error(404, code, f"no route {echo(request.path)} (the API's routes are listed at /openapi.json)")
+            return error(404, code, f"no route {echo(asked.path)} (the API's routes are listed at /openapi.json)")
         return error(exc.code or 500, code, exc.description or code)
 
     @app.errorhandler(BadRequest)
