@@ -42,7 +42,8 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     """The app from ``CHUNKLINE_*`` variables; raises SettingsError naming the variable at fault."""
 
     from . import hypercorn_drain
-    from .hypercorn_idle import release_closed_connections
+    from .hypercorn_connections import bound_writes, release_closed_connections
+    from .room_socket import WRITE_DEADLINE
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
     from .log_setup import log_under_hypercorn
@@ -78,6 +79,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
 
     hypercorn_drain.install(drain, functools.partial(hypercorn_drain.abandon, runtime))
     release_closed_connections()  # hypercorn's trio worker: a closed connection is let go now, not at its keep-alive
+    bound_writes(WRITE_DEADLINE)  # ... and a write waits at most that long (a frozen viewer held its exit for ever)
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
 
 

@@ -35,7 +35,7 @@ from .console import tell
 from .runtime import SHUTDOWN_GRACE
 from .front import MAX_CONNECTIONS, MAX_HEAD, Front
 from .http_framing import BodyBudget
-from .hypercorn_idle import release_closed_connections
+from .hypercorn_connections import release_closed_connections
 from .log_setup import log_to_stderr
 from .open_access import UNGUARDED, is_loopback
 from .open_files import connection_cap, raise_open_files_limit

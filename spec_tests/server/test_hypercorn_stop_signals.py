@@ -24,6 +24,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -322,3 +323,35 @@ async def test_sighup_stops_hypercorn_workers_0_as_sigterm_does_unless_ignored_a
         await run.nothing_left()
     assert (b"(SIGHUP)" in hypercorn.log) is not nohup, hypercorn.text()
     assert b"Traceback" not in hypercorn.log and b"exiting now" not in hypercorn.log, hypercorn.text()
+
+
+async def test_a_viewer_that_reads_nothing_does_not_hold_hypercorns_exit() -> None:
+    """A viewer whose process froze (its kernel takes nothing more) while frames stream: hypercorn's trio worker wrote
+    to it shielded and with no deadline, and waited for that write as it stopped, so after SIGTERM the drain was done
+    at once and hypercorn never exited (a second SIGTERM to its supervisor did nothing either; 10 minutes watched).
+    Each write now has the room sockets' deadline, and the viewer is let go at it."""
+    async with streaming(["--worker-class", "trio"], CHUNKLINE_PIPELINE="pipelines/toy_world") as run:
+        hypercorn = run.hypercorn
+        async with httpx.AsyncClient(base_url=hypercorn.url, timeout=10) as client:
+            response = await client.post(f"{SESSIONS}/{run.session_id}/tokens", json={"identity": "frozen"})
+            assert response.status_code == 200, response.text
+            viewer = response.json()
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: its buffers fill at once
+        await sock.connect(("127.0.0.1", int(hypercorn.url.rsplit(":", 1)[1])))
+        frozen = trio.SocketStream(sock)
+        await frozen.send_all(f"GET {viewer['websocket_path']}?token={viewer['token']} HTTP/1.1\r\nHost: x\r\n"
+                              "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+                              "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode())  # then reads nothing
+        with trio.fail_after(START_DEADLINE):  # frames stream on (the controller holds a key) past what it can take
+            await run.controller.send_json({"topic": "tf.control", "payload": {"type": "control_state",
+                                                                               "controls": ["w"]}})
+            seen = sum(status_of(m) == "chunk" for m in run.heard)
+            while sum(status_of(m) == "chunk" for m in run.heard) < seen + 20:
+                run.heard.append(await run.controller.receive())
+        hypercorn.process.send_signal(signal.SIGTERM)
+        try:
+            assert await hypercorn.ended() == 0, hypercorn.text()
+        finally:
+            await frozen.aclose()
+            await run.controller.aclose()
