@@ -164,8 +164,9 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     @app.before_request
     async def refuse_other_pages() -> Response | None:
         """A browser sends a page's POST here without asking first when it looks like a form: with no API key, a
-        page anywhere drained the workers of whoever visited it. A request naming another page is a 403."""
-        origin = request.headers.get("Origin")
+        page anywhere drained the workers of whoever visited it. A request naming another page is a 403 (one with two
+        Origin fields is judged on both together: the first alone let a foreign second through)."""
+        origin = ", ".join(request.headers.getlist("Origin")) or None
         if request.method in ("GET", "HEAD", "OPTIONS") or origin is None:
             return None
         why = page_refusal(origin, request.headers.get("Host"), settings.cors_allow_origins, page_names)

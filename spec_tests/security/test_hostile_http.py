@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import trio
 from hypothesis import given, strategies as st
+from werkzeug.datastructures import Headers
 
 from pipelines.images import MAX_IMAGE_SIDE, ImageRefused, check_image, load_image
 from server.json_limits import MAX_INT_DIGITS, MAX_JSON_DEPTH, MAX_JSON_VALUES
@@ -449,6 +450,10 @@ async def test_a_web_page_of_another_origin_cannot_make_a_visitors_browser_chang
             status, body, _ = await s.json("post", SESSIONS, json={"identity": "ctl"}, headers={"Origin": origin, "Host": host})
             assert status == 403 and body["error"] == "forbidden_origin", (origin, body)
         assert "not 'rebound.example'" in body["detail"], body
+        # two Origin fields, the page's own first: the second was not looked at
+        both = Headers([("Origin", own_page["Origin"]), ("Origin", "http://pages.example"), ("Host", "127.0.0.1:8088")])
+        status, body, _ = await s.json("post", SESSIONS, json={"identity": "ctl"}, headers=both)
+        assert status == 403 and body["error"] == "forbidden_origin", body
     async with serve(make_settings(cors_allow_origins=("http://pages.example",))) as s:
         status, created, _ = await s.json("post", SESSIONS, data=b'{"identity": "ctl"}', headers=page_elsewhere)
         assert status == 200, created
