@@ -84,7 +84,7 @@ def release_closed_connections() -> bool:
     except ImportError:
         return False
     read_data = getattr(TCPServer, "_read_data", None)
-    if read_data is None or not hasattr(TCPServer, "__init__"):
+    if read_data is None:
         return False
     if getattr(read_data, _RELEASES, False):
         return True
