@@ -163,9 +163,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
 
     @app.before_request
     async def refuse_other_pages() -> Response | None:
-        """A browser sends a page's POST here without asking first when it looks like a form: with no API key, a
-        page anywhere drained the workers of whoever visited it. A request naming another page is a 403 (one with two
-        Origin fields is judged on both together: the first alone let a foreign second through)."""
+        """A browser sends a page's POST here without asking first when it looks like a form: with no API key, a page
+        anywhere drained the workers of whoever visited it. A request naming another page, in any Origin, is a 403."""
         origin = ", ".join(request.headers.getlist("Origin")) or None
         if request.method in ("GET", "HEAD", "OPTIONS") or origin is None:
             return None
@@ -240,9 +239,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         code = (exc.name or "error").lower().replace(" ", "_")
-        # a WebSocket handshake to a path that is no room's is answered here too, outside any request's context (it
-        # was a 500, the handler's own error, with a traceback in the log)
-        asked = request if has_request_context() else websocket
+        asked = request if has_request_context() else websocket  # a handshake has no request (it was a 500 here)
         if exc.code == 413:
             # answered before the body was read: the connection closes rather than read the rest
             # of an over-large body (or hang a keep-alive client waiting behind it)
@@ -469,11 +466,10 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
             await websocket.close(4401, exc.reason)
             return
         await websocket.accept()
+        # a worker agent publishing from its own process, or a browser
+        serve = transport.serve_worker if isinstance(subscriber, RemoteWorkerPresence) else transport.serve_client
         try:
-            if isinstance(subscriber, RemoteWorkerPresence):  # a worker agent publishing from its own process
-                await transport.serve_worker(room, subscriber, websocket.send, websocket.receive)
-            else:
-                await transport.serve_client(room, subscriber, websocket.send, websocket.receive)
+            await serve(room, subscriber, websocket.send, websocket.receive)  # type: ignore[arg-type]
         except TokenRejected as exc:  # the room could not take it after all: refused as at the door
             await websocket.send(exc.refusal())
             await websocket.close(4401, exc.reason)
