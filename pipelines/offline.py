@@ -194,7 +194,7 @@ async def _run_bidirectional(
     service: BidirectionalService, config: SessionConfig, controls: Sequence[TimedControl], run: _Run
 ) -> None:
     rec = run.recorder
-    given = dict(config.options)  # the user's own (--option): the run adds its own to a scripted service's
+    given = config.options  # the user's own (--option): a scripted service's config gets the run's added
     scripted = service.supports_timeline
     scripted_controls: Sequence[TimedControl] = controls if scripted else ()
     if scripted:

@@ -458,19 +458,13 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if not isinstance(transport, LocalRooms):
             await websocket.close(1008, "this server uses LiveKit rooms")
             return
+        await websocket.accept()  # a refusal is told over the socket, then closed with its code
         try:
             subscriber = transport.admit_at_door(room, websocket.args.getlist("token"))
-        except TokenRejected as exc:
-            await websocket.accept()
-            await websocket.send(exc.refusal())
-            await websocket.close(4401, exc.reason)
-            return
-        await websocket.accept()
-        # a worker agent publishing from its own process, or a browser
-        serve = transport.serve_worker if isinstance(subscriber, RemoteWorkerPresence) else transport.serve_client
-        try:
+            # a worker agent publishing from its own process, or a browser
+            serve = transport.serve_worker if isinstance(subscriber, RemoteWorkerPresence) else transport.serve_client
             await serve(room, subscriber, websocket.send, websocket.receive)  # type: ignore[arg-type]
-        except TokenRejected as exc:  # the room could not take it after all: refused as at the door
+        except TokenRejected as exc:  # at the door, or by the room just after it: one refusal
             await websocket.send(exc.refusal())
             await websocket.close(4401, exc.reason)
 

@@ -297,13 +297,13 @@ class RequestFraming:
                 break
             if end > self._max_head + 4:
                 raise FramingRefused(431, "the request head is larger than the front allows")
-            rest = bytes(self._head[end:])
             head = parse_head(bytes(self._head[:end]))
             if head.is_websocket_upgrade:  # not hypercorn's: the front serves it, after the answers before it
                 self.upgrade = bytes(self._head)
                 self._head.clear()
                 self.due = math.inf
                 break
+            rest = bytes(self._head[end:])
             length = self._body_length(head)
             forward += self._forwarded_head(head)
             if self._on_passed is not None:

@@ -127,7 +127,7 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any], image: 
     raise NoWorker(f"{NOT_CHECKED} {without_prefix(reason, NOT_CHECKED)}", NO_WORKER_RETRY_AFTER) from None
 
 
-def ready_workers(runtime: Any) -> list[Any]:
+def ready_workers(runtime: StreamRuntime) -> list[Any]:
     """The workers that have loaded the pipeline and take sessions (not one failing)."""
     return [worker for worker_id, worker in runtime.workers.items()
             if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.failing]

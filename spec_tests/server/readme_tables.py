@@ -12,7 +12,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ['PIPELINES', 'README', 'ROOT', 'SERVER', 'argument', 'calls', 'cells', 'missing', 'number', 'numbers', 'parsed', 'python_files', 'quoted', 'row_of', 'section', 'table', 'texts']
+__all__ = [
+    "PIPELINES", "README", "ROOT", "SERVER", "argument", "calls", "cells", "missing", "missing_with_fields", "number",
+    "numbers", "parsed", "python_files", "quoted", "row_of", "section", "table", "texts",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -85,6 +88,16 @@ def row_of(rows: list[list[str]], name: str) -> list[str] | None:
 def missing(wanted: dict[str, str], rows: list[list[str]]) -> list[str]:
     """``name (where it came from)`` for each wanted name no row's first cell names."""
     return [f"{name} ({where})" for name, where in sorted(wanted.items()) if row_of(rows, name) is None]
+
+
+def missing_with_fields(found: dict[str, tuple[set[str], str]], rows: list[list[str]]) -> list[str]:
+    """:func:`missing` for ``found`` (``{item: (its fields, where it was found)}``), and each field its row does not
+    name in its second cell."""
+    problems = missing({kind: where for kind, (_, where) in found.items()}, rows)
+    for kind, (fields, where) in found.items():
+        row = row_of(rows, kind) or ["", ""]
+        problems += [f"{kind}.{field} ({where}): not named in its row" for field in fields if field not in quoted(row[1])]
+    return problems
 
 
 # -- reading the code --------------------------------------------------------------------------------------------

@@ -24,7 +24,9 @@ import pytest
 import pipelines.contract as contract
 import server.protocol as protocol
 
-from .readme_tables import README, ROOT, calls, missing, parsed, python_files, quoted, row_of, section, table, texts
+from .readme_tables import (
+    README, ROOT, calls, missing, missing_with_fields, parsed, python_files, quoted, row_of, section, table, texts,
+)
 
 
 # -- the pipeline contract ---------------------------------------------------------------------------------------
@@ -159,11 +161,7 @@ def frame_types() -> dict[str, tuple[set[str], str]]:
 def test_every_frame_a_local_room_sends_is_in_room_messages_with_its_fields():
     rows = table(ROOM, "frame `type`")
     frames = frame_types()
-    problems = missing({kind: where for kind, (_, where) in frames.items()}, rows)
-    for kind, (fields, where) in frames.items():
-        row = row_of(rows, kind) or ["", ""]
-        problems += [f"{kind}.{field} ({where}): not named in its row" for field in fields
-                     if field not in quoted(row[1])]
+    problems = missing_with_fields(frames, rows)
     assert not problems, "README.md, Room messages:\n" + "\n".join(problems)
     assert len(frames) >= 5, f"the scan found only {sorted(frames)}: teach it how the rooms write frames now"
 
@@ -202,11 +200,7 @@ def status_payloads() -> dict[str, tuple[set[str], str]]:
 def test_every_payload_the_server_sends_is_in_room_messages_with_its_fields():
     rows = table(ROOM, "status `type`")
     payloads = status_payloads()
-    problems = missing({kind: where for kind, (_, where) in payloads.items()}, rows)
-    for kind, (fields, where) in payloads.items():
-        row = row_of(rows, kind) or ["", ""]
-        problems += [f"{kind}.{field} ({where}): not named in its row" for field in fields
-                     if field not in quoted(row[1])]
+    problems = missing_with_fields(payloads, rows)
     envelope = next(node for node in ast.walk(parsed(PROTOCOL))
                     if isinstance(node, ast.FunctionDef) and node.name == "_message")
     common = {key.value for node in ast.walk(envelope) if isinstance(node, ast.Dict)
