@@ -10,12 +10,18 @@ import json
 from typing import Any
 
 import trio
-from wsproto import WSConnection
-from wsproto.events import CloseConnection, Pong, TextMessage
+import trio.testing
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Pong, Request, TextMessage
 
+from server.front import Front
+from server.room_socket import Deadlines
 from spec_tests import virtual_time
 
-__all__ = ["Client"]
+__all__ = ["Client", "PATIENT", "join"]
+
+#: no ping, pong, write or idle deadline falls within a test: what paces or ends a socket is what the test looks at
+PATIENT = Deadlines(write=600.0, ping_interval=600.0, pong=1200.0, head=600.0, idle=600.0)
 
 
 class Client:
@@ -64,3 +70,18 @@ class Client:
         with trio.fail_after(within):
             while not predicate(self):
                 await self.arrived.wait()
+
+
+async def join(front: Front, nursery: trio.Nursery, created: dict[str, Any], token: str, *, read: bool = True) -> Client:
+    """A socket that joined ``created``'s room with ``token`` through ``front`` over an in-memory stream (its reader
+    started in ``nursery`` when ``read``)."""
+    client_end, server_end = trio.testing.memory_stream_pair()
+    nursery.start_soon(front.handle, server_end)
+    ws = WSConnection(ConnectionType.CLIENT)
+    await client_end.send_all(ws.send(Request(host="localhost", target=f"{created['websocket_path']}?token={token}")))
+    while not any(isinstance(event, AcceptConnection) for event in ws.events()):
+        ws.receive_data(await client_end.receive_some(65536))
+    client = Client(client_end, ws)
+    if read:
+        nursery.start_soon(client.read)
+    return client

@@ -22,18 +22,16 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request
 
 from server.front import Front
-from server.room_socket import Deadlines
 from server.runtime import MAX_VIEWERS_PER_SESSION
 from server.transport.backlog_budget import SERVER_BACKLOG_BYTES
 from server.transport.data_pace import DATA_BYTE_BURST
 from server.transport.local_room import TEXT_BACKLOG_BYTES
 from spec_tests import virtual_time
+from spec_tests.security.room_clients import PATIENT
 from spec_tests.security.room_clients import Client as RoomClient
 from spec_tests.server.runner_fixtures import CounterService, serve, settings
 from spec_tests.server.runner_fixtures import no_threads  # noqa: F401  (fixture)
 
-#: no ping, pong or write deadline falls within a test: what sends a socket away here is a backlog bound alone
-PATIENT = Deadlines(write=600.0, ping_interval=600.0, pong=1200.0, head=600.0, idle=600.0)
 WINDOW = 65536  # bytes a connection holds on their way in each direction (a kernel's socket buffers)
 SESSIONS = 4  # running sessions, each with a controller sending large messages and 32 viewers
 PAD = "a" * 12000  # a data message near the 12 KiB limit

@@ -22,7 +22,7 @@ from server.room_socket import CLOSE_DEADLINE
 from spec_tests.server.runner_fixtures import CounterService, serve, settings
 from spec_tests.server.runner_fixtures import no_threads  # noqa: F401  (fixture)
 
-from .test_frame_budget import PATIENT, Rooms
+from .room_clients import PATIENT, join
 
 pytestmark = pytest.mark.usefixtures("no_threads")
 
@@ -32,7 +32,7 @@ async def test_the_server_ends_the_connection_once_the_client_answered_its_close
         front = Front(served.runtime.transport, "unused", max_message_bytes=16384, deadlines=PATIENT)
         async with trio.open_nursery() as nursery:
             created = await served.create("ctl")
-            ctl = await Rooms(served, front, nursery).open(created, created["token"], read=False)
+            ctl = await join(front, nursery, created, created["token"], read=False)
             status, _ = await served.json("delete", f"/v1/stream/sessions/{created['session_id']}")
             assert status == 200
             events: list[Any] = []

@@ -19,22 +19,18 @@ import attrs
 import pytest
 import trio
 import trio.testing
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import AcceptConnection, Ping, Request
+from wsproto.events import Ping
 
 from server.frame_budget import (
     FRAME_BATCH, FRAME_BURST, FRAMES_PER_SECOND, JOIN_FRAMES, JOIN_WAIT_MOST, SERVER_FRAME_BURST,
     SERVER_FRAMES_PER_SECOND,
 )
 from server.front import Front
-from server.room_socket import Deadlines
 from spec_tests import virtual_time
-from spec_tests.security.room_clients import Client
+from spec_tests.security.room_clients import PATIENT, Client, join
 from spec_tests.server.runner_fixtures import CounterService, Served, serve, settings
 from spec_tests.server.runner_fixtures import no_threads  # noqa: F401  (fixture)
 
-#: no ping, pong or idle deadline falls within a test: what paces a socket here is the budget alone
-PATIENT = Deadlines(write=600.0, ping_interval=600.0, pong=1200.0, head=600.0, idle=600.0)
 IDLE = 256  # viewers' sockets open and silent (in queued sessions' rooms, 32 to a room: a session's most)
 ROOMS = IDLE // 32
 PROMPT = 0.002  # seconds (virtual): a frame the budget lets through at once is read within this
@@ -50,17 +46,7 @@ class Rooms:
 
     async def open(self, created: dict[str, Any], token: str, *, read: bool = True) -> Client:
         """A socket that joined ``created``'s room with ``token`` (its reader started when ``read``)."""
-        client_end, server_end = trio.testing.memory_stream_pair()
-        self.nursery.start_soon(self.front.handle, server_end)
-        ws = WSConnection(ConnectionType.CLIENT)
-        target = f"{created['websocket_path']}?token={token}"
-        await client_end.send_all(ws.send(Request(host="localhost", target=target)))
-        while not any(isinstance(event, AcceptConnection) for event in ws.events()):
-            ws.receive_data(await client_end.receive_some(65536))
-        client = Client(client_end, ws)
-        if read:
-            self.nursery.start_soon(client.read)
-        return client
+        return await join(self.front, self.nursery, created, token, read=read)
 
     async def idle_viewers(self) -> list[Client]:
         """IDLE silent viewer sockets, in queued sessions' rooms (no stream, nothing to read)."""
