@@ -51,7 +51,7 @@ async def test_deep_json_on_the_room_socket_is_refused_and_the_controller_keeps_
         deep = "[" * 5000 + "]" * 5000  # within the size limit: refused for its depth
         await ctl.ws.send(deep)
         buried: object = 0
-        for _ in range(MAX_JSON_DEPTH + 1):  # the envelope's own level on top: one too deep
+        for _ in range(MAX_JSON_DEPTH):  # inside the payload's own object: the payload is one level too deep
             buried = [buried]
         await ctl.ws.send(json.dumps({"topic": "tf.control", "payload": {"type": "control_state", "controls": ["w"], "x": buried}}))
         await ctl.ws.send('{"topic": "tf.control", "payload": "\\ud800"}')
@@ -60,7 +60,9 @@ async def test_deep_json_on_the_room_socket_is_refused_and_the_controller_keeps_
         await ctl.wait_for(lambda p: len(refusals(p)) >= 5, "five refusals", timeout=WAIT)
         assert refusals(ctl) == ["too_deep", "too_deep", "unencodable_text", "malformed_envelope", "malformed_envelope"]
         details = refusal_details(ctl)
-        assert "levels deep" in details[0] and "levels deep" in details[1] and "lone surrogate" in details[2]
+        assert "levels deep" in details[0] and "lone surrogate" in details[2]
+        # counted as the client wrote the payload, not with the envelope around it (it said "34 ...; at most 33")
+        assert details[1] == f"JSON nested {MAX_JSON_DEPTH + 1} levels deep; at most {MAX_JSON_DEPTH} allowed", details[1]
         assert details[3].startswith("not valid JSON") and '{"topic": "<string>", "payload": <any JSON>}' in details[4]
         assert pipeline_controls(service) == []
         await ctl.control({"type": "control_state", "controls": ["a"]})  # the socket is still up and in control
