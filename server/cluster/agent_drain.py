@@ -30,28 +30,33 @@ class AgentDrain:
         self.done = trio.Event()  # the sessions are settled: the agent says goodbye
         self.asked_by: str | None = None  # None: no drain began
         self.finished = 0  # sessions that ended within the deadline
-        self.stopped = 0  # sessions stopped: at the deadline (at a chunk boundary), or at once (cut short)
+        self._stopped: set[str] = set()  # sessions stopped: at the deadline (at a chunk boundary), or at once (cut short)
         self.cut_short_by: str | None = None
+
+    @property
+    def stopped(self) -> int:
+        return len(self._stopped)
 
     async def run(self, asked_by: str, deadline: float) -> None:
         """No new sessions (the caller's table says so); the live ones finish within ``deadline`` seconds, then the
         rest are stopped at a chunk boundary."""
         self.asked_by = asked_by
-        running = len(self.sessions.runners)
-        log.info("draining, asked by %s: no new sessions; %d live session(s) have %g s to finish", asked_by, running,
+        live = set(self.sessions.runners)
+        log.info("draining, asked by %s: no new sessions; %d live session(s) have %g s to finish", asked_by, len(live),
                  deadline)
         with trio.move_on_after(deadline):
             await self.sessions.until_empty()
-        left = len(self.sessions.runners)
-        self.finished += running - left
+        left = set(self.sessions.runners)
+        # a second signal meanwhile stopped some: they did not finish (they were counted twice, finished and stopped)
+        self.finished += len(live - left - self._stopped)
+        self._stopped |= left
         await self.sessions.stop_all("worker_drain", hard=False)  # at a chunk boundary, never mid-chunk
-        self.stopped += left
         self.done.set()
 
     async def stop_now(self, cause: str, signal_name: str) -> None:
         """A second signal during the drain: each session ends now, failed with ``cause``, then the agent leaves."""
         self.cut_short_by = signal_name
-        self.stopped += len(self.sessions.runners)
+        self._stopped |= set(self.sessions.runners)
         await self.sessions.stop_all(cause, hard=True)
         self.done.set()
 

@@ -310,7 +310,8 @@ async def test_sigterm_to_an_agent_drains_it(cluster: Cluster) -> None:
 
 async def test_a_second_sigterm_ends_the_agents_sessions_with_that_reason_and_exits_143(tmp_path) -> None:
     """The first SIGTERM drains; a second one stops the sessions at once. They fail saying so (they failed as
-    "worker lost: left after draining") and the agent exits 128 + SIGTERM, not 0 as if it had drained."""
+    "worker lost: left after draining") and the agent exits 128 + SIGTERM, not 0 as if it had drained; its log counts
+    each session once, as stopped."""
     cluster = start_authority(launcher="external", workers=1)
     agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{cluster.cluster_port}",
                               "--max-sessions", "1"), clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN, TMPDIR=str(tmp_path)))
@@ -338,6 +339,10 @@ async def test_a_second_sigterm_ends_the_agents_sessions_with_that_reason_and_ex
     finally:
         agent.stop()
         cluster.stop()
+    # its session counted once, as stopped (it read "1 session(s) finished, 1 stopped")
+    log = agent.text(200_000)
+    assert "drain cut short by a second SIGTERM (asked by SIGTERM): 0 session(s) finished, 1 stopped; exiting with " \
+           "status 143" in log, log
 
 
 # -- helpers -----------------------------------------------------------------------------------
