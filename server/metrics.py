@@ -204,8 +204,7 @@ class ServerMetrics:
         )
         self._worker_losses = Counter(
             "chunkline_worker_losses",
-            "Worker agents lost, by cause (connection_closed, heartbeat_missed, process_exited, agent_failed, "
-            "actor_died, actor_unreachable, protocol_error)",
+            f"Worker agents lost, by cause ({', '.join(LOSS_CAUSES)})",
             ["cause"],
             registry=registry,
         )

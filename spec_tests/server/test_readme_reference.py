@@ -237,3 +237,18 @@ def test_each_reference_section_sits_where_the_readme_says(title):
     """Each section is linked to where the README points at it, by GitHub's anchor for its heading."""
     anchor = "#" + re.sub(r"[^a-z0-9 _-]", "", title.lower()).replace(" ", "-")
     assert f"]({anchor})" in README, f"README.md links to {title!r} nowhere ({anchor})"
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------------
+
+
+def test_every_cause_a_worker_loss_is_counted_by_is_named_with_its_metric():
+    """``chunkline_worker_losses_total``'s causes, as the README and the metric's help give them (both left out
+    ``authority_stalled``, which a stalled authority counts)."""
+    from server.metrics import LOSS_CAUSES, ServerMetrics
+
+    where = README.index("`chunkline_worker_losses_total{cause=...}` (causes")
+    listed = set(re.findall(r"`([a-z_]+)`", README[where:README.index(").", where)]))
+    assert set(LOSS_CAUSES) <= listed, sorted(set(LOSS_CAUSES) - listed)
+    (family,) = [family for family in ServerMetrics().registry.collect() if family.name == "chunkline_worker_losses"]
+    assert all(cause in family.documentation for cause in LOSS_CAUSES), family.documentation
