@@ -304,7 +304,7 @@ class StreamRuntime:
             now = trio.current_time()
             reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slots.status(now).items() if why["reason"])
             if self.cluster is not None and not self.book.workers():  # it said nothing of agents an operator awaits
-                reasons = f"no worker agent is registered; agents dial {self.cluster.authority_url}"
+                reasons = self.cluster.why_no_agent()
             retry = self.slots.retry_after(now)
             if retry is None and self.cluster is not None and self.cluster.agent_may_join():
                 retry = NO_WORKER_RETRY_AFTER

@@ -431,6 +431,14 @@ class ClusterAuthority:
         ``reason``, when nothing will run them (:mod:`server.orphaned_queue`)."""
         end_if_nothing_will_run(self.runtime, cause, reason)
 
+    def why_no_agent(self) -> str:
+        """Why no agent is registered, for a create's 503: each launcher slot's own reason (drained on purpose, given
+        up, starting), then where agents dial. It named only the address, as if an agent were on its way, after the
+        only slot was drained."""
+        slots = [] if self.launcher is None else [f"{slot['slot']}: {slot['reason']}" for slot in self.launcher.view()
+                                                  if slot["reason"]]
+        return "; ".join([*slots, f"no worker agent is registered; agents dial {self.authority_url}"])
+
     def agent_may_join(self) -> bool:
         """Whether an agent may still register: False once every slot of the launcher gave up or stopped and no
         one else holds the token its agents prove (this server made it). A create's 503 then sends no Retry-After:
