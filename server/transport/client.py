@@ -50,8 +50,16 @@ class RoomClient:
             client._pending.append(event)
 
     async def _send(self, event: Any) -> None:
-        async with self._send_lock:
-            await self._stream.send_all(self._ws.send(event))
+        """Send one event; once the socket is closing or closed, ``trio.ClosedResourceError`` (wsproto's own error
+        quoted the whole message, and a worker's session failed with it as its reason)."""
+        from wsproto.utilities import LocalProtocolError
+
+        async with self._send_lock:  # the close's answer may have gone out while this send waited here
+            try:
+                data = self._ws.send(event)
+            except LocalProtocolError:
+                raise trio.ClosedResourceError(f"the room socket is {self._ws.state.name.lower()}") from None
+            await self._stream.send_all(data)
 
     async def _next_event(self) -> Any:
         while True:
