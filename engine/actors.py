@@ -1,21 +1,18 @@
 """Stage actors: the single owner of a stage's state, with one task and one bounded mailbox.
 
-The orchestrator never calls a handler itself. It ``submit``s an invocation to
-the stage's actor (never waiting: a full mailbox is :class:`ActorBusyError`)
-and is called back, in the trio thread, when the invocation resolves. A
-completion callback that also offers ``from_thread`` may instead be called on
-the actor's own thread for a success (``LocalStageActor`` does so for a
-synchronous handler); an actor whose ``threadsafe_submit`` is true accepts
-``submit`` from such a thread. Session
-hooks travel through the same mailbox, so a session's cleanup is ordered after
+The orchestrator never calls a handler itself. It ``submit``s an invocation to the stage's actor (never waiting: a
+full mailbox is :class:`ActorBusyError`) and is called back, in the trio thread, when the invocation resolves. A
+completion callback that also offers ``from_thread`` may instead be called on the actor's own thread for a success
+(``LocalStageActor`` does so for a synchronous handler); an actor whose ``threadsafe_submit`` is true accepts
+``submit`` from such a thread. Session hooks travel through the same mailbox, so a session's cleanup is ordered after
 every invocation that was submitted before it.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
+import math
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -30,6 +27,7 @@ from states.pipeline_session import CloseReason
 from .actor_protocol import (
     STAGE_ACTOR_METHODS, ActorHealth, ActorState, Completion, SessionContext, StageActor, StageInvocation, TaskKey,
 )
+from .actor_arguments import cancel_on, check_actor_arguments, is_async
 from .call_watch import CallWatch, timed
 from .errors import ActorBusyError, ActorFailedError, FatalStageError, StageCallTimeout, error_text, seconds
 from .threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, WaitQueue
@@ -67,15 +65,17 @@ class _Delivery:
     def _claim(self) -> bool:
         """With a call deadline: whether this side delivers, the thread's result or the actor giving up on a call
         past its deadline (whichever comes first). Without one only the result can, and nobody asks."""
-        with self.actor._counts:
+        actor = self.actor
+        with actor._counts:
             if self.settled:
                 return False
             self.settled = True
+            actor._outstanding.pop(self, None)
             return True
 
     def give_up(self, error: BaseException) -> None:
-        """In trio: the call ran past its deadline; it resolves as failed now, and its result, if it ever comes,
-        is dropped (its session's cleanup need not wait for a call that may never end)."""
+        """In trio: the call ran past its deadline, or waits behind one that did; it resolves as failed now, and its
+        result, if it ever comes, is dropped (its session's cleanup need not wait for a call that may never end)."""
         if self._claim():
             self.actor._resolve(self.invocation, self.on_done, outcome.Error(error), from_thread=True)
 
@@ -134,25 +134,13 @@ class LocalStageActor:
         session_closer: Callable[[SessionContext, CloseReason], Any] | None = None,
         call_timeout: float | None = None,
     ) -> None:
-        if isinstance(mailbox_capacity, bool) or not isinstance(mailbox_capacity, int) or mailbox_capacity < 1:
-            raise ValueError(f"mailbox_capacity must be an int >= 1, got {mailbox_capacity!r}")
-        # now, not as a TypeError failing the first session that calls it (or poisoning its close)
-        if not callable(handler):
-            raise ValueError(f"handler must be callable, got {type(handler).__name__}")
-        if session_closer is not None and not callable(session_closer):
-            raise ValueError(f"session_closer must be callable or None, got {type(session_closer).__name__}")
-        for role, fn in (("handler", handler), ("session_closer", session_closer)):
-            if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):  # it read "returned generator"
-                raise ValueError(f"{role} must return (a handler: its {{artifact: value}} mapping), not yield: "
-                                 f"{getattr(fn, '__qualname__', fn)!r} is a generator function")
-        if name is not None and not isinstance(name, str):
-            raise ValueError(f"name must be a string or None, got {type(name).__name__}")
+        check_actor_arguments(handler, name=name, mailbox_capacity=mailbox_capacity, session_closer=session_closer)
         self.name = name or f"stage-actor-{next(_names)}"
         self._call_watch = None if call_timeout is None else CallWatch(seconds("call_timeout", call_timeout, finite=True))
         self._handler = handler
-        self._handler_is_async = _is_async(handler)
+        self._handler_is_async = is_async(handler)
         self._closer = session_closer
-        self._closer_is_async = session_closer is not None and _is_async(session_closer)
+        self._closer_is_async = session_closer is not None and is_async(session_closer)
         self._send, self._receive = trio.open_memory_channel[Any](mailbox_capacity)
         self._machine = actor_table.StageActorMachine()
         self._failure_reason: str | None = None
@@ -175,6 +163,10 @@ class LocalStageActor:
         self._abandon = trio.Event()  # set when aclose's caller stops waiting for a stuck thread
         self._running_call: trio.CancelScope | None = None  # the async call running in the actor's task
         self._failure_listeners: list[Callable[[str], None]] = []
+        # with a call deadline: the thread's undelivered calls and the waits for its hooks, given up when a call overruns
+        # (those behind it never ran, and held their sessions' cleanups to 300 s)
+        self._outstanding: dict[_Delivery, None] = {}
+        self._hook_waits: set[trio.CancelScope] = set()
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -205,7 +197,7 @@ class LocalStageActor:
                 if self._thread is not None and not self._abandon.is_set():
                     # a call that never returns keeps the thread: aclose's caller may give up on it
                     async with trio.open_nursery() as thread_stop_wait:
-                        thread_stop_wait.start_soon(_cancel_on, self._abandon, thread_stop_wait.cancel_scope,
+                        thread_stop_wait.start_soon(cancel_on, self._abandon, thread_stop_wait.cancel_scope,
                                                     "aclose's caller abandoned the actor's stuck call")
                         await self._thread.stop()
                         thread_stop_wait.cancel_scope.cancel(reason="the actor's thread stopped")
@@ -233,6 +225,12 @@ class LocalStageActor:
         self._abandon.set()
         if delivery is not None:
             delivery.give_up(error)
+        behind = ActorFailedError(f"stage actor {self.name!r} failed: {error} (this call waited behind it)")
+        behind.__cause__ = error
+        for waiting in list(self._outstanding):  # queued on the stuck thread: they would never run
+            waiting.give_up(behind)
+        for hook_wait in self._hook_waits:
+            hook_wait.cancel(reason="the actor's thread is held by a call past its call_timeout")
         if self._running_call is not None:
             self._running_call.cancel(reason="the call ran past its call_timeout")
 
@@ -281,9 +279,12 @@ class LocalStageActor:
                 self._pending += 1
                 self._undelivered += 1
             delivery = _Delivery(self, invocation, on_done)
+            if self._call_watch is not None:  # (a dict's insert is GIL-atomic: submit may run on another thread)
+                self._outstanding[delivery] = None
             try:
                 self._thread.submit(self._guarded_handler, (invocation, delivery), delivery)
             except ThreadStopped:  # the actor's task ended (its thread told to stop) after the check above
+                self._outstanding.pop(delivery, None)
                 self._count(pending=-1, undelivered=-1)
                 raise ActorFailedError(f"stage actor {self.name!r} is closed") from None
             return
@@ -391,11 +392,21 @@ class LocalStageActor:
     async def _barrier_then_close(self, context: SessionContext, reason: CloseReason) -> None:
         if self._closer_is_async:
             await self._quiet.wait_until(self._counts, lambda: not self._pending)
-            await self._closer(context, reason)  # a hook, not a chunk: the close deadline may end it
+            await self._async_hook_beside_thread(context, reason)
         else:
             await self._hook_on_thread(context, reason)
         if self._machine.state is ActorState.FAILED:
             raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+
+    async def _async_hook_beside_thread(self, context: SessionContext, reason: CloseReason) -> None:
+        """An ``async`` hook of an actor whose calls run on its thread runs beside them, unseen by the call watch (one
+        call at a time): ``call_timeout`` bounds it here (it was never timed), and so may the close deadline."""
+        timeout = math.inf if self._call_watch is None else self._call_watch.call_timeout
+        with trio.move_on_after(timeout) as hook:
+            await self._closer(context, reason)  # type: ignore[misc]
+        if hook.cancelled_caught:
+            self._call_overran(StageCallTimeout(f"its session_closer for session {context.session_id!r} ran past its "
+                                                f"call_timeout of {timeout:g} s"), None)
 
     async def _hook_on_thread(self, context: SessionContext, reason: CloseReason) -> None:
         """Run the synchronous hook on the thread; the caller's deadline stops the wait, not the hook.
@@ -414,7 +425,14 @@ class LocalStageActor:
             done.set()
 
         self._thread.submit(self._watched_hook, (context, reason), deliver)  # close_session checked it takes work
-        await done.wait()
+        with trio.CancelScope() as waiting:  # cancelled when a call (this hook, one ahead of it) overruns
+            self._hook_waits.add(waiting)
+            try:
+                await done.wait()
+            finally:
+                self._hook_waits.discard(waiting)
+        if not box:  # the thread is held past call_timeout: this hook may never run, or never return
+            raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
         box[0].unwrap()
 
     def _watched_hook(self, context: SessionContext, reason: CloseReason) -> Any:
@@ -479,15 +497,3 @@ class LocalStageActor:
         """The OS thread that runs this actor's synchronous calls (None before start)."""
         return None if self._thread is None else self._thread.ident
 
-
-def _is_async(fn: Callable[..., Any]) -> bool:
-    """An ``async def`` function, or an object whose ``__call__`` is one (it was run on a thread, and its coroutine
-    taken for the call's result: "returned coroutine", never awaited)."""
-    if inspect.iscoroutinefunction(fn):
-        return True
-    return not inspect.isroutine(fn) and inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))
-
-
-async def _cancel_on(event: trio.Event, scope: trio.CancelScope, reason: str) -> None:
-    await event.wait()
-    scope.cancel(reason=reason)

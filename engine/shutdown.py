@@ -81,25 +81,40 @@ class SessionShutdown:
             raise
 
     async def _run_locked(self, rt: SessionRuntime, stop: table.Event | None, drain_deadline: float, deadline: float) -> None:
-        async with rt.lifecycle_lock:
-            if rt.machine.is_terminal:
-                return
-            retrying = rt.machine.can(Event.RETRY_CLEANUP)
-            if stop is not None:
-                self._core.stop(rt, stop)
-            if rt.machine.can(Event.WORK_SETTLED):
-                await self._settle_work(rt, drain_deadline, deadline)
-            if retrying:
-                await self._retry(rt, deadline)
-            if rt.machine.can(Event.STAGES_RELEASED):
-                await self._release_stages(rt, deadline)
-            if rt.machine.can(rt.machine.settle_event):
-                self._release_artifacts(rt)
-            if rt.machine.can(Event.RETRY_CLEANUP):
+        if not rt.lifecycle_lock.locked():
+            await rt.lifecycle_lock.acquire()
+        else:  # another shutdown of it runs (a close elsewhere, or a failed session's cleanup in the background)
+            with trio.move_on_at(deadline) as waiting:
+                await rt.lifecycle_lock.acquire()
+            if waiting.cancelled_caught:  # it waited out that one's deadline (a failed session's is 300 s) in silence
                 raise SessionCleanupError(
-                    f"failed to clean up session {rt.session_id!r}; it is poisoned and its "
-                    f"cleanup may be retried: {_last_failure(rt)}"
-                ) from rt.cleanup_error
+                    f"session {rt.session_id!r} was still being shut down by another call (a close elsewhere, or the "
+                    f"cleanup that runs once it fails) at this close's deadline; close it again to wait for that one"
+                )
+        try:
+            await self._run_phases(rt, stop, drain_deadline, deadline)
+        finally:
+            rt.lifecycle_lock.release()
+
+    async def _run_phases(self, rt: SessionRuntime, stop: table.Event | None, drain_deadline: float, deadline: float) -> None:
+        if rt.machine.is_terminal:
+            return
+        retrying = rt.machine.can(Event.RETRY_CLEANUP)
+        if stop is not None:
+            self._core.stop(rt, stop)
+        if rt.machine.can(Event.WORK_SETTLED):
+            await self._settle_work(rt, drain_deadline, deadline)
+        if retrying:
+            await self._retry(rt, deadline)
+        if rt.machine.can(Event.STAGES_RELEASED):
+            await self._release_stages(rt, deadline)
+        if rt.machine.can(rt.machine.settle_event):
+            self._release_artifacts(rt)
+        if rt.machine.can(Event.RETRY_CLEANUP):
+            raise SessionCleanupError(
+                f"failed to clean up session {rt.session_id!r}; it is poisoned and its "
+                f"cleanup may be retried: {_last_failure(rt)}"
+            ) from rt.cleanup_error
 
     async def _wait_settled(self, rt: SessionRuntime, deadline: float) -> bool:
         with trio.move_on_at(deadline):  # stops the waiting, not the running calls
@@ -203,6 +218,8 @@ def _drained(rt: SessionRuntime) -> str:
 
 
 def _last_failure(rt: SessionRuntime) -> str:
-    """The phase that failed last and how (``release:decode failed: RuntimeError('...')``), naming the stage."""
-    failed = [f"{phase} {outcome}" for phase, outcome in rt.phases if outcome.startswith("failed")]
-    return failed[-1] if failed else message_of(rt.cleanup_error) if rt.cleanup_error is not None else "None"
+    """Each phase that failed in the last attempt and how (``release:decode failed: RuntimeError('...')``), naming the
+    stage (the last alone was named: with two stages' hooks failing, the other was left out)."""
+    attempt = max((index for index, (phase, _) in enumerate(rt.phases) if phase == "retry"), default=-1)
+    failed = [f"{phase} {outcome}" for phase, outcome in rt.phases[attempt + 1:] if outcome.startswith("failed")]
+    return "; ".join(failed) if failed else message_of(rt.cleanup_error) if rt.cleanup_error is not None else "None"

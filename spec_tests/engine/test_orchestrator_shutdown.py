@@ -220,6 +220,26 @@ async def test_a_failing_closer_poisons_the_session_and_retry_cleans_the_rest(or
     assert again.epoch > epoch
 
 
+async def test_a_cleanup_error_names_every_stage_whose_release_failed(orch, rec):
+    """Both hooks that failed are named, in the order they ran (the last alone was: the other had to be found in
+    ``shutdown_phases``); the error's cause is the first."""
+    first, second = RuntimeError("decode's cache"), RuntimeError("encode's cache")
+    rec.fail_close_once("decode", first)
+    rec.fail_close_once("encode", second)
+    s = orch.create_session("a")
+    await s.push(0, chunk(0))
+    await settle()
+    with pytest.raises(SessionCleanupError) as info:
+        await s.aclose()
+    message = str(info.value)
+    assert "release:decode failed: RuntimeError(\"decode's cache\")" in message, message
+    assert "release:encode failed: RuntimeError(\"encode's cache\")" in message, message
+    assert message.index("release:decode") < message.index("release:encode"), message
+    assert info.value.__cause__ is first
+    await s.aclose()  # the retry names only what fails then: nothing
+    assert s.status is State.CLOSED
+
+
 async def test_session_id_reuse_gets_a_higher_epoch(orch):
     first = orch.create_session("a")
     assert first.epoch >= 1
