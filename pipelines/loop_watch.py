@@ -6,6 +6,9 @@ def``) inside ``create_session``, ``push_control`` or while making a chunk held 
 for the pipeline is marked here (:func:`waiting`: a tuple written, nothing woken); a daemon thread looks at the mark
 only as its deadline passes, and then asks the loop to run a no-op: a loop that does not within
 :data:`BLOCK_GRACE` seconds is blocked, and the watchdog's ``on_blocked`` gets the line that names the call.
+
+A stop signal asks at once (:func:`probe`): a stop in order needs the loop, and a first Ctrl-C while a synchronous
+model load held it waited out the load's whole deadline (600 s) to say so.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from contextlib import contextmanager
 
 import trio
 
-__all__ = ["BLOCK_GRACE", "LoopWatchdog", "waiting"]
+__all__ = ["BLOCK_GRACE", "LoopWatchdog", "probe", "waiting"]
 
 #: seconds a loop past a call's deadline has to answer before it is taken as blocked (a free one answers in ms)
 BLOCK_GRACE = 2.0
@@ -34,7 +37,7 @@ def waiting(call: str, seconds: float, *, late: str | None = None) -> Iterator[C
     """The run waits up to ``seconds`` for the pipeline's ``call`` (``late``: what it failed to do then, if not to
     return): marked for this run's watchdog, if it has one, until the block ends or the callable it gives is called."""
     watchdog = _WATCHDOG.get()
-    mark = (next(_numbers), late or f"{call} did not return within {seconds:g} s", time.monotonic(), seconds)
+    mark = (next(_numbers), late or f"{call} did not return within {seconds:g} s", time.monotonic(), seconds, call)
 
     def done() -> None:
         if watchdog is not None and watchdog.mark is mark:
@@ -48,15 +51,29 @@ def waiting(call: str, seconds: float, *, late: str | None = None) -> Iterator[C
         done()
 
 
+def probe() -> None:
+    """Have this run's watchdog (if any) see now whether trio's thread answers. For a stop signal's handler, which runs
+    on trio's thread between the pipeline's bytecodes: it never waits."""
+    try:
+        watchdog = _WATCHDOG.get()
+    except RuntimeError:  # no trio run on this thread now (before the run, after it)
+        return
+    if watchdog is not None:
+        watchdog.probe()
+
+
 class LoopWatchdog:
     """Ends the run through ``on_blocked(line)`` (which must not return) when trio's thread is blocked past the
-    deadline of the call it waits for. Started in the trio run (:meth:`start`), stopped as the run ends."""
+    deadline of the call it waits for, or when asked (:meth:`probe`). Started in the trio run (:meth:`start`), stopped
+    as the run ends."""
 
     def __init__(self, on_blocked: Callable[[str], object], grace: float = BLOCK_GRACE) -> None:
-        self.mark: tuple[int, str, float, float] | None = None  # (number, what is late, since, seconds)
+        self.mark: tuple[int, str, float, float, str] | None = None  # (number, what is late, since, seconds, call)
         self._on_blocked = on_blocked
         self._grace = grace
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # stopped, or a probe asked for
+        self._probe_asked = False
         self._answered = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,35 +84,67 @@ class LoopWatchdog:
         self._thread = threading.Thread(target=self._watch, args=(token,), name="chunkline-loop-watchdog", daemon=True)
         self._thread.start()
 
+    def probe(self) -> None:
+        """Look at the loop now, whatever the call's deadline (never waits: a signal handler calls it)."""
+        self._probe_asked = True
+        self._wake.set()
+
     def stop(self) -> None:
         """Stop watching; the thread is gone when this returns (an exit finds no thread of the run's own)."""
         self._stopped.set()
+        self._wake.set()
         self._answered.set()
         if self._thread is not None:
             self._thread.join()
 
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _loop_answers(self, token: trio.lowlevel.TrioToken) -> bool | None:
+        """Whether the loop runs a no-op within the grace; None when the run ended or the watch stopped meanwhile."""
+        self._answered = answered = threading.Event()
+        if self._stopped.is_set():  # stop() set the event before this one
+            return None
+        try:
+            token.run_sync_soon(answered.set)
+        except trio.RunFinishedError:
+            return None
+        if answered.wait(self._grace):
+            return True
+        return None if self._stopped.is_set() else False
+
     def _watch(self, token: trio.lowlevel.TrioToken) -> None:
         while not self._stopped.is_set():
             mark = self.mark
-            if mark is None:
-                self._stopped.wait(IDLE_LOOK)
+            if self._probe_asked:
+                self._probe_asked = False
+                asked = time.monotonic()
+                answers = self._loop_answers(token)
+                if answers is None:
+                    return
+                if not answers:
+                    where = "the pipeline" if mark is None or self.mark is not mark else mark[4]
+                    self._on_blocked(f"pipeline bug: {where} has blocked trio's thread for at least "
+                                     f"{time.monotonic() - asked:.0f} s, so the run could not stop in order (code that "
+                                     f"never awaits, as time.sleep or a busy loop: run it with trio.to_thread.run_sync)")
+                    return
                 continue
-            _, late, since, seconds = mark
+            if mark is None:
+                self._sleep(IDLE_LOOK)
+                continue
+            _, late, since, seconds, _ = mark
             left = since + seconds - time.monotonic()
             if left > 0:
-                self._stopped.wait(left)
+                self._sleep(left)
                 continue
-            self._answered = answered = threading.Event()
-            if self._stopped.is_set():  # stop() set the event before this one
-                return
             asked = time.monotonic()
-            try:
-                token.run_sync_soon(answered.set)
-            except trio.RunFinishedError:
+            answers = self._loop_answers(token)
+            if answers is None:
                 return
-            if answered.wait(self._grace) or self._stopped.is_set() or self.mark is not mark:
+            if answers or self.mark is not mark:
                 # the loop runs: trio's own deadline cancels the call; look again while it unwinds
-                self._stopped.wait(self._grace)
+                self._sleep(self._grace)
                 continue
             self._on_blocked(f"pipeline bug: {late}: it has blocked trio's thread for at least "
                              f"{time.monotonic() - asked:.0f} s (code that never awaits, as time.sleep or a busy "

@@ -80,8 +80,8 @@ def build_parser() -> Parser:
             "Ctrl-C (or SIGTERM) stops the run in order, and so do SIGHUP (its terminal closed) and SIGQUIT "
             "(Ctrl-\\): the pipeline closes its session, no output is left, exit code 130 (143 for SIGTERM, 129 "
             "for SIGHUP, 131 for SIGQUIT). That can wait for a "
-            "hung stage up to the pipeline's close deadline; a second Ctrl-C (or SIGTERM) aborts at once, also "
-            "leaving no output."
+            "hung stage up to the pipeline's close deadline (a pipeline that holds trio's thread ends the run 2 s "
+            "after the signal); a second Ctrl-C (or SIGTERM) aborts at once, also leaving no output."
         ),
     )
     run.add_argument("pipeline", help="path of a pipeline file or package defining get_service()")

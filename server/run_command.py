@@ -268,6 +268,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any) -> int:
     from pipelines.loader import PipelineLoadError, load_service
+    from pipelines.loop_watch import probe
     from pipelines.offline import remove_partial_files, remove_stale_partial_files, run_offline
 
     from . import run_inputs
@@ -299,6 +300,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
 
     def on_stop(number: int) -> None:  # in a signal handler: no buffered I/O
         stopped_by.append(number)
+        probe()  # a stop in order needs trio's thread: one the pipeline holds is said, and the run ends, within 2 s
         line = (f"{PREFIX}: {signal.Signals(number).name} received, stopping the run (press Ctrl-C again to abort at "
                 f"once)\n").encode()
         try:
