@@ -341,6 +341,7 @@ async def run_offline(
     deadlines: RunDeadlines,
     chunk_check: Callable[[Chunk], Chunk] | None = None,
     on_blocked: Callable[[str], object] | None = None,
+    warned: list[str] | None = None,
 ) -> OfflineRunSummary:
     """Run one session of ``service`` for up to ``chunks`` chunks; write ``video.mp4`` and ``metrics.json``.
 
@@ -353,6 +354,8 @@ async def run_offline(
     run takes what a served session takes) returns the chunk or raises a :class:`PipelineContractError`.
     ``on_blocked(line)``, which must not return, ends the process where the pipeline blocks trio's thread past a
     deadline, which no cancel scope can then keep (:mod:`pipelines.loop_watch`; the line names the call).
+    ``warned``: a list of the caller's that the summary's warnings go to as they come (a run cancelled by a stop
+    signal has no summary, and its stop then says them).
     ``out_dir`` is created if missing. On any failure or cancellation
     the temporary files are removed and nothing named ``video.mp4``/``metrics.json`` is written.
     """
@@ -389,7 +392,8 @@ async def run_offline(
             send, receive = trio.open_memory_channel[Chunk](4)
             nursery.start_soon(_write_chunks, writer, receive)
             async with send:
-                run = _Run(recorder, send, chunks, progress, deadlines, chunk_check)
+                run = _Run(recorder, send, chunks, progress, deadlines, chunk_check,
+                           warnings=[] if warned is None else warned)
                 if isinstance(service, BidirectionalService):
                     await _run_bidirectional(service, config, entries, run)
                 else:

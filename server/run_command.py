@@ -169,7 +169,7 @@ def _nothing_written(out: str) -> str:
 _stop_told: list[int] = []
 
 
-def _tell_stopped(number: int, out: str) -> int:
+def _tell_stopped(number: int, out: str, met: tuple[str, ...] = ()) -> int:
     """Say that a stop signal stopped the run, and mark it said (:data:`_stop_told`); the exit code. A stop signal
     while it is said is noted, and comes once it is marked (a second one ends the command then, after the line and
     without a line of its own: it said `aborted by a second signal` of a stop that had ended). The handlers are
@@ -178,7 +178,7 @@ def _tell_stopped(number: int, out: str) -> int:
     noted: list[int] = []
     previous = {each: signal.signal(each, lambda noting, _frame: noted.append(noting)) for each in stop_signals()}
     try:
-        say(stopped_line(number, out))
+        say(stopped_line(number, out, met))
         _stop_told.append(number)
     finally:
         for each, handler in previous.items():
@@ -188,15 +188,18 @@ def _tell_stopped(number: int, out: str) -> int:
     return 128 + number
 
 
-def stopped_line(number: int, out: str | None) -> str:
+def stopped_line(number: int, out: str | None, met: tuple[str, ...] = ()) -> str:
     """What a run a stop signal ended says (after ``chunkline run: ``): ``interrupted; no output was written``, the
     same line from the command's first line on (``out``: ``--out`` as given, None before it was read): one in its
-    first half second, as it imported what it runs, said only ``chunkline: interrupted``."""
+    first half second, as it imported what it runs, said only ``chunkline: interrupted``. ``met``: what the stop
+    met (``interrupted, and the stop met: pipeline bug: close_session did not return within 10 s; ...``: a close cut
+    at its deadline was not said)."""
     try:
         folder = str(Path(out).absolute()) if out else ""
     except OSError:  # the working directory is gone
         folder = out or ""
-    return f"{describe(number)}; {_nothing_written(folder)}"
+    stopped = f"{describe(number)}, and the stop met: {'; '.join(met)}" if met else describe(number)
+    return f"{stopped}; {_nothing_written(folder)}"
 
 
 class _PipelineExitedDuringRun(Exception):
@@ -272,7 +275,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
     from pipelines.offline import remove_partial_files, remove_stale_partial_files, run_offline
 
     from . import run_inputs
-    from .run_signals import trio_run_until_signalled
+    from .run_signals import StoppedBySignal, trio_run_until_signalled
 
     service_options: dict[str, Any] = {"gpu_num": 0}
     try:
@@ -340,10 +343,14 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
     try:
         from .chunk_publisher import checked_metadata  # a served session's rule for what a chunk carries
 
+        met: list[str] = []  # what the run warned of as it went (a close cut at its deadline): a stop says it too
         run = functools.partial(run_offline, deadlines=run_deadlines(), chunk_check=checked_metadata,
-                                on_blocked=blocked)
-        summary = trio_run_until_signalled(run, service, config, controls, args.chunks, out.path, bar,
-                                           on_stop=on_stop, abort=abort)
+                                on_blocked=blocked, warned=met)
+        try:
+            summary = trio_run_until_signalled(run, service, config, controls, args.chunks, out.path, bar,
+                                               on_stop=on_stop, abort=abort)
+        except StoppedBySignal as stopped:
+            raise StoppedBySignal(stopped.signal_number, tuple(met)) from stopped.__cause__
     except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)
         raise _PipelineExitedDuringRun(f"pipeline {str(args.pipeline)!r} called sys.exit({exc.code!r}) during the "
                                        f"run") from None
@@ -398,7 +405,7 @@ def run_command(args: argparse.Namespace) -> int:
             return 1
         return _tell_stopped(signal.SIGINT, out)
     except (StopSignalled, StoppedBySignal) as stopped:
-        return _tell_stopped(stopped.signal_number, out)
+        return _tell_stopped(stopped.signal_number, out, getattr(stopped, "met", ()))
     except Exception as exc:
         say(f"the run failed: {error_line(exc)}")
         return 1

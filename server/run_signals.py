@@ -97,11 +97,13 @@ def exit_on_stop_signals(code: int, why: str, remove: Callable[[], None], log: l
 
 
 class StoppedBySignal(Exception):
-    """The first stop signal cancelled the run; ``signal_number`` says which one."""
+    """The first stop signal cancelled the run; ``signal_number`` says which one, ``met`` what the stop met (a close
+    cut at its deadline)."""
 
-    def __init__(self, signal_number: int) -> None:
+    def __init__(self, signal_number: int, met: tuple[str, ...] = ()) -> None:
         super().__init__(signal.Signals(signal_number).name)
         self.signal_number = signal_number
+        self.met = met
 
 
 async def run_until_signalled(

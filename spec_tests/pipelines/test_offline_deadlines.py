@@ -10,6 +10,7 @@ KeyError: 'nope'``, naming no call. The deadlines are the server's (60 s for a c
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -26,6 +27,8 @@ from pipelines.offline import PipelineCallError, TimedControls, parse_timed_cont
 from server.cli import main
 from server.run_command import run_deadlines
 
+from ..processes import end_popen
+from .cli_runs import read_stderr_until
 from .minimal_service import MinimalService
 from .offline_helpers import files_in
 
@@ -196,3 +199,37 @@ def test_chunkline_run_warns_of_a_close_it_cut_and_exits_0_with_the_output(
     assert err.strip().splitlines()[-1] == ("chunkline run: warning: pipeline bug: close_session did not return "
                                             "within 10 s"), err
     assert files_in(out) == ["metrics.json", "video.mp4"]
+
+
+def test_a_stop_during_a_close_that_never_returns_says_the_stop_met_it(tmp_path: Path) -> None:
+    """Ctrl-C while the pipeline's close hangs: the stop waits for the close up to its deadline, as it must, and then
+    said only ``interrupted; no output was written``, though the close it waited for was the pipeline's bug (a run
+    left alone warns of it). It says what the stop met, as a stop that met a blocked loop does."""
+    path = pipeline_file(tmp_path, "import sys\n\n"
+                                   "class Broken(MinimalService):\n"
+                                   "    async def close_session(self, session_id):\n"
+                                   "        sys.stderr.write('closing\\n')\n"
+                                   "        sys.stderr.flush()\n"
+                                   "        await trio.sleep_forever()\n")
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import sys, server.run_command as run\nrun.CLOSE_TIMEOUT = 1.0\n"
+         "from server.cli import main\nsys.exit(main())\n", "run", path, "--chunks", "2", "--out", str(out)],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=_default_signals)
+    try:
+        seen = read_stderr_until(process, lambda text: b"closing\n" in text, "the close")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=RUN_DEADLINE) == 130  # bench-cost: the close's shortened 1 s deadline, real time
+        assert process.stderr is not None
+        last = (seen + process.stderr.read()).decode().splitlines()[-1]
+        assert last == ("chunkline run: interrupted, and the stop met: pipeline bug: close_session did not return "
+                        "within 1 s; no output was written"), last
+        assert not out.exists()
+    finally:
+        end_popen(process)
+
+
+def _default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
