@@ -210,8 +210,11 @@ async def _run_bidirectional(
     async with running_within(service, deadlines.running):
         await _check_given_options(service, given, run)
         rec.session_requested = time.perf_counter()
-        session_id = await call_within("create_session", deadlines.create_session,
-                                       lambda: service.create_session(config, on_event=rec.event))
+        try:
+            session_id = await call_within("create_session", deadlines.create_session,
+                                           lambda: service.create_session(config, on_event=rec.event))
+        except ValueError as exc:  # the request refused: said as such (it read only the pipeline's words)
+            raise ValueError(f"the pipeline refused the session: {exc}") from None
         rec.expect_scripted(scripted_controls)
         rec.session_setup = time.perf_counter() - rec.session_requested
         iterator = None

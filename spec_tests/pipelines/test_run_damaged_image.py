@@ -58,4 +58,4 @@ def test_an_image_cut_short_is_bad_input_naming_the_file(
     image.write_bytes(make())
     ran = run_pipeline(tmp_path, ROOT / "pipelines" / "toy_world", "--image", str(image), chunks=1)
     assert failed_line(ran, code=2) == (
-        f"chunkline run: image {name!r}: the image does not decode whole, it is truncated or corrupt: {told}")
+        f"chunkline run: the pipeline refused the session: image {name!r}: the image does not decode whole, it is truncated or corrupt: {told}")

@@ -33,4 +33,5 @@ def test_an_image_under_two_by_two_pixels_is_bad_input(tmp_path: Path, width: in
     _png(image, width, height)
     ran = run_pipeline(tmp_path, ROOT / "pipelines" / "toy_world", "--image", str(image), chunks=1)
     assert failed_line(ran, code=2) == (
-        f"chunkline run: image 'dot.png' is {width} x {height} pixels; the toy world takes one of at least 2 x 2")
+        f"chunkline run: the pipeline refused the session: image 'dot.png' is {width} x {height} pixels; the toy world "
+        "takes one of at least 2 x 2")
