@@ -237,6 +237,28 @@ def test_an_option_the_toy_world_does_not_know_exits_2_naming_it(tmp_path: Path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("command", "said"), [
+    (["run", "--chunk", "3"], "chunkline run: error: unrecognized arguments: --chunk 3"),
+    (["run", "--chunks", "2", "--chunks", "3"], "chunkline run: error: argument --chunks: given twice; give it once"),
+    (["run", "--out", "a", "--out", "b"], "chunkline run: error: argument --out: given twice; give it once"),
+    (["stream-serve", "--port", "1", "-p", "2"],
+     "chunkline stream-serve: error: argument --port/-p: given twice; give it once"),
+    (["worker", "--node", "a", "--node", "b"], "chunkline worker: error: argument --node: given twice; give it once"),
+])
+def test_a_flag_is_taken_by_its_whole_name_and_once(command: list[str], said: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--chunk 3`` ran 3 chunks (argparse took a prefix), and ``--chunks 2 --chunks 3`` ran 3 without a word, while
+    ``--option`` given twice was refused: every command now takes a flag by its whole name, and a value once."""
+    from server.cli import main
+
+    toy_world = str(Path(pipelines.__file__).parent / "toy_world")
+    name, *flags = command
+    with pytest.raises(SystemExit) as exited:
+        main([name, toy_world, *flags])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == f"{said} (see {said.split(': error')[0]} --help)"
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--seed", "3"), ("--device", "cpu")])
 def test_a_flag_the_replay_pipeline_has_no_use_for_exits_2_naming_it(tmp_path: Path, flag: str, value: str,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
