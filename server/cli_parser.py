@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -40,35 +39,17 @@ def _count(text: str) -> int:
 _PLAIN_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
-class _StoreOnce(argparse.Action):
-    """An option that takes one value refuses a second (``--chunks 2 --chunks 3`` ran 3 chunks without a word, while
-    ``--option`` given twice is refused)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._given_in: list[weakref.ref[argparse.Namespace]] = []  # (a Namespace compares by value: no set)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        if any(given() is namespace for given in self._given_in):
-            raise argparse.ArgumentError(self, "given twice; give it once")
-        self._given_in = [given for given in self._given_in if given() is not None] + [weakref.ref(namespace)]
-        setattr(namespace, self.dest, values)
-
-
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error in one line naming the command (``chunkline run: error: ...``) and exit code 2:
     argparse printed the whole usage first (35 lines for stream-serve), and an unknown argument after a command was
     told as the top command's (``chunkline: error: unrecognized arguments``, under ``chunkline``'s usage). A flag is
-    taken by its whole name only (``--chunk 3`` ran 3 chunks), and one value given twice is refused."""
+    taken by its whole name only (``--chunk 3`` ran 3 chunks, and a flag added later could have made it another's)."""
 
     commands: dict[str, argparse.ArgumentParser]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
-        self.register("action", None, _StoreOnce)
-        self.register("action", "store", _StoreOnce)
 
     def error(self, message: str) -> NoReturn:
         from .console import tell
