@@ -252,3 +252,15 @@ def test_every_cause_a_worker_loss_is_counted_by_is_named_with_its_metric():
     assert set(LOSS_CAUSES) <= listed, sorted(set(LOSS_CAUSES) - listed)
     (family,) = [family for family in ServerMetrics().registry.collect() if family.name == "chunkline_worker_losses"]
     assert all(cause in family.documentation for cause in LOSS_CAUSES), family.documentation
+
+
+def test_every_field_a_handler_and_a_session_hook_are_given_is_named():
+    """A new user writing a handler had the README's ``invocation.inputs`` and ``is_first`` alone, and guessed
+    ``invocation.sequence_id`` (an ``AttributeError``): the fields of what handlers and hooks get are named."""
+    import engine
+
+    where = README.index("A handler's `invocation` (`engine.StageInvocation`")
+    paragraph = README[where:README.index("\n\n", where)]
+    named = set(re.findall(r"`([a-z_]+)`", paragraph))
+    fields = {*engine.StageInvocation._fields, *engine.TaskKey._fields, *attrs.fields_dict(engine.SessionContext)}
+    assert fields <= named, sorted(fields - named)
