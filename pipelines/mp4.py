@@ -16,7 +16,7 @@ import numpy as np
 
 from .contract import Chunk
 
-__all__ = ["Mp4Writer"]
+__all__ = ["Mp4Writer", "StreamChanged"]
 
 #: the frame rates the video takes: a fraction with a denominator up to 1001 (30000/1001) within 0.1 % of the chunks'
 #: fps, up to a million a second (1e10 failed the run as ``OverflowError: value too large to convert to int``)
@@ -55,6 +55,10 @@ def _layout(channels: int) -> str:
     if channels == 2:
         return "stereo"
     raise ValueError(f"audio with {channels} channels is not supported in the mp4 (1 or 2)")
+
+
+class StreamChanged(ValueError):
+    """A chunk whose fps, frame size or audio format is not the first chunk's: one video file keeps them."""
 
 
 class Mp4Writer:
@@ -100,9 +104,11 @@ class Mp4Writer:
         if self._container is None:
             self._open(chunk)
         if chunk.frames.shape[1:3] != self._shape:
-            raise ValueError(f"chunk {chunk.index}: frame size {chunk.frames.shape[1:3]} changed from {self._shape}")
+            (height, width), (first_height, first_width) = chunk.frames.shape[1:3], self._shape  # type: ignore[misc]
+            raise StreamChanged(f"chunk {chunk.index} changes the frame size from {first_width} x {first_height} to "
+                                f"{width} x {height}")
         if not math.isclose(chunk.fps, self._fps or 0.0, rel_tol=1e-9):
-            raise ValueError(f"chunk {chunk.index}: fps {chunk.fps} changed from {self._fps}")
+            raise StreamChanged(f"chunk {chunk.index} changes the fps from {self._fps:g} to {chunk.fps:g}")
         frames = chunk.frames
         pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
         if pad_h or pad_w:
@@ -122,9 +128,9 @@ class Mp4Writer:
             pcm = np.zeros(round(chunk.media_seconds * sample_rate) * channels, dtype="<i2")
         else:
             if (chunk.audio.sample_rate, chunk.audio.channels) != self._audio_format:
-                raise ValueError(
-                    f"chunk {chunk.index}: audio format {chunk.audio.sample_rate} Hz x {chunk.audio.channels} "
-                    f"changed from {sample_rate} Hz x {channels}"
+                raise StreamChanged(
+                    f"chunk {chunk.index} changes the audio format from {sample_rate} Hz x {channels} to "
+                    f"{chunk.audio.sample_rate} Hz x {chunk.audio.channels}"
                 )
             pcm = np.frombuffer(chunk.audio.pcm, dtype="<i2")
         if pcm.size == 0:

@@ -56,7 +56,7 @@ from .contract import (
 )
 from .error_text import error_line
 from .loop_watch import LoopWatchdog, waiting
-from .mp4 import Mp4Writer
+from .mp4 import Mp4Writer, StreamChanged
 from .offline_calls import (
     PipelineCallError,
     RunDeadlines,
@@ -287,6 +287,8 @@ async def _write_chunks(writer: Mp4Writer, receive: trio.MemoryReceiveChannel[Ch
         await trio.to_thread.run_sync(writer.finish)
     except RuntimeError:
         raise
+    except StreamChanged as exc:  # the run's one video, not the encoder (it read "writing video.mp4 failed: ValueError")
+        raise ChunkFailed(f"{exc}; a run's {VIDEO_NAME} keeps the first chunk's fps, frame size and audio format") from None
     except Exception as exc:
         raise RuntimeError(f"writing {VIDEO_NAME} failed: {type(exc).__name__}: {exc}") from exc
 

@@ -50,3 +50,42 @@ def test_a_pipeline_s_error_is_told_in_one_line(tmp_path: Path, method: str, err
     assert done.stderr.strip().splitlines() == [f"chunkline run: {told}"], done.stderr[-2000:]
     assert done.returncode == code
     assert not out.exists()
+
+
+CHANGING = """\
+import numpy as np
+
+from pipelines.contract import Chunk
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+class Changing(MinimalService):
+    async def chunks(self, session_id):
+        for index in range(3):
+            size, fps = ((8, 8), 8.0) if index < 2 else {changed}
+            yield Chunk(index, np.zeros((2, *size, 3), np.uint8), fps)
+
+
+def get_service(gpu_num=0):
+    return Changing()
+"""
+
+
+@pytest.mark.parametrize(("changed", "told"), [
+    ("((8, 8), 30.0)", "chunk 2 changes the fps from 8 to 30"),
+    ("((6, 10), 8.0)", "chunk 2 changes the frame size from 8 x 8 to 10 x 6"),
+])
+def test_a_stream_that_changes_its_fps_or_frame_size_is_told_in_the_run_s_words(tmp_path: Path, changed: str,
+                                                                                told: str) -> None:
+    """A run writes one video, which keeps its first chunk's fps and size: a change failed the run in the encoder's
+    words (``writing video.mp4 failed: ValueError: chunk 2: fps 30.0 changed from 8.0``)."""
+    path = tmp_path / "p.py"
+    path.write_text(CHANGING.format(changed=changed))
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE, stdin=subprocess.DEVNULL)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"chunkline run: the run failed: {told}; a run's video.mp4 keeps the first chunk's fps, frame size and audio "
+        f"format"), done.stderr[-2000:]
+    assert not out.exists()
