@@ -378,6 +378,7 @@ class ServerSettings:
                 f"({self.max_body_bytes}), or a body of the largest size could never be taken",
             )
         object.__setattr__(self, "cluster_token", check_cluster(self))  # read from its file when one is named
+        self._refuse_a_cluster_port_on_the_http_port()
         if self.transport is None:
             object.__setattr__(self, "transport", "livekit" if self.livekit_url is not None else "local")
         if self.transport == "livekit":
@@ -394,6 +395,19 @@ class ServerSettings:
                 "--worker-gpu-map",
                 f"--worker-gpu-map has {len(self.worker_gpu_map)} worker group(s) but --num-workers is "
                 f"{self.num_workers}; give one group per worker",
+            )
+
+    def _refuse_a_cluster_port_on_the_http_port(self) -> None:
+        """The agents' port cannot be the HTTP one on the same interface: it was refused as "Address already in use",
+        which did not say the port in use was the server's own."""
+        wildcard = ("0.0.0.0", "::")
+        cluster_host = self.cluster_host or self.host
+        overlap = cluster_host == self.host or cluster_host in wildcard or self.host in wildcard
+        if self.cluster_port and self.cluster_port == self.port and overlap:
+            raise SettingsError(
+                "--cluster-port",
+                f"--cluster-port {self.cluster_port} is the server's own --port: agents dial a port of their own; "
+                f"give --cluster-port another (0: any free one)",
             )
 
     def _refuse_options_that_would_be_ignored(self, given: frozenset[str]) -> None:

@@ -345,3 +345,17 @@ def test_parse_cors_origins() -> None:
         "http://b:8080",
     )
     assert parse_cors_origins(["https://a.example"]) == ("https://a.example",)
+
+
+@pytest.mark.parametrize(("host", "cluster_host"), [("127.0.0.1", None), ("0.0.0.0", "127.0.0.1"), ("::", None)])
+def test_a_cluster_port_that_is_the_http_port_is_refused_naming_both(host: str, cluster_host: str | None) -> None:
+    """It was refused as the listener's "Address already in use", which did not say whose the port was."""
+    with pytest.raises(SettingsError) as info:
+        make(workers="local", port=47110, cluster_port=47110, host=host, cluster_host=cluster_host)
+    assert str(info.value).endswith("--cluster-port 47110 is the server's own --port: agents dial a port of their own; "
+                                    "give --cluster-port another (0: any free one)"), str(info.value)
+
+
+def test_a_cluster_port_like_the_http_port_on_another_interface_is_taken() -> None:
+    made = make(workers="local", port=47110, cluster_port=47110, host="127.0.0.1", cluster_host="127.0.0.2")
+    assert made.cluster_port == made.port == 47110
