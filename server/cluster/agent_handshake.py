@@ -120,8 +120,10 @@ async def handshake(options: AgentOptions, address: tuple[str, str, int], client
 def _no_hello(exc: Exception, why: str, scheme: str, proven: bool) -> Ended:
     """How a dial ended that connected but never got the authority's hello."""
     if isinstance(exc, wire.TlsFailed):  # no TLS there, or a certificate --tls-ca does not vouch for
-        trust = " (the authority's certificate is not one --tls-ca trusts)" if exc.untrusted else ""
-        return Ended(End.NOT_AN_AUTHORITY, f"{exc}{trust}")
+        if exc.untrusted:  # (it asked whether this was the --cluster-port, of a port that spoke TLS)
+            return Ended(End.NOT_AN_AUTHORITY, f"{exc} (the authority's certificate is not one --tls-ca trusts)")
+        return Ended(End.NOT_AN_AUTHORITY, f"{exc} (no TLS there: a plain cluster port, dialed tcp://, or not the "
+                                           f"--cluster-port)")
     if isinstance(exc, wire.ConnectionClosed):
         # closed without a word: an authority turning connections away (a flood past its busy answers) or
         # going down; counted, a flood by anyone at all made every dial count and the agent give up in 20 s
@@ -133,8 +135,9 @@ def _no_hello(exc: Exception, why: str, scheme: str, proven: bool) -> Ended:
                                       "authority this agent registered with has stalled (stopped, or its event loop "
                                       "held)")
     if isinstance(exc, trio.TooSlowError):  # connected, and then nothing: not an authority at all
-        hint = "; a TLS port? dial tls://" if scheme == "tcp" else ""
-        return Ended(End.NOT_AN_AUTHORITY, f"no hello within {CONNECT_TIMEOUT:g} s{hint}")
+        tls = "; a TLS port? dial tls://" if scheme == "tcp" else ""
+        return Ended(End.NOT_AN_AUTHORITY, f"no hello within {CONNECT_TIMEOUT:g} s (is this the --cluster-port, not "
+                                           f"the HTTP port?{tls})")
     if isinstance(exc, wire.WireError):  # bytes that are not a frame
-        return Ended(End.NOT_AN_AUTHORITY, str(exc))
+        return Ended(End.NOT_AN_AUTHORITY, f"{exc} (is this the --cluster-port, not the HTTP port?)")
     return Ended(End.LOST, why)

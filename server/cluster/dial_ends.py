@@ -196,8 +196,7 @@ WAITED = {End.AUTHORITY_STOPPED: "stopped (it said goodbye)",
           End.FENCED: "fenced this worker (it acknowledged no heartbeat in time, or lost it on the heartbeat clock)",
           End.BUSY: "is busy",
           End.TRANSIENT: "refused this worker for now", End.UNREACHABLE: "is unreachable",
-          End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority (is this the --cluster-port, not the HTTP "
-                                "port?)"}
+          End.NOT_AN_AUTHORITY: "answers, but not as a chunkline authority"}  # its reason says what to check
 
 
 class DialLog:

@@ -42,11 +42,13 @@ def refusal(register: wire.Register, reason: str, *, transient: bool, token: str
 
 
 @asynccontextmanager
-async def agent_dialing(handler: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[Process]:
-    """A real agent process dialing ``handler``, which answers each of its connections; stopped at the end."""
+async def agent_dialing(handler: Callable[[trio.SocketStream], Awaitable[None]], scheme: str = "tcp"
+                        ) -> AsyncIterator[Process]:
+    """A real agent process dialing ``handler`` (``scheme``: ``tcp`` or ``tls``), which answers each of its
+    connections; stopped at the end."""
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve, handler)
-        agent = Process(chunkline("worker", TINY, "--authority", f"tcp://127.0.0.1:{port}"),
+        agent = Process(chunkline("worker", TINY, "--authority", f"{scheme}://127.0.0.1:{port}"),
                         clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN))
         try:
             yield agent
@@ -226,7 +228,16 @@ async def test_an_address_that_answers_but_not_as_an_authority_is_named_and_dial
     dials, counted = counting(http_server)
     async with agent_dialing(counted) as agent:
         log = await dialed_uncounted_past_the_crash_loop_limit(agent, "answers, but not as a chunkline authority", dials)
-        assert "(it begins 'HTTP': another protocol's text, not a frame)" in log, log
+        assert "(it begins 'HTTP': another protocol's text, not a frame) (is this the --cluster-port, not the HTTP " \
+               "port?)" in log, log
+    # a tls:// agent at a port that speaks no TLS is told so: it was asked whether that was the --cluster-port
+    async with agent_dialing(http_server, scheme="tls") as agent:
+        with trio.fail_after(START_DEADLINE):
+            while "TLS failed" not in agent.text(200_000):
+                await trio.sleep(0.1)  # bench-cost: real-time poll of the agent process, bounded
+        log = agent.text(200_000)
+        assert "(no TLS there: a plain cluster port, dialed tcp://, or not the --cluster-port)" in log, log
+        assert "not the HTTP port?" not in log, log
     # the run ends at its deadline, with exit 3 (another agent given this address would fail the same way)
     patience = Patience()
     ended = Ended(End.NOT_AN_AUTHORITY, "no hello within 10 s")
