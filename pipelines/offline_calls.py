@@ -22,7 +22,7 @@ from .contract import BidirectionalService, PipelineContractError, ServerPushSer
 from .error_text import error_line
 from .loop_watch import waiting
 
-__all__ = ["PipelineCallError", "RunDeadlines", "call_within", "close_within", "raised_as_error", "running_within",
+__all__ = ["PipelineCallError", "RunDeadlines", "ServiceFailed", "call_within", "close_within", "raised_as_error", "running_within",
            "single_leaf", "telling_error"]
 
 T = TypeVar("T")
@@ -70,6 +70,12 @@ class PipelineCallError(PipelineContractError):
     @classmethod
     def late(cls, call: str, seconds: float) -> PipelineCallError:
         return cls(call, f"did not return within {seconds:g} s")
+
+
+class ServiceFailed(RuntimeError):
+    """The service said it failed as a whole (its ``failure``) and left ``running()`` with that error: a stage's
+    workers died, say a rank killed from outside. Not the pipeline's bug (it read ``pipeline bug: a task running()
+    started raised ServiceFailedError: ...``); the message is the service's own words."""
 
 
 def single_leaf(exc: BaseException) -> BaseException:
@@ -161,7 +167,13 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
                 phase = "leaving"
     except BaseException as exc:
         if phase == "inside":
-            raise _task_error(exc, block) or exc
+            leaf = _task_error(exc, block)
+            if leaf is None:
+                raise
+            if _said_failure(service) is not None:  # the service's own word: it failed as a whole
+                raise ServiceFailed(str(leaf) or type(leaf).__name__) from exc
+            error = PipelineCallError.raised("a task running() started", leaf)
+            raise error from exc
         if not raised_as_error(exc) or _passes(exc):
             raise
         raise PipelineCallError.raised("running()" if phase == "entering" else "leaving running()", exc) from exc
@@ -169,9 +181,17 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
         raise PipelineCallError.late("running()", seconds)
 
 
-def _task_error(exc: BaseException, block: BaseException | None) -> PipelineCallError | None:
+def _said_failure(service: object) -> object | None:
+    """The service's ``failure`` (why it failed as a whole), or None; one whose property raises says none."""
+    try:
+        return getattr(service, "failure", None)
+    except Exception:
+        return None
+
+
+def _task_error(exc: BaseException, block: BaseException | None) -> BaseException | None:
     """Where ``exc`` (out of ``running()`` while inside it) holds one error, and not one the block raised (the block
-    was cancelled for it, or ended): that error, as a task ``running()`` started raising it. Else None."""
+    was cancelled for it, or ended): that error, which a task ``running()`` started raised. Else None."""
     leaves = _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
     errors = [leaf for leaf in leaves if raised_as_error(leaf)]
     if len(errors) != 1:
@@ -179,9 +199,7 @@ def _task_error(exc: BaseException, block: BaseException | None) -> PipelineCall
     ours = _leaves(block) if isinstance(block, BaseExceptionGroup) else [block]
     if any(errors[0] is leaf for leaf in ours) or isinstance(errors[0], PipelineContractError):
         return None
-    error = PipelineCallError.raised("a task running() started", errors[0])
-    error.__cause__ = exc
-    return error
+    return errors[0]
 
 
 async def close_within(call: str, seconds: float, function: Callable[[], Awaitable[Any]]) -> str | None:

@@ -378,7 +378,7 @@ def run_command(args: argparse.Namespace) -> int:
     from pipelines.contract import PipelineContractError
     from pipelines.loader import PipelineExited
     from pipelines.offline import ChunkFailed
-    from pipelines.offline_calls import single_leaf
+    from pipelines.offline_calls import ServiceFailed, single_leaf
 
     from .run_signals import StoppedBySignal, stop_signal_came
 
@@ -392,7 +392,7 @@ def run_command(args: argparse.Namespace) -> int:
         say(str(exc))
         return 2
     except (PipelineContractError, PipelineExited, _PipelineExitedDuringRun, PipelineDidNotLoad,
-            ChunkFailed) as exc:  # not input
+            ChunkFailed, ServiceFailed) as exc:  # not input
         say(f"the run failed: {exc}")
         return 1
     except ValueError as exc:  # the pipeline refused the request (e.g. an option)

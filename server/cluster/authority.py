@@ -210,6 +210,17 @@ class ClusterAuthority:
     def _wrap(self, stream: trio.abc.Stream) -> trio.abc.Stream:
         return stream if self._tls is None else tls.wrap_server_tls(stream, self._tls)
 
+    def _handshake_failure(self, exc: BaseException) -> str:
+        """A failed handshake in words, with what a TLS port most likely met (it read a bare ``TooSlowError``, or an
+        ssl reason alone)."""
+        if isinstance(exc, trio.TooSlowError):
+            late = f"no register within {HANDSHAKE_TIMEOUT:g} s"
+            return late + (" (a tcp:// agent at this TLS port? agents dial it tls://)" if self._tls is not None else "")
+        said = str(exc) or type(exc).__name__
+        if self._tls is not None and "EOF" in said:
+            said += " (the peer left during the TLS handshake: an agent whose --tls-ca does not trust this certificate?)"
+        return said
+
     async def _handshake(self, stream: trio.abc.Stream) -> tuple[wire.Register, wire.Channel, str] | None:
         """Hello, then the peer's Register within the deadline: the registration and the nonce it answered,
         or None (refused or failed)."""
@@ -227,7 +238,7 @@ class ClusterAuthority:
             first, refusal = None, Refusal(str(exc))
         except (trio.TooSlowError, wire.ConnectionClosed, OSError) as exc:
             self._failed_handshakes.warning("cluster: a connection from %s failed its handshake: %s", _peer(stream),
-                                            str(exc) or type(exc).__name__)
+                                            self._handshake_failure(exc))
             await channel.aclose()
             return None
         else:

@@ -170,7 +170,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         else:
             token = os.environ.get(TOKEN_ENV, "")
         if not token:
-            raise ValueError(f"no cluster token: set {TOKEN_ENV} or give --cluster-token-file (the authority's token)")
+            # the authority's own environment, copied, names its token file in a variable the worker does not read
+            also = (f"; {TOKEN_ENV}_FILE is the server's: give its file as --cluster-token-file"
+                    if os.environ.get(f"{TOKEN_ENV}_FILE") else "")
+            raise ValueError(f"no cluster token: set {TOKEN_ENV} or give --cluster-token-file (the authority's token)"
+                             f"{also}")
         if len(token.encode()) < MIN_CLUSTER_TOKEN_BYTES:
             raise ValueError(f"the cluster token ({TOKEN_ENV} or --cluster-token-file) must be at least "
                              f"{MIN_CLUSTER_TOKEN_BYTES} bytes")

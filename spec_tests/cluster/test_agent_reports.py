@@ -377,10 +377,16 @@ def test_the_worker_command_refuses_what_its_register_could_not_carry(flag: str,
 @pytest.mark.parametrize(("token", "words"), [
     (None, "no cluster token: set CHUNKLINE_CLUSTER_TOKEN or give --cluster-token-file"),
     ("short", "must be at least 16 bytes"),
+    ("file", "CHUNKLINE_CLUSTER_TOKEN_FILE is the server's: give its file as --cluster-token-file"),
 ])
 def test_the_worker_command_says_whether_its_token_is_missing_or_too_short(token: str | None, words: str) -> None:
-    """With no token at all it said the token must be at least 16 bytes, as if one had been given."""
-    env = clean_env() if token is None else clean_env(CHUNKLINE_CLUSTER_TOKEN=token)
+    """With no token at all it said the token must be at least 16 bytes, as if one had been given; with the
+    authority's environment copied (its token file named in ``CHUNKLINE_CLUSTER_TOKEN_FILE``, which the worker does not
+    read), only that no token was set."""
+    if token == "file":
+        env = clean_env(CHUNKLINE_CLUSTER_TOKEN_FILE="/run/secrets/chunkline-token")
+    else:
+        env = clean_env() if token is None else clean_env(CHUNKLINE_CLUSTER_TOKEN=token)
     run = subprocess.run(chunkline("worker", TINY, "--authority", "tcp://127.0.0.1:1"), cwd=str(ROOT), env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and words in run.stderr and len(run.stderr) < SHORT, run.stderr[-2000:]

@@ -55,6 +55,8 @@ async def test_agents_dial_over_tls_and_what_fails_there_is_named(tmp_path: Path
                     "the untrusting agent's second dial", deadline=PATIENCE)
         log = untrusting.text(200_000)
         assert "not one --tls-ca trusts" in log and "not counted as a crash" in log, log
+        # and the authority's side says what it most likely met (it gave the ssl reason alone)
+        assert "an agent whose --tls-ca does not trust this certificate?" in cluster.process.text(1_000_000)
         assert "crash loop" not in log and "Traceback" not in log, log
         assert len(cluster.eligible()) == 1  # the agent that trusts it is served all along
 

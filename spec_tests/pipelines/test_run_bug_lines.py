@@ -58,6 +58,25 @@ def test_an_error_of_a_task_running_started_is_the_pipeline_s_bug_naming_it(tmp_
                                 "KeyError: 'background'")
 
 
+SAYS_IT_FAILED = TASK_FAILS.replace(
+    'async def feed():\n    await trio.lowlevel.checkpoint()\n    raise KeyError("background")',
+    'FAILURE = []\n\n\nasync def feed():\n    await trio.lowlevel.checkpoint()\n'
+    '    FAILURE.append("stage \'encode\' failed: rank 0 exited unexpectedly with code -9")\n'
+    '    raise RuntimeError(FAILURE[0])',
+).replace("class Feeding(MinimalService):\n", "class Feeding(MinimalService):\n"
+          "    @property\n    def failure(self):\n        return FAILURE[0] if FAILURE else None\n\n")
+
+
+def test_a_service_that_says_it_failed_is_told_in_its_words_not_as_a_bug(tmp_path: Path) -> None:
+    """A service whose ``failure`` says why it failed as a whole (the toy world's, when a rank was killed from
+    outside, by the OOM killer say) leaves ``running()`` with that error: it read ``pipeline bug: a task running()
+    started raised ServiceFailedError: ...``, blaming the pipeline's author for a kill."""
+    ran = run_pipeline(tmp_path, SAYS_IT_FAILED.format(waits="chunks"))
+    assert "FAILURE" in SAYS_IT_FAILED and "def failure" in SAYS_IT_FAILED  # the replacements took
+    assert failed_line(ran) == ("chunkline run: the run failed: stage 'encode' failed: rank 0 exited unexpectedly "
+                                "with code -9")
+
+
 PUSH_FAILS = """\
 from contextlib import asynccontextmanager
 
