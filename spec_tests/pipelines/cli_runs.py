@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -84,3 +85,16 @@ def read_stderr_until(process: subprocess.Popen[bytes], done: Callable[[bytes], 
                 assert data, f"the run ended before {what}: {seen[-500:]!r}"
                 seen += data
     return seen
+
+
+def default_signals() -> None:
+    """A ``preexec_fn`` for a run the test signals: a child of a non-interactive shell may inherit SIGINT (and
+    SIGQUIT) ignored."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+
+
+def last_line(process: subprocess.Popen[bytes], seen: bytes) -> str:
+    """The last line a run that ended said on stderr (``seen``: what was read of it already)."""
+    assert process.stderr is not None
+    return (seen + process.stderr.read()).decode().splitlines()[-1]

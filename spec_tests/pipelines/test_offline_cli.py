@@ -17,7 +17,7 @@ import trio
 import pipelines
 
 from ..processes import end_popen
-from .cli_runs import read_stderr_until
+from .cli_runs import default_signals, read_stderr_until
 
 REPLAY = str(Path(pipelines.__file__).parent / "replay")
 HUNG_STAGE = str(Path(__file__).parent / "hung_stage_world.py")
@@ -28,10 +28,6 @@ EXIT_DEADLINE = 30.0
 def _start_long_run(out: Path, pipeline: str = REPLAY, *options: str) -> subprocess.Popen[bytes]:
     """A run far longer than the test: it is stopped by the signal, never by its end."""
     command = [sys.executable, "-m", "server.cli", "run", pipeline, "--chunks", "100000", *options, "--out", str(out)]
-
-    def default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
-        for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(number, signal.SIG_DFL)
 
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_signals)
 

@@ -28,7 +28,7 @@ from server.cli import main
 from server.run_command import run_deadlines
 
 from ..processes import end_popen
-from .cli_runs import read_stderr_until
+from .cli_runs import default_signals, last_line, read_stderr_until
 from .minimal_service import MinimalService
 from .offline_helpers import files_in
 
@@ -216,20 +216,14 @@ def test_a_stop_during_a_close_that_never_returns_says_the_stop_met_it(tmp_path:
         [sys.executable, "-c", "import sys, server.run_command as run\nrun.CLOSE_TIMEOUT = 1.0\n"
          "from server.cli import main\nsys.exit(main())\n", "run", path, "--chunks", "2", "--out", str(out)],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        preexec_fn=_default_signals)
+        preexec_fn=default_signals)
     try:
         seen = read_stderr_until(process, lambda text: b"closing\n" in text, "the close")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=RUN_DEADLINE) == 130  # bench-cost: the close's shortened 1 s deadline, real time
-        assert process.stderr is not None
-        last = (seen + process.stderr.read()).decode().splitlines()[-1]
+        last = last_line(process, seen)
         assert last == ("chunkline run: interrupted, and the stop met: pipeline bug: close_session did not return "
                         "within 1 s; no output was written"), last
         assert not out.exists()
     finally:
         end_popen(process)
-
-
-def _default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, signal.SIG_DFL)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ..processes import end_popen
-from .cli_runs import ROOT, failed_line, one_control, read_stderr_until, run_pipeline
+from .cli_runs import ROOT, default_signals, failed_line, last_line, one_control, read_stderr_until, run_pipeline
 
 PIPELINE = """\
 import time
@@ -91,22 +91,16 @@ def test_a_ctrl_c_while_a_pipeline_holds_trio_s_thread_ends_the_run_at_once_as_s
     process = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        preexec_fn=_default_signals)
+        preexec_fn=default_signals)
     try:
         seen = read_stderr_until(process, lambda text: b"blocking the loop\n" in text, "the block", within=60.0)
         process.send_signal(signal.SIGINT)
         # bench-cost: the watchdog's 2 s grace in real time; the call's own 60 s deadline is past this wait
         assert process.wait(timeout=30.0) == 130
-        assert process.stderr is not None
-        last = (seen + process.stderr.read()).decode().splitlines()[-1]
+        last = last_line(process, seen)
         assert re.fullmatch(r"chunkline run: interrupted, and the stop met: pipeline bug: create_session has blocked "
                             r"trio's thread for at least \d+ s, so the run could not stop in order \(code that never "
                             r"awaits, .*\); no output was written", last), last
         assert not out.exists()
     finally:
         end_popen(process)
-
-
-def _default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, signal.SIG_DFL)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ..processes import end_popen
-from .cli_runs import ROOT, RUN_DEADLINE, read_stderr_until
+from .cli_runs import ROOT, RUN_DEADLINE, default_signals, read_stderr_until
 
 EXIT_DEADLINE = 30.0  # seconds for a stopped run to end
 REPLAY = str(ROOT / "pipelines" / "replay")
@@ -41,16 +41,11 @@ sys.exit(main())
 """
 
 
-def _default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT (and SIGQUIT) ignored
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(number, signal.SIG_DFL)
-
-
 def _signalled_as_it_imports(module: str, number: int, out: Path) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-c", SIGNAL_AS_IT_IMPORTS, module, str(int(number)), "run", REPLAY, "--chunks", "1",
                "--out", str(out)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_DEADLINE,
-                          stdin=subprocess.DEVNULL, preexec_fn=_default_signals)
+                          stdin=subprocess.DEVNULL, preexec_fn=default_signals)
 
 
 @pytest.mark.parametrize(("module", "number", "words"), [
@@ -111,7 +106,7 @@ def _start(tmp_path: Path, pipeline: str) -> tuple[subprocess.Popen[bytes], Path
     out = tmp_path / "out"
     command = [sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "100000", "--out", str(out)]
     return subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, preexec_fn=_default_signals), out
+                            stderr=subprocess.PIPE, preexec_fn=default_signals), out
 
 
 @pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGQUIT])
@@ -142,7 +137,7 @@ def test_sigquit_stops_a_run_in_order_leaving_no_partial_file(tmp_path: Path) ->
     command = [sys.executable, "-m", "server.cli", "run", REPLAY, "--chunks", "100000", "--option",
                "duration_seconds=86400", "--out", str(out)]
     process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, preexec_fn=_default_signals)
+                               stderr=subprocess.PIPE, preexec_fn=default_signals)
     try:
         seen = read_stderr_until(process, lambda text: b"10/100000 chunks" in text, "progress")
         assert [path.name for path in out.iterdir() if path.name.endswith(".partial")], "it writes a temporary file"

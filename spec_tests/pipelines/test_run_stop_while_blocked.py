@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from ..processes import end_popen
-from .cli_runs import read_stderr_until
+from .cli_runs import default_signals, read_stderr_until
 
 ROOT = Path(__file__).resolve().parents[2]
 READ_DEADLINE = 60.0  # seconds for the child to import its pipeline
@@ -40,18 +40,13 @@ def get_service(gpu_num=0):
 """
 
 
-def _default_signals() -> None:  # a child of a non-interactive shell may inherit SIGINT ignored
-    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(number, signal.SIG_DFL)
-
-
 def test_the_first_ctrl_c_is_answered_at_once_while_the_pipeline_blocks_the_loop(tmp_path: Path) -> None:
     path = tmp_path / "p.py"
     path.write_text(PIPELINE)
     out = tmp_path / "out"
     process = subprocess.Popen([sys.executable, "-m", "server.cli", "run", str(path), "--chunks", "2", "--out", str(out)],
                                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               preexec_fn=_default_signals)
+                               preexec_fn=default_signals)
     try:
         seen = read_stderr_until(process, lambda text: b"blocking the loop\n" in text, "the block",
                                  within=READ_DEADLINE)
