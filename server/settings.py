@@ -398,8 +398,7 @@ class ServerSettings:
             )
 
     def _refuse_a_cluster_port_on_the_http_port(self) -> None:
-        """The agents' port cannot be the HTTP one on the same interface: it was refused as "Address already in use",
-        which did not say the port in use was the server's own."""
+        """The agents' port is not the HTTP one (it was refused as "Address already in use", not saying whose)."""
         wildcard = ("0.0.0.0", "::")
         cluster_host = self.cluster_host or self.host
         overlap = cluster_host == self.host or cluster_host in wildcard or self.host in wildcard
