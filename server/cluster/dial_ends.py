@@ -181,8 +181,9 @@ def patience_of(kind: End) -> str:
     """How long the agent keeps dialing after this kind of end, in words (the words "not counted" alone read as for
     ever, and an unreachable authority ends the agent after 300 s)."""
     deadline = DIAL_DEADLINES.get(kind)
-    if deadline is None:
-        return "not counted as a crash: waited out however long it lasts"
+    if deadline is None:  # (it said "waited out however long it lasts", and the next line, unreachable, 300 s)
+        return (f"not counted as a crash; dialed again while it lasts, and given up after {UNREACHABLE_DEADLINE:g} s "
+                f"of dials that reach no authority")
     return f"not counted as a crash; the agent gives up after {deadline:g} s of such dials"
 
 

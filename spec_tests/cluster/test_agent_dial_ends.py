@@ -258,3 +258,14 @@ async def test_dials_closed_before_a_hello_are_dialed_again_uncounted() -> None:
     async with agent_dialing(counted) as agent:
         log = await dialed_uncounted_past_the_crash_loop_limit(agent, "closed the connection before its hello", dials)
         assert "is unreachable" in log, log
+
+
+def test_the_patience_a_dial_line_gives_agrees_with_the_lines_that_follow() -> None:
+    """After an authority's goodbye the agent said it dialed "waited out however long it lasts", and its next line, the
+    authority now unreachable, that it gave up after 300 s: each kind's words now say both."""
+    from server.cluster.dial_ends import UNREACHABLE_DEADLINE, patience_of
+
+    for kind in (End.AUTHORITY_STOPPED, End.BUSY):
+        said = patience_of(kind)
+        assert "however long" not in said and f"given up after {UNREACHABLE_DEADLINE:g} s" in said, said
+    assert patience_of(End.UNREACHABLE).endswith(f"gives up after {UNREACHABLE_DEADLINE:g} s of such dials")
