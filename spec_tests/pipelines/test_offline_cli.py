@@ -240,7 +240,8 @@ def test_an_option_the_toy_world_does_not_know_exits_2_naming_it(tmp_path: Path,
     (["worker", "--authority", "tcp://127.0.0.1:1", "--max-session", "2"],
      "chunkline worker: error: unrecognized arguments: --max-session 2"),
 ])
-def test_a_flag_is_taken_by_its_whole_name_only(command: list[str], said: str,
+def test_a_flag_is_taken_by_its_whole_name_only(command: list[str], said: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """``--chunk 3`` ran 3 chunks (argparse took a prefix of ``--chunks``), and a flag added later could have made the
     same prefix another flag's: every command takes a flag by its whole name."""
@@ -248,6 +249,7 @@ def test_a_flag_is_taken_by_its_whole_name_only(command: list[str], said: str,
 
     toy_world = str(Path(pipelines.__file__).parent / "toy_world")
     name, *flags = command
+    monkeypatch.chdir(tmp_path)  # a run taken after all writes its default folder here, not into the checkout
     with pytest.raises(SystemExit) as exited:
         main([name, toy_world, *flags])
     assert exited.value.code == 2
