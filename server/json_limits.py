@@ -142,9 +142,9 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, max_values: int 
     """Parse client JSON, refusing invalid, too deep, too large or unencodable documents and objects that name a
     key twice (:class:`JsonRefused`).
 
-    ``wrapper_levels``: levels of an envelope around what the client counts (a room message's ``{"topic", "payload"}``):
-    they count toward ``max_depth``, and a ``too_deep`` refusal gives the depth and limit without them (a payload
-    nested 33 deep was told "34 levels deep; at most 33")."""
+    ``wrapper_levels``: levels of an envelope around what the client counts (a room message's ``{"topic", "payload"}``),
+    taken on top of ``max_depth``; a ``too_deep`` refusal gives the depth without them (a payload nested 33 deep was
+    told "34 levels deep; at most 33")."""
     if isinstance(raw, str):
         try:
             data = raw.encode("utf-8")
@@ -156,9 +156,8 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, max_values: int 
         raise JsonRefused("too_many_values", f"JSON of more than {max_values} values; at most {max_values} allowed")
     structure = _structure(data)
     depth = _depth(structure)
-    if depth > max_depth:
-        raise JsonRefused("too_deep", f"JSON nested {depth - wrapper_levels} levels deep; at most "
-                                      f"{max_depth - wrapper_levels} allowed")
+    if depth - wrapper_levels > max_depth:
+        raise JsonRefused("too_deep", f"JSON nested {depth - wrapper_levels} levels deep; at most {max_depth} allowed")
     values = _values(structure)
     if values > max_values:
         raise JsonRefused("too_many_values", f"JSON of {values} values; at most {max_values} allowed")

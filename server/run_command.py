@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
@@ -198,8 +198,12 @@ def stopped_line(number: int, out: str | None, met: tuple[str, ...] = ()) -> str
         folder = str(Path(out).absolute()) if out else ""
     except OSError:  # the working directory is gone
         folder = out or ""
-    stopped = f"{describe(number)}, and the stop met: {'; '.join(met)}" if met else describe(number)
-    return f"{stopped}; {_nothing_written(folder)}"
+    return f"{_stop_words(number, met)}; {_nothing_written(folder)}"
+
+
+def _stop_words(number: int, met: Sequence[str] = ()) -> str:
+    """How a stop signal ended the run, and what the stop met (``interrupted, and the stop met: ...``)."""
+    return f"{describe(number)}, and the stop met: {'; '.join(met)}" if met else describe(number)
 
 
 class _PipelineExitedDuringRun(Exception):
@@ -336,7 +340,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
 
     def blocked(line: str) -> NoReturn:  # in the watchdog's thread: trio's, the main one, is held by the pipeline
         if stopped_by:  # the user asked it to stop: the status says so, whatever the stop then met (exit 1 before)
-            end_at_once(128 + stopped_by[0], f"{describe(stopped_by[0])}, and the stop met: {line}; {nothing_written}")
+            end_at_once(128 + stopped_by[0], f"{_stop_words(stopped_by[0], [line])}; {nothing_written}")
         end_at_once(1, f"the run failed: {line}")
 
     early_signals.defer()  # a signal as the trio run starts is noted, and replayed once its handlers are in
@@ -350,7 +354,8 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
             summary = trio_run_until_signalled(run, service, config, controls, args.chunks, out.path, bar,
                                                on_stop=on_stop, abort=abort)
         except StoppedBySignal as stopped:
-            raise StoppedBySignal(stopped.signal_number, tuple(met)) from stopped.__cause__
+            stopped.met = tuple(met)
+            raise
     except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)
         raise _PipelineExitedDuringRun(f"pipeline {str(args.pipeline)!r} called sys.exit({exc.code!r}) during the "
                                        f"run") from None

@@ -372,7 +372,7 @@ class LocalRooms:
                             subscriber.push_media(message)
                         continue
                     try:
-                        envelope = json_limits.loads(message, max_depth=json_limits.MAX_JSON_DEPTH + 1, wrapper_levels=1)
+                        envelope = json_limits.loads(message, wrapper_levels=1)
                         topic, payload, to = envelope["topic"], envelope["payload"], envelope.get("to")
                     except (json_limits.JsonRefused, KeyError, TypeError):
                         continue  # the agent is ours; a malformed envelope is dropped, not echoed

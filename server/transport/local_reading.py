@@ -56,7 +56,7 @@ async def read_client(
             continue
         try:
             # the envelope adds one level around the payload
-            envelope = json_limits.loads(message, max_depth=json_limits.MAX_JSON_DEPTH + 1, wrapper_levels=1)
+            envelope = json_limits.loads(message, wrapper_levels=1)
             topic = envelope["topic"]
             payload = envelope["payload"]
             if not isinstance(topic, str):
