@@ -68,7 +68,12 @@ class ActorHealth:
 
     @property
     def healthy(self) -> bool:
-        return self.state is ActorState.RUNNING
+        return self.state in actor_table.TAKES_WORK
+
+    @property
+    def failed(self) -> bool:
+        """The actor failed (not merely retired): its calls and hooks fail with its failure reason."""
+        return self.state in actor_table.BROKEN
 
 
 Completion = Callable[[StageInvocation, outcome.Outcome], None]

@@ -25,7 +25,7 @@ from states import stage_actor as actor_table
 from states.pipeline_session import CloseReason
 
 from .actor_protocol import (
-    STAGE_ACTOR_METHODS, ActorHealth, ActorState, Completion, SessionContext, StageActor, StageInvocation, TaskKey,
+    STAGE_ACTOR_METHODS, ActorHealth, Completion, SessionContext, StageActor, StageInvocation, TaskKey,
 )
 from .actor_arguments import cancel_on, check_actor_arguments, is_async
 from .call_watch import CallWatch, timed
@@ -83,7 +83,7 @@ class _Delivery:
         actor = self.actor
         if actor._call_watch is not None and not self._claim():
             return
-        if actor._machine.state is ActorState.FAILED and not isinstance(result, outcome.Error):
+        if actor._machine.state in actor_table.BROKEN and not isinstance(result, outcome.Error):
             result = outcome.Error(ActorFailedError(f"stage actor {actor.name!r} failed: {actor._failure_reason}"))
         actor._resolve(self.invocation, self.on_done, result, from_thread=True)
 
@@ -242,7 +242,7 @@ class LocalStageActor:
         self._send.close()
         self._send_closed = True
         self._close_requested.set()
-        if self._machine.state is not ActorState.STARTING:
+        if self._machine.state not in actor_table.NOT_STARTED:
             try:
                 await self._stopped.wait()
             except trio.Cancelled:
@@ -312,7 +312,7 @@ class LocalStageActor:
 
     async def _invoke(self, message: _Invoke) -> None:
         inv = message.invocation
-        if self._machine.state is ActorState.FAILED:
+        if self._machine.state in actor_table.BROKEN:
             result: outcome.Outcome = outcome.Error(
                 ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
             )
@@ -395,7 +395,7 @@ class LocalStageActor:
             await self._async_hook_beside_thread(context, reason)
         else:
             await self._hook_on_thread(context, reason)
-        if self._machine.state is ActorState.FAILED:
+        if self._machine.state in actor_table.BROKEN:
             raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
 
     async def _async_hook_beside_thread(self, context: SessionContext, reason: CloseReason) -> None:
@@ -441,7 +441,7 @@ class LocalStageActor:
             return self._closer(context, reason)  # type: ignore[misc]
 
     async def _close_session(self, message: _CloseSession) -> None:
-        if self._machine.state is ActorState.FAILED:
+        if self._machine.state in actor_table.BROKEN:
             message.result = outcome.Error(
                 ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
             )
@@ -487,9 +487,9 @@ class LocalStageActor:
 
     def _check_usable(self) -> None:
         state = self._machine.state
-        if state is ActorState.FAILED:
+        if state in actor_table.BROKEN:
             raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
-        if state is ActorState.CLOSED:
+        if state in actor_table.RETIRED:
             raise ActorFailedError(f"stage actor {self.name!r} is closed")
 
     @property

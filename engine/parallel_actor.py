@@ -19,14 +19,8 @@ import trio
 
 from states.pipeline_session import CloseReason
 
-from .actors import (
-    ActorHealth,
-    ActorState,
-    Completion,
-    LocalStageActor,
-    SessionContext,
-    StageInvocation,
-)
+from .actor_protocol import ActorState
+from .actors import ActorHealth, Completion, LocalStageActor, SessionContext, StageInvocation
 from .errors import integer, shown
 from .workers import WorkerGroupClosed, WorkerGroupFailed, device_labels, method_names
 
@@ -199,7 +193,7 @@ class ParallelWorkerStageActor:
     def health(self) -> ActorHealth:
         self._sync_worker_health()
         inner = self._inner.health()
-        if getattr(self.worker, "closed", False) and inner.state is not ActorState.FAILED:
+        if getattr(self.worker, "closed", False) and not inner.failed:
             return ActorHealth(ActorState.CLOSED, inner.pending_invocations, None)
         return inner
 

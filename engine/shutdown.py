@@ -19,7 +19,6 @@ import contextlib
 import trio
 
 from states import pipeline_session as table
-from states.stage_actor import State as ActorState
 
 from .actors import SessionContext
 from .core import SchedulerCore
@@ -156,7 +155,7 @@ class SessionShutdown:
             if stage_id in rt.cleaned:
                 continue
             actor = self._core.actor(stage_id)
-            if actor.health().state is ActorState.FAILED:
+            if actor.health().failed:
                 rt.cleaned.add(stage_id)  # a failed owner holds no usable state and is never reused
                 rt.phases.append((f"release:{stage_id}", "skipped: actor failed"))
                 continue

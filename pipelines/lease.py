@@ -75,7 +75,7 @@ class ExecutionLease:
     def idle(self, session_id: str) -> None:
         """The session's driver has nothing to run right now (it is about to wait for input).
         Unknown or closing sessions are ignored."""
-        if session_id not in self._book or self._book.state(session_id) is State.CLOSING:
+        if session_id not in self._book or self._book.closing(session_id):
             return
         self._apply(self._book.declare_idle(session_id))
 
@@ -89,13 +89,13 @@ class ExecutionLease:
 
         A session that is not queued asks for a turn (``request_turn``); a parked one
         with no control since it was parked waits until its controller sends one."""
-        if session_id in self._book and self._book.state(session_id) is not State.CLOSING:
+        if session_id in self._book and not self._book.closing(session_id):
             self._apply(self._book.request_turn(session_id, trio.current_time()))
         while self._book.holder() != session_id:
-            if session_id not in self._book or self._book.state(session_id) is State.CLOSING:
+            if session_id not in self._book or self._book.closing(session_id):
                 raise LeaseClosed(f"session {session_id!r} closed while waiting for the lease")
             await self._changed.park()
-            if session_id in self._book and self._book.state(session_id) is not State.CLOSING:
+            if session_id in self._book and not self._book.closing(session_id):
                 self._apply(self._book.request_turn(session_id, trio.current_time()))
         self._apply(self._book.begin_chunk(session_id))
         try:
@@ -111,7 +111,7 @@ class ExecutionLease:
         """End the session's claim; forgotten as soon as its running chunk (if any) ends."""
         if session_id not in self._book:
             return
-        if self._book.state(session_id) is not State.CLOSING:
+        if not self._book.closing(session_id):
             self._apply(self._book.close(session_id))
         if not self._book.is_busy(session_id):
             self._book.release(session_id)
@@ -121,7 +121,7 @@ class ExecutionLease:
         """Forget a closed session once no chunk of it runs."""
         if (
             session_id in self._book
-            and self._book.state(session_id) is State.CLOSING
+            and self._book.closing(session_id)
             and not self._book.is_busy(session_id)
         ):
             self._book.release(session_id)

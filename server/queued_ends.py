@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from states.admission import AdmissionBook, Transition
-from states.stream_session import DrainCause, State
+from states.stream_session import IN_QUEUE, DrainCause
 
 from .registry import SessionRecord
 
@@ -53,7 +53,7 @@ class QueuedEnds:
                     if start:
                         await trio.lowlevel.checkpoint()  # the others run: requests, health, live sessions
                     for record in records[start : start + BATCH]:
-                        if record.status is State.QUEUED:  # one a client deleted meanwhile has ended already
+                        if record.status in IN_QUEUE:  # one a client deleted meanwhile has ended already
                             self._end_one(record, cause, reason)
                     self._publish()
             finally:

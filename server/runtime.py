@@ -23,7 +23,7 @@ from engine import CapacityPlan
 from states.admission import Admission, AdmissionBook, AdmissionTransition, InvalidSetting, Transition
 from states.machine import IllegalTransition
 from states.restart_policy import RestartPolicy
-from states.stream_session import RETAINING, DrainCause, State
+from states.stream_session import IN_QUEUE, RETAINING, DrainCause
 from states.worker import TERMINAL as WORKER_TERMINAL
 
 from .metrics import ServerMetrics
@@ -349,7 +349,7 @@ class StreamRuntime:
 
     def queue_position(self, record: SessionRecord) -> int | None:
         """The session's place in the queue (O(log n): a page of many sessions costs its own length)."""
-        if record.status is not State.QUEUED:
+        if record.status not in IN_QUEUE:
             return None
         return self.book.queue_position(record.session_id)
 
@@ -361,7 +361,7 @@ class StreamRuntime:
         record = self.registry.get(session_id)
         if record.is_terminal:
             return record
-        if record.status is State.QUEUED:
+        if record.status in IN_QUEUE:
             self._withdraw(record)
             return record
         runner = self._drain(record, DrainCause.DELETED)
@@ -464,7 +464,7 @@ class StreamRuntime:
             for record in expired:
                 if record.status in RETAINING:
                     self._drain(record, DrainCause.EXPIRED)  # a no-op when an earlier cause drains it
-            queued = [record for record in expired if record.status is State.QUEUED]
+            queued = [record for record in expired if record.status in IN_QUEUE]
             if queued:
                 await self.queued_ends.end(queued, DrainCause.EXPIRED, None)
             self.registry.prune(

@@ -40,10 +40,12 @@ it".
 
 from __future__ import annotations
 
+import enum
+
 from .machine import StateMachine, TableEnum
 
 __all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "ABORTS", "WORKER_GONE",
-           "AgentMachine", "exit_status", "start_refusal"]
+           "ON_STOP_SIGNAL", "StopSignalAct", "AgentMachine", "exit_status", "start_refusal"]
 
 
 class State(TableEnum):
@@ -148,6 +150,26 @@ LEAVING = frozenset({State.DRAINING, State.DRAINED, State.CUT_SHORT, State.STOPP
 ABORTS = frozenset({State.ABORTED})
 #: The state in which the agent leaves because its model worker failed: it tells the authority, then exits 1.
 WORKER_GONE = frozenset({State.FAILED})
+
+
+class StopSignalAct(enum.Enum):
+    """What the agent does once a stop signal moved it (``ON_STOP_SIGNAL``)."""
+
+    ABORT = "abort"  # end the process now, without waiting for what is under way
+    DRAIN = "drain"  # take no new session; the live ones finish by the drain deadline
+    CUT_SHORT = "cut_short"  # stop the sessions now, then say goodbye
+    LEAVE_UNSERVED = "leave_unserved"  # it never served: leave without saying ready
+    LEAVE_CUT_OFF = "leave_cut_off"  # cut off from the authority: leave without registering again
+
+
+#: What a stop signal makes the agent do, by the state the signal moved it to (every state a STOP_SIGNAL row leads to).
+ON_STOP_SIGNAL: dict[State, StopSignalAct] = {
+    State.ABORTED: StopSignalAct.ABORT,
+    State.DRAINING: StopSignalAct.DRAIN,
+    State.CUT_SHORT: StopSignalAct.CUT_SHORT,
+    State.STOPPING: StopSignalAct.LEAVE_UNSERVED,
+    State.RETIRING: StopSignalAct.LEAVE_CUT_OFF,
+}
 #: States in which the agent finished what it was asked to do: its exit is 0 whatever signal began it.
 _FINISHED = frozenset({State.DRAINED})
 

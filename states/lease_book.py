@@ -73,7 +73,7 @@ from collections.abc import Hashable
 import attrs
 
 from . import lease_values
-from .lease import Event, LeaseMachine, State
+from .lease import TERMINAL, Event, LeaseMachine, State
 from .lease_values import (
     ChunkInProgress,
     DuplicateLeaseSession,
@@ -172,6 +172,10 @@ class LeaseBook:
 
     def state(self, session_id: str) -> State:
         return self._entry(session_id).state
+
+    def closing(self, session_id: str) -> bool:
+        """Whether the session's claim has ended (it takes no more turns; forgotten once no chunk of it runs)."""
+        return self._entry(session_id).state in TERMINAL
 
     def queue_position(self, session_id: str) -> int | None:
         """1-based position in the FIFO, or None when not queued."""

@@ -43,7 +43,8 @@ from __future__ import annotations
 from .machine import StateMachine, TableEnum
 
 __all__ = [
-    "State", "Event", "CloseReason", "TRANSITIONS", "TERMINAL", "STOPPING", "SETTLE_EVENT", "HOOK_REASON",
+    "State", "Event", "CloseReason", "TRANSITIONS", "TERMINAL", "STOPPING", "SETTLE_EVENT", "HOOK_REASON", "ADMITTING",
+    "STARTING_ACCEPTED_WORK", "EMITTING", "DROPPING_WORK", "ENDED_FAILED",
     "PipelineSessionMachine",
 ]
 
@@ -144,6 +145,8 @@ STARTING_ACCEPTED_WORK = frozenset({State.RUNNING, State.DRAINING})
 EMITTING = STARTING_ACCEPTED_WORK
 # States in which accepted work that waits is dropped.
 DROPPING_WORK = frozenset({State.CANCELLING, State.SHUTTING_DOWN, State.FAILING})
+# The state of a session that ended because it failed (its error says why).
+ENDED_FAILED = frozenset({State.FAILED})
 
 # Stop events a caller applies at once, even while another shutdown of the session is under way
 # (which holds the session's lifecycle until it ends): a cancel cuts a running drain short, as

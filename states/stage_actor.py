@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .machine import StateMachine, TableEnum
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_WORK", "StageActorMachine"]
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_WORK", "BROKEN", "RETIRED", "NOT_STARTED", "StageActorMachine"]
 
 
 class State(TableEnum):
@@ -42,6 +42,12 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 
 TERMINAL = frozenset({State.FAILED, State.CLOSED})
 TAKES_WORK = frozenset({State.RUNNING})  # the states whose actor accepts and runs invocations
+#: The actor failed: every call and hook fails with its failure, and it holds no usable session state.
+BROKEN = frozenset({State.FAILED})
+#: The actor was retired whole: it takes no more work, and nothing of it failed.
+RETIRED = frozenset({State.CLOSED})
+#: The actor's task has not started: closing it has nothing to wait for.
+NOT_STARTED = frozenset({State.STARTING})
 
 
 class StageActorMachine(StateMachine[State, Event]):

@@ -42,7 +42,7 @@ from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "DrainCause", "TRANSITIONS", "TERMINAL", "RUNNER_PROGRESS", "RETAINING", "LIVE_MEDIA", "TAKES_VIEWERS", "SETTLES_WITH", "QUEUED_ENDS_WITH",
-    "FAILING_CAUSES", "REQUEUABLE", "STARTING", "DRAINED",
+    "FAILING_CAUSES", "REQUEUABLE", "STARTING", "DRAINED", "IN_QUEUE",
     "StreamSessionMachine", "settle_event",
 ]
 
@@ -117,6 +117,10 @@ RUNNER_PROGRESS = frozenset({Event.JOIN_ROOM, Event.START_PIPELINE, Event.RUN})
 
 #: The states a session may be given back to the queue from (its worker refused it before it ran; read from the table).
 REQUEUABLE = frozenset(state for (state, event) in TRANSITIONS if event is Event.REQUEUE)
+
+#: The state of a session waiting in the queue for a worker: it holds nothing, so it ends by leaving the queue
+#: (withdrawn, expired, or ended with the queue), never by a drain.
+IN_QUEUE = frozenset({State.QUEUED})
 
 # States in which the session holds a retained slot on a worker.
 RETAINING = frozenset(

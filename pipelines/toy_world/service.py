@@ -52,7 +52,7 @@ from engine import (
     open_orchestrator,
 )
 from states.lease_book import LeaseTransition
-from states.pipeline_session import State as PipelineState
+from states.pipeline_session import ADMITTING, ENDED_FAILED
 
 from pipelines.contract import (
     BidirectionalService,
@@ -403,7 +403,7 @@ class ToyWorldService(BidirectionalService):
 
     async def _forward(self, session: _ToySession, outputs: AsyncIterator[Any], scope: trio.CancelScope) -> None:
         await self._forward_chunks(session, outputs, scope)
-        if session.orch.status is PipelineState.FAILED or session.orch.error is not None:
+        if session.orch.status in ENDED_FAILED or session.orch.error is not None:
             # a stage failed: end the session's stream with that error instead of waiting forever
             session.error = session.orch.error or RuntimeError("the pipeline session failed")
             session.scope.cancel()
@@ -480,5 +480,5 @@ class ToyWorldService(BidirectionalService):
         if session is None:
             return
         session.denoised.setdefault(index, trio.Event()).set()
-        if session.orch.status is PipelineState.RUNNING and not session.stopping:
+        if session.orch.status in ADMITTING and not session.stopping:
             session.prefetch.refill()  # normally admits condition[index + 2]

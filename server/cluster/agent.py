@@ -40,7 +40,9 @@ from typing import Any, NoReturn
 import trio
 
 from engine import CapacityPlan
-from states.agent import ABORTS, LEAVING, WORKER_GONE, AgentMachine, Event, State, exit_status, start_refusal
+from states.agent import (
+    LEAVING, ON_STOP_SIGNAL, WORKER_GONE, AgentMachine, Event, State, StopSignalAct, exit_status, start_refusal,
+)
 from states.restart_policy import RestartPolicy, RestartTracker
 
 from .. import early_signals
@@ -194,22 +196,20 @@ class Agent:
     def _stop_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         before = self.life.state
-        after = self.life.apply(Event.STOP_SIGNAL)
+        act = ON_STOP_SIGNAL[self.life.apply(Event.STOP_SIGNAL)]
         if self._first_signal is None:
             self._first_signal = signum
-        if after in ABORTS:
+        if act is StopSignalAct.ABORT:
             self._abort(name, before)
-        elif after is before:
-            log.info("%s: already leaving", name)
-        elif after is State.DRAINING:
+        elif act is StopSignalAct.DRAIN:
             self._drain_now(self.options.drain_deadline, name)
-        elif after is State.CUT_SHORT:
+        elif act is StopSignalAct.CUT_SHORT:
             log.warning("second %s: stopping the sessions now, without waiting for them (another signal ends the "
                         "agent at once)", name)
             self.spawn(self.drain.stop_now, f"the worker was stopped before its sessions finished (a second {name})",
                        name)
-        else:  # STOPPING or RETIRING: not serving; it never says ready (a create then was placed on an agent leaving)
-            if after is State.STOPPING:
+        else:  # not serving: it never says ready (a create then was placed on an agent leaving)
+            if act is StopSignalAct.LEAVE_UNSERVED:
                 log.info("%s before this agent served: it leaves without registering as ready (another signal "
                          "ends it at once)", name)
             else:

@@ -198,3 +198,10 @@ def test_can_is_a_pure_query(module: ModuleType) -> None:
         allowed = {event for event in module.Event if machine.can(event)}
         assert allowed == {event for (source, event) in module.TRANSITIONS if source is state}
         assert machine.state is state
+
+
+def test_a_stop_signal_has_an_act_for_every_state_it_leads_to() -> None:
+    """The agent looks up what a stop signal makes it do by the state the signal moved it to: every such state
+    has its act (a row added to the table without one would end the agent in a KeyError at the signal)."""
+    led_to = {target for (_source, event), target in agent.TRANSITIONS.items() if event is agent.Event.STOP_SIGNAL}
+    assert led_to == set(agent.ON_STOP_SIGNAL)
