@@ -163,6 +163,11 @@ class RestartTracker:
     def state(self) -> State:
         return self.machine.state
 
+    @property
+    def ended(self) -> bool:
+        """The slot gave up or was stopped: it starts no worker again."""
+        return self.machine.is_terminal
+
     def failures(self, now: float) -> int:
         """Failures inside the window ending at ``now``."""
         self._forget(now)

@@ -88,6 +88,10 @@ class Launcher(Protocol):
 
     def view(self) -> list[dict[str, Any]]: ...
 
+    def starts_more(self) -> bool:
+        """Whether a slot may still start an agent (not every one gave up or was stopped)."""
+        ...
+
 
 class ClusterAuthority:
     def __init__(self, runtime: StreamRuntime, launcher: Launcher | None, *, token: str) -> None:
@@ -456,7 +460,7 @@ class ClusterAuthority:
         it asked clients to retry every 10 s for ever after the launcher said it would start no agent again."""
         if self.launcher is None or self.token_given:
             return True
-        return any(slot["state"] not in ("gave_up", "stopped") for slot in self.launcher.view())
+        return self.launcher.starts_more()
 
     def summary(self) -> dict[str, Any]:
         return {

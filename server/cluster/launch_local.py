@@ -269,6 +269,9 @@ class LocalLauncher:
             slot.drained = True  # it drained and exits 0: the slot stays down
             slot.settled.set()
 
+    def starts_more(self) -> bool:
+        return any(not slot.restarts.ended for slot in self.slots)
+
     def view(self) -> list[dict[str, Any]]:
         return [
             {"slot": s.name, "devices": list(s.devices), "state": s.restarts.state.value, "worker_id": s.worker_id,

@@ -286,6 +286,9 @@ class RayLauncher:
             slot.drained = True
             slot.settled.set()
 
+    def starts_more(self) -> bool:
+        return any(not slot.restarts.ended for slot in self.slots)
+
     def view(self) -> list[dict[str, Any]]:
         now = trio.current_time()
         return [{"slot": s.name, "gpus": s.gpus, "state": s.restarts.state.value, "placed": s.node is not None,
