@@ -14,6 +14,9 @@ model load held it waited out the load's whole deadline (600 s) to say so.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +24,7 @@ from contextlib import contextmanager
 
 import trio
 
-__all__ = ["BLOCK_GRACE", "LoopWatchdog", "probe", "waiting"]
+__all__ = ["BLOCK_GRACE", "LoopWatchdog", "blocking_code", "probe", "waiting"]
 
 #: seconds a loop past a call's deadline has to answer before it is taken as blocked (a free one answers in ms)
 BLOCK_GRACE = 2.0
@@ -67,10 +70,14 @@ class LoopWatchdog:
     deadline of the call it waits for, or when asked (:meth:`probe`). Started in the trio run (:meth:`start`), stopped
     as the run ends."""
 
-    def __init__(self, on_blocked: Callable[[str], object], grace: float = BLOCK_GRACE) -> None:
+    def __init__(self, on_blocked: Callable[[str], object], grace: float = BLOCK_GRACE, *,
+                 cannot: str = "the run could not stop in order") -> None:
         self.mark: tuple[int, str, float, float, str] | None = None  # (number, what is late, since, seconds, call)
         self._on_blocked = on_blocked
         self._grace = grace
+        self._cannot = cannot  # what a blocked loop keeps a stop from doing, as the line says it
+        self._loop_thread: int | None = None  # trio's thread, whose code a probe's line names
+        self._stop_asked: Callable[[], bool] | None = None  # read while idle: a stop asked without a signal
         self._stopped = threading.Event()
         self._wake = threading.Event()  # stopped, or a probe asked for
         self._probe_asked = False
@@ -81,6 +88,7 @@ class LoopWatchdog:
         """Watch this trio run's waits for the pipeline (call from inside the run)."""
         token = trio.lowlevel.current_trio_token()
         _WATCHDOG.set(self)
+        self._loop_thread = threading.get_ident()
         self._thread = threading.Thread(target=self._watch, args=(token,), name="chunkline-loop-watchdog", daemon=True)
         self._thread.start()
 
@@ -88,6 +96,11 @@ class LoopWatchdog:
         """Look at the loop now, whatever the call's deadline (never waits: a signal handler calls it)."""
         self._probe_asked = True
         self._wake.set()
+
+    def probe_when(self, stop_asked: Callable[[], bool]) -> None:
+        """Look at the loop once ``stop_asked()`` (read on this watchdog's thread about once a second) is true: a stop
+        that comes without a signal to this process (hypercorn's supervisor's word)."""
+        self._stop_asked = stop_asked
 
     def stop(self) -> None:
         """Stop watching; the thread is gone when this returns (an exit finds no thread of the run's own)."""
@@ -125,13 +138,18 @@ class LoopWatchdog:
                     return
                 if not answers:
                     where = "the pipeline" if mark is None or self.mark is not mark else mark[4]
-                    self._on_blocked(f"pipeline bug: {where} has blocked trio's thread for at least "
-                                     f"{time.monotonic() - asked:.0f} s, so the run could not stop in order (code that "
+                    code = blocking_code(self._loop_thread)
+                    self._on_blocked(f"pipeline bug: {where}{f' ({code})' if code else ''} has blocked trio's thread "
+                                     f"for at least {time.monotonic() - asked:.0f} s, so {self._cannot} (code that "
                                      f"never awaits, as time.sleep or a busy loop: run it with trio.to_thread.run_sync)")
                     return
                 continue
             if mark is None:
                 self._sleep(IDLE_LOOK)
+                stop_asked = self._stop_asked
+                if stop_asked is not None and stop_asked():
+                    self._stop_asked = None
+                    self._probe_asked = True
                 continue
             _, late, since, seconds, _ = mark
             left = since + seconds - time.monotonic()
@@ -150,3 +168,28 @@ class LoopWatchdog:
                              f"{time.monotonic() - asked:.0f} s (code that never awaits, as time.sleep or a busy "
                              f"loop: run it with trio.to_thread.run_sync)")
             return
+
+
+_LIBRARIES = tuple({os.path.realpath(sysconfig.get_paths()[name]) + os.sep for name in ("stdlib", "purelib", "platlib")})
+_PIPELINES = os.path.dirname(os.path.realpath(__file__))  # chunkline's pipeline machinery (not the pipelines below it)
+_OWN = tuple(os.path.join(os.path.dirname(_PIPELINES), package) + os.sep for package in ("engine", "server", "states"))
+
+
+def _chunkline_s_own(path: str) -> bool:
+    return path.startswith(_OWN) or os.path.dirname(path) == _PIPELINES
+
+
+def blocking_code(thread: int | None) -> str | None:
+    """Where ``thread`` runs now, as ``file.py, line N, in function``: its innermost frame in code neither chunkline's
+    nor a library's (the pipeline's own), else its innermost frame; None when it cannot be seen."""
+    frame = None if thread is None else sys._current_frames().get(thread)
+    innermost = frame
+    while frame is not None:
+        path = os.path.realpath(frame.f_code.co_filename)
+        if not path.startswith(_LIBRARIES) and not _chunkline_s_own(path):
+            break
+        frame = frame.f_back
+    frame = frame or innermost
+    if frame is None:
+        return None
+    return f"{os.path.basename(frame.f_code.co_filename)}, line {frame.f_lineno}, in {frame.f_code.co_name}"

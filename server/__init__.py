@@ -77,7 +77,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     async def drain(status: int) -> None:
         await app.run_in_app_loop(functools.partial(hypercorn_drain.drain_then_end_a_load, runtime, status))
 
-    hypercorn_drain.install(drain, functools.partial(hypercorn_drain.abandon, runtime))
+    hypercorn_drain.install(drain, functools.partial(hypercorn_drain.abandon, runtime), runtime.held_loop)
     release_closed_connections()  # hypercorn's trio worker: a closed connection is let go now, not at its keep-alive
     bound_writes(WRITE_DEADLINE)  # ... and a write waits at most that long (a frozen viewer held its exit for ever)
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers

@@ -67,6 +67,7 @@ import trio
 from . import early_signals
 from .early_signals import stop_signals
 from .run_signals import exit_now, note_stop_signal
+from .stop_guard import HeldLoop
 
 __all__ = ["SupervisorStop", "WORKER_MODULES", "WorkerSignals", "abandon", "drain_then_end_a_load", "install",
            "refuse_several_workers", "taken"]
@@ -82,13 +83,13 @@ _ONE_PROCESS = "chunkline_one_process"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None]) -> list[str]:
+def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None], held: HeldLoop) -> list[str]:
     """Make hypercorn's stop trigger await ``drain(status)`` (which runs from either worker's loop) once the stop has
     come, ``status`` being the worker's exit status should it end at once after the drain (a load abandoned:
     :func:`drain_then_end_a_load`), and its worker process take the stop signals (:class:`WorkerSignals`; a second
-    one ends the process now, ``abandon`` first); returns the modules wrapped (those of hypercorn's workers loaded in
-    this process, each wrapped once)."""
-    signals = WorkerSignals(abandon)
+    one ends the process now, ``abandon`` first; ``held`` is asked whether a pipeline holds the app's loop at the stop);
+    returns the modules wrapped (those of hypercorn's workers loaded in this process, each wrapped once)."""
+    signals = WorkerSignals(abandon, held)
     wrapped = []
     for name in WORKER_MODULES:
         module = sys.modules.get(name)
@@ -99,7 +100,9 @@ def install(drain: Callable[[int], Awaitable[None]], abandon: Callable[[], None]
         async def stop_trigger(shutdown_event: Any, sleep: Callable[[float], Awaitable[Any]],
                                _original: Callable[..., Awaitable[None]] = original) -> None:
             # hypercorn's supervisor was told to stop, or is gone, or this worker got a stop signal itself
-            await _original(SupervisorStop(shutdown_event, signals), sleep)
+            asked = SupervisorStop(shutdown_event, signals)
+            held.look_when(asked.is_set, 0, abandon)  # the app's loop, if held meanwhile, is not there to read the word
+            await _original(asked, sleep)
             if signals.first is None:  # a stop or a reload: the supervisor decides which once this worker exited 0
                 await _draining_after(0, drain, "hypercorn is stopping or reloading")
             elif signals.reloads():
@@ -138,10 +141,14 @@ class WorkerSignals:
 
     Under trio they are plain handlers (trio wakes on any signal; they run even while the loop is busy); under asyncio
     the loop's own (a plain handler might wait for the loop's next wake-up), and plain ones once the worker is done
-    (the loop put the default actions back as it closed)."""
+    (the loop put the default actions back as it closed). The first has the app's trio loop looked at (``held``): one
+    that a pipeline holds (code that never awaits) ends the process after 2 s, naming that code
+    (:mod:`server.stop_guard`), where the drain waited for the loop for as long as the code ran."""
 
-    def __init__(self, abandon: Callable[[], None]) -> None:
+    def __init__(self, abandon: Callable[[], None], held: HeldLoop) -> None:
         self.abandon = abandon
+        self.held = held
+
         self.first: int | None = None
         self.supervised = False
         self._previous: dict[int, Any] = {}
@@ -201,6 +208,7 @@ class WorkerSignals:
                      self.abandon, log)
         self.first = number
         note_stop_signal()  # the interpreter's very last teardown ignores them (run_signals._teardown)
+        self.held.look(128 + number, self.abandon)
         if self._wake is not None:
             self._wake()
 

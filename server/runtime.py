@@ -39,6 +39,7 @@ from .room_follow import RoomFollow
 from .runner import RoomRunner, RunnerDeps
 from .runtime_errors import NO_WORKER_RETRY_AFTER, NoWorker, SessionConflict, ViewerLimit
 from .settings import ServerSettings
+from .stop_guard import HeldLoop
 from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
 from .uploads import UploadFolder
@@ -69,16 +70,8 @@ class Created:
 
 
 class StreamRuntime:
-    def __init__(
-        self,
-        settings: ServerSettings,
-        *,
-        issuer: TokenIssuer,
-        transport: RoomTransport,
-        metrics: ServerMetrics,
-        service_loader: Callable[..., Any] | None = None,
-        restart_policy: RestartPolicy | None = None,
-    ) -> None:
+    def __init__(self, settings: ServerSettings, *, issuer: TokenIssuer, transport: RoomTransport, metrics: ServerMetrics,
+                 service_loader: Callable[..., Any] | None = None, restart_policy: RestartPolicy | None = None) -> None:
         self.settings = settings
         self.issuer = issuer
         self.transport = transport
@@ -108,6 +101,7 @@ class StreamRuntime:
         self.in_process = InProcessWorkers(self, service_loader, DELETE_WAIT)
         self._nursery: trio.Nursery | None = None
         self.uploads = UploadFolder()
+        self.held_loop = HeldLoop(log)  # a stop's look at a loop a pipeline holds (server/stop_guard.py)
         #: option checks under way at once (each is a message to a worker: a burst of creates stays bounded)
         self.option_checks = option_check.OptionCheckers()
         self.image_decodes = trio.CapacityLimiter(IMAGE_DECODES_AT_ONCE)  # creates' images checked at once
@@ -121,20 +115,24 @@ class StreamRuntime:
     # -- life ------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            if self.settings.workers == "in-process":
-                self.in_process.start()
-            else:
-                from .cluster.launchers import make_authority
+        self.held_loop.start()  # in the app's loop, until the run ends
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                if self.settings.workers == "in-process":
+                    self.in_process.start()
+                else:
+                    from .cluster.launchers import make_authority
 
-                self.cluster = make_authority(self)
-                await nursery.start(self.cluster.run)
-            nursery.start_soon(self._sweep)
-            nursery.start_soon(self.room_follow.run)  # LiveKit: looks into the rooms no worker of ours is in yet
-            self.started = True
-            runtime_views.publish_gauges(self)
-            task_status.started()
+                    self.cluster = make_authority(self)
+                    await nursery.start(self.cluster.run)
+                nursery.start_soon(self._sweep)
+                nursery.start_soon(self.room_follow.run)  # LiveKit: looks into the rooms no worker of ours is in yet
+                self.started = True
+                runtime_views.publish_gauges(self)
+                task_status.started()
+        finally:
+            self.held_loop.stop()
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Run a small task in the runtime's nursery (e.g. publishing an event)."""
@@ -153,6 +151,11 @@ class StreamRuntime:
         close_clients = getattr(self.transport, "close_clients", None)  # the local rooms' (LiveKit's are its own)
         if close_clients is not None:
             close_clients()
+
+    @property
+    def drained(self) -> bool:
+        """The shutdown's drain is over (its last line, ``shutdown complete``, said so)."""
+        return self._shut_down.is_set()
 
     async def shutdown(self, grace: float) -> None:
         """Drain every live session within ``grace`` seconds, then stop the workers (idempotent)."""
@@ -181,8 +184,8 @@ class StreamRuntime:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
         self.uploads.remove()
+        self._shut_down.set()  # first: a stop signal's handler may run as soon as the line below is out
         log.info("shutdown complete: %s", shutdown_outcome(live, aborted))
-        self._shut_down.set()
 
     # -- workers -----------------------------------------------------------------
 

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -42,10 +40,11 @@ from .open_files import connection_cap, raise_open_files_limit
 from .room_socket import Deadlines
 from . import early_signals
 from .early_signals import stop_signals
-from .run_signals import exit_now, exit_on_stop_signals, note_stop_signal
+from .run_signals import exit_on_stop_signals
 from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
+from .stop_guard import StopGuard, exit_watchdog
 from .transport.local import LocalRooms
 from .transport.local_room import ENVELOPE_BYTES
 
@@ -85,24 +84,6 @@ def _backend_socket(folder: ServerFolder) -> socket.socket:
         listener.close()
         raise
     return listener
-
-
-def exit_watchdog(bound: float, remove: Callable[[], None], signalled: list[int]) -> threading.Timer:
-    """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after).
-
-    Its exit status is 128 + the stop signal that began the shutdown, as a second signal's abort, not 1: the process
-    was asked to stop and it stopped, within its bound, taking what it holds with it; only its drain was cut short.
-    A supervisor reads a stop the same way from an agent (``states.agent.exit_status``: 0 once a drain ran its
-    course, else 128 + the first stop signal) and from ``chunkline run``; 1 ("failed") would have it count a
-    requested stop as a crash (55 s is also past Kubernetes' default 30 s grace: SIGKILL, 137, comes first there).
-    1 is left for a shutdown no signal began (``serve_app``'s ``stop``), where nothing else says why it ended."""
-    def fire() -> None:
-        exit_now(128 + signalled[0] if signalled else 1, f"shutdown exceeded its bound of {bound:g} s", remove, log)
-
-    timer = threading.Timer(bound, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 async def serve_app(
@@ -196,22 +177,25 @@ async def _serve(
     )
     stop = trio.Event() if stop is None else stop  # a signal arrived (or the caller asked)
     hypercorn_stop = trio.Event()  # sessions drained: hypercorn may stop
-    signalled: list[int] = []  # the first stop signal, once one came: an abort exits 128 + it
-    phase = ["the drain"]  # what a second stop signal cuts short, as its line says
+
+    def cut_short() -> str:
+        """What a second stop signal cuts short, as its line says (once the drain's last line said it was over, not
+        the drain)."""
+        return "the connections' grace, after the drain" if runtime.drained else "the drain"
+
+    # the first signal starts the bound and looks at the loop, a second ends the process: with no loop (stop_guard)
+    guard = StopGuard(SHUTDOWN_BOUND, abandon, cut_short, runtime.held_loop, log)
+    signalled = guard.signalled  # the first stop signal, once one came: an abort exits 128 + it
 
     async def on_signals() -> None:
-        """The first signal starts the drain; a second one (the drain is taking too long) ends it now, and so does
-        one that comes after the drain while the process is still on its way out (the signal's own default
-        action ended it there, leaving the stages' shared memory and the front's folder behind)."""
+        """The first signal starts the drain (a second one, heard by the guard, ends it now), and one that comes after
+        the drain while the process is still on its way out ends it too (the signal's own default action ended it
+        there, leaving the stages' shared memory and the front's folder behind)."""
         try:
             with trio.open_signal_receiver(*stop_signals()) as signals:
+                guard.wrap(stop_signals())
                 early_signals.replay()  # one that came as the trio run started (the command deferred it)
-                async for number in signals:
-                    if signalled:
-                        exit_now(128 + signalled[0], f"a second signal ({signal.Signals(number).name}) during "
-                                 f"{phase[0]}", abandon, log)
-                    signalled.append(number)
-                    note_stop_signal()
+                async for _number in signals:
                     stop.set()
         finally:
             if signalled:
@@ -237,11 +221,10 @@ async def _serve(
                 tell(f"chunkline: warning: the open-file limit ({open_files}, ulimit -n) lets the server serve "
                      f"{cap} connections at once, not {MAX_CONNECTIONS}: raise it to serve more")
             await stop.wait()
-            watchdog = exit_watchdog(SHUTDOWN_BOUND, abandon, signalled)
-            nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BOUND - 5.0
+            watchdog = guard.bound_timer or exit_watchdog(SHUTDOWN_BOUND, abandon, signalled, log)
+            nursery.cancel_scope.deadline = trio.current_time() + guard.seconds_left() - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.drain_for_stop()
-            phase[0] = "the connections' grace, after the drain"  # its line said "during the drain", which was over
             # no new connection once hypercorn stops: each was accepted and then dropped unanswered (refused now)
             accepting.cancel()
             front.stopping = True  # before a client can see the listener closed: requests from now on are told so

@@ -80,7 +80,7 @@ def test_a_ctrl_c_while_a_pipeline_holds_trio_s_thread_ends_the_run_at_once_as_s
     """The user pressed Ctrl-C once while ``create_session`` blocked trio's thread. A stop in order needs that thread:
     the run waited out the call's whole deadline (60 s here; 600 s for a model loaded in ``running()``), then said
     ``the run failed``, exit 1. Now the stop looks at the loop at once: past the watchdog's 2 s grace the run ends 130
-    (128 + the signal), naming the call that holds the loop. The call's deadline is the default 60 s: only the stop's
+    (128 + the signal), naming the call that holds the loop and the code it is in. The call's deadline is the default 60 s: only the stop's
     own look can end it within the wait below."""
     path = tmp_path / "p.py"
     path.write_text(PIPELINE.format(where="create_session-sleep").replace(
@@ -98,8 +98,8 @@ def test_a_ctrl_c_while_a_pipeline_holds_trio_s_thread_ends_the_run_at_once_as_s
         # bench-cost: the watchdog's 2 s grace in real time; the call's own 60 s deadline is past this wait
         assert process.wait(timeout=30.0) == 130
         last = last_line(process, seen)
-        assert re.fullmatch(r"chunkline run: interrupted, and the stop met: pipeline bug: create_session has blocked "
-                            r"trio's thread for at least \d+ s, so the run could not stop in order \(code that never "
+        assert re.fullmatch(r"chunkline run: interrupted, and the stop met: pipeline bug: create_session \(p\.py, line "
+                            r"\d+, in block\) has blocked trio's thread for at least \d+ s, so the run could not stop in order \(code that never "
                             r"awaits, .*\); no output was written", last), last
         assert not out.exists()
     finally:

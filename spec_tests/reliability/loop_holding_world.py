@@ -1,0 +1,46 @@
+"""A pipeline whose ``check_options`` holds trio's thread: a synchronous sleep in an ``async def`` (a create with
+``{"hold": true}`` among its options), as a check that loads or downloads something without awaiting would."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import asynccontextmanager
+
+import numpy as np
+
+from pipelines.contract import BidirectionalService, Chunk
+
+HOLD_SECONDS = 120.0  # past every deadline of the test that makes a server meet it
+
+
+class LoopHolder(BidirectionalService):
+    takes_prompt = False
+    takes_image = False
+
+    @asynccontextmanager
+    async def running(self):
+        yield self
+
+    async def check_options(self, options):
+        if options.get("hold"):
+            sys.stderr.write("holding the loop\n")
+            sys.stderr.flush()
+            time.sleep(HOLD_SECONDS)
+
+    async def create_session(self, config, *, on_event=None):
+        return "s"
+
+    async def push_control(self, session_id, control):
+        pass
+
+    async def chunks(self, session_id):
+        while True:
+            yield Chunk(index=0, frames=np.zeros((1, 8, 8, 3), np.uint8), fps=8)
+
+    async def close_session(self, session_id):
+        pass
+
+
+def get_service(gpu_num=0):
+    return LoopHolder()
