@@ -43,6 +43,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
 
     from . import hypercorn_drain
     from .hypercorn_connections import bound_writes, release_closed_connections
+    from .hypercorn_messages import end_oversized_messages
     from .room_socket import WRITE_DEADLINE
     from .app import create_app
     from .asgi_shim import TrioASGIAnyWorker
@@ -80,6 +81,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     hypercorn_drain.install(drain, functools.partial(hypercorn_drain.abandon, runtime), runtime.held_loop)
     release_closed_connections()  # hypercorn's trio worker: a closed connection is let go now, not at its keep-alive
     bound_writes(WRITE_DEADLINE)  # ... and a write waits at most that long (a frozen viewer held its exit for ever)
+    end_oversized_messages()  # a WebSocket message past its limit is dropped and its connection ends (it was kept)
     return app if settings.api_key else WarnsOnceIfOpen(app)  # hypercorn's bind is known once it answers
 
 

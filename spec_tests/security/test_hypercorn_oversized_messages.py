@@ -1,0 +1,113 @@
+"""Under plain ``hypercorn server:app``, a room client's WebSocket message past the size limit ends its connection.
+
+hypercorn refused such a message with a 1009 close and went on reading the connection, keeping every later piece of
+the message: one room client (any room token) that opened a text message and sent continuation pieces without end
+grew the worker by about a byte for each byte it sent (2.3 GB in 8 s), and the connection stayed open for as long as
+it sent. Now the pieces are dropped and the connection ends once the 1009 went out; the session goes on, and its
+controller may join again.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNING = re.compile(rb"Running on (http://127\.0\.0\.1:(\d+))")
+START_DEADLINE = 120.0  # wall seconds: hypercorn's worker imports the server and loads the replay pipeline
+SENDING = 10.0  # seconds the client goes on sending pieces of its message, at most
+PIECE = 65_000  # bytes of each continuation piece
+
+
+def frame(data: bytes, opcode: int, fin: bool) -> bytes:
+    """A client's frame (masked with a zero key, so the payload goes as is)."""
+    first = (0x80 if fin else 0) | opcode
+    size = len(data)
+    if size < 126:
+        head = struct.pack("!BB", first, 0x80 | size)
+    elif size < 65536:
+        head = struct.pack("!BBH", first, 0xFE, size)
+    else:
+        head = struct.pack("!BBQ", first, 0xFF, size)
+    return head + b"\0\0\0\0" + data
+
+
+def join(port: int, path: str, token: str) -> socket.socket:
+    """A room connection by hand (the test sends frames no client library would), past its joined message."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(f"GET {path}?token={token} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    seen = b""
+    while b'"joined"' not in seen:
+        data = sock.recv(65536)
+        assert data, f"the server closed the connection before the join: {seen!r}"
+        seen += data
+    return sock
+
+
+def sends_until_closed(sock: socket.socket) -> tuple[bool, int]:
+    """Open a text message and send pieces of it for up to SENDING seconds: (whether the server ended the connection,
+    bytes sent)."""
+    sock.sendall(frame(b'{"topic":"tf.control","payload":"', 1, False))
+    piece = frame(b"a" * PIECE, 0, False)
+    sent, give_up = 0, time.monotonic() + SENDING
+    try:
+        while time.monotonic() < give_up:
+            sock.sendall(piece)
+            sent += len(piece)
+    except OSError:  # a broken pipe, or a reset: the server closed its end
+        return True, sent
+    return False, sent
+
+
+@pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
+def test_a_message_past_the_limit_ends_the_connection_and_is_not_kept(worker_class: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    env.update(CHUNKLINE_PIPELINE="pipelines/replay", CHUNKLINE_CONTROLLER_TIMEOUT="3600",
+               CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hypercorn", "--worker-class", worker_class, "--bind", "127.0.0.1:0", "server:app"],
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True)
+    log = bytearray()
+    reader = threading.Thread(target=lambda: [log.extend(line) for line in process.stderr], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        give_up = time.monotonic() + START_DEADLINE
+        while (running := RUNNING.search(bytes(log))) is None:
+            assert process.poll() is None and time.monotonic() < give_up, log.decode(errors="replace")
+            time.sleep(0.05)  # bench-cost: real-time poll of hypercorn's log as it starts
+        url, port = running.group(1).decode(), int(running.group(2))
+        with httpx.Client(base_url=url, timeout=30) as client:
+            while client.get("/v1/service/ready").status_code != 200:
+                assert time.monotonic() < give_up, log.decode(errors="replace")
+                time.sleep(0.1)  # bench-cost: real-time poll until the worker loaded its pipeline
+            created = client.post("/v1/stream/sessions", json={"identity": "ctl"}).json()
+            with join(port, created["websocket_path"], created["token"]) as sock:
+                closed, sent = sends_until_closed(sock)
+            assert closed, f"the connection stayed open through {sent >> 20} MiB of one message:\n{log.decode()}"
+            assert sent < 256 << 20, f"{sent >> 20} MiB were read of the message before its connection ended"
+            # the session goes on, and its controller joins again
+            with join(port, created["websocket_path"], created["token"]):
+                pass
+            assert client.get(f"/v1/stream/sessions/{created['session_id']}").json()["status"] == "running"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        reader.join(10.0)
+        assert process.stderr is not None
+        process.stderr.close()
