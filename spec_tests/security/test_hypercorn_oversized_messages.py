@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import base64
 import os
-import re
-import signal
 import socket
 import struct
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RUNNING = re.compile(rb"Running on (http://127\.0\.0\.1:(\d+))")
-START_DEADLINE = 120.0  # wall seconds: hypercorn's worker imports the server and loads the replay pipeline
+from .plain_hypercorn import plain_hypercorn
+
 SENDING = 10.0  # seconds the client goes on sending pieces of its message, at most
 PIECE = 65_000  # bytes of each continuation piece
 
@@ -75,39 +68,13 @@ def sends_until_closed(sock: socket.socket) -> tuple[bool, int]:
 
 @pytest.mark.parametrize("worker_class", ["trio", "asyncio"])
 def test_a_message_past_the_limit_ends_the_connection_and_is_not_kept(worker_class: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    env.update(CHUNKLINE_PIPELINE="pipelines/replay", CHUNKLINE_CONTROLLER_TIMEOUT="3600",
-               CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", "--worker-class", worker_class, "--bind", "127.0.0.1:0", "server:app"],
-        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        start_new_session=True)
-    log = bytearray()
-    reader = threading.Thread(target=lambda: [log.extend(line) for line in process.stderr], daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    try:
-        give_up = time.monotonic() + START_DEADLINE
-        while (running := RUNNING.search(bytes(log))) is None:
-            assert process.poll() is None and time.monotonic() < give_up, log.decode(errors="replace")
-            time.sleep(0.05)  # bench-cost: real-time poll of hypercorn's log as it starts
-        url, port = running.group(1).decode(), int(running.group(2))
-        with httpx.Client(base_url=url, timeout=30) as client:
-            while client.get("/v1/service/ready").status_code != 200:
-                assert time.monotonic() < give_up, log.decode(errors="replace")
-                time.sleep(0.1)  # bench-cost: real-time poll until the worker loaded its pipeline
-            created = client.post("/v1/stream/sessions", json={"identity": "ctl"}).json()
-            with join(port, created["websocket_path"], created["token"]) as sock:
-                closed, sent = sends_until_closed(sock)
-            assert closed, f"the connection stayed open through {sent >> 20} MiB of one message:\n{log.decode()}"
-            assert sent < 256 << 20, f"{sent >> 20} MiB were read of the message before its connection ended"
-            # the session goes on, and its controller joins again
-            with join(port, created["websocket_path"], created["token"]):
-                pass
-            assert client.get(f"/v1/stream/sessions/{created['session_id']}").json()["status"] == "running"
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        reader.join(10.0)
-        assert process.stderr is not None
-        process.stderr.close()
+    with plain_hypercorn(worker_class) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        created = client.post("/v1/stream/sessions", json={"identity": "ctl"}).json()
+        with join(server.port, created["websocket_path"], created["token"]) as sock:
+            closed, sent = sends_until_closed(sock)
+        assert closed, f"the connection stayed open through {sent >> 20} MiB of one message:\n{server.text()}"
+        assert sent < 256 << 20, f"{sent >> 20} MiB were read of the message before its connection ended"
+        # the session goes on, and its controller joins again
+        with join(server.port, created["websocket_path"], created["token"]):
+            pass
+        assert client.get(f"/v1/stream/sessions/{created['session_id']}").json()["status"] == "running"
