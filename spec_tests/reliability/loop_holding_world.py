@@ -26,7 +26,7 @@ class LoopHolder(BidirectionalService):
         if options.get("hold"):
             sys.stderr.write("holding the loop\n")
             sys.stderr.flush()
-            time.sleep(HOLD_SECONDS)
+            time.sleep(HOLD_SECONDS)  # bench-cost: the bug under test, a synchronous call that holds trio's thread
 
     async def create_session(self, config, *, on_event=None):
         return "s"
