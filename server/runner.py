@@ -35,7 +35,7 @@ import trio
 
 from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
 from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, checked_session_id
-from pipelines.offline_calls import single_leaf
+from pipelines.offline_calls import telling_error
 from states.room_presence import RoomPresence
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
@@ -45,6 +45,7 @@ from .control_intake import CONTROL_TIMEOUT, ControlIntake
 from .cluster.identity import worker_participant
 from .lifecycle import runner_last_word
 from .presence_timeouts import TIMEOUT_CAUSES, timeout_detail
+from .process_service.errors import ProcessServiceError
 from .pushed_stream import StreamStalled, close_stream, next_chunk
 from .reasons import public_reason
 from .transport import DataReceived, ParticipantJoined, ParticipantLeft, RoomConnection, TransportError
@@ -168,7 +169,10 @@ class RoomRunner:
                     await self._run(side_tasks)
                     side_tasks.cancel_scope.cancel()
         except Exception as exc:
-            cause = single_leaf(exc)  # the one error inside trio's single-member nursery groups
+            # the error that says why: the one inside trio's single-member nursery groups, or of several at once (a
+            # killed service child's stream and call) the first in the server's own words, or each named (the log
+            # read "ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)")
+            cause = telling_error(exc, (RunnerError, TransportError, ProcessServiceError, PipelineContractError))
             # the record and the room hear one short line; the log keeps the traceback of what nobody expected
             # (a room that went away, or anything after fail() ended the session, is one plain line)
             expected = isinstance(cause, TransportError) or self._failure is not None

@@ -287,8 +287,11 @@ class ProcessService:
                 if self._stop_error is not None:  # the service left running() by itself, failing: that is why
                     self._lost(f"the service failed in its process (pid {self.pid}): {_last_line(self._stop_error)}")
                     return
-                why = f" ({cause})" if cause else ""
-                self._lost(f"the service process (pid {self.pid}) exited unexpectedly with code {code}{why}")
+                if cause:  # its supervisor killed it, and says why (it read "exited unexpectedly", as if from outside)
+                    self._lost(f"the service process (pid {self.pid}) was killed (exit code {code}): {cause} (a "
+                               f"service call that never awaits holds its loop, or the process was stopped)")
+                    return
+                self._lost(f"the service process (pid {self.pid}) exited unexpectedly with code {code}")
             case wire.ProtocolError(reason=reason):
                 self._lost(reason)
                 self._link.kill(reason)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 import trio
 
 from server.process_service import start_process_service
@@ -225,10 +226,13 @@ async def test_an_in_process_service_whose_stage_dies_is_rebuilt_and_the_queue_m
         assert "chunkline_worker_restarts_total 1.0" in await s.metrics_text()
 
 
-async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_dying_worker() -> None:
+async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_dying_worker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Process worker: SIGKILL of the service child. Its session fails with the child's cause; the queued
     session waits for the replacement child rather than being promoted onto the dead one (whose other
-    session ends first), and never ends closed without an error."""
+    session ends first), and never ends closed without an error. The log says why each session failed in words, never
+    as a bare group (``failed: ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)``)."""
     loader = functools.partial(start_process_service, height=32, width=48, frames_per_chunk=2, control_idle_timeout=60.0)
     async with serve(loader, pipeline="pipelines/toy_world", worker_mode="process",
                      max_sessions_per_worker=2, queue_size=1) as s:
@@ -248,9 +252,13 @@ async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_
             assert record["status"] == "failed" and "worker worker-0 failed" in record["error"], record
         await wait_until(lambda: s.runtime.book.worker_of(queued["session_id"]) is not None, "the promotion", 120)
         assert (await s.get(queued["session_id"]))["worker_id"] == "worker-0.1"
+    failed_lines = [message for message in caplog.messages if f"session {first['session_id']} failed" in message]
+    assert failed_lines and not [line for line in failed_lines if "ExceptionGroup" in line], failed_lines
 
 
-async def test_a_frozen_service_child_fails_a_session_sending_controls_as_the_workers_failure() -> None:
+async def test_a_frozen_service_child_fails_a_session_sending_controls_as_the_workers_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """With the default heartbeat deadline (10 s): a session whose controller kept sending controls failed as
     ``pipeline_stalled`` ("the pipeline did not take a control within 10 s": the control deadline was as long
     as the heartbeat's and fired first), while the same frozen child's other sessions failed ``worker_failed``."""
@@ -261,7 +269,9 @@ async def test_a_frozen_service_child_fails_a_session_sending_controls_as_the_wo
                 await trio.sleep(0.2)  # bench-cost: a controller's pace, on the real clock (a real child)
         record = await s.get(created["session_id"])
         assert record["status"] == "failed" and record["drain_cause"] == "worker_failed", record
-        assert "heartbeat deadline" in record["error"], record
+        assert "heartbeat deadline" in record["error"] and "was killed" in record["error"], record
+    failed_lines = [message for message in caplog.messages if f"session {created['session_id']} failed" in message]
+    assert failed_lines and not [line for line in failed_lines if "ExceptionGroup" in line], failed_lines
 
 
 class SlowToClose(DyingService):
