@@ -263,7 +263,9 @@ class ModelWorker:
         detail = error_line(exc).partition(" --- child traceback --- ")[0]
         self.failure = reason
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
-        explained = refused or isinstance(exc, WorkerFault)  # and so does a fault a runner saw
+        # and so does a fault a runner saw, and a pipeline file Python cannot read (its line names the file and line;
+        # the traceback was 40 lines of the loader's and trio's thread's)
+        explained = refused or isinstance(exc, WorkerFault) or isinstance(exc.__cause__, SyntaxError)
         if loading:
             self.load_failure = LoadFailure.of(exc)
         if self.load_failure is not None and not self._is_new(self.load_failure):

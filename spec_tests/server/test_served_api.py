@@ -132,3 +132,16 @@ async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash
         assert await served.exit_code() == 0, served.text()
     assert "started worker-0.1" not in served.text() and "restart 1 of" not in served.text(), served.text()
     assert "Traceback" not in served.text(), served.text()  # a refused setting is one line, not a traceback
+
+
+async def test_a_pipeline_file_python_cannot_read_is_one_line_naming_its_line_not_a_traceback(short_tmp: Path) -> None:
+    """A syntax error in the pipeline file: the worker's line names the file and the line; the traceback after it
+    (about 40 lines of the loader's and trio's thread's, logged again at the one restart) said nothing more."""
+    pipeline = short_tmp / "broken.py"
+    pipeline.write_text("def get_service(gpu_num=0:\n    pass\n")
+    async with stream_serve(short_tmp, pipeline=str(pipeline)) as served:
+        await served.read_until(b"the pipeline never loaded")
+        served.process.send_signal(signal.SIGTERM)
+        assert await served.exit_code() == 0, served.text()
+    assert "SyntaxError: invalid syntax (broken.py, line 1)" in served.text(), served.text()
+    assert "Traceback" not in served.text(), served.text()
