@@ -20,6 +20,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 RUNNING = re.compile(rb"Running on (http://127\.0\.0\.1:(\d+))")
 START_DEADLINE = 120.0  # wall seconds: hypercorn's worker imports the server and loads the replay pipeline
+STOP_DEADLINE = 60.0  # wall seconds for its drain and exit (the sessions' grace is 20 s)
 
 
 @attrs.define
@@ -34,7 +35,9 @@ class PlainHypercorn:
 
 @contextlib.contextmanager
 def plain_hypercorn(worker_class: str) -> Iterator[PlainHypercorn]:
-    """Serving (its worker has loaded the pipeline) until the block ends; then killed with its process group."""
+    """Serving (its worker has loaded the pipeline) until the block ends; then stopped with SIGTERM, as a service
+    manager stops it (killed with its process group, hypercorn's supervisor and its resource tracker left the
+    supervisor's semaphores in /dev/shm, which other tests' checks for leftovers then found)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
     env.update(CHUNKLINE_PIPELINE="pipelines/replay", CHUNKLINE_CONTROLLER_TIMEOUT="3600",
                CHUNKLINE_ROOM_EMPTY_TIMEOUT="3600", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
@@ -63,7 +66,11 @@ def plain_hypercorn(worker_class: str) -> Iterator[PlainHypercorn]:
         yield PlainHypercorn(url, int(running.group(2)), log)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(STOP_DEADLINE)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         reader.join(10.0)
         assert process.stderr is not None
