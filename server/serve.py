@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from typing import Any
 
 import trio
@@ -201,7 +200,6 @@ async def _serve(
             if signalled:
                 exit_on_stop_signals(128 + signalled[0], "during the shutdown", abandon, log)
 
-    watchdog: threading.Timer | None = None
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(on_signals)
@@ -221,7 +219,7 @@ async def _serve(
                 tell(f"chunkline: warning: the open-file limit ({open_files}, ulimit -n) lets the server serve "
                      f"{cap} connections at once, not {MAX_CONNECTIONS}: raise it to serve more")
             await stop.wait()
-            watchdog = guard.bound_timer or exit_watchdog(SHUTDOWN_BOUND, abandon, signalled, log)
+            guard.bound.arm()  # from the signal, if one began the stop (armed already then), else from now
             nursery.cancel_scope.deadline = trio.current_time() + guard.seconds_left() - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.drain_for_stop()
@@ -240,8 +238,7 @@ async def _serve(
                 runtime.in_process.abandon_a_load(signalled[0], abandon, log)
             nursery.cancel_scope.cancel()
     finally:
-        if watchdog is not None:
-            watchdog.cancel()
+        guard.bound.cancel()
         remove()
 
 

@@ -23,15 +23,16 @@ from pipelines.loop_watch import LoopWatchdog
 
 from .run_signals import exit_now, note_stop_signal
 
-__all__ = ["CANNOT_DRAIN", "HeldLoop", "StopGuard", "exit_watchdog"]
+__all__ = ["CANNOT_DRAIN", "BoundWatch", "HeldLoop", "StopGuard", "exit_watchdog"]
 
 #: what a held loop keeps a stop signal from doing, as the line that ends the process says it
 CANNOT_DRAIN = "the server could not drain its sessions in order"
 
 
-def exit_watchdog(bound: float, remove: Callable[[], None], signalled: list[int],
-                  log: logging.Logger = logging.getLogger("chunkline.serve")) -> threading.Timer:
-    """The last resort: a thread that ends the process if the shutdown passes its bound (cancel it after).
+class BoundWatch:
+    """The last resort: a thread that ends the process if the shutdown passes its bound once :meth:`arm` ed (then
+    :meth:`cancel` it). Its thread starts with it, before any signal: a signal's handler only arms it, since starting
+    a thread there could wait for good on a lock of the threading module that the interrupted code held.
 
     Its exit status is 128 + the stop signal that began the shutdown, as a second signal's abort, not 1: the process
     was asked to stop and it stopped, within its bound, taking what it holds with it; only its drain was cut short.
@@ -39,13 +40,38 @@ def exit_watchdog(bound: float, remove: Callable[[], None], signalled: list[int]
     course, else 128 + the first stop signal) and from ``chunkline run``; 1 ("failed") would have it count a
     requested stop as a crash (55 s is also past Kubernetes' default 30 s grace: SIGKILL, 137, comes first there).
     1 is left for a shutdown no signal began (``serve_app``'s ``stop``), where nothing else says why it ended."""
-    def fire() -> None:
-        exit_now(128 + signalled[0] if signalled else 1, f"shutdown exceeded its bound of {bound:g} s", remove, log)
 
-    timer = threading.Timer(bound, fire)
-    timer.daemon = True
-    timer.start()
-    return timer
+    def __init__(self, bound: float, remove: Callable[[], None], signalled: list[int],
+                 log: logging.Logger = logging.getLogger("chunkline.serve")) -> None:
+        self._armed = threading.Event()
+        self._cancelled = threading.Event()
+
+        def watch() -> None:
+            self._armed.wait()
+            if not self._cancelled.wait(bound):
+                exit_now(128 + signalled[0] if signalled else 1, f"shutdown exceeded its bound of {bound:g} s", remove,
+                         log)
+
+        self._thread = threading.Thread(target=watch, name="chunkline-shutdown-bound", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        """The bound counts from now (again: it counts from the first arming)."""
+        self._armed.set()
+
+    def cancel(self) -> None:
+        """The shutdown ended in its bound; the thread is gone when this returns (it ends at once)."""
+        self._cancelled.set()
+        self._armed.set()
+        self._thread.join()
+
+
+def exit_watchdog(bound: float, remove: Callable[[], None], signalled: list[int],
+                  log: logging.Logger = logging.getLogger("chunkline.serve")) -> BoundWatch:
+    """A :class:`BoundWatch` armed now."""
+    watch = BoundWatch(bound, remove, signalled, log)
+    watch.arm()
+    return watch
 
 
 class HeldLoop:
@@ -91,12 +117,13 @@ class StopGuard:
                  log: logging.Logger) -> None:
         self.signalled: list[int] = []  # the first stop signal, once one came: an abort exits 128 + it
         self.heard_at: float | None = None  # time.monotonic() of the first
-        self.bound_timer: threading.Timer | None = None
+        self.bound = BoundWatch(bound, abandon, self.signalled, log)  # armed by the first signal, or by the caller
         self._bound = bound
         self._abandon = abandon
         self._cut_short = cut_short
         self._log = log
         self._held = held
+
     def wrap(self, numbers: tuple[int, ...]) -> None:
         """Inside trio's signal receiver: its handlers, for ``numbers``, run after this guard's."""
         for number in numbers:
@@ -114,7 +141,7 @@ class StopGuard:
         self.signalled.append(number)
         self.heard_at = time.monotonic()
         note_stop_signal()
-        self.bound_timer = exit_watchdog(self._bound, self._abandon, self.signalled, self._log)
+        self.bound.arm()
         self._held.look(128 + number, self._abandon)
         if callable(then):
             then(number, frame)
