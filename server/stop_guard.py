@@ -5,9 +5,9 @@ The drain, its bound and a second signal's abort all ran in the trio loop. A pip
 loop, and with it the server: a stop signal then started nothing, the 55 s bound counted from whenever the loop came
 back (135 s after the signal in one case), and a second signal did nothing either. Python runs a signal's handler on
 the main thread between the pipeline's bytecodes (a ``time.sleep`` included), so the handlers here do what needs no
-loop: the first signal starts the bound's timer and has the loop looked at (:class:`~pipelines.loop_watch
-.LoopWatchdog`); a loop that does not answer within its grace (2 s) ends the process naming the code that holds it;
-a second signal ends it at once.
+loop: the first signal arms the bound (:class:`BoundWatch`, a thread started with the server) and has the loop looked
+at (:class:`~pipelines.loop_watch.LoopWatchdog`); a loop that does not answer within its grace (2 s) ends the process
+naming the code that holds it; a second signal ends it at once.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class HeldLoop:
 
 
 class StopGuard:
-    """Hears each stop signal before trio does (:meth:`wrap`): the first starts the shutdown's bound and looks at the
+    """Hears each stop signal before trio does (:meth:`wrap`): the first arms the shutdown's bound and looks at the
     loop; a second ends the process at once, saying what it cut short (``cut_short()``, e.g. ``the drain``)."""
 
     def __init__(self, bound: float, abandon: Callable[[], None], cut_short: Callable[[], str], held: HeldLoop,
