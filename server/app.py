@@ -109,7 +109,8 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # Quart cut any body at 60 s (a 408), under the rate the front holds bodies to: 1.25 MB at 20 KiB/s was
     # cut at 98 %; the body's own bound is that rate (the front's; under plain hypercorn this total)
-    app.config["BODY_TIMEOUT"] = longest_body_seconds(settings.max_body_bytes, Deadlines().head)
+    head_grace = Deadlines().head  # a body's grace after its head, as the front gives it
+    app.config["BODY_TIMEOUT"] = longest_body_seconds(settings.max_body_bytes, head_grace)
     if settings.livekit_api_key and settings.livekit_api_secret:
         issuer = TokenIssuer(settings.livekit_api_key, settings.livekit_api_secret, settings.token_ttl)
     else:
@@ -158,7 +159,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         # keep-alive connection whose previous request was answered with its body unread.
         if request.method in ("POST", "PUT", "PATCH", "DELETE"):  # a declared length is due at the front's rate
             declared = request.content_length  # (under plain hypercorn: BODY_TIMEOUT held 1 byte for 522 s)
-            due = math.inf if declared is None else longest_body_seconds(declared, Deadlines().head)
+            due = math.inf if declared is None else longest_body_seconds(declared, head_grace)
             with trio.move_on_after(due) as late:
                 await request.get_data(cache=True)
             if late.cancelled_caught:

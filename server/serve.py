@@ -220,7 +220,7 @@ async def _serve(
                      f"{cap} connections at once, not {MAX_CONNECTIONS}: raise it to serve more")
             await stop.wait()
             guard.bound.arm()  # from the signal, if one began the stop (armed already then), else from now
-            nursery.cancel_scope.deadline = trio.current_time() + guard.seconds_left() - 5.0
+            nursery.cancel_scope.deadline = trio.current_time() + guard.bound.seconds_left() - 5.0
             # drain first: live sessions say "done" to their rooms, then the room clients are sent away
             await runtime.drain_for_stop()
             # no new connection once hypercorn stops: each was accepted and then dropped unanswered (refused now)

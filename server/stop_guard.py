@@ -43,6 +43,8 @@ class BoundWatch:
 
     def __init__(self, bound: float, remove: Callable[[], None], signalled: list[int],
                  log: logging.Logger = logging.getLogger("chunkline.serve")) -> None:
+        self._bound = bound
+        self._armed_at: float | None = None  # time.monotonic() of the first arming
         self._armed = threading.Event()
         self._cancelled = threading.Event()
 
@@ -57,7 +59,13 @@ class BoundWatch:
 
     def arm(self) -> None:
         """The bound counts from now (again: it counts from the first arming)."""
+        if self._armed_at is None:
+            self._armed_at = time.monotonic()
         self._armed.set()
+
+    def seconds_left(self) -> float:
+        """Of the bound, counted from the first arming (the whole bound before it)."""
+        return self._bound if self._armed_at is None else self._bound - (time.monotonic() - self._armed_at)
 
     def cancel(self) -> None:
         """The shutdown ended in its bound; the thread is gone when this returns (it ends at once)."""
@@ -116,9 +124,7 @@ class StopGuard:
     def __init__(self, bound: float, abandon: Callable[[], None], cut_short: Callable[[], str], held: HeldLoop,
                  log: logging.Logger) -> None:
         self.signalled: list[int] = []  # the first stop signal, once one came: an abort exits 128 + it
-        self.heard_at: float | None = None  # time.monotonic() of the first
         self.bound = BoundWatch(bound, abandon, self.signalled, log)  # armed by the first signal, or by the caller
-        self._bound = bound
         self._abandon = abandon
         self._cut_short = cut_short
         self._log = log
@@ -130,16 +136,11 @@ class StopGuard:
             trio_s = signal.getsignal(number)
             signal.signal(number, lambda signum, frame, _then=trio_s: self._heard(signum, frame, _then))
 
-    def seconds_left(self) -> float:
-        """Of the bound, counted from the first signal (the whole bound before one came)."""
-        return self._bound if self.heard_at is None else self._bound - (time.monotonic() - self.heard_at)
-
     def _heard(self, number: int, frame: Any, then: Any) -> None:
         if self.signalled:
             exit_now(128 + self.signalled[0], f"a second signal ({signal.Signals(number).name}) during "
                      f"{self._cut_short()}", self._abandon, self._log)
         self.signalled.append(number)
-        self.heard_at = time.monotonic()
         note_stop_signal()
         self.bound.arm()
         self._held.look(128 + number, self._abandon)

@@ -44,7 +44,7 @@ import enum
 
 from .machine import StateMachine, TableEnum
 
-__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "ABORTS", "WORKER_GONE",
+__all__ = ["State", "Event", "TRANSITIONS", "TERMINAL", "TAKES_SESSIONS", "DIALS", "LEAVING", "WORKER_GONE",
            "ON_STOP_SIGNAL", "StopSignalAct", "AgentMachine", "exit_status", "start_refusal"]
 
 
@@ -146,8 +146,6 @@ DIALS = frozenset(source for (source, event) in TRANSITIONS if event is Event.SE
 #: States in which the agent is on its way out: a registration that ends ends the agent.
 LEAVING = frozenset({State.DRAINING, State.DRAINED, State.CUT_SHORT, State.STOPPING, State.RETIRING, State.ABORTED,
                      State.FAILED})
-#: The state in which the process ends at once, without waiting for what is under way.
-ABORTS = frozenset({State.ABORTED})
 #: The state in which the agent leaves because its model worker failed: it tells the authority, then exits 1.
 WORKER_GONE = frozenset({State.FAILED})
 
