@@ -49,7 +49,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
     from .asgi_shim import TrioASGIAnyWorker
     from .log_setup import log_under_hypercorn
     from .open_access import WarnsOnceIfOpen
-    from .setting_fields import require_existing_pipeline
+    from .setting_fields import require_existing_pipeline, require_usable_gpus
     from .settings import ServerSettings
 
     env = dict(os.environ if environ is None else environ)
@@ -66,6 +66,7 @@ def build_app_from_environment(environ: Mapping[str, str] | None = None) -> Any:
              f"(chunkline stream-serve's front reads it)")
     # as `chunkline stream-serve` does: a missing pipeline is one line at start, not a worker's crash loop
     require_existing_pipeline(settings.pipeline, "CHUNKLINE_PIPELINE")
+    require_usable_gpus(settings, "CHUNKLINE_WORKER_GPU_MAP")
     allow_service_children()
     app = TrioASGIAnyWorker(create_app(settings))
     # in a hypercorn worker: one server is one process (a second worker process was a second server on the port)

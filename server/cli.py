@@ -73,13 +73,14 @@ def _cmd_stream_serve(args: Any) -> int:
     import importlib
     import os
 
-    from server.setting_fields import require_existing_pipeline
+    from server.setting_fields import require_existing_pipeline, require_usable_gpus
     from server.settings import ServerSettings, SettingsError
 
     prefix = "chunkline stream-serve"
     try:
         settings = ServerSettings.from_sources(vars(args), os.environ)
         require_existing_pipeline(settings.pipeline, None if args.pipeline else "CHUNKLINE_PIPELINE")
+        require_usable_gpus(settings, None if args.worker_gpu_map is not None else "CHUNKLINE_WORKER_GPU_MAP")
     except SettingsError as exc:
         tell(f"{prefix}: error: {exc}")
         return 2

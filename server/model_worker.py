@@ -26,6 +26,7 @@ from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.offline_calls import telling_error
 from pipelines.validation import PipelineValidationError, validate_service
 
+from .gpu_devices import child_visible_devices
 from .process_service import ProcessService, start_process_service
 from .process_service.errors import ProcessServiceStartError
 from .reasons import public_reason
@@ -108,9 +109,9 @@ class ModelWorker:
         validate: bool = False,
         new_load_failure: Callable[[LoadFailure], bool] | None = None,
     ) -> None:
-        """``gpu_ids``: this worker's device group: in a child process they become its
-        ``CUDA_VISIBLE_DEVICES`` (and the service sees them as 0..n-1); in-process the
-        service gets them as ``gpu_ids``. ``gpu_num`` is the group's size. ``offered``:
+        """``gpu_ids``: this worker's device group, as this process numbers its GPUs: a child process sees the
+        group alone (its ``CUDA_VISIBLE_DEVICES``: :mod:`server.gpu_devices`), so the service there gets 0..n-1;
+        in-process the service gets them as ``gpu_ids``. ``gpu_num`` is the group's size. ``offered``:
         server settings handed to a pipeline that names them (``control_idle_timeout``). ``validate``:
         run the startup check (one warm-up chunk, :mod:`pipelines.validation`) before taking sessions.
         ``new_load_failure``: whether a failed load is the first of its kind the server has seen; only that one's
@@ -131,7 +132,7 @@ class ModelWorker:
         if worker_mode == "process" and service_loader is start_process_service:
             self._offered["gpu_ids"] = tuple(range(len(gpu_ids)))
             if gpu_ids:
-                self._options["environment"] = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpu_ids)}
+                self._options["environment"] = {"CUDA_VISIBLE_DEVICES": child_visible_devices(gpu_ids)}
         else:
             self._offered["gpu_ids"] = tuple(gpu_ids)
         self.service: Service | None = None

@@ -53,6 +53,20 @@ def require_existing_pipeline(path: str, variable: str | None = None) -> None:
         raise SettingsError("PIPE", f"PIPE {path!r} does not exist{where}")
 
 
+def require_usable_gpus(settings: Any, variable: str | None = None) -> None:
+    """Raise :class:`SettingsError` naming ``--worker-gpu-map`` (and ``variable``, the environment variable it came
+    from) when it names a GPU this process cannot use, for workers started on this host (in-process or local agents;
+    a Ray node or an external agent checks its own): such a map was taken, and the workers ran on the CPU."""
+    from .gpu_devices import missing_gpus
+
+    if settings.worker_gpu_map is None or settings.workers not in ("in-process", "local"):
+        return
+    problem = missing_gpus((gpu for group in settings.worker_gpu_map for gpu in group), "--worker-gpu-map")
+    if problem is not None:
+        where = f" (from environment variable {variable})" if variable else ""
+        raise SettingsError("--worker-gpu-map", problem + where)
+
+
 def host_name(value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or any(ch.isspace() for ch in value.strip()):
         raise bad_value("--host", "a host name or IP address", value)

@@ -46,6 +46,7 @@ from states.agent import (
 from states.restart_policy import RestartPolicy, RestartTracker
 
 from .. import early_signals
+from ..gpu_devices import ordinals_in_this_process
 from ..metrics import ServerMetrics
 from ..model_worker import ModelWorker
 from ..option_check import CHECK_OPTIONS_TIMEOUT
@@ -85,7 +86,7 @@ class Agent:
         self.worker = ModelWorker(
             "agent",
             pipeline=options.pipeline,
-            gpu_ids=options.devices,
+            gpu_ids=ordinals_in_this_process(options.devices),  # its CUDA_VISIBLE_DEVICES lists them
             max_sessions=options.max_sessions,
             on_ready=self._model_ready,
             on_failed=self._model_failed,

@@ -27,6 +27,7 @@ import trio
 from states.restart_policy import RestartPolicy, RestartTracker
 from states.stream_session import DrainCause
 
+from ..gpu_devices import agent_devices
 from ..reasons import echo
 from . import wire
 from .backoff import EXIT_REFUSED, await_goodbye, back_off, stays_down
@@ -144,7 +145,7 @@ class LocalLauncher:
         assert self._authority is not None
         settings = self._authority.runtime.settings
         return agent_command(
-            settings.pipeline, self._authority.authority_url, devices=slot.devices, launcher=self.name,
+            settings.pipeline, self._authority.authority_url, devices=agent_devices(slot.devices)[1], launcher=self.name,
             slot=slot.name, max_sessions=settings.max_sessions_per_worker, worker_mode=settings.worker_mode,
             placement=settings.placement, control_idle_timeout=settings.control_idle_timeout,
             default_fps=settings.default_fps, skip_validation=settings.skip_validation, launcher_pid=os.getpid(),
@@ -159,8 +160,8 @@ class LocalLauncher:
         env = dict(os.environ)
         env["CHUNKLINE_CLUSTER_TOKEN"] = self._authority.token
         env[LOAD_FAILURE_ENV] = self._load_failure_file(slot)
-        if slot.devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in slot.devices)
+        if slot.devices:  # the group as this process sees it: the agent sees it alone, from its GPU 0
+            env["CUDA_VISIBLE_DEVICES"] = agent_devices(slot.devices)[0]
         return env
 
     async def _keep(self, slot: _Slot) -> None:

@@ -8,6 +8,7 @@ from the command line, where other users of the host could read it. Exit codes: 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 from pathlib import Path
@@ -142,6 +143,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from ..cluster_settings import MIN_CLUSTER_TOKEN_BYTES
     from ..console import tell
+    from ..gpu_devices import missing_gpus, ordinals_in_this_process
     from ..reasons import echo
     from ..log_setup import log_to_stderr
     from ..setting_values import parse_float, read_secret_file
@@ -183,12 +185,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
         drain_deadline = parse_float("--drain-deadline", args.drain_deadline, 0.0, MAX_DRAIN_SECONDS, lo_open=True)
         control_idle_timeout = parse_float("--control-idle-timeout", args.control_idle_timeout, 0.0, lo_open=True)
         default_fps = parse_float("--default-fps", args.default_fps, 1.0, 120.0)
+        # the GPUs as this agent's environment names them (its launcher's CUDA_VISIBLE_DEVICES lists them)
+        missing = missing_gpus(ordinals_in_this_process(devices), "--devices", named=devices)
+        if missing is not None and args.launcher == "external":  # typed by hand; a launcher's come from its map
+            raise ValueError(missing)  # (checked by the authority) or from Ray's GPU resources (Ray's to declare)
     except (ValueError, OSError) as exc:
         tell(f"{prefix}: error: {exc}")  # a stderr closed or gone: still exit 2, and never on stdout
         return 2
     if devices and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     log_to_stderr()
+    if missing is not None:
+        logging.getLogger("chunkline.cluster").warning("%s (started by the %s launcher): %s", prefix, args.launcher, missing)
     options = AgentOptions(
         pipeline=args.pipeline,
         authority=args.authority,
