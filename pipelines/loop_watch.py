@@ -9,6 +9,10 @@ only as its deadline passes, and then asks the loop to run a no-op: a loop that 
 
 A stop signal asks at once (:func:`probe`): a stop in order needs the loop, and a first Ctrl-C while a synchronous
 model load held it waited out the load's whole deadline (600 s) to say so.
+
+A server, which waits for no call of its own, has its loop looked at once a second instead (``on_held``): held for
+:data:`HELD_WARNING` seconds, it is said where (then each :data:`HELD_REPEAT` seconds), and again once the loop is
+free. A held server answered nothing, health included, and logged nothing to say why.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ __all__ = ["BLOCK_GRACE", "LoopWatchdog", "blocking_code", "probe", "waiting"]
 BLOCK_GRACE = 2.0
 #: seconds between looks while the run waits for no call (the mark is then None)
 IDLE_LOOK = 1.0
+#: seconds a server's loop may be held before a warning names the code that holds it, and between warnings after it
+HELD_WARNING = 5.0
+HELD_REPEAT = 60.0
+#: what a held loop's lines advise
+_ADVICE = "code that never awaits, as time.sleep or a busy loop: run it with trio.to_thread.run_sync"
 
 _WATCHDOG: trio.lowlevel.RunVar[LoopWatchdog | None] = trio.lowlevel.RunVar("chunkline_loop_watchdog", default=None)
 _numbers = itertools.count()
@@ -71,11 +80,12 @@ class LoopWatchdog:
     as the run ends."""
 
     def __init__(self, on_blocked: Callable[[str], object], grace: float = BLOCK_GRACE, *,
-                 cannot: str = "the run could not stop in order") -> None:
+                 cannot: str = "the run could not stop in order", on_held: Callable[[str], object] | None = None) -> None:
         self.mark: tuple[int, str, float, float, str] | None = None  # (number, what is late, since, seconds, call)
         self._on_blocked = on_blocked
         self._grace = grace
         self._cannot = cannot  # what a blocked loop keeps a stop from doing, as the line says it
+        self._on_held = on_held  # told when the loop has been held a while, and when it is free again
         self._loop_thread: int | None = None  # trio's thread, whose code a probe's line names
         self._stop_asked: Callable[[], bool] | None = None  # read while idle: a stop asked without a signal
         self._stopped = threading.Event()
@@ -140,11 +150,13 @@ class LoopWatchdog:
                     where = "the pipeline" if mark is None or self.mark is not mark else mark[4]
                     code = blocking_code(self._loop_thread)
                     self._on_blocked(f"pipeline bug: {where}{f' ({code})' if code else ''} has blocked trio's thread "
-                                     f"for at least {time.monotonic() - asked:.0f} s, so {self._cannot} (code that "
-                                     f"never awaits, as time.sleep or a busy loop: run it with trio.to_thread.run_sync)")
+                                     f"for at least {time.monotonic() - asked:.0f} s, so {self._cannot} ({_ADVICE})")
                     return
                 continue
             if mark is None:
+                if self._on_held is not None:
+                    self._look_for_a_held_loop(token)
+                    continue
                 self._sleep(IDLE_LOOK)
                 stop_asked = self._stop_asked
                 if stop_asked is not None and stop_asked():
@@ -165,9 +177,40 @@ class LoopWatchdog:
                 self._sleep(self._grace)
                 continue
             self._on_blocked(f"pipeline bug: {late}: it has blocked trio's thread for at least "
-                             f"{time.monotonic() - asked:.0f} s (code that never awaits, as time.sleep or a busy "
-                             f"loop: run it with trio.to_thread.run_sync)")
+                             f"{time.monotonic() - asked:.0f} s ({_ADVICE})")
             return
+
+    def _look_for_a_held_loop(self, token: trio.lowlevel.TrioToken) -> None:
+        """Have the loop run a no-op, and wait for it while about a second passes (or a stop, or a probe, comes):
+        held past :data:`HELD_WARNING`, say where (again each :data:`HELD_REPEAT`), and when it is free again."""
+        assert self._on_held is not None
+        answered = threading.Event()
+        sent = time.monotonic()
+        try:
+            token.run_sync_soon(answered.set)
+        except trio.RunFinishedError:
+            self._stopped.set()
+            return
+        warn_at = sent + HELD_WARNING
+        held_by = None
+        while not answered.wait(IDLE_LOOK / 4):  # a stop or a probe is seen within a quarter of a look
+            if self._stopped.is_set() or self._probe_asked:
+                return  # a probe looks again, within its grace
+            stop_asked = self._stop_asked
+            if stop_asked is not None and stop_asked():
+                self._stop_asked = None
+                self._probe_asked = True
+                return
+            if time.monotonic() >= warn_at:
+                held_by = blocking_code(self._loop_thread) or "code that cannot be seen"
+                self._on_held(f"pipeline bug: trio's thread has been held for at least {time.monotonic() - sent:.0f} s by "
+                              f"{held_by}; the server answers nothing meanwhile, health included ({_ADVICE})")
+                warn_at += HELD_REPEAT
+        if held_by is not None:
+            self._on_held(f"trio's thread is free again, after at least {time.monotonic() - sent:.0f} s held (last seen in "
+                          f"{held_by})")
+        self._wake.wait(max(0.0, sent + IDLE_LOOK - time.monotonic()))  # a look about once a second, or a probe now
+        self._wake.clear()
 
 
 _LIBRARIES = tuple({os.path.realpath(sysconfig.get_paths()[name]) + os.sep for name in ("stdlib", "purelib", "platlib")})

@@ -87,12 +87,13 @@ class HeldLoop:
 
     The runtime makes it and runs it in the app's loop, whatever hosts that loop (``chunkline stream-serve``, hypercorn's
     trio worker, the asyncio worker's trio thread); whoever hears the stop asks it, from any thread (:meth:`look`), or
-    has it read a stop that comes without a signal (:meth:`look_when`)."""
+    has it read a stop that comes without a signal (:meth:`look_when`). Meanwhile it looks at the loop once a second:
+    one held for 5 s is logged, naming the code that holds it, and again once it is free."""
 
     def __init__(self, log: logging.Logger) -> None:
         self._log = log
         self._exit: tuple[int, Callable[[], None]] = (0, lambda: None)  # the status and what to take first
-        self._watchdog = LoopWatchdog(self._held, cannot=CANNOT_DRAIN)
+        self._watchdog = LoopWatchdog(self._held, cannot=CANNOT_DRAIN, on_held=log.warning)
 
     def start(self) -> None:
         """In the app's trio loop (:meth:`stop` as the loop's work ends)."""

@@ -1,5 +1,6 @@
 """A pipeline whose ``check_options`` holds trio's thread: a synchronous sleep in an ``async def`` (a create with
-``{"hold": true}`` among its options), as a check that loads or downloads something without awaiting would."""
+``{"hold": true}`` among its options, or ``{"hold": 8}`` for 8 s), as a check that loads or downloads something
+without awaiting would."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ class LoopHolder(BidirectionalService):
         yield self
 
     async def check_options(self, options):
-        if options.get("hold"):
+        hold = options.get("hold")
+        if hold:
             sys.stderr.write("holding the loop\n")
             sys.stderr.flush()
-            time.sleep(HOLD_SECONDS)  # bench-cost: the bug under test, a synchronous call that holds trio's thread
+            # bench-cost: the bug under test, a synchronous call that holds trio's thread (``true``: past every deadline)
+            time.sleep(HOLD_SECONDS if hold is True else float(hold))
 
     async def create_session(self, config, *, on_event=None):
         return "s"

@@ -119,3 +119,41 @@ def test_a_stop_signal_ends_a_server_whose_loop_a_pipeline_holds_naming_the_code
             time.sleep(0.05)  # bench-cost: real-time poll for the server's processes to be gone
     finally:
         server.end()
+
+
+HELD_FOR = 8  # seconds the pipeline holds the loop: past the warning's 5 s, well within the test's deadlines
+WARNED = (r"WARNING .*pipeline bug: trio's thread has been held for at least [5-7] s by loop_holding_world\.py, line \d+, in "
+          r"check_options; the server answers nothing meanwhile, health included \(code that never awaits, .*\)")
+FREED = r"WARNING .*trio's thread is free again, after at least [6-9] s held \(last seen in loop_holding_world\.py, line \d+, in check_options\)"
+
+
+@pytest.mark.parametrize("args", [CASES[0].values[0], CASES[2].values[0]], ids=["stream-serve", "hypercorn-trio"])
+def test_a_loop_held_without_a_stop_is_logged_naming_the_code_and_again_once_free(args: list[str]) -> None:
+    """A held server answers nothing, health included; it logged nothing either, so an operator saw a hung server
+    and no reason. Now the loop is looked at once a second: held 5 s, a warning names the code; free, a line says so."""
+    server = Server(args)
+    try:
+        url = server.until(URL, START_DEADLINE).group(1).decode()
+        give_up = time.monotonic() + START_DEADLINE
+        while httpx.get(f"{url}/v1/service/ready", timeout=10).status_code != 200:
+            assert time.monotonic() < give_up, server.log.decode()
+            time.sleep(0.1)  # bench-cost: real-time poll of another process until its worker loaded
+        answered: list[int] = []
+
+        def create() -> None:
+            answered.append(httpx.post(f"{url}/v1/stream/sessions", json={"identity": "c", "config": {"hold": HELD_FOR}},
+                                       timeout=60).status_code)
+
+        creating = threading.Thread(target=create, daemon=True)
+        creating.start()
+        server.until(re.compile(rb"holding the loop\n"), 30.0)
+        warned = server.until(re.compile(WARNED.encode()), 20.0)
+        server.until(re.compile(FREED.encode()), 20.0)
+        creating.join(30.0)
+        assert answered == [200], server.log.decode(errors="replace")  # the session made, once the check returned
+        log = server.log.decode(errors="replace")
+        assert len(re.findall(r"has been held for", log)) == 1, log  # one warning for an 8 s hold (then one a minute)
+        assert httpx.get(f"{url}/v1/service/health", timeout=10).status_code == 200, log  # it serves on
+        assert warned.start() < log.index("is free again"), log
+    finally:
+        server.end()
