@@ -28,8 +28,8 @@ class LoopHolder(BidirectionalService):
         if hold:
             sys.stderr.write("holding the loop\n")
             sys.stderr.flush()
-            # bench-cost: the bug under test, a synchronous call that holds trio's thread (``true``: past every deadline)
-            time.sleep(HOLD_SECONDS if hold is True else float(hold))
+            # the bug under test, a synchronous call that holds trio's thread (``true``: past every deadline)
+            time.sleep(HOLD_SECONDS if hold is True else float(hold))  # bench-cost: the bug under test
 
     async def create_session(self, config, *, on_event=None):
         return "s"
