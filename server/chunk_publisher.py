@@ -99,12 +99,20 @@ class ChunkPublisher:
         """Publish ``chunk``'s frames and audio; returns its ``tf.status`` message, or None if the session began
         draining before the chunk was out (a chunk cut short is not reported)."""
         started = time.time()
-        for frame in chunk.frames:
-            if self._stopping.is_set():
-                return None
-            await self._pacer.wait(chunk.fps)
-            await self._connection.publish_frame(frame, chunk.fps)
-            self.published_frames += 1
+        compute = sum(v for v in chunk.metadata.get("stage_times", {}).values() if isinstance(v, int | float))
+        self._metrics.record_chunk_processed(compute or None)  # made, whether or not it says how long it took
+        sent = 0
+        try:
+            for frame in chunk.frames:
+                if self._stopping.is_set():
+                    return None
+                await self._pacer.wait(chunk.fps)
+                await self._connection.publish_frame(frame, chunk.fps)
+                self.published_frames += 1
+                sent += 1
+        finally:
+            if sent < chunk.frame_count:  # cut short (a stop, a drain, a cancel): what went out counts, as in `done`
+                self._metrics.record_frames_published(self._session_id, sent)
         if chunk.audio is not None and not self._stopping.is_set():
             await self._connection.publish_audio(chunk.audio)
         self.published_chunks += 1
@@ -114,9 +122,7 @@ class ChunkPublisher:
         latency = chunk.metadata.get("control_to_output_seconds")
         if isinstance(latency, int | float) and math.isfinite(latency):
             self._last_latency = float(latency)
-        compute = sum(v for v in chunk.metadata.get("stage_times", {}).values() if isinstance(v, int | float))
         if compute:
-            self._metrics.record_chunk_processed(compute)
             self._rtf = compute / chunk.media_seconds
         # the pipeline's own metadata keys win: the publisher's figures only fill in what it did not say
         data = {

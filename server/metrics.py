@@ -270,11 +270,13 @@ class ServerMetrics:
         """A local room told a client ``reason`` for ``count`` of its messages (or sent it away)."""
         _count_reason(self._room_refusals, "room refusal", reason, count)
 
-    def record_chunk_processed(self, seconds: float) -> None:
-        if not seconds >= 0:
+    def record_chunk_processed(self, seconds: float | None) -> None:
+        """A chunk the pipeline made; ``seconds``: its compute time, when the pipeline reported it (``stage_times``)."""
+        if seconds is not None and not seconds >= 0:
             raise ValueError(f"chunk latency must be >= 0, got {seconds!r}")
         self._chunks.labels(result="processed").inc()
-        self._chunk_latency.observe(seconds)
+        if seconds is not None:
+            self._chunk_latency.observe(seconds)
 
     def record_chunk_published(
         self, session_key: str, frames: int, at: float | None = None
@@ -282,8 +284,15 @@ class ServerMetrics:
         """A chunk of `frames` frames handed to the transport at `at` (default: now)."""
         if frames < 0:
             raise ValueError(f"frames must be >= 0, got {frames!r}")
-        stamp = self._clock() if at is None else at
         self._chunks.labels(result="published").inc()
+        self.record_frames_published(session_key, frames, at)
+
+    def record_frames_published(self, session_key: str, frames: int, at: float | None = None) -> None:
+        """`frames` frames handed to the transport at `at` (default: now): a whole chunk's, or those of a chunk cut
+        short by the session's end (they reached the room, as its `done` message counts them)."""
+        if frames < 0:
+            raise ValueError(f"frames must be >= 0, got {frames!r}")
+        stamp = self._clock() if at is None else at
         if frames == 0:
             return
         self._frames_published.inc(frames)
