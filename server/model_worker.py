@@ -28,7 +28,7 @@ from pipelines.validation import PipelineValidationError, validate_service
 
 from .gpu_devices import child_visible_devices
 from .process_service import ProcessService, start_process_service
-from .process_service.errors import ProcessServiceStartError
+from .process_service.errors import ProcessServiceFailed, ProcessServiceStartError
 from .reasons import public_reason
 from .requests import OptionsRefused, SessionImageRefused
 
@@ -266,7 +266,9 @@ class ModelWorker:
         refused = isinstance(exc, REFUSALS)  # a setting the pipeline refuses: the reason says it all, no traceback
         # and so does a fault a runner saw, and a pipeline file Python cannot read (its line names the file and line;
         # the traceback was 40 lines of the loader's and trio's thread's)
-        explained = refused or isinstance(exc, WorkerFault) or isinstance(exc.__cause__, SyntaxError)
+        # and a service child that died (its line says how; the traceback was the proxy's and trio's internals)
+        explained = (refused or isinstance(exc, WorkerFault | ProcessServiceFailed)
+                     or isinstance(exc.__cause__, SyntaxError))
         if loading:
             self.load_failure = LoadFailure.of(exc)
         if self.load_failure is not None and not self._is_new(self.load_failure):

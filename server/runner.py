@@ -162,6 +162,7 @@ class RoomRunner:
     async def run(self) -> None:
         error: str | None = None
         failed_by = DrainCause.PIPELINE_FAILED  # what a failure of the run itself is, unless the room or worker
+        told_by_the_worker = False  # the run failed as its worker's service did: the worker's cause is the line
         try:
             with self._session_scope:
                 async with trio.open_nursery() as side_tasks:
@@ -175,13 +176,17 @@ class RoomRunner:
             cause = telling_error(exc, (RunnerError, TransportError, ProcessServiceError, PipelineContractError))
             # the record and the room hear one short line; the log keeps the traceback of what nobody expected
             # (a room that went away, or anything after fail() ended the session, is one plain line)
-            expected = isinstance(cause, TransportError) or self._failure is not None
+            # (a service child that died: its proxy's line says how, and the worker's failure, which follows, says
+            # it for this session too; a traceback through the proxy and trio's internals said nothing more)
+            expected = isinstance(cause, TransportError | ProcessServiceError) or self._failure is not None
+            told_by_the_worker = isinstance(cause, ProcessServiceError) and self.worker.failing
             if isinstance(cause, TransportError):
                 failed_by = DrainCause.TRANSPORT_FAILED
             error = public_reason(
                 cause, prefix_type=not isinstance(cause, RunnerError | TransportError | PipelineContractError)
             )
-            log.warning("session %s failed: %s", self.record.session_id, error, exc_info=None if expected else cause)
+            if not told_by_the_worker:
+                log.warning("session %s failed: %s", self.record.session_id, error, exc_info=None if expected else cause)
         finally:
             with trio.CancelScope(shield=True):
                 if self._failure is None and self.worker.failing:
@@ -189,6 +194,8 @@ class RoomRunner:
                     # session's (never a quiet "closed"); bounded, since the cause comes once running() is left
                     with trio.move_on_after(WORKER_CAUSE_WAIT):
                         await self.worker.failed.wait()
+                    if self._failure is None and told_by_the_worker:  # fail() never came to say it
+                        log.warning("session %s failed: %s", self.record.session_id, error)
                     error = self._failure or error or f"worker {self.worker.worker_id} stopped"
                     failed_by = DrainCause.WORKER_FAILED
                 error = self._failure or error  # a failure told by fail() wins, however the run ended
@@ -423,7 +430,12 @@ class RoomRunner:
                 try:
                     await service.close_session(pipeline_session)
                 except Exception as exc:
-                    log.warning("session %s: closing the pipeline session failed", record.session_id, exc_info=exc)
+                    if isinstance(exc, ProcessServiceError) and self.worker.failing:
+                        # its service child is gone, the session with it: the worker's line said how (this was a
+                        # traceback of the child's death)
+                        log.debug("session %s: the pipeline session went with its service: %s", record.session_id, exc)
+                    else:
+                        log.warning("session %s: closing the pipeline session failed", record.session_id, exc_info=exc)
                     error = error or f"closing the pipeline session failed: {public_reason(exc)}"
             if close_pipeline_scope.cancelled_caught:
                 error = error or "closing the pipeline session timed out"

@@ -232,7 +232,8 @@ async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_
     """Process worker: SIGKILL of the service child. Its session fails with the child's cause; the queued
     session waits for the replacement child rather than being promoted onto the dead one (whose other
     session ends first), and never ends closed without an error. The log says why each session failed in words, never
-    as a bare group (``failed: ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)``)."""
+    as a bare group (``failed: ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)``), once, and without
+    a traceback."""
     loader = functools.partial(start_process_service, height=32, width=48, frames_per_chunk=2, control_idle_timeout=60.0)
     async with serve(loader, pipeline="pipelines/toy_world", worker_mode="process",
                      max_sessions_per_worker=2, queue_size=1) as s:
@@ -254,6 +255,12 @@ async def test_a_killed_service_child_fails_its_session_and_the_queue_skips_the_
         assert (await s.get(queued["session_id"]))["worker_id"] == "worker-0.1"
     failed_lines = [message for message in caplog.messages if f"session {first['session_id']} failed" in message]
     assert failed_lines and not [line for line in failed_lines if "ExceptionGroup" in line], failed_lines
+    # one line a session, each without a traceback: the child's death is told by its proxy's line, and the session's
+    # failure by the worker's cause (it was 80 lines: two tracebacks through the proxy and trio's internals, the session
+    # said failed twice, and a traceback for closing its pipeline session in the dead child)
+    assert len(failed_lines) == 1 and "worker worker-0 failed" in failed_lines[0], failed_lines
+    assert not [r.getMessage() for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    assert not [m for m in caplog.messages if "closing the pipeline session failed" in m], caplog.messages
 
 
 async def test_a_frozen_service_child_fails_a_session_sending_controls_as_the_workers_failure(
