@@ -71,6 +71,15 @@ class Server:
             time.sleep(0.05)  # bench-cost: real-time poll of another process's log, bounded by a deadline
         return match
 
+    def ready(self) -> str:
+        """Its URL, once it says where it serves and its worker has loaded."""
+        url = self.until(URL, START_DEADLINE).group(1).decode()
+        give_up = time.monotonic() + START_DEADLINE
+        while httpx.get(f"{url}/v1/service/ready", timeout=10).status_code != 200:
+            assert time.monotonic() < give_up, self.log.decode()
+            time.sleep(0.1)  # bench-cost: real-time poll of another process until its worker loaded
+        return url
+
     def end(self) -> None:
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, signal.SIGKILL)
@@ -94,11 +103,7 @@ def test_a_stop_signal_ends_a_server_whose_loop_a_pipeline_holds_naming_the_code
 ) -> None:
     server = Server(args)
     try:
-        url = server.until(URL, START_DEADLINE).group(1).decode()
-        give_up = time.monotonic() + START_DEADLINE
-        while httpx.get(f"{url}/v1/service/ready", timeout=10).status_code != 200:
-            assert time.monotonic() < give_up, server.log.decode()
-            time.sleep(0.1)  # bench-cost: real-time poll of another process until its worker loaded
+        url = server.ready()
         tree = process_tree(server.popen.pid)
         threading.Thread(target=hold_the_loop, args=(url,), daemon=True).start()
         server.until(re.compile(rb"holding the loop\n"), 30.0)
@@ -133,11 +138,7 @@ def test_a_loop_held_without_a_stop_is_logged_naming_the_code_and_again_once_fre
     and no reason. Now the loop is looked at once a second: held 5 s, a warning names the code; free, a line says so."""
     server = Server(args)
     try:
-        url = server.until(URL, START_DEADLINE).group(1).decode()
-        give_up = time.monotonic() + START_DEADLINE
-        while httpx.get(f"{url}/v1/service/ready", timeout=10).status_code != 200:
-            assert time.monotonic() < give_up, server.log.decode()
-            time.sleep(0.1)  # bench-cost: real-time poll of another process until its worker loaded
+        url = server.ready()
         answered: list[int] = []
 
         def create() -> None:
