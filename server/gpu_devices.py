@@ -53,8 +53,8 @@ def missing_gpus(ids: Iterable[int], option: str, *, named: Sequence[int] | None
     if count == 0:
         return (f"{option} names {names}, but this process can use no CUDA GPU ({counted}); "
                 f"leave {option} out to run on the CPU")
-    return (f"{option} names {names}, but this process can use {count} CUDA GPU{'s' if count > 1 else ''}, "
-            f"0-{count - 1} ({counted}); give ids among those")
+    usable = "1 CUDA GPU, 0" if count == 1 else f"{count} CUDA GPUs, 0-{count - 1}"
+    return f"{option} names {names}, but this process can use {usable} ({counted}); give ids among those"
 
 
 def child_visible_devices(ids: Sequence[int], environ: Mapping[str, str] = os.environ) -> str:
