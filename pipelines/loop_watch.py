@@ -86,6 +86,7 @@ class LoopWatchdog:
         self._grace = grace
         self._cannot = cannot  # what a blocked loop keeps a stop from doing, as the line says it
         self._on_held = on_held  # told when the loop has been held a while, and when it is free again
+        self._free_at: float | None = None  # when the loop last answered a look (with ``on_held``)
         self._loop_thread: int | None = None  # trio's thread, whose code a probe's line names
         self._stop_asked: Callable[[], bool] | None = None  # read while idle: a stop asked without a signal
         self._stopped = threading.Event()
@@ -186,6 +187,7 @@ class LoopWatchdog:
         assert self._on_held is not None
         answered = threading.Event()
         sent = time.monotonic()
+        free_at = self._free_at or sent  # the loop was last seen free then: a hold began after it
         try:
             token.run_sync_soon(answered.set)
         except trio.RunFinishedError:
@@ -206,8 +208,9 @@ class LoopWatchdog:
                 self._on_held(f"pipeline bug: trio's thread has been held for at least {time.monotonic() - sent:.0f} s by "
                               f"{held_by}; the server answers nothing meanwhile, health included ({_ADVICE})")
                 warn_at += HELD_REPEAT
+        now = self._free_at = time.monotonic()
         if held_by is not None:
-            self._on_held(f"trio's thread is free again, after at least {time.monotonic() - sent:.0f} s held (last seen in "
+            self._on_held(f"trio's thread is free again, after {now - sent:.0f}-{now - free_at:.0f} s held (last seen in "
                           f"{held_by})")
         self._wake.wait(max(0.0, sent + IDLE_LOOK - time.monotonic()))  # a look about once a second, or a probe now
         self._wake.clear()

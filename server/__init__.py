@@ -144,13 +144,17 @@ def _unlink_inherited_semaphores() -> None:
     with its resource tracker, the supervisor left them in /dev/shm (five a start with a bad setting)."""
     import contextlib
     import gc
+    import warnings
     from multiprocessing.synchronize import SemLock
 
     try:
         from _multiprocessing import sem_unlink  # type: ignore[attr-defined]
     except ImportError:  # pragma: no cover - no named semaphores on this platform
         return
-    for lock in [obj for obj in gc.get_objects() if isinstance(obj, SemLock)]:
+    with warnings.catch_warnings():  # an isinstance of each object: torch's deprecated ones each warned (a 2nd line)
+        warnings.simplefilter("ignore")
+        locks = [obj for obj in gc.get_objects() if isinstance(obj, SemLock)]
+    for lock in locks:
         name = getattr(lock._semlock, "name", None)  # noqa: SLF001 - the one way to a semaphore's name
         if name:
             with contextlib.suppress(OSError):

@@ -36,10 +36,11 @@ def _entries(environ: Mapping[str, str]) -> list[str] | None:
     return [entry.strip() for entry in value.split(",") if entry.strip()]
 
 
-def missing_gpus(ids: Iterable[int], option: str, *, named: Sequence[int] | None = None,
+def missing_gpus(ids: Iterable[int], option: str, *, named: Sequence[int] | None = None, advise: bool = True,
                  environ: Mapping[str, str] = os.environ) -> str | None:
     """Why ``ids`` (read from ``option``) name GPUs this process cannot use, or None when it can use them all.
-    ``named``: how ``option`` named each of ``ids`` (an agent's devices, before its ``CUDA_VISIBLE_DEVICES``)."""
+    ``named``: how ``option`` named each of ``ids`` (an agent's devices, before its ``CUDA_VISIBLE_DEVICES``);
+    ``advise``: end with what to give instead (not for an agent whose launcher gave them)."""
     ids = list(ids)
     if not ids:
         return None
@@ -50,11 +51,9 @@ def missing_gpus(ids: Iterable[int], option: str, *, named: Sequence[int] | None
     limited = f", {_VARIABLE}={environ[_VARIABLE]!r}" if _entries(environ) is not None else ""
     counted = f"torch.cuda.device_count() is {count}{limited}"
     names = f"GPU{'s' if len(beyond) > 1 else ''} " + ", ".join(str(gpu) for gpu in beyond)
-    if count == 0:
-        return (f"{option} names {names}, but this process can use no CUDA GPU ({counted}); "
-                f"leave {option} out to run on the CPU")
-    usable = "1 CUDA GPU, 0" if count == 1 else f"{count} CUDA GPUs, 0-{count - 1}"
-    return f"{option} names {names}, but this process can use {usable} ({counted}); give ids among those"
+    usable = ("no CUDA GPU" if count == 0 else "1 CUDA GPU, 0" if count == 1 else f"{count} CUDA GPUs, 0-{count - 1}")
+    advice = f"; leave {option} out to run on the CPU" if count == 0 else "; give ids among those"
+    return f"{option} names {names}, but this process can use {usable} ({counted}){advice if advise else ''}"
 
 
 def child_visible_devices(ids: Sequence[int], environ: Mapping[str, str] = os.environ) -> str:

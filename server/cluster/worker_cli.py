@@ -186,9 +186,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         control_idle_timeout = parse_float("--control-idle-timeout", args.control_idle_timeout, 0.0, lo_open=True)
         default_fps = parse_float("--default-fps", args.default_fps, 1.0, 120.0)
         # the GPUs as this agent's environment names them (its launcher's CUDA_VISIBLE_DEVICES lists them)
-        missing = missing_gpus(ordinals_in_this_process(devices), "--devices", named=devices)
-        if missing is not None and args.launcher == "external":  # typed by hand; a launcher's come from its map
-            raise ValueError(missing)  # (checked by the authority) or from Ray's GPU resources (Ray's to declare)
+        by_hand = args.launcher == "external"  # a launcher's come from its map (checked by the authority) or from
+        # Ray's GPU resources (Ray's to declare): a mismatch there is logged, and the advice is not this agent's user's
+        missing = missing_gpus(ordinals_in_this_process(devices), "--devices", named=devices, advise=by_hand)
+        if missing is not None and by_hand:
+            raise ValueError(missing)
     except (ValueError, OSError) as exc:
         tell(f"{prefix}: error: {exc}")  # a stderr closed or gone: still exit 2, and never on stdout
         return 2

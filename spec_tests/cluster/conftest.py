@@ -147,7 +147,12 @@ class Cluster:
 def start_cluster(*extra: str, workers: int = 2, launcher: str = "local", pipeline: str = TINY,
                   tmpdir: Path | None = None) -> Cluster:
     cluster = start_authority(*extra, workers=workers, launcher=launcher, pipeline=pipeline, tmpdir=tmpdir)
-    wait_for(lambda: len(cluster.eligible()) >= workers, f"{workers} ready agents", cluster)
+    try:
+        wait_for(lambda: len(cluster.eligible()) >= workers, f"{workers} ready agents", cluster)
+    except BaseException:  # a fixture's setup that fails never reaches its teardown: the authority outlived the run
+        cluster.http.close()
+        cluster.process.stop()
+        raise
     return cluster
 
 
