@@ -67,6 +67,8 @@ def refuse_options_that_would_be_ignored(settings: Any, given: frozenset[str], d
             continue
         option = option_for(name)
         value = getattr(settings, name)
+        if name == "worker_gpu_map":  # as it is written, not as Python prints its tuples ('0;1', not ((0,), (1,)))
+            value = ";".join(",".join(str(gpu) for gpu in group) for group in value)
         shown = "" if name in secrets or isinstance(value, bool) else f" ({value})"  # a flag's value: it was given
         where = "worker agents (--workers local, ray or external)" if applies == AGENT_WORKERS else (
             "the workers this server starts (--workers in-process, local or ray)" if applies == OWN_WORKERS else

@@ -68,7 +68,7 @@ def test_an_agents_option_with_in_process_workers_exits_2_naming_it(option: str,
 
 @pytest.mark.parametrize(("option", "value", "shown"), [
     ("--worker-mode", "process", " (process)"), ("--placement", '{"encode": "cpu"}', ' ({"encode": "cpu"})'),
-    ("--worker-gpu-map", "3", " (((3,),))"), ("--default-fps", "5", " (5.0)"), ("--skip-validation", None, ""),
+    ("--worker-gpu-map", "3", " (3)"), ("--default-fps", "5", " (5.0)"), ("--skip-validation", None, ""),
     ("--control-idle-timeout", "2", " (2.0)"),
 ])
 def test_an_own_workers_option_with_external_agents_exits_2_naming_it(option: str, value: str | None, shown: str,
