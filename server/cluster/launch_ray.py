@@ -48,6 +48,7 @@ log = logging.getLogger("chunkline.cluster")
 
 PLACEMENT_TIMEOUT = 60.0  # seconds a placed actor may take to answer (its worker process starting)
 PLACEMENT_POLL = 1.0  # seconds between looks at a pending placement group
+PLACEMENT_NOTICE = 10.0  # seconds a slot may wait for Ray to place its agent before the log says what it waits for
 NAMESPACE = "chunkline"
 
 
@@ -157,9 +158,13 @@ class RayLauncher:
         """Blocking (a thread): ask Ray for the slot's placement group (one bundle, on one node)."""
         from ray.util.placement_group import placement_group
 
-        bundle = {"GPU": slot.gpus} if slot.gpus else {"CPU": 1}
-        slot.group = placement_group([bundle], strategy="STRICT_PACK")
+        slot.group = placement_group([self._bundle(slot)], strategy="STRICT_PACK")
         return slot.group.ready()
+
+    @staticmethod
+    def _bundle(slot: _RaySlot) -> dict[str, int]:
+        """What the slot's agent asks of one node: its GPU group, or a CPU."""
+        return {"GPU": slot.gpus} if slot.gpus else {"CPU": 1}
 
     @staticmethod
     def _placed(ready: Any) -> bool:
@@ -224,8 +229,16 @@ class RayLauncher:
             slot.ended = None
             try:
                 ready = await trio.to_thread.run_sync(self._request, slot)
+                asked, told = trio.current_time(), False
                 while not await trio.to_thread.run_sync(self._placed, ready, abandon_on_cancel=True):
-                    pass  # pending: waits for room, not a failure
+                    # pending: waits for room, not a failure; but said, or the server is unhealthy without a word
+                    if not told and trio.current_time() - asked >= PLACEMENT_NOTICE:
+                        told = True
+                        log.warning("ray slot %s: Ray has not placed its agent in %g s: it needs %s on one node, which "
+                                    "no node has free now (`ray status` shows the cluster's); it starts once one has",
+                                    slot.name, PLACEMENT_NOTICE, self._bundle(slot))
+                if told:
+                    log.info("ray slot %s: placed after %.0f s", slot.name, trio.current_time() - asked)
                 reference = await trio.to_thread.run_sync(self._start, slot, abandon_on_cancel=True)
             except ray.exceptions.RayError as exc:
                 why, code, failure = f"placement failed: {type(exc).__name__}: {exc}", None, None

@@ -19,6 +19,8 @@ import ray  # the test extra installs chunkline[ray]'s Ray: these tests run, nev
 import trio
 from ray import cluster_utils
 
+from server.cluster.launch_ray import PLACEMENT_NOTICE
+
 from .conftest import DEADLINE, Cluster, Controller, start_authority, start_cluster, until, wait_for
 from .test_unloadable_agents import broken_pipeline, told_once
 
@@ -194,3 +196,19 @@ async def test_a_ray_agent_whose_pipeline_never_loads_is_started_twice_and_told_
     await told_once(start_authority("--ray-address", ray_cluster.address, launcher="ray", workers=1,
                                     pipeline=str(pipeline), token=None), "ray-0", pipeline,
                     exits_cleanly=False)
+
+
+async def test_a_slot_no_node_can_place_says_what_it_waits_for(ray_cluster: Any) -> None:
+    """A group of three GPUs, on nodes of two: the slot waits for Ray for good (a node may join), and the server was
+    unhealthy without a word of its own (only Ray's autoscaler said it could not fulfil the request)."""
+    pending = start_authority("--ray-address", ray_cluster.address, "--worker-gpu-map", "0,1,2", launcher="ray",
+                              workers=1)
+    try:
+        line = "ray slot 0: Ray has not placed its agent in 10 s: it needs {'GPU': 3} on one node, which no node has free"
+        await until(lambda: line in pending.process.text(), "the slot's notice", pending, deadline=PLACEMENT_NOTICE + 60)
+        assert pending.process.text().count(line) == 1, pending.process.text()  # said once, not every look
+        (slot,) = pending.get("/v1/service/metadata")["cluster"]["slots"]
+        assert slot["placed"] is False and slot["worker_id"] is None, slot
+    finally:
+        pending.http.close()
+        pending.process.stop()
