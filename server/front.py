@@ -70,6 +70,10 @@ log = logging.getLogger("chunkline.front")
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024  # or fewer, where the open-file limit cannot hold them (server.open_files)
 READ_SIZE: Final = 65536
+#: seconds past its time the idle deadline may fire before it reads as a loop that was held (code that never awaits),
+#: and the grace the app then gets to answer once the loop runs again (its answer was due while it could not run)
+HELD_LATE: Final = 1.0
+HELD_GRACE: Final = 5.0
 SEND_BUFFER_BYTES: Final = DEFAULT_SEND_BUFFER
 """``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike), unless
 ``--socket-send-buffer`` says otherwise.
@@ -321,9 +325,20 @@ class Front:
             async with trio.open_nursery() as nursery:
 
                 async def until_idle() -> None:
-                    nonlocal refusal
-                    while (due := moved_at + self._deadlines.idle) > trio.current_time():
-                        await trio.sleep_until(due)
+                    nonlocal refusal, moved_at
+                    graced = False
+                    while True:
+                        due, now = moved_at + self._deadlines.idle, trio.current_time()
+                        if due > now:
+                            await trio.sleep_until(due)
+                        elif not graced and now - due > HELD_LATE:
+                            # it fires late: the loop was held past it (code that never awaits), and the app with it;
+                            # the app gets a grace to answer now that it runs (a create held so was answered 504,
+                            # while its handler, running on, made the session)
+                            graced = True
+                            moved_at = now + HELD_GRACE - self._deadlines.idle
+                        else:
+                            break
                     if owed:  # the client is owed an answer, not a closed connection: one for each request it sent
                         unanswered = answers.unbegun or 1
                         log.warning("%d request(s) not answered within %g s: 504", unanswered, self._deadlines.idle)
