@@ -159,10 +159,7 @@ class LoopWatchdog:
                     self._look_for_a_held_loop(token)
                     continue
                 self._sleep(IDLE_LOOK)
-                stop_asked = self._stop_asked
-                if stop_asked is not None and stop_asked():
-                    self._stop_asked = None
-                    self._probe_asked = True
+                self._probe_if_stop_asked()
                 continue
             _, late, since, seconds, _ = mark
             left = since + seconds - time.monotonic()
@@ -181,6 +178,15 @@ class LoopWatchdog:
                              f"{time.monotonic() - asked:.0f} s ({_ADVICE})")
             return
 
+    def _probe_if_stop_asked(self) -> bool:
+        """A stop asked without a signal (:meth:`probe_when`) becomes a probe; returns whether one did."""
+        stop_asked = self._stop_asked
+        if stop_asked is None or not stop_asked():
+            return False
+        self._stop_asked = None
+        self._probe_asked = True
+        return True
+
     def _look_for_a_held_loop(self, token: trio.lowlevel.TrioToken) -> None:
         """Have the loop run a no-op, and wait for it while about a second passes (or a stop, or a probe, comes):
         held past :data:`HELD_WARNING`, say where (again each :data:`HELD_REPEAT`), and when it is free again."""
@@ -196,13 +202,8 @@ class LoopWatchdog:
         warn_at = sent + HELD_WARNING
         held_by = None
         while not answered.wait(IDLE_LOOK / 4):  # a stop or a probe is seen within a quarter of a look
-            if self._stopped.is_set() or self._probe_asked:
+            if self._stopped.is_set() or self._probe_asked or self._probe_if_stop_asked():
                 return  # a probe looks again, within its grace
-            stop_asked = self._stop_asked
-            if stop_asked is not None and stop_asked():
-                self._stop_asked = None
-                self._probe_asked = True
-                return
             if time.monotonic() >= warn_at:
                 held_by = blocking_code(self._loop_thread) or "code that cannot be seen"
                 self._on_held(f"pipeline bug: trio's thread has been held for at least {time.monotonic() - sent:.0f} s by "

@@ -48,7 +48,7 @@ def missing_gpus(ids: Iterable[int], option: str, *, named: Sequence[int] | None
     beyond = sorted({name for gpu, name in zip(ids, ids if named is None else named) if gpu >= count})
     if not beyond:
         return None
-    limited = f", {_VARIABLE}={environ[_VARIABLE]!r}" if _entries(environ) is not None else ""
+    limited = f", {_VARIABLE}={environ[_VARIABLE]!r}" if _VARIABLE in environ else ""
     counted = f"torch.cuda.device_count() is {count}{limited}"
     names = f"GPU{'s' if len(beyond) > 1 else ''} " + ", ".join(str(gpu) for gpu in beyond)
     usable = ("no CUDA GPU" if count == 0 else "1 CUDA GPU, 0" if count == 1 else f"{count} CUDA GPUs, 0-{count - 1}")

@@ -282,10 +282,8 @@ class ServerMetrics:
         self, session_key: str, frames: int, at: float | None = None
     ) -> None:
         """A chunk of `frames` frames handed to the transport at `at` (default: now)."""
-        if frames < 0:
-            raise ValueError(f"frames must be >= 0, got {frames!r}")
+        self.record_frames_published(session_key, frames, at)  # (checks `frames` before it counts anything)
         self._chunks.labels(result="published").inc()
-        self.record_frames_published(session_key, frames, at)
 
     def record_frames_published(self, session_key: str, frames: int, at: float | None = None) -> None:
         """`frames` frames handed to the transport at `at` (default: now): a whole chunk's, or those of a chunk cut

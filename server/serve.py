@@ -5,7 +5,7 @@ itself and splices HTTP to hypercorn on a Unix socket, each with its deadlines. 
 terminal closed: the default action ended it at once, leaving its folders behind; ignored as under ``nohup``, it
 stays ignored) drains live sessions (they get ``done``), sends room clients away and exits 0 within
 :data:`SHUTDOWN_BOUND` seconds whatever any client does; past it a watchdog ends the process (exit 128 + the
-signal: see :func:`exit_watchdog`). A second stop signal during that drain ends the process at once (exit 128 +
+signal: see :class:`~server.stop_guard.BoundWatch`). A second stop signal during that drain ends the process at once (exit 128 +
 the first signal), and so does the first one's drain when a worker still loads its pipeline: nothing of it was
 there to drain, and its load (minutes, or hung) is not waited for.
 
@@ -43,11 +43,11 @@ from .run_signals import exit_on_stop_signals
 from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
-from .stop_guard import StopGuard, exit_watchdog
+from .stop_guard import StopGuard
 from .transport.local import LocalRooms
 from .transport.local_room import ENVELOPE_BYTES
 
-__all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "exit_watchdog", "run", "serve_app"]
+__all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "run", "serve_app"]
 
 log = logging.getLogger("chunkline.serve")
 

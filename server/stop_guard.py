@@ -23,7 +23,7 @@ from pipelines.loop_watch import LoopWatchdog
 
 from .run_signals import exit_now, note_stop_signal
 
-__all__ = ["CANNOT_DRAIN", "BoundWatch", "HeldLoop", "StopGuard", "exit_watchdog"]
+__all__ = ["CANNOT_DRAIN", "BoundWatch", "HeldLoop", "StopGuard"]
 
 #: what a held loop keeps a stop signal from doing, as the line that ends the process says it
 CANNOT_DRAIN = "the server could not drain its sessions in order"
@@ -72,14 +72,6 @@ class BoundWatch:
         self._cancelled.set()
         self._armed.set()
         self._thread.join()
-
-
-def exit_watchdog(bound: float, remove: Callable[[], None], signalled: list[int],
-                  log: logging.Logger = logging.getLogger("chunkline.serve")) -> BoundWatch:
-    """A :class:`BoundWatch` armed now."""
-    watch = BoundWatch(bound, remove, signalled, log)
-    watch.arm()
-    return watch
 
 
 class HeldLoop:

@@ -136,9 +136,9 @@ def test_a_stop_signal_while_the_pipeline_loads_ends_hypercorn_now_leaving_nothi
 
 WATCHDOG = """
 import sys, threading
-from server.serve import exit_watchdog
+from server.stop_guard import BoundWatch
 removed = []
-exit_watchdog(0.05, lambda: removed.append(1), [int(n) for n in sys.argv[1:]])
+BoundWatch(0.05, lambda: removed.append(1), [int(n) for n in sys.argv[1:]]).arm()
 threading.Event().wait(30)  # bench-cost: stands for a shutdown that hangs past its bound; the watchdog ends it
 """
 
