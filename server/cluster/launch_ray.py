@@ -50,6 +50,7 @@ PLACEMENT_TIMEOUT = 60.0  # seconds a placed actor may take to answer (its worke
 PLACEMENT_POLL = 1.0  # seconds between looks at a pending placement group
 PLACEMENT_NOTICE = 10.0  # seconds a slot may wait for Ray to place its agent before the log says what it waits for
 NAMESPACE = "chunkline"
+QUIET_SIGNALS_ENV = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"  # Ray's crash reports on signals, off in the server
 
 
 class AgentActor:
@@ -124,6 +125,9 @@ class RayLauncher:
         self._actor_class: Any = None
 
     async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        # SIGTERM is the server's drain: Ray's driver would print a crash report for it first (``*** SIGTERM received
+        # ...`` and a stack), which read as a crash. Ray reads this as it is imported; a user's own setting stands
+        os.environ.setdefault(QUIET_SIGNALS_ENV, "1")
         import ray
 
         self._authority = authority

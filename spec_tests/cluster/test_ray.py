@@ -212,3 +212,14 @@ async def test_a_slot_no_node_can_place_says_what_it_waits_for(ray_cluster: Any)
     finally:
         pending.http.close()
         pending.process.stop()
+
+
+async def test_a_stop_signal_drains_a_ray_authority_without_a_crash_report(ray_cluster: Any) -> None:
+    """SIGTERM is chunkline's drain, under --workers ray too: Ray's driver had its own handler print a crash report
+    (``*** SIGTERM received at time=...`` and a stack) ahead of the drain, which read as a crash."""
+    authority = await trio.to_thread.run_sync(
+        lambda: start_cluster("--ray-address", ray_cluster.address, launcher="ray", workers=1))
+    await trio.to_thread.run_sync(authority.stop)  # exit 0, or its log says why not
+    log = authority.process.text(200_000)
+    assert "SIGTERM received" not in log and "***" not in log, log
+    assert "shutdown complete" in log, log
