@@ -25,6 +25,7 @@ from . import json_limits, option_check
 from .cluster.wire_values import MAX_DRAIN_SECONDS
 from .http_framing import longest_body_seconds
 from .log_pace import LogPace
+from .loop_holds import loop_holds
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .open_access import own_names, page_refusal
 from .openapi import openapi_document
@@ -107,8 +108,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
     app.url_map.merge_slashes = False
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    # Quart cut any body at 60 s (a 408), under the rate the front holds bodies to: 1.25 MB at 20 KiB/s was
-    # cut at 98 %; the body's own bound is that rate (the front's; under plain hypercorn this total)
+    # Quart cut any body at 60 s (a 408), under the front's rate (1.25 MB at 20 KiB/s was cut at 98 %): a body's bound
     head_grace = Deadlines().head  # a body's grace after its head, as the front gives it
     app.config["BODY_TIMEOUT"] = longest_body_seconds(settings.max_body_bytes, head_grace)
     if settings.livekit_api_key and settings.livekit_api_secret:
@@ -160,7 +160,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if request.method in ("POST", "PUT", "PATCH", "DELETE"):  # a declared length is due at the front's rate
             declared = request.content_length  # (under plain hypercorn: BODY_TIMEOUT held 1 byte for 522 s)
             due = math.inf if declared is None else longest_body_seconds(declared, head_grace)
-            with trio.move_on_after(due) as late:
+            with loop_holds().after(due) as late:  # a held loop is not the client's
                 await request.get_data(cache=True)
             if late.cancelled_caught:
                 raise RequestTimeout("the request body did not arrive within its deadline")

@@ -59,6 +59,7 @@ from .http_framing import (
 )
 from .lingering import LINGER_BYTES, linger
 from .log_pace import LogPace
+from .loop_holds import loop_holds
 from .room_socket import Deadlines, RoomSocket
 from .settings import DEFAULT_SEND_BUFFER
 from .transport.local import LocalRooms
@@ -70,10 +71,6 @@ log = logging.getLogger("chunkline.front")
 MAX_HEAD: Final = 16384  # bytes of request head (request line and headers)
 MAX_CONNECTIONS: Final = 1024  # or fewer, where the open-file limit cannot hold them (server.open_files)
 READ_SIZE: Final = 65536
-#: seconds past its time the idle deadline may fire before it reads as a loop that was held (code that never awaits),
-#: and the grace the app then gets to answer once the loop runs again (its answer was due while it could not run)
-HELD_LATE: Final = 1.0
-HELD_GRACE: Final = 5.0
 SEND_BUFFER_BYTES: Final = DEFAULT_SEND_BUFFER
 """``SO_SNDBUF`` of every connection the front accepts (room sockets and HTTP alike), unless
 ``--socket-send-buffer`` says otherwise.
@@ -203,7 +200,7 @@ class Front:
         buffer = bytearray()
         end = -1
         refusal = FramingRefused(408, "the request head did not arrive within its deadline")
-        with trio.move_on_after(self._deadlines.head):
+        with loop_holds().after(self._deadlines.head):  # (none of the client's deadlines counts a held loop)
             while end < 0 and len(buffer) <= MAX_HEAD and not not_a_request_line(buffer):
                 data = await stream.receive_some(READ_SIZE)
                 if not data:
@@ -237,7 +234,7 @@ class Front:
 
         # one answer for each request it is for (pipelined ones each have theirs), the last one closing
         response = answer(False) * ((why.times if why is not None else 1) - 1) + answer(True)
-        with trio.move_on_after(self._deadlines.write) as deadline:
+        with loop_holds().after(self._deadlines.write) as deadline:
             await stream.send_all(response)
         if linger and not deadline.cancelled_caught:  # a client that does not read its answer is not waited for
             await self._linger(stream, linger)
@@ -302,8 +299,9 @@ class Front:
         because the backend had answered all it would (so the client is due a lingering close)."""
         refusal: FramingRefused | None = None
         answered = False
+        holds = loop_holds()  # every time and deadline of the client's below leaves out the loop's holds
         try:
-            first = framing.feed(head, trio.current_time())
+            first = framing.feed(head, holds.now())
         except FramingRefused as exc:
             log.info("a request the front refuses: %d %s", exc.status, exc.detail)
             return exc, False
@@ -311,7 +309,7 @@ class Front:
             backend = await trio.open_unix_socket(self._backend)
         except OSError as exc:
             return self._unreachable(exc), False
-        moved_at = trio.current_time()  # the last time a byte went either way
+        moved_at = holds.now()  # the last time a byte went either way
         relayed = False  # whether any byte of hypercorn's went to the client
         owed = False  # a whole request went to hypercorn and no byte of its answer has come back yet
         client_done = False  # the client shut its sending side: once nothing is owed, the connection is over
@@ -325,20 +323,11 @@ class Front:
             async with trio.open_nursery() as nursery:
 
                 async def until_idle() -> None:
-                    nonlocal refusal, moved_at
-                    graced = False
-                    while True:
-                        due, now = moved_at + self._deadlines.idle, trio.current_time()
-                        if due > now:
-                            await trio.sleep_until(due)
-                        elif not graced and now - due > HELD_LATE:
-                            # it fires late: the loop was held past it (code that never awaits), and the app with it;
-                            # the app gets a grace to answer now that it runs (a create held so was answered 504,
-                            # while its handler, running on, made the session)
-                            graced = True
-                            moved_at = now + HELD_GRACE - self._deadlines.idle
-                        else:
-                            break
+                    nonlocal refusal
+                    # a create that held the loop past this deadline was answered 504 while its handler, running
+                    # on, made the session: the hold is not counted
+                    while (due := moved_at + self._deadlines.idle) > holds.now():
+                        await holds.sleep_until(due)
                     if owed:  # the client is owed an answer, not a closed connection: one for each request it sent
                         unanswered = answers.unbegun or 1
                         log.warning("%d request(s) not answered within %g s: 504", unanswered, self._deadlines.idle)
@@ -352,7 +341,7 @@ class Front:
                     nonlocal moved_at, refusal, owed, client_done, begun_after_stop
                     try:
                         while not framing.finished:  # past the last request, what the client sends waits for the close
-                            with trio.move_on_at(framing.due) as late:  # the request under way, if any
+                            with holds.deadline(framing.due) as late:  # the request under way, if any
                                 data = await client.receive_some(READ_SIZE)
                             if late.cancelled_caught:
                                 log.info("a request did not arrive within its deadline: 408")
@@ -372,7 +361,7 @@ class Front:
                                 if answers.settled:
                                     break
                                 return
-                            moved_at = trio.current_time()
+                            moved_at = holds.now()
                             if self.stopping and framing.between_requests:
                                 # a request begun after the stop is not passed on: hypercorn takes no more (it
                                 # closes each kept-alive connection after its answer, and dropped what came
@@ -418,9 +407,9 @@ class Front:
                             if data.startswith(b"HTTP/1.1 101 "):
                                 framing.switched()  # no longer HTTP/1.1 from here on
                             answers.answered(data)
-                            with trio.move_on_after(self._deadlines.write) as deadline:
+                            with holds.after(self._deadlines.write) as deadline:
                                 await client.send_all(data)
-                            moved_at = trio.current_time()
+                            moved_at = holds.now()
                             if deadline.cancelled_caught:
                                 log.info("a client did not read its response for %g s: closed", self._deadlines.write)
                                 break

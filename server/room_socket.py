@@ -54,6 +54,7 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from .frame_budget import FRAME_BURST, FRAMES_PER_SECOND, FrameBudget, FrameShare, JoiningTooOften
 from .http_framing import head_end, parse_head
 from .lingering import LINGER_BYTES, linger
+from .loop_holds import loop_holds
 from .reasons import echo
 from .tokens import TokenRejected
 from .transport.local import LocalRooms, RemoteWorkerPresence
@@ -133,7 +134,8 @@ class RoomSocket:
         self._pieces = 0  # of the message arriving now, empty ones included
         self._max_pieces = MAX_MESSAGE_PIECES
         self._frame_pace: FrameShare | None = None  # a participant's share of the server's frame budget
-        self._heard = trio.current_time()
+        self._holds = loop_holds()  # the peer's deadlines and silence leave out the loop's holds
+        self._heard = self._holds.now()
         #: since when the server has waited for the peer's bytes (None while it reads none: the room waits for its
         #: worker, the pace holds it); only such a wait can be the peer's silence
         self._reading_since: float | None = None
@@ -302,7 +304,7 @@ class RoomSocket:
             if most is not None and events >= most:
                 break  # wsproto keeps the rest of what was read, and parses it when asked again
         if events:
-            self._heard = trio.current_time()
+            self._heard = self._holds.now()
         return events
 
     def _too_big(self, reason: str) -> NoReturn:
@@ -329,14 +331,14 @@ class RoomSocket:
             try:
                 frames = self._absorb(most)
                 if not frames:  # all that was read is parsed: read more
-                    self._reading_since = trio.current_time()
+                    self._reading_since = self._holds.now()
                     try:
                         data = await self._stream.receive_some(READ_SIZE)
                     finally:
                         self._reading_since = None
                     if not data:
                         raise PeerGone("the connection closed")
-                    self._heard = trio.current_time()  # any byte counts as being alive
+                    self._heard = self._holds.now()  # any byte counts as being alive
                     if pace is not None:
                         pace.read(len(data))
                     self._ws.receive_data(data)
@@ -368,7 +370,7 @@ class RoomSocket:
 
     async def _write(self, data: bytes) -> None:
         async with self._send_lock:
-            with trio.move_on_after(self._deadlines.write) as deadline:
+            with self._holds.after(self._deadlines.write) as deadline:  # a held loop is not the peer's
                 await self._stream.send_all(data)
         if deadline.cancelled_caught:
             self.close_reason = f"a write waited more than {self._deadlines.write:g} s (the peer does not read)"
@@ -386,7 +388,7 @@ class RoomSocket:
         """Ping every ``ping_interval``; send the peer away when it has said nothing for ``pong`` seconds."""
         while True:
             await trio.sleep(self._deadlines.ping_interval)
-            if self._silent_for(trio.current_time()) > self._deadlines.pong:
+            if self._silent_for(self._holds.now()) > self._deadlines.pong:
                 self.close_reason = f"no answer to pings for {self._deadlines.pong:g} s"
                 presence.cancel()
                 return

@@ -4,11 +4,13 @@ without awaiting would."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from contextlib import asynccontextmanager
 
 import numpy as np
+import trio
 
 from pipelines.contract import BidirectionalService, Chunk
 
@@ -38,8 +40,9 @@ class LoopHolder(BidirectionalService):
         pass
 
     async def chunks(self, session_id):
-        while True:
-            yield Chunk(index=0, frames=np.zeros((1, 8, 8, 3), np.uint8), fps=8)
+        for index in itertools.count():  # a frame now and then, while a session that was made stays
+            yield Chunk(index=index, frames=np.zeros((1, 8, 8, 3), np.uint8), fps=8)
+            await trio.sleep(0.5)
 
     async def close_session(self, session_id):
         pass

@@ -166,7 +166,7 @@ def test_a_loop_held_without_a_stop_is_logged_naming_the_code_and_again_once_fre
 def test_a_create_held_past_the_fronts_deadline_is_answered_with_its_session_not_504() -> None:
     """The front's 30 s answer deadline ran on the loop the pipeline held: it fired once the loop was back, and the
     create was answered ``504 answer_timeout`` while its handler, running on, made the session (a slot held by a
-    session whose token no client had). A deadline that fires late gives the app a grace to answer first."""
+    session whose token no client had). The hold is not counted (:mod:`server.loop_holds`)."""
     server = Server(CASES[0].values[0])
     try:
         url = server.ready()
