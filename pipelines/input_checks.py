@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .contract import PipelineContractError, Service
+from .pipeline_exits import PipelineExit, exits_as_errors
 
 __all__ = ["refused_input"]
 
@@ -33,9 +34,12 @@ async def refused_input(service: Service, options: Mapping[str, Any] | None,
         checks.append(("image", "check_image", service.check_image, tuple(image_size)))
     for what, hook, check, args in checks:
         try:
-            await check(*args)
+            with exits_as_errors(hook):  # a sys.exit() in a check: a pipeline bug (it was a 500 with an empty body)
+                await check(*args)
         except ValueError as exc:
             return what, str(exc)
+        except PipelineExit:
+            raise
         except Exception as exc:
             raised = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise PipelineContractError(f"{hook} raised {raised} (it must raise ValueError {_REFUSAL[what]})") from exc

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from pipelines.contract import BidirectionalService, Control, ControlRejected, ControlType
+from pipelines.pipeline_exits import exits_as_errors
 from states.stream_session import DrainCause
 
 from . import protocol
@@ -109,7 +110,7 @@ class ControlIntake:
         """One control to the pipeline session, within CONTROL_TIMEOUT; the service's refusal is answered."""
         assert self.pipeline_session is not None
         try:
-            with trio.move_on_after(CONTROL_TIMEOUT) as deadline:
+            with trio.move_on_after(CONTROL_TIMEOUT) as deadline, exits_as_errors("push_control"):
                 await service.push_control(self.pipeline_session, control)
             if deadline.cancelled_caught:
                 self._fail(f"the pipeline did not take a control within {CONTROL_TIMEOUT:g} s",

@@ -24,6 +24,7 @@ from pipelines.error_text import error_line
 from pipelines.input_checks import refused_input
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
 from pipelines.offline_calls import telling_error
+from pipelines.pipeline_exits import exits_as_errors
 from pipelines.validation import PipelineValidationError, validate_service
 
 from .gpu_devices import child_visible_devices
@@ -237,7 +238,8 @@ class ModelWorker:
                 if self._load_timeout is not None:
                     watching.start_soon(self._bound_the_load, self._load_timeout, serving)
                 try:  # inside the nursery: its error group would hide the failure's kind (a refusal is not retried)
-                    await self._serve()
+                    with exits_as_errors():  # the pipeline's sys.exit() (in running()) left the worker "starting"
+                        await self._serve()
                 except Exception as exc:
                     self._failed(exc)
             watching.cancel_scope.cancel(reason="the worker stopped")
@@ -305,13 +307,14 @@ class ModelWorker:
         # told the cause (on_failed fails them) and end as failures, rather than being cancelled with it
         async with trio.open_nursery() as runners:
             try:
-                async with service.running():
-                    await self._check(service)
-                    self.plan = self._capacity_plan(service, limit)
-                    self._runners = runners
-                    self._loaded.set()
-                    self._on_ready(self, self.plan.effective_capacity, self.plan)
-                    await self._stop.wait()
+                with exits_as_errors("running()"):  # it fails the worker, telling its runners, as an error does
+                    async with service.running():
+                        await self._check(service)
+                        self.plan = self._capacity_plan(service, limit)
+                        self._runners = runners
+                        self._loaded.set()
+                        self._on_ready(self, self.plan.effective_capacity, self.plan)
+                        await self._stop.wait()
                 if self._fault is not None:
                     raise WorkerFault(self._fault)
                 if not self._stop.is_set():

@@ -36,6 +36,7 @@ import trio
 from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
 from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, checked_session_id
 from pipelines.offline_calls import telling_error
+from pipelines.pipeline_exits import exits_as_errors, pipeline_exit
 from states.room_presence import RoomPresence
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
@@ -169,7 +170,10 @@ class RoomRunner:
                     side_tasks.start_soon(self._send_outbox)
                     await self._run(side_tasks)
                     side_tasks.cancel_scope.cancel()
-        except Exception as exc:
+        except BaseException as raised:
+            exc = pipeline_exit(raised) or raised  # the pipeline's sys.exit() ended the session "completed", and the
+            if not isinstance(exc, Exception):  # runtime with it: every create after it a 500, health "healthy"
+                raise
             # the error that says why: the one inside trio's single-member nursery groups, or of several at once (a
             # killed service child's stream and call) the first in the server's own words, or each named (the log
             # read "ExceptionGroup: Exceptions from Trio nursery (2 sub-exceptions)")
@@ -428,7 +432,8 @@ class RoomRunner:
         if pipeline_session is not None and isinstance(service, BidirectionalService):
             with trio.move_on_after(CLOSE_PIPELINE_TIMEOUT) as close_pipeline_scope:
                 try:
-                    await service.close_session(pipeline_session)
+                    with exits_as_errors("close_session"):
+                        await service.close_session(pipeline_session)
                 except Exception as exc:
                     if isinstance(exc, ProcessServiceError) and self.worker.failing:
                         # its service child is gone, the session with it: the worker's line said how (this was a
@@ -436,7 +441,8 @@ class RoomRunner:
                         log.debug("session %s: the pipeline session went with its service: %s", record.session_id, exc)
                     else:
                         log.warning("session %s: closing the pipeline session failed", record.session_id, exc_info=exc)
-                    error = error or f"closing the pipeline session failed: {public_reason(exc)}"
+                    own = isinstance(exc, PipelineContractError)  # its "pipeline bug: ..." says what it is
+                    error = error or f"closing the pipeline session failed: {public_reason(exc, prefix_type=not own)}"
             if close_pipeline_scope.cancelled_caught:
                 error = error or "closing the pipeline session timed out"
                 # what that session holds in the service is in doubt: the worker is replaced, as after a crash

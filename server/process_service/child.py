@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from engine.supervised_child import bind_to_parent, ignore_group_stop_signals
+from pipelines.pipeline_exits import exits_as_errors
 
 from . import wire
 
@@ -181,18 +182,21 @@ class _Server:
 
         entered = False
         try:
-            if capacity is not None and isinstance(service, BidirectionalService):
-                service.configure_session_capacity(capacity)
-            async with service.running():
-                entered = True
-                self._post_report()
-                async with trio.open_nursery() as nursery:
-                    self.nursery = nursery
-                    async for message in inbox:
-                        if isinstance(message, wire.Stop):
-                            break
-                        self._dispatch(message)
-                    nursery.cancel_scope.cancel()
+            # the pipeline's sys.exit() is its bug, said as its errors are (the child exited 1, the code and
+            # the cause lost, and each replacement met it anew: the failure named the child's pid)
+            with exits_as_errors("running()"):
+                if capacity is not None and isinstance(service, BidirectionalService):
+                    service.configure_session_capacity(capacity)
+                async with service.running():
+                    entered = True
+                    self._post_report()
+                    async with trio.open_nursery() as nursery:
+                        self.nursery = nursery
+                        async for message in inbox:
+                            if isinstance(message, wire.Stop):
+                                break
+                            self._dispatch(message)
+                        nursery.cancel_scope.cancel()
         except Exception:
             self.post(wire.Stopped(traceback.format_exc()) if entered else wire.RunFailed(traceback.format_exc()))
             return
@@ -237,29 +241,32 @@ class _Server:
             case _:
                 log.warning("process service child: unknown message %r", type(message).__name__)
 
-    async def _call(self, scope: trio.CancelScope, message: wire.Call) -> None:
+    async def _made_by(self, method: str, args: tuple[Any, ...], call_id: int, wants_events: bool) -> Any:
+        """What the service's ``method`` returns for ``args``."""
         from pipelines.contract import BidirectionalService
         from pipelines.input_checks import refused_input
 
+        service = self.service
+        if method == "check_options":  # a refusal is the answer ((input, its text)), not a failed call
+            return await refused_input(service, *args)
+        if not isinstance(service, BidirectionalService):
+            raise TypeError(f"{type(service).__name__} is a {service.kind} service; it has no {method}()")
+        if method == "create_session":
+            (config,) = args
+            return await service.create_session(config, on_event=self._event_sink(call_id) if wants_events else None)
+        if method == "push_control":
+            return await service.push_control(*args)
+        if method == "close_session":
+            return await service.close_session(*args)
+        raise ValueError(f"unknown process service method {method!r}")
+
+    async def _call(self, scope: trio.CancelScope, message: wire.Call) -> None:
         call_id, method, args = message.call_id, message.method, message.args
         reply: wire.Result | None = None
         with scope:
             try:
-                service = self.service
-                if method == "check_options":  # a refusal is the answer ((input, its text)), not a failed call
-                    value = await refused_input(service, *args)
-                elif not isinstance(service, BidirectionalService):
-                    raise TypeError(f"{type(service).__name__} is a {service.kind} service; it has no {method}()")
-                elif method == "create_session":
-                    (config,) = args
-                    sink = self._event_sink(call_id) if message.wants_events else None
-                    value = await service.create_session(config, on_event=sink)
-                elif method == "push_control":
-                    value = await service.push_control(*args)
-                elif method == "close_session":
-                    value = await service.close_session(*args)
-                else:
-                    raise ValueError(f"unknown process service method {method!r}")
+                with exits_as_errors(method):
+                    value = await self._made_by(method, args, call_id, message.wants_events)
                 if method in wire.HANDED_OVER and scope.cancel_called:  # made although the parent gave up on it
                     await self._release(method, value)
                 else:
@@ -318,21 +325,22 @@ class _Server:
         order = ChunkOrder()  # checked here: what is not a Chunk may not even pickle, or unpickle in the parent
         with stream.scope:
             try:
-                if message.method == "chunks":
-                    iterator = self.service.chunks(message.arg)
-                elif message.method == "stream":
-                    iterator = self.service.stream(message.arg)
-                else:
-                    raise ValueError(f"unknown stream method {message.method!r}")
-                while True:
-                    while stream.credits <= 0:
-                        await stream.changed.park()
-                    try:
-                        chunk = order.check(await iterator.__anext__())
-                    except StopAsyncIteration:
-                        break
-                    stream.credits -= 1
-                    self.post_chunk(stream_id, chunk, chunk.index)
+                with exits_as_errors():  # the pipeline's sys.exit() ended the child, code and cause lost
+                    if message.method == "chunks":
+                        iterator = self.service.chunks(message.arg)
+                    elif message.method == "stream":
+                        iterator = self.service.stream(message.arg)
+                    else:
+                        raise ValueError(f"unknown stream method {message.method!r}")
+                    while True:
+                        while stream.credits <= 0:
+                            await stream.changed.park()
+                        try:
+                            chunk = order.check(await iterator.__anext__())
+                        except StopAsyncIteration:
+                            break
+                        stream.credits -= 1
+                        self.post_chunk(stream_id, chunk, chunk.index)
             except Exception as exc:
                 error = wire.error_info(exc)
             finally:
@@ -340,7 +348,8 @@ class _Server:
                 if closer is not None:
                     with trio.CancelScope(shield=True):
                         try:
-                            await closer()
+                            with exits_as_errors():
+                                await closer()
                         except Exception as exc:
                             error = error or wire.error_info(exc)
         self.streams.pop(stream_id, None)

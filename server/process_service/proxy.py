@@ -186,10 +186,11 @@ class ProcessService:
                     raise self._failure
                 if self._run_error is not None:
                     self._life.apply(Event.RUN_FAILED)
-                    raise ProcessServiceStartError(
-                        f"{self.name}: the service's running() failed in the child process:\n"
+                    said = last_line(self._run_error, "running() failed")  # the first line says it (health showed
+                    raise ProcessServiceStartError(  # "... failed in the child process:" and no more)
+                        f"{self.name}: the service's running() failed in the child process: {said}\n"
                         f"--- child traceback ---\n{self._run_error}",
-                        child_error=last_line(self._run_error, "running() failed"),
+                        child_error=said,
                     )
                 self._life.apply(Event.ENTERED)
                 yield self

@@ -1,0 +1,89 @@
+"""A pipeline's own exits: ``sys.exit()``, a ``KeyboardInterrupt`` or a ``BaseException`` of its own, raised by one of
+its calls, as the pipeline bug they are.
+
+Such an exception is not an ``Exception``, so every ``except Exception`` that turns a pipeline's error into its
+session's or worker's failure let it through, and under the server it went on up to the app: one ``sys.exit(3)`` in
+``chunks()`` ended the session ``done``/``completed``, stopped the server's runtime for good (every create after it a
+500, health still ``healthy``) and let the server exit 0. Here it becomes a :class:`PipelineExit`, an ``Exception``
+whose words say what the pipeline did and where. trio's cancellations are not the pipeline's, nor is a
+``GeneratorExit`` met closing a generator: those go on as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sysconfig
+from collections.abc import Iterator
+
+import trio
+
+from .contract import PipelineContractError
+
+__all__ = ["PipelineExit", "exits_as_errors", "pipeline_exit"]
+
+
+class PipelineExit(PipelineContractError):
+    """A pipeline's call raised ``SystemExit``, ``KeyboardInterrupt`` or another ``BaseException`` that is not an
+    ``Exception``: the pipeline's bug, which fails what it was serving (its session, or its worker)."""
+
+
+def pipeline_exit(exc: BaseException, call: str = "the pipeline") -> PipelineExit | None:
+    """The pipeline's own exit in ``exc`` (a group's members included) as a :class:`PipelineExit` naming ``call``;
+    None when there is none (an ``Exception``, a cancellation)."""
+    leaf = _exit_leaf(exc)
+    if leaf is None:
+        return None
+    if isinstance(leaf, SystemExit):
+        what = f"called sys.exit({leaf.code!r})"
+    elif isinstance(leaf, KeyboardInterrupt):
+        what = "raised KeyboardInterrupt (no Ctrl-C reaches a pipeline: the server takes its stop signals itself)"
+    else:
+        text = f": {leaf}" if str(leaf) else ""
+        what = f"raised {type(leaf).__name__}{text}, a BaseException that is not an Exception"
+    found = PipelineExit(f"{call} {what}{_where(leaf)}")
+    found.__cause__ = leaf
+    return found
+
+
+@contextlib.contextmanager
+def exits_as_errors(call: str = "the pipeline") -> Iterator[None]:
+    """Around the pipeline's ``call``: its own exit is raised as a :class:`PipelineExit`."""
+    try:
+        yield
+    except BaseException as exc:
+        found = pipeline_exit(exc, call)
+        if found is None:
+            raise
+        raise found from exc
+
+
+def _exit_leaf(exc: BaseException) -> BaseException | None:
+    if isinstance(exc, BaseExceptionGroup):
+        for member in exc.exceptions:
+            if (leaf := _exit_leaf(member)) is not None:
+                return leaf
+        return None
+    if isinstance(exc, Exception | trio.Cancelled | GeneratorExit):
+        return None
+    return exc
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at FILE, line N)``: the deepest frame of its traceback in the pipeline's code (not chunkline's, Python's
+    or an installed package's), where the pipeline raised it; nothing when there is none."""
+    tb, found = exc.__traceback__, ""
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(_NOT_THE_PIPELINES) and not name.startswith("<"):
+            found = f" (at {os.path.basename(name)}, line {tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_NOT_THE_PIPELINES = (
+    *(os.path.join(_ROOT, package) + os.sep for package in ("engine", "server", "states")),
+    os.path.dirname(os.path.abspath(__file__)) + os.sep + "pipeline_",  # this module (and its kin)
+    *{path + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_path(key))},
+)
