@@ -345,12 +345,23 @@ def contract_shape_problem(service: Service) -> str | None:
         if inspect.ismethod(method) and not hasattr(method, "__wrapped__") and not (
                 inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method)):
             return f"{name}() is a plain 'def'; the contract awaits it: make it an 'async def'"
+        if inspect.isasyncgenfunction(method):  # it failed at its first call ("object async_generator can't be ...")
+            return (f"{name}() is an async generator ('async def' with 'yield'); the contract awaits it: take the "
+                    "'yield' out")
+    for name in _CALLED[service.kind]:
+        # an 'async def' the contract calls without await: its work never ran (configure_session_capacity's, with a
+        # RuntimeWarning) or its coroutine was read as the answer (memory_report's, an AttributeError at load)
+        if inspect.iscoroutinefunction(method := getattr(service, name, None)) or inspect.isasyncgenfunction(method):
+            return f"{name}() is an 'async def'; the contract calls it without awaiting it: make it a plain 'def'"
+    if inspect.ismethod(getattr(service, "failure", None)):  # always "failed", and never said why
+        return "failure is a method; it must be a property (decorate it with @property) or an attribute"
     return None
 
 
-#: the methods the contract awaits, for each kind of service
+#: the methods the contract awaits, and those it calls without awaiting, for each kind of service
 _AWAITED = {"bidirectional": ("create_session", "check_options", "check_image", "push_control", "close_session"),
             "server_push": ("check_options", "check_image")}
+_CALLED = {"bidirectional": ("memory_report", "configure_session_capacity"), "server_push": ()}
 
 
 def _contextlib_decorator(method: Any) -> str | None:

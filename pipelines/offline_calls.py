@@ -23,7 +23,7 @@ from .error_text import error_line
 from .loop_watch import waiting
 
 __all__ = ["PipelineCallError", "RunDeadlines", "ServiceFailed", "call_within", "close_within", "raised_as_error", "running_within",
-           "single_leaf", "telling_error"]
+           "service_failure", "single_leaf", "telling_error"]
 
 T = TypeVar("T")
 
@@ -170,7 +170,7 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
             leaf = _task_error(exc, block)
             if leaf is None:
                 raise
-            if _said_failure(service) is not None:  # the service's own word: it failed as a whole
+            if service_failure(service) is not None:  # the service's own word: it failed as a whole
                 raise ServiceFailed(str(leaf) or type(leaf).__name__) from exc
             error = PipelineCallError.raised("a task running() started", leaf)
             raise error from exc
@@ -181,7 +181,7 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
         raise PipelineCallError.late("running()", seconds)
 
 
-def _said_failure(service: object) -> object | None:
+def service_failure(service: object) -> object | None:
     """The service's ``failure`` (why it failed as a whole), or None; one whose property raises says none."""
     try:
         return getattr(service, "failure", None)

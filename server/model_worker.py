@@ -19,11 +19,12 @@ import attrs
 import trio
 
 from engine import CapacityPlan, InsufficientMemoryError, SessionCapacityPolicy, calculate_session_capacity
-from pipelines.contract import BidirectionalService, PipelineContractError, ServerPushService, Service, inputs_taken
+from pipelines.contract import BidirectionalService, MemoryReport, PipelineContractError, ServerPushService, Service
+from pipelines.contract import inputs_taken
 from pipelines.error_text import error_line
 from pipelines.input_checks import refused_input
 from pipelines.loader import OptionsNotAccepted, load_service, offered_taken
-from pipelines.offline_calls import telling_error
+from pipelines.offline_calls import service_failure, telling_error
 from pipelines.pipeline_exits import exits_as_errors
 from pipelines.validation import PipelineValidationError, validate_service
 
@@ -45,6 +46,11 @@ VALIDATION_TIMEOUT = 120.0
 #: a load that hung in a thread (a stalled download, a device that never answers) kept the worker ``loading``
 #: for ever, every create a 503.
 LOAD_TIMEOUT = 1200.0
+#: Seconds a service whose ``failure`` is set has to leave ``running()`` by itself (as the contract has it do), looked
+#: at each :data:`FAILURE_LOOK` s; past it the worker leaves it, failing with that cause. A failure said while
+#: ``running()`` stayed open held a worker counted failed, its sessions streaming on, the cause said nowhere.
+SERVICE_FAILURE_GRACE = 10.0
+FAILURE_LOOK = 1.0
 
 
 class ModelWorkerError(RuntimeError):
@@ -158,7 +164,7 @@ class ModelWorker:
     @property
     def failing(self) -> bool:
         """The worker failed, or its service says it did (its report comes once it has left ``running()``)."""
-        return self.failure is not None or (self.service is not None and self.service.failure is not None)
+        return self.failure is not None or (self.service is not None and service_failure(self.service) is not None)
 
     @property
     def kind(self) -> str | None:
@@ -314,7 +320,7 @@ class ModelWorker:
                         self._runners = runners
                         self._loaded.set()
                         self._on_ready(self, self.plan.effective_capacity, self.plan)
-                        await self._stop.wait()
+                        await self._until_stopped(service)
                 if self._fault is not None:
                     raise WorkerFault(self._fault)
                 if not self._stop.is_set():
@@ -325,6 +331,19 @@ class ModelWorker:
                 return
             self._runners = None
             runners.cancel_scope.cancel()
+
+    async def _until_stopped(self, service: Service) -> None:
+        """Until the worker is stopped; a service that says it failed and stays in ``running()`` past
+        :data:`SERVICE_FAILURE_GRACE` is left, the worker failing with the service's words."""
+        said_since: float | None = None
+        while not self._stop.is_set():
+            with trio.move_on_after(FAILURE_LOOK):
+                await self._stop.wait()
+            failure = service_failure(service)
+            now = trio.current_time()
+            said_since = None if failure is None else now if said_since is None else said_since
+            if said_since is not None and now - said_since >= SERVICE_FAILURE_GRACE:
+                self.fail(f"the service failed ({failure}); it had not left running() {SERVICE_FAILURE_GRACE:g} s on")
 
     async def _check(self, service: Service) -> None:
         """The startup check (one warm-up chunk against the contract) unless validation is skipped."""
@@ -338,6 +357,9 @@ class ModelWorker:
         if isinstance(service, ServerPushService):
             return CapacityPlan(computed_capacity=None, effective_capacity=1, configured_limit=1, limiting_device=None)
         report = service.memory_report()
+        if report is not None and not isinstance(report, MemoryReport):  # (it failed the load in Python's words)
+            raise PipelineContractError(f"memory_report() returned {type(report).__name__}, not a "
+                                        f"pipelines.contract.MemoryReport (or None)")
         if report is None:
             return calculate_session_capacity([], {}, limit if limit is not None else 1, policy=self._policy)
         try:

@@ -165,6 +165,33 @@ def test_a_method_the_contract_awaits_written_as_a_plain_def_is_refused_at_load_
                                        f"it: make it an 'async def'"), refused.value
 
 
+MEMBER_SLIPS = [  # a new user's (7 Dec), each loaded and failed later in Python's words, or never failed at all
+    ("async def close_session(self, session_id):\n        yield",
+     "close_session() is an async generator ('async def' with 'yield'); the contract awaits it: take the 'yield' out"),
+    ("async def memory_report(self):\n        return None",
+     "memory_report() is an 'async def'; the contract calls it without awaiting it: make it a plain 'def'"),
+    ("async def configure_session_capacity(self, limit):\n        pass",
+     "configure_session_capacity() is an 'async def'; the contract calls it without awaiting it: make it a plain "
+     "'def'"),
+    ("def failure(self):\n        return None",
+     "failure is a method; it must be a property (decorate it with @property) or an attribute"),
+]
+
+
+@pytest.mark.parametrize(("member", "told"), MEMBER_SLIPS, ids=["async-generator-close", "async-memory-report",
+                                                              "async-configure-capacity", "failure-method"])
+def test_a_member_of_the_wrong_form_is_refused_at_load_naming_it(tmp_path: Path, member: str, told: str) -> None:
+    """``close_session`` failed each close (``object async_generator can't be used in 'await' expression``); an
+    ``async def memory_report`` failed the load with ``AttributeError: 'coroutine' object has no attribute
+    'snapshots'``; an ``async def configure_session_capacity`` was never run (a ``RuntimeWarning``); a ``failure``
+    method is never None, so the worker counted as failed for good and said why nowhere."""
+    path = pipeline(tmp_path, MINIMAL + f"class Slipped(MinimalService):\n    {member}\n\n\n"
+                    "def get_service(gpu_num=0):\n    return Slipped()\n")
+    with pytest.raises(PipelineLoadError) as refused:
+        load_service(path, gpu_num=0)
+    assert str(refused.value).endswith(f"Slipped in {str(path)!r}: {told}"), refused.value
+
+
 def test_the_repository_s_pipelines_still_load() -> None:
     for name in ("pipelines/replay", "pipelines/toy_world"):
         assert load_service(ROOT / name, gpu_num=0).kind in {"bidirectional", "server_push"}
