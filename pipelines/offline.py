@@ -55,6 +55,7 @@ from .contract import (
     checked_stream,
 )
 from .error_text import error_line
+from .images import ImageRefused, check_image_file
 from .loop_watch import LoopWatchdog, waiting
 from .mp4 import Mp4Writer, StreamChanged
 from .offline_calls import (
@@ -208,7 +209,7 @@ async def _run_bidirectional(
         controls = ()
     deadlines = run.deadlines
     async with running_within(service, deadlines.running):
-        await _check_given_options(service, given, run)
+        await _check_given_inputs(service, given, config.image_path, run)
         rec.session_requested = time.perf_counter()
         try:
             session_id = await call_within("create_session", deadlines.create_session,
@@ -247,22 +248,33 @@ async def _run_bidirectional(
             await run.close("close_session", lambda: service.close_session(session_id))
 
 
-async def _check_given_options(service: BidirectionalService | ServerPushService, options: Mapping[str, Any],
-                               run: _Run) -> None:
-    """The options the user gave, checked as the server checks a create's (``check_options``, the very check the
-    session's start runs): a refusal names the flag (``--option: toy world: unknown option(s) ...``; it named none)."""
+async def _check_given_inputs(service: BidirectionalService | ServerPushService, options: Mapping[str, Any],
+                              image_path: str | None, run: _Run) -> None:
+    """The options and image the user gave, checked as the server checks a create's (``check_options``, the very check
+    the session's start runs, and ``check_image`` of the image's size): a refusal names the flag (``--option: toy
+    world: unknown option(s) ...``; it named none). The image's check was never asked: a run took what the server
+    refuses (``invalid_image``)."""
     if options:
         try:
             await call_within("check_options", run.deadlines.create_session,
                               lambda: service.check_options(dict(options)))
         except ValueError as exc:
             raise ValueError(f"--option: {exc}") from None
+    if image_path is not None:
+        try:
+            image = await trio.to_thread.run_sync(check_image_file, image_path)  # its header: the server's rule too
+            await call_within("check_image", run.deadlines.create_session,
+                              lambda: service.check_image(image.width, image.height))
+        except ImageRefused as exc:
+            raise ValueError(f"--image: {exc.detail}") from None
+        except ValueError as exc:
+            raise ValueError(f"--image: {exc}") from None
 
 
 async def _run_server_push(service: ServerPushService, config: SessionConfig, run: _Run) -> None:
     rec = run.recorder
     async with running_within(service, run.deadlines.running):
-        await _check_given_options(service, config.options, run)
+        await _check_given_inputs(service, config.options, config.image_path, run)
         rec.session_requested = time.perf_counter()
         iterator = checked_stream(service.stream(config), "stream()")
         rec.session_setup = time.perf_counter() - rec.session_requested
