@@ -86,17 +86,37 @@ def describe(number: int) -> str:
             signal.SIGQUIT: "quit (SIGQUIT)"}.get(number, "interrupted")
 
 
+_HOME = os.getpid()  # the command's process: a fork of it (a pipeline's multiprocessing child) copies the handlers
+
+
+def forked_away(number: int) -> bool:
+    """Whether this is a fork of the command's process (a pipeline's ``multiprocessing`` child, chunkline's handlers
+    copied into it): there the signal gets its default action, as it would without chunkline, and the handler does
+    nothing more. Such a child, ended with SIGTERM at a run's end, printed a ``StopSignalled`` traceback, or said
+    ``SIGTERM received, stopping the run`` after the run had succeeded."""
+    if os.getpid() == _HOME:
+        return False
+    signal.signal(number, signal.SIG_DFL)
+    signal.raise_signal(number)
+    return True
+
+
 def _raise(number: int, _frame: Any) -> None:
+    if forked_away(number):
+        return
     _ignore_ours()  # the process is on its way out: nothing may break that off
     raise StopSignalled(number)
 
 
 def _note(number: int, _frame: Any) -> None:
-    _noted.append(number)
+    if not forked_away(number):
+        _noted.append(number)
 
 
 def _end_start(number: int, frame: FrameType | None) -> None:
     """hypercorn's worker is starting: end it (``SystemExit``), saying so in one line."""
+    if forked_away(number):
+        return
     if _loading_frame(frame) is None:  # past hypercorn's load of an app that is not ``server:app`` (never built)
         hand_over()  # the handlers there were before, as if this module had never been here
         signal.raise_signal(number)

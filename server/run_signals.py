@@ -129,6 +129,8 @@ async def run_until_signalled(
         scope.cancel(reason=f"{signal.Signals(number).name} received")
 
     def handler(number: int, _frame: Any) -> None:
+        if early_signals.forked_away(number):  # a pipeline's forked child: not the run
+            return
         if first:
             abort(first[0])
         first.append(number)
@@ -154,6 +156,8 @@ async def run_until_signalled(
 
 
 def _interrupt(number: int, frame: Any) -> None:
+    if early_signals.forked_away(number):
+        return
     note_stop_signal()
     raise KeyboardInterrupt
 

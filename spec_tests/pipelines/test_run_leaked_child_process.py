@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN_DEADLINE = 120.0  # wall seconds for `chunkline run` to start its pipeline's child, run, wait 3 s and end it
 
@@ -97,3 +99,46 @@ def test_a_program_the_pipeline_started_and_left_running_is_named_and_ended(tmp_
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+FORKED = """\
+import contextlib
+import multiprocessing
+import signal
+from pathlib import Path
+
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+def fork():
+    child = multiprocessing.get_context("fork").Process(target=signal.pause, name="forked-child")
+    child.start()  # never stopped; a fork of the run, its signal handlers included
+    Path({pid_file!r}).write_text(str(child.pid))
+
+
+class ForksInRunning(MinimalService):
+    @contextlib.asynccontextmanager
+    async def running(self):
+        fork()
+        async with super().running():
+            yield
+
+
+def get_service(gpu_num=0):
+    if {in_running}:
+        return ForksInRunning()
+    fork()
+    return MinimalService()
+"""
+
+
+@pytest.mark.parametrize("in_running", [False, True], ids=["forked-loading", "forked-running"])
+def test_a_forked_child_ended_at_the_end_does_not_say_the_run_was_stopped(tmp_path: Path, in_running: bool) -> None:
+    """A forked child has the command's signal handlers: ended with SIGTERM, one forked while the pipeline loaded
+    printed a ``StopSignalled`` traceback, one forked in ``running()`` said ``SIGTERM received, stopping the run``
+    after the run had succeeded, as if the user had stopped it. It dies by the signal, saying nothing."""
+    done, pid = _run_leaving(tmp_path, FORKED.replace("{in_running}", str(in_running)))
+    assert "received, stopping the run" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "chunkline run: pipeline bug: 1 process(es) it started still run ('forked-child')"), done.stderr[-2000:]
+    assert not _running(int(pid))
