@@ -126,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command (``argv`` None) its end waits for no thread the pipeline left running (:mod:`server.stray_threads`)."""
     if _command_word(argv) == "run":  # it stops on SIGQUIT too (Ctrl-\: its default dumped core, leaving its files)
         early_signals.stop_also(*early_signals.RUN_STOP_SIGNALS)
+        if argv is None:  # the process's own: what the pipeline leaves behind a shell is found at the end
+            from .stray_threads import adopt_orphans
+
+            adopt_orphans()
     early_signals.install()
     ending = False  # the command returned as the process's own: its end keeps noting the stop signals
     try:

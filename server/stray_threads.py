@@ -36,11 +36,25 @@ from engine.supervised_child import descendants, process_gone
 
 from .console import tell
 
-__all__ = ["STRAY_THREAD_GRACE", "end_despite_stray_threads"]
+__all__ = ["STRAY_THREAD_GRACE", "adopt_orphans", "end_despite_stray_threads"]
 
 STRAY_THREAD_GRACE = 3.0  # seconds the threads still running as a command ends get to finish on their own
 PROCESS_STOP_WAIT = 1.0  # seconds a process left running gets to end after SIGTERM, and then after SIGKILL
 FLUSH_WAIT = 2.0  # seconds the files still open get to be flushed as the process ends without its teardown
+
+
+def adopt_orphans() -> None:
+    """Make this process the one that the orphans among its descendants are handed to (Linux's child subreaper), for
+    ``chunkline run``: a tool the pipeline left in the background through a shell (``os.system("tool &")``) lost its
+    parent as the shell exited and went to init, where the end's look for what the pipeline left never saw it; it
+    outlived the run, holding the run's output pipes open (``| tee`` waited for it). Such an orphan that ends before
+    the run does stays a zombie until the run's exit (the run is short; a server would gather them)."""
+    if sys.platform != "linux":  # pragma: no cover - the project runs on Linux
+        return
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
 
 
 def _stray(main: threading.Thread) -> list[threading.Thread]:

@@ -142,3 +142,31 @@ def test_a_forked_child_ended_at_the_end_does_not_say_the_run_was_stopped(tmp_pa
     assert done.stderr.strip().splitlines()[-1].startswith(
         "chunkline run: pipeline bug: 1 process(es) it started still run ('forked-child')"), done.stderr[-2000:]
     assert not _running(int(pid))
+
+
+BEHIND_A_SHELL = """\
+import os
+from pathlib import Path
+
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+def get_service(gpu_num=0):
+    os.system("sleep 302 < /dev/null > /dev/null 2>&1 & echo $! > {pid_file}")  # the shell exits at once
+    return MinimalService()
+"""
+
+
+def test_a_tool_left_in_the_background_through_a_shell_is_named_and_ended(tmp_path: Path) -> None:
+    """``os.system("tool &")``: the tool lost its parent as the shell exited, went to init, and outlived the run, not
+    named (and held a caller's pipe open). The run adopts its orphans: it is named and ended as a ``Popen``'s is."""
+    done, left = _run_leaving(tmp_path, BEHIND_A_SHELL)
+    pid = int(left.strip())
+    try:
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith("chunkline run: pipeline bug: 1 process(es) it started still run ("), done.stderr[-2000:]
+        assert f"'sleep' (pid {pid})" in line, line
+        assert not _running(pid)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
