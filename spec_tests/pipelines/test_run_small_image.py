@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_runs import ROOT, failed_line, run_pipeline
+from .cli_runs import ROOT, Ran, failed_line, run_pipeline
 
 
 def _png(path: Path, width: int, height: int) -> None:
@@ -55,20 +55,20 @@ def get_service(gpu_num=0):
 """
 
 
-def test_an_image_the_pipelines_own_check_refuses_is_bad_input_before_the_session(tmp_path: Path) -> None:
+def _run_picky(tmp_path: Path, refusal: str) -> Ran:
+    """``chunkline run --image`` of a 20 x 20 image with a pipeline whose ``check_image`` runs ``refusal`` for it."""
     image = tmp_path / "small.png"
     _png(image, 20, 20)
     pipeline = tmp_path / "picky.py"
-    pipeline.write_text(PICKY.format(refusal="raise ValueError(f'the image is {width} x {height}; need >= 100 wide')"))
-    ran = run_pipeline(tmp_path, pipeline, "--image", str(image), chunks=1)
+    pipeline.write_text(PICKY.format(refusal=refusal))
+    return run_pipeline(tmp_path, pipeline, "--image", str(image), chunks=1)
+
+
+def test_an_image_the_pipelines_own_check_refuses_is_bad_input_before_the_session(tmp_path: Path) -> None:
+    ran = _run_picky(tmp_path, "raise ValueError(f'the image is {width} x {height}; need >= 100 wide')")
     assert failed_line(ran, code=2) == "chunkline run: --image: the image is 20 x 20; need >= 100 wide"
 
 
 def test_an_image_check_that_raises_other_than_value_error_is_the_pipelines_bug(tmp_path: Path) -> None:
-    image = tmp_path / "small.png"
-    _png(image, 20, 20)
-    pipeline = tmp_path / "picky.py"
-    pipeline.write_text(PICKY.format(refusal="raise TypeError('width')"))
-    ran = run_pipeline(tmp_path, pipeline, "--image", str(image), chunks=1)
-    line = failed_line(ran, code=1)
+    line = failed_line(_run_picky(tmp_path, "raise TypeError('width')"), code=1)
     assert line.startswith("chunkline run: the run failed: pipeline bug: check_image raised TypeError: width"), line
