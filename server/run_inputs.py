@@ -190,7 +190,9 @@ def placement_option(pipeline: Path, placement: str) -> str:
     from pipelines.loader import load_pipeline_module
 
     factory = getattr(load_pipeline_module(pipeline), "get_service", None)
-    if callable(factory) and "placement" not in inspect.signature(factory).parameters:
+    parameters = inspect.signature(factory).parameters if callable(factory) else {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # as --seed, --device
+    if callable(factory) and "placement" not in parameters and not takes_any:
         raise BadInput(f"--placement: pipeline {shown(str(pipeline))} takes no placement (get_service has no "
                        f"'placement')")
     return placement

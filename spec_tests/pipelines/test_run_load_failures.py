@@ -138,6 +138,16 @@ def test_the_user_s_bad_input_exits_2_naming_the_flag(tmp_path: Path, text: str,
     assert (code, line) == (2, "chunkline run: " + told.format(path=str(path)))
 
 
+def test_a_placement_reaches_a_get_service_that_takes_any_keyword(tmp_path: Path) -> None:
+    """``get_service(gpu_num=0, **options)`` takes ``--seed`` and ``--device``; ``--placement`` was refused, ``takes no
+    placement (get_service has no 'placement')``. It reaches it as they do (here refused by it, naming the flag)."""
+    path = write(tmp_path, "p.py", MINIMAL + "def get_service(gpu_num=0, **options):\n"
+                                             "    raise ValueError(f'it got {sorted(options)}')\n")
+    code, line = run(path, "--placement", '{"mode": "process"}')
+    assert (code, line) == (2, f"chunkline run: --placement: get_service() in {str(path)!r} refused its options: it got "
+                               f"['placement']")
+
+
 def test_a_placement_for_a_pipeline_whose_import_fails_is_the_pipeline_s_bug(tmp_path: Path) -> None:
     """``--placement`` imports the pipeline first (to see that it takes one): the same failure, the same words."""
     path = write(tmp_path, "p.py", "import json\nSETTINGS = json.loads('{}')['size']\n")
