@@ -339,10 +339,17 @@ def contract_shape_problem(service: Service) -> str | None:
                 f"(yield each Chunk) or return an async iterator")
     if inspect.isgeneratorfunction(getattr(service, stream)):
         return f"{stream}() is a plain 'def' with 'yield'; it must be an async generator ('async def' with 'yield')"
+    for name in (*_AWAITED[service.kind], *_CALLED[service.kind]):
+        found = inspect.getattr_static(service, name, None)  # not run: a @property is named as one
+        if isinstance(found, property) or (found is not None and not callable(found)
+                                            and not isinstance(found, classmethod)):
+            what = "property" if isinstance(found, property) else type(found).__name__
+            return f"{name} is a {what}, not a method; the contract calls it: make it a method"
     for name in _AWAITED[service.kind]:
         method = getattr(service, name, None)
-        # a plain, undecorated 'def': what it returns is awaited ("object str can't be used in 'await' expression")
-        if inspect.ismethod(method) and not hasattr(method, "__wrapped__") and not (
+        # a plain, undecorated 'def' (a @staticmethod too): what it returns is awaited ("object str can't be used in
+        # 'await' expression")
+        if _function(method) and not hasattr(method, "__wrapped__") and not (
                 inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method)):
             return f"{name}() is a plain 'def'; the contract awaits it: make it an 'async def'"
         if inspect.isasyncgenfunction(method):  # it failed at its first call ("object async_generator can't be ...")
@@ -353,9 +360,16 @@ def contract_shape_problem(service: Service) -> str | None:
         # RuntimeWarning) or its coroutine was read as the answer (memory_report's, an AttributeError at load)
         if inspect.iscoroutinefunction(method := getattr(service, name, None)) or inspect.isasyncgenfunction(method):
             return f"{name}() is an 'async def'; the contract calls it without awaiting it: make it a plain 'def'"
-    if inspect.ismethod(getattr(service, "failure", None)):  # always "failed", and never said why
+        if inspect.isgeneratorfunction(method):  # its body never ran: calling it only made a generator
+            return f"{name}() is a plain 'def' with 'yield'; the contract calls it once: take the 'yield' out"
+    if _function(getattr(service, "failure", None)):  # always "failed", and never said why
         return "failure is a method; it must be a property (decorate it with @property) or an attribute"
     return None
+
+
+def _function(member: Any) -> bool:
+    """A method, or a function found on the instance (a ``@staticmethod``)."""
+    return inspect.ismethod(member) or inspect.isfunction(member)
 
 
 #: the methods the contract awaits, and those it calls without awaiting, for each kind of service

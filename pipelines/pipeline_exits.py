@@ -5,8 +5,8 @@ Such an exception is not an ``Exception``, so every ``except Exception`` that tu
 session's or worker's failure let it through, and under the server it went on up to the app: one ``sys.exit(3)`` in
 ``chunks()`` ended the session ``done``/``completed``, stopped the server's runtime for good (every create after it a
 500, health still ``healthy``) and let the server exit 0. Here it becomes a :class:`PipelineExit`, an ``Exception``
-whose words say what the pipeline did and where. trio's cancellations are not the pipeline's, nor is a
-``GeneratorExit`` met closing a generator: those go on as they are.
+whose words say what the pipeline did and where. trio's cancellations are not the pipeline's: those go on as they
+are. A ``GeneratorExit`` is (closing a generator throws it into the generator, and it never comes out of a call).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _exit_leaf(exc: BaseException) -> BaseException | None:
             if (leaf := _exit_leaf(member)) is not None:
                 return leaf
         return None
-    if isinstance(exc, Exception | trio.Cancelled | GeneratorExit):
+    if isinstance(exc, Exception | trio.Cancelled):
         return None
     return exc
 

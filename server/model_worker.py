@@ -343,7 +343,8 @@ class ModelWorker:
             now = trio.current_time()
             said_since = None if failure is None else now if said_since is None else said_since
             if said_since is not None and now - said_since >= SERVICE_FAILURE_GRACE:
-                self.fail(f"the service failed ({failure}); it had not left running() {SERVICE_FAILURE_GRACE:g} s on")
+                words = failure if isinstance(failure, str) and failure else repr(failure)  # not "()" for ""
+                self.fail(f"the service failed ({words}); it had not left running() {SERVICE_FAILURE_GRACE:g} s on")
 
     async def _check(self, service: Service) -> None:
         """The startup check (one warm-up chunk against the contract) unless validation is skipped."""

@@ -175,11 +175,21 @@ MEMBER_SLIPS = [  # a new user's (7 Dec), each loaded and failed later in Python
      "'def'"),
     ("def failure(self):\n        return None",
      "failure is a method; it must be a property (decorate it with @property) or an attribute"),
+    # a second pass (7 Dec): a @staticmethod is a function on the instance, not a method, and each went through
+    ("@staticmethod\n    def create_session(config, *, on_event=None):\n        return 's1'",
+     "create_session() is a plain 'def'; the contract awaits it: make it an 'async def'"),
+    ("@staticmethod\n    def failure():\n        return None",
+     "failure is a method; it must be a property (decorate it with @property) or an attribute"),
+    ("def configure_session_capacity(self, limit):\n        yield",
+     "configure_session_capacity() is a plain 'def' with 'yield'; the contract calls it once: take the 'yield' out"),
+    ("@property\n    def memory_report(self):\n        return None",
+     "memory_report is a property, not a method; the contract calls it: make it a method"),
 ]
 
 
-@pytest.mark.parametrize(("member", "told"), MEMBER_SLIPS, ids=["async-generator-close", "async-memory-report",
-                                                              "async-configure-capacity", "failure-method"])
+@pytest.mark.parametrize(("member", "told"), MEMBER_SLIPS, ids=[
+    "async-generator-close", "async-memory-report", "async-configure-capacity", "failure-method",
+    "static-create-session", "static-failure", "generator-configure-capacity", "property-memory-report"])
 def test_a_member_of_the_wrong_form_is_refused_at_load_naming_it(tmp_path: Path, member: str, told: str) -> None:
     """``close_session`` failed each close (``object async_generator can't be used in 'await' expression``); an
     ``async def memory_report`` failed the load with ``AttributeError: 'coroutine' object has no attribute

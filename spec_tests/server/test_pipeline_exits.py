@@ -33,6 +33,8 @@ def raise_(exit_kind: str) -> None:
         sys.exit(3)
     if exit_kind == "KeyboardInterrupt":
         raise KeyboardInterrupt
+    if exit_kind == "GeneratorExit":  # not one met closing a generator: it raises it
+        raise GeneratorExit("out of here")
     raise Abort("out of here")
 
 
@@ -41,6 +43,7 @@ WORDS = {
     "KeyboardInterrupt": "pipeline bug: {call} raised KeyboardInterrupt (no Ctrl-C reaches a pipeline: the server "
                          "takes its stop signals itself)",
     "Abort": "pipeline bug: {call} raised Abort: out of here, a BaseException that is not an Exception",
+    "GeneratorExit": "pipeline bug: {call} raised GeneratorExit: out of here, a BaseException that is not an Exception",
 }
 #: how the session's error names the call (the session's own run names no call: create_session or chunks() or ...)
 CALLS = {"create_session": "the pipeline", "chunks": "the pipeline", "push_control": "push_control",
@@ -86,7 +89,7 @@ class ExitsIn(CounterService):
             self._maybe_exit("check_options")
 
 
-EXITS = ["sys.exit", "KeyboardInterrupt", "Abort"]
+EXITS = ["sys.exit", "KeyboardInterrupt", "Abort", "GeneratorExit"]
 
 
 @pytest.mark.usefixtures("no_threads")
