@@ -6,7 +6,8 @@ session's or worker's failure let it through, and under the server it went on up
 ``chunks()`` ended the session ``done``/``completed``, stopped the server's runtime for good (every create after it a
 500, health still ``healthy``) and let the server exit 0. Here it becomes a :class:`PipelineExit`, an ``Exception``
 whose words say what the pipeline did and where. trio's cancellations are not the pipeline's: those go on as they
-are. A ``GeneratorExit`` is (closing a generator throws it into the generator, and it never comes out of a call).
+are. A ``GeneratorExit`` is when the pipeline's own code raised it (its traceback reaches that code); one thrown into a
+coroutine of chunkline's as it is closed is not.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _exit_leaf(exc: BaseException) -> BaseException | None:
             if (leaf := _exit_leaf(member)) is not None:
                 return leaf
         return None
-    if isinstance(exc, Exception | trio.Cancelled):
+    if isinstance(exc, Exception | trio.Cancelled) or (isinstance(exc, GeneratorExit) and not _where(exc)):
         return None
     return exc
 
