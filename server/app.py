@@ -104,12 +104,10 @@ def _make_transport(settings: ServerSettings, issuer: TokenIssuer) -> Any:
 def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_policy: Any = None) -> QuartTrio:
     app = QuartTrio(__name__, static_folder=None)
     app.asgi_app = _closes_after_its_last_byte(app.asgi_app)  # type: ignore[method-assign]
-    # "//" in a path is a 404 with a JSON reason, not an HTML redirect to a merged path
-    app.url_map.merge_slashes = False
+    app.url_map.merge_slashes = False  # "//" in a path is a 404 with a JSON reason, not a redirect to a merged path
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    # Quart cut any body at 60 s (a 408), under the front's rate (1.25 MB at 20 KiB/s was cut at 98 %): a body's bound
-    head_grace = Deadlines().head  # a body's grace after its head, as the front gives it
+    head_grace = Deadlines().head  # Quart cut bodies at 60 s (1.25 MB at 20 KiB/s at 98 %): the front's rate bounds
     app.config["BODY_TIMEOUT"] = longest_body_seconds(settings.max_body_bytes, head_grace)
     if settings.livekit_api_key and settings.livekit_api_secret:
         issuer = TokenIssuer(settings.livekit_api_key, settings.livekit_api_secret, settings.token_ttl)
@@ -354,8 +352,10 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         admission = created.admission
         if admission.status == "rejected":
             reason = admission.reason or "no_capacity"
-            if reason == "no_capacity" and not option_check.ready_workers(runtime):  # not full: every worker starts
-                raise NoWorker("no worker has loaded the pipeline yet (every worker is starting)", NO_WORKER_RETRY_AFTER)
+            if reason == "no_capacity" and not option_check.ready_workers(runtime):  # not full: none is ready
+                said = runtime.services_said_failed()  # a failing worker was said to be starting
+                raise NoWorker(f"no worker can take a session now ({said})" if said else "no worker has loaded the "
+                               "pipeline yet (every worker is starting)", NO_WORKER_RETRY_AFTER)
             return error(429, reason, REFUSALS.get(reason, reason), {"Retry-After": str(RETRY_AFTER_SECONDS)})
         record = created.record
         payload = {

@@ -167,6 +167,14 @@ class ModelWorker:
         return self.failure is not None or (self.service is not None and service_failure(self.service) is not None)
 
     @property
+    def service_says(self) -> str | None:
+        """The service's own words while it says it failed and the worker has not failed yet (it leaves ``running()``
+        within :data:`SERVICE_FAILURE_GRACE`); None otherwise."""
+        if self.failure is not None or self.service is None or (said := service_failure(self.service)) is None:
+            return None
+        return said if isinstance(said, str) and said else repr(said)
+
+    @property
     def kind(self) -> str | None:
         return None if self.service is None else self.service.kind
 
@@ -343,8 +351,8 @@ class ModelWorker:
             now = trio.current_time()
             said_since = None if failure is None else now if said_since is None else said_since
             if said_since is not None and now - said_since >= SERVICE_FAILURE_GRACE:
-                words = failure if isinstance(failure, str) and failure else repr(failure)  # not "()" for ""
-                self.fail(f"the service failed ({words}); it had not left running() {SERVICE_FAILURE_GRACE:g} s on")
+                self.fail(f"the service failed ({self.service_says}); it had not left running() "
+                          f"{SERVICE_FAILURE_GRACE:g} s on")
 
     async def _check(self, service: Service) -> None:
         """The startup check (one warm-up chunk against the contract) unless validation is skipped."""

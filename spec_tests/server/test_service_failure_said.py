@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import trio
 
 from server.model_worker import FAILURE_LOOK, SERVICE_FAILURE_GRACE
 
@@ -37,12 +38,15 @@ async def test_a_service_that_says_it_failed_and_stays_in_running_fails_its_work
     autojump_clock: Any
 ) -> None:
     service = SaysItFailed()
-    async with serve(settings(), service) as s:
+    async with serve(settings(queue_size=0), service) as s:
         created = await s.create("ctl")
         async with join(s, created["room"], created["token"]) as ctl:
             await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
             service.broken = True
             said_at = autojump_clock.current_time()
+            await trio.sleep(2 * FAILURE_LOOK)  # bench-cost: virtual (autojump): within the grace
+            status, body = await s.json("post", "/v1/stream/sessions", json={"identity": "other"})
+            assert status == 503 and "worker-0: its service says it failed (GPU on fire)" in body["detail"], body
             (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message",
                                           timeout=SERVICE_FAILURE_GRACE + 30)
         took = autojump_clock.current_time() - said_at
