@@ -10,9 +10,11 @@ import os
 import re
 import selectors
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -98,3 +100,13 @@ def last_line(process: subprocess.Popen[bytes], seen: bytes) -> str:
     """The last line a run that ended said on stderr (``seen``: what was read of it already)."""
     assert process.stderr is not None
     return (seen + process.stderr.read()).decode().splitlines()[-1]
+
+
+def write_png(path: Path, width: int, height: int) -> None:
+    """A black RGB PNG of ``width`` x ``height``."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    pixels = zlib.compress((b"\0" + b"\0" * 3 * width) * height)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))

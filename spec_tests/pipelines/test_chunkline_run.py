@@ -18,6 +18,7 @@ import pipelines
 from pipelines.timed_controls import MAX_CONTROLS_FILE_BYTES
 from server.cli import main
 
+from .cli_runs import write_png
 from .offline_helpers import EXPECTED_COUNTERS, METRIC_KEYS, SUMMARY_KEYS, TIMED, decoded_video, files_in
 
 REPLAY = str(Path(pipelines.__file__).parent / "replay")
@@ -107,7 +108,7 @@ def test_chunkline_run_with_controls(tmp_path: Path, capsys: pytest.CaptureFixtu
     controls = tmp_path / "controls.json"
     controls.write_text(json.dumps(TIMED))
     image = tmp_path / "ref.png"
-    image.write_bytes(b"not really a png; the counter world ignores it")
+    write_png(image, 8, 8)  # the counter world ignores it; the run checks it as a create's (a PNG, of a size)
     pipeline = write_counter_pipeline(tmp_path, "gpu_num=0, seed=None")
     out = tmp_path / "out"
     args = ["run", pipeline, "--controls", str(controls), "--chunks", "8", "--out", str(out)]

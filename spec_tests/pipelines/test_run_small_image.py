@@ -8,23 +8,11 @@ chunk 0: PipelineFailed: ... at least 2 x 2``, exit 1, as if the pipeline had fa
 
 from __future__ import annotations
 
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
 
-from .cli_runs import ROOT, Ran, failed_line, run_pipeline
-
-
-def _png(path: Path, width: int, height: int) -> None:
-    """A black RGB PNG of ``width`` x ``height``."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    pixels = zlib.compress((b"\0" + b"\0" * 3 * width) * height)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+from .cli_runs import ROOT, Ran, failed_line, run_pipeline, write_png
 
 
 @pytest.mark.parametrize(("width", "height"), [(1, 1), (40, 1), (1000, 1), (1, 3000)])
@@ -32,7 +20,7 @@ def test_an_image_under_two_by_two_pixels_is_bad_input(tmp_path: Path, width: in
     """The size said is the file's own, not the size its pixels are scaled down to as they are read (a 1000 x 1
     image was said to be 320 x 1, a 1 x 3000 one 1 x 192)."""
     image = tmp_path / "dot.png"
-    _png(image, width, height)
+    write_png(image, width, height)
     ran = run_pipeline(tmp_path, ROOT / "pipelines" / "toy_world", "--image", str(image), chunks=1)
     assert failed_line(ran, code=2) == (
         f"chunkline run: --image: the image is {width} x {height} pixels; the toy world takes one of at least 2 x 2")
@@ -58,7 +46,7 @@ def get_service(gpu_num=0):
 def _run_picky(tmp_path: Path, refusal: str) -> Ran:
     """``chunkline run --image`` of a 20 x 20 image with a pipeline whose ``check_image`` runs ``refusal`` for it."""
     image = tmp_path / "small.png"
-    _png(image, 20, 20)
+    write_png(image, 20, 20)
     pipeline = tmp_path / "picky.py"
     pipeline.write_text(PICKY.format(refusal=refusal))
     return run_pipeline(tmp_path, pipeline, "--image", str(image), chunks=1)

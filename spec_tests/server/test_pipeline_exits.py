@@ -197,7 +197,7 @@ class ExitsOnce(BidirectionalService):
             if index == 2 and session_id == "s1":
                 sys.exit(3)
             yield Chunk(index, np.full((2, 16, 16, 3), 100, np.uint8), 10.0)
-            await trio.sleep(0.05)
+            await trio.sleep(0.05)  # bench-cost: the worker process's stream, paced
 
     async def close_session(self, session_id):
         pass
