@@ -47,9 +47,10 @@ from typing import Any
 
 import attrs
 
+from engine.errors import shown
 from engine.metrics import LatencySummary
 
-from .contract import Chunk, ServiceEvent
+from .contract import Chunk, PipelineContractError, ServiceEvent
 from .mp4 import Mp4Writer
 from .timed_controls import TimedControl
 
@@ -127,6 +128,8 @@ class Recorder:
         )
 
     def event(self, event: ServiceEvent) -> None:
+        if not isinstance(event, ServiceEvent):  # the pipeline's bug, where it is made (it failed in Python's words)
+            raise PipelineContractError(f"on_event takes a pipelines.contract.ServiceEvent, got {type(event).__name__} {shown(event)}")
         self.events[event.type] = self.events.get(event.type, 0) + 1
 
     def expect_scripted(self, controls: Sequence[TimedControl]) -> None:

@@ -37,3 +37,25 @@ def test_an_event_type_that_is_not_text_fails_the_run_as_the_pipeline_s_bug(tmp_
                                                                              shown: str) -> None:
     assert failed_line(run_pipeline(tmp_path, PIPELINE.format(kind=kind))) == (
         f"chunkline run: the run failed: pipeline bug: a ServiceEvent's type must be text, got {shown}")
+
+
+NOT_AN_EVENT = """\
+from spec_tests.pipelines.minimal_service import MinimalService
+
+
+class Telling(MinimalService):
+    async def create_session(self, config, *, on_event=None):
+        on_event({"type": "lease_granted"})
+        return "s0"
+
+
+def get_service(gpu_num=0):
+    return Telling()
+"""
+
+
+def test_an_event_that_is_not_a_service_event_fails_the_run_as_the_pipeline_s_bug(tmp_path: Path) -> None:
+    """It failed in Python's words: ``create_session raised AttributeError: 'dict' object has no attribute 'type'``."""
+    assert failed_line(run_pipeline(tmp_path, NOT_AN_EVENT)) == (
+        "chunkline run: the run failed: pipeline bug: on_event takes a pipelines.contract.ServiceEvent, got dict "
+        "{'type': 'lease_granted'}")
