@@ -17,6 +17,7 @@ from typing import Any
 
 from .contract import BidirectionalService, ServerPushService, Service
 from .error_text import error_line, error_words
+from .pipeline_exits import raised_at
 
 __all__ = [
     "FILE_MODULE_PREFIX", "GpuNumNotTaken", "NotAPipeline", "OptionValuesRefused", "OptionsNotAccepted", "PipelineBug",
@@ -75,7 +76,7 @@ class PipelineExited(PipelineBug):
 
     @classmethod
     def of(cls, path: str | Path, exc: SystemExit, when: str) -> PipelineExited:
-        return cls(f"pipeline {str(path)!r} called sys.exit({exc.code!r}) {when}")
+        return cls(f"pipeline {str(path)!r} called sys.exit({exc.code!r}) {when}{raised_at(exc)}")
 
 
 class OptionsNotAccepted(PipelineLoadError):

@@ -21,7 +21,7 @@ import trio
 
 from .contract import PipelineContractError
 
-__all__ = ["PipelineExit", "exits_as_errors", "pipeline_exit"]
+__all__ = ["PipelineExit", "exits_as_errors", "pipeline_exit", "raised_at"]
 
 
 class PipelineExit(PipelineContractError):
@@ -42,7 +42,7 @@ def pipeline_exit(exc: BaseException, call: str = "the pipeline") -> PipelineExi
     else:
         text = f": {leaf}" if str(leaf) else ""
         what = f"raised {type(leaf).__name__}{text}, a BaseException that is not an Exception"
-    found = PipelineExit(f"{call} {what}{_where(leaf)}")
+    found = PipelineExit(f"{call} {what}{raised_at(leaf)}")
     found.__cause__ = leaf
     return found
 
@@ -65,12 +65,12 @@ def _exit_leaf(exc: BaseException) -> BaseException | None:
             if (leaf := _exit_leaf(member)) is not None:
                 return leaf
         return None
-    if isinstance(exc, Exception | trio.Cancelled) or (isinstance(exc, GeneratorExit) and not _where(exc)):
+    if isinstance(exc, Exception | trio.Cancelled) or (isinstance(exc, GeneratorExit) and not raised_at(exc)):
         return None
     return exc
 
 
-def _where(exc: BaseException) -> str:
+def raised_at(exc: BaseException) -> str:
     """`` (at FILE, line N)``: the deepest frame of its traceback in the pipeline's code (not chunkline's, Python's
     or an installed package's), where the pipeline raised it; nothing when there is none."""
     tb, found = exc.__traceback__, ""

@@ -277,6 +277,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
     from pipelines.loader import PipelineLoadError, load_service
     from pipelines.loop_watch import probe
     from pipelines.offline import remove_partial_files, remove_stale_partial_files, run_offline
+    from pipelines.pipeline_exits import raised_at
 
     from . import run_inputs
     from .run_signals import StoppedBySignal, trio_run_until_signalled
@@ -358,7 +359,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
             raise
     except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)
         raise _PipelineExitedDuringRun(f"pipeline {str(args.pipeline)!r} called sys.exit({exc.code!r}) during the "
-                                       f"run") from None
+                                       f"run{raised_at(exc)}") from None
     finally:
         bar.finish()
         early_signals.install()  # where the run's handlers are gone again (not where a signal stopped it)

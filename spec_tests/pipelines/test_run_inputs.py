@@ -238,10 +238,10 @@ def get_service(gpu_num=0):
 """
 
 
-@pytest.mark.parametrize(("body", "when"), [
-    (EXITS_AT_IMPORT, "while being imported"),
-    (EXITS_IN_GET_SERVICE, "in get_service()"),
-    (EXITS_DURING_THE_RUN, "during the run"),
+@pytest.mark.parametrize(("body", "when"), [  # where: the pipeline's line that called it
+    (EXITS_AT_IMPORT, "while being imported (at exiting_pipeline.py, line 2)"),
+    (EXITS_IN_GET_SERVICE, "in get_service() (at exiting_pipeline.py, line 2)"),
+    (EXITS_DURING_THE_RUN, "during the run (at exiting_pipeline.py, line 11)"),
 ], ids=["import", "get_service", "run"])
 def test_a_pipeline_that_calls_sys_exit_fails_the_run_naming_it(tmp_path: Path, body: str, when: str) -> None:
     """``sys.exit(0)`` in a pipeline ended the run with exit code 0, no output and no word: CI read a success."""
