@@ -76,15 +76,14 @@ def raised_at(exc: BaseException) -> str:
     tb, found = exc.__traceback__, ""
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
-        if not name.startswith(_NOT_THE_PIPELINES) and not name.startswith("<"):
+        if not (name.startswith(_NOT_THE_PIPELINES) or name.startswith("<") or os.path.dirname(name) == _PIPELINES):
             found = f" (at {os.path.basename(name)}, line {tb.tb_lineno})"
         tb = tb.tb_next
     return found
 
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PIPELINES = os.path.dirname(os.path.abspath(__file__))  # chunkline's own modules here; its pipelines in folders
 _NOT_THE_PIPELINES = (
-    *(os.path.join(_ROOT, package) + os.sep for package in ("engine", "server", "states")),
-    os.path.dirname(os.path.abspath(__file__)) + os.sep + "pipeline_",  # this module (and its kin)
+    *(os.path.join(os.path.dirname(_PIPELINES), package) + os.sep for package in ("engine", "server", "states")),
     *{path + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_path(key))},
 )
