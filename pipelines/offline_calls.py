@@ -22,8 +22,10 @@ from .contract import BidirectionalService, PipelineContractError, ServerPushSer
 from .error_text import error_line
 from .loop_watch import waiting
 
-__all__ = ["PipelineCallError", "RunDeadlines", "ServiceFailed", "call_within", "close_within", "raised_as_error", "running_within",
-           "service_failure", "single_leaf", "telling_error"]
+__all__ = [
+    "PipelineCallError", "RunDeadlines", "ServiceFailed", "call_within", "close_within",
+    "raised_as_error", "running_within", "service_failure", "single_leaf", "telling_error",
+]
 
 T = TypeVar("T")
 

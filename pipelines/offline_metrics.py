@@ -129,7 +129,8 @@ class Recorder:
 
     def event(self, event: ServiceEvent) -> None:
         if not isinstance(event, ServiceEvent):  # the pipeline's bug, where it is made (it failed in Python's words)
-            raise PipelineContractError(f"on_event takes a pipelines.contract.ServiceEvent, got {type(event).__name__} {shown(event)}")
+            raise PipelineContractError(f"on_event takes a pipelines.contract.ServiceEvent, got {type(event).__name__} "
+                                        f"{shown(event)}")
         self.events[event.type] = self.events.get(event.type, 0) + 1
 
     def expect_scripted(self, controls: Sequence[TimedControl]) -> None:
