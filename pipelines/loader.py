@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib.util
 import inspect
 import re
@@ -17,12 +18,11 @@ from typing import Any
 
 from .contract import BidirectionalService, ServerPushService, Service
 from .error_text import error_line, error_words
-from .pipeline_exits import raised_at
 
 __all__ = [
     "FILE_MODULE_PREFIX", "GpuNumNotTaken", "NotAPipeline", "OptionValuesRefused", "OptionsNotAccepted", "PipelineBug",
     "PipelineExited", "PipelineFailedToLoad", "PipelineLoadError", "load_pipeline_module", "load_service",
-    "offered_taken", "record_offered_taken",
+    "chunkline_folders", "offered_taken", "pipeline_folder", "record_offered_taken", "where",
 ]
 
 #: the module name a pipeline file outside any package is imported under: only the process that loaded it has it
@@ -76,7 +76,8 @@ class PipelineExited(PipelineBug):
 
     @classmethod
     def of(cls, path: str | Path, exc: SystemExit, when: str) -> PipelineExited:
-        return cls(f"pipeline {str(path)!r} called sys.exit({exc.code!r}) {when}{raised_at(exc)}")
+        at = where(exc, pipeline_folder(path))  # the pipeline's own line that called it
+        return cls(f"pipeline {str(path)!r} called sys.exit({exc.code!r}) {when}{at}")
 
 
 class OptionsNotAccepted(PipelineLoadError):
@@ -169,14 +170,20 @@ def _import_failed(path: str | Path, target: Path, exc: Exception,
     return PipelineFailedToLoad(told)
 
 
-def _chunkline_folders() -> list[Path]:
+def pipeline_folder(path: str | Path) -> Path:
+    """The folder of a pipeline's own files: the package folder, or the file's."""
+    return Path(path) if Path(path).is_dir() else Path(path).parent
+
+
+@functools.cache
+def chunkline_folders() -> tuple[Path, ...]:
     """Where chunkline's own code and Python's libraries are: a line there is not the pipeline's."""
     import sysconfig
 
     root = Path(__file__).resolve().parents[1]
     libraries = {sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return [root / name for name in ("engine", "pipelines", "server", "states")] + [
-        Path(found).resolve() for found in libraries if found]
+    return (*(root / name for name in ("engine", "pipelines", "server", "states")),
+            *(Path(found).resolve() for found in libraries if found))
 
 
 def where(exc: BaseException, folder: Path) -> str:
@@ -186,7 +193,7 @@ def where(exc: BaseException, folder: Path) -> str:
     if isinstance(exc, SyntaxError):
         return ""
     folder = folder.resolve()
-    others = [found for found in _chunkline_folders() if not folder.is_relative_to(found)]
+    others = [found for found in chunkline_folders() if not folder.is_relative_to(found)]
     last = None
     for frame in traceback.extract_tb(exc.__traceback__):
         file = Path(frame.filename)
@@ -275,8 +282,8 @@ def load_service(path: str | Path, *, offered: Mapping[str, Any] | None = None, 
     except ValueError as exc:  # the values are refused: no replacement worker is started to be refused again
         raise OptionValuesRefused(f"get_service() in {str(path)!r} refused its options: {error_words(exc)}") from exc
     except Exception as exc:
-        folder = Path(path) if Path(path).is_dir() else Path(path).parent
-        raise PipelineBug(f"get_service() in {str(path)!r} raised {error_line(exc)}{where(exc, folder)}") from exc
+        at = where(exc, pipeline_folder(path))
+        raise PipelineBug(f"get_service() in {str(path)!r} raised {error_line(exc)}{at}") from exc
     if isinstance(service, type) and issubclass(service, BidirectionalService | ServerPushService):
         raise PipelineBug(
             f"get_service() in {str(path)!r} returned the class {service.__name__}, not a service; it must return an "

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 
 import trio
 
 from .contract import PipelineContractError
+from .loader import chunkline_folders
 
 __all__ = ["PipelineExit", "exits_as_errors", "pipeline_exit", "raised_at"]
 
@@ -72,18 +73,12 @@ def _exit_leaf(exc: BaseException) -> BaseException | None:
 
 def raised_at(exc: BaseException) -> str:
     """`` (at FILE, line N)``: the deepest frame of its traceback in the pipeline's code (not chunkline's, Python's
-    or an installed package's), where the pipeline raised it; nothing when there is none."""
+    or an installed package's: :func:`~pipelines.loader.chunkline_folders`), where the pipeline raised it; nothing
+    when there is none. (:func:`~pipelines.loader.where` when the pipeline's folder is known.)"""
     tb, found = exc.__traceback__, ""
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
-        if not (name.startswith(_NOT_THE_PIPELINES) or name.startswith("<") or os.path.dirname(name) == _PIPELINES):
+        if os.path.isabs(name) and not any(Path(name).resolve().is_relative_to(f) for f in chunkline_folders()):
             found = f" (at {os.path.basename(name)}, line {tb.tb_lineno})"
         tb = tb.tb_next
     return found
-
-
-_PIPELINES = os.path.dirname(os.path.abspath(__file__))  # chunkline's own modules here; its pipelines in folders
-_NOT_THE_PIPELINES = (
-    *(os.path.join(os.path.dirname(_PIPELINES), package) + os.sep for package in ("engine", "server", "states")),
-    *{path + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_path(key))},
-)

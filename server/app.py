@@ -21,7 +21,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestTimeout
 from werkzeug.routing import WebsocketMismatch
 
-from . import json_limits, option_check
+from . import json_limits, option_check, runtime_views
 from .cluster.wire_values import MAX_DRAIN_SECONDS
 from .http_framing import longest_body_seconds
 from .log_pace import LogPace
@@ -353,7 +353,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         if admission.status == "rejected":
             reason = admission.reason or "no_capacity"
             if reason == "no_capacity" and not option_check.ready_workers(runtime):  # not full: none is ready
-                said = runtime.services_said_failed()  # a failing worker was said to be starting
+                said = runtime_views.services_said_failed(runtime)  # a failing worker was said to be starting
                 raise NoWorker(f"no worker can take a session now ({said})" if said else "no worker has loaded the "
                                "pipeline yet (every worker is starting)", NO_WORKER_RETRY_AFTER)
             return error(429, reason, REFUSALS.get(reason, reason), {"Retry-After": str(RETRY_AFTER_SECONDS)})

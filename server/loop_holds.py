@@ -35,7 +35,6 @@ class LoopHolds(trio.abc.Instrument):
     def __init__(self, late: float = HELD_LATE) -> None:
         self.late = late
         self.held = 0.0  # seconds the loop was held in all, since the watch began
-        self.holds = 0  # how many holds
         self._batch_began: float | None = None
         self._scopes: dict[trio.CancelScope, float] = {}  # each deadline kept clear, and when it was made
 
@@ -56,7 +55,6 @@ class LoopHolds(trio.abc.Instrument):
         if ran <= self.late:
             return
         self.held += ran
-        self.holds += 1
         for scope, made in self._scopes.items():  # before trio looks at the deadlines again
             scope.deadline += min(ran, now - made)  # one made during the hold moves on by what was left of it
 

@@ -328,7 +328,7 @@ class ModelWorker:
                         self._runners = runners
                         self._loaded.set()
                         self._on_ready(self, self.plan.effective_capacity, self.plan)
-                        await self._until_stopped(service)
+                        await self._until_stopped()
                 if self._fault is not None:
                     raise WorkerFault(self._fault)
                 if not self._stop.is_set():
@@ -340,19 +340,17 @@ class ModelWorker:
             self._runners = None
             runners.cancel_scope.cancel()
 
-    async def _until_stopped(self, service: Service) -> None:
+    async def _until_stopped(self) -> None:
         """Until the worker is stopped; a service that says it failed and stays in ``running()`` past
         :data:`SERVICE_FAILURE_GRACE` is left, the worker failing with the service's words."""
         said_since: float | None = None
         while not self._stop.is_set():
             with trio.move_on_after(FAILURE_LOOK):
                 await self._stop.wait()
-            failure = service_failure(service)
-            now = trio.current_time()
-            said_since = None if failure is None else now if said_since is None else said_since
+            said, now = self.service_says, trio.current_time()
+            said_since = None if said is None else now if said_since is None else said_since
             if said_since is not None and now - said_since >= SERVICE_FAILURE_GRACE:
-                self.fail(f"the service failed ({self.service_says}); it had not left running() "
-                          f"{SERVICE_FAILURE_GRACE:g} s on")
+                self.fail(f"the service failed ({said}); it had not left running() {SERVICE_FAILURE_GRACE:g} s on")
 
     async def _check(self, service: Service) -> None:
         """The startup check (one warm-up chunk against the contract) unless validation is skipped."""

@@ -274,10 +274,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any) -> int:
-    from pipelines.loader import PipelineLoadError, load_service
+    from pipelines.loader import PipelineLoadError, load_service, pipeline_folder, where
     from pipelines.loop_watch import probe
     from pipelines.offline import remove_partial_files, remove_stale_partial_files, run_offline
-    from pipelines.pipeline_exits import raised_at
 
     from . import run_inputs
     from .run_signals import StoppedBySignal, trio_run_until_signalled
@@ -359,7 +358,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
             raise
     except SystemExit as exc:  # the pipeline's own: it ended the run with a code (0 read as a success)
         raise _PipelineExitedDuringRun(f"pipeline {str(args.pipeline)!r} called sys.exit({exc.code!r}) during the "
-                                       f"run{raised_at(exc)}") from None
+                                       f"run{where(exc, pipeline_folder(args.pipeline))}") from None
     finally:
         bar.finish()
         early_signals.install()  # where the run's handlers are gone again (not where a signal stopped it)

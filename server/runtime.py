@@ -298,11 +298,6 @@ class StreamRuntime:
         finally:
             self.rooms_opening -= 1
 
-    def services_said_failed(self) -> str:
-        """For a 503: the workers whose service says it failed before they have (a 503 had said nothing of it)."""
-        said = ((wid, w.service_says) for wid, w in self.workers.items() if isinstance(w, ModelWorker))  # not agents
-        return "; ".join(f"{worker_id}: its service says it failed ({words})" for worker_id, words in said if words)
-
     def create_session(self, request: CreateSession, *, named: tuple[str, str], image_bytes: bytes | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits.
 
@@ -311,7 +306,7 @@ class StreamRuntime:
         if not self.closing and not self.book.can_place():
             now = trio.current_time()
             reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slots.status(now).items() if why["reason"])
-            reasons = reasons or self.services_said_failed()
+            reasons = reasons or runtime_views.services_said_failed(self)
             if self.cluster is not None and not self.book.workers():  # it said nothing of agents an operator awaits
                 reasons = self.cluster.why_no_agent()
             retry = self.slots.retry_after(now)

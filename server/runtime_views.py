@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from .runtime import StreamRuntime
 
 __all__ = ["control_idle_timeout_in_force", "current_worker_views", "health", "metadata", "own_settings",
-           "publish_gauges", "session_inputs_taken", "settings_in_force", "worker_counts", "worker_views"]
+           "publish_gauges", "services_said_failed", "session_inputs_taken", "settings_in_force", "worker_counts",
+           "worker_views"]
 
 
 def current_worker_views(runtime: StreamRuntime) -> list[Any]:
@@ -38,6 +39,12 @@ def current_worker_views(runtime: StreamRuntime) -> list[Any]:
         return not isinstance(worker, ModelWorker) or runtime.slots.holding(worker) is not None
 
     return [view for view in runtime.book.workers() if current(view.worker_id)]
+
+
+def services_said_failed(runtime: StreamRuntime) -> str:
+    """For a 503: the workers whose service says it failed before they have (a 503 had said nothing of it)."""
+    said = ((wid, w.service_says) for wid, w in runtime.workers.items() if isinstance(w, ModelWorker))  # not agents
+    return "; ".join(f"{worker_id}: its service says it failed ({words})" for worker_id, words in said if words)
 
 
 def worker_counts(runtime: StreamRuntime) -> dict[str, int]:
