@@ -40,6 +40,7 @@ __all__ = [
     "Control",
     "ControlRejected",
     "ServiceEvent",
+    "check_service_event",
     "MemoryReport",
     "SessionConfig",
     "BidirectionalService",
@@ -308,6 +309,16 @@ class SessionConfig:
 
 
 EventSink = Callable[[ServiceEvent], None]
+
+
+def check_service_event(event: object) -> ServiceEvent:
+    """What a pipeline hands its ``on_event`` sink, checked where it hands it: anything else is the pipeline's bug,
+    raised into its own call (a sink that dropped it, or failed later in Python's words, named nothing)."""
+    if not isinstance(event, ServiceEvent):
+        raise PipelineContractError(
+            f"on_event takes a pipelines.contract.ServiceEvent, got {type(event).__name__} {_shown(event)}"
+        )
+    return event
 
 #: the session inputs a service may take besides its options: ``SessionConfig.prompt`` and ``SessionConfig.image_path``
 #: (an image given by path or uploaded); each is declared by the service's ``takes_<input>`` class attribute

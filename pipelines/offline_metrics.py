@@ -47,10 +47,9 @@ from typing import Any
 
 import attrs
 
-from engine.errors import shown
 from engine.metrics import LatencySummary
 
-from .contract import Chunk, PipelineContractError, ServiceEvent
+from .contract import Chunk, ServiceEvent, check_service_event
 from .mp4 import Mp4Writer
 from .timed_controls import TimedControl
 
@@ -128,9 +127,7 @@ class Recorder:
         )
 
     def event(self, event: ServiceEvent) -> None:
-        if not isinstance(event, ServiceEvent):  # the pipeline's bug, where it is made (it failed in Python's words)
-            raise PipelineContractError(f"on_event takes a pipelines.contract.ServiceEvent, got {type(event).__name__} "
-                                        f"{shown(event)}")
+        check_service_event(event)
         self.events[event.type] = self.events.get(event.type, 0) + 1
 
     def expect_scripted(self, controls: Sequence[TimedControl]) -> None:

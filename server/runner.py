@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
-from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, checked_session_id
+from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, check_service_event, checked_session_id
 from pipelines.offline_calls import telling_error
 from pipelines.pipeline_exits import exits_as_errors, pipeline_exit
 from states.room_presence import RoomPresence
@@ -375,14 +375,15 @@ class RoomRunner:
 
     def _on_service_event(self, event: ServiceEvent) -> None:
         """From the service, at any moment and from any thread: a lease change is queued for the runner's own sender
-        task. What the room has no message for (another type, a value that is no ``ServiceEvent``) is left out: it
-        raised into the pipeline's own call (an unknown ``lease_`` type), and a call from a thread of the pipeline's
-        used trio's channel from outside trio."""
+        task. A value that is no ``ServiceEvent`` is the pipeline's bug, raised into its own call (it was dropped
+        without a word); a type the room has no message for is left out (an unknown ``lease_`` type raised into the
+        pipeline's call, and a call from a thread of the pipeline's used trio's channel from outside trio)."""
+        check_service_event(event)
         if not trio.lowlevel.in_trio_run():
             with contextlib.suppress(trio.RunFinishedError):
                 self._trio_token.run_sync_soon(self._on_service_event, event)
             return
-        if not isinstance(event, ServiceEvent) or event.type not in protocol.LEASE_EVENTS or self._connection is None:
+        if event.type not in protocol.LEASE_EVENTS or self._connection is None:
             return
         position = event.data.get("queue_position")
         if type(position) is not int or position < 0:

@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from engine.supervised_child import bind_to_parent, ignore_group_stop_signals
+from pipelines.contract import check_service_event
 from pipelines.pipeline_exits import exits_as_errors
 
 from . import wire
@@ -309,6 +310,7 @@ class _Server:
 
     def _event_sink(self, call_id: int) -> Any:
         def forward(event: Any) -> None:
+            check_service_event(event)  # the pipeline's bug, raised into its own call, as in-process
             try:
                 self.post(wire.SessionEvent(call_id, _seal(event)))
             except Exception:

@@ -9,12 +9,14 @@ call from any thread reaches the room in order.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
 from pipelines.contract import ServiceEvent, SessionConfig
+from server.process_service import start_process_service
 
 from .runner_fixtures import CounterService, join, no_threads, serve, settings  # noqa: F401  (fixture)
 
@@ -46,3 +48,80 @@ async def test_lease_changes_reach_the_room_and_what_it_has_no_message_for_is_le
             assert not ctl.status("error")
             assert (await s.get(created["session_id"]))["status"] == "running"
             await ctl.wait_for(lambda p: len(p.frames()) >= 2, "frames after the events")
+
+
+class WrongEventService(CounterService):
+    """Hands its ``on_event`` sink what is no ``ServiceEvent`` (a dict, as a room message looks), from ``where``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
+        session_id = await super().create_session(config, on_event=on_event)
+        wrong = {"type": "lease_granted", "queue_position": 0}
+        if self.where == "trio":
+            on_event(wrong)
+        else:  # the model's own thread
+            await trio.to_thread.run_sync(on_event, wrong)
+        return session_id
+
+
+@pytest.mark.usefixtures("no_threads")
+@pytest.mark.parametrize("where", ["trio", "thread"])
+async def test_an_event_that_is_no_service_event_is_the_pipelines_bug_named_to_the_controller(
+    where: str, autojump_clock: Any
+) -> None:
+    """It was dropped without a word: the controller heard of no lease, and the pipeline's author of no mistake."""
+    async with serve(settings(), WrongEventService(where)) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message")
+        assert error["reason"] == "pipeline_failed", error
+        assert "on_event takes a pipelines.contract.ServiceEvent, got dict {'type': 'lease_granted'" in error["detail"]
+        assert (await s.get(created["session_id"]))["status"] == "failed"
+
+
+WRONG_EVENT_PIPELINE = """
+from contextlib import asynccontextmanager
+
+import numpy as np
+
+from pipelines.contract import BidirectionalService, Chunk
+
+
+class WrongEvent(BidirectionalService):
+    @asynccontextmanager
+    async def running(self):
+        yield self
+
+    async def create_session(self, config, *, on_event=None):
+        on_event({"type": "lease_granted", "queue_position": 0})
+        return "s1"
+
+    async def push_control(self, session_id, control):
+        pass
+
+    async def chunks(self, session_id):
+        yield Chunk(0, np.full((2, 16, 16, 3), 100, np.uint8), 10.0)
+
+    async def close_session(self, session_id):
+        pass
+
+
+def get_service(gpu_num=0):
+    return WrongEvent()
+"""
+
+
+async def test_an_event_that_is_no_service_event_is_named_from_a_worker_process(tmp_path: Path) -> None:
+    """Under ``--worker-mode process`` the child sealed it and the server's sink raised there: one log line, and the
+    controller heard of nothing."""
+    path = tmp_path / "wrong_event.py"
+    path.write_text(WRONG_EVENT_PIPELINE)
+    async with serve(settings(pipeline=str(path), worker_mode="process"), start_process_service) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message", timeout=60.0)
+        assert error["reason"] == "pipeline_failed", error
+        assert "on_event takes a pipelines.contract.ServiceEvent, got dict {'type': 'lease_granted'" in error["detail"]
