@@ -184,11 +184,12 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
 
 
 def service_failure(service: object) -> object | None:
-    """The service's ``failure`` (why it failed as a whole), or None; one whose property raises says none."""
+    """The service's ``failure`` (why it failed as a whole), or None. A ``failure`` property that raises says the
+    service is broken, in its error's words (it was taken for None: a worker served on, healthy, with no word)."""
     try:
         return getattr(service, "failure", None)
-    except Exception:
-        return None
+    except Exception as exc:
+        return f"its failure property raised {type(exc).__name__}: {exc}"
 
 
 def _task_error(exc: BaseException, block: BaseException | None) -> BaseException | None:

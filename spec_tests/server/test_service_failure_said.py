@@ -22,22 +22,29 @@ from .runner_fixtures import CounterService, join, no_threads, serve, settings, 
 
 
 class SaysItFailed(CounterService):
-    """Its ``failure`` says so while ``broken``; ``running()`` goes on regardless."""
+    """Its ``failure`` says so while ``broken`` (or, ``raising``, the property raises); ``running()`` goes on
+    regardless."""
 
-    def __init__(self) -> None:
+    def __init__(self, raising: bool = False) -> None:
         super().__init__()
         self.broken = False
+        self.raising = raising
 
     @property
     def failure(self) -> object | None:
+        if self.broken and self.raising:
+            raise RuntimeError("GPU on fire")
         return "GPU on fire" if self.broken else None
 
 
 @pytest.mark.usefixtures("no_threads")
+@pytest.mark.parametrize("raising", [False, True], ids=["says", "property-raises"])
 async def test_a_service_that_says_it_failed_and_stays_in_running_fails_its_worker_with_its_words(
-    autojump_clock: Any
+    raising: bool, autojump_clock: Any
 ) -> None:
-    service = SaysItFailed()
+    """A ``failure`` property that raises says the service is broken, in its error's words (it was taken as ``None``:
+    the worker served on, healthy, with no word of it)."""
+    service = SaysItFailed(raising)
     async with serve(settings(queue_size=0), service) as s:
         created = await s.create("ctl")
         async with join(s, created["room"], created["token"]) as ctl:
@@ -46,7 +53,8 @@ async def test_a_service_that_says_it_failed_and_stays_in_running_fails_its_work
             said_at = autojump_clock.current_time()
             await trio.sleep(2 * FAILURE_LOOK)  # bench-cost: virtual (autojump): within the grace
             status, body = await s.json("post", "/v1/stream/sessions", json={"identity": "other"})
-            assert status == 503 and "worker-0: its service says it failed (GPU on fire)" in body["detail"], body
+            said = "its failure property raised RuntimeError: GPU on fire" if raising else "GPU on fire"
+            assert status == 503 and f"worker-0: its service says it failed ({said})" in body["detail"], body
             (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message",
                                           timeout=SERVICE_FAILURE_GRACE + 30)
         took = autojump_clock.current_time() - said_at
