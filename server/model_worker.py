@@ -175,6 +175,12 @@ class ModelWorker:
         return said if isinstance(said, str) and said else repr(said)
 
     @property
+    def said_failing(self) -> str | None:
+        """:attr:`service_says` as a slot's reason and a refusal say it, or None."""
+        said = self.service_says
+        return None if said is None else f"its service says it failed ({said})"
+
+    @property
     def kind(self) -> str | None:
         return None if self.service is None else self.service.kind
 

@@ -43,8 +43,8 @@ def current_worker_views(runtime: StreamRuntime) -> list[Any]:
 
 def services_said_failed(runtime: StreamRuntime) -> str:
     """For a 503: the workers whose service says it failed before they have (a 503 had said nothing of it)."""
-    said = ((wid, w.service_says) for wid, w in runtime.workers.items() if isinstance(w, ModelWorker))  # not agents
-    return "; ".join(f"{worker_id}: its service says it failed ({words})" for worker_id, words in said if words)
+    said = ((wid, w.said_failing) for wid, w in runtime.workers.items() if isinstance(w, ModelWorker))  # not agents
+    return "; ".join(f"{worker_id}: {words}" for worker_id, words in said if words)
 
 
 def worker_counts(runtime: StreamRuntime) -> dict[str, int]:

@@ -90,7 +90,8 @@ class WorkerSlots:
                 "worker_id": None if slot.worker is None else slot.worker.worker_id,
                 "restarts": slot.tracker.restarts,
                 "state": slot.tracker.state.value,
-                "reason": slot.tracker.describe(now),
+                # a running worker whose service says it failed, before the worker fails with it: its words
+                "reason": slot.tracker.describe(now) or (None if slot.worker is None else slot.worker.said_failing),
                 "replaced": None if slot.replaced is None else {"worker_id": slot.replaced.worker_id,
                                                                  "failure": slot.replaced.failure},
             }

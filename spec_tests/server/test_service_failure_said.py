@@ -55,6 +55,8 @@ async def test_a_service_that_says_it_failed_and_stays_in_running_fails_its_work
             status, body = await s.json("post", "/v1/stream/sessions", json={"identity": "other"})
             said = "its failure property raised RuntimeError: GPU on fire" if raising else "GPU on fire"
             assert status == 503 and f"worker-0: its service says it failed ({said})" in body["detail"], body
+            slot = s.runtime.health()["worker_slots"]["worker-0"]  # it said "running", with no reason
+            assert slot["reason"] == f"its service says it failed ({said})", slot
             (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message",
                                           timeout=SERVICE_FAILURE_GRACE + 30)
         took = autojump_clock.current_time() - said_at
