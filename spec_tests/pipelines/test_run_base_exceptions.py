@@ -54,6 +54,8 @@ class Service(BidirectionalService):
                 raise Abort("in chunks")
             if index == 1 and WHERE == "generator_exit":
                 raise GeneratorExit
+            if index == 1 and WHERE == "group":
+                raise BaseExceptionGroup("two at once", [GeneratorExit(), ZeroDivisionError("division by zero")])
             yield Chunk(index, np.zeros((1, 8, 8, 3), np.uint8), 8.0)
 
     async def close_session(self, session_id):
@@ -77,6 +79,9 @@ def get_service(gpu_num=0):
     ("chunks", "the pipeline failed making chunk 1: Abort: in chunks"),
     ("close_session", "pipeline bug: close_session raised Abort: in close_session"),
     ("generator_exit", "pipeline bug: the pipeline raised GeneratorExit"),
+    # the members named (it read "BaseExceptionGroup: two at once (2 sub-exceptions)", what was raised hidden)
+    ("group", "pipeline bug: the pipeline raised BaseExceptionGroup: two at once (2 sub-exceptions): GeneratorExit; "
+              "ZeroDivisionError: division by zero"),
 ])
 def test_a_base_exception_the_pipeline_raises_is_one_line_naming_the_call(tmp_path: Path, where: str,
                                                                           told: str) -> None:
