@@ -333,6 +333,11 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
                 pass
         os._exit(code)
 
+    def on_taken(number: int) -> None:  # in trio, between the bar's lines
+        line = (f"{PREFIX}: warning: pipeline bug: the pipeline replaced the run's {signal.Signals(number).name} "
+                f"handler; the run put its own back (a stop signal stops the run in order)")
+        tell(f"\n{line}" if bar.end_line() else line)
+
     def abort(first: int) -> NoReturn:  # in a signal handler: no waiting
         if _stop_told:  # the stop had ended and said so: nothing is aborted, the command only ends now, its status
             end_at_once(128 + first, None)  # the first signal's (it said `aborted by a second signal` as well)
@@ -352,7 +357,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
                                 on_blocked=blocked, warned=met)
         try:
             summary = trio_run_until_signalled(run, service, config, controls, args.chunks, out.path, bar,
-                                               on_stop=on_stop, abort=abort)
+                                               on_stop=on_stop, abort=abort, on_taken=on_taken)
         except StoppedBySignal as stopped:
             stopped.met = tuple(met)
             raise

@@ -106,11 +106,16 @@ class StoppedBySignal(Exception):
         self.met = met
 
 
+#: how often a run looks whether the pipeline replaced its stop signals' handlers
+HANDLER_LOOK = 0.5
+
+
 async def run_until_signalled(
     run: Callable[..., Awaitable[Any]],
     *args: Any,
     on_stop: Callable[[int], None],
     abort: Callable[[int], NoReturn],
+    on_taken: Callable[[int], None] = lambda number: None,
 ) -> Any:
     """``await run(*args)`` with the stop signals handled as the module says.
 
@@ -119,7 +124,9 @@ async def run_until_signalled(
     blocking call in an ``async def``), and the user was told nothing, nor that a second signal aborts.
     ``abort(first)`` runs in the signal handler on a second one and must not return. Raises
     :class:`StoppedBySignal` when the first signal cancelled the run (even if the run then failed while stopping:
-    the user asked it to stop).
+    the user asked it to stop). A handler the pipeline puts in place of one of these (``signal.signal`` in its
+    ``running()``) is replaced by the run's again within :data:`HANDLER_LOOK`, and ``on_taken(number)`` says so once
+    a signal: the run was deaf to Ctrl-C, without a word.
     """
     token = trio.lowlevel.current_trio_token()
     scope = trio.CancelScope()
@@ -140,6 +147,8 @@ async def run_until_signalled(
 
     previous = {number: signal.signal(number, handler) for number in stop_signals()}
     early_signals.replay()  # one that came as the run started (the command deferred it): the stop begins now
+    keeping = trio.CancelScope()
+    trio.lowlevel.spawn_system_task(_keep_handlers, keeping, handler, previous, on_taken)
     try:
         with scope:
             try:
@@ -150,9 +159,25 @@ async def run_until_signalled(
                 raise
         raise StoppedBySignal(first[0])  # reached only when the first signal's cancel ended the run
     finally:
+        keeping.cancel()
         if not first:  # once stopped by a signal, the process exits with its code: a later signal aborts
             for number, old in previous.items():  # (else it could kill the process on its way out by itself)
                 signal.signal(number, old)
+
+
+async def _keep_handlers(scope: trio.CancelScope, handler: Callable[[int, Any], None], numbers: Any,
+                         on_taken: Callable[[int], None]) -> None:
+    """Put ``handler`` back on each of ``numbers`` the pipeline gave a handler of its own, saying so once each."""
+    told: set[int] = set()
+    with scope:
+        while True:
+            await trio.sleep(HANDLER_LOOK)
+            for number in numbers:
+                if signal.getsignal(number) is not handler:
+                    signal.signal(number, handler)
+                    if number not in told:
+                        told.add(number)
+                        on_taken(number)
 
 
 def _interrupt(number: int, frame: Any) -> None:
@@ -163,7 +188,8 @@ def _interrupt(number: int, frame: Any) -> None:
 
 
 def trio_run_until_signalled(run: Callable[..., Awaitable[Any]], *args: Any, on_stop: Callable[[int], None],
-                             abort: Callable[[int], NoReturn]) -> Any:
+                             abort: Callable[[int], NoReturn],
+                             on_taken: Callable[[int], None] = lambda number: None) -> Any:
     """:func:`run_until_signalled` in a trio run of its own, whose end leaves SIGINT's handler to it.
 
     trio takes SIGINT for its run when Python's default handler is in place, and puts that default back as the
@@ -173,4 +199,5 @@ def trio_run_until_signalled(run: Callable[..., Awaitable[Any]], *args: Any, on_
     """
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupt)  # as the default does, until the run puts its own in
-    return trio.run(functools.partial(run_until_signalled, run, *args, on_stop=on_stop, abort=abort))
+    return trio.run(functools.partial(run_until_signalled, run, *args, on_stop=on_stop, abort=abort,
+                                      on_taken=on_taken))
