@@ -45,6 +45,7 @@ from .chunk_publisher import ChunkPublisher, checked_metadata
 from .control_intake import CONTROL_TIMEOUT, ControlIntake
 from .cluster.identity import worker_participant
 from .lifecycle import runner_last_word
+from .loop_holds import loop_holds
 from .presence_timeouts import TIMEOUT_CAUSES, timeout_detail
 from .process_service.errors import ProcessServiceError
 from .pushed_stream import StreamStalled, close_stream, next_chunk
@@ -126,6 +127,7 @@ class RoomRunner:
         self._controller_here = trio.Event()
         self._presence: RoomPresence | None = None
         self._presence_changed = trio.Event()
+        self._holds = loop_holds()  # the presence deadlines leave out time a pipeline held the loop
         self._outbox_in, self._outbox = trio.open_memory_channel[bytes](OUTBOX_LIMIT)
         self._trio_token = trio.lowlevel.current_trio_token()  # a service event from another thread comes in by it
         self.dropped_service_events = 0
@@ -216,7 +218,7 @@ class RoomRunner:
         self._connection = await deps.transport.connect(record.room, self.identity, token, timeout=CONNECT_TIMEOUT)
         self._publisher = ChunkPublisher(self._connection, deps.metrics, record.session_id, self._stop)
         self._presence = RoomPresence(record.controller_identity, deps.controller_timeout, deps.room_empty_timeout,
-                                      trio.current_time())
+                                      self._holds.now())
         side_tasks.start_soon(self._watch_room, side_tasks)
         side_tasks.start_soon(self._enforce_timeouts)
         await self._wait_for_controller()
@@ -251,10 +253,10 @@ class RoomRunner:
         while True:
             changed = self._presence_changed
             nearest = presence.deadline()
-            with trio.move_on_at(math.inf if nearest is None else nearest[0]):
+            with self._holds.deadline(math.inf if nearest is None else nearest[0]):
                 await changed.wait()
                 continue
-            timer = presence.due(trio.current_time())
+            timer = presence.due(self._holds.now())
             if timer is not None:
                 deps = self.deps
                 self.drain(TIMEOUT_CAUSES[timer], timeout_detail(
@@ -347,7 +349,7 @@ class RoomRunner:
             if isinstance(event, ParticipantJoined):
                 self._joined(event.identity, side_tasks)
             elif isinstance(event, ParticipantLeft):
-                presence.left(event.identity, trio.current_time())
+                presence.left(event.identity, self._holds.now())
                 if not self.deps.room_followed:
                     record.participants.discard(event.identity)
                 self._presence_moved()
@@ -356,7 +358,7 @@ class RoomRunner:
 
     def _joined(self, identity: str, side_tasks: trio.Nursery) -> None:
         assert self._presence is not None and self._connection is not None
-        self._presence.joined(identity, trio.current_time())
+        self._presence.joined(identity, self._holds.now())
         # a followed (local) room's door holds the seats, by role; elsewhere (LiveKit) a joiner is checked here, once
         # (LiveKit may tell one join twice), unless an agent's authority checks it (checks_seats)
         new = not self.deps.room_followed and identity not in self.record.participants

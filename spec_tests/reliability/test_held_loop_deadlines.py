@@ -5,7 +5,8 @@ nothing is read, answered or written meanwhile. The front's deadlines ran on tha
 each one that fell inside the hold fired, and clients were blamed for the server's pause. A request whose head and
 body had arrived in time was answered ``408``; a controller that answered every ping was closed as silent. Now
 :mod:`server.loop_holds` takes each hold out of those deadlines (and out of the answer deadline, which had answered
-such a create ``504`` while its handler made the session: ``test_held_loop_stops.py``).
+such a create ``504`` while its handler made the session: ``test_held_loop_stops.py``), and out of a room's wait
+for its controller, which failed a session whose controller came during a hold.
 """
 
 from __future__ import annotations
@@ -136,6 +137,37 @@ def test_a_controller_that_answers_pings_is_not_sent_away_for_a_hold() -> None:
         assert not closed and "no answer to pings" not in log, (closed, log)
         sock.shutdown(socket.SHUT_RDWR)
         reader.join(10)
+        sock.close()
+    finally:
+        server.end()
+
+
+CONTROLLER_WAIT = 4.0  # --controller-timeout: seconds a new room waits for its controller
+PAST_THE_WAIT = CONTROLLER_WAIT + 5  # seconds the loop is held
+
+
+def test_a_controller_that_joins_as_a_hold_ends_is_not_counted_late() -> None:
+    """A room's wait for its controller leaves out a hold: a controller that came 1 s after the session was made and
+    found the loop held 9 s joins as the loop is back. Before, the 4 s wait had passed inside the hold, and the session
+    failed ``the controller 'player' did not join within 4 s`` the moment the loop ran again."""
+    server = Server([*STREAM_SERVE, "--max-sessions-per-worker", "2", "--controller-timeout", str(CONTROLLER_WAIT)])
+    try:
+        url = server.ready()
+        created = httpx.post(f"{url}/v1/stream/sessions", json={"identity": "player"}, timeout=30).json()
+        assert "websocket_path" in created, created
+        answered: list[int] = []
+        holder = hold(url, PAST_THE_WAIT, answered)
+        server.until(re.compile(rb"holding the loop\n"), 30.0)
+        sock = connect(url)  # the controller comes during the hold: its join is read once the loop is back
+        ws = WSConnection(ConnectionType.CLIENT)
+        sock.sendall(ws.send(Request(host="x", target=f"{created['websocket_path']}?token={created['token']}")))
+        holder.join(PAST_THE_WAIT + 60)
+        assert answered == [200], server.log.decode(errors="replace")
+        session = f"{url}/v1/stream/sessions/{created['session_id']}"
+        deadline = time.monotonic() + 30
+        while (view := httpx.get(session, timeout=30).json())["status"] != "running" and time.monotonic() < deadline:
+            time.sleep(0.1)  # bench-cost: the session's start, polled over HTTP as a client would
+        assert view["status"] == "running", (view, server.log.decode(errors="replace"))
         sock.close()
     finally:
         server.end()
