@@ -71,7 +71,10 @@ def child_visible_devices(ids: Sequence[int], environ: Mapping[str, str] = os.en
 def agent_devices(ids: Sequence[int], environ: Mapping[str, str] = os.environ) -> tuple[str, tuple[int, ...]]:
     """What an agent started with the group ``ids`` (this process's view) gets: its ``CUDA_VISIBLE_DEVICES``, and
     its ``--devices``, the GPU ids that variable lists (so the agent finds each there), or, where it lists them by
-    another name (a UUID), the agent's own 0, 1, ..."""
+    another name (a UUID), the agent's own 0, 1, ... No group (no ``--worker-gpu-map``) is no devices, as an
+    in-process worker has none (each agent was handed GPU 0 and ``gpu_num=1``)."""
+    if not ids:
+        return "", ()
     visible = child_visible_devices(ids, environ)
     entries = visible.split(",")
     if all(entry.isascii() and entry.isdigit() for entry in entries):
