@@ -22,8 +22,9 @@ from typing import Final
 __all__ = ["KINDS", "ServerFolder", "folder_prefix", "remove_stale_folders"]
 
 #: what a server keeps on disk, one folder of each (made when first needed); ``agent``: a worker agent's copies
-#: of its sessions' images
-KINDS: Final = ("uploads", "front", "agent")
+#: of its sessions' images; ``launcher``: where the local launcher's agents tell a failed load, ``ray``: the same
+#: for the agent a Ray actor runs (a SIGKILL left them, unnamed by a process id, for good)
+KINDS: Final = ("uploads", "front", "agent", "launcher", "ray")
 
 
 def folder_prefix(kind: str) -> str:

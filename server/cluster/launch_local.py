@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from states.stream_session import DrainCause
 
 from ..gpu_devices import agent_devices
 from ..reasons import echo
+from ..server_folders import ServerFolder
 from . import wire
 from .backoff import EXIT_REFUSED, await_goodbye, back_off, stays_down
 from .load_failures import LOAD_FAILURE_ENV, read_load_failure
@@ -125,18 +125,19 @@ class LocalLauncher:
         self.expected = len(self.slots)
         self._authority: ClusterAuthority | None = None
         self.pids: list[int] = []  # every agent process started (tests check none survives)
-        self._notes = tempfile.gettempdir()  # run() makes a folder of its own
+        self._folder = ServerFolder("launcher")  # where each slot's agent tells a failed load
+        self._notes = tempfile.gettempdir()  # run() makes the folder
 
     async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._authority = authority
-        self._notes = tempfile.mkdtemp(prefix="chunkline-launcher-")  # where each slot's agent tells a failed load
+        self._notes = self._folder.make()
         try:
             async with trio.open_nursery() as nursery:
                 for slot in self.slots:
                     nursery.start_soon(self._keep, slot)
                 task_status.started()
         finally:
-            shutil.rmtree(self._notes, ignore_errors=True)
+            self._folder.remove()
 
     def _load_failure_file(self, slot: _Slot) -> str:
         return os.path.join(self._notes, f"slot-{slot.name}.json")

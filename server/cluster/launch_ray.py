@@ -69,12 +69,12 @@ class AgentActor:
             told: LoadFailure | None = None) -> tuple[int, LoadFailure | None]:
         """``told``: how the slot's last agent failed its load (the agent then logs a repeat without its traceback)."""
         import ctypes
-        import shutil
         import signal
         import subprocess
-        import tempfile
 
         import ray
+
+        from server.server_folders import ServerFolder  # in the actor's process
 
         gpus = [str(int(g)) for g in ray.get_gpu_ids()]
         env = dict(env)
@@ -86,7 +86,8 @@ class AgentActor:
         def die_with_the_actor() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
-        notes = tempfile.mkdtemp(prefix="chunkline-agent-")
+        folder = ServerFolder("ray")  # the actor's own, named by its process id: a killed actor's goes at the next
+        notes = folder.make()
         try:
             env[LOAD_FAILURE_ENV] = path = os.path.join(notes, "load-failure.json")
             if told is not None:
@@ -95,7 +96,7 @@ class AgentActor:
                                             preexec_fn=die_with_the_actor)
             return self.process.wait(), read_load_failure(path)
         finally:
-            shutil.rmtree(notes, ignore_errors=True)
+            folder.remove()
 
 
 @attrs.define(eq=False)

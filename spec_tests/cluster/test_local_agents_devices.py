@@ -50,3 +50,26 @@ def test_local_agents_without_a_gpu_map_get_no_gpu(tmp_path: Path) -> None:
     finally:
         server.end()
         del os.environ["NOTING_WORLD_NOTES"]
+
+
+def test_what_a_killed_local_authority_left_on_disk_goes_with_the_next_one(tmp_path: Path) -> None:
+    """The local launcher's folder (where its agents tell a failed load) was named by no process id: a SIGKILLed
+    authority's stayed for good (112 of them had gathered on one host). The next server removes it, as it removes a
+    killed server's other folders."""
+    pipeline = tmp_path / "noting_world.py"
+    pipeline.write_text(NOTING_WORLD)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    os.environ["NOTING_WORLD_NOTES"] = str(tmp_path / "notes.txt")
+    os.environ["TMPDIR"] = str(temporary)  # the servers' temporary directory, and their agents'
+    try:
+        for _ in range(2):
+            server = Server(["-m", "server.cli", "stream-serve", str(pipeline), "--port", "0", "--workers", "local"])
+            try:
+                server.ready()
+                folders = sorted(path.name for path in temporary.glob("chunkline-launcher-*"))
+                assert len(folders) == 1 and folders[0].startswith(f"chunkline-launcher-{server.popen.pid}-"), folders
+            finally:
+                server.end()  # a SIGKILL: nothing of the server's runs
+    finally:
+        del os.environ["NOTING_WORLD_NOTES"], os.environ["TMPDIR"]
