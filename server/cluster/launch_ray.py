@@ -132,21 +132,38 @@ class RayLauncher:
         import ray
 
         self._authority = authority
-        await trio.to_thread.run_sync(
-            partial(ray.init, address=self.address, namespace=NAMESPACE, include_dashboard=False,
-                    log_to_driver=True, ignore_reinit_error=True, configure_logging=False)
-        )
+        # the server starts serving while Ray connects (its slots are starting): Ray's connect to an address where
+        # nothing answers goes on for minutes, and the server's start waited for it, deaf to a stop until hypercorn
+        # gave up on the start (a traceback); a stop now leaves the connect behind, the process on its way out
+        task_status.started()
+        where = self.address or "a new local Ray"
+        log.info("cluster: connecting to Ray at %s", where)
+        try:
+            await trio.to_thread.run_sync(
+                partial(ray.init, address=self.address, namespace=NAMESPACE, include_dashboard=False,
+                        log_to_driver=True, ignore_reinit_error=True, configure_logging=False),
+                abandon_on_cancel=True,
+            )
+        except Exception as exc:  # every slot gives up, saying why (health, the queued sessions' end)
+            self._unreachable(f"could not connect to Ray at {where}: {type(exc).__name__}: {exc}")
+            return
+        log.info("cluster: connected to Ray")
         self._actor_class = ray.remote(max_restarts=0, max_concurrency=2)(AgentActor)
         try:
             async with trio.open_nursery() as nursery:
                 for slot in self.slots:
                     nursery.start_soon(self._keep, slot)
-                task_status.started()
         finally:
             with trio.CancelScope(shield=True):
                 for slot in self.slots:
                     await trio.to_thread.run_sync(self._release, slot)
                 await trio.to_thread.run_sync(ray.shutdown)
+
+    def _unreachable(self, why: str) -> None:
+        log.error("cluster: %s; no agent is placed", why)
+        for slot in self.slots:
+            slot.restarts.failure(trio.current_time(), why, permanent=True)
+            stays_down(self._authority, slot.restarts, f"ray slot {slot.name}", DrainCause.WORKER_FAILED)
 
     def _command(self) -> list[str]:
         assert self._authority is not None
