@@ -42,10 +42,10 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 def _split_host(netloc: str) -> tuple[str, int | None]:
     """``host[:port]`` (a bracketed IPv6 address too) as its lower-cased host and its port, None when not given."""
-    parts = urlsplit(f"//{netloc}")
     try:
+        parts = urlsplit(f"//{netloc}")
         return (parts.hostname or ""), parts.port
-    except ValueError:  # a port that is not a number
+    except ValueError:  # a port that is not a number, a bracket left open ("[::1"): a name no page is at
         return netloc.lower(), None
 
 
@@ -65,7 +65,10 @@ def page_refusal(origin: str, host: str | None, allowed: tuple[str, ...], names:
     ``allowed`` (``*``: any); with ``names`` (an open server), this server's own name must be one of them."""
     if origin in allowed or "*" in allowed:
         return None
-    page = urlsplit(origin)
+    try:
+        page = urlsplit(origin)
+    except ValueError:  # "http://[::1": a 500 with a traceback, before the API key was checked
+        return f"its Origin {echo(origin)} is not a page's address"
     if page.scheme in _DEFAULT_PORTS and page.netloc and host:
         page_host, page_port = _split_host(page.netloc)
         own_host, own_port = _split_host(host)

@@ -461,3 +461,4 @@ async def test_a_web_page_of_another_origin_cannot_make_a_visitors_browser_chang
         # with an API key a rebound page cannot use the API anyway, so a server's own name is any name
         headers = {"Origin": "http://rebound.example:8088", "Host": "rebound.example:8088", "Authorization": "Bearer a-key"}
         assert (await s.json("post", SESSIONS, json={"identity": "ctl"}, headers=headers))[0] == 200
+
