@@ -251,7 +251,17 @@ class RoomSocket:
                     return event  # frames that came with the head are parsed as the socket's pace allows
         except RemoteProtocolError as exc:
             return exc
+        except UnicodeDecodeError:  # wsproto decodes a list header (Connection, Sec-WebSocket-Protocol) as ASCII
+            return RemoteProtocolError(f"{self._non_ascii_header()} holds a byte that is not ASCII",
+                                       event_hint=RejectConnection(status_code=400))
         return RemoteProtocolError("the request head is incomplete", event_hint=RejectConnection())
+
+    def _non_ascii_header(self) -> str:
+        """The name of the head's first field holding a byte past ASCII (it was a closed connection, nothing said)."""
+        for line in self._head.split(b"\r\n")[1:]:
+            if not line.isascii():
+                return f"the header {echo(line.partition(b':')[0].decode('ascii', 'replace'))}"
+        return "a header"
 
     def _versions_asked(self) -> str:
         """The ``Sec-WebSocket-Version`` values of the head, as a client can read them back."""

@@ -343,6 +343,27 @@ async def test_a_malformed_origin_or_host_is_a_403_naming_it_not_a_500(api_key: 
             await stream.aclose()
 
 
+HANDSHAKE = (b"GET /v1/rooms/chunkline-x/ws?token=x HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+             b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n")
+
+
+@pytest.mark.parametrize(("head", "named"), [
+    (HANDSHAKE + b"Sec-WebSocket-Protocol: a, \xff\r\n\r\n", b"Sec-WebSocket-Protocol"),
+    (HANDSHAKE + b"Sec-WebSocket-Extensions: x\xe9\r\n\r\n", b"Sec-WebSocket-Extensions"),
+    (HANDSHAKE.replace(b"Connection: Upgrade", b"Connection: Upgrade, \xff") + b"\r\n", b"Connection"),
+], ids=["protocol", "extensions", "connection"])
+async def test_a_handshake_header_past_ascii_is_a_400_naming_it(head: bytes, named: bytes) -> None:
+    """wsproto decoded those list headers as ASCII and raised: the connection was closed with nothing sent back, and
+    a traceback logged."""
+    async with running() as server:
+        stream = await server.raw()
+        await stream.send_all(head)
+        answer = await closed_by_server(stream)
+        assert answer.startswith(b"HTTP/1.1 400") and b'"bad_websocket_handshake"' in answer, answer
+        assert b"the header '%s' holds a byte that is not ASCII" % named in answer, answer
+        await stream.aclose()
+
+
 async def test_a_client_that_never_reads_its_response_cannot_hold_it() -> None:
     async with running() as server:
         sock = socket.socket()
