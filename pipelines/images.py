@@ -79,18 +79,37 @@ def _bmp(data: bytes) -> tuple[int, int] | None:
 
 
 def _webp(data: bytes) -> tuple[int, int] | None:
-    if data[:4] != b"RIFF" or data[8:12] != b"WEBP" or len(data) < 30:
+    """The largest size any of the file's headers declares: an extended file's canvas (``VP8X``) may say 100 x 100
+    over a bitstream (``VP8L``, ``VP8 ``, a frame's ``ANMF``) that decodes at 16000 x 16000, and the decoder makes
+    the bitstream's (50 bytes decoded to 1 GB). None when no image data is found in ``data``."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WEBP":
         return None
-    kind = data[12:16]
-    if kind == b"VP8X":
-        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
-    if kind == b"VP8L" and data[20] == 0x2F:
-        bits = int.from_bytes(data[21:25], "little")
-        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
-    if kind == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
-        width, height = struct.unpack("<HH", data[26:30])
-        return width & 0x3FFF, height & 0x3FFF
-    return None
+    sizes = _webp_sizes(data, 12)
+    if not sizes or not any(kind != b"VP8X" for kind, _ in sizes):  # a canvas alone: its image is not in the head
+        return None
+    return max(size[0] for _, size in sizes), max(size[1] for _, size in sizes)
+
+
+def _webp_sizes(data: bytes, at: int, depth: int = 0) -> list[tuple[bytes, tuple[int, int]]]:
+    """The sizes declared by the chunks from ``at`` on (an animation frame's chunks within it, once)."""
+    found: list[tuple[bytes, tuple[int, int]]] = []
+    while at + 8 <= len(data):
+        kind = data[at : at + 4]
+        length = int.from_bytes(data[at + 4 : at + 8], "little")
+        payload = data[at + 8 : at + 8 + length]
+        if kind == b"VP8X" and len(payload) >= 10:
+            found.append((kind, (1 + int.from_bytes(payload[4:7], "little"), 1 + int.from_bytes(payload[7:10], "little"))))
+        elif kind == b"VP8L" and len(payload) >= 5 and payload[0] == 0x2F:
+            bits = int.from_bytes(payload[1:5], "little")
+            found.append((kind, (1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF))))
+        elif kind == b"VP8 " and len(payload) >= 10 and payload[3:6] == b"\x9d\x01\x2a":
+            width, height = struct.unpack("<HH", payload[6:10])
+            found.append((kind, (width & 0x3FFF, height & 0x3FFF)))
+        elif kind == b"ANMF" and len(payload) >= 16 and depth == 0:
+            found.append((kind, (1 + int.from_bytes(payload[6:9], "little"), 1 + int.from_bytes(payload[9:12], "little"))))
+            found += _webp_sizes(payload, 16, depth + 1)
+        at += 8 + length + (length & 1)
+    return found
 
 
 _SOF_MARKERS: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -100,6 +119,7 @@ def _jpeg(data: bytes) -> tuple[int, int] | None:
     if data[:2] != b"\xff\xd8":
         return None
     at = 2
+    sizes: list[tuple[int, int]] = []
     while at + 4 <= len(data):
         if data[at] != 0xFF:
             return None
@@ -115,11 +135,14 @@ def _jpeg(data: bytes) -> tuple[int, int] | None:
             if at + 9 > len(data):
                 return None
             height, width = struct.unpack(">HH", data[at + 5 : at + 9])
-            return width, height
-        if length < 2:
-            return None
+            sizes.append((width, height))
+        if marker == 0xDA or length < 2:  # the scan's coded data follows: no more segments to walk
+            break
         at += 2 + length
-    return None
+    if not sizes:
+        return None
+    # every frame header before the scan, the largest: a second one, larger, was the decoder's (as a WebP's bitstream)
+    return max(width for width, _ in sizes), max(height for _, height in sizes)
 
 
 _FORMATS: Final = (("png", _png), ("jpeg", _jpeg), ("gif", _gif), ("bmp", _bmp), ("webp", _webp))

@@ -43,6 +43,28 @@ def jpeg_header(width: int, height: int) -> bytes:
     return b"\xff\xd8" + app0 + sof + b"\xff\xd9"
 
 
+def webp_over(canvas: tuple[int, int], bitstream: tuple[int, int], *, framed: bool = False) -> bytes:
+    """An extended WebP whose canvas (``VP8X``) says ``canvas`` over a lossless bitstream (``VP8L``) of ``bitstream``
+    (in an animation frame, ``ANMF``, when ``framed``): the decoder makes the bitstream's size."""
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return kind + struct.pack("<I", len(payload)) + payload + b"\x00" * (len(payload) & 1)
+
+    def size24(width: int, height: int) -> bytes:
+        return (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+
+    width, height = bitstream
+    lossless = chunk(b"VP8L", b"\x2f" + ((width - 1) | (height - 1) << 14).to_bytes(4, "little") + b"\x00" * 8)
+    image = chunk(b"ANMF", b"\x00" * 6 + size24(*bitstream) + b"\x00" * 4 + lossless) if framed else lossless
+    body = b"WEBP" + chunk(b"VP8X", b"\x00" * 4 + size24(*canvas)) + image
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def jpeg_refined(first: tuple[int, int], second: tuple[int, int]) -> bytes:
+    """A JPEG with two frame headers before its scan, the second larger: the decoder takes the second."""
+    one, two = jpeg_header(*first)[:-2], jpeg_header(*second)[2:-2]
+    return one + two[two.index(b"\xff\xc0"):] + b"\xff\xda" + struct.pack(">H", 2) + b"\xff\xd9"
+
+
 def nested(depth: int) -> Any:
     value: Any = "x"
     for _ in range(depth):
@@ -55,8 +77,12 @@ def nested(depth: int) -> Any:
 
 @pytest.mark.parametrize(
     "image",
-    [png_header(60000, 60000), png_header(MAX_IMAGE_SIDE + 1, 8), jpeg_header(30000, 20000)],
-    ids=["png-60000", "png-one-over-the-side", "jpeg-30000x20000"],
+    [png_header(60000, 60000), png_header(MAX_IMAGE_SIDE + 1, 8), jpeg_header(30000, 20000),
+     # a small size said first over a large one the decoder makes (a 50-byte WebP decoded to 16000 x 16000: 1 GB)
+     webp_over((100, 100), (16000, 16000)), webp_over((100, 100), (16000, 16000), framed=True),
+     jpeg_refined((100, 100), (16000, 16000))],
+    ids=["png-60000", "png-one-over-the-side", "jpeg-30000x20000", "webp-canvas-over-bitstream",
+         "webp-canvas-over-frame", "jpeg-second-frame-header"],
 )
 async def test_an_image_bomb_is_refused_from_its_header(image: bytes) -> None:
     async with serve() as s:
