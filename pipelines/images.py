@@ -98,7 +98,7 @@ def _webp_sizes(data: bytes, at: int, depth: int = 0) -> list[tuple[bytes, tuple
         length = int.from_bytes(data[at + 4 : at + 8], "little")
         payload = data[at + 8 : at + 8 + length]
         if kind == b"VP8X" and len(payload) >= 10:
-            found.append((kind, (1 + int.from_bytes(payload[4:7], "little"), 1 + int.from_bytes(payload[7:10], "little"))))
+            found.append((kind, (_side(payload[4:7]), _side(payload[7:10]))))
         elif kind == b"VP8L" and len(payload) >= 5 and payload[0] == 0x2F:
             bits = int.from_bytes(payload[1:5], "little")
             found.append((kind, (1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF))))
@@ -106,10 +106,15 @@ def _webp_sizes(data: bytes, at: int, depth: int = 0) -> list[tuple[bytes, tuple
             width, height = struct.unpack("<HH", payload[6:10])
             found.append((kind, (width & 0x3FFF, height & 0x3FFF)))
         elif kind == b"ANMF" and len(payload) >= 16 and depth == 0:
-            found.append((kind, (1 + int.from_bytes(payload[6:9], "little"), 1 + int.from_bytes(payload[9:12], "little"))))
+            found.append((kind, (_side(payload[6:9]), _side(payload[9:12]))))
             found += _webp_sizes(payload, 16, depth + 1)
         at += 8 + length + (length & 1)
     return found
+
+
+def _side(field: bytes) -> int:
+    """A WebP canvas or frame side: 24 bits, little-endian, one less than the side."""
+    return 1 + int.from_bytes(field, "little")
 
 
 _SOF_MARKERS: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}

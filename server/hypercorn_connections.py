@@ -36,7 +36,6 @@ import trio
 __all__ = ["HeldStream", "bound_writes", "release_closed_connections"]
 
 _RELEASES = "_chunkline_releases_closed_connections"
-_WRAPS_STREAMS = "_chunkline_wraps_streams"
 
 #: the write deadline of every connection from now on (:func:`bound_writes`); None: none
 _write_deadline: float | None = None
@@ -141,15 +140,14 @@ def release_closed_connections() -> bool:
                 with trio.CancelScope(shield=True):  # the timer must stop however the reading ended
                     await idle_task.stop()
 
-    async def sending_unless_read_all(self: Any, event: Any, _send: Callable[[Any, Any], Awaitable[None]] = protocol_send,
-                                      ) -> None:
+    async def sending_unless_read_all(self: Any, event: Any,
+                                      _send: Callable[[Any, Any], Awaitable[None]] = protocol_send) -> None:
         # an answer ended after the reader did (ended by a failed write): its keep-alive timer, started again, held
         # the connection open for the whole keep-alive time with nothing left to read
         if isinstance(event, Updated) and event.idle and isinstance(self.stream, HeldStream) and self.stream.read_all:
             return
         await _send(self, event)
 
-    setattr(init_with_a_held_stream, _WRAPS_STREAMS, True)
     setattr(reading_then_stopping_the_timer, _RELEASES, True)
     TCPServer.__init__ = init_with_a_held_stream
     TCPServer._read_data = reading_then_stopping_the_timer

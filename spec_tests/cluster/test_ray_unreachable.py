@@ -28,8 +28,9 @@ STOP_DEADLINE = 30.0  # wall seconds for the stop to end the process
 
 def test_a_stop_while_ray_does_not_answer_ends_the_server_at_once() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    argv = unshare_or_skip("-rn", LOOPBACK_ONLY, sys.executable, "-m", "server.cli", "stream-serve", "pipelines/toy_world",
-                           "--port", "47170", "--workers", "ray", "--ray-address", "127.0.0.1:47171")  # nothing there
+    argv = unshare_or_skip("-rn", LOOPBACK_ONLY, sys.executable, "-m", "server.cli", "stream-serve",
+                           "pipelines/toy_world", "--port", "47170", "--workers", "ray",
+                           "--ray-address", "127.0.0.1:47171")  # nothing listens there
     server = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, start_new_session=True)
     log = b""

@@ -48,7 +48,8 @@ def get_service(gpu_num=0):
 """
 
 
-@pytest.mark.parametrize(("number", "words"), [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated (SIGTERM)")],
+@pytest.mark.parametrize(("number", "words"),
+                         [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated (SIGTERM)")],
                          ids=["SIGINT", "SIGTERM"])
 def test_a_pipeline_that_replaces_the_stop_handlers_does_not_make_the_run_deaf(tmp_path: Path, number: int,
                                                                                 words: str) -> None:

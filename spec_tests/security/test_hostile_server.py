@@ -323,7 +323,8 @@ async def test_a_slow_head_is_timed_out_and_an_oversized_head_refused() -> None:
 
 
 MALFORMED_PAGES = [  # (Origin, Host): a bracket left open, or holding what is no address
-    (b"http://[::1", b"127.0.0.1"), (b"http://[zz]:1", b"127.0.0.1"), (b"http://127.0.0.1", b"["), (b"http://x", b"[::1"),
+    (b"http://[::1", b"127.0.0.1"), (b"http://[zz]:1", b"127.0.0.1"),
+    (b"http://127.0.0.1", b"["), (b"http://x", b"[::1"),
 ]
 
 
@@ -334,8 +335,9 @@ async def test_a_malformed_origin_or_host_is_a_403_naming_it_not_a_500(api_key: 
     async with running(api_key=api_key) as server:
         for origin, host in MALFORMED_PAGES:
             stream = await server.raw()
-            await stream.send_all(b"POST /v1/stream/sessions HTTP/1.1\r\nHost: %s\r\nOrigin: %s\r\nContent-Type: "
-                                  b"application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}" % (host, origin))
+            await stream.send_all(b"POST /v1/stream/sessions HTTP/1.1\r\nHost: %s\r\nOrigin: %s\r\n"
+                                  b"Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n"
+                                  b"\r\n{}" % (host, origin))
             answer = await closed_by_server(stream)
             assert answer.startswith(b"HTTP/1.1 403") and b'"forbidden_origin"' in answer, answer
             if origin.startswith(b"http://["):
