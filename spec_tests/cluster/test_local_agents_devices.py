@@ -9,6 +9,8 @@ its real agent processes.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +37,7 @@ def test_local_agents_without_a_gpu_map_get_no_gpu(tmp_path: Path) -> None:
     pipeline.write_text(NOTING_WORLD)
     notes = tmp_path / "notes.txt"
     os.environ["NOTING_WORLD_NOTES"] = str(notes)  # the server's environment, and so its agents'
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    visible = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # the server's own view: every GPU, or none here
     server = Server(["-m", "server.cli", "stream-serve", str(pipeline), "--port", "0", "--workers", "local",
                      "--num-workers", "2"])
     try:
@@ -50,6 +52,8 @@ def test_local_agents_without_a_gpu_map_get_no_gpu(tmp_path: Path) -> None:
     finally:
         server.end()
         del os.environ["NOTING_WORLD_NOTES"]
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def test_what_a_killed_local_authority_left_on_disk_goes_with_the_next_one(tmp_path: Path) -> None:
@@ -58,10 +62,10 @@ def test_what_a_killed_local_authority_left_on_disk_goes_with_the_next_one(tmp_p
     killed server's other folders."""
     pipeline = tmp_path / "noting_world.py"
     pipeline.write_text(NOTING_WORLD)
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
+    # the servers' temporary directory, and their agents': short (pytest's own is too long for the front's socket)
+    temporary = Path(tempfile.mkdtemp(prefix="cl-"))
     os.environ["NOTING_WORLD_NOTES"] = str(tmp_path / "notes.txt")
-    os.environ["TMPDIR"] = str(temporary)  # the servers' temporary directory, and their agents'
+    os.environ["TMPDIR"] = str(temporary)
     try:
         for _ in range(2):
             server = Server(["-m", "server.cli", "stream-serve", str(pipeline), "--port", "0", "--workers", "local"])
@@ -73,3 +77,4 @@ def test_what_a_killed_local_authority_left_on_disk_goes_with_the_next_one(tmp_p
                 server.end()  # a SIGKILL: nothing of the server's runs
     finally:
         del os.environ["NOTING_WORLD_NOTES"], os.environ["TMPDIR"]
+        shutil.rmtree(temporary, ignore_errors=True)

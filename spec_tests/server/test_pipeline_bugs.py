@@ -251,7 +251,9 @@ VALUE_CASES = [
     ("return child_only_mod.Thing()",
      "pipeline bug: the value create_session returned in the worker process does not load in the server process: "
      "child_only_mod.Thing cannot be imported: ModuleNotFoundError: No module named 'child_only_mod'"),
-    ("on_event(child_only_mod.FailsToLoad()); return 'only'",
+    # an event (a ServiceEvent: anything else is refused in the worker process) holding a value that does not load
+    ("from pipelines.contract import ServiceEvent; "
+     "on_event(ServiceEvent('only', 'lease_queued', {'why': child_only_mod.FailsToLoad()})); return 'only'",
      "pipeline bug: an event of the session from the worker process does not load in the server process: loading it "
      "raised ValueError: invalid literal for int() with base 10: 'not a number' (the last name it loaded: builtins.int)"),
 ]
@@ -278,7 +280,7 @@ import child_only_mod
 import numpy as np
 import trio
 
-from pipelines.contract import BidirectionalService, Chunk
+from pipelines.contract import BidirectionalService, Chunk, ServiceEvent
 
 
 class Held:  # a class of the pipeline's own file, which the server process cannot import
@@ -301,7 +303,7 @@ class OneSlot(BidirectionalService):
         if self.sessions:
             raise RuntimeError(f"no free slot: {len(self.sessions)} session(s) still hold it")
         if config.prompt == "late":
-            on_event("creating")
+            on_event(ServiceEvent("late", "creating"))
             try:
                 await trio.sleep_forever()
             except trio.Cancelled:
