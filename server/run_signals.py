@@ -34,8 +34,8 @@ from engine.tensor_channel_refs import unlink_every_owned_segment
 from . import early_signals
 from .early_signals import STOP_SIGNALS, stop_signals
 
-__all__ = ["StoppedBySignal", "exit_now", "exit_on_stop_signals", "note_stop_signal", "run_until_signalled",
-           "stop_signal_came", "trio_run_until_signalled"]
+__all__ = ["StoppedBySignal", "exit_now", "exit_on_stop_signals", "keep_handlers", "note_stop_signal",
+           "run_until_signalled", "stop_signal_came", "trio_run_until_signalled"]
 
 _stopped_by_signal = False
 
@@ -148,7 +148,7 @@ async def run_until_signalled(
     previous = {number: signal.signal(number, handler) for number in stop_signals()}
     early_signals.replay()  # one that came as the run started (the command deferred it): the stop begins now
     keeping = trio.CancelScope()
-    trio.lowlevel.spawn_system_task(_keep_handlers, keeping, handler, previous, on_taken)
+    trio.lowlevel.spawn_system_task(keep_handlers, keeping, dict.fromkeys(previous, handler), on_taken)
     try:
         with scope:
             try:
@@ -165,14 +165,15 @@ async def run_until_signalled(
                 signal.signal(number, old)
 
 
-async def _keep_handlers(scope: trio.CancelScope, handler: Callable[[int, Any], None], numbers: Any,
-                         on_taken: Callable[[int], None]) -> None:
-    """Put ``handler`` back on each of ``numbers`` the pipeline gave a handler of its own, saying so once each."""
+async def keep_handlers(scope: trio.CancelScope, handlers: dict[int, Any], on_taken: Callable[[int], None]) -> None:
+    """Until ``scope`` is cancelled: every :data:`HANDLER_LOOK`, put back each of ``handlers`` (signal -> handler)
+    that a pipeline replaced with one of its own (``signal.signal`` in its ``running()``), saying so once each with
+    ``on_taken(number)``."""
     told: set[int] = set()
     with scope:
         while True:
             await trio.sleep(HANDLER_LOOK)
-            for number in numbers:
+            for number, handler in handlers.items():
                 if signal.getsignal(number) is not handler:
                     signal.signal(number, handler)
                     if number not in told:
