@@ -14,6 +14,10 @@ def one_line(text: str) -> str:
 #: 100 KB on the terminal, burying everything before it
 MOST_ERROR_CHARACTERS = 2000
 
+#: the most members of a group an error line names, and how deep in groups within groups
+MOST_GROUP_MEMBERS = 3
+MOST_GROUP_DEPTH = 3
+
 
 def error_words(exc: BaseException) -> str:
     """What ``exc`` says, on one line, cut past :data:`MOST_ERROR_CHARACTERS` (saying how much was left out)."""
@@ -37,8 +41,3 @@ def error_line(exc: BaseException, _depth: int = 0) -> str:
         more = f"; and {len(members) - MOST_GROUP_MEMBERS} more" if len(members) > MOST_GROUP_MEMBERS else ""
         line = _cut(f"{line}: {named}{more}")  # groups within groups: still one bounded line
     return line
-
-
-#: the most members of a group an error line names, and how deep in groups within groups
-MOST_GROUP_MEMBERS = 3
-MOST_GROUP_DEPTH = 3

@@ -186,22 +186,23 @@ def chunkline_folders() -> tuple[Path, ...]:
             *(Path(found).resolve() for found in libraries if found))
 
 
-def where(exc: BaseException, folder: Path) -> str:
+def where(exc: BaseException, folder: Path | None = None) -> str:
     """`` (at p.py, line 4)``: the last line of the pipeline's own files (under ``folder``, not chunkline's code or a
     library's) that ``exc`` passed, which a one-line failure named nowhere; empty when none did, and for a
-    ``SyntaxError``, whose words name its line."""
+    ``SyntaxError``, whose words name its line. With no ``folder`` (the server, which knows none), any file outside
+    chunkline's code and the libraries is the pipeline's, named by its file name."""
     if isinstance(exc, SyntaxError):
         return ""
-    folder = folder.resolve()
-    others = [found for found in chunkline_folders() if not folder.is_relative_to(found)]
+    root = None if folder is None else folder.resolve()
+    others = [found for found in chunkline_folders() if root is None or not root.is_relative_to(found)]
     last = None
     for frame in traceback.extract_tb(exc.__traceback__):
         file = Path(frame.filename)
         if not file.is_absolute():
             continue  # '<frozen importlib._bootstrap>', '<string>'
         file = file.resolve()
-        if file.is_relative_to(folder) and not any(file.is_relative_to(other) for other in others):
-            last = (file.relative_to(folder), frame.lineno)
+        if (root is None or file.is_relative_to(root)) and not any(file.is_relative_to(other) for other in others):
+            last = (Path(file.name) if root is None else file.relative_to(root), frame.lineno)
     return "" if last is None else f" (at {last[0]}, line {last[1]})"
 
 

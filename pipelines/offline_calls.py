@@ -189,7 +189,7 @@ def service_failure(service: object) -> object | None:
     try:
         return getattr(service, "failure", None)
     except Exception as exc:
-        return f"its failure property raised {type(exc).__name__}: {exc}"
+        return f"its failure property raised {error_line(exc)}"
 
 
 def _task_error(exc: BaseException, block: BaseException | None) -> BaseException | None:

@@ -13,16 +13,14 @@ coroutine of chunkline's as it is closed is not.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import trio
 
 from .contract import PipelineContractError
-from .loader import chunkline_folders
+from .loader import where
 
-__all__ = ["PipelineExit", "exits_as_errors", "pipeline_exit", "raised_at"]
+__all__ = ["PipelineExit", "exits_as_errors", "pipeline_exit"]
 
 
 class PipelineExit(PipelineContractError):
@@ -43,7 +41,7 @@ def pipeline_exit(exc: BaseException, call: str = "the pipeline") -> PipelineExi
     else:
         text = f": {leaf}" if str(leaf) else ""
         what = f"raised {type(leaf).__name__}{text}, a BaseException that is not an Exception"
-    found = PipelineExit(f"{call} {what}{raised_at(leaf)}")
+    found = PipelineExit(f"{call} {what}{where(leaf)}")
     found.__cause__ = leaf
     return found
 
@@ -66,19 +64,6 @@ def _exit_leaf(exc: BaseException) -> BaseException | None:
             if (leaf := _exit_leaf(member)) is not None:
                 return leaf
         return None
-    if isinstance(exc, Exception | trio.Cancelled) or (isinstance(exc, GeneratorExit) and not raised_at(exc)):
+    if isinstance(exc, Exception | trio.Cancelled) or (isinstance(exc, GeneratorExit) and not where(exc)):
         return None
     return exc
-
-
-def raised_at(exc: BaseException) -> str:
-    """`` (at FILE, line N)``: the deepest frame of its traceback in the pipeline's code (not chunkline's, Python's
-    or an installed package's: :func:`~pipelines.loader.chunkline_folders`), where the pipeline raised it; nothing
-    when there is none. (:func:`~pipelines.loader.where` when the pipeline's folder is known.)"""
-    tb, found = exc.__traceback__, ""
-    while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if os.path.isabs(name) and not any(Path(name).resolve().is_relative_to(f) for f in chunkline_folders()):
-            found = f" (at {os.path.basename(name)}, line {tb.tb_lineno})"
-        tb = tb.tb_next
-    return found

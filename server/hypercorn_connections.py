@@ -105,11 +105,8 @@ def release_closed_connections() -> bool:
     ends, and its reader ends when a write fails; False when hypercorn's trio worker is not there or no longer has
     that shape (nothing is changed then)."""
     try:
-        from hypercorn.trio.tcp_server import TCPServer
-    except ImportError:
-        return False
-    try:
         from hypercorn.events import Updated
+        from hypercorn.trio.tcp_server import TCPServer
     except ImportError:
         return False
     read_data = getattr(TCPServer, "_read_data", None)

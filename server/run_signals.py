@@ -19,11 +19,12 @@ rather than ending the process by the signal itself.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NoReturn
 
 import trio
@@ -34,7 +35,7 @@ from engine.tensor_channel_refs import unlink_every_owned_segment
 from . import early_signals
 from .early_signals import STOP_SIGNALS, stop_signals
 
-__all__ = ["StoppedBySignal", "exit_now", "exit_on_stop_signals", "keep_handlers", "note_stop_signal",
+__all__ = ["StoppedBySignal", "exit_now", "exit_on_stop_signals", "handlers_kept", "note_stop_signal",
            "run_until_signalled", "stop_signal_came", "trio_run_until_signalled"]
 
 _stopped_by_signal = False
@@ -147,10 +148,8 @@ async def run_until_signalled(
 
     previous = {number: signal.signal(number, handler) for number in stop_signals()}
     early_signals.replay()  # one that came as the run started (the command deferred it): the stop begins now
-    keeping = trio.CancelScope()
-    trio.lowlevel.spawn_system_task(keep_handlers, keeping, dict.fromkeys(previous, handler), on_taken)
     try:
-        with scope:
+        with handlers_kept(dict.fromkeys(previous, handler), on_taken), scope:
             try:
                 return await run(*args)
             except Exception as exc:
@@ -159,16 +158,25 @@ async def run_until_signalled(
                 raise
         raise StoppedBySignal(first[0])  # reached only when the first signal's cancel ended the run
     finally:
-        keeping.cancel()
         if not first:  # once stopped by a signal, the process exits with its code: a later signal aborts
             for number, old in previous.items():  # (else it could kill the process on its way out by itself)
                 signal.signal(number, old)
 
 
-async def keep_handlers(scope: trio.CancelScope, handlers: dict[int, Any], on_taken: Callable[[int], None]) -> None:
-    """Until ``scope`` is cancelled: every :data:`HANDLER_LOOK`, put back each of ``handlers`` (signal -> handler)
-    that a pipeline replaced with one of its own (``signal.signal`` in its ``running()``), saying so once each with
+@contextlib.contextmanager
+def handlers_kept(handlers: dict[int, Any], on_taken: Callable[[int], None]) -> Iterator[None]:
+    """While in it (in trio): every :data:`HANDLER_LOOK`, put back each of ``handlers`` (signal -> handler) that a
+    pipeline replaced with one of its own (``signal.signal`` in its ``running()``), saying so once each with
     ``on_taken(number)``."""
+    scope = trio.CancelScope()
+    trio.lowlevel.spawn_system_task(_keep_handlers, scope, handlers, on_taken)
+    try:
+        yield
+    finally:
+        scope.cancel()
+
+
+async def _keep_handlers(scope: trio.CancelScope, handlers: dict[int, Any], on_taken: Callable[[int], None]) -> None:
     told: set[int] = set()
     with scope:
         while True:

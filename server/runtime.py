@@ -306,7 +306,6 @@ class StreamRuntime:
         if not self.closing and not self.book.can_place():
             now = trio.current_time()
             reasons = "; ".join(f"{name}: {why['reason']}" for name, why in self.slots.status(now).items() if why["reason"])
-            reasons = reasons or runtime_views.services_said_failed(self)
             if self.cluster is not None and not self.book.workers():  # it said nothing of agents an operator awaits
                 reasons = self.cluster.why_no_agent()
             retry = self.slots.retry_after(now)

@@ -40,7 +40,7 @@ from .open_files import connection_cap, raise_open_files_limit
 from .room_socket import Deadlines
 from . import early_signals
 from .early_signals import stop_signals
-from .run_signals import exit_on_stop_signals, keep_handlers
+from .run_signals import exit_on_stop_signals, handlers_kept
 from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
@@ -195,19 +195,15 @@ async def _serve(
         """The first signal starts the drain (a second one, heard by the guard, ends it now), and one that comes after
         the drain while the process is still on its way out ends it too (the signal's own default action ended it
         there, leaving the stages' shared memory and the front's folder behind)."""
-        keeping = trio.CancelScope()
         try:
             with trio.open_signal_receiver(*stop_signals()) as signals:
                 guard.wrap(stop_signals())
                 # a pipeline that puts handlers of its own there (in its running()) made the server deaf to them
-                trio.lowlevel.spawn_system_task(keep_handlers, keeping,
-                                                {number: signal.getsignal(number) for number in stop_signals()},
-                                                handlers_taken)
-                early_signals.replay()  # one that came as the trio run started (the command deferred it)
-                async for _number in signals:
-                    stop.set()
+                with handlers_kept({number: signal.getsignal(number) for number in stop_signals()}, handlers_taken):
+                    early_signals.replay()  # one that came as the trio run started (the command deferred it)
+                    async for _number in signals:
+                        stop.set()
         finally:
-            keeping.cancel()
             if signalled:
                 exit_on_stop_signals(128 + signalled[0], "during the shutdown", abandon, log)
 

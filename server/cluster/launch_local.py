@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -125,12 +124,11 @@ class LocalLauncher:
         self.expected = len(self.slots)
         self._authority: ClusterAuthority | None = None
         self.pids: list[int] = []  # every agent process started (tests check none survives)
-        self._folder = ServerFolder("launcher")  # where each slot's agent tells a failed load
-        self._notes = tempfile.gettempdir()  # run() makes the folder
+        self._folder = ServerFolder("launcher")  # where each slot's agent tells a failed load (made by run())
 
     async def run(self, authority: ClusterAuthority, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._authority = authority
-        self._notes = self._folder.make()
+        self._folder.make()
         try:
             async with trio.open_nursery() as nursery:
                 for slot in self.slots:
@@ -140,7 +138,7 @@ class LocalLauncher:
             self._folder.remove()
 
     def _load_failure_file(self, slot: _Slot) -> str:
-        return os.path.join(self._notes, f"slot-{slot.name}.json")
+        return os.path.join(self._folder.make(), f"slot-{slot.name}.json")  # made again if a cleaner took it
 
     def _command(self, slot: _Slot) -> list[str]:
         assert self._authority is not None

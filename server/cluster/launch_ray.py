@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from pipelines.error_text import error_line
 from states.liveness import PROCESS_GONE, loss_kind
 from states.restart_policy import RestartPolicy, RestartTracker
 from states.stream_session import DrainCause
@@ -145,7 +146,7 @@ class RayLauncher:
                 abandon_on_cancel=True,
             )
         except Exception as exc:  # every slot gives up, saying why (health, the queued sessions' end)
-            self._unreachable(f"could not connect to Ray at {where}: {type(exc).__name__}: {exc}")
+            self._unreachable(f"could not connect to Ray at {where}: {error_line(exc)}")
             return
         log.info("cluster: connected to Ray")
         self._actor_class = ray.remote(max_restarts=0, max_concurrency=2)(AgentActor)
