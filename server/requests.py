@@ -252,7 +252,8 @@ async def check_image_decodes(request: CreateSession, image: bytes | None, limit
         raise Busy("busy", f"{MAX_DECODES_WAITING} images already wait to be checked; try again shortly",
                    DECODES_RETRY_AFTER)
     try:
-        await trio.to_thread.run_sync(check_decodes, source, limiter=limiter)
+        # a stop may cut the wait short (the decode, at most ~0.5 s, runs out on its own, its result unread)
+        await trio.to_thread.run_sync(check_decodes, source, limiter=limiter, abandon_on_cancel=True)
     except ImageRefused as exc:
         raise BadRequest(exc.reason, f"{field}: {exc.detail}") from None
 

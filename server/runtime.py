@@ -111,6 +111,7 @@ class StreamRuntime:
         self.started_at = time.time()
         #: creates whose rooms the transport is making: each was promised a place, which it takes on landing
         self.rooms_opening = 0
+        self._checks_before_booking: set[trio.CancelScope] = set()  # cut short when the stop begins
 
     # -- life ------------------------------------------------------------------
 
@@ -163,6 +164,8 @@ class StreamRuntime:
             await self._shut_down.wait()
             return
         self.closing = True
+        for checks in self._checks_before_booking:
+            checks.cancel(reason="the server is shutting down")
         live = list(self.runners.values())
         log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", len(live), grace)
         # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
@@ -297,6 +300,20 @@ class StreamRuntime:
             yield
         finally:
             self.rooms_opening -= 1
+
+    @contextlib.contextmanager
+    def checks_before_booking(self) -> Iterator[None]:
+        """A create's checks (its image's decode, its options'): a stop cuts them short, so that it is refused at once
+        (a decode or a worker's answer could outlast the front's grace for answers)."""
+        scope = trio.CancelScope()
+        if self.closing:
+            scope.cancel(reason="the server is shutting down")
+        self._checks_before_booking.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._checks_before_booking.discard(scope)
 
     def create_session(self, request: CreateSession, *, named: tuple[str, str], image_bytes: bytes | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits.

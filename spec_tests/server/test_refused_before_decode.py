@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import trio
 
+from pipelines.toy_world import ToyWorldConfig, ToyWorldService
 import server.requests
 from server import option_check
 
@@ -146,3 +147,36 @@ async def test_a_create_with_no_worker_to_run_it_is_refused_before_its_image_is_
         status, body, response = await s.create("nobody-runs-it-either", image_b64=BROKEN_B64)
         _same_refusal(status, body, response, plain)
         assert spent.decodes == 0
+
+
+class MuteCheckWorld(ToyWorldService):
+    """Its option check waits until the test lets it go: a create with options waits on it meanwhile."""
+
+    def __init__(self, asked: trio.Event) -> None:
+        super().__init__(ToyWorldConfig(height=32, width=48, frames_per_chunk=2), max_sessions=2)
+        self.asked = asked
+
+    async def check_options(self, options: Any) -> None:
+        self.asked.set()
+        await trio.sleep_forever()
+
+
+async def test_a_create_waiting_for_its_check_when_the_stop_begins_is_refused_shutting_down_at_once() -> None:
+    """A create whose options' check is still under way (here one that never answers) when the server begins to
+    stop is answered 429 ``shutting_down`` at once, as a create arriving then is. It waited for the check's own 10 s
+    deadline (an image's decode likewise), past the front's 5 s grace for answers, and could be cut off unanswered."""
+    asked = trio.Event()
+    async with serve(loader=lambda path, **_: MuteCheckWorld(asked), cleanup=False) as s:
+        answers: list[tuple[int, Any, Any]] = []
+
+        async def create_with_options() -> None:
+            answers.append(await s.create("waits-for-its-check", config={"fps": 8}))
+
+        with trio.fail_after(5):  # the check's own deadline is 10 s: the stop must answer it first
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(create_with_options)
+                await asked.wait()
+                nursery.start_soon(s.runtime.shutdown, 1.0)
+        ((status, body, _),) = answers
+        assert_error_body(status, body, "shutting_down")
+        assert list(s.runtime.registry) == []  # nothing of it was kept
