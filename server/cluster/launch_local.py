@@ -30,6 +30,7 @@ from ..reasons import echo
 from ..server_folders import ServerFolder
 from . import wire
 from .backoff import EXIT_REFUSED, await_goodbye, back_off, stays_down
+from .launcher_slots import SlotLauncher
 from .load_failures import LOAD_FAILURE_ENV, read_load_failure
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class _Slot:
     drained: bool = False
 
 
-class LocalLauncher:
+class LocalLauncher(SlotLauncher):
     name = "local"
 
     def __init__(self, groups: Sequence[tuple[int, ...]], *, policy: RestartPolicy | None = None) -> None:
@@ -238,15 +239,9 @@ class LocalLauncher:
                     f"(that is pid {started}); an agent of an earlier authority?")
         return None
 
-    def _slot_of(self, worker: RemoteWorker) -> _Slot | None:
-        for slot in self.slots:
-            if slot.name == worker.slot:
-                return slot
-        return None
-
     def worker_registered(self, worker: RemoteWorker) -> None:
-        slot = self._slot_of(worker)
-        if slot is not None and worker.launcher == self.name:
+        slot = self.slot_of(worker)
+        if slot is not None:
             slot.restarts.loaded()  # an agent registers once it loaded: later failures are crashes, backed off
             slot.restarts.reregistered()  # a lost agent whose process lived on came back: running again
             slot.worker_id = worker.worker_id
@@ -254,23 +249,13 @@ class LocalLauncher:
             slot.registered.set()
 
     def worker_lost(self, worker: RemoteWorker, cause: str) -> None:
-        slot = self._slot_of(worker)
+        slot = self.slot_of(worker)
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
             if slot.process is not None and slot.process.returncode is None:  # ended unless it registers again
                 slot.restarts.worker_lost(cause, trio.current_time() + self._reregister_window())
             slot.settled.set()
             slot.lost.set()
-
-    def worker_left(self, worker: RemoteWorker) -> None:
-        slot = self._slot_of(worker)
-        if slot is not None and slot.worker_id == worker.worker_id:
-            slot.worker_id = None
-            slot.drained = True  # it drained and exits 0: the slot stays down
-            slot.settled.set()
-
-    def starts_more(self) -> bool:
-        return any(not slot.restarts.ended for slot in self.slots)
 
     def view(self) -> list[dict[str, Any]]:
         return [

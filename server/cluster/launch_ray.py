@@ -35,6 +35,7 @@ from states.stream_session import DrainCause
 
 from .backoff import EXIT_REFUSED, await_goodbye, back_off, stays_down
 from .launch_local import agent_command, exit_cause
+from .launcher_slots import SlotLauncher
 from .load_failures import LOAD_FAILURE_ENV, read_load_failure, write_load_failure
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class _RaySlot:
     group: Any = None
 
 
-class RayLauncher:
+class RayLauncher(SlotLauncher):
     name = "ray"
 
     def __init__(self, groups: Sequence[tuple[int, ...]], *, address: str | None,
@@ -291,22 +292,19 @@ class RayLauncher:
 
     # -- the authority's notices --
 
-    def _slot_of(self, worker: RemoteWorker) -> _RaySlot | None:
-        return next((s for s in self.slots if s.name == worker.slot and worker.launcher == self.name), None)
-
     def refusal(self, register: wire.Register) -> str | None:
         """Ray's agents are told their actor, not a pid of this process: none is refused here."""
         return None
 
     def worker_registered(self, worker: RemoteWorker) -> None:
-        slot = self._slot_of(worker)
+        slot = self.slot_of(worker)
         if slot is not None:
             slot.restarts.loaded()  # an agent registers once it loaded: later failures are crashes, backed off
             slot.worker_id = worker.worker_id
             slot.settled = trio.Event()
 
     def worker_lost(self, worker: RemoteWorker, cause: str) -> None:
-        slot = self._slot_of(worker)
+        slot = self.slot_of(worker)
         if slot is not None and slot.worker_id == worker.worker_id:
             slot.worker_id = None
             slot.settled.set()
@@ -314,16 +312,6 @@ class RayLauncher:
                 # lost while its process may live on (frozen, cut off): end the actor, the slot is replaced
                 actor, slot.actor = slot.actor, None
                 trio.lowlevel.spawn_system_task(trio.to_thread.run_sync, partial(_kill, actor))
-
-    def worker_left(self, worker: RemoteWorker) -> None:
-        slot = self._slot_of(worker)
-        if slot is not None and slot.worker_id == worker.worker_id:
-            slot.worker_id = None
-            slot.drained = True
-            slot.settled.set()
-
-    def starts_more(self) -> bool:
-        return any(not slot.restarts.ended for slot in self.slots)
 
     def view(self) -> list[dict[str, Any]]:
         now = trio.current_time()
