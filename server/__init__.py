@@ -9,11 +9,12 @@ works too. It is built on first access, so importing the package stays cheap.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import early_signals
 from .console import tell
@@ -107,11 +108,41 @@ def _refuse_several_workers(workers: int) -> None:
     """``hypercorn --workers N`` (N > 1): one line, and the command fails as for a bad setting, before anything is
     served. Each worker process was a server of its own on the one port (its own sessions, tokens, rooms and model
     workers): a session made through one was a 404 through another, and its token was refused there."""
-    tell(f"chunkline: hypercorn --workers {workers} would run {workers} separate servers on one port (each its own "
-         f"sessions, tokens and model workers); run one worker process (--workers 1, the default) and scale with "
-         f"CHUNKLINE_NUM_WORKERS or worker agents")
-    _end_hypercorn_supervisor()
+    _refuse_start(f"chunkline: hypercorn --workers {workers} would run {workers} separate servers on one port (each "
+                  f"its own sessions, tokens and model workers); run one worker process (--workers 1, the default) "
+                  f"and scale with CHUNKLINE_NUM_WORKERS or worker agents")
+
+
+def _refuse_start(line: str) -> NoReturn:
+    """The start fails as for a bad setting: ``line`` is said, hypercorn's supervisor and its other processes end.
+    Every worker process of a ``--workers N`` start comes here, a moment apart: the first says it and ends the rest
+    (each said it)."""
+    if _first_to_refuse():
+        tell(line)
+        _end_hypercorn_supervisor()
+    else:  # the first ends this one: had it ended first, the supervisor stopped the first with a SIGTERM (a line)
+        import time
+
+        time.sleep(10)
     os._exit(2)
+
+
+_refusal_claim: list[Any] = []  # held until the process ends
+
+
+def _first_to_refuse() -> bool:
+    """Whether no other worker process of the same hypercorn start refused first: each claims one name (a Linux
+    abstract socket, which goes with its process). Where there is none, each says it."""
+    import socket
+
+    claim = socket.socket(socket.AF_UNIX)
+    try:
+        claim.bind(f"\0chunkline-refused-workers-{os.getppid()}")
+    except OSError as exc:
+        claim.close()
+        return exc.errno != errno.EADDRINUSE
+    _refusal_claim.append(claim)
+    return True
 
 
 def _end_hypercorn_supervisor() -> None:
@@ -120,8 +151,9 @@ def _end_hypercorn_supervisor() -> None:
     Plain ``hypercorn server:app`` loads the app in a spawned worker; hypercorn 0.18's
     supervisor loses that worker's exit status and would exit 0. Only a parent whose
     command line is hypercorn's is ended, with SIGKILL (it takes SIGTERM as a clean
-    stop), and its multiprocessing resource tracker first, which would otherwise
-    print warnings about the supervisor's semaphores after the one line.
+    stop), and the other processes it started first: its multiprocessing resource
+    tracker, which would otherwise print warnings about the supervisor's semaphores
+    after the one line, and its other worker processes, which would serve on.
     """
     import multiprocessing
     import signal
@@ -130,9 +162,8 @@ def _end_hypercorn_supervisor() -> None:
     if parent is None or parent.pid is None or b"hypercorn" not in _command_line(parent.pid):
         return
     _unlink_inherited_semaphores()  # the tracker that would have (noisily) is ended with the supervisor
-    # another worker process of the same start may have ended them first
-    for child in _children(parent.pid):
-        if b"resource_tracker" in _command_line(child):
+    for child in _children(parent.pid):  # the tracker, and the other workers of the start (each would serve on)
+        if child != os.getpid():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
@@ -187,9 +218,7 @@ class _LazyApp:
             try:
                 _app = build_app_from_environment()
             except SettingsError as exc:  # one line naming the variable, not a traceback from inside hypercorn
-                tell(f"chunkline: {exc}")
-                _end_hypercorn_supervisor()
-                os._exit(2)
+                _refuse_start(f"chunkline: {exc}")
             early_signals.hypercorn_app_built()  # in hypercorn's worker: from here a stop signal waits for its loop
         return _app
 
