@@ -52,6 +52,7 @@ session made through one was a 404 through the others and its token was refused 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -66,7 +67,7 @@ import trio
 
 from . import early_signals
 from .early_signals import stop_signals
-from .run_signals import exit_now, note_stop_signal
+from .run_signals import exit_now, handlers_kept, note_stop_signal, said_to
 from .stop_guard import HeldLoop
 
 __all__ = ["SupervisorStop", "WORKER_MODULES", "WorkerSignals", "abandon", "drain_then_end_a_load", "install",
@@ -185,6 +186,15 @@ class WorkerSignals:
 
         return first
 
+    def kept(self) -> contextlib.AbstractContextManager[None]:
+        """While the worker serves: under trio, where the app runs in this (the main) thread, the handlers taken are
+        put back when a pipeline replaced them (``signal.signal`` in its ``running()``: a stop signal reached only its
+        handler, and the worker served on), said once each. Under asyncio the app runs in a thread of its own, where
+        no handler can be set."""
+        if self._loop is not None:
+            return contextlib.nullcontext()
+        return handlers_kept({number: signal.getsignal(number) for number in self._previous}, said_to(log))
+
     def release(self) -> None:
         """As the worker ends, in its loop: with no stop signal, the handlers it had; after one, plain handlers that
         end the process at once on another."""
@@ -287,7 +297,8 @@ def _taking_stop_signals(serve: Callable[..., Awaitable[None]], signals: WorkerS
             await _draining_after(128 + number, drain, f"a stop signal ({signal.Signals(number).name})")
 
         try:
-            await serve(*args, shutdown_trigger=shutdown_trigger or stop_trigger, **kwargs)
+            with signals.kept():
+                await serve(*args, shutdown_trigger=shutdown_trigger or stop_trigger, **kwargs)
         finally:
             signals.release()
 

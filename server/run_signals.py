@@ -176,6 +176,16 @@ def handlers_kept(handlers: dict[int, Any], on_taken: Callable[[int], None]) -> 
         scope.cancel()
 
 
+def said_to(log: logging.Logger) -> Callable[[int], None]:
+    """A server's ``on_taken`` for :func:`handlers_kept`: a warning on ``log`` naming the signal."""
+
+    def taken(number: int) -> None:
+        log.warning("pipeline bug: the pipeline replaced the server's %s handler; the server put its own back (a stop "
+                    "signal drains the sessions)", signal.Signals(number).name)
+
+    return taken
+
+
 async def _keep_handlers(scope: trio.CancelScope, handlers: dict[int, Any], on_taken: Callable[[int], None]) -> None:
     told: set[int] = set()
     with scope:

@@ -40,7 +40,7 @@ from .open_files import connection_cap, raise_open_files_limit
 from .room_socket import Deadlines
 from . import early_signals
 from .early_signals import stop_signals
-from .run_signals import exit_on_stop_signals, handlers_kept
+from .run_signals import exit_on_stop_signals, handlers_kept, said_to
 from .server_folders import ServerFolder
 from .setting_values import ListenError
 from .settings import ServerSettings
@@ -187,10 +187,6 @@ async def _serve(
     guard = StopGuard(SHUTDOWN_BOUND, abandon, cut_short, runtime.held_loop, log)
     signalled = guard.signalled  # the first stop signal, once one came: an abort exits 128 + it
 
-    def handlers_taken(number: int) -> None:
-        log.warning("pipeline bug: the pipeline replaced the server's %s handler; the server put its own back (a stop "
-                    "signal drains the sessions)", signal.Signals(number).name)
-
     async def on_signals() -> None:
         """The first signal starts the drain (a second one, heard by the guard, ends it now), and one that comes after
         the drain while the process is still on its way out ends it too (the signal's own default action ended it
@@ -199,7 +195,7 @@ async def _serve(
             with trio.open_signal_receiver(*stop_signals()) as signals:
                 guard.wrap(stop_signals())
                 # a pipeline that puts handlers of its own there (in its running()) made the server deaf to them
-                with handlers_kept({number: signal.getsignal(number) for number in stop_signals()}, handlers_taken):
+                with handlers_kept({number: signal.getsignal(number) for number in stop_signals()}, said_to(log)):
                     early_signals.replay()  # one that came as the trio run started (the command deferred it)
                     async for _number in signals:
                         stop.set()

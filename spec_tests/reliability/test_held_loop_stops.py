@@ -50,9 +50,9 @@ CASES = [  # (command, the signal, sent to, the status)
 class Server:
     """The server process, in a session of its own, its stderr kept."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], pipeline: str = PIPELINE) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-        env.update(CHUNKLINE_PIPELINE=PIPELINE, CHUNKLINE_SKIP_VALIDATION="true",
+        env.update(CHUNKLINE_PIPELINE=pipeline, CHUNKLINE_SKIP_VALIDATION="true",
                    PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
         self.popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
