@@ -201,12 +201,17 @@ class Front:
         end = -1
         refusal = FramingRefused(408, "the request head did not arrive within its deadline")
         with loop_holds().after(self._deadlines.head):  # (none of the client's deadlines counts a held loop)
-            while end < 0 and len(buffer) <= MAX_HEAD and not not_a_request_line(buffer):
-                data = await stream.receive_some(READ_SIZE)
-                if not data:
-                    return None
-                buffer += data
-                end = head_end(buffer, len(buffer) - len(data))
+            try:
+                while end < 0 and len(buffer) <= MAX_HEAD and not not_a_request_line(buffer):
+                    data = await stream.receive_some(READ_SIZE)
+                    if not data:
+                        return None
+                    buffer += data
+                    end = head_end(buffer, len(buffer) - len(data))
+            except trio.Cancelled:
+                if self.stopping and buffer:  # the server stops (close()) as a request begins: it is told so
+                    await self._tell_shutting_down(stream, LINGER_BYTES)
+                raise
             try:
                 if end < 0 and not not_a_request_line(buffer) or end > MAX_HEAD + 4:
                     raise FramingRefused(431, "the request head is larger than the front allows")
@@ -254,10 +259,8 @@ class Front:
             if self.stopping and not framing.between_requests:
                 # the server stops (close()) while this client's request is still arriving: it is told so, within
                 # a bound, rather than cut off (a slow upload got a broken pipe and no answer)
-                with trio.CancelScope(shield=True) as telling:
-                    telling.deadline = trio.current_time() + STOPPING_ANSWER_SECONDS
-                    framing.release()
-                    await self._refuse(client, 503, self._shutting_down, linger=framing.body_left or LINGER_BYTES)
+                framing.release()
+                await self._tell_shutting_down(client, framing.body_left or LINGER_BYTES)
             raise
         finally:
             framing.release()  # a body cut short gives its share of the budget back (before any lingering)
@@ -270,8 +273,16 @@ class Front:
             await self._refuse(client, refusal.status, refusal, linger=unread)
         elif answered and self.stopping and framing.between_requests and not framing.finished:
             await self._answer_a_late_request(client)
+        elif answered and self.stopping and framing.head_under_way:  # hypercorn closed as a next head came
+            await self._refuse(client, 503, self._shutting_down, linger=LINGER_BYTES)
         elif answered:  # the backend answered and closed (a 413 with the body unread, Connection: close, ...)
             await self._linger(client, unread)
+
+    async def _tell_shutting_down(self, client: trio.SocketStream, unread: int) -> None:
+        """As :meth:`close` cuts a connection whose request is still arriving: 503 ``shutting_down``, within a bound."""
+        with trio.CancelScope(shield=True) as telling:
+            telling.deadline = trio.current_time() + STOPPING_ANSWER_SECONDS
+            await self._refuse(client, 503, self._shutting_down, linger=unread)
 
     async def _answer_a_late_request(self, client: trio.SocketStream) -> None:
         """hypercorn closed a kept-alive connection as the server stops, after its last answer and without saying so

@@ -245,6 +245,11 @@ class RequestFraming:
         the backend's answer."""
         return not self._passthrough and not self._head and not self._body_left
 
+    @property
+    def head_under_way(self) -> bool:
+        """Whether part of a request's head came, and so none of it was passed on yet."""
+        return not self._passthrough and bool(self._head)
+
     def switched(self) -> None:
         """The backend answered 101: what follows is another protocol, passed through as it is."""
         self._passthrough = True

@@ -277,3 +277,72 @@ async def test_a_request_begun_after_the_stop_behind_one_still_answered_is_told_
     assert [status for status, _ in got] == [200, 503], got
     assert json.loads(got[1][1])["error"] == "shutting_down", got
     assert backend_got.count(b"GET ") == 1, backend_got
+
+
+async def test_a_first_request_head_still_arriving_when_the_server_stops_is_told_so() -> None:
+    """The server stops while a connection's first request head is still arriving: the client is answered 503
+    ``shutting_down``; it was closed with no answer (a body still arriving was told so already). A connection that
+    sent nothing is closed in silence."""
+    front = Front(None, "/nowhere", max_message_bytes=1024, deadlines=attrs.evolve(FAST, head=WAIT))
+    begun, begun_at_front = trio.testing.memory_stream_pair()
+    silent, silent_at_front = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(front.handle, begun_at_front)
+        nursery.start_soon(front.handle, silent_at_front)
+        await begun.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n")  # the head's end never comes
+        await trio.testing.wait_all_tasks_blocked()
+        front.stopping = True
+        front.close()
+        with trio.fail_after(WAIT):
+            got = answers(await read_to_end(begun))
+            assert await read_to_end(silent) == b""
+    assert [status for status, _ in got] == [503], got
+    assert json.loads(got[0][1])["error"] == "shutting_down", got
+
+
+async def test_a_next_request_head_arriving_as_hypercorn_closes_for_the_stop_is_told_so(tmp_path: Path) -> None:
+    """A kept-alive connection's next request head is still arriving when hypercorn, stopping, closes the connection
+    after its last answer: the client gets that answer, then 503 ``shutting_down`` for the request it began (the
+    connection was closed under it, with no answer)."""
+    path = str(tmp_path / "backend.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX)
+    await listener.bind(path)
+    listener.listen()
+    release = trio.Event()
+
+    async def backend() -> None:
+        connection, _ = await listener.accept()
+        with connection:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += await connection.recv(65536)
+            await connection.send(b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\nok")
+            await release.wait()  # then closed, unannounced, as hypercorn does as it stops
+
+    front = Front(None, path, max_message_bytes=1024, deadlines=attrs.evolve(FAST, head=WAIT))
+    client, server_side = trio.testing.memory_stream_pair()
+    with listener:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(backend)
+            nursery.start_soon(front.handle, server_side)
+            await client.send_all(HEALTH_11)
+            received = bytearray()
+            with trio.fail_after(WAIT):
+                while b"ok" not in received:
+                    received += await client.receive_some(65536)
+            await client.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n")  # the next head, cut short
+            await trio.testing.wait_all_tasks_blocked()
+            front.stopping = True
+            release.set()
+            with trio.fail_after(WAIT):
+                received += await read_to_end(client)
+    got = answers(bytes(received))
+    assert [status for status, _ in got] == [200, 503], got
+    assert json.loads(got[1][1])["error"] == "shutting_down", got
+
+
+async def read_to_end(stream: trio.abc.ReceiveStream) -> bytes:
+    received = bytearray()
+    while data := await stream.receive_some(65536):
+        received += data
+    return bytes(received)
