@@ -214,9 +214,10 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         """A 401 unless the request carries the API key (compared in constant time), or none is set."""
         if not settings.api_key:
             return None
-        # the scheme is case-insensitive (RFC 9110 11.1): "bearer <key>" was a 401
+        # the scheme is case-insensitive, and one or more spaces follow it (RFC 9110 11.1, 11.4): both were a 401
         header = request.headers.get("Authorization")
         scheme, _, key = (header or "").partition(" ")
+        key = key.lstrip(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(key.encode("utf-8", "surrogateescape"),
                                                                 settings.api_key.encode()):
             return None

@@ -209,4 +209,8 @@ def api_key(value: Any) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise SettingsError("--api-key", "--api-key must be non-empty when given (unset it to disable auth)")
+    if not all("!" <= character <= "~" for character in value):  # (the key itself is never echoed)
+        raise SettingsError("--api-key", "--api-key must be visible ASCII characters only, no spaces: a client sends "
+                                         "it in a header, 'Authorization: Bearer <key>', which carries no others "
+                                         "intact (every request would be refused)")
     return value

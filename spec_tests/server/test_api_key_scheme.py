@@ -1,5 +1,6 @@
 """The API key's ``Authorization`` scheme is case-insensitive (RFC 9110 11.1): a client sending ``bearer <key>``
-(some HTTP libraries write it so) was a 401, while a wrong key in any spelling still is one."""
+(some HTTP libraries write it so) was a 401, and so was one with two spaces before the key (one or more may come),
+while a wrong key in any spelling still is one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ KEY = "a-key-of-the-tests-0123"
 
 
 @pytest.mark.parametrize(("header", "status"), [
-    (f"Bearer {KEY}", 200), (f"bearer {KEY}", 200), (f"BEARER {KEY}", 200), (f"Bearer  {KEY}", 401),
+    (f"Bearer {KEY}", 200), (f"bearer {KEY}", 200), (f"BEARER {KEY}", 200), (f"Bearer  {KEY}", 200),
     (f"bearer {KEY}x", 401), (f"Basic {KEY}", 401), (KEY, 401), (f"bearer{KEY}", 401), ("bearer ", 401),
 ])
 async def test_the_bearer_scheme_is_read_in_any_case_and_only_the_key_counts(header: str, status: int) -> None:

@@ -190,6 +190,11 @@ BAD_VALUES: list[tuple[str, Any, str]] = [
     ("skip_validation", 2, "--skip-validation"),
     ("api_key", "", "--api-key"),
     ("api_key", "   ", "--api-key"),
+    # keys no client can send: every request was a 401 (an HTTP header carries no spaces at its ends, and its bytes
+    # are read as Latin-1, so a key past ASCII never matched)
+    ("api_key", "\u043a\u043b\u044e\u0447", "--api-key"),
+    ("api_key", " spaced key ", "--api-key"),
+    ("api_key", "s3cr3t-k\u00e9y", "--api-key"),
     ("cors_allow_origins", "example.com", "--cors-allow-origins"),
     ("cors_allow_origins", "https://a.example/", "--cors-allow-origins"),
     ("cors_allow_origins", "https://a.example/path", "--cors-allow-origins"),
