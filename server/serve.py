@@ -46,7 +46,7 @@ from .setting_values import ListenError
 from .settings import ServerSettings
 from .stop_guard import StopGuard
 from .transport.local import LocalRooms
-from .transport.local_room import ENVELOPE_BYTES
+from .transport.local_room import largest_sent
 
 __all__ = ["FRONT_GRACE", "SHUTDOWN_BOUND", "ListenError", "run", "serve_app"]
 
@@ -164,14 +164,14 @@ async def _serve(
     # the front writes each head again with "\r\n" endings and ": " after each name, so one within MAX_HEAD
     # may reach hypercorn up to 5/3 as long (a bare "a:\n" line becomes "a: \r\n"): h11 must take that whole
     config.h11_max_incomplete_size = 2 * MAX_HEAD
-    config.websocket_max_message_size = settings.max_data_message_bytes + 1024
+    config.websocket_max_message_size = largest_sent(settings.max_data_message_bytes) + 1024
     rooms = runtime.transport if isinstance(runtime.transport, LocalRooms) else None
     budget = BodyBudget(settings.max_body_bytes_in_flight, max_body=settings.max_body_bytes)
     open_files = raise_open_files_limit(MAX_CONNECTIONS)
     cap = connection_cap(MAX_CONNECTIONS, open_files)
     config.backlog = cap  # hypercorn's listen queue holds a connect from each connection the front serves at once
     front = Front(
-        rooms, backend.getsockname(), max_message_bytes=settings.max_data_message_bytes + ENVELOPE_BYTES,
+        rooms, backend.getsockname(), max_message_bytes=largest_sent(settings.max_data_message_bytes),
         deadlines=front_deadlines,
         body_budget=budget, send_buffer=settings.socket_send_buffer, max_connections=cap,
     )

@@ -16,7 +16,7 @@ from .. import json_limits
 from ..log_pace import LogPace
 from .base import DataReceived
 from .data_pace import DataPace
-from .local_room import ENVELOPE_BYTES, Room, Subscriber, compact_json, data_message
+from .local_room import ENVELOPE_BYTES, Room, Subscriber, compact_json, data_message, largest_sent
 from .refusals import SERVER_TOPICS, extra_envelope_fields
 from .worker_inbox import WORKER_TAKE_TIMEOUT
 
@@ -32,7 +32,9 @@ async def read_client(
 ) -> None:
     """Read ``subscriber``'s messages until its socket ends: each passed to the worker and the room, or refused."""
     message: str | bytes = ""
-    largest = max_data_message_bytes + ENVELOPE_BYTES
+    largest = max_data_message_bytes + ENVELOPE_BYTES  # the message, counted as compact UTF-8 JSON
+    largest_as_sent = largest_sent(max_data_message_bytes)  # ... and as it came (with JSON's escapes, spaces)
+    too_large = f"a data message's payload is at most {max_data_message_bytes} bytes (--max-data-message-bytes)"
 
     def refuse(reason: str, detail: str | None = None) -> None:
         """Answer the message just read with why it was refused; reading it is paid for by its size."""
@@ -47,9 +49,9 @@ async def read_client(
             continue
         # UTF-8 takes 1 to 4 bytes a character: only a text between a quarter of the bound and the bound is encoded
         size = len(message)
-        if size > largest or (size * 4 > largest and len(message.encode("utf-8", "surrogatepass")) > largest):
-            refuse("too_large", f"a data message's payload is at most {max_data_message_bytes} "
-                                f"bytes (--max-data-message-bytes)")
+        if size > largest_as_sent or (size * 4 > largest_as_sent
+                                      and len(message.encode("utf-8", "surrogatepass")) > largest_as_sent):
+            refuse("too_large", too_large)
             continue
         if not subscriber.can_publish_data:
             refuse("publish_data_not_allowed")
@@ -75,6 +77,9 @@ async def read_client(
             refuse("server_topic")
             continue
         raw = payload.encode() if isinstance(payload, str) else compact_json(payload)
+        if len(raw) + len(compact_json(topic)) + len('{"topic":,"payload":}') > largest:  # its compact size
+            refuse("too_large", too_large)
+            continue
         # waits while the worker's inbox is full: the sender's next messages stay in its socket meanwhile
         if (why := await room.to_worker(DataReceived(topic, raw, subscriber.identity))) is not None:
             if why == "worker_stalled":
