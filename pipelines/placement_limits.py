@@ -51,7 +51,7 @@ def placement_text(source: str) -> tuple[str, str]:
     raw = read_at_most(path, MAX_PLACEMENT_BYTES)
     if raw is None:
         raise ValueError(f"{where} is larger than {MAX_PLACEMENT_BYTES >> 10} KiB")
-    return raw.decode("utf-8", errors="replace"), where
+    return raw.decode("utf-8-sig", errors="replace"), where  # (a byte-order mark first is no content)
 
 
 def stage_ranks_problem(stage: str, ranks: int) -> str | None:

@@ -214,7 +214,7 @@ def load_timed_controls(path: str | os.PathLike[str], *, loads: Callable[[str], 
         if raw is None:
             raise ValueError(f"controls file {str(path)!r} is larger than {MAX_CONTROLS_FILE_BYTES >> 20} MiB, "
                              f"the most a run reads")
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark first (Windows' Notepad writes one) is no content
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"controls file {str(path)!r} cannot be read: {exc}") from exc
     try:

@@ -158,24 +158,18 @@ def check_placement(placement: str, device: str | None) -> None:
     """``--placement`` names a regular file or is inline JSON starting with ``{`` (the pipeline reads either), and
     asks for no more worker processes than a placement may (:mod:`server.placement_size`): 500 ranks were spawned,
     and the host ran out of memory."""
-    from server import json_limits
-    from server.placement_size import placement_size_problem
+    from server.placement_size import not_an_object, placement_problem
 
     if device is not None:
         raise BadInput("--device and --placement: give one (the placement names every stage's devices)")
     problem = None if placement.strip().startswith("{") else regular_file_problem(placement)
     if problem is None:
-        if (too_large := placement_size_problem(placement)) is not None:
-            raise BadInput(f"--placement: {too_large}")
+        if (refused := placement_problem(placement)) is not None:
+            raise BadInput(f"--placement: {refused}")
         return
     if problem in (NO_SUCH_FILE, "has a name too long for the file system"):  # JSON meant inline?
-        try:
-            given = json_limits.loads(placement)
-        except json_limits.JsonRefused as exc:
-            if exc.reason != "invalid_json":
-                raise BadInput(f"--placement: inline placement JSON is refused: {exc.detail}") from None
-        else:
-            raise BadInput(f"--placement: inline placement JSON must be an object, got {type(given).__name__}")
+        if (inline := not_an_object(placement)) is not None:
+            raise BadInput(f"--placement: {inline}")
     if problem == NO_SUCH_FILE:
         raise BadInput(f"--placement: no such file {shown(placement)}")
     raise BadInput(f"--placement: {shown(placement)} {problem}")

@@ -132,9 +132,9 @@ def worker_mode(value: Any) -> str:
 
 
 def placement(value: Any) -> str | None:
-    """A placement file that exists, or inline JSON (``{...}``), asking for no more worker processes than a
-    placement may (:mod:`server.placement_size`: 500 ranks were spawned); the pipeline validates the rest."""
-    from .placement_size import placement_size_problem
+    """A placement file that exists, or inline JSON (``{...}``), a JSON object asking for no more worker processes than
+    a placement may (:mod:`server.placement_size`: 500 ranks were spawned); the pipeline validates the rest."""
+    from .placement_size import not_an_object, placement_problem
 
     value = blank_to_none(value)
     if value is None:
@@ -148,9 +148,10 @@ def placement(value: Any) -> str | None:
     else:
         path = Path(value).expanduser()
         if not path.is_file():
-            raise SettingsError("--placement", f"--placement {value!r} is not an existing file")
+            problem = not_an_object(value) or f"{value!r} is not an existing file"
+            raise SettingsError("--placement", f"--placement: {problem}")
         value = str(path)
-    if (problem := placement_size_problem(value)) is not None:
+    if (problem := placement_problem(value)) is not None:
         raise SettingsError("--placement", f"--placement: {problem}")
     return value
 

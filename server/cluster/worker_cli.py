@@ -147,6 +147,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from ..reasons import echo
     from ..log_setup import log_to_stderr
     from ..setting_values import parse_float, read_secret_file
+    from .. import setting_fields
     from .agent import Agent, AgentOptions, parse_authority
     from .tls import client_tls_context
     from .wire_values import MAX_DRAIN_SECONDS
@@ -167,6 +168,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         max_sessions = _max_sessions(args.max_sessions)
         if not Path(args.pipeline).exists():
             raise ValueError(f"PIPE {args.pipeline!r} does not exist")
+        placement = setting_fields.placement(args.placement)  # as stream-serve reads it: refused before any load
         if args.cluster_token_file is not None:
             token = read_secret_file("--cluster-token-file", args.cluster_token_file)
         else:
@@ -206,7 +208,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         devices=devices,
         max_sessions=max_sessions,
         worker_mode=args.worker_mode,
-        placement=args.placement,
+        placement=placement,
         node=args.node,
         launcher=args.launcher,
         slot=args.slot,

@@ -2,7 +2,8 @@
 name the agent in its rooms was refused by the authority for good (exit 3) once the pipeline had loaded and its
 startup check had run, a ``--authority`` on port 0 was dialed for five minutes, a ``--drain-deadline`` of 1e300
 made a SIGTERM's drain last for ever (a drain through the API takes at most an hour), and a ``--launcher-pid`` of a
-running process other than its parent read as that process gone (exit 70)."""
+running process other than its parent read as that process gone (exit 70), and a ``--placement`` that is no JSON object
+was told once the pipeline had loaded (exit 3)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ LONGEST_NODE = MAX_IDENTITY_LENGTH - len(worker_participant("-" + "0" * WORKER_I
     (["--drain-deadline", "1e300"], f"--drain-deadline must be a number of seconds > 0, at most {MAX_DRAIN_DEADLINE:g}"),
     # pid 1 runs and did not start the agent: it loaded its pipeline, then exited 70 saying pid 1 was gone
     (["--launcher-pid", "1"], "--launcher-pid 1 is not the process that started this agent (its parent is pid "),
-], ids=["space", "too-long", "slash", "port-0", "url-parts", "url-query", "endless-drain", "not-the-parent"])
+    # a placement that is no JSON object: it loaded the pipeline, then said "placement file '[]' does not exist", exit 3
+    (["--placement", "[]"], "--placement: inline placement JSON must be an object, got list"),
+    (["--placement", "{bad"], "--placement: inline placement JSON is not valid JSON: "),
+], ids=["space", "too-long", "slash", "port-0", "url-parts", "url-query", "endless-drain", "not-the-parent",
+        "placement-list", "placement-syntax"])
 def test_the_worker_command_refuses_a_flag_that_could_only_fail_later(flags: list[str], named: str) -> None:
     run = subprocess.run(chunkline("worker", TINY, "--authority", "tcp://127.0.0.1:1", *flags), cwd=str(ROOT),
                          env=clean_env(CHUNKLINE_CLUSTER_TOKEN=TOKEN), capture_output=True, text=True, timeout=120)

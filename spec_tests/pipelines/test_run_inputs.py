@@ -253,3 +253,17 @@ def test_a_pipeline_that_calls_sys_exit_fails_the_run_naming_it(tmp_path: Path, 
     assert result.stderr.strip().splitlines()[-1] == (
         f"chunkline run: the run failed: pipeline {str(path)!r} called sys.exit(0) {when}"), result.stderr[-2000:]
     assert not out.exists()
+
+
+def test_a_controls_and_a_placement_file_saved_with_a_byte_order_mark_are_read(tmp_path: Path) -> None:
+    """Windows' Notepad starts a UTF-8 file with a byte-order mark: such a controls file was refused in Python's words
+    (``Unexpected UTF-8 BOM (decode using utf-8-sig)``), exit 2, and such a placement file by the pipeline."""
+    controls, placement = tmp_path / "controls.json", tmp_path / "placement.json"
+    controls.write_bytes(b"\xef\xbb\xbf" + b'[{"t": 0, "type": "reset"}]')
+    placement.write_bytes(b"\xef\xbb\xbf" + json.dumps({"mode": "in-process", **{stage: {"devices": ["cpu"]} for stage in (
+        "encode", "denoise", "decode")}}).encode())
+    result = run("pipelines/toy_world", "--chunks", "1", "--controls", str(controls), "--placement", str(placement),
+                 "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert [entry["type"] for entry in metrics["controls"]["entries"]] == ["reset"], metrics["controls"]

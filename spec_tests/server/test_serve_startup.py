@@ -184,3 +184,27 @@ def test_a_placement_of_too_many_worker_processes_exits_2_naming_it_before_servi
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"chunkline stream-serve: error: --placement: {words}"), done.stderr[-2000:]
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("[]", "inline placement JSON must be an object, got list"),
+    ("5", "inline placement JSON must be an object, got int"),
+    ("{bad", "inline placement JSON is not valid JSON: "),
+    ("file:{bad", "placement file '{file}' is not valid JSON: "),
+], ids=["list", "number", "inline-syntax", "file-syntax"])
+def test_a_placement_that_is_no_json_object_exits_2_naming_it_before_serving(
+        text: str, words: str, tmp_path: Path) -> None:
+    """``--placement '[]'`` was told ``is not an existing file``; and ``'{bad'`` (or a file of it) was served: the worker
+    refused it for good as it loaded, and the server could never serve, exit 0 on its stop. ``chunkline run`` refused
+    both as bad input already."""
+    if text.startswith("file:"):
+        (tmp_path / "placement.json").write_text(text.removeprefix("file:"))
+        text = str(tmp_path / "placement.json")
+        words = words.format(file=text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/toy_world", "--port", "0",
+               "--placement", text]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"chunkline stream-serve: error: --placement: {words}"), done.stderr[-2000:]
