@@ -216,6 +216,7 @@ async def _run_bidirectional(
                                            lambda: service.create_session(config, on_event=rec.event))
         except ValueError as exc:  # the request refused: said as such (it read only the pipeline's words)
             raise ValueError(f"the pipeline refused the session: {exc}") from None
+        rec.session_id = checked_session_id(session_id)
         rec.expect_scripted(scripted_controls)
         rec.session_setup = time.perf_counter() - rec.session_requested
         iterator = None

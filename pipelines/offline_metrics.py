@@ -49,7 +49,7 @@ import attrs
 
 from engine.metrics import LatencySummary
 
-from .contract import Chunk, ServiceEvent, check_service_event
+from .contract import Chunk, ServiceEvent, check_event_session, check_service_event
 from .mp4 import Mp4Writer
 from .timed_controls import TimedControl
 
@@ -115,6 +115,7 @@ class Recorder:
         self.idle: dict[str, dict[str, float]] = {}
         self.events: dict[str, int] = {}
         self._scripted: list[TimedControl] = []  # timeline controls not yet reached by a chunk
+        self.session_id: str | None = None  # the pipeline's, once create_session returned it
 
     def pushed(self, timed: TimedControl, chunk: int, at: float) -> None:
         record = {"entry": timed.entry, "t": timed.t, "type": timed.control.type.value, "chunk": chunk}
@@ -128,6 +129,7 @@ class Recorder:
 
     def event(self, event: ServiceEvent) -> None:
         check_service_event(event)
+        check_event_session(event, self.session_id)
         self.events[event.type] = self.events.get(event.type, 0) + 1
 
     def expect_scripted(self, controls: Sequence[TimedControl]) -> None:

@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
-from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, check_service_event
+from pipelines.contract import PipelineContractError, ServiceEvent, SessionConfig, check_event_session, check_service_event
 from pipelines.contract import checked_session_id
 from pipelines.offline_calls import telling_error
 from pipelines.pipeline_exits import exits_as_errors, pipeline_exit
@@ -382,10 +382,15 @@ class RoomRunner:
         without a word); a type the room has no message for is left out (an unknown ``lease_`` type raised into the
         pipeline's call, and a call from a thread of the pipeline's used trio's channel from outside trio)."""
         check_service_event(event)
+        check_event_session(event, self.record.pipeline_session_id)
         if not trio.lowlevel.in_trio_run():
             with contextlib.suppress(trio.RunFinishedError):
-                self._trio_token.run_sync_soon(self._on_service_event, event)
+                self._trio_token.run_sync_soon(self._forward_service_event, event)
             return
+        self._forward_service_event(event)
+
+    def _forward_service_event(self, event: ServiceEvent) -> None:
+        """In trio: a checked event to the runner's sender, when the room has a message for it."""
         if event.type not in protocol.LEASE_EVENTS or self._connection is None:
             return
         position = event.data.get("queue_position")

@@ -59,3 +59,31 @@ def test_an_event_that_is_not_a_service_event_fails_the_run_as_the_pipeline_s_bu
     assert failed_line(run_pipeline(tmp_path, NOT_AN_EVENT)) == (
         "chunkline run: the run failed: pipeline bug: on_event takes a pipelines.contract.ServiceEvent, got dict "
         "{'type': 'lease_granted'}")
+
+
+OTHER_SESSIONS_EVENT = """\
+from spec_tests.pipelines.minimal_service import MinimalService
+from pipelines.contract import ServiceEvent
+
+
+class Telling(MinimalService):
+    async def create_session(self, config, *, on_event=None):
+        self.sink = on_event
+        return "s0"
+
+    async def chunks(self, session_id):
+        self.sink(ServiceEvent("s1", "lease_granted"))  # a session this run never made
+        async for chunk in super().chunks(session_id):
+            yield chunk
+
+
+def get_service(gpu_num=0):
+    return Telling()
+"""
+
+
+def test_an_event_naming_another_session_fails_the_run_as_the_pipeline_s_bug(tmp_path: Path) -> None:
+    """It was counted as the run's own session's in ``metrics.json``."""
+    assert failed_line(run_pipeline(tmp_path, OTHER_SESSIONS_EVENT)).startswith(
+        "chunkline run: the run failed: pipeline bug: on_event of session 's0' was handed an event of session 's1' "
+        "('lease_granted')")

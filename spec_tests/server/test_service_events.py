@@ -82,6 +82,37 @@ async def test_an_event_that_is_no_service_event_is_the_pipelines_bug_named_to_t
         assert (await s.get(created["session_id"]))["status"] == "failed"
 
 
+class OtherSessionsEventService(CounterService):
+    """Hands a session's ``on_event`` an event naming another session, as a control comes (a sink kept by the wrong
+    key)."""
+
+    async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
+        session_id = await super().create_session(config, on_event=on_event)
+        self.sink = on_event
+        return session_id
+
+    async def push_control(self, session_id: str, control: Any) -> None:
+        self.sink(ServiceEvent("counter-999", "lease_granted", {"queue_position": 0}))
+        await super().push_control(session_id, control)
+
+
+@pytest.mark.usefixtures("no_threads")
+async def test_an_event_naming_another_session_is_the_pipelines_bug_named_to_the_controller(
+    autojump_clock: Any
+) -> None:
+    """It was sent to this session's controller as its own lease (and a run counted it as this session's)."""
+    async with serve(settings(), OtherSessionsEventService()) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: "running" in p.stages(), "running")
+            await ctl.control({"type": "control_state", "controls": ["w"]})
+            (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message")
+            assert not ctl.status("lease_granted")
+        assert error["reason"] == "pipeline_failed", error
+        assert ("on_event of session 'counter-1' was handed an event of session 'counter-999' ('lease_granted')"
+                in error["detail"]), error
+
+
 WRONG_EVENT_PIPELINE = """
 from contextlib import asynccontextmanager
 
