@@ -304,16 +304,22 @@ class ProcessService:
         try:
             event = wire.unseal(sealed)
         except wire.Unreadable as exc:
-            error = PipelineContractError(f"an event of the session from the worker process does not load in the server process: {exc}")
-            self._broken_calls[call_id] = error
-            for stream in self._streams.values():
-                if stream.method == "chunks" and self._session_calls.get(stream.arg) == call_id:
-                    stream.on_broken(error)
+            self._break_session(call_id, PipelineContractError(
+                f"an event of the session from the worker process does not load in the server process: {exc}"))
             return
         try:
             sink(event)
+        except PipelineContractError as exc:  # the sink refused it (one naming another session): as in-process
+            self._break_session(call_id, exc)
         except Exception:
             log.exception("%s: an on_event callback raised", self.name)
+
+    def _break_session(self, call_id: int, error: PipelineContractError) -> None:
+        """The session made by call ``call_id`` fails its chunks with ``error`` (its pipeline's bug)."""
+        self._broken_calls[call_id] = error
+        for stream in self._streams.values():
+            if stream.method == "chunks" and self._session_calls.get(stream.arg) == call_id:
+                stream.on_broken(error)
 
     def _on_result(self, call_id: int, ok: bool, payload: Any) -> None:
         call = self._pending.pop(call_id, None)

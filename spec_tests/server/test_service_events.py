@@ -145,14 +145,29 @@ def get_service(gpu_num=0):
 """
 
 
-async def test_an_event_that_is_no_service_event_is_named_from_a_worker_process(tmp_path: Path) -> None:
+OTHER_SESSIONS_EVENT_PIPELINE = WRONG_EVENT_PIPELINE.replace(
+    'on_event({"type": "lease_granted", "queue_position": 0})', "self.sink = on_event"
+).replace(
+    "    async def chunks(self, session_id):\n",
+    "    async def chunks(self, session_id):\n"
+    "        from pipelines.contract import ServiceEvent\n\n"
+    '        self.sink(ServiceEvent("s2", "lease_granted", {"queue_position": 0}))\n',
+)
+
+
+@pytest.mark.parametrize(("pipeline", "words"), [
+    (WRONG_EVENT_PIPELINE, "on_event takes a pipelines.contract.ServiceEvent, got dict {'type': 'lease_granted'"),
+    (OTHER_SESSIONS_EVENT_PIPELINE, "on_event of session 's1' was handed an event of session 's2' ('lease_granted')"),
+], ids=["no-service-event", "another-sessions"])
+async def test_an_event_that_is_the_pipelines_bug_is_named_from_a_worker_process(
+        tmp_path: Path, pipeline: str, words: str) -> None:
     """Under ``--worker-mode process`` the child sealed it and the server's sink raised there: one log line, and the
-    controller heard of nothing."""
+    controller heard of nothing (an event naming another session: the server's sink refused it there, logged)."""
     path = tmp_path / "wrong_event.py"
-    path.write_text(WRONG_EVENT_PIPELINE)
+    path.write_text(pipeline)
     async with serve(settings(pipeline=str(path), worker_mode="process"), start_process_service) as s:
         created = await s.create("ctl")
         async with join(s, created["room"], created["token"]) as ctl:
             (error,) = await ctl.wait_for(lambda p: p.status("error"), "an error message", timeout=60.0)
         assert error["reason"] == "pipeline_failed", error
-        assert "on_event takes a pipelines.contract.ServiceEvent, got dict {'type': 'lease_granted'" in error["detail"]
+        assert words in error["detail"], error
