@@ -263,17 +263,37 @@ def _run(args: argparse.Namespace) -> int:
     if args.placement is not None:
         run_inputs.check_placement(args.placement, args.device)
     out = run_inputs.prepare_out(args.out)  # the last check: it makes the folder, taken back on any failure
+    streams = KeptStreams()  # before the pipeline loads
     try:
         return _load_and_run(args, pipeline, SessionConfig(prompt=args.prompt, image_path=image_path, options=options),
-                             controls, out)
+                             controls, out, streams)
     except BaseException:
         out.remove_made()
         raise
     finally:
+        streams.put_back()  # for the line that says how the run ended
         out.release()  # its outputs are in place, or none will be: another run may have the folder
 
 
-def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any) -> int:
+class KeptStreams:
+    """``sys.stdout`` and ``sys.stderr`` as the command began. A pipeline that replaced one (``sys.stdout = None``, a
+    buffer of its own) had the run's summary, or the line saying how it ended, go nowhere: they are put back, and
+    that said once."""
+
+    def __init__(self) -> None:
+        self._kept = (sys.stdout, sys.stderr)
+
+    def put_back(self) -> None:
+        replaced = [name for name, kept in zip(("sys.stdout", "sys.stderr"), self._kept)
+                    if getattr(sys, name.removeprefix("sys.")) is not kept]
+        sys.stdout, sys.stderr = self._kept
+        if replaced:
+            say(f"warning: pipeline bug: the pipeline replaced {' and '.join(replaced)}; the run put "
+                f"{'it' if len(replaced) == 1 else 'them'} back for its own lines")
+
+
+def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, controls: Any, out: Any,
+                  streams: KeptStreams) -> int:
     from pipelines.loader import PipelineLoadError, load_service, pipeline_folder, where
     from pipelines.loop_watch import probe
     from pipelines.offline import remove_partial_files, remove_stale_partial_files, run_offline
@@ -366,6 +386,7 @@ def _load_and_run(args: argparse.Namespace, pipeline: Path, config: Any, control
                                        f"run{where(exc, pipeline_folder(args.pipeline))}") from None
     finally:
         bar.finish()
+        streams.put_back()  # for the summary
         early_signals.install()  # where the run's handlers are gone again (not where a signal stopped it)
         early_signals.replay()  # one noted that the run never took
     try:  # flushed: a pipe's EPIPE comes here, not at the interpreter's exit
