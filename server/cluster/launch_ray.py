@@ -140,6 +140,7 @@ class RayLauncher(SlotLauncher):
         task_status.started()
         where = self.address or "a new local Ray"
         log.info("cluster: connecting to Ray at %s", where)
+        logging.getLogger("ray._private.worker").addFilter(_no_sigterm_handler_warning)
         try:
             await trio.to_thread.run_sync(
                 partial(ray.init, address=self.address, namespace=NAMESPACE, include_dashboard=False,
@@ -318,6 +319,12 @@ class RayLauncher(SlotLauncher):
         return [{"slot": s.name, "gpus": s.gpus, "state": s.restarts.state.value, "placed": s.node is not None,
                  "worker_id": s.worker_id, "node": s.node, "ended": s.ended, "restarts": s.restarts.restarts,
                  "reason": s.restarts.describe(now)} for s in self.slots]
+
+
+def _no_sigterm_handler_warning(record: logging.LogRecord) -> bool:
+    """Leave out Ray's warning that its connect, on a thread, put no SIGTERM handler in: the server keeps its own
+    (Ray's, in the main thread, would end the process at a SIGTERM with no drain)."""
+    return "SIGTERM handler is not set" not in record.getMessage()
 
 
 def _kill(actor: Any) -> None:
