@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from .local import WorkerConnection
 
 __all__ = [
-    "ENVELOPE_BYTES", "ESCAPED_GROWTH", "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES", "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES",
-    "RemoteWorkerPresence", "Room", "Subscriber", "compact_json", "data_message", "largest_fanned_out", "text_backlog_bytes",
+    "ENVELOPE_BYTES", "ESCAPED_GROWTH", "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES",
+    "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES", "RemoteWorkerPresence", "Room", "Subscriber", "compact_json", "data_message",
+    "largest_fanned_out", "largest_sent", "text_backlog_bytes",
 ]
 
 FRAME_BACKLOG = 2  # media messages kept per slow subscriber (newest win)

@@ -260,8 +260,8 @@ def test_a_controls_and_a_placement_file_saved_with_a_byte_order_mark_are_read(t
     (``Unexpected UTF-8 BOM (decode using utf-8-sig)``), exit 2, and such a placement file by the pipeline."""
     controls, placement = tmp_path / "controls.json", tmp_path / "placement.json"
     controls.write_bytes(b"\xef\xbb\xbf" + b'[{"t": 0, "type": "reset"}]')
-    placement.write_bytes(b"\xef\xbb\xbf" + json.dumps({"mode": "in-process", **{stage: {"devices": ["cpu"]} for stage in (
-        "encode", "denoise", "decode")}}).encode())
+    stages = {stage: {"devices": ["cpu"]} for stage in ("encode", "denoise", "decode")}
+    placement.write_bytes(b"\xef\xbb\xbf" + json.dumps({"mode": "in-process", **stages}).encode())
     result = run("pipelines/toy_world", "--chunks", "1", "--controls", str(controls), "--placement", str(placement),
                  "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr[-2000:]

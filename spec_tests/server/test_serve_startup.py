@@ -194,9 +194,9 @@ def test_a_placement_of_too_many_worker_processes_exits_2_naming_it_before_servi
 ], ids=["list", "number", "inline-syntax", "file-syntax"])
 def test_a_placement_that_is_no_json_object_exits_2_naming_it_before_serving(
         text: str, words: str, tmp_path: Path) -> None:
-    """``--placement '[]'`` was told ``is not an existing file``; and ``'{bad'`` (or a file of it) was served: the worker
-    refused it for good as it loaded, and the server could never serve, exit 0 on its stop. ``chunkline run`` refused
-    both as bad input already."""
+    """``--placement '[]'`` was told ``is not an existing file``; and ``'{bad'`` (or a file of it) was served: the
+    worker refused it for good as it loaded, and the server could never serve, exit 0 on its stop. ``chunkline run``
+    refused both as bad input already."""
     if text.startswith("file:"):
         (tmp_path / "placement.json").write_text(text.removeprefix("file:"))
         text = str(tmp_path / "placement.json")
