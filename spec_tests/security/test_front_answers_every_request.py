@@ -4,8 +4,11 @@ closed in silence (a real server in-process, real sockets)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -237,14 +240,10 @@ async def test_a_request_begun_after_the_stop_behind_one_still_answered_is_told_
     next one: that answer goes out whole, then a 503 ``shutting_down`` for the next, which never reaches the HTTP
     server (a stand-in for hypercorn here, on the front's Unix socket; hypercorn closed such a connection after its
     answer, unannounced, and dropped the request)."""
-    path = str(tmp_path / "backend.sock")
-    listener = trio.socket.socket(trio.socket.AF_UNIX)
-    await listener.bind(path)
-    listener.listen()
     release = trio.Event()
     backend_got = bytearray()
 
-    async def backend() -> None:
+    async def backend(listener: trio.socket.SocketType) -> None:
         connection, _ = await listener.accept()
         with connection:
             while b"\r\n\r\n" not in backend_got:
@@ -255,28 +254,39 @@ async def test_a_request_begun_after_the_stop_behind_one_still_answered_is_told_
                 while data := await connection.recv(65536):
                     backend_got.extend(data)
 
-    front = Front(None, path, max_message_bytes=1024, deadlines=FAST)
-    client, server_side = trio.testing.memory_stream_pair()
-    with listener:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(backend)
-            nursery.start_soon(front.handle, server_side)
-            await client.send_all(HEALTH_11)
-            with trio.fail_after(WAIT):
-                while b"\r\n\r\n" not in backend_got:
-                    await trio.sleep(0.01)  # bench-cost: the front's backend is a real Unix socket
-            front.stopping = True
-            await client.send_all(HEALTH_11)
-            release.set()
-            received = bytearray()
-            with trio.fail_after(WAIT):
-                while data := await client.receive_some(65536):
-                    received += data
-            nursery.cancel_scope.cancel()
-    got = answers(bytes(received))
+    async with front_before(backend, tmp_path, FAST) as (front, client):
+        await client.send_all(HEALTH_11)
+        with trio.fail_after(WAIT):
+            while b"\r\n\r\n" not in backend_got:
+                await trio.sleep(0.01)  # bench-cost: the front's backend is a real Unix socket
+        front.stopping = True
+        await client.send_all(HEALTH_11)
+        release.set()
+        with trio.fail_after(WAIT):
+            received = await read_to_end(client)
+    got = answers(received)
     assert [status for status, _ in got] == [200, 503], got
     assert json.loads(got[1][1])["error"] == "shutting_down", got
     assert backend_got.count(b"GET ") == 1, backend_got
+
+
+@contextlib.asynccontextmanager
+async def front_before(backend: Callable[[trio.socket.SocketType], Awaitable[None]], tmp_path: Path,
+                       deadlines: Any) -> AsyncIterator[tuple[Front, trio.testing.MemoryStream]]:
+    """A front, and a client's connection to it, before ``backend`` (a stand-in for hypercorn, given the listener of
+    the front's Unix socket); both are cancelled when the block ends."""
+    path = str(tmp_path / "backend.sock")
+    listener = trio.socket.socket(trio.socket.AF_UNIX)
+    await listener.bind(path)
+    listener.listen()
+    front = Front(None, path, max_message_bytes=1024, deadlines=deadlines)
+    client, server_side = trio.testing.memory_stream_pair()
+    with listener:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(backend, listener)
+            nursery.start_soon(front.handle, server_side)
+            yield front, client
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_first_request_head_still_arriving_when_the_server_stops_is_told_so() -> None:
@@ -304,13 +314,9 @@ async def test_a_next_request_head_arriving_as_hypercorn_closes_for_the_stop_is_
     """A kept-alive connection's next request head is still arriving when hypercorn, stopping, closes the connection
     after its last answer: the client gets that answer, then 503 ``shutting_down`` for the request it began (the
     connection was closed under it, with no answer)."""
-    path = str(tmp_path / "backend.sock")
-    listener = trio.socket.socket(trio.socket.AF_UNIX)
-    await listener.bind(path)
-    listener.listen()
     release = trio.Event()
 
-    async def backend() -> None:
+    async def backend(listener: trio.socket.SocketType) -> None:
         connection, _ = await listener.accept()
         with connection:
             got = b""
@@ -319,23 +325,18 @@ async def test_a_next_request_head_arriving_as_hypercorn_closes_for_the_stop_is_
             await connection.send(b"HTTP/1.1 200 \r\ncontent-length: 2\r\n\r\nok")
             await release.wait()  # then closed, unannounced, as hypercorn does as it stops
 
-    front = Front(None, path, max_message_bytes=1024, deadlines=attrs.evolve(FAST, head=WAIT))
-    client, server_side = trio.testing.memory_stream_pair()
-    with listener:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(backend)
-            nursery.start_soon(front.handle, server_side)
-            await client.send_all(HEALTH_11)
-            received = bytearray()
-            with trio.fail_after(WAIT):
-                while b"ok" not in received:
-                    received += await client.receive_some(65536)
-            await client.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n")  # the next head, cut short
-            await trio.testing.wait_all_tasks_blocked()
-            front.stopping = True
-            release.set()
-            with trio.fail_after(WAIT):
-                received += await read_to_end(client)
+    async with front_before(backend, tmp_path, attrs.evolve(FAST, head=WAIT)) as (front, client):
+        await client.send_all(HEALTH_11)
+        received = bytearray()
+        with trio.fail_after(WAIT):
+            while b"ok" not in received:
+                received += await client.receive_some(65536)
+        await client.send_all(b"GET /v1/stream/health HTTP/1.1\r\nHost: x\r\n")  # the next head, cut short
+        await trio.testing.wait_all_tasks_blocked()
+        front.stopping = True
+        release.set()
+        with trio.fail_after(WAIT):
+            received += await read_to_end(client)
     got = answers(bytes(received))
     assert [status for status, _ in got] == [200, 503], got
     assert json.loads(got[1][1])["error"] == "shutting_down", got

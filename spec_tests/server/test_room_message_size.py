@@ -25,13 +25,24 @@ def compact(message: Any) -> str:
     return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
 
 
-async def test_a_prompt_within_the_limit_as_sent_is_taken_whatever_its_characters(autojump_clock: Any) -> None:
+def escaped(message: Any) -> str:
+    """As Python's ``json.dumps`` writes it by default: ``\\uXXXX`` for every character past ASCII, spaces after
+    separators."""
+    return json.dumps(message)
+
+
+@pytest.mark.parametrize("written", [compact, escaped], ids=["compact", "escaped"])
+async def test_a_prompt_within_the_limit_as_compact_utf8_is_taken_however_it_is_sent(
+        written: Any, autojump_clock: Any) -> None:
+    """1,500 emoji: 6 KB as compact UTF-8, so within the limit, and 18 KB as Python writes JSON by default (it was
+    refused ``too_large`` either way). One past the limit as compact UTF-8 still is, however sent."""
     service = CounterService()
     async with serve(settings(), service) as s:
         limit = s.runtime.settings.max_data_message_bytes
         prompt = "\U0001f600" * 1500  # 4 bytes each in UTF-8, 12 as JSON's ASCII escapes
-        sent = compact({"topic": "tf.control", "payload": {"type": "prompt", "prompt": prompt}})
-        assert len(sent.encode()) < limit < len(json.dumps({"type": "prompt", "prompt": prompt}).encode())
+        sent = written({"topic": "tf.control", "payload": {"type": "prompt", "prompt": prompt}})
+        assert len(compact({"type": "prompt", "prompt": prompt}).encode()) < limit < len(escaped(prompt).encode())
+        over = {"type": "control_state", "controls": ["w"] * (limit // 4 + 1)}  # past the limit as compact UTF-8
         created = await s.create("ctl")
         async with join(s, created["room"], created["token"]) as ctl:
             await ctl.wait_for(lambda p: "running" in p.stages(), "running")
@@ -40,6 +51,9 @@ async def test_a_prompt_within_the_limit_as_sent_is_taken_whatever_its_character
             await ctl.wait_for(lambda p: [c for c in session.controls if c.type is ControlType.PROMPT], "the prompt")
             assert [c.prompt for c in session.controls if c.type is ControlType.PROMPT] == [prompt]
             assert not ctl.status("control_rejected")
+            await ctl.ws.send(written({"topic": "tf.control", "payload": over}))
+            (rejected,) = await ctl.wait_for(lambda p: p.status("control_rejected"), "its answer")
+            assert rejected["reason"] == "too_large", rejected
 
 
 async def test_a_compact_control_within_the_limit_is_taken(autojump_clock: Any) -> None:
@@ -58,30 +72,3 @@ async def test_a_compact_control_within_the_limit_is_taken(autojump_clock: Any) 
             # a key named twice: refused for what it says, not for its size
             assert rejected["reason"] == "duplicate_control", rejected
 
-
-def escaped(message: Any) -> str:
-    """As Python's ``json.dumps`` writes it by default: ``\\uXXXX`` for every character past ASCII, spaces after
-    separators."""
-    return json.dumps(message)
-
-
-async def test_a_prompt_sent_with_jsons_escapes_is_counted_as_compact_utf8(autojump_clock: Any) -> None:
-    """The same prompt of 1,500 emoji, sent as Python writes JSON by default: 18 KB as sent, 6 KB as compact UTF-8, so
-    within the limit; it was refused ``too_large``. One past the limit as compact UTF-8 still is, however sent."""
-    service = CounterService()
-    async with serve(settings(), service) as s:
-        limit = s.runtime.settings.max_data_message_bytes
-        prompt = "\U0001f600" * 1500
-        sent = escaped({"topic": "tf.control", "payload": {"type": "prompt", "prompt": prompt}})
-        assert len(compact({"type": "prompt", "prompt": prompt}).encode()) < limit < len(sent)
-        over = {"type": "control_state", "controls": ["w"] * (limit // 4 + 1)}  # past the limit as compact UTF-8
-        created = await s.create("ctl")
-        async with join(s, created["room"], created["token"]) as ctl:
-            await ctl.wait_for(lambda p: "running" in p.stages(), "running")
-            await ctl.ws.send(sent)
-            (session,) = service.sessions.values()
-            await ctl.wait_for(lambda p: [c for c in session.controls if c.type is ControlType.PROMPT], "the prompt")
-            assert [c.prompt for c in session.controls if c.type is ControlType.PROMPT] == [prompt]
-            await ctl.ws.send(escaped({"topic": "tf.control", "payload": over}))
-            (rejected,) = await ctl.wait_for(lambda p: p.status("control_rejected"), "its answer")
-            assert rejected["reason"] == "too_large", rejected

@@ -174,15 +174,9 @@ def test_a_placement_of_too_many_worker_processes_exits_2_naming_it_before_servi
     if given == "file":
         (tmp_path / "placement.json").write_text(text)
         text = str(tmp_path / "placement.json")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
-    env["TMPDIR"] = str(tmp_path / "tmp")
     (tmp_path / "tmp").mkdir()
-    command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/toy_world", "--port", "0",
-               "--placement", text]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
-    assert done.returncode == 2, done.stderr[-2000:]
-    (line,) = done.stderr.strip().splitlines()
-    assert line.startswith(f"chunkline stream-serve: error: --placement: {words}"), done.stderr[-2000:]
+    line = refused_placement(text, TMPDIR=str(tmp_path / "tmp"))
+    assert line.startswith(f"chunkline stream-serve: error: --placement: {words}"), line
     assert list((tmp_path / "tmp").iterdir()) == []
 
 
@@ -201,10 +195,16 @@ def test_a_placement_that_is_no_json_object_exits_2_naming_it_before_serving(
         (tmp_path / "placement.json").write_text(text.removeprefix("file:"))
         text = str(tmp_path / "placement.json")
         words = words.format(file=text)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")}
+    line = refused_placement(text)
+    assert line.startswith(f"chunkline stream-serve: error: --placement: {words}"), line
+
+
+def refused_placement(placement: str, **env: str) -> str:
+    """The one line ``chunkline stream-serve --placement placement`` exits 2 with (the test fails otherwise)."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKLINE_")} | env
     command = [sys.executable, "-m", "server.cli", "stream-serve", "pipelines/toy_world", "--port", "0",
-               "--placement", text]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=START_DEADLINE)
+               "--placement", placement]
+    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=START_DEADLINE)
     assert done.returncode == 2, done.stderr[-2000:]
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith(f"chunkline stream-serve: error: --placement: {words}"), done.stderr[-2000:]
+    return line
