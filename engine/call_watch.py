@@ -63,18 +63,31 @@ class CallWatch:
         seen_at = 0.0
         while True:
             await trio.sleep(period)
-            running = self.running
-            if running is None:
+            # only the call's number is kept between looks: the call and its token held the last call's inputs
+            # (a closed session's tensors) until the actor's next long call
+            number = self._running_number()
+            if number is None:
                 seen = None
                 continue
-            number, call, token = running
             now = trio.current_time()
             if number != seen:  # a call not seen before: its time counts from here (it may have begun a look ago)
                 seen, seen_at = number, now
                 continue
-            if now - seen_at >= timeout:
-                overran(StageCallTimeout(f"{_named(call)} ran past its call_timeout of {timeout:g} s"), token)
+            if now - seen_at >= timeout and self._overran(number, timeout, overran):
                 return
+
+    def _running_number(self) -> int | None:
+        running = self.running
+        return None if running is None else running[0]
+
+    def _overran(self, number: int, timeout: float, overran: Callable[[StageCallTimeout, Any], None]) -> bool:
+        """Tell ``overran`` of call ``number`` if it still runs (it may have ended since the look)."""
+        running = self.running
+        if running is None or running[0] != number:
+            return False
+        _, call, token = running
+        overran(StageCallTimeout(f"{_named(call)} ran past its call_timeout of {timeout:g} s"), token)
+        return True
 
 
 @contextlib.contextmanager

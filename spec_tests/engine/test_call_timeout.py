@@ -9,8 +9,10 @@ stuck call keeps its thread until it returns.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import threading
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -201,3 +203,31 @@ async def _closed_anyhow(session) -> None:
     """Close ``session``, whose hook hangs: its close fails once the actor has (it is poisoned, as a failed one is)."""
     with contextlib.suppress(SessionCleanupError):
         await session.aclose(timeout=4 * DEADLINE)
+
+
+class Payload:
+    """A stand-in for a tensor: weakly referenceable."""
+
+
+async def test_a_watched_call_keeps_none_of_its_inputs_once_it_ended(mock_clock):
+    """The watch kept the last call it saw running (its invocation, so its inputs) until the actor's next long call:
+    a closed session's tensors for good, on an actor that serves no more."""
+    stuck = StuckCall("a", 0, mock_clock)
+    dynamics = LocalStageActor(stuck.sync, name="dynamics", call_timeout=DEADLINE)
+    actors = {"dynamics": dynamics, "render": LocalStageActor(lambda inv: {"frames": 0})}
+    async with open_orchestrator(SPEC, actors) as orch:
+        with stuck:
+            a = orch.create_session("a", final_sequence_id=0)
+            control = Payload()
+            kept = weakref.ref(control)
+            await a.push(0, {"control": control})
+            del control
+            await trio.to_thread.run_sync(stuck.started.wait)
+            await _pass_time(mock_clock, lambda: trio.current_time() >= 3 * LOOK)  # the watch sees the call running
+            stuck.release()
+            await _drain(a, [])
+            await a.aclose()
+            await orch.barrier()
+            await _pass_time(mock_clock, lambda: trio.current_time() >= 6 * LOOK)  # and then none
+            gc.collect()
+            assert kept() is None, "the watch still holds the call's input"
