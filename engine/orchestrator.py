@@ -80,7 +80,9 @@ async def open_orchestrator(
             else:
                 try:
                     yield orch
-                except (Exception, KeyboardInterrupt, SystemExit) as exc:  # re-raised below, outside the nursery
+                except BaseException as exc:  # re-raised below, outside the nursery, as itself
+                    if not _held_for_the_exit(exc):
+                        raise
                     body_error = exc
         finally:
             try:
@@ -94,6 +96,18 @@ async def open_orchestrator(
                 actors_scope.cancel(reason="the orchestrator closed its actors")
     if body_error is not None:
         raise body_error
+
+
+def _held_for_the_exit(error: BaseException) -> bool:
+    """Whether the body's ``error`` is kept until the orchestrator closed, then raised as itself (inside the nursery
+    any ``BaseException`` came out in a group: a Ctrl-C met in a nursery of the body, ``BaseExceptionGroup([KI])``, as
+    ``BaseExceptionGroup([BaseExceptionGroup([KI])])``). Not trio's cancellation, which its scopes must see as it goes,
+    nor a ``GeneratorExit``, with which nothing may be awaited."""
+    if isinstance(error, (trio.Cancelled, GeneratorExit)):
+        return False
+    if isinstance(error, BaseExceptionGroup):
+        return error.subgroup((trio.Cancelled, GeneratorExit)) is None
+    return True
 
 
 async def _host_actors(task_status: trio.TaskStatus[tuple[trio.Nursery, trio.CancelScope]]) -> None:

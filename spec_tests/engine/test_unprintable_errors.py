@@ -130,10 +130,18 @@ async def test_a_push_to_a_session_failed_by_an_error_that_cannot_be_printed_say
             assert isinstance(a.error, ValueError)
 
 
-@pytest.mark.parametrize("raised", [KeyboardInterrupt(), SystemExit(3)], ids=["ctrl-c", "sys.exit"])
+class Shutdown(BaseException):
+    """An application's own way to stop, past ``except Exception``."""
+
+
+@pytest.mark.parametrize("raised", [
+    KeyboardInterrupt(), SystemExit(3), Shutdown("stop"),
+    BaseExceptionGroup("a nursery of the body", [KeyboardInterrupt()]),  # a Ctrl-C met inside one
+], ids=["ctrl-c", "sys.exit", "own-base-exception", "ctrl-c-in-a-nursery"])
 async def test_a_ctrl_c_or_sys_exit_in_the_orchestrators_body_comes_out_as_itself(raised) -> None:
     """"An exception from the body propagates as itself": these came out in a group, past ``except
-    KeyboardInterrupt``, and a program's ``sys.exit(3)`` exited 1 with a traceback."""
+    KeyboardInterrupt``, and a program's ``sys.exit(3)`` exited 1 with a traceback; an application's own
+    ``BaseException``, and a Ctrl-C met in a nursery of the body, still did (in a group once more)."""
     actors = {"dynamics": LocalStageActor(passing), "render": LocalStageActor(render)}
     with pytest.raises(type(raised)) as caught:
         async with open_orchestrator(SPEC, actors):
