@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["cancel_on", "check_actor_arguments", "is_async"]
+__all__ = ["cancel_on", "check_actor_arguments", "check_hook_returned", "is_async"]
 
 
 def check_actor_arguments(handler: object, *, name: object, mailbox_capacity: object, session_closer: object) -> None:
@@ -43,3 +43,13 @@ async def cancel_on(event: trio.Event, scope: trio.CancelScope, reason: str) -> 
     """Cancel ``scope`` with ``reason`` once ``event`` is set."""
     await event.wait()
     scope.cancel(reason=reason)
+
+
+def check_hook_returned(actor: str, returned: object) -> None:
+    """A synchronous session hook returns nothing to await: one that returned a coroutine (``lambda ctx, reason:
+    release(ctx)``, ``release`` being ``async``) released nothing, and its release was said to be ``ok``."""
+    if inspect.isawaitable(returned):
+        if inspect.iscoroutine(returned):
+            returned.close()  # it never runs: no "never awaited" warning besides this error
+        raise TypeError(f"stage actor {actor!r}: its session_closer returned {type(returned).__name__}, which nothing "
+                        f"awaits, so its release never ran; declare the hook itself 'async def'")

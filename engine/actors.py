@@ -27,7 +27,7 @@ from states.pipeline_session import CloseReason
 from .actor_protocol import (
     STAGE_ACTOR_METHODS, ActorHealth, Completion, SessionContext, StageActor, StageInvocation, TaskKey,
 )
-from .actor_arguments import cancel_on, check_actor_arguments, is_async
+from .actor_arguments import cancel_on, check_actor_arguments, check_hook_returned, is_async
 from .call_watch import CallWatch, timed
 from .errors import ActorBusyError, ActorFailedError, FatalStageError, StageCallTimeout, error_text, seconds
 from .threads import NOTHING_LEFT, DedicatedThread, ThreadStopped, WaitQueue
@@ -435,10 +435,14 @@ class LocalStageActor:
             raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
         box[0].unwrap()
 
-    def _watched_hook(self, context: SessionContext, reason: CloseReason) -> Any:
+    def _watched_hook(self, context: SessionContext, reason: CloseReason) -> None:
         """Runs the synchronous session hook on the thread, timed as a call is (``call_timeout``)."""
         with timed(self._call_watch, context):
-            return self._closer(context, reason)  # type: ignore[misc]
+            self._sync_hook(context, reason)
+
+    def _sync_hook(self, context: SessionContext, reason: CloseReason) -> None:
+        """The synchronous session hook, on the thread (one that returns something to await released nothing)."""
+        check_hook_returned(self.name, self._closer(context, reason))  # type: ignore[misc]
 
     async def _close_session(self, message: _CloseSession) -> None:
         if self._machine.state in actor_table.BROKEN:
@@ -447,7 +451,8 @@ class LocalStageActor:
             )
         else:
             with timed(self._call_watch, message.context):  # in the actor's task, ahead of the calls behind it
-                message.result = await self._call(self._closer, self._closer_is_async, message.context, message.reason)
+                hook = self._closer if self._closer_is_async else self._sync_hook
+                message.result = await self._call(hook, self._closer_is_async, message.context, message.reason)
         message.done.set()
 
     async def barrier(self) -> None:

@@ -163,7 +163,9 @@ class SessionShutdown:
             with trio.move_on_at(deadline) as release_deadline:
                 try:
                     await actor.close_session(context, reason)
-                except Exception as exc:
+                except BaseException as exc:  # a hook's sys.exit() too: its session is poisoned, not the orchestrator
+                    if is_cancellation(exc):
+                        raise
                     error = exc
             if release_deadline.cancelled_caught:
                 error = TimeoutError(f"stage {stage_id!r} did not release session {rt.session_id!r} in time")
@@ -199,6 +201,13 @@ class SessionShutdown:
             self._core.advance(rt, Event.CLEANUP_FAILED)
         rt.settled.set()
         rt.wake()
+
+
+def is_cancellation(error: BaseException) -> bool:
+    """Whether ``error`` is, or carries, trio's cancellation: it goes on to its scope, whatever else came with it."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.subgroup(trio.Cancelled) is not None
+    return isinstance(error, trio.Cancelled)
 
 
 #: the sequences a drain names that never ran (how many there were is told in full)

@@ -344,3 +344,58 @@ async def test_once_the_close_deadline_is_spent_only_the_stuck_actor_is_reported
     finally:
         release.set()
     await join_thread(dynamics)
+
+
+class Shutdown(BaseException):
+    """A library's own way to stop, past ``except Exception``."""
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), Shutdown("stop")],
+                         ids=["sys.exit", "ctrl-c", "own-base-exception"])
+async def test_a_session_hook_raising_past_exception_poisons_its_session_not_the_orchestrator(raised):
+    """A failed session's cleanup runs in the background: a hook raising ``sys.exit()`` there (a library's own) ended
+    the whole orchestrator, its healthy sessions with it, in a group of groups; on a close, its session was left
+    releasing, neither closed nor poisoned. It poisons its session, named, as a hook's ``Exception`` does."""
+
+    def failing(inv):
+        if inv.key.session_id == "bad":
+            raise ValueError("stage error")  # the session fails: its cleanup runs in the background
+        return {"latent": inv.inputs["control"]}
+
+    def closer(context, reason):
+        if context.session_id == "bad":
+            raise raised
+
+    actors = {"dynamics": LocalStageActor(failing, session_closer=closer), "render": LocalStageActor(render)}
+    with pytest.raises(OrchestratorCloseError, match="release:dynamics"):  # still poisoned at shutdown
+        async with open_orchestrator(SPEC, actors) as orch:
+            bad, good = orch.create_session("bad"), orch.create_session("good", final_sequence_id=1)
+            await bad.push(0, {"control": 0})
+            await bad.wait_settled()
+            assert bad.status is State.POISONED
+            assert bad.cleanup_error is raised
+            assert ("release:dynamics", f"failed: {raised!r}") in bad.shutdown_phases, bad.shutdown_phases
+            await good.push(0, {"control": 0})
+            await good.push(1, {"control": 1})
+            assert [seq async for seq, _ in good.outputs()] == [0, 1]  # the healthy session serves on
+
+
+async def test_a_synchronous_session_hook_that_returns_a_coroutine_is_named_not_said_released():
+    """``session_closer=lambda ctx, reason: release(ctx)`` with ``release`` async: the release never ran (a 'never
+    awaited' warning) and ``release:dynamics`` said ``ok``. It is a failed release naming the mistake."""
+    released: list[str] = []
+
+    async def release(context):
+        released.append(context.session_id)
+
+    actors = {"dynamics": LocalStageActor(lambda inv: {"latent": 1}, session_closer=lambda ctx, reason: release(ctx)),
+              "render": LocalStageActor(render)}
+    with pytest.raises(OrchestratorCloseError, match="release:dynamics"):
+        async with open_orchestrator(SPEC, actors) as orch:
+            s = orch.create_session("a", final_sequence_id=0)
+            await s.push(0, {"control": 1})
+            with pytest.raises(SessionCleanupError, match="its session_closer returned coroutine, which nothing "
+                                                          "awaits, so its release never ran; declare the hook itself "
+                                                          "'async def'"):
+                await s.aclose()
+            assert s.status is State.POISONED and released == []
