@@ -93,12 +93,12 @@ class Session:
     async def push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> None:
         """Admit ``artifacts`` for ``sequence_id`` atomically, waiting for room on every edge."""
         self._here("push")
-        await self._core.push(self._runtime, as_sequence_id(sequence_id), artifacts)
+        await self._core.push(self._runtime, as_sequence_id(sequence_id), _read_once(artifacts))
 
     def try_push(self, sequence_id: int, artifacts: Mapping[str, Any]) -> bool:
         """Admit all of ``artifacts`` now, or nothing (False when an edge is full)."""
         self._here("try_push")
-        return self._core.try_push(self._runtime, as_sequence_id(sequence_id), artifacts)
+        return self._core.try_push(self._runtime, as_sequence_id(sequence_id), _read_once(artifacts))
 
     def can_push(self, artifacts: Iterable[str], *, sequence_id: int | None = None) -> bool:
         """Whether every named ingress artifact has room now (a pure query); with ``sequence_id``, room for that
@@ -299,3 +299,12 @@ class Session:
         rt = self._runtime
         with self._core.lock:
             return len(rt.reservations) + rt.handoffs_queued
+
+
+def _read_once(artifacts: Any) -> Any:
+    """A mapping other than a plain dict, read whole before anything is admitted: one whose value could not be read
+    (a lazy loader that raised) had the artifacts before it admitted, and a retry was refused as already buffered.
+    Anything else is left for the push to refuse by name."""
+    if type(artifacts) is dict or not isinstance(artifacts, Mapping):
+        return artifacts
+    return dict(artifacts)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 import trio
@@ -45,6 +47,39 @@ async def test_try_push_is_all_or_nothing_when_one_edge_is_full(orch, rec):
     # the image alone still fits, and is accepted
     assert s.try_push(2, {"image": "i2"})
     assert s.buffered("image", "encode") == 1
+
+
+class LazyArtifacts(Mapping):
+    """Artifacts read as they are asked for; ``image``'s read fails (a loader that raised)."""
+
+    def __init__(self, names: dict[str, Any]) -> None:
+        self.names = names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "image":
+            raise OSError("failed to load 'image'")
+        return self.names[name]
+
+
+@pytest.mark.parametrize("how", ["try_push", "push"])
+async def test_a_push_whose_mapping_cannot_be_read_admits_nothing(orch, rec, how):
+    """The control was admitted before the image's value failed to read, and the retry was refused: the control
+    'for sequence 0 is already buffered', and sequence 0 could never run."""
+    s = orch.create_session("a", final_sequence_id=0)
+    with pytest.raises(OSError, match="failed to load 'image'"):
+        pushed = getattr(s, how)(0, LazyArtifacts({"control": "c0", "image": "i0"}))
+        if how == "push":
+            await pushed
+    assert s.buffered("control", "denoise") == 0 and s.artifact_stats().slot_count == 0
+    assert s.try_push(0, {"image": "i0", "control": "c0"})  # the retry is taken whole
+    with trio.fail_after(5):
+        assert [seq async for seq, _ in s.outputs()] == [0]
 
 
 async def test_push_waits_for_room_then_completes(orch, rec):
