@@ -37,7 +37,7 @@ from .actor_protocol import new_invocation, new_task_key
 from .actors import StageActor, StageInvocation, TaskKey
 from .blockers import ACTOR_BUSY, Blocker, first_blocker
 from .completion import read_result, record_result
-from .errors import ActorBusyError, SessionExistsError
+from .errors import ActorBusyError, SessionExistsError, drop_frame_locals
 from .graph import StageGraph
 from .handoff import CoreCompletion, Leftovers, TrioHandoff
 from .ingress import check_final_sequence, check_ingress, has_room, refuse_past_final, room_query
@@ -324,6 +324,8 @@ class SchedulerCore:
 
     def _complete(self, invocation: StageInvocation, value: Any, error: BaseException | None) -> None:
         """Accept one invocation's result (``value``) or failure (``error``), unless it no longer counts."""
+        if error is not None:
+            drop_frame_locals(error)  # the call's frames held its inputs for as long as the error is kept
         key = invocation.key
         rt = self._sessions.get(key.session_id)
         reservation = None if rt is None else rt.reservations.held.get((key.stage_id, key.sequence_id))

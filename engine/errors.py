@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+import traceback
 
 import trio
 
@@ -23,6 +24,7 @@ __all__ = [
     "FatalStageError",
     "StageCallTimeout",
     "WrongThreadError",
+    "drop_frame_locals",
     "error_text",
     "integer",
     "message_of",
@@ -47,6 +49,28 @@ def shown(value: object, limit: int | None = SHOWN_LIMIT) -> str:
     except Exception:
         return f"<a {type(value).__name__} whose repr failed>"
     return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: how many errors of a chain (causes, contexts) :func:`drop_frame_locals` looks at
+CHAIN_LIMIT = 16
+
+
+def drop_frame_locals(error: BaseException) -> None:
+    """Drop the local variables of the finished frames in ``error``'s traceback, and in its causes' and contexts':
+    a failed call's inputs (a session's tensors, in the handler's frame) lived on with the error, for as long as the
+    session handle (its ``error``) or the actor (a fatal error, its health's cause) kept it. The traceback still
+    names every file and line; a frame still running (the thread's loop that caught it) is left as it is."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending and len(seen) < CHAIN_LIMIT:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+        if isinstance(current, BaseExceptionGroup):
+            pending += current.exceptions
 
 
 def message_of(error: BaseException) -> str:

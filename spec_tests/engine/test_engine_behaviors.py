@@ -4,7 +4,9 @@ backpressure, references after a call, long-session metrics, actors that complet
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
+import traceback
 import weakref
 from typing import Any
 
@@ -186,6 +188,37 @@ async def test_no_actor_keeps_a_call_s_inputs_or_outputs_after_it_ends(kind):
             await orch.barrier()
         alive = sorted(name for name, ref in made.items() if ref() is not None)
         assert alive == [], f"still referenced after the calls ended: {alive}"
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("error", [ValueError, FatalStageError])
+async def test_a_failed_call_s_error_keeps_none_of_its_inputs(kind, error):
+    """The handler's frame, its invocation in it, lived on in the error's traceback: for as long as the session
+    handle keeps its ``error``, and for a fatal error the actor's life (its health's ``failure_cause``)."""
+
+    def handle(inv: Any) -> dict[str, Any]:
+        assert isinstance(inv.inputs["control"], Payload)
+        raise error("the device is lost")
+
+    async def handle_async(inv: Any) -> dict[str, Any]:
+        return handle(inv)
+
+    spec = PipelineSpec(stages=[StageSpec("denoise", {"control"}, {"frames"})],
+                        edges=[EdgeSpec("control", "denoise", None, 1)], output_artifacts={"frames"})
+    actor = LocalStageActor(handle if kind == "sync" else handle_async, name="denoise")
+    async with open_orchestrator(spec, {"denoise": actor}) as orch:
+        s = orch.create_session("a", final_sequence_id=0)
+        control = Payload("control0")
+        kept = weakref.ref(control)
+        await s.push(0, {"control": control})
+        del control
+        with trio.fail_after(5):
+            await s.wait_settled()
+        assert isinstance(s.error, error) and "the device is lost" in str(s.error)
+        assert (orch.actor_health("denoise").failure_cause is s.error) == (error is FatalStageError)
+        gc.collect()
+        assert kept() is None, "the failed call's input lives on in its error"
+        assert "raise error(" in "".join(traceback.format_exception(s.error))  # its lines are still told
 
 
 # -- long sessions ------------------------------------------------------------------------------------
