@@ -240,7 +240,7 @@ def idle_intervals(
         missing = missing_after.get(current.sequence_id, ())
         if idle <= CONTINUOUS_SECONDS:
             reason = "continuous"
-        elif missing:
+        elif missing and not _held_longer_by_a_limit(previous, current):
             reason = "+".join(missing)
         else:
             blocker = blockers.get(current.sequence_id)
@@ -256,3 +256,12 @@ def idle_intervals(
             )
         )
     return intervals
+
+
+def _held_longer_by_a_limit(previous: StageTiming, current: StageTiming) -> bool:
+    """Whether more of the gap passed once ``current``'s inputs were all there (a limit held it) than before: an
+    input that came a moment after the previous call ended was blamed for all of a backpressured wait."""
+    ready = current.inputs_ready_at
+    if ready is None:
+        return False
+    return current.admitted_at - ready > ready - previous.completed_at  # type: ignore[operator]

@@ -414,3 +414,24 @@ async def test_a_later_sequence_ready_first_never_takes_the_place_an_earlier_one
             assert got == [0, 1]
             await s.aclose()
             assert s.status is State.CLOSED and ("drain", "ok") in s.shutdown_phases
+
+
+async def test_an_idle_gap_held_by_backpressure_names_the_limit_not_an_input_that_came_a_moment_late(autojump_clock):
+    """Sequence 1's input came a moment after the stage ended sequence 0, and the unread output then held it for
+    half a second: the gap was blamed on the input (``reason='x'``), though ``blocker()`` named the output queue."""
+    spec = PipelineSpec(stages=[StageSpec("a", {"x"}, {"y"})], edges=[EdgeSpec("x", "a", None, 2)],
+                        output_artifacts={"y"}, output_capacity_per_session=1)
+    async def handle(inv: Any) -> dict[str, Any]:  # in trio: the autojumping clock waits for no thread
+        return {"y": 1}
+
+    async with open_orchestrator(spec, {"a": LocalStageActor(handle)}) as orch:
+        s = orch.create_session("s", final_sequence_id=1)
+        await s.push(0, {"x": 0})
+        await orch.barrier()  # output 0 unread: the output queue is full
+        await s.push(1, {"x": 1})
+        await trio.sleep(0.5)  # a slow reader
+        assert [seq async for seq, _ in s.outputs()] == [0, 1]
+        assert str(s.blocker("a", 1)) == "output_capacity:y"
+        (interval,) = s.idle_intervals("a")
+        assert interval.reason == "output_capacity:y", interval
+        assert interval.idle_seconds >= 0.5
