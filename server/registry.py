@@ -96,8 +96,12 @@ class SessionRegistry:
     for the gauges: counting them then cost a pass over every record each time).
     """
 
-    def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, wall_clock: Callable[[], float] = time.time, retention_count: int | None = None) -> None:
         self._records: dict[str, SessionRecord] = {}
+        #: the terminal records' ids, in the order they ended; past ``retention_count`` the oldest is forgotten as
+        #: another ends (the once-a-second sweep let a burst of ends list more than the count meanwhile)
+        self._terminal: dict[str, None] = {}
+        self._retention_count = retention_count
         self._by_room: dict[str, SessionRecord] = {}
         self._by_status: dict[State, int] = dict.fromkeys(State, 0)
         self._wall = wall_clock
@@ -179,12 +183,18 @@ class SessionRegistry:
         record.updated_at = self._wall()
         if error is not None and record.error is None:
             record.error = error
-        if state in table.TERMINAL:
+        if state in table.TERMINAL and record.terminal_since is None:
             record.terminal_since = now
+            if self._records.get(record.session_id) is record:
+                self._terminal[record.session_id] = None
+                if self._retention_count is not None:
+                    while len(self._terminal) > self._retention_count:
+                        self.remove(next(iter(self._terminal)))
         return state
 
     def remove(self, session_id: str) -> None:
         record = self._records.pop(session_id, None)
+        self._terminal.pop(session_id, None)
         if record is not None:
             self._by_room.pop(record.room, None)
             self._by_status[record.status] -= 1
@@ -197,16 +207,14 @@ class SessionRegistry:
         ]
 
     def prune(self, now: float, *, retention_seconds: float, retention_count: int) -> list[str]:
-        """Forget terminal records older than the retention time, and the oldest beyond the count."""
-        terminal = sorted(
-            (r for r in self._records.values() if r.is_terminal and r.terminal_since is not None),
-            key=lambda r: r.terminal_since,  # type: ignore[arg-type, return-value]
-        )
-        removed = [r.session_id for r in terminal if now - r.terminal_since >= retention_seconds]  # type: ignore[operator]
-        gone = set(removed)  # once: made for each record kept, it cost n x n steps when many aged out together
-        keep = [r for r in terminal if r.session_id not in gone]
-        if len(keep) > retention_count:
-            removed += [r.session_id for r in keep[: len(keep) - retention_count]]
+        """Forget terminal records older than the retention time, and the oldest beyond the count (they are kept in
+        the order they ended: the oldest first)."""
+        removed = []
+        for session_id in self._terminal:
+            aged = now - self._records[session_id].terminal_since >= retention_seconds  # type: ignore[operator]
+            if not aged and len(self._terminal) - len(removed) <= retention_count:
+                break
+            removed.append(session_id)
         for session_id in removed:
             self.remove(session_id)
         return removed

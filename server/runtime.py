@@ -76,7 +76,7 @@ class StreamRuntime:
         self.issuer = issuer
         self.transport = transport
         self.metrics = metrics
-        self.registry = SessionRegistry()
+        self.registry = SessionRegistry(retention_count=settings.terminal_retention_count)
         self.lifecycle = SessionLifecycle(self.registry)
         self.viewer_seats = ViewerSeats(issuer.ttl_seconds, self.registry.in_room)
         #: each session's room from its creation: until it ends (local rooms), or until its worker sees it (LiveKit)

@@ -84,7 +84,8 @@ async def test_terminal_records_are_pruned_after_retention_seconds(mock_clock):
         assert [r["session_id"] for r in listed] == [live["session_id"]]
 
 
-async def test_terminal_records_beyond_retention_count_are_pruned_oldest_first(mock_clock):
+async def test_terminal_records_beyond_retention_count_are_pruned_oldest_first_as_they_end(mock_clock):
+    """At once, not at the next sweep: a burst of ends listed them all (30 with a count of 5) until the sweep."""
     settings = make_settings(terminal_retention_count=2, max_sessions_per_worker=4)
     async with serve(settings) as s:
         ids = []
@@ -92,17 +93,18 @@ async def test_terminal_records_beyond_retention_count_are_pruned_oldest_first(m
             _, created, _ = await s.create(f"u{i}")
             await s.json("delete", f"{SESSIONS}/{created['session_id']}")
             ids.append(created["session_id"])
-            await jump(s, mock_clock, 0.1)  # distinct terminal times
+            listed = (await s.json("get", SESSIONS))[1]["sessions"]
+            assert [r["session_id"] for r in listed] == ids[-2:]  # no sweep has run: the clock has not moved
         _, live, _ = await s.create("live")
-        await jump(s, mock_clock, SWEEP)
         assert [(await get(s, i))[0] for i in ids] == [404, 404, 200, 200]
         assert (await get(s, live["session_id"]))[0] == 200
+        await jump(s, mock_clock, SWEEP)  # the sweep finds nothing more to prune
+        assert [(await get(s, i))[0] for i in ids] == [404, 404, 200, 200]
 
 
-async def test_retention_count_zero_forgets_terminal_records_at_the_next_sweep(mock_clock):
+async def test_retention_count_zero_forgets_terminal_records_as_they_end(mock_clock):
     async with serve(make_settings(terminal_retention_count=0)) as s:
         _, created, _ = await s.create("a")
         status, body, _ = await s.json("delete", f"{SESSIONS}/{created['session_id']}")
-        assert (status, body["status"]) == (200, "closed")
-        await jump(s, mock_clock, SWEEP)
+        assert (status, body["status"]) == (200, "closed")  # the answer still carries the record
         assert (await get(s, created["session_id"]))[0] == 404

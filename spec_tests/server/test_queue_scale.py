@@ -86,7 +86,8 @@ def visits(monkeypatch: pytest.MonkeyPatch) -> Iterator[Visits]:
 @asynccontextmanager
 async def queued_behind_one(queued: int, **overrides: Any) -> AsyncIterator[tuple[Served, dict[str, Any], list[str]]]:
     """A server with one slot, its session, and ``queued`` sessions waiting behind it (ids head first)."""
-    values: dict[str, Any] = {"queue_size": queued + 1, "session_timeout": 86_400.0, **overrides}
+    values: dict[str, Any] = {"queue_size": queued + 1, "session_timeout": 86_400.0,
+                              "terminal_retention_count": queued + 1, **overrides}  # every end stays readable
     async with serve(settings(**values), CounterService()) as s:
         live = await s.create("live")
         assert live["status"] != "queued", live
