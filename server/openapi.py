@@ -288,8 +288,8 @@ def openapi_document() -> dict[str, Any]:
                                 "schema": {"type": "string", "maxLength": 64},
                                 "description": "the `next` of the page before (a cursor of this server run)"}],
                 "responses": {"200": _json(_ref("SessionList"), "sessions"),
-                              "400": _error("unknown status or query parameter, a limit out of range, a cursor no page of "
-                                            "this server run gave"),
+                              "400": _error("unknown status or query parameter, a limit out of range, a cursor that "
+                                            "names no session of this server run (another run's, past the newest)"),
                               **COMMON_ERRORS},
             },
         },
@@ -344,6 +344,9 @@ def openapi_document() -> dict[str, Any]:
         "/v1/service/metrics": {"get": {"summary": "Prometheus metrics",
                                         "responses": {"200": {"description": "text exposition",
                                                               "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics, at Prometheus's default scrape path (as /v1/service/metrics)",
+                             "responses": {"200": {"description": "text exposition",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/v1/service/metrics/json": {"get": {"summary": "Metrics as JSON",
                                              "responses": {"200": _json(_ref("MetricsJson"), "metrics")}}},
         "/openapi.json": {"get": {"summary": "This document",

@@ -28,7 +28,8 @@ class UnknownStreamSession(KeyError):
 
 
 class UnknownCursor(ValueError):
-    """A session-list cursor no page of this server run gave (malformed, from another run, or past the last)."""
+    """A session-list cursor that names no session of this server run (malformed, from another run, or past the
+    newest)."""
 
 
 @attrs.define(eq=False)
@@ -145,7 +146,8 @@ class SessionRegistry:
         """Up to ``limit`` records created after the cursor ``after`` (from the first when None), oldest first (of one
         status, if given), and the cursor of the page after, while more follow. Records are kept in creation order,
         so a page is one pass that stops at its end; a record pruned or created between two pages moves no other
-        record across the cursor. Raises :class:`UnknownCursor` for one no page of this run gave."""
+        record across the cursor. Raises :class:`UnknownCursor` for one that names no session of this run (a cursor
+        is a session's place: one a page did not give still names where to go on from)."""
         start = 0 if after is None else self._serial_of(after)
         page: list[SessionRecord] = []
         for record in self._records.values():
@@ -158,12 +160,14 @@ class SessionRegistry:
 
     def _serial_of(self, cursor: str) -> int:
         run, _, serial = cursor.partition("-")
-        if not (len(run) == len(self._run) and serial.isascii() and serial.isdigit() and len(serial) <= 19):
+        # a page's cursor names a session of this run by its serial, written as a page writes it (no leading zero)
+        if not (len(run) == len(self._run) and serial.isascii() and serial.isdigit() and len(serial) <= 19
+                and serial[0] != "0"):
             raise UnknownCursor(f"after must be a cursor (the 'next' of the page before), got {echo(cursor)}")
         if run != self._run:
             raise UnknownCursor("after is a cursor of another server run (they end with it); list from the first page")
         if int(serial) > self._serials:
-            raise UnknownCursor(f"after is a cursor no page gave ({echo(cursor)}); list from the first page")
+            raise UnknownCursor(f"after names no session of this run ({echo(cursor)}); list from the first page")
         return int(serial)
 
     def counts(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover
     jsonschema = None
 
 SESSIONS = "/v1/stream/sessions"
-HIDDEN = {"/metrics", "/static/{name}"}  # the Prometheus alias and the demo page's files
+HIDDEN = {"/static/{name}"}  # the demo page's files
 
 
 @pytest.fixture

@@ -109,7 +109,10 @@ async def test_a_cursor_no_page_gave_is_refused_not_taken_as_a_place(autojump_cl
         status, first = await s.json("get", f"{SESSIONS}?limit=2")
         run, _, serial = first["next"].partition("-")
         status, body = await s.json("get", f"{SESSIONS}?after={run}-{int(serial) + 100}")
-        assert status == 400 and "a cursor no page gave" in body["detail"], body
+        assert status == 400 and "names no session of this run" in body["detail"], body
+        for written in (f"{run}-0{serial}", f"{run}-0"):  # not as a page writes a cursor
+            status, body = await s.json("get", f"{SESSIONS}?after={written}")
+            assert status == 400 and "after must be a cursor" in body["detail"], body
         async with queued_behind_one(5) as (other, _, _):  # another server run: its cursors are its own
             status, body = await other.json("get", f"{SESSIONS}?after={first['next']}")
             assert status == 400 and "another server run" in body["detail"], body
