@@ -30,8 +30,10 @@ __all__ = ["SessionLifecycle", "runner_last_word", "shutdown_outcome"]
 class SessionLifecycle:
     """Moves stream-session records; single owner: the runtime's trio thread."""
 
-    def __init__(self, registry: SessionRegistry) -> None:
+    def __init__(self, registry: SessionRegistry, on_moved: Callable[[], None] = lambda: None) -> None:
         self.registry = registry
+        #: told after every move (the sessions-by-status gauge: it followed the moves only at the next sweep)
+        self.on_moved = on_moved
         #: told of each record that has just become terminal (the app closes its room), with the room's last
         #: ``tf.status`` message when the server may have to say it (else None), and whether the session's worker
         #: says it told the room itself
@@ -42,6 +44,7 @@ class SessionLifecycle:
         """``cause_failed``: the drain cause is what failed the session (the table's event for it is FAIL), which
         the last word then names."""
         self.registry.apply(record, event, now=trio.current_time(), error=error)
+        self.on_moved()
         if record.is_terminal:
             word = last_word(record, record.error, 0, 0, cause_failed=cause_failed) if say_last_word else None
             self.on_terminal(record, word, worker_told)

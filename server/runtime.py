@@ -77,7 +77,7 @@ class StreamRuntime:
         self.transport = transport
         self.metrics = metrics
         self.registry = SessionRegistry(retention_count=settings.terminal_retention_count)
-        self.lifecycle = SessionLifecycle(self.registry)
+        self.lifecycle = SessionLifecycle(self.registry, lambda: metrics.set_sessions(self.registry.counts()))
         self.viewer_seats = ViewerSeats(issuer.ttl_seconds, self.registry.in_room)
         #: each session's room from its creation: until it ends (local rooms), or until its worker sees it (LiveKit)
         self.room_follow = RoomFollow(transport)
