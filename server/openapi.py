@@ -227,7 +227,9 @@ FORBIDDEN_ORIGIN = "403"  # only a POST or DELETE is checked for the page it cam
 COMMON_ERRORS = {"401": _error("missing or wrong API key (when one is configured)"),
                  FORBIDDEN_ORIGIN: _error("forbidden_origin: a POST or DELETE from a web page of another origin, not "
                                           "in --cors-allow-origins"),
-                 "413": _error("request body too large")}
+                 "413": _error("request body too large"),
+                 "503": _error("shutting_down: the server's stop has drained its sessions, and chunkline stream-serve's "
+                               "front answers every request so, passing none on (plain hypercorn closes them)")}
 #: what every API route refuses before its own checks (``server.app``'s ``refuse_what_would_be_ignored``)
 IGNORED_INPUT = ("a query parameter this route does not read (invalid_query), or a body on a GET or DELETE "
                  "(invalid_body)")
@@ -314,8 +316,9 @@ def openapi_document() -> dict[str, Any]:
         },
         "/v1/stream/health": {"get": {"summary": "Admission and worker health",
                                       "responses": {"200": _json(_ref("Health"), "health"), **COMMON_ERRORS}}},
-        "/v1/service/health": {"get": {"summary": "Service health (always 200)",
-                                       "responses": {"200": _json(_ref("ServiceHealth"), "health")}}},
+        "/v1/service/health": {"get": {"summary": "Service health (200 while the server serves)",
+                                       "responses": {"200": _json(_ref("ServiceHealth"), "health"),
+                                                     "503": COMMON_ERRORS["503"]}}},
         "/v1/service/ready": {"get": {"summary": "Readiness probe",
                                       "responses": {"200": _json(_ref("Ready"), "ready"),
                                                     "503": _json(_ref("Ready"), "not ready yet (loading) or closing")}}},
