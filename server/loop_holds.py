@@ -7,7 +7,8 @@ create held past the answer deadline 504 while its handler made the session, a p
 closed as silent, a client that read every byte was closed for not reading.
 
 :class:`LoopHolds`, a trio instrument (one a run: :func:`loop_holds`), times each batch of task steps; a batch that
-ran longer than :data:`HELD_LATE` counts as a hold. Its :meth:`~LoopHolds.now` is trio's clock with the holds taken
+ran longer than :data:`HELD_LATE` counts as a hold, and so does a wait for I/O that outlasted its timeout by that
+much (the process was not run: SIGSTOP, a paused VM). Its :meth:`~LoopHolds.now` is trio's clock with the holds taken
 out, and the cancel scopes it makes (:meth:`~LoopHolds.deadline`) move on by each hold before trio looks at its
 deadlines again, so none of them fires for time the loop was held.
 """
@@ -36,6 +37,7 @@ class LoopHolds(trio.abc.Instrument):
         self.late = late
         self.held = 0.0  # seconds the loop was held in all, since the watch began
         self._batch_began: float | None = None
+        self._wait_began: float | None = None  # when trio began to wait for I/O (a wait far past its timeout is held)
         self._scopes: dict[trio.CancelScope, float] = {}  # each deadline kept clear, and when it was made
 
     # -- the instrument ---------------------------------------------------------------------
@@ -44,19 +46,24 @@ class LoopHolds(trio.abc.Instrument):
     # are not holds, and a mock clock does not move while code holds the loop.
 
     def after_io_wait(self, timeout: float) -> None:
-        self._batch_began = time.perf_counter()  # trio looks at its deadlines next, then runs a batch
+        now = time.perf_counter()
+        if self._wait_began is not None and now - self._wait_began - timeout > self.late:
+            # the wait outlasted its timeout: the process did not run (SIGSTOP, a paused VM), and what came
+            # meanwhile is unread; a peer that answered every ping was closed as silent as it went on
+            self._held_for(now - self._wait_began, now)
+        self._wait_began = None
+        self._batch_began = now  # trio looks at its deadlines next, then runs a batch
 
     def before_io_wait(self, timeout: float) -> None:
-        began, self._batch_began = self._batch_began, None
-        if began is None:
-            return
         now = time.perf_counter()
-        ran = now - began
-        if ran <= self.late:
-            return
-        self.held += ran
+        began, self._batch_began, self._wait_began = self._batch_began, None, now
+        if began is not None and now - began > self.late:
+            self._held_for(now - began, now)
+
+    def _held_for(self, seconds: float, now: float) -> None:
+        self.held += seconds
         for scope, made in self._scopes.items():  # before trio looks at the deadlines again
-            scope.deadline += min(ran, now - made)  # one made during the hold moves on by what was left of it
+            scope.deadline += min(seconds, now - made)  # one made during the hold moves on by what was left of it
 
     # -- for the server ---------------------------------------------------------------------
 
