@@ -24,6 +24,7 @@ __all__ = [
     "FatalStageError",
     "StageCallTimeout",
     "WrongThreadError",
+    "carries",
     "drop_frame_locals",
     "error_text",
     "integer",
@@ -49,6 +50,14 @@ def shown(value: object, limit: int | None = SHOWN_LIMIT) -> str:
     except Exception:
         return f"<a {type(value).__name__} whose repr failed>"
     return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
+def carries(error: BaseException, *kinds: type[BaseException]) -> bool:
+    """Whether ``error`` is one of ``kinds``, or a group that holds one (trio's cancellation goes on to its scope
+    whatever came with it)."""
+    if isinstance(error, BaseExceptionGroup):
+        return error.subgroup(kinds) is not None
+    return isinstance(error, kinds)
 
 
 #: how many errors of a chain (causes, contexts) :func:`drop_frame_locals` looks at

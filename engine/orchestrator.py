@@ -24,7 +24,7 @@ from states.pipeline_session import Event
 from .actors import STAGE_ACTOR_METHODS, ActorHealth, StageActor
 from .core import SchedulerCore
 from .errors import (
-    OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError, seconds, shown,
+    OrchestratorClosedError, OrchestratorCloseError, SessionCleanupError, UnknownSessionError, carries, seconds, shown,
 )
 from .graph import StageGraph
 from .home_thread import HomeThread
@@ -81,7 +81,10 @@ async def open_orchestrator(
                 try:
                     yield orch
                 except BaseException as exc:  # re-raised below, outside the nursery, as itself
-                    if not _held_for_the_exit(exc):
+                    # (inside it any BaseException came out in a group, and a group of the body's in one more) but
+                    # trio's cancellation, which its scopes must see as it goes, and a GeneratorExit, with which
+                    # nothing may be awaited
+                    if carries(exc, trio.Cancelled, GeneratorExit):
                         raise
                     body_error = exc
         finally:
@@ -96,18 +99,6 @@ async def open_orchestrator(
                 actors_scope.cancel(reason="the orchestrator closed its actors")
     if body_error is not None:
         raise body_error
-
-
-def _held_for_the_exit(error: BaseException) -> bool:
-    """Whether the body's ``error`` is kept until the orchestrator closed, then raised as itself (inside the nursery
-    any ``BaseException`` came out in a group: a Ctrl-C met in a nursery of the body, ``BaseExceptionGroup([KI])``, as
-    ``BaseExceptionGroup([BaseExceptionGroup([KI])])``). Not trio's cancellation, which its scopes must see as it goes,
-    nor a ``GeneratorExit``, with which nothing may be awaited."""
-    if isinstance(error, (trio.Cancelled, GeneratorExit)):
-        return False
-    if isinstance(error, BaseExceptionGroup):
-        return error.subgroup((trio.Cancelled, GeneratorExit)) is None
-    return True
 
 
 async def _host_actors(task_status: trio.TaskStatus[tuple[trio.Nursery, trio.CancelScope]]) -> None:

@@ -22,7 +22,7 @@ from states import pipeline_session as table
 
 from .actors import SessionContext
 from .core import SchedulerCore
-from .errors import SessionCleanupError, message_of, seconds, shown
+from .errors import SessionCleanupError, carries, message_of, seconds, shown
 from .runtime import SessionRuntime
 
 __all__ = ["SessionShutdown"]
@@ -164,7 +164,7 @@ class SessionShutdown:
                 try:
                     await actor.close_session(context, reason)
                 except BaseException as exc:  # a hook's sys.exit() too: its session is poisoned, not the orchestrator
-                    if is_cancellation(exc):
+                    if carries(exc, trio.Cancelled):
                         raise
                     error = exc
             if release_deadline.cancelled_caught:
@@ -201,13 +201,6 @@ class SessionShutdown:
             self._core.advance(rt, Event.CLEANUP_FAILED)
         rt.settled.set()
         rt.wake()
-
-
-def is_cancellation(error: BaseException) -> bool:
-    """Whether ``error`` is, or carries, trio's cancellation: it goes on to its scope, whatever else came with it."""
-    if isinstance(error, BaseExceptionGroup):
-        return error.subgroup(trio.Cancelled) is not None
-    return isinstance(error, trio.Cancelled)
 
 
 #: the sequences a drain names that never ran (how many there were is told in full)
