@@ -331,7 +331,7 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         # the server shutting down, no worker at all) gets that answer at once, with no decode of its image (up to
         # ~0.5 s of CPU) and no check of its options spent on it; no await until create_session gives the refusal
         if runtime.would_take_session():
-            with runtime.checks_before_booking():  # a stop cuts them short: create_session then refuses at once
+            with runtime.checks_before_booking.scope():  # a stop cuts them short: create_session refuses at once
                 await check_image_decodes(body, image, runtime.image_decodes)
                 # a bad option, or an image the pipeline does not take, is a 400 before anything is held
                 await option_check.check_options(runtime, body.config, body.image)

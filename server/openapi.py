@@ -228,8 +228,9 @@ COMMON_ERRORS = {"401": _error("missing or wrong API key (when one is configured
                  FORBIDDEN_ORIGIN: _error("forbidden_origin: a POST or DELETE from a web page of another origin, not "
                                           "in --cors-allow-origins"),
                  "413": _error("request body too large"),
-                 "503": _error("shutting_down: the server's stop has drained its sessions, and chunkline stream-serve's "
-                               "front answers every request so, passing none on (plain hypercorn closes them)")}
+                 "503": _error("shutting_down: the server's stop has drained its sessions, and chunkline "
+                               "stream-serve's front answers every request so, passing none on (plain hypercorn "
+                               "closes them)")}
 #: what every API route refuses before its own checks (``server.app``'s ``refuse_what_would_be_ignored``)
 IGNORED_INPUT = ("a query parameter this route does not read (invalid_query), or a body on a GET or DELETE "
                  "(invalid_body)")
@@ -347,7 +348,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/service/metrics": {"get": {"summary": "Prometheus metrics",
                                         "responses": {"200": {"description": "text exposition",
                                                               "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics, at Prometheus's default scrape path (as /v1/service/metrics)",
+        "/metrics": {"get": {"summary": "Prometheus metrics at Prometheus's default scrape path (/v1/service/metrics)",
                              "responses": {"200": {"description": "text exposition",
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/v1/service/metrics/json": {"get": {"summary": "Metrics as JSON",

@@ -39,6 +39,7 @@ from .room_follow import RoomFollow
 from .runner import RoomRunner, RunnerDeps
 from .runtime_errors import NO_WORKER_RETRY_AFTER, NoWorker, SessionConflict, ViewerLimit
 from .settings import ServerSettings
+from .stop_cuts import CutOnStop
 from .stop_guard import HeldLoop
 from .tokens import TokenIssuer, validate_client_identity
 from .transport import RoomTransport
@@ -111,7 +112,8 @@ class StreamRuntime:
         self.started_at = time.time()
         #: creates whose rooms the transport is making: each was promised a place, which it takes on landing
         self.rooms_opening = 0
-        self._checks_before_booking: set[trio.CancelScope] = set()  # cut short when the stop begins
+        #: a create's checks before it is booked (its image's decode, its options'): the stop cuts them short
+        self.checks_before_booking = CutOnStop()
 
     # -- life ------------------------------------------------------------------
 
@@ -164,8 +166,7 @@ class StreamRuntime:
             await self._shut_down.wait()
             return
         self.closing = True
-        for checks in self._checks_before_booking:
-            checks.cancel(reason="the server is shutting down")
+        self.checks_before_booking.cut()
         live = list(self.runners.values())
         log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", len(live), grace)
         # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
@@ -300,20 +301,6 @@ class StreamRuntime:
             yield
         finally:
             self.rooms_opening -= 1
-
-    @contextlib.contextmanager
-    def checks_before_booking(self) -> Iterator[None]:
-        """A create's checks (its image's decode, its options'): a stop cuts them short, so that it is refused at once
-        (a decode or a worker's answer could outlast the front's grace for answers)."""
-        scope = trio.CancelScope()
-        if self.closing:
-            scope.cancel(reason="the server is shutting down")
-        self._checks_before_booking.add(scope)
-        try:
-            with scope:
-                yield
-        finally:
-            self._checks_before_booking.discard(scope)
 
     def create_session(self, request: CreateSession, *, named: tuple[str, str], image_bytes: bytes | None = None) -> Created:
         """Admit (200), queue (202) or reject (429) a new session, or raise NoWorker (503); never waits.
