@@ -27,7 +27,7 @@ def placement_problem(placement: str) -> str | None:
     try:  # one value a byte at most: the client limit of 20,000 values would leave a 500-device list unread
         data = json_limits.loads(text, max_values=MAX_PLACEMENT_BYTES)
     except json_limits.JsonRefused as exc:  # past this reader's bounds (its depth, its values), the pipeline says
-        return f"{where} is not valid JSON: {exc.detail}" if exc.reason == "invalid_json" else None
+        return f"{where} is {exc.detail}" if exc.reason == "invalid_json" else None  # "not valid JSON (...)"
     if not isinstance(data, dict):
         return f"{where} must be a JSON object, got {type(data).__name__}"
     return ranks_problem(data)

@@ -36,7 +36,7 @@ LONGEST_NODE = MAX_IDENTITY_LENGTH - len(worker_participant("-" + "0" * WORKER_I
     (["--launcher-pid", "1"], "--launcher-pid 1 is not the process that started this agent (its parent is pid "),
     # a placement that is no JSON object: it loaded the pipeline, then said "placement file '[]' does not exist", exit 3
     (["--placement", "[]"], "--placement: inline placement JSON must be an object, got list"),
-    (["--placement", "{bad"], "--placement: inline placement JSON is not valid JSON: "),
+    (["--placement", "{bad"], "--placement: inline placement JSON is not valid JSON (Expecting property name"),
 ], ids=["space", "too-long", "slash", "port-0", "url-parts", "url-query", "endless-drain", "not-the-parent",
         "placement-list", "placement-syntax"])
 def test_the_worker_command_refuses_a_flag_that_could_only_fail_later(flags: list[str], named: str) -> None:

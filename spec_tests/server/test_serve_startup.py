@@ -183,8 +183,8 @@ def test_a_placement_of_too_many_worker_processes_exits_2_naming_it_before_servi
 @pytest.mark.parametrize(("text", "words"), [
     ("[]", "inline placement JSON must be an object, got list"),
     ("5", "inline placement JSON must be an object, got int"),
-    ("{bad", "inline placement JSON is not valid JSON: "),
-    ("file:{bad", "placement file '{file}' is not valid JSON: "),
+    ("{bad", "inline placement JSON is not valid JSON (Expecting property name"),
+    ("file:{bad", "placement file '{file}' is not valid JSON (Expecting property name"),
 ], ids=["list", "number", "inline-syntax", "file-syntax"])
 def test_a_placement_that_is_no_json_object_exits_2_naming_it_before_serving(
         text: str, words: str, tmp_path: Path) -> None:

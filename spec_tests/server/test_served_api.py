@@ -98,7 +98,7 @@ REFUSED_SETTINGS = [
     (("--placement", "{}", "--worker-mode", "process"), "does not accept ['placement']"),  # said in its child
     # the toy world takes a placement and refuses one it cannot run (get_service raises ValueError): each was a
     # worker restarted six times, a traceback each, although every replacement refused the same value
-    (("pipelines/toy_world", "--placement", "{"), "inline placement JSON is not valid JSON"),
+    # (one that is not JSON is refused at start now, exit 2: test_serve_startup.py)
     (("pipelines/toy_world", "--placement", '{"mode": "bogus"}'), "placement mode must be one of"),
     # a placement file nested too deep was a RecursionError, the worker restarted with a traceback each time
     (("pipelines/toy_world", "--placement", "deep.json"), "is nested too deep to be a placement"),
@@ -106,7 +106,7 @@ REFUSED_SETTINGS = [
 
 
 @pytest.mark.parametrize(("options", "named"), REFUSED_SETTINGS,
-                         ids=["sessions", "sessions-process", "placement", "placement-process", "toy-json", "toy-mode", "toy-deep"])
+                         ids=["sessions", "sessions-process", "placement", "placement-process", "toy-mode", "toy-deep"])
 async def test_settings_the_pipeline_refuses_fail_the_worker_once_not_in_a_crash_loop(
     short_tmp: Path, options: tuple[str, ...], named: str
 ) -> None:
