@@ -313,9 +313,7 @@ class LocalStageActor:
     async def _invoke(self, message: _Invoke) -> None:
         inv = message.invocation
         if self._machine.state in actor_table.BROKEN:
-            result: outcome.Outcome = outcome.Error(
-                ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
-            )
+            result: outcome.Outcome = outcome.Error(self._failed())
         else:
             with timed(self._call_watch, inv):  # as on the thread (_guarded_handler)
                 result = await self._call(self._handler, True, inv)
@@ -396,7 +394,7 @@ class LocalStageActor:
         else:
             await self._hook_on_thread(context, reason)
         if self._machine.state in actor_table.BROKEN:
-            raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+            raise self._failed()
 
     async def _async_hook_beside_thread(self, context: SessionContext, reason: CloseReason) -> None:
         """An ``async`` hook of an actor whose calls run on its thread runs beside them, unseen by the call watch (one
@@ -432,27 +430,25 @@ class LocalStageActor:
             finally:
                 self._hook_waits.discard(waiting)
         if not box:  # the thread is held past call_timeout: this hook may never run, or never return
-            raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+            raise self._failed()
         box[0].unwrap()
 
     def _watched_hook(self, context: SessionContext, reason: CloseReason) -> None:
-        """Runs the synchronous session hook on the thread, timed as a call is (``call_timeout``)."""
+        """The synchronous session hook on its thread, timed as a call is (one returning an awaitable freed nothing)."""
         with timed(self._call_watch, context):
-            self._sync_hook(context, reason)
+            check_hook_returned(self.name, self._closer(context, reason))  # type: ignore[misc]
 
-    def _sync_hook(self, context: SessionContext, reason: CloseReason) -> None:
-        """The synchronous session hook, on the thread (one that returns something to await released nothing)."""
-        check_hook_returned(self.name, self._closer(context, reason))  # type: ignore[misc]
+    def _failed(self) -> ActorFailedError:  # what a call or hook of this broken actor resolves as
+        return ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
 
     async def _close_session(self, message: _CloseSession) -> None:
         if self._machine.state in actor_table.BROKEN:
-            message.result = outcome.Error(
-                ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
-            )
-        else:
+            message.result = outcome.Error(self._failed())
+        elif self._closer_is_async:
             with timed(self._call_watch, message.context):  # in the actor's task, ahead of the calls behind it
-                hook = self._closer if self._closer_is_async else self._sync_hook
-                message.result = await self._call(hook, self._closer_is_async, message.context, message.reason)
+                message.result = await self._call(self._closer, True, message.context, message.reason)
+        else:  # on the thread, timed there
+            message.result = await self._call(self._watched_hook, False, message.context, message.reason)
         message.done.set()
 
     async def barrier(self) -> None:
@@ -493,7 +489,7 @@ class LocalStageActor:
     def _check_usable(self) -> None:
         state = self._machine.state
         if state in actor_table.BROKEN:
-            raise ActorFailedError(f"stage actor {self.name!r} failed: {self._failure_reason}")
+            raise self._failed()
         if state in actor_table.RETIRED:
             raise ActorFailedError(f"stage actor {self.name!r} is closed")
 

@@ -320,6 +320,7 @@ def check_service_event(event: object) -> ServiceEvent:
         )
     return event
 
+
 def check_event_session(event: ServiceEvent, session_id: str | None) -> None:
     """An event handed to one session's ``on_event`` names that session, once its id is known (``create_session``
     returned it): one naming another is the pipeline's bug, raised into its own call (it reached the controller of the
@@ -329,6 +330,7 @@ def check_event_session(event: ServiceEvent, session_id: str | None) -> None:
             f"on_event of session {_shown(session_id)} was handed an event of session {_shown(event.session_id)} "
             f"({_shown(event.type)}): each session's events go to the on_event its create_session was given"
         )
+
 
 #: the session inputs a service may take besides its options: ``SessionConfig.prompt`` and ``SessionConfig.image_path``
 #: (an image given by path or uploaded); each is declared by the service's ``takes_<input>`` class attribute

@@ -6,7 +6,6 @@ transport and metrics registry. Every error is JSON ``{"error": code, "detail": 
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import math
@@ -27,7 +26,7 @@ from .http_framing import longest_body_seconds
 from .log_pace import LogPace
 from .loop_holds import loop_holds
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .open_access import own_names, page_refusal
+from .open_access import key_refusal, own_names, page_refusal
 from .openapi import openapi_document
 from .reasons import echo, echo_each
 from .registry import UnknownCursor, UnknownStreamSession
@@ -211,23 +210,11 @@ def create_app(settings: ServerSettings, *, service_loader: Any = None, restart_
         return None
 
     def unauthorized() -> Response | None:
-        """A 401 unless the request carries the API key (compared in constant time), or none is set."""
+        """A 401 unless the request carries the API key, or none is set."""
         if not settings.api_key:
             return None
-        # the scheme is case-insensitive, and one or more spaces follow it (RFC 9110 11.1, 11.4): both were a 401
-        header = request.headers.get("Authorization")
-        scheme, _, key = (header or "").partition(" ")
-        key = key.lstrip(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(key.encode("utf-8", "surrogateescape"),
-                                                                settings.api_key.encode()):
+        if (fault := key_refusal(request.headers.get("Authorization"), settings.api_key)) is None:
             return None
-        # what was wrong, never what was sent (a key, or a key given as the scheme): one detail said only the form
-        if header is None:
-            fault = "no Authorization header"
-        elif scheme.lower() != "bearer" or not key:
-            fault = "the Authorization header is not 'Bearer <api key>'"
-        else:
-            fault = "the key sent is not this server's API key (--api-key)"
         return error(401, "unauthorized", f"{fault}: this route needs 'Authorization: Bearer <api key>'",
                      {"WWW-Authenticate": "Bearer"})
 

@@ -274,7 +274,7 @@ class Front:
         elif answered and self.stopping and framing.between_requests and not framing.finished:
             await self._answer_a_late_request(client)
         elif answered and self.stopping and framing.head_under_way:  # hypercorn closed as a next head came
-            await self._refuse(client, 503, self._shutting_down, linger=LINGER_BYTES)
+            await self._refuse(client, 503, self._shutting_down)
         elif answered:  # the backend answered and closed (a 413 with the body unread, Connection: close, ...)
             await self._linger(client, unread)
 

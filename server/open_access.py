@@ -14,6 +14,7 @@ request: the address it came in on, and the sockets of this process listening on
 from __future__ import annotations
 
 import contextlib
+import hmac
 import ipaddress
 import os
 import socket
@@ -23,7 +24,8 @@ from urllib.parse import urlsplit
 from .console import tell
 from .reasons import echo
 
-__all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "listening_hosts", "own_names", "page_refusal"]
+__all__ = ["UNGUARDED", "WarnsOnceIfOpen", "is_loopback", "key_refusal", "listening_hosts", "own_names",
+           "page_refusal"]
 
 #: what an open API lets anyone who reaches it do (both warnings end with it)
 UNGUARDED = "whoever reaches it may create and delete sessions and drain its workers"
@@ -80,6 +82,22 @@ def page_refusal(origin: str, host: str | None, allowed: tuple[str, ...], names:
             return (f"this server answers pages under its own name only at localhost, an IP address, --host or "
                     f"--public-url while no API key is set, not {echo(own_host)}")
     return "--cors-allow-origins names the pages that may"
+
+
+def key_refusal(header: str | None, api_key: str) -> str | None:
+    """Why a request's ``Authorization`` header does not carry ``api_key`` (compared in constant time), or None.
+
+    The scheme is case-insensitive, and one or more spaces follow it (RFC 9110 11.1, 11.4): both were a 401. The
+    words say what was wrong, never what was sent (a key, or a key given as the scheme)."""
+    scheme, _, key = (header or "").partition(" ")
+    key = key.lstrip(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(key.encode("utf-8", "surrogateescape"), api_key.encode()):
+        return None
+    if header is None:
+        return "no Authorization header"
+    if scheme.lower() != "bearer" or not key:
+        return "the Authorization header is not 'Bearer <api key>'"
+    return "the key sent is not this server's API key (--api-key)"
 
 
 def _is_address(host: str) -> bool:

@@ -284,8 +284,8 @@ class KeptStreams:
         self._kept = (sys.stdout, sys.stderr)
 
     def put_back(self) -> None:
-        replaced = [name for name, kept in zip(("sys.stdout", "sys.stderr"), self._kept)
-                    if getattr(sys, name.removeprefix("sys.")) is not kept]
+        replaced = [f"sys.{name}" for name, kept in zip(("stdout", "stderr"), self._kept)
+                    if getattr(sys, name) is not kept]
         sys.stdout, sys.stderr = self._kept
         if replaced:
             say(f"warning: pipeline bug: the pipeline replaced {' and '.join(replaced)}; the run put "

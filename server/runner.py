@@ -35,8 +35,7 @@ import trio
 
 from pipelines.contract import BidirectionalService, Chunk, ChunkOrder, Control, ControlRejected, ControlType
 from pipelines.contract import (PipelineContractError, ServiceEvent, SessionConfig, check_event_session,
-                                check_service_event)
-from pipelines.contract import checked_session_id
+                                check_service_event, checked_session_id)
 from pipelines.offline_calls import telling_error
 from pipelines.pipeline_exits import exits_as_errors, pipeline_exit
 from states.room_presence import RoomPresence

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .local import WorkerConnection
 
 __all__ = [
-    "ENVELOPE_BYTES", "ESCAPED_GROWTH", "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES",
+    "ENVELOPE_BYTES", "EVENT_BACKLOG", "FRAME_BACKLOG", "HELD_FOR_WORKER", "HELD_FOR_WORKER_BYTES",
     "TEXT_BACKLOG", "TEXT_BACKLOG_BYTES", "RemoteWorkerPresence", "Room", "Subscriber", "compact_json", "data_message",
     "largest_fanned_out", "largest_sent", "text_backlog_bytes",
 ]
@@ -41,9 +41,6 @@ TEXT_BACKLOG = 2048
 #: text (DATA_BYTE_BURST), so that what one may legally send never sends an honest viewer away
 TEXT_BACKLOG_BYTES = 1024 * 1024
 ENVELOPE_BYTES = 256  # what a client's message may hold past --max-data-message-bytes: its envelope (topic, keys)
-#: how much larger than its compact UTF-8 a legal message may be as sent: JSON's ``\uXXXX`` escapes, which Python's
-#: ``json.dumps`` writes by default, take up to 3 times a character's UTF-8 bytes (an emoji: 12 for 4)
-ESCAPED_GROWTH = 3
 #: how much a message's text can grow as the room re-encodes it for its fan-out: three times its bytes (JSON writes a
 #: two-byte character as ``\u00e9``), 16 characters for each of its values (the space after a separator, a float's
 #: digits written out: ``1e15`` is ``1000000000000000.0``), and the room's framing with its sender's identity
@@ -255,8 +252,9 @@ class Room:
 
 def largest_sent(max_data_message_bytes: int) -> int:
     """The longest text a client's message may be as sent (its payload is then held to the setting as compact UTF-8):
-    a prompt sent with JSON's escapes, within the limit as compact UTF-8, had its socket closed (1009)."""
-    return ESCAPED_GROWTH * max_data_message_bytes + ENVELOPE_BYTES
+    JSON's escapes, which Python's ``json.dumps`` writes by default, make it up to :data:`REENCODED_GROWTH` times as
+    long (an emoji: 12 bytes for 4), and a prompt so sent, within the limit, had its socket closed (1009)."""
+    return REENCODED_GROWTH * max_data_message_bytes + ENVELOPE_BYTES
 
 
 def largest_fanned_out(max_data_message_bytes: int) -> int:

@@ -429,7 +429,7 @@ async def test_an_idle_gap_held_by_backpressure_names_the_limit_not_an_input_tha
         await s.push(0, {"x": 0})
         await orch.barrier()  # output 0 unread: the output queue is full
         await s.push(1, {"x": 1})
-        await trio.sleep(0.5)  # a slow reader
+        await trio.sleep(0.5)  # bench-cost: a slow reader, on the autojumping clock (virtual, no wall time)
         assert [seq async for seq, _ in s.outputs()] == [0, 1]
         assert str(s.blocker("a", 1)) == "output_capacity:y"
         (interval,) = s.idle_intervals("a")
