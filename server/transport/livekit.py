@@ -28,34 +28,27 @@ error. Data goes through
 ``local_participant.publish_data(payload, reliable=..., topic=..., destination_identities=...)``: to the whole
 room, or to one participant alone (an answer to its own message; LiveKit then forwards it to nobody else).
 
-Events: a participant counts as joined when it is *active* (it can receive
-data then, so the first status messages reach it). Each participant's data is
-taken at the local rooms' pace (:mod:`.data_pace`; nothing pushes back on a
-LiveKit sender, so over the pace, or while ``EVENT_BACKLOG`` data events are
-unread, its newest message waits in one slot and an older waiting one is
+Events: a participant counts as joined when it is *active* (it can receive data then, so the first status messages
+reach it). Data from a sender the room has not heard of yet waits for it (:mod:`.livekit_sender`). Each participant's
+data is taken at the local rooms' pace (:mod:`.data_pace`; nothing pushes back on a LiveKit sender, so over the pace,
+or while ``EVENT_BACKLOG`` data events are unread, its newest message waits in one slot and an older waiting one is
 dropped, the newest saying how many it replaced: ``DataReceived.replaced``, which the runner tells the sender);
 participant events are never held or dropped. When
 the room is lost (worker removed, or the SDK still reconnecting after
 ``reconnect_timeout``, as when the server died), ``events()`` raises
 :class:`TransportError` with the reason instead of ending.
 
-Timeouts: ``connect`` is bounded by its ``timeout`` with ``trio.fail_after``
-(an unreachable port fails in about 0.1 s, but a server that accepts and never
-answers would otherwise take 4 x (attempt timeout + about 3 s) inside the
-SDK). ``connect_timeout`` is the SDK's per-attempt signal timeout
-(``RoomOptions.connect_timeout``, capped at the overall ``timeout``). Giving up
-does not stop the SDK's native join, so the join runs on in its own asyncio
-task and, should it succeed after all, the worker leaves the room at once
-(``abandoned_joins`` counts those still running). ``disconnect`` leaves the
-room first (the server drops the tracks with the participant) and closes the
-sources afterwards, all within ``disconnect_timeout``, and no sooner than
-``DATA_FLUSH_GRACE`` after the last data message it sent (leaving closes the data
-channel the message may still wait in).
+Timeouts: ``connect`` is bounded by its ``timeout`` with ``trio.fail_after`` (an unreachable port fails in about 0.1
+s, but a server that accepts and never answers would otherwise take 4 x (attempt timeout + about 3 s) inside the
+SDK). ``connect_timeout`` is the SDK's per-attempt signal timeout (``RoomOptions.connect_timeout``, capped at the
+overall ``timeout``). Giving up does not stop the SDK's native join, so the join runs on in its own asyncio task
+and, should it succeed after all, the worker leaves the room at once (``abandoned_joins`` counts those still
+running). ``disconnect`` leaves the room first (the server drops the tracks with the participant) and closes the
+sources afterwards, all within ``disconnect_timeout``, and no sooner than ``DATA_FLUSH_GRACE`` after the last data
+message it sent (leaving closes the data channel the message may still wait in).
 
-Logging: livekit logs each connection retry at WARNING (and the final failure
-at ERROR) on the ``livekit`` logger. This module does not change logging
-configuration; an application that wants quiet logs sets
-``logging.getLogger("livekit").setLevel(logging.ERROR)`` itself.
+Logging: livekit logs each connection retry at WARNING (the final failure at ERROR) on the ``livekit`` logger; this
+module leaves logging alone (``logging.getLogger("livekit").setLevel(logging.ERROR)`` quiets it).
 """
 
 from __future__ import annotations
@@ -77,6 +70,7 @@ from .base import DataReceived, ParticipantJoined, ParticipantLeft, RoomEvent, T
 from .data_pace import LatestWins
 from .livekit_media import AUDIO_TRACK_NAME, MAX_VIDEO_BITRATE, VIDEO_TRACK_NAME, MediaPublisher, check_frame
 from .livekit_rooms import RoomService
+from .livekit_sender import SendersToCome
 
 __all__ = ["AUDIO_TRACK_NAME", "MAX_VIDEO_BITRATE", "VIDEO_TRACK_NAME", "LiveKitTransport"]
 
@@ -105,6 +99,7 @@ class _LiveKitConnection:
         self._send, self._receive = trio.open_memory_channel[RoomEvent](math.inf)
         self._pending_data = 0
         self._paced = LatestWins(self._accept_data, loop.time, loop.call_later)
+        self._unheard = SendersToCome(self._paced.offer, loop.call_later)  # data from a sender the room waits to hear of
         self.room: rtc.Room | None = None
         self.media: MediaPublisher | None = None
         self._closed = False  # disconnect() was called
@@ -148,6 +143,7 @@ class _LiveKitConnection:
     def _stop_events(self) -> None:
         """The worker leaves (or gave up joining): no event reaches the runner any more."""
         self._closed = True
+        self._unheard.close()
         self._paced.close()
         self._send.close()
 
@@ -160,8 +156,10 @@ class _LiveKitConnection:
         return True
 
     def _on_data(self, packet: rtc.DataPacket) -> None:
-        sender = packet.participant.identity if packet.participant is not None else None
-        self._paced.offer(DataReceived(packet.topic or "", bytes(packet.data), sender))
+        if packet.participant is None:
+            self._unheard.hold(packet.topic or "", bytes(packet.data))
+        else:
+            self._paced.offer(DataReceived(packet.topic or "", bytes(packet.data), packet.participant.identity))
 
     def _on_joined(self, participant: rtc.RemoteParticipant) -> None:
         self._deliver(ParticipantJoined(participant.identity))
@@ -169,6 +167,7 @@ class _LiveKitConnection:
     def _on_connected(self, participant: rtc.RemoteParticipant) -> None:
         """A participant the worker first hears of already active may get no ``participant_active`` of its own (the
         SDK reports a change of state it sees): it has joined now; a join counted twice is one join."""
+        self._unheard.heard_of(participant.identity, participant.permissions.can_publish_data)
         if participant.state == ACTIVE:
             self._deliver(ParticipantJoined(participant.identity))
 
@@ -206,6 +205,7 @@ class _LiveKitConnection:
             return
         self._on_reconnected()
         self._lost = why
+        self._unheard.close()
         self._paced.close()
         self._send.close()
 

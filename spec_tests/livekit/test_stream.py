@@ -164,6 +164,32 @@ async def test_a_viewer_sees_the_same_frames_takes_no_slot_and_may_not_send(stre
 
 
 
+async def test_the_controllers_first_messages_are_taken_though_the_worker_has_not_heard_of_it_yet(
+    stream: StreamServer, agent: Agent
+) -> None:
+    """LiveKit forwards a participant's data at once and tells the others of its join a moment later: a controller's
+    first messages, sent as it joins a room the worker is already in, came with no sender. They were refused as not
+    the controller's and answered to nobody (its first key state lost, `not_controller` counted), up to a second or
+    two after its join."""
+    created = await create(stream, "pia")
+    with trio.fail_after(20):
+        while WORKER not in await agent.room_participants(created["room"]):
+            await trio.sleep(0.1)  # bench-cost: the worker joins from another process
+    not_controller = 'chunkline_control_rejections_total{reason="not_controller"}'
+    refused_before = await metric(stream, not_controller)
+    await agent.join("pia", created["token"])
+    for control in ({"type": "control_state", "controls": ["d"]}, {"type": "control", "control": "zz"}):
+        await agent.request("publish", client="pia", topic="tf.control", payload=json.dumps(control))
+    rejected = await agent.wait_message("pia", "control_rejected")
+    assert rejected["reason"] == "unknown_control", rejected
+    await agent.wait_for(
+        lambda: ["d"] in [m["data"]["applied_controls"]["keys"] for m in agent.messages("pia") if m["type"] == "chunk"],
+        "a chunk made holding d, the first state sent")
+    assert await metric(stream, not_controller) == refused_before
+    await agent.request("publish", client="pia", topic="tf.control", payload=json.dumps({"type": "stop"}))
+    assert (await wait_status(stream, created["session_id"], TERMINAL))["status"] == "closed"
+
+
 async def test_the_controller_leaving_ends_the_session_and_admits_the_queue_head(stream: StreamServer, agent: Agent) -> None:
     first = await create(stream, "dave")
     await agent.join("dave", first["token"])
