@@ -163,8 +163,10 @@ class ModelWorker:
 
     @property
     def failing(self) -> bool:
-        """The worker failed, or its service says it did (its report comes once it has left ``running()``)."""
-        return self.failure is not None or (self.service is not None and service_failure(self.service) is not None)
+        """The worker failed, was told to (:meth:`fail`: it is leaving its service), or its service says it did (the
+        failure's report comes once the service has left ``running()``)."""
+        return (self.failure is not None or self._fault is not None
+                or (self.service is not None and service_failure(self.service) is not None))
 
     @property
     def service_says(self) -> str | None:
@@ -176,7 +178,10 @@ class ModelWorker:
 
     @property
     def said_failing(self) -> str | None:
-        """:attr:`service_says` as a slot's reason and a refusal say it, or None."""
+        """Why the worker is failing while it has not failed yet, as a slot's reason and a refusal say it: what
+        :meth:`fail` was told, or :attr:`service_says`; None otherwise."""
+        if self.failure is None and self._fault is not None:
+            return f"failing ({self._fault}); leaving its service"
         said = self.service_says
         return None if said is None else f"its service says it failed ({said})"
 
@@ -223,6 +228,9 @@ class ModelWorker:
         """Leave the service and fail with ``reason`` (its slot replaces the worker, as after a crash): for what a
         runner saw go wrong that may have left the service holding what it cannot give back."""
         if self._fault is None and not self._stop.is_set():
+            # it takes no session from now on (``failing``), though its service may take a while to leave running()
+            log.error("worker %s is failing: %s; it takes no more sessions and leaves its service", self.worker_id,
+                      reason)
             self._fault = reason
             self._stop.set()
 

@@ -256,6 +256,37 @@ async def test_a_pipeline_close_that_does_not_end_fails_the_session_and_replaces
         assert replacement["status"] == "assigned", replacement
 
 
+@pytest.mark.in_process_only(reason="virtual time (autojump_clock, no threads); an agent process runs in real time")
+@pytest.mark.usefixtures("no_threads")
+async def test_a_worker_told_to_fail_takes_no_session_while_its_service_takes_long_to_leave(autojump_clock: Any) -> None:
+    """The worker a timed-out pipeline close fails leaves its service, which may take a while: meanwhile it takes no
+    session, and health and a refused create say why. It stayed `running` with its slots free, nothing logged, and the
+    next create streamed from a service that was shutting down, until ``running()`` had returned."""
+    from server.runner import CLOSE_PIPELINE_TIMEOUT
+
+    service = CounterService(close_delay=CLOSE_PIPELINE_TIMEOUT + 60, leave_delay=120)
+    async with serve(settings(), service) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: len(p.frames()) >= 2, "frames streaming")
+            await s.json("delete", f"/v1/stream/sessions/{created['session_id']}")
+            await ctl.wait_for(lambda p: p.status("error"), "the session's error")
+        status, health = await s.json("get", "/v1/stream/health")
+        assert health["free_slots"] == 0 and health["worker_restarts"] == 0, health
+        assert [w["state"] for w in health["workers"]] == ["failed"], health
+        (slot,) = health["worker_slots"].values()
+        assert "took over" in slot["reason"] and "leaving its service" in slot["reason"], slot
+        status, refused = await s.json("post", "/v1/stream/sessions", json={"identity": "ctl-next"})
+        # not placed on the dying worker, nor queued for it: the create says why
+        assert status == 503 and refused["error"] == "no_worker", (status, refused)
+        assert "worker-0: failing (closing session" in refused["detail"], refused
+        await wait_until(lambda: s.runtime.book.snapshot().free_slots == 1, "the replacement worker to be ready",
+                         deadline=200)
+        assert (await s.create("ctl-after"))["status"] == "assigned"
+        status, health = await s.json("get", "/v1/stream/health")
+        assert health["worker_restarts"] == 1, health
+
+
 # -- (e), (f): the controller (virtual time, no threads) ---------------------------------------------
 
 

@@ -101,9 +101,11 @@ class CounterService(BidirectionalService):
         max_chunks: int | None = None,
         close_delay: float = 0.0,
         metadata: dict[str, Any] | None = None,
+        leave_delay: float = 0.0,
     ) -> None:
         self.fps = fps
         self.close_delay = close_delay  # trio seconds close_session takes
+        self.leave_delay = leave_delay  # trio seconds leaving running() takes, whatever cancels it
         self.metadata = dict(metadata or {})  # extra keys every chunk's metadata carries
         self.frames_per_chunk = frames_per_chunk
         self.size = size
@@ -119,6 +121,9 @@ class CounterService(BidirectionalService):
     @asynccontextmanager
     async def running(self) -> AsyncIterator[CounterService]:
         yield self
+        if self.leave_delay:
+            with trio.CancelScope(shield=True):  # a teardown that waits on its sessions' resources
+                await trio.sleep(self.leave_delay)  # bench-cost: the configured teardown (virtual under autojump)
 
     async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
         self.creating.set()
