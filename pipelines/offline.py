@@ -208,7 +208,7 @@ async def _run_bidirectional(
         )
         controls = ()
     deadlines = run.deadlines
-    async with running_within(service, deadlines.running):
+    async with running_within(service, deadlines.running, leave=(deadlines.close, run.warnings.append)):
         await _check_given_inputs(service, given, config.image_path, run)
         rec.session_requested = time.perf_counter()
         try:
@@ -274,7 +274,7 @@ async def _check_given_inputs(service: BidirectionalService | ServerPushService,
 
 async def _run_server_push(service: ServerPushService, config: SessionConfig, run: _Run) -> None:
     rec = run.recorder
-    async with running_within(service, run.deadlines.running):
+    async with running_within(service, run.deadlines.running, leave=(run.deadlines.close, run.warnings.append)):
         await _check_given_inputs(service, config.options, config.image_path, run)
         rec.session_requested = time.perf_counter()
         iterator = checked_stream(service.stream(config), "stream()")

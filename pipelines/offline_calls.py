@@ -146,12 +146,16 @@ async def call_within(call: str, seconds: float, function: Callable[[], Awaitabl
 
 
 @asynccontextmanager
-async def running_within(service: BidirectionalService | ServerPushService, seconds: float) -> AsyncIterator[None]:
-    """``async with service.running():``, entered within ``seconds`` (the block itself has no deadline). The
-    deadline's scope spans the whole block, relaxed once inside: one exited as ``running()`` returns would
-    corrupt the cancel-scope stack of a ``running()`` that opens a nursery. What entering or leaving it raises is
-    named; what the block raises passes unchanged, and the one error a task ``running()`` started raised meanwhile
-    (its nursery's) is named as the pipeline's (it read ``the run failed: KeyError: 'k'``, no bug named)."""
+async def running_within(service: BidirectionalService | ServerPushService, seconds: float, *,
+                         leave: tuple[float, Callable[[str], None]] | None = None) -> AsyncIterator[None]:
+    """``async with service.running():``, entered within ``seconds`` (the block itself has no deadline) and, with
+    ``leave`` (seconds, a callable given the warning), left within those seconds: past them leaving is cut and the
+    warning said, as a close's is (a teardown that never ended held the run for ever, its complete output lost to the
+    Ctrl-C that ended it). The deadline's scope spans the whole block, relaxed once inside: one exited as
+    ``running()`` returns would corrupt the cancel-scope stack of a ``running()`` that opens a nursery. What entering
+    or leaving it raises is named; what the block raises passes unchanged, and the one error a task ``running()``
+    started raised meanwhile (its nursery's) is named as the pipeline's (it read ``the run failed: KeyError: 'k'``,
+    no bug named)."""
     phase = "entering"
     block: BaseException | None = None
     try:
@@ -165,8 +169,12 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
                     yield
                 except BaseException as exc:
                     block = exc
+                    if leave is not None:
+                        entering.deadline = trio.current_time() + leave[0]
                     raise
                 phase = "leaving"
+                if leave is not None:
+                    entering.deadline = trio.current_time() + leave[0]
     except BaseException as exc:
         if phase == "inside":
             leaf = _task_error(exc, block)
@@ -179,8 +187,13 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
         if not raised_as_error(exc) or _passes(exc):
             raise
         raise PipelineCallError.raised("running()" if phase == "entering" else "leaving running()", exc) from exc
-    if phase == "entering" and entering.cancelled_caught:
-        raise PipelineCallError.late("running()", seconds)
+    if entering.cancelled_caught:
+        if phase == "entering":
+            raise PipelineCallError.late("running()", seconds)
+        assert leave is not None  # only a leave's deadline is set once inside
+        leave[1](str(PipelineCallError.late("leaving running()", leave[0])))
+        if block is not None:  # the block's own error, which the cut leave had carried: it is the run's
+            raise block
 
 
 def service_failure(service: object) -> object | None:

@@ -130,6 +130,43 @@ class RaisesLeaving(MinimalService):
         raise LookupError("gone")
 
 
+class HangsLeaving(MinimalService):
+    """Its teardown never ends (a closer waiting on what never comes); ``create_fails``: its create raises first."""
+
+    def __init__(self, create_fails: bool = False) -> None:
+        super().__init__()
+        self.create_fails = create_fails
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await trio.sleep_forever()
+
+    async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
+        if self.create_fails:
+            raise KeyError("nope")
+        return await super().create_session(config, on_event=on_event)
+
+
+async def test_leaving_running_that_never_ends_is_cut_and_the_complete_run_keeps_its_output_with_a_warning(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """Leaving ``running()`` had no deadline: a run whose every chunk came waited for ever, and the Ctrl-C that ended
+    it wrote nothing. It is cut at the close deadline, as a close is."""
+    # (no bound of the test's own here: the autojump clock would jump to it while the run writes on a thread)
+    summary = await run_offline(HangsLeaving(), SessionConfig(), None, 3, tmp_path, deadlines=DEADLINES)
+    assert summary.chunks == 3
+    assert summary.warnings == ("pipeline bug: leaving running() did not return within 10 s",)
+    assert trio.current_time() == pytest.approx(10)
+    assert files_in(tmp_path) != []
+    # a run that failed inside still fails with its own error, once leaving was cut
+    with pytest.raises(PipelineCallError, match="create_session raised KeyError"), trio.fail_after(3600):
+        await run_offline(HangsLeaving(create_fails=True), SessionConfig(), None, 3, tmp_path / "failed",
+                          deadlines=DEADLINES)
+
+
 @pytest.mark.parametrize(
     ("service", "told"),
     [
