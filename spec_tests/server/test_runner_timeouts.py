@@ -233,6 +233,35 @@ async def test_a_pipeline_that_never_takes_a_control_fails_the_session_at_the_de
         assert s.free_slots() == 1 and not s.runtime.runners
 
 
+class HoldingService(CounterService):
+    """A CounterService whose push_control holds trio's thread past the control deadline (a ``time.sleep`` in an
+    ``async def``): on the mock clock, time moves on while the call never yields."""
+
+    def __init__(self, clock: Any) -> None:
+        super().__init__()
+        self.clock = clock
+
+    async def push_control(self, session_id: str, control: Any) -> None:
+        self.clock.jump(CONTROL_TIMEOUT + 5)
+        await super().push_control(session_id, control)
+
+
+async def test_a_pipeline_that_holds_trio_past_the_control_deadline_fails_the_session_as_stalled(
+    autojump_clock: Any
+) -> None:
+    """A push_control that returns without ever yielding, past the deadline: the move_on_after had no cancel to
+    catch, and the session went on `running`, its control 20 s late."""
+    async with serve(settings(), HoldingService(autojump_clock)) as s:
+        created = await s.create("ctl")
+        async with join(s, created["room"], created["token"]) as ctl:
+            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            await ctl.control({"type": "control", "key": "w", "pressed": True})
+            await until(trio.current_time() + CONTROL_TIMEOUT + 10)  # (the call's jump moves the clock too)
+            record = await s.get(created["session_id"])
+            assert record["status"] == "failed" and "did not take a control" in record["error"], record
+            assert record["drain_cause"] == "pipeline_stalled", record
+
+
 @asynccontextmanager
 async def released_at_the_end(released: trio.Event) -> AsyncIterator[None]:
     try:
