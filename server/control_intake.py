@@ -21,6 +21,7 @@ from pipelines.pipeline_exits import exits_as_errors
 from states.stream_session import DrainCause
 
 from . import protocol
+from .call_deadline import call_deadline
 from .transport import DataReceived
 
 if TYPE_CHECKING:
@@ -110,11 +111,9 @@ class ControlIntake:
         """One control to the pipeline session, within CONTROL_TIMEOUT; the service's refusal is answered."""
         assert self.pipeline_session is not None
         try:
-            called_at = trio.current_time()
-            with trio.move_on_after(CONTROL_TIMEOUT) as deadline, exits_as_errors("push_control"):
+            with call_deadline(CONTROL_TIMEOUT) as deadline, exits_as_errors("push_control"):
                 await service.push_control(self.pipeline_session, control)
-            # a call that held trio's thread (a time.sleep) past the deadline returns with no cancel to catch
-            if deadline.cancelled_caught or trio.current_time() - called_at >= CONTROL_TIMEOUT:
+            if deadline.missed:
                 self._fail(f"the pipeline did not take a control within {CONTROL_TIMEOUT:g} s",
                            DrainCause.PIPELINE_STALLED)
         except ControlRejected as exc:

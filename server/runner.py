@@ -42,6 +42,7 @@ from states.room_presence import RoomPresence
 from states.stream_session import FAILING_CAUSES, DrainCause, Event
 
 from . import protocol
+from .call_deadline import call_deadline
 from .chunk_publisher import ChunkPublisher, checked_metadata
 from .control_intake import CONTROL_TIMEOUT, ControlIntake
 from .cluster.identity import worker_participant
@@ -267,11 +268,14 @@ class RoomRunner:
     async def _run_bidirectional(self, service: BidirectionalService, side_tasks: trio.Nursery) -> None:
         record = self.record
         config = SessionConfig(prompt=record.prompt, image_path=record.image_path, options=record.config)
-        with trio.move_on_after(CREATE_PIPELINE_TIMEOUT) as deadline:
+        with call_deadline(CREATE_PIPELINE_TIMEOUT) as deadline:
             pipeline_id = await service.create_session(config, on_event=self._on_service_event)
-        if deadline.cancelled_caught:
-            raise RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
+        late = RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
+        if deadline.cut:
+            raise late
         self._controls.pipeline_session = pipeline_id  # closed at the end whatever comes next
+        if deadline.missed:  # made, past its deadline (it held trio's thread): closed, and the session fails
+            raise late
         record.pipeline_session_id = checked_session_id(pipeline_id)
         if not self._step(Event.RUN):
             return
@@ -439,7 +443,7 @@ class RoomRunner:
         service = self.worker.service
         pipeline_session = self._controls.pipeline_session
         if pipeline_session is not None and isinstance(service, BidirectionalService):
-            with trio.move_on_after(CLOSE_PIPELINE_TIMEOUT) as close_pipeline_scope:
+            with call_deadline(CLOSE_PIPELINE_TIMEOUT) as close_deadline:
                 try:
                     with exits_as_errors("close_session"):
                         await service.close_session(pipeline_session)
@@ -452,7 +456,7 @@ class RoomRunner:
                         log.warning("session %s: closing the pipeline session failed", record.session_id, exc_info=exc)
                     own = isinstance(exc, PipelineContractError)  # its "pipeline bug: ..." says what it is
                     error = error or f"closing the pipeline session failed: {public_reason(exc, prefix_type=not own)}"
-            if close_pipeline_scope.cancelled_caught:
+            if close_deadline.missed:
                 error = error or "closing the pipeline session timed out"
                 # what that session holds in the service is in doubt: the worker is replaced, as after a crash
                 # (it stayed in service, its slot free, for the next session to be admitted onto)

@@ -234,32 +234,61 @@ async def test_a_pipeline_that_never_takes_a_control_fails_the_session_at_the_de
 
 
 class HoldingService(CounterService):
-    """A CounterService whose push_control holds trio's thread past the control deadline (a ``time.sleep`` in an
-    ``async def``): on the mock clock, time moves on while the call never yields."""
+    """A CounterService one of whose calls holds trio's thread past its deadline (a ``time.sleep`` in an ``async
+    def``): on the mock clock, time moves on while the call never yields."""
 
-    def __init__(self, clock: Any) -> None:
+    def __init__(self, clock: Any, call: str) -> None:
         super().__init__()
         self.clock = clock
+        self.call = call
+
+    def _hold(self, call: str, deadline: float) -> None:
+        if call == self.call:
+            self.clock.jump(deadline + 5)
+
+    async def create_session(self, config: SessionConfig, *, on_event: Any = None) -> str:
+        self._hold("create_session", CREATE_PIPELINE_TIMEOUT)
+        return await super().create_session(config, on_event=on_event)
 
     async def push_control(self, session_id: str, control: Any) -> None:
-        self.clock.jump(CONTROL_TIMEOUT + 5)
+        self._hold("push_control", CONTROL_TIMEOUT)
         await super().push_control(session_id, control)
 
+    async def close_session(self, session_id: str) -> None:
+        self._hold("close_session", CLOSE_PIPELINE_TIMEOUT)
+        await super().close_session(session_id)
 
-async def test_a_pipeline_that_holds_trio_past_the_control_deadline_fails_the_session_as_stalled(
-    autojump_clock: Any
+
+@pytest.mark.parametrize(("call", "error", "cause"), [
+    ("create_session", f"did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s", "pipeline_failed"),
+    ("push_control", "did not take a control", "pipeline_stalled"),
+    ("close_session", "closing the pipeline session timed out", "deleted"),
+])
+async def test_a_pipeline_call_that_holds_trio_past_its_deadline_counts_as_late(
+    call: str, error: str, cause: str, autojump_clock: Any
 ) -> None:
-    """A push_control that returns without ever yielding, past the deadline: the move_on_after had no cancel to
-    catch, and the session went on `running`, its control 20 s late."""
-    async with serve(settings(), HoldingService(autojump_clock)) as s:
+    """A call that returns without ever yielding, past its deadline: the move_on_after had no cancel to catch, and
+    it was taken as on time (a push_control 20 s long left its session `running`; a create 65 s long streamed; a
+    close 35 s long left its worker in service). Each is late as one cut at the deadline is; a late create's
+    pipeline session is closed."""
+    service = HoldingService(autojump_clock, call)
+    async with serve(settings(), service) as s:
         created = await s.create("ctl")
         async with join(s, created["room"], created["token"]) as ctl:
-            await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
-            await ctl.control({"type": "control", "key": "w", "pressed": True})
-            await until(trio.current_time() + CONTROL_TIMEOUT + 10)  # (the call's jump moves the clock too)
+            if call != "create_session":
+                await ctl.wait_for(lambda p: p.status("chunk"), "a chunk")
+            if call == "push_control":
+                await ctl.control({"type": "control", "key": "w", "pressed": True})
+            if call == "close_session":
+                await s.json("delete", f"/v1/stream/sessions/{created['session_id']}")
+            await until(trio.current_time() + 90)  # (the call's jump moves the clock too)
             record = await s.get(created["session_id"])
-            assert record["status"] == "failed" and "did not take a control" in record["error"], record
-            assert record["drain_cause"] == "pipeline_stalled", record
+            assert record["status"] == "failed" and error in record["error"], record
+            assert record["drain_cause"] == cause, record
+        assert service.closed == list(service.sessions)  # a late create's session too
+        if call == "close_session":  # what the session holds in the service is in doubt: its worker is replaced
+            status, health = await s.json("get", "/v1/stream/health")
+            assert health["worker_restarts"] == 1, health
 
 
 @asynccontextmanager
