@@ -4,6 +4,7 @@ force, while the worker (an agent ignores another drain) kept the first's."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from states.admission import UnknownWorker
@@ -14,6 +15,8 @@ from .runtime_errors import SessionConflict
 
 if TYPE_CHECKING:
     from .runtime import StreamRuntime
+
+log = logging.getLogger("chunkline.runtime")
 
 
 def drain_worker(runtime: StreamRuntime, worker_id: str, deadline: float) -> dict[str, Any]:
@@ -30,6 +33,8 @@ def drain_worker(runtime: StreamRuntime, worker_id: str, deadline: float) -> dic
     if state not in DRAINABLE:  # neither loading, drainable nor ended: draining now
         raise SessionConflict(f"worker {worker_id} is already draining: the drain under way keeps its deadline "
                               "(a second drain changes nothing)")
+    log.info("worker %s drains, as asked through the API: its live sessions end within %g s; it is not restarted",
+             worker_id, deadline)
     if runtime.cluster is not None:
         runtime.cluster.drain(worker_id, deadline)
     else:

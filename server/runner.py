@@ -261,8 +261,12 @@ class RoomRunner:
             timer = presence.due(self._holds.now())
             if timer is not None:
                 deps = self.deps
-                self.drain(TIMEOUT_CAUSES[timer], timeout_detail(
-                    timer, self.record.controller_identity, deps.controller_timeout, deps.room_empty_timeout))
+                cause, detail = TIMEOUT_CAUSES[timer], timeout_detail(
+                    timer, self.record.controller_identity, deps.controller_timeout, deps.room_empty_timeout)
+                # said as the worker's failures are (a session failed on a timeout was in no line at all)
+                log.log(logging.WARNING if cause in FAILING_CAUSES else logging.INFO, "session %s %s: %s",
+                        self.record.session_id, "failed" if cause in FAILING_CAUSES else "ends", detail)
+                self.drain(cause, detail)
                 return
 
     async def _run_bidirectional(self, service: BidirectionalService, side_tasks: trio.Nursery) -> None:

@@ -167,10 +167,11 @@ class StreamRuntime:
             return
         self.closing = True
         self.checks_before_booking.cut()
-        live = list(self.runners.values())
-        log.info("shutting down: draining %d live session(s), withdrawing queued ones (grace %.0f s)", len(live), grace)
+        live, queued = list(self.runners.values()), self._queued_records()
+        log.info("shutting down: draining %d live session(s), withdrawing %d queued one(s) (grace %.0f s)", len(live),
+                 len(queued), grace)
         # a queued session never ran: it is told why it never will (a failure with the reason, not a quiet close)
-        await self.queued_ends.end(self._queued_records(), DrainCause.SHUTDOWN, SHUTDOWN_REASON)
+        await self.queued_ends.end(queued, DrainCause.SHUTDOWN, SHUTDOWN_REASON)
         for runner in list(self.runners.values()):
             self._drain(runner.record, DrainCause.SHUTDOWN)
         with trio.move_on_after(grace):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import struct
 import zlib
@@ -376,8 +377,10 @@ async def test_the_429_during_shutdown_says_shutting_down() -> None:
         assert int(response.headers["Retry-After"]) > 0
 
 
-async def test_a_session_queued_at_shutdown_fails_with_the_reason() -> None:
-    """A queued session never ran and never will: shutdown fails it with why, not a quiet ``closed``."""
+async def test_a_session_queued_at_shutdown_fails_with_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    """A queued session never ran and never will: shutdown fails it with why, not a quiet ``closed``, and its line
+    counts it (it said `withdrawing queued ones`, however many)."""
+    caplog.set_level(logging.INFO, "chunkline")
     async with serve(make_settings(max_sessions_per_worker=1, queue_size=1), cleanup=False) as s:
         await s.create("holder")
         status, queued, _ = await s.create("waiting")
@@ -387,6 +390,7 @@ async def test_a_session_queued_at_shutdown_fails_with_the_reason() -> None:
         assert status == 200 and record["status"] == "failed", record
         assert record["error"] == "the server shut down before the session could start"
         assert record["drain_cause"] == "shutdown"
+        assert "shutting down: draining 1 live session(s), withdrawing 1 queued one(s) (grace 1 s)" in caplog.messages
 
 
 # -- principle 8: no 500 on any route, static files included -----------------------------------------------

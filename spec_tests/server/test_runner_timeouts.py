@@ -70,7 +70,9 @@ async def test_controller_never_joins_fails_the_session_and_frees_the_slot(
         assert s.runtime.book.holds(queued["session_id"]) and not s.runtime.book.holds(created["session_id"])
 
 
-async def test_controller_leaving_for_good_fails_the_session_naming_the_controller(autojump_clock: Any) -> None:
+async def test_controller_leaving_for_good_fails_the_session_naming_the_controller(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     service = CounterService()
     async with serve(settings(controller_timeout=5, max_sessions_per_worker=1), service) as s:
         created = await s.create("ctl")
@@ -87,6 +89,9 @@ async def test_controller_leaving_for_good_fails_the_session_naming_the_controll
         view = await s.get(session_id)
         assert view["status"] == "failed" and view["drain_cause"] == "controller_left"
         assert view["error"] == "the controller 'ctl' left and did not return within 5 s"
+        # in the log as a worker's failure is (a session failed on a presence timeout was in no line)
+        assert (f"session {session_id} failed: the controller 'ctl' left and did not return within 5 s"
+                in [r.getMessage() for r in caplog.records if r.levelname == "WARNING"])
         assert s.runtime.get(session_id).drain_cause is DrainCause.CONTROLLER_LEFT
         assert service.closed == list(service.sessions)
         assert s.free_slots() == 1 and not s.runtime.runners

@@ -6,6 +6,7 @@ drains them at a chunk boundary (they end as completed work, not failures) and s
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -20,13 +21,19 @@ from .runner_fixtures import settings as counter_settings
 DRAIN = "/v1/service/workers/{}/drain"
 
 
-async def test_a_drained_worker_takes_no_new_session_and_its_live_one_ends_closed_at_the_deadline():
+async def test_a_drained_worker_takes_no_new_session_and_its_live_one_ends_closed_at_the_deadline(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "chunkline")
     async with serve(make_settings(max_sessions_per_worker=2, queue_size=2)) as s:
         status, created, _ = await s.create("a")
         assert status == 200, created
         status, body, _ = await s.json("post", DRAIN.format("worker-0"), json={"deadline_seconds": 0.2})
         assert status == 202, body
         assert body == {"worker_id": "worker-0", "state": "draining", "deadline_seconds": 0.2}
+        # the log says so: capacity went, health turned degraded, and no line said why
+        assert "worker worker-0 drains, as asked through the API: its live sessions end within 0.2 s; it is not " \
+               "restarted" in caplog.messages
 
         status, refused, _ = await s.create("b")  # the only worker is draining: no place to run
         assert status in (429, 503), refused
