@@ -13,6 +13,7 @@ import asyncio
 import functools
 import logging
 import socket
+import types
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from server.transport.livekit import (
     _LiveKitConnection,
 )
 from server.transport.livekit_media import MediaPublisher, rgb_frame, video_options
+from server.transport.livekit_sender import HELD_MOST, SENDER_WAIT, SendersToCome
 
 KEY = "devkey"
 SECRET = "0123456789abcdef0123456789abcdef-secret"
@@ -227,9 +229,11 @@ def test_rgb_frames_and_publish_options() -> None:
 
 
 class _FakeParticipant:
-    def __init__(self, identity: str, state: int = rtc.ParticipantState.PARTICIPANT_STATE_JOINED) -> None:
+    def __init__(self, identity: str, state: int = rtc.ParticipantState.PARTICIPANT_STATE_JOINED, *,
+                 may_send_data: bool = True) -> None:
         self.identity = identity
         self.state = state
+        self.permissions = types.SimpleNamespace(can_publish_data=may_send_data)
 
 
 async def test_a_participant_first_heard_of_already_active_has_joined(nursery: trio.Nursery) -> None:
@@ -262,6 +266,10 @@ async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> 
     async def emit_on_asyncio() -> None:
         room = rtc.Room(loop=loop)
         connection._attach(room)
+        # LiveKit forwards a participant's data before the room hears of its join: the SDK names no sender then
+        room.emit("data_received", rtc.DataPacket(data=b"early", kind=rtc.DataPacketKind.KIND_RELIABLE,
+                                                  participant=None, topic="tf.control"))
+        room.emit("participant_connected", _FakeParticipant("viewer-1", may_send_data=False))  # not its message
         room.emit("participant_connected", _FakeParticipant("ctrl-1"))  # not yet able to receive data
         room.emit("participant_active", _FakeParticipant("ctrl-1"))
         room.emit(
@@ -269,7 +277,6 @@ async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> 
             rtc.DataPacket(data=b'{"type":"x"}', kind=rtc.DataPacketKind.KIND_RELIABLE,
                            participant=_FakeParticipant("ctrl-1"), topic="tf.control"),
         )
-        room.emit("data_received", rtc.DataPacket(data=b"srv", kind=rtc.DataPacketKind.KIND_LOSSY, participant=None))
         room.emit("participant_disconnected", _FakeParticipant("ctrl-1"))
         room.emit("disconnected", rtc.DisconnectReason.SERVER_SHUTDOWN)
 
@@ -279,9 +286,9 @@ async def test_room_callbacks_are_delivered_as_events(nursery: trio.Nursery) -> 
         async for event in connection.events():  # a lost room is an error, not a normal end
             received.append(event)
     assert received == [
+        DataReceived("tf.control", b"early", "ctrl-1"),
         ParticipantJoined("ctrl-1"),
         DataReceived("tf.control", b'{"type":"x"}', "ctrl-1"),
-        DataReceived("", b"srv", None),
         ParticipantLeft("ctrl-1"),
     ]
     assert connection.participants() == frozenset()
@@ -350,6 +357,34 @@ class _ManualLoop:
             self.now = timer[0]
             timer[1](*timer[2])
         self.now = when
+
+
+def test_data_from_a_sender_the_room_has_not_heard_of_waits_for_it() -> None:
+    """Such messages are the next data sender's the room hears of (a viewer may not send data), in order; past
+    SENDER_WAIT, or past HELD_MOST waiting, they go on unnamed (as the LiveKit server's own API's sends do)."""
+    loop = _ManualLoop()
+    handed: list[DataReceived] = []
+    waiting = SendersToCome(handed.append, loop.call_later)
+    waiting.hold("tf.control", b"1")
+    waiting.hold("tf.control", b"2")
+    waiting.heard_of("viewer-1", may_send_data=False)
+    assert handed == []
+    waiting.heard_of("ctrl-1", may_send_data=True)
+    assert handed == [DataReceived("tf.control", b"1", "ctrl-1"), DataReceived("tf.control", b"2", "ctrl-1")]
+    loop.run_until(SENDER_WAIT + 1)  # its timer went with them
+    handed.clear()
+    waiting.hold("", b"srv")
+    loop.run_until(loop.now + SENDER_WAIT - 0.5)
+    assert handed == []
+    loop.run_until(loop.now + 1)
+    assert handed == [DataReceived("", b"srv", None)]
+    handed.clear()
+    for n in range(HELD_MOST + 1):
+        waiting.hold("tf.control", b"%d" % n)
+    assert handed == [DataReceived("tf.control", b"%d" % HELD_MOST, None)]
+    waiting.close()  # the room went: what waited goes with it
+    loop.run_until(loop.now + SENDER_WAIT + 1)
+    assert len(handed) == 1
 
 
 def test_a_senders_data_past_the_burst_goes_at_the_pace_and_its_newest_wins() -> None:
