@@ -163,10 +163,14 @@ class ModelWorker:
 
     @property
     def failing(self) -> bool:
-        """The worker failed, was told to (:meth:`fail`: it is leaving its service), or its service says it did (the
-        failure's report comes once the service has left ``running()``)."""
-        return (self.failure is not None or self._fault is not None
-                or (self.service is not None and service_failure(self.service) is not None))
+        """The worker failed, or its service says it did (its report comes once it has left ``running()``)."""
+        return self.failure is not None or (self.service is not None and service_failure(self.service) is not None)
+
+    @property
+    def out_of_service(self) -> bool:
+        """It takes no session: :attr:`failing`, or told to fail (:meth:`fail`), its service leaving ``running()``
+        (which may take a while: it took sessions meanwhile, onto a service shutting down)."""
+        return self._fault is not None or self.failing
 
     @property
     def service_says(self) -> str | None:

@@ -130,4 +130,4 @@ async def check_options(runtime: StreamRuntime, options: dict[str, Any], image: 
 def ready_workers(runtime: StreamRuntime) -> list[Any]:
     """The workers that have loaded the pipeline and take sessions (not one failing)."""
     return [worker for worker_id, worker in runtime.workers.items()
-            if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.failing]
+            if runtime.book.worker_state(worker_id) in ELIGIBLE and not worker.out_of_service]

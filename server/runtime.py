@@ -224,7 +224,7 @@ class StreamRuntime:
         would otherwise hand their slots to queued sessions on the same dying worker.
         """
         for worker_id, worker in self.workers.items():
-            if worker.failing and self.book.worker_state(worker_id) not in WORKER_TERMINAL:
+            if worker.out_of_service and self.book.worker_state(worker_id) not in WORKER_TERMINAL:
                 self._follow(self.book.fail_worker(worker_id, now))
 
     def _queued_records(self) -> list[SessionRecord]:

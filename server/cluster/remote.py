@@ -119,6 +119,11 @@ class RemoteWorker:
         return self.lost_cause is not None
 
     @property
+    def out_of_service(self) -> bool:
+        """It takes no session (as a model worker's): lost."""
+        return self.failing
+
+    @property
     def identity(self) -> str:
         return worker_participant(self.worker_id)
 
