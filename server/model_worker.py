@@ -232,7 +232,7 @@ class ModelWorker:
         """Leave the service and fail with ``reason`` (its slot replaces the worker, as after a crash): for what a
         runner saw go wrong that may have left the service holding what it cannot give back."""
         if self._fault is None and not self._stop.is_set():
-            # it takes no session from now on (``failing``), though its service may take a while to leave running()
+            # it takes no session from now on (``out_of_service``), though its service may take a while to leave
             log.error("worker %s is failing: %s; it takes no more sessions and leaves its service", self.worker_id,
                       reason)
             self._fault = reason

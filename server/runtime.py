@@ -218,7 +218,7 @@ class StreamRuntime:
         runtime_views.publish_gauges(self)
 
     def _notice_failing(self, now: float) -> None:
-        """A worker whose service is failing takes nothing more, before the book can promote onto it.
+        """A worker out of service (failing, or told to fail) takes nothing more, before the book can promote onto it.
 
         Its failure report comes once the service has left ``running()``; sessions ending before that
         would otherwise hand their slots to queued sessions on the same dying worker.
