@@ -99,7 +99,7 @@ class _LiveKitConnection:
         self._send, self._receive = trio.open_memory_channel[RoomEvent](math.inf)
         self._pending_data = 0
         self._paced = LatestWins(self._accept_data, loop.time, loop.call_later)
-        self._unheard = SendersToCome(self._paced.offer, loop.call_later)  # data from a sender the room waits to hear of
+        self._unheard = SendersToCome(self._paced.offer, loop.call_later)  # from senders the room waits to hear of
         self.room: rtc.Room | None = None
         self.media: MediaPublisher | None = None
         self._closed = False  # disconnect() was called

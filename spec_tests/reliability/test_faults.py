@@ -258,7 +258,9 @@ async def test_a_pipeline_close_that_does_not_end_fails_the_session_and_replaces
 
 @pytest.mark.in_process_only(reason="virtual time (autojump_clock, no threads); an agent process runs in real time")
 @pytest.mark.usefixtures("no_threads")
-async def test_a_worker_told_to_fail_takes_no_session_while_its_service_takes_long_to_leave(autojump_clock: Any) -> None:
+async def test_a_worker_told_to_fail_takes_no_session_while_its_service_takes_long_to_leave(
+    autojump_clock: Any
+) -> None:
     """The worker a timed-out pipeline close fails leaves its service, which may take a while: meanwhile it takes no
     session, and health and a refused create say why. It stayed `running` with its slots free, nothing logged, and the
     next create streamed from a service that was shutting down, until ``running()`` had returned."""
