@@ -51,8 +51,6 @@ from .turns import admit_in_turn
 __all__ = ["SchedulerCore"]
 
 Event = table.Event
-# Events that stop a session's admission, with whether they drop already emitted, unread outputs.
-_DROPS_OUTPUTS = {Event.CLOSE: False, Event.DRAIN_TIMED_OUT: False, Event.CANCEL: True, Event.SHUT_DOWN: True}
 
 
 def _locked(method: Callable) -> Callable:
@@ -238,7 +236,7 @@ class SchedulerCore:
         rt.machine.apply(event)
         if rt.state in table.DROPPING_WORK:
             rt.discard_buffers()
-            if _DROPS_OUTPUTS[event]:
+            if table.DROPS_OUTPUTS[event]:
                 rt.outputs.clear()
         self._wake(*rt.everyone)
         self._pump(self.graph.all_stages)
@@ -407,7 +405,8 @@ class SchedulerCore:
         rt.machine.apply(Event.FAIL)
         rt.error = error
         rt.discard_buffers()
-        rt.outputs.clear()
+        if table.DROPS_OUTPUTS[Event.FAIL]:
+            rt.outputs.clear()
         self._wake(*rt.everyone)
         if needs_cleanup:
             self._handoff.clean_up(rt)

@@ -44,7 +44,7 @@ from .machine import StateMachine, TableEnum
 
 __all__ = [
     "State", "Event", "CloseReason", "TRANSITIONS", "TERMINAL", "STOPPING", "SETTLE_EVENT", "HOOK_REASON", "ADMITTING",
-    "STARTING_ACCEPTED_WORK", "EMITTING", "DROPPING_WORK", "ENDED_FAILED",
+    "STARTING_ACCEPTED_WORK", "EMITTING", "DROPPING_WORK", "DROPS_OUTPUTS", "ENDED_FAILED",
     "PipelineSessionMachine",
 ]
 
@@ -145,6 +145,11 @@ STARTING_ACCEPTED_WORK = frozenset({State.RUNNING, State.DRAINING})
 EMITTING = STARTING_ACCEPTED_WORK
 # States in which accepted work that waits is dropped.
 DROPPING_WORK = frozenset({State.CANCELLING, State.SHUTTING_DOWN, State.FAILING})
+# Each stop event, with whether it drops the outputs already emitted and not yet read: a close (and a drain past its
+# deadline) leaves them to be read, a cancel, a shutdown and a failure drop them with the work that waits.
+DROPS_OUTPUTS = {
+    Event.CLOSE: False, Event.DRAIN_TIMED_OUT: False, Event.CANCEL: True, Event.SHUT_DOWN: True, Event.FAIL: True,
+}
 # The state of a session that ended because it failed (its error says why).
 ENDED_FAILED = frozenset({State.FAILED})
 
