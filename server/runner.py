@@ -258,7 +258,13 @@ class RoomRunner:
             with self._holds.deadline(math.inf if nearest is None else nearest[0]):
                 await changed.wait()
                 continue
-            timer = presence.due(self._holds.now())
+            now = self._holds.now()
+            # a join the room let in whose event the watch has not handed the book yet: present, not absent (one told
+            # `joined` a few ms before the deadline had its session ended for not being there)
+            assert self._connection is not None
+            for identity in self._connection.participants() - presence.participants:
+                presence.joined(identity, now)
+            timer = presence.due(now)
             if timer is not None:
                 deps = self.deps
                 cause, detail = TIMEOUT_CAUSES[timer], timeout_detail(
