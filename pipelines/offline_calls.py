@@ -169,12 +169,11 @@ async def running_within(service: BidirectionalService | ServerPushService, seco
                     yield
                 except BaseException as exc:
                     block = exc
+                    raise
+                finally:  # leaving, whether the block ended or raised
                     if leave is not None:
                         entering.deadline = trio.current_time() + leave[0]
-                    raise
                 phase = "leaving"
-                if leave is not None:
-                    entering.deadline = trio.current_time() + leave[0]
     except BaseException as exc:
         if phase == "inside":
             leaf = _task_error(exc, block)

@@ -270,8 +270,9 @@ class RoomRunner:
                 cause, detail = TIMEOUT_CAUSES[timer], timeout_detail(
                     timer, self.record.controller_identity, deps.controller_timeout, deps.room_empty_timeout)
                 # said as the worker's failures are (a session failed on a timeout was in no line at all)
-                log.log(logging.WARNING if cause in FAILING_CAUSES else logging.INFO, "session %s %s: %s",
-                        self.record.session_id, "failed" if cause in FAILING_CAUSES else "ends", detail)
+                failed = cause in FAILING_CAUSES
+                log.log(logging.WARNING if failed else logging.INFO, "session %s %s: %s", self.record.session_id,
+                        "failed" if failed else "ends", detail)
                 self.drain(cause, detail)
                 return
 
@@ -280,12 +281,10 @@ class RoomRunner:
         config = SessionConfig(prompt=record.prompt, image_path=record.image_path, options=record.config)
         with call_deadline(CREATE_PIPELINE_TIMEOUT) as deadline:
             pipeline_id = await service.create_session(config, on_event=self._on_service_event)
-        late = RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
-        if deadline.cut:
-            raise late
-        self._controls.pipeline_session = pipeline_id  # closed at the end whatever comes next
-        if deadline.missed:  # made, past its deadline (it held trio's thread): closed, and the session fails
-            raise late
+        if not deadline.cut:
+            self._controls.pipeline_session = pipeline_id  # closed at the end whatever comes next
+        if deadline.missed:  # cut, or made past its deadline (it held trio's thread): closed, and the session fails
+            raise RunnerError(f"the pipeline did not create the session within {CREATE_PIPELINE_TIMEOUT:g} s")
         record.pipeline_session_id = checked_session_id(pipeline_id)
         if not self._step(Event.RUN):
             return
